@@ -1,0 +1,272 @@
+"""Checks run inside every rank of a real multi-process job (see tests/test_communicator.py).
+
+Usage: python comm_checks.py [--name flat] CHECK [CHECK ...]   (or "all")
+Each check asserts on every rank and prints "PASS <check>" on rank 0.
+"""
+import argparse
+import os
+import pickle
+import sys
+
+import torch
+
+import torchmn
+
+DTYPES = (torch.int32, torch.int64, torch.float32, torch.float64)
+
+
+def check_ring(comm):
+    for shape in [(50,), (50, 20), (50, 20, 5)]:
+        x = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape) + comm.rank
+        nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+        if comm.rank == 0:
+            comm.send(x, nxt)
+            got = comm.recv(prv)
+        else:
+            got = comm.recv(prv)
+            comm.send(x, nxt)
+        expect = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape) + prv
+        assert got.shape == torch.Size(shape) and torch.equal(got, expect), (shape, got)
+
+
+def _inputs(dtype):
+    """A 0-d tensor, a contiguous one and a non-contiguous (transposed) one, all depending on rank."""
+    base = torch.arange(12, dtype=torch.float64).reshape(3, 4)
+    return {
+        "scalar": torch.tensor(7, dtype=dtype),
+        "contiguous": base.to(dtype),
+        "non_contiguous": base.to(dtype).t(),
+    }
+
+
+def check_collectives(comm):
+    r, n = comm.rank, comm.size
+    for dtype in DTYPES:
+        for label, x0 in _inputs(dtype).items():
+            x = x0 + r
+            assert (label != "non_contiguous") or not x0.is_contiguous()
+            where = f"{dtype} {label}"
+            # allreduce: every op
+            assert torch.equal(comm.allreduce(x), sum(x0 + k for k in range(n))), where
+            assert torch.equal(comm.allreduce(x, op="max"), x0 + n - 1), where
+            assert torch.equal(comm.allreduce(x, op="min"), x0), where
+            prod = x0.clone()
+            for k in range(1, n):
+                prod = prod * (x0 + k)
+            assert torch.equal(comm.allreduce(x, op="prod"), prod), where
+            mean = comm.allreduce(x, op="mean")
+            assert torch.allclose(mean.double(), x0.double() + (n - 1) / 2), where
+            # bcast from every root
+            for root in range(n):
+                got = comm.bcast(x if r == root else None, root=root)
+                assert got.dtype == dtype and torch.equal(got, x0 + root), where
+            # gather / allgather
+            for root in range(n):
+                parts = comm.gather(x, root=root)
+                if r == root:
+                    assert len(parts) == n and all(torch.equal(p, x0 + k) for k, p in enumerate(parts)), where
+                else:
+                    assert parts is None
+            parts = comm.allgather(x)
+            assert all(p.dtype == dtype and torch.equal(p, x0 + k) for k, p in enumerate(parts)), where
+            # scatter from every root
+            for root in range(n):
+                xs = [x0 + 10 * k + root for k in range(n)] if r == root else None
+                got = comm.scatter(xs, root=root)
+                assert torch.equal(got, x0 + 10 * r + root), where
+            # alltoall: rank r sends x0 + 100 r + j to rank j
+            got = comm.alltoall([x0 + 100 * r + j for j in range(n)])
+            assert all(torch.equal(g, x0 + 100 * k + r) for k, g in enumerate(got)), where
+            # point to point with the non-contiguous input
+            if n > 1:
+                if r == 0:
+                    comm.send(x, 1)
+                elif r == 1:
+                    got = comm.recv(0)
+                    assert got.dtype == dtype and torch.equal(got, x0), where
+
+
+def check_arange(comm):
+    for n in (1, 10, 1000, 100_003):
+        got = comm.allreduce(torch.arange(n) + comm.rank)
+        assert torch.equal(got, torch.arange(n) * comm.size + sum(range(comm.size))), n
+
+
+def check_allgather_uneven(comm):
+    x = torch.full((comm.rank + 1, 3), float(comm.rank))
+    parts = comm.allgather(x)
+    for k, p in enumerate(parts):
+        assert p.shape == (k + 1, 3) and torch.equal(p, torch.full((k + 1, 3), float(k)))
+    parts = comm.gather(torch.arange(comm.rank * 2), root=0)
+    if comm.rank == 0:
+        assert [p.numel() for p in parts] == [2 * k for k in range(comm.size)]
+    got = comm.scatter([torch.ones(k, 2) for k in range(comm.size)] if comm.rank == 0 else None)
+    assert got.shape == (comm.rank, 2)
+
+
+def _model():
+    torch.manual_seed(int(os.environ.get("RANK", os.environ.get("TORCHMN_RANK", "0"))) + 1)
+    m = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.BatchNorm1d(7), torch.nn.Linear(7, 3))
+    m[1].running_mean.normal_()
+    return m
+
+
+def check_bcast_data(comm):
+    m = _model()
+    comm.bcast_data(m)
+    mine = [t.clone() for t in list(m.parameters()) + list(m.buffers())]
+    roots = comm.bcast_obj(mine)
+    for a, b in zip(mine, roots):
+        assert a.dtype == b.dtype and torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    # The same for a model whose parameters hold NaN and -0.0: bit for bit, not by value.
+    m2 = _model()
+    with torch.no_grad():
+        m2[0].weight[0, 0] = float("nan") if comm.rank == 0 else 1.0
+        m2[0].weight[0, 1] = -0.0 if comm.rank == 0 else 0.0
+    comm.bcast_data(m2)
+    assert torch.isnan(m2[0].weight[0, 0]) and str(m2[0].weight[0, 1].item()) == "-0.0"
+
+
+def check_mean_grad(comm):
+    for name in ("naive", "flat"):
+        c = torchmn.communicators.make_communicator(name, rank=comm.rank, size=comm.size,
+                                                    group=comm._group, obj_group=comm._obj_group,
+                                                    backend=comm.backend, node_key=comm._node_key,
+                                                    bucket_cap_bytes=200)
+        m = _model()
+        for k, p in enumerate(m.parameters()):
+            p.grad = torch.full_like(p, float(comm.rank + k))
+        c.multi_node_mean_grad(m)
+        for k, p in enumerate(m.parameters()):
+            assert torch.allclose(p.grad, torch.full_like(p, (comm.size - 1) / 2 + k)), (name, k)
+        # zero_fill: a grad that is None everywhere becomes zeros; one skipped stays None
+        for p in m.parameters():
+            p.grad = None
+        m[2].bias.grad = torch.full((3,), float(comm.rank))
+        c.multi_node_mean_grad(m, zero_fill=True)
+        assert torch.equal(m[0].weight.grad, torch.zeros(7, 5))
+        assert torch.allclose(m[2].bias.grad, torch.full((3,), (comm.size - 1) / 2))
+        for p in m.parameters():
+            p.grad = None
+        m[2].bias.grad = torch.ones(3)
+        c.multi_node_mean_grad(m)
+        assert m[0].weight.grad is None and torch.equal(m[2].bias.grad, torch.ones(3))
+
+
+def check_objects(comm):
+    r, n = comm.rank, comm.size
+    assert comm.bcast_obj({"root": r} if r == 0 else None) == {"root": 0}
+    assert comm.allgather_obj(("r", r)) == [("r", k) for k in range(n)]
+    g = comm.gather_obj([r] * r, root=n - 1)
+    assert (g == [[k] * k for k in range(n)]) if r == n - 1 else g is None
+    assert comm.scatter_obj([f"to {k}" for k in range(n)] if r == 0 else None) == f"to {r}"
+    assert comm.allreduce_obj(r) == sum(range(n))
+    assert comm.allreduce_obj([r]) == list(range(n))
+    if n > 1:
+        if r == 0:
+            comm.send_obj({"x": torch.ones(2)}, 1)
+        elif r == 1:
+            assert torch.equal(comm.recv_obj(0)["x"], torch.ones(2))
+    comm.barrier()
+
+
+def check_big_obj(comm):
+    size_mb = int(os.environ.get("BIG_OBJ_MB", "300"))
+    obj = None
+    if comm.rank == 0:
+        payload = bytes(range(256)) * (size_mb * 1024 * 1024 // 256)
+        obj = {"payload": payload, "tail": "end"}
+    got = comm.bcast_obj(obj)
+    assert len(got["payload"]) == size_mb * 1024 * 1024 and got["tail"] == "end"
+    assert got["payload"][:512] == bytes(range(256)) * 2 and got["payload"][-1] == 255
+
+
+def check_topology(comm):
+    local = os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", os.environ.get("OMPI_COMM_WORLD_LOCAL_RANK")))
+    if local is not None:
+        assert comm.intra_rank == int(local), (comm.intra_rank, local)
+    rows = comm.allgather_obj((comm.inter_rank, comm.intra_rank, comm.intra_size, comm.inter_size))
+    for node in range(comm.inter_size):
+        intra = sorted(i for nd, i, _, _ in rows if nd == node)
+        assert intra == list(range(len(intra))), rows
+        assert all(s == len(intra) for nd, _, s, _ in rows if nd == node), rows
+    assert all(inter == comm.inter_size for *_, inter in rows)
+    assert comm.device == torch.device("cpu") and comm.backend == "gloo"
+    if rank0(comm):
+        print(f"TOPOLOGY size={comm.size} inter_size={comm.inter_size} intra_size={comm.intra_size}", flush=True)
+
+
+def check_split(comm):
+    sub = comm.split(color=comm.rank % 2, key=-comm.rank)
+    members = [k for k in range(comm.size) if k % 2 == comm.rank % 2]
+    assert sub.size == len(members)
+    assert sub.rank == sorted(members, reverse=True).index(comm.rank)  # key=-rank reverses the order
+    total = sub.allreduce(torch.tensor([comm.rank]))
+    assert total.item() == sum(members)
+    assert sub.allgather_obj(comm.rank) == sorted(members, reverse=True)
+    if sub.size > 1:
+        if sub.rank == 0:
+            sub.send(torch.tensor([comm.rank]), 1)
+        elif sub.rank == 1:
+            assert sub.recv(0).item() == sorted(members, reverse=True)[0]
+
+
+def check_mismatch(comm):
+    if comm.size == 1:
+        return
+    # Different shapes: every rank raises the same, naming the ranks.
+    try:
+        comm.allreduce(torch.zeros(comm.rank + 1))
+    except torchmn.CollectiveMismatchError as e:
+        assert "shape differs" in str(e) and "rank 1: (2,)" in str(e), e
+    else:
+        raise AssertionError("no error for mismatched shapes")
+    try:
+        comm.bcast(torch.ones(1), root=comm.rank % 2)
+    except torchmn.CollectiveMismatchError as e:
+        assert "root differs" in str(e), e
+    else:
+        raise AssertionError("no error for mismatched roots")
+    try:
+        comm.allreduce(torch.ones(2), op="sum" if comm.rank else "max")
+    except torchmn.CollectiveMismatchError as e:
+        assert "op differs" in str(e), e
+    else:
+        raise AssertionError("no error for mismatched ops")
+    # One rank passes garbage: it gets its own error, the others hear of it; nobody hangs.
+    try:
+        comm.allreduce("not a tensor" if comm.rank == 1 else torch.ones(2))
+    except TypeError as e:
+        assert comm.rank == 1, e
+    except torchmn.communicators.RemoteRankError as e:
+        assert comm.rank != 1 and "rank 1" in str(e), e
+    else:
+        raise AssertionError("no error for a bad argument")
+    # And the communicator still works afterwards.
+    assert comm.allreduce(torch.ones(1)).item() == comm.size
+
+
+def rank0(comm):
+    return comm.rank == 0
+
+
+CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--name", default="auto")
+    parser.add_argument("checks", nargs="+")
+    args = parser.parse_args()
+    comm = torchmn.create_communicator(args.name)
+    names = list(CHECKS) if args.checks == ["all"] else args.checks
+    names = [n for n in names if n != "big_obj" or args.checks != ["all"]]
+    for name in names:
+        CHECKS[name](comm)
+        if comm.rank == 0:
+            print(f"PASS {name}", flush=True)
+    comm.finalize()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

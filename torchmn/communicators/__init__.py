@@ -1,0 +1,86 @@
+"""Communicators: who the ranks are, how they talk, and how gradients are averaged.
+
+One class per gradient-averaging algorithm (ChainerMN's layout): ``naive`` (an allreduce per
+tensor), ``flat`` (fused buckets). :func:`create_communicator` picks and builds one.
+"""
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import Optional
+
+import torch.distributed as dist
+
+from torchmn.communicators._setup import default_backend, init_world
+from torchmn.communicators.communicator import Communicator
+from torchmn.communicators.errors import CollectiveMismatchError, RemoteRankError
+from torchmn.communicators.flat import FlatCommunicator
+from torchmn.communicators.naive import NaiveCommunicator
+from torchmn.launch import detect_environment
+
+_ALGORITHMS = {cls.name: cls for cls in (NaiveCommunicator, FlatCommunicator)}
+
+
+def _resolve(name: str) -> type[Communicator]:
+    if name == "auto":
+        return FlatCommunicator
+    try:
+        return _ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(f"unknown communicator {name!r}; choose one of: auto, "
+                         f"{', '.join(_ALGORITHMS)}") from None
+
+
+def make_communicator(name: str, **kwargs) -> Communicator:
+    """Build the communicator class for ``name`` over an existing group (used by ``split``)."""
+    return _resolve(name)(**kwargs)
+
+
+def create_communicator(name: str = "auto", backend: Optional[str] = None,
+                        timeout: Optional[datetime.timedelta] = None,
+                        init_method: Optional[str] = None,
+                        bucket_cap_mb: Optional[float] = None) -> Communicator:
+    """The communicator for this job, setting up ``torch.distributed`` if nobody has yet.
+
+    Detects how the job was launched (``torchmn run``, torchrun, Slurm, Open MPI, MPICH, or a plain
+    ``python script.py``, a world of one that opens no port), applies the per-rank CPU thread budget,
+    and reuses a default process group the script already initialised.
+
+    Example::
+
+        >>> import torchmn
+        >>> comm = torchmn.create_communicator()          # "auto": the fastest correct algorithm
+        >>> comm.rank, comm.size, comm.intra_rank, comm.inter_size
+        (0, 1, 0, 1)
+    """
+    from torchmn import resources
+
+    cls = _resolve(name)
+    env = detect_environment()
+    resources.apply_thread_budget(env.local_size)
+    owns = False
+    if dist.is_initialized():
+        rank, size, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+    elif env.size == 1 and init_method is None:
+        rank, size, backend = 0, 1, backend or default_backend()
+    else:
+        backend = backend or default_backend()
+        init_world(env, backend, timeout, init_method)
+        rank, size, owns = env.rank, env.size, True
+    group = dist.group.WORLD if dist.is_initialized() else None
+    obj_group = group
+    if backend == "nccl":
+        # Objects and control traffic always travel on CPU through gloo.
+        obj_group = dist.new_group(backend="gloo")
+    # A node is what the launcher calls one; else (MPI, or a world the script set up itself) a host.
+    trust_launcher = env.node_rank is not None and env.size == size
+    node_key = env.node_rank if trust_launcher else socket.gethostname()
+    kwargs = {}
+    if bucket_cap_mb is not None:
+        kwargs["bucket_cap_bytes"] = int(bucket_cap_mb * 1024 * 1024)
+    return cls(rank=rank, size=size, group=group, obj_group=obj_group, backend=backend,
+               node_key=node_key, owns_world=owns, **kwargs)
+
+
+__all__ = ["Communicator", "CollectiveMismatchError", "RemoteRankError", "NaiveCommunicator",
+           "FlatCommunicator", "create_communicator", "make_communicator"]

@@ -1,0 +1,53 @@
+"""Bringing up ``torch.distributed`` for a communicator, from what the launcher told us."""
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from torchmn.launch import LaunchEnvironment
+
+DEFAULT_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("TORCHMN_TIMEOUT", 600)))
+
+
+def default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.timedelta],
+               init_method: Optional[str]) -> None:
+    """Initialise the default process group for ``env`` and tear it down at interpreter exit.
+
+    The teardown matters: a gloo process that exits with its group alive sometimes aborts at
+    exit (``terminate called without an active exception``), failing jobs that succeeded.
+    """
+    if init_method is None:
+        if env.source in ("torchmn", "torchrun"):
+            # Their launcher hosts the store (TORCHELASTIC_USE_AGENT_STORE) and set MASTER_*.
+            init_method = "env://"
+        else:
+            if env.master_port is None:
+                raise RuntimeError(f"{env.source}: no rendezvous port known for {env.size} ranks; "
+                                   f"export MASTER_PORT (and MASTER_ADDR) on every rank")
+            init_method = f"tcp://{env.master_addr}:{env.master_port}"
+    if backend == "nccl":
+        torch.cuda.set_device(env.local_rank % max(1, torch.cuda.device_count()))
+    try:
+        dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.size,
+                                timeout=timeout or DEFAULT_TIMEOUT)
+    except Exception as e:
+        raise RuntimeError(
+            f"rank {env.rank}/{env.size} could not join the job's rendezvous at {init_method} "
+            f"({env.source} launch): {e}. Check that every rank was started, that the rendezvous host "
+            f"is reachable from this one, and that the port is free and not firewalled "
+            f"(MASTER_ADDR / MASTER_PORT override it).") from e
+    atexit.register(_destroy_at_exit)
+
+
+def _destroy_at_exit() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

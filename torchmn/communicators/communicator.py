@@ -1,0 +1,619 @@
+"""The communicator: ranks, node topology, tensor and object collectives.
+
+Built on ``torch.distributed``. Tensor collectives check, on every rank, that all ranks made the
+same call (collective, root, op, dtype, shape where it must agree) before moving data, so a
+mismatch raises the same error everywhere instead of hanging. The gradient paths
+(:meth:`Communicator.multi_node_mean_grad` and the optimizer) skip that check: they move
+tensors whose layout all ranks already agree on.
+"""
+from __future__ import annotations
+
+import abc
+import pickle
+import socket
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from torchmn.communicators import _wire
+from torchmn.communicators.errors import CollectiveMismatchError, RemoteRankError
+
+_OPS = {
+    "sum": dist.ReduceOp.SUM,
+    "mean": dist.ReduceOp.SUM,  # divided afterwards: gloo has no AVG
+    "max": dist.ReduceOp.MAX,
+    "min": dist.ReduceOp.MIN,
+    "prod": dist.ReduceOp.PRODUCT,
+}
+_OP_CODES = {name: i for i, name in enumerate(_OPS)}
+
+# Collective kinds, as they travel in headers. INVALID marks a rank whose own arguments were bad:
+# it still takes part in the header exchange, so the others fail with it instead of hanging.
+_KINDS = ("invalid", "bcast", "gather", "allgather", "scatter", "alltoall", "allreduce")
+_KIND = {name: i for i, name in enumerate(_KINDS)}
+
+# gloo and NCCL count elements in 32-bit integers; objects travel in chunks below that.
+OBJ_CHUNK_BYTES = 256 * 1024 * 1024
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+
+
+class Communicator(abc.ABC):
+    """A group of ranks and the collectives among them.
+
+    Do not build one directly: :func:`torchmn.create_communicator` detects the launcher, sets up
+    ``torch.distributed`` and returns the subclass for the gradient-averaging algorithm asked for.
+
+    Example::
+
+        >>> comm = torchmn.create_communicator()
+        >>> total = comm.allreduce(torch.tensor([comm.rank]))   # sum of all ranks
+        >>> hello = comm.bcast_obj({"from": "root"} if comm.rank == 0 else None)
+    """
+
+    name = "base"
+
+    def __init__(self, *, rank: int, size: int, group: Optional[dist.ProcessGroup],
+                 obj_group: Optional[dist.ProcessGroup], backend: str, node_key: Any,
+                 bucket_cap_bytes: int = DEFAULT_BUCKET_BYTES, owns_world: bool = False,
+                 group_ranks: Optional[Sequence[int]] = None):
+        self.rank = rank
+        self.size = size
+        self.backend = backend
+        self.bucket_cap_bytes = bucket_cap_bytes
+        self._group = group          # None: a world of one with no process group at all
+        # torch orders a group's ranks by world rank; split(key=...) may order them otherwise.
+        # _group_ranks[r] is the process-group rank of this communicator's rank r.
+        self._group_ranks = list(group_ranks) if group_ranks is not None else list(range(size))
+        self._identity_order = self._group_ranks == list(range(size))
+        self._obj_group = obj_group  # always a CPU (gloo) group: objects and control traffic
+        self._owns_world = owns_world
+        self._finalized = False
+        self._node_key = node_key
+        self._set_topology(node_key)
+        if backend == "nccl":
+            self.device = torch.device("cuda", self.intra_rank)
+        else:
+            self.device = torch.device("cpu")
+        self._data_device = self.device  # where headers and byte buffers live for this backend
+
+    # ----------------------------------------------------------------------------- topology
+    def _set_topology(self, node_key: Any) -> None:
+        keys = self.allgather_obj(node_key) if self.size > 1 else [node_key]
+        nodes: list[Any] = []
+        for k in keys:
+            if k not in nodes:
+                nodes.append(k)
+        members = [r for r, k in enumerate(keys) if k == node_key]
+        self.inter_rank = nodes.index(node_key)
+        self.inter_size = len(nodes)
+        self.intra_rank = members.index(self.rank)
+        self.intra_size = len(members)
+        self._node_members = [[r for r, k in enumerate(keys) if k == n] for n in nodes]
+
+    @property
+    def host(self) -> str:
+        return socket.gethostname()
+
+    def __repr__(self) -> str:
+        return (f"<{type(self).__name__} rank {self.rank}/{self.size} intra {self.intra_rank}/"
+                f"{self.intra_size} inter {self.inter_rank}/{self.inter_size} {self.backend}>")
+
+    # ----------------------------------------------------------------------------- plumbing
+    def _global(self, r: int) -> int:
+        """The world rank of this communicator's rank ``r`` (torch.distributed speaks world ranks)."""
+        g = self._group_ranks[r]
+        if self._group is None or self._group is dist.GroupMember.WORLD:
+            return g
+        return dist.get_global_rank(self._group, g)
+
+    def _comm_order(self, items: list) -> list:
+        """Per-rank results that torch returns in process-group order, put in communicator order."""
+        return items if self._identity_order else [items[g] for g in self._group_ranks]
+
+    def _group_order(self, items: list) -> list:
+        """Per-rank inputs given in communicator order, put in the process-group order torch wants."""
+        if self._identity_order:
+            return items
+        out = [None] * self.size
+        for r, g in enumerate(self._group_ranks):
+            out[g] = items[r]
+        return out
+
+    def _check_peer(self, r: int, what: str) -> None:
+        if not isinstance(r, int) or not 0 <= r < self.size:
+            raise ValueError(f"{what}={r!r} is not a rank of this communicator (size {self.size})")
+
+    def _exchange_headers(self, rows: list[list[int]]) -> torch.Tensor:
+        """All ranks' header rows: a [size, len(rows), HEADER_LEN] int64 tensor."""
+        mine = torch.tensor(rows, dtype=torch.int64, device=self._data_device)
+        if self.size == 1:
+            return mine.unsqueeze(0).cpu()
+        out = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=self._data_device)
+        dist.all_gather_single(out, mine.reshape(-1), group=self._group)
+        out = out.reshape((self.size,) + tuple(mine.shape)).cpu()
+        return out if self._identity_order else out[self._group_ranks]
+
+    def _agree(self, kind: str, *, root: int = _wire.NONE, op: str | None = None,
+               x: torch.Tensor | None = None, rows: list[list[int]] | None = None,
+               error: Exception | None = None, same_shape: bool = False,
+               same_dtype: bool = True) -> torch.Tensor:
+        """Exchange one call's headers and raise on every rank if the ranks disagree.
+
+        ``error``: this rank's own arguments were bad; the others are told, then it is raised here.
+        """
+        op_code = _OP_CODES[op] if op is not None else _wire.NONE
+        if error is not None:
+            rows = [_wire.header(_KIND["invalid"], root, op_code)] * (len(rows) if rows else 1)
+        elif rows is None:
+            rows = [_wire.header(_KIND[kind], root, op_code, x)]
+        hdrs = self._exchange_headers(rows)
+        if error is not None:
+            raise error
+        bad = [r for r in range(self.size) if hdrs[r, 0, 0] == _KIND["invalid"]]
+        if bad:
+            raise RemoteRankError(f"{kind}: rank {bad[0]} rejected its arguments (see its error); "
+                                  f"rank {self.rank} on {self.host} stops too")
+        first = hdrs[:, 0, :]
+        problems = []
+        for field, col, names in (("collective", 0, _KINDS), ("root", 1, None), ("op", 2, tuple(_OPS))):
+            vals = first[:, col].tolist()
+            if len(set(vals)) > 1:
+                shown = [names[v] if names and v >= 0 else v for v in vals]
+                problems.append(f"{field} differs: " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown)))
+        if not problems and hdrs.shape[1] == 1:
+            metas = [_wire.meta(first[r].tolist()) for r in range(self.size)]
+            present = [(r, m) for r, m in enumerate(metas) if m is not None]
+            if same_dtype and len({m[0] for _, m in present}) > 1:
+                problems.append("dtype differs: " + ", ".join(f"rank {r}: {m[0]}" for r, m in present))
+            if same_shape and len({m[1] for _, m in present}) > 1:
+                problems.append("shape differs: " + ", ".join(f"rank {r}: {tuple(m[1])}" for r, m in present))
+        if problems:
+            raise CollectiveMismatchError(f"ranks called {kind} inconsistently ({'; '.join(problems)}); "
+                                          f"every rank must make the same call")
+        return hdrs
+
+    # ----------------------------------------------------------------------------- point to point
+    def send(self, x: torch.Tensor, dest: int, tag: int = 0) -> None:
+        """Send a tensor of any shape and dtype to rank ``dest``; it calls ``recv(source)``.
+
+        Example::
+
+            >>> if comm.rank == 0: comm.send(torch.ones(3, 2), dest=1)
+            >>> if comm.rank == 1: x = comm.recv(source=0)
+        """
+        self._check_peer(dest, "dest")
+        hdr = torch.tensor(_wire.header(_KIND["bcast"], x=x), dtype=torch.int64, device=self._data_device)
+        dist.send(hdr, self._global(dest), group=self._group, tag=tag)
+        data = _wire.as_bytes(x.to(self._data_device))
+        if data.numel():
+            dist.send(data, self._global(dest), group=self._group, tag=tag)
+
+    def recv(self, source: int, tag: int = 0) -> torch.Tensor:
+        """Receive the tensor rank ``source`` sent with :meth:`send`; shape and dtype come with it."""
+        self._check_peer(source, "source")
+        hdr = torch.empty(_wire.HEADER_LEN, dtype=torch.int64, device=self._data_device)
+        dist.recv(hdr, self._global(source), group=self._group, tag=tag)
+        dtype, shape = _wire.meta(hdr.tolist())
+        buf = torch.empty(_wire.nbytes(dtype, shape), dtype=torch.uint8, device=self._data_device)
+        if buf.numel():
+            dist.recv(buf, self._global(source), group=self._group, tag=tag)
+        return _wire.from_bytes(buf, dtype, shape)
+
+    # ----------------------------------------------------------------------------- collectives
+    def bcast(self, x: Optional[torch.Tensor], root: int = 0) -> torch.Tensor:
+        """Root's tensor on every rank. Non-root ranks may pass ``None``.
+
+        Example::
+
+            >>> w = comm.bcast(torch.randn(3, 3) if comm.rank == 0 else None)
+        """
+        self._check_peer(root, "root")
+        err = TypeError(f"bcast: root rank {root} must pass a tensor, not {type(x).__name__}") \
+            if self.rank == root and not isinstance(x, torch.Tensor) else None
+        hdrs = self._agree("bcast", root=root, x=x if self.rank == root else None, error=err)
+        dtype, shape = _wire.meta(hdrs[root, 0].tolist())
+        if self.rank == root:
+            buf = _wire.as_bytes(x.to(self._data_device))
+        else:
+            buf = torch.empty(_wire.nbytes(dtype, shape), dtype=torch.uint8, device=self._data_device)
+        self._bcast_bytes(buf, root)
+        return x if self.rank == root else _wire.from_bytes(buf, dtype, shape)
+
+    def _bcast_bytes(self, buf: torch.Tensor, root: int, group=None) -> None:
+        group = self._group if group is None else group
+        if self.size == 1 or buf.numel() == 0:
+            return
+        for start in range(0, buf.numel(), OBJ_CHUNK_BYTES):
+            dist.broadcast(buf[start:start + OBJ_CHUNK_BYTES], self._global(root), group=group)
+
+    def _allgather_bytes(self, buf: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+        """Every rank's byte buffer, sizes known in advance; unequal sizes are padded in flight."""
+        if self.size == 1:
+            return [buf]
+        longest = max(sizes)
+        padded = buf
+        if buf.numel() < longest:
+            padded = torch.zeros(longest, dtype=torch.uint8, device=buf.device)
+            padded[:buf.numel()] = buf
+        out = torch.empty(self.size * longest, dtype=torch.uint8, device=buf.device)
+        if longest:
+            dist.all_gather_single(out, padded, group=self._group)
+        chunks = self._comm_order([out[g * longest:(g + 1) * longest] for g in range(self.size)])
+        return [c[:n] for c, n in zip(chunks, sizes)]
+
+    def gather(self, x: torch.Tensor, root: int = 0) -> Optional[tuple[torch.Tensor, ...]]:
+        """Every rank's tensor, in rank order, on ``root`` (``None`` elsewhere). Shapes may differ.
+
+        Example::
+
+            >>> parts = comm.gather(torch.arange(comm.rank + 1))   # root: (tensor([0]), tensor([0, 1]), ...)
+        """
+        self._check_peer(root, "root")
+        err = None if isinstance(x, torch.Tensor) else TypeError(f"gather: pass a tensor, not {type(x).__name__}")
+        hdrs = self._agree("gather", root=root, x=x if err is None else None, error=err)
+        metas = [_wire.meta(hdrs[r, 0].tolist()) for r in range(self.size)]
+        sizes = [_wire.nbytes(*m) for m in metas]
+        mine = _wire.as_bytes(x.to(self._data_device))
+        if self.size == 1:
+            return (x,)
+        longest = max(sizes)
+        if longest == 0:
+            parts = [torch.empty(0, dtype=torch.uint8) for _ in range(self.size)]
+        else:
+            padded = mine
+            if mine.numel() < longest:
+                padded = torch.zeros(longest, dtype=torch.uint8, device=self._data_device)
+                padded[:mine.numel()] = mine
+            bufs = [torch.empty(longest, dtype=torch.uint8, device=self._data_device)
+                    for _ in range(self.size)] if self.rank == root else None
+            if self.backend == "nccl":
+                # NCCL has no gather; all-gather and keep root's copy.
+                bufs_all = self._allgather_bytes(mine, sizes)
+                return tuple(_wire.from_bytes(b, *m) for b, m in zip(bufs_all, metas)) if self.rank == root else None
+            dist.gather(padded, bufs, dst=self._global(root), group=self._group)
+            if self.rank != root:
+                return None
+            parts = [b[:n] for b, n in zip(self._comm_order(bufs), sizes)]
+        if self.rank != root:
+            return None
+        return tuple(_wire.from_bytes(b, *m) for b, m in zip(parts, metas))
+
+    def allgather(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every rank's tensor, in rank order, on every rank. Shapes may differ (dtypes may not).
+
+        Example::
+
+            >>> xs = comm.allgather(torch.full((comm.rank + 1, 2), comm.rank))
+        """
+        err = None if isinstance(x, torch.Tensor) else TypeError(f"allgather: pass a tensor, not {type(x).__name__}")
+        hdrs = self._agree("allgather", x=x if err is None else None, error=err)
+        metas = [_wire.meta(hdrs[r, 0].tolist()) for r in range(self.size)]
+        bufs = self._allgather_bytes(_wire.as_bytes(x.to(self._data_device)), [_wire.nbytes(*m) for m in metas])
+        if self.size == 1:
+            return (x,)
+        return tuple(_wire.from_bytes(b, *m) for b, m in zip(bufs, metas))
+
+    def scatter(self, xs: Optional[Sequence[torch.Tensor]], root: int = 0) -> torch.Tensor:
+        """Rank ``i`` receives ``xs[i]`` from root; other ranks pass ``None``. Shapes may differ.
+
+        Example::
+
+            >>> mine = comm.scatter([torch.full((2,), i) for i in range(comm.size)] if comm.rank == 0 else None)
+        """
+        self._check_peer(root, "root")
+        err = None
+        if self.rank == root:
+            if xs is None or len(xs) != self.size or not all(isinstance(t, torch.Tensor) for t in xs):
+                err = ValueError(f"scatter: root rank {root} must pass a sequence of {self.size} tensors "
+                                 f"(one per rank), got {type(xs).__name__}"
+                                 + (f" of length {len(xs)}" if hasattr(xs, '__len__') else ""))
+        rows = [_wire.header(_KIND["scatter"], root, _wire.NONE, t) for t in xs] \
+            if self.rank == root and err is None else [_wire.header(_KIND["scatter"], root)] * self.size
+        hdrs = self._agree("scatter", root=root, rows=rows, error=err)
+        metas = [_wire.meta(hdrs[root, i].tolist()) for i in range(self.size)]
+        if self.size == 1:
+            return xs[0]
+        sizes = [_wire.nbytes(*m) for m in metas]
+        longest = max(sizes)
+        out = torch.empty(longest, dtype=torch.uint8, device=self._data_device)
+        if longest:
+            chunks = None
+            if self.rank == root:
+                chunks = []
+                for t, n in zip(xs, sizes):
+                    c = torch.zeros(longest, dtype=torch.uint8, device=self._data_device)
+                    c[:n] = _wire.as_bytes(t.to(self._data_device))
+                    chunks.append(c)
+            if self.backend == "nccl":
+                # NCCL has no scatter: root broadcasts the stacked chunks.
+                stacked = torch.cat(self._group_order(chunks)) if chunks else torch.empty(self.size * longest, dtype=torch.uint8,
+                                                                      device=self._data_device)
+                self._bcast_bytes(stacked, root)
+                g = self._group_ranks[self.rank]
+                out = stacked[g * longest:(g + 1) * longest]
+            else:
+                dist.scatter(out, self._group_order(chunks) if chunks else None, src=self._global(root),
+                             group=self._group)
+        return _wire.from_bytes(out[:sizes[self.rank]].clone(), *metas[self.rank])
+
+    def alltoall(self, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Rank ``i`` sends ``xs[j]`` to rank ``j`` and receives, in rank order, what each sent it.
+
+        Example::
+
+            >>> got = comm.alltoall([torch.tensor([comm.rank, j]) for j in range(comm.size)])
+        """
+        err = None
+        if xs is None or len(xs) != self.size or not all(isinstance(t, torch.Tensor) for t in xs):
+            err = ValueError(f"alltoall: pass a sequence of {self.size} tensors (one per rank)")
+        rows = [_wire.header(_KIND["alltoall"], x=t) for t in xs] if err is None \
+            else [_wire.header(_KIND["alltoall"])] * self.size
+        hdrs = self._agree("alltoall", rows=rows, error=err)
+        dtypes = {_wire.meta(hdrs[r, j].tolist())[0] for r in range(self.size) for j in range(self.size)}
+        if len(dtypes) > 1:
+            raise CollectiveMismatchError(f"ranks called alltoall with different dtypes: {sorted(map(str, dtypes))}")
+        if self.size == 1:
+            return (xs[0],)
+        # What rank r sends to me is described by header row [r, me].
+        recv_metas = [_wire.meta(hdrs[r, self.rank].tolist()) for r in range(self.size)]
+        send = [_wire.as_bytes(t.to(self._data_device)) for t in xs]
+        recv = [torch.empty(_wire.nbytes(*m), dtype=torch.uint8, device=self._data_device) for m in recv_metas]
+        dist.all_to_all(self._group_order(recv), self._group_order(send), group=self._group)
+        return tuple(_wire.from_bytes(b, *m) for b, m in zip(recv, recv_metas))
+
+    def allreduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The elementwise reduction of every rank's ``x``, as a new tensor (``x`` is unchanged).
+
+        ``op``: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"prod"``. ``"mean"`` of an integer
+        tensor is a floating-point tensor.
+
+        Example::
+
+            >>> comm.allreduce(torch.arange(4) + comm.rank)   # arange(4) * size + sum(ranks)
+        """
+        err = None
+        if op not in _OPS:
+            err = ValueError(f"allreduce: op must be one of {', '.join(_OPS)}, not {op!r}")
+        elif not isinstance(x, torch.Tensor):
+            err = TypeError(f"allreduce: pass a tensor, not {type(x).__name__}")
+        self._agree("allreduce", op=None if err else op, x=None if err else x, error=err, same_shape=True)
+        out = x.detach().to(self._data_device, copy=True).contiguous()
+        if self.size > 1:
+            dist.all_reduce(out, op=_OPS[op], group=self._group)
+        if op == "mean":
+            out = out / self.size if not out.is_floating_point() and not out.is_complex() else out.div_(self.size)
+        return out.to(x.device)
+
+    # ----------------------------------------------------------------------------- objects
+    def _dump(self, obj: Any) -> torch.Tensor:
+        return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+
+    @staticmethod
+    def _load(buf: torch.Tensor) -> Any:
+        return pickle.loads(buf.cpu().numpy().tobytes())
+
+    def _obj_lengths(self, n: int) -> list[int]:
+        if self.size == 1:
+            return [n]
+        t = torch.tensor([n], dtype=torch.int64)
+        out = torch.empty(self.size, dtype=torch.int64)
+        dist.all_gather_single(out, t, group=self._obj_group)
+        return self._comm_order(out.tolist())
+
+    def bcast_obj(self, obj: Any, root: int = 0) -> Any:
+        """Root's picklable object on every rank. Sent in chunks, so objects over 2 GiB work.
+
+        Example::
+
+            >>> config = comm.bcast_obj(load_config() if comm.rank == 0 else None)
+        """
+        self._check_peer(root, "root")
+        if self.size == 1:
+            return obj
+        buf = self._dump(obj) if self.rank == root else None
+        n = torch.tensor([buf.numel() if buf is not None else 0], dtype=torch.int64)
+        dist.broadcast(n, self._global(root), group=self._obj_group)
+        if buf is None:
+            buf = torch.empty(int(n), dtype=torch.uint8)
+        self._bcast_bytes(buf, root, group=self._obj_group)
+        return obj if self.rank == root else self._load(buf)
+
+    def send_obj(self, obj: Any, dest: int, tag: int = 0) -> None:
+        """Send a picklable object to rank ``dest``, which calls :meth:`recv_obj`."""
+        self._check_peer(dest, "dest")
+        buf = self._dump(obj)
+        dist.send(torch.tensor([buf.numel()], dtype=torch.int64), self._global(dest), group=self._obj_group, tag=tag)
+        for start in range(0, buf.numel(), OBJ_CHUNK_BYTES):
+            dist.send(buf[start:start + OBJ_CHUNK_BYTES], self._global(dest), group=self._obj_group, tag=tag)
+
+    def recv_obj(self, source: int, tag: int = 0) -> Any:
+        """Receive the object rank ``source`` sent with :meth:`send_obj`."""
+        self._check_peer(source, "source")
+        n = torch.empty(1, dtype=torch.int64)
+        dist.recv(n, self._global(source), group=self._obj_group, tag=tag)
+        buf = torch.empty(int(n), dtype=torch.uint8)
+        for start in range(0, buf.numel(), OBJ_CHUNK_BYTES):
+            dist.recv(buf[start:start + OBJ_CHUNK_BYTES], self._global(source), group=self._obj_group, tag=tag)
+        return self._load(buf)
+
+    def allgather_obj(self, obj: Any) -> list[Any]:
+        """Every rank's object, in rank order, on every rank.
+
+        Example::
+
+            >>> hosts = comm.allgather_obj(socket.gethostname())
+        """
+        if self.size == 1:
+            return [obj]
+        buf = self._dump(obj)
+        sizes = self._obj_lengths(buf.numel())
+        if max(sizes) * self.size <= OBJ_CHUNK_BYTES:
+            longest = max(sizes)
+            padded = torch.zeros(longest, dtype=torch.uint8)
+            padded[:buf.numel()] = buf
+            out = torch.empty(self.size * longest, dtype=torch.uint8)
+            dist.all_gather_single(out, padded, group=self._obj_group)
+            chunks = self._comm_order([out[g * longest:(g + 1) * longest] for g in range(self.size)])
+            return [self._load(c[:n]) for c, n in zip(chunks, sizes)]
+        # Large objects: each rank broadcasts its own in turn, in chunks.
+        result = []
+        for r, n in enumerate(sizes):
+            b = buf if r == self.rank else torch.empty(n, dtype=torch.uint8)
+            self._bcast_bytes(b, r, group=self._obj_group)
+            result.append(obj if r == self.rank else self._load(b))
+        return result
+
+    def gather_obj(self, obj: Any, root: int = 0) -> Optional[list[Any]]:
+        """Every rank's object, in rank order, on ``root``; ``None`` elsewhere."""
+        self._check_peer(root, "root")
+        if self.size == 1:
+            return [obj]
+        if self.rank != root:
+            self.send_obj(obj, root, tag=_KIND["gather"])
+            return None
+        return [obj if r == root else self.recv_obj(r, tag=_KIND["gather"]) for r in range(self.size)]
+
+    def scatter_obj(self, objs: Optional[Sequence[Any]], root: int = 0) -> Any:
+        """Rank ``i`` receives ``objs[i]`` from root; other ranks pass ``None``."""
+        self._check_peer(root, "root")
+        if self.rank == root and (objs is None or len(objs) != self.size):
+            raise ValueError(f"scatter_obj: root must pass {self.size} objects (one per rank)")
+        if self.size == 1:
+            return objs[0]
+        if self.rank == root:
+            for r in range(self.size):
+                if r != root:
+                    self.send_obj(objs[r], r, tag=_KIND["scatter"])
+            return objs[root]
+        return self.recv_obj(root, tag=_KIND["scatter"])
+
+    def allreduce_obj(self, obj: Any) -> Any:
+        """The sum (by ``+``) of every rank's object, on every rank.
+
+        Example::
+
+            >>> n_seen = comm.allreduce_obj(len(local_shard))
+        """
+        values = self.allgather_obj(obj)
+        total = values[0]
+        for v in values[1:]:
+            total = total + v
+        return total
+
+    # ----------------------------------------------------------------------------- control
+    def barrier(self) -> None:
+        """Wait until every rank of this communicator gets here."""
+        if self.size > 1:
+            dist.barrier(group=self._obj_group)
+
+    def split(self, color: int, key: int = 0) -> "Communicator":
+        """A new communicator of the ranks that pass the same ``color``, ordered by ``(key, rank)``.
+
+        Every rank must call it. Example::
+
+            >>> half = comm.split(color=comm.rank % 2, key=comm.rank)
+        """
+        from torchmn.communicators import make_communicator  # the factory knows the subclasses
+
+        entries = self.allgather_obj((color, key, self.rank))
+        colors = sorted({c for c, _, _ in entries}, key=repr)
+        mine = None
+        for c in colors:
+            members = [r for _, _, r in sorted((e for e in entries if e[0] == c), key=lambda e: (e[1], e[2]))]
+            world = [self._global(r) for r in members]
+            # Every rank must take part in creating every group, in the same order.
+            group = dist.new_group(world) if self.size > 1 else None
+            obj_group = group
+            if self.backend == "nccl":
+                obj_group = dist.new_group(world, backend="gloo")
+            if c == color:
+                by_world = sorted(world)
+                mine = (members.index(self.rank), len(members), group, obj_group,
+                        [by_world.index(w) for w in world])
+        rank, size, group, obj_group, group_ranks = mine
+        return make_communicator(self.name, rank=rank, size=size, group=group, obj_group=obj_group,
+                                 backend=self.backend, node_key=self._node_key,
+                                 bucket_cap_bytes=self.bucket_cap_bytes, group_ranks=group_ranks)
+
+    def finalize(self) -> None:
+        """Tear down ``torch.distributed`` if this communicator set it up. Safe to call twice."""
+        if self._finalized:
+            return
+        self._finalized = True
+        if self._owns_world and dist.is_initialized():
+            dist.destroy_process_group()
+
+    # ----------------------------------------------------------------------------- models
+    def bcast_data(self, model: torch.nn.Module, root: int = 0) -> None:
+        """Make every parameter and buffer of ``model`` root's, bit for bit.
+
+        Example::
+
+            >>> comm.bcast_data(model)   # all ranks now start from rank 0's weights
+        """
+        self._check_peer(root, "root")
+        tensors = list(model.parameters()) + list(model.buffers())
+        if self.size == 1:
+            return
+        layouts = self.allgather_obj([(tuple(t.shape), str(t.dtype)) for t in tensors])
+        bad = [r for r, lay in enumerate(layouts) if lay != layouts[root]]
+        if bad:
+            raise CollectiveMismatchError(
+                f"bcast_data: the model on rank(s) {bad} differs from root rank {root}'s "
+                f"({len(layouts[bad[0]])} vs {len(layouts[root])} tensors, or different shapes/dtypes); "
+                f"build the same model on every rank")
+        with torch.no_grad():
+            for bucket in _buckets(tensors, self.bucket_cap_bytes):
+                if self.rank == root:
+                    flat = torch.cat([_wire.as_bytes(t.detach()) for t in bucket]).to(self._data_device)
+                else:
+                    n = sum(t.numel() * t.element_size() for t in bucket)
+                    flat = torch.empty(n, dtype=torch.uint8, device=self._data_device)
+                self._bcast_bytes(flat, root)
+                if self.rank != root:
+                    offset = 0
+                    for t in bucket:
+                        n = t.numel() * t.element_size()
+                        t.copy_(_wire.from_bytes(flat[offset:offset + n], t.dtype, t.shape))
+                        offset += n
+
+    def multi_node_mean_grad(self, model: torch.nn.Module, zero_fill: bool = False) -> None:
+        """Make every ``.grad`` of ``model`` its mean over ranks, with this communicator's algorithm.
+
+        A parameter whose ``.grad`` is ``None`` is skipped; with ``zero_fill=True`` it counts as
+        zeros (its ``.grad`` becomes the mean), which every rank must then agree on.
+
+        Example::
+
+            >>> loss.backward(); comm.multi_node_mean_grad(model); optimizer.step()
+        """
+        grads = []
+        for p in model.parameters():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                if not zero_fill:
+                    continue
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        self.mean_tensors(grads)
+
+    @abc.abstractmethod
+    def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """Replace each tensor, in place, by its mean over ranks (each algorithm's own)."""
+
+
+def _buckets(tensors: Iterable[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of tensors of one dtype and device, each run at most ``cap_bytes`` (or one tensor)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if out and out[-1][0].dtype == t.dtype and out[-1][0].device == t.device and size + n <= cap_bytes:
+            out[-1].append(t)
+            size += n
+        else:
+            out.append([t])
+            size = n
+    return out

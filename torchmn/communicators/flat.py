@@ -1,0 +1,33 @@
+"""``flat``: gradients fused into buckets, one allreduce per bucket over all ranks."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from torchmn.communicators.communicator import Communicator, _buckets
+
+
+class FlatCommunicator(Communicator):
+    """Packs tensors into buckets of at most ``bucket_cap_bytes`` (one dtype each) and allreduces
+    each bucket once: a few large messages instead of hundreds of small ones."""
+
+    name = "flat"
+
+    def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
+        if self.size == 1 or not tensors:
+            return
+        pending = []
+        for bucket in _buckets(tensors, self.bucket_cap_bytes):
+            flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
+            pending.append((bucket, flat, self.allreduce_flat(flat, async_op=True)))
+        for bucket, flat, work in pending:
+            work.wait()
+            flat.div_(self.size)
+            offset = 0
+            for t in bucket:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+    def allreduce_flat(self, flat: torch.Tensor, async_op: bool = False):
+        """Sum one contiguous 1-D buffer over all ranks (in place); the optimizer's bucket primitive."""
+        return dist.all_reduce(flat, group=self._group, async_op=async_op)

@@ -1,0 +1,21 @@
+"""``naive``: one allreduce per gradient tensor. The baseline for tests and benchmarks."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from torchmn.communicators.communicator import Communicator
+
+
+class NaiveCommunicator(Communicator):
+    """Averages each tensor with its own allreduce over all ranks."""
+
+    name = "naive"
+
+    def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
+        if self.size == 1:
+            return
+        works = [dist.all_reduce(t, group=self._group, async_op=True) for t in tensors]
+        for t, w in zip(tensors, works):
+            w.wait()
+            t.div_(self.size)
