@@ -9,6 +9,7 @@ built on ``torch.distributed``::
     train = torchmn.scatter_dataset(train if comm.rank == 0 else None, comm, shuffle=True)
 """
 from torchmn.communicators import CollectiveMismatchError, Communicator, create_communicator
+from torchmn.optimizers import MultiNodeOptimizer, create_multi_node_optimizer
 
 __version__ = "0.1.0"
 

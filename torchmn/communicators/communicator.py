@@ -563,6 +563,12 @@ class Communicator(abc.ABC):
                 f"bcast_data: the model on rank(s) {bad} differs from root rank {root}'s "
                 f"({len(layouts[bad[0]])} vs {len(layouts[root])} tensors, or different shapes/dtypes); "
                 f"build the same model on every rank")
+        self.bcast_tensors(tensors, root)
+
+    def bcast_tensors(self, tensors: list[torch.Tensor], root: int = 0) -> None:
+        """Overwrite each tensor, in place, with root's, bit for bit (all ranks pass the same layout)."""
+        if self.size == 1:
+            return
         with torch.no_grad():
             for bucket in _buckets(tensors, self.bucket_cap_bytes):
                 if self.rank == root:
@@ -599,6 +605,20 @@ class Communicator(abc.ABC):
             grads.append(p.grad)
         self.mean_tensors(grads)
 
+    @property
+    def grad_bucket_cap_bytes(self) -> int:
+        """How many bytes of gradients this algorithm fuses into one message (0: one per tensor)."""
+        return self.bucket_cap_bytes
+
+    def allreduce_flat(self, flat: torch.Tensor, async_op: bool = False):
+        """Sum one contiguous 1-D buffer over all ranks, in place: the gradient paths' primitive.
+
+        No call checking: callers guarantee every rank passes the same layout.
+        """
+        if self.size == 1:
+            return _Completed()
+        return dist.all_reduce(flat, group=self._group, async_op=async_op)
+
     @abc.abstractmethod
     def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
         """Replace each tensor, in place, by its mean over ranks (each algorithm's own)."""
@@ -617,3 +637,10 @@ def _buckets(tensors: Iterable[torch.Tensor], cap_bytes: int) -> list[list[torch
             out.append([t])
             size = n
     return out
+
+
+class _Completed:
+    """The handle of a collective that had nothing to do (a world of one)."""
+
+    def wait(self) -> bool:
+        return True

@@ -27,7 +27,3 @@ class FlatCommunicator(Communicator):
             for t in bucket:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
-
-    def allreduce_flat(self, flat: torch.Tensor, async_op: bool = False):
-        """Sum one contiguous 1-D buffer over all ranks (in place); the optimizer's bucket primitive."""
-        return dist.all_reduce(flat, group=self._group, async_op=async_op)

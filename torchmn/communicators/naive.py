@@ -11,6 +11,7 @@ class NaiveCommunicator(Communicator):
     """Averages each tensor with its own allreduce over all ranks."""
 
     name = "naive"
+    grad_bucket_cap_bytes = 0
 
     def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
         if self.size == 1:

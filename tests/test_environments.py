@@ -1,0 +1,324 @@
+"""detect_environment for each launcher, as a pure function and in a fresh interpreter."""
+import dataclasses
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from torchmn.launch import LaunchEnvironment, detect_environment
+from torchmn.launch.environments import slurm_misuse_error, slurm_port, text_port
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "TORCHMN_", "TORCHELASTIC_",
+                     "HYDRA_", "I_MPI_")
+LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
+                  "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+
+TORCHMN = {"TORCHMN_RANK": "5", "TORCHMN_SIZE": "8", "TORCHMN_LOCAL_RANK": "1", "TORCHMN_LOCAL_SIZE": "4",
+           "TORCHMN_NODE_RANK": "1", "TORCHMN_NODE_COUNT": "2", "MASTER_ADDR": "node1",
+           "MASTER_PORT": "41234",
+           # torchmn run also sets torchrun's names; torchmn's own must win.
+           "RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "1"}
+TORCHRUN = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1",
+            "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29400", "TORCHELASTIC_RUN_ID": "abc"}
+OPENMPI = {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "3", "OMPI_COMM_WORLD_LOCAL_RANK": "2",
+           "OMPI_COMM_WORLD_LOCAL_SIZE": "3", "OMPI_COMM_WORLD_NODE_RANK": "2",
+           "OMPI_MCA_ess_base_jobid": "2089418753", "PMIX_NAMESPACE": "2089418753"}
+MPICH = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2", "PMI_FD": "8"}
+SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_NODEID": "1",
+         "SLURM_STEP_ID": "0", "SLURM_STEPID": "0", "SLURM_JOB_ID": "1234", "SLURM_JOBID": "1234",
+         "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_TASKS_PER_NODE": "2(x2)",
+         "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_NODELIST": "n[1-2]"}
+# What a batch script (sbatch -n 4) sees: the allocation, but no step of its own.
+SLURM_BATCH = {"SLURM_JOB_ID": "77", "SLURM_JOBID": "77", "SLURM_NTASKS": "4", "SLURM_PROCID": "0",
+               "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2(x2)",
+               "SLURM_JOB_NODELIST": "n[1-2]"}
+
+EXPECTED = {
+    "torchmn": LaunchEnvironment(5, 8, 1, 4, 1, "node1", 41234, "torchmn"),
+    "torchrun": LaunchEnvironment(3, 4, 1, 2, 1, "10.0.0.1", 29400, "torchrun"),
+    "openmpi": LaunchEnvironment(2, 3, 2, 3, None, "127.0.0.1", text_port("2089418753"), "openmpi"),
+    "mpich": LaunchEnvironment(1, 2, 1, 2, None, "127.0.0.1", 29500, "mpich"),
+    "slurm": LaunchEnvironment(3, 4, 1, 2, 1, "n1", slurm_port(1234, 0), "slurm"),
+    "single": LaunchEnvironment(0, 1, 0, 1, 0, "127.0.0.1", None, "single"),
+}
+ENVS = {"torchmn": TORCHMN, "torchrun": TORCHRUN, "openmpi": OPENMPI, "mpich": MPICH, "slurm": SLURM,
+        "single": {}}
+
+
+def clean_environ(extra):
+    """os.environ without any launcher's variables (the test may itself run under one), plus extra."""
+    env = {name: value for name, value in os.environ.items()
+           if not name.startswith(LAUNCHER_PREFIXES) and name not in LAUNCHER_NAMES}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def detect_in_subprocess(extra):
+    code = ("from torchmn.launch import detect_environment; import json, dataclasses; "
+            "print(json.dumps(dataclasses.asdict(detect_environment())))")
+    result = subprocess.run([sys.executable, "-c", code], env=clean_environ(extra), cwd=str(REPO),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize("source", sorted(EXPECTED))
+def test_each_launcher_every_field(source):
+    assert detect_environment(ENVS[source]) == EXPECTED[source]
+
+
+@pytest.mark.parametrize("source", sorted(EXPECTED))
+def test_each_launcher_in_a_fresh_interpreter(source):
+    assert detect_in_subprocess(ENVS[source]) == dataclasses.asdict(EXPECTED[source])
+
+
+def test_default_reads_os_environ(monkeypatch):
+    for name in list(os.environ):
+        if name.startswith(LAUNCHER_PREFIXES) or name in LAUNCHER_NAMES:
+            monkeypatch.delenv(name)
+    for name, value in MPICH.items():
+        monkeypatch.setenv(name, value)
+    assert detect_environment() == EXPECTED["mpich"]
+
+
+def test_import_does_not_import_torch():
+    code = "import sys, torchmn.launch; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], env=clean_environ({}), cwd=str(REPO),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    # torchmn/__init__.py (owned elsewhere) may import torch; only torchmn.launch itself is checked
+    # when the package root does not.
+    root = subprocess.run([sys.executable, "-c", "import sys, torchmn; print('torch' in sys.modules)"],
+                          env=clean_environ({}), cwd=str(REPO), capture_output=True, text=True, timeout=60)
+    if root.stdout.strip() == "False":
+        assert result.stdout.strip() == "False"
+
+
+# ---- torchmn and torchrun ----
+
+def test_torchmn_without_node_rank_and_master_port():
+    env = {k: v for k, v in TORCHMN.items() if k not in ("TORCHMN_NODE_RANK", "MASTER_PORT")}
+    assert detect_environment(env) == LaunchEnvironment(5, 8, 1, 4, None, "node1", None, "torchmn")
+
+
+def test_torchrun_detected_without_run_id():
+    env = {k: v for k, v in TORCHRUN.items() if k != "TORCHELASTIC_RUN_ID"}
+    assert detect_environment(env).source == "torchrun"
+
+
+def test_torchrun_needs_master_addr_or_run_id():
+    env = {k: v for k, v in TORCHRUN.items() if k not in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR")}
+    assert detect_environment(env).source == "single"
+
+
+def test_torchrun_single_node_without_master_addr():
+    env = {"TORCHELASTIC_RUN_ID": "x", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+           "LOCAL_WORLD_SIZE": "2"}
+    assert detect_environment(env) == LaunchEnvironment(1, 2, 1, 2, None, "127.0.0.1", None, "torchrun")
+
+
+# ---- precedence ----
+
+def test_torchrun_wins_over_slurm():
+    # torchrun started by srun: one srun task per node, torchrun's workers carry both sets.
+    assert detect_environment({**SLURM, **TORCHRUN}) == EXPECTED["torchrun"]
+
+
+def test_torchmn_wins_over_everything():
+    env = {**SLURM, **OPENMPI, **MPICH, **TORCHRUN, **TORCHMN}
+    assert detect_environment(env) == EXPECTED["torchmn"]
+
+
+def test_openmpi_wins_over_slurm():
+    # mpirun inside an allocation: the SLURM_* variables describe the batch step, not this rank.
+    assert detect_environment({**SLURM_BATCH, **OPENMPI}) == EXPECTED["openmpi"]
+    assert detect_environment({**SLURM, **OPENMPI}) == EXPECTED["openmpi"]
+
+
+def test_openmpi_wins_over_slurm_in_a_fresh_interpreter():
+    assert detect_in_subprocess({**SLURM, **OPENMPI}) == dataclasses.asdict(EXPECTED["openmpi"])
+
+
+def test_mpich_wins_over_slurm():
+    assert detect_environment({**SLURM, **MPICH}) == EXPECTED["mpich"]
+
+
+def test_srun_pmi2_is_read_as_slurm():
+    # srun --mpi=pmi2 sets PMI_RANK/PMI_SIZE but not MPI_LOCALRANKID: Slurm knows more.
+    env = {**SLURM, "PMI_RANK": "3", "PMI_SIZE": "4", "PMI_FD": "5", "PMI_JOBID": "1234.0"}
+    assert detect_environment(env) == EXPECTED["slurm"]
+
+
+# ---- MPI ----
+
+def test_mpi_multi_node_needs_master_addr():
+    env = {**OPENMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
+    with pytest.raises(RuntimeError, match=r"MASTER_ADDR is not set.*mpirun -x MASTER_ADDR=<first host>"):
+        detect_environment(env)
+
+
+def test_mpi_master_addr_and_port_from_environment_win():
+    env = {**OPENMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+           "MASTER_ADDR": "head", "MASTER_PORT": "23456"}
+    assert detect_environment(env) == LaunchEnvironment(2, 3, 0, 2, None, "head", 23456, "openmpi")
+
+
+def test_openmpi_port_falls_back_to_other_job_ids_then_default():
+    env = {k: v for k, v in OPENMPI.items() if k != "OMPI_MCA_ess_base_jobid"}
+    assert detect_environment(env).master_port == text_port("2089418753")
+    env = {k: v for k, v in env.items() if k != "PMIX_NAMESPACE"}
+    assert detect_environment(env).master_port == 29500
+    env["OMPI_MCA_orte_ess_jobid"] = "99"
+    assert detect_environment(env).master_port == text_port("99")
+
+
+def test_derived_ports_are_in_range():
+    assert all(20000 <= slurm_port(job, step) < 40000 for job in (0, 1, 99999, 2**32) for step in (0, 5))
+    assert 20000 <= text_port("anything") < 40000
+    assert slurm_port(1234, 0) != slurm_port(1234, 1) != slurm_port(1235, 0)
+
+
+# ---- Slurm ----
+
+def slurm_with(**changes):
+    env = dict(SLURM)
+    for name, value in changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+@pytest.mark.parametrize("nodelist, first", [
+    ("rack[1-2]-node[01-02]", "rack1-node01"),
+    ("node[1-3]-ib[1-2]", "node1-ib1"),
+    ("gpu[007-9],cpu1", "gpu007"),
+    ("b,a", "b"),
+])
+def test_slurm_master_is_first_host_of_step_nodelist(nodelist, first):
+    assert detect_environment(slurm_with(SLURM_STEP_NODELIST=nodelist)).master_addr == first
+
+
+def test_slurm_step_nodelist_preferred_over_job_nodelist():
+    env = slurm_with(SLURM_STEP_NODELIST="step[3-4]", SLURM_JOB_NODELIST="job[1-4]", SLURM_NODELIST="old1")
+    assert detect_environment(env).master_addr == "step3"
+    env = slurm_with(SLURM_STEP_NODELIST=None, SLURM_JOB_NODELIST="job[1-4]", SLURM_NODELIST="old1")
+    assert detect_environment(env).master_addr == "job1"
+    env = slurm_with(SLURM_STEP_NODELIST=None, SLURM_JOB_NODELIST=None, SLURM_NODELIST="old1")
+    assert detect_environment(env).master_addr == "old1"
+
+
+def test_slurm_master_from_nodelist_in_a_fresh_interpreter():
+    env = slurm_with(SLURM_STEP_NODELIST="rack[1-2]-node[01-02]", SLURM_JOB_NODELIST="other1")
+    assert detect_in_subprocess(env)["master_addr"] == "rack1-node01"
+
+
+def test_slurm_master_env_wins():
+    env = slurm_with(MASTER_ADDR="given", MASTER_PORT="30001")
+    found = detect_environment(env)
+    assert (found.master_addr, found.master_port) == ("given", 30001)
+
+
+def test_slurm_port_from_job_and_step():
+    assert detect_environment(slurm_with(SLURM_STEP_ID="3", SLURM_STEPID="3")).master_port == slurm_port(1234, 3)
+    # Older Slurm names only.
+    env = slurm_with(SLURM_STEP_ID=None, SLURM_STEPID="2", SLURM_JOB_ID=None, SLURM_JOBID="99")
+    assert detect_environment(env).master_port == slurm_port(99, 2)
+
+
+@pytest.mark.parametrize("tasks_per_node, node, local_size", [
+    ("2(x2),1", 0, 2), ("2(x2),1", 1, 2), ("2(x2),1", 2, 1), ("3,1", 1, 1), ("4", 0, 4),
+])
+def test_slurm_local_size_from_tasks_per_node(tasks_per_node, node, local_size):
+    env = slurm_with(SLURM_NTASKS="5", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID=str(node),
+                     SLURM_STEP_TASKS_PER_NODE=None, SLURM_TASKS_PER_NODE=tasks_per_node)
+    assert detect_environment(env).local_size == local_size
+
+
+def test_slurm_step_tasks_per_node_preferred_and_ntasks_per_node_fallback():
+    env = slurm_with(SLURM_STEP_TASKS_PER_NODE="2,2", SLURM_TASKS_PER_NODE="9(x2)")
+    assert detect_environment(env).local_size == 2
+    env = slurm_with(SLURM_STEP_TASKS_PER_NODE=None, SLURM_TASKS_PER_NODE=None, SLURM_NTASKS_PER_NODE="2")
+    assert detect_environment(env).local_size == 2
+
+
+def test_slurm_needs_a_step():
+    env = slurm_with(SLURM_STEP_ID=None, SLURM_STEPID=None, SLURM_NTASKS="1")
+    assert detect_environment(env).source == "single"
+
+
+@pytest.mark.parametrize("step", ["batch", "4294967291", "4294967294", "4294967290", "-2"])
+def test_batch_script_with_several_tasks_is_refused(step):
+    env = {**SLURM_BATCH, "SLURM_STEP_ID": step}
+    with pytest.raises(RuntimeError) as info:
+        detect_environment(env)
+    assert str(info.value) == ("this script runs in a Slurm allocation of 4 tasks but was not started "
+                               "by srun; launch it with `srun python ...` (one task per rank) or "
+                               "`torchmn run`")
+
+
+def test_batch_script_error_in_a_fresh_interpreter():
+    code = "from torchmn.launch import detect_environment; detect_environment()"
+    result = subprocess.run([sys.executable, "-c", code], env=clean_environ(SLURM_BATCH), cwd=str(REPO),
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "RuntimeError: this script runs in a Slurm allocation of 4 tasks but was not started by srun" \
+        in result.stderr
+
+
+def test_slurm_misuse_error_cases():
+    assert "allocation of 4 tasks" in slurm_misuse_error(SLURM_BATCH)
+    assert slurm_misuse_error({**SLURM_BATCH, "SLURM_NTASKS": "1"}) is None
+    assert slurm_misuse_error({k: v for k, v in SLURM_BATCH.items() if k != "SLURM_NTASKS"}) is None
+    assert slurm_misuse_error({k: v for k, v in SLURM_BATCH.items()
+                               if k not in ("SLURM_JOB_ID", "SLURM_JOBID")}) is None
+    assert slurm_misuse_error(SLURM) is None  # started by srun
+    assert slurm_misuse_error({}) is None
+
+
+def test_batch_script_with_one_task_is_single():
+    env = {**SLURM_BATCH, "SLURM_NTASKS": "1", "SLURM_TASKS_PER_NODE": "1"}
+    assert detect_environment(env) == EXPECTED["single"]
+
+
+def test_batch_script_under_another_launcher_is_fine():
+    assert detect_environment({**SLURM_BATCH, **TORCHMN}) == EXPECTED["torchmn"]
+
+
+# ---- bad values ----
+
+@pytest.mark.parametrize("env, fragments", [
+    ({**TORCHMN, "TORCHMN_RANK": "x"}, ["TORCHMN_RANK='x'", "not an integer"]),
+    ({**TORCHMN, "TORCHMN_RANK": "8"}, ["TORCHMN_RANK='8'", "TORCHMN_SIZE='8'"]),
+    ({**TORCHMN, "TORCHMN_LOCAL_RANK": "4"}, ["TORCHMN_LOCAL_RANK='4'", "TORCHMN_LOCAL_SIZE='4'"]),
+    ({k: v for k, v in TORCHMN.items() if k != "TORCHMN_SIZE"}, ["TORCHMN_SIZE is not set"]),
+    ({**TORCHRUN, "WORLD_SIZE": "0"}, ["WORLD_SIZE='0'", "at least 1"]),
+    ({**TORCHRUN, "RANK": "-1"}, ["RANK='-1'"]),
+    ({**TORCHRUN, "LOCAL_WORLD_SIZE": "8"}, ["LOCAL_WORLD_SIZE='8'", "larger than"]),
+    ({k: v for k, v in TORCHRUN.items() if k != "LOCAL_WORLD_SIZE"}, ["LOCAL_WORLD_SIZE is not set"]),
+    ({**TORCHRUN, "MASTER_PORT": "http"}, ["MASTER_PORT='http'", "1-65535"]),
+    ({**TORCHRUN, "MASTER_PORT": "70000"}, ["MASTER_PORT='70000'"]),
+    ({**OPENMPI, "OMPI_COMM_WORLD_SIZE": "2.5"}, ["OMPI_COMM_WORLD_SIZE='2.5'", "not an integer"]),
+    ({**MPICH, "PMI_RANK": "2"}, ["PMI_RANK='2'", "PMI_SIZE='2'"]),
+    ({k: v for k, v in MPICH.items() if k not in ("MPI_LOCALRANKID", "MPI_LOCALNRANKS")},
+     ["MPI_LOCALRANKID is not set"]),
+    (slurm_with(SLURM_PROCID="4"), ["SLURM_PROCID='4'", "SLURM_NTASKS='4'"]),
+    (slurm_with(SLURM_LOCALID="2"), ["SLURM_LOCALID='2'", "SLURM_STEP_TASKS_PER_NODE='2(x2)'"]),
+    (slurm_with(SLURM_NODEID="2"), ["SLURM_NODEID='2'", "no entry"]),
+    (slurm_with(SLURM_STEP_TASKS_PER_NODE="two"), ["SLURM_STEP_TASKS_PER_NODE='two'"]),
+    (slurm_with(SLURM_STEP_TASKS_PER_NODE=None, SLURM_TASKS_PER_NODE=None), ["SLURM_TASKS_PER_NODE is not set"]),
+    (slurm_with(SLURM_STEP_NODELIST="n[2-1]"), ["SLURM_STEP_NODELIST='n[2-1]'", "MASTER_ADDR"]),
+    (slurm_with(SLURM_JOB_ID="abc"), ["SLURM_JOB_ID='abc'"]),
+])
+def test_bad_values_raise_value_error_naming_variable_and_value(env, fragments):
+    with pytest.raises(ValueError) as info:
+        detect_environment(env)
+    for fragment in fragments:
+        assert fragment in str(info.value)

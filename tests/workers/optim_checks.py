@@ -1,0 +1,189 @@
+"""Multi-node optimizer checks, run on every rank of a real job (see tests/test_optimizer.py).
+
+Every rank also computes the one-process reference on the whole batch itself, so each check
+compares the N-rank result with one process, on every rank.
+Usage: python optim_checks.py [--name flat] CHECK [CHECK ...]   (or "all")
+"""
+import argparse
+import copy
+import sys
+
+import torch
+
+import torchmn
+
+BATCH = 24  # divisible by 1, 2, 3 and 4 ranks
+
+
+def make_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+                               torch.nn.Linear(16, 3)).double()
+
+
+def data(step):
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (BATCH,), generator=g)
+
+
+def local(x, comm):
+    n = x.shape[0] // comm.size
+    return x[comm.rank * n:(comm.rank + 1) * n]
+
+
+def loss_fn(model, x, y):
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+OPTIMIZERS = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+}
+
+
+def reference(opt_name, steps=5, passes=1, clip=None, delayed=False):
+    model = make_model()
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    previous = None
+    for step in range(steps):
+        x, y = data(step)
+        opt.zero_grad()
+        loss_fn(model, x, y).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if delayed:  # double buffering: each update uses the previous step's gradients
+            current = [p.grad.clone() for p in model.parameters()]
+            if previous is not None:
+                for p, g in zip(model.parameters(), previous):
+                    p.grad = g
+                opt.step()
+            previous = current
+        else:
+            opt.step()
+    return model
+
+
+def distributed(comm, opt_name, steps=5, passes=1, clip=None, no_sync=False, **kwargs):
+    model = make_model()
+    if comm.rank != 0:  # different starting weights on purpose: the wrapper must broadcast them
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    opt = torchmn.create_multi_node_optimizer(OPTIMIZERS[opt_name](model.parameters()), comm,
+                                              backward_passes_per_step=passes, **kwargs)
+    for step in range(steps):
+        x, y = data(step)
+        x, y = local(x, comm), local(y, comm)
+        opt.zero_grad()
+        if passes == 1 and not no_sync:
+            loss_fn(model, x, y).backward()
+        else:
+            k = passes if passes > 1 else 2
+            chunks = list(zip(x.chunk(k), y.chunk(k)))
+            for i, (xc, yc) in enumerate(chunks):
+                if no_sync and i < k - 1:
+                    with opt.no_sync():
+                        (loss_fn(model, xc, yc) / k).backward()
+                else:
+                    (loss_fn(model, xc, yc) / k).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+    return model
+
+
+def assert_close(model, ref, rtol, what):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert torch.allclose(p, q, rtol=rtol, atol=rtol * 1e-2), \
+            f"{what}: {name} differs by {(p - q).abs().max().item():.3g}"
+
+
+def check_equivalence(comm):
+    for opt_name in OPTIMIZERS:
+        ref = reference(opt_name)
+        for kwargs in ({}, {"bucket_cap_mb": 0.0005}, {"bucket_cap_mb": 0}):
+            assert_close(distributed(comm, opt_name, **kwargs), ref, 1e-5, f"{comm.name} {opt_name} {kwargs}")
+        assert_close(distributed(comm, opt_name, passes=2), ref, 1e-5, f"{opt_name} backward_passes_per_step=2")
+        assert_close(distributed(comm, opt_name, no_sync=True), ref, 1e-5, f"{opt_name} no_sync")
+
+
+def check_compression(comm):
+    for opt_name in OPTIMIZERS:
+        ref = reference(opt_name)
+        for c in ("fp16", "bf16"):
+            assert_close(distributed(comm, opt_name, compression=c), ref, 1e-2 if c == "fp16" else 5e-2,
+                         f"{opt_name} {c}")
+
+
+def check_double_buffering(comm):
+    for opt_name in OPTIMIZERS:
+        ref = reference(opt_name, delayed=True)
+        assert_close(distributed(comm, opt_name, double_buffering=True), ref, 1e-5, f"{opt_name} double buffering")
+
+
+def check_clipping(comm):
+    ref = reference("sgd", clip=0.05)
+    assert_close(distributed(comm, "sgd", clip=0.05), ref, 1e-5, "clip_grad_norm_ between backward and step")
+
+
+def check_unused_parameter(comm):
+    """A parameter that gets a gradient on rank 0 only: no hang, and its mean counts others as zero."""
+    torch.manual_seed(0)
+    trunk, branch = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    params = list(trunk.parameters()) + list(branch.parameters())
+    opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(params, lr=0.0), comm)
+    for _ in range(2):
+        opt.zero_grad()
+        out = trunk(torch.ones(1, 4))
+        if comm.rank == 0:
+            out = branch(out)
+        out.sum().backward()
+        opt.step()
+    expect = torch.ones(4) / comm.size  # rank 0's bias gradient of ones, zeros elsewhere
+    assert torch.allclose(branch.bias.grad, expect), branch.bias.grad
+    # A step where no parameter gets any gradient on one rank still completes.
+    opt.zero_grad()
+    if comm.rank != 0:
+        trunk(torch.ones(1, 4)).sum().backward()
+    opt.step()
+
+
+def check_transparency(comm):
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=1.0)
+    opt = torchmn.create_multi_node_optimizer(inner, comm)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    for step in range(3):
+        x, y = data(step)
+        opt.zero_grad()
+        loss_fn(model, local(x, comm), local(y, comm)).backward()
+        opt.step()
+        sched.step()
+    assert opt.param_groups[0]["lr"] == 0.125 and inner.param_groups[0]["lr"] == 0.125
+    assert opt.param_groups is inner.param_groups and opt.state is inner.state
+    sd = opt.state_dict()
+    assert sd == inner.state_dict() or sd.keys() == inner.state_dict().keys()
+    model2 = make_model()
+    opt2 = torchmn.create_multi_node_optimizer(torch.optim.SGD(model2.parameters(), lr=1.0), comm)
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["lr"] == 0.125
+
+
+CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--name", default="auto")
+    parser.add_argument("checks", nargs="+")
+    args = parser.parse_args()
+    comm = torchmn.create_communicator(args.name)
+    for name in (list(CHECKS) if args.checks == ["all"] else args.checks):
+        CHECKS[name](comm)
+        if comm.rank == 0:
+            print(f"PASS {name}", flush=True)
+    comm.finalize()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

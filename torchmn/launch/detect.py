@@ -1,0 +1,52 @@
+"""Which launcher started this process, and what it says about our place in the job."""
+from __future__ import annotations
+
+from typing import Mapping, Optional, Tuple, Type
+
+from torchmn.launch.base import Environment, LaunchEnvironment, environ
+from torchmn.launch.environments import (
+    MPICHEnvironment,
+    OpenMPIEnvironment,
+    SingleEnvironment,
+    SlurmEnvironment,
+    TorchmnEnvironment,
+    TorchrunEnvironment,
+    slurm_misuse_error,
+)
+
+# MPI comes before Slurm, unlike SPEC's list: mpirun inside an allocation inherits the batch
+# step's SLURM_* variables, which would otherwise win (see OpenMPIEnvironment).
+ENVIRONMENTS: Tuple[Type[Environment], ...] = (
+    TorchmnEnvironment,
+    TorchrunEnvironment,
+    OpenMPIEnvironment,
+    MPICHEnvironment,
+    SlurmEnvironment,
+)
+
+
+def detect_environment(env: Optional[Mapping[str, str]] = None) -> LaunchEnvironment:
+    """Read this process's rank, size, node and rendezvous from its launcher's variables.
+
+    ``env`` defaults to ``os.environ``. Launchers are tried in order: ``torchmn run``, torchrun,
+    Open MPI, MPICH / Intel MPI, Slurm (srun); with none, a world of one. Nothing is initialised.
+
+    Raises ValueError when a launcher's variables are malformed or inconsistent, and RuntimeError
+    when the rendezvous address cannot be known or when a multi-task Slurm allocation runs the script
+    without srun.
+
+    Example::
+
+        >>> detect_environment({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
+        ...                     "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2", "SLURM_STEP_ID": "0",
+        ...                     "SLURM_JOB_ID": "42", "SLURM_STEP_NODELIST": "n[1-2]"}).describe()
+        'slurm: rank 1/2, local 1/2, node 0, rendezvous n1:24074'
+    """
+    env = environ(env)
+    for kind in ENVIRONMENTS:
+        if kind.detect(env):
+            return kind.read(env)
+    message = slurm_misuse_error(env)
+    if message:
+        raise RuntimeError(message)
+    return SingleEnvironment.read(env)

@@ -1,0 +1,411 @@
+"""One class per launcher: which variables say that it started us, and what they say.
+
+Every ``read`` follows two rules: ``MASTER_ADDR`` / ``MASTER_PORT`` from the environment win over
+anything derived, and a value that is not an integer or does not fit (rank >= size, ...) raises
+ValueError naming the variable, its value and what to do.
+"""
+from __future__ import annotations
+
+import zlib
+from typing import Mapping, Optional, Sequence
+
+from torchmn.launch.base import (
+    TORCHMN_LOCAL_RANK,
+    TORCHMN_LOCAL_SIZE,
+    TORCHMN_NODE_RANK,
+    TORCHMN_RANK,
+    TORCHMN_SIZE,
+    Environment,
+    LaunchEnvironment,
+)
+from torchmn.launch.hostlist import expand_hostlist
+
+LOCALHOST = "127.0.0.1"
+
+# torchrun's default port, used when a launcher gives nothing to derive one from.
+DEFAULT_PORT = 29500
+
+# Derived ports fall in [PORT_BASE, PORT_BASE + PORT_SPAN): above the common service ports and
+# below Linux's default ephemeral range (32768-60999 starts inside it, but a listening port there
+# only clashes with a connection that happens to hold the same number at that moment).
+PORT_BASE = 20000
+PORT_SPAN = 20000
+
+# Slurm gives its special steps ids near 2**32: batch 0xfffffffb (0xfffffffe before 20.11), extern
+# 0xfffffffc (0xffffffff before), interactive 0xfffffffa. None of these is a task started by srun.
+_SLURM_SPECIAL_STEP_MIN = 0xFFFFFFF0
+
+
+def slurm_port(job_id: int, step_id: int) -> int:
+    """The rendezvous port for a Slurm step: ``20000 + (job_id * 97 + step_id) % 20000``.
+
+    Every task of a step computes the same number without talking to the others. 97 is prime to
+    20000, so steps 0-96 of one job never share a port, and neighbouring job ids land 97 apart.
+
+    Example::
+
+        >>> slurm_port(1234, 0)
+        39698
+    """
+    return PORT_BASE + (job_id * 97 + step_id) % PORT_SPAN
+
+
+def text_port(job_id: str) -> int:
+    """A port derived from an opaque job id string: ``20000 + crc32(job_id) % 20000``.
+
+    crc32 rather than ``hash()``, which Python salts per process, so every rank gets the same port.
+
+    Example::
+
+        >>> text_port("2089418753")
+        21854
+    """
+    return PORT_BASE + zlib.crc32(job_id.encode()) % PORT_SPAN
+
+
+def slurm_misuse_error(env: Mapping[str, str]) -> Optional[str]:
+    """A message when this process runs inside a multi-task Slurm allocation without srun.
+
+    A batch script (or a shell from salloc) sees ``SLURM_JOB_ID`` and ``SLURM_NTASKS`` but has no
+    step id of its own, or a special one; running ``python train.py`` there starts one process, not
+    N ranks. Returns None when this does not apply.
+
+    Example::
+
+        >>> slurm_misuse_error({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"})[:40]
+        'this script runs in a Slurm allocation o'
+    """
+    if not (env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")):
+        return None
+    try:
+        ntasks = int(env.get("SLURM_NTASKS", ""))
+    except ValueError:
+        return None
+    if ntasks <= 1 or _slurm_step_id(env) is not None:
+        return None
+    return (f"this script runs in a Slurm allocation of {ntasks} tasks but was not started by srun; "
+            f"launch it with `srun python ...` (one task per rank) or `torchmn run`")
+
+
+class TorchmnEnvironment(Environment):
+    """Started by ``torchmn run``: ``TORCHMN_RANK``, ``TORCHMN_SIZE``, ``TORCHMN_LOCAL_RANK``,
+    ``TORCHMN_LOCAL_SIZE``, ``TORCHMN_NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``."""
+
+    source = "torchmn"
+
+    @staticmethod
+    def detect(env: Mapping[str, str]) -> bool:
+        return TORCHMN_RANK in env
+
+    @classmethod
+    def read(cls, env: Mapping[str, str]) -> LaunchEnvironment:
+        fix = "these are set by `torchmn run`; do not set them by hand"
+        rank = _int(env, TORCHMN_RANK, fix)
+        size = _int(env, TORCHMN_SIZE, fix)
+        local_rank = _int(env, TORCHMN_LOCAL_RANK, fix)
+        local_size = _int(env, TORCHMN_LOCAL_SIZE, fix)
+        node_rank = _optional_int(env, TORCHMN_NODE_RANK, fix)
+        _check(env, (TORCHMN_RANK, rank), (TORCHMN_SIZE, size), (TORCHMN_LOCAL_RANK, local_rank),
+               (TORCHMN_LOCAL_SIZE, local_size), fix)
+        addr = _master_addr(env, None, size, local_size, cls.source,
+                            "`torchmn run` always sets it; was the variable removed?")
+        return LaunchEnvironment(rank, size, local_rank, local_size, node_rank, addr,
+                                 _master_port(env, None), cls.source)
+
+
+class TorchrunEnvironment(Environment):
+    """Started by torchrun / torchelastic: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the node index), ``MASTER_ADDR``, ``MASTER_PORT``.
+
+    Detected by ``TORCHELASTIC_RUN_ID``, or by ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
+    ``MASTER_ADDR`` together (a hand-written ``env://`` launch).
+    """
+
+    source = "torchrun"
+
+    @staticmethod
+    def detect(env: Mapping[str, str]) -> bool:
+        return ("TORCHELASTIC_RUN_ID" in env
+                or all(name in env for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")))
+
+    @classmethod
+    def read(cls, env: Mapping[str, str]) -> LaunchEnvironment:
+        fix = "torchrun sets it; when launching by hand set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE"
+        rank = _int(env, "RANK", fix)
+        size = _int(env, "WORLD_SIZE", fix)
+        local_rank = _int(env, "LOCAL_RANK", fix)
+        local_size = _int(env, "LOCAL_WORLD_SIZE", fix)
+        node_rank = _optional_int(env, "GROUP_RANK", fix)
+        _check(env, ("RANK", rank), ("WORLD_SIZE", size), ("LOCAL_RANK", local_rank),
+               ("LOCAL_WORLD_SIZE", local_size), fix)
+        addr = _master_addr(env, None, size, local_size, cls.source,
+                            "torchrun sets it; when launching by hand export it on every node")
+        return LaunchEnvironment(rank, size, local_rank, local_size, node_rank, addr,
+                                 _master_port(env, None), cls.source)
+
+
+class OpenMPIEnvironment(Environment):
+    """Started by Open MPI's ``mpirun``: ``OMPI_COMM_WORLD_RANK``, ``_SIZE``, ``_LOCAL_RANK``,
+    ``_LOCAL_SIZE``.
+
+    Checked before Slurm on purpose (SPEC lists Slurm first): a process started by ``mpirun`` inside
+    a Slurm allocation inherits the allocation's ``SLURM_*`` variables, which describe the batch
+    step, not this rank. Under ``srun --mpi=pmi2``/``pmix`` the ``OMPI_COMM_WORLD_*`` names are
+    absent and Slurm is read instead, and the two agree anyway.
+
+    ``node_rank`` is None: ``OMPI_COMM_WORLD_NODE_RANK`` numbers processes within a node (like the
+    local rank), it is not an index of nodes. Open MPI does not tell a rank where rank 0 runs, so
+    ``master_addr`` is 127.0.0.1 when every rank is on this node and otherwise ``MASTER_ADDR`` must
+    be exported (``mpirun -x MASTER_ADDR=<first host>``). The port is ``text_port`` of Open MPI's
+    job id (``OMPI_MCA_ess_base_jobid``, else ``OMPI_MCA_orte_ess_jobid``, else
+    ``PMIX_NAMESPACE``), which is the same on every rank of one mpirun; else 29500.
+    """
+
+    source = "openmpi"
+    _job_id_names = ("OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid", "PMIX_NAMESPACE")
+
+    @staticmethod
+    def detect(env: Mapping[str, str]) -> bool:
+        return "OMPI_COMM_WORLD_RANK" in env
+
+    @classmethod
+    def read(cls, env: Mapping[str, str]) -> LaunchEnvironment:
+        fix = "Open MPI's mpirun sets it; check that it was not overridden with -x"
+        names = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                 "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
+        return _read_mpi(env, cls.source, names, cls._job_id_names, fix)
+
+
+class MPICHEnvironment(Environment):
+    """Started by MPICH's or Intel MPI's Hydra ``mpiexec``: ``PMI_RANK``, ``PMI_SIZE``,
+    ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``.
+
+    Checked before Slurm for the same reason as Open MPI. ``srun --mpi=pmi2`` also sets
+    ``PMI_RANK``/``PMI_SIZE`` but not the ``MPI_LOCAL*`` names; that case is left to the Slurm
+    class, which knows the node index too.
+
+    ``node_rank`` is None and ``master_addr`` follows the Open MPI rule. Hydra gives each rank no job
+    id shared by all ranks (``PMI_FD`` differs per rank), so the port is 29500 unless
+    ``MASTER_PORT`` is set; ``PMI_JOBID`` or ``PMIX_NAMESPACE`` are used when a launcher provides
+    them.
+    """
+
+    source = "mpich"
+    _job_id_names = ("PMI_JOBID", "PMIX_NAMESPACE")
+
+    @staticmethod
+    def detect(env: Mapping[str, str]) -> bool:
+        if "PMI_RANK" not in env:
+            return False
+        return "MPI_LOCALRANKID" in env or not SlurmEnvironment.detect(env)
+
+    @classmethod
+    def read(cls, env: Mapping[str, str]) -> LaunchEnvironment:
+        fix = "MPICH / Intel MPI's mpiexec (Hydra) sets it; use Hydra's mpiexec, or srun under Slurm"
+        names = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
+        return _read_mpi(env, cls.source, names, cls._job_id_names, fix)
+
+
+class SlurmEnvironment(Environment):
+    """A task started by ``srun``: ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``,
+    ``SLURM_NODEID``, tasks per node, ``SLURM_STEP_NODELIST``, ``SLURM_JOB_ID``, ``SLURM_STEP_ID``.
+
+    Detected only with ``SLURM_PROCID`` and a real step id (``SLURM_STEP_ID``/``SLURM_STEPID``):
+    a batch script also has ``SLURM_PROCID`` but no step of its own (see ``slurm_misuse_error``).
+    Checked after MPI: see ``OpenMPIEnvironment``.
+
+    ``local_size`` is this node's entry of ``SLURM_STEP_TASKS_PER_NODE`` (else
+    ``SLURM_TASKS_PER_NODE``; srun sets both to the step's layout, e.g. ``2(x2),1``), indexed by
+    ``SLURM_NODEID``; else ``SLURM_NTASKS_PER_NODE``. ``master_addr`` is the first host of
+    ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``, else ``SLURM_NODELIST``), where task 0
+    runs with the default block distribution; the port is ``slurm_port(job id, step id)``.
+    """
+
+    source = "slurm"
+
+    @staticmethod
+    def detect(env: Mapping[str, str]) -> bool:
+        return "SLURM_PROCID" in env and _slurm_step_id(env) is not None
+
+    @classmethod
+    def read(cls, env: Mapping[str, str]) -> LaunchEnvironment:
+        fix = "srun sets it for every task; launch with `srun` rather than setting SLURM_* by hand"
+        rank = _int(env, "SLURM_PROCID", fix)
+        size_name = _first_present(env, ("SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_NPROCS"))
+        size = _int(env, size_name, fix)
+        local_rank = _int(env, "SLURM_LOCALID", fix)
+        node_rank = _int(env, "SLURM_NODEID", fix)
+        local_size, local_size_name = _slurm_local_size(env, node_rank, size, fix)
+        _check(env, ("SLURM_PROCID", rank), (size_name, size), ("SLURM_LOCALID", local_rank),
+               (local_size_name, local_size), fix)
+        nodelist_name = _first_present(env, ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"))
+        first_host = None
+        if nodelist_name in env:
+            try:
+                first_host = expand_hostlist(env[nodelist_name])[0]
+            except ValueError as error:
+                raise ValueError(f"{nodelist_name}={env[nodelist_name]!r} cannot be read: {error}; "
+                                 f"set MASTER_ADDR to the first node's name to bypass it") from error
+        addr = _master_addr(env, first_host, size, local_size, cls.source,
+                            "srun normally sets SLURM_STEP_NODELIST")
+        return LaunchEnvironment(rank, size, local_rank, local_size, node_rank, addr,
+                                 _master_port(env, _slurm_derived_port(env, fix)), cls.source)
+
+
+class SingleEnvironment(Environment):
+    """No launcher: a world of one process on 127.0.0.1 (``MASTER_ADDR``/``MASTER_PORT`` still win)."""
+
+    source = "single"
+
+    @staticmethod
+    def detect(env: Mapping[str, str]) -> bool:
+        return True
+
+    @classmethod
+    def read(cls, env: Mapping[str, str]) -> LaunchEnvironment:
+        return LaunchEnvironment(0, 1, 0, 1, 0, env.get("MASTER_ADDR") or LOCALHOST,
+                                 _master_port(env, None), cls.source)
+
+
+# ---- helpers ----
+
+def _read_mpi(env: Mapping[str, str], source: str, names: Sequence[str], job_id_names: Sequence[str],
+              fix: str) -> LaunchEnvironment:
+    rank, size, local_rank, local_size = (_int(env, name, fix) for name in names)
+    _check(env, (names[0], rank), (names[1], size), (names[2], local_rank), (names[3], local_size), fix)
+    addr = _master_addr(env, None, size, local_size, source,
+                        "MPI does not say where rank 0 runs; export it to every rank, e.g. "
+                        "`mpirun -x MASTER_ADDR=<first host> ...` (Open MPI) or "
+                        "`mpiexec -genv MASTER_ADDR <first host> ...` (MPICH)")
+    job_id = next((env[name] for name in job_id_names if env.get(name)), None)
+    derived = text_port(job_id) if job_id is not None else DEFAULT_PORT
+    return LaunchEnvironment(rank, size, local_rank, local_size, None, addr,
+                             _master_port(env, derived), source)
+
+
+def _int(env: Mapping[str, str], name: str, fix: str) -> int:
+    if name not in env:
+        raise ValueError(f"{name} is not set; {fix}")
+    value = env[name]
+    try:
+        return int(value.strip())
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not an integer; {fix}") from None
+
+
+def _optional_int(env: Mapping[str, str], name: str, fix: str) -> Optional[int]:
+    if not env.get(name, "").strip():
+        return None
+    number = _int(env, name, fix)
+    if number < 0:
+        raise ValueError(f"{name}={env[name]!r} is negative; {fix}")
+    return number
+
+
+def _check(env: Mapping[str, str], rank: tuple, size: tuple, local_rank: tuple, local_size: tuple,
+           fix: str) -> None:
+    """Each argument is (variable name, value); raise if they do not fit together."""
+    def shown(item: tuple) -> str:
+        name, value = item
+        return f"{name}={env.get(name, value)!r}"
+
+    if size[1] < 1:
+        raise ValueError(f"{shown(size)} must be at least 1; {fix}")
+    if local_size[1] < 1:
+        raise ValueError(f"{shown(local_size)} must be at least 1; {fix}")
+    if not 0 <= rank[1] < size[1]:
+        raise ValueError(f"{shown(rank)} is outside 0..{size[1] - 1} given by {shown(size)}; {fix}")
+    if not 0 <= local_rank[1] < local_size[1]:
+        raise ValueError(f"{shown(local_rank)} is outside 0..{local_size[1] - 1} given by "
+                         f"{shown(local_size)}; {fix}")
+    if local_size[1] > size[1]:
+        raise ValueError(f"{shown(local_size)} is larger than {shown(size)}; {fix}")
+
+
+def _master_addr(env: Mapping[str, str], derived: Optional[str], size: int, local_size: int,
+                 source: str, hint: str) -> str:
+    if env.get("MASTER_ADDR"):
+        return env["MASTER_ADDR"]
+    if derived:
+        return derived
+    if local_size == size:
+        return LOCALHOST
+    raise RuntimeError(f"MASTER_ADDR is not set and the {size} ranks ({source}) span several nodes, so "
+                       f"torchmn cannot tell where rank 0 runs; {hint}")
+
+
+def _master_port(env: Mapping[str, str], derived: Optional[int]) -> Optional[int]:
+    value = env.get("MASTER_PORT", "").strip()
+    if not value:
+        return derived
+    try:
+        port = int(value)
+    except ValueError:
+        port = -1
+    if not 0 < port < 65536:
+        raise ValueError(f"MASTER_PORT={env['MASTER_PORT']!r} is not a port number (1-65535); "
+                         f"unset it or set it to a free TCP port")
+    return port
+
+
+def _first_present(env: Mapping[str, str], names: Sequence[str]) -> str:
+    """The first of ``names`` that is set, else the first name (so errors name the main variable)."""
+    return next((name for name in names if env.get(name)), names[0])
+
+
+def _slurm_step_id(env: Mapping[str, str]) -> Optional[int]:
+    """This task's srun step id, or None outside an srun step (batch script, salloc shell, extern)."""
+    value = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    if value is None:
+        return None
+    try:
+        step = int(value)
+    except ValueError:
+        # e.g. "batch" or "extern" as some tools print it: not a task that srun started.
+        return None
+    if step < 0 or step >= _SLURM_SPECIAL_STEP_MIN:
+        return None
+    return step
+
+
+def _slurm_local_size(env: Mapping[str, str], node_rank: int, size: int, fix: str) -> tuple:
+    """(tasks on this node, variable it came from)."""
+    for name in ("SLURM_STEP_TASKS_PER_NODE", "SLURM_TASKS_PER_NODE"):
+        if env.get(name):
+            counts = _expand_tasks_per_node(name, env[name], fix)
+            if node_rank >= len(counts):
+                raise ValueError(f"SLURM_NODEID={env['SLURM_NODEID']!r} has no entry in "
+                                 f"{name}={env[name]!r} ({len(counts)} nodes); {fix}")
+            return counts[node_rank], name
+    if env.get("SLURM_NTASKS_PER_NODE"):
+        return _int(env, "SLURM_NTASKS_PER_NODE", fix), "SLURM_NTASKS_PER_NODE"
+    if size == 1:
+        return 1, "SLURM_NTASKS"
+    raise ValueError(f"SLURM_TASKS_PER_NODE is not set, so the number of tasks on this node is unknown; {fix}")
+
+
+def _expand_tasks_per_node(name: str, value: str, fix: str) -> list:
+    """Slurm's compact per-node counts: ``2(x3),1`` -> [2, 2, 2, 1]."""
+    counts = []
+    for part in value.split(","):
+        count_text, _, repeat_text = part.strip().partition("(x")
+        try:
+            count = int(count_text)
+            repeat = int(repeat_text[:-1]) if repeat_text else 1
+            if repeat_text and not repeat_text.endswith(")"):
+                raise ValueError(part)
+        except ValueError:
+            raise ValueError(f"{name}={value!r} is not a tasks-per-node list like '2(x3),1'; {fix}") from None
+        if count < 1 or repeat < 1:
+            raise ValueError(f"{name}={value!r} has a count below 1; {fix}")
+        counts.extend([count] * repeat)
+    return counts
+
+
+def _slurm_derived_port(env: Mapping[str, str], fix: str) -> int:
+    job_name = _first_present(env, ("SLURM_JOB_ID", "SLURM_JOBID"))
+    if not env.get(job_name):
+        return DEFAULT_PORT
+    job_id = _int(env, job_name, fix)
+    step_id = _slurm_step_id(env) or 0
+    return slurm_port(job_id, step_id)

@@ -1,0 +1,535 @@
+"""``torchmn run``: start N ranks of a command, watch them, and tear the job down cleanly.
+
+The launcher
+- hosts the rendezvous store itself (a ``TCPStore`` on a port the OS picks, as torchrun does), so
+  there is no race for a free port, and tells every rank to connect to it as a client;
+- gives each rank the torchmn and torchrun variables and a CPU thread budget;
+- prefixes every output line with the rank, and can also write per-rank log files;
+- when one rank fails, stops all others (SIGTERM to each rank's process group, SIGKILL after a
+  grace period) and prints which rank failed first, where, how, and its traceback;
+- forwards SIGINT/SIGTERM/SIGHUP to the ranks and leaves no process behind.
+
+Ranks are planned as ``Slot`` records over a list of hosts, so multi-host runs (-H, --hostfile over
+ssh) can add hosts without changing how ranks are numbered; for now the only host is this machine.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import errno
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+from torchmn import resources
+from torchmn.launch import base
+
+LOCAL_ADDR = "127.0.0.1"
+GRACE_SECONDS = 3.0
+TAIL_LINES = 200
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class RunError(Exception):
+    """A job that cannot be started as asked; ``exit_code`` is what ``torchmn run`` exits with."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One rank's place in the job."""
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    node_rank: int
+    node_count: int
+    host: str
+
+
+def plan_slots(hosts: Sequence[Tuple[str, int]]) -> List[Slot]:
+    """Number ranks host by host: the first host's slots get ranks 0..k-1, and so on.
+
+    Example::
+
+        >>> [(s.rank, s.local_rank, s.node_rank) for s in plan_slots([("a", 2), ("b", 1)])]
+        [(0, 0, 0), (1, 1, 0), (2, 0, 1)]
+    """
+    size = sum(count for _, count in hosts)
+    slots: List[Slot] = []
+    for node_rank, (host, count) in enumerate(hosts):
+        for local_rank in range(count):
+            slots.append(Slot(len(slots), size, local_rank, count, node_rank, len(hosts), host))
+    return slots
+
+
+def rank_env(slot: Slot, master_addr: str, master_port: int) -> Dict[str, str]:
+    """The variables that tell one rank its place: torchmn's names and torchrun's.
+
+    Example::
+
+        >>> rank_env(plan_slots([("h", 2)])[1], "127.0.0.1", 29500)["RANK"]
+        '1'
+    """
+    return {
+        base.TORCHMN_RANK: str(slot.rank),
+        base.TORCHMN_SIZE: str(slot.size),
+        base.TORCHMN_LOCAL_RANK: str(slot.local_rank),
+        base.TORCHMN_LOCAL_SIZE: str(slot.local_size),
+        base.TORCHMN_NODE_RANK: str(slot.node_rank),
+        base.TORCHMN_NODE_COUNT: str(slot.node_count),
+        base.TORCHMN_HOST: slot.host,
+        "RANK": str(slot.rank),
+        "WORLD_SIZE": str(slot.size),
+        "LOCAL_RANK": str(slot.local_rank),
+        "LOCAL_WORLD_SIZE": str(slot.local_size),
+        "GROUP_RANK": str(slot.node_rank),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        # The launcher hosts the store; with this, torch's env:// rendezvous makes every rank,
+        # rank 0 included, a client of it instead of rank 0 binding MASTER_PORT itself.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+
+
+def start_store(host: str, port: Optional[int]):
+    """Host the rendezvous TCPStore; port None lets the OS pick a free one. Returns the store.
+
+    Example::
+
+        >>> store = start_store("127.0.0.1", None); store.port > 0
+        True
+    """
+    from torch.distributed import TCPStore
+
+    try:
+        return TCPStore(host, port or 0, is_master=True, wait_for_workers=False)
+    except RuntimeError as e:
+        text = str(e)
+        if port and ("EADDRINUSE" in text or "in use" in text.lower()):
+            raise RunError(f"port {port} is already in use on this machine (--master-port {port}). "
+                           f"Pick another port, or leave --master-port out so torchmn picks a free one.")
+        raise RunError(f"could not start the rendezvous store on {host}:{port or 0}: {text}")
+
+
+def _prepare_log_dir(log_dir: str) -> None:
+    try:
+        os.makedirs(log_dir, exist_ok=True)
+    except OSError as e:
+        raise RunError(f"cannot create --log-dir {log_dir!r}: {e.strerror}. "
+                       f"Pass a directory you can write to.")
+    if not os.access(log_dir, os.W_OK | os.X_OK):
+        raise RunError(f"cannot write to --log-dir {log_dir!r}: permission denied. "
+                       f"Pass a directory you can write to.")
+
+
+def extract_traceback(lines: Sequence[str]) -> List[str]:
+    """The last Python traceback in ``lines`` (from its "Traceback (most recent call last):" header to
+    the end); the last 20 lines when there is none.
+
+    Example::
+
+        >>> extract_traceback(["x", "Traceback (most recent call last):", '  File "a.py"', "E: b"])
+        ['Traceback (most recent call last):', '  File "a.py"', 'E: b']
+    """
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("Traceback (most recent call last):"):
+            return list(lines[i:])
+    return list(lines[-20:])
+
+
+def describe_exit(returncode: int) -> str:
+    """Plain words for a Popen return code.
+
+    Example::
+
+        >>> describe_exit(-9)
+        'was killed by signal SIGKILL (exit code 137)'
+    """
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"was killed by signal {name} (exit code {128 - returncode})"
+    return f"failed with exit code {returncode}"
+
+
+def exit_code_of(returncode: int) -> int:
+    """A shell-style exit code: 128+N for a process killed by signal N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+class _Console:
+    """Writes whole lines to the launcher's stdout/stderr under one lock, so lines never interleave."""
+
+    def __init__(self, output_ranks: Optional[Set[int]]):
+        self.lock = threading.Lock()
+        self.output_ranks = output_ranks
+
+    def write(self, rank: int, line: bytes, to_stderr: bool) -> None:
+        if self.output_ranks is not None and rank not in self.output_ranks:
+            return
+        stream = sys.stderr if to_stderr else sys.stdout
+        data = b"[%d] " % rank + line
+        with self.lock:
+            binary = getattr(stream, "buffer", None)
+            if binary is not None:
+                stream.flush()
+                binary.write(data)
+                binary.flush()
+            else:
+                stream.write(data.decode("utf-8", "replace"))
+                stream.flush()
+
+    def message(self, text: str) -> None:
+        with self.lock:
+            sys.stdout.flush()
+            sys.stderr.write(text if text.endswith("\n") else text + "\n")
+            sys.stderr.flush()
+
+
+class _Rank:
+    """One started rank: its process, output readers, stderr tail and log file."""
+
+    def __init__(self, slot: Slot, process: subprocess.Popen, console: _Console, log_path: Optional[str]):
+        self.slot = slot
+        self.process = process
+        self.pgid = process.pid  # start_new_session=True makes the rank the leader of its own group
+        self.returncode: Optional[int] = None
+        self.stopped_by_launcher = False
+        self.tail: Deque[str] = collections.deque(maxlen=TAIL_LINES)
+        self.log = open(log_path, "wb") if log_path else None
+        self.log_lock = threading.Lock()
+        self.console = console
+        self.readers = [
+            threading.Thread(target=self._read, args=(process.stdout, False), daemon=True),
+            threading.Thread(target=self._read, args=(process.stderr, True), daemon=True),
+        ]
+        for reader in self.readers:
+            reader.start()
+
+    def _read(self, pipe: IO[bytes], is_stderr: bool) -> None:
+        for line in iter(pipe.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            if is_stderr:
+                self.tail.append(line.decode("utf-8", "replace").rstrip("\n"))
+            if self.log is not None:
+                with self.log_lock:
+                    self.log.write(line)
+                    self.log.flush()
+            self.console.write(self.slot.rank, line, is_stderr)
+        pipe.close()
+
+    def finish_output(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        for reader in self.readers:
+            reader.join(max(0.0, deadline - time.monotonic()))
+        if self.log is not None and not any(r.is_alive() for r in self.readers):
+            self.log.close()
+
+
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to a process group; False when the group no longer has any member."""
+    try:
+        os.killpg(pgid, sig)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process group still has a member that is not a zombie. Orphaned grandchildren
+    become zombies of PID 1, which in containers may take a second or more to reap them; waiting for
+    those would only slow teardown down."""
+    import psutil
+
+    if not _signal_group(pgid, 0):
+        return False
+    for process in psutil.process_iter(["status"]):
+        try:
+            if process.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(process.pid) == pgid:
+                return True
+        except (psutil.Error, OSError):
+            continue
+    return False
+
+
+def _alive(process) -> bool:
+    import psutil
+
+    try:
+        return process.is_running() and process.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class Job:
+    """A running ``torchmn run`` job on this machine. Use ``run()`` unless you need the pieces."""
+
+    def __init__(self, command: Sequence[str], np: int, *, master_port: Optional[int] = None,
+                 log_dir: Optional[str] = None, output_ranks: Optional[Set[int]] = None,
+                 start_timeout: Optional[float] = None, verbose: bool = False,
+                 grace: float = GRACE_SECONDS, env: Optional[Mapping[str, str]] = None):
+        if np < 1:
+            raise RunError(f"-np must be at least 1, got {np}.")
+        command = list(command)
+        if command and command[0] == "--":
+            command = command[1:]
+        if not command:
+            raise RunError("no command given. Usage: torchmn run -np N [options] COMMAND [ARGS...]")
+        if master_port is not None and not 0 < master_port < 65536:
+            raise RunError(f"--master-port must be between 1 and 65535, got {master_port}.")
+        if output_ranks is not None and not output_ranks <= set(range(np)):
+            raise RunError(f"--output-ranks names ranks {sorted(output_ranks - set(range(np)))}, "
+                           f"but the job has ranks 0..{np - 1} only.")
+        self.command = command
+        self.np = np
+        self.master_port = master_port
+        self.log_dir = log_dir
+        # Not enforced yet: it will bound how long ranks may take to reach the rendezvous once
+        # multi-host launching (where a host can be unreachable) exists.
+        self.start_timeout = start_timeout
+        self.verbose = verbose
+        self.grace = grace
+        self.base_env = dict(os.environ if env is None else env)
+        self.host = socket.gethostname()
+        self.slots = plan_slots([(self.host, np)])
+        self.console = _Console(output_ranks)
+        self.ranks: List[_Rank] = []
+        self.events: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self.first_failure: Optional[_Rank] = None
+        self.received_signal: Optional[int] = None
+        self.descendants: Dict[int, object] = {}
+        self.store = None
+
+    # -- starting ---------------------------------------------------------------------------------
+
+    def _check_command(self) -> None:
+        path = self.base_env.get("PATH", os.defpath)
+        if shutil.which(self.command[0], path=path) is None:
+            where = "is not an executable file" if os.sep in self.command[0] else "was not found on PATH"
+            raise RunError(f"command not found: {self.command[0]!r} {where} (rank 0 on host {self.host} "
+                           f"would have run it). Check the spelling, or give its full path.", exit_code=127)
+
+    def _env_for(self, slot: Slot, port: int) -> Dict[str, str]:
+        env = dict(self.base_env)
+        env.update(resources.launcher_thread_env(slot.local_size, self.base_env))
+        env.update(rank_env(slot, LOCAL_ADDR, port))
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def start(self) -> None:
+        self._check_command()
+        if self.log_dir is not None:
+            _prepare_log_dir(self.log_dir)
+        self.store = start_store(LOCAL_ADDR, self.master_port)
+        port = self.store.port
+        if self.verbose:
+            threads = resources.launcher_thread_env(self.np, self.base_env).get(resources.TORCHMN_NUM_THREADS)
+            self.console.message(
+                f"torchmn run: {self.np} ranks on {self.host}, rendezvous {LOCAL_ADDR}:{port}, "
+                f"threads per rank: {threads or 'set by user (OMP_NUM_THREADS)'}, "
+                f"command: {' '.join(self.command)}")
+        for slot in self.slots:
+            log_path = os.path.join(self.log_dir, f"rank.{slot.rank}.log") if self.log_dir else None
+            try:
+                process = subprocess.Popen(self.command, env=self._env_for(slot, port),
+                                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, start_new_session=True)
+            except OSError as e:
+                code = 127 if e.errno == errno.ENOENT else 126
+                raise RunError(f"rank {slot.rank} on host {slot.host} could not start {self.command[0]!r}: "
+                               f"{e.strerror}. Check the command and its permissions.", exit_code=code)
+            rank = _Rank(slot, process, self.console, log_path)
+            self.ranks.append(rank)
+            threading.Thread(target=self._wait_for, args=(rank,), daemon=True).start()
+
+    def _wait_for(self, rank: _Rank) -> None:
+        self.events.put(("exit", rank, rank.process.wait()))
+
+    # -- watching ---------------------------------------------------------------------------------
+
+    def _on_signal(self, signum, frame) -> None:
+        # SimpleQueue.put is reentrant, so it is safe even when the signal interrupts a get().
+        self.events.put(("signal", signum))
+
+    def _remember_descendants(self) -> None:
+        """Note every process a rank started, so that teardown can find grandchildren that left the
+        rank's process group (setsid, daemons). Called every 0.5 s and when teardown starts: such a
+        process is found only if it was seen while its rank was still alive."""
+        import psutil
+
+        for rank in self.ranks:
+            if rank.returncode is not None:
+                continue
+            try:
+                children = psutil.Process(rank.process.pid).children(recursive=True)
+            except psutil.Error:
+                continue
+            for child in children:
+                self.descendants.setdefault(child.pid, child)
+
+    def _kill_descendants(self) -> None:
+        import psutil
+
+        for child in self.descendants.values():
+            try:
+                child.kill()  # psutil checks the pid still names the same process
+            except psutil.Error:
+                continue
+
+    def _running(self) -> List[_Rank]:
+        return [r for r in self.ranks if r.returncode is None]
+
+    def _anything_left(self) -> bool:
+        if self._running():
+            return True
+        for rank in self.ranks:
+            if _group_alive(rank.pgid):
+                return True
+        return any(_alive(child) for child in self.descendants.values())
+
+    def _teardown(self, first_signal: int) -> None:
+        """Stop every rank and everything it started: ``first_signal`` to each process group, SIGKILL
+        to whatever is left after the grace period."""
+        self._remember_descendants()
+        # Exits already queued happened before the stop: those ranks ended on their own.
+        while True:
+            try:
+                self._handle(self.events.get_nowait(), escalate=False)
+            except queue.Empty:
+                break
+        for rank in self.ranks:
+            if rank.returncode is None:
+                rank.stopped_by_launcher = True
+            _signal_group(rank.pgid, first_signal)
+        deadline = time.monotonic() + self.grace
+        while self._anything_left() and time.monotonic() < deadline:
+            self._next_event(min(0.05, max(0.0, deadline - time.monotonic())), escalate=True)
+        self._kill_all()
+
+    def _kill_all(self) -> None:
+        self._remember_descendants()
+        for rank in self.ranks:
+            _signal_group(rank.pgid, signal.SIGKILL)
+        self._kill_descendants()
+        for rank in self.ranks:
+            rank.process.wait()
+            rank.returncode = rank.process.returncode
+
+    def _next_event(self, timeout: float, escalate: bool = False) -> None:
+        try:
+            event = self.events.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self._handle(event, escalate)
+
+    def _handle(self, event: tuple, escalate: bool) -> None:
+        if event[0] == "exit":
+            _, rank, returncode = event
+            rank.returncode = returncode
+            if returncode != 0 and self.first_failure is None and not rank.stopped_by_launcher \
+                    and self.received_signal is None:
+                self.first_failure = rank
+        elif event[0] == "signal":
+            if self.received_signal is None and self.first_failure is None:
+                self.received_signal = event[1]
+            elif escalate:
+                # A second Ctrl-C during teardown: do not make the user wait for the grace period.
+                self._kill_all()
+
+    def watch(self) -> int:
+        """Wait for the job to end; returns the launcher's exit code."""
+        last_scan = 0.0
+        while self._running() and self.first_failure is None and self.received_signal is None:
+            self._next_event(0.5)
+            if time.monotonic() - last_scan > 0.5:
+                self._remember_descendants()
+                last_scan = time.monotonic()
+        # Also when every rank exited 0: stops anything they left running in the background.
+        self._teardown(self.received_signal or signal.SIGTERM)
+        for rank in self.ranks:
+            rank.finish_output(timeout=2.0)
+        return self._summarize()
+
+    def _summarize(self) -> int:
+        if self.received_signal is not None:
+            name = signal.Signals(self.received_signal).name
+            self.console.message(f"torchmn run: received {name}; forwarded it to all {self.np} ranks "
+                                 f"and stopped them.")
+            return 128 + self.received_signal
+        failed = self.first_failure
+        if failed is None:
+            return 0
+        code = failed.returncode
+        stopped = sum(1 for r in self.ranks if r.stopped_by_launcher)
+        lines = [f"torchmn run: rank {failed.slot.rank} (host {failed.slot.host}) {describe_exit(code)}"
+                 + (f"; stopped the other {stopped} running rank(s)." if stopped else ".")]
+        also = [r.slot.rank for r in self.ranks
+                if r is not failed and not r.stopped_by_launcher and r.returncode != 0]
+        if also:
+            lines.append(f"torchmn run: rank(s) {', '.join(map(str, also))} also failed on their own, later.")
+        if code == -signal.SIGKILL:
+            lines.append("torchmn run: SIGKILL often comes from the out-of-memory killer "
+                         "(check `dmesg` or the job's memory limit).")
+        tail = extract_traceback(list(failed.tail))
+        if tail:
+            lines.append(f"----- rank {failed.slot.rank} stderr -----")
+            lines.extend(tail)
+            lines.append("-" * 30)
+        self.console.message("\n".join(lines))
+        return exit_code_of(code)
+
+    def close(self) -> None:
+        # Dropping the last reference shuts the store's server down and frees the port.
+        self.store = None
+
+
+def run(command: Sequence[str], np: int, *, master_port: Optional[int] = None,
+        log_dir: Optional[str] = None, output_ranks: Optional[Set[int]] = None,
+        start_timeout: Optional[float] = None, verbose: bool = False,
+        grace: float = GRACE_SECONDS, env: Optional[Mapping[str, str]] = None) -> int:
+    """Run ``command`` as ``np`` ranks on this machine and return the exit code ``torchmn run`` would.
+
+    Raises ``RunError`` (before anything is started) for a job that cannot be run as asked.
+    ``start_timeout`` is accepted for horovodrun compatibility and kept for multi-host launching;
+    it is not enforced yet.
+
+    Example::
+
+        >>> run(["python", "-c", "import os; print(os.environ['RANK'])"], np=2)   # prints [0] 0, [1] 1
+        0
+    """
+    job = Job(command, np, master_port=master_port, log_dir=log_dir, output_ranks=output_ranks,
+              start_timeout=start_timeout, verbose=verbose, grace=grace, env=env)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = {}
+    if in_main_thread:
+        # Installed before the first rank starts, so a Ctrl-C during start-up still tears down.
+        for sig in FORWARDED_SIGNALS:
+            previous[sig] = signal.signal(sig, job._on_signal)
+    try:
+        try:
+            job.start()
+        except BaseException:
+            if job.ranks:
+                job._teardown(signal.SIGTERM)
+            raise
+        return job.watch()
+    finally:
+        job.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

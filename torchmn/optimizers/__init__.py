@@ -1,0 +1,4 @@
+"""Optimizers that average gradients over ranks (and, with ``shard_state``, split the update)."""
+from torchmn.optimizers.multi_node_optimizer import MultiNodeOptimizer, create_multi_node_optimizer
+
+__all__ = ["MultiNodeOptimizer", "create_multi_node_optimizer"]
