@@ -28,7 +28,7 @@ def launcher_argv(launcher: str, np: int) -> list[str]:
         return [sys.executable, "-m", "torchmn", "run", "-np", str(np)]
     if launcher == "torchrun":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(np),
-                "--master-port", "0", "--no-python", sys.executable]
+                "--standalone", "--no-python", sys.executable]
     raise ValueError(launcher)
 
 

@@ -510,7 +510,8 @@ def run(command: Sequence[str], np: int, *, master_port: Optional[int] = None,
 
     Example::
 
-        >>> run(["python", "-c", "import os; print(os.environ['RANK'])"], np=2)   # prints [0] 0, [1] 1
+        >>> run(["python", "-c", "import os; print(os.environ['RANK'])"], np=2, output_ranks={0})
+        [0] 0
         0
     """
     job = Job(command, np, master_port=master_port, log_dir=log_dir, output_ranks=output_ranks,

@@ -1,0 +1,63 @@
+"""The communicator over real gloo, in real multi-process jobs started by torchmn run and torchrun."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from jobs import WORKERS, clean_env, run_job
+
+CHECKS = WORKERS / "comm_checks.py"
+
+
+@pytest.mark.parametrize("launcher", ["torchmn", "torchrun"])
+@pytest.mark.parametrize("np", [2, 4])
+def test_all_collectives(launcher, np):
+    out = run_job(CHECKS, ["all"], np=np, launcher=launcher, timeout=150).stdout
+    for check in ("ring", "collectives", "arange", "allgather_uneven", "bcast_data", "mean_grad", "objects",
+                  "topology", "split", "mismatch"):
+        assert f"PASS {check}" in out, out
+    assert f"TOPOLOGY size={np} inter_size=1 intra_size={np}" in out
+
+
+@pytest.mark.parametrize("name", ["naive", "flat"])
+def test_gradient_algorithms(name):
+    out = run_job(CHECKS, ["--name", name, "mean_grad", "bcast_data"], np=3, timeout=90).stdout
+    assert "PASS mean_grad" in out and "PASS bcast_data" in out
+
+
+def test_bcast_obj_300mb():
+    out = run_job(CHECKS, ["big_obj"], np=2, timeout=120, env={"BIG_OBJ_MB": "300"}).stdout
+    assert "PASS big_obj" in out
+
+
+def test_world_of_one_opens_no_port():
+    """A plain `python script.py` is a world of one: every collective works and no socket is opened."""
+    code = r"""
+import psutil, torch, torchmn
+comm = torchmn.create_communicator()
+assert (comm.rank, comm.size, comm.intra_size, comm.inter_size) == (0, 1, 1, 1)
+x = torch.arange(6.).reshape(2, 3).t()
+assert torch.equal(comm.allreduce(x), x) and torch.equal(comm.bcast(x), x)
+assert torch.equal(comm.allgather(x)[0], x) and torch.equal(comm.gather(x)[0], x)
+assert torch.equal(comm.scatter([x]), x) and torch.equal(comm.alltoall([x])[0], x)
+assert comm.bcast_obj({"a": 1}) == {"a": 1} and comm.allgather_obj(3) == [3] and comm.allreduce_obj(2) == 2
+m = torch.nn.Linear(3, 2); m.weight.grad = torch.ones(2, 3)
+comm.bcast_data(m); comm.multi_node_mean_grad(m); comm.barrier()
+assert torch.equal(m.weight.grad, torch.ones(2, 3))
+opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(m.parameters(), lr=1.0), comm)
+m(torch.ones(1, 3)).sum().backward(); opt.step()
+sockets = psutil.Process().net_connections(kind="inet")
+assert not sockets, sockets
+print("OK")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr
+
+
+def test_unknown_name_is_refused():
+    code = "import torchmn\ntry:\n    torchmn.create_communicator('fastest')\nexcept ValueError as e:\n    print(e)"
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert "unknown communicator 'fastest'" in proc.stdout and "flat" in proc.stdout, proc.stderr

@@ -1,0 +1,121 @@
+"""CPU thread budget arithmetic (fake environments) and its application inside a process."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from torchmn import resources
+
+
+@pytest.fixture
+def cpus(monkeypatch):
+    """Pretend the machine gives this process N CPUs and has no cgroup quota."""
+    def set_cpus(n, quota=None):
+        monkeypatch.setattr(resources, "_affinity_count", lambda: n)
+        monkeypatch.setattr(resources, "_cgroup_cpu_limit", lambda: quota)
+    return set_cpus
+
+
+def test_available_is_the_tightest_limit(cpus):
+    cpus(16)
+    assert resources.cpu_count_available({}) == 16
+    assert resources.cpu_count_available({"SLURM_CPUS_PER_TASK": "6"}) == 6
+    assert resources.cpu_count_available({"SLURM_CPUS_PER_TASK": "junk"}) == 16
+    cpus(16, quota=3)
+    assert resources.cpu_count_available({"SLURM_CPUS_PER_TASK": "6"}) == 3
+
+
+@pytest.mark.parametrize("n, local_size, expected", [(16, 1, 16), (16, 4, 4), (16, 3, 5), (2, 4, 1), (1, 1, 1)])
+def test_budget_divides_and_never_reaches_zero(cpus, n, local_size, expected):
+    cpus(n)
+    assert resources.thread_budget(local_size, {}) == expected
+
+
+def test_budget_rejects_nonsense_local_size(cpus):
+    cpus(4)
+    with pytest.raises(ValueError, match="local_size"):
+        resources.thread_budget(0, {})
+
+
+def test_launcher_env_sets_every_pool(cpus):
+    cpus(8)
+    env = resources.launcher_thread_env(2, {})
+    assert env == {name: "4" for name in resources.THREAD_VARIABLES + ("TORCHMN_NUM_THREADS",)}
+
+
+def test_launcher_env_leaves_user_settings_alone(cpus):
+    cpus(8)
+    assert resources.launcher_thread_env(2, {"OMP_NUM_THREADS": "3"}) == {}
+    env = resources.launcher_thread_env(2, {"MKL_NUM_THREADS": "1"})
+    assert "MKL_NUM_THREADS" not in env and env["OMP_NUM_THREADS"] == "4"
+    env = resources.launcher_thread_env(2, {"TORCHMN_NUM_THREADS": "7"})
+    assert env["OMP_NUM_THREADS"] == env["TORCHMN_NUM_THREADS"] == "7"
+
+
+def test_srun_tasks_keep_their_own_cpus(cpus):
+    cpus(4)
+    srun = {"SLURM_STEP_ID": "0", "SLURM_LOCALID": "1", "SLURM_CPUS_PER_TASK": "4"}
+    assert resources._ranks_sharing_cpus(4, srun) == 1
+    # torchmn run inside a batch script: its ranks share the script's CPUs.
+    assert resources._ranks_sharing_cpus(4, {**srun, "TORCHMN_RANK": "1"}) == 4
+    assert resources._ranks_sharing_cpus(4, {"SLURM_CPUS_PER_TASK": "4"}) == 4
+
+
+def test_dataloader_workers_leave_one_cpu_for_the_rank(cpus):
+    cpus(8)
+    assert resources.dataloader_workers_budget(2, {}) == 3
+    assert resources.dataloader_workers_budget(8, {}) == 0
+    assert resources.dataloader_workers_budget(2, {"OMP_NUM_THREADS": "2"}) == 1
+
+
+def test_cgroup_v2_quota_of_own_cgroup_and_parents(tmp_path):
+    (tmp_path / "job" / "step").mkdir(parents=True)
+    (tmp_path / "job" / "cpu.max").write_text("250000 100000\n")
+    (tmp_path / "job" / "step" / "cpu.max").write_text("max 100000\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("0::/job/step\n")
+    assert resources._cgroup_cpu_limit(root=str(tmp_path), proc_cgroup=str(proc)) == 3
+    (tmp_path / "job" / "cpu.max").write_text("max 100000\n")
+    assert resources._cgroup_cpu_limit(root=str(tmp_path), proc_cgroup=str(proc)) is None
+
+
+def test_cgroup_v1_quota(tmp_path):
+    (tmp_path / "cpu").mkdir()
+    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")
+    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
+    assert resources._cgroup_cpu_limit(root=str(tmp_path), proc_cgroup=str(tmp_path / "none")) == 2
+
+
+APPLY = """
+import json, os, torch
+from torchmn import resources
+first = resources.apply_thread_budget(2)
+second = resources.apply_thread_budget(2)
+print(json.dumps({"first": first, "second": second, "torch": torch.get_num_threads(),
+                  "omp": os.environ.get("OMP_NUM_THREADS"), "mkl": os.environ.get("MKL_NUM_THREADS")}))
+"""
+
+
+def apply_in_subprocess(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    env.update(extra)
+    result = subprocess.run([sys.executable, "-c", APPLY], capture_output=True, text=True, env=env, timeout=60)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout.splitlines()[-1])
+
+
+def test_apply_thread_budget_in_a_rank():
+    expected = max(1, resources.cpu_count_available() // 2)
+    got = apply_in_subprocess()
+    assert got == {"first": expected, "second": expected, "torch": expected,
+                   "omp": str(expected), "mkl": str(expected)}
+
+
+def test_apply_thread_budget_honours_the_user():
+    got = apply_in_subprocess(OMP_NUM_THREADS="3")
+    # torch reads OMP_NUM_THREADS itself (and may cap it at the core count); torchmn changes nothing.
+    assert got["first"] is got["second"] is None and got["omp"] == "3" and got["mkl"] is None
+    got = apply_in_subprocess(TORCHMN_NUM_THREADS="1")
+    assert got["first"] == got["second"] == got["torch"] == 1 and got["omp"] == "1"

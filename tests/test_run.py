@@ -1,0 +1,232 @@
+"""`torchmn run` with real processes: environment, output, rendezvous, teardown, signals, errors."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from torchmn import resources
+from torchmn.cli import main
+
+SCRIPTS = os.path.join(os.path.dirname(__file__), "scripts")
+TIMEOUT = 90
+
+
+def script(name):
+    return os.path.join(SCRIPTS, name)
+
+
+def torchmn_run(*args, env=None, timeout=TIMEOUT):
+    return subprocess.run([sys.executable, "-m", "torchmn", "run", *args], capture_output=True, text=True,
+                          env=env, timeout=timeout)
+
+
+def rank_lines(output, rank):
+    prefix = f"[{rank}] "
+    return [line[len(prefix):] for line in output.splitlines() if line.startswith(prefix)]
+
+
+def rank_env(output, rank):
+    return dict(line.split("=", 1) for line in rank_lines(output, rank) if "=" in line)
+
+
+def alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def pids_in(pid_dir):
+    pids = {}
+    for name in os.listdir(pid_dir):
+        if name.endswith(".pid"):
+            with open(os.path.join(pid_dir, name)) as f:
+                pids[name] = int(f.read())
+    return pids
+
+
+def assert_all_gone(pids):
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids.values()):
+        time.sleep(0.1)
+    survivors = {name: pid for name, pid in pids.items() if alive(pid)}
+    for pid in survivors.values():
+        os.kill(pid, signal.SIGKILL)
+    assert not survivors, f"processes left behind: {survivors}"
+
+
+def clean_env(**extra):
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS") and k != "VECLIB_MAXIMUM_THREADS"}
+    env.update(extra)
+    return env
+
+
+@pytest.mark.parametrize("np", [2, 4])
+def test_each_rank_gets_its_place_and_prefixed_output(np):
+    result = torchmn_run("-np", str(np), sys.executable, script("run_env.py"), env=clean_env())
+    assert result.returncode == 0, result.stderr
+    ports = set()
+    for rank in range(np):
+        env = rank_env(result.stdout, rank)
+        assert env["TORCHMN_RANK"] == env["RANK"] == str(rank)
+        assert env["TORCHMN_SIZE"] == env["WORLD_SIZE"] == str(np)
+        assert env["TORCHMN_LOCAL_RANK"] == env["LOCAL_RANK"] == str(rank)
+        assert env["TORCHMN_LOCAL_SIZE"] == env["LOCAL_WORLD_SIZE"] == str(np)
+        assert env["TORCHMN_NODE_RANK"] == env["GROUP_RANK"] == "0"
+        assert env["TORCHMN_NODE_COUNT"] == "1"
+        assert env["TORCHMN_HOST"] == socket.gethostname()
+        assert env["MASTER_ADDR"] == "127.0.0.1"
+        assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+        assert env["PYTHONUNBUFFERED"] == "1"
+        ports.add(env["MASTER_PORT"])
+    assert len(ports) == 1 and int(ports.pop()) > 0
+    # Every line belongs to a rank: nothing unprefixed, nothing interleaved mid-line.
+    assert all(line[:1] == "[" and "] " in line for line in result.stdout.splitlines())
+    assert len(result.stdout.splitlines()) == np * len(rank_env(result.stdout, 0))
+
+
+@pytest.mark.parametrize("np", [2, 4])
+def test_plain_gloo_env_init_works(np):
+    result = torchmn_run("-np", str(np), "--", sys.executable, script("run_allreduce.py"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    total = np * (np + 1) // 2
+    for rank in range(np):
+        assert rank_lines(result.stdout, rank) == [f"allreduce ok rank={rank} size={np} sum={total}"]
+
+
+def test_master_port_is_used_and_port_in_use_is_named(capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["run", "-np", "2", "--master-port", str(port), sys.executable, script("run_env.py")]) == 2
+        err = capsys.readouterr().err
+        assert f"port {port} is already in use" in err and "--master-port" in err
+    # Now free: the launcher binds it itself.
+    result = torchmn_run("-np", "2", "--master-port", str(port), sys.executable, script("run_env.py"))
+    assert result.returncode == 0, result.stderr
+    assert rank_env(result.stdout, 1)["MASTER_PORT"] == str(port)
+
+
+def test_failing_rank_stops_the_job_and_is_reported(tmp_path):
+    start = time.monotonic()
+    result = torchmn_run("-np", "4", sys.executable, script("run_misbehave.py"), "raise", str(tmp_path), "2")
+    assert time.monotonic() - start < 15
+    assert result.returncode == 1
+    assert "torchmn run: rank 2 (host " + socket.gethostname() + ") failed with exit code 1" in result.stderr
+    summary = result.stderr.split("torchmn run: rank 2", 1)[1]
+    assert "Traceback (most recent call last):" in summary
+    assert "ValueError: boom from rank 2" in summary
+    # Ranks the launcher stopped are not blamed.
+    for rank in (0, 1, 3):
+        assert f"torchmn run: rank {rank} " not in result.stderr
+    pids = pids_in(tmp_path)
+    assert len(pids) == 4
+    assert_all_gone(pids)
+
+
+def test_rank_killed_by_signal(tmp_path):
+    result = torchmn_run("-np", "2", sys.executable, script("run_misbehave.py"), "sigkill", str(tmp_path), "1")
+    assert result.returncode == 128 + signal.SIGKILL
+    assert "rank 1 (host " in result.stderr and "killed by signal SIGKILL" in result.stderr
+    assert_all_gone(pids_in(tmp_path))
+
+
+def test_grandchildren_are_stopped_too(tmp_path):
+    result = torchmn_run("-np", "2", sys.executable, script("run_misbehave.py"), "grandchild", str(tmp_path), "1")
+    assert result.returncode == 1, result.stderr
+    pids = pids_in(tmp_path)
+    assert {"rank0.pid", "rank1.pid", "grandchild0.pid", "grandchild1.pid", "escaped0.pid"} <= set(pids)
+    assert_all_gone(pids)
+
+
+def test_sigint_is_forwarded_and_exits_130(tmp_path):
+    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "2", sys.executable,
+                                 script("run_misbehave.py"), "sleep", str(tmp_path), "-1"],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(pids_in(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pids_in(tmp_path)) == 2
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=TIMEOUT)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=TIMEOUT)
+    assert launcher.returncode == 130
+    assert "received SIGINT; forwarded it to all 2 ranks" in err
+    # The ranks got SIGINT (a KeyboardInterrupt), not just a kill, and are not blamed.
+    assert "KeyboardInterrupt" in err
+    assert "failed with exit code" not in err
+    assert_all_gone(pids_in(tmp_path))
+
+
+def test_log_dir_gets_unprefixed_output(tmp_path):
+    log_dir = tmp_path / "logs"
+    result = torchmn_run("-np", "2", "--log-dir", str(log_dir), "--output-ranks", "0",
+                         sys.executable, script("run_env.py"))
+    assert result.returncode == 0, result.stderr
+    assert rank_lines(result.stdout, 1) == []  # rank 1 not shown on the console...
+    for rank in (0, 1):
+        text = (log_dir / f"rank.{rank}.log").read_text()
+        assert f"RANK={rank}\n" in text and not text.startswith("[")  # ...but logged
+
+
+def test_thread_budget_reaches_ranks_unless_user_set_it():
+    result = torchmn_run("-np", "2", sys.executable, script("run_env.py"), env=clean_env())
+    assert result.returncode == 0, result.stderr
+    expected = str(max(1, resources.cpu_count_available() // 2))
+    for rank in (0, 1):
+        env = rank_env(result.stdout, rank)
+        assert env["OMP_NUM_THREADS"] == env["MKL_NUM_THREADS"] == env["TORCHMN_NUM_THREADS"] == expected
+
+    result = torchmn_run("-np", "2", sys.executable, script("run_env.py"), env=clean_env(OMP_NUM_THREADS="3"))
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        env = rank_env(result.stdout, rank)
+        assert env["OMP_NUM_THREADS"] == "3"
+        assert env["TORCHMN_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "<unset>"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["run", "-np", "0", "true"], "-np must be at least 1, got 0"),
+    (["run", "-np", "2"], "no command given"),
+    (["run", "-np", "2", "--"], "no command given"),
+])
+def test_usage_errors(argv, message, capsys):
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_command_not_found_is_named(capsys):
+    assert main(["run", "-np", "2", "no-such-command-xyz", "arg"]) == 127
+    err = capsys.readouterr().err
+    assert "command not found: 'no-such-command-xyz'" in err and "rank 0 on host" in err
+
+
+def test_bad_log_dir(tmp_path, capsys):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("x")
+    assert main(["run", "-np", "2", "--log-dir", str(not_a_dir / "sub"), "true"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot create --log-dir" in err and str(not_a_dir / "sub") in err
+
+
+def test_multi_host_flags_are_refused_clearly(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["run", "-np", "2", "-H", "a:1,b:1", "true"])
+    assert exit_info.value.code == 2
+    assert "not supported yet" in capsys.readouterr().err
+
+
+def test_console_script_entry_point_and_help():
+    result = subprocess.run([sys.executable, "-m", "torchmn", "run", "--help"], capture_output=True, text=True,
+                            timeout=TIMEOUT)
+    assert result.returncode == 0 and "-np N" in result.stdout and "--start-timeout" in result.stdout

@@ -1,0 +1,257 @@
+"""CPU thread budget: how many threads each rank may use, so ranks do not fight over cores.
+
+Every library in a training process (torch's intra-op pool, OpenMP, MKL, OpenBLAS, DataLoader
+workers) sizes itself to the whole machine by default. With N ranks on one node that is N times too
+many threads, and oversubscription costs about 3x on small CPU jobs. The default budget here is the
+CPUs this process may use divided by the ranks that share them.
+
+Two entry points:
+
+- ``launcher_thread_env`` is used by ``torchmn run``: it puts the budget into each rank's
+  environment before the rank starts, so every library picks it up at load time.
+- ``apply_thread_budget`` is called inside a rank (by the communicator) when no torchmn launcher set
+  the environment (srun, mpirun, torchrun): it applies the budget to libraries already loaded.
+
+A user's own ``OMP_NUM_THREADS`` always wins; ``TORCHMN_NUM_THREADS`` chooses torchmn's budget
+explicitly.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Dict, Mapping, Optional
+
+TORCHMN_NUM_THREADS = "TORCHMN_NUM_THREADS"
+
+# Variables read by the thread pools commonly found in a PyTorch process. OMP_NUM_THREADS comes
+# first: when the user set it, we treat the whole thread configuration as theirs.
+THREAD_VARIABLES = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "OPENBLAS_NUM_THREADS",
+    "VECLIB_MAXIMUM_THREADS",
+    "NUMEXPR_NUM_THREADS",
+)
+
+# Variables only srun sets for the tasks of a job step (sbatch's batch script has none of them), and
+# variables of launchers that may run inside a Slurm allocation and start their own ranks.
+_SLURM_STEP_VARIABLES = ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NUM_TASKS")
+_OTHER_LAUNCHER_VARIABLES = ("TORCHMN_RANK", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+
+# threadpool_limits applies its limits when created and keeps them until restore_original_limits();
+# holding the object lets torchmn, or a test, undo them later.
+_limiter = None
+_applied: Optional[int] = None
+
+
+def _environ(env: Optional[Mapping[str, str]]) -> Mapping[str, str]:
+    return os.environ if env is None else env
+
+
+def _positive_int(value: Optional[str]) -> Optional[int]:
+    """Parse a thread-count variable; OpenMP allows a nested list like "4,2": the first level counts."""
+    if value is None:
+        return None
+    try:
+        number = int(str(value).split(",")[0].strip())
+    except ValueError:
+        return None
+    return number if number > 0 else None
+
+
+def _affinity_count() -> int:
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _cgroup_cpu_limit(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> Optional[int]:
+    """CPUs allowed by a cgroup CPU quota (containers, Kubernetes limits), rounded up; None if unlimited.
+
+    Reads cgroup v2 ``cpu.max`` for this process's cgroup and its ancestors (the tightest wins), and
+    falls back to cgroup v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us``.
+
+    Example::
+
+        >>> _cgroup_cpu_limit(root="/nonexistent") is None
+        True
+    """
+    limits = []
+    try:
+        with open(proc_cgroup) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        parts = line.split(":", 2)
+        if len(parts) == 3 and parts[0] == "0" and parts[1] == "":
+            path = parts[2].strip("/")
+            # Inside a container the cgroup namespace makes our own cgroup the root; walk up anyway.
+            while True:
+                limit = _read_cpu_max(os.path.join(root, path, "cpu.max"))
+                if limit is not None:
+                    limits.append(limit)
+                if not path:
+                    break
+                path = os.path.dirname(path)
+    v1 = _read_cfs_quota(os.path.join(root, "cpu"))
+    if v1 is None:
+        v1 = _read_cfs_quota(os.path.join(root, "cpu,cpuacct"))
+    if v1 is not None:
+        limits.append(v1)
+    return min(limits) if limits else None
+
+
+def _read_cpu_max(path: str) -> Optional[int]:
+    try:
+        with open(path) as f:
+            quota, period = f.read().split()[:2]
+    except (OSError, ValueError):
+        return None
+    if quota == "max":
+        return None
+    try:
+        return max(1, math.ceil(int(quota) / int(period)))
+    except (ValueError, ZeroDivisionError):
+        return None
+
+
+def _read_cfs_quota(directory: str) -> Optional[int]:
+    try:
+        with open(os.path.join(directory, "cpu.cfs_quota_us")) as f:
+            quota = int(f.read())
+        with open(os.path.join(directory, "cpu.cfs_period_us")) as f:
+            period = int(f.read())
+    except (OSError, ValueError):
+        return None
+    if quota <= 0 or period <= 0:
+        return None
+    return max(1, math.ceil(quota / period))
+
+
+def cpu_count_available(env: Optional[Mapping[str, str]] = None) -> int:
+    """CPUs this process may use: the tightest of its CPU affinity, a cgroup CPU quota and Slurm's
+    ``--cpus-per-task`` (``SLURM_CPUS_PER_TASK``).
+
+    Example::
+
+        >>> cpu_count_available({"SLURM_CPUS_PER_TASK": "1"})
+        1
+    """
+    env = _environ(env)
+    counts = [_affinity_count()]
+    quota = _cgroup_cpu_limit()
+    if quota is not None:
+        counts.append(quota)
+    slurm = _positive_int(env.get("SLURM_CPUS_PER_TASK"))
+    if slurm is not None:
+        counts.append(slurm)
+    return max(1, min(counts))
+
+
+def thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None) -> int:
+    """Threads for one of ``local_size`` ranks sharing this process's CPUs: available // local_size,
+    at least 1.
+
+    Example::
+
+        >>> thread_budget(10**6)
+        1
+    """
+    if local_size < 1:
+        raise ValueError(f"local_size must be at least 1, got {local_size}")
+    return max(1, cpu_count_available(env) // local_size)
+
+
+def _user_threads(env: Mapping[str, str]) -> Optional[int]:
+    """The budget chosen explicitly through TORCHMN_NUM_THREADS, if any."""
+    return _positive_int(env.get(TORCHMN_NUM_THREADS))
+
+
+def launcher_thread_env(local_size: int, env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+    """Variables a launcher adds to each of ``local_size`` ranks on a node so that every thread pool
+    starts at the rank's budget. Variables the user already set are left out; when the user set
+    ``OMP_NUM_THREADS`` nothing is returned (the thread configuration is theirs). A user-set
+    ``TORCHMN_NUM_THREADS`` replaces the computed budget.
+
+    Example::
+
+        >>> launcher_thread_env(2, {"OMP_NUM_THREADS": "3"})
+        {}
+        >>> launcher_thread_env(2, {"TORCHMN_NUM_THREADS": "4", "MKL_NUM_THREADS": "1"})["OMP_NUM_THREADS"]
+        '4'
+    """
+    env = _environ(env)
+    if "OMP_NUM_THREADS" in env:
+        return {}
+    budget = _user_threads(env) or thread_budget(local_size, env)
+    added = {name: str(budget) for name in THREAD_VARIABLES if name not in env}
+    added[TORCHMN_NUM_THREADS] = str(budget)
+    return added
+
+
+def _ranks_sharing_cpus(local_size: int, env: Mapping[str, str]) -> int:
+    """How many ranks share the CPUs counted by cpu_count_available.
+
+    A task that srun started with ``--cpus-per-task`` has its own CPUs (SLURM_CPUS_PER_TASK is per
+    task), so dividing by the ranks on the node again would starve it. Everywhere else (torchmn run,
+    torchrun, mpirun, also inside a Slurm batch script) the ranks of a node share one allocation.
+    """
+    srun_task = any(name in env for name in _SLURM_STEP_VARIABLES) and "SLURM_CPUS_PER_TASK" in env
+    if srun_task and not any(name in env for name in _OTHER_LAUNCHER_VARIABLES):
+        return 1
+    return max(1, local_size)
+
+
+def _apply(threads: int) -> None:
+    global _limiter
+    import torch
+    from threadpoolctl import threadpool_limits
+
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    _limiter = threadpool_limits(limits=threads)
+
+
+def apply_thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """Apply the thread budget inside a running rank; returns the thread count torchmn applied, or
+    None when the user's own ``OMP_NUM_THREADS`` is in charge (then nothing is changed).
+
+    ``TORCHMN_NUM_THREADS`` (set by ``torchmn run``, or by the user) is applied as given. Otherwise
+    the budget is computed, applied to torch's intra-op pool and to every OpenMP/BLAS pool already
+    loaded (threadpoolctl), and written to ``os.environ`` so that child processes such as DataLoader
+    workers inherit it. Calling it again returns the first result.
+
+    Example::
+
+        >>> n = apply_thread_budget(local_size=2)   # in each of 2 ranks on a 16-CPU node: 8
+    """
+    global _applied
+    if _applied is not None:
+        return _applied
+    env = _environ(env)
+    chosen = _user_threads(env)
+    if chosen is None and "OMP_NUM_THREADS" in env:
+        return None
+    threads = chosen or thread_budget(_ranks_sharing_cpus(local_size, env), env)
+    if env is os.environ:
+        for name, value in launcher_thread_env(local_size, {TORCHMN_NUM_THREADS: str(threads), **env}).items():
+            os.environ[name] = value
+    _apply(threads)
+    _applied = threads
+    return threads
+
+
+def dataloader_workers_budget(local_size: int, env: Optional[Mapping[str, str]] = None) -> int:
+    """A default ``num_workers`` for a rank's DataLoader: one less than its thread budget (the rank's
+    main thread keeps one CPU), at least 0.
+
+    Example::
+
+        >>> dataloader_workers_budget(10**6)
+        0
+    """
+    env = _environ(env)
+    threads = _user_threads(env) or _positive_int(env.get("OMP_NUM_THREADS")) \
+        or thread_budget(_ranks_sharing_cpus(local_size, env), env)
+    return max(0, threads - 1)
