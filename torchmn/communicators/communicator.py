@@ -619,6 +619,21 @@ class Communicator(abc.ABC):
             return _Completed()
         return dist.all_reduce(flat, group=self._group, async_op=async_op)
 
+    def reduce_scatter_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        """Sum ``flat`` (``size * k`` elements) over ranks; rank ``r`` gets elements ``[r*k, (r+1)*k)``
+        in ``shard`` (``k`` elements). The sharded optimizer's primitive; no call checking."""
+        if self.size == 1:
+            shard.copy_(flat)
+            return _Completed()
+        return dist.reduce_scatter_single(shard, flat, group=self._group, async_op=async_op)
+
+    def allgather_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        """Every rank's ``shard`` (``k`` elements) into ``flat`` (``size * k``), in rank order."""
+        if self.size == 1:
+            flat.copy_(shard)
+            return _Completed()
+        return dist.all_gather_single(flat, shard, group=self._group, async_op=async_op)
+
     @abc.abstractmethod
     def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
         """Replace each tensor, in place, by its mean over ranks (each algorithm's own)."""
