@@ -128,7 +128,7 @@ def check_bcast_data(comm):
 
 
 def check_mean_grad(comm):
-    for name in ("naive", "flat"):
+    for name in ("naive", "flat", "hierarchical"):
         c = torchmn.communicators.make_communicator(name, rank=comm.rank, size=comm.size,
                                                     group=comm._group, obj_group=comm._obj_group,
                                                     backend=comm.backend, node_key=comm._node_key,

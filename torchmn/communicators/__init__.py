@@ -1,28 +1,36 @@
 """Communicators: who the ranks are, how they talk, and how gradients are averaged.
 
 One class per gradient-averaging algorithm (ChainerMN's layout): ``naive`` (an allreduce per
-tensor), ``flat`` (fused buckets). :func:`create_communicator` picks and builds one.
+tensor), ``flat`` (fused buckets), ``hierarchical``
+(shared memory inside a node, one rank per node across nodes). :func:`create_communicator` picks and builds one.
 """
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from typing import Optional
 
 import torch.distributed as dist
 
+from torchmn.communicators import shm
 from torchmn.communicators._setup import default_backend, init_world
 from torchmn.communicators.communicator import Communicator
 from torchmn.communicators.errors import CollectiveMismatchError, RemoteRankError
 from torchmn.communicators.flat import FlatCommunicator
+from torchmn.communicators.hierarchical import HierarchicalCommunicator
 from torchmn.communicators.naive import NaiveCommunicator
 from torchmn.launch import detect_environment
 
-_ALGORITHMS = {cls.name: cls for cls in (NaiveCommunicator, FlatCommunicator)}
+_ALGORITHMS = {cls.name: cls for cls in (NaiveCommunicator, FlatCommunicator, HierarchicalCommunicator)}
 
 
-def _resolve(name: str) -> type[Communicator]:
+def _resolve(name: str, backend: str = "gloo", size: int = 1) -> type[Communicator]:
     if name == "auto":
+        # NCCL already averages through NVLink/PCIe inside a node and the network across nodes;
+        # on CPU, gloo's TCP loopback is the bottleneck inside a node, and shared memory is not.
+        if backend == "gloo" and size > 1 and os.path.isdir(shm.SHM_DIR):
+            return HierarchicalCommunicator
         return FlatCommunicator
     try:
         return _ALGORITHMS[name]
@@ -33,7 +41,7 @@ def _resolve(name: str) -> type[Communicator]:
 
 def make_communicator(name: str, **kwargs) -> Communicator:
     """Build the communicator class for ``name`` over an existing group (used by ``split``)."""
-    return _resolve(name)(**kwargs)
+    return _resolve(name, kwargs.get("backend", "gloo"), kwargs.get("size", 1))(**kwargs)
 
 
 def create_communicator(name: str = "auto", backend: Optional[str] = None,
@@ -55,7 +63,7 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
     """
     from torchmn import resources
 
-    cls = _resolve(name)
+    _resolve(name)  # an unknown name fails before anything starts
     env = detect_environment()
     resources.apply_thread_budget(env.local_size)
     owns = False
@@ -78,9 +86,10 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
     kwargs = {}
     if bucket_cap_mb is not None:
         kwargs["bucket_cap_bytes"] = int(bucket_cap_mb * 1024 * 1024)
+    cls = _resolve(name, backend, size)
     return cls(rank=rank, size=size, group=group, obj_group=obj_group, backend=backend,
                node_key=node_key, owns_world=owns, **kwargs)
 
 
 __all__ = ["Communicator", "CollectiveMismatchError", "RemoteRankError", "NaiveCommunicator",
-           "FlatCommunicator", "create_communicator", "make_communicator"]
+           "FlatCommunicator", "HierarchicalCommunicator", "create_communicator", "make_communicator"]

@@ -379,8 +379,7 @@ class Communicator(abc.ABC):
             err = TypeError(f"allreduce: pass a tensor, not {type(x).__name__}")
         self._agree("allreduce", op=None if err else op, x=None if err else x, error=err, same_shape=True)
         out = x.detach().to(self._data_device, copy=True).contiguous()
-        if self.size > 1:
-            dist.all_reduce(out, op=_OPS[op], group=self._group)
+        self.allreduce_flat(out.view(-1), op="sum" if op == "mean" else op)
         if op == "mean":
             out = out / self.size if not out.is_floating_point() and not out.is_complex() else out.div_(self.size)
         return out.to(x.device)
@@ -610,14 +609,14 @@ class Communicator(abc.ABC):
         """How many bytes of gradients this algorithm fuses into one message (0: one per tensor)."""
         return self.bucket_cap_bytes
 
-    def allreduce_flat(self, flat: torch.Tensor, async_op: bool = False):
-        """Sum one contiguous 1-D buffer over all ranks, in place: the gradient paths' primitive.
+    def allreduce_flat(self, flat: torch.Tensor, async_op: bool = False, op: str = "sum"):
+        """Reduce one contiguous 1-D buffer over all ranks, in place: the gradient paths' primitive.
 
         No call checking: callers guarantee every rank passes the same layout.
         """
         if self.size == 1:
             return _Completed()
-        return dist.all_reduce(flat, group=self._group, async_op=async_op)
+        return dist.all_reduce(flat, op=_OPS[op], group=self._group, async_op=async_op)
 
     def reduce_scatter_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         """Sum ``flat`` (``size * k`` elements) over ranks; rank ``r`` gets elements ``[r*k, (r+1)*k)``

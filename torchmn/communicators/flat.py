@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from torchmn.communicators.communicator import Communicator, _buckets
 

@@ -1,0 +1,52 @@
+"""The shared-memory path of the hierarchical communicator, in real jobs."""
+import subprocess
+import time
+
+import pytest
+
+from jobs import WORKERS, clean_env, launcher_argv, run_job
+from torchmn.communicators.shm import leftover_segments
+
+CHECKS = WORKERS / "shm_checks.py"
+
+
+@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parametrize("slot_mb", ["16", "0.01"])  # 0.01 MB slots: every large tensor goes in pieces
+def test_same_results_as_gloo(np, slot_mb):
+    out = run_job(CHECKS, ["same_as_gloo"], np=np, timeout=150, env={"TORCHMN_SHM_SLOT_MB": slot_mb}).stdout
+    assert "PASS same_as_gloo" in out
+
+
+def test_killed_rank_leaves_no_segment():
+    before = set(leftover_segments())
+    proc = run_job(CHECKS, ["die"], np=2, timeout=60, check=False)
+    assert proc.returncode != 0
+    assert set(leftover_segments()) <= before, leftover_segments()
+
+
+def test_lost_peer_is_named_not_waited_for(tmp_path):
+    # Under torchrun rather than torchmn run: nobody tears the job down for us, so the surviving
+    # rank must notice by itself that its peer is gone.
+    t0 = time.monotonic()
+    proc = run_job(CHECKS, ["peer_lost"], np=2, launcher="torchrun", timeout=60, check=False)
+    assert time.monotonic() - t0 < 45
+    assert "PEER LOST" in proc.stdout and "rank 1" in proc.stdout and "exited" in proc.stdout, proc.stdout
+    assert not set(leftover_segments()) - set()
+
+
+def test_two_jobs_at_once_do_not_interfere():
+    jobs = []
+    for value in (10, 1000):
+        argv = launcher_argv("torchmn", 2) + [__import__("sys").executable, str(CHECKS), "busy", "--value", str(value)]
+        jobs.append(subprocess.Popen(argv, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True))
+    outs = []
+    try:
+        for job in jobs:
+            outs.append(job.communicate(timeout=120)[0])
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+    for job, out in zip(jobs, outs):
+        assert job.returncode == 0 and "PASS busy" in out, out

@@ -1,0 +1,108 @@
+"""Shared-memory collectives checked against gloo, inside a real job (see tests/test_shm.py).
+
+Usage: python shm_checks.py CHECK [--value V]
+"""
+import argparse
+import os
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+import torchmn
+
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int32,
+          torch.int64, torch.bool)
+SIZES = (1, 3, 7, 64, 1001, 65_537, 300_007)
+
+
+def values(n, dtype, rank):
+    """Small integers, so float sums are exact and the two paths must agree bit for bit."""
+    g = torch.Generator().manual_seed(1000 * rank + n)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    hi = 3 if dtype in (torch.int8, torch.uint8) else 50
+    return torch.randint(0, hi, (n,), generator=g).to(dtype)
+
+
+def check_same_as_gloo(comm):
+    assert comm.name == "hierarchical" and comm._segment is not None
+    world = dist.group.WORLD
+    # With tiny slots (TORCHMN_SHM_SLOT_MB) every tensor goes in many pieces: fewer sizes suffice.
+    sizes = SIZES if float(os.environ.get("TORCHMN_SHM_SLOT_MB", 16)) >= 1 else (7, 4099, 65_537)
+    for dtype in DTYPES:
+        for n in sizes:
+            x = values(n, dtype, comm.rank)
+            ours = x.clone()
+            comm.allreduce_flat(ours).wait()
+            theirs = x.clone()
+            dist.all_reduce(theirs, group=world)
+            assert torch.equal(ours, theirs), (dtype, n)
+            for op in ("max", "min"):
+                if dtype == torch.bool:
+                    continue
+                a = comm.allreduce(x, op=op)
+                b = x.clone()
+                dist.all_reduce(b, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.MIN, group=world)
+                assert torch.equal(a, b), (dtype, n, op)
+            if dtype == torch.bool:
+                continue
+            # reduce-scatter and all-gather, the sharded optimizer's primitives
+            k = n
+            flat = values(comm.size * k, dtype, comm.rank)
+            shard = torch.empty(k, dtype=dtype)
+            comm.reduce_scatter_flat(flat, shard).wait()
+            expect = flat.clone()
+            dist.all_reduce(expect, group=world)
+            assert torch.equal(shard, expect[comm.rank * k:(comm.rank + 1) * k]), (dtype, n, "reduce_scatter")
+            gathered = torch.empty(comm.size * k, dtype=dtype)
+            comm.allgather_flat(gathered, shard).wait()
+            assert torch.equal(gathered, expect), (dtype, n, "allgather")
+
+
+def check_die(comm):
+    """Rank 1 is killed outright in the middle of the job."""
+    comm.allreduce(torch.ones(10))
+    if comm.rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    comm.allreduce(torch.ones(10))
+
+
+def check_peer_lost(comm):
+    """Rank 1 exits without a word; rank 0's shared-memory wait must notice and name it."""
+    comm.allreduce(torch.ones(10))
+    if comm.rank == 1:
+        os._exit(0)
+    try:
+        comm.allreduce_flat(torch.ones(10))
+    except torchmn.communicators.shm.PeerLostError as e:
+        print(f"PEER LOST: {e}", flush=True)
+        os._exit(3)
+
+
+def check_busy(comm, value):
+    """Many allreduces with a job-specific value: two such jobs at once must not mix."""
+    for i in range(300):
+        x = torch.full((5000 + i,), float(value + comm.rank))
+        got = comm.allreduce(x)
+        assert torch.equal(got, torch.full_like(x, float(comm.size * value + sum(range(comm.size))))), (value, i)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("check")
+    parser.add_argument("--value", type=int, default=0)
+    args = parser.parse_args()
+    comm = torchmn.create_communicator("hierarchical")
+    if args.check == "busy":
+        check_busy(comm, args.value)
+    else:
+        globals()[f"check_{args.check}"](comm)
+    if comm.rank == 0:
+        print(f"PASS {args.check}", flush=True)
+    comm.finalize()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""``hierarchical``: reduce inside each node, allreduce across nodes (one rank per node), then
+share the result inside the node.
+
+On CPU the inside-node part goes through shared memory (:mod:`torchmn.communicators.shm`), never
+TCP loopback; only the node's first rank talks to other nodes, through torch.distributed. On GPU,
+NCCL already does this inside and across nodes, so the fused NCCL allreduce is used as is.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+from torchmn.communicators import shm
+from torchmn.communicators.communicator import _OPS, _Completed
+from torchmn.communicators.flat import FlatCommunicator
+
+
+class HierarchicalCommunicator(FlatCommunicator):
+    """Shared memory inside a node, one rank per node across nodes.
+
+    Example::
+
+        >>> comm = torchmn.create_communicator("hierarchical")
+        >>> comm.allreduce(torch.ones(1_000_000))     # no byte of it crosses TCP on one node
+    """
+
+    name = "hierarchical"
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self._segment = None
+        self._inter_group = None
+        if self.size == 1 or self.backend == "nccl":
+            return
+        members = [[self._global(r) for r in node] for node in self._node_members]
+        leaders = [node[0] for node in members]
+        # Every rank takes part in creating every group.
+        self._inter_group = dist.new_group(leaders, backend="gloo") if self.inter_size > 1 else None
+        tag = self.bcast_obj(shm.new_job_tag())
+        pids = self.allgather_obj(os.getpid())
+        my_node = self._node_members[self.inter_rank]
+        self._segment = shm.NodeSegment.open(
+            tag, self.inter_rank, self.intra_rank, self.intra_size, [pids[r] for r in my_node],
+            barrier=self.barrier, timeout=float(os.environ.get("TORCHMN_TIMEOUT", 600)),
+            describe=lambda i: f"rank {my_node[i]} (node {self.inter_rank}, {self.host})")
+
+    @property
+    def _single_node(self) -> bool:
+        return self.inter_size == 1
+
+    def _shm_ok(self, t: torch.Tensor) -> bool:
+        return self._segment is not None and t.device.type == "cpu" and t.is_contiguous()
+
+    def allreduce_flat(self, flat: torch.Tensor, async_op: bool = False, op: str = "sum"):
+        if not self._shm_ok(flat):
+            return super().allreduce_flat(flat, async_op=async_op, op=op)
+        self._segment.allreduce_(flat, op)
+        if not self._single_node:
+            if self.intra_rank == 0:
+                dist.all_reduce(flat, op=_OPS[op], group=self._inter_group)
+            self._segment.broadcast_(flat, root=0)
+        return _Completed()
+
+    def reduce_scatter_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        if not (self._shm_ok(flat) and self._single_node):
+            return super().reduce_scatter_flat(flat, shard, async_op=async_op)
+        self._segment.reduce_scatter(flat, shard)
+        return _Completed()
+
+    def allgather_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        if not (self._shm_ok(flat) and self._single_node):
+            return super().allgather_flat(flat, shard, async_op=async_op)
+        self._segment.allgather(flat, shard)
+        return _Completed()
+
+    def _exchange_headers(self, rows: list[list[int]]) -> torch.Tensor:
+        # The call check of every collective: through shared memory too, so small collectives
+        # do not pay a TCP round trip before their data moves.
+        if self._segment is None or not self._single_node or self._data_device.type != "cpu":
+            return super()._exchange_headers(rows)
+        mine = torch.tensor(rows, dtype=torch.int64)
+        parts = self._segment.allgather_bytes(mine.reshape(-1).view(torch.uint8))
+        # On one node, local rank order is this communicator's rank order.
+        return torch.stack([p.view(torch.int64).reshape(mine.shape) for p in parts])
+
+    def finalize(self) -> None:
+        if self._segment is not None:
+            self._segment.close()
+            self._segment = None
+        super().finalize()
+

@@ -1,0 +1,290 @@
+"""Collectives among the ranks of one node through POSIX shared memory, not TCP loopback.
+
+One segment per node: a row of flags, one slot per rank and a result area. An allreduce is a
+reduce-scatter then an all-gather: every rank copies its input into its slot, each rank sums its
+own chunk across all slots into the result area, and every rank copies the result out. Ranks wait
+for each other by watching the flags (a sequence number per rank and phase), never through a
+socket. The segment's name is unlinked as soon as every rank has mapped it, so a crash, even a
+SIGKILL, leaves nothing behind in /dev/shm; the memory goes when the last rank exits.
+"""
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import time
+import uuid
+from typing import Callable, Optional
+
+import numpy as np
+import torch
+
+SHM_DIR = "/dev/shm"
+DEFAULT_SLOT_MB = 16  # per rank; TORCHMN_SHM_SLOT_MB overrides. Larger tensors go in pieces.
+_ALIGN = 64  # chunk boundaries on cache lines, so ranks never write the same line
+_PHASES = 2  # "my slot is written", "my chunk is reduced"
+
+_REDUCE = {
+    "sum": torch.add,
+    "max": torch.maximum,
+    "min": torch.minimum,
+    "prod": torch.mul,
+}
+
+
+class PeerLostError(RuntimeError):
+    """A rank of this node stopped taking part in a shared-memory collective."""
+
+
+def segment_name(job_tag: str, node: int) -> str:
+    return f"torchmn-{job_tag}-node{node}"
+
+
+def new_job_tag() -> str:
+    """A tag unique to this job: two jobs on one machine never share a segment."""
+    return uuid.uuid4().hex[:16]
+
+
+class NodeSegment:
+    """The shared-memory collectives of the ``local_size`` ranks of one node.
+
+    Built collectively: the node's first rank creates the segment, the others map it once
+    ``barrier`` says it exists, and the creator unlinks the name after a second ``barrier``.
+
+    Example::
+
+        >>> seg = NodeSegment.open(tag, node=0, local_rank=r, local_size=2, pids=pids, barrier=comm.barrier)
+        >>> seg.allreduce_(flat)                      # in place, summed over the node's ranks
+    """
+
+    def __init__(self, buf: mmap.mmap, local_rank: int, local_size: int, slot_bytes: int,
+                 pids: list[int], timeout: float, describe: Callable[[int], str]):
+        self._buf = buf
+        self.local_rank = local_rank
+        self.local_size = local_size
+        self.slot_bytes = slot_bytes
+        self._pids = pids
+        self._timeout = timeout
+        self._describe = describe
+        self._seq = 0
+        raw = torch.frombuffer(buf, dtype=torch.uint8)
+        flags_bytes = _align(_PHASES * local_size * 8)
+        self._flags = np.frombuffer(buf, dtype=np.int64, count=_PHASES * local_size).reshape(_PHASES, local_size)
+        self._slots = [raw[flags_bytes + i * slot_bytes: flags_bytes + (i + 1) * slot_bytes]
+                       for i in range(local_size)]
+        start = flags_bytes + local_size * slot_bytes
+        self._result = raw[start:start + slot_bytes]
+
+    # ----------------------------------------------------------------------------- set-up
+    @staticmethod
+    def size_for(local_size: int, slot_bytes: int) -> int:
+        return _align(_PHASES * local_size * 8) + (local_size + 1) * slot_bytes
+
+    @classmethod
+    def open(cls, job_tag: str, node: int, local_rank: int, local_size: int, pids: list[int],
+             barrier: Callable[[], None], slot_bytes: Optional[int] = None, timeout: float = 600.0,
+             describe: Callable[[int], str] = lambda r: f"local rank {r}") -> "NodeSegment":
+        if slot_bytes is None:
+            slot_bytes = int(float(os.environ.get("TORCHMN_SHM_SLOT_MB", DEFAULT_SLOT_MB)) * 1024 * 1024)
+        slot_bytes = max(_ALIGN, _align(slot_bytes))  # every dtype's view needs aligned slots
+        path = os.path.join(SHM_DIR, segment_name(job_tag, node))
+        nbytes = cls.size_for(local_size, slot_bytes)
+        fd = -1
+        try:
+            if local_rank == 0:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)  # fail now, not with SIGBUS mid-collective
+                except OSError as e:
+                    raise OSError(e.errno, f"cannot reserve {nbytes >> 20} MiB of shared memory in "
+                                           f"{SHM_DIR} ({e.strerror}); free space there or set "
+                                           f"TORCHMN_SHM_SLOT_MB lower") from e
+            barrier()
+            if local_rank != 0:
+                fd = os.open(path, os.O_RDWR)
+            buf = mmap.mmap(fd, nbytes)
+        finally:
+            if fd >= 0:
+                os.close(fd)
+            # Everyone has mapped it (or failed) after this barrier: the name is no longer needed.
+            try:
+                barrier()
+            finally:
+                if local_rank == 0:
+                    _unlink(path)
+        return cls(buf, local_rank, local_size, slot_bytes, pids, timeout, describe)
+
+    # ----------------------------------------------------------------------------- waiting
+    def _arrive_and_wait(self, phase: int) -> None:
+        self._flags[phase, self.local_rank] = self._seq
+        row = self._flags[phase]
+        if (row >= self._seq).all():
+            return
+        deadline = None
+        spins = 0
+        while not (row >= self._seq).all():
+            spins += 1
+            if spins < 64:
+                continue
+            # Yield the core, then back off to short sleeps: with more ranks than cores (or a busy
+            # machine), spinning would starve the very peer we wait for.
+            if spins < 2048:
+                os.sched_yield()
+            else:
+                time.sleep(5e-5)
+            if spins % 1024 == 0:
+                now = time.monotonic()
+                deadline = deadline or now + self._timeout
+                self._check_peers(phase, now > deadline)
+
+    def _check_peers(self, phase: int, timed_out: bool) -> None:
+        missing = [r for r in range(self.local_size) if self._flags[phase, r] < self._seq]
+        dead = [r for r in missing if not _alive(self._pids[r])]
+        if dead or timed_out:
+            who = ", ".join(self._describe(r) for r in (dead or missing))
+            why = "exited" if dead else f"did not arrive within {self._timeout:.0f} s"
+            raise PeerLostError(f"shared-memory collective #{self._seq}: {who} {why}; "
+                                f"{self._describe(self.local_rank)} gives up")
+
+    # ----------------------------------------------------------------------------- collectives
+    def _chunk(self, n: int, itemsize: int, r: int) -> tuple[int, int]:
+        """Rank r's share of n elements, cut on cache-line boundaries."""
+        per = _align(-(-n // self.local_size) * itemsize) // itemsize
+        return min(n, r * per), min(n, (r + 1) * per)
+
+    def allreduce_(self, flat: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """Reduce a contiguous 1-D CPU tensor over the node's ranks, in place; every rank gets the
+        same bits, since each chunk is reduced by one rank in one order."""
+        reduce = _REDUCE[op]
+        item = flat.element_size()
+        per_piece = self.slot_bytes // item
+        for start in range(0, flat.numel(), per_piece):
+            piece = flat[start:start + per_piece]
+            n = piece.numel()
+            slots = [s[:n * item].view(flat.dtype) for s in self._slots]
+            result = self._result[:n * item].view(flat.dtype)
+            self._seq += 1
+            slots[self.local_rank].copy_(piece)
+            self._arrive_and_wait(0)
+            lo, hi = self._chunk(n, item, self.local_rank)
+            if hi > lo:
+                if self.local_size == 1:
+                    result[lo:hi].copy_(slots[0][lo:hi])
+                else:
+                    reduce(slots[0][lo:hi], slots[1][lo:hi], out=result[lo:hi])
+                    for s in slots[2:]:
+                        reduce(result[lo:hi], s[lo:hi], out=result[lo:hi])
+            self._arrive_and_wait(1)
+            piece.copy_(result)
+        return flat
+
+    def reduce_scatter(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
+        """Sum ``flat`` (local_size * k elements) over the node; local rank r gets chunk r in ``shard``."""
+        k = shard.numel()
+        item = flat.element_size()
+        per_piece = max(1, self.slot_bytes // (item * self.local_size))
+        for start in range(0, k, per_piece):
+            n = min(per_piece, k - start)
+            self._seq += 1
+            mine = self._slots[self.local_rank][:self.local_size * n * item].view(flat.dtype)
+            for r in range(self.local_size):
+                mine[r * n:(r + 1) * n].copy_(flat[r * k + start:r * k + start + n])
+            self._arrive_and_wait(0)
+            me = self.local_rank
+            parts = [s[:self.local_size * n * item].view(flat.dtype)[me * n:(me + 1) * n] for s in self._slots]
+            out = shard[start:start + n]
+            if self.local_size == 1:
+                out.copy_(parts[0])
+            else:
+                torch.add(parts[0], parts[1], out=out)
+                for p in parts[2:]:
+                    out.add_(p)
+            self._arrive_and_wait(1)
+
+    def allgather(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
+        """Every local rank's ``shard`` (k elements) into ``flat`` (local_size * k), in rank order."""
+        k = shard.numel()
+        item = flat.element_size()
+        per_piece = max(1, self.slot_bytes // item)
+        for start in range(0, k, per_piece):
+            n = min(per_piece, k - start)
+            self._seq += 1
+            self._slots[self.local_rank][:n * item].view(flat.dtype).copy_(shard[start:start + n])
+            self._arrive_and_wait(0)
+            for r in range(self.local_size):
+                flat[r * k + start:r * k + start + n].copy_(self._slots[r][:n * item].view(flat.dtype))
+            self._arrive_and_wait(1)
+
+    def broadcast_(self, flat: torch.Tensor, root: int = 0) -> None:
+        """Local rank ``root``'s ``flat`` into every local rank's ``flat``."""
+        item = flat.element_size()
+        per_piece = self.slot_bytes // item
+        for start in range(0, flat.numel(), per_piece):
+            piece = flat[start:start + per_piece]
+            result = self._result[:piece.numel() * item].view(flat.dtype)
+            self._seq += 1
+            if self.local_rank == root:
+                result.copy_(piece)
+            self._arrive_and_wait(0)
+            if self.local_rank != root:
+                piece.copy_(result)
+            self._arrive_and_wait(1)
+
+    def allgather_bytes(self, data: torch.Tensor) -> list[torch.Tensor]:
+        """Every local rank's small uint8 buffer (at most one slot), in rank order."""
+        n = data.numel()
+        if n + 8 > self.slot_bytes:
+            raise ValueError(f"allgather_bytes: {n} bytes do not fit a {self.slot_bytes}-byte slot")
+        self._seq += 1
+        slot = self._slots[self.local_rank]
+        slot[:8].view(torch.int64)[0] = n
+        slot[8:8 + n].copy_(data)
+        self._arrive_and_wait(0)
+        out = []
+        for s in self._slots:
+            m = int(s[:8].view(torch.int64)[0])
+            out.append(s[8:8 + m].clone())
+        self._arrive_and_wait(1)
+        return out
+
+    def close(self) -> None:
+        self._slots = []
+        self._result = None
+        self._flags = None
+        # A tensor may still view the mapping; then it is released with the process.
+        with contextlib.suppress(BufferError):
+            self._buf.close()
+
+
+def _align(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+
+
+def leftover_segments(job_tag: Optional[str] = None) -> list[str]:
+    """Names in /dev/shm that look like torchmn's (for tests and `torchmn doctor`)."""
+    prefix = "torchmn-" + (job_tag or "")
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+    except FileNotFoundError:
+        return []
