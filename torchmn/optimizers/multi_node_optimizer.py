@@ -22,46 +22,64 @@ _COMPRESSION = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.b
 
 
 class _Bucket:
-    """Gradients of consecutive parameters (one dtype, one device) sent in one message."""
+    """Gradients of consecutive parameters (one dtype, one device) sent in one message.
 
-    def __init__(self, params: list[torch.nn.Parameter], wire_dtype: Optional[torch.dtype]):
+    Without compression, ``.grad`` of each parameter becomes a view into the bucket after the
+    first step, so later steps average the gradients where backward left them (no copies), unless
+    something replaced ``.grad`` in between (``zero_grad()``'s default ``set_to_none``), which
+    costs one copy in.
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], wire_dtype: Optional[torch.dtype], as_views: bool):
         self.params = params
         self.numel = sum(p.numel() for p in params)
         self.wire_dtype = wire_dtype or params[0].dtype
+        self.as_views = as_views and self.wire_dtype == params[0].dtype
         self.ready: set[int] = set()
         self.work = None
+        self.had_grad: list[bool] = []
         self.buffer: Optional[torch.Tensor] = None
+        self.views: list[torch.Tensor] = []
 
     def pack(self, scale: Optional[float]) -> torch.Tensor:
         if self.buffer is None:
-            self.buffer = torch.empty(self.numel, dtype=self.wire_dtype, device=self.params[0].device)
-        offset = 0
-        for p in self.params:
-            n = p.numel()
-            view = self.buffer[offset:offset + n]
-            if p.grad is None:
+            self.buffer = torch.zeros(self.numel, dtype=self.wire_dtype, device=self.params[0].device)
+            offset = 0
+            for p in self.params:
+                self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        grads = [p.grad for p in self.params]
+        self.had_grad = [g is not None for g in grads]
+        if scale is None and all(g is not None and not _is_view(g, v) for g, v in zip(grads, self.views)):
+            torch.cat([g.reshape(-1) for g in grads], out=self.buffer)  # one call instead of one per tensor
+            return self.buffer
+        for g, view in zip(grads, self.views):
+            if g is None:
                 view.zero_()
+            elif _is_view(g, view):
+                continue  # backward accumulated into the bucket already
             elif scale is None:
-                view.copy_(p.grad.reshape(-1))
+                view.copy_(g)
             else:
-                torch.mul(p.grad.reshape(-1), scale, out=view) if p.grad.dtype == self.wire_dtype \
-                    else view.copy_(p.grad.reshape(-1) * scale)
-            offset += n
+                view.copy_(g * scale)
         return self.buffer
 
-    def unpack(self, post_scale: Optional[float], zero_fill: bool, had_grad: list[bool]) -> None:
+    def unpack(self, post_scale: Optional[float], zero_fill: bool) -> None:
         if post_scale is not None:
             self.buffer.mul_(post_scale)
-        offset = 0
-        for p, had in zip(self.params, had_grad):
-            n = p.numel()
-            avg = self.buffer[offset:offset + n].view_as(p)
-            offset += n
-            if p.grad is None:
-                if not (zero_fill or had):
-                    continue  # zero_fill=False: a rank with no gradient keeps none
-                p.grad = torch.empty_like(p)
-            p.grad.copy_(avg)
+        for p, had, view in zip(self.params, self.had_grad, self.views):
+            if not (had or zero_fill):
+                continue  # zero_fill=False: a rank with no gradient keeps none
+            if self.as_views:
+                p.grad = view
+            elif p.grad is None:
+                p.grad = view.to(p.dtype, copy=True)
+            else:
+                p.grad.copy_(view)
+
+
+def _is_view(g: torch.Tensor, view: torch.Tensor) -> bool:
+    return g.data_ptr() == view.data_ptr() and g.shape == view.shape
 
 
 class MultiNodeOptimizer(torch.optim.Optimizer):
@@ -118,15 +136,17 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def _make_buckets(self, cap: int) -> list[_Bucket]:
         buckets, run, run_bytes = [], [], 0
         limit = min(cap, FIRST_BUCKET_BYTES) if cap else 0
+        # Double buffering keeps gradients out of buckets that may still be in flight.
+        as_views = not self.double_buffering
         for p in reversed(self._params):
             n = p.numel() * p.element_size()
             if run and (run[0].dtype != p.dtype or run[0].device != p.device or run_bytes + n > limit):
-                buckets.append(_Bucket(run, self._wire_dtype))
+                buckets.append(_Bucket(run, self._wire_dtype, as_views))
                 run, run_bytes, limit = [], 0, cap
             run.append(p)
             run_bytes += n
         if run:
-            buckets.append(_Bucket(run, self._wire_dtype))
+            buckets.append(_Bucket(run, self._wire_dtype, as_views))
         return buckets
 
     @property
@@ -136,7 +156,6 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
     def _send(self, bucket: _Bucket) -> None:
         # Compressed gradients are divided before sending so float16 sums cannot overflow.
         pre = 1.0 / self.comm.size if self._wire_dtype is not None else None
-        bucket.had_grad = [p.grad is not None for p in bucket.params]
         bucket.work = self.comm.allreduce_flat(bucket.pack(pre), async_op=True)
 
     def _send_ready(self) -> None:
@@ -155,7 +174,7 @@ class MultiNodeOptimizer(torch.optim.Optimizer):
         for bucket in self._bucket_sets[set_index]:
             bucket.work.wait()
             bucket.work = None
-            bucket.unpack(post, self.zero_fill, bucket.had_grad)
+            bucket.unpack(post, self.zero_fill)
             bucket.ready.clear()
 
     # ----------------------------------------------------------------------------- hooks
