@@ -318,7 +318,8 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
     """
     if shard_state:
         from torchmn.optimizers.sharded import ShardedMultiNodeOptimizer
-        return ShardedMultiNodeOptimizer(optimizer, comm, zero_fill=zero_fill, compression=compression,
+        return ShardedMultiNodeOptimizer(optimizer, comm, double_buffering=double_buffering,
+                                         zero_fill=zero_fill, compression=compression,
                                          bucket_cap_mb=bucket_cap_mb,
                                          backward_passes_per_step=backward_passes_per_step)
     return MultiNodeOptimizer(optimizer, comm, double_buffering=double_buffering, zero_fill=zero_fill,

