@@ -7,10 +7,21 @@ built on ``torch.distributed``::
     comm = torchmn.create_communicator()
     optimizer = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters()), comm)
     train = torchmn.scatter_dataset(train if comm.rank == 0 else None, comm, shuffle=True)
+
+``torchmn.extensions`` (pytorch-pfn-extras extensions) is imported on its own, so that the core
+does not need pytorch-pfn-extras.
 """
 from torchmn.communicators import CollectiveMismatchError, Communicator, create_communicator
-from torchmn.optimizers import MultiNodeOptimizer, create_multi_node_optimizer
+from torchmn.datasets import SharedDataset, create_empty_dataset, scatter_dataset, scatter_index
+from torchmn.evaluators import GenericMultiNodeEvaluator, create_multi_node_evaluator
+from torchmn.iterators import create_multi_node_iterator
+from torchmn.optimizers import MultiNodeOptimizer, ShardedMultiNodeOptimizer, create_multi_node_optimizer
 
 __version__ = "0.1.0"
 
-__all__ = ["Communicator", "CollectiveMismatchError", "create_communicator", "__version__"]
+__all__ = [
+    "CollectiveMismatchError", "Communicator", "GenericMultiNodeEvaluator", "MultiNodeOptimizer",
+    "ShardedMultiNodeOptimizer", "SharedDataset", "create_communicator", "create_empty_dataset",
+    "create_multi_node_evaluator", "create_multi_node_iterator", "create_multi_node_optimizer",
+    "scatter_dataset", "scatter_index", "__version__",
+]

@@ -6,6 +6,8 @@ Subcommands are registered in ``SUBCOMMANDS``; ``doctor`` and ``tune`` (SPEC sec
 Example::
 
     $ torchmn run -np 4 python train.py
+    $ torchmn run -np 8 -H node1:4,node2:4 python train.py
+    $ torchmn run -np 8 --hostfile hosts -x NCCL_DEBUG=INFO python train.py
     $ torchmn run -np 2 --log-dir logs --output-ranks 0 -- python train.py --epochs 3
     $ python -m torchmn run -np 2 python -c "import os; print(os.environ['RANK'])"
 """
@@ -28,9 +30,10 @@ def _ranks_list(text: str) -> Set[int]:
 
 def _add_run(subparsers) -> None:
     p = subparsers.add_parser(
-        "run", help="start N ranks of a command on this machine",
-        description="Start N ranks of COMMAND on this machine, with the rank prefixed to every output "
-                    "line. When a rank fails, all others are stopped and the first failure is reported.",
+        "run", help="start N ranks of a command, on this machine or over ssh on several",
+        description="Start N ranks of COMMAND on this machine, or on the hosts of -H/--hostfile over ssh, "
+                    "with the rank prefixed to every output line. When a rank fails, all others are "
+                    "stopped and the first failure is reported.",
         epilog="Each rank gets TORCHMN_RANK/SIZE/LOCAL_RANK/..., torchrun's RANK/WORLD_SIZE/LOCAL_RANK/"
                "MASTER_ADDR/MASTER_PORT (init_method='env://' works), and a CPU thread budget "
                "(OMP_NUM_THREADS etc.) unless OMP_NUM_THREADS is already set.")
@@ -43,26 +46,60 @@ def _add_run(subparsers) -> None:
     p.add_argument("--output-ranks", type=_ranks_list, default=None, metavar="R[,R...]",
                    help="show only these ranks' output on the console (log files get everything)")
     p.add_argument("--start-timeout", type=float, default=None, metavar="SECONDS",
-                   help="accepted for horovodrun compatibility; not enforced yet")
+                   help="how long checking the hosts, and starting each remote rank, may take "
+                        "(default 60)")
     p.add_argument("--verbose", "-v", action="store_true", help="print what the launcher does")
-    # Refused with a clear message rather than argparse's "unrecognized arguments".
-    p.add_argument("-H", "--hosts", dest="hosts", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--hostfile", dest="hostfile", default=None, help=argparse.SUPPRESS)
+    hosts = p.add_argument_group("several hosts (ranks on other hosts start over ssh)")
+    where = hosts.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", dest="hosts", default=None, metavar="HOST:N[,HOST:N...]",
+                       help="hosts and their slots, e.g. node1:4,node2:4 (a bare host has 1 slot); "
+                            "ranks fill the slots in order")
+    where.add_argument("--hostfile", dest="hostfile", default=None, metavar="FILE",
+                       help="a file of 'host slots=N' lines (also 'host:N' or 'host'; # comments)")
+    hosts.add_argument("-x", dest="exports", action="append", default=[], metavar="NAME[=VALUE]",
+                       help="also set this variable for the ranks on other hosts (repeatable); "
+                            "PATH, PYTHONPATH, VIRTUAL_ENV and TORCHMN_*/NCCL_*/GLOO_* are always forwarded")
+    hosts.add_argument("--ssh-port", type=int, default=None, metavar="PORT", help="ssh port of the hosts")
+    hosts.add_argument("--ssh-identity-file", default=None, metavar="FILE", help="ssh private key to log in with")
+    hosts.add_argument("--ssh-command", default=None, metavar="COMMAND",
+                       help="the ssh client command (default: %r)" % _default_ssh())
+    hosts.add_argument("--network-interface", default=None, metavar="IFACE",
+                       help="use this interface's address for the rendezvous (default: the address the "
+                            "first remote host sees the launcher connect from)")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND [ARGS...]",
                    help="the program each rank runs ('--' before it is optional)")
     p.set_defaults(handler=_run, subparser=p)
 
 
+def _default_ssh() -> str:
+    from torchmn.launch.remote import DEFAULT_SSH_COMMAND
+
+    return DEFAULT_SSH_COMMAND
+
+
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from torchmn.launch import hosts as hostlib
+    from torchmn.launch.remote import SshOptions
     from torchmn.launch.runner import RunError, run
 
-    if args.hosts is not None or args.hostfile is not None:
-        parser.error("multi-host launching (-H/--hostfile) is not supported yet; start one "
-                     "`torchmn run` per machine, or use srun/mpirun/torchrun for multi-node jobs.")
+    if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
+        parser.error(f"--ssh-port must be between 1 and 65535, got {args.ssh_port}")
+    try:
+        hosts = None
+        if args.hosts is not None:
+            hosts = hostlib.parse_hosts(args.hosts)
+        elif args.hostfile is not None:
+            hosts = hostlib.parse_hostfile(args.hostfile)
+    except hostlib.HostsError as e:
+        sys.stderr.write(f"torchmn run: error: {e}\n")
+        return 2
+    ssh = SshOptions(command=args.ssh_command or _default_ssh(), port=args.ssh_port,
+                     identity_file=args.ssh_identity_file)
     try:
         return run(args.command, args.np, master_port=args.master_port, log_dir=args.log_dir,
                    output_ranks=args.output_ranks, start_timeout=args.start_timeout,
-                   verbose=args.verbose)
+                   verbose=args.verbose, hosts=hosts, ssh=ssh, exports=args.exports,
+                   network_interface=args.network_interface)
     except RunError as e:
         sys.stderr.write(f"torchmn run: error: {e}\n")
         return e.exit_code

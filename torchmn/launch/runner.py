@@ -9,8 +9,11 @@ The launcher
   grace period) and prints which rank failed first, where, how, and its traceback;
 - forwards SIGINT/SIGTERM/SIGHUP to the ranks and leaves no process behind.
 
-Ranks are planned as ``Slot`` records over a list of hosts, so multi-host runs (-H, --hostfile over
-ssh) can add hosts without changing how ranks are numbered; for now the only host is this machine.
+Ranks are planned as ``Slot`` records over a list of hosts (``-H``/``--hostfile``, see
+``torchmn.launch.hosts``). Ranks on this machine are started directly; ranks on other hosts through
+one ssh client each, running torchmn's watcher there (``torchmn.launch.remote``). Before any rank
+starts, every remote host is checked (reachable over ssh, working directory, interpreter, torchmn
+importable); a remote rank that has not started within ``start_timeout`` ends the job.
 """
 from __future__ import annotations
 
@@ -29,10 +32,11 @@ import time
 from typing import IO, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 from torchmn import resources
-from torchmn.launch import base
+from torchmn.launch import base, hosts as hostlib, remote
 
 LOCAL_ADDR = "127.0.0.1"
 GRACE_SECONDS = 3.0
+START_TIMEOUT = 60.0
 TAIL_LINES = 200
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -203,9 +207,13 @@ class _Console:
 class _Rank:
     """One started rank: its process, output readers, stderr tail and log file."""
 
-    def __init__(self, slot: Slot, process: subprocess.Popen, console: _Console, log_path: Optional[str]):
+    def __init__(self, slot: Slot, process: subprocess.Popen, console: _Console, log_path: Optional[str],
+                 is_remote: bool = False):
         self.slot = slot
         self.process = process
+        self.is_remote = is_remote
+        # A remote rank counts as started when its watcher prints remote.STARTED_MARKER.
+        self.started = not is_remote
         self.pgid = process.pid  # start_new_session=True makes the rank the leader of its own group
         self.returncode: Optional[int] = None
         self.stopped_by_launcher = False
@@ -221,7 +229,11 @@ class _Rank:
             reader.start()
 
     def _read(self, pipe: IO[bytes], is_stderr: bool) -> None:
+        marker = remote.STARTED_MARKER.encode() + b"\n"
         for line in iter(pipe.readline, b""):
+            if not is_stderr and not self.started and line == marker:
+                self.started = True
+                continue
             if not line.endswith(b"\n"):
                 line += b"\n"
             if is_stderr:
@@ -239,6 +251,14 @@ class _Rank:
             reader.join(max(0.0, deadline - time.monotonic()))
         if self.log is not None and not any(r.is_alive() for r in self.readers):
             self.log.close()
+
+
+def _close_stdin(process: subprocess.Popen) -> None:
+    if process.stdin is not None:
+        try:
+            process.stdin.close()
+        except OSError:
+            pass
 
 
 def _signal_group(pgid: int, sig: int) -> bool:
@@ -277,12 +297,15 @@ def _alive(process) -> bool:
 
 
 class Job:
-    """A running ``torchmn run`` job on this machine. Use ``run()`` unless you need the pieces."""
+    """A running ``torchmn run`` job. Use ``run()`` unless you need the pieces."""
 
     def __init__(self, command: Sequence[str], np: int, *, master_port: Optional[int] = None,
                  log_dir: Optional[str] = None, output_ranks: Optional[Set[int]] = None,
                  start_timeout: Optional[float] = None, verbose: bool = False,
-                 grace: float = GRACE_SECONDS, env: Optional[Mapping[str, str]] = None):
+                 grace: float = GRACE_SECONDS, env: Optional[Mapping[str, str]] = None,
+                 hosts: Optional[Sequence[Tuple[str, int]]] = None,
+                 ssh: Optional[remote.SshOptions] = None, exports: Sequence[str] = (),
+                 network_interface: Optional[str] = None):
         if np < 1:
             raise RunError(f"-np must be at least 1, got {np}.")
         command = list(command)
@@ -295,18 +318,30 @@ class Job:
         if output_ranks is not None and not output_ranks <= set(range(np)):
             raise RunError(f"--output-ranks names ranks {sorted(output_ranks - set(range(np)))}, "
                            f"but the job has ranks 0..{np - 1} only.")
+        if start_timeout is not None and start_timeout <= 0:
+            raise RunError(f"--start-timeout must be positive, got {start_timeout:g}.")
         self.command = command
         self.np = np
         self.master_port = master_port
         self.log_dir = log_dir
-        # Not enforced yet: it will bound how long ranks may take to reach the rendezvous once
-        # multi-host launching (where a host can be unreachable) exists.
-        self.start_timeout = start_timeout
+        # How long host checks may take, and remote ranks may take to start (local ones start at once).
+        self.start_timeout = START_TIMEOUT if start_timeout is None else start_timeout
         self.verbose = verbose
         self.grace = grace
         self.base_env = dict(os.environ if env is None else env)
         self.host = socket.gethostname()
-        self.slots = plan_slots([(self.host, np)])
+        self.ssh = ssh or remote.SshOptions()
+        self.network_interface = network_interface
+        try:
+            self.exports = remote.parse_exports(exports, self.base_env)
+            placement = hostlib.assign_ranks(hosts, np) if hosts else [(self.host, np)]
+        except (hostlib.HostsError, remote.RemoteError) as e:
+            raise RunError(str(e))
+        self.remote_hosts = [h for h, _ in placement if hosts and not hostlib.is_local(h)]
+        self.slots = plan_slots(placement)
+        self.master_addr = LOCAL_ADDR
+        self.start_failure: Optional[str] = None
+        self.started_at = 0.0
         self.console = _Console(output_ranks)
         self.ranks: List[_Rank] = []
         self.events: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
@@ -317,7 +352,12 @@ class Job:
 
     # -- starting ---------------------------------------------------------------------------------
 
+    def _is_remote(self, slot: Slot) -> bool:
+        return slot.host in self.remote_hosts
+
     def _check_command(self) -> None:
+        if all(self._is_remote(slot) for slot in self.slots):
+            return  # checked on each host by the watcher
         path = self.base_env.get("PATH", os.defpath)
         if shutil.which(self.command[0], path=path) is None:
             where = "is not an executable file" if os.sep in self.command[0] else "was not found on PATH"
@@ -326,34 +366,100 @@ class Job:
 
     def _env_for(self, slot: Slot, port: int) -> Dict[str, str]:
         env = dict(self.base_env)
-        env.update(resources.launcher_thread_env(slot.local_size, self.base_env))
-        env.update(rank_env(slot, LOCAL_ADDR, port))
+        env.update(self.exports)
+        env.update(resources.launcher_thread_env(slot.local_size, env))
+        env.update(rank_env(slot, self.master_addr, port))
+        env["PYTHONUNBUFFERED"] = "1"
+        if self.remote_hosts and "GLOO_SOCKET_IFNAME" not in env:
+            # gloo would otherwise pick the address of this machine's hostname, often 127.0.1.1.
+            interface = hostlib.interface_of(self.master_addr)
+            if interface:
+                env["GLOO_SOCKET_IFNAME"] = interface
+        return env
+
+    def _remote_env_for(self, slot: Slot, port: int) -> Dict[str, str]:
+        """What a remote rank's ssh command line sets: the forwarded variables and its place.
+        The watcher adds the thread budget and gloo's interface on the host itself."""
+        env = remote.forwarded_env(self.base_env, self.exports)
+        env.update(rank_env(slot, self.master_addr, port))
         env["PYTHONUNBUFFERED"] = "1"
         return env
+
+    def _check_hosts(self) -> None:
+        """Check every remote host at once and choose the rendezvous address; raise RunError naming
+        every host that cannot run ranks."""
+        if not self.remote_hosts:
+            if self.network_interface:
+                self.master_addr = self._interface_address()
+            return
+        if self.verbose:
+            self.console.message(f"torchmn run: checking hosts {', '.join(self.remote_hosts)} over ssh")
+        env = remote.forwarded_env(self.base_env, self.exports)
+        try:
+            checks = remote.check_hosts(self.remote_hosts, self.ssh, sys.executable, os.getcwd(), env,
+                                        timeout=self.start_timeout)
+        except remote.RemoteError as e:
+            raise RunError(str(e))
+        bad = [c for c in checks if c.error]
+        if bad:
+            lines = [f"{len(bad)} of {len(checks)} host(s) cannot run ranks:"]
+            lines += [f"  host {c.host}: {c.error}" for c in bad]
+            raise RunError("\n".join(lines))
+        if self.network_interface:
+            self.master_addr = self._interface_address()
+            return
+        local = hostlib._local_addresses()
+        seen = checks[0].client_address
+        if seen and seen in local and not seen.startswith("127."):
+            self.master_addr = seen
+        else:
+            self.master_addr = (hostlib.route_address(self.remote_hosts[0], self.ssh.port or 22)
+                                or socket.getfqdn())
+
+    def _interface_address(self) -> str:
+        try:
+            return hostlib.interface_address(self.network_interface)
+        except hostlib.HostsError as e:
+            raise RunError(str(e))
+
+    def _start_rank(self, slot: Slot, port: int, log_path: Optional[str]) -> _Rank:
+        is_remote = self._is_remote(slot)
+        if is_remote:
+            line = remote.rank_command(os.getcwd(), sys.executable, self._remote_env_for(slot, port),
+                                       self.command)
+            argv, env = self.ssh.argv(slot.host, line), self.base_env
+        else:
+            argv, env = self.command, self._env_for(slot, port)
+        try:
+            # A remote rank's stdin stays open: closing it tells the watcher there to stop the rank.
+            process = subprocess.Popen(argv, env=env,
+                                       stdin=subprocess.PIPE if is_remote else subprocess.DEVNULL,
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+        except OSError as e:
+            code = 127 if e.errno == errno.ENOENT else 126
+            raise RunError(f"rank {slot.rank} on host {slot.host} could not start {argv[0]!r}: "
+                           f"{e.strerror}. Check the command and its permissions.", exit_code=code)
+        return _Rank(slot, process, self.console, log_path, is_remote=is_remote)
 
     def start(self) -> None:
         self._check_command()
         if self.log_dir is not None:
             _prepare_log_dir(self.log_dir)
-        self.store = start_store(LOCAL_ADDR, self.master_port)
+        self._check_hosts()
+        self.store = start_store(self.master_addr, self.master_port)
         port = self.store.port
         if self.verbose:
-            threads = resources.launcher_thread_env(self.np, self.base_env).get(resources.TORCHMN_NUM_THREADS)
+            placed = ", ".join(f"{h}:{n}" for h, n in dict(collections.Counter(s.host for s in self.slots)).items())
+            threads = resources.launcher_thread_env(self.slots[0].local_size, self.base_env).get(
+                resources.TORCHMN_NUM_THREADS)
             self.console.message(
-                f"torchmn run: {self.np} ranks on {self.host}, rendezvous {LOCAL_ADDR}:{port}, "
-                f"threads per rank: {threads or 'set by user (OMP_NUM_THREADS)'}, "
-                f"command: {' '.join(self.command)}")
+                f"torchmn run: {self.np} ranks on {placed}, rendezvous {self.master_addr}:{port}, "
+                f"threads per rank: {threads or 'set by user (OMP_NUM_THREADS)'}"
+                f"{' (on this machine)' if self.remote_hosts else ''}, command: {' '.join(self.command)}")
+        self.started_at = time.monotonic()
         for slot in self.slots:
             log_path = os.path.join(self.log_dir, f"rank.{slot.rank}.log") if self.log_dir else None
-            try:
-                process = subprocess.Popen(self.command, env=self._env_for(slot, port),
-                                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                           stderr=subprocess.PIPE, start_new_session=True)
-            except OSError as e:
-                code = 127 if e.errno == errno.ENOENT else 126
-                raise RunError(f"rank {slot.rank} on host {slot.host} could not start {self.command[0]!r}: "
-                               f"{e.strerror}. Check the command and its permissions.", exit_code=code)
-            rank = _Rank(slot, process, self.console, log_path)
+            rank = self._start_rank(slot, port, log_path)
             self.ranks.append(rank)
             threading.Thread(target=self._wait_for, args=(rank,), daemon=True).start()
 
@@ -415,8 +521,15 @@ class Job:
         for rank in self.ranks:
             if rank.returncode is None:
                 rank.stopped_by_launcher = True
-            _signal_group(rank.pgid, first_signal)
-        deadline = time.monotonic() + self.grace
+            if rank.is_remote:
+                _close_stdin(rank.process)  # the watcher there stops the rank, then ssh exits
+                if not rank.started:  # no watcher yet: only the ssh client to stop
+                    _signal_group(rank.pgid, signal.SIGTERM)
+            else:
+                _signal_group(rank.pgid, first_signal)
+        # Remote ranks get the watcher's own grace period on top, plus time for ssh to report back.
+        extra = remote.GRACE_SECONDS + 2.0 if any(r.is_remote for r in self.ranks) else 0.0
+        deadline = time.monotonic() + self.grace + extra
         while self._anything_left() and time.monotonic() < deadline:
             self._next_event(min(0.05, max(0.0, deadline - time.monotonic())), escalate=True)
         self._kill_all()
@@ -429,6 +542,7 @@ class Job:
         for rank in self.ranks:
             rank.process.wait()
             rank.returncode = rank.process.returncode
+            _close_stdin(rank.process)
 
     def _next_event(self, timeout: float, escalate: bool = False) -> None:
         try:
@@ -442,7 +556,7 @@ class Job:
             _, rank, returncode = event
             rank.returncode = returncode
             if returncode != 0 and self.first_failure is None and not rank.stopped_by_launcher \
-                    and self.received_signal is None:
+                    and self.received_signal is None and self.start_failure is None:
                 self.first_failure = rank
         elif event[0] == "signal":
             if self.received_signal is None and self.first_failure is None:
@@ -454,10 +568,12 @@ class Job:
     def watch(self) -> int:
         """Wait for the job to end; returns the launcher's exit code."""
         last_scan = 0.0
-        while self._running() and self.first_failure is None and self.received_signal is None:
+        while self._running() and self.first_failure is None and self.received_signal is None \
+                and self.start_failure is None:
             self._next_event(0.5)
             if time.monotonic() - last_scan > 0.5:
                 self._remember_descendants()
+                self._check_started()
                 last_scan = time.monotonic()
         # Also when every rank exited 0: stops anything they left running in the background.
         self._teardown(self.received_signal or signal.SIGTERM)
@@ -465,7 +581,24 @@ class Job:
             rank.finish_output(timeout=2.0)
         return self._summarize()
 
+    def _check_started(self) -> None:
+        """End the job when a remote rank has not started within the start timeout."""
+        if self.start_failure is not None or time.monotonic() - self.started_at < self.start_timeout:
+            return
+        late = [r for r in self.ranks if not r.started and r.returncode is None]
+        if not late:
+            return
+        hosts = sorted({r.slot.host for r in late}, key=[s.host for s in self.slots].index)
+        self.start_failure = (
+            f"torchmn run: rank(s) {', '.join(str(r.slot.rank) for r in late)} on host(s) "
+            f"{', '.join(hosts)} did not start within {self.start_timeout:g} s (--start-timeout); "
+            f"stopped the job. The host passed its check, so ssh or the host itself is slow or hung: "
+            f"try `{self.ssh.hint(hosts[0])}`, or raise --start-timeout.")
+
     def _summarize(self) -> int:
+        if self.start_failure is not None:
+            self.console.message(self.start_failure)
+            return 124
         if self.received_signal is not None:
             name = signal.Signals(self.received_signal).name
             self.console.message(f"torchmn run: received {name}; forwarded it to all {self.np} ranks "
@@ -482,7 +615,10 @@ class Job:
                 if r is not failed and not r.stopped_by_launcher and r.returncode != 0]
         if also:
             lines.append(f"torchmn run: rank(s) {', '.join(map(str, also))} also failed on their own, later.")
-        if code == -signal.SIGKILL:
+        if failed.is_remote and code == 255:
+            lines.append(f"torchmn run: exit code 255 is ssh's own: the connection to host {failed.slot.host} "
+                         f"failed or was lost.")
+        if code == -signal.SIGKILL or (failed.is_remote and code == 128 + signal.SIGKILL):
             lines.append("torchmn run: SIGKILL often comes from the out-of-memory killer "
                          "(check `dmesg` or the job's memory limit).")
         tail = extract_traceback(list(failed.tail))
@@ -501,12 +637,17 @@ class Job:
 def run(command: Sequence[str], np: int, *, master_port: Optional[int] = None,
         log_dir: Optional[str] = None, output_ranks: Optional[Set[int]] = None,
         start_timeout: Optional[float] = None, verbose: bool = False,
-        grace: float = GRACE_SECONDS, env: Optional[Mapping[str, str]] = None) -> int:
-    """Run ``command`` as ``np`` ranks on this machine and return the exit code ``torchmn run`` would.
+        grace: float = GRACE_SECONDS, env: Optional[Mapping[str, str]] = None,
+        hosts: Optional[Sequence[Tuple[str, int]]] = None, ssh: Optional[remote.SshOptions] = None,
+        exports: Sequence[str] = (), network_interface: Optional[str] = None) -> int:
+    """Run ``command`` as ``np`` ranks and return the exit code ``torchmn run`` would.
 
+    ``hosts`` is a list of (host, slots) as ``torchmn.launch.hosts.parse_hosts`` returns; ranks fill
+    the hosts' slots in order; None means this machine. Ranks on other hosts start over ``ssh``,
+    with ``exports`` (``-x NAME`` / ``-x NAME=VALUE``) forwarded. ``start_timeout`` (default 60 s)
+    bounds the host checks and how long a remote rank may take to start. ``network_interface``
+    picks the rendezvous address (else: the address the first remote host sees us connect from).
     Raises ``RunError`` (before anything is started) for a job that cannot be run as asked.
-    ``start_timeout`` is accepted for horovodrun compatibility and kept for multi-host launching;
-    it is not enforced yet.
 
     Example::
 
@@ -515,7 +656,8 @@ def run(command: Sequence[str], np: int, *, master_port: Optional[int] = None,
         0
     """
     job = Job(command, np, master_port=master_port, log_dir=log_dir, output_ranks=output_ranks,
-              start_timeout=start_timeout, verbose=verbose, grace=grace, env=env)
+              start_timeout=start_timeout, verbose=verbose, grace=grace, env=env, hosts=hosts, ssh=ssh,
+              exports=exports, network_interface=network_interface)
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {}
     if in_main_thread:

@@ -1,0 +1,111 @@
+"""Multi-node ppe extensions: in one process, and across two real ranks."""
+import copy
+import os
+
+import pytest
+import pytorch_pfn_extras as ppe
+import torch
+
+from workers.data_jobs import all_checks_output
+from torchmn.communicators import make_communicator
+from torchmn.extensions import (AllreducePersistent, MultiNodeEarlyStoppingTrigger, ObservationAggregator,
+                                available_iterations, multi_node_snapshot, resume_latest)
+from torchmn.extensions.snapshot import atomic_save
+
+CHECKS = ["early_stopping", "observation_aggregator", "allreduce_persistent", "snapshot"]
+
+
+def solo():
+    return make_communicator("naive", rank=0, size=1, group=None, obj_group=None, backend="gloo", node_key=0)
+
+
+@pytest.mark.parametrize("check", CHECKS)
+def test_across_two_ranks(check):
+    assert f"PASS {check} " in all_checks_output(2)
+
+
+def manager_for(model, out, max_epochs=3, iters_per_epoch=1, **kwargs):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return ppe.training.ExtensionsManager(model, opt, max_epochs, iters_per_epoch=iters_per_epoch,
+                                          out_dir=str(out), **kwargs)
+
+
+def test_early_stopping_single_rank_and_deepcopy(tmp_path):
+    comm = solo()
+    stop = MultiNodeEarlyStoppingTrigger(comm, monitor="val/loss", patience=1, max_trigger=(10, "epoch"))
+    assert copy.deepcopy(stop).comm is comm
+    manager = manager_for(torch.nn.Linear(1, 1), tmp_path, 10, stop_trigger=stop)
+    losses = iter([3.0, 2.0, 2.5, 1.0, 1.0])
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            ppe.reporting.report({"val/loss": next(losses)})
+    assert manager.epoch == 3   # 2.5 is worse than 2.0, patience 1
+
+
+def test_early_stopping_max_mode_for_accuracy(tmp_path):
+    stop = MultiNodeEarlyStoppingTrigger(solo(), monitor="val/accuracy", patience=2, max_trigger=(10, "epoch"))
+    manager = manager_for(torch.nn.Linear(1, 1), tmp_path, 10, stop_trigger=stop)
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            ppe.reporting.report({"val/accuracy": 0.5 + 0.01 * manager.iteration})
+    assert manager.epoch == 10   # always improving: only max_trigger stops it
+
+
+def test_observation_aggregator_single_rank(tmp_path):
+    seen = []
+    manager = manager_for(torch.nn.Linear(1, 1), tmp_path, 2, iters_per_epoch=2)
+    manager.extend(ObservationAggregator(solo(), "loss", aggregator=max))
+    manager.extend(lambda m: seen.append(m.observation.get("loss")), trigger=(1, "iteration"))
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            ppe.reporting.report({"loss": torch.tensor(float(manager.iteration))})
+    assert seen[1] == 0.5 and seen[3] == 2.5   # in-place key replaced by the aggregate at epoch ends
+
+
+def test_allreduce_persistent_single_rank_keeps_values():
+    bn = torch.nn.BatchNorm1d(2)
+    bn.running_mean.fill_(1.5)
+    AllreducePersistent(bn, solo())()
+    assert torch.equal(bn.running_mean, torch.full((2,), 1.5))
+
+
+def test_atomic_save_leaves_only_final_file(tmp_path):
+    path = str(tmp_path / "x.pt")
+    atomic_save({"a": torch.ones(2)}, path)
+    assert os.listdir(tmp_path) == ["x.pt"]
+    assert torch.equal(torch.load(path)["a"], torch.ones(2))
+
+    def broken(obj, f):
+        f.write(b"partial")
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_save({}, path, savefun=broken)
+    assert os.listdir(tmp_path) == ["x.pt"] and torch.equal(torch.load(path)["a"], torch.ones(2))
+
+
+def test_snapshot_and_resume_single_rank(tmp_path):
+    model = torch.nn.Linear(2, 1)
+    manager = manager_for(model, tmp_path, 3)
+    manager.extend(multi_node_snapshot(solo(), filename="s_{iteration:04d}_r{rank}.pt", n_retains=2),
+                   trigger=(1, "iteration"))
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            with torch.no_grad():
+                model.bias.fill_(manager.iteration + 1)
+    assert sorted(available_iterations(str(tmp_path), 0, "s_{iteration:04d}_r{rank}.pt")) == [2, 3]
+    fresh = torch.nn.Linear(2, 1)
+
+    class Models:   # resume into something other than a manager
+        def load_state_dict(self, state):
+            fresh.load_state_dict(state["models"]["main"])
+
+    assert resume_latest(Models(), solo(), str(tmp_path), "s_{iteration:04d}_r{rank}.pt") == 3
+    assert torch.equal(fresh.bias.detach(), torch.tensor([3.0]))
+
+
+@pytest.mark.parametrize("name", ["snap_{iteration}", "snap_{rank}", "d/snap_{iteration}_{rank}",
+                                  "snap_{iteration}_{rank}_{epoch}"])
+def test_snapshot_filename_must_name_iteration_and_rank(name):
+    with pytest.raises(ValueError, match="snapshot filename"):
+        multi_node_snapshot(solo(), filename=name)

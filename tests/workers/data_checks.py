@@ -1,0 +1,388 @@
+"""Checks for datasets, iterators, evaluators and extensions, run inside every rank of a real job.
+
+Usage: python data_checks.py --tmp DIR CHECK [CHECK ...]   (or "all")
+DIR is a scratch directory every rank can write (snapshots, manager output). Each check asserts on
+every rank and prints "PASS <check> <seconds>s" on rank 0 once every rank has passed it.
+"""
+import argparse
+import math
+import os
+import sys
+import time
+
+import pytorch_pfn_extras as ppe
+import torch
+from torch.utils.data import DataLoader
+
+import torchmn
+from torchmn.communicators.errors import RemoteRankError
+from torchmn.datasets import SharedDataset, scatter_dataset, scatter_index
+from torchmn.evaluators import GenericMultiNodeEvaluator, create_multi_node_evaluator
+from torchmn.extensions import (AllreducePersistent, MultiNodeEarlyStoppingTrigger, ObservationAggregator,
+                                available_iterations, multi_node_snapshot, resume_latest)
+from torchmn.iterators import create_multi_node_iterator
+
+
+class RangeData(SharedDataset):
+    """A dataset every rank can build: item i is (i, "s<i>")."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return (i, f"s{i}")
+
+
+class Failing:
+    """A dataset whose last item cannot be read."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        if i == self.n - 1:
+            raise KeyError(f"item {i} is unreadable")
+        return i
+
+
+def expect_raise(fn, *types):
+    try:
+        fn()
+    except types as e:
+        return e
+    raise AssertionError(f"expected one of {types} to be raised")
+
+
+# ----------------------------------------------------------------------------- datasets
+def _scatter_case(comm, n, root, shuffle, force, shared, max_buf_len=1 << 20):
+    if comm.rank != root:
+        data = None
+    elif shared:
+        data = RangeData(n)
+    else:
+        data = [(i, f"s{i}") for i in range(n)]
+    part = scatter_dataset(data, comm, root=root, shuffle=shuffle, seed=5, force_equal_length=force,
+                           max_buf_len=max_buf_len)
+    assert isinstance(part, torch.utils.data.Dataset)
+    items = [part[k] for k in range(len(part))]
+    # Every item is the sample its global index names, whether copied or read locally.
+    assert items == [(i, f"s{i}") for i in part.indices], (items, part.indices)
+    return part.indices
+
+
+def check_scatter(comm):
+    size = comm.size
+    for n in (0, 1, size, 5 * size - 1):
+        for root in range(size):
+            for shuffle in (False, True):
+                for force in (True, False):
+                    where = f"n={n} root={root} shuffle={shuffle} force={force}"
+                    parts = comm.allgather_obj(_scatter_case(comm, n, root, shuffle, force, shared=False))
+                    shared = comm.allgather_obj(_scatter_case(comm, n, root, shuffle, force, shared=True))
+                    assert parts == shared, (where, parts, shared)
+                    lengths = [len(p) for p in parts]
+                    assert set().union(*map(set, parts)) == set(range(n)), (where, parts)
+                    if force:
+                        assert set(lengths) == {-(-n // size)}, (where, lengths)
+                        if n > 0:
+                            assert n <= lengths[0] * size < n + size, (where, lengths)
+                    else:
+                        assert sum(lengths) == n and max(lengths) - min(lengths) <= 1, (where, lengths)
+                        flat = [i for p in parts for i in p]
+                        assert len(flat) == len(set(flat)) == n, (where, parts)
+                        if shuffle and n >= 9:
+                            assert flat != sorted(flat), (where, flat)   # permuted, not in order
+                        if not shuffle:
+                            assert flat == list(range(n)), (where, flat)
+    # The same seed gives the same split twice; another seed another order.
+    n = 5 * size - 1
+    again = comm.allgather_obj(_scatter_case(comm, n, 0, True, False, shared=False))
+    assert again == comm.allgather_obj(_scatter_case(comm, n, 0, True, False, shared=False))
+    data = list(range(n)) if comm.rank == 0 else None
+    other = comm.allgather_obj(scatter_dataset(data, comm, shuffle=True, seed=6, force_equal_length=False).indices)
+    assert other != again and sorted(i for p in other for i in p) == list(range(n))
+
+
+def check_scatter_chunks(comm):
+    # 1 KiB samples with a 3 KiB buffer: each part travels in several chunks.
+    n = 7 * comm.size
+    data = [torch.full((256,), float(i)) for i in range(n)] if comm.rank == 0 else None
+    part = scatter_dataset(data, comm, max_buf_len=3 * 1024, force_equal_length=False)
+    for k, i in enumerate(part.indices):
+        assert torch.equal(part[k], torch.full((256,), float(i))), (k, i)
+    assert len(part) == 7
+
+
+def check_scatter_errors(comm):
+    last = comm.size - 1
+    # A non-root rank passing a dataset: every rank raises, naming the culprit.
+    data = [1, 2, 3] if comm.rank in (0, last) else None
+    e = expect_raise(lambda: scatter_dataset(data, comm), ValueError)
+    assert f"rank {last} passed a dataset" in str(e), e
+    # Root passing None.
+    data = [1, 2, 3] if comm.rank == 1 else None
+    e = expect_raise(lambda: scatter_dataset(data, comm), ValueError)
+    assert "root rank 0 passed None" in str(e), e
+    # Reading a sample fails on root midway: every rank raises, including ranks already served.
+    data = Failing(4 * comm.size) if comm.rank == 0 else None
+    e = expect_raise(lambda: scatter_dataset(data, comm, force_equal_length=False), KeyError, RemoteRankError)
+    assert "unreadable" in str(e), e
+    assert isinstance(e, KeyError) == (comm.rank == 0), (comm.rank, type(e))
+    # The communicator is still usable afterwards.
+    assert comm.allreduce_obj(1) == comm.size
+
+
+def check_scatter_index(comm):
+    if comm.size == 3:
+        expected = [(0, 4), (4, 7), (7, 10)]
+        assert scatter_index(10, comm, force_equal_length=False) == expected[comm.rank]
+    for n in range(0, 4 * comm.size + 2):
+        ranges = comm.allgather_obj(scatter_index(n, comm))
+        n_sub = -(-n // comm.size)
+        assert all(e - b == n_sub and 0 <= b and e <= n for b, e in ranges), (n, ranges)
+        assert set().union(*(range(b, e) for b, e in ranges)) == set(range(n)), (n, ranges)
+        ranges = comm.allgather_obj(scatter_index(n, comm, force_equal_length=False))
+        assert [b for b, _ in ranges[1:]] == [e for _, e in ranges[:-1]] and ranges[0][0] == 0
+        assert ranges[-1][1] == n
+
+
+# ----------------------------------------------------------------------------- evaluators
+def check_evaluator(comm):
+    shard = list(range(comm.rank, 97, comm.size))
+
+    def evaluate(offset=0.0):
+        sq = torch.tensor(sum(x * x for x in shard) / len(shard), dtype=torch.float64)
+        return {"mean": sum(shard) / len(shard) + offset, "sq": sq}, len(shard)
+
+    result = create_multi_node_evaluator(evaluate, comm)()
+    assert result["mean"] == 48.0, result
+    assert math.isclose(result["sq"], sum(x * x for x in range(97)) / 97, rel_tol=1e-12), result
+    assert comm.allgather_obj(result) == [result] * comm.size
+    assert create_multi_node_evaluator(evaluate, comm)(offset=1.0)["mean"] == 49.0
+    # A rank that saw nothing contributes nothing.
+    def some_empty():
+        return ({}, 0) if comm.rank == 1 else evaluate()
+    kept = [v for r in range(comm.size) if r != 1 for v in range(r, 97, comm.size)]
+    assert math.isclose(create_multi_node_evaluator(some_empty, comm)()["mean"], sum(kept) / len(kept), rel_tol=1e-12)
+    # Nobody saw anything: NaN for every named metric.
+    out = create_multi_node_evaluator(lambda: ({"loss": 1.0}, 0), comm)()
+    assert list(out) == ["loss"] and math.isnan(out["loss"]), out
+    # A plain dict counts once per rank.
+    out = create_multi_node_evaluator(lambda: {"r": float(comm.rank)}, comm)()
+    assert out == {"r": (comm.size - 1) / 2}, out
+    # fn failing on one rank: every rank raises.
+    def broken():
+        if comm.rank == 1:
+            raise ZeroDivisionError("no data")
+        return evaluate()
+    e = expect_raise(create_multi_node_evaluator(broken, comm), ZeroDivisionError, RuntimeError)
+    assert "no data" in str(e) and isinstance(e, ZeroDivisionError) == (comm.rank == 1), e
+    # Ranks reporting different metrics: every rank raises.
+    e = expect_raise(create_multi_node_evaluator(lambda: ({f"m{comm.rank}": 1.0}, 1), comm), ValueError)
+    assert "same metrics" in str(e), e
+
+
+class Gather(GenericMultiNodeEvaluator):
+    def __init__(self, comm, fail_rank=None, **kwargs):
+        super().__init__(comm, **kwargs)
+        self.fail_rank = fail_rank
+
+    def evaluate_local(self, step):
+        if self.comm.rank == self.fail_rank:
+            raise ValueError("local evaluation broke")
+        return list(range(self.comm.rank, 97, step))
+
+    def aggregate(self, results):
+        return sorted(x for r in results for x in r)
+
+
+def check_generic_evaluator(comm):
+    root = comm.size - 1
+    out = Gather(comm, root=root)(comm.size)
+    assert out == (list(range(97)) if comm.rank == root else None), out
+    assert Gather(comm, broadcast=True)(comm.size) == list(range(97))
+    for fail in (0, 1):
+        e = expect_raise(lambda: Gather(comm, fail_rank=fail, broadcast=True)(comm.size), ValueError, RemoteRankError)
+        assert "local evaluation broke" in str(e), e
+
+
+# ----------------------------------------------------------------------------- iterators
+class DictData(torch.utils.data.Dataset):
+    def __len__(self):
+        return 10
+
+    def __getitem__(self, i):
+        return {"x": torch.full((2,), float(i)), "pair": (torch.tensor(i), [torch.tensor(-i)])}
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def check_iterator(comm):
+    master = comm.size - 1
+    torch.manual_seed(comm.rank)  # only the master's shuffling may matter
+    loader = DataLoader(DictData(), batch_size=4, shuffle=True) if comm.rank == master else None
+    it = create_multi_node_iterator(loader, comm, rank_master=master)
+    assert len(it) == 3
+    epochs = [list(it) for _ in range(2)]
+    assert [len(e) for e in epochs] == [3, 3]
+    assert it.epoch == 2
+    everyone = comm.allgather_obj(epochs)
+    assert all(_same(everyone[0], other) for other in everyone), "ranks saw different batches"
+    seen = sorted(int(i) for batch in epochs[0] for i in batch["pair"][0])
+    assert seen == list(range(10)), seen
+    assert sorted(epochs[0][0]) == ["pair", "x"]
+    # A source without len(): iteration still works, len() says why it cannot.
+    it = create_multi_node_iterator((torch.tensor(k) for k in range(5)) if comm.rank == 0 else None, comm)
+    expect_raise(lambda: len(it), TypeError)
+    assert [int(t) for t in it] == list(range(5))
+    # The master's loader failing mid-epoch: every rank raises after the same batch.
+
+    def broken_source():
+        yield torch.tensor(0)
+        raise OSError("disk gone")
+
+    it = create_multi_node_iterator(broken_source() if comm.rank == 0 else None, comm)
+    got = []
+    e = expect_raise(lambda: got.extend(it), OSError, RemoteRankError)
+    assert "disk gone" in str(e) and isinstance(e, OSError) == (comm.rank == 0), e
+    assert [int(t) for t in got] == [0]
+
+
+# ----------------------------------------------------------------------------- extensions
+def _manager(model, iters_per_epoch, max_epochs, out, **kwargs):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    return ppe.training.ExtensionsManager(model, opt, max_epochs, iters_per_epoch=iters_per_epoch,
+                                          out_dir=out, **kwargs)
+
+
+def check_early_stopping(comm, tmp):
+    # Rank 0's loss grows fast, the others' shrink slowly: the global mean grows, so every rank
+    # must stop after epoch 1 + patience although only rank 0's own values say so.
+    stop = MultiNodeEarlyStoppingTrigger(comm, monitor="val/loss", patience=2, max_trigger=(20, "epoch"))
+    manager = _manager(torch.nn.Linear(2, 2), 2, 20, os.path.join(tmp, f"es{comm.rank}"), stop_trigger=stop)
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            if manager.iteration % 2 == 1:
+                epoch = manager.iteration // 2 + 1
+                ppe.reporting.report({"val/loss": 10.0 * epoch if comm.rank == 0 else 1.0 - 0.01 * epoch})
+    assert comm.allgather_obj(manager.epoch) == [3] * comm.size, manager.epoch
+
+
+def check_observation_aggregator(comm, tmp):
+    seen = []
+    manager = _manager(torch.nn.Linear(2, 2), 2, 2, os.path.join(tmp, f"oa{comm.rank}"))
+    manager.extend(ObservationAggregator(comm, "loss", "loss/global", trigger=(1, "epoch")))
+    manager.extend(lambda m: seen.append(m.observation.get("loss/global")), trigger=(1, "iteration"))
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            ppe.reporting.report({"loss": float(comm.rank + manager.iteration)})
+    # Epoch e (0-based) reports rank + 2e and rank + 2e + 1 on each rank.
+    mean_rank = (comm.size - 1) / 2
+    assert seen == [None, mean_rank + 0.5, None, mean_rank + 2.5], seen
+
+
+def check_allreduce_persistent(comm, tmp):
+    bn = torch.nn.Sequential(torch.nn.BatchNorm1d(3), torch.nn.BatchNorm1d(2).double())
+    with torch.no_grad():
+        bn[0].running_mean.fill_(comm.rank)
+        bn[0].running_var.fill_(comm.rank * 2.0 + 1)
+        bn[1].running_mean.fill_(comm.rank * 3.0)
+        bn[0].num_batches_tracked.fill_(7)
+    AllreducePersistent(bn, comm)()
+    r = (comm.size - 1) / 2
+    assert torch.equal(bn[0].running_mean, torch.full((3,), r)), bn[0].running_mean
+    assert torch.equal(bn[0].running_var, torch.full((3,), 2 * r + 1))
+    assert torch.equal(bn[1].running_mean, torch.full((2,), 3 * r, dtype=torch.float64))
+    assert bn[1].running_mean.dtype == torch.float64 and int(bn[0].num_batches_tracked) == 7
+
+
+def check_snapshot(comm, tmp):
+    out = os.path.join(tmp, "snap")
+    model = torch.nn.Linear(2, 1)
+    manager = _manager(model, 1, 4, out)
+    manager.extend(multi_node_snapshot(comm, n_retains=3), trigger=(1, "iteration"))
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            with torch.no_grad():
+                model.weight.fill_(manager.iteration + 1 + 10 * comm.rank)
+    assert sorted(available_iterations(out, comm.rank)) == [2, 3, 4]
+    comm.barrier()
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")], os.listdir(out)   # all renamed
+    # The last rank "crashed" before writing iteration 4; rank 0 lost iteration 2.
+    if comm.rank == comm.size - 1:
+        os.remove(available_iterations(out, comm.rank)[4])
+    if comm.rank == 0:
+        os.remove(available_iterations(out, comm.rank)[2])
+    comm.barrier()
+    model = torch.nn.Linear(2, 1)
+    manager = _manager(model, 1, 6, out)
+    ext = multi_node_snapshot(comm, autoload=True)
+    manager.extend(ext, trigger=(1, "iteration"))
+    assert manager.iteration == 3, manager.iteration   # starting the extensions resumes
+    assert ext.resumed_from == 3
+    assert torch.equal(model.weight, torch.full((1, 2), 3.0 + 10 * comm.rank)), model.weight
+    # resume_latest on a plain object; no common snapshot gives None everywhere.
+    other = torch.nn.Linear(2, 1)
+    assert resume_latest(other, comm, os.path.join(tmp, "nothing")) is None
+    e = expect_raise(lambda: multi_node_snapshot(comm, filename="snap_{iteration}"), ValueError)
+    assert "{rank}" in str(e)
+
+
+CHECKS = {
+    "scatter": check_scatter,
+    "scatter_chunks": check_scatter_chunks,
+    "scatter_errors": check_scatter_errors,
+    "scatter_index": check_scatter_index,
+    "evaluator": check_evaluator,
+    "generic_evaluator": check_generic_evaluator,
+    "iterator": check_iterator,
+    "early_stopping": check_early_stopping,
+    "observation_aggregator": check_observation_aggregator,
+    "allreduce_persistent": check_allreduce_persistent,
+    "snapshot": check_snapshot,
+}
+NEEDS_TMP = {"early_stopping", "observation_aggregator", "allreduce_persistent", "snapshot"}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tmp", required=True)
+    parser.add_argument("checks", nargs="+")
+    args = parser.parse_args()
+    names = list(CHECKS) if args.checks == ["all"] else args.checks
+    comm = torchmn.create_communicator()
+    for name in names:
+        start = time.perf_counter()
+        if name in NEEDS_TMP:
+            CHECKS[name](comm, args.tmp)
+        else:
+            CHECKS[name](comm)
+        # Every rank got here: the check passed everywhere.
+        comm.barrier()
+        if comm.rank == 0:
+            print(f"PASS {name} {time.perf_counter() - start:.1f}s", flush=True)
+    comm.finalize()
+    # Leave without interpreter teardown: gloo's worker threads can still hold tensors then, and
+    # destroying them during finalization sometimes aborts a rank ("terminate called without an
+    # active exception") after every check has passed.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()

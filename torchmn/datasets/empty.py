@@ -1,0 +1,39 @@
+"""A placeholder dataset: the right length, nothing inside."""
+from __future__ import annotations
+
+from torch.utils.data import Dataset
+
+
+class EmptyDataset(Dataset):
+    """``n`` items, each an empty tuple."""
+
+    def __init__(self, n: int):
+        self._n = int(n)
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, i: int) -> tuple:
+        if not isinstance(i, int):
+            raise TypeError(f"EmptyDataset indices must be integers, not {type(i).__name__}")
+        if i < 0:
+            i += self._n
+        if not 0 <= i < self._n:
+            # IndexError ends Python's legacy iteration protocol, as for lists.
+            raise IndexError(f"index {i} out of range for an EmptyDataset of length {self._n}")
+        return ()
+
+
+def create_empty_dataset(dataset) -> EmptyDataset:
+    """A dataset as long as ``dataset`` whose items are empty tuples (ChainerMN's helper).
+
+    Useful for ranks that must step through the same number of iterations as the others without
+    reading any data, e.g. the non-input stages of a model-parallel pipeline.
+
+    Example::
+
+        >>> empty = torchmn.create_empty_dataset(range(3))
+        >>> len(empty), empty[0]
+        (3, ())
+    """
+    return EmptyDataset(len(dataset))

@@ -1,0 +1,253 @@
+"""Splitting one dataset among ranks.
+
+Two ways a part reaches its rank:
+
+- **Copied** (the default): only root reads the dataset; it pickles each rank's samples and sends
+  them in chunks of at most ``max_buf_len`` bytes, so a dataset far too large to pickle in one
+  piece still scatters, and root never holds more than one chunk of pickled samples at a time.
+- **Shared**: a dataset that every rank can open itself (files on a shared file system, an index
+  into storage every node sees) is marked by subclassing :class:`SharedDataset` or by a class
+  attribute ``__torchmn_shared__ = True``. Then only the dataset object itself (which should be
+  small to pickle: a path, a file list) and the index order are broadcast, and every rank reads its
+  own samples.
+"""
+from __future__ import annotations
+
+import pickle
+from typing import Any, Optional, Sequence
+
+import torch
+from torch.utils.data import Dataset
+
+from torchmn.communicators.errors import RemoteRankError
+
+DEFAULT_MAX_BUF_LEN = 256 * 1024 * 1024
+_TAG = 7301  # keeps scatter traffic apart from a user's own send_obj/recv_obj with the default tag
+
+
+class SharedDataset(Dataset):
+    """Base class marking a dataset that every rank can open by itself.
+
+    :func:`scatter_dataset` broadcasts such a dataset *object* (keep it cheap to pickle: store
+    paths, open files lazily) and never copies its samples. A class that cannot inherit from this
+    one can set ``__torchmn_shared__ = True`` instead.
+
+    Example::
+
+        >>> class Images(torchmn.datasets.SharedDataset):
+        ...     def __init__(self, files): self.files = files
+        ...     def __len__(self): return len(self.files)
+        ...     def __getitem__(self, i): return load(self.files[i])
+    """
+
+    __torchmn_shared__ = True
+
+
+def is_shared(dataset: Any) -> bool:
+    """Whether ``dataset`` says every rank can open it (see :class:`SharedDataset`)."""
+    return bool(getattr(dataset, "__torchmn_shared__", False))
+
+
+class DatasetPart(Dataset):
+    """One rank's part of a scattered dataset.
+
+    ``indices`` are the positions of its items in root's dataset (after shuffling), so
+    ``part[i]`` is ``dataset[part.indices[i]]``.
+    """
+
+    def __init__(self, base: Any, indices: Sequence[int], positions: Optional[Sequence[int]] = None):
+        self.base = base
+        self.indices = list(indices)
+        self._positions = self.indices if positions is None else list(positions)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, i: int) -> Any:
+        n = len(self.indices)
+        j = i + n if i < 0 else i
+        if not 0 <= j < n:
+            raise IndexError(f"index {i} out of range for a dataset part of length {n}")
+        return self.base[self._positions[j]]
+
+
+def _bounds(n_total: int, size: int, rank: int, force_equal_length: bool) -> tuple[int, int]:
+    if force_equal_length:
+        n_sub = -(-n_total // size)  # ceil
+        begin = n_total * rank // size
+        return begin, begin + n_sub
+    q, r = divmod(n_total, size)
+    begin = rank * q + min(rank, r)
+    return begin, begin + q + (1 if rank < r else 0)
+
+
+def scatter_index(n_total: int, comm, force_equal_length: bool = True) -> tuple[int, int]:
+    """This rank's ``(begin, end)`` range of ``range(n_total)``; no communication.
+
+    ``force_equal_length=True`` (ChainerMN's rule): every range has ``ceil(n_total / size)``
+    indices and starts at ``floor(n_total * rank / size)``, so neighbouring ranges overlap by a
+    few indices when ``size`` does not divide ``n_total``. ``end`` never exceeds ``n_total`` (the
+    last range ends exactly there), so no index needs wrapping. ``False``: the ranges do not
+    overlap and cover ``range(n_total)`` exactly; the first ``n_total % size`` ranks get one more.
+
+    Example::
+
+        >>> torchmn.scatter_index(10, comm, force_equal_length=False)   # 3 ranks
+        (0, 4) on rank 0, (4, 7) on rank 1, (7, 10) on rank 2
+        >>> torchmn.scatter_index(10, comm)                              # 3 ranks
+        (0, 4) on rank 0, (3, 7) on rank 1, (6, 10) on rank 2
+    """
+    if n_total < 0:
+        raise ValueError(f"scatter_index: n_total must be >= 0, not {n_total}")
+    return _bounds(int(n_total), comm.size, comm.rank, force_equal_length)
+
+
+def _claim(dataset: Any, comm, root: int) -> dict:
+    """What this rank brings to the scatter, or what is wrong with it (told to every rank)."""
+    if comm.rank != root:
+        if dataset is not None:
+            return {"problem": f"rank {comm.rank} passed a dataset ({type(dataset).__name__}) but only root "
+                               f"rank {root}'s dataset is read; pass None on every other rank, e.g. "
+                               f"scatter_dataset(data if comm.rank == {root} else None, comm)"}
+        return {}
+    if dataset is None:
+        return {"problem": f"root rank {root} passed None; it must pass the dataset to scatter"}
+    try:
+        n = len(dataset)
+    except TypeError as e:
+        return {"problem": f"root rank {root}'s dataset ({type(dataset).__name__}) has no len(): {e}"}
+    return {"n": int(n), "shared": is_shared(dataset)}
+
+
+def _order(n: int, shuffle: bool, seed: Optional[int]) -> torch.Tensor:
+    if not shuffle:
+        return torch.arange(n, dtype=torch.int64)
+    g = torch.Generator()
+    if seed is None:
+        g.seed()  # a fresh random seed; only root draws, so all ranks still share the order
+    else:
+        g.manual_seed(int(seed))
+    return torch.randperm(n, generator=g, dtype=torch.int64)
+
+
+def _send_part(comm, dataset: Any, indices: list[int], dest: int, max_buf_len: int) -> None:
+    """Stream ``dataset[indices]`` to ``dest``: pickled once per sample, packed into bounded chunks."""
+    comm.send_obj(("part", indices), dest, tag=_TAG)
+    chunk: list[bytes] = []
+    nbytes = 0
+    for i in indices:
+        blob = pickle.dumps(dataset[i], protocol=pickle.HIGHEST_PROTOCOL)
+        if chunk and nbytes + len(blob) > max_buf_len:
+            comm.send_obj(("chunk", chunk), dest, tag=_TAG)
+            chunk, nbytes = [], 0
+        chunk.append(blob)  # a single sample over max_buf_len travels alone (send_obj chunks it)
+        nbytes += len(blob)
+    if chunk:
+        comm.send_obj(("chunk", chunk), dest, tag=_TAG)
+    comm.send_obj(("end", None), dest, tag=_TAG)
+
+
+def _recv_part(comm, root: int) -> DatasetPart:
+    kind, indices = comm.recv_obj(root, tag=_TAG)
+    if kind == "error":
+        raise RemoteRankError(f"scatter_dataset: root rank {root} failed while sending rank {comm.rank}'s "
+                              f"part: {indices}")
+    samples: list[Any] = []
+    while True:
+        kind, payload = comm.recv_obj(root, tag=_TAG)
+        if kind == "end":
+            break
+        if kind == "error":
+            raise RemoteRankError(f"scatter_dataset: root rank {root} failed while sending rank "
+                                  f"{comm.rank}'s part: {payload}")
+        samples.extend(pickle.loads(b) for b in payload)
+    if len(samples) != len(indices):
+        raise RuntimeError(f"scatter_dataset: rank {comm.rank} received {len(samples)} samples from root "
+                           f"rank {root} but expected {len(indices)}")
+    return DatasetPart(samples, indices, positions=range(len(samples)))
+
+
+def scatter_dataset(dataset: Any, comm, root: int = 0, shuffle: bool = False, seed: Optional[int] = None,
+                    max_buf_len: int = DEFAULT_MAX_BUF_LEN, force_equal_length: bool = True) -> DatasetPart:
+    """Split root's ``dataset`` among the ranks; every rank must call it and gets its own part.
+
+    Only root's ``dataset`` is read; every other rank passes ``None`` (a rank that passes a
+    dataset makes every rank raise :class:`ValueError`). Parts follow :func:`scatter_index` over
+    the (shuffled) order: with ``force_equal_length=True`` every part has ``ceil(N / size)``
+    samples and neighbouring parts may share a few; with ``False`` parts are disjoint and their
+    lengths differ by at most one. Either way the parts together hold the whole dataset, and an
+    empty dataset gives every rank an empty part.
+
+    ``shuffle=True`` permutes the samples before splitting; root draws the permutation from a
+    ``torch.Generator`` of its own seeded with ``seed`` (a random seed when ``None``) and sends
+    it, so every rank uses the same order and the global random state is left alone.
+
+    Samples are copied to their rank in chunks of at most ``max_buf_len`` pickled bytes, unless
+    the dataset is a :class:`SharedDataset` (or sets ``__torchmn_shared__ = True``): then only
+    the dataset object and the order are broadcast and each rank reads its own samples.
+
+    Example::
+
+        >>> train = torchmn.scatter_dataset(train if comm.rank == 0 else None, comm,
+        ...                                 shuffle=True, seed=0)
+        >>> loader = torch.utils.data.DataLoader(train, batch_size=32, shuffle=True)
+    """
+    comm._check_peer(root, "root")
+    if max_buf_len <= 0:
+        raise ValueError(f"scatter_dataset: max_buf_len must be positive, not {max_buf_len}")
+    claims = comm.allgather_obj(_claim(dataset, comm, root))
+    problems = [c["problem"] for c in claims if "problem" in c]
+    if problems:
+        raise ValueError("scatter_dataset: " + "; ".join(problems) + f" (raised on rank {comm.rank})")
+    n, shared = claims[root]["n"], claims[root]["shared"]
+
+    if shared:
+        message = order = None
+        if comm.rank == root:
+            try:
+                order = _order(n, shuffle, seed)
+                message = (None, pickle.dumps((dataset, order), protocol=pickle.HIGHEST_PROTOCOL))
+            except Exception as e:
+                message = (f"{type(e).__name__}: {e}", None)
+        problem, blob = comm.bcast_obj(message, root=root)
+        if problem:
+            raise ValueError(f"scatter_dataset: root rank {root} could not pickle its shared dataset "
+                             f"({problem}); a SharedDataset must be picklable, e.g. hold paths and open "
+                             f"files lazily (raised on rank {comm.rank})")
+        if comm.rank != root:
+            dataset, order = pickle.loads(blob)
+        b, e = _bounds(n, comm.size, comm.rank, force_equal_length)
+        return DatasetPart(dataset, order[b:e].tolist())
+
+    part, error = None, None
+    try:
+        part = _recv_part(comm, root) if comm.rank != root else _send_parts(comm, dataset, n, shuffle, seed,
+                                                                            force_equal_length, root, max_buf_len)
+    except Exception as e:
+        error = e
+    # Ranks served before a failure already have their part; this makes them raise too.
+    outcomes = comm.allgather_obj(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(r, why) for r, why in enumerate(outcomes) if why is not None]
+    if failed:
+        raise RemoteRankError(f"scatter_dataset failed on rank {failed[0][0]} ({failed[0][1]}); "
+                              f"raised on rank {comm.rank} too")
+    return part
+
+
+def _send_parts(comm, dataset: Any, n: int, shuffle: bool, seed: Optional[int], force_equal_length: bool,
+                root: int, max_buf_len: int) -> DatasetPart:
+    """Root: stream every other rank its part, in rank order; return root's own part."""
+    order = _order(n, shuffle, seed)
+    parts = [order[slice(*_bounds(n, comm.size, r, force_equal_length))].tolist() for r in range(comm.size)]
+    pending = [r for r in range(comm.size) if r != root]
+    for k, r in enumerate(pending):
+        try:
+            _send_part(comm, dataset, parts[r], r, max_buf_len)
+        except Exception as e:
+            # Tell the rank being served and every rank still waiting, so none of them hangs.
+            for waiting in pending[k:]:
+                comm.send_obj(("error", f"{type(e).__name__}: {e}"), waiting, tag=_TAG)
+            raise
+    return DatasetPart(dataset, parts[root])

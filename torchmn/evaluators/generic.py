@@ -1,0 +1,78 @@
+"""Evaluation whose result is not a mean: gather local results to root, aggregate there."""
+from __future__ import annotations
+
+import abc
+from typing import Any, Optional
+
+from torchmn.communicators.errors import RemoteRankError
+
+_OK, _FAILED = "ok", "failed"
+
+
+class GenericMultiNodeEvaluator(abc.ABC):
+    """Gather each rank's :meth:`evaluate_local` result to root and :meth:`aggregate` it there.
+
+    For metrics that are not means (AUC, F1 over all samples, a confusion matrix, ...).
+    Calling the evaluator returns the aggregate on ``root`` and ``None`` on the other ranks, or
+    the aggregate on every rank with ``broadcast=True``. Every rank must call it together. If
+    ``evaluate_local`` fails on some rank, root raises too (and, with ``broadcast=True``, so does
+    every rank).
+
+    Example::
+
+        >>> class AUC(torchmn.GenericMultiNodeEvaluator):
+        ...     def evaluate_local(self, model):
+        ...         return [(model(x).sigmoid(), y) for x, y in local_loader]
+        ...     def aggregate(self, results):
+        ...         pairs = [p for rank_pairs in results for p in rank_pairs]
+        ...         return roc_auc(torch.cat([s for s, _ in pairs]), torch.cat([y for _, y in pairs]))
+        >>> auc = AUC(comm)(model)    # a number on rank 0, None elsewhere
+    """
+
+    def __init__(self, comm, root: int = 0, broadcast: bool = False):
+        comm._check_peer(root, "root")
+        self.comm = comm
+        self.root = root
+        self.broadcast = broadcast
+
+    @abc.abstractmethod
+    def evaluate_local(self, *args: Any, **kwargs: Any) -> Any:
+        """This rank's result over its shard; anything picklable."""
+
+    @abc.abstractmethod
+    def aggregate(self, results: list) -> Any:
+        """Combine every rank's local result (``results[r]`` is rank ``r``'s); runs on root only."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Optional[Any]:
+        comm, root = self.comm, self.root
+        try:
+            local = (_OK, self.evaluate_local(*args, **kwargs))
+        except Exception as e:
+            local = (_FAILED, f"{type(e).__name__}: {e}")
+            comm.gather_obj(local, root=root)
+            if self.broadcast:
+                comm.bcast_obj((_FAILED, f"evaluate_local failed on root rank {root}: {local[1]}")
+                               if comm.rank == root else None, root=root)
+            raise
+        gathered = comm.gather_obj(local, root=root)
+        outcome = None
+        if comm.rank == root:
+            failed = [(r, why) for r, (status, why) in enumerate(gathered) if status == _FAILED]
+            if failed:
+                outcome = (_FAILED, f"evaluate_local failed on rank {failed[0][0]}: {failed[0][1]}")
+            else:
+                try:
+                    outcome = (_OK, self.aggregate([value for _, value in gathered]))
+                except Exception as e:
+                    if self.broadcast:
+                        comm.bcast_obj((_FAILED, f"aggregate failed on root rank {root}: "
+                                                 f"{type(e).__name__}: {e}"), root=root)
+                    raise
+        if self.broadcast:
+            outcome = comm.bcast_obj(outcome, root=root)
+        elif comm.rank != root:
+            return None
+        status, value = outcome
+        if status == _FAILED:
+            raise RemoteRankError(f"{type(self).__name__}: {value} (raised on rank {comm.rank})")
+        return value

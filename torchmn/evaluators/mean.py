@@ -1,0 +1,94 @@
+"""Global metric means from per-rank means, weighted by how many samples each rank saw."""
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Any, Callable
+
+import torch
+
+
+def _as_float(value: Any, key: str, rank: int) -> float:
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            raise ValueError(f"multi-node evaluator: metric {key!r} on rank {rank} is a tensor of shape "
+                             f"{tuple(value.shape)}; return one number per metric")
+        return float(value.detach().cpu().double().item())
+    if isinstance(value, numbers.Real):
+        return float(value)
+    raise TypeError(f"multi-node evaluator: metric {key!r} on rank {rank} is a {type(value).__name__}; "
+                    f"return numbers (or one-element tensors)")
+
+
+def _local(result: Any, rank: int) -> tuple[dict[str, float], int]:
+    if isinstance(result, dict):
+        metrics, n = result, 1
+    elif isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], dict):
+        metrics, n = result
+    else:
+        raise TypeError(f"multi-node evaluator: fn() on rank {rank} returned {type(result).__name__}; "
+                        f"return (dict_of_means, n_samples) or a dict")
+    if isinstance(n, torch.Tensor):
+        n = n.item()
+    if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
+        raise ValueError(f"multi-node evaluator: fn() on rank {rank} returned n_samples={n!r}; "
+                         f"it must be an integer >= 0")
+    return {str(k): _as_float(v, k, rank) for k, v in metrics.items()}, int(n)
+
+
+class MultiNodeEvaluator:
+    """Callable made by :func:`create_multi_node_evaluator`."""
+
+    def __init__(self, fn: Callable[..., Any], comm):
+        self.fn = fn
+        self.comm = comm
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        comm = self.comm
+        try:
+            mine: Any = _local(self.fn(*args, **kwargs), comm.rank)
+        except Exception as e:
+            # Take part in the exchange anyway, so the other ranks raise instead of waiting.
+            comm.allgather_obj(("error", f"{type(e).__name__}: {e}"))
+            raise
+        everyone = comm.allgather_obj(mine)
+        failed = [(r, x[1]) for r, x in enumerate(everyone) if x[0] == "error"]
+        if failed:
+            r, why = failed[0]
+            raise RuntimeError(f"multi-node evaluator: fn() failed on rank {r} ({why}); "
+                               f"raised on rank {comm.rank} too")
+        counted = [(r, metrics, n) for r, (metrics, n) in enumerate(everyone) if n > 0]
+        keys = sorted({k for metrics, _ in everyone for k in metrics})
+        for r, metrics, _ in counted:
+            if sorted(metrics) != keys:
+                raise ValueError(f"multi-node evaluator: rank {r} reported metrics {sorted(metrics)} but the "
+                                 f"ranks together reported {keys}; every rank that saw samples must report "
+                                 f"the same metrics (raised on rank {comm.rank})")
+        total = sum(n for _, _, n in counted)
+        if total == 0:
+            return {k: math.nan for k in keys}
+        # Python floats are float64; summing in rank order gives the same bits on every rank.
+        return {k: sum(metrics[k] * n for _, metrics, n in counted) / total for k in keys}
+
+
+def create_multi_node_evaluator(fn: Callable[..., Any], comm) -> MultiNodeEvaluator:
+    """Wrap ``fn`` so that it returns, on every rank, the exact global means of its metrics.
+
+    ``fn(*args, **kwargs)`` runs on each rank over that rank's shard and returns
+    ``(means, n)``: a dict of metric means over the ``n`` samples it saw. The wrapper returns,
+    on every rank, each metric's mean over all samples of all ranks (each rank weighted by its
+    ``n``, summed in float64), so uneven shards give the right answer. A rank with ``n == 0``
+    contributes nothing (its dict may be empty). If no rank saw a sample, every metric named by
+    any rank is ``nan`` (and the result is ``{}`` if none was named). ``fn`` may also return a
+    plain dict: it counts as ``n = 1``, so the result is the plain mean over ranks. Values may be
+    numbers or one-element tensors. Every rank must call the wrapper together.
+
+    Example::
+
+        >>> def evaluate():
+        ...     losses = [loss_fn(model(x), y).item() for x, y in local_loader]
+        ...     return {"loss": sum(losses) / len(losses)}, len(losses)
+        >>> metrics = torchmn.create_multi_node_evaluator(evaluate, comm)()
+        >>> metrics["loss"]    # the same number on every rank
+    """
+    return MultiNodeEvaluator(fn, comm)

@@ -1,0 +1,85 @@
+"""Early stopping that every rank decides alike."""
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+import torch
+from pytorch_pfn_extras.training.triggers import EarlyStoppingTrigger
+
+from torchmn.extensions._values import to_float
+
+
+class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
+    """pytorch-pfn-extras' ``EarlyStoppingTrigger``, judged on the value averaged over ranks.
+
+    Within each ``check_trigger`` interval every rank accumulates its observations of
+    ``monitor``; at the end of the interval the sums and counts are allreduced (float64), and the
+    global mean is compared with the best so far. All ranks therefore see the same number and
+    stop at the same iteration, even when each rank's own values would say otherwise. A rank that
+    observed nothing contributes nothing; if no rank did, the interval is skipped with a warning.
+    Every rank must use it with the same arguments. ``mode``: ``"min"``, ``"max"`` or ``"auto"``
+    (``"max"`` when ``monitor`` names an accuracy).
+
+    Example::
+
+        >>> stop = torchmn.extensions.MultiNodeEarlyStoppingTrigger(comm, monitor="val/loss", patience=3)
+        >>> manager = ppe.training.ExtensionsManager(model, opt, 100, iters_per_epoch=n,
+        ...                                          stop_trigger=stop)
+        >>> while not manager.stop_trigger:
+        ...     ...
+    """
+
+    def __init__(self, comm, monitor: str = "val/loss", patience: int = 3, mode: str = "auto",
+                 max_trigger: Any = (100, "epoch"), check_trigger: Any = (1, "epoch"), verbose: bool = False):
+        super().__init__(check_trigger=check_trigger, monitor=monitor, patience=patience, mode=mode,
+                         verbose=verbose, max_trigger=max_trigger)
+        self.comm = comm
+        self._sum = 0.0
+        self._count = 0
+
+    def __deepcopy__(self, memo: dict) -> "MultiNodeEarlyStoppingTrigger":
+        # The manager keeps a deep copy of its stop trigger; the copy must share the communicator
+        # (process groups cannot be copied), while its counters stay its own.
+        new = copy.copy(self)
+        memo[id(self)] = new
+        for name, value in self.__dict__.items():
+            if name != "comm":
+                setattr(new, name, copy.deepcopy(value, memo))
+        return new
+
+    def __call__(self, manager) -> bool:
+        observation = manager.observation
+        if self.monitor in observation:
+            self._sum += to_float(observation[self.monitor], self.monitor)
+            self._count += 1
+        if self._max_trigger(manager):
+            return True
+        if not self._interval_trigger(manager):
+            return False
+        total = self.comm.allreduce(torch.tensor([self._sum, float(self._count)], dtype=torch.float64))
+        self._sum, self._count = 0.0, 0
+        value_sum, count = float(total[0]), int(total[1])
+        if count == 0:
+            warnings.warn(f"{self.monitor} was not observed on any rank in this interval; "
+                          f"early stopping skips it")
+            return False
+        current = value_sum / count
+        if self._compare(current, self.best):
+            self.best = current
+            self.count = 0
+        else:
+            self.count += 1
+        if self._stop_condition():
+            if self.verbose and self.comm.rank == 0:
+                print(f"Epoch {manager.epoch}: early stopping ({self.monitor} = {current})")
+            return True
+        return False
+
+    def state_dict(self) -> dict:
+        return {"best": self.best, "count": self.count}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.best = state["best"]
+        self.count = state["count"]

@@ -1,0 +1,209 @@
+"""Per-rank snapshots, written atomically, resumed from the newest iteration every rank has.
+
+Each rank writes its own file, named by ``filename`` with the fields ``{iteration}`` and
+``{rank}`` (default ``snapshot_iter_{iteration}_rank{rank}``), in the manager's output directory.
+A file is written to a temporary name in the same directory, flushed to disk with ``fsync`` and
+renamed over the final name, so a crash never leaves a half-written snapshot under a real name.
+
+A crash can still leave ranks with different sets of snapshots (one rank finished writing
+iteration 300, another died first). :func:`resume_latest` therefore lists each rank's iterations,
+intersects them over all ranks and loads the newest common one everywhere.
+"""
+from __future__ import annotations
+
+import os
+import re
+import string
+import tempfile
+from typing import Any, Callable, Optional
+
+import torch
+from pytorch_pfn_extras.training import extension
+
+from torchmn.communicators.errors import RemoteRankError
+
+DEFAULT_FILENAME = "snapshot_iter_{iteration}_rank{rank}"
+
+
+def _pattern(filename: str, rank: int) -> re.Pattern:
+    """A regex matching ``filename`` for this rank, capturing the iteration."""
+    if os.sep in filename or (os.altsep and os.altsep in filename):
+        raise ValueError(f"snapshot filename {filename!r} must be a plain file name; choose the directory "
+                         f"with the manager's out_dir (or out_dir=)")
+    fields = set()
+    parts = []
+    for literal, field, spec, conversion in string.Formatter().parse(filename):
+        parts.append(re.escape(literal))
+        if field is None:
+            continue
+        if field not in ("iteration", "rank") or conversion:
+            raise ValueError(f"snapshot filename {filename!r}: only the fields {{iteration}} and {{rank}} "
+                             f"may appear, found {{{field}}}")
+        fields.add(field)
+        parts.append(r"(\d+)" if field == "iteration" else re.escape(format(rank, spec or "")))
+    if fields != {"iteration", "rank"}:
+        raise ValueError(f"snapshot filename {filename!r} must contain both {{iteration}} and {{rank}}, "
+                         f"so that ranks do not overwrite each other and resuming can find iterations")
+    return re.compile("".join(parts))
+
+
+def snapshot_path(out_dir: str, filename: str, iteration: int, rank: int) -> str:
+    _pattern(filename, rank)
+    return os.path.join(out_dir, filename.format(iteration=iteration, rank=rank))
+
+
+def available_iterations(out_dir: str, rank: int, filename: str = DEFAULT_FILENAME) -> dict[int, str]:
+    """``{iteration: path}`` of the snapshots ``rank`` has in ``out_dir`` (no communication)."""
+    pattern = _pattern(filename, rank)
+    if not os.path.isdir(out_dir):
+        return {}
+    found = {}
+    for name in os.listdir(out_dir):
+        m = pattern.fullmatch(name)
+        if m:
+            found[int(m.group(1))] = os.path.join(out_dir, name)
+    return found
+
+
+def atomic_save(obj: Any, path: str, savefun: Callable[[Any, Any], None] = torch.save) -> None:
+    """``savefun(obj, file)`` into a temporary file beside ``path``, fsync it, rename it to ``path``."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            savefun(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+    try:
+        # Make the rename itself durable; not every file system lets a directory be opened.
+        dir_fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass  # fsync of a directory is unsupported on some file systems; the file itself is synced
+    finally:
+        os.close(dir_fd)
+
+
+def _state_of(target: Any) -> Any:
+    if type(target) is dict:
+        return {k: v.state_dict() for k, v in target.items()}
+    return target.state_dict()
+
+
+def _load_into(target: Any, state: Any) -> None:
+    if type(target) is dict:
+        for k, v in target.items():
+            v.load_state_dict(state[k])
+    else:
+        target.load_state_dict(state)
+
+
+def _default_load(path: str) -> Any:
+    return torch.load(path, map_location="cpu")
+
+
+def resume_latest(target: Any, comm, out_dir: str, filename: str = DEFAULT_FILENAME,
+                  loadfun: Callable[[str], Any] = _default_load) -> Optional[int]:
+    """Load, on every rank, that rank's snapshot of the newest iteration that every rank has.
+
+    ``target`` is what was saved: an ``ExtensionsManager`` (the default of
+    :func:`multi_node_snapshot`), any object with ``load_state_dict``, or a dict of them. Returns
+    the iteration resumed from, or ``None`` on every rank when no iteration is common to all
+    ranks (nothing is loaded then). If loading fails on any rank, every rank raises. Every rank
+    must call it together. ``loadfun(path)`` defaults to ``torch.load(path, map_location="cpu")``.
+
+    Example::
+
+        >>> it = torchmn.extensions.resume_latest(manager, comm, "result")
+        >>> print("resumed from", it)      # e.g. 300, or None for a fresh start
+    """
+    mine = available_iterations(out_dir, comm.rank, filename)
+    everyone = comm.allgather_obj(sorted(mine))
+    common = set(everyone[0]).intersection(*everyone[1:])
+    if not common:
+        return None
+    iteration = max(common)
+    error = None
+    try:
+        _load_into(target, loadfun(mine[iteration]))
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    errors = [(r, why) for r, why in enumerate(comm.allgather_obj(error)) if why is not None]
+    if errors:
+        r, why = errors[0]
+        message = (f"resume_latest: loading iteration {iteration} failed on rank {r} "
+                   f"({snapshot_path(out_dir, filename, iteration, r)}): {why}; raised on rank {comm.rank}")
+        raise (RuntimeError if r == comm.rank else RemoteRankError)(message)
+    return iteration
+
+
+class MultiNodeSnapshot(extension.Extension):
+    """Extension made by :func:`multi_node_snapshot`."""
+
+    trigger = 1, "epoch"
+    priority = extension.PRIORITY_SNAPSHOT
+    needs_model_state = True
+
+    def __init__(self, comm, filename: str = DEFAULT_FILENAME, savefun: Callable[[Any, Any], None] = torch.save,
+                 target: Any = None, n_retains: int = -1, autoload: bool = False, out_dir: Optional[str] = None,
+                 loadfun: Callable[[str], Any] = _default_load):
+        _pattern(filename, comm.rank)  # a bad name fails now, not at the first snapshot
+        self.comm = comm
+        self.filename = filename
+        self.savefun = savefun
+        self.target = target
+        self.n_retains = n_retains
+        self.autoload = autoload
+        self.out_dir = out_dir
+        self.loadfun = loadfun
+        self.resumed_from: Optional[int] = None
+
+    def _dir(self, manager) -> str:
+        return self.out_dir if self.out_dir is not None else manager.out
+
+    def initialize(self, manager) -> None:
+        if self.autoload:
+            target = manager if self.target is None else self.target
+            self.resumed_from = resume_latest(target, self.comm, self._dir(manager), self.filename, self.loadfun)
+
+    def __call__(self, manager) -> None:
+        target = manager if self.target is None else self.target
+        out_dir = self._dir(manager)
+        atomic_save(_state_of(target), snapshot_path(out_dir, self.filename, manager.iteration, self.comm.rank),
+                    self.savefun)
+        if self.n_retains > 0:
+            found = available_iterations(out_dir, self.comm.rank, self.filename)
+            for it in sorted(found)[:-self.n_retains]:
+                os.remove(found[it])
+
+
+def multi_node_snapshot(comm, filename: str = DEFAULT_FILENAME, savefun: Callable[[Any, Any], None] = torch.save,
+                        *, target: Any = None, n_retains: int = -1, autoload: bool = False,
+                        out_dir: Optional[str] = None,
+                        loadfun: Callable[[str], Any] = _default_load) -> MultiNodeSnapshot:
+    """A snapshot extension where every rank saves its own state, atomically.
+
+    ``filename`` must contain ``{iteration}`` and ``{rank}``. ``target`` defaults to the
+    manager (models, optimizers, extension states, iteration). Files go to ``out_dir``, by
+    default the manager's output directory (ranks on different nodes may use local disks).
+    ``savefun(obj, file)`` writes to an open binary file. ``n_retains > 0`` keeps only this
+    rank's newest ``n_retains`` snapshots; keep at least 2, so that a crash while writing still
+    leaves an iteration every rank has. ``autoload=True`` resumes, when training starts, from
+    the newest iteration every rank has (see :func:`resume_latest`); ``resumed_from`` then
+    holds it, or ``None``.
+
+    Example::
+
+        >>> manager.extend(torchmn.extensions.multi_node_snapshot(comm, n_retains=2, autoload=True),
+        ...                trigger=(1, "epoch"))
+    """
+    return MultiNodeSnapshot(comm, filename, savefun, target, n_retains, autoload, out_dir, loadfun)

@@ -1,0 +1,106 @@
+"""One rank reads the data, every rank gets the same batches."""
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Optional
+
+import torch
+
+from torchmn.communicators.errors import RemoteRankError
+
+_BATCH, _STOP, _ERROR = 0, 1, 2
+
+
+def _to_cpu(batch: Any) -> Any:
+    """Tensors inside ``batch`` moved to CPU: a GPU tensor would unpickle onto the receiver's GPU."""
+    if isinstance(batch, torch.Tensor):
+        return batch.cpu()
+    if isinstance(batch, dict):
+        return {k: _to_cpu(v) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_to_cpu(v) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_cpu(v) for v in batch)
+    return batch
+
+
+class MultiNodeIterator:
+    """An iterable whose batches come from ``loader`` on ``rank_master`` (see
+    :func:`create_multi_node_iterator`)."""
+
+    def __init__(self, loader: Optional[Iterable], comm, rank_master: int = 0):
+        comm._check_peer(rank_master, "rank_master")
+        self.comm = comm
+        self.rank_master = rank_master
+        self.loader = loader
+        self.epoch = 0
+        is_master = comm.rank == rank_master
+        problem = None
+        length = None
+        if is_master:
+            if loader is None:
+                problem = f"master rank {rank_master} passed loader=None; it must pass the loader to read"
+            else:
+                try:
+                    length = len(loader)
+                except TypeError:
+                    length = None  # an IterableDataset's loader may have no length
+        # Every rank learns the length, and any problem, at the same time: none is left waiting.
+        problem, self._length = comm.bcast_obj((problem, length) if is_master else None, root=rank_master)
+        if problem:
+            raise ValueError(f"create_multi_node_iterator: {problem} (raised on rank {comm.rank})")
+
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError(f"the loader on master rank {self.rank_master} has no len()")
+        return self._length
+
+    def __iter__(self) -> Iterator[Any]:
+        """One epoch. Every rank must start it, and consume it, in step with the others."""
+        comm, master = self.comm, self.rank_master
+        source = iter(self.loader) if comm.rank == master else None
+        while True:
+            if comm.rank == master:
+                try:
+                    batch = next(source)
+                except StopIteration:
+                    comm.bcast_obj((_STOP, None), root=master)
+                    self.epoch += 1
+                    return
+                except Exception as e:
+                    comm.bcast_obj((_ERROR, f"{type(e).__name__}: {e}"), root=master)
+                    raise
+                comm.bcast_obj((_BATCH, _to_cpu(batch) if comm.size > 1 else None), root=master)
+                yield batch
+                continue
+            kind, payload = comm.bcast_obj(None, root=master)
+            if kind == _STOP:
+                self.epoch += 1
+                return
+            if kind == _ERROR:
+                raise RemoteRankError(f"multi-node iterator: the loader on master rank {master} failed: "
+                                      f"{payload} (raised on rank {comm.rank})")
+            yield payload
+
+
+def create_multi_node_iterator(loader: Optional[Iterable], comm, rank_master: int = 0) -> MultiNodeIterator:
+    """Iterate ``loader`` on ``rank_master`` only and hand every rank the same batches.
+
+    For data that cannot be split, e.g. a model-parallel job where every rank needs the same
+    input. Batches may be tensors, tuples, lists or dicts of them, nested, or any picklable
+    object. The master yields its batches as the loader made them; the other ranks receive them
+with every tensor on CPU. Other ranks may pass ``None`` as ``loader``. Every rank must
+    create the iterator together (the master's ``len(loader)`` is shared then, so ``len()``
+    works everywhere) and iterate it in step, each epoch to its end (a rank that breaks out early
+    leaves the others waiting); each ``for`` loop over it is one epoch, and it ends on every rank
+    after the same batch. If the master's loader raises, the master raises that error and the
+    other ranks raise :class:`~torchmn.communicators.errors.RemoteRankError`.
+
+    Example::
+
+        >>> loader = DataLoader(data, batch_size=32) if comm.rank == 0 else None
+        >>> it = torchmn.create_multi_node_iterator(loader, comm)
+        >>> for epoch in range(3):
+        ...     for x, y in it:
+        ...         ...
+    """
+    return MultiNodeIterator(loader, comm, rank_master)

@@ -1,0 +1,253 @@
+"""Hosts and slots for ``torchmn run -H`` and ``--hostfile``: parsing, and placing ranks on them.
+
+``-H`` takes ``host:slots`` entries separated by commas (a bare ``host`` has 1 slot); a hostfile
+has one host a line, as ``host slots=N`` (Open MPI's form), ``host:N`` or a bare ``host``, with
+``#`` comments and blank lines. A host named twice gets the slots of both entries.
+
+Example::
+
+    >>> parse_hosts("node1:2,node2")
+    [('node1', 2), ('node2', 1)]
+    >>> assign_ranks([("node1", 2), ("node2", 2)], 3)
+    [('node1', 2), ('node2', 1)]
+"""
+from __future__ import annotations
+
+import ipaddress
+import re
+import socket
+from typing import Dict, List, Optional, Sequence, Tuple
+
+Hosts = List[Tuple[str, int]]
+
+_HOST_RE = re.compile(r"^[A-Za-z0-9_.\-]+$|^\[[0-9A-Fa-f:.]+\]$")
+_LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
+
+
+class HostsError(ValueError):
+    """A ``-H`` value or hostfile that does not parse, or an ``-np`` that does not fit it."""
+
+
+def _slots(text: str, where: str) -> int:
+    try:
+        slots = int(text)
+    except ValueError:
+        raise HostsError(f"{where}: slot count {text!r} is not an integer") from None
+    if slots < 1:
+        raise HostsError(f"{where}: slot count must be at least 1, got {slots}")
+    return slots
+
+
+def _host(text: str, where: str) -> str:
+    if not _HOST_RE.match(text):
+        raise HostsError(f"{where}: {text!r} is not a host name or address")
+    return text[1:-1] if text.startswith("[") else text
+
+
+def _entry(text: str, where: str) -> Tuple[str, int]:
+    """``host``, ``host:N``, or ``[v6 address]:N``."""
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise HostsError(f"{where}: {text!r} has '[' without ']'")
+        host, rest = text[:end + 1], text[end + 1:]
+        if rest and not rest.startswith(":"):
+            raise HostsError(f"{where}: expected ':SLOTS' after {host!r}, got {rest!r}")
+        return _host(host, where), _slots(rest[1:], where) if rest else 1
+    if text.count(":") > 1:
+        raise HostsError(f"{where}: write an IPv6 address in brackets, e.g. [{text}] or [addr]:2")
+    host, sep, slots = text.partition(":")
+    return _host(host, where), _slots(slots, where) if sep else 1
+
+
+def merge(hosts: Sequence[Tuple[str, int]]) -> Hosts:
+    """Add up the slots of a host named more than once, keeping the order of first mention.
+
+    Example::
+
+        >>> merge([("a", 1), ("b", 2), ("a", 3)])
+        [('a', 4), ('b', 2)]
+    """
+    total: Dict[str, int] = {}
+    for host, slots in hosts:
+        total[host] = total.get(host, 0) + slots
+    return list(total.items())
+
+
+def parse_hosts(text: str) -> Hosts:
+    """Parse a ``-H`` value: ``host:slots`` entries separated by commas; a bare host has 1 slot.
+
+    Example::
+
+        >>> parse_hosts("10.0.0.1:4, 10.0.0.2:4")
+        [('10.0.0.1', 4), ('10.0.0.2', 4)]
+    """
+    entries = [part.strip() for part in text.split(",")]
+    if not text.strip() or any(not part for part in entries):
+        raise HostsError(f"-H {text!r}: expected host:slots entries separated by commas, "
+                         f"e.g. -H node1:4,node2:4")
+    return merge([_entry(part, f"-H {text!r}") for part in entries])
+
+
+def parse_hostfile_text(text: str, name: str = "hostfile") -> Hosts:
+    """Parse hostfile lines: ``host slots=N``, ``host:N`` or ``host``; ``#`` starts a comment.
+
+    Open MPI's ``max_slots=N`` is accepted and ignored. Errors name the file and the line.
+
+    Example::
+
+        >>> parse_hostfile_text("# two nodes\\nnode1 slots=2\\n\\nnode2:3\\nnode3\\n")
+        [('node1', 2), ('node2', 3), ('node3', 1)]
+    """
+    hosts: Hosts = []
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        where = f"{name} line {number} ({raw.strip()!r})"
+        words = line.split()
+        host, slots = _entry(words[0], where)
+        for word in words[1:]:
+            key, sep, value = word.partition("=")
+            if key == "slots" and sep:
+                if ":" in words[0]:
+                    raise HostsError(f"{where}: slots given twice; write 'host slots=N' or 'host:N'")
+                slots = _slots(value, where)
+            elif key == "max_slots" and sep:
+                _slots(value, where)
+            else:
+                raise HostsError(f"{where}: unexpected {word!r}; expected 'host slots=N', 'host:N' or 'host'")
+        hosts.append((host, slots))
+    if not hosts:
+        raise HostsError(f"{name} names no hosts; write one 'host slots=N' line per host")
+    return merge(hosts)
+
+
+def parse_hostfile(path: str) -> Hosts:
+    """Read and parse a hostfile (see ``parse_hostfile_text``)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError as e:
+        raise HostsError(f"cannot read --hostfile {path!r}: {e.strerror}") from None
+    return parse_hostfile_text(text, f"hostfile {path}")
+
+
+def assign_ranks(hosts: Sequence[Tuple[str, int]], np: int) -> Hosts:
+    """Place ``np`` ranks on ``hosts``, filling each host's slots in order; hosts left without a
+    rank are dropped. More ranks than slots is an error.
+
+    Example::
+
+        >>> assign_ranks([("a", 2), ("b", 2)], 2)
+        [('a', 2)]
+    """
+    total = sum(slots for _, slots in hosts)
+    if np > total:
+        listed = ", ".join(f"{h}:{s}" for h, s in hosts)
+        raise HostsError(f"-np {np} is larger than the {total} slots given ({listed}); lower -np or "
+                         f"give more slots (host:N in -H, 'host slots=N' in a hostfile)")
+    placed: Hosts = []
+    left = np
+    for host, slots in hosts:
+        if left == 0:
+            break
+        placed.append((host, min(slots, left)))
+        left -= placed[-1][1]
+    return placed
+
+
+def _local_addresses() -> set:
+    import psutil
+
+    found = set()
+    for addresses in psutil.net_if_addrs().values():
+        for address in addresses:
+            if address.family in (socket.AF_INET, socket.AF_INET6):
+                found.add(address.address.split("%", 1)[0])
+    return found
+
+
+def is_local(host: str) -> bool:
+    """Whether ``host`` names this machine: ``localhost``, its hostname, a loopback address, or an
+    address of one of its interfaces (ranks there start without ssh).
+
+    Example::
+
+        >>> is_local("localhost"), is_local("127.0.0.1")
+        (True, True)
+    """
+    if host in _LOOPBACK_NAMES or host in (socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        if ipaddress.ip_address(host).is_loopback:
+            return True
+    except ValueError:
+        pass
+    try:
+        resolved = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except (socket.gaierror, UnicodeError):
+        return False
+    if any(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in resolved):
+        return True
+    return bool(resolved & _local_addresses())
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface ``name`` (else its first IPv6 address).
+
+    Example::
+
+        >>> interface_address("lo")
+        '127.0.0.1'
+    """
+    import psutil
+
+    interfaces = psutil.net_if_addrs()
+    if name not in interfaces:
+        raise HostsError(f"--network-interface {name!r}: no such interface on this machine; "
+                         f"it has {', '.join(sorted(interfaces))}")
+    addresses = interfaces[name]
+    for family in (socket.AF_INET, socket.AF_INET6):
+        for address in addresses:
+            if address.family == family:
+                return address.address.split("%", 1)[0]
+    raise HostsError(f"--network-interface {name!r} has no IP address")
+
+
+def interface_of(address: str) -> Optional[str]:
+    """The name of this machine's interface that holds ``address``; None when none does.
+
+    Example::
+
+        >>> interface_of("127.0.0.1")
+        'lo'
+    """
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%", 1)[0] == address for a in addresses):
+            return name
+    return None
+
+
+def route_address(host: str, port: int = 22) -> Optional[str]:
+    """The address this machine would use to reach ``host`` (no packet is sent); None if unknown.
+
+    Example::
+
+        >>> route_address("127.0.0.1")
+        '127.0.0.1'
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
+    except (socket.gaierror, UnicodeError):
+        return None
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect(sockaddr)
+                return s.getsockname()[0]
+        except OSError:
+            continue
+    return None
