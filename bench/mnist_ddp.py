@@ -26,7 +26,7 @@ def main():
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log", required=True)
+    parser.add_argument("--log", "--log-file", required=True)
     add_data_arguments(parser)
     args = parser.parse_args()
     torch.manual_seed(args.seed)

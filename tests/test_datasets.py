@@ -99,3 +99,15 @@ def test_create_empty_dataset():
     assert list(empty) == [()] * 5   # IndexError ends iteration
     with pytest.raises(IndexError):
         empty[5]
+
+
+def test_tensor_dataset_rows_travel_without_their_whole_storage():
+    import pickle
+
+    import torch
+
+    from torchmn.datasets.scatter import _compact
+    ds = torch.utils.data.TensorDataset(torch.randn(4000, 784), torch.arange(4000))
+    sample = _compact(ds[7])
+    assert len(pickle.dumps(sample)) < 10_000  # one row (3 KB), not the 12.5 MB table
+    assert torch.equal(sample[0], ds[7][0]) and sample[1] == 7

@@ -56,6 +56,8 @@ def main():
     parser.add_argument("--log", "--log-file", default="result/log.json",
                         help="JSON log, one entry per epoch (under torchrun, spell it --log-file)")
     parser.add_argument("--communicator", default="auto", help="gradient averaging: auto, flat, naive, ...")
+    parser.add_argument("--shard-state", action="store_true",
+                        help="shard the optimizer state and update over ranks (ZeRO stage 1)")
     add_data_arguments(parser)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -70,7 +72,8 @@ def main():
 
     model = make_model()
     optimizer = torch.optim.Adam(model.parameters())
-    optimizer = torchmn.create_multi_node_optimizer(optimizer, comm)  # torchmn: averages gradients
+    optimizer = torchmn.create_multi_node_optimizer(  # torchmn: averages gradients
+        optimizer, comm, shard_state=args.shard_state)
 
     @torch.no_grad()
     def evaluate_local():

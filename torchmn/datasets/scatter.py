@@ -130,13 +130,29 @@ def _order(n: int, shuffle: bool, seed: Optional[int]) -> torch.Tensor:
     return torch.randperm(n, generator=g, dtype=torch.int64)
 
 
+def _compact(sample: Any) -> Any:
+    """The sample with every tensor view cloned: pickling a row of a big tensor (a
+    ``TensorDataset`` item) would otherwise send the big tensor's whole storage."""
+    if isinstance(sample, torch.Tensor):
+        if sample.untyped_storage().nbytes() > sample.numel() * sample.element_size():
+            return sample.clone()
+        return sample
+    if isinstance(sample, tuple) and not hasattr(sample, "_fields"):
+        return tuple(_compact(x) for x in sample)
+    if isinstance(sample, list):
+        return [_compact(x) for x in sample]
+    if isinstance(sample, dict):
+        return {k: _compact(v) for k, v in sample.items()}
+    return sample
+
+
 def _send_part(comm, dataset: Any, indices: list[int], dest: int, max_buf_len: int) -> None:
     """Stream ``dataset[indices]`` to ``dest``: pickled once per sample, packed into bounded chunks."""
     comm.send_obj(("part", indices), dest, tag=_TAG)
     chunk: list[bytes] = []
     nbytes = 0
     for i in indices:
-        blob = pickle.dumps(dataset[i], protocol=pickle.HIGHEST_PROTOCOL)
+        blob = pickle.dumps(_compact(dataset[i]), protocol=pickle.HIGHEST_PROTOCOL)
         if chunk and nbytes + len(blob) > max_buf_len:
             comm.send_obj(("chunk", chunk), dest, tag=_TAG)
             chunk, nbytes = [], 0
