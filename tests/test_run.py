@@ -219,11 +219,10 @@ def test_bad_log_dir(tmp_path, capsys):
     assert "cannot create --log-dir" in err and str(not_a_dir / "sub") in err
 
 
-def test_multi_host_flags_are_refused_clearly(capsys):
-    with pytest.raises(SystemExit) as exit_info:
-        main(["run", "-np", "2", "-H", "a:1,b:1", "true"])
-    assert exit_info.value.code == 2
-    assert "not supported yet" in capsys.readouterr().err
+def test_unreachable_hosts_are_named(capsys):
+    assert main(["run", "-np", "2", "-H", "nosuchhost-a:1,nosuchhost-b:1", "true"]) == 2
+    err = capsys.readouterr().err
+    assert "host nosuchhost-a: cannot be reached over ssh" in err and "host nosuchhost-b" in err
 
 
 def test_console_script_entry_point_and_help():

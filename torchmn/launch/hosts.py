@@ -157,7 +157,7 @@ def assign_ranks(hosts: Sequence[Tuple[str, int]], np: int) -> Hosts:
     return placed
 
 
-def _local_addresses() -> set:
+def local_addresses() -> set:
     import psutil
 
     found = set()
@@ -190,7 +190,7 @@ def is_local(host: str) -> bool:
         return False
     if any(ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in resolved):
         return True
-    return bool(resolved & _local_addresses())
+    return bool(resolved & local_addresses())
 
 
 def interface_address(name: str) -> str:

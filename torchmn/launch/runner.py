@@ -408,7 +408,7 @@ class Job:
         if self.network_interface:
             self.master_addr = self._interface_address()
             return
-        local = hostlib._local_addresses()
+        local = hostlib.local_addresses()
         seen = checks[0].client_address
         if seen and seen in local and not seen.startswith("127."):
             self.master_addr = seen

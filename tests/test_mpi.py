@@ -1,0 +1,71 @@
+"""Jobs started by Open MPI's and MPICH's own launchers: rank, size and local rank come from the
+environment they set (no mpi4py), and the communicator works under each.
+
+Needs `apt-get install -y openmpi-bin mpich`; a missing launcher fails the test with that message.
+Each MPI is called by its full Debian name, since `mpirun`/`mpiexec` point at only one of them.
+"""
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from jobs import REPO, WORKERS, clean_env
+
+TIMEOUT = 150
+MPIS = {
+    # name: (launcher, Debian package, extra options)
+    "openmpi": ("mpiexec.openmpi", "openmpi-bin",
+                # as root Open MPI needs --allow-run-as-root; more ranks than cores need --oversubscribe;
+                # --bind-to none as docs/launching/mpi.md advises.
+                (["--allow-run-as-root"] if os.geteuid() == 0 else []) + ["--oversubscribe", "--bind-to", "none"]),
+    "mpich": ("mpiexec.mpich", "mpich", []),
+}
+
+
+def mpi_argv(mpi, np):
+    launcher, package, options = MPIS[mpi]
+    path = shutil.which(launcher)
+    if path is None:
+        pytest.fail(f"{launcher} not found: install it with `apt-get install -y {package}`")
+    return [path, *options, "-np", str(np)]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_mpi(mpi, np, argv, port=True):
+    # MPICH gives its ranks no shared job id to derive a port from (29500 is used): a free one here,
+    # so that tests running at the same time do not meet on it.
+    env = clean_env({"MASTER_PORT": str(free_port())} if port else None)
+    proc = subprocess.run(mpi_argv(mpi, np) + argv, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=TIMEOUT)
+    assert proc.returncode == 0, f"{mpi} -np {np} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc
+
+
+@pytest.mark.parametrize("np", [2, 3])
+@pytest.mark.parametrize("mpi", ["openmpi", "mpich"])
+def test_collectives_under_mpi(mpi, np):
+    out = run_mpi(mpi, np, [sys.executable, str(WORKERS / "comm_checks.py"), "ring", "collectives", "topology",
+                            "objects"], port=(mpi == "mpich")).stdout
+    for check in ("ring", "collectives", "topology", "objects"):
+        assert f"PASS {check}" in out, out
+    assert f"TOPOLOGY size={np} inter_size=1 intra_size={np}" in out, out
+
+
+@pytest.mark.parametrize("mpi", ["openmpi", "mpich"])
+def test_rank_and_local_rank_come_from_the_mpi_environment(mpi):
+    code = ("import json, torchmn; from torchmn.launch import detect_environment; e = detect_environment(); "
+            "c = torchmn.create_communicator(); "
+            "print(json.dumps([e.source, e.rank, e.size, e.local_rank, e.local_size, e.master_addr, "
+            "c.rank, c.intra_rank, c.intra_size])); c.finalize()")
+    out = run_mpi(mpi, 3, [sys.executable, "-c", code]).stdout
+    rows = sorted(json.loads(line) for line in out.splitlines() if line.startswith("["))
+    assert rows == [[mpi, r, 3, r, 3, "127.0.0.1", r, r, 3] for r in range(3)], out

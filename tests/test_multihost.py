@@ -1,0 +1,341 @@
+"""`torchmn run -H` / `--hostfile` over ssh, against real separate hosts on this machine: network
+namespaces with their own address, hostname, /etc/hosts and sshd (tests/cluster/netns.py).
+
+Needs root and `apt-get install -y openssh-server openssh-client iproute2`; without them the
+cluster fixture fails (it does not skip) with a message naming the package.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from cluster.netns import NetnsCluster
+from jobs import REPO, WORKERS, clean_env
+from torchmn.cli import main
+from torchmn.launch import hosts as hostlib
+from torchmn.launch import remote
+
+TIMEOUT = 120
+
+
+# ---- hosts, hostfiles, -x and the remote command line: no cluster needed -------------------------
+
+def test_hosts_option_forms():
+    assert hostlib.parse_hosts("a:2,b:2") == [("a", 2), ("b", 2)]
+    assert hostlib.parse_hosts("a, b:3, a") == [("a", 2), ("b", 3)]  # a bare host is 1 slot; repeats add up
+    assert hostlib.parse_hosts("[fe80::1]:2,10.0.0.1") == [("fe80::1", 2), ("10.0.0.1", 1)]
+    for bad, words in [("a:0", "at least 1"), ("a:x", "'x' is not an integer"), ("a,,b", "separated by commas"),
+                       ("", "separated by commas"), ("fe80::1:2", "brackets"), ("a b:2", "not a host")]:
+        with pytest.raises(hostlib.HostsError, match=words):
+            hostlib.parse_hosts(bad)
+
+
+def test_hostfile_forms_and_errors_name_the_line(tmp_path):
+    text = "# cluster\n\nnode1 slots=2   # first\nnode2:3\nnode3\nnode4 slots=1 max_slots=4\n"
+    assert hostlib.parse_hostfile_text(text) == [("node1", 2), ("node2", 3), ("node3", 1), ("node4", 1)]
+    path = tmp_path / "hosts"
+    path.write_text("node1 slots=2\nnode2 cpus=4\n")
+    with pytest.raises(hostlib.HostsError, match=r"line 2 \('node2 cpus=4'\): unexpected 'cpus=4'"):
+        hostlib.parse_hostfile(str(path))
+    with pytest.raises(hostlib.HostsError, match="line 1 .*slot count must be at least 1"):
+        hostlib.parse_hostfile_text("a slots=0\n")
+    with pytest.raises(hostlib.HostsError, match="names no hosts"):
+        hostlib.parse_hostfile_text("# nothing\n\n")
+    with pytest.raises(hostlib.HostsError, match="cannot read --hostfile"):
+        hostlib.parse_hostfile(str(tmp_path / "missing"))
+
+
+def test_ranks_fill_hosts_in_order():
+    hosts = [("a", 2), ("b", 2), ("c", 2)]
+    assert hostlib.assign_ranks(hosts, 6) == hosts
+    assert hostlib.assign_ranks(hosts, 3) == [("a", 2), ("b", 1)]
+    with pytest.raises(hostlib.HostsError, match=r"-np 7 is larger than the 6 slots given \(a:2, b:2, c:2\)"):
+        hostlib.assign_ranks(hosts, 7)
+
+
+def test_cli_errors_are_clear(tmp_path, capsys):
+    assert main(["run", "-np", "5", "-H", "a:2,b:2", "true"]) == 2
+    assert "-np 5 is larger than the 4 slots given" in capsys.readouterr().err
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("a slots=2\nb slots=two\n")
+    assert main(["run", "-np", "2", "--hostfile", str(hostfile), "true"]) == 2
+    assert f"hostfile {hostfile} line 2 ('b slots=two'): slot count 'two' is not an integer" in capsys.readouterr().err
+    assert main(["run", "-np", "1", "--network-interface", "nosuch0", "true"]) == 2
+    assert "--network-interface 'nosuch0': no such interface" in capsys.readouterr().err
+    assert main(["run", "-np", "1", "-H", "a:1", "-x", "TORCHMN_TEST_UNSET_VAR", "true"]) == 2
+    assert "-x TORCHMN_TEST_UNSET_VAR: TORCHMN_TEST_UNSET_VAR is not set here" in capsys.readouterr().err
+
+
+def test_local_hosts_run_without_ssh(capsys):
+    # localhost and 127.0.0.1 are this machine: no ssh (the default ssh command would fail here).
+    code = "import os; print(os.environ['TORCHMN_NODE_RANK'], os.environ['TORCHMN_LOCAL_RANK'], os.environ['X'])"
+    proc = subprocess.run([sys.executable, "-m", "torchmn", "run", "-np", "3", "-H", "localhost:2,127.0.0.1:1",
+                           "-x", "X=forwarded", sys.executable, "-c", code],
+                          capture_output=True, text=True, env=clean_env(), timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(proc.stdout.splitlines()) == ["[0] 0 0 forwarded", "[1] 0 1 forwarded", "[2] 1 0 forwarded"]
+    assert hostlib.is_local(socket.gethostname()) and not hostlib.is_local("10.255.255.254")
+
+
+def test_remote_command_line_keeps_every_word_and_value(tmp_path):
+    """What ssh hands the remote shell: cd, env and argv survive spaces, quotes, $ and newlines."""
+    env = {"A": "x y", "B": "it's $HOME", "C": "line1\nline2", "EMPTY": ""}
+    argv = [sys.executable, "-c", "import os, sys; print(repr(sys.argv[1:])); print(repr([os.environ[k] "
+            "for k in ('A', 'B', 'C', 'EMPTY')])); print(os.getcwd())", "a b", "'q'", '"$PATH"', "*"]
+    proc = subprocess.run(["sh", "-c", remote.shell_command(str(tmp_path), env, argv)], capture_output=True,
+                          text=True, timeout=60, cwd="/")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == [repr(argv[3:]), repr(list(env.values())), str(tmp_path)]
+
+
+def test_forwarded_environment():
+    env = {"PATH": "/p", "PYTHONPATH": "/pp", "VIRTUAL_ENV": "/v", "HOME": "/root", "SSH_AUTH_SOCK": "/s",
+           "TORCHMN_COMM_TIMEOUT": "5", "NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "3", "SECRET": "x"}
+    exports = remote.parse_exports(["SECRET", "EXTRA=1=2"], env)
+    assert exports == {"SECRET": "x", "EXTRA": "1=2"}
+    assert remote.forwarded_env(env, exports) == {
+        "PATH": "/p", "PYTHONPATH": "/pp", "VIRTUAL_ENV": "/v", "TORCHMN_COMM_TIMEOUT": "5",
+        "NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "3", "SECRET": "x", "EXTRA": "1=2"}
+    with pytest.raises(remote.RemoteError, match="expected NAME or NAME=VALUE"):
+        remote.parse_exports(["1BAD=x"], env)
+
+
+def test_watcher_stops_the_rank_when_its_stdin_closes(tmp_path):
+    """The remote side of a rank, run here through ``sh`` as sshd would: the watcher starts the
+    rank without loading torch itself, and closing its stdin (what ssh does when the launcher
+    kills it or dies) stops the rank and what the rank started."""
+    pid_file = tmp_path / "pids"
+    code = ("import os, subprocess, time; child = subprocess.Popen(['sleep', '300']); "
+            "torch_in_watcher = 'libtorch' in open(f'/proc/{os.getppid()}/maps').read(); "
+            f"open({str(pid_file)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}} {{torch_in_watcher}}'); "
+            "time.sleep(300)")
+    env = {"TORCHMN_RANK": "0", "TORCHMN_LOCAL_SIZE": "1", "PYTHONPATH": str(REPO)}
+    line = remote.rank_command(str(tmp_path), sys.executable, env, [sys.executable, "-c", code])
+    watcher = subprocess.Popen(["sh", "-c", line], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=clean_env())
+    try:
+        assert watcher.stdout.readline().decode().strip() == remote.STARTED_MARKER
+        deadline = time.monotonic() + 30
+        while len(pid_file.exists() and pid_file.read_text().split() or []) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        rank, child, torch_in_watcher = pid_file.read_text().split()
+        assert torch_in_watcher == "False"
+        watcher.stdin.close()
+        watcher.wait(timeout=15)
+        assert_gone([int(rank), int(child)])
+    finally:
+        watcher.kill()
+        watcher.wait()
+
+
+# ---- real hosts -------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def cluster():
+    """h1 and h2: normal hosts; h3: a host without this Python interpreter or cluster.private_dir."""
+    hosts = NetnsCluster(["h1", "h2", "h3"], bare=("h3",))
+    hosts.start()  # raises (fails the tests) with what to install when something is missing
+    yield hosts
+    hosts.stop()
+
+
+def launch(cluster, *args, timeout=TIMEOUT, env=None, cwd=REPO):
+    argv = [sys.executable, "-m", "torchmn", "run", *cluster.launcher_options(), *args]
+    start = time.monotonic()
+    proc = subprocess.run(argv, cwd=cwd, env=clean_env(env), capture_output=True, text=True, timeout=timeout)
+    proc.elapsed = time.monotonic() - start
+    return proc
+
+
+def hosts_arg(cluster, *entries):
+    return ",".join(f"{cluster.address(name)}:{slots}" for name, slots in entries)
+
+
+def alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def assert_gone(pids, seconds=15):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.1)
+    left = [p for p in pids if alive(p)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"processes left behind: {left}"
+
+
+def assert_hosts_idle(cluster, seconds=15):
+    """Nothing but the sshd daemons themselves left running on any host."""
+    daemons = {process.pid for process in cluster.sshd.values()}
+    deadline = time.monotonic() + seconds
+    while True:
+        others = [p for p in cluster.processes() if p.pid not in daemons]
+        if not others or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert not others, f"left running on the hosts: {[_cmdline(p) for p in others]}"
+
+
+def _cmdline(process):
+    try:
+        return process.cmdline()
+    except psutil.Error:
+        return []
+
+
+def test_two_hosts_two_ranks_each(cluster):
+    proc = launch(cluster, "-np", "4", "-H", hosts_arg(cluster, ("h1", 2), ("h2", 2)),
+                  sys.executable, str(WORKERS / "comm_checks.py"), "topology", "collectives", "objects")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[0] TOPOLOGY size=4 inter_size=2 intra_size=2" in proc.stdout, proc.stdout
+    for check in ("topology", "collectives", "objects"):
+        assert f"[0] PASS {check}" in proc.stdout
+    assert_hosts_idle(cluster)
+    print(f"2 hosts x 2 ranks: {proc.elapsed:.1f} s")
+
+
+def test_hostfile_places_ranks_and_forwards_environment(cluster, tmp_path):
+    """-np 3 over 2+3 slots: h1 gets ranks 0-1, h2 rank 2. Each rank runs in the launcher's working
+    directory, with PATH forwarded (the command is found only through it) and -x variables."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "tmn-python").symlink_to(sys.executable)
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(f"# test hosts\n{cluster.address('h1')} slots=2\n\n{cluster.address('h2')}:3  # more\n")
+    code = textwrap.dedent("""
+        import json, os, socket
+        names = ["TORCHMN_RANK", "TORCHMN_LOCAL_RANK", "TORCHMN_LOCAL_SIZE", "TORCHMN_NODE_RANK",
+                 "TORCHMN_NODE_COUNT", "TORCHMN_HOST", "MASTER_ADDR", "GLOO_SOCKET_IFNAME", "FOO", "BAR",
+                 "OMP_NUM_THREADS", "SSH_CONNECTION"]
+        row = {n: os.environ.get(n, "-") for n in names}
+        print(json.dumps(dict(row, host=socket.gethostname(), cwd=os.getcwd())))
+    """)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "BAR": "from launcher's env"}
+    proc = launch(cluster, "-np", "3", "--hostfile", str(hostfile), "-x", "FOO=x y", "-x", "BAR",
+                  "tmn-python", "-c", code, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = {}
+    for line in proc.stdout.splitlines():
+        rank, _, rest = line.partition("] ")
+        rows[int(rank[1:])] = json.loads(rest)
+    assert sorted(rows) == [0, 1, 2]
+    expect = {0: ("h1", "0", "0", "2"), 1: ("h1", "0", "1", "2"), 2: ("h2", "1", "0", "1")}
+    for rank, (host, node, local, local_size) in expect.items():
+        row = rows[rank]
+        assert (row["host"], row["TORCHMN_NODE_RANK"], row["TORCHMN_LOCAL_RANK"], row["TORCHMN_LOCAL_SIZE"]) \
+            == (host, node, local, local_size), row
+        assert row["TORCHMN_NODE_COUNT"] == "2" and row["TORCHMN_HOST"] == cluster.address(host)
+        assert row["SSH_CONNECTION"] != "-", row  # it really ran over ssh
+        assert row["cwd"] == str(tmp_path) and row["FOO"] == "x y" and row["BAR"] == "from launcher's env"
+        assert row["MASTER_ADDR"] == cluster.gateway and row["GLOO_SOCKET_IFNAME"] == "eth0"
+        assert int(row["OMP_NUM_THREADS"]) >= 1
+    assert_hosts_idle(cluster)
+
+
+def test_tiny_training_on_two_hosts(cluster):
+    """The multi-node optimizer gives the one-process result across two hosts; the rendezvous
+    address is picked by interface name."""
+    proc = launch(cluster, "-np", "2", "-H", hosts_arg(cluster, ("h1", 1), ("h2", 1)),
+                  "--network-interface", cluster.bridge, "-v",
+                  sys.executable, str(WORKERS / "optim_checks.py"), "equivalence")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[0] PASS equivalence" in proc.stdout
+    assert f"rendezvous {cluster.gateway}:" in proc.stderr
+    print(f"training on 2 hosts: {proc.elapsed:.1f} s")
+
+
+def test_unreachable_host_is_named_quickly(cluster):
+    bad = cluster.unused_address()
+    proc = launch(cluster, "-np", "2", "-H", f"{cluster.address('h1')}:1,{bad}:1", sys.executable, "-c",
+                  "print('started')", timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"host {bad}: cannot be reached over ssh" in proc.stderr, proc.stderr
+    assert f"host {cluster.address('h1')}" not in proc.stderr  # the good host is not blamed
+    assert "started" not in proc.stdout  # no rank was started anywhere
+    assert proc.elapsed < 30, proc.elapsed
+
+
+def test_host_without_the_interpreter_is_named(cluster):
+    proc = launch(cluster, "-np", "2", "-H", hosts_arg(cluster, ("h1", 1), ("h3", 1)), sys.executable, "-c",
+                  "print('started')", timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert f"host {cluster.address('h3')}: has no Python interpreter at {sys.executable}" in proc.stderr, proc.stderr
+    assert "started" not in proc.stdout
+
+
+def test_host_without_the_working_directory_is_named(cluster):
+    proc = launch(cluster, "-np", "2", "-H", hosts_arg(cluster, ("h1", 1), ("h3", 1)), sys.executable, "-c",
+                  "print('started')", timeout=60, cwd=cluster.private_dir)
+    assert proc.returncode == 2, proc.stderr
+    assert f"host {cluster.address('h3')}: has no directory {cluster.private_dir}" in proc.stderr, proc.stderr
+    assert "started" not in proc.stdout
+
+
+def test_failing_rank_on_second_host_stops_every_host(cluster, tmp_path):
+    script = tmp_path / "fail_on_rank_3.py"
+    script.write_text(textwrap.dedent("""
+        import time, torchmn
+        comm = torchmn.create_communicator()
+        comm.barrier()
+        print("ready", flush=True)
+        if comm.rank == 3:
+            time.sleep(1)
+            raise RuntimeError("boom on rank 3")
+        time.sleep(300)
+    """))
+    proc = launch(cluster, "-np", "4", "-H", hosts_arg(cluster, ("h1", 2), ("h2", 2)), sys.executable,
+                  str(script), timeout=90)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stdout.count("ready") == 4, proc.stdout
+    assert f"rank 3 (host {cluster.address('h2')}) failed with exit code 1; stopped the other 3 running rank(s)" \
+        in proc.stderr, proc.stderr
+    assert "RuntimeError: boom on rank 3" in proc.stderr
+    assert proc.elapsed < 60, proc.elapsed
+    assert_hosts_idle(cluster)
+    assert not [p for p in psutil.process_iter() if str(script) in " ".join(_cmdline(p))]
+
+
+def test_killed_launcher_leaves_nothing_on_the_hosts(cluster, tmp_path):
+    """SIGKILL to the launcher: its ssh clients see stdin close, the watchers stop the ranks."""
+    script = tmp_path / "sleeper.py"
+    script.write_text("import time\nprint('up', flush=True)\ntime.sleep(300)\n")
+    argv = [sys.executable, "-m", "torchmn", "run", *cluster.launcher_options(), "-np", "2",
+            "-H", hosts_arg(cluster, ("h1", 1), ("h2", 1)), sys.executable, str(script)]
+    launcher = subprocess.Popen(argv, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                text=True)
+    try:
+        lines = [launcher.stdout.readline(), launcher.stdout.readline()]
+        assert sorted(lines) == ["[0] up\n", "[1] up\n"], lines
+        ssh_clients = [p.pid for p in psutil.Process(launcher.pid).children()]
+        assert len(ssh_clients) == 2
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=10)
+    assert_gone(ssh_clients, seconds=20)
+    assert_hosts_idle(cluster)
+
+
+def test_rank_that_never_starts_hits_the_start_timeout(cluster, tmp_path):
+    """An ssh that logs in for the check but then hangs when starting the rank on h2."""
+    h2 = cluster.address("h2")
+    wrapper = tmp_path / "slow-ssh"
+    wrapper.write_text("#!/bin/sh\ncase \"$*\" in *\" %s \"*torchmn.launch.remote*) exec sleep 300;; esac\n"
+                       "exec %s \"$@\"\n" % (h2, cluster.ssh_command))
+    wrapper.chmod(0o755)
+    proc = launch(cluster, "-np", "2", "-H", hosts_arg(cluster, ("h1", 1), ("h2", 1)), "--start-timeout", "10",
+                  "--ssh-command", str(wrapper), sys.executable, "-c", "import time; time.sleep(300)", timeout=90)
+    assert proc.returncode == 124, proc.stderr
+    assert f"rank(s) 1 on host(s) {h2} did not start within 10 s (--start-timeout)" in proc.stderr, proc.stderr
+    assert proc.elapsed < 45, proc.elapsed
+    assert_hosts_idle(cluster)
+    assert not [p for p in psutil.process_iter() if str(wrapper) in " ".join(_cmdline(p))]
