@@ -193,12 +193,17 @@ def _cmdline(process):
         return []
 
 
+# Across two nodes, auto is the hierarchical communicator: shared memory inside each host, the
+# hosts' first ranks over the network; split() builds sub-communicators that span both hosts.
+TWO_HOST_CHECKS = ("topology", "collectives", "objects", "split", "mean_grad", "mismatch")
+
+
 def test_two_hosts_two_ranks_each(cluster):
     proc = launch(cluster, "-np", "4", "-H", hosts_arg(cluster, ("h1", 2), ("h2", 2)),
-                  sys.executable, str(WORKERS / "comm_checks.py"), "topology", "collectives", "objects")
+                  sys.executable, str(WORKERS / "comm_checks.py"), *TWO_HOST_CHECKS)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[0] TOPOLOGY size=4 inter_size=2 intra_size=2" in proc.stdout, proc.stdout
-    for check in ("topology", "collectives", "objects"):
+    for check in TWO_HOST_CHECKS:
         assert f"[0] PASS {check}" in proc.stdout
     assert_hosts_idle(cluster)
     print(f"2 hosts x 2 ranks: {proc.elapsed:.1f} s")

@@ -90,6 +90,7 @@ class Communicator(abc.ABC):
         self.intra_rank = members.index(self.rank)
         self.intra_size = len(members)
         self._node_members = [[r for r, k in enumerate(keys) if k == n] for n in nodes]
+        self._node_keys = keys
 
     @property
     def host(self) -> str:
@@ -513,8 +514,9 @@ class Communicator(abc.ABC):
 
             >>> half = comm.split(color=comm.rank % 2, key=comm.rank)
         """
-        from torchmn.communicators import make_communicator  # the factory knows the subclasses
+        from torchmn.communicators import _resolve  # the factory knows the subclasses
 
+        cls = _resolve(self.name, self.backend, self.size)
         entries = self.allgather_obj((color, key, self.rank))
         colors = sorted({c for c, _, _ in entries}, key=repr)
         mine = None
@@ -526,14 +528,22 @@ class Communicator(abc.ABC):
             obj_group = group
             if self.backend == "nccl":
                 obj_group = dist.new_group(world, backend="gloo")
+            extra = cls.split_groups(self, members)
             if c == color:
                 by_world = sorted(world)
                 mine = (members.index(self.rank), len(members), group, obj_group,
-                        [by_world.index(w) for w in world])
-        rank, size, group, obj_group, group_ranks = mine
-        return make_communicator(self.name, rank=rank, size=size, group=group, obj_group=obj_group,
-                                 backend=self.backend, node_key=self._node_key,
-                                 bucket_cap_bytes=self.bucket_cap_bytes, group_ranks=group_ranks)
+                        [by_world.index(w) for w in world], extra)
+        rank, size, group, obj_group, group_ranks, extra = mine
+        return cls(rank=rank, size=size, group=group, obj_group=obj_group, backend=self.backend,
+                   node_key=self._node_key, bucket_cap_bytes=self.bucket_cap_bytes, group_ranks=group_ranks,
+                   **extra)
+
+    @classmethod
+    def split_groups(cls, parent: "Communicator", members: list[int]) -> dict:
+        """Extra process groups a new communicator of ``members`` (parent ranks, in the new order)
+        needs, as constructor keyword arguments. Called on every parent rank for every color, in
+        the same order, because torch.distributed wants every rank to take part in every group."""
+        return {}
 
     def finalize(self) -> None:
         """Tear down ``torch.distributed`` if this communicator set it up. Safe to call twice."""

@@ -17,6 +17,14 @@ from torchmn.communicators.communicator import _OPS, _Completed
 from torchmn.communicators.flat import FlatCommunicator
 
 
+_UNSET = object()
+
+
+def _new_inter_group(world_leaders: list[int]):
+    """The group of the nodes' first ranks (None on one node); every rank must call this."""
+    return dist.new_group(world_leaders, backend="gloo") if len(world_leaders) > 1 else None
+
+
 class HierarchicalCommunicator(FlatCommunicator):
     """Shared memory inside a node, one rank per node across nodes.
 
@@ -28,16 +36,16 @@ class HierarchicalCommunicator(FlatCommunicator):
 
     name = "hierarchical"
 
-    def __init__(self, **kwargs):
+    def __init__(self, inter_group=_UNSET, **kwargs):
         super().__init__(**kwargs)
         self._segment = None
         self._inter_group = None
         if self.size == 1 or self.backend == "nccl":
             return
-        members = [[self._global(r) for r in node] for node in self._node_members]
-        leaders = [node[0] for node in members]
-        # Every rank takes part in creating every group.
-        self._inter_group = dist.new_group(leaders, backend="gloo") if self.inter_size > 1 else None
+        if inter_group is _UNSET:  # a world communicator: all its ranks are here to create it
+            leaders = [self._global(node[0]) for node in self._node_members]
+            inter_group = _new_inter_group(leaders)
+        self._inter_group = inter_group
         tag = self.bcast_obj(shm.new_job_tag())
         pids = self.allgather_obj(os.getpid())
         my_node = self._node_members[self.inter_rank]
@@ -45,6 +53,18 @@ class HierarchicalCommunicator(FlatCommunicator):
             tag, self.inter_rank, self.intra_rank, self.intra_size, [pids[r] for r in my_node],
             barrier=self.barrier, timeout=float(os.environ.get("TORCHMN_TIMEOUT", 600)),
             describe=lambda i: f"rank {my_node[i]} (node {self.inter_rank}, {self.host})")
+
+    @classmethod
+    def split_groups(cls, parent, members: list[int]) -> dict:
+        if parent.backend == "nccl" or len(members) == 1:
+            return {"inter_group": None}
+        leaders, seen = [], set()
+        for r in members:
+            node = parent._node_keys[r]
+            if node not in seen:
+                seen.add(node)
+                leaders.append(parent._global(r))
+        return {"inter_group": _new_inter_group(leaders)}
 
     @property
     def _single_node(self) -> bool:

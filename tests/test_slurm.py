@@ -1,0 +1,255 @@
+"""torchmn under a real Slurm cluster: two nodes (n1, n2) on this machine, see tests/cluster/slurm.py.
+
+Covers srun with one task per rank (one node and two; split communicators across nodes),
+``torchmn run`` inside an srun task, an sbatch job running the MNIST example, the error for a
+batch script that forgot srun, and preemption: signal -> checkpoint -> requeue -> resume.
+
+The cluster needs ``slurmd slurmctld slurm-client munge`` and root. Without them these tests fail
+(they do not skip): CI installs them, and a skip would hide that Slurm support went untested.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from cluster.slurm import INSTALL_HINT, SlurmCluster, missing_programs
+from jobs import REPO, WORKERS
+from torchmn import resources
+from torchmn.launch.environments import slurm_port
+
+PY = sys.executable
+CHECKS = str(WORKERS / "comm_checks.py")
+
+# Run inside each rank: print what detect_environment() saw, then run comm_checks.py's checks in
+# the same process (a torch import per rank is most of a job's cost on a small machine).
+PROBE = f"""
+import os, runpy, sys, torch
+from torchmn.launch import detect_environment
+e = detect_environment()
+sys.argv = [{CHECKS!r}] + sys.argv[1:]
+try:
+    runpy.run_path({CHECKS!r}, run_name="__main__")
+except SystemExit as stop:
+    if stop.code:
+        raise
+print(f"PROBE rank={{e.rank}} node={{e.node_rank}} source={{e.source}} addr={{e.master_addr}} "
+      f"port={{e.master_port}} threads={{torch.get_num_threads()}} "
+      f"job={{os.environ.get('SLURM_JOB_ID')}} step={{os.environ.get('SLURM_STEP_ID')}}", flush=True)
+"""
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    """A running two-node cluster for the whole session; its daemons are stopped at the end."""
+    missing = missing_programs()
+    if missing:
+        pytest.fail(f"Slurm is needed for these tests but these programs are missing: {', '.join(missing)}; "
+                    f"{INSTALL_HINT}",
+                    pytrace=False)
+    if os.geteuid() != 0:
+        pytest.fail("the test Slurm cluster runs its daemons as root (SlurmUser=root); run the tests "
+                    "as root, as CI does", pytrace=False)
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    cluster.start(timeout=60)
+    yield cluster
+    cluster.stop()
+
+
+def job_env(**extra):
+    """Jobs find this interpreter as `python` (the sbatch templates call `python`)."""
+    path = os.path.dirname(PY) + os.pathsep + os.environ.get("PATH", "")
+    return {"PATH": path, **extra}
+
+
+def probes(output):
+    """{rank: {field: value}} from the PROBE lines of every rank."""
+    rows = {}
+    for match in re.finditer(r"PROBE (.*)", output):
+        fields = dict(item.split("=", 1) for item in match.group(1).split())
+        rows[int(fields["rank"])] = fields
+    return rows
+
+
+def topology(output):
+    match = re.search(r"TOPOLOGY size=(\d+) inter_size=(\d+) intra_size=(\d+)", output)
+    assert match, f"no TOPOLOGY line in:\n{output}"
+    return tuple(int(n) for n in match.groups())
+
+
+def read(path):
+    return Path(path).read_text() if Path(path).exists() else "(no output file yet)"
+
+
+def submit(slurm, argv, cwd):
+    """sbatch ARGV; returns the job id. (Not `sbatch --wait`: it polls every 2, 8, then 32 s.)"""
+    proc = slurm.run(["sbatch", "--parsable", *argv], env=job_env(), cwd=cwd, timeout=30)
+    return proc.stdout.strip().split(";")[0]
+
+
+def job_field(slurm, job, name):
+    """One field of `scontrol show job` (jobs stay listed for MinJobAge=600 s after they end)."""
+    proc = slurm.run(["scontrol", "show", "job", "-o", job], timeout=10, check=False)
+    match = re.search(rf"\b{name}=(\S*)", proc.stdout)
+    return match.group(1) if match else None
+
+
+def job_details(slurm, job, out_file):
+    state = slurm.run(["scontrol", "show", "job", job], timeout=10, check=False).stdout
+    return f"--- job output ---\n{read(out_file)}\n--- scontrol show job ---\n{state}\n{slurm.logs(15)}"
+
+
+def wait_for(what, condition, timeout, details):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}\n{details()}")
+
+
+FINAL_STATES = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL")
+
+
+def wait_done(slurm, job, out_file, timeout):
+    """Wait until the job has ended; returns (JobState, ExitCode such as "0:0")."""
+    wait_for(f"job {job} to end", lambda: job_field(slurm, job, "JobState") in FINAL_STATES, timeout,
+             lambda: job_details(slurm, job, out_file))
+    return job_field(slurm, job, "JobState"), job_field(slurm, job, "ExitCode")
+
+
+def test_srun_one_node_task_per_rank(slurm):
+    """`srun -n 2 python ...`: ranks from SLURM_*, MASTER_PORT wins, threads from --cpus-per-task."""
+    port = 20000 + os.getpid() % 10000
+    proc = slurm.run(["srun", "-N", "1", "-n", "2", "-c", "2", PY, "-c", PROBE, "topology", "objects", "ring"],
+                     env=job_env(MASTER_PORT=str(port)), timeout=90)
+    out = proc.stdout
+    assert topology(out) == (2, 1, 2)
+    assert all(f"PASS {name}" in out for name in ("topology", "objects", "ring")), out
+    rows = probes(out)
+    assert sorted(rows) == [0, 1], out
+    # Each task owns its --cpus-per-task CPUs: the budget is not divided again by the ranks.
+    threads = resources.cpu_count_available({"SLURM_CPUS_PER_TASK": "2"})
+    for row in rows.values():
+        assert (row["source"], row["addr"], row["port"], row["node"]) == ("slurm", "n1", str(port), "0"), row
+        assert int(row["threads"]) == threads, (row, threads)
+
+
+def test_srun_two_nodes(slurm):
+    """`srun -N 2 --ntasks-per-node 2`: 2 nodes x 2 ranks, rendezvous on n1, port from the ids."""
+    proc = slurm.run(["srun", "-N", "2", "--ntasks-per-node", "2", PY, "-c", PROBE, "topology", "mean_grad", "arange"],
+                     env=job_env(), timeout=90)
+    out = proc.stdout
+    assert topology(out) == (4, 2, 2)
+    assert all(f"PASS {name}" in out for name in ("topology", "mean_grad", "arange")), out
+    rows = probes(out)
+    assert sorted(rows) == [0, 1, 2, 3], out
+    assert [rows[r]["node"] for r in range(4)] == ["0", "0", "1", "1"], rows
+    job, step = int(rows[0]["job"]), int(rows[0]["step"])
+    # No --cpus-per-task: the 2 ranks of a node share this machine's CPUs.
+    threads = max(1, resources.cpu_count_available({}) // 2)
+    for row in rows.values():
+        assert (row["source"], row["addr"]) == ("slurm", "n1"), row
+        assert int(row["port"]) == slurm_port(job, step), row
+        assert int(row["threads"]) == threads, (row, threads)
+
+
+def test_split_across_nodes(slurm):
+    """Sub-communicators whose members sit on different nodes (even and odd ranks of 2 x 2)."""
+    proc = slurm.run(["srun", "-N", "2", "--ntasks-per-node", "2", PY, CHECKS, "split"], env=job_env(), timeout=45)
+    assert "PASS split" in proc.stdout, proc.stdout
+
+
+def test_torchmn_run_inside_srun(slurm):
+    """One srun task running `torchmn run -np 2`: the launcher's own variables win in its ranks."""
+    proc = slurm.run(["srun", "-N", "1", "-n", "1", "-c", "2", PY, "-m", "torchmn", "run", "-np", "2",
+                      PY, "-c", PROBE, "topology", "ring"], env=job_env(), timeout=90)
+    out = proc.stdout
+    assert topology(out) == (2, 1, 2)
+    rows = probes(out)
+    assert sorted(rows) == [0, 1], out
+    # torchmn run splits the task's 2 CPUs between its 2 ranks.
+    threads = max(1, resources.cpu_count_available({"SLURM_CPUS_PER_TASK": "2"}) // 2)
+    for row in rows.values():
+        assert (row["source"], row["addr"]) == ("torchmn", "127.0.0.1"), row
+        assert int(row["threads"]) == threads, (row, threads)
+
+
+def test_sbatch_mnist(slurm, tmp_path):
+    """examples/slurm/train.sbatch trains the MNIST example on 2 nodes (a small subset)."""
+    out_file, log = tmp_path / "mnist.out", tmp_path / "log.json"
+    # Command-line options override the template's #SBATCH lines: 1 rank per node, 1 CPU each,
+    # to keep the test light on a 2-core machine.
+    job = submit(slurm, ["--ntasks-per-node", "1", "--cpus-per-task", "1", "-o", str(out_file),
+                         "examples/slurm/train.sbatch", "--n-train", "400", "--epochs", "2", "--log", str(log)],
+                 cwd=REPO)
+    state, exit_code = wait_done(slurm, job, out_file, timeout=120)
+    output = read(out_file)
+    assert (state, exit_code) == ("COMPLETED", "0:0"), f"{state} {exit_code}\n--- job output ---\n{output}"
+    entries = json.loads(log.read_text())
+    assert [e["epoch"] for e in entries] == [1, 2], entries
+    assert entries[-1]["validation/main/accuracy"] > 0.5, entries  # chance is 0.1
+    assert "epoch   2" in output, output
+
+
+def test_sbatch_without_srun_is_a_clear_error(slurm, tmp_path):
+    """A batch script for 2 tasks that runs python directly gets told to use srun."""
+    script, out_file = tmp_path / "misuse.sbatch", tmp_path / "misuse.out"
+    script.write_text("#!/bin/bash\n"
+                      f"{PY} -c 'import torchmn; torchmn.create_communicator()'\n")
+    job = submit(slurm, ["-n", "2", "-o", str(out_file), str(script)], cwd=tmp_path)
+    state, exit_code = wait_done(slurm, job, out_file, timeout=60)
+    output = read(out_file)
+    assert state == "FAILED" and exit_code == "1:0", f"{state} {exit_code}\n{output}"
+    assert "allocation of 2 tasks but was not started by srun" in output, output
+    assert "srun python" in output, output
+
+
+
+
+@pytest.mark.timeout(170)
+def test_preemption_checkpoint_requeue_resume(slurm, tmp_path):
+    """SIGUSR1 to the job's tasks -> all ranks stop at one step, rank 0 saves a checkpoint and
+    requeues the job -> the job runs again, resumes from the checkpoint and finishes; its final
+    weights equal those of a run that was never interrupted."""
+    out_file, checkpoint, reference = tmp_path / "pre.out", tmp_path / "ck.pt", tmp_path / "reference.pt"
+    args = ["--steps", "30", "--print-every", "5", "--checkpoint"]
+    job = submit(slurm, ["-o", str(out_file), "examples/slurm/preemptible.sbatch", *args, str(checkpoint),
+                         "--sleep", "0.15"], cwd=REPO)
+    # The same training without interruption, on the nodes' spare CPUs while the job runs: the
+    # resumed run must end with the same weights.
+    uninterrupted = subprocess.Popen(
+        ["srun", "-N", "2", "--ntasks-per-node", "1", PY, "examples/slurm/train_preemptible.py", *args,
+         str(reference)], env=slurm.env(job_env()), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+
+    def details():
+        return job_details(slurm, job, out_file)
+
+    try:
+        # Signal only once training runs: before its handler is installed SIGUSR1 would kill a rank.
+        wait_for("step 5", lambda: "step 5 " in read(out_file), 60, details)
+        slurm.run(["scancel", "--signal=USR1", job], timeout=10)
+        state, exit_code = wait_done(slurm, job, out_file, timeout=100)
+        text = read(out_file)
+        saved = re.search(r"checkpoint saved at step (\d+)", text)
+        assert saved, details()
+        assert f"requeued job {job}" in text, details()
+        assert f"resumed from step {saved.group(1)} (restart 1)" in text, details()
+        assert "done: 30 steps" in text, details()
+        assert (state, exit_code, job_field(slurm, job, "Restarts")) == ("COMPLETED", "0:0", "1"), details()
+        reference_output = uninterrupted.communicate(timeout=60)[0]
+    finally:
+        if uninterrupted.poll() is None:
+            uninterrupted.kill()
+            uninterrupted.wait()
+    assert uninterrupted.returncode == 0, reference_output
+    resumed, whole = torch.load(checkpoint), torch.load(reference)
+    assert resumed["step"] == whole["step"] == 30
+    for name, value in whole["model"].items():
+        assert torch.allclose(resumed["model"][name], value, atol=1e-6), name
