@@ -20,15 +20,13 @@ element's gradient and state alone): see :data:`ELEMENTWISE_OPTIMIZERS`.
 """
 from __future__ import annotations
 
-import contextlib
 import inspect
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
-from torch.autograd import Variable
 
 from torchmn.communicators import Communicator
-from torchmn.optimizers.multi_node_optimizer import _COMPRESSION, FIRST_BUCKET_BYTES
+from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, make_buckets
 
 # Optimizers whose update is elementwise, so a flat slice of the parameters can be stepped alone.
 # Others (LBFGS, Adafactor's factored moments, Muon's orthogonalisation, SparseAdam, subclasses
@@ -91,8 +89,6 @@ class _ShardBucket:
 
 
 def _check_optimizer(optimizer) -> None:
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"create_multi_node_optimizer wraps a torch.optim.Optimizer, not {type(optimizer).__name__}")
     if isinstance(optimizer, torch.optim.LBFGS):
         raise TypeError("shard_state=True cannot wrap LBFGS: its update needs whole parameters and a "
                         "closure, not a shard; use shard_state=False")
@@ -111,7 +107,7 @@ def _build_inner(cls: type, shard_param: torch.nn.Parameter, group: dict) -> tor
     return cls([{**hyper, "params": [shard_param]}], **ctor)
 
 
-class ShardedMultiNodeOptimizer(torch.optim.Optimizer):
+class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     """Wraps an elementwise ``torch.optim.Optimizer``; each rank updates and keeps state for its shard.
 
     Build it with ``create_multi_node_optimizer(..., shard_state=True)``. It behaves like the wrapped
@@ -138,6 +134,8 @@ class ShardedMultiNodeOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, *, zero_fill: bool = True,
                  compression: Optional[str] = None, bucket_cap_mb: Optional[float] = None,
                  backward_passes_per_step: int = 1, double_buffering: bool = False):
+        super().__init__(optimizer, comm, compression=compression,
+                         backward_passes_per_step=backward_passes_per_step)
         _check_optimizer(optimizer)
         if double_buffering:
             raise ValueError("shard_state=True cannot be combined with double_buffering=True: the shard "
@@ -145,54 +143,23 @@ class ShardedMultiNodeOptimizer(torch.optim.Optimizer):
         if not zero_fill:
             raise ValueError("shard_state=True needs zero_fill=True: a shard mixes many parameters, so a "
                              "gradient missing on some rank is summed as zeros")
-        if compression not in _COMPRESSION:
-            raise ValueError(f"compression must be one of None, 'fp16', 'bf16', not {compression!r}")
-        if backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, not {backward_passes_per_step}")
-        # Deliberately no Optimizer.__init__: param_groups are the wrapped optimizer's own.
-        self._optimizer = optimizer
-        self.comm = comm
-        self.compression = compression
-        self.backward_passes_per_step = backward_passes_per_step
-        self._wire_dtype = _COMPRESSION[compression]
-        self._no_sync = False
-        self._passes = 0
-        self._in_pass = False
-        self._pass_syncs = False
-        self._sent = False
-        self._hooks = []
         owners = {}
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
                 if p.requires_grad:
                     owners.setdefault(p, gi)
-        self._params = list(owners)
-        comm.bcast_tensors([p.data for p in self._params], root=0)
+        params = self._trainable()
         cap = comm.grad_bucket_cap_bytes if bucket_cap_mb is None else int(bucket_cap_mb * 1024 * 1024)
-        self._buckets = self._make_buckets(owners, cap)
-        self._where = {p: bi for bi, b in enumerate(self._buckets) for p in b.params}
+
+        def same_bucket(a, b):  # a bucket never mixes parameter groups, dtypes or devices
+            return owners[a] == owners[b] and a.dtype == b.dtype and a.device == b.device
+
+        def build(run):
+            return _ShardBucket(run, owners[run[0]], comm.rank, comm.size, self._wire_dtype)
+        self._buckets = make_buckets(params, cap, build, same_bucket)
         for b in self._buckets:
             b.optimizer = _build_inner(type(optimizer), b.shard_param, optimizer.param_groups[b.group])
-        self._next = 0
-        for p in self._params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
-
-    # ----------------------------------------------------------------------------- buckets
-    def _make_buckets(self, owners: dict, cap: int) -> list[_ShardBucket]:
-        rank, size = self.comm.rank, self.comm.size
-        buckets, run, run_bytes = [], [], 0
-        limit = min(cap, FIRST_BUCKET_BYTES) if cap else 0
-        for p in reversed(self._params):
-            n = p.numel() * p.element_size()
-            if run and (owners[run[0]] != owners[p] or run[0].dtype != p.dtype or run[0].device != p.device
-                        or run_bytes + n > limit):
-                buckets.append(_ShardBucket(run, owners[run[0]], rank, size, self._wire_dtype))
-                run, run_bytes, limit = [], 0, cap
-            run.append(p)
-            run_bytes += n
-        if run:
-            buckets.append(_ShardBucket(run, owners[run[0]], rank, size, self._wire_dtype))
-        return buckets
+        self._attach(params, self._buckets)
 
     def _send(self, bucket: _ShardBucket) -> None:
         # Compressed gradients are divided before sending so float16 sums cannot overflow.
@@ -200,34 +167,8 @@ class ShardedMultiNodeOptimizer(torch.optim.Optimizer):
         bucket.reduce_work = self.comm.reduce_scatter_flat(bucket.pack(pre), bucket.grad_shard, async_op=True)
         bucket.ready.clear()
 
-    def _send_ready(self) -> None:
-        while self._next < len(self._buckets) and \
-                len(self._buckets[self._next].ready) == len(self._buckets[self._next].params):
-            self._send(self._buckets[self._next])
-            self._next += 1
-
-    def _send_rest(self) -> None:
-        for bucket in self._buckets[self._next:]:
-            self._send(bucket)
-        self._next = 0
-        self._passes = 0
-        self._sent = True
-
-    # ----------------------------------------------------------------------------- hooks
-    def _on_grad(self, p: torch.nn.Parameter) -> None:
-        if not self._in_pass:
-            self._in_pass = True
-            self._pass_syncs = not self._no_sync and self._passes + 1 >= self.backward_passes_per_step
-            Variable._execution_engine.queue_callback(self._on_backward_end)
-        if self._pass_syncs:
-            self._buckets[self._where[p]].ready.add(id(p))
-            self._send_ready()
-
-    def _on_backward_end(self) -> None:
-        self._in_pass = False
-        self._passes += 1
-        if self._pass_syncs:
-            self._send_rest()
+    def _all_sent(self) -> None:
+        """Nothing to wait for yet: step() takes each bucket's reduce-scatter as it updates."""
 
     def _sync_hyperparameters(self) -> None:
         # Schedulers and users change the outer groups; the shard optimizers read their own copies.
@@ -238,28 +179,6 @@ class ShardedMultiNodeOptimizer(torch.optim.Optimizer):
                     inner[key] = value
 
     # ----------------------------------------------------------------------------- public
-    def synchronize(self) -> None:
-        """Launch the reduce-scatters now, if backward has not already (Horovod's name)."""
-        if not self._sent:
-            self._send_rest()
-
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
-        """Backward passes inside accumulate gradients locally; the next one outside communicates.
-
-        Example::
-
-            >>> with optimizer.no_sync():
-            ...     loss_fn(model(x1)).backward()
-            >>> loss_fn(model(x2)).backward()   # reduce-scattered here
-            >>> optimizer.step()
-        """
-        previous, self._no_sync = self._no_sync, True
-        try:
-            yield
-        finally:
-            self._no_sync = previous
-
     def step(self, closure=None):
         """Update this rank's shard with the averaged gradients, then all-gather the parameters.
 
@@ -267,8 +186,7 @@ class ShardedMultiNodeOptimizer(torch.optim.Optimizer):
 
             >>> loss_fn(model(x), y).backward(); optimizer.step()
         """
-        if closure is not None:
-            raise ValueError("multi-node optimizers do not support a closure: call backward, then step()")
+        self._check_closure(closure)
         self.synchronize()
         self._sent = False
         self._sync_hyperparameters()
@@ -291,9 +209,6 @@ class ShardedMultiNodeOptimizer(torch.optim.Optimizer):
                 b.gather_work.wait()
                 b.gather_work = None
         return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self._optimizer.zero_grad(set_to_none=set_to_none)
 
     def _indices(self) -> dict:
         """Each real parameter's index in the state_dict format (torch numbers them across groups)."""
@@ -401,17 +316,6 @@ class ShardedMultiNodeOptimizer(torch.optim.Optimizer):
             # The inner optimizer's own loader casts dtypes and devices the way torch does.
             b.optimizer.load_state_dict({"state": {0: shard_state}, "param_groups": [{**inner_group, "params": [0]}]})
 
-    def add_param_group(self, param_group) -> None:
-        raise NotImplementedError("add a parameter group to the wrapped optimizer before wrapping it")
-
-    @property
-    def param_groups(self):
-        return self._optimizer.param_groups
-
-    @param_groups.setter
-    def param_groups(self, value):
-        self._optimizer.param_groups = value
-
     @property
     def state(self) -> dict:
         """This rank's shard state, keyed by the flat shard parameters (a fresh dict each time)."""
@@ -422,14 +326,6 @@ class ShardedMultiNodeOptimizer(torch.optim.Optimizer):
     def state(self, value):
         raise AttributeError("the sharded optimizer's state is per shard: use load_state_dict()")
 
-    @property
-    def defaults(self):
-        return self._optimizer.defaults
-
-    @defaults.setter
-    def defaults(self, value):
-        self._optimizer.defaults = value
-
     def state_bytes(self) -> int:
         """Bytes of optimizer state tensors this rank holds (about 1/size of the unsharded optimizer's).
 
@@ -439,15 +335,3 @@ class ShardedMultiNodeOptimizer(torch.optim.Optimizer):
         """
         return sum(v.numel() * v.element_size() for s in self.state.values() for v in s.values()
                    if torch.is_tensor(v))
-
-    def __getstate__(self):
-        return {"optimizer": self._optimizer}
-
-    def __repr__(self) -> str:
-        return f"ShardedMultiNodeOptimizer({self._optimizer!r}, {self.comm!r})"
-
-    def remove_hooks(self) -> None:
-        """Detach from the parameters' gradient hooks."""
-        for h in self._hooks:
-            h.remove()
-        self._hooks.clear()

@@ -1,0 +1,187 @@
+"""What both multi-node optimizers share: wrapping an optimizer, and sending gradient buckets
+from backward hooks.
+
+Gradients are packed into buckets in the reverse order of the parameters (the order backward
+produces them), the first one small so communication starts early. A bucket is sent as soon as
+all its gradients are ready, and buckets are always sent in the same order on every rank, so a
+parameter that gets no gradient on one rank cannot make the ranks disagree: at the end of
+backward the remaining buckets go out, missing gradients as zeros. Subclasses say what a bucket
+is, how it is sent (allreduce or reduce-scatter) and what ``step()`` does with the result.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+from typing import Callable, Iterator, Optional
+
+import torch
+from torch.autograd import Variable
+
+from torchmn.communicators import Communicator
+
+FIRST_BUCKET_BYTES = 1024 * 1024  # small, so communication starts early in backward
+COMPRESSION = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def make_buckets(params: list[torch.nn.Parameter], cap: int, build: Callable[[list], object],
+                 same_bucket: Callable[[torch.nn.Parameter, torch.nn.Parameter], bool]) -> list:
+    """Runs of consecutive parameters, last parameter first, each run ``build``-ed into a bucket:
+    the first run at most FIRST_BUCKET_BYTES, the others at most ``cap`` (0: one per parameter)."""
+    buckets, run, run_bytes = [], [], 0
+    limit = min(cap, FIRST_BUCKET_BYTES) if cap else 0
+    for p in reversed(params):
+        n = p.numel() * p.element_size()
+        if run and (not same_bucket(run[0], p) or run_bytes + n > limit):
+            buckets.append(build(run))
+            run, run_bytes, limit = [], 0, cap
+        run.append(p)
+        run_bytes += n
+    if run:
+        buckets.append(build(run))
+    return buckets
+
+
+class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
+    """Base of the multi-node optimizers: shares the wrapped optimizer's ``param_groups`` and
+    ``defaults``, and sends ``self._buckets`` as backward makes their gradients ready.
+
+    Subclasses set ``self._buckets`` (each with ``.params`` and a ``.ready`` set) and implement
+    ``_send(bucket)`` and ``_all_sent()``.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, *, compression: Optional[str],
+                 backward_passes_per_step: int):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"create_multi_node_optimizer wraps a torch.optim.Optimizer, not "
+                            f"{type(optimizer).__name__}")
+        if compression not in COMPRESSION:
+            raise ValueError(f"compression must be one of None, 'fp16', 'bf16', not {compression!r}")
+        if backward_passes_per_step < 1:
+            raise ValueError(f"backward_passes_per_step must be >= 1, not {backward_passes_per_step}")
+        # Deliberately no Optimizer.__init__: param_groups are the wrapped optimizer's own.
+        self._optimizer = optimizer
+        self.comm = comm
+        self.compression = compression
+        self.backward_passes_per_step = backward_passes_per_step
+        self._wire_dtype = COMPRESSION[compression]
+        self._no_sync = False
+        self._passes = 0            # backward passes since the gradients last went out
+        self._in_pass = False
+        self._pass_syncs = False
+        self._sent = False          # this step's gradients have gone out
+        self._next = 0              # next bucket to send, in order
+        self._hooks = []
+        self._where: dict = {}
+
+    def _trainable(self) -> list[torch.nn.Parameter]:
+        """The wrapped optimizer's trainable parameters, each once, broadcast from rank 0."""
+        params = [p for g in self._optimizer.param_groups for p in g["params"] if p.requires_grad]
+        params = list(dict.fromkeys(params))
+        self.comm.bcast_tensors([p.data for p in params], root=0)
+        return params
+
+    def _attach(self, params: list[torch.nn.Parameter], buckets: list) -> None:
+        self._where = {p: bi for bi, b in enumerate(buckets) for p in b.params}
+        # Also in a world of one, so that every option means the same there.
+        for p in params:
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+
+    # ----------------------------------------------------------------------------- sending
+    @abc.abstractmethod
+    def _send(self, bucket) -> None:
+        """Start the communication of one bucket whose gradients are ready."""
+
+    @abc.abstractmethod
+    def _all_sent(self) -> None:
+        """Every bucket of this step has been sent (at the end of backward, or by synchronize)."""
+
+    def _send_ready(self) -> None:
+        buckets = self._buckets
+        while self._next < len(buckets) and len(buckets[self._next].ready) == len(buckets[self._next].params):
+            self._send(buckets[self._next])
+            self._next += 1
+
+    def _send_rest(self) -> None:
+        for bucket in self._buckets[self._next:]:
+            self._send(bucket)
+        self._next = 0
+        self._passes = 0
+        self._sent = True
+        self._all_sent()
+
+    # ----------------------------------------------------------------------------- hooks
+    def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if not self._in_pass:
+            self._in_pass = True
+            self._pass_syncs = not self._no_sync and self._passes + 1 >= self.backward_passes_per_step
+            Variable._execution_engine.queue_callback(self._on_backward_end)
+        if self._pass_syncs:
+            self._buckets[self._where[p]].ready.add(id(p))
+            self._send_ready()
+
+    def _on_backward_end(self) -> None:
+        self._in_pass = False
+        self._passes += 1
+        if self._pass_syncs:
+            self._send_rest()
+
+    # ----------------------------------------------------------------------------- public
+    def synchronize(self) -> None:
+        """Send this step's gradients now, if backward has not already (Horovod's name)."""
+        if not self._sent:
+            self._send_rest()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate gradients locally; the next one outside communicates.
+
+        Example::
+
+            >>> with optimizer.no_sync():
+            ...     loss_fn(model(x1)).backward()
+            >>> loss_fn(model(x2)).backward()   # averaged over ranks here
+            >>> optimizer.step()
+        """
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def _check_closure(self, closure) -> None:
+        if closure is not None:
+            raise ValueError("multi-node optimizers do not support a closure: call backward, then step()")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group) -> None:
+        raise NotImplementedError("add a parameter group to the wrapped optimizer before wrapping it")
+
+    @property
+    def param_groups(self):
+        return self._optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self._optimizer.param_groups = value
+
+    @property
+    def defaults(self):
+        return self._optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self._optimizer.defaults = value
+
+    def __getstate__(self):
+        return {"optimizer": self._optimizer}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._optimizer!r}, {self.comm!r})"
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters' gradient hooks (the wrapped optimizer keeps working alone)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
