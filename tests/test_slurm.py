@@ -1,7 +1,8 @@
 """torchmn under a real Slurm cluster: two nodes (n1, n2) on this machine, see tests/cluster/slurm.py.
 
 Covers srun with one task per rank (one node and two; split communicators across nodes),
-``torchmn run`` inside an srun task, an sbatch job running the MNIST example, the error for a
+``torchmn run`` inside an srun task (one node; one task per node on two, a failing rank there, and
+the error for several tasks on one node), an sbatch job running the MNIST example, the error for a
 batch script that forgot srun, and preemption: signal -> checkpoint -> requeue -> resume.
 
 The cluster needs ``slurmd slurmctld slurm-client munge`` and root. Without them these tests fail
@@ -180,13 +181,75 @@ def test_torchmn_run_inside_srun(slurm):
         assert int(row["threads"]) == threads, (row, threads)
 
 
-def test_sbatch_mnist(slurm, tmp_path):
-    """examples/slurm/train.sbatch trains the MNIST example on 2 nodes (a small subset)."""
+def test_torchmn_run_one_task_per_node(slurm):
+    """`srun -N 2 --ntasks-per-node 1 torchmn run -np 2`: one job of 4 ranks, 2 per node, with
+    global ranks, rendezvous on n1 at the step's port, and each node's 2 CPUs split between its ranks."""
+    start = time.monotonic()
+    proc = slurm.run(["srun", "-N", "2", "--ntasks-per-node", "1", "-c", "2", PY, "-m", "torchmn", "run",
+                      "-np", "2", PY, "-c", PROBE, "topology", "collectives", "objects"],
+                     env=job_env(), timeout=90)
+    out = proc.stdout
+    assert topology(out) == (4, 2, 2), out
+    assert all(f"PASS {name}" in out for name in ("topology", "collectives", "objects")), out
+    rows = probes(out)
+    assert sorted(rows) == [0, 1, 2, 3], out
+    assert [rows[r]["node"] for r in range(4)] == ["0", "0", "1", "1"], rows
+    # Output lines carry the global rank, whichever node printed them.
+    assert all(re.search(rf"^\[{r}\] PROBE rank={r} ", out, re.M) for r in range(4)), out
+    job, step = int(rows[0]["job"]), int(rows[0]["step"])
+    threads = max(1, resources.cpu_count_available({"SLURM_CPUS_PER_TASK": "2"}) // 2)
+    for row in rows.values():
+        assert (row["source"], row["addr"]) == ("torchmn", "n1"), row
+        assert int(row["port"]) == slurm_port(job, step), row
+        assert int(row["threads"]) == threads, (row, threads)
+    print(f"one task per node: {time.monotonic() - start:.1f} s")
+
+
+def test_torchmn_run_failure_on_one_node_ends_the_step(slurm):
+    """A rank failing on n2 stops n1's ranks too (the launchers tell each other), and srun fails."""
+    crash = ("import os, time, torchmn\n"
+             "comm = torchmn.create_communicator()\n"
+             "if comm.rank == 3:\n"
+             "    raise SystemExit('rank 3 gives up')\n"
+             "time.sleep(60)\n")
+    start = time.monotonic()
+    proc = slurm.run(["srun", "-N", "2", "--ntasks-per-node", "1", PY, "-m", "torchmn", "run", "-np", "2",
+                      PY, "-c", crash], env=job_env(), timeout=60, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert "rank 3 (host n2) failed with exit code 1" in output, output
+    assert "stopped the 2 rank(s) on this node" in output, output
+    assert time.monotonic() - start < 40, output  # not the 60 s the other ranks sleep
+
+
+def test_torchmn_run_several_tasks_per_node_is_a_clear_error(slurm):
+    """`srun -N 1 -n 2 torchmn run`: two launchers on one node would double-book its ranks."""
+    proc = slurm.run(["srun", "-N", "1", "-n", "2", PY, "-m", "torchmn", "run", "-np", "2", PY, CHECKS,
+                      "topology"], env=job_env(), timeout=60, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output
+    assert "torchmn run was started as 2 Slurm tasks on 1 node(s)" in output, output
+    assert "--ntasks-per-node 1" in output and "srun -n 2 python train.py" in output, output
+    assert "PASS" not in output, output
+
+
+# Command-line options override the templates' #SBATCH lines, to keep the test light on a 2-core
+# machine: train.sbatch with 1 rank per node and 1 CPU each; train_torchmn_run.sbatch (one task per
+# node, `torchmn run -np 2` in it) with 2 CPUs per node, 1 thread per rank, and twice the data for
+# its 4 ranks, so that each rank takes as many steps as with 2.
+SBATCH_TEMPLATES = {
+    "train.sbatch": (["--ntasks-per-node", "1", "--cpus-per-task", "1"], "400"),
+    "train_torchmn_run.sbatch": (["--cpus-per-task", "2"], "800"),
+}
+
+
+@pytest.mark.parametrize("template", sorted(SBATCH_TEMPLATES))
+def test_sbatch_mnist(slurm, tmp_path, template):
+    """examples/slurm/*.sbatch train the MNIST example on 2 nodes (a small subset)."""
     out_file, log = tmp_path / "mnist.out", tmp_path / "log.json"
-    # Command-line options override the template's #SBATCH lines: 1 rank per node, 1 CPU each,
-    # to keep the test light on a 2-core machine.
-    job = submit(slurm, ["--ntasks-per-node", "1", "--cpus-per-task", "1", "-o", str(out_file),
-                         "examples/slurm/train.sbatch", "--n-train", "400", "--epochs", "2", "--log", str(log)],
+    options, n_train = SBATCH_TEMPLATES[template]
+    job = submit(slurm, [*options, "-o", str(out_file), f"examples/slurm/{template}",
+                         "--n-train", n_train, "--epochs", "2", "--log", str(log)],
                  cwd=REPO)
     state, exit_code = wait_done(slurm, job, out_file, timeout=120)
     output = read(out_file)

@@ -14,11 +14,18 @@ Ranks are planned as ``Slot`` records over a list of hosts (``-H``/``--hostfile`
 one ssh client each, running torchmn's watcher there (``torchmn.launch.remote``). Before any rank
 starts, every remote host is checked (reachable over ssh, working directory, interpreter, torchmn
 importable); a remote rank that has not started within ``start_timeout`` ends the job.
+
+Inside a Slurm step of several tasks (``srun -N 2 --ntasks-per-node 1 torchmn run -np 2 ...``,
+without -H/--hostfile) each task is one node of a single job: task ``t`` starts ranks
+``t*np .. t*np+np-1``, task 0 hosts the store on the step's first node, and the launchers check in
+with each other through it before any rank starts (same -np everywhere), tell each other when a rank
+fails, and task 0 keeps the store up until the other nodes' ranks have ended. See ``slurm_step``.
 """
 from __future__ import annotations
 
 import collections
 import dataclasses
+import datetime
 import errno
 import os
 import queue
@@ -33,12 +40,19 @@ from typing import IO, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tupl
 
 from torchmn import resources
 from torchmn.launch import base, hosts as hostlib, remote
+from torchmn.launch.detect import ENVIRONMENTS
+from torchmn.launch.environments import SlurmEnvironment
+from torchmn.launch.hostlist import expand_hostlist
 
 LOCAL_ADDR = "127.0.0.1"
 GRACE_SECONDS = 3.0
 START_TIMEOUT = 60.0
 TAIL_LINES = 200
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Store keys the launchers of one Slurm step share (the ranks' own keys have no such prefix).
+SLURM_KEY = "torchmn/launcher/"
+# How long task 0 keeps the store up, after its own ranks ended, for the other nodes' ranks to end.
+SLURM_DONE_WAIT = 30.0
 
 
 class RunError(Exception):
@@ -78,6 +92,74 @@ def plan_slots(hosts: Sequence[Tuple[str, int]]) -> List[Slot]:
     return slots
 
 
+@dataclasses.dataclass(frozen=True)
+class SlurmStep:
+    """This launcher's place in a Slurm step that runs one ``torchmn run`` task per node."""
+
+    task: int  # SLURM_PROCID, equal to SLURM_NODEID
+    tasks: int  # SLURM_NTASKS, equal to the number of nodes in the step
+    hosts: Tuple[str, ...]  # the step's nodes, in SLURM_NODEID order
+    master_addr: str
+    master_port: int
+
+
+def _first_launcher(env: Mapping[str, str]):
+    """The environment class ``detect_environment`` would read, or None for a world of one."""
+    return next((kind for kind in ENVIRONMENTS if kind.detect(env)), None)
+
+
+def _step_hosts(env: Mapping[str, str]) -> List[str]:
+    name = next((n for n in ("SLURM_STEP_NODELIST", "SLURM_NODELIST") if env.get(n)), None)
+    if name is None:
+        raise RunError("SLURM_STEP_NODELIST is not set, so torchmn run cannot tell the nodes of this "
+                       "Slurm step; start it with srun, which sets it.")
+    try:
+        return expand_hostlist(env[name])
+    except ValueError as e:
+        raise RunError(f"{name}={env[name]!r} cannot be read: {e}.")
+
+
+def slurm_step(env: Mapping[str, str]) -> Optional[SlurmStep]:
+    """The Slurm step this launcher is one task of, or None when it runs alone (no srun, or a step
+    of one task), which keeps the single-machine behaviour.
+
+    Requires one task per node (each starts that node's ranks) and task ``t`` on node ``t``;
+    raises RunError otherwise. The rendezvous is the first node of the step, on ``MASTER_ADDR`` /
+    ``MASTER_PORT`` when set, else on ``slurm_port(job id, step id)``.
+
+    Example::
+
+        >>> step = slurm_step({"SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+        ...                    "SLURM_NODEID": "1", "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+        ...                    "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "42", "SLURM_STEP_NODELIST": "n[1-2]"})
+        >>> step.task, step.tasks, step.hosts, step.master_addr, step.master_port
+        (1, 2, ('n1', 'n2'), 'n1', 24074)
+    """
+    if _first_launcher(env) is not SlurmEnvironment:
+        return None
+    try:
+        seen = SlurmEnvironment.read(env)
+    except (ValueError, RuntimeError) as e:
+        raise RunError(f"cannot read this Slurm step's variables: {e}")
+    if seen.size == 1:
+        return None
+    hosts = _step_hosts(env)
+    if seen.size != len(hosts) or seen.local_size != 1:
+        raise RunError(
+            f"torchmn run was started as {seen.size} Slurm tasks on {len(hosts)} node(s) "
+            f"(SLURM_NTASKS={seen.size}, {seen.local_size} on this node); inside srun it must run as "
+            f"exactly one task per node, each starting that node's ranks. Use "
+            f"`srun --ntasks-per-node 1 torchmn run -np RANKS_PER_NODE ...`, or drop torchmn run and "
+            f"start one srun task per rank: `srun -n {seen.size} python train.py`.")
+    if seen.rank != seen.node_rank:
+        raise RunError(
+            f"Slurm task {seen.rank} runs on node {seen.node_rank} of the step (SLURM_PROCID="
+            f"{seen.rank}, SLURM_NODEID={seen.node_rank}); torchmn run needs task N on node N, as "
+            f"Slurm's default block or cyclic distribution does. Drop --distribution/-m or the "
+            f"arbitrary layout.")
+    return SlurmStep(seen.rank, seen.size, tuple(hosts), seen.master_addr, seen.master_port)
+
+
 def rank_env(slot: Slot, master_addr: str, master_port: int) -> Dict[str, str]:
     """The variables that tell one rank its place: torchmn's names and torchrun's.
 
@@ -107,8 +189,9 @@ def rank_env(slot: Slot, master_addr: str, master_port: int) -> Dict[str, str]:
     }
 
 
-def start_store(host: str, port: Optional[int]):
+def start_store(host: str, port: Optional[int], port_origin: Optional[str] = None):
     """Host the rendezvous TCPStore; port None lets the OS pick a free one. Returns the store.
+    ``port_origin`` says where a taken port came from, for the error (default: --master-port).
 
     Example::
 
@@ -122,6 +205,9 @@ def start_store(host: str, port: Optional[int]):
     except RuntimeError as e:
         text = str(e)
         if port and ("EADDRINUSE" in text or "in use" in text.lower()):
+            if port_origin:
+                raise RunError(f"port {port} ({port_origin}) is already in use on this machine. "
+                               f"Choose another: set MASTER_PORT, or pass --master-port.")
             raise RunError(f"port {port} is already in use on this machine (--master-port {port}). "
                            f"Pick another port, or leave --master-port out so torchmn picks a free one.")
         raise RunError(f"could not start the rendezvous store on {host}:{port or 0}: {text}")
@@ -315,9 +401,6 @@ class Job:
             raise RunError("no command given. Usage: torchmn run -np N [options] COMMAND [ARGS...]")
         if master_port is not None and not 0 < master_port < 65536:
             raise RunError(f"--master-port must be between 1 and 65535, got {master_port}.")
-        if output_ranks is not None and not output_ranks <= set(range(np)):
-            raise RunError(f"--output-ranks names ranks {sorted(output_ranks - set(range(np)))}, "
-                           f"but the job has ranks 0..{np - 1} only.")
         if start_timeout is not None and start_timeout <= 0:
             raise RunError(f"--start-timeout must be positive, got {start_timeout:g}.")
         self.command = command
@@ -340,6 +423,17 @@ class Job:
         self.remote_hosts = [h for h, _ in placement if hosts and not hostlib.is_local(h)]
         self.slots = plan_slots(placement)
         self.master_addr = LOCAL_ADDR
+        # One task of a multi-node srun step: this node's share of one job (see slurm_step).
+        self.slurm = None if hosts else slurm_step(self.base_env)
+        if self.slurm is not None:
+            self._plan_slurm(network_interface)
+        self.size = self.slots[0].size
+        if output_ranks is not None and not output_ranks <= set(range(self.size)):
+            raise RunError(f"--output-ranks names ranks {sorted(output_ranks - set(range(self.size)))}, "
+                           f"but the job has ranks 0..{self.size - 1} only.")
+        self.node_failure: Optional[str] = None
+        # Another node's failure that was reported before this node's own first failure.
+        self.reported: Optional[str] = None
         self.start_failure: Optional[str] = None
         self.started_at = 0.0
         self.console = _Console(output_ranks)
@@ -351,6 +445,17 @@ class Job:
         self.store = None
 
     # -- starting ---------------------------------------------------------------------------------
+
+    def _plan_slurm(self, network_interface: Optional[str]) -> None:
+        step = self.slurm
+        if network_interface:
+            raise RunError("--network-interface does not apply inside a multi-task Slurm step: the "
+                           "rendezvous is the step's first node. Set MASTER_ADDR to choose its address.")
+        everyone = plan_slots([(host, self.np) for host in step.hosts])
+        self.slots = [slot for slot in everyone if slot.node_rank == step.task]
+        self.master_addr = step.master_addr
+        if self.master_port is None:
+            self.master_port = step.master_port
 
     def _is_remote(self, slot: Slot) -> bool:
         return slot.host in self.remote_hosts
@@ -445,15 +550,21 @@ class Job:
         self._check_command()
         if self.log_dir is not None:
             _prepare_log_dir(self.log_dir)
-        self._check_hosts()
-        self.store = start_store(self.master_addr, self.master_port)
+        if self.slurm is not None:
+            self.store = self._slurm_store()
+            self._check_in()
+        else:
+            self._check_hosts()
+            self.store = start_store(self.master_addr, self.master_port)
         port = self.store.port
         if self.verbose:
             placed = ", ".join(f"{h}:{n}" for h, n in dict(collections.Counter(s.host for s in self.slots)).items())
             threads = resources.launcher_thread_env(self.slots[0].local_size, self.base_env).get(
                 resources.TORCHMN_NUM_THREADS)
+            ranks = (f"ranks {self.slots[0].rank}-{self.slots[-1].rank} of {self.size} "
+                     f"(Slurm task {self.slurm.task} of {self.slurm.tasks})" if self.slurm else f"{self.np} ranks")
             self.console.message(
-                f"torchmn run: {self.np} ranks on {placed}, rendezvous {self.master_addr}:{port}, "
+                f"torchmn run: {ranks} on {placed}, rendezvous {self.master_addr}:{port}, "
                 f"threads per rank: {threads or 'set by user (OMP_NUM_THREADS)'}"
                 f"{' (on this machine)' if self.remote_hosts else ''}, command: {' '.join(self.command)}")
         self.started_at = time.monotonic()
@@ -462,6 +573,49 @@ class Job:
             rank = self._start_rank(slot, port, log_path)
             self.ranks.append(rank)
             threading.Thread(target=self._wait_for, args=(rank,), daemon=True).start()
+
+    def _slurm_store(self):
+        """Task 0 hosts the store (it listens on every interface); the other tasks connect to it."""
+        if self.slurm.task == 0:
+            return start_store(self.master_addr, self.master_port,
+                               port_origin="MASTER_PORT" if self.base_env.get("MASTER_PORT")
+                               else "derived from the Slurm job and step ids")
+        from torch.distributed import TCPStore
+
+        try:
+            return TCPStore(self.master_addr, self.master_port, is_master=False,
+                            timeout=datetime.timedelta(seconds=self.start_timeout))
+        except RuntimeError as e:
+            raise RunError(f"could not reach the rendezvous store of Slurm task 0 at "
+                           f"{self.master_addr}:{self.master_port} within {self.start_timeout:g} s "
+                           f"({_first_line(e)}). Check that task 0 started and that the port is open "
+                           f"between the nodes (set MASTER_PORT to use another), or raise --start-timeout.")
+
+    def _check_in(self) -> None:
+        """Every task publishes its -np and waits for all others; they must all agree."""
+        step = self.slurm
+        keys = [f"{SLURM_KEY}np/{task}" for task in range(step.tasks)]
+        try:
+            self.store.set(keys[step.task], str(self.np))
+            self.store.wait(keys, datetime.timedelta(seconds=self.start_timeout))
+            counts = [int(self.store.get(key)) for key in keys]
+        except RuntimeError as e:
+            missing = self._missing(keys)
+            if missing:
+                raise RunError(f"Slurm task(s) {', '.join(map(str, missing))} did not start torchmn run "
+                               f"within {self.start_timeout:g} s (--start-timeout); every task of the step "
+                               f"must run it.")
+            raise RunError(f"lost the rendezvous store of Slurm task 0 while checking in ({_first_line(e)}).")
+        if len(set(counts)) > 1:
+            told = ", ".join(f"task {t} ({step.hosts[t]}) -np {n}" for t, n in enumerate(counts))
+            raise RunError(f"the Slurm tasks disagree on the number of ranks per node: {told}. "
+                           f"Every task must run the same `torchmn run -np N`.")
+
+    def _missing(self, keys: Sequence[str]) -> List[int]:
+        try:
+            return [i for i, key in enumerate(keys) if not self.store.check([key])]
+        except RuntimeError:
+            return []
 
     def _wait_for(self, rank: _Rank) -> None:
         self.events.put(("exit", rank, rank.process.wait()))
@@ -556,7 +710,8 @@ class Job:
             _, rank, returncode = event
             rank.returncode = returncode
             if returncode != 0 and self.first_failure is None and not rank.stopped_by_launcher \
-                    and self.received_signal is None and self.start_failure is None:
+                    and self.received_signal is None and self.start_failure is None \
+                    and self.node_failure is None:
                 self.first_failure = rank
         elif event[0] == "signal":
             if self.received_signal is None and self.first_failure is None:
@@ -569,17 +724,66 @@ class Job:
         """Wait for the job to end; returns the launcher's exit code."""
         last_scan = 0.0
         while self._running() and self.first_failure is None and self.received_signal is None \
-                and self.start_failure is None:
+                and self.start_failure is None and self.node_failure is None:
             self._next_event(0.5)
             if time.monotonic() - last_scan > 0.5:
                 self._remember_descendants()
                 self._check_started()
+                self._check_other_nodes()
                 last_scan = time.monotonic()
+        self._tell_other_nodes()
         # Also when every rank exited 0: stops anything they left running in the background.
         self._teardown(self.received_signal or signal.SIGTERM)
         for rank in self.ranks:
             rank.finish_output(timeout=2.0)
-        return self._summarize()
+        code = self._summarize()
+        self._end_slurm_task()
+        return code
+
+    # -- several Slurm tasks: the launchers tell each other through the store ----------------------
+
+    def _check_other_nodes(self) -> None:
+        """Stop this node's ranks when another task's launcher reported a failed rank."""
+        if self.slurm is None:
+            return
+        reason = self._reported_failure()
+        if reason is not None:
+            self.node_failure = f"torchmn run: {reason}; stopped the {len(self._running())} rank(s) on this node."
+
+    def _reported_failure(self) -> Optional[str]:
+        """What a task's launcher reported as the job's first failed rank, if any."""
+        try:
+            if self.store.check([SLURM_KEY + "failed"]):
+                return self.store.get(SLURM_KEY + "failed").decode()
+        except RuntimeError:
+            pass  # task 0 ended; how its ranks ended shows in ours
+        return None
+
+    def _tell_other_nodes(self) -> None:
+        """Report this node's first failed rank to the other tasks' launchers, which stop theirs."""
+        failed = self.first_failure
+        if self.slurm is None or failed is None:
+            return
+        self.reported = self._reported_failure()
+        if self.reported is None:
+            try:
+                self.store.set(SLURM_KEY + "failed", f"rank {failed.slot.rank} (host {failed.slot.host}) "
+                                                     f"{describe_exit(failed.returncode)}")
+            except RuntimeError:
+                pass
+
+    def _end_slurm_task(self) -> None:
+        """Say this task is done; task 0 keeps the store up until every task is (the other nodes'
+        ranks may still use it while they shut down), for at most SLURM_DONE_WAIT seconds."""
+        if self.slurm is None:
+            return
+        keys = [f"{SLURM_KEY}done/{task}" for task in range(self.slurm.tasks)]
+        try:
+            self.store.set(keys[self.slurm.task], "1")
+            if self.slurm.task == 0 and self.received_signal is None:
+                self.store.wait(keys, datetime.timedelta(seconds=SLURM_DONE_WAIT))
+        except RuntimeError:
+            pass
 
     def _check_started(self) -> None:
         """End the job when a remote rank has not started within the start timeout."""
@@ -599,6 +803,9 @@ class Job:
         if self.start_failure is not None:
             self.console.message(self.start_failure)
             return 124
+        if self.node_failure is not None:
+            self.console.message(self.node_failure)
+            return 1
         if self.received_signal is not None:
             name = signal.Signals(self.received_signal).name
             self.console.message(f"torchmn run: received {name}; forwarded it to all {self.np} ranks "
@@ -615,6 +822,8 @@ class Job:
                 if r is not failed and not r.stopped_by_launcher and r.returncode != 0]
         if also:
             lines.append(f"torchmn run: rank(s) {', '.join(map(str, also))} also failed on their own, later.")
+        if self.reported:
+            lines.append(f"torchmn run: before that, on another node, {self.reported}.")
         if failed.is_remote and code == 255:
             lines.append(f"torchmn run: exit code 255 is ssh's own: the connection to host {failed.slot.host} "
                          f"failed or was lost.")
@@ -632,6 +841,10 @@ class Job:
     def close(self) -> None:
         # Dropping the last reference shuts the store's server down and frees the port.
         self.store = None
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
 
 def run(command: Sequence[str], np: int, *, master_port: Optional[int] = None,
