@@ -379,11 +379,16 @@ class Communicator(abc.ABC):
         elif not isinstance(x, torch.Tensor):
             err = TypeError(f"allreduce: pass a tensor, not {type(x).__name__}")
         self._agree("allreduce", op=None if err else op, x=None if err else x, error=err, same_shape=True)
-        out = x.detach().to(self._data_device, copy=True).contiguous()
-        self.allreduce_flat(out.view(-1), op="sum" if op == "mean" else op)
+        out = self._allreduce_copy(x.detach().to(self._data_device).contiguous(), "sum" if op == "mean" else op)
         if op == "mean":
             out = out / self.size if not out.is_floating_point() and not out.is_complex() else out.div_(self.size)
         return out.to(x.device)
+
+    def _allreduce_copy(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        """The reduction of contiguous ``x`` over ranks, as a new tensor."""
+        out = x.clone()
+        self.allreduce_flat(out.view(-1), op=op)
+        return out
 
     # ----------------------------------------------------------------------------- objects
     def _dump(self, obj: Any) -> torch.Tensor:

@@ -77,11 +77,25 @@ class HierarchicalCommunicator(FlatCommunicator):
         if not self._shm_ok(flat):
             return super().allreduce_flat(flat, async_op=async_op, op=op)
         self._segment.allreduce_(flat, op)
-        if not self._single_node:
-            if self.intra_rank == 0:
-                dist.all_reduce(flat, op=_OPS[op], group=self._inter_group)
-            self._segment.broadcast_(flat, root=0)
+        self._across_nodes(flat, op)
         return _Completed()
+
+    def _across_nodes(self, flat: torch.Tensor, op: str) -> None:
+        """Node sums to the global result: the nodes' first ranks allreduce, then share it locally."""
+        if self._single_node:
+            return
+        if self.intra_rank == 0:
+            dist.all_reduce(flat, op=_OPS[op], group=self._inter_group)
+        self._segment.broadcast_(flat, root=0)
+
+    def _allreduce_copy(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        if not self._shm_ok(x):
+            return super()._allreduce_copy(x, op)
+        # Straight from x into shared memory and from there into the result: no staging copy.
+        out = torch.empty_like(x)
+        self._segment.allreduce_(x.view(-1), op, out=out.view(-1))
+        self._across_nodes(out.view(-1), op)
+        return out
 
     def reduce_scatter_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         if not (self._shm_ok(flat) and self._single_node):

@@ -152,10 +152,11 @@ class NodeSegment:
         per = _align(-(-n // self.local_size) * itemsize) // itemsize
         return min(n, r * per), min(n, (r + 1) * per)
 
-    def allreduce_(self, flat: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """Reduce a contiguous 1-D CPU tensor over the node's ranks, in place; every rank gets the
-        same bits, since each chunk is reduced by one rank in one order."""
+    def allreduce_(self, flat: torch.Tensor, op: str = "sum", out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Reduce a contiguous 1-D CPU tensor over the node's ranks, in place (or into ``out``);
+        every rank gets the same bits, since each chunk is reduced by one rank in one order."""
         reduce = _REDUCE[op]
+        out = flat if out is None else out
         item = flat.element_size()
         per_piece = self.slot_bytes // item
         for start in range(0, flat.numel(), per_piece):
@@ -175,8 +176,8 @@ class NodeSegment:
                     for s in slots[2:]:
                         reduce(result[lo:hi], s[lo:hi], out=result[lo:hi])
             self._arrive_and_wait(1)
-            piece.copy_(result)
-        return flat
+            out[start:start + n].copy_(result)
+        return out
 
     def reduce_scatter(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
         """Sum ``flat`` (local_size * k elements) over the node; local rank r gets chunk r in ``shard``."""
