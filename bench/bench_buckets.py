@@ -27,7 +27,7 @@ N_TENSORS, TENSOR_BYTES = 300, 10 * 1024
 def make_step(comm):
     torch.manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(TENSOR_BYTES // 4)) for _ in range(N_TENSORS)]
-    sgd = torch.optim.SGD(params, lr=1e-6)
+    sgd = torch.optim.SGD(params, lr=1e-6, foreach=True)  # one fused update, so communication shows
     opt = torchmn.create_multi_node_optimizer(sgd, comm) if comm is not None else sgd
     for p in params:
         p.grad = torch.randn_like(p)

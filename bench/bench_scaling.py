@@ -82,7 +82,7 @@ def main() -> None:
     med = {row: statistics.median(v) for row, v in times.items()}
     print(f"# ChainerMN MNIST scaling: {args.n_train} images, {args.epochs} epochs, batch 100 per process, "
           f"{cpus} CPUs shared by all nodes; median of {args.repeats}")
-    print("| processes | nodes | time | runs | vs 1 process | epochs/s x images/process | val. accuracy |")
+    print("| processes | nodes | time | runs | vs 1 process | training images/s | val. accuracy |")
     print("|---|---|---|---|---|---|---|")
     base = med[(1, 1)]
     for (procs, nodes), t in med.items():

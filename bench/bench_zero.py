@@ -112,6 +112,7 @@ def worker(mode: str, args) -> None:
         comm.finalize()
     elif mode == "ddp":
         import torch.distributed as dist
+        time.sleep(0.05)  # let gloo's threads drop their last work first (see torchmn's shutdown_world)
         dist.destroy_process_group()
 
 

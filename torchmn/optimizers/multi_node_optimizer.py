@@ -64,7 +64,8 @@ class _Bucket:
             if not (had or zero_fill):
                 continue  # zero_fill=False: a rank with no gradient keeps none
             if self.as_views:
-                p.grad = view
+                if p.grad is not view:
+                    p.grad = view
             elif p.grad is None:
                 p.grad = view.to(p.dtype, copy=True)
             else:
