@@ -233,13 +233,9 @@ class Communicator(abc.ABC):
         if self.size == 1:
             return [buf]
         longest = max(sizes)
-        padded = buf
-        if buf.numel() < longest:
-            padded = torch.zeros(longest, dtype=torch.uint8, device=buf.device)
-            padded[:buf.numel()] = buf
         out = torch.empty(self.size * longest, dtype=torch.uint8, device=buf.device)
         if longest:
-            dist.all_gather_single(out, padded, group=self._group)
+            dist.all_gather_single(out, _padded(buf, longest), group=self._group)
         chunks = self._comm_order([out[g * longest:(g + 1) * longest] for g in range(self.size)])
         return [c[:n] for c, n in zip(chunks, sizes)]
 
@@ -253,29 +249,20 @@ class Communicator(abc.ABC):
         self._check_peer(root, "root")
         err = None if isinstance(x, torch.Tensor) else TypeError(f"gather: pass a tensor, not {type(x).__name__}")
         hdrs = self._agree("gather", root=root, x=x if err is None else None, error=err)
+        if self.size == 1:
+            return (x,)
         metas = [_wire.meta(hdrs[r, 0].tolist()) for r in range(self.size)]
         sizes = [_wire.nbytes(*m) for m in metas]
         mine = _wire.as_bytes(x.to(self._data_device))
-        if self.size == 1:
-            return (x,)
-        longest = max(sizes)
-        if longest == 0:
-            parts = [torch.empty(0, dtype=torch.uint8) for _ in range(self.size)]
+        if self.backend == "nccl":  # NCCL has no gather: all-gather and keep root's copy
+            parts = self._allgather_bytes(mine, sizes)
         else:
-            padded = mine
-            if mine.numel() < longest:
-                padded = torch.zeros(longest, dtype=torch.uint8, device=self._data_device)
-                padded[:mine.numel()] = mine
+            longest = max(sizes)
             bufs = [torch.empty(longest, dtype=torch.uint8, device=self._data_device)
                     for _ in range(self.size)] if self.rank == root else None
-            if self.backend == "nccl":
-                # NCCL has no gather; all-gather and keep root's copy.
-                bufs_all = self._allgather_bytes(mine, sizes)
-                return tuple(_wire.from_bytes(b, *m) for b, m in zip(bufs_all, metas)) if self.rank == root else None
-            dist.gather(padded, bufs, dst=self._global(root), group=self._group)
-            if self.rank != root:
-                return None
-            parts = [b[:n] for b, n in zip(self._comm_order(bufs), sizes)]
+            if longest:
+                dist.gather(_padded(mine, longest), bufs, dst=self._global(root), group=self._group)
+            parts = [b[:n] for b, n in zip(self._comm_order(bufs), sizes)] if self.rank == root else None
         if self.rank != root:
             return None
         return tuple(_wire.from_bytes(b, *m) for b, m in zip(parts, metas))
@@ -321,11 +308,7 @@ class Communicator(abc.ABC):
         if longest:
             chunks = None
             if self.rank == root:
-                chunks = []
-                for t, n in zip(xs, sizes):
-                    c = torch.zeros(longest, dtype=torch.uint8, device=self._data_device)
-                    c[:n] = _wire.as_bytes(t.to(self._data_device))
-                    chunks.append(c)
+                chunks = [_padded(_wire.as_bytes(t.to(self._data_device)), longest) for t in xs]
             if self.backend == "nccl":
                 # NCCL has no scatter: root broadcasts the stacked chunks.
                 stacked = torch.cat(self._group_order(chunks)) if chunks else torch.empty(self.size * longest, dtype=torch.uint8,
@@ -455,10 +438,8 @@ class Communicator(abc.ABC):
         sizes = self._obj_lengths(buf.numel())
         if max(sizes) * self.size <= OBJ_CHUNK_BYTES:
             longest = max(sizes)
-            padded = torch.zeros(longest, dtype=torch.uint8)
-            padded[:buf.numel()] = buf
             out = torch.empty(self.size * longest, dtype=torch.uint8)
-            dist.all_gather_single(out, padded, group=self._obj_group)
+            dist.all_gather_single(out, _padded(buf, longest), group=self._obj_group)
             chunks = self._comm_order([out[g * longest:(g + 1) * longest] for g in range(self.size)])
             return [self._load(c[:n]) for c, n in zip(chunks, sizes)]
         # Large objects: each rank broadcasts its own in turn, in chunks.
@@ -652,6 +633,15 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
         """Replace each tensor, in place, by its mean over ranks (each algorithm's own)."""
+
+
+def _padded(buf: torch.Tensor, length: int) -> torch.Tensor:
+    """``buf`` followed by zeros up to ``length`` bytes (gloo gathers equal sizes only)."""
+    if buf.numel() == length:
+        return buf
+    out = torch.zeros(length, dtype=buf.dtype, device=buf.device)
+    out[:buf.numel()] = buf
+    return out
 
 
 def _buckets(tensors: Iterable[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
