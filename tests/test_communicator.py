@@ -60,3 +60,23 @@ def test_unknown_name_is_refused():
     proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True,
                           timeout=60)
     assert "unknown communicator 'fastest'" in proc.stdout and "flat" in proc.stdout, proc.stderr
+
+
+def test_stale_file_rendezvous_is_refused(tmp_path):
+    """A file:// rendezvous left by a crashed job is refused with a clear message, not joined."""
+    path = tmp_path / "rendezvous"
+    code = ("import os, sys, torch, torchmn\n"
+            f"comm = torchmn.create_communicator(init_method='file://{path}')\n"
+            "comm.allreduce(torch.ones(1))\n"
+            "if sys.argv[1] == 'crash':\n"
+            "    os._exit(0)\n"
+            "comm.finalize()\n")
+    script = tmp_path / "job.py"
+    script.write_text(code)
+    run_job(script, ["crash"], np=2, timeout=60)
+    assert path.exists()  # a job that dies leaves its file behind
+    proc = run_job(script, ["clean"], np=2, timeout=60, check=False)
+    assert proc.returncode != 0
+    assert "left over from an earlier job" in proc.stderr and f"rm {path}" in proc.stderr, proc.stderr
+    path.unlink()
+    run_job(script, ["clean"], np=2, timeout=60)

@@ -35,6 +35,8 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
                 raise RuntimeError(f"{env.source}: no rendezvous port known for {env.size} ranks; "
                                    f"export MASTER_PORT (and MASTER_ADDR) on every rank")
             init_method = f"tcp://{env.master_addr}:{env.master_port}"
+    if init_method.startswith("file://"):
+        _refuse_stale_file(init_method[len("file://"):], env)
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank % max(1, torch.cuda.device_count()))
     try:
@@ -47,6 +49,46 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             f"is reachable from this one, and that the port is free and not firewalled "
             f"(MASTER_ADDR / MASTER_PORT override it).") from e
     atexit.register(shutdown_world)
+
+
+def _refuse_stale_file(path: str, env: LaunchEnvironment) -> None:
+    """Refuse a ``file://`` rendezvous file left by an earlier job (one that crashed, so torch
+    never deleted it): joining it would pair this job's ranks with dead ones, or hang.
+
+    Stale means: it already counts ``size`` users (a live job has at most ``size - 1`` before this
+    rank joins), or it already holds this rank's own address, which only this rank writes.
+    """
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return
+    users, mine = 0, False
+    for key, value in _file_store_entries(data):
+        if key == b"refcount/":
+            users = int(value or b"0")
+        elif key.startswith(b"/default_pg/") and key.endswith(b"/%d" % env.rank):
+            mine = True
+    if users >= env.size or mine:
+        raise RuntimeError(
+            f"rank {env.rank}: the rendezvous file {path} is left over from an earlier job "
+            f"({'it already holds this rank' if mine else f'{users} ranks already joined it'}); "
+            f"delete it (rm {path}) or give this job a new file:// path")
+
+
+def _file_store_entries(data: bytes):
+    """(key, value) pairs of torch's FileStore log: 32-bit little-endian lengths, then bytes."""
+    i = 0
+    while i + 4 <= len(data):
+        n = int.from_bytes(data[i:i + 4], "little")
+        key, i = data[i + 4:i + 4 + n], i + 4 + n
+        if i + 4 > len(data):
+            return
+        m = int.from_bytes(data[i:i + 4], "little")
+        if i + 4 + m > len(data):
+            return  # an entry still being written
+        yield key, data[i + 4:i + 4 + m]
+        i += 4 + m
 
 
 def shutdown_world() -> None:
