@@ -32,7 +32,7 @@ def test_sharded_in_a_world_of_one():
 
 def test_checkpoint_moves_between_rank_counts(tmp_path):
     ckpt = str(tmp_path / "ckpt.pt")
-    assert "PASS save" in run_job(CHECKS, ["--ckpt", ckpt, "save"], np=3, timeout=90).stdout
+    assert "PASS save" in run_job(CHECKS, ["--path", ckpt, "save"], np=3, timeout=90).stdout
     # plain_resume loads into a plain torch optimizer with no communicator: one process's view.
-    out = run_job(CHECKS, ["--ckpt", ckpt, "resume", "plain_resume"], np=2, timeout=90).stdout
+    out = run_job(CHECKS, ["--path", ckpt, "resume", "plain_resume"], np=2, timeout=90).stdout
     assert "PASS resume" in out and "PASS plain_resume" in out, out

@@ -3,13 +3,12 @@
 Usage: python comm_checks.py [--name flat] CHECK [CHECK ...]   (or "all")
 Each check asserts on every rank and prints "PASS <check>" on rank 0.
 """
-import argparse
 import os
-import sys
 
 import torch
 
 import torchmn
+from check_runner import run_checks
 
 DTYPES = (torch.int32, torch.int64, torch.float32, torch.float64)
 
@@ -249,23 +248,5 @@ def rank0(comm):
     return comm.rank == 0
 
 
-CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
-
-
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--name", default="auto")
-    parser.add_argument("checks", nargs="+")
-    args = parser.parse_args()
-    comm = torchmn.create_communicator(args.name)
-    names = list(CHECKS) if args.checks == ["all"] else args.checks
-    names = [n for n in names if n != "big_obj" or args.checks != ["all"]]
-    for name in names:
-        CHECKS[name](comm)
-        if comm.rank == 0:
-            print(f"PASS {name}", flush=True)
-    comm.finalize()
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    run_checks(globals(), not_in_all=("big_obj",))

@@ -4,12 +4,11 @@ Every rank also computes the one-process reference on the whole batch itself, so
 compares the N-rank result with one process, on every rank.
 Usage: python optim_checks.py [--name flat] CHECK [CHECK ...]   (or "all")
 """
-import argparse
-import sys
 
 import torch
 
 import torchmn
+from check_runner import run_checks
 
 BATCH = 24  # divisible by 1, 2, 3 and 4 ranks
 
@@ -168,21 +167,5 @@ def check_transparency(comm):
     assert opt2.param_groups[0]["lr"] == 0.125
 
 
-CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
-
-
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--name", default="auto")
-    parser.add_argument("checks", nargs="+")
-    args = parser.parse_args()
-    comm = torchmn.create_communicator(args.name)
-    for name in (list(CHECKS) if args.checks == ["all"] else args.checks):
-        CHECKS[name](comm)
-        if comm.rank == 0:
-            print(f"PASS {name}", flush=True)
-    comm.finalize()
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    run_checks(globals())

@@ -1,15 +1,14 @@
 """Sharded (ZeRO stage 1) optimizer checks, run on every rank of a real job (see tests/test_sharded.py).
 
 Every rank computes the one-process reference on the whole batch itself and compares.
-Usage: python shard_checks.py [--ckpt PATH] CHECK [CHECK ...]   ("all": every check but the checkpoint ones)
+Usage: python shard_checks.py [--path CHECKPOINT] CHECK [CHECK ...]   ("all": every check but the checkpoint ones)
 """
-import argparse
 import contextlib
-import sys
 
 import torch
 
 import torchmn
+from check_runner import run_checks
 from optim_checks import assert_close, data, local, loss_fn, make_model
 from torchmn.optimizers.sharded import ShardedMultiNodeOptimizer
 
@@ -221,26 +220,5 @@ def check_plain_resume(comm, path):
     assert_close(resumed, train("adam_groups")[0], 1e-5, "sharded checkpoint resumed by plain torch Adam")
 
 
-CHECKS = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
-NEEDS_PATH = {"save", "resume", "plain_resume"}
-
-
-def main():
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--ckpt", default=None)
-    parser.add_argument("checks", nargs="+")
-    args = parser.parse_args()
-    comm = torchmn.create_communicator()
-    names = [n for n in CHECKS if n not in NEEDS_PATH] if args.checks == ["all"] else args.checks
-    for name in names:
-        if name in NEEDS_PATH:
-            CHECKS[name](comm, args.ckpt)
-        else:
-            CHECKS[name](comm)
-        if comm.rank == 0:
-            print(f"PASS {name}", flush=True)
-    comm.finalize()
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    run_checks(globals(), not_in_all=("save", "resume", "plain_resume"), with_path=True)
