@@ -25,11 +25,11 @@ LOCALHOST = "127.0.0.1"
 # torchrun's default port, used when a launcher gives nothing to derive one from.
 DEFAULT_PORT = 29500
 
-# Derived ports fall in [PORT_BASE, PORT_BASE + PORT_SPAN): above the common service ports and
-# below Linux's default ephemeral range (32768-60999 starts inside it, but a listening port there
-# only clashes with a connection that happens to hold the same number at that moment).
+# Derived ports fall in [PORT_BASE, PORT_BASE + PORT_SPAN) = 20000-31999: above the common service
+# ports and below Linux's ephemeral range (32768-60999), where an outgoing connection of any other
+# program (gloo opens many) may hold the number and make the rendezvous fail with "address in use".
 PORT_BASE = 20000
-PORT_SPAN = 20000
+PORT_SPAN = 12000
 
 # Slurm gives its special steps ids near 2**32: batch 0xfffffffb (0xfffffffe before 20.11), extern
 # 0xfffffffc (0xffffffff before), interactive 0xfffffffa. None of these is a task started by srun.
@@ -37,28 +37,28 @@ _SLURM_SPECIAL_STEP_MIN = 0xFFFFFFF0
 
 
 def slurm_port(job_id: int, step_id: int) -> int:
-    """The rendezvous port for a Slurm step: ``20000 + (job_id * 97 + step_id) % 20000``.
+    """The rendezvous port for a Slurm step: ``20000 + (job_id * 97 + step_id) % 12000``.
 
     Every task of a step computes the same number without talking to the others. 97 is prime to
-    20000, so steps 0-96 of one job never share a port, and neighbouring job ids land 97 apart.
+    12000, so steps 0-96 of one job never share a port, and neighbouring job ids land 97 apart.
 
     Example::
 
         >>> slurm_port(1234, 0)
-        39698
+        31698
     """
     return PORT_BASE + (job_id * 97 + step_id) % PORT_SPAN
 
 
 def text_port(job_id: str) -> int:
-    """A port derived from an opaque job id string: ``20000 + crc32(job_id) % 20000``.
+    """A port derived from an opaque job id string: ``20000 + crc32(job_id) % 12000``.
 
     crc32 rather than ``hash()``, which Python salts per process, so every rank gets the same port.
 
     Example::
 
         >>> text_port("2089418753")
-        21854
+        25854
     """
     return PORT_BASE + zlib.crc32(job_id.encode()) % PORT_SPAN
 
