@@ -101,5 +101,5 @@ def shutdown_world() -> None:
     the GIL and lets those threads finish first.
     """
     if dist.is_initialized():
-        time.sleep(0.05)
+        time.sleep(0.2)  # generous: on a loaded machine that thread may wait for a core
         dist.destroy_process_group()
