@@ -4,11 +4,14 @@ Usage: python comm_checks.py [--name flat] CHECK [CHECK ...]   (or "all")
 Each check asserts on every rank and prints "PASS <check>" on rank 0.
 """
 import os
+import sys
 
 import torch
 
 import torchmn
-from check_runner import run_checks
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_runner import run_checks  # noqa: E402
 
 DTYPES = (torch.int32, torch.int64, torch.float32, torch.float64)
 

@@ -5,10 +5,15 @@ compares the N-rank result with one process, on every rank.
 Usage: python optim_checks.py [--name flat] CHECK [CHECK ...]   (or "all")
 """
 
+import os
+import sys
+
 import torch
 
 import torchmn
-from check_runner import run_checks
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_runner import run_checks  # noqa: E402
 
 BATCH = 24  # divisible by 1, 2, 3 and 4 ranks
 

@@ -5,10 +5,15 @@ Usage: python shard_checks.py [--path CHECKPOINT] CHECK [CHECK ...]   ("all": ev
 """
 import contextlib
 
+import os
+import sys
+
 import torch
 
 import torchmn
-from check_runner import run_checks
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_runner import run_checks  # noqa: E402
 from optim_checks import assert_close, data, local, loss_fn, make_model
 from torchmn.optimizers.sharded import ShardedMultiNodeOptimizer
 
