@@ -259,7 +259,15 @@ def _reach_store(addr: str, port: int, seconds: float) -> socket.socket:
             time.sleep(0.5)
 
 
-def _group_alive(pgid: int) -> bool:
+def group_alive(pgid: int) -> bool:
+    """Whether a process group still has a member that is not a zombie. Orphaned grandchildren
+    become zombies of PID 1, which in containers may take a second or more to reap them; waiting for
+    those would only slow teardown down. (Shared with the launcher; psutil is imported here, not at
+    the top, because the watcher runs this file before torchmn's dependencies are known to load.)"""
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
     import psutil
 
     for process in psutil.process_iter(["status"]):
@@ -277,7 +285,7 @@ def _stop_group(pgid: int, grace: float) -> None:
     except (ProcessLookupError, PermissionError):
         return
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and _group_alive(pgid):
+    while time.monotonic() < deadline and group_alive(pgid):
         time.sleep(0.05)
     try:
         os.killpg(pgid, signal.SIGKILL)

@@ -356,23 +356,6 @@ def _signal_group(pgid: int, sig: int) -> bool:
         return False
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a process group still has a member that is not a zombie. Orphaned grandchildren
-    become zombies of PID 1, which in containers may take a second or more to reap them; waiting for
-    those would only slow teardown down."""
-    import psutil
-
-    if not _signal_group(pgid, 0):
-        return False
-    for process in psutil.process_iter(["status"]):
-        try:
-            if process.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(process.pid) == pgid:
-                return True
-        except (psutil.Error, OSError):
-            continue
-    return False
-
-
 def _alive(process) -> bool:
     import psutil
 
@@ -658,7 +641,7 @@ class Job:
         if self._running():
             return True
         for rank in self.ranks:
-            if _group_alive(rank.pgid):
+            if remote.group_alive(rank.pgid):
                 return True
         return any(_alive(child) for child in self.descendants.values())
 
