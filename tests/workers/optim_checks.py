@@ -5,6 +5,7 @@ compares the N-rank result with one process, on every rank.
 Usage: python optim_checks.py [--name flat] CHECK [CHECK ...]   (or "all")
 """
 
+import contextlib
 import os
 import sys
 
@@ -78,21 +79,24 @@ def distributed(comm, opt_name, steps=5, passes=1, clip=None, no_sync=False, **k
         x, y = data(step)
         x, y = local(x, comm), local(y, comm)
         opt.zero_grad()
-        if passes == 1 and not no_sync:
-            loss_fn(model, x, y).backward()
-        else:
-            k = passes if passes > 1 else 2
-            chunks = list(zip(x.chunk(k), y.chunk(k)))
-            for i, (xc, yc) in enumerate(chunks):
-                if no_sync and i < k - 1:
-                    with opt.no_sync():
-                        (loss_fn(model, xc, yc) / k).backward()
-                else:
-                    (loss_fn(model, xc, yc) / k).backward()
+        backward(opt, model, x, y, passes, no_sync)
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return model
+
+
+def backward(opt, model, x, y, passes=1, no_sync=False):
+    """One step's backward: whole batch, or ``passes`` chunks (2 with ``no_sync``, all but the last
+    inside ``opt.no_sync()``), each chunk's loss scaled so the gradients equal the whole batch's."""
+    if passes == 1 and not no_sync:
+        loss_fn(model, x, y).backward()
+        return
+    k = passes if passes > 1 else 2
+    for i, (xc, yc) in enumerate(zip(x.chunk(k), y.chunk(k))):
+        ctx = opt.no_sync() if no_sync and i < k - 1 else contextlib.nullcontext()
+        with ctx:
+            (loss_fn(model, xc, yc) / k).backward()
 
 
 def assert_close(model, ref, rtol, what):

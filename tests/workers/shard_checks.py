@@ -3,7 +3,6 @@
 Every rank computes the one-process reference on the whole batch itself and compares.
 Usage: python shard_checks.py [--path CHECKPOINT] CHECK [CHECK ...]   ("all": every check but the checkpoint ones)
 """
-import contextlib
 
 import os
 import sys
@@ -14,7 +13,7 @@ import torchmn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_runner import run_checks  # noqa: E402
-from optim_checks import assert_close, data, local, loss_fn, make_model
+from optim_checks import assert_close, backward, data, local, loss_fn, make_model
 from torchmn.optimizers.sharded import ShardedMultiNodeOptimizer
 
 
@@ -57,14 +56,7 @@ def train(opt_name, comm=None, steps=range(5), passes=1, no_sync=False, resume=N
         if comm is not None:
             x, y = local(x, comm), local(y, comm)
         opt.zero_grad()
-        if passes == 1 and not no_sync:
-            loss_fn(model, x, y).backward()
-        else:
-            k = passes if passes > 1 else 2
-            for i, (xc, yc) in enumerate(zip(x.chunk(k), y.chunk(k))):
-                ctx = opt.no_sync() if no_sync and i < k - 1 else contextlib.nullcontext()
-                with ctx:
-                    (loss_fn(model, xc, yc) / k).backward()
+        backward(opt, model, x, y, passes, no_sync)
         opt.step()
         if sched is not None:
             sched.step()
