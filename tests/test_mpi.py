@@ -61,11 +61,14 @@ def test_collectives_under_mpi(mpi, np):
 
 
 @pytest.mark.parametrize("mpi", ["openmpi", "mpich"])
-def test_rank_and_local_rank_come_from_the_mpi_environment(mpi):
-    code = ("import json, torchmn; from torchmn.launch import detect_environment; e = detect_environment(); "
+def test_rank_and_local_rank_come_from_the_mpi_environment(mpi, tmp_path):
+    # Each rank writes its own file: the launchers forward the ranks' stdout without keeping lines
+    # whole, so two ranks' rows can arrive spliced into one line.
+    code = ("import json, sys, torchmn; from torchmn.launch import detect_environment; e = detect_environment(); "
             "c = torchmn.create_communicator(); "
-            "print(json.dumps([e.source, e.rank, e.size, e.local_rank, e.local_size, e.master_addr, "
-            "c.rank, c.intra_rank, c.intra_size])); c.finalize()")
-    out = run_mpi(mpi, 3, [sys.executable, "-c", code]).stdout
-    rows = sorted(json.loads(line) for line in out.splitlines() if line.startswith("["))
+            "row = [e.source, e.rank, e.size, e.local_rank, e.local_size, e.master_addr, c.rank, c.intra_rank, "
+            "c.intra_size]; "
+            "open(f'{sys.argv[1]}/rank{e.rank}.json', 'w').write(json.dumps(row)); c.finalize()")
+    out = run_mpi(mpi, 3, [sys.executable, "-c", code, str(tmp_path)]).stdout
+    rows = sorted(json.loads(path.read_text()) for path in tmp_path.glob("rank*.json"))
     assert rows == [[mpi, r, 3, r, 3, "127.0.0.1", r, r, 3] for r in range(3)], out

@@ -71,7 +71,8 @@ def job_env(**extra):
 def probes(output):
     """{rank: {field: value}} from the PROBE lines of every rank."""
     rows = {}
-    for match in re.finditer(r"PROBE (.*)", output):
+    # non-greedy up to the next PROBE: two ranks' lines can arrive spliced together
+    for match in re.finditer(r"PROBE (.*?)(?=PROBE |$)", output, re.M):
         fields = dict(item.split("=", 1) for item in match.group(1).split())
         rows[int(fields["rank"])] = fields
     return rows
