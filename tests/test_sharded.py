@@ -8,7 +8,8 @@ from jobs import WORKERS, clean_env, run_job
 
 CHECKS = WORKERS / "shard_checks.py"
 ALL = ("equivalence", "accumulation", "overlap", "compression", "state_is_sharded", "refusals", "unused_parameter",
-       "state_dict_format")
+       "state_dict_format", "shared_memory_where_possible",
+       "kernel_choice")
 
 
 def _one_process(args):
@@ -20,7 +21,15 @@ def _one_process(args):
 
 @pytest.mark.parametrize("np", [2, 3])
 def test_sharded_matches_one_process(np):
+    """The default communicator on one node: parameters and gradients in shared memory."""
     out = run_job(CHECKS, ["all"], np=np, timeout=90).stdout
+    for check in ALL:
+        assert f"PASS {check}" in out, out
+
+
+def test_sharded_through_torch_distributed():
+    """The `flat` communicator: reduce-scatter and all-gather through gloo, as across nodes."""
+    out = run_job(CHECKS, ["--name", "flat", "all"], np=2, timeout=90).stdout
     for check in ALL:
         assert f"PASS {check}" in out, out
 

@@ -82,7 +82,8 @@ def check_accumulation(comm):
 
 
 def check_overlap(comm):
-    """Reduce-scatters start inside backward (hooks), not in step(); none start under no_sync."""
+    """Buckets go out inside backward (hooks), not in step(); none under no_sync. Through shared
+    memory "going out" is the copy into this rank's shared buffer; otherwise a reduce-scatter."""
     model = make_model()
     opt = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters()), comm, shard_state=True,
                                               bucket_cap_mb=0.0005)
@@ -90,12 +91,49 @@ def check_overlap(comm):
     x, y = local(x, comm), local(y, comm)
     with opt.no_sync():
         loss_fn(model, x, y).backward()
-    assert all(b.reduce_work is None for b in opt._buckets), "no_sync backward communicated"
+    assert not any(b.sent for b in opt._buckets), "no_sync backward communicated"
     loss_fn(model, x, y).backward()
-    assert len(opt._buckets) > 1 and all(b.reduce_work is not None for b in opt._buckets), \
-        "backward returned without launching every bucket's reduce-scatter"
+    assert len(opt._buckets) > 1 and all(b.sent for b in opt._buckets), \
+        "backward returned without sending every bucket"
+    if opt._arena is None and comm.size > 1:
+        assert all(b.reduce_work is not None for b in opt._buckets), "a bucket's reduce-scatter was not launched"
     opt.step()
-    assert all(b.reduce_work is None and b.gather_work is None for b in opt._buckets)
+    assert not any(b.sent or b.reduce_work or b.gather_work for b in opt._buckets)
+
+
+def check_shared_memory_where_possible(comm):
+    """On one node the hierarchical communicator puts the parameters in memory the ranks share
+    (one copy per node): a write on rank 0 is seen by the others; elsewhere each rank has its own."""
+    expected = comm.name == "hierarchical" and comm.inter_size == 1 and comm.size > 1
+    model = make_model()
+    opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, shard_state=True)
+    assert (opt._arena is not None) == expected, (comm.name, comm.inter_size, opt._arena)
+    comm.barrier()
+    if comm.rank == 0:
+        with torch.no_grad():
+            model[0].weight[0, 0] = 123.0
+    comm.barrier()
+    seen = float(model[0].weight[0, 0])
+    assert (seen == 123.0) == (expected or comm.rank == 0), (comm.rank, seen)
+    comm.barrier()  # nobody may still be reading when rank 0's optimizer goes away
+
+
+def check_kernel_choice(comm):
+    """Shards take torch's fused kernel where the user left the choice to torch, keep the user's
+    explicit choice otherwise, and keep it through load_state_dict."""
+    def inner_flags(**kw):
+        model = make_model()
+        opt = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters(), **kw), comm, shard_state=True)
+        loss_fn(model, *data(0)).backward()
+        opt.step()
+        opt.load_state_dict(opt.state_dict())
+        opt.step()
+        groups = [b.optimizer.param_groups[0] for b in opt._buckets]
+        assert all(g["fused"] == kw.get("fused") for g in opt.param_groups)  # the user's groups are left alone
+        return {(g["fused"], g["foreach"]) for g in groups}
+    assert inner_flags() == {(True, None)}
+    assert inner_flags(foreach=True) == {(None, True)}
+    assert inner_flags(fused=False) == {(False, None)}
 
 
 def check_compression(comm):

@@ -630,6 +630,12 @@ class Communicator(abc.ABC):
             return _Completed()
         return dist.all_gather_single(flat, shard, group=self._group, async_op=async_op)
 
+    def _open_node_arena(self, shared_bytes: int, region_bytes: int):
+        """Memory shared by all ranks of this communicator for good (a ``shm.NodeArena``), or None
+        where they cannot share memory (several nodes, GPU, or a communicator without shared
+        memory). Collective; every rank gets the same answer."""
+        return None
+
     @abc.abstractmethod
     def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
         """Replace each tensor, in place, by its mean over ranks (each algorithm's own)."""

@@ -49,10 +49,12 @@ class HierarchicalCommunicator(FlatCommunicator):
         tag = self.bcast_obj(shm.new_job_tag())
         pids = self.allgather_obj(os.getpid())
         my_node = self._node_members[self.inter_rank]
-        self._segment = shm.NodeSegment.open(
-            tag, self.inter_rank, self.intra_rank, self.intra_size, [pids[r] for r in my_node],
-            barrier=self.barrier, timeout=float(os.environ.get("TORCHMN_TIMEOUT", 600)),
+        self._shm_args = dict(
+            node=self.inter_rank, local_rank=self.intra_rank, local_size=self.intra_size,
+            pids=[pids[r] for r in my_node], barrier=self.barrier,
+            timeout=float(os.environ.get("TORCHMN_TIMEOUT", 600)),
             describe=lambda i: f"rank {my_node[i]} (node {self.inter_rank}, {self.host})")
+        self._segment = shm.NodeSegment.open(tag, **self._shm_args)
 
     @classmethod
     def split_groups(cls, parent, members: list[int]) -> dict:
@@ -108,6 +110,12 @@ class HierarchicalCommunicator(FlatCommunicator):
             return super().allgather_flat(flat, shard, async_op=async_op)
         self._segment.allgather(flat, shard)
         return _Completed()
+
+    def _open_node_arena(self, shared_bytes: int, region_bytes: int):
+        if self._segment is None or not self._single_node:
+            return None
+        return shm.NodeArena.open(self.bcast_obj(shm.new_job_tag()), shared_bytes=shared_bytes,
+                                  region_bytes=region_bytes, **self._shm_args)
 
     def _exchange_headers(self, rows: list[list[int]]) -> torch.Tensor:
         # The call check of every collective: through shared memory too, so small collectives

@@ -63,13 +63,10 @@ class NodeSegment:
         self.local_rank = local_rank
         self.local_size = local_size
         self.slot_bytes = slot_bytes
-        self._pids = pids
-        self._timeout = timeout
-        self._describe = describe
         self._seq = 0
         raw = torch.frombuffer(buf, dtype=torch.uint8)
-        flags_bytes = _align(_PHASES * local_size * 8)
-        self._flags = np.frombuffer(buf, dtype=np.int64, count=_PHASES * local_size).reshape(_PHASES, local_size)
+        flags_bytes = _Flags.nbytes(_PHASES, local_size)
+        self._flags = _Flags(buf, _PHASES, local_rank, local_size, pids, timeout, describe)
         self._slots = [raw[flags_bytes + i * slot_bytes: flags_bytes + (i + 1) * slot_bytes]
                        for i in range(local_size)]
         start = flags_bytes + local_size * slot_bytes
@@ -78,7 +75,7 @@ class NodeSegment:
     # ----------------------------------------------------------------------------- set-up
     @staticmethod
     def size_for(local_size: int, slot_bytes: int) -> int:
-        return _align(_PHASES * local_size * 8) + (local_size + 1) * slot_bytes
+        return _Flags.nbytes(_PHASES, local_size) + (local_size + 1) * slot_bytes
 
     @classmethod
     def open(cls, job_tag: str, node: int, local_rank: int, local_size: int, pids: list[int],
@@ -87,70 +84,17 @@ class NodeSegment:
         if slot_bytes is None:
             slot_bytes = int(float(os.environ.get("TORCHMN_SHM_SLOT_MB", DEFAULT_SLOT_MB)) * 1024 * 1024)
         slot_bytes = max(_ALIGN, _align(slot_bytes))  # every dtype's view needs aligned slots
-        path = os.path.join(SHM_DIR, segment_name(job_tag, node))
         nbytes = cls.size_for(local_size, slot_bytes)
-        fd = -1
-        try:
-            if local_rank == 0:
-                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    os.posix_fallocate(fd, 0, nbytes)  # fail now, not with SIGBUS mid-collective
-                except OSError as e:
-                    raise OSError(e.errno, f"cannot reserve {nbytes >> 20} MiB of shared memory in "
-                                           f"{SHM_DIR} ({e.strerror}); free space there or set "
-                                           f"TORCHMN_SHM_SLOT_MB lower") from e
-            barrier()
-            if local_rank != 0:
-                fd = os.open(path, os.O_RDWR)
-            buf = mmap.mmap(fd, nbytes)
-        finally:
-            if fd >= 0:
-                os.close(fd)
-            # Everyone has mapped it (or failed) after this barrier: the name is no longer needed.
-            try:
-                barrier()
-            finally:
-                if local_rank == 0:
-                    _unlink(path)
+        buf = _map_segment(segment_name(job_tag, node), nbytes, local_rank, barrier, "set TORCHMN_SHM_SLOT_MB lower")
         return cls(buf, local_rank, local_size, slot_bytes, pids, timeout, describe)
 
     # ----------------------------------------------------------------------------- waiting
     def _arrive_and_wait(self, phase: int) -> None:
-        self._flags[phase, self.local_rank] = self._seq
-        row = self._flags[phase]
-        if (row >= self._seq).all():
-            return
-        deadline = None
-        spins = 0
-        while not (row >= self._seq).all():
-            spins += 1
-            if spins < 64:
-                continue
-            # Yield the core, then back off to short sleeps: with more ranks than cores (or a busy
-            # machine), spinning would starve the very peer we wait for.
-            if spins < 2048:
-                os.sched_yield()
-            else:
-                time.sleep(5e-5)
-            if spins % 1024 == 0:
-                now = time.monotonic()
-                deadline = deadline or now + self._timeout
-                self._check_peers(phase, now > deadline)
-
-    def _check_peers(self, phase: int, timed_out: bool) -> None:
-        missing = [r for r in range(self.local_size) if self._flags[phase, r] < self._seq]
-        dead = [r for r in missing if not _alive(self._pids[r])]
-        if dead or timed_out:
-            who = ", ".join(self._describe(r) for r in (dead or missing))
-            why = "exited" if dead else f"did not arrive within {self._timeout:.0f} s"
-            raise PeerLostError(f"shared-memory collective #{self._seq}: {who} {why}; "
-                                f"{self._describe(self.local_rank)} gives up")
+        self._flags.arrive_and_wait(phase, self._seq)
 
     # ----------------------------------------------------------------------------- collectives
     def _chunk(self, n: int, itemsize: int, r: int) -> tuple[int, int]:
-        """Rank r's share of n elements, cut on cache-line boundaries."""
-        per = _align(-(-n // self.local_size) * itemsize) // itemsize
-        return min(n, r * per), min(n, (r + 1) * per)
+        return chunk_bounds(n, itemsize, r, self.local_size)
 
     def allreduce_(self, flat: torch.Tensor, op: str = "sum", out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Reduce a contiguous 1-D CPU tensor over the node's ranks, in place (or into ``out``);
@@ -252,9 +196,153 @@ class NodeSegment:
         self._slots = []
         self._result = None
         self._flags = None
-        # A tensor may still view the mapping; then it is released with the process.
-        with contextlib.suppress(BufferError):
-            self._buf.close()
+        _close(self._buf)
+
+
+class _Flags:
+    """Rows of sequence numbers at the start of a segment, one row per phase, one column per rank:
+    a rank arrives by writing its number and waits until every column has reached it."""
+
+    def __init__(self, buf: mmap.mmap, phases: int, local_rank: int, local_size: int, pids: list[int],
+                 timeout: float, describe: Callable[[int], str]):
+        self._rows = np.frombuffer(buf, dtype=np.int64, count=phases * local_size).reshape(phases, local_size)
+        self.local_rank = local_rank
+        self.local_size = local_size
+        self._pids = pids
+        self._timeout = timeout
+        self._describe = describe
+
+    @staticmethod
+    def nbytes(phases: int, local_size: int) -> int:
+        return _align(phases * local_size * 8)
+
+    def arrive_and_wait(self, phase: int, seq: int) -> None:
+        self._rows[phase, self.local_rank] = seq
+        row = self._rows[phase]
+        if (row >= seq).all():
+            return
+        deadline = None
+        spins = 0
+        while not (row >= seq).all():
+            spins += 1
+            if spins < 64:
+                continue
+            # Yield the core, then back off to short sleeps: with more ranks than cores (or a busy
+            # machine), spinning would starve the very peer we wait for.
+            if spins < 2048:
+                os.sched_yield()
+            else:
+                time.sleep(5e-5)
+            if spins % 1024 == 0:
+                now = time.monotonic()
+                deadline = deadline or now + self._timeout
+                self._check_peers(phase, seq, now > deadline)
+
+    def _check_peers(self, phase: int, seq: int, timed_out: bool) -> None:
+        missing = [r for r in range(self.local_size) if self._rows[phase, r] < seq]
+        dead = [r for r in missing if not _alive(self._pids[r])]
+        if dead or timed_out:
+            who = ", ".join(self._describe(r) for r in (dead or missing))
+            why = "exited" if dead else f"did not arrive within {self._timeout:.0f} s"
+            raise PeerLostError(f"shared-memory collective #{seq}: {who} {why}; "
+                                f"{self._describe(self.local_rank)} gives up")
+
+
+class NodeArena:
+    """Memory the ``local_size`` ranks of one node share for good, plus a barrier through flags.
+
+    ``job_tag`` must be new for every arena (see :func:`new_job_tag`). ``shared`` is one region every rank reads and writes (the sharded optimizer keeps the model's
+    parameters there: one copy per node, and an update of a shard is seen by every rank without
+    an all-gather); ``regions[r]`` is local rank r's own region, which the others may read (its
+    gradients). Created collectively, like :class:`NodeSegment`.
+
+    Example::
+
+        >>> arena = NodeArena.open(tag, 0, r, 2, pids, comm.barrier, shared_bytes=4096, region_bytes=4096)
+        >>> arena.regions[r].view(torch.float32)[:4] = 1.0
+        >>> arena.barrier()                      # every rank's writes before it are visible after it
+    """
+
+    def __init__(self, buf: mmap.mmap, local_rank: int, local_size: int, shared_bytes: int, region_bytes: int,
+                 pids: list[int], timeout: float, describe: Callable[[int], str]):
+        self._buf = buf
+        self.local_rank = local_rank
+        self.local_size = local_size
+        self._seq = 0
+        self._flags = _Flags(buf, 1, local_rank, local_size, pids, timeout, describe)
+        start = _Flags.nbytes(1, local_size)
+        # Each region is its own tensor over its own range of the mapping (not a view of one big
+        # tensor), so saving a tensor that views the shared region saves that region only.
+        self.shared = torch.frombuffer(buf, dtype=torch.uint8, offset=start, count=shared_bytes) \
+            if shared_bytes else torch.empty(0, dtype=torch.uint8)
+        start += shared_bytes
+        self.regions = [torch.frombuffer(buf, dtype=torch.uint8, offset=start + r * region_bytes, count=region_bytes)
+                        if region_bytes else torch.empty(0, dtype=torch.uint8) for r in range(local_size)]
+
+    @classmethod
+    def open(cls, job_tag: str, node: int, local_rank: int, local_size: int, pids: list[int],
+             barrier: Callable[[], None], shared_bytes: int, region_bytes: int, timeout: float = 600.0,
+             describe: Callable[[int], str] = lambda r: f"local rank {r}") -> "NodeArena":
+        shared_bytes, region_bytes = _align(shared_bytes), _align(region_bytes)
+        nbytes = _Flags.nbytes(1, local_size) + shared_bytes + local_size * region_bytes
+        buf = _map_segment(segment_name(job_tag, node) + "-arena", nbytes, local_rank, barrier,
+                           "or give the machine (container: --shm-size) a larger /dev/shm")
+        return cls(buf, local_rank, local_size, shared_bytes, region_bytes, pids, timeout, describe)
+
+    def my_chunk(self, n: int, itemsize: int) -> tuple[int, int]:
+        """This rank's share ``[lo, hi)`` of n elements when the node's ranks split work on them."""
+        return chunk_bounds(n, itemsize, self.local_rank, self.local_size)
+
+    def barrier(self) -> None:
+        """Wait for every local rank; writes to the arena before it are visible to all after it."""
+        self._seq += 1
+        self._flags.arrive_and_wait(0, self._seq)
+
+    def close(self) -> None:
+        self.shared = None
+        self.regions = []
+        self._flags = None
+        _close(self._buf)
+
+
+def _map_segment(name: str, nbytes: int, local_rank: int, barrier: Callable[[], None], remedy: str) -> mmap.mmap:
+    """Local rank 0 creates /dev/shm/NAME, every local rank maps it, then the name is unlinked."""
+    path = os.path.join(SHM_DIR, name)
+    fd = -1
+    try:
+        if local_rank == 0:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.posix_fallocate(fd, 0, nbytes)  # fail now, not with SIGBUS mid-collective
+            except OSError as e:
+                raise OSError(e.errno, f"cannot reserve {nbytes >> 20} MiB of shared memory in "
+                                       f"{SHM_DIR} ({e.strerror}); free space there, {remedy}") from e
+        barrier()
+        if local_rank != 0:
+            fd = os.open(path, os.O_RDWR)
+        return mmap.mmap(fd, nbytes)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        # Everyone has mapped it (or failed) after this barrier: the name is no longer needed.
+        try:
+            barrier()
+        finally:
+            if local_rank == 0:
+                _unlink(path)
+
+
+def _close(buf: mmap.mmap) -> None:
+    # A tensor may still view the mapping; then it is released with the process.
+    with contextlib.suppress(BufferError):
+        buf.close()
+
+
+def chunk_bounds(n: int, itemsize: int, r: int, parts: int) -> tuple[int, int]:
+    """Part r of n elements split in ``parts``, cut on cache-line boundaries (ranks never write
+    the same line)."""
+    per = _align(-(-n // parts) * itemsize) // itemsize
+    return min(n, r * per), min(n, (r + 1) * per)
 
 
 def _align(n: int) -> int:

@@ -41,6 +41,22 @@ def make_buckets(params: list[torch.nn.Parameter], cap: int, build: Callable[[li
     return buckets
 
 
+def arena_layout(nbytes: list[int]) -> tuple[list[int], int]:
+    """Byte offsets of buffers packed into one shared-memory region (each on its own cache lines),
+    and the region's size."""
+    offsets, total = [], 0
+    for n in nbytes:
+        offsets.append(total)
+        total += -(-n // 64) * 64
+    return offsets, total
+
+
+def region_view(region: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``numel`` elements of ``dtype`` at byte ``offset`` of a uint8 shared-memory region."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return region[offset:offset + numel * itemsize].view(dtype)
+
+
 class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Base of the multi-node optimizers: shares the wrapped optimizer's ``param_groups`` and
     ``defaults``, and sends ``self._buckets`` as backward makes their gradients ready.

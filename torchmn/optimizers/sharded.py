@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from torchmn.communicators import Communicator
-from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, make_buckets
+from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, arena_layout, make_buckets, region_view
 
 # Optimizers whose update is elementwise, so a flat slice of the parameters can be stepped alone.
 # Others (LBFGS, Adafactor's factored moments, Muon's orthogonalisation, SparseAdam, subclasses
@@ -56,25 +56,48 @@ class _ShardBucket:
         self.numel = offset
         self.k = -(-offset // size)          # shard length; the flat buffers hold size * k
         self.padded = self.k * size
-        dtype, device = params[0].dtype, params[0].device
-        self.wire_dtype = wire_dtype or dtype
-        self.flat = torch.zeros(self.padded, dtype=dtype, device=device)
-        with torch.no_grad():
-            for p, off in zip(params, self.offsets):
-                self.flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
-                # The model reads its weights from the flat buffer, so the all-gather needs no copy-back.
-                p.data = self.flat[off:off + p.numel()].view_as(p)
-        mine = self.flat[rank * self.k:(rank + 1) * self.k]
-        # A view, not a copy: loading weights into the model also updates the shard being stepped.
-        self.shard_param = torch.nn.Parameter(mine, requires_grad=True)
-        self.send = torch.empty(self.k, dtype=dtype, device=device) if size > 1 else None
-        self.grad_flat = torch.zeros(self.padded, dtype=self.wire_dtype, device=device)  # padding stays 0
-        self.grad_shard = torch.empty(self.k, dtype=self.wire_dtype, device=device)
-        self.shard_grad = self.grad_shard if self.wire_dtype == dtype else torch.empty_like(mine)
+        self.rank, self.size = rank, size
+        self.dtype, self.device = params[0].dtype, params[0].device
+        self.itemsize = params[0].element_size()
+        self.wire_dtype = wire_dtype or self.dtype
+        self.peer_grads: Optional[list[torch.Tensor]] = None
         self.ready: set[int] = set()
+        self.sent = False                    # this step's gradients have left backward's hands
         self.reduce_work = None
         self.gather_work = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
+
+    def place(self, flat: Optional[torch.Tensor] = None, grad_flat: Optional[torch.Tensor] = None,
+              peer_grads: Optional[list[torch.Tensor]] = None, fill: bool = True) -> None:
+        """Give the bucket its flat parameter and gradient buffers (new ones by default).
+
+        ``peer_grads``: every rank's ``grad_flat``, readable here (shared memory); then the
+        reduce-scatter is a sum read straight from them. ``fill=False``: ``flat`` already holds the
+        parameters (another rank of the node wrote them into shared memory).
+        """
+        if flat is None:
+            flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
+        self.flat = flat
+        if fill:
+            with torch.no_grad():
+                for p, off in zip(self.params, self.offsets):
+                    flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+        # Padding must stay 0 in the gradient buffer; pack() writes the parameters' ranges only.
+        self.grad_flat = torch.zeros(self.padded, dtype=self.wire_dtype, device=self.device) \
+            if grad_flat is None else grad_flat
+        self.peer_grads = peer_grads
+        mine = flat[self.rank * self.k:(self.rank + 1) * self.k]
+        # A view, not a copy: loading weights into the model also updates the shard being stepped.
+        self.shard_param = torch.nn.Parameter(mine, requires_grad=True)
+        self.send = torch.empty(self.k, dtype=self.dtype, device=self.device) \
+            if self.size > 1 and peer_grads is None else None
+        self.grad_shard = torch.empty(self.k, dtype=self.wire_dtype, device=self.device)
+        self.shard_grad = self.grad_shard if self.wire_dtype == self.dtype else torch.empty_like(mine)
+
+    def point_params(self) -> None:
+        """Make the model's parameters views into the flat buffer (so a gather needs no copy-back)."""
+        for p, off in zip(self.params, self.offsets):
+            p.data = self.flat[off:off + p.numel()].view_as(p)
 
     def pack(self, scale: Optional[float]) -> torch.Tensor:
         for p, off in zip(self.params, self.offsets):
@@ -87,6 +110,15 @@ class _ShardBucket:
                 view.copy_(p.grad.reshape(-1) * scale)
         return self.grad_flat
 
+    def sum_shard_of_peers(self) -> None:
+        """This rank's shard of the node's gradient sum, read from every rank's shared buffer."""
+        lo, hi = self.rank * self.k, (self.rank + 1) * self.k
+        parts = [g[lo:hi] for g in self.peer_grads]
+        # Rank order, like every other reduce here, so each rank gets the bits the others would.
+        torch.add(parts[0], parts[1], out=self.grad_shard)
+        for part in parts[2:]:
+            self.grad_shard.add_(part)
+
 
 def _check_optimizer(optimizer) -> None:
     if isinstance(optimizer, torch.optim.LBFGS):
@@ -98,12 +130,28 @@ def _check_optimizer(optimizer) -> None:
                         f"{type(optimizer).__name__}: its update may need whole tensors; use shard_state=False")
 
 
+# Not hyperparameters but the choice of kernel; the shard optimizers keep their own (_build_inner).
+IMPLEMENTATION_FLAGS = ("fused", "foreach")
+
+
 def _build_inner(cls: type, shard_param: torch.nn.Parameter, group: dict) -> torch.optim.Optimizer:
-    """An optimizer of ``cls`` over one shard parameter, with ``group``'s hyperparameters."""
+    """An optimizer of ``cls`` over one shard parameter, with ``group``'s hyperparameters.
+
+    A shard is one large flat tensor, which is what torch's fused kernels are for (Adam's update in
+    one pass over memory instead of several: 2-3x faster on CPU). So where the user left the kernel
+    to torch (``fused`` and ``foreach`` unset) and ``cls`` has a fused kernel for the shard's device
+    and dtype, the shard uses it; the arithmetic is the same up to rounding.
+    """
     hyper = {k: v for k, v in group.items() if k != "params"}
     accepted = inspect.signature(cls.__init__).parameters
     # Constructor arguments validate (and set flags like fused); the group dict then carries them all.
     ctor = {k: v for k, v in hyper.items() if k in accepted}
+    if "fused" in accepted and hyper.get("fused") is None and hyper.get("foreach") is None \
+            and not hyper.get("differentiable"):
+        try:
+            return cls([{**hyper, "fused": True, "params": [shard_param]}], **{**ctor, "fused": True})
+        except (RuntimeError, ValueError):
+            pass  # no fused kernel for this device or dtype in this torch
     return cls([{**hyper, "params": [shard_param]}], **ctor)
 
 
@@ -157,11 +205,46 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         def build(run):
             return _ShardBucket(run, owners[run[0]], comm.rank, comm.size, self._wire_dtype)
         self._buckets = make_buckets(params, cap, build, same_bucket)
+        self._arena = self._place_in_shared_memory() if self._shareable(params) else None
+        if self._arena is None:
+            for b in self._buckets:
+                b.place()
         for b in self._buckets:
+            b.point_params()
             b.optimizer = _build_inner(type(optimizer), b.shard_param, optimizer.param_groups[b.group])
         self._attach(params, self._buckets)
 
+    def _shareable(self, params: list[torch.nn.Parameter]) -> bool:
+        # The same answer on every rank: it depends on the model and options only.
+        return (self.comm.size > 1 and self._wire_dtype is None and bool(params)
+                and all(p.device.type == "cpu" for p in params))
+
+    def _place_in_shared_memory(self):
+        """On one node, put the flat buffers in memory the node's ranks share, or return None.
+
+        The parameters then exist once per node: a rank that updates its shard updates the model
+        of every rank, so no all-gather is needed. Each rank's gradient buffer is readable by the
+        others, so the reduce-scatter is each rank summing its shard straight from them.
+        """
+        offsets, total = arena_layout([b.padded * b.itemsize for b in self._buckets])
+        arena = self.comm._open_node_arena(shared_bytes=total, region_bytes=total)
+        if arena is None:
+            return None
+        for b, offset in zip(self._buckets, offsets):
+            def flat_of(region, b=b, offset=offset):
+                return region_view(region, offset, b.padded, b.dtype)
+            # Rank 0 writes the (already broadcast) parameters; the others find them there.
+            b.place(flat_of(arena.shared), flat_of(arena.regions[arena.local_rank]),
+                    [flat_of(region) for region in arena.regions], fill=self.comm.rank == 0)
+        arena.barrier()
+        return arena
+
     def _send(self, bucket: _ShardBucket) -> None:
+        bucket.sent = True
+        if self._arena is not None:
+            bucket.pack(None)  # into this rank's shared buffer; step() sums the shards from there
+            bucket.ready.clear()
+            return
         # Compressed gradients are divided before sending so float16 sums cannot overflow.
         pre = 1.0 / self.comm.size if self._wire_dtype is not None else None
         bucket.reduce_work = self.comm.reduce_scatter_flat(bucket.pack(pre), bucket.grad_shard, async_op=True)
@@ -175,7 +258,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         for b in self._buckets:
             inner = b.optimizer.param_groups[0]
             for key, value in self._optimizer.param_groups[b.group].items():
-                if key != "params":
+                if key != "params" and key not in IMPLEMENTATION_FLAGS:
                     inner[key] = value
 
     # ----------------------------------------------------------------------------- public
@@ -190,6 +273,10 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         self.synchronize()
         self._sent = False
         self._sync_hyperparameters()
+        for b in self._buckets:
+            b.sent = False
+        if self._arena is not None:
+            return self._step_in_shared_memory()
         post = 1.0 / self.comm.size if self._wire_dtype is None else None
         for b in self._buckets:
             b.reduce_work.wait()
@@ -208,6 +295,19 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             if b.gather_work is not None:
                 b.gather_work.wait()
                 b.gather_work = None
+        return None
+
+    def _step_in_shared_memory(self) -> None:
+        self._arena.barrier()          # every rank's gradients are in its buffer
+        post = 1.0 / self.comm.size
+        for b in self._buckets:
+            b.sum_shard_of_peers()
+            b.grad_shard.mul_(post)
+            b.shard_param.grad = b.shard_grad
+            b.optimizer.step()
+        # Every shard is updated in the shared parameters, and nobody reads a gradient buffer
+        # any more, so backward may write them again.
+        self._arena.barrier()
         return None
 
     def _indices(self) -> dict:
@@ -313,6 +413,8 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
                     # A copy: Adam counts its step in place, which must not touch the caller's dict.
                     shard_state[key] = value.clone() if torch.is_tensor(value) else value
             inner_group = {k: v for k, v in groups[b.group].items() if k != "params"}
+            inner_group.update({k: b.optimizer.param_groups[0][k] for k in IMPLEMENTATION_FLAGS
+                                if k in b.optimizer.param_groups[0]})
             # The inner optimizer's own loader casts dtypes and devices the way torch does.
             b.optimizer.load_state_dict({"state": {0: shard_state}, "param_groups": [{**inner_group, "params": [0]}]})
 
