@@ -4,10 +4,12 @@ import pytest
 from jobs import WORKERS, run_job
 
 CHECKS = WORKERS / "optim_checks.py"
-ALL = ("equivalence", "compression", "double_buffering", "clipping", "unused_parameter", "transparency")
+ALL = ("equivalence", "compression", "double_buffering", "clipping", "unused_parameter",
+       "shared_memory_where_possible", "transparency")
 
 
-@pytest.mark.parametrize("name,np", [("flat", 2), ("naive", 2), ("flat", 3)])
+@pytest.mark.parametrize("name,np", [("hierarchical", 2), ("hierarchical", 3), ("flat", 2), ("naive", 2),
+                                     ("flat", 3)])
 def test_optimizer_matches_one_process(name, np):
     out = run_job(CHECKS, ["--name", name, "all"], np=np, timeout=180).stdout
     for check in ALL:

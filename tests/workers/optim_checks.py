@@ -67,7 +67,7 @@ def reference(opt_name, steps=5, passes=1, clip=None, delayed=False):
     return model
 
 
-def distributed(comm, opt_name, steps=5, passes=1, clip=None, no_sync=False, **kwargs):
+def distributed(comm, opt_name, steps=5, passes=1, clip=None, no_sync=False, set_to_none=True, **kwargs):
     model = make_model()
     if comm.rank != 0:  # different starting weights on purpose: the wrapper must broadcast them
         with torch.no_grad():
@@ -78,7 +78,7 @@ def distributed(comm, opt_name, steps=5, passes=1, clip=None, no_sync=False, **k
     for step in range(steps):
         x, y = data(step)
         x, y = local(x, comm), local(y, comm)
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         backward(opt, model, x, y, passes, no_sync)
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -153,6 +153,22 @@ def check_unused_parameter(comm):
     if comm.rank != 0:
         trunk(torch.ones(1, 4)).sum().backward()
     opt.step()
+
+
+def check_shared_memory_where_possible(comm):
+    """On one node the hierarchical communicator averages through buffers the ranks share; kept
+    gradients (zero_grad(set_to_none=False)) then accumulate in them, and the result still matches."""
+    expected = comm.name == "hierarchical" and comm.inter_size == 1 and comm.size > 1
+    model = make_model()
+    opt = torchmn.create_multi_node_optimizer(OPTIMIZERS["adam"](model.parameters()), comm)
+    assert (opt._arena is not None) == expected, (comm.name, comm.inter_size, opt._arena)
+    for opt_name in ("sgd", "adam"):
+        assert_close(distributed(comm, opt_name, set_to_none=False), reference(opt_name), 1e-5,
+                     f"{opt_name} with zero_grad(set_to_none=False)")
+        assert_close(distributed(comm, opt_name, passes=2, set_to_none=False), reference(opt_name), 1e-5,
+                     f"{opt_name} with backward_passes_per_step=2 and kept gradients")
+    mine = torch.cat([p.detach().reshape(-1) for p in distributed(comm, "adam").parameters()])
+    assert all(torch.equal(mine, other) for other in comm.allgather_obj(mine)), "ranks disagree bit for bit"
 
 
 def check_transparency(comm):

@@ -3,6 +3,10 @@
 Buckets go out from backward hooks (see :mod:`torchmn.optimizers.gradient_sync`). By the time
 ``loss.backward()`` returns, ``.grad`` holds the averaged gradients, so gradient clipping and
 anything else between backward and ``step()`` sees what the update will use.
+
+On one node (the hierarchical communicator on CPU) the buckets live in shared memory: the hooks
+only copy gradients into this rank's buffers, and at the end of backward each rank sums its part
+of every bucket straight from all ranks' buffers, then copies the whole average back.
 """
 from __future__ import annotations
 
@@ -11,7 +15,7 @@ from typing import Optional
 import torch
 
 from torchmn.communicators import Communicator
-from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, make_buckets
+from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, arena_layout, make_buckets, region_view
 
 
 class _Bucket:
@@ -34,13 +38,17 @@ class _Bucket:
         self.buffer: Optional[torch.Tensor] = None
         self.views: list[torch.Tensor] = []
 
+    def place(self, buffer: torch.Tensor) -> None:
+        """Use ``buffer`` (``numel`` elements of the wire dtype) as this bucket's buffer."""
+        self.buffer = buffer
+        offset = 0
+        for p in self.params:
+            self.views.append(buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
     def pack(self, scale: Optional[float]) -> torch.Tensor:
         if self.buffer is None:
-            self.buffer = torch.zeros(self.numel, dtype=self.wire_dtype, device=self.params[0].device)
-            offset = 0
-            for p in self.params:
-                self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            self.place(torch.zeros(self.numel, dtype=self.wire_dtype, device=self.params[0].device))
         grads = [p.grad for p in self.params]
         self.had_grad = [g is not None for g in grads]
         if scale is None and all(g is not None and not _is_view(g, v) for g, v in zip(grads, self.views)):
@@ -57,8 +65,11 @@ class _Bucket:
                 view.copy_(g * scale)
         return self.buffer
 
-    def unpack(self, post_scale: Optional[float], zero_fill: bool) -> None:
-        if post_scale is not None:
+    def unpack(self, post_scale: Optional[float], zero_fill: bool, result: Optional[torch.Tensor] = None) -> None:
+        """Averaged gradients into ``.grad``, from the buffer or from ``result`` (already scaled)."""
+        if result is not None:
+            self.buffer.copy_(result)
+        elif post_scale is not None:
             self.buffer.mul_(post_scale)
         for p, had, view in zip(self.params, self.had_grad, self.views):
             if not (had or zero_fill):
@@ -106,19 +117,68 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             self._bucket_sets.append(make_buckets(params, cap, build, same_bucket))
         self._current = 0           # which bucket set this backward fills
         self._in_flight: list[int] = []  # double buffering: sets sent but not yet used, oldest first
+        self._arena = None
+        if comm.size > 1 and not double_buffering and self._wire_dtype is None and params \
+                and all(p.device.type == "cpu" for p in params):
+            self._arena = self._place_in_shared_memory()
         self._attach(params, self._bucket_sets[0])
+
+    def _place_in_shared_memory(self):
+        """On one node, put each rank's buckets in memory the node's ranks share, or return None.
+
+        Backward's hooks then only copy gradients into this rank's buffers; at the end of backward
+        each rank sums its part of every bucket straight from all ranks' buffers into a shared
+        result, and copies the whole result back: one barrier-separated pass, no slot copies.
+        """
+        buckets = self._bucket_sets[0]
+        offsets, total = arena_layout([b.numel * b.params[0].element_size() for b in buckets])
+        arena = self.comm._open_node_arena(shared_bytes=total, region_bytes=total)
+        if arena is None:
+            return None
+        self._results, self._peer_buffers = [], []
+        for b, offset in zip(buckets, offsets):
+            def view(region, b=b, offset=offset):
+                return region_view(region, offset, b.numel, b.wire_dtype)
+            b.place(view(arena.regions[arena.local_rank]))
+            self._peer_buffers.append([view(region) for region in arena.regions])
+            self._results.append(view(arena.shared))
+        return arena
+
+    def _reduce_in_shared_memory(self) -> None:
+        arena, post = self._arena, 1.0 / self.comm.size
+        arena.barrier()                    # every rank's gradients are in its buffers
+        for b, result, peers in zip(self._buckets, self._results, self._peer_buffers):
+            lo, hi = arena.my_chunk(b.numel, result.element_size())
+            if hi > lo:
+                # Rank order, like every reduce here: all ranks get the same bits.
+                mine = result[lo:hi]
+                torch.add(peers[0][lo:hi], peers[1][lo:hi], out=mine)
+                for peer in peers[2:]:
+                    mine.add_(peer[lo:hi])
+                mine.mul_(post)
+        arena.barrier()                    # the whole result is there
+        for b, result in zip(self._buckets, self._results):
+            b.unpack(None, self.zero_fill, result=result)
+            b.ready.clear()
+        # No barrier needed after the copy-out: the result is written again only after the next
+        # step's first barrier, which every rank reaches after its own copy-out.
 
     @property
     def _buckets(self) -> list[_Bucket]:
         return self._bucket_sets[self._current]
 
     def _send(self, bucket: _Bucket) -> None:
+        if self._arena is not None:
+            bucket.pack(None)  # into this rank's shared buffer; summed at the end of backward
+            return
         # Compressed gradients are divided before sending so float16 sums cannot overflow.
         pre = 1.0 / self.comm.size if self._wire_dtype is not None else None
         bucket.work = self.comm.allreduce_flat(bucket.pack(pre), async_op=True)
 
     def _all_sent(self) -> None:
-        if self.double_buffering:
+        if self._arena is not None:
+            self._reduce_in_shared_memory()
+        elif self.double_buffering:
             self._in_flight.append(self._current)
             self._current = 1 - self._current
         else:

@@ -15,6 +15,13 @@ the rest go out, missing gradients as zeros, so an unused parameter cannot hang 
 all-gather, so the all-gathers of early buckets run while later buckets update; ``step()``
 returns once every parameter holds the new values.
 
+On one node (the hierarchical communicator on CPU, the default there) the flat buffers live in
+shared memory instead (:class:`torchmn.communicators.shm.NodeArena`): the parameters exist once
+per node, so a rank that updates its shard updates every rank's model and no all-gather is needed,
+and each rank's gradient buffer is readable by the others, so backward's hooks only copy gradients
+into it and ``step()`` sums this rank's shard straight from all of them. Two barriers per step
+(gradients in; shards updated) keep ranks from reading what another is still writing.
+
 Only elementwise optimizers can be split this way (each element's update depends on that
 element's gradient and state alone): see :data:`ELEMENTWISE_OPTIMIZERS`.
 """
@@ -168,7 +175,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     this rank's own gradients (the averaged ones exist only as shards), so clipping by the global
     gradient norm between backward and ``step()`` does not see the averaged gradients; ``state`` is
     this rank's shard state, keyed by flat shard parameters. The model's parameters become views into flat buffers:
-    move or convert the model (``.to``, ``.double()``) before wrapping, not after.
+    move or convert the model (``.to``, ``.double()``) before wrapping, not after. On one node
+    those buffers are shared by the node's ranks: writing a parameter on one rank (loading
+    weights, say) changes it on all of them, so load the same weights on every rank, or on one.
 
     Example::
 
