@@ -80,3 +80,18 @@ def test_stale_file_rendezvous_is_refused(tmp_path):
     assert "left over from an earlier job" in proc.stderr and f"rm {path}" in proc.stderr, proc.stderr
     path.unlink()
     run_job(script, ["clean"], np=2, timeout=60)
+
+
+@pytest.mark.parametrize("name,where", [("flat", "collective"), ("naive", "optimizer"),
+                                        ("hierarchical", "collective"), ("hierarchical", "optimizer")])
+def test_a_rank_that_stops_calling_collectives_is_named(name, where):
+    """SPEC 7: within the timeout, the waiting ranks raise an error naming the rank that never came
+    (through torch.distributed: from the rendezvous store; inside a node: from shared memory)."""
+    out = run_job(WORKERS / "hang_jobs.py", [name, where], np=3, timeout=60).stdout
+    named = [line for line in out.splitlines() if "NAMED" in line]
+    assert len(named) == 2, out  # ranks 0 and 2
+    for line in named:
+        if name == "hierarchical":
+            assert "rank 1 (node 0" in line and "did not arrive within 3 s" in line, line
+        else:
+            assert "rank 1 (" in line and "never called it" in line and "Waiting for them: rank(s) 0, 2" in line, line

@@ -11,7 +11,7 @@ built on ``torch.distributed``::
 ``torchmn.extensions`` (pytorch-pfn-extras extensions) is imported on its own, so that the core
 does not need pytorch-pfn-extras.
 """
-from torchmn.communicators import CollectiveMismatchError, Communicator, create_communicator
+from torchmn.communicators import CollectiveMismatchError, CollectiveTimeoutError, Communicator, create_communicator
 from torchmn.datasets import SharedDataset, create_empty_dataset, scatter_dataset, scatter_index
 from torchmn.evaluators import GenericMultiNodeEvaluator, create_multi_node_evaluator
 from torchmn.iterators import create_multi_node_iterator
@@ -20,7 +20,7 @@ from torchmn.optimizers import MultiNodeOptimizer, ShardedMultiNodeOptimizer, cr
 __version__ = "0.1.0"
 
 __all__ = [
-    "CollectiveMismatchError", "Communicator", "GenericMultiNodeEvaluator", "MultiNodeOptimizer",
+    "CollectiveMismatchError", "CollectiveTimeoutError", "Communicator", "GenericMultiNodeEvaluator", "MultiNodeOptimizer",
     "ShardedMultiNodeOptimizer", "SharedDataset", "create_communicator", "create_empty_dataset",
     "create_multi_node_evaluator", "create_multi_node_iterator", "create_multi_node_optimizer",
     "scatter_dataset", "scatter_index", "__version__",

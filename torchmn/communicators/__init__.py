@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torchmn.communicators import shm
 from torchmn.communicators._setup import default_backend, init_world
 from torchmn.communicators.communicator import Communicator
-from torchmn.communicators.errors import CollectiveMismatchError, RemoteRankError
+from torchmn.communicators.errors import CollectiveMismatchError, CollectiveTimeoutError, RemoteRankError
 from torchmn.communicators.flat import FlatCommunicator
 from torchmn.communicators.hierarchical import HierarchicalCommunicator
 from torchmn.communicators.naive import NaiveCommunicator
@@ -91,5 +91,5 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
                node_key=node_key, owns_world=owns, **kwargs)
 
 
-__all__ = ["Communicator", "CollectiveMismatchError", "RemoteRankError", "NaiveCommunicator",
+__all__ = ["Communicator", "CollectiveMismatchError", "CollectiveTimeoutError", "RemoteRankError", "NaiveCommunicator",
            "FlatCommunicator", "HierarchicalCommunicator", "create_communicator", "make_communicator"]

@@ -13,6 +13,12 @@ import torch.distributed as dist
 from torchmn.launch import LaunchEnvironment
 
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("TORCHMN_TIMEOUT", 600)))
+_timeout = DEFAULT_TIMEOUT  # the world's, once init_world set it up
+
+
+def collective_timeout_s() -> float:
+    """Seconds a collective may wait for the other ranks (also inside shared memory)."""
+    return _timeout.total_seconds()
 
 
 def default_backend() -> str:
@@ -39,9 +45,11 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
         _refuse_stale_file(init_method[len("file://"):], env)
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank % max(1, torch.cuda.device_count()))
+    global _timeout
+    _timeout = timeout or DEFAULT_TIMEOUT
     try:
         dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.size,
-                                timeout=timeout or DEFAULT_TIMEOUT)
+                                timeout=_timeout)
     except Exception as e:
         raise RuntimeError(
             f"rank {env.rank}/{env.size} could not join the job's rendezvous at {init_method} "

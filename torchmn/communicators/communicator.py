@@ -16,7 +16,7 @@ from typing import Any, Iterable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from torchmn.communicators import _wire
+from torchmn.communicators import _wire, watch
 from torchmn.communicators.errors import CollectiveMismatchError, RemoteRankError
 
 _OPS = {
@@ -53,10 +53,23 @@ class Communicator(abc.ABC):
 
     name = "base"
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        watch.install(cls)
+
     def __init__(self, *, rank: int, size: int, group: Optional[dist.ProcessGroup],
                  obj_group: Optional[dist.ProcessGroup], backend: str, node_key: Any,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_BYTES, owns_world: bool = False,
-                 group_ranks: Optional[Sequence[int]] = None):
+                 group_ranks: Optional[Sequence[int]] = None, tag: Optional[str] = None):
+        # Collectives are numbered per communicator (see watch.py); the tag tells communicators apart.
+        global _WORLDS
+        if tag is None:
+            _WORLDS += 1
+            tag = f"world{_WORLDS}"
+        self._tag = tag
+        self._calls = 0
+        self._watch_depth = 0
+        self._splits = 0
         self.rank = rank
         self.size = size
         self.backend = backend
@@ -79,7 +92,10 @@ class Communicator(abc.ABC):
 
     # ----------------------------------------------------------------------------- topology
     def _set_topology(self, node_key: Any) -> None:
-        keys = self.allgather_obj(node_key) if self.size > 1 else [node_key]
+        mine = (node_key, socket.gethostname())
+        both = self.allgather_obj(mine) if self.size > 1 else [mine]
+        keys = [k for k, _ in both]
+        self._hosts = [h for _, h in both]
         nodes: list[Any] = []
         for k in keys:
             if k not in nodes:
@@ -95,6 +111,10 @@ class Communicator(abc.ABC):
     @property
     def host(self) -> str:
         return socket.gethostname()
+
+    def host_of(self, r: int) -> str:
+        """The host name of rank ``r`` (for messages)."""
+        return self._hosts[r]
 
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} rank {self.rank}/{self.size} intra {self.intra_rank}/"
@@ -503,6 +523,7 @@ class Communicator(abc.ABC):
         from torchmn.communicators import _resolve  # the factory knows the subclasses
 
         cls = _resolve(self.name, self.backend, self.size)
+        self._splits += 1
         entries = self.allgather_obj((color, key, self.rank))
         colors = sorted({c for c, _, _ in entries}, key=repr)
         mine = None
@@ -518,11 +539,11 @@ class Communicator(abc.ABC):
             if c == color:
                 by_world = sorted(world)
                 mine = (members.index(self.rank), len(members), group, obj_group,
-                        [by_world.index(w) for w in world], extra)
-        rank, size, group, obj_group, group_ranks, extra = mine
+                        [by_world.index(w) for w in world], extra, f"{self._tag}.{self._splits}.{colors.index(c)}")
+        rank, size, group, obj_group, group_ranks, extra, tag = mine
         return cls(rank=rank, size=size, group=group, obj_group=obj_group, backend=self.backend,
                    node_key=self._node_key, bucket_cap_bytes=self.bucket_cap_bytes, group_ranks=group_ranks,
-                   **extra)
+                   tag=tag, **extra)
 
     @classmethod
     def split_groups(cls, parent: "Communicator", members: list[int]) -> dict:
@@ -639,6 +660,10 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
         """Replace each tensor, in place, by its mean over ranks (each algorithm's own)."""
+
+
+watch.install(Communicator)
+_WORLDS = 0  # world communicators created by this process, for their tags
 
 
 def _padded(buf: torch.Tensor, length: int) -> torch.Tensor:

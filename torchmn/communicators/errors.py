@@ -10,3 +10,8 @@ class CollectiveMismatchError(RuntimeError):
 
 class RemoteRankError(RuntimeError):
     """Another rank rejected its arguments to a collective; its own error says why."""
+
+
+class CollectiveTimeoutError(RuntimeError):
+    """A collective did not complete within the timeout; the message names the ranks that did not
+    take part (and what they were doing instead, where known)."""

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from torchmn.communicators import shm
+from torchmn.communicators._setup import collective_timeout_s
 from torchmn.communicators.communicator import _OPS, _Completed
 from torchmn.communicators.flat import FlatCommunicator
 
@@ -52,7 +53,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         self._shm_args = dict(
             node=self.inter_rank, local_rank=self.intra_rank, local_size=self.intra_size,
             pids=[pids[r] for r in my_node], barrier=self.barrier,
-            timeout=float(os.environ.get("TORCHMN_TIMEOUT", 600)),
+            timeout=collective_timeout_s(),
             describe=lambda i: f"rank {my_node[i]} (node {self.inter_rank}, {self.host})")
         self._segment = shm.NodeSegment.open(tag, **self._shm_args)
 

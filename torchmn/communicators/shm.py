@@ -19,6 +19,8 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from torchmn.communicators.errors import CollectiveTimeoutError
+
 SHM_DIR = "/dev/shm"
 DEFAULT_SLOT_MB = 16  # per rank; TORCHMN_SHM_SLOT_MB overrides. Larger tensors go in pieces.
 _ALIGN = 64  # chunk boundaries on cache lines, so ranks never write the same line
@@ -32,8 +34,9 @@ _REDUCE = {
 }
 
 
-class PeerLostError(RuntimeError):
-    """A rank of this node stopped taking part in a shared-memory collective."""
+class PeerLostError(CollectiveTimeoutError):
+    """A rank of this node stopped taking part in a shared-memory collective (exited, or did not
+    arrive within the timeout)."""
 
 
 def segment_name(job_tag: str, node: int) -> str:

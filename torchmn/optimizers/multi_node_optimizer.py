@@ -57,10 +57,13 @@ class _Bucket:
         for g, view in zip(grads, self.views):
             if g is None:
                 view.zero_()
-            elif _is_view(g, view):
-                continue  # backward accumulated into the bucket already
+            elif _is_view(g, view):  # backward accumulated into the bucket already
+                if scale is not None:
+                    view.mul_(scale)
             elif scale is None:
                 view.copy_(g)
+            elif g.dtype == view.dtype:
+                torch.mul(g, scale, out=view)  # scaled on the way in: no extra pass
             else:
                 view.copy_(g * scale)
         return self.buffer
@@ -145,7 +148,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         return arena
 
     def _reduce_in_shared_memory(self) -> None:
-        arena, post = self._arena, 1.0 / self.comm.size
+        arena = self._arena
         arena.barrier()                    # every rank's gradients are in its buffers
         for b, result, peers in zip(self._buckets, self._results, self._peer_buffers):
             lo, hi = arena.my_chunk(b.numel, result.element_size())
@@ -155,7 +158,6 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
                 torch.add(peers[0][lo:hi], peers[1][lo:hi], out=mine)
                 for peer in peers[2:]:
                     mine.add_(peer[lo:hi])
-                mine.mul_(post)
         arena.barrier()                    # the whole result is there
         for b, result in zip(self._buckets, self._results):
             b.unpack(None, self.zero_fill, result=result)
@@ -169,7 +171,9 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
 
     def _send(self, bucket: _Bucket) -> None:
         if self._arena is not None:
-            bucket.pack(None)  # into this rank's shared buffer; summed at the end of backward
+            # Into this rank's shared buffer, divided by size on the way (exact for powers of two);
+            # summed at the end of backward.
+            bucket.pack(1.0 / self.comm.size)
             return
         # Compressed gradients are divided before sending so float16 sums cannot overflow.
         pre = 1.0 / self.comm.size if self._wire_dtype is not None else None

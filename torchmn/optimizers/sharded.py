@@ -113,6 +113,8 @@ class _ShardBucket:
                 view.zero_()
             elif scale is None:
                 view.copy_(p.grad.reshape(-1))
+            elif p.grad.dtype == view.dtype:
+                torch.mul(p.grad.reshape(-1), scale, out=view)  # scaled on the way in: no extra pass
             else:
                 view.copy_(p.grad.reshape(-1) * scale)
         return self.grad_flat
@@ -251,7 +253,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     def _send(self, bucket: _ShardBucket) -> None:
         bucket.sent = True
         if self._arena is not None:
-            bucket.pack(None)  # into this rank's shared buffer; step() sums the shards from there
+            # Into this rank's shared buffer, divided by size on the way (exact for powers of two);
+            # step() sums the shards from there.
+            bucket.pack(1.0 / self.comm.size)
             bucket.ready.clear()
             return
         # Compressed gradients are divided before sending so float16 sums cannot overflow.
@@ -308,10 +312,8 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
 
     def _step_in_shared_memory(self) -> None:
         self._arena.barrier()          # every rank's gradients are in its buffer
-        post = 1.0 / self.comm.size
         for b in self._buckets:
             b.sum_shard_of_peers()
-            b.grad_shard.mul_(post)
             b.shard_param.grad = b.shard_grad
             b.optimizer.step()
         # Every shard is updated in the shared parameters, and nobody reads a gradient buffer

@@ -1,0 +1,126 @@
+"""Naming the ranks that did not join a collective that timed out (SPEC section 7).
+
+torch.distributed's own timeout names nobody ("Timed out waiting 600000ms for recv operation").
+When a collective of a communicator fails that way, each rank that gave up writes "I was in
+collective #N, an allreduce" into the job's rendezvous store, gives the others a moment to do the
+same, and raises :class:`CollectiveTimeoutError` naming the ranks that never arrived and, where
+the store knows, what they were doing instead. Collectives are numbered per communicator, so #N
+is the same call on every rank that runs the same program.
+
+Shared-memory collectives inside a node name their missing peers themselves
+(:class:`torchmn.communicators.shm.PeerLostError`).
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Callable
+
+import torch.distributed as dist
+
+from torchmn.communicators.errors import CollectiveTimeoutError
+
+# The communicator methods whose calls are numbered and watched.
+WATCHED = ("bcast", "gather", "allgather", "scatter", "alltoall", "allreduce", "bcast_obj", "gather_obj",
+           "allgather_obj", "scatter_obj", "allreduce_obj", "barrier", "split", "bcast_data", "bcast_tensors",
+           "multi_node_mean_grad", "allreduce_flat", "reduce_scatter_flat", "allgather_flat")
+# What torch.distributed says when a peer never came or went away.
+_LOST_PEER = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
+GRACE_S = 3.0  # how long a rank that timed out waits for the others to report where they are
+
+
+def install(cls: type) -> None:
+    """Watch the collectives that ``cls`` itself defines (subclass overrides included)."""
+    for name in WATCHED:
+        fn = cls.__dict__.get(name)
+        if fn is not None and not getattr(fn, "_watched", False):
+            setattr(cls, name, _watched(name, fn))
+
+
+def _watched(kind: str, fn: Callable) -> Callable:
+    @functools.wraps(fn)
+    def call(comm, *args, **kwargs):
+        if comm._watch_depth:  # part of another collective of this communicator: not numbered
+            return fn(comm, *args, **kwargs)
+        comm._calls += 1
+        seq = comm._calls
+        comm._watch_depth += 1
+        try:
+            result = fn(comm, *args, **kwargs)
+        except RuntimeError as e:
+            if lost_peer(e):
+                raise timed_out(comm, seq, kind, e) from e
+            raise
+        finally:
+            comm._watch_depth -= 1
+        if isinstance(result, dist.Work):  # async: the timeout surfaces in wait()
+            return _WatchedWork(result, comm, seq, kind)
+        return result
+    call._watched = True
+    return call
+
+
+def lost_peer(error: BaseException) -> bool:
+    return (type(error) is RuntimeError or type(error).__name__ == "DistBackendError") and \
+        any(s in str(error) for s in _LOST_PEER)
+
+
+class _WatchedWork:
+    """An async collective's handle whose ``wait()`` names the missing ranks on a timeout."""
+
+    def __init__(self, work, comm, seq: int, kind: str):
+        self._work, self._comm, self._seq, self._kind = work, comm, seq, kind
+
+    def wait(self, *args) -> bool:
+        try:
+            return self._work.wait(*args)
+        except RuntimeError as e:
+            if lost_peer(e):
+                raise timed_out(self._comm, self._seq, self._kind, e) from e
+            raise
+
+
+def timed_out(comm, seq: int, kind: str, error: BaseException) -> CollectiveTimeoutError:
+    """The error to raise on this rank: which ranks did not take part in collective ``seq``."""
+    me = f"rank {comm.rank} ({comm.host_of(comm.rank)})"
+    head = f"{kind} (collective #{seq} of this communicator) failed on {me}"
+    advice = ("Every rank must call the same collectives in the same order; if one legitimately needs "
+              "longer, raise the timeout (TORCHMN_TIMEOUT, in seconds, or create_communicator(timeout=...)).")
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        found = _ask_the_store(store, comm, seq, kind)
+    except Exception as store_error:  # the store itself may be gone with the rank that hosted it
+        return CollectiveTimeoutError(f"{head}: {error}. Which rank is missing could not be found out "
+                                      f"({store_error}). {advice}")
+    if found is None:
+        return CollectiveTimeoutError(f"{head}: {error}; every rank reached it, so one of them left it "
+                                      f"or failed inside it: see the other ranks' errors. {advice}")
+    return CollectiveTimeoutError(f"{head}: {found}. {advice} (torch.distributed said: {error})")
+
+
+def _ask_the_store(store, comm, seq: int, kind: str):
+    prefix = f"torchmn/watch/{comm._tag}/"
+    store.set(f"{prefix}{seq}/{comm.rank}", kind)
+    store.set(f"{prefix}last/{comm.rank}", f"{seq} {kind}")
+    keys = [f"{prefix}{seq}/{r}" for r in range(comm.size)]
+    deadline = time.monotonic() + GRACE_S
+    while not store.check(keys) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    arrived = {r: store.get(keys[r]).decode() for r in range(comm.size) if store.check([keys[r]])}
+    if len(arrived) == comm.size and all(k == kind for k in arrived.values()):
+        return None
+    problems = []
+    for r in range(comm.size):
+        who = f"rank {r} ({comm.host_of(r)})"
+        if r in arrived:
+            if arrived[r] != kind:
+                problems.append(f"{who} called {arrived[r]} instead")
+            continue
+        last = f"{prefix}last/{r}"
+        if store.check([last]):
+            s, k = store.get(last).decode().split(" ", 1)
+            problems.append(f"{who} is stuck in collective #{s} ({k}) instead")
+        else:
+            problems.append(f"{who} never called it (still computing, stuck, or exited)")
+    waiting = sorted(r for r, k in arrived.items() if k == kind)
+    return "; ".join(problems) + f". Waiting for them: rank(s) {', '.join(map(str, waiting))}"
