@@ -14,7 +14,7 @@ CHECKS = WORKERS / "comm_checks.py"
 def test_all_collectives(launcher, np):
     out = run_job(CHECKS, ["all"], np=np, launcher=launcher, timeout=150).stdout
     for check in ("ring", "collectives", "arange", "allgather_uneven", "bcast_data", "mean_grad", "objects",
-                  "topology", "split", "mismatch"):
+                  "topology", "split", "shard_primitives", "mismatch"):
         assert f"PASS {check}" in out, out
     assert f"TOPOLOGY size={np} inter_size=1 intra_size={np}" in out
 

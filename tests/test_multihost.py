@@ -195,7 +195,7 @@ def _cmdline(process):
 
 # Across two nodes, auto is the hierarchical communicator: shared memory inside each host, the
 # hosts' first ranks over the network; split() builds sub-communicators that span both hosts.
-TWO_HOST_CHECKS = ("topology", "collectives", "objects", "split", "mean_grad", "mismatch")
+TWO_HOST_CHECKS = ("topology", "collectives", "objects", "split", "mean_grad", "shard_primitives", "mismatch")
 
 
 def test_two_hosts_two_ranks_each(cluster):
@@ -207,6 +207,20 @@ def test_two_hosts_two_ranks_each(cluster):
         assert f"[0] PASS {check}" in proc.stdout
     assert_hosts_idle(cluster)
     print(f"2 hosts x 2 ranks: {proc.elapsed:.1f} s")
+
+
+SHARDED_CHECKS = ("equivalence", "state_dict_format", "unused_parameter", "shared_memory_where_possible")
+
+
+def test_sharded_optimizer_on_two_hosts(cluster):
+    """ZeRO-1 across 2 hosts x 2 ranks: reduce-scatter and all-gather through shared memory inside
+    each host and over rails (local rank i of each host) between them; one-process results."""
+    proc = launch(cluster, "-np", "4", "-H", hosts_arg(cluster, ("h1", 2), ("h2", 2)),
+                  sys.executable, str(WORKERS / "shard_checks.py"), *SHARDED_CHECKS)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for check in SHARDED_CHECKS:
+        assert f"[0] PASS {check}" in proc.stdout
+    assert_hosts_idle(cluster)
 
 
 def test_hostfile_places_ranks_and_forwards_environment(cluster, tmp_path):

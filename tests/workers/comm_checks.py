@@ -212,6 +212,21 @@ def check_split(comm):
             assert sub.recv(0).item() == sorted(members, reverse=True)[0]
 
 
+def check_shard_primitives(comm):
+    """reduce_scatter_flat / allgather_flat (the sharded optimizer's) against their definition, on
+    the communicator and on one whose rank order is reversed (across nodes: rails in another order)."""
+    for c in (comm, comm.split(color=0, key=-comm.rank)):
+        k = 37  # not a multiple of anything
+        flat = torch.arange(c.size * k, dtype=torch.float64) + 1000 * c.rank
+        shard = torch.empty(k, dtype=torch.float64)
+        c.reduce_scatter_flat(flat, shard, async_op=True).wait()
+        expect = torch.arange(c.rank * k, (c.rank + 1) * k, dtype=torch.float64) * c.size + 1000 * sum(range(c.size))
+        assert torch.equal(shard, expect), (c.rank, shard[:3], expect[:3])
+        gathered = torch.empty(c.size * k, dtype=torch.float64)
+        c.allgather_flat(gathered, torch.full((k,), float(c.rank), dtype=torch.float64)).wait()
+        assert torch.equal(gathered, torch.arange(c.size, dtype=torch.float64).repeat_interleave(k)), gathered
+
+
 def check_mismatch(comm):
     if comm.size == 1:
         return

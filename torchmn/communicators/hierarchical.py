@@ -2,8 +2,11 @@
 share the result inside the node.
 
 On CPU the inside-node part goes through shared memory (:mod:`torchmn.communicators.shm`), never
-TCP loopback; only the node's first rank talks to other nodes, through torch.distributed. On GPU,
-NCCL already does this inside and across nodes, so the fused NCCL allreduce is used as is.
+TCP loopback; only the node's first rank talks to other nodes, through torch.distributed. The
+sharded optimizer's reduce-scatter and all-gather go the same way: through shared memory inside
+a node, and across nodes over "rails" (local rank i of every node), so every rank sends only its
+part over the network. On GPU, NCCL already does this inside and across nodes, so the fused NCCL
+collectives are used as they are.
 """
 from __future__ import annotations
 
@@ -26,6 +29,14 @@ def _new_inter_group(world_leaders: list[int]):
     return dist.new_group(world_leaders, backend="gloo") if len(world_leaders) > 1 else None
 
 
+def _new_rail_groups(nodes: list[list[int]]):
+    """One gloo group per local index, joining that rank of every node ("rails"), for several nodes
+    with the same rank count; None otherwise. ``nodes``: world ranks per node. Every rank must call this."""
+    if len(nodes) < 2 or len({len(n) for n in nodes}) != 1:
+        return None
+    return [dist.new_group([n[i] for n in nodes], backend="gloo") for i in range(len(nodes[0]))]
+
+
 class HierarchicalCommunicator(FlatCommunicator):
     """Shared memory inside a node, one rank per node across nodes.
 
@@ -37,16 +48,24 @@ class HierarchicalCommunicator(FlatCommunicator):
 
     name = "hierarchical"
 
-    def __init__(self, inter_group=_UNSET, **kwargs):
+    def __init__(self, inter_group=_UNSET, rail_groups=_UNSET, **kwargs):
         super().__init__(**kwargs)
         self._segment = None
         self._inter_group = None
+        self._rails = None
         if self.size == 1 or self.backend == "nccl":
             return
         if inter_group is _UNSET:  # a world communicator: all its ranks are here to create it
             leaders = [self._global(node[0]) for node in self._node_members]
             inter_group = _new_inter_group(leaders)
+            rail_groups = _new_rail_groups([[self._global(r) for r in node] for node in self._node_members])
         self._inter_group = inter_group
+        if rail_groups is not None:
+            # Rail i holds local rank i of every node, in the group's own order (by world rank).
+            rails = [sorted((node[i] for node in self._node_members), key=self._global)
+                     for i in range(self.intra_size)]
+            self._rails = rail_groups[self.intra_rank]
+            self._rail_order = torch.tensor([r for rail in rails for r in rail])
         tag = self.bcast_obj(shm.new_job_tag())
         pids = self.allgather_obj(os.getpid())
         my_node = self._node_members[self.inter_rank]
@@ -60,14 +79,12 @@ class HierarchicalCommunicator(FlatCommunicator):
     @classmethod
     def split_groups(cls, parent, members: list[int]) -> dict:
         if parent.backend == "nccl" or len(members) == 1:
-            return {"inter_group": None}
-        leaders, seen = [], set()
-        for r in members:
-            node = parent._node_keys[r]
-            if node not in seen:
-                seen.add(node)
-                leaders.append(parent._global(r))
-        return {"inter_group": _new_inter_group(leaders)}
+            return {"inter_group": None, "rail_groups": None}
+        nodes: dict = {}
+        for r in members:  # nodes in order of first appearance, as the new communicator sees them
+            nodes.setdefault(parent._node_keys[r], []).append(parent._global(r))
+        nodes = list(nodes.values())
+        return {"inter_group": _new_inter_group([n[0] for n in nodes]), "rail_groups": _new_rail_groups(nodes)}
 
     @property
     def _single_node(self) -> bool:
@@ -101,15 +118,35 @@ class HierarchicalCommunicator(FlatCommunicator):
         return out
 
     def reduce_scatter_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
-        if not (self._shm_ok(flat) and self._single_node):
+        if self._shm_ok(flat) and self._single_node:
+            self._segment.reduce_scatter(flat, shard)
+            return _Completed()
+        if not (self._shm_ok(flat) and self._rails is not None):
             return super().reduce_scatter_flat(flat, shard, async_op=async_op)
-        self._segment.reduce_scatter(flat, shard)
+        # Several nodes: local rank i first sums, through shared memory, the shards of every rank
+        # on its rail (local rank i of each node); the rail then reduce-scatters those node sums
+        # over the network, so each rank ends with its own shard summed over all nodes.
+        k = shard.numel()
+        by_rail = flat.view(self.size, k).index_select(0, self._rail_order).view(-1)
+        node_sums = torch.empty(self.inter_size * k, dtype=flat.dtype)
+        self._segment.reduce_scatter(by_rail, node_sums)
+        dist.reduce_scatter_single(shard, node_sums, group=self._rails)
         return _Completed()
 
     def allgather_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
-        if not (self._shm_ok(flat) and self._single_node):
+        if self._shm_ok(flat) and self._single_node:
+            self._segment.allgather(flat, shard)
+            return _Completed()
+        if not (self._shm_ok(flat) and self._rails is not None):
             return super().allgather_flat(flat, shard, async_op=async_op)
-        self._segment.allgather(flat, shard)
+        # The mirror image: the rail gathers its shards over the network, then the node's ranks
+        # gather their rails' results through shared memory.
+        k = shard.numel()
+        rail = torch.empty(self.inter_size * k, dtype=flat.dtype)
+        dist.all_gather_single(rail, shard.contiguous(), group=self._rails)
+        by_rail = torch.empty(self.size * k, dtype=flat.dtype)
+        self._segment.allgather(by_rail, rail)
+        flat.view(self.size, k).index_copy_(0, self._rail_order, by_rail.view(self.size, k))
         return _Completed()
 
     def _open_node_arena(self, shared_bytes: int, region_bytes: int):
