@@ -52,3 +52,13 @@ def test_two_jobs_at_once_do_not_interfere():
                 job.kill()
     for job, out in zip(jobs, outs):
         assert job.returncode == 0 and "PASS busy" in out, out
+
+
+def test_small_dev_shm_falls_back(tmp_path):
+    """The job in a mount namespace whose /dev/shm is a 24 MB tmpfs (root only, like the MPI and Slurm tests)."""
+    argv = launcher_argv("torchmn", 2) + [sys.executable, str(CHECKS), "small_dev_shm"]
+    script = "mount -t tmpfs -o size=24m tmpfs /dev/shm && exec " + " ".join(f"'{a}'" for a in argv)
+    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+                          env=clean_env({"TORCHMN_SHM_SLOT_MB": "1"}), capture_output=True, text=True, timeout=90)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "PASS small_dev_shm" in proc.stdout

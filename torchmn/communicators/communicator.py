@@ -112,10 +112,6 @@ class Communicator(abc.ABC):
     def host(self) -> str:
         return socket.gethostname()
 
-    def host_of(self, r: int) -> str:
-        """The host name of rank ``r`` (for messages)."""
-        return self._hosts[r]
-
     def __repr__(self) -> str:
         return (f"<{type(self).__name__} rank {self.rank}/{self.size} intra {self.intra_rank}/"
                 f"{self.intra_size} inter {self.inter_rank}/{self.inter_size} {self.backend}>")

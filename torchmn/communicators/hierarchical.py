@@ -152,6 +152,10 @@ class HierarchicalCommunicator(FlatCommunicator):
     def _open_node_arena(self, shared_bytes: int, region_bytes: int):
         if self._segment is None or not self._single_node:
             return None
+        # A small /dev/shm (Docker's default is 64 MB) means the ordinary path, not a failure.
+        need = shm.NodeArena.size_for(self.intra_size, shared_bytes, region_bytes)
+        if not all(self.allgather_obj(shm.free_bytes() >= need + shm.HEADROOM_BYTES)):
+            return None
         return shm.NodeArena.open(self.bcast_obj(shm.new_job_tag()), shared_bytes=shared_bytes,
                                   region_bytes=region_bytes, **self._shm_args)
 

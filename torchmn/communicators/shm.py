@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
+import threading
 import time
 import uuid
 from typing import Callable, Optional
@@ -220,9 +221,11 @@ class _Flags:
         return _align(phases * local_size * 8)
 
     def arrive_and_wait(self, phase: int, seq: int) -> None:
+        _fence()  # this rank's data writes before its flag
         self._rows[phase, self.local_rank] = seq
         row = self._rows[phase]
         if (row >= seq).all():
+            _fence()  # the others' flags before their data
             return
         deadline = None
         spins = 0
@@ -240,6 +243,7 @@ class _Flags:
                 now = time.monotonic()
                 deadline = deadline or now + self._timeout
                 self._check_peers(phase, seq, now > deadline)
+        _fence()
 
     def _check_peers(self, phase: int, seq: int, timed_out: bool) -> None:
         missing = [r for r in range(self.local_size) if self._rows[phase, r] < seq]
@@ -282,12 +286,16 @@ class NodeArena:
         self.regions = [torch.frombuffer(buf, dtype=torch.uint8, offset=start + r * region_bytes, count=region_bytes)
                         if region_bytes else torch.empty(0, dtype=torch.uint8) for r in range(local_size)]
 
+    @staticmethod
+    def size_for(local_size: int, shared_bytes: int, region_bytes: int) -> int:
+        return _Flags.nbytes(1, local_size) + _align(shared_bytes) + local_size * _align(region_bytes)
+
     @classmethod
     def open(cls, job_tag: str, node: int, local_rank: int, local_size: int, pids: list[int],
              barrier: Callable[[], None], shared_bytes: int, region_bytes: int, timeout: float = 600.0,
              describe: Callable[[int], str] = lambda r: f"local rank {r}") -> "NodeArena":
+        nbytes = cls.size_for(local_size, shared_bytes, region_bytes)
         shared_bytes, region_bytes = _align(shared_bytes), _align(region_bytes)
-        nbytes = _Flags.nbytes(1, local_size) + shared_bytes + local_size * region_bytes
         buf = _map_segment(segment_name(job_tag, node) + "-arena", nbytes, local_rank, barrier,
                            "or give the machine (container: --shm-size) a larger /dev/shm")
         return cls(buf, local_rank, local_size, shared_bytes, region_bytes, pids, timeout, describe)
@@ -341,11 +349,37 @@ def _close(buf: mmap.mmap) -> None:
         buf.close()
 
 
+_FENCE = threading.Lock()
+
+
+def _fence() -> None:
+    """A full memory barrier between this thread's earlier and later loads and stores.
+
+    The flags and the data are plain memory: on x86 stores are seen in order anyway, but on Arm
+    a flag could become visible before the data it announces. Taking and releasing a lock is an
+    acquire and a release operation (pthread atomics), which orders them on every CPU; ~50 ns.
+    """
+    with _FENCE:
+        pass
+
+
 def chunk_bounds(n: int, itemsize: int, r: int, parts: int) -> tuple[int, int]:
     """Part r of n elements split in ``parts``, cut on cache-line boundaries (ranks never write
     the same line)."""
     per = _align(-(-n // parts) * itemsize) // itemsize
     return min(n, r * per), min(n, (r + 1) * per)
+
+
+HEADROOM_BYTES = 64 << 20  # left free in /dev/shm for everyone else
+
+
+def free_bytes() -> int:
+    """Bytes free in /dev/shm (0 if there is none)."""
+    try:
+        st = os.statvfs(SHM_DIR)
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 def _align(n: int) -> int:

@@ -61,8 +61,9 @@ def _watched(kind: str, fn: Callable) -> Callable:
 
 
 def lost_peer(error: BaseException) -> bool:
-    return (type(error) is RuntimeError or type(error).__name__ == "DistBackendError") and \
-        any(s in str(error) for s in _LOST_PEER)
+    # Exactly torch's errors, not torchmn's own (which already say what went wrong).
+    return (type(error) is RuntimeError or type(error).__name__ in ("DistBackendError", "DistNetworkError")) \
+        and any(s in str(error) for s in _LOST_PEER)
 
 
 class _WatchedWork:
@@ -79,13 +80,17 @@ class _WatchedWork:
                 raise timed_out(self._comm, self._seq, self._kind, e) from e
             raise
 
+    def __getattr__(self, name):  # is_completed(), get_future(), ... as torch's handle has them
+        return getattr(self._work, name)
+
 
 def timed_out(comm, seq: int, kind: str, error: BaseException) -> CollectiveTimeoutError:
     """The error to raise on this rank: which ranks did not take part in collective ``seq``."""
-    me = f"rank {comm.rank} ({comm.host_of(comm.rank)})"
+    me = f"rank {comm.rank} ({_host(comm, comm.rank)})"
     head = f"{kind} (collective #{seq} of this communicator) failed on {me}"
     advice = ("Every rank must call the same collectives in the same order; if one legitimately needs "
-              "longer, raise the timeout (TORCHMN_TIMEOUT, in seconds, or create_communicator(timeout=...)).")
+              "longer, raise the timeout (TORCHMN_TIMEOUT in seconds, create_communicator(timeout=...), or "
+              "init_process_group(timeout=...) where the script sets up torch.distributed itself).")
     try:
         store = dist.distributed_c10d._get_default_store()
         found = _ask_the_store(store, comm, seq, kind)
@@ -96,6 +101,11 @@ def timed_out(comm, seq: int, kind: str, error: BaseException) -> CollectiveTime
         return CollectiveTimeoutError(f"{head}: {error}; every rank reached it, so one of them left it "
                                       f"or failed inside it: see the other ranks' errors. {advice}")
     return CollectiveTimeoutError(f"{head}: {found}. {advice} (torch.distributed said: {error})")
+
+
+def _host(comm, r: int) -> str:
+    hosts = getattr(comm, "_hosts", None)  # unknown if the very first collective timed out
+    return hosts[r] if hosts else "host unknown"
 
 
 def _ask_the_store(store, comm, seq: int, kind: str):
@@ -111,7 +121,7 @@ def _ask_the_store(store, comm, seq: int, kind: str):
         return None
     problems = []
     for r in range(comm.size):
-        who = f"rank {r} ({comm.host_of(r)})"
+        who = f"rank {r} ({_host(comm, r)})"
         if r in arrived:
             if arrived[r] != kind:
                 problems.append(f"{who} called {arrived[r]} instead")
@@ -119,8 +129,9 @@ def _ask_the_store(store, comm, seq: int, kind: str):
         last = f"{prefix}last/{r}"
         if store.check([last]):
             s, k = store.get(last).decode().split(" ", 1)
-            problems.append(f"{who} is stuck in collective #{s} ({k}) instead")
+            problems.append(f"{who} timed out waiting in collective #{s} ({k}) instead")
         else:
-            problems.append(f"{who} never called it (still computing, stuck, or exited)")
+            problems.append(f"{who} never called it within the timeout (still computing, waiting "
+                            f"in another call, or exited)")
     waiting = sorted(r for r, k in arrived.items() if k == kind)
     return "; ".join(problems) + f". Waiting for them: rank(s) {', '.join(map(str, waiting))}"

@@ -155,12 +155,15 @@ def _build_inner(cls: type, shard_param: torch.nn.Parameter, group: dict) -> tor
     accepted = inspect.signature(cls.__init__).parameters
     # Constructor arguments validate (and set flags like fused); the group dict then carries them all.
     ctor = {k: v for k, v in hyper.items() if k in accepted}
+    # torch checks a fused kernel's device and dtype only at the first step(), so choose it only
+    # where every optimizer that has one supports it: CPU, float32/float64.
     if "fused" in accepted and hyper.get("fused") is None and hyper.get("foreach") is None \
-            and not hyper.get("differentiable"):
+            and not hyper.get("differentiable") and shard_param.device.type == "cpu" \
+            and shard_param.dtype in (torch.float32, torch.float64):
         try:
             return cls([{**hyper, "fused": True, "params": [shard_param]}], **{**ctor, "fused": True})
-        except (RuntimeError, ValueError):
-            pass  # no fused kernel for this device or dtype in this torch
+        except (RuntimeError, ValueError, NotImplementedError):
+            pass  # an option that rules the fused kernel out (its constructor says so)
     return cls([{**hyper, "params": [shard_param]}], **ctor)
 
 
@@ -177,9 +180,12 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     this rank's own gradients (the averaged ones exist only as shards), so clipping by the global
     gradient norm between backward and ``step()`` does not see the averaged gradients; ``state`` is
     this rank's shard state, keyed by flat shard parameters. The model's parameters become views into flat buffers:
-    move or convert the model (``.to``, ``.double()``) before wrapping, not after. On one node
-    those buffers are shared by the node's ranks: writing a parameter on one rank (loading
-    weights, say) changes it on all of them, so load the same weights on every rank, or on one.
+    move or convert the model (``.to``, ``.double()``) before wrapping, not after.
+
+    On one node the ranks share one copy of the parameters (in shared memory). Change parameters
+    only through the optimizer, or by loading the same values on every rank
+    (``model.load_state_dict``): an in-place change that is not idempotent, made on every rank
+    (``p.mul_(0.99)``, ``p.add_(noise)``), would be applied once per rank on the shared copy.
 
     Example::
 
