@@ -51,8 +51,12 @@ class _Bucket:
             self.place(torch.zeros(self.numel, dtype=self.wire_dtype, device=self.params[0].device))
         grads = [p.grad for p in self.params]
         self.had_grad = [g is not None for g in grads]
-        if scale is None and all(g is not None and not _is_view(g, v) for g, v in zip(grads, self.views)):
-            torch.cat([g.reshape(-1) for g in grads], out=self.buffer)  # one call instead of one per tensor
+        if (scale is None or len(grads) > _MANY) and \
+                all(g is not None and not _is_view(g, v) and g.dtype == v.dtype for g, v in zip(grads, self.views)):
+            # Many small tensors: one call (and one multiply) instead of one or two per tensor.
+            torch.cat([g.reshape(-1) for g in grads], out=self.buffer)
+            if scale is not None:
+                self.buffer.mul_(scale)
             return self.buffer
         for g, view in zip(grads, self.views):
             if g is None:
@@ -84,6 +88,9 @@ class _Bucket:
                 p.grad = view.to(p.dtype, copy=True)
             else:
                 p.grad.copy_(view)
+
+
+_MANY = 8  # tensors in a bucket from which one fused copy beats a call per tensor
 
 
 def _is_view(g: torch.Tensor, view: torch.Tensor) -> bool:
