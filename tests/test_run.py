@@ -229,3 +229,16 @@ def test_console_script_entry_point_and_help():
     result = subprocess.run([sys.executable, "-m", "torchmn", "run", "--help"], capture_output=True, text=True,
                             timeout=TIMEOUT)
     assert result.returncode == 0 and "-np N" in result.stdout and "--start-timeout" in result.stdout
+
+
+def test_progress_bar_redraws_come_through_prefixed():
+    """tqdm-style "\r" redraws are forwarded as they happen, each with its rank's prefix; a
+    "\r\n" line end is kept whole."""
+    code = ("import sys, time\n"
+            "for p in (10, 20):\n"
+            "    sys.stderr.write(f'{p}%\\r'); sys.stderr.flush(); time.sleep(0.2)\n"
+            "sys.stderr.write('done\\r\\n'); sys.stderr.flush()\n")
+    proc = subprocess.run([sys.executable, "-m", "torchmn", "run", "-np", "1", sys.executable, "-c", code],
+                          capture_output=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    assert b"[0] 10%\r[0] 20%\r[0] done\r\n" in proc.stderr, proc.stderr

@@ -29,6 +29,7 @@ import datetime
 import errno
 import os
 import queue
+import re
 import shutil
 import signal
 import socket
@@ -36,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Deque, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import IO, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 from torchmn import resources
 from torchmn.launch import base, hosts as hostlib, remote
@@ -261,6 +262,29 @@ def exit_code_of(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
+def _lines(pipe: IO[bytes]) -> Iterator[bytes]:
+    """The pipe's output in pieces that end with "\\n", "\\r\\n" or a lone "\\r" (progress bars such as
+    tqdm redraw their line with "\\r"), so each piece gets its rank prefix as soon as it is written."""
+    pending = b""
+    while True:
+        chunk = pipe.read1(65536)
+        if not chunk:
+            break
+        pending += chunk
+        start = 0
+        for end in _LINE_END.finditer(pending):
+            if end.group() == b"\r" and end.end() == len(pending):
+                break  # maybe the first half of "\r\n": wait for the next chunk
+            yield pending[start:end.end()]
+            start = end.end()
+        pending = pending[start:]
+    if pending:
+        yield pending
+
+
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
 class _Console:
     """Writes whole lines to the launcher's stdout/stderr under one lock, so lines never interleave."""
 
@@ -316,14 +340,14 @@ class _Rank:
 
     def _read(self, pipe: IO[bytes], is_stderr: bool) -> None:
         marker = remote.STARTED_MARKER.encode() + b"\n"
-        for line in iter(pipe.readline, b""):
+        for line in _lines(pipe):
             if not is_stderr and not self.started and line == marker:
                 self.started = True
                 continue
-            if not line.endswith(b"\n"):
+            if not line.endswith((b"\n", b"\r")):
                 line += b"\n"
-            if is_stderr:
-                self.tail.append(line.decode("utf-8", "replace").rstrip("\n"))
+            if is_stderr and line.endswith(b"\n"):  # progress-bar redraws stay out of the summary
+                self.tail.append(line.decode("utf-8", "replace").rstrip("\r\n"))
             if self.log is not None:
                 with self.log_lock:
                     self.log.write(line)
