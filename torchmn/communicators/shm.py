@@ -142,12 +142,7 @@ class NodeSegment:
             me = self.local_rank
             parts = [s[:self.local_size * n * item].view(flat.dtype)[me * n:(me + 1) * n] for s in self._slots]
             out = shard[start:start + n]
-            if self.local_size == 1:
-                out.copy_(parts[0])
-            else:
-                torch.add(parts[0], parts[1], out=out)
-                for p in parts[2:]:
-                    out.add_(p)
+            sum_into(out, parts)
             self._arrive_and_wait(1)
 
     def allgather(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
@@ -347,6 +342,17 @@ def _close(buf: mmap.mmap) -> None:
     # A tensor may still view the mapping; then it is released with the process.
     with contextlib.suppress(BufferError):
         buf.close()
+
+
+def sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
+    """``out`` = the sum of ``parts``, added in list (rank) order, so whichever rank computes a
+    chunk gets the bits any other would."""
+    if len(parts) == 1:
+        out.copy_(parts[0])
+        return
+    torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        out.add_(part)
 
 
 _FENCE = threading.Lock()

@@ -96,6 +96,12 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.comm.bcast_tensors([p.data for p in params], root=0)
         return params
 
+    def _can_share_memory(self, params: list[torch.nn.Parameter]) -> bool:
+        """Whether gradient buffers could live in shared memory (if the communicator has some):
+        uncompressed CPU gradients of several ranks. The same answer on every rank."""
+        return (self.comm.size > 1 and self._wire_dtype is None and bool(params)
+                and all(p.device.type == "cpu" for p in params))
+
     def _attach(self, params: list[torch.nn.Parameter], buckets: list) -> None:
         self._where = {p: bi for bi, b in enumerate(buckets) for p in b.params}
         # Also in a world of one, so that every option means the same there.

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from torchmn.communicators import Communicator
+from torchmn.communicators.shm import sum_into
 from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, arena_layout, make_buckets, region_view
 
 
@@ -128,8 +129,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         self._current = 0           # which bucket set this backward fills
         self._in_flight: list[int] = []  # double buffering: sets sent but not yet used, oldest first
         self._arena = None
-        if comm.size > 1 and not double_buffering and self._wire_dtype is None and params \
-                and all(p.device.type == "cpu" for p in params):
+        if not double_buffering and self._can_share_memory(params):
             self._arena = self._place_in_shared_memory()
         self._attach(params, self._bucket_sets[0])
 
@@ -160,11 +160,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         for b, result, peers in zip(self._buckets, self._results, self._peer_buffers):
             lo, hi = arena.my_chunk(b.numel, result.element_size())
             if hi > lo:
-                # Rank order, like every reduce here: all ranks get the same bits.
-                mine = result[lo:hi]
-                torch.add(peers[0][lo:hi], peers[1][lo:hi], out=mine)
-                for peer in peers[2:]:
-                    mine.add_(peer[lo:hi])
+                sum_into(result[lo:hi], [peer[lo:hi] for peer in peers])
         arena.barrier()                    # the whole result is there
         for b, result in zip(self._buckets, self._results):
             b.unpack(None, self.zero_fill, result=result)

@@ -33,6 +33,7 @@ from typing import Optional
 import torch
 
 from torchmn.communicators import Communicator
+from torchmn.communicators.shm import sum_into
 from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, arena_layout, make_buckets, region_view
 
 # Optimizers whose update is elementwise, so a flat slice of the parameters can be stepped alone.
@@ -122,11 +123,7 @@ class _ShardBucket:
     def sum_shard_of_peers(self) -> None:
         """This rank's shard of the node's gradient sum, read from every rank's shared buffer."""
         lo, hi = self.rank * self.k, (self.rank + 1) * self.k
-        parts = [g[lo:hi] for g in self.peer_grads]
-        # Rank order, like every other reduce here, so each rank gets the bits the others would.
-        torch.add(parts[0], parts[1], out=self.grad_shard)
-        for part in parts[2:]:
-            self.grad_shard.add_(part)
+        sum_into(self.grad_shard, [g[lo:hi] for g in self.peer_grads])
 
 
 def _check_optimizer(optimizer) -> None:
@@ -222,7 +219,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         def build(run):
             return _ShardBucket(run, owners[run[0]], comm.rank, comm.size, self._wire_dtype)
         self._buckets = make_buckets(params, cap, build, same_bucket)
-        self._arena = self._place_in_shared_memory() if self._shareable(params) else None
+        self._arena = self._place_in_shared_memory() if self._can_share_memory(params) else None
         if self._arena is None:
             for b in self._buckets:
                 b.place()
@@ -230,11 +227,6 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             b.point_params()
             b.optimizer = _build_inner(type(optimizer), b.shard_param, optimizer.param_groups[b.group])
         self._attach(params, self._buckets)
-
-    def _shareable(self, params: list[torch.nn.Parameter]) -> bool:
-        # The same answer on every rank: it depends on the model and options only.
-        return (self.comm.size > 1 and self._wire_dtype is None and bool(params)
-                and all(p.device.type == "cpu" for p in params))
 
     def _place_in_shared_memory(self):
         """On one node, put the flat buffers in memory the node's ranks share, or return None.
