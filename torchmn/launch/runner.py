@@ -296,7 +296,8 @@ class _Console:
         if self.output_ranks is not None and rank not in self.output_ranks:
             return
         stream = sys.stderr if to_stderr else sys.stdout
-        data = b"[%d] " % rank + line
+        # A bare "\r" (a progress bar clearing its line) only moves the cursor: no prefix for it.
+        data = line if line == b"\r" else b"[%d] " % rank + line
         with self.lock:
             binary = getattr(stream, "buffer", None)
             if binary is not None:
