@@ -54,11 +54,25 @@ def test_two_jobs_at_once_do_not_interfere():
         assert job.returncode == 0 and "PASS busy" in out, out
 
 
-def test_small_dev_shm_falls_back(tmp_path):
-    """The job in a mount namespace whose /dev/shm is a 24 MB tmpfs (root only, like the MPI and Slurm tests)."""
-    argv = launcher_argv("torchmn", 2) + [sys.executable, str(CHECKS), "small_dev_shm"]
-    script = "mount -t tmpfs -o size=24m tmpfs /dev/shm && exec " + " ".join(f"'{a}'" for a in argv)
+def in_small_dev_shm(size_mb, np, check, env):
+    """Run CHECK on np ranks in a mount namespace whose /dev/shm is a SIZE_MB tmpfs (root only,
+    like the MPI and Slurm tests)."""
+    argv = launcher_argv("torchmn", np) + [sys.executable, str(CHECKS), check]
+    script = f"mount -t tmpfs -o size={size_mb}m tmpfs /dev/shm && exec " + " ".join(f"'{a}'" for a in argv)
     proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
-                          env=clean_env({"TORCHMN_SHM_SLOT_MB": "1"}), capture_output=True, text=True, timeout=90)
+                          env=clean_env(env), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "PASS small_dev_shm" in proc.stdout
+    assert f"PASS {check}" in proc.stdout
+    return proc
+
+
+def test_small_dev_shm_optimizers_fall_back():
+    in_small_dev_shm(24, 2, "small_dev_shm", {"TORCHMN_SHM_SLOT_MB": "1"})
+
+
+def test_segment_fits_a_small_dev_shm():
+    # 3 ranks' default 16 MB slots need 64 MB; a 24 MB /dev/shm gets smaller ones.
+    in_small_dev_shm(24, 3, "segment_fits_dev_shm", {"EXPECT_SEGMENT": "smaller"})
+    # 1 MB: not even the smallest slots; TCP inside the node, and a warning that says so.
+    proc = in_small_dev_shm(1, 3, "segment_fits_dev_shm", {"EXPECT_SEGMENT": "none"})
+    assert "too little for shared-memory collectives" in proc.stderr and "--shm-size" in proc.stderr

@@ -30,7 +30,7 @@ def check_same_as_gloo(comm):
     assert comm.name == "hierarchical" and comm._segment is not None
     world = dist.group.WORLD
     # With tiny slots (TORCHMN_SHM_SLOT_MB) every tensor goes in many pieces: fewer sizes suffice.
-    sizes = SIZES if float(os.environ.get("TORCHMN_SHM_SLOT_MB", 16)) >= 1 else (7, 4099, 65_537)
+    sizes = SIZES if comm._segment.slot_bytes >= 1 << 20 else (7, 4099, 65_537)
     for dtype in DTYPES:
         for n in sizes:
             x = values(n, dtype, comm.rank)
@@ -118,6 +118,18 @@ def check_small_dev_shm(comm):
         opt.step()
         mine = model.weight.detach()[:3, :3].clone()
         assert all(torch.equal(mine, other) for other in comm.allgather_obj(mine))
+
+
+def check_segment_fits_dev_shm(comm):
+    """/dev/shm too small for the default 16 MB slots: smaller slots (still the same sums as gloo),
+    or, when even those do not fit, no shared memory at all and the same results over TCP."""
+    expect = os.environ["EXPECT_SEGMENT"]
+    if expect == "smaller":
+        assert comm._segment is not None and comm._segment.slot_bytes < 16 << 20, comm._segment
+        check_same_as_gloo(comm)
+    else:
+        assert comm._segment is None
+        assert torch.equal(comm.allreduce(torch.arange(5.0)), torch.arange(5.0) * comm.size)
 
 if __name__ == "__main__":
     sys.exit(main())

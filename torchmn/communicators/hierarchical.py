@@ -11,6 +11,7 @@ collectives are used as they are.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -74,7 +75,16 @@ class HierarchicalCommunicator(FlatCommunicator):
             pids=[pids[r] for r in my_node], barrier=self.barrier,
             timeout=collective_timeout_s(),
             describe=lambda i: f"rank {my_node[i]} (node {self.inter_rank}, {self.host})")
-        self._segment = shm.NodeSegment.open(tag, **self._shm_args)
+        # A small /dev/shm (Docker's default is 64 MB) means smaller slots, or TCP inside the node.
+        free = min(self.allgather_obj(shm.free_bytes()))
+        slot = shm.fitting_slot_bytes(self.intra_size, free)
+        if slot == 0:
+            if self.rank == 0:
+                warnings.warn(f"torchmn: /dev/shm has {free >> 20} MiB free, too little for shared-memory "
+                              f"collectives; ranks of a node talk over TCP instead (slower). Give it more "
+                              f"room (docker run --shm-size=1g, or a larger tmpfs).", RuntimeWarning, stacklevel=3)
+            return
+        self._segment = shm.NodeSegment.open(tag, slot_bytes=slot, **self._shm_args)
 
     @classmethod
     def split_groups(cls, parent, members: list[int]) -> dict:
@@ -154,7 +164,7 @@ class HierarchicalCommunicator(FlatCommunicator):
             return None
         # A small /dev/shm (Docker's default is 64 MB) means the ordinary path, not a failure.
         need = shm.NodeArena.size_for(self.intra_size, shared_bytes, region_bytes)
-        if not all(self.allgather_obj(shm.free_bytes() >= need + shm.HEADROOM_BYTES)):
+        if not all(self.allgather_obj(need <= shm.fits_in(shm.free_bytes()))):
             return None
         return shm.NodeArena.open(self.bcast_obj(shm.new_job_tag()), shared_bytes=shared_bytes,
                                   region_bytes=region_bytes, **self._shm_args)

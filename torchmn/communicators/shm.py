@@ -86,7 +86,7 @@ class NodeSegment:
              barrier: Callable[[], None], slot_bytes: Optional[int] = None, timeout: float = 600.0,
              describe: Callable[[int], str] = lambda r: f"local rank {r}") -> "NodeSegment":
         if slot_bytes is None:
-            slot_bytes = int(float(os.environ.get("TORCHMN_SHM_SLOT_MB", DEFAULT_SLOT_MB)) * 1024 * 1024)
+            slot_bytes = requested_slot_bytes()
         slot_bytes = max(_ALIGN, _align(slot_bytes))  # every dtype's view needs aligned slots
         nbytes = cls.size_for(local_size, slot_bytes)
         buf = _map_segment(segment_name(job_tag, node), nbytes, local_rank, barrier, "set TORCHMN_SHM_SLOT_MB lower")
@@ -376,7 +376,27 @@ def chunk_bounds(n: int, itemsize: int, r: int, parts: int) -> tuple[int, int]:
     return min(n, r * per), min(n, (r + 1) * per)
 
 
-HEADROOM_BYTES = 64 << 20  # left free in /dev/shm for everyone else
+MIN_SLOT_BYTES = 256 << 10  # below this, TCP is as good as shared memory in pieces
+
+
+def requested_slot_bytes() -> int:
+    return int(float(os.environ.get("TORCHMN_SHM_SLOT_MB", DEFAULT_SLOT_MB)) * 1024 * 1024)
+
+
+def fitting_slot_bytes(local_size: int, free: int) -> int:
+    """The slot size to use with ``free`` bytes in /dev/shm: the requested one, or the largest
+    that takes at most half of it (0: shared memory too small to be worth it)."""
+    want = requested_slot_bytes()
+    spare = fits_in(free) - _Flags.nbytes(_PHASES, local_size)
+    fits = spare // (local_size + 1) // _ALIGN * _ALIGN
+    if fits >= want:
+        return want
+    return fits if fits >= MIN_SLOT_BYTES else 0
+
+
+def fits_in(free: int) -> int:
+    """How much of ``free`` bytes of /dev/shm torchmn takes at most: half, the rest is others'."""
+    return free // 2
 
 
 def free_bytes() -> int:
