@@ -67,8 +67,10 @@ class HierarchicalCommunicator(FlatCommunicator):
                      for i in range(self.intra_size)]
             self._rails = rail_groups[self.intra_rank]
             self._rail_order = torch.tensor([r for rail in rails for r in rail])
-        tag = self.bcast_obj(shm.new_job_tag())
-        pids = self.allgather_obj(os.getpid())
+        # One exchange for what setting up shared memory needs: rank 0's segment tag, every rank's
+        # pid (to tell a dead peer) and the space free in its /dev/shm.
+        tags, pids, frees = zip(*self.allgather_obj((shm.new_job_tag(), os.getpid(), shm.free_bytes())))
+        tag = tags[0]
         my_node = self._node_members[self.inter_rank]
         self._shm_args = dict(
             node=self.inter_rank, local_rank=self.intra_rank, local_size=self.intra_size,
@@ -76,7 +78,7 @@ class HierarchicalCommunicator(FlatCommunicator):
             timeout=collective_timeout_s(),
             describe=lambda i: f"rank {my_node[i]} (node {self.inter_rank}, {self.host})")
         # A small /dev/shm (Docker's default is 64 MB) means smaller slots, or TCP inside the node.
-        free = min(self.allgather_obj(shm.free_bytes()))
+        free = min(frees)
         slot = shm.fitting_slot_bytes(self.intra_size, free)
         if slot == 0:
             if self.rank == 0:
@@ -164,10 +166,10 @@ class HierarchicalCommunicator(FlatCommunicator):
             return None
         # A small /dev/shm (Docker's default is 64 MB) means the ordinary path, not a failure.
         need = shm.NodeArena.size_for(self.intra_size, shared_bytes, region_bytes)
-        if not all(self.allgather_obj(need <= shm.fits_in(shm.free_bytes()))):
+        fits, tags = zip(*self.allgather_obj((need <= shm.fits_in(shm.free_bytes()), shm.new_job_tag())))
+        if not all(fits):
             return None
-        return shm.NodeArena.open(self.bcast_obj(shm.new_job_tag()), shared_bytes=shared_bytes,
-                                  region_bytes=region_bytes, **self._shm_args)
+        return shm.NodeArena.open(tags[0], shared_bytes=shared_bytes, region_bytes=region_bytes, **self._shm_args)
 
     def _exchange_headers(self, rows: list[list[int]]) -> torch.Tensor:
         # The call check of every collective: through shared memory too, so small collectives
