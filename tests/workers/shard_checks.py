@@ -207,6 +207,32 @@ def check_unused_parameter(comm):
         assert torch.equal(other, mine), "ranks disagree after a step with a missing gradient"
 
 
+def check_edited_gradients_refused(comm):
+    """Clipping .grad between backward and step() would reach only part of the model: refused."""
+    for edit in ("clip", "replace"):
+        model = make_model()
+        opt = torchmn.create_multi_node_optimizer(OPTIMIZERS["sgd"](model), comm, shard_state=True)
+        x, y = data(0)
+        opt.zero_grad()
+        backward(opt, model, local(x, comm), local(y, comm))
+        if edit == "clip":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        else:
+            model[0].weight.grad = model[0].weight.grad * 2
+        try:
+            opt.step()
+        except RuntimeError as e:
+            assert f"rank {comm.rank} on " in str(e) and "changed between backward and step()" in str(e), e
+        else:
+            raise AssertionError(f"{edit}: a step after editing .grad was accepted")
+    # Untouched gradients (and a model whose .grad nobody reads) still step.
+    model = make_model()
+    opt = torchmn.create_multi_node_optimizer(OPTIMIZERS["sgd"](model), comm, shard_state=True)
+    x, y = data(0)
+    backward(opt, model, local(x, comm), local(y, comm))
+    opt.step()
+
+
 def check_state_dict_format(comm):
     """The gathered state equals the one-process optimizer's state_dict after the same steps."""
     for opt_name in ("adam_groups", "sgd"):

@@ -18,9 +18,10 @@ returns once every parameter holds the new values.
 On one node (the hierarchical communicator on CPU, the default there) the flat buffers live in
 shared memory instead (:class:`torchmn.communicators.shm.NodeArena`): the parameters exist once
 per node, so a rank that updates its shard updates every rank's model and no all-gather is needed,
-and each rank's gradient buffer is readable by the others, so backward's hooks only copy gradients
-into it and ``step()`` sums this rank's shard straight from all of them. Two barriers per step
-(gradients in; shards updated) keep ranks from reading what another is still writing.
+and each rank's gradient buffer is readable by the others, so backward's hooks only copy into it
+the parts of the gradients that other ranks' shards need, and ``step()`` sums this rank's shard
+from the others' buffers and its own ``.grad``. Two barriers per step (gradients in; shards
+updated) keep ranks from reading what another is still writing.
 
 Only elementwise optimizers can be split this way (each element's update depends on that
 element's gradient and state alone): see :data:`ELEMENTWISE_OPTIMIZERS`.
@@ -28,6 +29,7 @@ element's gradient and state alone): see :data:`ELEMENTWISE_OPTIMIZERS`.
 from __future__ import annotations
 
 import inspect
+import socket
 from typing import Optional
 
 import torch
@@ -76,11 +78,11 @@ class _ShardBucket:
         self.optimizer: Optional[torch.optim.Optimizer] = None
 
     def place(self, flat: Optional[torch.Tensor] = None, grad_flat: Optional[torch.Tensor] = None,
-              peer_grads: Optional[list[torch.Tensor]] = None, fill: bool = True) -> None:
+              peer_grads: Optional[list[torch.Tensor]] = None, own_index: int = 0, fill: bool = True) -> None:
         """Give the bucket its flat parameter and gradient buffers (new ones by default).
 
-        ``peer_grads``: every rank's ``grad_flat``, readable here (shared memory); then the
-        reduce-scatter is a sum read straight from them. ``fill=False``: ``flat`` already holds the
+        ``peer_grads``: every rank's ``grad_flat``, readable here (shared memory), this rank's at
+        ``own_index``; then the reduce-scatter is a sum read straight from them. ``fill=False``: ``flat`` already holds the
         parameters (another rank of the node wrote them into shared memory).
         """
         if flat is None:
@@ -94,13 +96,42 @@ class _ShardBucket:
         self.grad_flat = torch.zeros(self.padded, dtype=self.wire_dtype, device=self.device) \
             if grad_flat is None else grad_flat
         self.peer_grads = peer_grads
-        mine = flat[self.rank * self.k:(self.rank + 1) * self.k]
+        lo, hi = self.rank * self.k, (self.rank + 1) * self.k
+        mine = flat[lo:hi]
         # A view, not a copy: loading weights into the model also updates the shard being stepped.
         self.shard_param = torch.nn.Parameter(mine, requires_grad=True)
         self.send = torch.empty(self.k, dtype=self.dtype, device=self.device) \
             if self.size > 1 and peer_grads is None else None
-        self.grad_shard = torch.empty(self.k, dtype=self.wire_dtype, device=self.device)
+        if peer_grads is None:
+            self.grad_shard = torch.empty(self.k, dtype=self.wire_dtype, device=self.device)
+        else:
+            # Shared buffers: this rank's own part of its shard is never copied (step() reads it from
+            # .grad), so that range of its buffer is free, and the shard's sum is written there.
+            self.grad_shard = self.grad_flat[lo:hi]
+            self.own_index = own_index
+            self._cut_at_shard(lo, hi)
         self.shard_grad = self.grad_shard if self.wire_dtype == self.dtype else torch.empty_like(mine)
+
+    def _cut_at_shard(self, lo: int, hi: int) -> None:
+        """Split every parameter's range into the parts inside this rank's shard and outside it.
+
+        ``outside``: (parameter, start, end) in the parameter's flat elements, copied to the shared
+        buffer for the rank that owns them. ``inside``: (parameter, start, end, shard offset), read
+        from ``.grad`` at step(). ``padding``: the shard's range past the last parameter.
+        """
+        self.outside, self.inside = [], []
+        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
+            n = p.numel()
+            a, b = max(off, lo), min(off + n, hi)
+            if a < b:
+                self.inside.append((i, a - off, b - off, a - lo))
+                if off < a:
+                    self.outside.append((i, 0, a - off))
+                if b < off + n:
+                    self.outside.append((i, b - off, n))
+            else:
+                self.outside.append((i, 0, n))
+        self.padding = (max(self.numel, lo) - lo, self.k)
 
     def point_params(self) -> None:
         """Make the model's parameters views into the flat buffer (so a gather needs no copy-back)."""
@@ -108,6 +139,7 @@ class _ShardBucket:
             p.data = self.flat[off:off + p.numel()].view_as(p)
 
     def pack(self, scale: Optional[float]) -> torch.Tensor:
+        self._remember_grads()
         for p, off in zip(self.params, self.offsets):
             view = self.grad_flat[off:off + p.numel()]
             if p.grad is None:
@@ -120,10 +152,60 @@ class _ShardBucket:
                 view.copy_(p.grad.reshape(-1) * scale)
         return self.grad_flat
 
-    def sum_shard_of_peers(self) -> None:
-        """This rank's shard of the node's gradient sum, read from every rank's shared buffer."""
+    def pack_for_peers(self, scale: float) -> None:
+        """Copy, times ``scale``, the parts of the gradients that other ranks' shards need into this
+        rank's shared buffer (the part in this rank's own shard stays in ``.grad``)."""
+        self._remember_grads()
+        for i, start, end in self.outside:
+            off, g = self.offsets[i], self.packed[i]
+            view = self.grad_flat[off + start:off + end]
+            if g is None:
+                view.zero_()
+            else:
+                torch.mul(g.reshape(-1)[start:end], scale, out=view)
+
+    def sum_shard_of_peers(self, scale: float) -> None:
+        """This rank's shard of the node's gradient sum: the other ranks' parts, read from their
+        shared buffers (already times ``scale``), plus this rank's own part times ``scale``."""
         lo, hi = self.rank * self.k, (self.rank + 1) * self.k
-        sum_into(self.grad_shard, [g[lo:hi] for g in self.peer_grads])
+        others = [g[lo:hi] for j, g in enumerate(self.peer_grads) if j != self.own_index]
+        out = self.grad_shard
+        if len(others) == 1:
+            # Two ranks: one pass over the shard, each element read twice and written once.
+            other = others[0]
+            for i, start, end, at in self.inside:
+                g = self.packed[i]
+                if g is None:
+                    out[at:at + end - start].copy_(other[at:at + end - start])
+                else:
+                    torch.add(other[at:at + end - start], g.reshape(-1)[start:end], alpha=scale,
+                              out=out[at:at + end - start])
+            out[self.padding[0]:self.padding[1]].zero_()
+        else:
+            sum_into(out, others)
+            for i, start, end, at in self.inside:
+                if self.packed[i] is not None:
+                    out[at:at + end - start].add_(self.packed[i].reshape(-1)[start:end], alpha=scale)
+
+    def _remember_grads(self) -> None:
+        self.packed = [p.grad for p in self.params]
+        self.versions = [g._version if g is not None else None for g in self.packed]
+
+    def check_grads_unchanged(self) -> None:
+        """Refuse a step whose gradients were edited after backward handed them over.
+
+        Backward's hooks have already sent them (or, on one node, copied the parts other ranks
+        need): an edit now would reach only part of the model, silently.
+        """
+        for p, g, version in zip(self.params, self.packed, self.versions):
+            if p.grad is not g or (g is not None and g._version != version):
+                raise RuntimeError(
+                    f"rank {self.rank} on {socket.gethostname()}: the .grad of a parameter of shape {tuple(p.shape)} was changed between "
+                    "backward and step(): with shard_state=True "
+                    "the gradients are averaged as backward leaves them (other ranks already have theirs), "
+                    "so a change made afterwards (clipping, unscaling, scaling) would reach only part of "
+                    "the model. Scale the loss instead, or use shard_state=False to clip the averaged "
+                    "gradients.")
 
 
 def _check_optimizer(optimizer) -> None:
@@ -140,8 +222,11 @@ def _check_optimizer(optimizer) -> None:
 IMPLEMENTATION_FLAGS = ("fused", "foreach")
 
 
-def _build_inner(cls: type, shard_param: torch.nn.Parameter, group: dict) -> torch.optim.Optimizer:
-    """An optimizer of ``cls`` over one shard parameter, with ``group``'s hyperparameters.
+def _build_inner(cls: type, shard_params: list[torch.nn.Parameter], group: dict) -> torch.optim.Optimizer:
+    """An optimizer of ``cls`` over the shard parameters of one group, with its hyperparameters.
+
+    One per group, not one per bucket: a ``step()`` costs some 200 us of Python around the kernel
+    when it runs cold between forward and backward, as much as Adam's update of a 1 MB shard.
 
     A shard is one large flat tensor, which is what torch's fused kernels are for (Adam's update in
     one pass over memory instead of several: 2-3x faster on CPU). So where the user left the kernel
@@ -155,13 +240,13 @@ def _build_inner(cls: type, shard_param: torch.nn.Parameter, group: dict) -> tor
     # torch checks a fused kernel's device and dtype only at the first step(), so choose it only
     # where every optimizer that has one supports it: CPU, float32/float64.
     if "fused" in accepted and hyper.get("fused") is None and hyper.get("foreach") is None \
-            and not hyper.get("differentiable") and shard_param.device.type == "cpu" \
-            and shard_param.dtype in (torch.float32, torch.float64):
+            and not hyper.get("differentiable") and shard_params[0].device.type == "cpu" \
+            and shard_params[0].dtype in (torch.float32, torch.float64):
         try:
-            return cls([{**hyper, "fused": True, "params": [shard_param]}], **{**ctor, "fused": True})
+            return cls([{**hyper, "fused": True, "params": shard_params}], **{**ctor, "fused": True})
         except (RuntimeError, ValueError, NotImplementedError):
             pass  # an option that rules the fused kernel out (its constructor says so)
-    return cls([{**hyper, "params": [shard_param]}], **ctor)
+    return cls([{**hyper, "params": shard_params}], **ctor)
 
 
 class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
@@ -174,8 +259,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     (or from a plain torch optimizer) and keeps this rank's shard.
 
     Differences from the unsharded wrapper: after backward the real parameters' ``.grad`` still hold
-    this rank's own gradients (the averaged ones exist only as shards), so clipping by the global
-    gradient norm between backward and ``step()`` does not see the averaged gradients; ``state`` is
+    this rank's own gradients (the averaged ones exist only as shards), and they must not be edited
+    before ``step()``, which refuses (clipping by the global norm, ``GradScaler.unscale_``: they
+    would reach only the part not yet sent); ``state`` is
     this rank's shard state, keyed by flat shard parameters. The model's parameters become views into flat buffers:
     move or convert the model (``.to``, ``.double()``) before wrapping, not after.
 
@@ -223,9 +309,16 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         if self._arena is None:
             for b in self._buckets:
                 b.place()
+        # A bucket never mixes groups, dtypes or devices, but one group's buckets may differ in
+        # dtype or device, which one fused kernel call cannot take: one inner optimizer per kind.
+        self._inner = {}
         for b in self._buckets:
             b.point_params()
-            b.optimizer = _build_inner(type(optimizer), b.shard_param, optimizer.param_groups[b.group])
+            self._inner.setdefault((b.group, b.dtype, b.device), []).append(b)
+        for (group, _, _), buckets in self._inner.items():
+            inner = _build_inner(type(optimizer), [b.shard_param for b in buckets], optimizer.param_groups[group])
+            for b in buckets:
+                b.optimizer = inner
         self._attach(params, self._buckets)
 
     def _place_in_shared_memory(self):
@@ -244,7 +337,8 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
                 return region_view(region, offset, b.padded, b.dtype)
             # Rank 0 writes the (already broadcast) parameters; the others find them there.
             b.place(flat_of(arena.shared), flat_of(arena.regions[arena.local_rank]),
-                    [flat_of(region) for region in arena.regions], fill=self.comm.rank == 0)
+                    [flat_of(region) for region in arena.regions], own_index=arena.local_rank,
+                    fill=self.comm.rank == 0)
         arena.barrier()
         return arena
 
@@ -253,7 +347,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         if self._arena is not None:
             # Into this rank's shared buffer, divided by size on the way (exact for powers of two);
             # step() sums the shards from there.
-            bucket.pack(1.0 / self.comm.size)
+            bucket.pack_for_peers(1.0 / self.comm.size)
             bucket.ready.clear()
             return
         # Compressed gradients are divided before sending so float16 sums cannot overflow.
@@ -266,9 +360,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
 
     def _sync_hyperparameters(self) -> None:
         # Schedulers and users change the outer groups; the shard optimizers read their own copies.
-        for b in self._buckets:
-            inner = b.optimizer.param_groups[0]
-            for key, value in self._optimizer.param_groups[b.group].items():
+        for (group, _, _), buckets in self._inner.items():
+            inner = buckets[0].optimizer.param_groups[0]
+            for key, value in self._optimizer.param_groups[group].items():
                 if key != "params" and key not in IMPLEMENTATION_FLAGS:
                     inner[key] = value
 
@@ -283,21 +377,29 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         self._check_closure(closure)
         self.synchronize()
         self._sent = False
+        for b in self._buckets:
+            b.check_grads_unchanged()
         self._sync_hyperparameters()
         for b in self._buckets:
             b.sent = False
         if self._arena is not None:
-            return self._step_in_shared_memory()
+            self._step_in_shared_memory()
+            for b in self._buckets:
+                b.packed = b.versions = None  # let the next zero_grad free the gradients
+            return None
         post = 1.0 / self.comm.size if self._wire_dtype is None else None
         for b in self._buckets:
+            b.packed = b.versions = None
             b.reduce_work.wait()
             b.reduce_work = None
             if post is not None:
                 b.grad_shard.mul_(post)
             elif b.shard_grad is not b.grad_shard:
                 b.shard_grad.copy_(b.grad_shard)
+            # The bucket's optimizer also holds other buckets' shards: only this one has a gradient.
             b.shard_param.grad = b.shard_grad
             b.optimizer.step()
+            b.shard_param.grad = None
             if b.send is not None:
                 # The shard is a view into the gathered buffer; a separate send buffer avoids aliasing.
                 b.send.copy_(b.shard_param.detach())
@@ -311,9 +413,10 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     def _step_in_shared_memory(self) -> None:
         self._arena.barrier()          # every rank's gradients are in its buffer
         for b in self._buckets:
-            b.sum_shard_of_peers()
+            b.sum_shard_of_peers(1.0 / self.comm.size)
             b.shard_param.grad = b.shard_grad
-            b.optimizer.step()
+        for buckets in self._inner.values():
+            buckets[0].optimizer.step()
         # Every shard is updated in the shared parameters, and nobody reads a gradient buffer
         # any more, so backward may write them again.
         self._arena.barrier()
@@ -400,32 +503,40 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
                 if key != "params":
                     g[key] = value
         saved_state = state_dict["state"]
-        rank = self.comm.rank
-        for b in self._buckets:
-            states = [saved_state.get(saved_index[p]) for p in b.params]
-            b.optimizer.state.clear()
-            known = [s for s in states if s]
-            if not known:
-                continue
-            shard_state = {}
-            for key, value in known[0].items():
-                if torch.is_tensor(value) and key not in SCALAR_STATE:
-                    full = torch.zeros(b.padded, dtype=value.dtype, device=b.flat.device)
-                    for p, off, s in zip(b.params, b.offsets, states):
-                        if s and key in s:
-                            if s[key].numel() != p.numel():
-                                raise ValueError(f"loaded state {key!r} has {s[key].numel()} elements for a "
-                                                 f"parameter of shape {tuple(p.shape)}")
-                            full[off:off + p.numel()].copy_(s[key].reshape(-1))
-                    shard_state[key] = full[rank * b.k:(rank + 1) * b.k].clone()
-                else:
-                    # A copy: Adam counts its step in place, which must not touch the caller's dict.
-                    shard_state[key] = value.clone() if torch.is_tensor(value) else value
-            inner_group = {k: v for k, v in groups[b.group].items() if k != "params"}
-            inner_group.update({k: b.optimizer.param_groups[0][k] for k in IMPLEMENTATION_FLAGS
-                                if k in b.optimizer.param_groups[0]})
+        for (group, _, _), buckets in self._inner.items():
+            inner = buckets[0].optimizer
+            shard_states = {i: s for i, s in enumerate(self._shard_state(b, saved_state, saved_index) for b in buckets)
+                            if s}
+            inner_group = {k: v for k, v in groups[group].items() if k != "params"}
+            inner_group.update({k: inner.param_groups[0][k] for k in IMPLEMENTATION_FLAGS
+                                if k in inner.param_groups[0]})
+            inner.state.clear()
             # The inner optimizer's own loader casts dtypes and devices the way torch does.
-            b.optimizer.load_state_dict({"state": {0: shard_state}, "param_groups": [{**inner_group, "params": [0]}]})
+            inner.load_state_dict({"state": shard_states,
+                                   "param_groups": [{**inner_group, "params": list(range(len(buckets)))}]})
+
+    def _shard_state(self, b: _ShardBucket, saved_state: dict, saved_index: dict) -> dict:
+        """This rank's shard of bucket ``b``'s state, cut from a whole state_dict's per-parameter state."""
+        rank = self.comm.rank
+        states = [saved_state.get(saved_index[p]) for p in b.params]
+        known = [s for s in states if s]
+        if not known:
+            return {}
+        shard_state = {}
+        for key, value in known[0].items():
+            if torch.is_tensor(value) and key not in SCALAR_STATE:
+                full = torch.zeros(b.padded, dtype=value.dtype, device=b.flat.device)
+                for p, off, s in zip(b.params, b.offsets, states):
+                    if s and key in s:
+                        if s[key].numel() != p.numel():
+                            raise ValueError(f"loaded state {key!r} has {s[key].numel()} elements for a "
+                                             f"parameter of shape {tuple(p.shape)}")
+                        full[off:off + p.numel()].copy_(s[key].reshape(-1))
+                shard_state[key] = full[rank * b.k:(rank + 1) * b.k].clone()
+            else:
+                # A copy: Adam counts its step in place, which must not touch the caller's dict.
+                shard_state[key] = value.clone() if torch.is_tensor(value) else value
+        return shard_state
 
     @property
     def state(self) -> dict:
