@@ -227,6 +227,36 @@ def check_shard_primitives(comm):
         assert torch.equal(gathered, torch.arange(c.size, dtype=torch.float64).repeat_interleave(k)), gathered
 
 
+def check_flat_in_flight(comm):
+    """Several gradient-path collectives in flight at once, as the optimizers launch them during
+    backward (across nodes the network part runs in the background), then waited in order."""
+    k, f64 = 37, torch.float64
+    base = torch.arange(comm.size * k, dtype=f64)
+    pending = []
+    for i in range(3):
+        flat = base + 1000 * comm.rank + i
+        pending.append(("allreduce", i, flat, None, comm.allreduce_flat(flat, async_op=True)))
+        shard = torch.empty(k, dtype=f64)
+        pending.append(("reduce_scatter", i, None, shard, comm.reduce_scatter_flat(base + 1000 * comm.rank + i,
+                                                                                     shard, async_op=True)))
+        gathered = torch.empty(comm.size * k, dtype=f64)
+        pending.append(("allgather", i, gathered, None,
+                        comm.allgather_flat(gathered, torch.full((k,), float(comm.rank + i), dtype=f64),
+                                            async_op=True)))
+    ranks_sum = 1000 * sum(range(comm.size))
+    for kind, i, flat, shard, work in pending:
+        work.wait()
+        if kind == "allreduce":
+            expect = base * comm.size + ranks_sum + comm.size * i
+            assert torch.equal(flat, expect), (kind, i, flat[:3], expect[:3])
+        elif kind == "reduce_scatter":
+            expect = base[comm.rank * k:(comm.rank + 1) * k] * comm.size + ranks_sum + comm.size * i
+            assert torch.equal(shard, expect), (kind, i, shard[:3], expect[:3])
+        else:
+            expect = (torch.arange(comm.size, dtype=f64) + i).repeat_interleave(k)
+            assert torch.equal(flat, expect), (kind, i, flat[:3], expect[:3])
+
+
 def check_mismatch(comm):
     if comm.size == 1:
         return
