@@ -158,6 +158,10 @@ def check_objects(comm):
     r, n = comm.rank, comm.size
     assert comm.bcast_obj({"root": r} if r == 0 else None) == {"root": 0}
     assert comm.allgather_obj(("r", r)) == [("r", k) for k in range(n)]
+    # One rank's object larger than a shared-memory slot: every rank takes the large-object path.
+    segment = getattr(comm, "_segment", None)
+    big = b"x" * ((segment.slot_bytes if segment is not None else 1 << 20) + 1)
+    assert comm.allgather_obj(big if r == n - 1 else r) == [*range(n - 1), big]
     g = comm.gather_obj([r] * r, root=n - 1)
     assert (g == [[k] * k for k in range(n)]) if r == n - 1 else g is None
     assert comm.scatter_obj([f"to {k}" for k in range(n)] if r == 0 else None) == f"to {r}"

@@ -77,6 +77,7 @@ class HierarchicalCommunicator(FlatCommunicator):
     """
 
     name = "hierarchical"
+    _segment = None  # until set-up has made one (set-up's own collectives run without it)
 
     def __init__(self, inter_group=_UNSET, rail_groups=_UNSET, **kwargs):
         super().__init__(**kwargs)
@@ -215,8 +216,27 @@ class HierarchicalCommunicator(FlatCommunicator):
             return super()._exchange_headers(rows)
         mine = torch.tensor(rows, dtype=torch.int64)
         parts = self._segment.allgather_bytes(mine.reshape(-1).view(torch.uint8))
+        if parts is None:  # a call of thousands of tensors: more rows than a slot holds
+            return super()._exchange_headers(rows)
         # On one node, local rank order is this communicator's rank order.
         return torch.stack([p.view(torch.int64).reshape(mine.shape) for p in parts])
+
+    def allgather_obj(self, obj):
+        """Every rank's object, in rank order, on every rank (through shared memory on one node).
+
+        Example::
+
+            >>> hosts = comm.allgather_obj(socket.gethostname())
+        """
+        if self._segment is None or not self._single_node:
+            return super().allgather_obj(obj)
+        # Small objects (metrics, losses, flags) in one round through the segment, not two TCP
+        # collectives; larger ones, on every rank alike, the ordinary way.
+        buf = self._dump(obj)
+        parts = self._segment.allgather_bytes(buf)
+        if parts is None:
+            return super().allgather_obj(obj)
+        return [obj if r == self.rank else self._load(p) for r, p in enumerate(parts)]
 
     def finalize(self) -> None:
         if self._segment is not None:

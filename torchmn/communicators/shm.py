@@ -174,20 +174,20 @@ class NodeSegment:
                 piece.copy_(result)
             self._arrive_and_wait(1)
 
-    def allgather_bytes(self, data: torch.Tensor) -> list[torch.Tensor]:
-        """Every local rank's small uint8 buffer (at most one slot), in rank order."""
+    def allgather_bytes(self, data: torch.Tensor) -> Optional[list[torch.Tensor]]:
+        """Every local rank's uint8 buffer, in rank order; ``None`` on every rank if one rank's does
+        not fit a slot (the caller then takes another path, on every rank alike)."""
         n = data.numel()
-        if n + 8 > self.slot_bytes:
-            raise ValueError(f"allgather_bytes: {n} bytes do not fit a {self.slot_bytes}-byte slot")
         self._seq += 1
         slot = self._slots[self.local_rank]
         slot[:8].view(torch.int64)[0] = n
-        slot[8:8 + n].copy_(data)
+        if n + 8 <= self.slot_bytes:
+            slot[8:8 + n].copy_(data)
         self._arrive_and_wait(0)
-        out = []
-        for s in self._slots:
-            m = int(s[:8].view(torch.int64)[0])
-            out.append(s[8:8 + m].clone())
+        lengths = [int(s[:8].view(torch.int64)[0]) for s in self._slots]
+        out = None
+        if all(m + 8 <= self.slot_bytes for m in lengths):
+            out = [s[8:8 + m].clone() for s, m in zip(self._slots, lengths)]
         self._arrive_and_wait(1)
         return out
 
