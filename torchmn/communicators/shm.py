@@ -253,10 +253,11 @@ class _Flags:
 class NodeArena:
     """Memory the ``local_size`` ranks of one node share for good, plus a barrier through flags.
 
-    ``job_tag`` must be new for every arena (see :func:`new_job_tag`). ``shared`` is one region every rank reads and writes (the sharded optimizer keeps the model's
-    parameters there: one copy per node, and an update of a shard is seen by every rank without
-    an all-gather); ``regions[r]`` is local rank r's own region, which the others may read (its
-    gradients). Created collectively, like :class:`NodeSegment`.
+    ``job_tag`` must be new for every arena (see :func:`new_job_tag`). ``shared`` is one region
+    every rank reads and writes (the sharded optimizer keeps the model's parameters there: one copy
+    per node, and an update of a shard is seen by every rank without an all-gather);
+    ``regions[r]`` is local rank r's own region, which the others may read (its gradients).
+    Created collectively, like :class:`NodeSegment`.
 
     Example::
 

@@ -82,8 +82,8 @@ class _ShardBucket:
         """Give the bucket its flat parameter and gradient buffers (new ones by default).
 
         ``peer_grads``: every rank's ``grad_flat``, readable here (shared memory), this rank's at
-        ``own_index``; then the reduce-scatter is a sum read straight from them. ``fill=False``: ``flat`` already holds the
-        parameters (another rank of the node wrote them into shared memory).
+        ``own_index``; then the reduce-scatter is a sum read straight from them. ``fill=False``:
+        ``flat`` already holds the parameters (another rank of the node wrote them there).
         """
         if flat is None:
             flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
@@ -200,9 +200,9 @@ class _ShardBucket:
         for p, g, version in zip(self.params, self.packed, self.versions):
             if p.grad is not g or (g is not None and g._version != version):
                 raise RuntimeError(
-                    f"rank {self.rank} on {socket.gethostname()}: the .grad of a parameter of shape {tuple(p.shape)} was changed between "
-                    "backward and step(): with shard_state=True "
-                    "the gradients are averaged as backward leaves them (other ranks already have theirs), "
+                    f"rank {self.rank} on {socket.gethostname()}: the .grad of a parameter of shape "
+                    f"{tuple(p.shape)} was changed between backward and step(). With shard_state=True the "
+                    "gradients are averaged as backward leaves them (the other ranks already have theirs), "
                     "so a change made afterwards (clipping, unscaling, scaling) would reach only part of "
                     "the model. Scale the loss instead, or use shard_state=False to clip the averaged "
                     "gradients.")
@@ -261,9 +261,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     Differences from the unsharded wrapper: after backward the real parameters' ``.grad`` still hold
     this rank's own gradients (the averaged ones exist only as shards), and they must not be edited
     before ``step()``, which refuses (clipping by the global norm, ``GradScaler.unscale_``: they
-    would reach only the part not yet sent); ``state`` is
-    this rank's shard state, keyed by flat shard parameters. The model's parameters become views into flat buffers:
-    move or convert the model (``.to``, ``.double()``) before wrapping, not after.
+    would reach only the part not yet sent); ``state`` is this rank's shard state, keyed by flat
+    shard parameters. The model's parameters become views into flat buffers: move or convert the
+    model (``.to``, ``.double()``) before wrapping, not after.
 
     On one node the ranks share one copy of the parameters (in shared memory). Change parameters
     only through the optimizer, or by loading the same values on every rank
