@@ -224,6 +224,19 @@ def test_sharded_optimizer_on_two_hosts(cluster):
     assert_hosts_idle(cluster)
 
 
+def test_rank_missing_on_the_other_host_is_named(cluster):
+    """SPEC 7 across nodes: host 2's first rank never joins the optimizer's averaging. Rank 0,
+    whose network allreduce with it runs in the background during backward, names it when the
+    timeout hits; so does host 2's other rank, which waits for it in shared memory."""
+    proc = launch(cluster, "-np", "4", "-H", hosts_arg(cluster, ("h1", 2), ("h2", 2)),
+                  sys.executable, str(WORKERS / "hang_jobs.py"), "hierarchical", "optimizer", "2", timeout=90)
+    named = {line.split("]", 1)[0]: line for line in proc.stdout.splitlines() if "NAMED" in line}
+    assert "[0" in named and "rank 2 (" in named["[0"] and "never called it within the timeout" in named["[0"], \
+        proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[3" in named and "rank 2 (" in named["[3"], proc.stdout[-3000:]
+    assert_hosts_idle(cluster)
+
+
 def test_hostfile_places_ranks_and_forwards_environment(cluster, tmp_path):
     """-np 3 over 2+3 slots: h1 gets ranks 0-1, h2 rank 2. Each rank runs in the launcher's working
     directory, with PATH forwarded (the command is found only through it) and -x variables."""

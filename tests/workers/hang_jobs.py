@@ -1,7 +1,7 @@
 """Jobs in which rank 1 stops taking part in the collectives, to check that the others' error names it.
 
-Usage: python hang_jobs.py COMMUNICATOR {collective,optimizer}
-Rank 1 skips one call and sleeps; the others print "NAMED <error>" when the timeout (5 s, which also bounds start-up skew) hits.
+Usage: python hang_jobs.py COMMUNICATOR {collective,optimizer} [SLEEPER]
+Rank SLEEPER (default 1) skips one call and sleeps; the others print "NAMED <error>" when the timeout (5 s, which also bounds start-up skew) hits.
 """
 import datetime
 import sys
@@ -12,12 +12,13 @@ import torch
 import torchmn
 
 name, where = sys.argv[1], sys.argv[2]
+sleeper = int(sys.argv[3]) if len(sys.argv) > 3 else 1
 comm = torchmn.create_communicator(name, timeout=datetime.timedelta(seconds=5))
 comm.allreduce(torch.ones(3))  # everyone is here once
 model = torch.nn.Linear(4, 2)
 opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm)
 try:
-    if comm.rank == 1:
+    if comm.rank == sleeper:
         time.sleep(12)  # "still computing": longer than the timeout plus the others' grace period
     elif where == "collective":
         comm.allreduce(torch.ones(3))

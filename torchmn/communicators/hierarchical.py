@@ -43,6 +43,8 @@ class _ThenInsideTheNode:
     the node-local part that must follow it (every rank of the node waits its handles in the same
     order, as the optimizers do, so the shared-memory steps meet). Keeps the buffers alive."""
 
+    wraps_torch_work = True  # watched like torch's own handle (see watch.py)
+
     def __init__(self, work, then=None, keep=()):
         self._work, self._then, self._keep = work, then, keep
 

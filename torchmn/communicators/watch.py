@@ -53,7 +53,8 @@ def _watched(kind: str, fn: Callable) -> Callable:
             raise
         finally:
             comm._watch_depth -= 1
-        if isinstance(result, dist.Work):  # async: the timeout surfaces in wait()
+        # Async (torch's handle, or torchmn's own around one): the timeout surfaces in wait().
+        if isinstance(result, dist.Work) or getattr(type(result), "wraps_torch_work", False):
             return _WatchedWork(result, comm, seq, kind)
         return result
     call._watched = True
