@@ -210,7 +210,8 @@ def test_two_hosts_two_ranks_each(cluster):
     print(f"2 hosts x 2 ranks: {proc.elapsed:.1f} s")
 
 
-SHARDED_CHECKS = ("equivalence", "state_dict_format", "unused_parameter", "shared_memory_where_possible")
+SHARDED_CHECKS = ("equivalence", "state_dict_format", "unused_parameter", "shared_memory_where_possible",
+                  "clip_grad_norm")
 
 
 def test_sharded_optimizer_on_two_hosts(cluster):

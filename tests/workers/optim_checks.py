@@ -67,7 +67,8 @@ def reference(opt_name, steps=5, passes=1, clip=None, delayed=False):
     return model
 
 
-def distributed(comm, opt_name, steps=5, passes=1, clip=None, no_sync=False, set_to_none=True, **kwargs):
+def distributed(comm, opt_name, steps=5, passes=1, clip=None, no_sync=False, set_to_none=True,
+                clip_with_optimizer=False, **kwargs):
     model = make_model()
     if comm.rank != 0:  # different starting weights on purpose: the wrapper must broadcast them
         with torch.no_grad():
@@ -80,7 +81,9 @@ def distributed(comm, opt_name, steps=5, passes=1, clip=None, no_sync=False, set
         x, y = local(x, comm), local(y, comm)
         opt.zero_grad(set_to_none=set_to_none)
         backward(opt, model, x, y, passes, no_sync)
-        if clip:
+        if clip and clip_with_optimizer:
+            opt.clip_grad_norm_(clip)
+        elif clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return model
@@ -131,6 +134,8 @@ def check_double_buffering(comm):
 def check_clipping(comm):
     ref = reference("sgd", clip=0.05)
     assert_close(distributed(comm, "sgd", clip=0.05), ref, 1e-5, "clip_grad_norm_ between backward and step")
+    assert_close(distributed(comm, "sgd", clip=0.05, clip_with_optimizer=True), ref, 1e-5,
+                 "optimizer.clip_grad_norm_ between backward and step")
 
 
 def check_unused_parameter(comm):

@@ -33,9 +33,10 @@ OPTIMIZERS = {
 SCHEDULED = {"sgd_groups", "adam_groups"}
 
 
-def train(opt_name, comm=None, steps=range(5), passes=1, no_sync=False, resume=None, **kwargs):
+def train(opt_name, comm=None, steps=range(5), passes=1, no_sync=False, resume=None, clip=None, **kwargs):
     """Train ``steps`` on the fixed data: one process on the whole batch if ``comm`` is None,
-    else sharded over ``comm`` on each rank's part. ``resume``: a checkpoint dict to start from."""
+    else sharded over ``comm`` on each rank's part. ``resume``: a checkpoint dict to start from.
+    ``clip``: (max_norm, norm_type) to clip by before each step; the norms land in ``opt.norms``."""
     model = make_model()
     if comm is not None and comm.rank != 0:  # on purpose: the wrapper must broadcast rank 0's weights
         with torch.no_grad():
@@ -51,15 +52,20 @@ def train(opt_name, comm=None, steps=range(5), passes=1, no_sync=False, resume=N
         opt.load_state_dict(resume["opt"])
         if sched is not None:
             sched.load_state_dict(resume["sched"])
+    norms = []
     for step in steps:
         x, y = data(step)
         if comm is not None:
             x, y = local(x, comm), local(y, comm)
         opt.zero_grad()
         backward(opt, model, x, y, passes, no_sync)
+        if clip is not None:
+            norms.append(float(opt.clip_grad_norm_(*clip) if comm is not None
+                               else torch.nn.utils.clip_grad_norm_(model.parameters(), *clip)))
         opt.step()
         if sched is not None:
             sched.step()
+    opt.norms = norms
     return model, opt, sched
 
 
@@ -205,6 +211,18 @@ def check_unused_parameter(comm):
     mine = torch.cat([p.detach().reshape(-1) for p in params])
     for other in comm.allgather_obj(mine):
         assert torch.equal(other, mine), "ranks disagree after a step with a missing gradient"
+
+
+def check_clip_grad_norm(comm):
+    """optimizer.clip_grad_norm_ on the sharded averaged gradients: one process's clipping."""
+    for opt_name, clip in (("sgd", (0.05, 2.0)), ("adam", (0.05, 2.0)), ("sgd_groups", (0.02, float("inf")))):
+        ref, ref_opt, _ = train(opt_name, clip=clip)
+        for kwargs in ({}, {"bucket_cap_mb": 0}):
+            model, opt, _ = train(opt_name, comm, clip=clip, **kwargs)
+            assert_close(model, ref, 1e-5, f"clipped {opt_name} {clip} {kwargs}")
+            for got, want in zip(opt.norms, ref_opt.norms):
+                assert abs(got - want) <= 1e-6 * want, (opt_name, clip, kwargs, opt.norms, ref_opt.norms)
+        assert max(ref_opt.norms) > clip[0], "the test must clip"
 
 
 def check_edited_gradients_refused(comm):

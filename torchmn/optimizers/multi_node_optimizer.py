@@ -214,6 +214,25 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         self._finish(self._in_flight.pop(0))
         return self._optimizer.step()
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the averaged gradients by their norm over the whole model; returns that norm.
+
+        ``torch.nn.utils.clip_grad_norm_`` over the wrapped optimizer's parameters, once the
+        averages are in; the same call as with ``shard_state=True``, so a script can switch.
+
+        Example::
+
+            >>> loss_fn(model(x), y).backward()
+            >>> norm = optimizer.clip_grad_norm_(1.0)
+            >>> optimizer.step()
+        """
+        if self.double_buffering:
+            raise ValueError("clip_grad_norm_ with double_buffering=True: the update uses the previous "
+                             "step's averages, which step() swaps in; clip the loss's scale instead")
+        self.synchronize()
+        params = [p for g in self._optimizer.param_groups for p in g["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
     def state_dict(self):
         return self._optimizer.state_dict()
 

@@ -204,8 +204,8 @@ class _ShardBucket:
                     f"{tuple(p.shape)} was changed between backward and step(). With shard_state=True the "
                     "gradients are averaged as backward leaves them (the other ranks already have theirs), "
                     "so a change made afterwards (clipping, unscaling, scaling) would reach only part of "
-                    "the model. Scale the loss instead, or use shard_state=False to clip the averaged "
-                    "gradients.")
+                    "the model. Clip with optimizer.clip_grad_norm_(max_norm) instead, and scale the loss "
+                    "rather than the gradients.")
 
 
 def _check_optimizer(optimizer) -> None:
@@ -260,8 +260,8 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
 
     Differences from the unsharded wrapper: after backward the real parameters' ``.grad`` still hold
     this rank's own gradients (the averaged ones exist only as shards), and they must not be edited
-    before ``step()``, which refuses (clipping by the global norm, ``GradScaler.unscale_``: they
-    would reach only the part not yet sent); ``state`` is this rank's shard state, keyed by flat
+    before ``step()``, which refuses (``GradScaler.unscale_``, ``torch.nn.utils.clip_grad_norm_``:
+    they would reach only the part not yet sent; clip with :meth:`clip_grad_norm_`); ``state`` is this rank's shard state, keyed by flat
     shard parameters. The model's parameters become views into flat buffers: move or convert the
     model (``.to``, ``.double()``) before wrapping, not after.
 
@@ -305,6 +305,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         def build(run):
             return _ShardBucket(run, owners[run[0]], comm.rank, comm.size, self._wire_dtype)
         self._buckets = make_buckets(params, cap, build, same_bucket)
+        self._reduced = False  # clip_grad_norm_ took this step's averaged shards already
         self._arena = self._place_in_shared_memory() if self._can_share_memory(params) else None
         if self._arena is None:
             for b in self._buckets:
@@ -375,27 +376,26 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             >>> loss_fn(model(x), y).backward(); optimizer.step()
         """
         self._check_closure(closure)
-        self.synchronize()
+        reduced, self._reduced = self._reduced, False
+        if not reduced:
+            self._take_gradients()
         self._sent = False
-        for b in self._buckets:
-            b.check_grads_unchanged()
         self._sync_hyperparameters()
         for b in self._buckets:
             b.sent = False
         if self._arena is not None:
-            self._step_in_shared_memory()
-            for b in self._buckets:
-                b.packed = b.versions = None  # let the next zero_grad free the gradients
+            if not reduced:
+                self._sum_shards_in_shared_memory()
+            for buckets in self._inner.values():
+                buckets[0].optimizer.step()
+            # Every shard is updated in the shared parameters, and nobody reads a gradient buffer
+            # any more, so backward may write them again.
+            self._arena.barrier()
+            self._forget_gradients()
             return None
-        post = 1.0 / self.comm.size if self._wire_dtype is None else None
         for b in self._buckets:
-            b.packed = b.versions = None
-            b.reduce_work.wait()
-            b.reduce_work = None
-            if post is not None:
-                b.grad_shard.mul_(post)
-            elif b.shard_grad is not b.grad_shard:
-                b.shard_grad.copy_(b.grad_shard)
+            if not reduced:  # bucket by bucket, so early buckets' all-gathers overlap later updates
+                self._finish_reduce_scatter(b)
             # The bucket's optimizer also holds other buckets' shards: only this one has a gradient.
             b.shard_param.grad = b.shard_grad
             b.optimizer.step()
@@ -408,19 +408,69 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             if b.gather_work is not None:
                 b.gather_work.wait()
                 b.gather_work = None
+        self._forget_gradients()
         return None
 
-    def _step_in_shared_memory(self) -> None:
+    def _forget_gradients(self) -> None:
+        for b in self._buckets:
+            b.packed = b.versions = None  # so that the next zero_grad frees them
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the averaged gradients by their norm over the whole model; returns that norm.
+
+        What ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does for one process, for
+        gradients that exist only as shards: call it between backward and ``step()``, on every
+        rank. Each rank takes its shard of the averaged gradients (which ``step()`` then uses),
+        the ranks add up their shards' norms, and every shard is scaled by the same factor.
+
+        Example::
+
+            >>> loss_fn(model(x), y).backward()
+            >>> norm = optimizer.clip_grad_norm_(1.0)
+            >>> optimizer.step()
+        """
+        if not self._reduced:
+            self._take_gradients()
+            if self._arena is not None:
+                self._sum_shards_in_shared_memory()
+            else:
+                for b in self._buckets:
+                    self._finish_reduce_scatter(b)
+            self._reduced = True
+        grads = [b.shard_grad for b in self._buckets]
+        norm_type = float(norm_type)
+        device = grads[0].device if grads else torch.device("cpu")
+        norms = torch.stack([torch.linalg.vector_norm(g, norm_type).to(device, torch.float64) for g in grads]) \
+            if grads else torch.zeros(1, dtype=torch.float64)
+        if norm_type == float("inf"):
+            total = self.comm.allreduce(norms.max(), op="max")
+        else:
+            total = self.comm.allreduce(norms.pow(norm_type).sum()).pow(1.0 / norm_type)
+        # torch's own rule: scale by max_norm / (norm + 1e-6), never up.
+        factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for g in grads:
+            g.mul_(factor.to(g.device, g.dtype))
+        return total
+
+    def _take_gradients(self) -> None:
+        """This step's gradients leave backward's hands: sent if they were not, and not edited since."""
+        self.synchronize()
+        for b in self._buckets:
+            b.check_grads_unchanged()
+
+    def _sum_shards_in_shared_memory(self) -> None:
         self._arena.barrier()          # every rank's gradients are in its buffer
         for b in self._buckets:
             b.sum_shard_of_peers(1.0 / self.comm.size)
             b.shard_param.grad = b.shard_grad
-        for buckets in self._inner.values():
-            buckets[0].optimizer.step()
-        # Every shard is updated in the shared parameters, and nobody reads a gradient buffer
-        # any more, so backward may write them again.
-        self._arena.barrier()
-        return None
+
+    def _finish_reduce_scatter(self, b: _ShardBucket) -> None:
+        b.reduce_work.wait()
+        b.reduce_work = None
+        if self._wire_dtype is None:
+            b.grad_shard.mul_(1.0 / self.comm.size)
+        elif b.shard_grad is not b.grad_shard:
+            b.shard_grad.copy_(b.grad_shard)
 
     def _indices(self) -> dict:
         """Each real parameter's index in the state_dict format (torch numbers them across groups)."""
