@@ -1,7 +1,8 @@
 """Jobs in which rank 1 stops taking part in the collectives, to check that the others' error names it.
 
 Usage: python hang_jobs.py COMMUNICATOR {collective,optimizer} [SLEEPER]
-Rank SLEEPER (default 1) skips one call and sleeps; the others print "NAMED <error>" when the timeout (5 s, which also bounds start-up skew) hits.
+Rank SLEEPER (default 1) skips one call and sleeps; the others print "NAMED <error>" when the
+timeout (5 s, which also bounds start-up skew) hits.
 """
 import datetime
 import sys

@@ -261,9 +261,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     Differences from the unsharded wrapper: after backward the real parameters' ``.grad`` still hold
     this rank's own gradients (the averaged ones exist only as shards), and they must not be edited
     before ``step()``, which refuses (``GradScaler.unscale_``, ``torch.nn.utils.clip_grad_norm_``:
-    they would reach only the part not yet sent; clip with :meth:`clip_grad_norm_`); ``state`` is this rank's shard state, keyed by flat
-    shard parameters. The model's parameters become views into flat buffers: move or convert the
-    model (``.to``, ``.double()``) before wrapping, not after.
+    they would reach only the part not yet sent; clip with :meth:`clip_grad_norm_`); ``state`` is
+    this rank's shard state, keyed by flat shard parameters. The model's parameters become views
+    into flat buffers: move or convert the model (``.to``, ``.double()``) before wrapping, not after.
 
     On one node the ranks share one copy of the parameters (in shared memory). Change parameters
     only through the optimizer, or by loading the same values on every rank
