@@ -227,7 +227,7 @@ def check_clip_grad_norm(comm):
 
 def check_edited_gradients_refused(comm):
     """Clipping .grad between backward and step() would reach only part of the model: refused."""
-    for edit in ("clip", "replace"):
+    for edit in ("clip", "replace", "after clip_grad_norm_"):
         model = make_model()
         opt = torchmn.create_multi_node_optimizer(OPTIMIZERS["sgd"](model), comm, shard_state=True)
         x, y = data(0)
@@ -235,8 +235,11 @@ def check_edited_gradients_refused(comm):
         backward(opt, model, local(x, comm), local(y, comm))
         if edit == "clip":
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-        else:
+        elif edit == "replace":
             model[0].weight.grad = model[0].weight.grad * 2
+        else:
+            opt.clip_grad_norm_(1.0)
+            model[0].weight.grad.mul_(2)
         try:
             opt.step()
         except RuntimeError as e:

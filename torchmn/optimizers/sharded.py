@@ -377,7 +377,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         """
         self._check_closure(closure)
         reduced, self._reduced = self._reduced, False
-        if not reduced:
+        if reduced:  # by clip_grad_norm_, which took them; an edit since would still be lost
+            self._check_gradients()
+        else:
             self._take_gradients()
         self._sent = False
         self._sync_hyperparameters()
@@ -455,6 +457,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     def _take_gradients(self) -> None:
         """This step's gradients leave backward's hands: sent if they were not, and not edited since."""
         self.synchronize()
+        self._check_gradients()
+
+    def _check_gradients(self) -> None:
         for b in self._buckets:
             b.check_grads_unchanged()
 
