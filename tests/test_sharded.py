@@ -9,7 +9,7 @@ from jobs import WORKERS, clean_env, run_job
 CHECKS = WORKERS / "shard_checks.py"
 ALL = ("equivalence", "accumulation", "overlap", "compression", "state_is_sharded", "refusals", "unused_parameter",
        "state_dict_format", "shared_memory_where_possible",
-       "kernel_choice", "edited_gradients_refused", "clip_grad_norm")
+       "kernel_choice", "edited_gradients_refused", "clip_grad_norm", "parameters_used_through_cat")
 
 
 def _one_process(args):

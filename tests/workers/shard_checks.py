@@ -33,10 +33,12 @@ OPTIMIZERS = {
 SCHEDULED = {"sgd_groups", "adam_groups"}
 
 
-def train(opt_name, comm=None, steps=range(5), passes=1, no_sync=False, resume=None, clip=None, **kwargs):
+def train(opt_name, comm=None, steps=range(5), passes=1, no_sync=False, resume=None, clip=None, skip=(),
+          **kwargs):
     """Train ``steps`` on the fixed data: one process on the whole batch if ``comm`` is None,
     else sharded over ``comm`` on each rank's part. ``resume``: a checkpoint dict to start from.
-    ``clip``: (max_norm, norm_type) to clip by before each step; the norms land in ``opt.norms``."""
+    ``clip``: (max_norm, norm_type) to clip by before each step; the norms land in ``opt.norms``.
+    ``skip``: steps whose update is skipped after backward (and clipping), as on a non-finite loss."""
     model = make_model()
     if comm is not None and comm.rank != 0:  # on purpose: the wrapper must broadcast rank 0's weights
         with torch.no_grad():
@@ -62,6 +64,8 @@ def train(opt_name, comm=None, steps=range(5), passes=1, no_sync=False, resume=N
         if clip is not None:
             norms.append(float(opt.clip_grad_norm_(*clip) if comm is not None
                                else torch.nn.utils.clip_grad_norm_(model.parameters(), *clip)))
+        if step in skip:
+            continue
         opt.step()
         if sched is not None:
             sched.step()
@@ -217,12 +221,38 @@ def check_clip_grad_norm(comm):
     """optimizer.clip_grad_norm_ on the sharded averaged gradients: one process's clipping."""
     for opt_name, clip in (("sgd", (0.05, 2.0)), ("adam", (0.05, 2.0)), ("sgd_groups", (0.02, float("inf")))):
         ref, ref_opt, _ = train(opt_name, clip=clip)
-        for kwargs in ({}, {"bucket_cap_mb": 0}):
+        # A skipped step (clipped, then no update, as on a non-finite norm) leaves nothing stale.
+        for kwargs in ({}, {"bucket_cap_mb": 0}, {"skip": (1,)}):
+            if "skip" in kwargs:
+                ref, ref_opt, _ = train(opt_name, clip=clip, skip=kwargs["skip"])
             model, opt, _ = train(opt_name, comm, clip=clip, **kwargs)
             assert_close(model, ref, 1e-5, f"clipped {opt_name} {clip} {kwargs}")
             for got, want in zip(opt.norms, ref_opt.norms):
                 assert abs(got - want) <= 1e-6 * want, (opt_name, clip, kwargs, opt.norms, ref_opt.norms)
         assert max(ref_opt.norms) > clip[0], "the test must clip"
+
+
+def check_parameters_used_through_cat(comm):
+    """Two parameters used through torch.cat get their gradients as views of one tensor, which share
+    a version counter: accumulating into one must not look like an edit of the other."""
+    def run(c):
+        torch.manual_seed(0)
+        q, k = torch.nn.Parameter(torch.randn(4, 8, dtype=torch.float64)), \
+            torch.nn.Parameter(torch.randn(4, 8, dtype=torch.float64))
+        opt = torch.optim.SGD([q, k], lr=0.1, momentum=0.9)
+        if c is not None:
+            opt = torchmn.create_multi_node_optimizer(opt, c, shard_state=True, bucket_cap_mb=0,
+                                                      backward_passes_per_step=2)
+        for step in range(3):
+            opt.zero_grad(set_to_none=False)
+            for half in range(2):
+                x, _ = data(10 * step + half)
+                x = x[:, :2].repeat(1, 4) if c is None else local(x, c)[:, :2].repeat(1, 4)
+                (torch.cat([k, q]) @ x.T).pow(2).mean().div(2).backward()
+            opt.step()
+        return torch.cat([q.detach().reshape(-1), k.detach().reshape(-1)])
+    ref, got = run(None), run(comm)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-7), (got - ref).abs().max()
 
 
 def check_edited_gradients_refused(comm):

@@ -48,9 +48,9 @@ class _ThenInsideTheNode:
     def __init__(self, work, then=None, keep=()):
         self._work, self._then, self._keep = work, then, keep
 
-    def wait(self) -> bool:
+    def wait(self, timeout=None) -> bool:
         if self._work is not None:
-            self._work.wait()
+            self._work.wait() if timeout is None else self._work.wait(timeout)
             self._work = None
         if self._then is not None:
             then, self._then = self._then, None
@@ -238,7 +238,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         parts = self._segment.allgather_bytes(buf)
         if parts is None:
             return super().allgather_obj(obj)
-        return [obj if r == self.rank else self._load(p) for r, p in enumerate(parts)]
+        return [self._load(p) for p in parts]  # copies, own one included, as over TCP
 
     def finalize(self) -> None:
         if self._segment is not None:

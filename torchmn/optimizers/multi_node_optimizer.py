@@ -214,11 +214,14 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         self._finish(self._in_flight.pop(0))
         return self._optimizer.step()
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: Optional[bool] = None) -> torch.Tensor:
         """Clip the averaged gradients by their norm over the whole model; returns that norm.
 
         ``torch.nn.utils.clip_grad_norm_`` over the wrapped optimizer's parameters, once the
-        averages are in; the same call as with ``shard_state=True``, so a script can switch.
+        averages are in; the same call as with ``shard_state=True``, so a script can switch. With
+        ``zero_fill=False`` a parameter left without a gradient on some ranks counts only where it
+        has one, so ranks can clip by different factors: keep the default ``zero_fill=True``.
 
         Example::
 
@@ -231,7 +234,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
                              "step's averages, which step() swaps in; clip the loss's scale instead")
         self.synchronize()
         params = [p for g in self._optimizer.param_groups for p in g["params"]]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def state_dict(self):
         return self._optimizer.state_dict()

@@ -189,6 +189,9 @@ class _ShardBucket:
 
     def _remember_grads(self) -> None:
         self.packed = [p.grad for p in self.params]
+        self.versions = None
+
+    def note_versions(self) -> None:
         self.versions = [g._version if g is not None else None for g in self.packed]
 
     def check_grads_unchanged(self) -> None:
@@ -310,13 +313,16 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         if self._arena is None:
             for b in self._buckets:
                 b.place()
-        # A bucket never mixes groups, dtypes or devices, but one group's buckets may differ in
-        # dtype or device, which one fused kernel call cannot take: one inner optimizer per kind.
+        # On one node the shards are all updated at once: one inner optimizer per group (and dtype
+        # and device, which one fused kernel call needs alike). Elsewhere each bucket is updated as
+        # its reduce-scatter lands, so that its all-gather overlaps the next buckets' updates: one
+        # inner optimizer per bucket (one over the group would walk all its shards every time).
         self._inner = {}
-        for b in self._buckets:
+        for i, b in enumerate(self._buckets):
             b.point_params()
-            self._inner.setdefault((b.group, b.dtype, b.device), []).append(b)
-        for (group, _, _), buckets in self._inner.items():
+            kind = (b.dtype, b.device) if self._arena is not None else i
+            self._inner.setdefault((b.group, kind), []).append(b)
+        for (group, _), buckets in self._inner.items():
             inner = _build_inner(type(optimizer), [b.shard_param for b in buckets], optimizer.param_groups[group])
             for b in buckets:
                 b.optimizer = inner
@@ -345,6 +351,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
 
     def _send(self, bucket: _ShardBucket) -> None:
         bucket.sent = True
+        self._reduced = False  # new gradients: whatever clip_grad_norm_ took is stale
         if self._arena is not None:
             # Into this rank's shared buffer, divided by size on the way (exact for powers of two);
             # step() sums the shards from there.
@@ -357,11 +364,15 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         bucket.ready.clear()
 
     def _all_sent(self) -> None:
-        """Nothing to wait for yet: step() takes each bucket's reduce-scatter as it updates."""
+        # Backward is done with every gradient now. Their versions are noted here, not as each
+        # bucket goes: gradients that are views of one tensor (parameters used through torch.cat)
+        # share a version counter, which accumulating into a later bucket's gradient bumps.
+        for b in self._buckets:
+            b.note_versions()
 
     def _sync_hyperparameters(self) -> None:
         # Schedulers and users change the outer groups; the shard optimizers read their own copies.
-        for (group, _, _), buckets in self._inner.items():
+        for (group, _), buckets in self._inner.items():
             inner = buckets[0].optimizer.param_groups[0]
             for key, value in self._optimizer.param_groups[group].items():
                 if key != "params" and key not in IMPLEMENTATION_FLAGS:
@@ -398,10 +409,8 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         for b in self._buckets:
             if not reduced:  # bucket by bucket, so early buckets' all-gathers overlap later updates
                 self._finish_reduce_scatter(b)
-            # The bucket's optimizer also holds other buckets' shards: only this one has a gradient.
             b.shard_param.grad = b.shard_grad
             b.optimizer.step()
-            b.shard_param.grad = None
             if b.send is not None:
                 # The shard is a view into the gathered buffer; a separate send buffer avoids aliasing.
                 b.send.copy_(b.shard_param.detach())
@@ -417,13 +426,15 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         for b in self._buckets:
             b.packed = b.versions = None  # so that the next zero_grad frees them
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: Optional[bool] = None) -> torch.Tensor:
         """Clip the averaged gradients by their norm over the whole model; returns that norm.
 
         What ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does for one process, for
         gradients that exist only as shards: call it between backward and ``step()``, on every
         rank. Each rank takes its shard of the averaged gradients (which ``step()`` then uses),
         the ranks add up their shards' norms, and every shard is scaled by the same factor.
+        ``foreach`` is accepted for torch's signature; a shard is one tensor per bucket anyway.
 
         Example::
 
@@ -441,6 +452,8 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             self._reduced = True
         grads = [b.shard_grad for b in self._buckets]
         norm_type = float(norm_type)
+        if norm_type <= 0:
+            raise ValueError(f"clip_grad_norm_: norm_type must be positive (2.0, inf, ...), not {norm_type}")
         device = grads[0].device if grads else torch.device("cpu")
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type).to(device, torch.float64) for g in grads]) \
             if grads else torch.zeros(1, dtype=torch.float64)
@@ -448,11 +461,14 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             total = self.comm.allreduce(norms.max(), op="max")
         else:
             total = self.comm.allreduce(norms.pow(norm_type).sum()).pow(1.0 / norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise RuntimeError(f"rank {self.comm.rank}: the total norm of order {norm_type} of the averaged "
+                               "gradients is not finite, so they cannot be clipped (error_if_nonfinite=True)")
         # torch's own rule: scale by max_norm / (norm + 1e-6), never up.
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(factor.to(g.device, g.dtype))
-        return total
+        return total.to(grads[0].dtype) if grads else total
 
     def _take_gradients(self) -> None:
         """This step's gradients leave backward's hands: sent if they were not, and not edited since."""
@@ -558,7 +574,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
                 if key != "params":
                     g[key] = value
         saved_state = state_dict["state"]
-        for (group, _, _), buckets in self._inner.items():
+        for (group, _), buckets in self._inner.items():
             inner = buckets[0].optimizer
             shard_states = {i: s for i, s in enumerate(self._shard_state(b, saved_state, saved_index) for b in buckets)
                             if s}
