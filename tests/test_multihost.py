@@ -288,6 +288,19 @@ def test_tiny_training_on_two_hosts(cluster):
     print(f"training on 2 hosts: {proc.elapsed:.1f} s")
 
 
+def test_optimizer_on_two_hosts_two_ranks_each(cluster):
+    """Shared memory inside each host and the network between them: the multi-node optimizer's
+    buckets leave for the other host in the background while backward goes on (double buffering
+    keeps them in flight into the next step); one-process results either way."""
+    checks = ("equivalence", "double_buffering", "clipping", "unused_parameter")
+    proc = launch(cluster, "-np", "4", "-H", hosts_arg(cluster, ("h1", 2), ("h2", 2)),
+                  sys.executable, str(WORKERS / "optim_checks.py"), *checks)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for check in checks:
+        assert f"[0] PASS {check}" in proc.stdout, proc.stdout[-3000:]
+    assert_hosts_idle(cluster)
+
+
 def test_unreachable_host_is_named_quickly(cluster):
     bad = cluster.unused_address()
     proc = launch(cluster, "-np", "2", "-H", f"{cluster.address('h1')}:1,{bad}:1", sys.executable, "-c",
