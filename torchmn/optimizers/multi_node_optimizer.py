@@ -231,7 +231,8 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         """
         if self.double_buffering:
             raise ValueError("clip_grad_norm_ with double_buffering=True: the update uses the previous "
-                             "step's averages, which step() swaps in; clip the loss's scale instead")
+                             "step's averages, which step() swaps in after this call; use "
+                             "double_buffering=False to clip")
         self.synchronize()
         params = [p for g in self._optimizer.param_groups for p in g["params"]]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)

@@ -70,7 +70,6 @@ class _ShardBucket:
         self.dtype, self.device = params[0].dtype, params[0].device
         self.itemsize = params[0].element_size()
         self.wire_dtype = wire_dtype or self.dtype
-        self.peer_grads: Optional[list[torch.Tensor]] = None
         self.ready: set[int] = set()
         self.sent = False                    # this step's gradients have left backward's hands
         self.reduce_work = None
@@ -95,7 +94,6 @@ class _ShardBucket:
         # Padding must stay 0 in the gradient buffer; pack() writes the parameters' ranges only.
         self.grad_flat = torch.zeros(self.padded, dtype=self.wire_dtype, device=self.device) \
             if grad_flat is None else grad_flat
-        self.peer_grads = peer_grads
         lo, hi = self.rank * self.k, (self.rank + 1) * self.k
         mine = flat[lo:hi]
         # A view, not a copy: loading weights into the model also updates the shard being stepped.
@@ -108,7 +106,8 @@ class _ShardBucket:
             # Shared buffers: this rank's own part of its shard is never copied (step() reads it from
             # .grad), so that range of its buffer is free, and the shard's sum is written there.
             self.grad_shard = self.grad_flat[lo:hi]
-            self.own_index = own_index
+            # Where the other ranks leave their parts of this shard (fixed: views, set up once).
+            self.others = [g[lo:hi] for j, g in enumerate(peer_grads) if j != own_index]
             self._cut_at_shard(lo, hi)
         self.shard_grad = self.grad_shard if self.wire_dtype == self.dtype else torch.empty_like(mine)
 
@@ -167,9 +166,7 @@ class _ShardBucket:
     def sum_shard_of_peers(self, scale: float) -> None:
         """This rank's shard of the node's gradient sum: the other ranks' parts, read from their
         shared buffers (already times ``scale``), plus this rank's own part times ``scale``."""
-        lo, hi = self.rank * self.k, (self.rank + 1) * self.k
-        others = [g[lo:hi] for j, g in enumerate(self.peer_grads) if j != self.own_index]
-        out = self.grad_shard
+        others, out = self.others, self.grad_shard
         if len(others) == 1:
             # Two ranks: one pass over the shard, each element read twice and written once.
             other = others[0]
@@ -226,10 +223,8 @@ IMPLEMENTATION_FLAGS = ("fused", "foreach")
 
 
 def _build_inner(cls: type, shard_params: list[torch.nn.Parameter], group: dict) -> torch.optim.Optimizer:
-    """An optimizer of ``cls`` over the shard parameters of one group, with its hyperparameters.
-
-    One per group, not one per bucket: a ``step()`` costs some 200 us of Python around the kernel
-    when it runs cold between forward and backward, as much as Adam's update of a 1 MB shard.
+    """An optimizer of ``cls`` over some shard parameters of one group, with its hyperparameters
+    (the caller decides which shards share one: see the sharded optimizer's constructor).
 
     A shard is one large flat tensor, which is what torch's fused kernels are for (Adam's update in
     one pass over memory instead of several: 2-3x faster on CPU). So where the user left the kernel
@@ -314,9 +309,11 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             for b in self._buckets:
                 b.place()
         # On one node the shards are all updated at once: one inner optimizer per group (and dtype
-        # and device, which one fused kernel call needs alike). Elsewhere each bucket is updated as
-        # its reduce-scatter lands, so that its all-gather overlaps the next buckets' updates: one
-        # inner optimizer per bucket (one over the group would walk all its shards every time).
+        # and device, which one fused kernel call needs alike), as each step() costs some 200 us of
+        # Python when it runs cold between forward and backward, as much as Adam on a 1 MB shard.
+        # Elsewhere each bucket is updated as its reduce-scatter lands, so that its all-gather
+        # overlaps the next buckets' updates: one inner optimizer per bucket (one over the group
+        # would walk all its shards every time).
         self._inner = {}
         for i, b in enumerate(self._buckets):
             b.point_params()
@@ -442,6 +439,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             >>> norm = optimizer.clip_grad_norm_(1.0)
             >>> optimizer.step()
         """
+        norm_type = float(norm_type)
+        if norm_type <= 0:
+            raise ValueError(f"clip_grad_norm_: norm_type must be positive (2.0, inf, ...), not {norm_type}")
         if not self._reduced:
             self._take_gradients()
             if self._arena is not None:
@@ -451,9 +451,6 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
                     self._finish_reduce_scatter(b)
             self._reduced = True
         grads = [b.shard_grad for b in self._buckets]
-        norm_type = float(norm_type)
-        if norm_type <= 0:
-            raise ValueError(f"clip_grad_norm_: norm_type must be positive (2.0, inf, ...), not {norm_type}")
         device = grads[0].device if grads else torch.device("cpu")
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type).to(device, torch.float64) for g in grads]) \
             if grads else torch.zeros(1, dtype=torch.float64)
