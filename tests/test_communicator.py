@@ -1,9 +1,11 @@
 """The communicator over real gloo, in real multi-process jobs started by torchmn run and torchrun."""
+import datetime
 import subprocess
 import sys
 
 import pytest
 
+import torchmn
 from jobs import WORKERS, clean_env, run_job
 
 CHECKS = WORKERS / "comm_checks.py"
@@ -60,6 +62,13 @@ def test_unknown_name_is_refused():
     proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True,
                           timeout=60)
     assert "unknown communicator 'fastest'" in proc.stdout and "flat" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("timeout, error", [("5", TypeError), (0, ValueError), (datetime.timedelta(0), ValueError),
+                                            (True, TypeError)])
+def test_bad_timeout_is_refused_before_anything_starts(timeout, error):
+    with pytest.raises(error, match="timeout must be"):
+        torchmn.create_communicator(timeout=timeout)
 
 
 def test_stale_file_rendezvous_is_refused(tmp_path):

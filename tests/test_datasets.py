@@ -1,7 +1,10 @@
 """scatter_dataset, scatter_index, create_empty_dataset: in one process, and across real ranks."""
+import collections
+import dataclasses
 import pickle
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -9,6 +12,7 @@ from workers.data_jobs import all_checks_output
 from torchmn.communicators import make_communicator
 from torchmn.datasets import (DatasetPart, SharedDataset, create_empty_dataset, is_shared, scatter_dataset,
                               scatter_index)
+from torchmn.datasets.scatter import _bounds
 
 CHECKS = ["scatter", "scatter_chunks", "scatter_errors", "scatter_index"]
 
@@ -23,24 +27,33 @@ def test_across_ranks(np, check):
     assert f"PASS {check} " in all_checks_output(np)
 
 
+def ranges_of(n, size, **kw):
+    """Every rank's scatter_index range, as the rule gives them (no ranks needed)."""
+    return [_bounds(n, size, r, **kw) for r in range(size)]
+
+
 def test_scatter_index_uneven_three_ranks():
-    ranges = [scatter_index(10, SimpleNamespace(rank=r, size=3), force_equal_length=False) for r in range(3)]
-    assert ranges == [(0, 4), (4, 7), (7, 10)]
+    assert ranges_of(10, 3, force_equal_length=False) == [(0, 4), (4, 7), (7, 10)]
 
 
 def test_scatter_index_equal_length_overlaps_and_stays_in_range():
-    ranges = [scatter_index(10, SimpleNamespace(rank=r, size=4)) for r in range(4)]
-    assert ranges == [(0, 3), (2, 5), (5, 8), (7, 10)]
+    assert ranges_of(10, 4, force_equal_length=True) == [(0, 3), (2, 5), (5, 8), (7, 10)]
     for n in range(0, 30):
         for size in range(1, 7):
-            ranges = [scatter_index(n, SimpleNamespace(rank=r, size=size)) for r in range(size)]
+            ranges = ranges_of(n, size, force_equal_length=True)
             assert all(e - b == -(-n // size) and e <= n for b, e in ranges), (n, size, ranges)
             assert set().union(*(range(b, e) for b, e in ranges)) == set(range(n))
 
 
-def test_scatter_index_rejects_negative():
+def test_scatter_index_in_one_process():
+    assert scatter_index(7, solo()) == (0, 7)
+    assert scatter_index(np.int64(5), solo(), 0, force_equal_length=False) == (0, 5)
     with pytest.raises(ValueError, match="n_total"):
-        scatter_index(-1, SimpleNamespace(rank=0, size=2))
+        scatter_index(-1, solo())
+    with pytest.raises(ValueError, match="integer"):
+        scatter_index(None, solo())
+    with pytest.raises(TypeError):
+        scatter_index(10, solo(), 0, False)  # force_equal_length is keyword-only, as in ChainerMN
 
 
 def test_scatter_single_rank_is_whole_dataset():
@@ -101,13 +114,48 @@ def test_create_empty_dataset():
         empty[5]
 
 
-def test_tensor_dataset_rows_travel_without_their_whole_storage():
-    import pickle
+def test_indices_may_be_numpy_integers_and_slices():
+    part = DatasetPart(["x", "y", "z"], [2, 0, 1])
+    assert part[np.int64(1)] == "x" and part[torch.tensor(2)] == "y"
+    assert part[1:] == ["x", "y"] and part[::-1] == ["y", "x", "z"]
+    empty = create_empty_dataset(range(6))
+    assert empty[np.int64(-1)] == () and empty[2:5] == [(), (), ()]
+    sampler = torch.utils.data.SubsetRandomSampler(np.arange(6))  # yields numpy integers
+    assert [empty[i] for i in sampler] == [()] * 6 and len(list(torch.utils.data.DataLoader(empty, sampler=sampler))) == 6
+    with pytest.raises(TypeError, match="integers or slices"):
+        empty["a"]
 
-    import torch
 
-    from torchmn.datasets.scatter import _compact
-    ds = torch.utils.data.TensorDataset(torch.randn(4000, 784), torch.arange(4000))
-    sample = _compact(ds[7])
-    assert len(pickle.dumps(sample)) < 10_000  # one row (3 KB), not the 12.5 MB table
-    assert torch.equal(sample[0], ds[7][0]) and sample[1] == 7
+Row = collections.namedtuple("Row", "x y")
+
+
+@dataclasses.dataclass
+class Sample:
+    x: torch.Tensor
+    y: int
+
+
+class Batch(dict):
+    pass
+
+
+def test_tensor_views_travel_without_their_whole_storage():
+    from torchmn.communicators._pickle import dumps
+
+    table = torch.randn(4000, 784)  # 12.5 MB; one row is 3 KB
+    ds = torch.utils.data.TensorDataset(table, torch.arange(4000))
+    for sample in (ds[7], Row(table[7], 7), Sample(table[7], 7), Batch(x=table[7], y=7), [[table[7]]],
+                   table[7:8].t()):
+        blob = dumps(sample)
+        assert len(blob) < 10_000, type(sample)
+        again = pickle.loads(blob)
+        assert type(again) is type(sample)  # nothing is rebuilt as a plain tuple or dict
+    assert torch.equal(pickle.loads(dumps(Row(table[7], 7))).x, table[7])
+    assert torch.equal(pickle.loads(dumps(table[7:8].t())), table[7:8].t())
+    shared = table[3]
+    a, b = pickle.loads(dumps((shared, shared)))
+    assert a is b  # one view sent once
+    leaf = torch.zeros(3, requires_grad=True)
+    assert pickle.loads(dumps(leaf)).requires_grad
+    whole = table[:10].clone()  # pickled as pickle would: not copied again
+    assert len(dumps(whole)) == len(pickle.dumps(whole, protocol=pickle.HIGHEST_PROTOCOL))

@@ -118,9 +118,16 @@ def test_data_dir_files(idx_dir):
     raw = data.read_idx(idx_dir / "train-images-idx3-ubyte.gz")
     assert raw.shape == (300, 28, 28)
     assert np.allclose(train[5][0].numpy(), raw[5].reshape(-1) / 255.0)
+    for bad in (0, -5, 301):
+        with pytest.raises(ValueError, match="--n-train must be between 1 and 300"):
+            data.load_mnist(n_train=bad, data_dir=str(idx_dir))
     (idx_dir / "t10k-labels-idx1-ubyte").unlink()
     with pytest.raises(FileNotFoundError, match="t10k-labels-idx1-ubyte"):
         data.load_mnist(data_dir=str(idx_dir))
+    whole = (idx_dir / "t10k-images-idx3-ubyte").read_bytes()
+    (idx_dir / "t10k-images-idx3-ubyte").write_bytes(whole[:-16])
+    with pytest.raises(ValueError, match="t10k-images-idx3-ubyte is damaged or truncated"):
+        data.read_idx(idx_dir / "t10k-images-idx3-ubyte")
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 20)

@@ -55,11 +55,19 @@ def test_observation_aggregator_single_rank(tmp_path):
     seen = []
     manager = manager_for(torch.nn.Linear(1, 1), tmp_path, 2, iters_per_epoch=2)
     manager.extend(ObservationAggregator(solo(), "loss", aggregator=max))
-    manager.extend(lambda m: seen.append(m.observation.get("loss")), trigger=(1, "iteration"))
+    manager.extend(ObservationAggregator(solo(), "loss", "loss/epoch", comm_trigger=(1, "epoch")))
+    manager.extend(lambda m: seen.append((m.observation.get("loss"), m.observation.get("loss/epoch"))),
+                   trigger=(1, "iteration"))
     while not manager.stop_trigger:
         with manager.run_iteration():
             ppe.reporting.report({"loss": torch.tensor(float(manager.iteration))})
-    assert seen[1] == 0.5 and seen[3] == 2.5   # in-place key replaced by the aggregate at epoch ends
+    # in place every iteration (ChainerMN's default); under a new key at the ends of epochs
+    assert seen == [(0.0, None), (1.0, 0.5), (2.0, None), (3.0, 2.5)], seen
+
+
+def test_observation_aggregator_refuses_to_mix_local_and_global_values():
+    with pytest.raises(ValueError, match="in place needs comm_trigger"):
+        ObservationAggregator(solo(), "loss", comm_trigger=(1, "epoch"))
 
 
 def test_allreduce_persistent_single_rank_keeps_values():

@@ -49,6 +49,9 @@ def load_mnist(n_train: Optional[int] = None, data_dir: Optional[str] = None) ->
         x_train, y_train = _read_idx_pair(Path(data_dir), "train")
         x_val, y_val = _read_idx_pair(Path(data_dir), "t10k")
         if n_train is not None:
+            if not 0 < n_train <= len(x_train):
+                raise ValueError(f"--n-train must be between 1 and {len(x_train)} for the {len(x_train)} "
+                                 f"training images in {data_dir}, not {n_train}")
             x_train, y_train = x_train[:n_train], y_train[:n_train]
     else:
         x, y = _read_bundled()
@@ -92,7 +95,11 @@ def read_idx(path: Path) -> np.ndarray:
     if zero != 0 or dtype_code != 0x08:
         raise ValueError(f"{path} is not an IDX file of unsigned bytes (header {data[:4].hex()})")
     shape = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
-    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim).reshape(shape)
+    payload = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
+    if payload.size != int(np.prod(shape)):
+        raise ValueError(f"{path} is damaged or truncated: its header promises {shape} = {int(np.prod(shape))} "
+                         f"bytes, but {payload.size} follow it; download it again")
+    return payload.reshape(shape)
 
 
 def _read_idx_pair(data_dir: Path, split: str) -> tuple[np.ndarray, np.ndarray]:

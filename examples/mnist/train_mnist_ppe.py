@@ -88,7 +88,8 @@ def main():
     # On every rank (they communicate). Order within an epoch's end: buffers, validation, aggregation.
     manager.extend(torchmn.extensions.AllreducePersistent(model, comm))
     manager.extend(validation, name="validation", trigger=(1, "epoch"), priority=ppe.training.PRIORITY_WRITER)
-    manager.extend(torchmn.extensions.ObservationAggregator(comm, "main/loss_local", "main/loss"))
+    manager.extend(torchmn.extensions.ObservationAggregator(  # one allgather an epoch, not one a batch
+        comm, "main/loss_local", "main/loss", comm_trigger=(1, "epoch")))
     # On rank 0 only: reporting.
     if comm.rank == 0:
         keys = ["epoch", "iteration", "main/loss", "validation/main/loss", "validation/main/accuracy",

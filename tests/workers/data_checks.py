@@ -5,9 +5,11 @@ DIR is a scratch directory every rank can write (snapshots, manager output). Eac
 every rank and prints "PASS <check> <seconds>s" on rank 0 once every rank has passed it.
 """
 import argparse
+import collections
 import math
 import os
 import time
+import warnings
 
 import pytorch_pfn_extras as ppe
 import torch
@@ -19,6 +21,7 @@ from torchmn.datasets import SharedDataset, scatter_dataset, scatter_index
 from torchmn.evaluators import GenericMultiNodeEvaluator, create_multi_node_evaluator
 from torchmn.extensions import (AllreducePersistent, MultiNodeEarlyStoppingTrigger, ObservationAggregator,
                                 available_iterations, multi_node_snapshot, resume_latest)
+from torchmn.extensions.snapshot import DEFAULT_FILENAME, snapshot_path
 from torchmn.iterators import create_multi_node_iterator
 
 
@@ -116,6 +119,18 @@ def check_scatter_chunks(comm):
     for k, i in enumerate(part.indices):
         assert torch.equal(part[k], torch.full((256,), float(i))), (k, i)
     assert len(part) == 7
+    # Samples holding rows of one big tensor, in a namedtuple: each arrives as its row alone,
+    # still a namedtuple.
+    table = torch.arange(n * 1000.0).reshape(n, 1000)
+    data = [Row(table[i], i) for i in range(n)] if comm.rank == 0 else None
+    part = scatter_dataset(data, comm, force_equal_length=False)
+    for k, i in enumerate(part.indices):
+        assert type(part[k]) is Row and torch.equal(part[k].x, table[i]) and part[k].y == i
+        if comm.rank != 0:
+            assert part[k].x.untyped_storage().nbytes() == 4000
+
+
+Row = collections.namedtuple("Row", "x y")
 
 
 def check_scatter_errors(comm):
@@ -141,6 +156,14 @@ def check_scatter_index(comm):
     if comm.size == 3:
         expected = [(0, 4), (4, 7), (7, 10)]
         assert scatter_index(10, comm, force_equal_length=False) == expected[comm.rank]
+    # ChainerMN's way: only root's count matters, the third argument is root
+    last = comm.size - 1
+    assert scatter_index(10 if comm.rank == last else None, comm, last) == scatter_index(10, comm)
+    try:
+        scatter_index(-3 if comm.rank == last else 10, comm, root=last)
+        raise AssertionError("a negative count on root must raise")
+    except ValueError as e:
+        assert "n_total must be >= 0" in str(e) and f"rank {comm.rank}" in str(e), e
     for n in range(0, 4 * comm.size + 2):
         ranges = comm.allgather_obj(scatter_index(n, comm))
         n_sub = -(-n // comm.size)
@@ -259,6 +282,30 @@ def check_iterator(comm):
     e = expect_raise(lambda: got.extend(it), OSError, RemoteRankError)
     assert "disk gone" in str(e) and isinstance(e, OSError) == (comm.rank == 0), e
     assert [int(t) for t in got] == [0]
+    # Batch types survive (a dict subclass stays one); a view travels without its whole storage.
+    table = torch.arange(200_000.0).reshape(1000, 200)  # 800 KB; a batch of 2 rows is 1.6 KB
+    typed = [Batch(x=rows, n=i) for i, rows in enumerate(torch.split(table, 2))][:3]
+    it = create_multi_node_iterator(iter(typed) if comm.rank == 0 else None, comm)
+    got = list(it)
+    assert [type(b) for b in got] == [Batch] * 3 and all(_same(b, t) for b, t in zip(got, typed)), got
+    if comm.rank != 0:
+        assert all(b["x"].untyped_storage().nbytes() == 1600 for b in got)
+    # A batch that cannot be pickled fails on every rank at once, not at the timeout.
+
+    def unpicklable():
+        yield torch.tensor(0)
+        yield lambda: None
+
+    start = time.monotonic()
+    got = []
+    e = expect_raise(lambda: got.extend(create_multi_node_iterator(unpicklable() if comm.rank == 0 else None, comm)),
+                     Exception)
+    assert time.monotonic() - start < 10 and "pickle" in str(e).lower() and len(got) == 1, (e, got)
+    assert isinstance(e, RemoteRankError) == (comm.rank != 0), e
+
+
+class Batch(dict):
+    pass
 
 
 # ----------------------------------------------------------------------------- extensions
@@ -284,14 +331,19 @@ def check_early_stopping(comm, tmp):
 def check_observation_aggregator(comm, tmp):
     seen = []
     manager = _manager(torch.nn.Linear(2, 2), 2, 2, os.path.join(tmp, f"oa{comm.rank}"))
-    manager.extend(ObservationAggregator(comm, "loss", "loss/global", trigger=(1, "epoch")))
-    manager.extend(lambda m: seen.append(m.observation.get("loss/global")), trigger=(1, "iteration"))
+    manager.extend(ObservationAggregator(comm, "loss", "loss/global", comm_trigger=(1, "epoch")))
+    manager.extend(ObservationAggregator(comm, "loss"))  # in place, every iteration
+    manager.extend(lambda m: seen.append((m.observation.get("loss"), m.observation.get("loss/global"))),
+                   trigger=(1, "iteration"))
+    log = ppe.training.extensions.LogReport(trigger=(1, "epoch"), filename=None)
+    manager.extend(log)
     while not manager.stop_trigger:
         with manager.run_iteration():
             ppe.reporting.report({"loss": float(comm.rank + manager.iteration)})
-    # Epoch e (0-based) reports rank + 2e and rank + 2e + 1 on each rank.
-    mean_rank = (comm.size - 1) / 2
-    assert seen == [None, mean_rank + 0.5, None, mean_rank + 2.5], seen
+    # Iteration i reports rank + i on each rank; epoch e (0-based) holds iterations 2e and 2e + 1.
+    r = (comm.size - 1) / 2
+    assert seen == [(r, None), (r + 1, r + 0.5), (r + 2, None), (r + 3, r + 2.5)], seen
+    assert [entry["loss"] for entry in log.log] == [r + 0.5, r + 2.5], log.log  # global means, not mixed
 
 
 def check_allreduce_persistent(comm, tmp):
@@ -337,6 +389,18 @@ def check_snapshot(comm, tmp):
     # resume_latest on a plain object; no common snapshot gives None everywhere.
     other = torch.nn.Linear(2, 1)
     assert resume_latest(other, comm, os.path.join(tmp, "nothing")) is None
+    # Only some ranks have snapshots (as after the job grew): a fresh start, and rank 0 says why.
+    partial = os.path.join(tmp, "partial")
+    if comm.rank == 0:
+        os.makedirs(partial)
+        torch.save(other.state_dict(), snapshot_path(partial, DEFAULT_FILENAME, 5, 0))
+    comm.barrier()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resume_latest(other, comm, partial) is None
+    said = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(said) == (comm.rank == 0), said
+    assert not said or ("rank(s) 0 have some, up to iteration 5" in said[0] and "more ranks" in said[0]), said
     e = expect_raise(lambda: multi_node_snapshot(comm, filename="snap_{iteration}"), ValueError)
     assert "{rank}" in str(e)
 

@@ -4,7 +4,6 @@ Usage: python hang_jobs.py COMMUNICATOR {collective,optimizer} [SLEEPER]
 Rank SLEEPER (default 1) skips one call and sleeps; the others print "NAMED <error>" when the
 timeout (5 s, which also bounds start-up skew) hits.
 """
-import datetime
 import sys
 import time
 
@@ -14,7 +13,7 @@ import torchmn
 
 name, where = sys.argv[1], sys.argv[2]
 sleeper = int(sys.argv[3]) if len(sys.argv) > 3 else 1
-comm = torchmn.create_communicator(name, timeout=datetime.timedelta(seconds=5))
+comm = torchmn.create_communicator(name, timeout=5)  # seconds
 comm.allreduce(torch.ones(3))  # everyone is here once
 model = torch.nn.Linear(4, 2)
 opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Optional
+from typing import Optional, Union
 
 import torch.distributed as dist
 
@@ -45,14 +45,16 @@ def make_communicator(name: str, **kwargs) -> Communicator:
 
 
 def create_communicator(name: str = "auto", backend: Optional[str] = None,
-                        timeout: Optional[datetime.timedelta] = None,
+                        timeout: Union[datetime.timedelta, float, None] = None,
                         init_method: Optional[str] = None,
                         bucket_cap_mb: Optional[float] = None) -> Communicator:
     """The communicator for this job, setting up ``torch.distributed`` if nobody has yet.
 
     Detects how the job was launched (``torchmn run``, torchrun, Slurm, Open MPI, MPICH, or a plain
     ``python script.py``, a world of one that opens no port), applies the per-rank CPU thread budget,
-    and reuses a default process group the script already initialised.
+    and reuses a default process group the script already initialised. ``timeout`` (a
+    ``datetime.timedelta`` or seconds; default ``TORCHMN_TIMEOUT``, else 600 s) is how long a
+    collective waits for the other ranks before raising :class:`CollectiveTimeoutError`.
 
     Example::
 
@@ -64,6 +66,7 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
     from torchmn import resources
 
     _resolve(name)  # an unknown name fails before anything starts
+    timeout = _as_timedelta(timeout)
     env = detect_environment()
     resources.apply_thread_budget(env.local_size)
     owns = False
@@ -89,6 +92,19 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
     cls = _resolve(name, backend, size)
     return cls(rank=rank, size=size, group=group, obj_group=obj_group, backend=backend,
                node_key=node_key, owns_world=owns, **kwargs)
+
+
+def _as_timedelta(timeout) -> Optional[datetime.timedelta]:
+    if timeout is None or isinstance(timeout, datetime.timedelta):
+        seconds = None if timeout is None else timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds, timeout = timeout, datetime.timedelta(seconds=timeout)
+    else:
+        raise TypeError(f"create_communicator: timeout must be seconds or a datetime.timedelta, "
+                        f"not {type(timeout).__name__}")
+    if seconds is not None and not seconds > 0:
+        raise ValueError(f"create_communicator: timeout must be positive, not {seconds} s")
+    return timeout
 
 
 __all__ = ["Communicator", "CollectiveMismatchError", "CollectiveTimeoutError", "RemoteRankError", "NaiveCommunicator",

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from torchmn.communicators import _wire, watch
+from torchmn.communicators._pickle import dumps
 from torchmn.communicators.errors import CollectiveMismatchError, RemoteRankError
 
 _OPS = {
@@ -391,7 +392,7 @@ class Communicator(abc.ABC):
 
     # ----------------------------------------------------------------------------- objects
     def _dump(self, obj: Any) -> torch.Tensor:
-        return torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+        return torch.frombuffer(bytearray(dumps(obj)), dtype=torch.uint8)
 
     @staticmethod
     def _load(buf: torch.Tensor) -> Any:

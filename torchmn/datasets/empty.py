@@ -1,6 +1,9 @@
 """A placeholder dataset: the right length, nothing inside."""
 from __future__ import annotations
 
+import operator
+from typing import Any
+
 from torch.utils.data import Dataset
 
 
@@ -13,9 +16,13 @@ class EmptyDataset(Dataset):
     def __len__(self) -> int:
         return self._n
 
-    def __getitem__(self, i: int) -> tuple:
-        if not isinstance(i, int):
-            raise TypeError(f"EmptyDataset indices must be integers, not {type(i).__name__}")
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):  # ChainerMN's empty dataset is a list: slicing gives a list
+            return [()] * len(range(*i.indices(self._n)))
+        try:
+            i = operator.index(i)  # numpy and 0-d tensor integers too, as samplers may yield them
+        except TypeError:
+            raise TypeError(f"EmptyDataset indices must be integers or slices, not {type(i).__name__}") from None
         if i < 0:
             i += self._n
         if not 0 <= i < self._n:

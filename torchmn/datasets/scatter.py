@@ -13,12 +13,14 @@ Two ways a part reaches its rank:
 """
 from __future__ import annotations
 
+import operator
 import pickle
 from typing import Any, Optional, Sequence
 
 import torch
 from torch.utils.data import Dataset
 
+from torchmn.communicators._pickle import dumps
 from torchmn.communicators.errors import RemoteRankError
 
 DEFAULT_MAX_BUF_LEN = 256 * 1024 * 1024
@@ -63,8 +65,11 @@ class DatasetPart(Dataset):
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __getitem__(self, i: int) -> Any:
+    def __getitem__(self, i: Any) -> Any:
         n = len(self.indices)
+        if isinstance(i, slice):  # as for a list (and ChainerMN's SubDataset): a list of items
+            return [self[j] for j in range(*i.indices(n))]
+        i = operator.index(i)  # numpy and 0-d tensor integers too, as samplers may yield them
         j = i + n if i < 0 else i
         if not 0 <= j < n:
             raise IndexError(f"index {i} out of range for a dataset part of length {n}")
@@ -81,25 +86,38 @@ def _bounds(n_total: int, size: int, rank: int, force_equal_length: bool) -> tup
     return begin, begin + q + (1 if rank < r else 0)
 
 
-def scatter_index(n_total: int, comm, force_equal_length: bool = True) -> tuple[int, int]:
-    """This rank's ``(begin, end)`` range of ``range(n_total)``; no communication.
+def scatter_index(n_total: Optional[int], comm, root: int = 0, *, force_equal_length: bool = True) -> tuple[int, int]:
+    """This rank's ``(begin, end)`` range of ``range(n_total)``, ``n_total`` being root's.
 
-    ``force_equal_length=True`` (ChainerMN's rule): every range has ``ceil(n_total / size)``
-    indices and starts at ``floor(n_total * rank / size)``, so neighbouring ranges overlap by a
-    few indices when ``size`` does not divide ``n_total``. ``end`` never exceeds ``n_total`` (the
-    last range ends exactly there), so no index needs wrapping. ``False``: the ranges do not
-    overlap and cover ``range(n_total)`` exactly; the first ``n_total % size`` ranks get one more.
+    ChainerMN's signature and rule: every rank calls it together; only root's ``n_total`` counts,
+    so the others may pass ``None`` (when only root knows the length) or anything else.
+    ``force_equal_length=True``: every range has ``ceil(n_total / size)`` indices and starts at
+    ``floor(n_total * rank / size)``, so neighbouring ranges overlap by a few indices when
+    ``size`` does not divide ``n_total``; ``end`` never exceeds ``n_total``. ``False``: the
+    ranges do not overlap and cover ``range(n_total)`` exactly; the first ``n_total % size``
+    ranks get one more.
 
     Example::
 
         >>> torchmn.scatter_index(10, comm, force_equal_length=False)   # 3 ranks
         (0, 4) on rank 0, (4, 7) on rank 1, (7, 10) on rank 2
-        >>> torchmn.scatter_index(10, comm)                              # 3 ranks
+        >>> torchmn.scatter_index(10 if comm.rank == 0 else None, comm) # 3 ranks
         (0, 4) on rank 0, (3, 7) on rank 1, (6, 10) on rank 2
     """
-    if n_total < 0:
-        raise ValueError(f"scatter_index: n_total must be >= 0, not {n_total}")
-    return _bounds(int(n_total), comm.size, comm.rank, force_equal_length)
+    comm._check_peer(root, "root")
+    problem = None
+    if comm.rank == root:
+        try:
+            n_total = operator.index(n_total)
+            if n_total < 0:
+                problem = f"n_total must be >= 0, not {n_total}"
+        except TypeError:
+            problem = f"root rank {root}'s n_total must be an integer, not {type(n_total).__name__}"
+    if comm.size > 1:
+        problem, n_total = comm.bcast_obj((problem, n_total) if comm.rank == root else None, root=root)
+    if problem:
+        raise ValueError(f"scatter_index: {problem} (raised on rank {comm.rank})")
+    return _bounds(n_total, comm.size, comm.rank, force_equal_length)
 
 
 def _claim(dataset: Any, comm, root: int) -> dict:
@@ -130,29 +148,13 @@ def _order(n: int, shuffle: bool, seed: Optional[int]) -> torch.Tensor:
     return torch.randperm(n, generator=g, dtype=torch.int64)
 
 
-def _compact(sample: Any) -> Any:
-    """The sample with every tensor view cloned: pickling a row of a big tensor (a
-    ``TensorDataset`` item) would otherwise send the big tensor's whole storage."""
-    if isinstance(sample, torch.Tensor):
-        if sample.untyped_storage().nbytes() > sample.numel() * sample.element_size():
-            return sample.clone()
-        return sample
-    if isinstance(sample, tuple) and not hasattr(sample, "_fields"):
-        return tuple(_compact(x) for x in sample)
-    if isinstance(sample, list):
-        return [_compact(x) for x in sample]
-    if isinstance(sample, dict):
-        return {k: _compact(v) for k, v in sample.items()}
-    return sample
-
-
 def _send_part(comm, dataset: Any, indices: list[int], dest: int, max_buf_len: int) -> None:
     """Stream ``dataset[indices]`` to ``dest``: pickled once per sample, packed into bounded chunks."""
     comm.send_obj(("part", indices), dest, tag=_TAG)
     chunk: list[bytes] = []
     nbytes = 0
     for i in indices:
-        blob = pickle.dumps(_compact(dataset[i]), protocol=pickle.HIGHEST_PROTOCOL)
+        blob = dumps(dataset[i])  # a row of a big tensor travels without the big tensor
         if chunk and nbytes + len(blob) > max_buf_len:
             comm.send_obj(("chunk", chunk), dest, tag=_TAG)
             chunk, nbytes = [], 0

@@ -6,6 +6,7 @@ from typing import Any, Callable, Optional, Sequence
 from pytorch_pfn_extras import reporting
 from pytorch_pfn_extras.training import extension
 from pytorch_pfn_extras.training import trigger as trigger_module
+from pytorch_pfn_extras.training.triggers import IntervalTrigger
 
 from torchmn.extensions._values import to_float
 
@@ -17,31 +18,47 @@ def mean(values: Sequence[float]) -> float:
 class ObservationAggregator(extension.Extension):
     """Report ``aggregated_key``: the value observed under ``original_key``, aggregated over ranks.
 
-    Runs every iteration (its default ``trigger``) to collect this rank's observations of
-    ``original_key``; whenever ``trigger`` fires it reduces them to this rank's mean over the
-    interval, gathers every rank's mean and reports ``aggregator(list_of_rank_means)`` (by default
-    their mean) under ``aggregated_key`` (``original_key`` when ``None``, i.e. replaced in place).
-    Ranks that observed nothing in the interval are left out; when none did, nothing is
-    reported. Its priority is ``PRIORITY_EDITOR``: after evaluators report, before ``LogReport``
-    reads. Every rank must register it with the same triggers.
+    ChainerMN's extension, with its signature. It runs every iteration to collect this rank's
+    observations of ``original_key``; whenever ``comm_trigger`` fires (by default every
+    iteration) it reduces them to this rank's mean over the interval, gathers every rank's mean
+    and reports ``aggregator(list_of_rank_means)`` (by default their mean) under
+    ``aggregated_key``, which defaults to ``original_key`` (the local value is replaced in place).
+    Ranks that observed nothing in the interval are left out; when none did, nothing is reported.
+    Its priority is ``PRIORITY_EDITOR``: after evaluators report, before ``LogReport`` reads.
+    Every rank must register it with the same triggers.
+
+    Replacing in place needs ``comm_trigger`` to fire every iteration: otherwise ``LogReport``
+    would average the global value of one iteration with local values of the others, so that
+    combination is refused. With a coarser ``comm_trigger`` (one allgather per epoch instead of
+    per iteration), report under a new key.
 
     Example::
 
+        >>> manager.extend(torchmn.extensions.ObservationAggregator(comm, "main/loss"))
         >>> manager.extend(torchmn.extensions.ObservationAggregator(
-        ...     comm, "train/loss", "train/loss/global", trigger=(1, "epoch")))
+        ...     comm, "main/loss", "main/loss/global", comm_trigger=(1, "epoch")))
     """
 
     trigger = 1, "iteration"
     priority = extension.PRIORITY_EDITOR
 
-    def __init__(self, comm, original_key: str, aggregated_key: Optional[str] = None,
-                 trigger: Any = (1, "epoch"),
-                 aggregator: Callable[[Sequence[float]], Any] = mean):
+    def __init__(self, comm, original_key: str, aggregated_key: Optional[str] = None, *,
+                 comm_trigger: Any = (1, "iteration"),
+                 aggregator: Optional[Callable[[Sequence[float]], Any]] = None):
         self.comm = comm
         self.original_key = original_key
         self.aggregated_key = original_key if aggregated_key is None else aggregated_key
-        self.comm_trigger = trigger_module.get_trigger(trigger)
-        self.aggregator = aggregator
+        self.comm_trigger = trigger_module.get_trigger(comm_trigger)
+        every_iteration = isinstance(self.comm_trigger, IntervalTrigger) \
+            and (self.comm_trigger.period, self.comm_trigger.unit) == (1, "iteration")
+        if self.aggregated_key == original_key and not every_iteration:
+            raise ValueError(
+                f"ObservationAggregator: replacing {original_key!r} in place needs comm_trigger=(1, 'iteration'), "
+                f"not {comm_trigger!r}: LogReport would mix one iteration's global value with the other "
+                f"iterations' local ones. Pass a new aggregated_key, e.g. "
+                f"ObservationAggregator(comm, {original_key!r}, {original_key + '/global'!r}, "
+                f"comm_trigger={comm_trigger!r})")
+        self.aggregator = mean if aggregator is None else aggregator
         self._values: list[float] = []
 
     def __call__(self, manager) -> None:

@@ -15,6 +15,7 @@ import os
 import re
 import string
 import tempfile
+import warnings
 from typing import Any, Callable, Optional
 
 import torch
@@ -130,6 +131,18 @@ def resume_latest(target: Any, comm, out_dir: str, filename: str = DEFAULT_FILEN
     everyone = comm.allgather_obj(sorted(mine))
     common = set(everyone[0]).intersection(*everyone[1:])
     if not common:
+        have = [r for r, its in enumerate(everyone) if its]
+        if have and comm.rank == 0:
+            lack = [r for r, its in enumerate(everyone) if not its]
+            newest = max(max(everyone[r]) for r in have)
+            warnings.warn(
+                f"resume_latest: no snapshot iteration in {out_dir} is common to all {comm.size} ranks "
+                f"(rank(s) {_ranks(have)} have some, up to iteration {newest}; rank(s) {_ranks(lack) or 'none'} "
+                f"have none), so training starts afresh and may overwrite them. If a rank crashed before "
+                f"its first snapshot, that is right. If the job now has more ranks than when they were "
+                f"written, each new rank needs a file of its own: copy one rank's snapshot to the new "
+                f"ranks' names (data-parallel ranks hold the same model) or move the old ones away.",
+                RuntimeWarning, stacklevel=2)
         return None
     iteration = max(common)
     error = None
@@ -144,6 +157,10 @@ def resume_latest(target: Any, comm, out_dir: str, filename: str = DEFAULT_FILEN
                    f"({snapshot_path(out_dir, filename, iteration, r)}): {why}; raised on rank {comm.rank}")
         raise (RuntimeError if r == comm.rank else RemoteRankError)(message)
     return iteration
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
 
 
 class MultiNodeSnapshot(extension.Extension):

@@ -1,26 +1,13 @@
 """One rank reads the data, every rank gets the same batches."""
 from __future__ import annotations
 
+import pickle
 from typing import Any, Iterable, Iterator, Optional
 
-import torch
-
+from torchmn.communicators._pickle import dumps
 from torchmn.communicators.errors import RemoteRankError
 
 _BATCH, _STOP, _ERROR = 0, 1, 2
-
-
-def _to_cpu(batch: Any) -> Any:
-    """Tensors inside ``batch`` moved to CPU: a GPU tensor would unpickle onto the receiver's GPU."""
-    if isinstance(batch, torch.Tensor):
-        return batch.cpu()
-    if isinstance(batch, dict):
-        return {k: _to_cpu(v) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_to_cpu(v) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_cpu(v) for v in batch)
-    return batch
 
 
 class MultiNodeIterator:
@@ -62,6 +49,10 @@ class MultiNodeIterator:
             if comm.rank == master:
                 try:
                     batch = next(source)
+                    # Pickled here, so that a batch that cannot be pickled is reported like a
+                    # failing loader. Tensors go to CPU: a GPU tensor would unpickle onto the
+                    # master's GPU index on the receiver.
+                    blob = dumps(batch, to_cpu=True) if comm.size > 1 else None
                 except StopIteration:
                     comm.bcast_obj((_STOP, None), root=master)
                     self.epoch += 1
@@ -69,7 +60,7 @@ class MultiNodeIterator:
                 except Exception as e:
                     comm.bcast_obj((_ERROR, f"{type(e).__name__}: {e}"), root=master)
                     raise
-                comm.bcast_obj((_BATCH, _to_cpu(batch) if comm.size > 1 else None), root=master)
+                comm.bcast_obj((_BATCH, blob), root=master)
                 yield batch
                 continue
             kind, payload = comm.bcast_obj(None, root=master)
@@ -79,7 +70,7 @@ class MultiNodeIterator:
             if kind == _ERROR:
                 raise RemoteRankError(f"multi-node iterator: the loader on master rank {master} failed: "
                                       f"{payload} (raised on rank {comm.rank})")
-            yield payload
+            yield pickle.loads(payload)
 
 
 def create_multi_node_iterator(loader: Optional[Iterable], comm, rank_master: int = 0) -> MultiNodeIterator:
