@@ -4,8 +4,8 @@ import pytest
 from jobs import WORKERS, run_job
 
 CHECKS = WORKERS / "optim_checks.py"
-ALL = ("equivalence", "compression", "double_buffering", "clipping", "unused_parameter",
-       "shared_memory_where_possible", "transparency")
+ALL = ("equivalence", "compression", "double_buffering", "clipping", "unused_parameter", "unused_everywhere",
+       "refusals", "shared_memory_where_possible", "transparency")
 
 
 @pytest.mark.parametrize("name,np", [("hierarchical", 2), ("hierarchical", 3), ("flat", 2), ("naive", 2),

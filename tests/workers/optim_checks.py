@@ -160,6 +160,97 @@ def check_unused_parameter(comm):
     opt.step()
 
 
+def check_unused_everywhere(comm):
+    """A head no rank uses for two steps is left alone as in one process (AdamW would otherwise
+    decay it and move it by its momentum), then trained like the rest once used."""
+    def run(world):
+        torch.manual_seed(0)
+        trunk, head, spare = torch.nn.Linear(6, 4).double(), torch.nn.Linear(4, 3).double(), torch.nn.Linear(4, 3).double()
+        params = list(trunk.parameters()) + list(spare.parameters()) + list(head.parameters())
+        opt = torch.optim.AdamW(params, lr=0.05, weight_decay=0.1)
+        if world is not None:
+            opt = torchmn.create_multi_node_optimizer(opt, world)
+        for step in range(4):
+            x, y = data(step)
+            x, y = (local(x, world), local(y, world)) if world is not None else (x, y)
+            opt.zero_grad()
+            out = head(torch.tanh(trunk(x))) if step != 1 else spare(torch.tanh(trunk(x)))
+            torch.nn.functional.cross_entropy(out, y).backward()
+            opt.step()
+        return trunk, head, spare
+
+    for got, ref in zip(run(comm), run(None)):
+        for p, q in zip(got.parameters(), ref.parameters()):
+            assert torch.allclose(p, q, rtol=1e-9, atol=1e-12), (p - q).abs().max()
+    # a step with no backward at all changes nothing, as in one process
+    model = make_model()
+    opt = torchmn.create_multi_node_optimizer(torch.optim.AdamW(model.parameters(), lr=0.1), comm)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+    assert all(p.grad is None for p in model.parameters())
+    opt.remove_hooks()
+
+
+def check_refusals(comm):
+    """Changes the gradient buckets cannot follow are refused with a message, never run wrongly."""
+    # A parameter unfrozen after wrapping.
+    model = make_model()
+    model[0].weight.requires_grad_(False)
+    opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm)
+    model[0].weight.requires_grad_(True)
+    x, y = data(0)
+    loss_fn(model, local(x, comm), local(y, comm)).backward()
+    e = expect(RuntimeError, opt.step)
+    assert f"rank {comm.rank} on " in str(e) and "frozen" in str(e) and "remove_hooks" in str(e), e
+    opt.remove_hooks()
+    # The same unfrozen parameter after wrapping again: averaged, and the ranks agree.
+    opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm)
+    opt.zero_grad()
+    loss_fn(model, local(x, comm), local(y, comm)).backward()
+    opt.step()
+    mine = model[0].weight.detach().clone()
+    assert all(torch.equal(mine, other) for other in comm.allgather_obj(mine))
+    # A parameter group added to the wrapped optimizer afterwards.
+    extra = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
+    opt._optimizer.add_param_group({"params": [extra]})
+    e = expect(RuntimeError, opt.step)
+    assert "had 6 when" in str(e) and "before wrapping" in str(e), e
+    opt.remove_hooks()
+    # A different model on one rank: every rank is told which, before any gradient moves.
+    if comm.size > 1:
+        odd = torch.nn.Linear(4, 3 if comm.rank != comm.size - 1 else 2)
+        e = expect(torchmn.CollectiveMismatchError,
+                   lambda: torchmn.create_multi_node_optimizer(torch.optim.SGD(odd.parameters(), lr=0.1), comm))
+        assert f"rank(s) [{comm.size - 1}]" in str(e) and "(2, 4) float32 there, (3, 4) float32 on rank 0" in str(e), e
+    # Sparse gradients: refused at backward, naming the layer's kind.
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(emb.parameters(), lr=0.1), comm)
+    e = expect(RuntimeError, lambda: emb(torch.tensor([1, 2])).sum().backward())
+    assert "sparse=False" in str(e), e
+    opt.remove_hooks()
+    # Copies: refused, without breaking the other wrappers of the class.
+    import copy
+    model = make_model()
+    opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm)
+    e = expect(TypeError, lambda: copy.deepcopy(opt))
+    assert "state_dict()" in str(e), e
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.zero_grad()
+    loss_fn(model, local(x, comm), local(y, comm)).backward()
+    opt.step()
+    assert calls == ["pre"], calls
+
+
+def expect(error, fn):
+    try:
+        fn()
+    except error as e:
+        return e
+    raise AssertionError(f"expected {error.__name__}")
+
+
 def check_shared_memory_where_possible(comm):
     """On one node the hierarchical communicator averages through buffers the ranks share; kept
     gradients (zero_grad(set_to_none=False)) then accumulate in them, and the result still matches."""

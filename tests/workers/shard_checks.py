@@ -190,6 +190,32 @@ def check_refusals(comm):
         assert "double_buffering" in str(e), e
     else:
         raise AssertionError("shard_state with double_buffering was accepted")
+    # Step hooks would see shard optimizers, not the model: refused, with what to do instead.
+    opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, shard_state=True)
+    try:
+        opt.register_step_pre_hook(lambda *a: None)
+    except NotImplementedError as e:
+        assert "around optimizer.step()" in str(e), e
+    else:
+        raise AssertionError("a step hook was accepted under shard_state=True")
+    opt.remove_hooks()
+    # A plain Adam checkpoint in which one parameter of a shard has no state yet loads, and rank 0
+    # says that its first updates will differ from one process.
+    plain = torch.optim.Adam(model.parameters(), lr=0.01)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p) if p is not model[-1].bias else None
+    plain.step()
+    for p in model.parameters():
+        p.grad = None
+    opt = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters(), lr=0.01), comm, shard_state=True,
+                                              bucket_cap_mb=100)
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.load_state_dict(plain.state_dict())
+    said = [str(w.message) for w in caught if "optimizer step counts or no state" in str(w.message)]
+    assert len(said) == (comm.rank == 0), [str(w.message) for w in caught]
+    opt.remove_hooks()
 
 
 def check_unused_parameter(comm):

@@ -568,16 +568,29 @@ class Communicator(abc.ABC):
         """
         self._check_peer(root, "root")
         tensors = list(model.parameters()) + list(model.buffers())
+        self._check_same_layout(tensors, "bcast_data: the model's parameters and buffers", root,
+                                "build the same model on every rank")
+        self.bcast_tensors(tensors, root)
+
+    def _check_same_layout(self, tensors: list[torch.Tensor], what: str, root: int, advice: str) -> None:
+        """Raise on every rank, naming the first difference, unless every rank's ``tensors`` have
+        root's count, shapes and dtypes (a collective over them would otherwise hang or mix data)."""
         if self.size == 1:
             return
-        layouts = self.allgather_obj([(tuple(t.shape), str(t.dtype)) for t in tensors])
+        layouts = self.allgather_obj([(tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in tensors])
         bad = [r for r, lay in enumerate(layouts) if lay != layouts[root]]
-        if bad:
-            raise CollectiveMismatchError(
-                f"bcast_data: the model on rank(s) {bad} differs from root rank {root}'s "
-                f"({len(layouts[bad[0]])} vs {len(layouts[root])} tensors, or different shapes/dtypes); "
-                f"build the same model on every rank")
-        self.bcast_tensors(tensors, root)
+        if not bad:
+            return
+        theirs, ours = layouts[bad[0]], layouts[root]
+        diff = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), None)
+        if diff is None:
+            detail = f"{len(theirs)} tensors there, {len(ours)} on rank {root}"
+        else:
+            detail = (f"tensor {diff} is {theirs[diff][0]} {theirs[diff][1]} there, "
+                      f"{ours[diff][0]} {ours[diff][1]} on rank {root}")
+        raise CollectiveMismatchError(
+            f"{what} differ between ranks: rank(s) {bad} (on {self._hosts[bad[0]]}) differ from root rank {root}'s "
+            f"({detail}); {advice} (raised on rank {self.rank})")
 
     def bcast_tensors(self, tensors: list[torch.Tensor], root: int = 0) -> None:
         """Overwrite each tensor, in place, with root's, bit for bit (all ranks pass the same layout)."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import socket
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -91,8 +92,13 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         """The wrapped optimizer's trainable parameters, each once, broadcast from rank 0."""
-        params = [p for g in self._optimizer.param_groups for p in g["params"] if p.requires_grad]
-        params = list(dict.fromkeys(params))
+        everything = list(dict.fromkeys(p for g in self._optimizer.param_groups for p in g["params"]))
+        params = [p for p in everything if p.requires_grad]
+        # What step() checks, cheaply, to refuse changes the buckets cannot follow.
+        self._frozen_at_wrap = [p for p in everything if not p.requires_grad]
+        self._param_count = sum(len(g["params"]) for g in self._optimizer.param_groups)
+        self.comm._check_same_layout(params, "create_multi_node_optimizer: the trainable parameters", 0,
+                                     "build the same model, and freeze the same parameters, on every rank")
         self.comm.bcast_tensors([p.data for p in params], root=0)
         return params
 
@@ -133,6 +139,11 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     # ----------------------------------------------------------------------------- hooks
     def _on_grad(self, p: torch.nn.Parameter) -> None:
+        if p.grad.layout is not torch.strided:
+            raise RuntimeError(
+                f"rank {self.comm.rank} on {socket.gethostname()}: the gradient of a parameter of shape "
+                f"{tuple(p.shape)} is {p.grad.layout} (nn.Embedding(sparse=True) or EmbeddingBag(sparse=True)); "
+                f"create_multi_node_optimizer averages dense gradients only: build the layer with sparse=False")
         if not self._in_pass:
             self._in_pass = True
             self._pass_syncs = not self._no_sync and self._passes + 1 >= self.backward_passes_per_step
@@ -174,6 +185,24 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if closure is not None:
             raise ValueError("multi-node optimizers do not support a closure: call backward, then step()")
 
+    def _check_parameters_unchanged(self) -> None:
+        """Refuse a step whose parameters are not those the gradient buckets were built for."""
+        where = f"rank {self.comm.rank} on {socket.gethostname()}"
+        count = sum(len(g["params"]) for g in self._optimizer.param_groups)
+        if count != self._param_count:
+            raise RuntimeError(
+                f"{where}: the wrapped optimizer has {count} parameters now but had {self._param_count} when "
+                f"create_multi_node_optimizer wrapped it, so the new ones would not be averaged over ranks. "
+                f"Add parameter groups before wrapping.")
+        for p in self._frozen_at_wrap:
+            if p.requires_grad and p.grad is not None:
+                raise RuntimeError(
+                    f"{where}: a parameter of shape {tuple(p.shape)} has a gradient, but it was frozen "
+                    f"(requires_grad=False) when create_multi_node_optimizer wrapped the optimizer, so its "
+                    f"gradients are not averaged over ranks and the ranks' models would drift apart. Unfreeze "
+                    f"parameters before wrapping; to unfreeze later (fine-tuning schedules), call "
+                    f"optimizer.remove_hooks() and wrap the torch optimizer again.")
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._optimizer.zero_grad(set_to_none=set_to_none)
 
@@ -196,8 +225,22 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def defaults(self, value):
         self._optimizer.defaults = value
 
-    def __getstate__(self):
-        return {"optimizer": self._optimizer}
+    def __reduce_ex__(self, protocol):
+        # Also what copy.copy and copy.deepcopy would use; torch's Optimizer.__setstate__ would then
+        # patch this class's step() for hooks it never set up, breaking every other instance.
+        raise TypeError(f"a {type(self).__name__} cannot be copied or pickled: it holds the communicator, "
+                        f"backward hooks and shared buffers. Save optimizer.state_dict() and load it into "
+                        f"a new one (create_multi_node_optimizer(...).load_state_dict(state)) instead")
+
+    def register_step_pre_hook(self, hook):
+        """``hook(optimizer, args, kwargs)`` before each update, as torch's (``optimizer`` is the
+        wrapped one)."""
+        return self._optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook):
+        """``hook(optimizer, args, kwargs)`` after each update, as torch's (``optimizer`` is the
+        wrapped one)."""
+        return self._optimizer.register_step_post_hook(hook)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._optimizer!r}, {self.comm!r})"

@@ -26,11 +26,16 @@ class _Bucket:
     first step, so later steps average the gradients where backward left them (no copies), unless
     something replaced ``.grad`` in between (``zero_grad()``'s default ``set_to_none``), which
     costs one copy in.
+
+    After the gradients, the buffer holds one flag per parameter (1 where this rank has a
+    gradient), reduced with them: a parameter that no rank has a gradient for keeps ``.grad``
+    ``None``, so the optimizer leaves it alone, as in one process.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], wire_dtype: Optional[torch.dtype], as_views: bool):
         self.params = params
-        self.numel = sum(p.numel() for p in params)
+        self.data_numel = sum(p.numel() for p in params)
+        self.numel = self.data_numel + len(params)  # the gradients, then the flags
         self.wire_dtype = wire_dtype or params[0].dtype
         self.as_views = as_views and self.wire_dtype == params[0].dtype
         self.ready: set[int] = set()
@@ -42,6 +47,8 @@ class _Bucket:
     def place(self, buffer: torch.Tensor) -> None:
         """Use ``buffer`` (``numel`` elements of the wire dtype) as this bucket's buffer."""
         self.buffer = buffer
+        self.data = buffer[:self.data_numel]
+        self.flags = buffer[self.data_numel:]
         offset = 0
         for p in self.params:
             self.views.append(buffer[offset:offset + p.numel()].view_as(p))
@@ -52,12 +59,16 @@ class _Bucket:
             self.place(torch.zeros(self.numel, dtype=self.wire_dtype, device=self.params[0].device))
         grads = [p.grad for p in self.params]
         self.had_grad = [g is not None for g in grads]
+        if all(self.had_grad):
+            self.flags.fill_(1.0 if scale is None else scale)
+        else:
+            self.flags.copy_(torch.tensor(self.had_grad, dtype=self.flags.dtype) * (1.0 if scale is None else scale))
         if (scale is None or len(grads) > _MANY) and \
                 all(g is not None and not _is_view(g, v) and g.dtype == v.dtype for g, v in zip(grads, self.views)):
             # Many small tensors: one call (and one multiply) instead of one or two per tensor.
-            torch.cat([g.reshape(-1) for g in grads], out=self.buffer)
+            torch.cat([g.reshape(-1) for g in grads], out=self.data)
             if scale is not None:
-                self.buffer.mul_(scale)
+                self.data.mul_(scale)
             return self.buffer
         for g, view in zip(grads, self.views):
             if g is None:
@@ -79,9 +90,11 @@ class _Bucket:
             self.buffer.copy_(result)
         elif post_scale is not None:
             self.buffer.mul_(post_scale)
-        for p, had, view in zip(self.params, self.had_grad, self.views):
-            if not (had or zero_fill):
-                continue  # zero_fill=False: a rank with no gradient keeps none
+        # Where this rank had no gradient, whether some other rank had one (read only then).
+        elsewhere = self.flags.tolist() if not all(self.had_grad) else None
+        for i, (p, had, view) in enumerate(zip(self.params, self.had_grad, self.views)):
+            if not had and (not zero_fill or elsewhere[i] == 0):
+                continue  # zero_fill=False, or no rank has a gradient: .grad stays None
             if self.as_views:
                 if p.grad is not view:
                     p.grad = view
@@ -103,6 +116,10 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
 
     Build it with :func:`create_multi_node_optimizer`. It behaves like the wrapped optimizer
     (``param_groups``, ``state``, ``state_dict``, LR schedulers) because it shares them.
+
+    After backward, each ``.grad`` is a view into the wrapper's gradient buffers (no copy out, as
+    with DDP's ``gradient_as_bucket_view=True``): a ``.grad`` tensor kept from one step to the
+    next is overwritten by the next step's average; ``.clone()`` it to keep it.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, *, double_buffering: bool,
@@ -202,6 +219,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
     def step(self, closure=None):
         """Average gradients over ranks (if backward has not already), then update."""
         self._check_closure(closure)
+        self._check_parameters_unchanged()
         self.synchronize()
         self._sent = False
         if not self.double_buffering:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import inspect
 import socket
+import warnings
 from typing import Optional
 
 import torch
@@ -247,6 +248,10 @@ def _build_inner(cls: type, shard_params: list[torch.nn.Parameter], group: dict)
     return cls([{**hyper, "params": shard_params}], **ctor)
 
 
+def _scalar(value):
+    return value.item() if torch.is_tensor(value) and value.numel() == 1 else value
+
+
 class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     """Wraps an elementwise ``torch.optim.Optimizer``; each rank updates and keeps state for its shard.
 
@@ -262,6 +267,10 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     they would reach only the part not yet sent; clip with :meth:`clip_grad_norm_`); ``state`` is
     this rank's shard state, keyed by flat shard parameters. The model's parameters become views
     into flat buffers: move or convert the model (``.to``, ``.double()``) before wrapping, not after.
+    A parameter that no rank has a gradient for in some step is updated with a zero gradient then
+    (Adam's momentum and weight decay move it), where one process and the unsharded wrapper leave
+    it alone: a shard mixes parameters under one optimizer state and step count. For models with
+    parameters left unused in some steps (alternating heads), use ``shard_state=False``.
 
     On one node the ranks share one copy of the parameters (in shared memory). Change parameters
     only through the optimizer, or by loading the same values on every rank
@@ -384,6 +393,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             >>> loss_fn(model(x), y).backward(); optimizer.step()
         """
         self._check_closure(closure)
+        self._check_parameters_unchanged()
         reduced, self._reduced = self._reduced, False
         if reduced:  # by clip_grad_norm_, which took them; an edit since would still be lost
             self._check_gradients()
@@ -418,6 +428,13 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
                 b.gather_work = None
         self._forget_gradients()
         return None
+
+    def register_step_pre_hook(self, hook):
+        raise NotImplementedError("step hooks with shard_state=True: each rank updates its shards with "
+                                  "optimizers of its own, so a hook would see neither the model's parameters "
+                                  "nor the whole update; call it around optimizer.step() instead")
+
+    register_step_post_hook = register_step_pre_hook
 
     def _forget_gradients(self) -> None:
         for b in self._buckets:
@@ -590,6 +607,16 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         known = [s for s in states if s]
         if not known:
             return {}
+        counts = {_scalar(s.get(key)) for s in states for key in SCALAR_STATE if s and key in s}
+        if (len(counts) > 1 or len(known) < len(states)) and rank == 0:
+            warnings.warn(
+                f"load_state_dict: the {len(states)} parameters that share a shard (shapes "
+                f"{[tuple(p.shape) for p in b.params]}) have different optimizer step counts or no state "
+                f"for some ({sorted(map(str, counts))}, {len(states) - len(known)} without state). With "
+                f"shard_state=True a shard has one step count and one state, so they all continue from "
+                f"{_scalar(next(iter(known[0].get(k) for k in SCALAR_STATE if k in known[0]), None))}; the "
+                f"first updates of those that had fewer steps differ from one process (Adam's bias "
+                f"correction). Load into shard_state=False to continue exactly.", RuntimeWarning, stacklevel=3)
         shard_state = {}
         for key, value in known[0].items():
             if torch.is_tensor(value) and key not in SCALAR_STATE:
