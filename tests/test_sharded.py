@@ -9,7 +9,8 @@ from jobs import WORKERS, clean_env, run_job
 CHECKS = WORKERS / "shard_checks.py"
 ALL = ("equivalence", "accumulation", "overlap", "compression", "state_is_sharded", "refusals", "unused_parameter",
        "state_dict_format", "shared_memory_where_possible",
-       "kernel_choice", "edited_gradients_refused", "clip_grad_norm", "parameters_used_through_cat")
+       "kernel_choice", "edited_gradients_refused", "clip_grad_norm", "parameters_used_through_cat",
+       "skipped_step_is_named")
 
 
 def _one_process(args):

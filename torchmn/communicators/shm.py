@@ -20,12 +20,13 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from torchmn.communicators.errors import CollectiveTimeoutError
+from torchmn.communicators.errors import CollectiveMismatchError, CollectiveTimeoutError
 
 SHM_DIR = "/dev/shm"
 DEFAULT_SLOT_MB = 16  # per rank; TORCHMN_SHM_SLOT_MB overrides. Larger tensors go in pieces.
 _ALIGN = 64  # chunk boundaries on cache lines, so ranks never write the same line
 _PHASES = 2  # "my slot is written", "my chunk is reduced"
+_KINDS = 16  # a flag word is seq * _KINDS + the kind of call (see _Flags.arrive_and_wait)
 
 _REDUCE = {
     "sum": torch.add,
@@ -215,16 +216,23 @@ class _Flags:
     def nbytes(phases: int, local_size: int) -> int:
         return _align(phases * local_size * 8)
 
-    def arrive_and_wait(self, phase: int, seq: int) -> None:
+    def arrive_and_wait(self, phase: int, seq: int, kind: int = 0, kinds: tuple = ()) -> None:
+        """Arrive at call ``seq`` and wait for every rank to reach it. ``kind`` (an index into
+        ``kinds``, the names of the calls) travels in the same word as ``seq``, so ranks that reach
+        call ``seq`` from different places in their code raise instead of pairing silently."""
         _fence()  # this rank's data writes before its flag
-        self._rows[phase, self.local_rank] = seq
+        mark = seq * _KINDS + kind
+        lowest = seq * _KINDS
+        self._rows[phase, self.local_rank] = mark
         row = self._rows[phase]
-        if (row >= seq).all():
+        if (row >= lowest).all():
             _fence()  # the others' flags before their data
+            if kinds:
+                self._check_kinds(row, seq, kind, kinds)
             return
         deadline = None
         spins = 0
-        while not (row >= seq).all():
+        while not (row >= lowest).all():
             spins += 1
             if spins < 64:
                 continue
@@ -239,15 +247,41 @@ class _Flags:
                 deadline = deadline or now + self._timeout
                 self._check_peers(phase, seq, now > deadline)
         _fence()
+        if kinds:
+            self._check_kinds(row, seq, kind, kinds)
+
+    def _check_kinds(self, row: np.ndarray, seq: int, kind: int, kinds: tuple) -> None:
+        # A rank already past call seq has checked it itself; compare those still at it.
+        marks = row.copy()
+        other = next((r for r in range(self.local_size) if marks[r] // _KINDS == seq and marks[r] % _KINDS != kind),
+                     None)
+        if other is not None:
+            raise CollectiveMismatchError(
+                f"shared-memory call #{seq}: {self._describe(other)} is at {kinds[marks[other] % _KINDS]!r} while "
+                f"{self._describe(self.local_rank)} is at {kinds[kind]!r}: the ranks are not taking the same "
+                f"steps (did one rank skip backward() or step(), say on a check of its own loss, or call a "
+                f"collective such as the sharded optimizer's state_dict() alone?). Decide such things on every "
+                f"rank alike, e.g. from comm.allreduce of a flag")
 
     def _check_peers(self, phase: int, seq: int, timed_out: bool) -> None:
-        missing = [r for r in range(self.local_size) if self._rows[phase, r] < seq]
+        missing = [r for r in range(self.local_size) if self._rows[phase, r] // _KINDS < seq]
         dead = [r for r in missing if not _alive(self._pids[r])]
         if dead or timed_out:
             who = ", ".join(self._describe(r) for r in (dead or missing))
-            why = "exited" if dead else f"did not arrive within {self._timeout:.0f} s"
+            why = "exited" if dead else (
+                f"did not arrive within {self._timeout:.0f} s (still computing, or waiting in a call the "
+                f"others did not make: every rank must make the same collective calls in the same order; "
+                f"with shard_state=True, optimizer.state_dict() is one)")
             raise PeerLostError(f"shared-memory collective #{seq}: {who} {why}; "
                                 f"{self._describe(self.local_rank)} gives up")
+
+
+# The points at which users of a NodeArena meet (names for the errors when ranks disagree).
+ARENA_BARRIERS = ("barrier", "set-up", "backward done (gradients in)", "averaged gradients ready",
+                  "step done (shards updated)", "step() after 0 backward passes that sent gradients",
+                  "step() after 1 backward pass that sent gradients",
+                  "step() after 2 backward passes that sent gradients",
+                  "step() after 3 or more backward passes that sent gradients")
 
 
 class NodeArena:
@@ -300,10 +334,14 @@ class NodeArena:
         """This rank's share ``[lo, hi)`` of n elements when the node's ranks split work on them."""
         return chunk_bounds(n, itemsize, self.local_rank, self.local_size)
 
-    def barrier(self) -> None:
-        """Wait for every local rank; writes to the arena before it are visible to all after it."""
+    def barrier(self, what: str = "barrier") -> None:
+        """Wait for every local rank; writes to the arena before it are visible to all after it.
+
+        ``what`` names the point in the caller's work (one of :data:`ARENA_BARRIERS`): ranks that
+        reach the same barrier number at different points raise :class:`CollectiveMismatchError`.
+        """
         self._seq += 1
-        self._flags.arrive_and_wait(0, self._seq)
+        self._flags.arrive_and_wait(0, self._seq, ARENA_BARRIERS.index(what), ARENA_BARRIERS)
 
     def close(self) -> None:
         self.shared = None

@@ -86,6 +86,7 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._in_pass = False
         self._pass_syncs = False
         self._sent = False          # this step's gradients have gone out
+        self._sends = 0             # times gradients went out since the last step() (sharded checks it)
         self._next = 0              # next bucket to send, in order
         self._hooks = []
         self._where: dict = {}
@@ -135,6 +136,7 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._next = 0
         self._passes = 0
         self._sent = True
+        self._sends += 1
         self._all_sent()
 
     # ----------------------------------------------------------------------------- hooks

@@ -173,12 +173,12 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
 
     def _reduce_in_shared_memory(self) -> None:
         arena = self._arena
-        arena.barrier()                    # every rank's gradients are in its buffers
+        arena.barrier("backward done (gradients in)")  # every rank's gradients are in its buffers
         for b, result, peers in zip(self._buckets, self._results, self._peer_buffers):
             lo, hi = arena.my_chunk(b.numel, result.element_size())
             if hi > lo:
                 sum_into(result[lo:hi], [peer[lo:hi] for peer in peers])
-        arena.barrier()                    # the whole result is there
+        arena.barrier("averaged gradients ready")      # the whole result is there
         for b, result in zip(self._buckets, self._results):
             b.unpack(None, self.zero_fill, result=result)
             b.ready.clear()

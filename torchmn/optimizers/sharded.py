@@ -248,6 +248,13 @@ def _build_inner(cls: type, shard_params: list[torch.nn.Parameter], group: dict)
     return cls([{**hyper, "params": shard_params}], **ctor)
 
 
+# What the first barrier of a step on one node is called, by the backward passes sent since the last.
+SENDS_BARRIERS = ("step() after 0 backward passes that sent gradients",
+                  "step() after 1 backward pass that sent gradients",
+                  "step() after 2 backward passes that sent gradients",
+                  "step() after 3 or more backward passes that sent gradients")
+
+
 def _scalar(value):
     return value.item() if torch.is_tensor(value) and value.numel() == 1 else value
 
@@ -352,7 +359,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             b.place(flat_of(arena.shared), flat_of(arena.regions[arena.local_rank]),
                     [flat_of(region) for region in arena.regions], own_index=arena.local_rank,
                     fill=self.comm.rank == 0)
-        arena.barrier()
+        arena.barrier("set-up")
         return arena
 
     def _send(self, bucket: _ShardBucket) -> None:
@@ -410,7 +417,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
                 buckets[0].optimizer.step()
             # Every shard is updated in the shared parameters, and nobody reads a gradient buffer
             # any more, so backward may write them again.
-            self._arena.barrier()
+            self._arena.barrier("step done (shards updated)")
             self._forget_gradients()
             return None
         for b in self._buckets:
@@ -437,6 +444,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     register_step_post_hook = register_step_pre_hook
 
     def _forget_gradients(self) -> None:
+        self._sends = 0
         for b in self._buckets:
             b.packed = b.versions = None  # so that the next zero_grad frees them
 
@@ -494,7 +502,10 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             b.check_grads_unchanged()
 
     def _sum_shards_in_shared_memory(self) -> None:
-        self._arena.barrier()          # every rank's gradients are in its buffer
+        # Every rank's gradients are in its buffer. The barrier also tells how many times they were
+        # sent since the last step: a rank that skipped a step() meets the others' next one.
+        sends = min(self._sends, 3)
+        self._arena.barrier(SENDS_BARRIERS[sends])
         for b in self._buckets:
             b.sum_shard_of_peers(1.0 / self.comm.size)
             b.shard_param.grad = b.shard_grad
