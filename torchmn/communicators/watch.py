@@ -25,7 +25,9 @@ WATCHED = ("bcast", "gather", "allgather", "scatter", "alltoall", "allreduce", "
            "allgather_obj", "scatter_obj", "allreduce_obj", "barrier", "split", "bcast_data", "bcast_tensors",
            "multi_node_mean_grad", "allreduce_flat", "reduce_scatter_flat", "allgather_flat")
 # What torch.distributed says when a peer never came or went away.
-_LOST_PEER = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# ("pair closure": gloo on a rank whose peer gave up first, closing their connection.)
+_LOST_PEER = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "caused pair closure")
 GRACE_S = 3.0  # how long a rank that timed out waits for the others to report where they are
 
 
