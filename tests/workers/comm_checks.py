@@ -152,6 +152,24 @@ def check_mean_grad(comm):
         m[2].bias.grad = torch.ones(3)
         c.multi_node_mean_grad(m)
         assert m[0].weight.grad is None and torch.equal(m[2].bias.grad, torch.ones(3))
+        # zero_fill=False with a gradient missing on one rank only: every rank is told, none mixes
+        if comm.size > 1:
+            m[2].bias.grad = None if comm.rank == 1 else torch.ones(3)
+            try:
+                c.multi_node_mean_grad(m)
+                raise AssertionError("a gradient missing on rank 1 only was accepted")
+            except torchmn.CollectiveMismatchError as e:
+                assert "rank(s) [1] only" in str(e) and "zero_fill=True" in str(e), e
+    # bool mean counts the True values; complex max is refused on every rank; conjugate views travel
+    mean = comm.allreduce(torch.tensor([True, comm.rank == 0]), op="mean")
+    assert torch.allclose(mean, torch.tensor([1.0, 1.0 / comm.size])), mean
+    try:
+        comm.allreduce(torch.ones(2, dtype=torch.complex64), op="max")
+        raise AssertionError("complex max was accepted")
+    except (ValueError, torchmn.communicators.RemoteRankError) as e:
+        assert "complex" in str(e), e
+    z = torch.tensor([1 + 2j, 3 - 1j])
+    assert torch.equal(comm.bcast(z.conj() if comm.rank == 0 else None), z.conj())
 
 
 def check_objects(comm):

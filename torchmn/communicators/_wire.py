@@ -59,7 +59,8 @@ def nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
 
 def as_bytes(x: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of ``x`` (a contiguous copy first if needed)."""
-    return x.contiguous().reshape(-1).view(torch.uint8)
+    # Conjugate and negative views are lazy bits on the tensor, not in its memory: apply them first.
+    return x.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
 
 
 def from_bytes(buf: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:

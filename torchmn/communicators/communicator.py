@@ -378,8 +378,13 @@ class Communicator(abc.ABC):
             err = ValueError(f"allreduce: op must be one of {', '.join(_OPS)}, not {op!r}")
         elif not isinstance(x, torch.Tensor):
             err = TypeError(f"allreduce: pass a tensor, not {type(x).__name__}")
+        elif x.is_complex() and op in ("max", "min"):
+            err = ValueError(f"allreduce: op {op!r} is undefined for complex tensors ({x.dtype})")
         self._agree("allreduce", op=None if err else op, x=None if err else x, error=err, same_shape=True)
-        out = self._allreduce_copy(x.detach().to(self._data_device).contiguous(), "sum" if op == "mean" else op)
+        src = x.detach().to(self._data_device)
+        if op == "mean" and src.dtype == torch.bool:
+            src = src.to(torch.int64)  # a bool sum is a logical or: count the True values instead
+        out = self._allreduce_copy(src.contiguous(), "sum" if op == "mean" else op)
         if op == "mean":
             out = out / self.size if not out.is_floating_point() and not out.is_complex() else out.div_(self.size)
         return out.to(x.device)
@@ -614,17 +619,28 @@ class Communicator(abc.ABC):
     def multi_node_mean_grad(self, model: torch.nn.Module, zero_fill: bool = False) -> None:
         """Make every ``.grad`` of ``model`` its mean over ranks, with this communicator's algorithm.
 
-        A parameter whose ``.grad`` is ``None`` is skipped; with ``zero_fill=True`` it counts as
-        zeros (its ``.grad`` becomes the mean), which every rank must then agree on.
+        A parameter whose ``.grad`` is ``None`` on every rank is skipped; with ``zero_fill=True`` a
+        missing gradient counts as zeros (its ``.grad`` becomes the mean). With ``zero_fill=False``, a
+        gradient missing on some ranks only raises :class:`CollectiveMismatchError` on every rank.
 
         Example::
 
             >>> loss.backward(); comm.multi_node_mean_grad(model); optimizer.step()
         """
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not zero_fill and self.size > 1:
+            # Skipping must be agreed on: a tensor left out on some ranks only would pair the rest wrongly.
+            masks = self.allgather_obj([p.grad is not None for p in params])
+            mixed = [i for i in range(len(params)) if len({m[i] for m in masks}) > 1]
+            if mixed:
+                without = [r for r, m in enumerate(masks) if not m[mixed[0]]]
+                raise CollectiveMismatchError(
+                    f"multi_node_mean_grad: the gradient of parameter {mixed[0]} (shape "
+                    f"{tuple(params[mixed[0]].shape)}) is None on rank(s) {without} only ({len(mixed)} such "
+                    f"parameters); pass zero_fill=True to count a missing gradient as zeros (raised on rank "
+                    f"{self.rank})")
         grads = []
-        for p in model.parameters():
-            if not p.requires_grad:
-                continue
+        for p in params:
             if p.grad is None:
                 if not zero_fill:
                     continue
