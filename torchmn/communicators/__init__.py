@@ -95,15 +95,15 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
 
 
 def _as_timedelta(timeout) -> Optional[datetime.timedelta]:
-    if timeout is None or isinstance(timeout, datetime.timedelta):
-        seconds = None if timeout is None else timeout.total_seconds()
-    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        seconds, timeout = timeout, datetime.timedelta(seconds=timeout)
-    else:
+    if timeout is None:
+        return None
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = datetime.timedelta(seconds=timeout)
+    elif not isinstance(timeout, datetime.timedelta):
         raise TypeError(f"create_communicator: timeout must be seconds or a datetime.timedelta, "
                         f"not {type(timeout).__name__}")
-    if seconds is not None and not seconds > 0:
-        raise ValueError(f"create_communicator: timeout must be positive, not {seconds} s")
+    if not timeout.total_seconds() > 0:
+        raise ValueError(f"create_communicator: timeout must be positive, not {timeout.total_seconds()} s")
     return timeout
 
 

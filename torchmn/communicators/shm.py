@@ -276,12 +276,16 @@ class _Flags:
                                 f"{self._describe(self.local_rank)} gives up")
 
 
-# The points at which users of a NodeArena meet (names for the errors when ranks disagree).
+# The points at which users of a NodeArena meet (names for the errors when ranks disagree). The
+# sharded optimizer's first barrier of a step says how many backward passes sent gradients since
+# the last step (index: that count, at most 3), so a rank that skipped a step() is told apart.
+STEP_AFTER_SENDS = ("step() after 0 backward passes that sent gradients",
+                    "step() after 1 backward pass that sent gradients",
+                    "step() after 2 backward passes that sent gradients",
+                    "step() after 3 or more backward passes that sent gradients")
 ARENA_BARRIERS = ("barrier", "set-up", "backward done (gradients in)", "averaged gradients ready",
-                  "step done (shards updated)", "step() after 0 backward passes that sent gradients",
-                  "step() after 1 backward pass that sent gradients",
-                  "step() after 2 backward passes that sent gradients",
-                  "step() after 3 or more backward passes that sent gradients")
+                  "step done (shards updated)") + STEP_AFTER_SENDS
+_BARRIER_CODE = {name: code for code, name in enumerate(ARENA_BARRIERS)}
 
 
 class NodeArena:
@@ -341,7 +345,7 @@ class NodeArena:
         reach the same barrier number at different points raise :class:`CollectiveMismatchError`.
         """
         self._seq += 1
-        self._flags.arrive_and_wait(0, self._seq, ARENA_BARRIERS.index(what), ARENA_BARRIERS)
+        self._flags.arrive_and_wait(0, self._seq, _BARRIER_CODE[what], ARENA_BARRIERS)
 
     def close(self) -> None:
         self.shared = None

@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from torchmn.communicators import Communicator
-from torchmn.communicators.shm import sum_into
+from torchmn.communicators.shm import STEP_AFTER_SENDS, sum_into
 from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, arena_layout, make_buckets, region_view
 
 # Optimizers whose update is elementwise, so a flat slice of the parameters can be stepped alone.
@@ -246,13 +246,6 @@ def _build_inner(cls: type, shard_params: list[torch.nn.Parameter], group: dict)
         except (RuntimeError, ValueError, NotImplementedError):
             pass  # an option that rules the fused kernel out (its constructor says so)
     return cls([{**hyper, "params": shard_params}], **ctor)
-
-
-# What the first barrier of a step on one node is called, by the backward passes sent since the last.
-SENDS_BARRIERS = ("step() after 0 backward passes that sent gradients",
-                  "step() after 1 backward pass that sent gradients",
-                  "step() after 2 backward passes that sent gradients",
-                  "step() after 3 or more backward passes that sent gradients")
 
 
 def _scalar(value):
@@ -504,8 +497,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     def _sum_shards_in_shared_memory(self) -> None:
         # Every rank's gradients are in its buffer. The barrier also tells how many times they were
         # sent since the last step: a rank that skipped a step() meets the others' next one.
-        sends = min(self._sends, 3)
-        self._arena.barrier(SENDS_BARRIERS[sends])
+        self._arena.barrier(STEP_AFTER_SENDS[min(self._sends, len(STEP_AFTER_SENDS) - 1)])
         for b in self._buckets:
             b.sum_shard_of_peers(1.0 / self.comm.size)
             b.shard_param.grad = b.shard_grad
@@ -618,14 +610,15 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         known = [s for s in states if s]
         if not known:
             return {}
-        counts = {_scalar(s.get(key)) for s in states for key in SCALAR_STATE if s and key in s}
+        counts = {_scalar(s[key]) for s in known for key in SCALAR_STATE if key in s}
         if (len(counts) > 1 or len(known) < len(states)) and rank == 0:
+            continues = next((_scalar(known[0][k]) for k in SCALAR_STATE if k in known[0]), None)
             warnings.warn(
                 f"load_state_dict: the {len(states)} parameters that share a shard (shapes "
                 f"{[tuple(p.shape) for p in b.params]}) have different optimizer step counts or no state "
                 f"for some ({sorted(map(str, counts))}, {len(states) - len(known)} without state). With "
                 f"shard_state=True a shard has one step count and one state, so they all continue from "
-                f"{_scalar(next(iter(known[0].get(k) for k in SCALAR_STATE if k in known[0]), None))}; the "
+                f"{continues}; the "
                 f"first updates of those that had fewer steps differ from one process (Adam's bias "
                 f"correction). Load into shard_state=False to continue exactly.", RuntimeWarning, stacklevel=3)
         shard_state = {}
