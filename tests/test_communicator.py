@@ -16,15 +16,17 @@ CHECKS = WORKERS / "comm_checks.py"
 def test_all_collectives(launcher, np):
     out = run_job(CHECKS, ["all"], np=np, launcher=launcher, timeout=150).stdout
     for check in ("ring", "collectives", "arange", "allgather_uneven", "bcast_data", "mean_grad", "objects",
-                  "topology", "split", "shard_primitives", "flat_in_flight", "mismatch"):
+                  "topology", "split", "nested_split", "shard_primitives", "flat_in_flight", "mismatch"):
         assert f"PASS {check}" in out, out
     assert f"TOPOLOGY size={np} inter_size=1 intra_size={np}" in out
 
 
 @pytest.mark.parametrize("name", ["naive", "flat"])
 def test_gradient_algorithms(name):
-    out = run_job(CHECKS, ["--name", name, "mean_grad", "bcast_data", "flat_in_flight"], np=3, timeout=90).stdout
-    assert "PASS mean_grad" in out and "PASS bcast_data" in out and "PASS flat_in_flight" in out
+    checks = ["mean_grad", "bcast_data", "flat_in_flight", "split", "nested_split", "shard_primitives"]
+    out = run_job(CHECKS, ["--name", name, *checks], np=3, timeout=90).stdout
+    for check in checks:
+        assert f"PASS {check}" in out, out
 
 
 def test_bcast_obj_300mb():

@@ -195,7 +195,7 @@ def _cmdline(process):
 
 # Across two nodes, auto is the hierarchical communicator: shared memory inside each host, the
 # hosts' first ranks over the network; split() builds sub-communicators that span both hosts.
-TWO_HOST_CHECKS = ("topology", "collectives", "objects", "split", "mean_grad", "shard_primitives", "flat_in_flight",
+TWO_HOST_CHECKS = ("topology", "collectives", "objects", "split", "nested_split", "mean_grad", "shard_primitives", "flat_in_flight",
                    "mismatch")
 
 

@@ -6,6 +6,8 @@ Each check asserts on every rank and prints "PASS <check>" on rank 0.
 import os
 import sys
 
+import time
+
 import torch
 
 import torchmn
@@ -234,6 +236,31 @@ def check_split(comm):
             assert sub.recv(0).item() == sorted(members, reverse=True)[0]
 
 
+def check_nested_split(comm):
+    """Sub-communicators split by their own ranks alone: both halves at the same time, then one
+    half only (so the ranks' histories differ), then the whole world and the halves again: every
+    group gets its own members, and nobody waits for ranks that are not splitting."""
+    half = comm.split(color=comm.rank % 2, key=-comm.rank)
+    members = sorted((r for r in range(comm.size) if r % 2 == comm.rank % 2), reverse=True)
+    for _ in range(2):
+        quarter = half.split(color=half.rank % 2, key=half.rank)
+        mine = [m for i, m in enumerate(members) if i % 2 == members.index(comm.rank) % 2]
+        assert quarter.allgather_obj(comm.rank) == mine, (comm.rank, mine)
+        assert quarter.allreduce(torch.tensor([comm.rank])).item() == sum(mine)
+        if comm.rank % 2 == 0:
+            assert half.split(color=0, key=-half.rank).allgather_obj(comm.rank) == members[::-1]
+        again = comm.split(color=0, key=-comm.rank)
+        assert again.allgather_obj(comm.rank) == sorted(range(comm.size), reverse=True)
+        assert again.allreduce(torch.tensor([1])).item() == comm.size
+    assert half.allreduce(torch.tensor([comm.rank])).item() == sum(members)
+    # Across nodes, a node's first rank belongs to one group more than the others (the group
+    # between nodes): a split of the ranks of one node mixes the two histories.
+    node = comm.split(color=comm.inter_rank)
+    twice = node.split(color=0, key=-node.rank)
+    assert twice.allreduce(torch.tensor([comm.rank])).item() == sum(r for r in range(comm.size)
+                                                                     if comm._node_keys[r] == comm._node_key)
+
+
 def check_shard_primitives(comm):
     """reduce_scatter_flat / allgather_flat (the sharded optimizer's) against their definition, on
     the communicator and on one whose rank order is reversed (across nodes: rails in another order)."""
@@ -245,7 +272,7 @@ def check_shard_primitives(comm):
         expect = torch.arange(c.rank * k, (c.rank + 1) * k, dtype=torch.float64) * c.size + 1000 * sum(range(c.size))
         assert torch.equal(shard, expect), (c.rank, shard[:3], expect[:3])
         gathered = torch.empty(c.size * k, dtype=torch.float64)
-        c.allgather_flat(gathered, torch.full((k,), float(c.rank), dtype=torch.float64)).wait()
+        c.allgather_flat(gathered, torch.full((k,), float(c.rank), dtype=torch.float64), async_op=True).wait()
         assert torch.equal(gathered, torch.arange(c.size, dtype=torch.float64).repeat_interleave(k)), gathered
 
 

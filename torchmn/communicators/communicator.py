@@ -526,18 +526,29 @@ class Communicator(abc.ABC):
 
         cls = _resolve(self.name, self.backend, self.size)
         self._splits += 1
-        entries = self.allgather_obj((color, key, self.rank))
-        colors = sorted({c for c, _, _ in entries}, key=repr)
+        entries = self.allgather_obj((color, key, self.rank, _torch_group_count()))
+        colors = sorted({e[0] for e in entries}, key=repr)
+        whole_world = self.size == (dist.get_world_size() if dist.is_initialized() else 1)
         mine = None
         for c in colors:
-            members = [r for _, _, r in sorted((e for e in entries if e[0] == c), key=lambda e: (e[1], e[2]))]
+            members = [e[2] for e in sorted((e for e in entries if e[0] == c), key=lambda e: (e[1], e[2]))]
+            if not whole_world and c != color:
+                continue
             world = [self._global(r) for r in members]
-            # Every rank must take part in creating every group, in the same order.
-            group = dist.new_group(world) if self.size > 1 else None
+            if whole_world:
+                # Every rank of the world takes part in creating every group, in the same order,
+                # as torch wants by default (it names them by a count every rank keeps alike).
+                group = dist.new_group(world) if self.size > 1 else None
+            else:
+                # Only this communicator's ranks are here: each color's members make their group
+                # alone (torch then names it by its ranks, so splits of other sub-communicators
+                # running at the same time cannot take its name, and the world's count is left alone).
+                _match_group_counts([e[3] for e in entries if e[0] == c])
+                group = dist.new_group(world, use_local_synchronization=True)
             obj_group = group
             if self.backend == "nccl":
-                obj_group = dist.new_group(world, backend="gloo")
-            extra = cls.split_groups(self, members)
+                obj_group = dist.new_group(world, backend="gloo", use_local_synchronization=not whole_world)
+            extra = cls.split_groups(self, members, local=not whole_world)
             if c == color:
                 by_world = sorted(world)
                 mine = (members.index(self.rank), len(members), group, obj_group,
@@ -548,10 +559,11 @@ class Communicator(abc.ABC):
                    tag=tag, **extra)
 
     @classmethod
-    def split_groups(cls, parent: "Communicator", members: list[int]) -> dict:
+    def split_groups(cls, parent: "Communicator", members: list[int], local: bool = False) -> dict:
         """Extra process groups a new communicator of ``members`` (parent ranks, in the new order)
-        needs, as constructor keyword arguments. Called on every parent rank for every color, in
-        the same order, because torch.distributed wants every rank to take part in every group."""
+        needs, as constructor keyword arguments. ``local=False``: called on every rank of the world
+        for every color, in the same order; ``local=True``: by the members alone, which then create
+        their groups with ``use_local_synchronization=True``."""
         return {}
 
     def finalize(self) -> None:
@@ -668,6 +680,11 @@ class Communicator(abc.ABC):
         if self.size == 1:
             shard.copy_(flat)
             return _Completed()
+        if not self._identity_order:
+            # torch numbers a group's ranks by world rank; after split(key=...) this communicator's
+            # rank r is another group rank, so hand torch the chunks in its order.
+            chunks = self._group_order(list(flat.split(shard.numel())))
+            return dist.reduce_scatter(shard, chunks, group=self._group, async_op=async_op)
         return dist.reduce_scatter_single(shard, flat, group=self._group, async_op=async_op)
 
     def allgather_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
@@ -675,6 +692,9 @@ class Communicator(abc.ABC):
         if self.size == 1:
             flat.copy_(shard)
             return _Completed()
+        if not self._identity_order:  # as in reduce_scatter_flat
+            chunks = self._group_order(list(flat.split(shard.numel())))
+            return dist.all_gather(chunks, shard, group=self._group, async_op=async_op)
         return dist.all_gather_single(flat, shard, group=self._group, async_op=async_op)
 
     def _open_node_arena(self, shared_bytes: int, region_bytes: int):
@@ -690,6 +710,29 @@ class Communicator(abc.ABC):
 
 watch.install(Communicator)
 _WORLDS = 0  # world communicators created by this process, for their tags
+
+
+def _torch_group_count() -> Optional[int]:
+    """How many process groups this process belongs to (None if torch does not say). torch names a
+    group that only its own ranks create (``use_local_synchronization=True``) after its ranks and
+    this number, so those ranks must agree on it."""
+    world = getattr(dist.distributed_c10d, "_world", None)
+    names = getattr(world, "pg_names", None)
+    return len(names) if names is not None else None
+
+
+def _match_group_counts(counts: list[Optional[int]]) -> None:
+    """Bring this process's group count up to the highest of ``counts`` (the future members') with
+    groups of itself alone, so that torch gives all members the same name for their new group.
+
+    Counts differ where ranks have lived differently: only a node's first rank belongs to the
+    group between nodes, only the members of a sub-communicator to the groups of its splits.
+    """
+    if None in counts:
+        return
+    target = max(counts)
+    while _torch_group_count() < target:
+        dist.new_group([dist.get_rank()], use_local_synchronization=True)
 
 
 def _padded(buf: torch.Tensor, length: int) -> torch.Tensor:

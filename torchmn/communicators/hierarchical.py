@@ -25,17 +25,22 @@ from torchmn.communicators.flat import FlatCommunicator
 _UNSET = object()
 
 
-def _new_inter_group(world_leaders: list[int]):
-    """The group of the nodes' first ranks (None on one node); every rank must call this."""
-    return dist.new_group(world_leaders, backend="gloo") if len(world_leaders) > 1 else None
+def _new_inter_group(world_leaders: list[int], local: bool = False):
+    """The group of the nodes' first ranks (None on one node). Every rank of the world must call
+    this, or with ``local=True`` every rank of the communicator being split off."""
+    if len(world_leaders) < 2:
+        return None
+    return dist.new_group(world_leaders, backend="gloo", use_local_synchronization=local)
 
 
-def _new_rail_groups(nodes: list[list[int]]):
+def _new_rail_groups(nodes: list[list[int]], local: bool = False):
     """One gloo group per local index, joining that rank of every node ("rails"), for several nodes
-    with the same rank count; None otherwise. ``nodes``: world ranks per node. Every rank must call this."""
+    with the same rank count; None otherwise. ``nodes``: world ranks per node. Who calls: as
+    :func:`_new_inter_group` (with ``local=True`` a rank gets None for the rails it is not on)."""
     if len(nodes) < 2 or len({len(n) for n in nodes}) != 1:
         return None
-    return [dist.new_group([n[i] for n in nodes], backend="gloo") for i in range(len(nodes[0]))]
+    return [dist.new_group([n[i] for n in nodes], backend="gloo", use_local_synchronization=local)
+            for i in range(len(nodes[0]))]
 
 
 class _ThenInsideTheNode:
@@ -121,14 +126,15 @@ class HierarchicalCommunicator(FlatCommunicator):
         self._segment = shm.NodeSegment.open(tag, slot_bytes=slot, **self._shm_args)
 
     @classmethod
-    def split_groups(cls, parent, members: list[int]) -> dict:
+    def split_groups(cls, parent, members: list[int], local: bool = False) -> dict:
         if parent.backend == "nccl" or len(members) == 1:
             return {"inter_group": None, "rail_groups": None}
         nodes: dict = {}
         for r in members:  # nodes in order of first appearance, as the new communicator sees them
             nodes.setdefault(parent._node_keys[r], []).append(parent._global(r))
         nodes = list(nodes.values())
-        return {"inter_group": _new_inter_group([n[0] for n in nodes]), "rail_groups": _new_rail_groups(nodes)}
+        return {"inter_group": _new_inter_group([n[0] for n in nodes], local=local),
+                "rail_groups": _new_rail_groups(nodes, local=local)}
 
     @property
     def _single_node(self) -> bool:
