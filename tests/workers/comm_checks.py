@@ -170,6 +170,18 @@ def check_mean_grad(comm):
         raise AssertionError("complex max was accepted")
     except (ValueError, torchmn.communicators.RemoteRankError) as e:
         assert "complex" in str(e), e
+    # uint16-64 and float8 travel as bytes, bit for bit, but are not reduced (no CPU arithmetic)
+    for dtype in (torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2):
+        x = torch.arange(6, dtype=torch.float32).reshape(2, 3).to(dtype) if dtype.is_floating_point \
+            else torch.arange(6, dtype=torch.int64).reshape(2, 3).to(dtype)
+        got = comm.bcast(x if comm.rank == 0 else None)
+        assert got.dtype == dtype and torch.equal(got.view(torch.uint8), x.view(torch.uint8)), dtype
+        assert all(torch.equal(p.view(torch.uint8), x.view(torch.uint8)) for p in comm.allgather(x))
+        try:
+            comm.allreduce(x)
+            raise AssertionError(f"allreduce of {dtype} was accepted")
+        except TypeError as e:
+            assert "no arithmetic" in str(e), e
     z = torch.tensor([1 + 2j, 3 - 1j])
     assert torch.equal(comm.bcast(z.conj() if comm.rank == 0 else None), z.conj())
 
@@ -337,8 +349,39 @@ def check_mismatch(comm):
         assert comm.rank != 1 and "rank 1" in str(e), e
     else:
         raise AssertionError("no error for a bad argument")
+    # Arguments only one rank gets wrong, which used to leave the others waiting for the timeout:
+    # a root that is no rank, a tensor the wire cannot describe, an object that cannot be pickled.
+    bad_calls = [
+        ("bad root", lambda bad: comm.bcast(torch.ones(1), root=comm.size if bad else 0)),
+        ("17 dimensions", lambda bad: comm.allreduce(torch.ones([1] * (17 if bad else 1)))),
+        ("scatter of 17 dimensions", lambda bad: comm.scatter(
+            [torch.ones([1] * (17 if bad else 1))] * comm.size if comm.rank == 0 else None)),
+        ("unpicklable object", lambda bad: comm.allgather_obj((lambda: 0) if bad else 1)),
+        ("unpicklable bcast_obj", lambda bad: comm.bcast_obj((lambda: 0) if bad else 1)),
+    ]
+    for what, call in bad_calls:
+        culprit = 0 if what in ("scatter of 17 dimensions", "unpicklable bcast_obj") else 1
+        try:
+            call(comm.rank == culprit)
+        except (TypeError, ValueError) as e:
+            assert comm.rank == culprit, (what, e)
+        except torchmn.communicators.RemoteRankError as e:
+            assert comm.rank != culprit and f"rank {culprit}" in str(e), (what, e)
+        else:
+            raise AssertionError(f"no error for {what} on rank {culprit}")
+    # Different collectives whose headers differ in size: one row against several, a tensor
+    # collective against an object collective. Every rank raises, naming both calls.
+    for what, call in [("scatter", lambda: comm.scatter([torch.ones(1)] * comm.size)),
+                       ("allgather_obj", lambda: comm.allgather_obj({"rank": comm.rank}))]:
+        try:
+            call() if comm.rank == 0 else comm.allreduce(torch.ones(1))
+        except torchmn.CollectiveMismatchError as e:
+            assert "collective differs" in str(e) and what in str(e) and "allreduce" in str(e), e
+        else:
+            raise AssertionError(f"no error for {what} against allreduce")
     # And the communicator still works afterwards.
     assert comm.allreduce(torch.ones(1)).item() == comm.size
+    assert comm.allgather_obj(comm.rank) == list(range(comm.size))
 
 
 def rank0(comm):

@@ -16,11 +16,15 @@ DTYPES = (
     torch.float32, torch.float64, torch.float16, torch.bfloat16,
     torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool,
     torch.complex64, torch.complex128,
-)
+) + tuple(getattr(torch, name) for name in ("uint16", "uint32", "uint64", "float8_e4m3fn", "float8_e5m2")
+          if hasattr(torch, name))  # newer torch only
+# Dtypes that travel (as bytes) but that torch cannot add or compare on CPU: not reduced.
+MOVE_ONLY = frozenset(DTYPES[12:])
 _CODE = {dt: i for i, dt in enumerate(DTYPES)}
 
 # Header layout: [kind, root, op, dtype, ndim, shape[0..MAX_NDIM)]
 HEADER_LEN = 5 + MAX_NDIM
+SHAPE = 5  # where the shape starts
 NONE = -1
 
 

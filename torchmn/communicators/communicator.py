@@ -31,7 +31,7 @@ _OP_CODES = {name: i for i, name in enumerate(_OPS)}
 
 # Collective kinds, as they travel in headers. INVALID marks a rank whose own arguments were bad:
 # it still takes part in the header exchange, so the others fail with it instead of hanging.
-_KINDS = ("invalid", "bcast", "gather", "allgather", "scatter", "alltoall", "allreduce")
+_KINDS = ("invalid", "bcast", "gather", "allgather", "scatter", "alltoall", "allreduce", "allgather_obj")
 _KIND = {name: i for i, name in enumerate(_KINDS)}
 
 # gloo and NCCL count elements in 32-bit integers; objects travel in chunks below that.
@@ -84,6 +84,7 @@ class Communicator(abc.ABC):
         self._owns_world = owns_world
         self._finalized = False
         self._node_key = node_key
+        self._data_device = torch.device("cpu")  # until the topology tells which GPU (NCCL)
         self._set_topology(node_key)
         if backend == "nccl":
             self.device = torch.device("cuda", self.intra_rank)
@@ -139,8 +140,14 @@ class Communicator(abc.ABC):
         return out
 
     def _check_peer(self, r: int, what: str) -> None:
+        err = self._peer_error(r, what)
+        if err is not None:
+            raise err
+
+    def _peer_error(self, r: int, what: str) -> Optional[ValueError]:
         if not isinstance(r, int) or not 0 <= r < self.size:
-            raise ValueError(f"{what}={r!r} is not a rank of this communicator (size {self.size})")
+            return ValueError(f"{what}={r!r} is not a rank of this communicator (size {self.size})")
+        return None
 
     def _exchange_headers(self, rows: list[list[int]]) -> torch.Tensor:
         """All ranks' header rows: a [size, len(rows), HEADER_LEN] int64 tensor."""
@@ -161,11 +168,25 @@ class Communicator(abc.ABC):
         ``error``: this rank's own arguments were bad; the others are told, then it is raised here.
         """
         op_code = _OP_CODES[op] if op is not None else _wire.NONE
+        if error is None and rows is None:
+            try:  # a tensor the wire cannot describe (too many dimensions, an unknown dtype)
+                rows = [_wire.header(_KIND[kind], root, op_code, x)]
+            except (TypeError, ValueError) as e:
+                error = type(e)(f"{kind}: {e}")
         if error is not None:
-            rows = [_wire.header(_KIND["invalid"], root, op_code)] * (len(rows) if rows else 1)
-        elif rows is None:
-            rows = [_wire.header(_KIND[kind], root, op_code, x)]
+            rows = [_wire.header(_KIND["invalid"], _wire.NONE, op_code)] * (len(rows) if rows else 1)
+        if len(rows) > 1 and self.size > 1:
+            # A call of several rows (scatter, alltoall) first agrees on what it is in one row, so
+            # that a rank making a one-row call meanwhile exchanges as many bytes as this one and
+            # the mismatch is named, instead of the exchange itself failing.
+            what = [rows[0][:3] + [_wire.NONE, _wire.NONE] + [0] * _wire.MAX_NDIM]
+            self._check_headers(kind, self._exchange_headers(what), error, same_shape, same_dtype)
         hdrs = self._exchange_headers(rows)
+        self._check_headers(kind, hdrs, error, same_shape, same_dtype)
+        return hdrs
+
+    def _check_headers(self, kind: str, hdrs: torch.Tensor, error: Exception | None, same_shape: bool,
+                       same_dtype: bool) -> None:
         if error is not None:
             raise error
         bad = [r for r in range(self.size) if hdrs[r, 0, 0] == _KIND["invalid"]]
@@ -189,7 +210,6 @@ class Communicator(abc.ABC):
         if problems:
             raise CollectiveMismatchError(f"ranks called {kind} inconsistently ({'; '.join(problems)}); "
                                           f"every rank must make the same call")
-        return hdrs
 
     # ----------------------------------------------------------------------------- point to point
     def send(self, x: torch.Tensor, dest: int, tag: int = 0) -> None:
@@ -226,9 +246,9 @@ class Communicator(abc.ABC):
 
             >>> w = comm.bcast(torch.randn(3, 3) if comm.rank == 0 else None)
         """
-        self._check_peer(root, "root")
-        err = TypeError(f"bcast: root rank {root} must pass a tensor, not {type(x).__name__}") \
-            if self.rank == root and not isinstance(x, torch.Tensor) else None
+        err = self._peer_error(root, "bcast: root")
+        if err is None and self.rank == root and not isinstance(x, torch.Tensor):
+            err = TypeError(f"bcast: root rank {root} must pass a tensor, not {type(x).__name__}")
         hdrs = self._agree("bcast", root=root, x=x if self.rank == root else None, error=err)
         dtype, shape = _wire.meta(hdrs[root, 0].tolist())
         if self.rank == root:
@@ -263,8 +283,9 @@ class Communicator(abc.ABC):
 
             >>> parts = comm.gather(torch.arange(comm.rank + 1))   # root: (tensor([0]), tensor([0, 1]), ...)
         """
-        self._check_peer(root, "root")
-        err = None if isinstance(x, torch.Tensor) else TypeError(f"gather: pass a tensor, not {type(x).__name__}")
+        err = self._peer_error(root, "gather: root")
+        if err is None and not isinstance(x, torch.Tensor):
+            err = TypeError(f"gather: pass a tensor, not {type(x).__name__}")
         hdrs = self._agree("gather", root=root, x=x if err is None else None, error=err)
         if self.size == 1:
             return (x,)
@@ -306,15 +327,18 @@ class Communicator(abc.ABC):
 
             >>> mine = comm.scatter([torch.full((2,), i) for i in range(comm.size)] if comm.rank == 0 else None)
         """
-        self._check_peer(root, "root")
-        err = None
-        if self.rank == root:
+        err = self._peer_error(root, "scatter: root")
+        if err is None and self.rank == root:
             if xs is None or len(xs) != self.size or not all(isinstance(t, torch.Tensor) for t in xs):
                 err = ValueError(f"scatter: root rank {root} must pass a sequence of {self.size} tensors "
                                  f"(one per rank), got {type(xs).__name__}"
                                  + (f" of length {len(xs)}" if hasattr(xs, '__len__') else ""))
-        rows = [_wire.header(_KIND["scatter"], root, _wire.NONE, t) for t in xs] \
-            if self.rank == root and err is None else [_wire.header(_KIND["scatter"], root)] * self.size
+        rows = [_wire.header(_KIND["scatter"], root if err is None else _wire.NONE)] * self.size
+        if self.rank == root and err is None:
+            try:
+                rows = [_wire.header(_KIND["scatter"], root, _wire.NONE, t) for t in xs]
+            except (TypeError, ValueError) as e:
+                err = type(e)(f"scatter: {e}")
         hdrs = self._agree("scatter", root=root, rows=rows, error=err)
         metas = [_wire.meta(hdrs[root, i].tolist()) for i in range(self.size)]
         if self.size == 1:
@@ -348,8 +372,12 @@ class Communicator(abc.ABC):
         err = None
         if xs is None or len(xs) != self.size or not all(isinstance(t, torch.Tensor) for t in xs):
             err = ValueError(f"alltoall: pass a sequence of {self.size} tensors (one per rank)")
-        rows = [_wire.header(_KIND["alltoall"], x=t) for t in xs] if err is None \
-            else [_wire.header(_KIND["alltoall"])] * self.size
+        rows = [_wire.header(_KIND["alltoall"])] * self.size
+        if err is None:
+            try:
+                rows = [_wire.header(_KIND["alltoall"], x=t) for t in xs]
+            except (TypeError, ValueError) as e:
+                err = type(e)(f"alltoall: {e}")
         hdrs = self._agree("alltoall", rows=rows, error=err)
         dtypes = {_wire.meta(hdrs[r, j].tolist())[0] for r in range(self.size) for j in range(self.size)}
         if len(dtypes) > 1:
@@ -378,6 +406,9 @@ class Communicator(abc.ABC):
             err = ValueError(f"allreduce: op must be one of {', '.join(_OPS)}, not {op!r}")
         elif not isinstance(x, torch.Tensor):
             err = TypeError(f"allreduce: pass a tensor, not {type(x).__name__}")
+        elif x.dtype in _wire.MOVE_ONLY:
+            err = TypeError(f"allreduce: torch has no arithmetic for {x.dtype} on CPU, so it cannot be reduced; "
+                            f"convert first (x.to(torch.int64), x.float()) and back")
         elif x.is_complex() and op in ("max", "min"):
             err = ValueError(f"allreduce: op {op!r} is undefined for complex tensors ({x.dtype})")
         self._agree("allreduce", op=None if err else op, x=None if err else x, error=err, same_shape=True)
@@ -403,13 +434,37 @@ class Communicator(abc.ABC):
     def _load(buf: torch.Tensor) -> Any:
         return pickle.loads(buf.cpu().numpy().tobytes())
 
-    def _obj_lengths(self, n: int) -> list[int]:
+    def _obj_lengths(self, n: int, error: Optional[Exception] = None) -> list[int]:
+        """Every rank's pickled length. On gloo this is a call header like the tensor collectives',
+        so a rank making another collective meanwhile, or one that could not pickle, is named."""
         if self.size == 1:
+            if error is not None:
+                raise error
             return [n]
-        t = torch.tensor([n], dtype=torch.int64)
+        if self.backend != "nccl":
+            hdrs = self._agree("allgather_obj", rows=[_obj_header(n)], error=error)
+            return hdrs[:, 0, _wire.SHAPE].tolist()
+        # NCCL: objects travel on their own gloo group, which no tensor collective uses.
+        t = torch.tensor([-1 if error is not None else n], dtype=torch.int64)
         out = torch.empty(self.size, dtype=torch.int64)
         dist.all_gather_single(out, t, group=self._obj_group)
-        return self._comm_order(out.tolist())
+        sizes = self._comm_order(out.tolist())
+        if error is not None:
+            raise error
+        if -1 in sizes:
+            raise RemoteRankError(f"allgather_obj: rank {sizes.index(-1)} could not pickle its object (see its "
+                                  f"error); rank {self.rank} on {self.host} stops too")
+        return sizes
+
+    def _try_dump(self, obj: Any, kind: str) -> tuple[Optional[torch.Tensor], Optional[Exception]]:
+        """``obj`` pickled, or the error to raise once the other ranks have been told."""
+        try:
+            return self._dump(obj), None
+        except Exception as e:  # pickle fails in many ways (PicklingError, TypeError, AttributeError)
+            err = TypeError(f"{kind}: rank {self.rank} on {self.host} cannot pickle its object "
+                            f"({type(obj).__name__}): {e}")
+            err.__cause__ = e
+            return None, err
 
     def bcast_obj(self, obj: Any, root: int = 0) -> Any:
         """Root's picklable object on every rank. Sent in chunks, so objects over 2 GiB work.
@@ -421,9 +476,14 @@ class Communicator(abc.ABC):
         self._check_peer(root, "root")
         if self.size == 1:
             return obj
-        buf = self._dump(obj) if self.rank == root else None
-        n = torch.tensor([buf.numel() if buf is not None else 0], dtype=torch.int64)
+        buf, err = self._try_dump(obj, "bcast_obj") if self.rank == root else (None, None)
+        n = torch.tensor([buf.numel() if buf is not None else -1], dtype=torch.int64)
         dist.broadcast(n, self._global(root), group=self._obj_group)
+        if err is not None:
+            raise err
+        if n.item() < 0:
+            raise RemoteRankError(f"bcast_obj: root rank {root} could not pickle its object (see its error); "
+                                  f"rank {self.rank} on {self.host} stops too")
         if buf is None:
             buf = torch.empty(int(n), dtype=torch.uint8)
         self._bcast_bytes(buf, root, group=self._obj_group)
@@ -432,8 +492,11 @@ class Communicator(abc.ABC):
     def send_obj(self, obj: Any, dest: int, tag: int = 0) -> None:
         """Send a picklable object to rank ``dest``, which calls :meth:`recv_obj`."""
         self._check_peer(dest, "dest")
-        buf = self._dump(obj)
-        dist.send(torch.tensor([buf.numel()], dtype=torch.int64), self._global(dest), group=self._obj_group, tag=tag)
+        buf, err = self._try_dump(obj, "send_obj")
+        dist.send(torch.tensor([buf.numel() if err is None else -1], dtype=torch.int64), self._global(dest),
+                  group=self._obj_group, tag=tag)
+        if err is not None:
+            raise err  # the receiver was told
         for start in range(0, buf.numel(), OBJ_CHUNK_BYTES):
             dist.send(buf[start:start + OBJ_CHUNK_BYTES], self._global(dest), group=self._obj_group, tag=tag)
 
@@ -442,6 +505,9 @@ class Communicator(abc.ABC):
         self._check_peer(source, "source")
         n = torch.empty(1, dtype=torch.int64)
         dist.recv(n, self._global(source), group=self._obj_group, tag=tag)
+        if n.item() < 0:
+            raise RemoteRankError(f"recv_obj: rank {source} could not pickle the object it sent (see its error); "
+                                  f"rank {self.rank} on {self.host} stops too")
         buf = torch.empty(int(n), dtype=torch.uint8)
         for start in range(0, buf.numel(), OBJ_CHUNK_BYTES):
             dist.recv(buf[start:start + OBJ_CHUNK_BYTES], self._global(source), group=self._obj_group, tag=tag)
@@ -456,8 +522,8 @@ class Communicator(abc.ABC):
         """
         if self.size == 1:
             return [obj]
-        buf = self._dump(obj)
-        sizes = self._obj_lengths(buf.numel())
+        buf, err = self._try_dump(obj, "allgather_obj")
+        sizes = self._obj_lengths(buf.numel() if err is None else 0, err)
         if max(sizes) * self.size <= OBJ_CHUNK_BYTES:
             longest = max(sizes)
             out = torch.empty(self.size * longest, dtype=torch.uint8)
@@ -733,6 +799,13 @@ def _match_group_counts(counts: list[Optional[int]]) -> None:
     target = max(counts)
     while _torch_group_count() < target:
         dist.new_group([dist.get_rank()], use_local_synchronization=True)
+
+
+def _obj_header(n: int) -> list[int]:
+    """The call header of an object allgather of ``n`` pickled bytes."""
+    row = _wire.header(_KIND["allgather_obj"])
+    row[_wire.SHAPE] = n
+    return row
 
 
 def _padded(buf: torch.Tensor, length: int) -> torch.Tensor:

@@ -18,11 +18,20 @@ import torch.distributed as dist
 
 from torchmn.communicators import shm
 from torchmn.communicators._setup import collective_timeout_s
-from torchmn.communicators.communicator import _OPS, _Completed
+from torchmn.communicators import _wire
+from torchmn.communicators.communicator import _KIND, _OPS, _Completed, _obj_header
 from torchmn.communicators.flat import FlatCommunicator
 
 
 _UNSET = object()
+_ROW_BYTES = _wire.HEADER_LEN * 8
+
+
+def _first_row(part: torch.Tensor) -> torch.Tensor:
+    """The call header a rank's shared-memory payload starts with (every one starts with one)."""
+    if part.numel() < _ROW_BYTES:
+        return torch.full((_wire.HEADER_LEN,), _wire.NONE, dtype=torch.int64)
+    return part[:_ROW_BYTES].view(torch.int64)
 
 
 def _new_inter_group(world_leaders: list[int], local: bool = False):
@@ -226,6 +235,10 @@ class HierarchicalCommunicator(FlatCommunicator):
         parts = self._segment.allgather_bytes(mine.reshape(-1).view(torch.uint8))
         if parts is None:  # a call of thousands of tensors: more rows than a slot holds
             return super()._exchange_headers(rows)
+        if any(p.numel() != mine.numel() * 8 for p in parts):
+            # Some rank is making another call (an object collective, or one of another row
+            # count): compare what each call is, from its first row, and let the check name it.
+            return torch.stack([_first_row(p) for p in parts]).unsqueeze(1)
         # On one node, local rank order is this communicator's rank order.
         return torch.stack([p.view(torch.int64).reshape(mine.shape) for p in parts])
 
@@ -239,12 +252,17 @@ class HierarchicalCommunicator(FlatCommunicator):
         if self._segment is None or not self._single_node:
             return super().allgather_obj(obj)
         # Small objects (metrics, losses, flags) in one round through the segment, not two TCP
-        # collectives; larger ones, on every rank alike, the ordinary way.
-        buf = self._dump(obj)
-        parts = self._segment.allgather_bytes(buf)
+        # collectives; larger ones, on every rank alike, the ordinary way. Each starts with a call
+        # header, so that a rank making another collective, or one that could not pickle, is named.
+        buf, err = self._try_dump(obj, "allgather_obj")
+        head = torch.tensor(_obj_header(buf.numel()) if err is None else _wire.header(_KIND["invalid"]),
+                            dtype=torch.int64).view(torch.uint8)
+        parts = self._segment.allgather_bytes(head if err is not None else torch.cat([head, buf]))
         if parts is None:
             return super().allgather_obj(obj)
-        return [self._load(p) for p in parts]  # copies, own one included, as over TCP
+        self._check_headers("allgather_obj", torch.stack([_first_row(p) for p in parts]).unsqueeze(1), err,
+                            same_shape=False, same_dtype=False)
+        return [self._load(p[_ROW_BYTES:]) for p in parts]  # copies, own one included, as over TCP
 
     def finalize(self) -> None:
         if self._segment is not None:
