@@ -1,12 +1,14 @@
 """The shared-memory path of the hierarchical communicator, in real jobs."""
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 from jobs import WORKERS, clean_env, launcher_argv, run_job
-from torchmn.communicators.shm import leftover_segments
+from torchmn.communicators.shm import SHM_DIR, leftover_segments
 
 CHECKS = WORKERS / "shm_checks.py"
 
@@ -23,6 +25,26 @@ def test_killed_rank_leaves_no_segment():
     proc = run_job(CHECKS, ["die"], np=2, timeout=60, check=False)
     assert proc.returncode != 0
     assert set(leftover_segments()) <= before, leftover_segments()
+
+
+def test_segment_of_a_job_killed_during_setup_is_removed_by_the_next():
+    """A segment has a name only while its job sets up; a job killed then leaves it in /dev/shm.
+    The next job's set-up removes it once its creator is dead and it is over a minute old, and
+    leaves alone one that is recent (maybe another container's, setting up right now)."""
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    old = Path(SHM_DIR) / f"torchmn-0123456789abcdef-node0-pid{dead.pid}"
+    recent = Path(SHM_DIR) / f"torchmn-fedcba9876543210-node0-pid{dead.pid}"
+    try:
+        for path in (old, recent):
+            path.write_bytes(b"\0" * 4096)
+        an_hour_ago = time.time() - 3600
+        os.utime(old, (an_hour_ago, an_hour_ago))
+        run_job(CHECKS, ["same_as_gloo"], np=2, timeout=150)
+        assert not old.exists() and recent.exists()
+    finally:
+        for path in (old, recent):
+            path.unlink(missing_ok=True)
 
 
 def test_lost_peer_is_named_not_waited_for(tmp_path):

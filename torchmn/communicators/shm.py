@@ -41,8 +41,32 @@ class PeerLostError(CollectiveTimeoutError):
     arrive within the timeout)."""
 
 
-def segment_name(job_tag: str, node: int) -> str:
-    return f"torchmn-{job_tag}-node{node}"
+def segment_name(job_tag: str, node: int, creator_pid: int) -> str:
+    # The creator's pid in the name lets a later job tell a segment left by a killed one.
+    return f"torchmn-{job_tag}-node{node}-pid{creator_pid}"
+
+
+# A segment has a name only while its job sets up (created, mapped by every rank of the node,
+# unlinked: seconds). One whose creator is dead and that is older than this was left by a job
+# killed in that window. The age also spares a segment from another PID namespace sharing /dev/shm.
+STALE_AFTER_S = 60.0
+
+
+def remove_stale_segments() -> list[str]:
+    """Delete the segments of jobs killed while they set up shared memory; returns their names."""
+    removed = []
+    now = time.time()
+    for name in leftover_segments():
+        pid = name.rpartition("-pid")[2]
+        path = os.path.join(SHM_DIR, name)
+        try:
+            old = now - os.stat(path).st_mtime > STALE_AFTER_S
+        except FileNotFoundError:
+            continue
+        if pid.isdigit() and old and not _alive(int(pid)):
+            _unlink(path)
+            removed.append(name)
+    return removed
 
 
 def new_job_tag() -> str:
@@ -90,7 +114,7 @@ class NodeSegment:
             slot_bytes = requested_slot_bytes()
         slot_bytes = max(_ALIGN, _align(slot_bytes))  # every dtype's view needs aligned slots
         nbytes = cls.size_for(local_size, slot_bytes)
-        buf = _map_segment(segment_name(job_tag, node), nbytes, local_rank, barrier, "set TORCHMN_SHM_SLOT_MB lower")
+        buf = _map_segment(segment_name(job_tag, node, pids[0]), nbytes, local_rank, barrier, "set TORCHMN_SHM_SLOT_MB lower")
         return cls(buf, local_rank, local_size, slot_bytes, pids, timeout, describe)
 
     # ----------------------------------------------------------------------------- waiting
@@ -330,7 +354,7 @@ class NodeArena:
              describe: Callable[[int], str] = lambda r: f"local rank {r}") -> "NodeArena":
         nbytes = cls.size_for(local_size, shared_bytes, region_bytes)
         shared_bytes, region_bytes = _align(shared_bytes), _align(region_bytes)
-        buf = _map_segment(segment_name(job_tag, node) + "-arena", nbytes, local_rank, barrier,
+        buf = _map_segment(segment_name(job_tag + "arena", node, pids[0]), nbytes, local_rank, barrier,
                            "or give the machine (container: --shm-size) a larger /dev/shm")
         return cls(buf, local_rank, local_size, shared_bytes, region_bytes, pids, timeout, describe)
 
@@ -360,6 +384,7 @@ def _map_segment(name: str, nbytes: int, local_rank: int, barrier: Callable[[], 
     fd = -1
     try:
         if local_rank == 0:
+            remove_stale_segments()
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
                 os.posix_fallocate(fd, 0, nbytes)  # fail now, not with SIGBUS mid-collective
