@@ -104,11 +104,12 @@ class _ShardBucket:
         if peer_grads is None:
             self.grad_shard = torch.empty(self.k, dtype=self.wire_dtype, device=self.device)
         else:
-            # Shared buffers: this rank's own part of its shard is never copied (step() reads it from
-            # .grad), so that range of its buffer is free, and the shard's sum is written there.
-            self.grad_shard = self.grad_flat[lo:hi]
             # Where the other ranks leave their parts of this shard (fixed: views, set up once).
             self.others = [g[lo:hi] for j, g in enumerate(peer_grads) if j != own_index]
+            # This rank's own part of its shard is never copied (step() reads it from .grad), so
+            # that range of its buffer is free for a sum that must outlast a step (see
+            # sum_shard_of_peers).
+            self.own_range = self.grad_shard = self.grad_flat[lo:hi]
             self._cut_at_shard(lo, hi)
         self.shard_grad = self.grad_shard if self.wire_dtype == self.dtype else torch.empty_like(mine)
 
@@ -164,13 +165,29 @@ class _ShardBucket:
             else:
                 torch.mul(g.reshape(-1)[start:end], scale, out=view)
 
-    def sum_shard_of_peers(self, scale: float) -> None:
-        """This rank's shard of the node's gradient sum: the other ranks' parts, read from their
-        shared buffers (already times ``scale``), plus this rank's own part times ``scale``."""
-        others, out = self.others, self.grad_shard
-        if len(others) == 1:
-            # Two ranks: one pass over the shard, each element read twice and written once.
-            other = others[0]
+    def sum_shard_of_peers(self, scale: float, in_place: bool) -> None:
+        """This rank's shard of the node's gradient sum, into ``shard_grad``: the other ranks' parts,
+        read from their shared buffers (already times ``scale``), plus this rank's own part times
+        ``scale``.
+
+        ``in_place``: the sum is made in the first other rank's part of this shard, which nobody
+        else reads and its owner rewrites only in the next backward. That saves streaming through
+        a third buffer (writing fresh lines reads each of them first: a third less traffic), but
+        holds only between step()'s two barriers; a sum that must outlast them
+        (``clip_grad_norm_`` before a skipped step) goes to this rank's own range.
+        """
+        others = self.others
+        if in_place:
+            out = others[0]
+            for other in others[1:]:
+                out.add_(other)
+            for i, start, end, at in self.inside:
+                g = self.packed[i]
+                if g is not None:
+                    out[at:at + end - start].add_(g.reshape(-1)[start:end], alpha=scale)
+        elif len(others) == 1:
+            # One pass over the shard, each element read twice and written once.
+            out, other = self.own_range, others[0]
             for i, start, end, at in self.inside:
                 g = self.packed[i]
                 if g is None:
@@ -180,10 +197,12 @@ class _ShardBucket:
                               out=out[at:at + end - start])
             out[self.padding[0]:self.padding[1]].zero_()
         else:
+            out = self.own_range
             sum_into(out, others)
             for i, start, end, at in self.inside:
                 if self.packed[i] is not None:
                     out[at:at + end - start].add_(self.packed[i].reshape(-1)[start:end], alpha=scale)
+        self.shard_grad = out
 
     def _remember_grads(self) -> None:
         self.packed = [p.grad for p in self.params]
@@ -405,7 +424,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             b.sent = False
         if self._arena is not None:
             if not reduced:
-                self._sum_shards_in_shared_memory()
+                self._sum_shards_in_shared_memory(in_place=True)
             for buckets in self._inner.values():
                 buckets[0].optimizer.step()
             # Every shard is updated in the shared parameters, and nobody reads a gradient buffer
@@ -463,7 +482,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         if not self._reduced:
             self._take_gradients()
             if self._arena is not None:
-                self._sum_shards_in_shared_memory()
+                # Not in place: the step may be skipped, and then no barrier keeps the other ranks'
+                # next backward from rewriting their buffers while these sums are still needed.
+                self._sum_shards_in_shared_memory(in_place=False)
             else:
                 for b in self._buckets:
                     self._finish_reduce_scatter(b)
@@ -494,12 +515,12 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         for b in self._buckets:
             b.check_grads_unchanged()
 
-    def _sum_shards_in_shared_memory(self) -> None:
+    def _sum_shards_in_shared_memory(self, in_place: bool) -> None:
         # Every rank's gradients are in its buffer. The barrier also tells how many times they were
         # sent since the last step: a rank that skipped a step() meets the others' next one.
         self._arena.barrier(STEP_AFTER_SENDS[min(self._sends, len(STEP_AFTER_SENDS) - 1)])
         for b in self._buckets:
-            b.sum_shard_of_peers(1.0 / self.comm.size)
+            b.sum_shard_of_peers(1.0 / self.comm.size, in_place)
             b.shard_param.grad = b.shard_grad
 
     def _finish_reduce_scatter(self, b: _ShardBucket) -> None:
