@@ -28,6 +28,7 @@ element's gradient and state alone): see :data:`ELEMENTWISE_OPTIMIZERS`.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import socket
 import warnings
@@ -76,6 +77,7 @@ class _ShardBucket:
         self.reduce_work = None
         self.gather_work = None
         self.optimizer: Optional[torch.optim.Optimizer] = None
+        self.step_shard = None               # the optimizer's step (see _step_function)
 
     def place(self, flat: Optional[torch.Tensor] = None, grad_flat: Optional[torch.Tensor] = None,
               peer_grads: Optional[list[torch.Tensor]] = None, own_index: int = 0, fill: bool = True) -> None:
@@ -111,6 +113,7 @@ class _ShardBucket:
             # sum_shard_of_peers).
             self.own_range = self.grad_shard = self.grad_flat[lo:hi]
             self._cut_at_shard(lo, hi)
+            self._plan_copies()
         self.shard_grad = self.grad_shard if self.wire_dtype == self.dtype else torch.empty_like(mine)
 
     def _cut_at_shard(self, lo: int, hi: int) -> None:
@@ -133,6 +136,21 @@ class _ShardBucket:
             else:
                 self.outside.append((i, 0, n))
         self.padding = (max(self.numel, lo) - lo, self.k)
+
+    def _plan_copies(self) -> None:
+        """The views that backward's copies and step()'s sums write, made once: these run every
+        step, between forward and backward, when each line of Python costs several times what it
+        does warm. A whole parameter's range is shaped like the parameter, so that its gradient
+        goes in as it is (start None), without a flattening view and a slice."""
+        def plan(i, start, end, buffer, at):
+            p = self.params[i]
+            view = buffer[at:at + end - start]
+            if end - start == p.numel():
+                return i, None, None, view.view(p.shape)
+            return i, start, end, view
+        self.pack_plan = [plan(i, start, end, self.grad_flat, self.offsets[i] + start)
+                          for i, start, end in self.outside]
+        self.add_plan = [plan(i, start, end, self.others[0], at) for i, start, end, at in self.inside]
 
     def point_params(self) -> None:
         """Make the model's parameters views into the flat buffer (so a gather needs no copy-back)."""
@@ -157,13 +175,13 @@ class _ShardBucket:
         """Copy, times ``scale``, the parts of the gradients that other ranks' shards need into this
         rank's shared buffer (the part in this rank's own shard stays in ``.grad``)."""
         self._remember_grads()
-        for i, start, end in self.outside:
-            off, g = self.offsets[i], self.packed[i]
-            view = self.grad_flat[off + start:off + end]
+        packed = self.packed
+        for i, start, end, view in self.pack_plan:
+            g = packed[i]
             if g is None:
                 view.zero_()
             else:
-                torch.mul(g.reshape(-1)[start:end], scale, out=view)
+                torch.mul(g if start is None else g.reshape(-1)[start:end], scale, out=view)
 
     def sum_shard_of_peers(self, scale: float, in_place: bool) -> None:
         """This rank's shard of the node's gradient sum, into ``shard_grad``: the other ranks' parts,
@@ -178,13 +196,13 @@ class _ShardBucket:
         """
         others = self.others
         if in_place:
-            out = others[0]
+            out, packed = others[0], self.packed
             for other in others[1:]:
                 out.add_(other)
-            for i, start, end, at in self.inside:
-                g = self.packed[i]
+            for i, start, end, view in self.add_plan:
+                g = packed[i]
                 if g is not None:
-                    out[at:at + end - start].add_(g.reshape(-1)[start:end], alpha=scale)
+                    view.add_(g if start is None else g.reshape(-1)[start:end], alpha=scale)
         elif len(others) == 1:
             # One pass over the shard, each element read twice and written once.
             out, other = self.own_range, others[0]
@@ -265,6 +283,18 @@ def _build_inner(cls: type, shard_params: list[torch.nn.Parameter], group: dict)
         except (RuntimeError, ValueError, NotImplementedError):
             pass  # an option that rules the fused kernel out (its constructor says so)
     return cls([{**hyper, "params": shard_params}], **ctor)
+
+
+def _step_function(optimizer: torch.optim.Optimizer):
+    """``optimizer.step`` without the wrapper torch puts around every optimizer's step to run
+    step hooks and open a profiler range; for the shard optimizers, which are private (no hooks)
+    and stepped once per training step, between forward and backward, when the interpreter runs
+    cold: that wrapper alone then costs 100-150 us a call, about a tenth of Adam's update of a
+    1 MB shard. Where torch's wrapper is not recognised, the plain ``step``."""
+    step = type(optimizer).step
+    if getattr(step, "hooked", False) and callable(getattr(step, "__wrapped__", None)):
+        return functools.partial(step.__wrapped__, optimizer)
+    return optimizer.step
 
 
 def _scalar(value):
@@ -349,8 +379,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             self._inner.setdefault((b.group, kind), []).append(b)
         for (group, _), buckets in self._inner.items():
             inner = _build_inner(type(optimizer), [b.shard_param for b in buckets], optimizer.param_groups[group])
+            step = _step_function(inner)
             for b in buckets:
-                b.optimizer = inner
+                b.optimizer, b.step_shard = inner, step
         self._attach(params, self._buckets)
 
     def _place_in_shared_memory(self):
@@ -426,7 +457,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             if not reduced:
                 self._sum_shards_in_shared_memory(in_place=True)
             for buckets in self._inner.values():
-                buckets[0].optimizer.step()
+                buckets[0].step_shard()
             # Every shard is updated in the shared parameters, and nobody reads a gradient buffer
             # any more, so backward may write them again.
             self._arena.barrier("step done (shards updated)")
@@ -436,7 +467,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             if not reduced:  # bucket by bucket, so early buckets' all-gathers overlap later updates
                 self._finish_reduce_scatter(b)
             b.shard_param.grad = b.shard_grad
-            b.optimizer.step()
+            b.step_shard()
             if b.send is not None:
                 # The shard is a view into the gathered buffer; a separate send buffer avoids aliasing.
                 b.send.copy_(b.shard_param.detach())
