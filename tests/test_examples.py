@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import torch
 import pytest
 
 from jobs import REPO, clean_env, run_job
@@ -107,6 +108,14 @@ def test_bundled_data_split():
     assert x.shape == (784,) and str(x.dtype) == "torch.float32" and 0 <= float(x.min()) <= float(x.max()) <= 1
     assert isinstance(y, int)
     assert {label for _, label in val} == set(range(10))  # the digit-sorted file is shuffled first
+    # The held-out set is fixed: training on fewer images validates on the same 1000.
+    small, same_val = data.load_mnist(n_train=1000)
+    assert (len(small), len(same_val)) == (1000, 1000)
+    assert all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(val, same_val))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(small, train[:1000]))
+    for bad in (0, 4001):
+        with pytest.raises(ValueError, match="between 1 and 4000 .* held out"):
+            data.load_mnist(n_train=bad)
 
 
 def test_data_dir_files(idx_dir):
