@@ -26,6 +26,7 @@ OPTIMIZERS = {
     "sgd": lambda m: torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9),
     "adam": lambda m: torch.optim.Adam(m.parameters(), lr=0.01),
     "adamw": lambda m: torch.optim.AdamW(m.parameters(), lr=0.01, weight_decay=0.1),
+    "adam_amsgrad": lambda m: torch.optim.Adam(m.parameters(), lr=0.01, weight_decay=0.01, amsgrad=True),
     "sgd_groups": lambda m: _two_groups(m, torch.optim.SGD, lr=0.1, momentum=0.9, nesterov=True),
     "adam_groups": lambda m: _two_groups(m, torch.optim.Adam, lr=0.01),
 }
