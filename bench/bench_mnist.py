@@ -21,6 +21,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from allocator import ALLOCATOR_ENV
+
 REPO = Path(__file__).resolve().parent.parent
 MNIST = REPO / "examples" / "mnist"
 
@@ -43,7 +45,7 @@ def variants(cpus: int, extra: list[str]) -> dict[str, tuple[list[str], dict]]:
 
 def run_once(argv: list[str], env_extra: dict, log: Path) -> float:
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
-    env.update(env_extra)
+    env.update(ALLOCATOR_ENV, **env_extra)
     proc = subprocess.run(argv + ["--log-file", str(log)], env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stderr[-3000:]}")

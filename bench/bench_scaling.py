@@ -30,6 +30,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 from cluster.netns import NetnsCluster  # noqa: E402
 
+from allocator import ALLOCATOR_ENV  # noqa: E402
+
 SCRIPT = REPO / "examples" / "mnist" / "train_mnist.py"
 ROWS = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)]  # (processes, nodes)
 
@@ -40,7 +42,7 @@ def command(procs: int, nodes: int, cluster, extra: list[str], log: Path) -> lis
     if nodes > 1:
         per = procs // nodes
         hosts = ",".join(f"{cluster.address(h)}:{per}" for h in ("h1", "h2")[:nodes])
-        run += cluster.launcher_options() + ["-H", hosts]
+        run += cluster.launcher_options() + ["-H", hosts] + [a for name in ALLOCATOR_ENV for a in ("-x", name)]
     return run + [py, str(SCRIPT), "--log-file", str(log)] + extra
 
 
@@ -58,6 +60,7 @@ def main() -> None:
     accuracy = {row: [] for row in ROWS}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MKL_"))}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(ALLOCATOR_ENV)
     cpus = len(os.sched_getaffinity(0))
     try:
         with tempfile.TemporaryDirectory() as tmp:

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from allocator import ALLOCATOR_ENV
+
 REPO = Path(__file__).resolve().parent.parent
 RESULT = "BENCH_RESULT "
 
@@ -139,7 +141,7 @@ def run_once(name: str, args) -> dict:
     else:
         argv = [sys.executable, "-m", "torchmn", "run", "-np", str(ranks), sys.executable] + own
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHMN_", "TORCHELASTIC_"))}
-    env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
+    env.update(ALLOCATOR_ENV, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
     lines = [ln for ln in proc.stdout.splitlines() if RESULT in ln]
