@@ -537,6 +537,8 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         return None
 
     def register_step_pre_hook(self, hook):
+        # Global hooks (torch.optim.optimizer.register_optimizer_step_pre_hook) do not run for the
+        # shard optimizers either: they are stepped without torch's hook wrapper (_step_function).
         raise NotImplementedError("step hooks with shard_state=True: each rank updates its shards with "
                                   "optimizers of its own, so a hook would see neither the model's parameters "
                                   "nor the whole update; call it around optimizer.step() instead")
