@@ -6,8 +6,8 @@ import subprocess
 import sys
 
 import numpy as np
-import torch
 import pytest
+import torch
 
 from jobs import REPO, clean_env, run_job
 

@@ -151,13 +151,8 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._pass_syncs = not self._no_sync and self._passes + 1 >= self.backward_passes_per_step
             Variable._execution_engine.queue_callback(self._on_backward_end)
         if self._pass_syncs:
-            self._param_ready(p)
-
-    def _param_ready(self, p: torch.nn.Parameter) -> None:
-        """``p``'s gradient is final for this step's communicating pass; subclasses may start on
-        it at once (while it is still in the cache) before the bucket goes."""
-        self._buckets[self._where[p]].ready.add(id(p))
-        self._send_ready()
+            self._buckets[self._where[p]].ready.add(id(p))
+            self._send_ready()
 
     def _on_backward_end(self) -> None:
         self._in_pass = False

@@ -149,12 +149,9 @@ class _ShardBucket:
             if end - start == p.numel():
                 return view.view(p.shape), None, None
             return view, start, end
-        self.pack_plan = [[] for _ in self.params]   # per parameter: (view, start, end)
-        for i, start, end in self.outside:
-            self.pack_plan[i].append(plan(i, start, end, self.grad_flat, self.offsets[i] + start))
+        self.pack_plan = [(i,) + plan(i, start, end, self.grad_flat, self.offsets[i] + start)
+                          for i, start, end in self.outside]
         self.add_plan = [(i,) + plan(i, start, end, self.others[0], at) for i, start, end, at in self.inside]
-        self.packed = [None] * len(self.params)
-        self.unpacked = set(range(len(self.params)))
 
     def point_params(self) -> None:
         """Make the model's parameters views into the flat buffer (so a gather needs no copy-back)."""
@@ -175,27 +172,17 @@ class _ShardBucket:
                 view.copy_(p.grad.reshape(-1) * scale)
         return self.grad_flat
 
-    def pack_param(self, i: int, scale: float) -> None:
-        """Copy, times ``scale``, the parts of parameter ``i``'s gradient that other ranks' shards
-        need into this rank's shared buffer (the part in this rank's own shard stays in ``.grad``),
-        as soon as backward has it: a gradient made early in backward would otherwise be read back
-        from memory, after later layers' work has pushed it out of the cache."""
-        g = self.params[i].grad
-        self.packed[i] = g
-        self.unpacked.discard(i)
-        for view, start, end in self.pack_plan[i]:
+    def pack_for_peers(self, scale: float) -> None:
+        """Copy, times ``scale``, the parts of the gradients that other ranks' shards need into this
+        rank's shared buffer (the part in this rank's own shard stays in ``.grad``)."""
+        self._remember_grads()
+        packed = self.packed
+        for i, view, start, end in self.pack_plan:
+            g = packed[i]
             if g is None:
                 view.zero_()
             else:
                 torch.mul(g if start is None else g.reshape(-1)[start:end], scale, out=view)
-
-    def pack_for_peers(self, scale: float) -> None:
-        """Pack the parameters backward did not hand over one by one (no gradient: zeros), and
-        make the bucket ready for the next step."""
-        for i in sorted(self.unpacked):
-            self.pack_param(i, scale)
-        self.unpacked = set(range(len(self.params)))
-        self.versions = None
 
     def sum_shard_of_peers(self, scale: float, in_place: bool) -> None:
         """This rank's shard of the node's gradient sum, into ``shard_grad``: the other ranks' parts,
@@ -431,7 +418,6 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             step = _step_function(inner)
             for b in buckets:
                 b.optimizer, b.step_shard = inner, step
-        self._slot = {p: (b, i) for b in self._buckets for i, p in enumerate(b.params)}
         self._attach(params, self._buckets)
 
     def _place_in_shared_memory(self):
@@ -454,13 +440,6 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
                     fill=self.comm.rank == 0)
         arena.barrier("set-up")
         return arena
-
-    def _param_ready(self, p: torch.nn.Parameter) -> None:
-        if self._arena is not None:
-            bucket, i = self._slot[p]
-            if i in bucket.unpacked:
-                bucket.pack_param(i, 1.0 / self.comm.size)
-        super()._param_ready(p)
 
     def _send(self, bucket: _ShardBucket) -> None:
         bucket.sent = True
@@ -548,8 +527,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     def _forget_gradients(self) -> None:
         self._sends = 0
         for b in self._buckets:
-            b.packed = [None] * len(b.params)  # so that the next zero_grad frees them
-            b.versions = None
+            b.packed = b.versions = None  # so that the next zero_grad frees them
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: Optional[bool] = None) -> torch.Tensor:
