@@ -230,6 +230,9 @@ class _Flags:
     def __init__(self, buf: mmap.mmap, phases: int, local_rank: int, local_size: int, pids: list[int],
                  timeout: float, describe: Callable[[int], str]):
         self._rows = np.frombuffer(buf, dtype=np.int64, count=phases * local_size).reshape(phases, local_size)
+        # The same words as plain Python ints: the wait loop reads them without numpy's per-call
+        # cost, which matters run cold between backward and forward (twice a sharded step).
+        self._words = memoryview(self._rows).cast("B").cast("q")
         self.local_rank = local_rank
         self.local_size = local_size
         self._pids = pids
@@ -247,16 +250,12 @@ class _Flags:
         _fence()  # this rank's data writes before its flag
         mark = seq * _KINDS + kind
         lowest = seq * _KINDS
-        self._rows[phase, self.local_rank] = mark
-        row = self._rows[phase]
-        if (row >= lowest).all():
-            _fence()  # the others' flags before their data
-            if kinds:
-                self._check_kinds(row, seq, kind, kinds)
-            return
+        first = phase * self.local_size
+        self._words[first + self.local_rank] = mark
+        row = self._words[first:first + self.local_size]  # a live view of the phase's flags
         deadline = None
         spins = 0
-        while not (row >= lowest).all():
+        while min(row) < lowest:
             spins += 1
             if spins < 64:
                 continue
@@ -270,9 +269,12 @@ class _Flags:
                 now = time.monotonic()
                 deadline = deadline or now + self._timeout
                 self._check_peers(phase, seq, now > deadline)
-        _fence()
+        _fence()  # the others' flags before their data
         if kinds:
-            self._check_kinds(row, seq, kind, kinds)
+            top = lowest + _KINDS
+            # A rank still at call seq (not past it) with another kind of call is a mismatch.
+            if any(v != mark and v < top for v in row):
+                self._check_kinds(self._rows[phase], seq, kind, kinds)
 
     def _check_kinds(self, row: np.ndarray, seq: int, kind: int, kinds: tuple) -> None:
         # A rank already past call seq has checked it itself; compare those still at it.

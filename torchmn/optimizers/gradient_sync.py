@@ -206,7 +206,20 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                     f"optimizer.remove_hooks() and wrap the torch optimizer again.")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self._optimizer.zero_grad(set_to_none=set_to_none)
+        """Reset the gradients of the wrapped optimizer's parameters, as torch's ``zero_grad``.
+
+        Example::
+
+            >>> optimizer.zero_grad()
+        """
+        if not set_to_none:
+            self._optimizer.zero_grad(set_to_none=False)
+            return
+        # What torch's does for set_to_none, without its profiler range and dynamo guard: those
+        # cost 100 us a call here, run cold between step() and forward (1.5% of the MNIST bench).
+        for group in self._optimizer.param_groups:
+            for p in group["params"]:
+                p.grad = None
 
     def add_param_group(self, param_group) -> None:
         raise NotImplementedError("add a parameter group to the wrapped optimizer before wrapping it")
