@@ -187,19 +187,21 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if closure is not None:
             raise ValueError("multi-node optimizers do not support a closure: call backward, then step()")
 
+    def _where_am_i(self) -> str:
+        return f"rank {self.comm.rank} on {socket.gethostname()}"
+
     def _check_parameters_unchanged(self) -> None:
         """Refuse a step whose parameters are not those the gradient buckets were built for."""
-        where = f"rank {self.comm.rank} on {socket.gethostname()}"
         count = sum(len(g["params"]) for g in self._optimizer.param_groups)
         if count != self._param_count:
             raise RuntimeError(
-                f"{where}: the wrapped optimizer has {count} parameters now but had {self._param_count} when "
+                f"{self._where_am_i()}: the wrapped optimizer has {count} parameters now but had {self._param_count} when "
                 f"create_multi_node_optimizer wrapped it, so the new ones would not be averaged over ranks. "
                 f"Add parameter groups before wrapping.")
         for p in self._frozen_at_wrap:
             if p.requires_grad and p.grad is not None:
                 raise RuntimeError(
-                    f"{where}: a parameter of shape {tuple(p.shape)} has a gradient, but it was frozen "
+                    f"{self._where_am_i()}: a parameter of shape {tuple(p.shape)} has a gradient, but it was frozen "
                     f"(requires_grad=False) when create_multi_node_optimizer wrapped the optimizer, so its "
                     f"gradients are not averaged over ranks and the ranks' models would drift apart. Unfreeze "
                     f"parameters before wrapping; to unfreeze later (fine-tuning schedules), call "
