@@ -143,7 +143,7 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if p.grad.layout is not torch.strided:
             raise RuntimeError(
-                f"rank {self.comm.rank} on {socket.gethostname()}: the gradient of a parameter of shape "
+                f"{self._where_am_i()}: the gradient of a parameter of shape "
                 f"{tuple(p.shape)} is {p.grad.layout} (nn.Embedding(sparse=True) or EmbeddingBag(sparse=True)); "
                 f"create_multi_node_optimizer averages dense gradients only: build the layer with sparse=False")
         if not self._in_pass:
