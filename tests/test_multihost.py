@@ -211,7 +211,7 @@ def test_two_hosts_two_ranks_each(cluster):
 
 
 SHARDED_CHECKS = ("equivalence", "state_dict_format", "unused_parameter", "shared_memory_where_possible",
-                  "clip_grad_norm")
+                  "clip_grad_norm", "state_per_parameter")
 
 
 def test_sharded_optimizer_on_two_hosts(cluster):

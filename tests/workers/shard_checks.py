@@ -165,13 +165,13 @@ def check_state_is_sharded(comm):
     whole = _elements(ref_opt.state.values())
     n_params = sum(p.numel() for p in make_model().parameters())
     assert whole == 2 * n_params
+    n_tensors = len(list(make_model().parameters()))
     for kwargs in ({}, {"bucket_cap_mb": 0}):
         _, opt, _ = train("adam", comm, steps=range(2), **kwargs)
         mine = _elements(opt.state.values())
-        n_buckets = len(opt._buckets)
-        # Each bucket is padded to a multiple of size: at most size - 1 extra elements per state tensor.
-        assert mine <= -(-whole // comm.size) + 2 * n_buckets, (mine, whole, comm.size)
-        assert whole <= comm.allreduce_obj(mine) <= whole + 2 * n_buckets * (comm.size - 1), (mine, whole)
+        # Each parameter is padded to a multiple of size: at most size - 1 extra elements per state tensor.
+        assert mine <= -(-whole // comm.size) + 2 * n_tensors, (mine, whole, comm.size)
+        assert whole <= comm.allreduce_obj(mine) <= whole + 2 * n_tensors * (comm.size - 1), (mine, whole)
         assert opt.state_bytes() >= mine * 8
 
 
@@ -191,6 +191,12 @@ def check_refusals(comm):
         assert "double_buffering" in str(e), e
     else:
         raise AssertionError("shard_state with double_buffering was accepted")
+    try:
+        ShardedMultiNodeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, zero_fill=False)
+    except ValueError as e:
+        assert "zero_fill=True" in str(e), e
+    else:
+        raise AssertionError("shard_state with zero_fill=False was accepted")
     # Step hooks would see shard optimizers, not the model: refused, with what to do instead.
     opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, shard_state=True)
     try:
@@ -200,22 +206,45 @@ def check_refusals(comm):
     else:
         raise AssertionError("a step hook was accepted under shard_state=True")
     opt.remove_hooks()
-    # A plain Adam checkpoint in which one parameter of a shard has no state yet loads, and rank 0
-    # says that its first updates will differ from one process.
-    plain = torch.optim.Adam(model.parameters(), lr=0.01)
-    for p in model.parameters():
-        p.grad = torch.ones_like(p) if p is not model[-1].bias else None
-    plain.step()
-    for p in model.parameters():
-        p.grad = None
-    opt = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters(), lr=0.01), comm, shard_state=True,
-                                              bucket_cap_mb=100)
+    opt.remove_hooks()
+
+
+def check_state_per_parameter(comm):
+    """Parameters of one bucket keep their own state and step counts, as in one process: a plain
+    Adam checkpoint in which one parameter has no state and another fewer steps loads, gathers
+    back unchanged, and continues as plain Adam does, also through a step in which a parameter
+    has no gradient on any rank (left alone, its step count too)."""
+    model = make_model()
+    plain = torch.optim.Adam(model.parameters(), lr=0.01, weight_decay=0.1)
+    for step, unused in enumerate((model[-1].bias, model[0].weight)):
+        for p in model.parameters():
+            missing = p is unused or (step == 1 and p is model[-1].bias)
+            p.grad = None if missing else torch.full_like(p, 0.1 * step + 0.1)
+        plain.step()
+    assert model[-1].bias not in plain.state and int(plain.state[model[0].weight]["step"]) == 1
+    saved = {k: v.clone() for k, v in model.state_dict().items()}, plain.state_dict()
+    sharded_model = make_model()
+    sharded_model.load_state_dict(saved[0])
+    opt = torchmn.create_multi_node_optimizer(torch.optim.Adam(sharded_model.parameters(), lr=0.01, weight_decay=0.1),
+                                              comm, shard_state=True, bucket_cap_mb=100)
+    assert len(opt._buckets) == 1
     import warnings
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        opt.load_state_dict(plain.state_dict())
-    said = [str(w.message) for w in caught if "optimizer step counts or no state" in str(w.message)]
-    assert len(said) == (comm.rank == 0), [str(w.message) for w in caught]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt.load_state_dict(saved[1])
+    _compare_state(opt.state_dict(), saved[1], "loaded and gathered back")
+    for step in range(3):  # the last layer's bias takes no part in step 1
+        x, y = data(step)
+        for m, o, xs, ys in ((model, plain, x, y), (sharded_model, opt, local(x, comm), local(y, comm))):
+            o.zero_grad()
+            m[-1].bias.requires_grad_(step != 1)
+            loss_fn(m, xs, ys).backward()
+            m[-1].bias.requires_grad_(True)
+            o.step()
+        if step == 1:
+            assert torch.equal(sharded_model[-1].bias, model[-1].bias), "a parameter without gradients moved"
+    assert_close(sharded_model, model, 1e-5, "continued from a plain checkpoint with uneven state")
+    _compare_state(opt.state_dict(), plain.state_dict(), "after continuing")
     opt.remove_hooks()
 
 

@@ -2,26 +2,30 @@
 
 Layout. Trainable parameters are packed into buckets in the reverse order of the parameters (the
 order backward produces gradients); a bucket never mixes parameter groups, dtypes or devices. Each
-bucket owns one flat buffer, padded to a multiple of the rank count, and the real parameters are
-re-pointed to be views into it, so the all-gather writes the new values straight into the model.
-Rank ``r`` owns the contiguous slice ``[r*k, (r+1)*k)`` of every bucket: that slice is a flat
-"shard parameter", and an optimizer of the wrapped optimizer's own class steps it. Optimizer state
-(Adam's ``exp_avg``, momentum buffers, ...) therefore exists only for the owned slice.
+bucket owns one flat buffer holding its parameters one after another, each padded to a multiple of
+the rank count, and the real parameters are re-pointed to be views into it. Rank ``r`` owns slice
+``r`` of every parameter (``[r*k, (r+1)*k)`` of its flat elements): that slice is a "shard
+parameter", and an optimizer of the wrapped optimizer's own class steps the rank's shard
+parameters. Optimizer state (Adam's ``exp_avg``, momentum buffers, step counts) therefore exists
+only for the owned slices, and per parameter, as in one process: a parameter that no rank has a
+gradient for is left alone, and a checkpoint moves between rank counts unchanged.
 
-One step. While backward runs, a bucket whose gradients are all ready is packed and its
-reduce-scatter is launched (buckets go out in the same order on every rank; at the end of backward
-the rest go out, missing gradients as zeros, so an unused parameter cannot hang the job). In
-``step()`` each bucket in turn waits for its reduce-scatter, updates its shard and launches its
-all-gather, so the all-gathers of early buckets run while later buckets update; ``step()``
-returns once every parameter holds the new values.
+One step. While backward runs, a bucket whose gradients are all ready is packed, rank-major (rank
+``j``'s block holds slice ``j`` of each parameter, then a flag per parameter saying whether this
+rank has its gradient), and its reduce-scatter is launched (buckets go out in the same order on
+every rank; at the end of backward the rest go out, missing gradients as zeros, so an unused
+parameter cannot hang the job). In ``step()`` each bucket in turn waits for its reduce-scatter,
+updates its shards and launches its all-gather, so the all-gathers of early buckets run while
+later buckets update; ``step()`` copies the gathered slices into the parameters and returns once
+every parameter holds the new values.
 
 On one node (the hierarchical communicator on CPU, the default there) the flat buffers live in
 shared memory instead (:class:`torchmn.communicators.shm.NodeArena`): the parameters exist once
 per node, so a rank that updates its shard updates every rank's model and no all-gather is needed,
 and each rank's gradient buffer is readable by the others, so backward's hooks only copy into it
-the parts of the gradients that other ranks' shards need, and ``step()`` sums this rank's shard
-from the others' buffers and its own ``.grad``. Two barriers per step (gradients in; shards
-updated) keep ranks from reading what another is still writing.
+the parts of the gradients that other ranks' slices need (and its flags), and ``step()`` sums this
+rank's slices from the others' buffers and its own ``.grad``. Two barriers per step (gradients in;
+shards updated) keep ranks from reading what another is still writing.
 
 Only elementwise optimizers can be split this way (each element's update depends on that
 element's gradient and state alone): see :data:`ELEMENTWISE_OPTIMIZERS`.
@@ -31,7 +35,6 @@ from __future__ import annotations
 import functools
 import inspect
 import socket
-import warnings
 from typing import Optional
 
 import torch
@@ -54,24 +57,42 @@ SCALAR_STATE = frozenset({"step", "eta", "mu", "mu_product"})
 
 
 class _ShardBucket:
-    """Consecutive parameters of one group, dtype and device, their flat buffers and this rank's shard."""
+    """Consecutive parameters of one group, dtype and device, their flat buffers and this rank's
+    shard of each of them.
+
+    Every parameter is cut into ``size`` equal slices (the last padded): rank ``r`` owns slice
+    ``r`` of every parameter, so each parameter has a shard, an optimizer state and a step count
+    on every rank, as it would in one process. The flat parameter buffer holds the parameters one
+    after another, each padded to ``size * k`` elements (``k``: its slice length), so that each
+    parameter stays a contiguous view and each slice is contiguous. What goes over the wire
+    (:meth:`pack`) is the same data rank-major: rank ``j``'s block holds slice ``j`` of every
+    parameter, then one "has a gradient" flag per parameter, so that a reduce-scatter hands every
+    rank its slices and the number of ranks that had each gradient.
+    """
 
     def __init__(self, params: list[torch.nn.Parameter], group: int, rank: int, size: int,
                  wire_dtype: Optional[torch.dtype]):
         self.params = params
         self.group = group
-        self.offsets = []
-        offset = 0
-        for p in params:
-            self.offsets.append(offset)
-            offset += p.numel()
-        self.numel = offset
-        self.k = -(-offset // size)          # shard length; the flat buffers hold size * k
-        self.padded = self.k * size
         self.rank, self.size = rank, size
+        self.numels = [p.numel() for p in params]
+        self.ks = [max(1, -(-n // size)) for n in self.numels]   # each parameter's slice length
+        self.offsets, self.block_offsets = [], []       # in the flat buffers; in a rank's block
+        offset = block_offset = 0
+        for k in self.ks:
+            self.offsets.append(offset)
+            self.block_offsets.append(block_offset)
+            offset += k * size
+            block_offset += k
+        self.padded = offset                 # elements of the flat parameter buffer
+        self.k = block_offset                # elements of this rank's shards together
+        self.block = self.k + len(params)    # a rank's block on the wire: its shards, then the flags
         self.dtype, self.device = params[0].dtype, params[0].device
         self.itemsize = params[0].element_size()
         self.wire_dtype = wire_dtype or self.dtype
+        # This rank's slice of each parameter, [lo, hi) in the parameter's flat elements (empty for
+        # a rank whose slice is all padding).
+        self.slices = [(min(rank * k, n), min((rank + 1) * k, n)) for k, n in zip(self.ks, self.numels)]
         self.ready: set[int] = set()
         self.sent = False                    # this step's gradients have left backward's hands
         self.reduce_work = None
@@ -79,12 +100,13 @@ class _ShardBucket:
         self.optimizer: Optional[torch.optim.Optimizer] = None
         self.step_shard = None               # the optimizer's step (see _step_function)
 
-    def place(self, flat: Optional[torch.Tensor] = None, grad_flat: Optional[torch.Tensor] = None,
-              peer_grads: Optional[list[torch.Tensor]] = None, own_index: int = 0, fill: bool = True) -> None:
-        """Give the bucket its flat parameter and gradient buffers (new ones by default).
+    def place(self, flat: Optional[torch.Tensor] = None, region: Optional[torch.Tensor] = None,
+              peer_regions: Optional[list[torch.Tensor]] = None, own_index: int = 0, fill: bool = True) -> None:
+        """Give the bucket its flat parameter buffer (a new one by default) and its gradient buffers.
 
-        ``peer_grads``: every rank's ``grad_flat``, readable here (shared memory), this rank's at
-        ``own_index``; then the reduce-scatter is a sum read straight from them. ``fill=False``:
+        ``peer_regions``: every rank's gradient buffer (``region_numel`` elements, shared memory,
+        this rank's at ``own_index``, readable here); then the reduce-scatter is a sum read
+        straight from them. Otherwise a wire buffer for the collectives is made. ``fill=False``:
         ``flat`` already holds the parameters (another rank of the node wrote them there).
         """
         if flat is None:
@@ -94,86 +116,123 @@ class _ShardBucket:
             with torch.no_grad():
                 for p, off in zip(self.params, self.offsets):
                     flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
-        # Padding must stay 0 in the gradient buffer; pack() writes the parameters' ranges only.
-        self.grad_flat = torch.zeros(self.padded, dtype=self.wire_dtype, device=self.device) \
-            if grad_flat is None else grad_flat
-        lo, hi = self.rank * self.k, (self.rank + 1) * self.k
-        mine = flat[lo:hi]
         # A view, not a copy: loading weights into the model also updates the shard being stepped.
-        self.shard_param = torch.nn.Parameter(mine, requires_grad=True)
-        self.send = torch.empty(self.k, dtype=self.dtype, device=self.device) \
-            if self.size > 1 and peer_grads is None else None
-        if peer_grads is None:
-            self.grad_shard = torch.empty(self.k, dtype=self.wire_dtype, device=self.device)
+        self.shard_params = [torch.nn.Parameter(flat[off + self.rank * k:off + (self.rank + 1) * k], requires_grad=True)
+                             for off, k in zip(self.offsets, self.ks)]
+        if peer_regions is None:
+            self._place_wire()
         else:
-            # Where the other ranks leave their parts of this shard (fixed: views, set up once).
-            self.others = [g[lo:hi] for j, g in enumerate(peer_grads) if j != own_index]
-            # This rank's own part of its shard is never copied (step() reads it from .grad), so
-            # that range of its buffer is free for a sum that must outlast a step (see
-            # sum_shard_of_peers).
-            self.own_range = self.grad_shard = self.grad_flat[lo:hi]
-            self._cut_at_shard(lo, hi)
-            self._plan_copies()
-        self.shard_grad = self.grad_shard if self.wire_dtype == self.dtype else torch.empty_like(mine)
+            self._place_shared(region, peer_regions, own_index)
 
-    def _cut_at_shard(self, lo: int, hi: int) -> None:
-        """Split every parameter's range into the parts inside this rank's shard and outside it.
+    @property
+    def region_numel(self) -> int:
+        """Elements of a rank's shared gradient buffer: the flat layout, then the flags."""
+        return self.padded + len(self.params)
 
-        ``outside``: (parameter, start, end) in the parameter's flat elements, copied to the shared
-        buffer for the rank that owns them. ``inside``: (parameter, start, end, shard offset), read
-        from ``.grad`` at step(). ``padding``: the shard's range past the last parameter.
-        """
-        self.outside, self.inside = [], []
-        for i, (p, off) in enumerate(zip(self.params, self.offsets)):
-            n = p.numel()
-            a, b = max(off, lo), min(off + n, hi)
-            if a < b:
-                self.inside.append((i, a - off, b - off, a - lo))
-                if off < a:
-                    self.outside.append((i, 0, a - off))
-                if b < off + n:
-                    self.outside.append((i, b - off, n))
-            else:
-                self.outside.append((i, 0, n))
-        self.padding = (max(self.numel, lo) - lo, self.k)
-
-    def _plan_copies(self) -> None:
-        """The views that backward's copies and step()'s sums write, made once: these run every
-        step, between forward and backward, when each line of Python costs several times what it
-        does warm. A whole parameter's range is shaped like the parameter, so that its gradient
-        goes in as it is (start None), without a flattening view and a slice."""
-        def plan(i, start, end, buffer, at):
-            p = self.params[i]
-            view = buffer[at:at + end - start]
-            if end - start == p.numel():
-                return view.view(p.shape), None, None
-            return view, start, end
-        self.pack_plan = [(i,) + plan(i, start, end, self.grad_flat, self.offsets[i] + start)
-                          for i, start, end in self.outside]
-        self.add_plan = [(i,) + plan(i, start, end, self.others[0], at) for i, start, end, at in self.inside]
-
-    def point_params(self) -> None:
-        """Make the model's parameters views into the flat buffer (so a gather needs no copy-back)."""
-        for p, off in zip(self.params, self.offsets):
-            p.data = self.flat[off:off + p.numel()].view_as(p)
+    # ----------------------------------------------------------------------------- through collectives
+    def _place_wire(self) -> None:
+        size, block = self.size, self.block
+        # Padding must stay 0 on the wire; pack() zeroes what an all-gather may have left there.
+        self.wire = torch.zeros(size * block, dtype=self.wire_dtype, device=self.device)
+        rows = self.wire.view(size, block)
+        self.wire_plan = []
+        for k, n, at in zip(self.ks, self.numels, self.block_offsets):
+            full, rest = divmod(n, k)
+            tail = rows[full, at:at + rest] if rest else None
+            pads = [rows[full, at + rest:at + k]] if rest else []
+            if full + (1 if rest else 0) < size:
+                pads.append(rows[full + (1 if rest else 0):, at:at + k])
+            self.wire_plan.append((rows[:full, at:at + k], full * k, tail, pads))
+        self.wire_flags = rows[:, self.k:]
+        self.grad_shard = torch.empty(block, dtype=self.wire_dtype, device=self.device)
+        shard_grad = self.grad_shard if self.wire_dtype == self.dtype else \
+            torch.empty(self.k, dtype=self.dtype, device=self.device)
+        self.shard_grad = shard_grad[:self.k]
+        self.shard_grads = [shard_grad[at:at + k] for at, k in zip(self.block_offsets, self.ks)]
+        if self.size > 1:
+            self.send = torch.zeros(block, dtype=self.dtype, device=self.device)
+            self.shard_views = [sp.detach() for sp in self.shard_params]
+            # The all-gather lands in the wire buffer (free until the next backward) when the dtypes
+            # allow it, and is copied from there into the parameters.
+            self.gathered = self.wire if self.wire_dtype == self.dtype else \
+                torch.empty(size * block, dtype=self.dtype, device=self.device)
+        else:
+            self.send = None
 
     def pack(self, scale: Optional[float]) -> torch.Tensor:
+        """The wire buffer for this step's reduce-scatter: the gradients rank-major, times ``scale``."""
         self._remember_grads()
-        for p, off in zip(self.params, self.offsets):
-            view = self.grad_flat[off:off + p.numel()]
-            if p.grad is None:
-                view.zero_()
-            elif scale is None:
-                view.copy_(p.grad.reshape(-1))
-            elif p.grad.dtype == view.dtype:
-                torch.mul(p.grad.reshape(-1), scale, out=view)  # scaled on the way in: no extra pass
+        for g, (rows, split, tail, pads) in zip(self.packed, self.wire_plan):
+            if g is None:
+                rows.zero_()
+                if tail is not None:
+                    tail.zero_()
             else:
-                view.copy_(p.grad.reshape(-1) * scale)
-        return self.grad_flat
+                flat = g.reshape(-1)
+                for out, part in ((rows, flat[:split].view(rows.shape)), (tail, flat[split:])):
+                    if out is None:
+                        continue
+                    if scale is None:
+                        out.copy_(part)
+                    elif part.dtype == out.dtype:
+                        torch.mul(part, scale, out=out)  # scaled on the way in: no extra pass
+                    else:
+                        out.copy_(part * scale)
+            for pad in pads:
+                pad.zero_()
+        self.wire_flags.copy_(self._has_grads(self.wire_dtype).expand_as(self.wire_flags))
+        return self.wire
+
+    def take_reduced(self) -> None:
+        """After the reduce-scatter: each shard parameter's gradient, or None where no rank had one."""
+        counts = self.grad_shard[self.k:].tolist()
+        for sp, g, count in zip(self.shard_params, self.shard_grads, counts):
+            sp.grad = g if count else None
+
+    def send_shards(self) -> torch.Tensor:
+        """This rank's updated shards, in its block's layout, for the all-gather."""
+        torch.cat(self.shard_views, out=self.send[:self.k])
+        return self.send
+
+    def take_gathered(self) -> None:
+        """Every rank's shards, from the all-gather's buffer into the parameters."""
+        rows = self.gathered.view(self.size, self.block)
+        with torch.no_grad():
+            for off, k, at in zip(self.offsets, self.ks, self.block_offsets):
+                self.flat[off:off + self.size * k].view(self.size, k).copy_(rows[:, at:at + k])
+
+    # ----------------------------------------------------------------------------- through shared memory
+    def _place_shared(self, region: torch.Tensor, peer_regions: list[torch.Tensor], own_index: int) -> None:
+        """Plan the copies and sums once: they run every step, between forward and backward, when
+        each line of Python costs several times what it does warm. A slice that is a whole
+        parameter is shaped like it, so that its gradient goes in as it is."""
+        r = self.rank
+        self.region = region
+        self.flags = region[self.padded:]
+        others = [g for j, g in enumerate(peer_regions) if j != own_index]
+        self.all_flags = [g[self.padded:] for g in peer_regions]
+
+        def view(buffer, p, at, start, end):
+            v = buffer[at + start:at + end]
+            return (v.view(p.shape), None, None) if end - start == p.numel() else (v, start, end)
+
+        self.pack_plan, self.add_plan = [], []
+        self.mine_in_others, self.mine_in_own = [], []  # this rank's slice of each parameter, per buffer
+        for i, (p, off, k, (lo, hi)) in enumerate(zip(self.params, self.offsets, self.ks, self.slices)):
+            n = p.numel()
+            # The parts of the gradient that other ranks own go to this rank's buffer, at their place.
+            for start, end in ((0, lo), (hi, n)) if lo < hi else ((0, n),):
+                if start < end:
+                    self.pack_plan.append((i,) + view(region, p, off, start, end))
+            self.mine_in_others.append([g[off + r * k:off + (r + 1) * k] for g in others])
+            self.mine_in_own.append(region[off + r * k:off + (r + 1) * k])
+            if lo < hi:
+                self.add_plan.append((i, hi - lo, lo, hi))
 
     def pack_for_peers(self, scale: float) -> None:
-        """Copy, times ``scale``, the parts of the gradients that other ranks' shards need into this
-        rank's shared buffer (the part in this rank's own shard stays in ``.grad``)."""
+        """Copy, times ``scale``, the parts of the gradients that other ranks own into this rank's
+        shared buffer (the part in this rank's own slices stays in ``.grad``), and say which
+        gradients this rank has."""
         self._remember_grads()
         packed = self.packed
         for i, view, start, end in self.pack_plan:
@@ -182,45 +241,45 @@ class _ShardBucket:
                 view.zero_()
             else:
                 torch.mul(g if start is None else g.reshape(-1)[start:end], scale, out=view)
+        self.flags.copy_(self._has_grads(self.flags.dtype))
 
     def sum_shard_of_peers(self, scale: float, in_place: bool) -> None:
-        """This rank's shard of the node's gradient sum, into ``shard_grad``: the other ranks' parts,
-        read from their shared buffers (already times ``scale``), plus this rank's own part times
-        ``scale``.
+        """This rank's slices of the node's gradient sum, as the shard parameters' gradients: the
+        other ranks' parts, read from their shared buffers (already times ``scale``), plus this
+        rank's own part times ``scale``. A parameter no rank has a gradient for gets None, and
+        the optimizer leaves it alone, as in one process.
 
-        ``in_place``: the sum is made in the first other rank's part of this shard, which nobody
+        ``in_place``: each sum is made in the first other rank's copy of this slice, which nobody
         else reads and its owner rewrites only in the next backward. That saves streaming through
         a third buffer (writing fresh lines reads each of them first: a third less traffic), but
         holds only between step()'s two barriers; a sum that must outlast them
-        (``clip_grad_norm_`` before a skipped step) goes to this rank's own range.
+        (``clip_grad_norm_`` before a skipped step) goes to this rank's own buffer.
         """
-        others = self.others
         if in_place:
-            out, packed = others[0], self.packed
-            for other in others[1:]:
-                out.add_(other)
-            for i, view, start, end in self.add_plan:
-                g = packed[i]
-                if g is not None:
-                    view.add_(g if start is None else g.reshape(-1)[start:end], alpha=scale)
-        elif len(others) == 1:
-            # One pass over the shard, each element read twice and written once.
-            out, other = self.own_range, others[0]
-            for i, start, end, at in self.inside:
-                g = self.packed[i]
-                if g is None:
-                    out[at:at + end - start].copy_(other[at:at + end - start])
-                else:
-                    torch.add(other[at:at + end - start], g.reshape(-1)[start:end], alpha=scale,
-                              out=out[at:at + end - start])
-            out[self.padding[0]:self.padding[1]].zero_()
+            outs = [mine[0] for mine in self.mine_in_others]
+            for j in range(1, self.size - 1):
+                torch._foreach_add_(outs, [mine[j] for mine in self.mine_in_others])
         else:
-            out = self.own_range
-            sum_into(out, others)
-            for i, start, end, at in self.inside:
-                if self.packed[i] is not None:
-                    out[at:at + end - start].add_(self.packed[i].reshape(-1)[start:end], alpha=scale)
-        self.shard_grad = out
+            outs = self.mine_in_own
+            for out, mine in zip(outs, self.mine_in_others):
+                sum_into(out, mine)
+        packed = self.packed
+        for i, length, lo, hi in self.add_plan:
+            g = packed[i]
+            if g is not None:
+                outs[i][:length].add_(g.reshape(-1)[lo:hi], alpha=scale)
+        counts = sum(self.all_flags[1:], self.all_flags[0]).tolist()
+        for sp, out, count in zip(self.shard_params, outs, counts):
+            sp.grad = out if count else None
+
+    # ----------------------------------------------------------------------------- both
+    def point_params(self) -> None:
+        """Make the model's parameters views into the flat buffer (so a gather needs no copy-back)."""
+        for p, off in zip(self.params, self.offsets):
+            p.data = self.flat[off:off + p.numel()].view_as(p)
+
+    def _has_grads(self, dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor([g is not None for g in self.packed], dtype=dtype, device=self.device)
 
     def _remember_grads(self) -> None:
         self.packed = [p.grad for p in self.params]
@@ -264,10 +323,10 @@ def _build_inner(cls: type, shard_params: list[torch.nn.Parameter], group: dict)
     """An optimizer of ``cls`` over some shard parameters of one group, with its hyperparameters
     (the caller decides which shards share one: see the sharded optimizer's constructor).
 
-    A shard is one large flat tensor, which is what torch's fused kernels are for (Adam's update in
-    one pass over memory instead of several: 2-3x faster on CPU). So where the user left the kernel
-    to torch (``fused`` and ``foreach`` unset) and ``cls`` has a fused kernel for the shard's device
-    and dtype, the shard uses it; the arithmetic is the same up to rounding.
+    A shard parameter is one flat tensor, which is what torch's fused kernels are for (Adam's update
+    in one pass over memory instead of several: 2-3x faster on CPU). So where the user left the
+    kernel to torch (``fused`` and ``foreach`` unset) and ``cls`` has a fused kernel for the shards'
+    device and dtype, the shards use it; the arithmetic is the same up to rounding.
     """
     hyper = {k: v for k, v in group.items() if k != "params"}
     accepted = inspect.signature(cls.__init__).parameters
@@ -326,8 +385,9 @@ def _fused_adam_step(optimizer: torch.optim.Optimizer, step):
 
     What ``Adam.step`` and ``torch.optim.adam.adam`` do around that kernel (collecting lists,
     grouping tensors by device and dtype, checks) is 0.2 ms of cold Python a step, 3% of the MNIST
-    bench's time; a shard optimizer has one group of flat CPU shards, all with gradients, so none of
-    it is needed. The arithmetic is the kernel's in both cases: the tests compare against one process.
+    bench's time; a shard optimizer has one group of flat CPU shards, so none of it is needed beyond
+    leaving out the shards without a gradient. The arithmetic is the kernel's in both cases: the
+    tests compare against one process.
     """
     group = optimizer.param_groups[0]
     kernels = _fused_adam_kernels()
@@ -339,7 +399,9 @@ def _fused_adam_step(optimizer: torch.optim.Optimizer, step):
     def fused_adam():
         # Looked up every time: load_state_dict replaces the groups and the state.
         group, state = optimizer.param_groups[0], optimizer.state
-        params = group["params"]
+        params = [p for p in group["params"] if p.grad is not None]  # as torch: no gradient, no update
+        if not params:
+            return None
         states = [state.get(p) for p in params]
         beta1, beta2 = group["betas"]
         lr = group["lr"]
@@ -358,10 +420,6 @@ def _fused_adam_step(optimizer: torch.optim.Optimizer, step):
     return fused_adam
 
 
-def _scalar(value):
-    return value.item() if torch.is_tensor(value) and value.numel() == 1 else value
-
-
 class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     """Wraps an elementwise ``torch.optim.Optimizer``; each rank updates and keeps state for its shard.
 
@@ -375,12 +433,13 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     this rank's own gradients (the averaged ones exist only as shards), and they must not be edited
     before ``step()``, which refuses (``GradScaler.unscale_``, ``torch.nn.utils.clip_grad_norm_``:
     they would reach only the part not yet sent; clip with :meth:`clip_grad_norm_`); ``state`` is
-    this rank's shard state, keyed by flat shard parameters. The model's parameters become views
-    into flat buffers: move or convert the model (``.to``, ``.double()``) before wrapping, not after.
-    A parameter that no rank has a gradient for in some step is updated with a zero gradient then
-    (Adam's momentum and weight decay move it), where one process and the unsharded wrapper leave
-    it alone: a shard mixes parameters under one optimizer state and step count. For models with
-    parameters left unused in some steps (alternating heads), use ``shard_state=False``.
+    this rank's shard state, keyed by the shard parameters (one flat slice of each parameter). The
+    model's parameters become views into flat buffers: move or convert the model (``.to``,
+    ``.double()``) before wrapping, not after.
+    Each parameter keeps its own optimizer state and step count (each rank holds its slice of them):
+    a parameter that no rank has a gradient for in a step is left alone, as in one process; one
+    that only some ranks have a gradient for is averaged with zeros from the others, as
+    ``zero_fill=True`` says.
 
     On one node the ranks share one copy of the parameters (in shared memory). Change parameters
     only through the optimizer, or by loading the same values on every rank
@@ -406,8 +465,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             raise ValueError("shard_state=True cannot be combined with double_buffering=True: the shard "
                              "update needs this step's reduce-scattered gradients")
         if not zero_fill:
-            raise ValueError("shard_state=True needs zero_fill=True: a shard mixes many parameters, so a "
-                             "gradient missing on some rank is summed as zeros")
+            raise ValueError("shard_state=True needs zero_fill=True: one rank updates each slice of a "
+                             "parameter for all ranks, so a gradient missing on some ranks is summed as zeros "
+                             "(zero_fill=False would leave the ranks' models different)")
         owners = {}
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -439,7 +499,8 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             kind = (b.dtype, b.device) if self._arena is not None else i
             self._inner.setdefault((b.group, kind), []).append(b)
         for (group, _), buckets in self._inner.items():
-            inner = _build_inner(type(optimizer), [b.shard_param for b in buckets], optimizer.param_groups[group])
+            inner = _build_inner(type(optimizer), [sp for b in buckets for sp in b.shard_params],
+                                 optimizer.param_groups[group])
             step = _step_function(inner)
             for b in buckets:
                 b.optimizer, b.step_shard = inner, step
@@ -452,16 +513,16 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         of every rank, so no all-gather is needed. Each rank's gradient buffer is readable by the
         others, so the reduce-scatter is each rank summing its shard straight from them.
         """
-        offsets, total = arena_layout([b.padded * b.itemsize for b in self._buckets])
+        offsets, total = arena_layout([b.region_numel * b.itemsize for b in self._buckets])
         arena = self.comm._open_node_arena(shared_bytes=total, region_bytes=total)
         if arena is None:
             return None
         for b, offset in zip(self._buckets, offsets):
-            def flat_of(region, b=b, offset=offset):
-                return region_view(region, offset, b.padded, b.dtype)
+            def flat_of(region, numel, b=b, offset=offset):
+                return region_view(region, offset, numel, b.dtype)
             # Rank 0 writes the (already broadcast) parameters; the others find them there.
-            b.place(flat_of(arena.shared), flat_of(arena.regions[arena.local_rank]),
-                    [flat_of(region) for region in arena.regions], own_index=arena.local_rank,
+            b.place(flat_of(arena.shared, b.padded), flat_of(arena.regions[arena.local_rank], b.region_numel),
+                    [flat_of(region, b.region_numel) for region in arena.regions], own_index=arena.local_rank,
                     fill=self.comm.rank == 0)
         arena.barrier("set-up")
         return arena
@@ -527,16 +588,14 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         for b in self._buckets:
             if not reduced:  # bucket by bucket, so early buckets' all-gathers overlap later updates
                 self._finish_reduce_scatter(b)
-            b.shard_param.grad = b.shard_grad
             b.step_shard()
             if b.send is not None:
-                # The shard is a view into the gathered buffer; a separate send buffer avoids aliasing.
-                b.send.copy_(b.shard_param.detach())
-                b.gather_work = self.comm.allgather_flat(b.flat, b.send, async_op=True)
+                b.gather_work = self.comm.allgather_flat(b.gathered, b.send_shards(), async_op=True)
         for b in self._buckets:
             if b.gather_work is not None:
                 b.gather_work.wait()
                 b.gather_work = None
+                b.take_gathered()
         self._forget_gradients()
         return None
 
@@ -562,7 +621,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         gradients that exist only as shards: call it between backward and ``step()``, on every
         rank. Each rank takes its shard of the averaged gradients (which ``step()`` then uses),
         the ranks add up their shards' norms, and every shard is scaled by the same factor.
-        ``foreach`` is accepted for torch's signature; a shard is one tensor per bucket anyway.
+        ``foreach`` is accepted for torch's signature.
 
         Example::
 
@@ -583,7 +642,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
                 for b in self._buckets:
                     self._finish_reduce_scatter(b)
             self._reduced = True
-        grads = [b.shard_grad for b in self._buckets]
+        grads = [sp.grad for b in self._buckets for sp in b.shard_params if sp.grad is not None]
         device = grads[0].device if grads else torch.device("cpu")
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type).to(device, torch.float64) for g in grads]) \
             if grads else torch.zeros(1, dtype=torch.float64)
@@ -615,15 +674,15 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         self._arena.barrier(STEP_AFTER_SENDS[min(self._sends, len(STEP_AFTER_SENDS) - 1)])
         for b in self._buckets:
             b.sum_shard_of_peers(1.0 / self.comm.size, in_place)
-            b.shard_param.grad = b.shard_grad
 
     def _finish_reduce_scatter(self, b: _ShardBucket) -> None:
         b.reduce_work.wait()
         b.reduce_work = None
         if self._wire_dtype is None:
             b.grad_shard.mul_(1.0 / self.comm.size)
-        elif b.shard_grad is not b.grad_shard:
-            b.shard_grad.copy_(b.grad_shard)
+        else:
+            b.shard_grad.copy_(b.grad_shard[:b.k])
+        b.take_reduced()
 
     def _indices(self) -> dict:
         """Each real parameter's index in the state_dict format (torch numbers them across groups)."""
@@ -646,7 +705,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             >>> sd = optimizer.state_dict()          # all ranks
             >>> if comm.rank == 0: torch.save({"model": model.state_dict(), "opt": sd}, path)
         """
-        local_keys = [list(b.optimizer.state.get(b.shard_param, {})) for b in self._buckets]
+        local_keys = [[list(b.optimizer.state.get(sp, {})) for sp in b.shard_params] for b in self._buckets]
         if self.comm.size > 1 and any(k != local_keys for k in self.comm.allgather_obj(local_keys)):
             raise RuntimeError("state_dict: ranks hold different optimizer state layouts; every rank "
                                "must have taken the same steps")
@@ -654,25 +713,34 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         pending = []
         state = {}
         for b, keys in zip(self._buckets, local_keys):
-            if not keys:
-                continue
-            shard_state = b.optimizer.state[b.shard_param]
-            per_param = [{} for _ in b.params]
-            for key in keys:
-                value = shard_state[key]
+            shard_states = [b.optimizer.state.get(sp, {}) for sp in b.shard_params]
+            entries = [{} for _ in b.params]
+            for key in dict.fromkeys(k for param_keys in keys for k in param_keys):
+                holders = [i for i, s in enumerate(shard_states) if key in s]
+                value = shard_states[holders[0]][key]
                 if torch.is_tensor(value) and key not in SCALAR_STATE:
-                    full = torch.empty(b.padded, dtype=value.dtype, device=value.device)
-                    work = self.comm.allgather_flat(full, value.detach().reshape(-1).contiguous(), async_op=True)
-                    pending.append((work, full, b, per_param, key))
+                    # Every rank's slices of this entry, for all the bucket's parameters at once.
+                    send = torch.zeros(b.k, dtype=value.dtype, device=value.device)
+                    for i in holders:
+                        send[b.block_offsets[i]:b.block_offsets[i] + b.ks[i]].copy_(shard_states[i][key].reshape(-1))
+                    full = torch.empty(self.comm.size * b.k, dtype=value.dtype, device=value.device)
+                    work = self.comm.allgather_flat(full, send, async_op=True)
+                    pending.append((work, full, b, entries, key, holders))
                 else:
-                    for entry in per_param:
-                        entry[key] = value.clone() if torch.is_tensor(value) else value
-            for p, entry in zip(b.params, per_param):
-                state[index[p]] = entry
-        for work, full, b, per_param, key in pending:
+                    for i in holders:
+                        value = shard_states[i][key]
+                        entries[i][key] = value.clone() if torch.is_tensor(value) else value
+            for p, entry, param_keys in zip(b.params, entries, keys):
+                if param_keys:
+                    state[index[p]] = (entry, param_keys)
+        for work, full, b, entries, key, holders in pending:
             work.wait()
-            for p, off, entry in zip(b.params, b.offsets, per_param):
-                entry[key] = full[off:off + p.numel()].view_as(p).clone()
+            rows = full.view(self.comm.size, b.k)
+            for i in holders:
+                at, k, p = b.block_offsets[i], b.ks[i], b.params[i]
+                entries[i][key] = rows[:, at:at + k].reshape(-1)[:p.numel()].view_as(p).clone()
+        # In the order the optimizer made its entries, as torch's own state_dict has them.
+        state = {i: {key: entry[key] for key in param_keys} for i, (entry, param_keys) in sorted(state.items())}
         groups = []
         for group in self._optimizer.param_groups:
             packed = {k: v for k, v in group.items() if k != "params"}
@@ -708,55 +776,42 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         saved_state = state_dict["state"]
         for (group, _), buckets in self._inner.items():
             inner = buckets[0].optimizer
-            shard_states = {i: s for i, s in enumerate(self._shard_state(b, saved_state, saved_index) for b in buckets)
-                            if s}
+            shard_states, n = {}, 0
+            for b in buckets:
+                for i, p in enumerate(b.params):
+                    saved = saved_state.get(saved_index[p])
+                    if saved:
+                        shard_states[n] = self._slice_of_state(b, i, saved)
+                    n += 1
             inner_group = {k: v for k, v in groups[group].items() if k != "params"}
             inner_group.update({k: inner.param_groups[0][k] for k in IMPLEMENTATION_FLAGS
                                 if k in inner.param_groups[0]})
             inner.state.clear()
             # The inner optimizer's own loader casts dtypes and devices the way torch does.
-            inner.load_state_dict({"state": shard_states,
-                                   "param_groups": [{**inner_group, "params": list(range(len(buckets)))}]})
+            inner.load_state_dict({"state": shard_states, "param_groups": [{**inner_group, "params": list(range(n))}]})
 
-    def _shard_state(self, b: _ShardBucket, saved_state: dict, saved_index: dict) -> dict:
-        """This rank's shard of bucket ``b``'s state, cut from a whole state_dict's per-parameter state."""
-        rank = self.comm.rank
-        states = [saved_state.get(saved_index[p]) for p in b.params]
-        known = [s for s in states if s]
-        if not known:
-            return {}
-        counts = {_scalar(s[key]) for s in known for key in SCALAR_STATE if key in s}
-        if (len(counts) > 1 or len(known) < len(states)) and rank == 0:
-            continues = next((_scalar(known[0][k]) for k in SCALAR_STATE if k in known[0]), None)
-            warnings.warn(
-                f"load_state_dict: the {len(states)} parameters that share a shard (shapes "
-                f"{[tuple(p.shape) for p in b.params]}) have different optimizer step counts or no state "
-                f"for some ({sorted(map(str, counts))}, {len(states) - len(known)} without state). With "
-                f"shard_state=True a shard has one step count and one state, so they all continue from "
-                f"{continues}; the "
-                f"first updates of those that had fewer steps differ from one process (Adam's bias "
-                f"correction). Load into shard_state=False to continue exactly.", RuntimeWarning, stacklevel=3)
-        shard_state = {}
-        for key, value in known[0].items():
+    def _slice_of_state(self, b: _ShardBucket, i: int, saved: dict) -> dict:
+        """This rank's slice of parameter ``i`` of bucket ``b``'s state, cut from its whole state."""
+        p, k, rank = b.params[i], b.ks[i], self.comm.rank
+        mine = {}
+        for key, value in saved.items():
             if torch.is_tensor(value) and key not in SCALAR_STATE:
-                full = torch.zeros(b.padded, dtype=value.dtype, device=b.flat.device)
-                for p, off, s in zip(b.params, b.offsets, states):
-                    if s and key in s:
-                        if s[key].numel() != p.numel():
-                            raise ValueError(f"loaded state {key!r} has {s[key].numel()} elements for a "
-                                             f"parameter of shape {tuple(p.shape)}")
-                        full[off:off + p.numel()].copy_(s[key].reshape(-1))
-                shard_state[key] = full[rank * b.k:(rank + 1) * b.k].clone()
+                if value.numel() != p.numel():
+                    raise ValueError(f"loaded state {key!r} has {value.numel()} elements for a parameter of "
+                                     f"shape {tuple(p.shape)}")
+                full = torch.zeros(self.comm.size * k, dtype=value.dtype, device=b.flat.device)
+                full[:p.numel()].copy_(value.reshape(-1))
+                mine[key] = full[rank * k:(rank + 1) * k].clone()
             else:
                 # A copy: Adam counts its step in place, which must not touch the caller's dict.
-                shard_state[key] = value.clone() if torch.is_tensor(value) else value
-        return shard_state
+                mine[key] = value.clone() if torch.is_tensor(value) else value
+        return mine
 
     @property
     def state(self) -> dict:
-        """This rank's shard state, keyed by the flat shard parameters (a fresh dict each time)."""
-        return {b.shard_param: b.optimizer.state[b.shard_param]
-                for b in self._buckets if b.shard_param in b.optimizer.state}
+        """This rank's shard state, keyed by its shard parameters (its slice of each parameter; a fresh
+        dict each time)."""
+        return {sp: b.optimizer.state[sp] for b in self._buckets for sp in b.shard_params if sp in b.optimizer.state}
 
     @state.setter
     def state(self, value):
