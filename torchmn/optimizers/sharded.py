@@ -180,14 +180,14 @@ class _ShardBucket:
                         out.copy_(part * scale)
             for pad in pads:
                 pad.zero_()
-        self.wire_flags.copy_(self._has_grads(self.wire_dtype).expand_as(self.wire_flags))
+        present = torch.tensor([g is not None for g in self.packed], dtype=self.wire_dtype, device=self.device)
+        self.wire_flags.copy_(present.expand_as(self.wire_flags))
         return self.wire
 
     def take_reduced(self) -> None:
         """After the reduce-scatter: each shard parameter's gradient, or None where no rank had one."""
-        counts = self.grad_shard[self.k:].tolist()
-        for sp, g, count in zip(self.shard_params, self.shard_grads, counts):
-            sp.grad = g if count else None
+        counts = None if all(g is not None for g in self.packed) else self.grad_shard[self.k:].tolist()
+        self._set_grads(self.shard_grads, counts)
 
     def send_shards(self) -> torch.Tensor:
         """This rank's updated shards, in its block's layout, for the all-gather."""
@@ -226,8 +226,10 @@ class _ShardBucket:
                     self.pack_plan.append((i,) + view(region, p, off, start, end))
             self.mine_in_others.append([g[off + r * k:off + (r + 1) * k] for g in others])
             self.mine_in_own.append(region[off + r * k:off + (r + 1) * k])
-            if lo < hi:
-                self.add_plan.append((i, hi - lo, lo, hi))
+            if lo < hi:  # where this rank's own part is added: in place, or in its own buffer
+                self.add_plan.append((i, lo, hi, self.mine_in_others[-1][0][:hi - lo], self.mine_in_own[-1][:hi - lo]))
+        self.by_peer = [[mine[j] for mine in self.mine_in_others] for j in range(len(others))]
+        self.flags_written = None
 
     def pack_for_peers(self, scale: float) -> None:
         """Copy, times ``scale``, the parts of the gradients that other ranks own into this rank's
@@ -241,7 +243,10 @@ class _ShardBucket:
                 view.zero_()
             else:
                 torch.mul(g if start is None else g.reshape(-1)[start:end], scale, out=view)
-        self.flags.copy_(self._has_grads(self.flags.dtype))
+        present = [g is not None for g in packed]
+        if present != self.flags_written:  # they stay in shared memory from one step to the next
+            self.flags.copy_(torch.tensor(present, dtype=self.flags.dtype))
+            self.flags_written = present
 
     def sum_shard_of_peers(self, scale: float, in_place: bool) -> None:
         """This rank's slices of the node's gradient sum, as the shard parameters' gradients: the
@@ -256,21 +261,21 @@ class _ShardBucket:
         (``clip_grad_norm_`` before a skipped step) goes to this rank's own buffer.
         """
         if in_place:
-            outs = [mine[0] for mine in self.mine_in_others]
-            for j in range(1, self.size - 1):
-                torch._foreach_add_(outs, [mine[j] for mine in self.mine_in_others])
+            outs = self.by_peer[0]
+            for others in self.by_peer[1:]:
+                torch._foreach_add_(outs, others)
         else:
             outs = self.mine_in_own
             for out, mine in zip(outs, self.mine_in_others):
                 sum_into(out, mine)
         packed = self.packed
-        for i, length, lo, hi in self.add_plan:
+        for i, lo, hi, in_others, in_own in self.add_plan:
             g = packed[i]
             if g is not None:
-                outs[i][:length].add_(g.reshape(-1)[lo:hi], alpha=scale)
-        counts = sum(self.all_flags[1:], self.all_flags[0]).tolist()
-        for sp, out, count in zip(self.shard_params, outs, counts):
-            sp.grad = out if count else None
+                (in_others if in_place else in_own).add_(g.reshape(-1)[lo:hi], alpha=scale)
+        # The flags are read only where this rank lacks a gradient: otherwise every count is >= 1.
+        counts = None if all(g is not None for g in packed) else sum(self.all_flags[1:], self.all_flags[0]).tolist()
+        self._set_grads(outs, counts)
 
     # ----------------------------------------------------------------------------- both
     def point_params(self) -> None:
@@ -278,8 +283,13 @@ class _ShardBucket:
         for p, off in zip(self.params, self.offsets):
             p.data = self.flat[off:off + p.numel()].view_as(p)
 
-    def _has_grads(self, dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor([g is not None for g in self.packed], dtype=dtype, device=self.device)
+    def _set_grads(self, grads: list[torch.Tensor], counts: Optional[list[float]]) -> None:
+        """The shard parameters' gradients; None where ``counts`` (ranks that had it) says 0."""
+        for i, (sp, g) in enumerate(zip(self.shard_params, grads)):
+            if counts is not None and not counts[i]:
+                g = None
+            if sp.grad is not g:
+                sp.grad = g
 
     def _remember_grads(self) -> None:
         self.packed = [p.grad for p in self.params]
