@@ -10,7 +10,7 @@ CHECKS = WORKERS / "shard_checks.py"
 ALL = ("equivalence", "accumulation", "overlap", "compression", "state_is_sharded", "refusals", "unused_parameter",
        "state_dict_format", "shared_memory_where_possible",
        "kernel_choice", "edited_gradients_refused", "clip_grad_norm", "parameters_used_through_cat",
-       "skipped_step_is_named", "state_per_parameter")
+       "skipped_step_is_named", "state_per_parameter", "odd_sizes")
 
 
 def _one_process(args):
@@ -28,9 +28,10 @@ def test_sharded_matches_one_process(np):
         assert f"PASS {check}" in out, out
 
 
-def test_sharded_through_torch_distributed():
+@pytest.mark.parametrize("np", [2, 3])
+def test_sharded_through_torch_distributed(np):
     """The `flat` communicator: reduce-scatter and all-gather through gloo, as across nodes."""
-    out = run_job(CHECKS, ["--name", "flat", "all"], np=2, timeout=90).stdout
+    out = run_job(CHECKS, ["--name", "flat", "all"], np=np, timeout=90).stdout
     for check in ALL:
         assert f"PASS {check}" in out, out
 

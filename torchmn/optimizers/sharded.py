@@ -60,7 +60,8 @@ class _ShardBucket:
     """Consecutive parameters of one group, dtype and device, their flat buffers and this rank's
     shard of each of them.
 
-    Every parameter is cut into ``size`` equal slices (the last padded): rank ``r`` owns slice
+    Every parameter is cut into ``size`` equal slices (padded: the last ones may hold padding
+    only, 4 elements on 3 ranks are slices of 2, 2 and 0): rank ``r`` owns slice
     ``r`` of every parameter, so each parameter has a shard, an optimizer state and a step count
     on every rank, as it would in one process. The flat parameter buffer holds the parameters one
     after another, each padded to ``size * k`` elements (``k``: its slice length), so that each
@@ -144,6 +145,7 @@ class _ShardBucket:
                 pads.append(rows[full + (1 if rest else 0):, at:at + k])
             self.wire_plan.append((rows[:full, at:at + k], full * k, tail, pads))
         self.wire_flags = rows[:, self.k:]
+        self.present = None, None
         self.grad_shard = torch.empty(block, dtype=self.wire_dtype, device=self.device)
         shard_grad = self.grad_shard if self.wire_dtype == self.dtype else \
             torch.empty(self.k, dtype=self.dtype, device=self.device)
@@ -180,8 +182,10 @@ class _ShardBucket:
                         out.copy_(part * scale)
             for pad in pads:
                 pad.zero_()
-        present = torch.tensor([g is not None for g in self.packed], dtype=self.wire_dtype, device=self.device)
-        self.wire_flags.copy_(present.expand_as(self.wire_flags))
+        present = [g is not None for g in self.packed]
+        if present != self.present[0]:  # made once per pattern: on a GPU a new tensor would sync
+            self.present = present, torch.tensor(present, dtype=self.wire_dtype, device=self.device)
+        self.wire_flags.copy_(self.present[1].expand_as(self.wire_flags))
         return self.wire
 
     def take_reduced(self) -> None:
@@ -279,7 +283,8 @@ class _ShardBucket:
 
     # ----------------------------------------------------------------------------- both
     def point_params(self) -> None:
-        """Make the model's parameters views into the flat buffer (so a gather needs no copy-back)."""
+        """Make the model's parameters views into the flat buffer (shared memory on one node, so
+        that one rank's update reaches every rank's model)."""
         for p, off in zip(self.params, self.offsets):
             p.data = self.flat[off:off + p.numel()].view_as(p)
 
@@ -359,8 +364,8 @@ def _step_function(optimizer: torch.optim.Optimizer):
 
     Each runs once per training step, between backward and forward, when the interpreter runs
     cold: Python around the update then costs 300-400 us a call, a third of Adam's fused kernel
-    on a 4 MB shard. The shard optimizers are private (no hooks, no closure, one group, every
-    shard with a gradient), so they can skip the wrapper torch puts around every step (step hooks,
+    on a 4 MB shard. The shard optimizers are private (no hooks, no closure, one group of flat
+    shards), so they can skip the wrapper torch puts around every step (step hooks,
     a profiler range) and, for fused Adam and AdamW, everything around torch's fused kernel.
     """
     step = type(optimizer).step
@@ -546,6 +551,10 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             bucket.pack_for_peers(1.0 / self.comm.size)
             bucket.ready.clear()
             return
+        if bucket.reduce_work is not None:
+            # The last backward's, never taken by a step() (all ranks skipped it): it must be done
+            # with the wire buffer before pack() rewrites it.
+            bucket.reduce_work.wait()
         # Compressed gradients are divided before sending so float16 sums cannot overflow.
         pre = 1.0 / self.comm.size if self._wire_dtype is not None else None
         bucket.reduce_work = self.comm.reduce_scatter_flat(bucket.pack(pre), bucket.grad_shard, async_op=True)
@@ -749,7 +758,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             for i in holders:
                 at, k, p = b.block_offsets[i], b.ks[i], b.params[i]
                 entries[i][key] = rows[:, at:at + k].reshape(-1)[:p.numel()].view_as(p).clone()
-        # In the order the optimizer made its entries, as torch's own state_dict has them.
+        # Each entry's keys in the order the optimizer made them, as torch's own state_dict has them.
         state = {i: {key: entry[key] for key in param_keys} for i, (entry, param_keys) in sorted(state.items())}
         groups = []
         for group in self._optimizer.param_groups:
@@ -828,7 +837,8 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         raise AttributeError("the sharded optimizer's state is per shard: use load_state_dict()")
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state tensors this rank holds (about 1/size of the unsharded optimizer's).
+        """Bytes of optimizer state tensors this rank holds: about 1/size of the unsharded optimizer's,
+        plus the padding of each parameter to a multiple of size (at most size elements per tensor).
 
         Example::
 
