@@ -186,18 +186,13 @@ def check_refusals(comm):
             assert word in str(e), e
         else:
             raise AssertionError(f"shard_state=True accepted {word}")
-    try:
-        ShardedMultiNodeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, double_buffering=True)
-    except ValueError as e:
-        assert "double_buffering" in str(e), e
-    else:
-        raise AssertionError("shard_state with double_buffering was accepted")
-    try:
-        ShardedMultiNodeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, zero_fill=False)
-    except ValueError as e:
-        assert "zero_fill=True" in str(e), e
-    else:
-        raise AssertionError("shard_state with zero_fill=False was accepted")
+    for option, word in (({"double_buffering": True}, "double_buffering"), ({"zero_fill": False}, "zero_fill=True")):
+        try:
+            ShardedMultiNodeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, **option)
+        except ValueError as e:
+            assert word in str(e), e
+        else:
+            raise AssertionError(f"shard_state with {option} was accepted")
     # Step hooks would see shard optimizers, not the model: refused, with what to do instead.
     opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, shard_state=True)
     try:

@@ -58,6 +58,16 @@ def region_view(region: torch.Tensor, offset: int, numel: int, dtype: torch.dtyp
     return region[offset:offset + numel * itemsize].view(dtype)
 
 
+def copy_scaled(out: torch.Tensor, src: torch.Tensor, scale: Optional[float]) -> None:
+    """``out`` = ``src`` times ``scale`` (None: a plain copy), in one pass where the dtypes agree."""
+    if scale is None:
+        out.copy_(src)
+    elif src.dtype == out.dtype:
+        torch.mul(src, scale, out=out)  # scaled on the way in: no extra pass
+    else:
+        out.copy_(src * scale)
+
+
 class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Base of the multi-node optimizers: shares the wrapped optimizer's ``param_groups`` and
     ``defaults``, and sends ``self._buckets`` as backward makes their gradients ready.

@@ -16,7 +16,8 @@ import torch
 
 from torchmn.communicators import Communicator
 from torchmn.communicators.shm import sum_into
-from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, arena_layout, make_buckets, region_view
+from torchmn.optimizers.gradient_sync import (GradientSyncOptimizer, arena_layout, copy_scaled, make_buckets,
+                                              region_view)
 
 
 class _Bucket:
@@ -76,12 +77,8 @@ class _Bucket:
             elif _is_view(g, view):  # backward accumulated into the bucket already
                 if scale is not None:
                     view.mul_(scale)
-            elif scale is None:
-                view.copy_(g)
-            elif g.dtype == view.dtype:
-                torch.mul(g, scale, out=view)  # scaled on the way in: no extra pass
             else:
-                view.copy_(g * scale)
+                copy_scaled(view, g, scale)
         return self.buffer
 
     def unpack(self, post_scale: Optional[float], zero_fill: bool, result: Optional[torch.Tensor] = None) -> None:

@@ -41,7 +41,8 @@ import torch
 
 from torchmn.communicators import Communicator
 from torchmn.communicators.shm import STEP_AFTER_SENDS, sum_into
-from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, arena_layout, make_buckets, region_view
+from torchmn.optimizers.gradient_sync import (GradientSyncOptimizer, arena_layout, copy_scaled, make_buckets,
+                                              region_view)
 
 # Optimizers whose update is elementwise, so a flat slice of the parameters can be stepped alone.
 # Others (LBFGS, Adafactor's factored moments, Muon's orthogonalisation, SparseAdam, subclasses
@@ -171,15 +172,9 @@ class _ShardBucket:
                     tail.zero_()
             else:
                 flat = g.reshape(-1)
-                for out, part in ((rows, flat[:split].view(rows.shape)), (tail, flat[split:])):
-                    if out is None:
-                        continue
-                    if scale is None:
-                        out.copy_(part)
-                    elif part.dtype == out.dtype:
-                        torch.mul(part, scale, out=out)  # scaled on the way in: no extra pass
-                    else:
-                        out.copy_(part * scale)
+                copy_scaled(rows, flat[:split].view(rows.shape), scale)
+                if tail is not None:
+                    copy_scaled(tail, flat[split:], scale)
             for pad in pads:
                 pad.zero_()
         present = [g is not None for g in self.packed]
