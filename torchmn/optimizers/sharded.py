@@ -146,7 +146,7 @@ class _ShardBucket:
                 pads.append(rows[full + (1 if rest else 0):, at:at + k])
             self.wire_plan.append((rows[:full, at:at + k], full * k, tail, pads))
         self.wire_flags = rows[:, self.k:]
-        self.present = None, None
+        self.flags_made = None, None         # the last pattern of flags, and it as a tensor
         self.grad_shard = torch.empty(block, dtype=self.wire_dtype, device=self.device)
         shard_grad = self.grad_shard if self.wire_dtype == self.dtype else \
             torch.empty(self.k, dtype=self.dtype, device=self.device)
@@ -177,15 +177,14 @@ class _ShardBucket:
                     copy_scaled(tail, flat[split:], scale)
             for pad in pads:
                 pad.zero_()
-        present = [g is not None for g in self.packed]
-        if present != self.present[0]:  # made once per pattern: on a GPU a new tensor would sync
-            self.present = present, torch.tensor(present, dtype=self.wire_dtype, device=self.device)
-        self.wire_flags.copy_(self.present[1].expand_as(self.wire_flags))
+        if self.present != self.flags_made[0]:  # made once per pattern: on a GPU a new tensor would sync
+            self.flags_made = self.present, torch.tensor(self.present, dtype=self.wire_dtype, device=self.device)
+        self.wire_flags.copy_(self.flags_made[1].expand_as(self.wire_flags))
         return self.wire
 
     def take_reduced(self) -> None:
         """After the reduce-scatter: each shard parameter's gradient, or None where no rank had one."""
-        counts = None if all(g is not None for g in self.packed) else self.grad_shard[self.k:].tolist()
+        counts = None if all(self.present) else self.grad_shard[self.k:].tolist()
         self._set_grads(self.shard_grads, counts)
 
     def send_shards(self) -> torch.Tensor:
@@ -206,7 +205,6 @@ class _ShardBucket:
         each line of Python costs several times what it does warm. A slice that is a whole
         parameter is shaped like it, so that its gradient goes in as it is."""
         r = self.rank
-        self.region = region
         self.flags = region[self.padded:]
         others = [g for j, g in enumerate(peer_regions) if j != own_index]
         self.all_flags = [g[self.padded:] for g in peer_regions]
@@ -241,10 +239,9 @@ class _ShardBucket:
                 view.zero_()
             else:
                 torch.mul(g if start is None else g.reshape(-1)[start:end], scale, out=view)
-        present = [g is not None for g in packed]
-        if present != self.flags_written:  # they stay in shared memory from one step to the next
-            self.flags.copy_(torch.tensor(present, dtype=self.flags.dtype))
-            self.flags_written = present
+        if self.present != self.flags_written:  # they stay in shared memory from one step to the next
+            self.flags.copy_(torch.tensor(self.present, dtype=self.flags.dtype))
+            self.flags_written = self.present
 
     def sum_shard_of_peers(self, scale: float) -> None:
         """This rank's slices of the node's gradient sum, as the shard parameters' gradients: the
@@ -275,7 +272,7 @@ class _ShardBucket:
                 if g is not None:
                     out.add_(g.reshape(-1)[lo:hi], alpha=scale)
         # The flags are read only where this rank lacks a gradient: otherwise every count is >= 1.
-        counts = None if all(g is not None for g in packed) else sum(self.all_flags[1:], self.all_flags[0]).tolist()
+        counts = None if all(self.present) else sum(self.all_flags[1:], self.all_flags[0]).tolist()
         self._set_grads(outs, counts)
 
     # ----------------------------------------------------------------------------- both
@@ -295,6 +292,7 @@ class _ShardBucket:
 
     def _remember_grads(self) -> None:
         self.packed = [p.grad for p in self.params]
+        self.present = [g is not None for g in self.packed]  # which gradients this rank has
         self.versions = None
 
     def note_versions(self) -> None:
@@ -728,7 +726,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         state = {}
         for b, keys in zip(self._buckets, local_keys):
             shard_states = [b.optimizer.state.get(sp, {}) for sp in b.shard_params]
-            entries = [{} for _ in b.params]
+            # Each entry's keys in the order the optimizer made them, as torch's own state_dict has
+            # them; the gathered tensors fill their places below.
+            entries = [dict.fromkeys(param_keys) for param_keys in keys]
             for key in dict.fromkeys(k for param_keys in keys for k in param_keys):
                 holders = [i for i, s in enumerate(shard_states) if key in s]
                 value = shard_states[holders[0]][key]
@@ -744,17 +744,16 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
                     for i in holders:
                         value = shard_states[i][key]
                         entries[i][key] = value.clone() if torch.is_tensor(value) else value
-            for p, entry, param_keys in zip(b.params, entries, keys):
-                if param_keys:
-                    state[index[p]] = (entry, param_keys)
+            for p, entry in zip(b.params, entries):
+                if entry:
+                    state[index[p]] = entry
         for work, full, b, entries, key, holders in pending:
             work.wait()
             rows = full.view(self.comm.size, b.k)
             for i in holders:
                 at, k, p = b.block_offsets[i], b.ks[i], b.params[i]
                 entries[i][key] = rows[:, at:at + k].reshape(-1)[:p.numel()].view_as(p).clone()
-        # Each entry's keys in the order the optimizer made them, as torch's own state_dict has them.
-        state = {i: {key: entry[key] for key in param_keys} for i, (entry, param_keys) in sorted(state.items())}
+        state = dict(sorted(state.items()))
         groups = []
         for group in self._optimizer.param_groups:
             packed = {k: v for k, v in group.items() if k != "params"}
@@ -806,16 +805,15 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
 
     def _slice_of_state(self, b: _ShardBucket, i: int, saved: dict) -> dict:
         """This rank's slice of parameter ``i`` of bucket ``b``'s state, cut from its whole state."""
-        p, k, rank = b.params[i], b.ks[i], self.comm.rank
+        p, (lo, hi) = b.params[i], b.slices[i]
         mine = {}
         for key, value in saved.items():
             if torch.is_tensor(value) and key not in SCALAR_STATE:
                 if value.numel() != p.numel():
                     raise ValueError(f"loaded state {key!r} has {value.numel()} elements for a parameter of "
                                      f"shape {tuple(p.shape)}")
-                full = torch.zeros(self.comm.size * k, dtype=value.dtype, device=b.flat.device)
-                full[:p.numel()].copy_(value.reshape(-1))
-                mine[key] = full[rank * k:(rank + 1) * k].clone()
+                mine[key] = torch.zeros(b.ks[i], dtype=value.dtype, device=b.flat.device)  # the padding: 0
+                mine[key][:hi - lo].copy_(value.reshape(-1)[lo:hi])
             else:
                 # A copy: Adam counts its step in place, which must not touch the caller's dict.
                 mine[key] = value.clone() if torch.is_tensor(value) else value
