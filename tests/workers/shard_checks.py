@@ -147,6 +147,31 @@ def check_kernel_choice(comm):
     assert inner_flags() == {(True, None)}
     assert inner_flags(foreach=True) == {(None, True)}
     assert inner_flags(fused=False) == {(False, None)}
+    # On one node the fused kernel's shards are summed and updated piece by piece.
+    for cls, kw, piecewise in ((torch.optim.AdamW, {}, True), (torch.optim.Adam, {"foreach": True}, False),
+                               (torch.optim.SGD, {"lr": 0.1}, False)):
+        opt = torchmn.create_multi_node_optimizer(cls(make_model().parameters(), **kw), comm, shard_state=True)
+        assert bool(opt._sum_and_step) == (piecewise and opt._arena is not None), (cls, kw, opt._sum_and_step)
+        opt.remove_hooks()
+
+
+def check_state_replaced_mid_run(comm):
+    """load_state_dict after some steps replaces the shards' state tensors: the next steps update
+    the loaded ones (and continue as one process from that checkpoint), not the ones they replaced."""
+    ref_model, ref_opt, _ = train("adam_amsgrad", steps=range(2))
+    ckpt = {k: v.clone() for k, v in ref_model.state_dict().items()}, ref_opt.state_dict()
+    model, opt, _ = train("adam_amsgrad", comm, steps=range(3))  # past the checkpoint, on purpose
+    model.load_state_dict(ckpt[0])
+    opt.load_state_dict(ckpt[1])
+    for step in range(2, 5):
+        x, y = data(step)
+        opt.zero_grad()
+        backward(opt, model, local(x, comm), local(y, comm))
+        opt.step()
+    ref, ref_opt, _ = train("adam_amsgrad")
+    assert_close(model, ref, 1e-5, "continued after load_state_dict mid-run")
+    _compare_state(opt.state_dict(), ref_opt.state_dict(), "continued after load_state_dict mid-run")
+    opt.remove_hooks()
 
 
 def check_compression(comm):

@@ -24,8 +24,10 @@ shared memory instead (:class:`torchmn.communicators.shm.NodeArena`): the parame
 per node, so a rank that updates its shard updates every rank's model and no all-gather is needed,
 and each rank's gradient buffer is readable by the others, so backward's hooks only copy into it
 the parts of the gradients that other ranks' slices need (and its flags), and ``step()`` sums this
-rank's slices from the others' buffers and its own ``.grad``. Two barriers per step (gradients in;
-shards updated) keep ranks from reading what another is still writing.
+rank's slices from the others' buffers and its own ``.grad`` (for torch's fused Adam kernel, in
+cache-sized pieces, each updated as soon as it is summed: :class:`fused_adam.SumAndStep`). Two
+barriers per step (gradients in; shards updated) keep ranks from reading what another is still
+writing.
 
 Only elementwise optimizers can be split this way (each element's update depends on that
 element's gradient and state alone): see :data:`ELEMENTWISE_OPTIMIZERS`.
@@ -41,6 +43,7 @@ import torch
 
 from torchmn.communicators import Communicator
 from torchmn.communicators.shm import STEP_AFTER_SENDS, sum_into
+from torchmn.optimizers import fused_adam
 from torchmn.optimizers.gradient_sync import (GradientSyncOptimizer, arena_layout, copy_scaled, make_buckets,
                                               region_view)
 
@@ -213,7 +216,7 @@ class _ShardBucket:
             v = buffer[at + start:at + end]
             return (v.view(p.shape), None, None) if end - start == p.numel() else (v, start, end)
 
-        self.pack_plan, self.add_plan = [], []
+        self.pack_plan, self.sum_plan = [], []
         self.mine_in_others, self.mine_in_own = [], []  # this rank's slice of each parameter, per buffer
         for i, (p, off, k, (lo, hi)) in enumerate(zip(self.params, self.offsets, self.ks, self.slices)):
             n = p.numel()
@@ -223,8 +226,9 @@ class _ShardBucket:
                     self.pack_plan.append((i,) + view(region, p, off, start, end))
             self.mine_in_others.append([g[off + r * k:off + (r + 1) * k] for g in others])
             self.mine_in_own.append(region[off + r * k:off + (r + 1) * k])
-            if lo < hi:  # the other rank's copy of this slice, and where the sum goes
-                self.add_plan.append((i, lo, hi, self.mine_in_others[-1][0][:hi - lo], self.mine_in_own[-1][:hi - lo]))
+            if lo < hi:  # the other ranks' copies of this slice, and where the sum goes
+                self.sum_plan.append((i, lo, hi, [g[:hi - lo] for g in self.mine_in_others[-1]],
+                                      self.mine_in_own[-1][:hi - lo]))
         self.flags_written = None
 
     def pack_for_peers(self, scale: float) -> None:
@@ -258,7 +262,7 @@ class _ShardBucket:
         """
         outs, packed = self.mine_in_own, self.packed
         if self.size == 2:  # one pass: this rank's part and the other's, into the third buffer
-            for i, lo, hi, other, out in self.add_plan:
+            for i, lo, hi, (other,), out in self.sum_plan:
                 g = packed[i]
                 if g is None:
                     out.copy_(other)
@@ -267,7 +271,7 @@ class _ShardBucket:
         else:
             for out, mine in zip(outs, self.mine_in_others):
                 sum_into(out, mine)
-            for i, lo, hi, _, out in self.add_plan:
+            for i, lo, hi, _, out in self.sum_plan:
                 g = packed[i]
                 if g is not None:
                     out.add_(g.reshape(-1)[lo:hi], alpha=scale)
@@ -368,66 +372,7 @@ def _step_function(optimizer: torch.optim.Optimizer):
         step = functools.partial(step.__wrapped__, optimizer)
     else:
         step = optimizer.step
-    return _fused_adam_step(optimizer, step) or step
-
-
-# torch's fused Adam and AdamW kernels, with the arguments torch.optim.adam._fused_adam gives them.
-_FUSED_ADAM_ARGS = ("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps", "lr", "beta1",
-                    "beta2", "weight_decay", "eps", "amsgrad", "maximize", "grad_scale", "found_inf")
-
-
-def _fused_adam_kernels():
-    """(Adam's kernel, AdamW's kernel), or None where this torch's differ from the known ones."""
-    try:
-        kernels = (torch.ops.aten._fused_adam_.default, torch.ops.aten._fused_adamw_.default)
-    except AttributeError:
-        return None
-    for kernel in kernels:
-        if tuple(a.name for a in kernel._schema.arguments) != _FUSED_ADAM_ARGS:
-            return None
-    return kernels
-
-
-def _fused_adam_step(optimizer: torch.optim.Optimizer, step):
-    """For fused Adam and AdamW: torch's fused kernel called directly; ``step`` where a shard has no
-    state yet (the first step creates it), a hyperparameter is a tensor, or this torch's kernels
-    are not the known ones.
-
-    What ``Adam.step`` and ``torch.optim.adam.adam`` do around that kernel (collecting lists,
-    grouping tensors by device and dtype, checks) is 0.2 ms of cold Python a step, 3% of the MNIST
-    bench's time; a shard optimizer has one group of flat CPU shards, so none of it is needed beyond
-    leaving out the shards without a gradient. The arithmetic is the kernel's in both cases: the
-    tests compare against one process.
-    """
-    group = optimizer.param_groups[0]
-    kernels = _fused_adam_kernels()
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or not group.get("fused") \
-            or group.get("capturable") or group.get("differentiable") or "decoupled_weight_decay" not in group \
-            or kernels is None:
-        return None
-
-    def fused_adam():
-        # Looked up every time: load_state_dict replaces the groups and the state.
-        group, state = optimizer.param_groups[0], optimizer.state
-        params = [p for p in group["params"] if p.grad is not None]  # as torch: no gradient, no update
-        if not params:
-            return None
-        states = [state.get(p) for p in params]
-        beta1, beta2 = group["betas"]
-        lr = group["lr"]
-        if not all(states) or torch.is_tensor(lr) or torch.is_tensor(beta1) or torch.is_tensor(beta2):
-            return step()
-        amsgrad = group["amsgrad"]
-        steps = [s["step"] for s in states]
-        with torch.no_grad():
-            torch._foreach_add_(steps, 1)
-            kernels[bool(group["decoupled_weight_decay"])](
-                params, [p.grad for p in params], [s["exp_avg"] for s in states],
-                [s["exp_avg_sq"] for s in states], [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
-                steps, lr=lr, beta1=beta1, beta2=beta2, weight_decay=group["weight_decay"], eps=group["eps"],
-                amsgrad=amsgrad, maximize=group["maximize"])
-        return None
-    return fused_adam
+    return fused_adam.direct_step(optimizer, step) or step
 
 
 class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
@@ -508,12 +453,15 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             b.point_params()
             kind = (b.dtype, b.device) if self._arena is not None else i
             self._inner.setdefault((b.group, kind), []).append(b)
-        for (group, _), buckets in self._inner.items():
+        self._sum_and_step = {}  # per inner optimizer on one node, where its fused kernel allows
+        for key, buckets in self._inner.items():
             inner = _build_inner(type(optimizer), [sp for b in buckets for sp in b.shard_params],
-                                 optimizer.param_groups[group])
+                                 optimizer.param_groups[key[0]])
             step = _step_function(inner)
             for b in buckets:
                 b.optimizer, b.step_shard = inner, step
+            if self._arena is not None and fused_adam.kernel_for(inner) is not None:
+                self._sum_and_step[key] = fused_adam.SumAndStep(inner, buckets, 1.0 / comm.size)
         self._attach(params, self._buckets)
 
     def _place_in_shared_memory(self):
@@ -590,10 +538,11 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         for b in self._buckets:
             b.sent = False
         if self._arena is not None:
-            if not reduced:
-                self._sum_shards_in_shared_memory()
-            for buckets in self._inner.values():
-                buckets[0].step_shard()
+            if reduced:
+                for buckets in self._inner.values():
+                    buckets[0].step_shard()
+            else:
+                self._sum_and_update_in_shared_memory()
             # Every shard is updated in the shared parameters, and nobody reads a gradient buffer
             # any more, so backward may write them again.
             self._arena.barrier("step done (shards updated)")
@@ -680,12 +629,26 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         for b in self._buckets:
             b.check_grads_unchanged()
 
-    def _sum_shards_in_shared_memory(self) -> None:
+    def _gradients_in(self) -> None:
         # Every rank's gradients are in its buffer. The barrier also tells how many times they were
         # sent since the last step: a rank that skipped a step() meets the others' next one.
         self._arena.barrier(STEP_AFTER_SENDS[min(self._sends, len(STEP_AFTER_SENDS) - 1)])
+
+    def _sum_shards_in_shared_memory(self) -> None:
+        self._gradients_in()
         for b in self._buckets:
             b.sum_shard_of_peers(1.0 / self.comm.size)
+
+    def _sum_and_update_in_shared_memory(self) -> None:
+        """Sum each shard from the node's buffers and update it: piece by piece where the fused
+        Adam kernel allows (:class:`fused_adam.SumAndStep`), else all sums, then the update."""
+        self._gradients_in()
+        for key, buckets in self._inner.items():
+            sum_and_step = self._sum_and_step.get(key)
+            if sum_and_step is None or not sum_and_step():
+                for b in buckets:
+                    b.sum_shard_of_peers(1.0 / self.comm.size)
+                buckets[0].step_shard()
 
     def _finish_reduce_scatter(self, b: _ShardBucket) -> None:
         b.reduce_work.wait()
