@@ -11,6 +11,13 @@ Methods: ``gloo`` = ``torch.distributed.all_reduce`` on the default gloo group (
 ``torchmn`` = ``comm.allreduce(x)``, the checked user-facing call; ``torchmn (grad path)`` =
 ``comm.allreduce_flat``, what the optimizer uses; ``copy`` = one ``Tensor.copy_`` of the same bytes
 (the memory-copy floor).
+
+With ``--collective reduce_scatter``, the sharded optimizer's primitive instead: ``gloo`` =
+``torch.distributed.reduce_scatter_tensor`` (which gloo runs as an allreduce), ``torchmn`` =
+``comm.reduce_scatter_flat`` (through shared memory with the default communicator; with
+``--communicator flat``, torch.distributed's all-to-all and a local sum):
+
+    torchmn run -np 2 python bench/bench_allreduce.py --collective reduce_scatter --communicator flat
 """
 from __future__ import annotations
 
@@ -43,7 +50,11 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="fewer rounds and iterations")
     parser.add_argument("--communicator", default="auto")
+    parser.add_argument("--collective", choices=("allreduce", "reduce_scatter"), default="allreduce")
     args = parser.parse_args()
+    if args.collective == "reduce_scatter":
+        reduce_scatter(args)
+        return
     rounds = 2 if args.quick else args.rounds
     comm = torchmn.create_communicator(args.communicator)
     world = dist.group.WORLD
@@ -80,6 +91,33 @@ def main() -> None:
                   f"{ms['torchmn (grad path)']:.3f} ms | {ms['copy']:.3f} ms | "
                   f"{med['gloo'] / med['torchmn']:.1f}x | {med['gloo'] / med['torchmn (grad path)']:.1f}x | "
                   f"{med['torchmn'] / med['copy']:.1f}x | {nbytes / med['torchmn'] / 1e9:.2f} |")
+    comm.finalize()
+
+
+def reduce_scatter(args) -> None:
+    rounds = 2 if args.quick else args.rounds
+    comm = torchmn.create_communicator(args.communicator)
+    rows = []
+    for nbytes in SIZES:
+        n = nbytes // 4 // comm.size * comm.size
+        x, shard = torch.rand(n), torch.empty(n // comm.size)
+        iters = max(3, min(200, int(2e8 // max(nbytes, 1)) // (4 if args.quick else 1)))
+        methods = {"gloo": lambda: dist.reduce_scatter_tensor(shard, x),
+                   "torchmn": lambda: comm.reduce_scatter_flat(x, shard)}
+        samples = {m: [] for m in methods}
+        for _ in range(rounds):
+            for m, fn in methods.items():
+                comm.barrier()
+                samples[m].append(timed(fn, iters))
+        rows.append((nbytes, {m: max(comm.allgather_obj(statistics.median(v))) for m, v in samples.items()}))
+    if comm.rank == 0:
+        print(f"# reduce-scatter, {comm.size} ranks on {comm.inter_size} node(s), communicator {comm.name!r}, "
+              f"median of {rounds} rounds")
+        print("| size | gloo | torchmn | gloo / torchmn |")
+        print("|---|---|---|---|")
+        for nbytes, med in rows:
+            print(f"| {fmt_size(nbytes)} | {med['gloo'] * 1e3:.3f} ms | {med['torchmn'] * 1e3:.3f} ms | "
+                  f"{med['gloo'] / med['torchmn']:.1f}x |")
     comm.finalize()
 
 

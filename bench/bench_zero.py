@@ -10,6 +10,7 @@ of the training loop alone (slowest rank), not of start-up. Run it on an idle ma
     python bench/bench_zero.py                       # median of 5 runs each, a markdown table
     python bench/bench_zero.py --repeats 1 --epochs 2
     python bench/bench_zero.py --variants single-2t torchmn-zero
+    python bench/bench_zero.py --variants torchmn-zero torchmn-zero-gloo   # shared memory vs gloo
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ VARIANTS = {
     "ddp": ("torchrun", 2, 1, "ddp"),
     "torchmn": ("torchmn", 2, 1, "torchmn"),
     "torchmn-zero": ("torchmn", 2, 1, "zero"),
+    # The sharded path across nodes (reduce-scatter and all-gather through gloo), timed on one node.
+    "torchmn-zero-gloo": ("torchmn", 2, 1, "zero-gloo"),
 }
 
 
@@ -86,11 +89,11 @@ def worker(mode: str, args) -> None:
         rank, size = dist.get_rank(), dist.get_world_size()
         model = torch.nn.parallel.DistributedDataParallel(model)
         barrier, gather = dist.barrier, _dist_gather
-    elif mode in ("torchmn", "zero"):
+    elif mode in ("torchmn", "zero", "zero-gloo"):
         import torchmn
-        comm = torchmn.create_communicator()
+        comm = torchmn.create_communicator("flat" if mode == "zero-gloo" else "auto")
         rank, size = comm.rank, comm.size
-        optimizer = torchmn.create_multi_node_optimizer(optimizer, comm, shard_state=mode == "zero")
+        optimizer = torchmn.create_multi_node_optimizer(optimizer, comm, shard_state=mode != "torchmn")
         barrier, gather = comm.barrier, comm.allgather_obj
     else:
         barrier, gather = (lambda: None), (lambda obj: [obj])

@@ -751,7 +751,7 @@ class Communicator(abc.ABC):
             # rank r is another group rank, so hand torch the chunks in its order.
             chunks = self._group_order(list(flat.split(shard.numel())))
             return dist.reduce_scatter(shard, chunks, group=self._group, async_op=async_op)
-        return dist.reduce_scatter_single(shard, flat, group=self._group, async_op=async_op)
+        return reduce_scatter_single(shard, flat, self._group, async_op)
 
     def allgather_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         """Every rank's ``shard`` (``k`` elements) into ``flat`` (``size * k``), in rank order."""
@@ -837,3 +837,56 @@ class _Completed:
 
     def wait(self) -> bool:
         return True
+
+
+class _AndThen:
+    """The handle of a collective whose network part is in flight; ``wait()`` waits for it, then runs
+    the local part that must follow it (a sum, or a step through the node's shared memory: every
+    rank of the node waits its handles in the same order, as the optimizers do, so those steps
+    meet). Keeps the buffers alive until then."""
+
+    wraps_torch_work = True  # watched like torch's own handle (see watch.py)
+
+    def __init__(self, work, then=None, keep=()):
+        self._work, self._then, self._keep = work, then, keep
+
+    def wait(self, timeout=None) -> bool:
+        if self._work is not None:
+            self._work.wait() if timeout is None else self._work.wait(timeout)
+            self._work = None
+        if self._then is not None:
+            then, self._then = self._then, None
+            then()
+        self._keep = ()
+        return True
+
+    def is_completed(self) -> bool:
+        return self._work is None and self._then is None
+
+
+def _finish(pending: _AndThen, async_op: bool):
+    if async_op:
+        return pending
+    pending.wait()
+    return _Completed()
+
+
+def reduce_scatter_single(shard: torch.Tensor, flat: torch.Tensor, group, async_op: bool = False):
+    """``dist.reduce_scatter_single``, except through gloo: there an all-to-all, then a local sum.
+
+    gloo has no reduce-scatter of its own: torch runs one as an allreduce of the whole buffer and
+    keeps a chunk, twice the traffic. An all-to-all moves each rank only the chunks it sums: 1.3-3.8x
+    faster between 2 ranks, 1.7x at 7.2 MB (``bench/bench_allreduce.py --collective reduce_scatter``).
+
+    Example::
+
+        >>> reduce_scatter_single(mine, torch.ones(size * k), group)   # mine: k elements, all == size
+    """
+    backend = dist.get_backend(group)  # "gloo", or per device: "cpu:gloo,cuda:nccl"
+    if not (backend == "gloo" or (flat.device.type == "cpu" and "cpu:gloo" in backend)):
+        return dist.reduce_scatter_single(shard, flat, group=group, async_op=async_op)
+    chunks = torch.empty_like(flat)
+    work = dist.all_to_all_single(chunks, flat, group=group, async_op=True)
+    n = flat.numel() // shard.numel()
+    return _finish(_AndThen(work, lambda: torch.sum(chunks.view(n, -1), dim=0, out=shard), keep=(flat, chunks)),
+                   async_op)

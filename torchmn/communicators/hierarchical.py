@@ -19,7 +19,8 @@ import torch.distributed as dist
 from torchmn.communicators import shm
 from torchmn.communicators._setup import collective_timeout_s
 from torchmn.communicators import _wire
-from torchmn.communicators.communicator import _KIND, _OPS, _Completed, _obj_header
+from torchmn.communicators.communicator import (_KIND, _OPS, _AndThen, _Completed, _finish, _obj_header,
+                                                reduce_scatter_single)
 from torchmn.communicators.flat import FlatCommunicator
 
 
@@ -50,37 +51,6 @@ def _new_rail_groups(nodes: list[list[int]], local: bool = False):
         return None
     return [dist.new_group([n[i] for n in nodes], backend="gloo", use_local_synchronization=local)
             for i in range(len(nodes[0]))]
-
-
-class _ThenInsideTheNode:
-    """The handle of a collective whose network part is in flight; ``wait()`` waits for it, then runs
-    the node-local part that must follow it (every rank of the node waits its handles in the same
-    order, as the optimizers do, so the shared-memory steps meet). Keeps the buffers alive."""
-
-    wraps_torch_work = True  # watched like torch's own handle (see watch.py)
-
-    def __init__(self, work, then=None, keep=()):
-        self._work, self._then, self._keep = work, then, keep
-
-    def wait(self, timeout=None) -> bool:
-        if self._work is not None:
-            self._work.wait() if timeout is None else self._work.wait(timeout)
-            self._work = None
-        if self._then is not None:
-            then, self._then = self._then, None
-            then()
-        self._keep = ()
-        return True
-
-    def is_completed(self) -> bool:
-        return self._work is None and self._then is None
-
-
-def _finish(pending: _ThenInsideTheNode, async_op: bool):
-    if async_op:
-        return pending
-    pending.wait()
-    return _Completed()
 
 
 class HierarchicalCommunicator(FlatCommunicator):
@@ -162,7 +132,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         # background (backward goes on), and wait() shares its result inside the node.
         work = dist.all_reduce(flat, op=_OPS[op], group=self._inter_group, async_op=True) \
             if self.intra_rank == 0 else None
-        return _finish(_ThenInsideTheNode(work, lambda: self._segment.broadcast_(flat, root=0)), async_op)
+        return _finish(_AndThen(work, lambda: self._segment.broadcast_(flat, root=0)), async_op)
 
     def _across_nodes(self, flat: torch.Tensor, op: str) -> None:
         """Node sums to the global result: the nodes' first ranks allreduce, then share it locally."""
@@ -194,8 +164,8 @@ class HierarchicalCommunicator(FlatCommunicator):
         by_rail = flat.view(self.size, k).index_select(0, self._rail_order).view(-1)
         node_sums = torch.empty(self.inter_size * k, dtype=flat.dtype)
         self._segment.reduce_scatter(by_rail, node_sums)
-        work = dist.reduce_scatter_single(shard, node_sums, group=self._rails, async_op=True)
-        return _finish(_ThenInsideTheNode(work, keep=(node_sums,)), async_op)
+        work = reduce_scatter_single(shard, node_sums, self._rails, async_op=True)
+        return _finish(_AndThen(work, keep=(node_sums,)), async_op)
 
     def allgather_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         if self._shm_ok(flat) and self._single_node:
@@ -214,7 +184,7 @@ class HierarchicalCommunicator(FlatCommunicator):
             by_rail = torch.empty(self.size * k, dtype=flat.dtype)
             self._segment.allgather(by_rail, rail)
             flat.view(self.size, k).index_copy_(0, self._rail_order, by_rail.view(self.size, k))
-        return _finish(_ThenInsideTheNode(work, inside_the_node, keep=(sent,)), async_op)
+        return _finish(_AndThen(work, inside_the_node, keep=(sent,)), async_op)
 
     def _open_node_arena(self, shared_bytes: int, region_bytes: int):
         if self._segment is None or not self._single_node:
