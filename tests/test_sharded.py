@@ -10,7 +10,8 @@ CHECKS = WORKERS / "shard_checks.py"
 ALL = ("equivalence", "accumulation", "overlap", "compression", "state_is_sharded", "refusals", "unused_parameter",
        "state_dict_format", "shared_memory_where_possible",
        "kernel_choice", "edited_gradients_refused", "clip_grad_norm", "parameters_used_through_cat",
-       "skipped_step_is_named", "state_per_parameter", "odd_sizes", "state_replaced_mid_run")
+       "skipped_step_is_named", "state_per_parameter", "odd_sizes", "state_replaced_mid_run",
+       "piecewise_update_is_exact")
 
 
 def _one_process(args):

@@ -155,6 +155,38 @@ def check_kernel_choice(comm):
         opt.remove_hooks()
 
 
+def check_piecewise_update_is_exact(comm):
+    """On one node, fused Adam/AdamW shards are summed and updated piece by piece: bit for bit what
+    summing every shard first and updating them in one kernel call gives (sizes that leave some
+    ranks padding, a shard longer than a piece, float32 and float64)."""
+    def run(piecewise, cls, dtype, **kw):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(*shape, dtype=dtype)) for shape in ((31,), (5, 7), (300_001,))]
+        opt = torchmn.create_multi_node_optimizer(cls(params, lr=0.01, **kw), comm, shard_state=True)
+        used = bool(opt._sum_and_step)
+        if not piecewise:
+            opt._sum_and_step.clear()
+        for step in range(4):
+            opt.zero_grad()
+            g = torch.Generator().manual_seed(100 * step + comm.rank)
+            sum((p * torch.randn(p.shape, generator=g, dtype=dtype)).sum() ** 2 for p in params).backward()
+            opt.step()
+        out = [p.detach().clone() for p in params], opt.state_dict()
+        opt.remove_hooks()
+        return out, used
+    for cls, dtype, kw in ((torch.optim.Adam, torch.float32, {"amsgrad": True, "weight_decay": 0.1}),
+                           (torch.optim.AdamW, torch.float32, {"weight_decay": 0.1}),
+                           (torch.optim.Adam, torch.float64, {"maximize": True})):
+        (pieces, state), used = run(True, cls, dtype, **kw)
+        (whole, whole_state), _ = run(False, cls, dtype, **kw)
+        assert used == (comm.name == "hierarchical" and comm.inter_size == 1 and comm.size > 1), used
+        for a, b in zip(pieces, whole):
+            assert torch.equal(a, b), (cls.__name__, dtype, (a - b).abs().max())
+        for i, entry in whole_state["state"].items():
+            for key, value in entry.items():
+                assert torch.equal(state["state"][i][key], value), (cls.__name__, dtype, i, key)
+
+
 def check_state_replaced_mid_run(comm):
     """load_state_dict after some steps replaces the shards' state tensors: the next steps update
     the loaded ones (and continue as one process from that checkpoint), not the ones they replaced."""

@@ -861,6 +861,8 @@ class _AndThen:
         return True
 
     def is_completed(self) -> bool:
+        """True once ``wait()`` has run: the local part runs there, never from a poll (on one node it
+        must run in the same order on every rank)."""
         return self._work is None and self._then is None
 
 
@@ -887,6 +889,6 @@ def reduce_scatter_single(shard: torch.Tensor, flat: torch.Tensor, group, async_
         return dist.reduce_scatter_single(shard, flat, group=group, async_op=async_op)
     chunks = torch.empty_like(flat)
     work = dist.all_to_all_single(chunks, flat, group=group, async_op=True)
-    n = flat.numel() // shard.numel()
-    return _finish(_AndThen(work, lambda: torch.sum(chunks.view(n, -1), dim=0, out=shard), keep=(flat, chunks)),
-                   async_op)
+    n = dist.get_world_size(group)
+    return _finish(_AndThen(work, lambda: torch.sum(chunks.view(n, shard.numel()), dim=0, out=shard),
+                            keep=(flat, chunks)), async_op)

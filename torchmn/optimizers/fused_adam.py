@@ -5,6 +5,9 @@ shards, no hooks, no closure. What ``Adam.step`` and ``torch.optim.adam.adam`` d
 kernel (collecting lists, grouping tensors by device and dtype, checks) is 0.2 ms of cold Python a
 step, 3% of the MNIST bench's time, and none of it is needed. The arithmetic is the kernel's
 either way: the tests compare against one process.
+
+:func:`direct_step` steps a shard optimizer that way; :class:`SumAndStep` also makes, piece by
+piece, the gradient sums the kernel reads (on one node, where they come from shared memory).
 """
 from __future__ import annotations
 
@@ -95,12 +98,15 @@ class SumAndStep:
     memory and reads it back: 2 x 3.6 MB a step per rank on the MNIST MLP, with both ranks doing the
     same at once. Piece by piece, the sum is still in the cache when the kernel reads it. Each
     piece's sum is computed exactly as :meth:`_ShardBucket.sum_shard_of_peers` computes it, and the
-    kernel is elementwise, so the results are the same bits.
+    kernel is elementwise and meets each element in the same code path (its vector loop or its
+    scalar tail, which round differently) as over the whole shard, so the results are the same bits
+    (``piecewise_update_is_exact`` in tests/workers/shard_checks.py checks it).
 
     ``buckets``: the shard buckets the optimizer steps (placed in shared memory). ``__call__``
     returns False, having done nothing, where the piecewise path does not apply this step: a
     gradient this rank lacks (the flags must then be read), or a shard without state yet (the
-    first step creates it). The caller then sums and steps the usual way.
+    first step creates it). The caller then sums and steps the usual way. This path leaves the
+    shard parameters' ``.grad`` as they were (the sums exist only piece by piece).
 
     Example::
 
@@ -130,10 +136,12 @@ class SumAndStep:
         return tensors
 
     def _plan(self, tensors: list) -> None:
-        """Cut every slice into pieces and group the pieces into kernel calls of PIECE_BYTES each."""
+        """Cut every shard into pieces, and group the pieces into kernel calls of at most
+        PIECE_BYTES each."""
         # One optimizer's buckets share a dtype and a device (the sharded optimizer groups them so).
         first = self.buckets[0]
-        room = torch.empty(max(1, PIECE_BYTES // first.itemsize), dtype=first.dtype, device=first.device)
+        sum_buffer = torch.empty(max(1, PIECE_BYTES // first.itemsize), dtype=first.dtype, device=first.device)
+        per_call = sum_buffer.numel()
         self.steps = tensors[0::4]
         self.calls = []
         call, used, n = [], 0, 0
@@ -141,25 +149,30 @@ class SumAndStep:
             for i, lo, hi, others, _ in b.sum_plan:
                 step, m, v, vmax = tensors[4 * (n + i):4 * (n + i) + 4]
                 p = b.shard_params[i].detach()
-                for start in range(0, hi - lo, room.numel()):
-                    end = min(hi - lo, start + room.numel())
-                    if call and used + end - start > room.numel():
-                        self.calls.append(self._call(call))
+                # Pieces start at multiples of the kernel's vector width and the last one runs to the
+                # shard's padded end (its padding's gradient: 0), so that the kernel's vector loop and
+                # scalar tail meet the same elements as over the whole shard: they round differently.
+                for start in range(0, hi - lo, per_call):
+                    end = min(p.numel(), start + per_call)
+                    if call and used + end - start > per_call:
+                        self.calls.append(self._kernel_call(call))
                         call, used = [], 0
-                    cut = slice(start, end)
-                    call.append((b, i, lo + start, lo + end, [o[cut] for o in others], room[used:used + end - start],
-                                 p[cut], m[cut], v[cut], None if vmax is None else vmax[cut], step))
+                    cut, summed = slice(start, end), min(end, hi - lo) - start
+                    grad = sum_buffer[used:used + end - start]
+                    call.append((b, i, lo + start, lo + start + summed, [o[start:start + summed] for o in others],
+                                 grad[:summed], grad[summed:] if summed < end - start else None,
+                                 grad, p[cut], m[cut], v[cut], None if vmax is None else vmax[cut], step))
                     used += end - start
             n += len(b.shard_params)
         if call:
-            self.calls.append(self._call(call))
+            self.calls.append(self._kernel_call(call))
         self.built_for = tensors
 
     @staticmethod
-    def _call(pieces: list) -> tuple:
-        """One kernel call: the sums to make first, then the kernel's lists."""
-        sums = [piece[:6] for piece in pieces]
-        grads, params, moments, squares, maxima, steps = ([piece[k] for piece in pieces] for k in range(5, 11))
+    def _kernel_call(pieces: list) -> tuple:
+        """One kernel call: the sums to make first (and padding to zero), then the kernel's lists."""
+        sums = [piece[:7] for piece in pieces]
+        grads, params, moments, squares, maxima, steps = ([piece[k] for piece in pieces] for k in range(7, 13))
         return sums, (params, grads, moments, squares, maxima if maxima[0] is not None else [], steps)
 
     def __call__(self) -> bool:
@@ -175,12 +188,14 @@ class SumAndStep:
         with torch.no_grad():
             torch._foreach_add_(self.steps, 1)
             for sums, lists in self.calls:
-                for b, i, lo, hi, others, out in sums:
+                for b, i, lo, hi, others, out, padding in sums:
                     mine = b.packed[i].reshape(-1)[lo:hi]
                     if len(others) == 1:
                         torch.add(others[0], mine, alpha=scale, out=out)
                     else:
                         sum_into(out, others)
                         out.add_(mine, alpha=scale)
+                    if padding is not None:  # the buffer is shared by the calls: another piece wrote here
+                        padding.zero_()
                 self.kernel(*lists, **hyper)
         return True

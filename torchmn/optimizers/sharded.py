@@ -635,6 +635,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         self._arena.barrier(STEP_AFTER_SENDS[min(self._sends, len(STEP_AFTER_SENDS) - 1)])
 
     def _sum_shards_in_shared_memory(self) -> None:
+        # For clip_grad_norm_, which needs every sum before any update.
         self._gradients_in()
         for b in self._buckets:
             b.sum_shard_of_peers(1.0 / self.comm.size)
