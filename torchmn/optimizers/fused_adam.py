@@ -22,9 +22,10 @@ from torchmn.communicators.shm import sum_into
 _KERNEL_ARGS = ("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps", "lr", "beta1",
                 "beta2", "weight_decay", "eps", "amsgrad", "maximize", "grad_scale", "found_inf")
 
-# Bytes of gradient summed ahead of the kernel in sum_and_step: small enough that the sum is still
+# Bytes of gradient SumAndStep sums ahead of each kernel call: small enough that the sum is still
 # in the core's L2 cache (2 MB on the machines measured) when the kernel reads it back, with the
-# parameters and moments streaming past it.
+# parameters and moments streaming past it. A multiple of 64 bytes, the kernel's unit of work and
+# its widest vector, so that pieces start where its vector loop would.
 PIECE_BYTES = 512 * 1024
 
 
