@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from torchmn.communicators.shm import sum_into
+from torchmn.optimizers.gradient_sync import sum_scaled
 
 # The arguments torch.optim.adam._fused_adam gives the kernels; other torch versions may differ.
 _KERNEL_ARGS = ("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps", "lr", "beta1",
@@ -98,9 +98,10 @@ class SumAndStep:
     Summing every slice first and then running the kernel over them all writes the whole sum to
     memory and reads it back: 2 x 3.6 MB a step per rank on the MNIST MLP, with both ranks doing the
     same at once. Piece by piece, the sum is still in the cache when the kernel reads it. Each
-    piece's sum is computed exactly as :meth:`_ShardBucket.sum_shard_of_peers` computes it, and the
-    kernel is elementwise and meets each element in the same code path (its vector loop or its
-    scalar tail, which round differently) as over the whole shard, so the results are the same bits
+    piece's sum is made by the function that :meth:`_ShardBucket.sum_shard_of_peers` uses
+    (:func:`gradient_sync.sum_scaled`), and the kernel is elementwise and meets each element in the
+    same code path (its vector loop or its scalar tail, which round differently) as over the whole
+    shard, so the results are the same bits
     (``piecewise_update_is_exact`` in tests/workers/shard_checks.py checks it).
 
     ``buckets``: the shard buckets the optimizer steps (placed in shared memory). ``__call__``
@@ -190,12 +191,7 @@ class SumAndStep:
             torch._foreach_add_(self.steps, 1)
             for sums, lists in self.calls:
                 for b, i, lo, hi, others, out, padding in sums:
-                    mine = b.packed[i].reshape(-1)[lo:hi]
-                    if len(others) == 1:
-                        torch.add(others[0], mine, alpha=scale, out=out)
-                    else:
-                        sum_into(out, others)
-                        out.add_(mine, alpha=scale)
+                    sum_scaled(out, others, b.packed[i].reshape(-1)[lo:hi], scale)
                     if padding is not None:  # the buffer is shared by the calls: another piece wrote here
                         padding.zero_()
                 self.kernel(*lists, **hyper)

@@ -19,6 +19,7 @@ import torch
 from torch.autograd import Variable
 
 from torchmn.communicators import Communicator
+from torchmn.communicators.shm import sum_into
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # small, so communication starts early in backward
 COMPRESSION = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -66,6 +67,18 @@ def copy_scaled(out: torch.Tensor, src: torch.Tensor, scale: Optional[float]) ->
         torch.mul(src, scale, out=out)  # scaled on the way in: no extra pass
     else:
         out.copy_(src * scale)
+
+
+def sum_scaled(out: torch.Tensor, others: list[torch.Tensor], mine: Optional[torch.Tensor], scale: float) -> None:
+    """``out`` = the other ranks' parts (added in rank order, as :func:`shm.sum_into` does) plus
+    ``mine`` times ``scale`` (None: this rank has no part), in one pass where there is one other."""
+    if mine is None:
+        sum_into(out, others)
+    elif len(others) == 1:
+        torch.add(others[0], mine, alpha=scale, out=out)
+    else:
+        sum_into(out, others)
+        out.add_(mine, alpha=scale)
 
 
 class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):

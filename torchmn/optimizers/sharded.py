@@ -42,10 +42,10 @@ from typing import Optional
 import torch
 
 from torchmn.communicators import Communicator
-from torchmn.communicators.shm import STEP_AFTER_SENDS, sum_into
+from torchmn.communicators.shm import STEP_AFTER_SENDS
 from torchmn.optimizers import fused_adam
 from torchmn.optimizers.gradient_sync import (GradientSyncOptimizer, arena_layout, copy_scaled, make_buckets,
-                                              region_view)
+                                              region_view, sum_scaled)
 
 # Optimizers whose update is elementwise, so a flat slice of the parameters can be stepped alone.
 # Others (LBFGS, Adafactor's factored moments, Muon's orthogonalisation, SparseAdam, subclasses
@@ -217,17 +217,17 @@ class _ShardBucket:
             return (v.view(p.shape), None, None) if end - start == p.numel() else (v, start, end)
 
         self.pack_plan, self.sum_plan = [], []
-        self.mine_in_others, self.mine_in_own = [], []  # this rank's slice of each parameter, per buffer
+        self.mine_in_own = []  # this rank's slice of each parameter in its own buffer: where its sums go
         for i, (p, off, k, (lo, hi)) in enumerate(zip(self.params, self.offsets, self.ks, self.slices)):
             n = p.numel()
             # The parts of the gradient that other ranks own go to this rank's buffer, at their place.
             for start, end in ((0, lo), (hi, n)) if lo < hi else ((0, n),):
                 if start < end:
                     self.pack_plan.append((i,) + view(region, p, off, start, end))
-            self.mine_in_others.append([g[off + r * k:off + (r + 1) * k] for g in others])
             self.mine_in_own.append(region[off + r * k:off + (r + 1) * k])
+            # The real elements only: padding is 0 in every buffer (never written), so in the sums too.
             if lo < hi:  # the other ranks' copies of this slice, and where the sum goes
-                self.sum_plan.append((i, lo, hi, [g[:hi - lo] for g in self.mine_in_others[-1]],
+                self.sum_plan.append((i, lo, hi, [g[off + r * k:off + r * k + hi - lo] for g in others],
                                       self.mine_in_own[-1][:hi - lo]))
         self.flags_written = None
 
@@ -260,24 +260,13 @@ class _ShardBucket:
         a third buffer, was slower in 17 of 21 interleaved rounds of the MNIST bench, by 0.2-3% in
         the medians of three batches of rounds.)
         """
-        outs, packed = self.mine_in_own, self.packed
-        if self.size == 2:  # one pass: this rank's part and the other's, into the third buffer
-            for i, lo, hi, (other,), out in self.sum_plan:
-                g = packed[i]
-                if g is None:
-                    out.copy_(other)
-                else:
-                    torch.add(other, g.reshape(-1)[lo:hi], alpha=scale, out=out)
-        else:
-            for out, mine in zip(outs, self.mine_in_others):
-                sum_into(out, mine)
-            for i, lo, hi, _, out in self.sum_plan:
-                g = packed[i]
-                if g is not None:
-                    out.add_(g.reshape(-1)[lo:hi], alpha=scale)
+        packed = self.packed
+        for i, lo, hi, others, out in self.sum_plan:
+            g = packed[i]
+            sum_scaled(out, others, None if g is None else g.reshape(-1)[lo:hi], scale)
         # The flags are read only where this rank lacks a gradient: otherwise every count is >= 1.
         counts = None if all(self.present) else sum(self.all_flags[1:], self.all_flags[0]).tolist()
-        self._set_grads(outs, counts)
+        self._set_grads(self.mine_in_own, counts)
 
     # ----------------------------------------------------------------------------- both
     def point_params(self) -> None:
