@@ -4,6 +4,8 @@ Every rank computes the one-process reference on the whole batch itself and comp
 Usage: python shard_checks.py [--path CHECKPOINT] CHECK [CHECK ...]   ("all": every check but the checkpoint ones)
 """
 
+import copy
+import math
 import os
 import sys
 
@@ -147,6 +149,11 @@ def check_kernel_choice(comm):
     assert inner_flags() == {(True, None)}
     assert inner_flags(foreach=True) == {(None, True)}
     assert inner_flags(fused=False) == {(False, None)}
+    # Not SGD's: its fused kernel cannot mix parameters with and without momentum buffers.
+    sgd = torchmn.create_multi_node_optimizer(torch.optim.SGD(make_model().parameters(), lr=0.1, momentum=0.9),
+                                              comm, shard_state=True)
+    assert {b.optimizer.param_groups[0]["fused"] for b in sgd._buckets} == {None}
+    sgd.remove_hooks()
     # On one node the fused kernel's shards are summed and updated piece by piece.
     for cls, kw, piecewise in ((torch.optim.AdamW, {}, True), (torch.optim.Adam, {"foreach": True}, False),
                                (torch.optim.SGD, {"lr": 0.1}, False)):
@@ -365,6 +372,69 @@ def check_clip_grad_norm(comm):
             for got, want in zip(opt.norms, ref_opt.norms):
                 assert abs(got - want) <= 1e-6 * want, (opt_name, clip, kwargs, opt.norms, ref_opt.norms)
         assert max(ref_opt.norms) > clip[0], "the test must clip"
+
+
+def check_clip_after_non_finite_step(comm):
+    """A bad batch (non-finite loss) whose update is skipped after clipping leaves nothing behind:
+    the next norms and updates are one process's. A parameter of 7 elements has padding in its
+    shards on 2, 3 and 4 ranks, which a non-finite clipping factor must not reach."""
+    def run(c):
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(7, dtype=torch.float64))
+        opt = torch.optim.Adam([p], lr=0.01)
+        if c is not None:
+            opt = torchmn.create_multi_node_optimizer(opt, c, shard_state=True)
+        norms = []
+        for step in range(4):
+            x, _ = data(step)
+            x = x[:, :1].repeat(1, 7) if c is None else local(x[:, :1].repeat(1, 7), c)
+            opt.zero_grad()
+            loss = (x @ p).tanh().mean() + (p * p).sum()
+            (loss * float("nan") if step == 1 else loss).backward()
+            norm = opt.clip_grad_norm_(1.0) if c is not None else torch.nn.utils.clip_grad_norm_([p], 1.0)
+            norms.append(float(norm))
+            if math.isfinite(norms[-1]):
+                opt.step()
+        return p.detach().clone(), norms
+    (ref, ref_norms), (got, norms) = run(None), run(comm)
+    assert math.isnan(norms[1]) and all(math.isfinite(n) for n in norms[2:]), norms
+    assert all(abs(a - b) <= 1e-6 * a for a, b in zip(norms[2:], ref_norms[2:])), (norms, ref_norms)
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-9), (got - ref).abs().max()
+
+
+def check_late_parameter(comm):
+    """A parameter whose first gradient comes after the others already have state (a head unused
+    in step 0), with SGD-momentum and Adam, against one process; and a plain torch SGD checkpoint
+    in which only some parameters have a momentum buffer, loaded and continued."""
+    def run(c, make_opt, steps=range(3), resume=None):
+        torch.manual_seed(0)
+        a, b = (torch.nn.Parameter(torch.randn(5, dtype=torch.float64)) for _ in range(2))
+        opt = make_opt([a, b])
+        if c is not None:
+            opt = torchmn.create_multi_node_optimizer(opt, c, shard_state=True)
+        if resume is not None:
+            with torch.no_grad():
+                a.copy_(resume[0])
+                b.copy_(resume[1])
+            opt.load_state_dict(copy.deepcopy(resume[2]))  # torch's SGD would step the buffers in place
+        for step in steps:
+            x, _ = data(step)
+            x = x[:, :5] if c is None else local(x[:, :5], c)
+            opt.zero_grad()
+            loss = (x @ a).pow(2).mean() + ((x @ b).pow(2).mean() if step > 0 else 0)
+            loss.backward()
+            opt.step()
+        return a, b, opt
+    for name, make_opt in (("sgd", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)),
+                           ("adam", lambda ps: torch.optim.Adam(ps, lr=0.01))):
+        ref, got = run(None, make_opt)[:2], run(comm, make_opt)[:2]
+        assert all(torch.allclose(g, r, rtol=1e-5) for g, r in zip(got, ref)), name
+    sgd = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+    a, b, opt = run(None, sgd, steps=range(1))
+    assert len(opt.state_dict()["state"]) == 1, "the checkpoint must hold one momentum buffer of two"
+    checkpoint = (a.detach().clone(), b.detach().clone(), opt.state_dict())
+    ref, got = run(None, sgd, range(1, 3), checkpoint)[:2], run(comm, sgd, range(1, 3), checkpoint)[:2]
+    assert all(torch.allclose(g, r, rtol=1e-5) for g, r in zip(got, ref)), "resumed SGD checkpoint"
 
 
 def check_parameters_used_through_cat(comm):

@@ -321,6 +321,12 @@ def _check_optimizer(optimizer) -> None:
 # Not hyperparameters but the choice of kernel; the shard optimizers keep their own (_build_inner).
 IMPLEMENTATION_FLAGS = ("fused", "foreach")
 
+# The optimizers whose fused kernel the shards take when the user left the choice to torch. Not
+# SGD: its fused kernel cannot step momentum buffers that exist for some parameters and not yet for
+# others (a parameter whose first gradient comes late, a checkpoint from such a run), which torch's
+# default SGD does; and SGD's update is one pass over memory anyway.
+AUTO_FUSED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad)
+
 
 def _build_inner(cls: type, shard_params: list[torch.nn.Parameter], group: dict) -> torch.optim.Optimizer:
     """An optimizer of ``cls`` over some shard parameters of one group, with its hyperparameters
@@ -328,8 +334,9 @@ def _build_inner(cls: type, shard_params: list[torch.nn.Parameter], group: dict)
 
     A shard parameter is one flat tensor, which is what torch's fused kernels are for (Adam's update
     in one pass over memory instead of several: 2-3x faster on CPU). So where the user left the
-    kernel to torch (``fused`` and ``foreach`` unset) and ``cls`` has a fused kernel for the shards'
-    device and dtype, the shards use it; the arithmetic is the same up to rounding.
+    kernel to torch (``fused`` and ``foreach`` unset) and ``cls`` is one of :data:`AUTO_FUSED`, with
+    a fused kernel for the shards' device and dtype, the shards use it; the arithmetic is the same
+    up to rounding.
     """
     hyper = {k: v for k, v in group.items() if k != "params"}
     accepted = inspect.signature(cls.__init__).parameters
@@ -337,7 +344,7 @@ def _build_inner(cls: type, shard_params: list[torch.nn.Parameter], group: dict)
     ctor = {k: v for k, v in hyper.items() if k in accepted}
     # torch checks a fused kernel's device and dtype only at the first step(), so choose it only
     # where every optimizer that has one supports it: CPU, float32/float64.
-    if "fused" in accepted and hyper.get("fused") is None and hyper.get("foreach") is None \
+    if cls in AUTO_FUSED and hyper.get("fused") is None and hyper.get("foreach") is None \
             and not hyper.get("differentiable") and shard_params[0].device.type == "cpu" \
             and shard_params[0].dtype in (torch.float32, torch.float64):
         try:
@@ -592,8 +599,12 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
                 for b in self._buckets:
                     self._finish_reduce_scatter(b)
             self._reduced = True
-        grads = [sp.grad for b in self._buckets for sp in b.shard_params if sp.grad is not None]
-        device = grads[0].device if grads else torch.device("cpu")
+        shards = [(sp.grad, hi - lo) for b in self._buckets for sp, (lo, hi) in zip(b.shard_params, b.slices)
+                  if sp.grad is not None]
+        # The real elements only: a shard's padding must stay 0 (the sums never rewrite it), and a
+        # non-finite factor (a skipped bad step) would make it NaN in every later norm.
+        grads = [g[:n] for g, n in shards if n]
+        device = shards[0][0].device if shards else torch.device("cpu")
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type).to(device, torch.float64) for g in grads]) \
             if grads else torch.zeros(1, dtype=torch.float64)
         if norm_type == float("inf"):
@@ -607,7 +618,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(factor.to(g.device, g.dtype))
-        return total.to(grads[0].dtype) if grads else total
+        return total.to(shards[0][0].dtype) if shards else total
 
     def _take_gradients(self) -> None:
         """This step's gradients leave backward's hands: sent if they were not, and not edited since."""
