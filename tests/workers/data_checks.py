@@ -53,6 +53,18 @@ class Failing:
         return i
 
 
+class Unpicklable:
+    """A sample the last rank cannot unpickle (its class missing there, say)."""
+
+    def __init__(self, v):
+        self.v = v
+
+    def __setstate__(self, state):
+        if torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+            raise ImportError("no module named 'samples' on this rank")
+        self.__dict__.update(state)
+
+
 def expect_raise(fn, *types):
     try:
         fn()
@@ -148,6 +160,13 @@ def check_scatter_errors(comm):
     e = expect_raise(lambda: scatter_dataset(data, comm, force_equal_length=False), KeyError, RemoteRankError)
     assert "unreadable" in str(e), e
     assert isinstance(e, KeyError) == (comm.rank == 0), (comm.rank, type(e))
+    # A non-root rank cannot unpickle its samples: every rank raises at once, not at the timeout
+    # (root must not be left waiting in a send of that rank's later chunks).
+    start = time.monotonic()
+    data = [Unpicklable(i) for i in range(40 * comm.size)] if comm.rank == 0 else None
+    e = expect_raise(lambda: scatter_dataset(data, comm, max_buf_len=64), RuntimeError, RemoteRankError)
+    assert time.monotonic() - start < 10 and "could not unpickle" in str(e), e
+    assert isinstance(e, RemoteRankError) == (comm.rank != comm.size - 1), (comm.rank, e)
     # The communicator is still usable afterwards.
     assert comm.allreduce_obj(1) == comm.size
 

@@ -171,6 +171,7 @@ def _recv_part(comm, root: int) -> DatasetPart:
         raise RemoteRankError(f"scatter_dataset: root rank {root} failed while sending rank {comm.rank}'s "
                               f"part: {indices}")
     samples: list[Any] = []
+    failure = None
     while True:
         kind, payload = comm.recv_obj(root, tag=_TAG)
         if kind == "end":
@@ -178,7 +179,17 @@ def _recv_part(comm, root: int) -> DatasetPart:
         if kind == "error":
             raise RemoteRankError(f"scatter_dataset: root rank {root} failed while sending rank "
                                   f"{comm.rank}'s part: {payload}")
-        samples.extend(pickle.loads(b) for b in payload)
+        if failure is None:
+            try:
+                samples.extend(pickle.loads(b) for b in payload)
+            except Exception as e:  # a sample's class missing here, say
+                # Read the rest of the part anyway: root is still sending it, and would wait in its
+                # send until the timeout instead of reaching the check that tells every rank.
+                failure = e
+    if failure is not None:
+        raise RuntimeError(f"scatter_dataset: rank {comm.rank} could not unpickle a sample of its part "
+                           f"({type(failure).__name__}: {failure}); every rank must be able to import the "
+                           f"dataset's sample types") from failure
     if len(samples) != len(indices):
         raise RuntimeError(f"scatter_dataset: rank {comm.rank} received {len(samples)} samples from root "
                            f"rank {root} but expected {len(indices)}")
