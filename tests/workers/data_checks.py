@@ -301,6 +301,27 @@ def check_iterator(comm):
     e = expect_raise(lambda: got.extend(it), OSError, RemoteRankError)
     assert "disk gone" in str(e) and isinstance(e, OSError) == (comm.rank == 0), e
     assert [int(t) for t in got] == [0]
+    # The master's loader failing to start (iter() raises), or to tell its length: the same.
+
+    class NoStart:
+        def __len__(self):
+            return 3
+
+        def __iter__(self):
+            raise OSError("workers cannot start")
+
+    start = time.monotonic()
+    e = expect_raise(lambda: list(create_multi_node_iterator(NoStart() if comm.rank == 0 else None, comm)),
+                     OSError, RemoteRankError)
+    assert time.monotonic() - start < 10 and "workers cannot start" in str(e), e
+    assert isinstance(e, OSError) == (comm.rank == 0), e
+
+    class NoLength(NoStart):
+        def __len__(self):
+            raise RuntimeError("length unknown yet")
+
+    e = expect_raise(lambda: create_multi_node_iterator(NoLength() if comm.rank == 0 else None, comm), ValueError)
+    assert "length unknown yet" in str(e), e
     # Batch types survive (a dict subclass stays one); a view travels without its whole storage.
     table = torch.arange(200_000.0).reshape(1000, 200)  # 800 KB; a batch of 2 rows is 1.6 KB
     typed = [Batch(x=rows, n=i) for i, rows in enumerate(torch.split(table, 2))][:3]

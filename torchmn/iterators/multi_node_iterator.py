@@ -31,6 +31,8 @@ class MultiNodeIterator:
                     length = len(loader)
                 except TypeError:
                     length = None  # an IterableDataset's loader may have no length
+                except Exception as e:
+                    problem = f"len() of the loader on master rank {rank_master} failed: {type(e).__name__}: {e}"
         # Every rank learns the length, and any problem, at the same time: none is left waiting.
         problem, self._length = comm.bcast_obj((problem, length) if is_master else None, root=rank_master)
         if problem:
@@ -44,10 +46,12 @@ class MultiNodeIterator:
     def __iter__(self) -> Iterator[Any]:
         """One epoch. Every rank must start it, and consume it, in step with the others."""
         comm, master = self.comm, self.rank_master
-        source = iter(self.loader) if comm.rank == master else None
+        source = None
         while True:
             if comm.rank == master:
                 try:
+                    if source is None:  # iter() may fail too (a DataLoader whose workers cannot start)
+                        source = iter(self.loader)
                     batch = next(source)
                     # Pickled here, so that a batch that cannot be pickled is reported like a
                     # failing loader. Tensors go to CPU: a GPU tensor would unpickle onto the
