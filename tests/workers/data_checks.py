@@ -366,6 +366,29 @@ def check_early_stopping(comm, tmp):
                 epoch = manager.iteration // 2 + 1
                 ppe.reporting.report({"val/loss": 10.0 * epoch if comm.rank == 0 else 1.0 - 0.01 * epoch})
     assert comm.allgather_obj(manager.epoch) == [3] * comm.size, manager.epoch
+    # Killed right after epoch 3's snapshot (its best value) and resumed: the run stops where an
+    # uninterrupted one does (epoch 5), and so does running the finished job again.
+    out = os.path.join(tmp, "es_resume")
+    losses = {1: 9.0, 2: 8.0, 3: 5.0, 4: 6.0, 5: 7.0, 6: 6.5, 7: 6.8}
+
+    def train(crash_after=None):
+        stop = MultiNodeEarlyStoppingTrigger(comm, monitor="val/loss", patience=2, max_trigger=(20, "epoch"))
+        manager = _manager(torch.nn.Linear(2, 2), 2, 20, out, stop_trigger=stop)
+        snap = multi_node_snapshot(comm, autoload=True)
+        manager.extend(snap, trigger=(1, "epoch"))
+        while not manager.stop_trigger:
+            with manager.run_iteration():
+                if manager.iteration % 2 == 1:  # each rank its own value; their mean is losses[epoch]
+                    epoch = manager.iteration // 2 + 1
+                    ppe.reporting.report({"val/loss": losses[epoch] + 0.1 * (2 * comm.rank - comm.size + 1)})
+            if manager.iteration == crash_after:
+                break
+        return snap.resumed_from, manager.epoch, stop.best
+    assert train(crash_after=6) == (None, 3, 8.0)
+    resumed, epoch, best = train()
+    assert (resumed, epoch) == (6, 5) and abs(best - 5.0) < 1e-9, (resumed, epoch, best)
+    resumed, epoch, best = train()
+    assert (resumed, epoch) == (10, 5) and abs(best - 5.0) < 1e-9, (resumed, epoch, best)
 
 
 def check_observation_aggregator(comm, tmp):

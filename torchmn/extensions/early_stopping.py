@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
+from typing import Any, Callable, Optional
 
 import torch
 from pytorch_pfn_extras.training.triggers import EarlyStoppingTrigger
@@ -38,6 +38,8 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
         self.comm = comm
         self._sum = 0.0
         self._count = 0
+        self._checked: Optional[int] = None  # the iteration of the last check
+        self._pending: Optional[dict] = None  # a check a snapshot was taken before (see state_dict)
 
     def __deepcopy__(self, memo: dict) -> "MultiNodeEarlyStoppingTrigger":
         # The manager keeps a deep copy of its stop trigger; the copy must share the communicator
@@ -50,13 +52,31 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
         return new
 
     def __call__(self, manager) -> bool:
-        observation = manager.observation
-        if self.monitor in observation:
-            self._sum += to_float(observation[self.monitor], self.monitor)
+        pending, self._pending = self._pending, None
+        self._checked = manager.iteration
+        if pending is not None and pending["iteration"] != manager.iteration:
+            # Resumed, and first called after the snapshot's iteration (ppe's manager keeps a second
+            # copy of its stop trigger, called at the end of each iteration): that check first.
+            if self._check(pending["value"], lambda: pending["max"], lambda: pending["interval"], manager):
+                return True
+            pending = None
+        if pending is not None:
+            value = pending["value"]  # what the snapshot saw: the resumed manager has no observation yet
+        else:
+            observed = manager.observation.get(self.monitor)
+            value = None if observed is None else to_float(observed, self.monitor)
+        return self._check(value, lambda: self._max_trigger(manager), lambda: self._interval_trigger(manager),
+                           manager)
+
+    def _check(self, value: Optional[float], max_fires: Callable[[], bool], fires: Callable[[], bool],
+               manager) -> bool:
+        """Add this iteration's observation; at the end of an interval, compare the ranks' mean."""
+        if value is not None:
+            self._sum += value
             self._count += 1
-        if self._max_trigger(manager):
+        if max_fires():
             return True
-        if not self._interval_trigger(manager):
+        if not fires():
             return False
         total = self.comm.allreduce(torch.tensor([self._sum, float(self._count)], dtype=torch.float64))
         self._sum, self._count = 0.0, 0
@@ -77,9 +97,32 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
             return True
         return False
 
-    def state_dict(self) -> dict:
-        return {"best": self.best, "count": self.count}
+    def state_dict(self, manager=None) -> dict:
+        """The best value, the patience used up, and this interval's observations so far.
+
+        ``manager``: what :func:`~torchmn.extensions.multi_node_snapshot` passes. A snapshot is
+        taken among an iteration's extensions, before this trigger checks that iteration; the
+        state then also holds that check (the observation, whether the intervals end there), which
+        the restored trigger makes first, so that a resumed run stops where an uninterrupted one
+        would.
+
+        Example::
+
+            >>> state = stop.state_dict()
+            >>> stop.load_state_dict(state)
+        """
+        state = {"best": self.best, "count": self.count, "sum": self._sum, "observed": self._count}
+        if manager is not None and self._checked != manager.iteration:
+            observed = manager.observation.get(self.monitor)
+            state["pending"] = {"iteration": manager.iteration,
+                                "value": None if observed is None else to_float(observed, self.monitor),
+                                "max": bool(self._max_trigger(manager)),
+                                "interval": bool(self._interval_trigger(manager))}
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         self.best = state["best"]
         self.count = state["count"]
+        self._sum = state.get("sum", 0.0)
+        self._count = state.get("observed", 0)
+        self._pending = state.get("pending")

@@ -94,18 +94,37 @@ def atomic_save(obj: Any, path: str, savefun: Callable[[Any, Any], None] = torch
         os.close(dir_fd)
 
 
+# The manager's state leaves out its stop triggers; an early-stopping trigger's goes in here.
+STOP_TRIGGERS = "torchmn_stop_triggers"
+
+
+def _stop_triggers(manager: Any) -> list:
+    """The early-stopping triggers a ppe manager holds: the user's, and the copy it keeps for
+    itself (both count observations)."""
+    from torchmn.extensions.early_stopping import MultiNodeEarlyStoppingTrigger
+
+    found = (getattr(manager, "_stop_trigger", None), getattr(manager, "_internal_stop_trigger", None))
+    return [t for t in found if isinstance(t, MultiNodeEarlyStoppingTrigger)]
+
+
 def _state_of(target: Any) -> Any:
     if type(target) is dict:
         return {k: v.state_dict() for k, v in target.items()}
-    return target.state_dict()
+    state = target.state_dict()
+    triggers = _stop_triggers(target)
+    if triggers:
+        state[STOP_TRIGGERS] = [t.state_dict(target) for t in triggers]
+    return state
 
 
 def _load_into(target: Any, state: Any) -> None:
     if type(target) is dict:
         for k, v in target.items():
             v.load_state_dict(state[k])
-    else:
-        target.load_state_dict(state)
+        return
+    target.load_state_dict(state)
+    for trigger, trigger_state in zip(_stop_triggers(target), state.get(STOP_TRIGGERS, ())):
+        trigger.load_state_dict(trigger_state)
 
 
 def _default_load(path: str) -> Any:
@@ -210,7 +229,9 @@ def multi_node_snapshot(comm, filename: str = DEFAULT_FILENAME, savefun: Callabl
     """A snapshot extension where every rank saves its own state, atomically.
 
     ``filename`` must contain ``{iteration}`` and ``{rank}``. ``target`` defaults to the
-    manager (models, optimizers, extension states, iteration). Files go to ``out_dir``, by
+    manager (models, optimizers, extension states, iteration, and the state of a
+    :class:`~torchmn.extensions.MultiNodeEarlyStoppingTrigger` it stops on, which ppe's own state
+    leaves out: a resumed run stops where an uninterrupted one would). Files go to ``out_dir``, by
     default the manager's output directory (ranks on different nodes may use local disks).
     ``savefun(obj, file)`` writes to an open binary file. ``n_retains > 0`` keeps only this
     rank's newest ``n_retains`` snapshots; keep at least 2, so that a crash while writing still
