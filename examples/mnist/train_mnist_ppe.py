@@ -56,7 +56,9 @@ def main():
     train, val = load_mnist(args.n_train, args.data_dir) if comm.rank == 0 else (None, None)
     train = torchmn.datasets.scatter_dataset(train, comm, shuffle=True, seed=args.seed)
     val = torchmn.datasets.scatter_dataset(val, comm, shuffle=True, seed=args.seed, force_equal_length=False)
-    train_loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True)
+    # BatchNorm cannot train on a last batch of one sample (a part of 101 in batches of 100, say).
+    train_loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True,
+                                               drop_last=args.batchnorm)
     val_loader = torch.utils.data.DataLoader(val, batch_size=args.batch_size)
 
     model = make_model(args.batchnorm)
