@@ -278,7 +278,9 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
     buckets while backward runs (``bucket_cap_mb``, default the communicator's), optionally as
     ``compression="fp16"``/``"bf16"``; ``backward_passes_per_step=k`` and ``optimizer.no_sync()``
     accumulate locally and communicate once; ``double_buffering=True`` updates with the previous
-    step's averages while the current ones are in flight (the first ``step()`` only sends).
+    step's averages while the current ones are in flight (the first ``step()`` only sends, and so
+    does the first after loading a checkpoint: the averages in flight are not part of
+    ``state_dict()``, so a resumed run makes one update fewer than an uninterrupted one).
 
     Example::
 
