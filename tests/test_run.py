@@ -179,6 +179,58 @@ def test_log_dir_gets_unprefixed_output(tmp_path):
         assert f"RANK={rank}\n" in text and not text.startswith("[")  # ...but logged
 
 
+LINES = "import sys\nfor i in range({n}): print('line', i, '{pad}')\n"
+
+
+def test_console_closed_early_neither_hangs_nor_cuts_the_logs(tmp_path):
+    """`torchmn run ... | head -2`: the job runs to its end and the log files stay whole."""
+    log_dir = tmp_path / "logs"
+    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "2", "--log-dir", str(log_dir),
+                                 sys.executable, "-c", LINES.format(n=100_000, pad='')],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    first = [launcher.stdout.readline() for _ in range(2)]
+    launcher.stdout.close()  # as head does after its lines
+    try:
+        err = launcher.stderr.read().decode()
+        assert launcher.wait(timeout=60) == 0, err
+    finally:
+        launcher.kill()
+    assert all(line.startswith((b"[0] line", b"[1] line")) for line in first), first
+    assert "BrokenPipe" not in err and "Traceback" not in err, err
+    for rank in (0, 1):
+        assert (log_dir / f"rank.{rank}.log").read_text().count("\n") == 100_000
+
+
+def test_slow_console_gets_every_line(tmp_path):
+    """A console slower than the ranks: the launcher waits for output that keeps coming. The
+    pipes hold some 9,000 of these lines, 4-5 s of this reader, after the rank has exited."""
+    reader = "import sys, time\nn = 0\nfor line in sys.stdin:\n    n += 1\n    time.sleep(0.0005)\nprint(n)\n"
+    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "1", "--log-dir",
+                                 str(tmp_path / "logs"), sys.executable, "-c", LINES.format(n=12000, pad='')],
+                                stdout=subprocess.PIPE)
+    try:
+        counted = subprocess.run([sys.executable, "-c", reader], stdin=launcher.stdout, capture_output=True,
+                                 text=True, timeout=TIMEOUT)
+        assert launcher.wait(timeout=TIMEOUT) == 0
+    finally:
+        launcher.kill()
+    assert counted.stdout.strip() == "12000", counted
+    assert (tmp_path / "logs" / "rank.0.log").read_text().count("\n") == 12000
+
+
+def test_log_file_that_cannot_be_written_starts_no_rank(tmp_path, capsys):
+    log_dir = tmp_path / "logs"
+    (log_dir / "rank.1.log").mkdir(parents=True)
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    code = main(["run", "-np", "2", "--log-dir", str(log_dir), sys.executable, "-c",
+                 f"import os, time; open(os.path.join({str(pid_dir)!r}, os.environ['RANK'] + '.pid'), 'w')"
+                 f".write(str(os.getpid())); time.sleep(60)"])
+    assert code == 2
+    assert "cannot write rank 1's log file" in capsys.readouterr().err
+    assert_all_gone(pids_in(pid_dir))
+
+
 def test_thread_budget_reaches_ranks_unless_user_set_it():
     result = torchmn_run("-np", "2", sys.executable, script("run_env.py"), env=clean_env())
     assert result.returncode == 0, result.stderr
@@ -193,6 +245,13 @@ def test_thread_budget_reaches_ranks_unless_user_set_it():
         env = rank_env(result.stdout, rank)
         assert env["OMP_NUM_THREADS"] == "3"
         assert env["TORCHMN_NUM_THREADS"] == env["MKL_NUM_THREADS"] == "<unset>"
+
+    # An empty OMP_NUM_THREADS (which OpenMP ignores: a thread per core) does not switch the budget off.
+    result = torchmn_run("-np", "2", sys.executable, script("run_env.py"), env=clean_env(OMP_NUM_THREADS=""))
+    assert result.returncode == 0, result.stderr
+    for rank in (0, 1):
+        env = rank_env(result.stdout, rank)
+        assert env["OMP_NUM_THREADS"] == env["TORCHMN_NUM_THREADS"] == expected
 
 
 @pytest.mark.parametrize("argv, message", [

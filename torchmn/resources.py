@@ -168,6 +168,12 @@ def _user_threads(env: Mapping[str, str]) -> Optional[int]:
     return _positive_int(env.get(TORCHMN_NUM_THREADS))
 
 
+def _set_by_user(env: Mapping[str, str], name: str) -> bool:
+    """Whether the user set ``name`` to a thread count; an empty or invalid value (which OpenMP
+    ignores, opening one thread per core) counts as unset, and torchmn replaces it."""
+    return _positive_int(env.get(name)) is not None
+
+
 def launcher_thread_env(local_size: int, env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
     """Variables a launcher adds to each of ``local_size`` ranks on a node so that every thread pool
     starts at the rank's budget. Variables the user already set are left out; when the user set
@@ -182,10 +188,10 @@ def launcher_thread_env(local_size: int, env: Optional[Mapping[str, str]] = None
         '4'
     """
     env = _environ(env)
-    if "OMP_NUM_THREADS" in env:
+    if _set_by_user(env, "OMP_NUM_THREADS"):
         return {}
     budget = _user_threads(env) or thread_budget(local_size, env)
-    added = {name: str(budget) for name in THREAD_VARIABLES if name not in env}
+    added = {name: str(budget) for name in THREAD_VARIABLES if not _set_by_user(env, name)}
     added[TORCHMN_NUM_THREADS] = str(budget)
     return added
 
@@ -231,7 +237,7 @@ def apply_thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None
         return _applied
     env = _environ(env)
     chosen = _user_threads(env)
-    if chosen is None and "OMP_NUM_THREADS" in env:
+    if chosen is None and _set_by_user(env, "OMP_NUM_THREADS"):
         return None
     threads = chosen or thread_budget(_ranks_sharing_cpus(local_size, env), env)
     if env is os.environ:

@@ -299,14 +299,30 @@ class _Console:
         # A bare "\r" (a progress bar clearing its line) only moves the cursor: no prefix for it.
         data = line if line == b"\r" else b"[%d] " % rank + line
         with self.lock:
-            binary = getattr(stream, "buffer", None)
-            if binary is not None:
-                stream.flush()
-                binary.write(data)
-                binary.flush()
-            else:
-                stream.write(data.decode("utf-8", "replace"))
-                stream.flush()
+            try:
+                binary = getattr(stream, "buffer", None)
+                if binary is not None:
+                    stream.flush()
+                    binary.write(data)
+                    binary.flush()
+                else:
+                    stream.write(data.decode("utf-8", "replace"))
+                    stream.flush()
+            except BrokenPipeError:
+                # The reader went away (`torchmn run ... | head`): the job goes on, and its log
+                # files stay whole, so the rest of this stream goes nowhere.
+                _discard(stream)
+
+
+def _discard(stream) -> None:
+    """Point ``stream``'s file descriptor at /dev/null (as Python's docs advise on SIGPIPE), so that
+    later writes, and the flush at exit, neither fail nor block."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, stream.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):
+        pass
 
     def message(self, text: str) -> None:
         with self.lock:
@@ -318,7 +334,7 @@ class _Console:
 class _Rank:
     """One started rank: its process, output readers, stderr tail and log file."""
 
-    def __init__(self, slot: Slot, process: subprocess.Popen, console: _Console, log_path: Optional[str],
+    def __init__(self, slot: Slot, process: subprocess.Popen, console: _Console, log: Optional[IO[bytes]],
                  is_remote: bool = False):
         self.slot = slot
         self.process = process
@@ -329,7 +345,8 @@ class _Rank:
         self.returncode: Optional[int] = None
         self.stopped_by_launcher = False
         self.tail: Deque[str] = collections.deque(maxlen=TAIL_LINES)
-        self.log = open(log_path, "wb") if log_path else None
+        self.log = log
+        self.last_output = time.monotonic()
         self.log_lock = threading.Lock()
         self.console = console
         self.readers = [
@@ -354,12 +371,18 @@ class _Rank:
                     self.log.write(line)
                     self.log.flush()
             self.console.write(self.slot.rank, line, is_stderr)
+            self.last_output = time.monotonic()
         pipe.close()
 
-    def finish_output(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+    def finish_output(self, idle: float) -> None:
+        """Wait for the rest of the rank's output, for as long as it keeps coming (a slow console
+        takes what it takes), but no longer than ``idle`` seconds without a line: a process the
+        rank left behind may hold its pipes open."""
         for reader in self.readers:
-            reader.join(max(0.0, deadline - time.monotonic()))
+            while reader.is_alive():
+                reader.join(max(0.05, self.last_output + idle - time.monotonic()))
+                if time.monotonic() - self.last_output >= idle:
+                    break
         if self.log is not None and not any(r.is_alive() for r in self.readers):
             self.log.close()
 
@@ -543,16 +566,24 @@ class Job:
             argv, env = self.ssh.argv(slot.host, line), self.base_env
         else:
             argv, env = self.command, self._env_for(slot, port)
+        # Opened first: a log that cannot be written must not leave a started rank behind.
+        try:
+            log = open(log_path, "wb") if log_path else None
+        except OSError as e:
+            raise RunError(f"cannot write rank {slot.rank}'s log file {log_path}: {e.strerror}. Choose another "
+                           f"--log-dir, or make that path a writable file.") from e
         try:
             # A remote rank's stdin stays open: closing it tells the watcher there to stop the rank.
             process = subprocess.Popen(argv, env=env,
                                        stdin=subprocess.PIPE if is_remote else subprocess.DEVNULL,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
         except OSError as e:
+            if log is not None:
+                log.close()
             code = 127 if e.errno == errno.ENOENT else 126
             raise RunError(f"rank {slot.rank} on host {slot.host} could not start {argv[0]!r}: "
                            f"{e.strerror}. Check the command and its permissions.", exit_code=code)
-        return _Rank(slot, process, self.console, log_path, is_remote=is_remote)
+        return _Rank(slot, process, self.console, log, is_remote=is_remote)
 
     def start(self) -> None:
         self._check_command()
@@ -743,7 +774,7 @@ class Job:
         # Also when every rank exited 0: stops anything they left running in the background.
         self._teardown(self.received_signal or signal.SIGTERM)
         for rank in self.ranks:
-            rank.finish_output(timeout=2.0)
+            rank.finish_output(idle=2.0)
         code = self._summarize()
         self._end_slurm_task()
         return code
