@@ -313,6 +313,16 @@ class _Console:
                 # files stay whole, so the rest of this stream goes nowhere.
                 _discard(stream)
 
+    def message(self, text: str) -> None:
+        with self.lock:
+            try:
+                sys.stdout.flush()
+                sys.stderr.write(text if text.endswith("\n") else text + "\n")
+                sys.stderr.flush()
+            except BrokenPipeError:
+                _discard(sys.stdout)
+                _discard(sys.stderr)
+
 
 def _discard(stream) -> None:
     """Point ``stream``'s file descriptor at /dev/null (as Python's docs advise on SIGPIPE), so that
@@ -323,12 +333,6 @@ def _discard(stream) -> None:
         os.close(devnull)
     except (OSError, ValueError):
         pass
-
-    def message(self, text: str) -> None:
-        with self.lock:
-            sys.stdout.flush()
-            sys.stderr.write(text if text.endswith("\n") else text + "\n")
-            sys.stderr.flush()
 
 
 class _Rank:
