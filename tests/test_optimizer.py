@@ -5,7 +5,8 @@ from jobs import WORKERS, run_job
 
 CHECKS = WORKERS / "optim_checks.py"
 ALL = ("equivalence", "compression", "double_buffering", "clipping", "unused_parameter", "unused_everywhere",
-       "refusals", "shared_memory_where_possible", "transparency")
+       "refusals", "shared_memory_where_possible", "transparency", "zero_fill_false",
+       "double_buffering_edge_cases", "half_precision_sums")
 
 
 @pytest.mark.parametrize("name,np", [("hierarchical", 2), ("hierarchical", 3), ("flat", 2), ("naive", 2),

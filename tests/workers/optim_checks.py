@@ -192,6 +192,72 @@ def check_unused_everywhere(comm):
     opt.remove_hooks()
 
 
+def check_zero_fill_false(comm):
+    """zero_fill=False with a gradient on some ranks only: every rank raises (updating on some ranks
+    only would make the models differ); the same pattern everywhere trains as usual."""
+    from torchmn.communicators.errors import CollectiveMismatchError
+    torch.manual_seed(0)
+    trunk, branch = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    opt = torchmn.create_multi_node_optimizer(
+        torch.optim.SGD(list(trunk.parameters()) + list(branch.parameters()), lr=0.1), comm, zero_fill=False)
+    opt.zero_grad()
+    trunk(torch.ones(1, 4)).sum().backward()  # branch unused everywhere: fine
+    opt.step()
+    assert branch.bias.grad is None
+    if comm.size == 1:
+        return
+    opt.zero_grad()
+
+    def uneven():
+        out = trunk(torch.ones(1, 4))
+        (branch(out) if comm.rank == 0 else out).sum().backward()
+        opt.step()
+    e = expect(CollectiveMismatchError, uneven)
+    assert "ranks only" in str(e) and "zero_fill=True" in str(e), e
+
+
+def check_double_buffering_edge_cases(comm):
+    """double_buffering=True: a parameter with no gradient in the step whose averages an update
+    uses is left alone (not updated with this step's own gradient), and a second backward() before
+    step() is refused instead of overwriting gradients in flight."""
+    torch.manual_seed(0)
+    trunk, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    opt = torchmn.create_multi_node_optimizer(
+        torch.optim.SGD(list(trunk.parameters()) + list(head.parameters()), lr=0.1), comm, double_buffering=True)
+    x = torch.full((1, 4), float(comm.rank + 1))  # a different batch on every rank
+    before = head.weight.detach().clone()
+    for step in range(2):
+        opt.zero_grad()
+        out = trunk(x)
+        (head(out) if step == 1 else out).sum().backward()
+        opt.step()
+    # Step 1 updated with step 0's averages, where the head had none.
+    assert torch.equal(head.weight, before), (head.weight - before).abs().max()
+    weights = comm.allgather(trunk.weight.detach().clone())
+    assert all(torch.equal(weights[0], w) for w in weights), "ranks differ"
+    opt.zero_grad()
+    trunk(x).sum().backward()
+    e = expect(RuntimeError, lambda: trunk(x).sum().backward())
+    assert "second backward() before step()" in str(e) and "no_sync" in str(e), e
+
+
+def check_half_precision_sums(comm):
+    """float16 gradients are divided before they are summed: a mean of 36864 from every rank does
+    not overflow float16 (65504) on the way, in the optimizer and in multi_node_mean_grad (36864 / 2,
+    / 3 and / 4 are exact in float16)."""
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.float16))
+    opt = torchmn.create_multi_node_optimizer(torch.optim.SGD([p], lr=1e-4), comm)
+    (p * 36864).sum().backward()
+    opt.step()
+    assert torch.equal(p.grad, torch.full((4,), 36864.0, dtype=torch.float16)), p.grad
+    opt.remove_hooks()
+    model = torch.nn.Linear(2, 2).half()
+    for q in model.parameters():
+        q.grad = torch.full_like(q, 36864)
+    comm.multi_node_mean_grad(model)
+    assert all(torch.equal(q.grad, torch.full_like(q, 36864)) for q in model.parameters())
+
+
 def check_refusals(comm):
     """Changes the gradient buckets cannot follow are refused with a message, never run wrongly."""
     # A parameter unfrozen after wrapping.

@@ -18,11 +18,21 @@ class FlatCommunicator(Communicator):
         pending = []
         for bucket in _buckets(tensors, self.bucket_cap_bytes):
             flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
-            pending.append((bucket, flat, self.allreduce_flat(flat, async_op=True)))
-        for bucket, flat, work in pending:
+            first = _divide_first(flat)
+            if first:  # half precision: a sum of several ranks' values could overflow
+                flat.div_(self.size)
+            pending.append((bucket, flat, first, self.allreduce_flat(flat, async_op=True)))
+        for bucket, flat, first, work in pending:
             work.wait()
-            flat.div_(self.size)
+            if not first:
+                flat.div_(self.size)
             offset = 0
             for t in bucket:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
+
+
+def _divide_first(t: torch.Tensor) -> bool:
+    """Whether a mean of ``t`` over ranks divides before the sum: in float16 and bfloat16, where
+    the sum of a few ranks' large values overflows (65504 is float16's largest)."""
+    return t.dtype in (torch.float16, torch.bfloat16)

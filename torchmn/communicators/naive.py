@@ -5,6 +5,7 @@ import torch
 import torch.distributed as dist
 
 from torchmn.communicators.communicator import Communicator
+from torchmn.communicators.flat import _divide_first
 
 
 class NaiveCommunicator(Communicator):
@@ -16,7 +17,12 @@ class NaiveCommunicator(Communicator):
     def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
         if self.size == 1:
             return
+        first = [_divide_first(t) for t in tensors]
+        for t, divide in zip(tensors, first):
+            if divide:
+                t.div_(self.size)
         works = [dist.all_reduce(t, group=self._group, async_op=True) for t in tensors]
-        for t, w in zip(tensors, works):
+        for t, w, divided in zip(tensors, works, first):
             w.wait()
-            t.div_(self.size)
+            if not divided:
+                t.div_(self.size)

@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from torchmn.communicators import Communicator
+from torchmn.communicators.errors import CollectiveMismatchError
 from torchmn.communicators.shm import sum_into
 from torchmn.optimizers.gradient_sync import (GradientSyncOptimizer, arena_layout, copy_scaled, make_buckets,
                                               region_view)
@@ -33,14 +34,17 @@ class _Bucket:
     ``None``, so the optimizer leaves it alone, as in one process.
     """
 
-    def __init__(self, params: list[torch.nn.Parameter], wire_dtype: Optional[torch.dtype], as_views: bool):
+    def __init__(self, params: list[torch.nn.Parameter], wire_dtype: Optional[torch.dtype], as_views: bool,
+                 size: int):
         self.params = params
+        self.size = size  # ranks
         self.data_numel = sum(p.numel() for p in params)
         self.numel = self.data_numel + len(params)  # the gradients, then the flags
         self.wire_dtype = wire_dtype or params[0].dtype
         self.as_views = as_views and self.wire_dtype == params[0].dtype
         self.ready: set[int] = set()
         self.work = None
+        self.prescaled = False  # divided by the rank count before the sum (half precision)
         self.had_grad: list[bool] = []
         self.buffer: Optional[torch.Tensor] = None
         self.views: list[torch.Tensor] = []
@@ -87,11 +91,18 @@ class _Bucket:
             self.buffer.copy_(result)
         elif post_scale is not None:
             self.buffer.mul_(post_scale)
-        # Where this rank had no gradient, whether some other rank had one (read only then).
-        elsewhere = self.flags.tolist() if not all(self.had_grad) else None
+        # Where this rank had no gradient, whether some other rank had one (read only then). With
+        # zero_fill=False every rank must have the same gradients: always read, to check.
+        elsewhere = self.flags.tolist() if not (zero_fill and all(self.had_grad)) else None
+        if not zero_fill:
+            self._check_same_gradients(elsewhere)
         for i, (p, had, view) in enumerate(zip(self.params, self.had_grad, self.views)):
             if not had and (not zero_fill or elsewhere[i] == 0):
-                continue  # zero_fill=False, or no rank has a gradient: .grad stays None
+                # No gradient to update with. With double buffering .grad holds this step's own,
+                # not yet averaged, gradient: it must not reach the update either.
+                if p.grad is not None:
+                    p.grad = None
+                continue
             if self.as_views:
                 if p.grad is not view:
                     p.grad = view
@@ -99,6 +110,22 @@ class _Bucket:
                 p.grad = view.to(p.dtype, copy=True)
             else:
                 p.grad.copy_(view)
+
+
+    def _check_same_gradients(self, flags: list[float]) -> None:
+        """zero_fill=False: raise on every rank (the flags are the same everywhere) where some ranks
+        had a parameter's gradient and others not; updating it on some ranks only would make the
+        ranks' models differ."""
+        # Each flag is the fraction of ranks that had the gradient (reduced and scaled with them);
+        # half a rank's share of slack covers float16/bfloat16 rounding.
+        slack = 0.5 / self.size
+        for p, flag in zip(self.params, flags):
+            if slack < flag < 1.0 - slack:
+                raise CollectiveMismatchError(
+                    f"create_multi_node_optimizer(zero_fill=False): a parameter of shape {tuple(p.shape)} has "
+                    f"a gradient on about {round(flag * self.size)} of {self.size} ranks only, so only those "
+                    f"would update it and the ranks' models would differ. Use zero_fill=True (the default: a "
+                    f"missing gradient counts as zeros), or give every rank the same parameters")
 
 
 _MANY = 8  # tensors in a bucket from which one fused copy beats a call per tensor
@@ -127,6 +154,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         self.double_buffering = double_buffering
         self.zero_fill = zero_fill
         self._first_step = True
+        self._step_sent = False     # double buffering: this step's gradients have gone out
         params = self._trainable()
         cap = comm.grad_bucket_cap_bytes if bucket_cap_mb is None else int(bucket_cap_mb * 1024 * 1024)
         # Double buffering keeps gradients out of buckets that may still be in flight.
@@ -136,7 +164,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             return a.dtype == b.dtype and a.device == b.device
 
         def build(run):
-            return _Bucket(run, self._wire_dtype, as_views)
+            return _Bucket(run, self._wire_dtype, as_views, comm.size)
         self._bucket_sets = [make_buckets(params, cap, build, same_bucket)]
         if double_buffering:
             self._bucket_sets.append(make_buckets(params, cap, build, same_bucket))
@@ -192,25 +220,33 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             # summed at the end of backward.
             bucket.pack(1.0 / self.comm.size)
             return
-        # Compressed gradients are divided before sending so float16 sums cannot overflow.
-        pre = 1.0 / self.comm.size if self._wire_dtype is not None else None
+        if self.double_buffering and self._step_sent:
+            raise RuntimeError(
+                f"{self._where_am_i()}: a second backward() before step() with double_buffering=True. Each "
+                f"backward's gradients go out when it ends and the next step() updates with them, so a "
+                f"second one would overwrite gradients still in flight. To accumulate gradients over several "
+                f"backward passes, use backward_passes_per_step=k or optimizer.no_sync()")
+        # Half-precision gradients (compressed, or the model's own) are divided before the sum, so
+        # that it cannot overflow.
+        bucket.prescaled = bucket.wire_dtype in (torch.float16, torch.bfloat16)
+        pre = 1.0 / self.comm.size if bucket.prescaled else None
         bucket.work = self.comm.allreduce_flat(bucket.pack(pre), async_op=True)
 
     def _all_sent(self) -> None:
         if self._arena is not None:
             self._reduce_in_shared_memory()
         elif self.double_buffering:
+            self._step_sent = True
             self._in_flight.append(self._current)
             self._current = 1 - self._current
         else:
             self._finish(self._current)
 
     def _finish(self, set_index: int) -> None:
-        post = None if self._wire_dtype is not None else 1.0 / self.comm.size
         for bucket in self._bucket_sets[set_index]:
             bucket.work.wait()
             bucket.work = None
-            bucket.unpack(post, self.zero_fill)
+            bucket.unpack(None if bucket.prescaled else 1.0 / self.comm.size, self.zero_fill)
             bucket.ready.clear()
 
     def step(self, closure=None):
@@ -219,6 +255,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         self._check_parameters_unchanged()
         self.synchronize()
         self._sent = False
+        self._step_sent = False
         if not self.double_buffering:
             return self._optimizer.step()
         # Double buffering (ChainerMN): update with the previous step's averages while this
