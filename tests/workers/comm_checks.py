@@ -105,6 +105,12 @@ def check_allgather_uneven(comm):
         assert [p.numel() for p in parts] == [2 * k for k in range(comm.size)]
     got = comm.scatter([torch.ones(k, 2) for k in range(comm.size)] if comm.rank == 0 else None)
     assert got.shape == (comm.rank, 2)
+    # alltoall with sizes that differ by sender and by receiver, also on a communicator whose rank
+    # order is the reverse of the process group's.
+    for c in (comm, comm.split(color=0, key=-comm.rank)):
+        got = c.alltoall([torch.full((c.rank + 1, j + 1), float(10 * c.rank + j)) for j in range(c.size)])
+        for k, g in enumerate(got):
+            assert torch.equal(g, torch.full((k + 1, c.rank + 1), float(10 * k + c.rank))), (k, g)
 
 
 def _model():

@@ -386,10 +386,15 @@ class Communicator(abc.ABC):
             return (xs[0],)
         # What rank r sends to me is described by header row [r, me].
         recv_metas = [_wire.meta(hdrs[r, self.rank].tolist()) for r in range(self.size)]
-        send = [_wire.as_bytes(t.to(self._data_device)) for t in xs]
-        recv = [torch.empty(_wire.nbytes(*m), dtype=torch.uint8, device=self._data_device) for m in recv_metas]
-        dist.all_to_all(self._group_order(recv), self._group_order(send), group=self._group)
-        return tuple(_wire.from_bytes(b, *m) for b, m in zip(recv, recv_metas))
+        # One buffer each way with per-rank splits: gloo's list all_to_all takes equal sizes only.
+        send = self._group_order([_wire.as_bytes(t.to(self._data_device)).reshape(-1) for t in xs])
+        recv_sizes = [_wire.nbytes(*m) for m in recv_metas]
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self._data_device)
+        dist.all_to_all_single(recv, torch.cat(send), output_split_sizes=self._group_order(recv_sizes),
+                               input_split_sizes=[b.numel() for b in send], group=self._group)
+        parts = dict(zip(self._group_order(list(range(self.size))),
+                         torch.split(recv, self._group_order(recv_sizes))))
+        return tuple(_wire.from_bytes(parts[r], *m) for r, m in enumerate(recv_metas))
 
     def allreduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """The elementwise reduction of every rank's ``x``, as a new tensor (``x`` is unchanged).
