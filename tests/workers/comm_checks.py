@@ -93,6 +93,19 @@ def check_arange(comm):
     for n in (1, 10, 1000, 100_003):
         got = comm.allreduce(torch.arange(n) + comm.rank)
         assert torch.equal(got, torch.arange(n) * comm.size + sum(range(comm.size))), n
+    # int16, which gloo cannot reduce, wrapping around as int16 does; complex "prod", which
+    # torch.distributed refuses, is refused on every rank before anything is sent.
+    x = torch.tensor([32000, -7, 3], dtype=torch.int16) + comm.rank
+    every = torch.stack([torch.tensor([32000, -7, 3], dtype=torch.int16) + r for r in range(comm.size)])
+    assert torch.equal(comm.allreduce(x), every.sum(0, dtype=torch.int16))
+    assert torch.equal(comm.allreduce(x, op="max"), every.max(0).values)
+    try:
+        comm.allreduce(torch.ones(2, dtype=torch.complex64), op="prod")
+    except ValueError as e:
+        assert "no 'prod' of complex" in str(e), e
+    else:
+        raise AssertionError("complex prod was not refused")
+    assert comm.allreduce_obj(1) == comm.size  # still in step
 
 
 def check_allgather_uneven(comm):

@@ -416,11 +416,22 @@ class Communicator(abc.ABC):
                             f"convert first (x.to(torch.int64), x.float()) and back")
         elif x.is_complex() and op in ("max", "min"):
             err = ValueError(f"allreduce: op {op!r} is undefined for complex tensors ({x.dtype})")
+        elif x.is_complex() and op == "prod":
+            # Decided here, on every rank alike: a failure inside the backend would reach only the
+            # ranks that call it (between nodes, not the others of each node).
+            err = ValueError(f"allreduce: torch.distributed has no 'prod' of complex tensors ({x.dtype}); "
+                             f"multiply the gathered tensors instead (torch.stack(comm.allgather(x)).prod(0))")
         self._agree("allreduce", op=None if err else op, x=None if err else x, error=err, same_shape=True)
         src = x.detach().to(self._data_device)
         if op == "mean" and src.dtype == torch.bool:
             src = src.to(torch.int64)  # a bool sum is a logical or: count the True values instead
-        out = self._allreduce_copy(src.contiguous(), "sum" if op == "mean" else op)
+        if src.dtype == torch.int16:
+            # gloo has no int16 reduction; int32 gives the same bits once cast back (two's complement
+            # wraps alike), except "mean", whose result is floating-point anyway.
+            wide = self._allreduce_copy(src.to(torch.int32).contiguous(), "sum" if op == "mean" else op)
+            out = wide if op == "mean" else wide.to(torch.int16)
+        else:
+            out = self._allreduce_copy(src.contiguous(), "sum" if op == "mean" else op)
         if op == "mean":
             out = out / self.size if not out.is_floating_point() and not out.is_complex() else out.div_(self.size)
         return out.to(x.device)
