@@ -11,6 +11,7 @@ import time
 import torch
 
 import torchmn
+from torchmn.communicators.errors import RemoteRankError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_runner import run_checks  # noqa: E402
@@ -216,6 +217,18 @@ def check_objects(comm):
     g = comm.gather_obj([r] * r, root=n - 1)
     assert (g == [[k] * k for k in range(n)]) if r == n - 1 else g is None
     assert comm.scatter_obj([f"to {k}" for k in range(n)] if r == 0 else None) == f"to {r}"
+    # Root passing the wrong number of objects: every rank raises at once, not at the timeout.
+    try:
+        comm.scatter_obj([1] * (n + 1) if r == 0 else None)
+        raise AssertionError("scatter_obj took n + 1 objects")
+    except (ValueError, RemoteRankError) as e:
+        assert isinstance(e, ValueError if r == 0 else RemoteRankError) and "objects (one per rank)" in str(e), e
+    if n > 1:  # an object root cannot pickle, for the last rank: that rank hears it, the others are served
+        try:
+            got = comm.scatter_obj(list(range(n - 1)) + [lambda: 0] if r == 0 else None)
+            assert r not in (0, n - 1) and got == r, (r, got)
+        except Exception as e:
+            assert r in (0, n - 1) and isinstance(e, RemoteRankError) == (r == n - 1), e
     assert comm.allreduce_obj(r) == sum(range(n))
     assert comm.allreduce_obj([r]) == list(range(n))
     if n > 1:

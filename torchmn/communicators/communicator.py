@@ -567,16 +567,29 @@ class Communicator(abc.ABC):
     def scatter_obj(self, objs: Optional[Sequence[Any]], root: int = 0) -> Any:
         """Rank ``i`` receives ``objs[i]`` from root; other ranks pass ``None``."""
         self._check_peer(root, "root")
-        if self.rank == root and (objs is None or len(objs) != self.size):
-            raise ValueError(f"scatter_obj: root must pass {self.size} objects (one per rank)")
-        if self.size == 1:
-            return objs[0]
-        if self.rank == root:
-            for r in range(self.size):
-                if r != root:
-                    self.send_obj(objs[r], r, tag=_KIND["scatter"])
-            return objs[root]
-        return self.recv_obj(root, tag=_KIND["scatter"])
+        if self.rank != root:
+            problem, obj = self.recv_obj(root, tag=_KIND["scatter"])
+            if problem is not None:
+                raise RemoteRankError(f"scatter_obj: root rank {root} failed: {problem} (raised on rank {self.rank})")
+            return obj
+        problem = None
+        if objs is None or len(objs) != self.size:
+            problem = ValueError(f"scatter_obj: root must pass {self.size} objects (one per rank), not "
+                                 f"{'None' if objs is None else len(objs)}")
+        for r in range(self.size):
+            if r == root:
+                continue
+            if problem is None:
+                try:
+                    self.send_obj((None, objs[r]), r, tag=_KIND["scatter"])
+                except Exception as e:  # could not pickle: send_obj has told rank r
+                    problem = e
+                continue
+            # Every rank still waiting hears why, instead of waiting until the timeout.
+            self.send_obj((f"{type(problem).__name__}: {problem}", None), r, tag=_KIND["scatter"])
+        if problem is not None:
+            raise problem
+        return objs[root]
 
     def allreduce_obj(self, obj: Any) -> Any:
         """The sum (by ``+``) of every rank's object, on every rank.
