@@ -218,6 +218,24 @@ def test_slow_console_gets_every_line(tmp_path):
     assert (tmp_path / "logs" / "rank.0.log").read_text().count("\n") == 12000
 
 
+def test_ranks_end_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL, which the launcher cannot forward (the OOM killer, a scheduler): the kernel ends the
+    ranks anyway."""
+    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "2", sys.executable, "-c",
+                                 f"import os, time; open(os.path.join({str(tmp_path)!r}, os.environ['RANK'] + "
+                                 f"'.pid'), 'w').write(str(os.getpid())); time.sleep(60)"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 30
+    while len(pids_in(tmp_path)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.2)  # the pid files are written: the ranks are up
+    pids = pids_in(tmp_path)
+    launcher.kill()
+    launcher.wait(timeout=10)
+    assert len(pids) == 2, pids
+    assert_all_gone(pids)
+
+
 def test_log_file_that_cannot_be_written_starts_no_rank(tmp_path, capsys):
     log_dir = tmp_path / "logs"
     (log_dir / "rank.1.log").mkdir(parents=True)

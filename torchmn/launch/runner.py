@@ -37,7 +37,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import IO, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import IO, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 from torchmn import resources
 from torchmn.launch import base, hosts as hostlib, remote
@@ -391,6 +391,27 @@ class _Rank:
             self.log.close()
 
 
+def _die_with_launcher() -> Optional[Callable[[], None]]:
+    """A ``preexec_fn`` that has the kernel send the rank SIGTERM when the launcher dies, even by
+    SIGKILL (which the launcher cannot forward), so that no rank outlives it; None where Linux's
+    ``prctl(PR_SET_PDEATHSIG)`` is not there. libc is looked up here, in the launcher: the child
+    only makes the one call, as little as possible between fork and exec."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    launcher = os.getpid()
+
+    def set_death_signal():
+        prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != launcher:  # the launcher died before the call: no signal would come
+            os._exit(1)
+    return set_death_signal
+
+
 def _close_stdin(process: subprocess.Popen) -> None:
     if process.stdin is not None:
         try:
@@ -445,6 +466,9 @@ class Job:
         # How long host checks may take, and remote ranks may take to start (local ones start at once).
         self.start_timeout = START_TIMEOUT if start_timeout is None else start_timeout
         self.verbose = verbose
+        # Ranks are started from this thread, whose end (PR_SET_PDEATHSIG counts threads) is the
+        # launcher's.
+        self._death_signal = _die_with_launcher()
         self.grace = grace
         self.base_env = dict(os.environ if env is None else env)
         self.host = socket.gethostname()
@@ -580,7 +604,8 @@ class Job:
             # A remote rank's stdin stays open: closing it tells the watcher there to stop the rank.
             process = subprocess.Popen(argv, env=env,
                                        stdin=subprocess.PIPE if is_remote else subprocess.DEVNULL,
-                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                       preexec_fn=self._death_signal)
         except OSError as e:
             if log is not None:
                 log.close()
