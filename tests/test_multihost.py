@@ -32,7 +32,9 @@ def test_hosts_option_forms():
     assert hostlib.parse_hosts("a, b:3, a") == [("a", 2), ("b", 3)]  # a bare host is 1 slot; repeats add up
     assert hostlib.parse_hosts("[fe80::1]:2,10.0.0.1") == [("fe80::1", 2), ("10.0.0.1", 1)]
     for bad, words in [("a:0", "at least 1"), ("a:x", "'x' is not an integer"), ("a,,b", "separated by commas"),
-                       ("", "separated by commas"), ("fe80::1:2", "brackets"), ("a b:2", "not a host")]:
+                       ("", "separated by commas"), ("fe80::1:2", "brackets"), ("a b:2", "not a host"),
+                       ("a:1_0", "'1_0' is not an integer"), ("a:+2", "'[+]2' is not an integer"),
+                       ("-oProxyCommand=x:1", "not a host")]:
         with pytest.raises(hostlib.HostsError, match=words):
             hostlib.parse_hosts(bad)
 
@@ -46,6 +48,12 @@ def test_hostfile_forms_and_errors_name_the_line(tmp_path):
         hostlib.parse_hostfile(str(path))
     with pytest.raises(hostlib.HostsError, match="line 1 .*slot count must be at least 1"):
         hostlib.parse_hostfile_text("a slots=0\n")
+    # Open MPI's spellings: spaces around "=", max-slots, an IPv6 address with slots=.
+    assert hostlib.parse_hostfile_text("n1 slots = 2\nn2 slots=2 max-slots=4\n[::1] slots=3\n") == \
+        [("n1", 2), ("n2", 2), ("::1", 3)]
+    for bad in ("n1 slots=1 slots=5\n", "n1:2 slots=3\n", "[::1]:2 slots=3\n"):
+        with pytest.raises(hostlib.HostsError, match="slots given twice"):
+            hostlib.parse_hostfile_text(bad)
     with pytest.raises(hostlib.HostsError, match="names no hosts"):
         hostlib.parse_hostfile_text("# nothing\n\n")
     with pytest.raises(hostlib.HostsError, match="cannot read --hostfile"):
@@ -74,13 +82,14 @@ def test_cli_errors_are_clear(tmp_path, capsys):
 
 
 def test_local_hosts_run_without_ssh(capsys):
-    # localhost and 127.0.0.1 are this machine: no ssh (the default ssh command would fail here).
+    # localhost and 127.0.0.1 are this machine: no ssh (the default ssh command would fail here),
+    # and one node, as in Open MPI (else each "node" would be given the whole machine's threads).
     code = "import os; print(os.environ['TORCHMN_NODE_RANK'], os.environ['TORCHMN_LOCAL_RANK'], os.environ['X'])"
     proc = subprocess.run([sys.executable, "-m", "torchmn", "run", "-np", "3", "-H", "localhost:2,127.0.0.1:1",
                            "-x", "X=forwarded", sys.executable, "-c", code],
                           capture_output=True, text=True, env=clean_env(), timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr
-    assert sorted(proc.stdout.splitlines()) == ["[0] 0 0 forwarded", "[1] 0 1 forwarded", "[2] 1 0 forwarded"]
+    assert sorted(proc.stdout.splitlines()) == ["[0] 0 0 forwarded", "[1] 0 1 forwarded", "[2] 0 2 forwarded"]
     assert hostlib.is_local(socket.gethostname()) and not hostlib.is_local("10.255.255.254")
 
 

@@ -20,7 +20,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 Hosts = List[Tuple[str, int]]
 
-_HOST_RE = re.compile(r"^[A-Za-z0-9_.\-]+$|^\[[0-9A-Fa-f:.]+\]$")
+# A name may not start with "-": it goes into ssh's command line, where it would read as an option.
+_HOST_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.\-]*$|^\[[0-9A-Fa-f:.]+\]$")
 _LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
 
 
@@ -29,10 +30,9 @@ class HostsError(ValueError):
 
 
 def _slots(text: str, where: str) -> int:
-    try:
-        slots = int(text)
-    except ValueError:
-        raise HostsError(f"{where}: slot count {text!r} is not an integer") from None
+    if not re.fullmatch(r"[0-9]+", text):  # int() would also take "1_0", "+2" and other scripts' digits
+        raise HostsError(f"{where}: slot count {text!r} is not an integer")
+    slots = int(text)
     if slots < 1:
         raise HostsError(f"{where}: slot count must be at least 1, got {slots}")
     return slots
@@ -92,7 +92,8 @@ def parse_hosts(text: str) -> Hosts:
 def parse_hostfile_text(text: str, name: str = "hostfile") -> Hosts:
     """Parse hostfile lines: ``host slots=N``, ``host:N`` or ``host``; ``#`` starts a comment.
 
-    Open MPI's ``max_slots=N`` is accepted and ignored. Errors name the file and the line.
+    Open MPI's ``max_slots=N`` (or ``max-slots=N``) is accepted and ignored, and ``slots = N`` with
+    spaces is read as ``slots=N``. Errors name the file and the line.
 
     Example::
 
@@ -101,19 +102,22 @@ def parse_hostfile_text(text: str, name: str = "hostfile") -> Hosts:
     """
     hosts: Hosts = []
     for number, raw in enumerate(text.splitlines(), start=1):
-        line = raw.split("#", 1)[0].strip()
+        # Open MPI's reader also takes "slots = 4".
+        line = re.sub(r"\s*=\s*", "=", raw.split("#", 1)[0].strip())
         if not line:
             continue
         where = f"{name} line {number} ({raw.strip()!r})"
         words = line.split()
         host, slots = _entry(words[0], where)
+        slots_given = ":" in (words[0].rpartition("]")[2] if words[0].startswith("[") else words[0])
         for word in words[1:]:
             key, sep, value = word.partition("=")
             if key == "slots" and sep:
-                if ":" in words[0]:
+                if slots_given:
                     raise HostsError(f"{where}: slots given twice; write 'host slots=N' or 'host:N'")
                 slots = _slots(value, where)
-            elif key == "max_slots" and sep:
+                slots_given = True
+            elif key in ("max_slots", "max-slots") and sep:
                 _slots(value, where)
             else:
                 raise HostsError(f"{where}: unexpected {word!r}; expected 'host slots=N', 'host:N' or 'host'")
@@ -155,6 +159,20 @@ def assign_ranks(hosts: Sequence[Tuple[str, int]], np: int) -> Hosts:
         placed.append((host, min(slots, left)))
         left -= placed[-1][1]
     return placed
+
+
+def merge_local_aliases(hosts: Sequence[Tuple[str, int]]) -> Hosts:
+    """One node for every name of this machine (``localhost``, ``127.0.0.1``, its hostname): under
+    the first such name given, with their slots added up, as Open MPI does. Otherwise ranks there
+    would count as separate nodes, each given the whole machine's threads and the same local rank.
+
+    Example::
+
+        >>> merge_local_aliases([("localhost", 1), ("127.0.0.1", 1)])
+        [('localhost', 2)]
+    """
+    local = next((h for h, _ in hosts if is_local(h)), None)
+    return merge([(local if h != local and is_local(h) else h, n) for h, n in hosts])
 
 
 def local_addresses() -> set:

@@ -476,7 +476,7 @@ class Job:
         self.network_interface = network_interface
         try:
             self.exports = remote.parse_exports(exports, self.base_env)
-            placement = hostlib.assign_ranks(hosts, np) if hosts else [(self.host, np)]
+            placement = hostlib.assign_ranks(hostlib.merge_local_aliases(hosts), np) if hosts else [(self.host, np)]
         except (hostlib.HostsError, remote.RemoteError) as e:
             raise RunError(str(e))
         self.remote_hosts = [h for h, _ in placement if hosts and not hostlib.is_local(h)]
