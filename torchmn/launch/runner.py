@@ -741,7 +741,8 @@ class Job:
             except queue.Empty:
                 break
         for rank in self.ranks:
-            if rank.returncode is None:
+            # An exit not queued yet may still have come before the stop (two ranks failing at once).
+            if rank.returncode is None and rank.process.poll() is None:
                 rank.stopped_by_launcher = True
             if rank.is_remote:
                 _close_stdin(rank.process)  # the watcher there stops the rank, then ssh exits
