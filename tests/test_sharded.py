@@ -11,7 +11,8 @@ ALL = ("equivalence", "accumulation", "overlap", "compression", "state_is_sharde
        "state_dict_format", "shared_memory_where_possible",
        "kernel_choice", "edited_gradients_refused", "clip_grad_norm", "parameters_used_through_cat",
        "skipped_step_is_named", "state_per_parameter", "odd_sizes", "state_replaced_mid_run",
-       "piecewise_update_is_exact", "clip_after_non_finite_step", "late_parameter")
+       "piecewise_update_is_exact", "clip_after_non_finite_step", "late_parameter",
+       "half_precision_sums")
 
 
 def _one_process(args):

@@ -402,6 +402,17 @@ def check_clip_after_non_finite_step(comm):
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-9), (got - ref).abs().max()
 
 
+def check_half_precision_sums(comm):
+    """float16 gradients are divided before they are summed: a mean of 36864 from every rank does
+    not overflow float16 (65504) on the way (36864 / 2, / 3 and / 4 are exact in float16)."""
+    p = torch.nn.Parameter(torch.zeros(6, dtype=torch.float16))
+    opt = torchmn.create_multi_node_optimizer(torch.optim.SGD([p], lr=1.0), comm, shard_state=True)
+    (p * 36864).sum().backward()
+    opt.step()
+    assert torch.equal(p.detach(), torch.full((6,), -36864.0, dtype=torch.float16)), p
+    opt.remove_hooks()
+
+
 def check_late_parameter(comm):
     """A parameter whose first gradient comes after the others already have state (a head unused
     in step 0), with SGD-momentum and Adam, against one process; and a plain torch SGD checkpoint

@@ -318,6 +318,8 @@ def _check_optimizer(optimizer) -> None:
                         f"{type(optimizer).__name__}: its update may need whole tensors; use shard_state=False")
 
 
+HALF = (torch.float16, torch.bfloat16)
+
 # Not hyperparameters but the choice of kernel; the shard optimizers keep their own (_build_inner).
 IMPLEMENTATION_FLAGS = ("fused", "foreach")
 
@@ -494,8 +496,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             # The last backward's, never taken by a step() (all ranks skipped it): it must be done
             # with the wire buffer before pack() rewrites it.
             bucket.reduce_work.wait()
-        # Compressed gradients are divided before sending so float16 sums cannot overflow.
-        pre = 1.0 / self.comm.size if self._wire_dtype is not None else None
+        # Half-precision gradients (compressed, or the model's own) are divided before the sum, so
+        # that it cannot overflow.
+        pre = 1.0 / self.comm.size if bucket.wire_dtype in HALF else None
         bucket.reduce_work = self.comm.reduce_scatter_flat(bucket.pack(pre), bucket.grad_shard, async_op=True)
         bucket.ready.clear()
 
@@ -654,9 +657,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     def _finish_reduce_scatter(self, b: _ShardBucket) -> None:
         b.reduce_work.wait()
         b.reduce_work = None
-        if self._wire_dtype is None:
+        if b.wire_dtype not in HALF:  # not divided before the sum
             b.grad_shard.mul_(1.0 / self.comm.size)
-        else:
+        if b.wire_dtype != b.dtype:
             b.shard_grad.copy_(b.grad_shard[:b.k])
         b.take_reduced()
 
