@@ -145,6 +145,19 @@ def test_grandchildren_are_stopped_too(tmp_path):
     assert_all_gone(pids)
 
 
+def test_process_detached_by_a_rank_that_exits_at_once_is_stopped(tmp_path):
+    """A daemon (a new session) started by a rank that ends before the launcher ever looks: it is
+    re-parented to the launcher, which stops it with the job."""
+    code = ("import os, subprocess, sys; p = subprocess.Popen([sys.executable, '-c', 'import time; "
+            "time.sleep(60)'], start_new_session=True); "
+            f"open(os.path.join({str(tmp_path)!r}, 'daemon' + os.environ['RANK'] + '.pid'), 'w').write(str(p.pid))")
+    result = torchmn_run("-np", "2", sys.executable, "-c", code)
+    assert result.returncode == 0, result.stderr
+    pids = pids_in(tmp_path)
+    assert set(pids) == {"daemon0.pid", "daemon1.pid"}, pids
+    assert_all_gone(pids)
+
+
 def test_sigint_is_forwarded_and_exits_130(tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "2", sys.executable,
                                  script("run_misbehave.py"), "sleep", str(tmp_path), "-1"],

@@ -412,6 +412,22 @@ def _die_with_launcher() -> Optional[Callable[[], None]]:
     return set_death_signal
 
 
+# Set in every local rank's environment, and so in every process it starts: which job they belong to.
+JOB_ID = "TORCHMN_JOB_ID"
+
+
+def _become_subreaper() -> bool:
+    """Make this process the one that orphaned descendants are re-parented to (Linux's
+    ``PR_SET_CHILD_SUBREAPER``), instead of init; False where that is not available."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
 def _close_stdin(process: subprocess.Popen) -> None:
     if process.stdin is not None:
         try:
@@ -501,6 +517,8 @@ class Job:
         self.first_failure: Optional[_Rank] = None
         self.received_signal: Optional[int] = None
         self.descendants: Dict[int, object] = {}
+        self.job_id = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
+        self.adopts_orphans = False
         self.store = None
 
     # -- starting ---------------------------------------------------------------------------------
@@ -534,6 +552,7 @@ class Job:
         env.update(resources.launcher_thread_env(slot.local_size, env))
         env.update(rank_env(slot, self.master_addr, port))
         env["PYTHONUNBUFFERED"] = "1"
+        env[JOB_ID] = self.job_id  # inherited by whatever the rank starts: see _remember_descendants
         if self.remote_hosts and "GLOO_SOCKET_IFNAME" not in env:
             # gloo would otherwise pick the address of this machine's hostname, often 127.0.1.1.
             interface = hostlib.interface_of(self.master_addr)
@@ -616,6 +635,9 @@ class Job:
 
     def start(self) -> None:
         self._check_command()
+        # Processes a rank detached (setsid, a daemon) and left behind when it exited come to the
+        # launcher instead of init, so that teardown finds them however fast their rank ended.
+        self.adopts_orphans = _become_subreaper()
         if self.log_dir is not None:
             _prepare_log_dir(self.log_dir)
         if self.slurm is not None:
@@ -709,6 +731,18 @@ class Job:
                 continue
             for child in children:
                 self.descendants.setdefault(child.pid, child)
+        if self.adopts_orphans:
+            ranks = {rank.process.pid for rank in self.ranks}
+            try:
+                adopted = [c for c in psutil.Process().children() if c.pid not in ranks and c.pid not in self.descendants]
+            except psutil.Error:
+                adopted = []
+            for child in adopted:
+                try:  # only this job's: the launcher may run inside a process with children of its own
+                    if child.environ().get(JOB_ID) == self.job_id:
+                        self.descendants[child.pid] = child
+                except psutil.Error:
+                    continue
 
     def _kill_descendants(self) -> None:
         import psutil
