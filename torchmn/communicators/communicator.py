@@ -29,6 +29,12 @@ _OPS = {
 }
 _OP_CODES = {name: i for i, name in enumerate(_OPS)}
 
+
+def divide_before_sum(dtype: torch.dtype) -> bool:
+    """Whether a mean over ranks divides before the sum rather than after: in float16 and bfloat16,
+    where the sum of a few ranks' large values overflows (65504 is float16's largest)."""
+    return dtype in (torch.float16, torch.bfloat16)
+
 # Collective kinds, as they travel in headers. INVALID marks a rank whose own arguments were bad:
 # it still takes part in the header exchange, so the others fail with it instead of hanging.
 _KINDS = ("invalid", "bcast", "gather", "allgather", "scatter", "alltoall", "allreduce", "allgather_obj")
@@ -425,13 +431,13 @@ class Communicator(abc.ABC):
         src = x.detach().to(self._data_device)
         if op == "mean" and src.dtype == torch.bool:
             src = src.to(torch.int64)  # a bool sum is a logical or: count the True values instead
-        if src.dtype == torch.int16:
-            # gloo has no int16 reduction; int32 gives the same bits once cast back (two's complement
-            # wraps alike), except "mean", whose result is floating-point anyway.
-            wide = self._allreduce_copy(src.to(torch.int32).contiguous(), "sum" if op == "mean" else op)
-            out = wide if op == "mean" else wide.to(torch.int16)
-        else:
-            out = self._allreduce_copy(src.contiguous(), "sum" if op == "mean" else op)
+        # gloo has no int16 reduction; int32 gives the same bits once cast back (two's complement
+        # wraps alike), except "mean", whose result is floating-point anyway.
+        widen = src.dtype == torch.int16
+        out = self._allreduce_copy((src.to(torch.int32) if widen else src).contiguous(),
+                                   "sum" if op == "mean" else op)
+        if widen and op != "mean":
+            out = out.to(torch.int16)
         if op == "mean":
             out = out / self.size if not out.is_floating_point() and not out.is_complex() else out.div_(self.size)
         return out.to(x.device)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from torchmn.communicators.communicator import Communicator, _buckets
+from torchmn.communicators.communicator import Communicator, _buckets, divide_before_sum
 
 
 class FlatCommunicator(Communicator):
@@ -18,7 +18,7 @@ class FlatCommunicator(Communicator):
         pending = []
         for bucket in _buckets(tensors, self.bucket_cap_bytes):
             flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
-            first = _divide_first(flat)
+            first = divide_before_sum(flat.dtype)
             if first:  # half precision: a sum of several ranks' values could overflow
                 flat.div_(self.size)
             pending.append((bucket, flat, first, self.allreduce_flat(flat, async_op=True)))
@@ -30,9 +30,3 @@ class FlatCommunicator(Communicator):
             for t in bucket:
                 t.copy_(flat[offset:offset + t.numel()].view_as(t))
                 offset += t.numel()
-
-
-def _divide_first(t: torch.Tensor) -> bool:
-    """Whether a mean of ``t`` over ranks divides before the sum: in float16 and bfloat16, where
-    the sum of a few ranks' large values overflows (65504 is float16's largest)."""
-    return t.dtype in (torch.float16, torch.bfloat16)

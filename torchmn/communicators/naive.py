@@ -4,8 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from torchmn.communicators.communicator import Communicator
-from torchmn.communicators.flat import _divide_first
+from torchmn.communicators.communicator import Communicator, divide_before_sum
 
 
 class NaiveCommunicator(Communicator):
@@ -17,7 +16,7 @@ class NaiveCommunicator(Communicator):
     def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
         if self.size == 1:
             return
-        first = [_divide_first(t) for t in tensors]
+        first = [divide_before_sum(t.dtype) for t in tensors]
         for t, divide in zip(tensors, first):
             if divide:
                 t.div_(self.size)

@@ -171,8 +171,9 @@ def merge_local_aliases(hosts: Sequence[Tuple[str, int]]) -> Hosts:
         >>> merge_local_aliases([("localhost", 1), ("127.0.0.1", 1)])
         [('localhost', 2)]
     """
-    local = next((h for h, _ in hosts if is_local(h)), None)
-    return merge([(local if h != local and is_local(h) else h, n) for h, n in hosts])
+    here = [is_local(h) for h, _ in hosts]  # each name looked up once: it may ask DNS
+    local = next((h for (h, _), mine in zip(hosts, here) if mine), None)
+    return merge([(local if mine else h, n) for (h, n), mine in zip(hosts, here)])
 
 
 def local_addresses() -> set:

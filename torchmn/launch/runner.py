@@ -391,17 +391,24 @@ class _Rank:
             self.log.close()
 
 
+def _prctl() -> Optional[Callable[..., int]]:
+    """Linux's ``prctl`` from libc, or None elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
 def _die_with_launcher() -> Optional[Callable[[], None]]:
     """A ``preexec_fn`` that has the kernel send the rank SIGTERM when the launcher dies, even by
     SIGKILL (which the launcher cannot forward), so that no rank outlives it; None where Linux's
     ``prctl(PR_SET_PDEATHSIG)`` is not there. libc is looked up here, in the launcher: the child
     only makes the one call, as little as possible between fork and exec."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
+    prctl = _prctl()
+    if prctl is None:
         return None
     launcher = os.getpid()
 
@@ -419,13 +426,8 @@ JOB_ID = "TORCHMN_JOB_ID"
 def _become_subreaper() -> bool:
     """Make this process the one that orphaned descendants are re-parented to (Linux's
     ``PR_SET_CHILD_SUBREAPER``), instead of init; False where that is not available."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):
-        return False
+    prctl = _prctl()
+    return prctl is not None and prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
 
 
 def _close_stdin(process: subprocess.Popen) -> None:

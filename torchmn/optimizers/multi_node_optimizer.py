@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from torchmn.communicators import Communicator
+from torchmn.communicators.communicator import divide_before_sum
 from torchmn.communicators.errors import CollectiveMismatchError
 from torchmn.communicators.shm import sum_into
 from torchmn.optimizers.gradient_sync import (GradientSyncOptimizer, arena_layout, copy_scaled, make_buckets,
@@ -44,7 +45,6 @@ class _Bucket:
         self.as_views = as_views and self.wire_dtype == params[0].dtype
         self.ready: set[int] = set()
         self.work = None
-        self.prescaled = False  # divided by the rank count before the sum (half precision)
         self.had_grad: list[bool] = []
         self.buffer: Optional[torch.Tensor] = None
         self.views: list[torch.Tensor] = []
@@ -110,7 +110,6 @@ class _Bucket:
                 p.grad = view.to(p.dtype, copy=True)
             else:
                 p.grad.copy_(view)
-
 
     def _check_same_gradients(self, flags: list[float]) -> None:
         """zero_fill=False: raise on every rank (the flags are the same everywhere) where some ranks
@@ -228,8 +227,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
                 f"backward passes, use backward_passes_per_step=k or optimizer.no_sync()")
         # Half-precision gradients (compressed, or the model's own) are divided before the sum, so
         # that it cannot overflow.
-        bucket.prescaled = bucket.wire_dtype in (torch.float16, torch.bfloat16)
-        pre = 1.0 / self.comm.size if bucket.prescaled else None
+        pre = 1.0 / self.comm.size if divide_before_sum(bucket.wire_dtype) else None
         bucket.work = self.comm.allreduce_flat(bucket.pack(pre), async_op=True)
 
     def _all_sent(self) -> None:
@@ -246,7 +244,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         for bucket in self._bucket_sets[set_index]:
             bucket.work.wait()
             bucket.work = None
-            bucket.unpack(None if bucket.prescaled else 1.0 / self.comm.size, self.zero_fill)
+            bucket.unpack(None if divide_before_sum(bucket.wire_dtype) else 1.0 / self.comm.size, self.zero_fill)
             bucket.ready.clear()
 
     def step(self, closure=None):

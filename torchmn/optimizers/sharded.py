@@ -42,6 +42,7 @@ from typing import Optional
 import torch
 
 from torchmn.communicators import Communicator
+from torchmn.communicators.communicator import divide_before_sum
 from torchmn.communicators.shm import STEP_AFTER_SENDS
 from torchmn.optimizers import fused_adam
 from torchmn.optimizers.gradient_sync import (GradientSyncOptimizer, arena_layout, copy_scaled, make_buckets,
@@ -318,8 +319,6 @@ def _check_optimizer(optimizer) -> None:
                         f"{type(optimizer).__name__}: its update may need whole tensors; use shard_state=False")
 
 
-HALF = (torch.float16, torch.bfloat16)
-
 # Not hyperparameters but the choice of kernel; the shard optimizers keep their own (_build_inner).
 IMPLEMENTATION_FLAGS = ("fused", "foreach")
 
@@ -498,7 +497,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             bucket.reduce_work.wait()
         # Half-precision gradients (compressed, or the model's own) are divided before the sum, so
         # that it cannot overflow.
-        pre = 1.0 / self.comm.size if bucket.wire_dtype in HALF else None
+        pre = 1.0 / self.comm.size if divide_before_sum(bucket.wire_dtype) else None
         bucket.reduce_work = self.comm.reduce_scatter_flat(bucket.pack(pre), bucket.grad_shard, async_op=True)
         bucket.ready.clear()
 
@@ -657,7 +656,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     def _finish_reduce_scatter(self, b: _ShardBucket) -> None:
         b.reduce_work.wait()
         b.reduce_work = None
-        if b.wire_dtype not in HALF:  # not divided before the sum
+        if not divide_before_sum(b.wire_dtype):
             b.grad_shard.mul_(1.0 / self.comm.size)
         if b.wire_dtype != b.dtype:
             b.shard_grad.copy_(b.grad_shard[:b.k])
