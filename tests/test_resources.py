@@ -20,11 +20,12 @@ def cpus(monkeypatch):
 
 def test_available_is_the_tightest_limit(cpus):
     cpus(16)
+    task = {"SLURM_STEP_ID": "0"}
     assert resources.cpu_count_available({}) == 16
-    assert resources.cpu_count_available({"SLURM_CPUS_PER_TASK": "6"}) == 6
-    assert resources.cpu_count_available({"SLURM_CPUS_PER_TASK": "junk"}) == 16
+    assert resources.cpu_count_available({**task, "SLURM_CPUS_PER_TASK": "6"}) == 6
+    assert resources.cpu_count_available({**task, "SLURM_CPUS_PER_TASK": "junk"}) == 16
     cpus(16, quota=3)
-    assert resources.cpu_count_available({"SLURM_CPUS_PER_TASK": "6"}) == 3
+    assert resources.cpu_count_available({**task, "SLURM_CPUS_PER_TASK": "6"}) == 3
 
 
 @pytest.mark.parametrize("n, local_size, expected", [(16, 1, 16), (16, 4, 4), (16, 3, 5), (2, 4, 1), (1, 1, 1)])
@@ -61,6 +62,7 @@ def test_srun_tasks_keep_their_own_cpus(cpus):
     # torchmn run inside a batch script: its ranks share the script's CPUs.
     assert resources._ranks_sharing_cpus(4, {**srun, "TORCHMN_RANK": "1"}) == 4
     assert resources._ranks_sharing_cpus(4, {"SLURM_CPUS_PER_TASK": "4"}) == 4
+    assert resources._ranks_sharing_cpus(4, {**srun, "SLURM_STEP_ID": "batch"}) == 4
 
 
 def test_dataloader_workers_leave_one_cpu_for_the_rank(cpus):
@@ -85,16 +87,53 @@ def test_cgroup_v1_quota(tmp_path):
     (tmp_path / "cpu").mkdir()
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")
     (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    assert resources._cgroup_cpu_limit(root=str(tmp_path), proc_cgroup=str(tmp_path / "none")) == 2
+    proc = tmp_path / "cgroup"
+    proc.write_text("5:memory:/\n4:cpu,cpuacct:/\n")
+    assert resources._cgroup_cpu_limit(root=str(tmp_path), proc_cgroup=str(proc)) == 2
+
+
+def test_cgroup_v1_quota_of_own_cgroup_and_parents(tmp_path):
+    """A quota on the process's own v1 cgroup (docker, systemd slices), not only on the root."""
+    mount = tmp_path / "cpu,cpuacct"
+    (mount / "job" / "step").mkdir(parents=True)
+    for directory, quota in ((mount, "-1"), (mount / "job", "100000"), (mount / "job" / "step", "-1")):
+        (directory / "cpu.cfs_quota_us").write_text(quota + "\n")
+        (directory / "cpu.cfs_period_us").write_text("100000\n")
+    proc = tmp_path / "cgroup"
+    proc.write_text("7:pids:/job/step\n4:cpu,cpuacct:/job/step\n")
+    assert resources._cgroup_cpu_limit(root=str(tmp_path), proc_cgroup=str(proc)) == 1
+    (mount / "job" / "cpu.cfs_quota_us").write_text("-1\n")
+    assert resources._cgroup_cpu_limit(root=str(tmp_path), proc_cgroup=str(proc)) is None
+
+
+def test_slurm_cpus_per_task_counts_per_task(cpus):
+    """--cpus-per-task is what each srun task has; a batch script, and the ranks a launcher starts
+    inside it, share the job's CPUs on the node."""
+    cpus(8)
+    batch = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4", "SLURM_CPUS_PER_TASK": "2", "SLURM_CPUS_ON_NODE": "8"}
+    # `sbatch --ntasks-per-node 4 -c 2` running `torchmn run -np 4`: 8 CPUs for 4 ranks.
+    assert resources.cpu_count_available(batch) == 8
+    assert resources.launcher_thread_env(4, batch)["OMP_NUM_THREADS"] == "2"
+    assert resources.cpu_count_available({**batch, "SLURM_STEP_ID": "4294967291"}) == 8  # the batch step's id
+    # The same, run by mpirun (whose ranks may carry the step id of its srun-started daemons).
+    mpi = {**batch, "SLURM_STEP_ID": "0", "OMPI_COMM_WORLD_RANK": "1"}
+    assert resources.thread_budget(resources._ranks_sharing_cpus(4, mpi), mpi) == 2
+    # `srun -n 4 -c 2 python train.py`: each task its own 2 CPUs.
+    task = {**batch, "SLURM_STEP_ID": "0"}
+    assert resources.cpu_count_available(task) == 2 and resources._ranks_sharing_cpus(4, task) == 1
+    cpus(8, quota=3)
+    assert resources.cpu_count_available(batch) == 3
 
 
 APPLY = """
-import json, os, torch
+import json, os, numpy, torch
+from threadpoolctl import threadpool_info
 from torchmn import resources
 first = resources.apply_thread_budget(2)
 second = resources.apply_thread_budget(2)
 print(json.dumps({"first": first, "second": second, "torch": torch.get_num_threads(),
-                  "omp": os.environ.get("OMP_NUM_THREADS"), "mkl": os.environ.get("MKL_NUM_THREADS")}))
+                  "omp": os.environ.get("OMP_NUM_THREADS"), "mkl": os.environ.get("MKL_NUM_THREADS"),
+                  "pools": {i["internal_api"]: i["num_threads"] for i in threadpool_info()}}))
 """
 
 
@@ -109,8 +148,10 @@ def apply_in_subprocess(**extra):
 def test_apply_thread_budget_in_a_rank():
     expected = max(1, resources.cpu_count_available() // 2)
     got = apply_in_subprocess()
+    pools = got.pop("pools")
     assert got == {"first": expected, "second": expected, "torch": expected,
                    "omp": str(expected), "mkl": str(expected)}
+    assert pools and set(pools.values()) == {expected}, pools
 
 
 def test_apply_thread_budget_honours_the_user():
@@ -119,3 +160,20 @@ def test_apply_thread_budget_honours_the_user():
     assert got["first"] is got["second"] is None and got["omp"] == "3" and got["mkl"] is None
     got = apply_in_subprocess(TORCHMN_NUM_THREADS="1")
     assert got["first"] == got["second"] == got["torch"] == 1 and got["omp"] == "1"
+
+
+def test_apply_thread_budget_user_omp_wins_over_torchmn_num_threads():
+    """OMP_NUM_THREADS set by the user wins, as documented and as `torchmn run -v` reports."""
+    got = apply_in_subprocess(OMP_NUM_THREADS="2", TORCHMN_NUM_THREADS="1")
+    assert got["first"] is None and got["omp"] == "2" and got["torch"] == min(2, os.cpu_count()), got
+    # What torchmn run puts in a rank's environment: both the same, applied.
+    got = apply_in_subprocess(OMP_NUM_THREADS="1", TORCHMN_NUM_THREADS="1")
+    assert got["first"] == got["torch"] == 1, got
+
+
+def test_apply_thread_budget_leaves_a_users_blas_threads():
+    """A pool whose variable the user set keeps that count; the others get the budget."""
+    if os.cpu_count() < 2:
+        pytest.skip("needs 2 CPUs to tell 2 threads from the budget of 1")
+    got = apply_in_subprocess(OPENBLAS_NUM_THREADS="2", TORCHMN_NUM_THREADS="1")
+    assert got["pools"].get("openblas") == 2 and got["pools"].get("openmp") == 1, got

@@ -62,6 +62,10 @@ def slurm(tmp_path_factory):
     cluster.stop()
 
 
+# What cpu_count_available sees in a task of `srun -c 2`.
+SRUN_TASK_WITH_2_CPUS = {"SLURM_STEP_ID": "0", "SLURM_CPUS_PER_TASK": "2"}
+
+
 def job_env(**extra):
     """Jobs find this interpreter as `python` (the sbatch templates call `python`)."""
     path = os.path.dirname(PY) + os.pathsep + os.environ.get("PATH", "")
@@ -136,7 +140,7 @@ def test_srun_one_node_task_per_rank(slurm):
     rows = probes(out)
     assert sorted(rows) == [0, 1], out
     # Each task owns its --cpus-per-task CPUs: the budget is not divided again by the ranks.
-    threads = resources.cpu_count_available({"SLURM_CPUS_PER_TASK": "2"})
+    threads = resources.cpu_count_available(SRUN_TASK_WITH_2_CPUS)
     for row in rows.values():
         assert (row["source"], row["addr"], row["port"], row["node"]) == ("slurm", "n1", str(port), "0"), row
         assert int(row["threads"]) == threads, (row, threads)
@@ -176,7 +180,7 @@ def test_torchmn_run_inside_srun(slurm):
     rows = probes(out)
     assert sorted(rows) == [0, 1], out
     # torchmn run splits the task's 2 CPUs between its 2 ranks.
-    threads = max(1, resources.cpu_count_available({"SLURM_CPUS_PER_TASK": "2"}) // 2)
+    threads = max(1, resources.cpu_count_available(SRUN_TASK_WITH_2_CPUS) // 2)
     for row in rows.values():
         assert (row["source"], row["addr"]) == ("torchmn", "127.0.0.1"), row
         assert int(row["threads"]) == threads, (row, threads)
@@ -198,7 +202,7 @@ def test_torchmn_run_one_task_per_node(slurm):
     # Output lines carry the global rank, whichever node printed them.
     assert all(re.search(rf"^\[{r}\] PROBE rank={r} ", out, re.M) for r in range(4)), out
     job, step = int(rows[0]["job"]), int(rows[0]["step"])
-    threads = max(1, resources.cpu_count_available({"SLURM_CPUS_PER_TASK": "2"}) // 2)
+    threads = max(1, resources.cpu_count_available(SRUN_TASK_WITH_2_CPUS) // 2)
     for row in rows.values():
         assert (row["source"], row["addr"]) == ("torchmn", "n1"), row
         assert int(row["port"]) == slurm_port(job, step), row
@@ -259,6 +263,20 @@ def test_sbatch_mnist(slurm, tmp_path, template):
     assert [e["epoch"] for e in entries] == [1, 2], entries
     assert entries[-1]["validation/main/accuracy"] > 0.5, entries  # chance is 0.1
     assert "epoch   2" in output, output
+
+
+def test_torchmn_run_in_a_batch_script_shares_the_nodes_cpus(slurm, tmp_path):
+    """`sbatch -n 2 -c 1` running `torchmn run -np 1`: the batch script may use the job's CPUs on
+    the node (2), not one task's --cpus-per-task (1)."""
+    script, out_file = tmp_path / "batch.sbatch", tmp_path / "batch.out"
+    script.write_text("#!/bin/bash\n"
+                      f"{PY} -m torchmn run -np 1 {PY} -c 'import torch; print(\"THREADS\", torch.get_num_threads())'\n")
+    job = submit(slurm, ["-N", "1", "-n", "2", "-c", "1", "-o", str(out_file), str(script)], cwd=tmp_path)
+    state, exit_code = wait_done(slurm, job, out_file, timeout=60)
+    output = read(out_file)
+    assert (state, exit_code) == ("COMPLETED", "0:0"), f"{state} {exit_code}\n{output}"
+    expected = resources.cpu_count_available({"SLURM_JOB_ID": job, "SLURM_CPUS_ON_NODE": "2"})
+    assert f"THREADS {expected}" in output, (expected, output)
 
 
 def test_sbatch_without_srun_is_a_clear_error(slurm, tmp_path):

@@ -12,14 +12,14 @@ Two entry points:
 - ``apply_thread_budget`` is called inside a rank (by the communicator) when no torchmn launcher set
   the environment (srun, mpirun, torchrun): it applies the budget to libraries already loaded.
 
-A user's own ``OMP_NUM_THREADS`` always wins; ``TORCHMN_NUM_THREADS`` chooses torchmn's budget
-explicitly.
+A user's own ``OMP_NUM_THREADS`` always wins, over ``TORCHMN_NUM_THREADS`` too (which chooses
+torchmn's budget explicitly where the user left ``OMP_NUM_THREADS`` alone).
 """
 from __future__ import annotations
 
 import math
 import os
-from typing import Dict, Mapping, Optional
+from typing import Callable, Dict, Mapping, Optional
 
 TORCHMN_NUM_THREADS = "TORCHMN_NUM_THREADS"
 
@@ -33,10 +33,10 @@ THREAD_VARIABLES = (
     "NUMEXPR_NUM_THREADS",
 )
 
-# Variables only srun sets for the tasks of a job step (sbatch's batch script has none of them), and
-# variables of launchers that may run inside a Slurm allocation and start their own ranks.
-_SLURM_STEP_VARIABLES = ("SLURM_STEP_ID", "SLURM_STEPID", "SLURM_STEP_NUM_TASKS")
+# Variables of launchers that may run inside a Slurm allocation and start their own ranks.
 _OTHER_LAUNCHER_VARIABLES = ("TORCHMN_RANK", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+# Which thread-count variable each thread pool that threadpoolctl finds reads at load time.
+_POOL_VARIABLES = {"openmp": "OMP_NUM_THREADS", "mkl": "MKL_NUM_THREADS", "openblas": "OPENBLAS_NUM_THREADS"}
 
 # threadpool_limits applies its limits when created and keeps them until restore_original_limits();
 # holding the object lets torchmn, or a test, undo them later.
@@ -84,22 +84,29 @@ def _cgroup_cpu_limit(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/se
         lines = []
     for line in lines:
         parts = line.split(":", 2)
-        if len(parts) == 3 and parts[0] == "0" and parts[1] == "":
-            path = parts[2].strip("/")
-            # Inside a container the cgroup namespace makes our own cgroup the root; walk up anyway.
-            while True:
-                limit = _read_cpu_max(os.path.join(root, path, "cpu.max"))
-                if limit is not None:
-                    limits.append(limit)
-                if not path:
-                    break
-                path = os.path.dirname(path)
-    v1 = _read_cfs_quota(os.path.join(root, "cpu"))
-    if v1 is None:
-        v1 = _read_cfs_quota(os.path.join(root, "cpu,cpuacct"))
-    if v1 is not None:
-        limits.append(v1)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            limits += _limits_up_from(parts[2], lambda path: _read_cpu_max(os.path.join(root, path, "cpu.max")))
+        elif "cpu" in parts[1].split(","):
+            # cgroup v1: the cpu controller's hierarchy is mounted as cpu,cpuacct (or cpu, a link to it).
+            mounts = [os.path.join(root, name) for name in (parts[1], "cpu", "cpu,cpuacct")]
+            mount = next((m for m in mounts if os.path.isdir(m)), mounts[0])
+            limits += _limits_up_from(parts[2], lambda path: _read_cfs_quota(os.path.join(mount, path)))
     return min(limits) if limits else None
+
+
+def _limits_up_from(cgroup: str, read: Callable[[str], Optional[int]]) -> list:
+    """The quotas of a cgroup and of its ancestors: the tightest of them binds."""
+    limits, path = [], cgroup.strip("/")
+    # Inside a container the cgroup namespace makes our own cgroup the root; walk up anyway.
+    while True:
+        limit = read(path)
+        if limit is not None:
+            limits.append(limit)
+        if not path:
+            return limits
+        path = os.path.dirname(path)
 
 
 def _read_cpu_max(path: str) -> Optional[int]:
@@ -130,12 +137,14 @@ def _read_cfs_quota(directory: str) -> Optional[int]:
 
 
 def cpu_count_available(env: Optional[Mapping[str, str]] = None) -> int:
-    """CPUs this process may use: the tightest of its CPU affinity, a cgroup CPU quota and Slurm's
-    ``--cpus-per-task`` (``SLURM_CPUS_PER_TASK``).
+    """CPUs this process may use: the tightest of its CPU affinity, a cgroup CPU quota and what
+    Slurm allocated: ``--cpus-per-task`` (``SLURM_CPUS_PER_TASK``) for a task that srun started,
+    else the job's CPUs on this node (``SLURM_CPUS_ON_NODE``: a batch script, or the ranks that
+    ``torchmn run`` or ``mpirun`` start inside it, share them).
 
     Example::
 
-        >>> cpu_count_available({"SLURM_CPUS_PER_TASK": "1"})
+        >>> cpu_count_available({"SLURM_STEP_ID": "0", "SLURM_CPUS_PER_TASK": "1"})
         1
     """
     env = _environ(env)
@@ -143,10 +152,20 @@ def cpu_count_available(env: Optional[Mapping[str, str]] = None) -> int:
     quota = _cgroup_cpu_limit()
     if quota is not None:
         counts.append(quota)
-    slurm = _positive_int(env.get("SLURM_CPUS_PER_TASK"))
+    slurm = _positive_int(env.get("SLURM_CPUS_PER_TASK")) if _srun_task(env) else None
+    if slurm is None:
+        slurm = _positive_int(env.get("SLURM_CPUS_ON_NODE"))
     if slurm is not None:
         counts.append(slurm)
     return max(1, min(counts))
+
+
+def _srun_task(env: Mapping[str, str]) -> bool:
+    """Whether this process is a task that srun itself started (a batch script is not one, nor a
+    rank that another launcher started inside the allocation)."""
+    from torchmn.launch.environments import slurm_step_id
+
+    return slurm_step_id(env) is not None and not any(name in env for name in _OTHER_LAUNCHER_VARIABLES)
 
 
 def thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None) -> int:
@@ -203,20 +222,26 @@ def _ranks_sharing_cpus(local_size: int, env: Mapping[str, str]) -> int:
     task), so dividing by the ranks on the node again would starve it. Everywhere else (torchmn run,
     torchrun, mpirun, also inside a Slurm batch script) the ranks of a node share one allocation.
     """
-    srun_task = any(name in env for name in _SLURM_STEP_VARIABLES) and "SLURM_CPUS_PER_TASK" in env
-    if srun_task and not any(name in env for name in _OTHER_LAUNCHER_VARIABLES):
+    if _srun_task(env) and _positive_int(env.get("SLURM_CPUS_PER_TASK")) is not None:
         return 1
     return max(1, local_size)
 
 
-def _apply(threads: int) -> None:
+def _apply(threads: int, user_set: set) -> None:
     global _limiter
     import torch
-    from threadpoolctl import threadpool_limits
+    from threadpoolctl import ThreadpoolController
 
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
-    _limiter = threadpool_limits(limits=threads)
+    # A pool whose variable is set read it when it loaded; it is left alone, so that a user's
+    # MKL_NUM_THREADS or OPENBLAS_NUM_THREADS keeps its meaning (torchmn run sets them to the budget).
+    controller = ThreadpoolController()
+    limits = {}
+    for library in controller.lib_controllers:
+        variable = _POOL_VARIABLES.get(library.internal_api)
+        limits[library.filepath] = None if variable in user_set else threads
+    _limiter = controller.limit(limits=limits)
 
 
 def apply_thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None) -> Optional[int]:
@@ -237,13 +262,16 @@ def apply_thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None
         return _applied
     env = _environ(env)
     chosen = _user_threads(env)
-    if chosen is None and _set_by_user(env, "OMP_NUM_THREADS"):
+    omp = _positive_int(env.get("OMP_NUM_THREADS"))
+    # torchmn run sets both to the same budget; a user's OMP_NUM_THREADS that differs wins.
+    if omp is not None and omp != chosen:
         return None
     threads = chosen or thread_budget(_ranks_sharing_cpus(local_size, env), env)
+    user_set = {name for name in THREAD_VARIABLES if _set_by_user(env, name)}
     if env is os.environ:
         for name, value in launcher_thread_env(local_size, {TORCHMN_NUM_THREADS: str(threads), **env}).items():
             os.environ[name] = value
-    _apply(threads)
+    _apply(threads, user_set)
     _applied = threads
     return threads
 

@@ -81,7 +81,7 @@ def slurm_misuse_error(env: Mapping[str, str]) -> Optional[str]:
         ntasks = int(env.get("SLURM_NTASKS", ""))
     except ValueError:
         return None
-    if ntasks <= 1 or _slurm_step_id(env) is not None:
+    if ntasks <= 1 or slurm_step_id(env) is not None:
         return None
     return (f"this script runs in a Slurm allocation of {ntasks} tasks but was not started by srun; "
             f"launch it with `srun python ...` (one task per rank) or `torchmn run`")
@@ -225,7 +225,7 @@ class SlurmEnvironment(Environment):
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
-        return "SLURM_PROCID" in env and _slurm_step_id(env) is not None
+        return "SLURM_PROCID" in env and slurm_step_id(env) is not None
 
     @classmethod
     def read(cls, env: Mapping[str, str]) -> LaunchEnvironment:
@@ -353,8 +353,14 @@ def _first_present(env: Mapping[str, str], names: Sequence[str]) -> str:
     return next((name for name in names if env.get(name)), names[0])
 
 
-def _slurm_step_id(env: Mapping[str, str]) -> Optional[int]:
-    """This task's srun step id, or None outside an srun step (batch script, salloc shell, extern)."""
+def slurm_step_id(env: Mapping[str, str]) -> Optional[int]:
+    """This task's srun step id, or None outside an srun step (batch script, salloc shell, extern).
+
+    Example::
+
+        >>> slurm_step_id({"SLURM_STEP_ID": "0"}), slurm_step_id({"SLURM_STEP_ID": "4294967291"})
+        (0, None)
+    """
     value = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
     if value is None:
         return None
@@ -407,5 +413,5 @@ def _slurm_derived_port(env: Mapping[str, str], fix: str) -> int:
     if not env.get(job_name):
         return DEFAULT_PORT
     job_id = _int(env, job_name, fix)
-    step_id = _slurm_step_id(env) or 0
+    step_id = slurm_step_id(env) or 0
     return slurm_port(job_id, step_id)
