@@ -1,6 +1,6 @@
 """The ChainerMN MNIST workload under torchrun + DistributedDataParallel: the peer in bench_mnist.py.
 
-    torchrun --standalone --nproc-per-node 2 bench/mnist_ddp.py --n-train 1000 --batch-size 50 --log ddp.json
+    torchrun --standalone --nproc-per-node 2 bench/mnist_ddp.py --n-train 1000 --batch-size 50 --log-file ddp.json
 
 The same model, data, batches, optimizer, per-epoch validation and JSON log as
 examples/mnist/train_mnist.py, written the way a torchrun + DDP user would.

@@ -137,6 +137,25 @@ def test_data_dir_files(idx_dir):
     (idx_dir / "t10k-images-idx3-ubyte").write_bytes(whole[:-16])
     with pytest.raises(ValueError, match="t10k-images-idx3-ubyte is damaged or truncated"):
         data.read_idx(idx_dir / "t10k-images-idx3-ubyte")
+    # Cut inside the header, or a gzip stream cut short: the same message, naming the file.
+    for cut in (3, 10):
+        (idx_dir / "t10k-images-idx3-ubyte").write_bytes(whole[:cut])
+        with pytest.raises(ValueError, match="t10k-images-idx3-ubyte is damaged or truncated.*download it again"):
+            data.read_idx(idx_dir / "t10k-images-idx3-ubyte")
+    gz = idx_dir / "train-labels-idx1-ubyte.gz"
+    gz.write_bytes(gz.read_bytes()[:-20])
+    with pytest.raises(ValueError, match="train-labels-idx1-ubyte.gz is damaged or truncated.*download it again"):
+        data.read_idx(gz)
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 20)
+def test_ppe_batchnorm_part_smaller_than_a_batch(tmp_path):
+    """--batchnorm drops incomplete batches; a part with none left is a clear error, not ppe's."""
+    proc = run_job(MNIST / "train_mnist_ppe.py", ["--n-train", "101", "--epochs", "1", "--batchnorm", "--out",
+                                                  str(tmp_path / "ppe")], np=2, launcher="torchmn",
+                   timeout=JOB_TIMEOUT, check=False)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "51 samples, fewer than --batch-size 100" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
 
 @pytest.mark.timeout(JOB_TIMEOUT + 20)

@@ -57,8 +57,9 @@ def _add_run(subparsers) -> None:
     where.add_argument("--hostfile", dest="hostfile", default=None, metavar="FILE",
                        help="a file of 'host slots=N' lines (also 'host:N' or 'host'; # comments)")
     hosts.add_argument("-x", dest="exports", action="append", default=[], metavar="NAME[=VALUE]",
-                       help="also set this variable for the ranks on other hosts (repeatable); "
-                            "PATH, PYTHONPATH, VIRTUAL_ENV and TORCHMN_*/NCCL_*/GLOO_* are always forwarded")
+                       help="set this variable for every rank, on this host and the others, like mpirun -x "
+                            "(repeatable; NAME alone passes this shell's value); PATH, PYTHONPATH, VIRTUAL_ENV "
+                            "and TORCHMN_*/NCCL_*/GLOO_* always reach the other hosts")
     hosts.add_argument("--ssh-port", type=int, default=None, metavar="PORT", help="ssh port of the hosts")
     hosts.add_argument("--ssh-identity-file", default=None, metavar="FILE", help="ssh private key to log in with")
     hosts.add_argument("--ssh-command", default=None, metavar="COMMAND",

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import importlib.resources
+import zlib
 from pathlib import Path
 from typing import Optional
 
@@ -94,15 +95,21 @@ def _find(data_dir: Path, name: str) -> Path:
 def read_idx(path: Path) -> np.ndarray:
     """An IDX file (the MNIST format: big-endian header, then unsigned bytes) as a numpy array."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        data = f.read()
+    damaged = f"{path} is damaged or truncated"
+    try:
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (EOFError, gzip.BadGzipFile, zlib.error) as e:
+        raise ValueError(f"{damaged} ({e}); download it again") from e
+    if len(data) < 4 or len(data) < 4 + 4 * data[3]:
+        raise ValueError(f"{damaged}: {len(data)} bytes, shorter than an IDX header; download it again")
     zero, dtype_code, ndim = data[0] * 256 + data[1], data[2], data[3]
     if zero != 0 or dtype_code != 0x08:
         raise ValueError(f"{path} is not an IDX file of unsigned bytes (header {data[:4].hex()})")
     shape = tuple(int(d) for d in np.frombuffer(data, dtype=">u4", count=ndim, offset=4))
     payload = np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * ndim)
     if payload.size != int(np.prod(shape)):
-        raise ValueError(f"{path} is damaged or truncated: its header promises {shape} = {int(np.prod(shape))} "
+        raise ValueError(f"{damaged}: its header promises {shape} = {int(np.prod(shape))} "
                          f"bytes, but {payload.size} follow it; download it again")
     return payload.reshape(shape)
 

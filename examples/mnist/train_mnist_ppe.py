@@ -60,6 +60,10 @@ def main():
     train_loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True,
                                                drop_last=args.batchnorm)
     val_loader = torch.utils.data.DataLoader(val, batch_size=args.batch_size)
+    if len(train_loader) == 0:  # every rank's part has the same length: all stop here
+        parser.error(f"with --batchnorm every batch must be whole, but each rank's part of the training set "
+                     f"has {len(train)} samples, fewer than --batch-size {args.batch_size}: lower --batch-size "
+                     f"or raise --n-train")
 
     model = make_model(args.batchnorm)
     optimizer = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters()), comm)

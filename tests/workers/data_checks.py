@@ -211,6 +211,11 @@ def check_evaluator(comm):
         return ({}, 0) if comm.rank == 1 else evaluate()
     kept = [v for r in range(comm.size) if r != 1 for v in range(r, 97, comm.size)]
     assert math.isclose(create_multi_node_evaluator(some_empty, comm)()["mean"], sum(kept) / len(kept), rel_tol=1e-12)
+    # ... its metric names included (an empty rank's NaN placeholders for a metric nobody else has).
+    def empty_with_extra():
+        return ({"mean": math.nan, "top5": math.nan}, 0) if comm.rank == 1 else evaluate()
+    out = create_multi_node_evaluator(empty_with_extra, comm)()
+    assert sorted(out) == ["mean", "sq"] and math.isclose(out["mean"], sum(kept) / len(kept), rel_tol=1e-12), out
     # Nobody saw anything: NaN for every named metric.
     out = create_multi_node_evaluator(lambda: ({"loss": 1.0}, 0), comm)()
     assert list(out) == ["loss"] and math.isnan(out["loss"]), out

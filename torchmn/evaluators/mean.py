@@ -58,7 +58,9 @@ class MultiNodeEvaluator:
             raise RuntimeError(f"multi-node evaluator: fn() failed on rank {r} ({why}); "
                                f"raised on rank {comm.rank} too")
         counted = [(r, metrics, n) for r, (metrics, n) in enumerate(everyone) if n > 0]
-        keys = sorted({k for metrics, _ in everyone for k in metrics})
+        # A rank that saw no sample contributes nothing, its metric names included.
+        keys = sorted({k for _, metrics, _ in counted for k in metrics} if counted else
+                      {k for metrics, _ in everyone for k in metrics})
         for r, metrics, _ in counted:
             if sorted(metrics) != keys:
                 raise ValueError(f"multi-node evaluator: rank {r} reported metrics {sorted(metrics)} but the "
