@@ -58,6 +58,14 @@ def test_lost_peer_is_named_not_waited_for(tmp_path):
     assert set(leftover_segments()) <= before
 
 
+def test_different_calls_on_two_ranks_raise_at_once():
+    start = time.monotonic()
+    proc = run_job(CHECKS, ["different_calls"], np=2, timeout=60, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and out.count("MISMATCH rank") == 2, out
+    assert time.monotonic() - start < 25, out  # not the 30 s timeout
+
+
 def test_two_jobs_at_once_do_not_interfere():
     jobs = []
     for value in (10, 1000):

@@ -81,6 +81,23 @@ def check_peer_lost(comm):
         os._exit(3)
 
 
+def check_different_calls(comm):
+    """Rank 0 alone makes a logging allreduce, then both average gradients: the shared-memory
+    operations differ (a call check against a gradient sum), and every rank must say so at once
+    instead of summing the other's call header as gradients."""
+    model = torch.nn.Linear(4, 2)
+    model(torch.ones(3, 4)).sum().backward()
+    try:
+        if comm.rank == 0:
+            comm.allreduce(torch.tensor([0.5]))
+        comm.multi_node_mean_grad(model, zero_fill=True)
+    except torchmn.communicators.CollectiveMismatchError as e:
+        assert "an allreduce" in str(e) and "call check" in str(e), e
+        print(f"MISMATCH rank {comm.rank}: {e}", flush=True)
+        return
+    raise AssertionError(f"rank {comm.rank}: no error; bias.grad {model.bias.grad.tolist()} (all 3.0 expected)")
+
+
 def check_busy(comm, value):
     """Many allreduces with a job-specific value: two such jobs at once must not mix."""
     for i in range(300):
@@ -94,7 +111,7 @@ def main():
     parser.add_argument("check")
     parser.add_argument("--value", type=int, default=0)
     args = parser.parse_args()
-    comm = torchmn.create_communicator("hierarchical")
+    comm = torchmn.create_communicator("hierarchical", timeout=30 if args.check == "different_calls" else None)
     if args.check == "busy":
         check_busy(comm, args.value)
     else:

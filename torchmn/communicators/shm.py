@@ -74,6 +74,13 @@ def new_job_tag() -> str:
     return uuid.uuid4().hex[:16]
 
 
+# What a NodeSegment operation is, as the other ranks' mismatch check names it: ranks at the same
+# call number in different operations (one rank's call check against another's gradient sum) raise
+# instead of reading each other's data.
+SEGMENT_CALLS = ("an allreduce", "a reduce-scatter", "an all-gather", "a broadcast",
+                 "an exchange of small buffers (a collective call check, or objects)")
+
+
 class NodeSegment:
     """The shared-memory collectives of the ``local_size`` ranks of one node.
 
@@ -118,8 +125,8 @@ class NodeSegment:
         return cls(buf, local_rank, local_size, slot_bytes, pids, timeout, describe)
 
     # ----------------------------------------------------------------------------- waiting
-    def _arrive_and_wait(self, phase: int) -> None:
-        self._flags.arrive_and_wait(phase, self._seq)
+    def _arrive_and_wait(self, phase: int, call: int) -> None:
+        self._flags.arrive_and_wait(phase, self._seq, call, SEGMENT_CALLS)
 
     # ----------------------------------------------------------------------------- collectives
     def _chunk(self, n: int, itemsize: int, r: int) -> tuple[int, int]:
@@ -139,7 +146,7 @@ class NodeSegment:
             result = self._result[:n * item].view(flat.dtype)
             self._seq += 1
             slots[self.local_rank].copy_(piece)
-            self._arrive_and_wait(0)
+            self._arrive_and_wait(0, 0)
             lo, hi = self._chunk(n, item, self.local_rank)
             if hi > lo:
                 if self.local_size == 1:
@@ -148,7 +155,7 @@ class NodeSegment:
                     reduce(slots[0][lo:hi], slots[1][lo:hi], out=result[lo:hi])
                     for s in slots[2:]:
                         reduce(result[lo:hi], s[lo:hi], out=result[lo:hi])
-            self._arrive_and_wait(1)
+            self._arrive_and_wait(1, 0)
             out[start:start + n].copy_(result)
         return out
 
@@ -163,12 +170,12 @@ class NodeSegment:
             mine = self._slots[self.local_rank][:self.local_size * n * item].view(flat.dtype)
             for r in range(self.local_size):
                 mine[r * n:(r + 1) * n].copy_(flat[r * k + start:r * k + start + n])
-            self._arrive_and_wait(0)
+            self._arrive_and_wait(0, 1)
             me = self.local_rank
             parts = [s[:self.local_size * n * item].view(flat.dtype)[me * n:(me + 1) * n] for s in self._slots]
             out = shard[start:start + n]
             sum_into(out, parts)
-            self._arrive_and_wait(1)
+            self._arrive_and_wait(1, 1)
 
     def allgather(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
         """Every local rank's ``shard`` (k elements) into ``flat`` (local_size * k), in rank order."""
@@ -179,10 +186,10 @@ class NodeSegment:
             n = min(per_piece, k - start)
             self._seq += 1
             self._slots[self.local_rank][:n * item].view(flat.dtype).copy_(shard[start:start + n])
-            self._arrive_and_wait(0)
+            self._arrive_and_wait(0, 2)
             for r in range(self.local_size):
                 flat[r * k + start:r * k + start + n].copy_(self._slots[r][:n * item].view(flat.dtype))
-            self._arrive_and_wait(1)
+            self._arrive_and_wait(1, 2)
 
     def broadcast_(self, flat: torch.Tensor, root: int = 0) -> None:
         """Local rank ``root``'s ``flat`` into every local rank's ``flat``."""
@@ -194,10 +201,10 @@ class NodeSegment:
             self._seq += 1
             if self.local_rank == root:
                 result.copy_(piece)
-            self._arrive_and_wait(0)
+            self._arrive_and_wait(0, 3)
             if self.local_rank != root:
                 piece.copy_(result)
-            self._arrive_and_wait(1)
+            self._arrive_and_wait(1, 3)
 
     def allgather_bytes(self, data: torch.Tensor) -> Optional[list[torch.Tensor]]:
         """Every local rank's uint8 buffer, in rank order; ``None`` on every rank if one rank's does
@@ -208,12 +215,12 @@ class NodeSegment:
         slot[:8].view(torch.int64)[0] = n
         if n + 8 <= self.slot_bytes:
             slot[8:8 + n].copy_(data)
-        self._arrive_and_wait(0)
+        self._arrive_and_wait(0, 4)
         lengths = [int(s[:8].view(torch.int64)[0]) for s in self._slots]
         out = None
         if all(m + 8 <= self.slot_bytes for m in lengths):
             out = [s[8:8 + m].clone() for s, m in zip(self._slots, lengths)]
-        self._arrive_and_wait(1)
+        self._arrive_and_wait(1, 4)
         return out
 
     def close(self) -> None:
