@@ -1,5 +1,7 @@
 """The communicator over real gloo, in real multi-process jobs started by torchmn run and torchrun."""
 import datetime
+import re
+import socket
 import subprocess
 import sys
 
@@ -71,6 +73,55 @@ def test_unknown_name_is_refused():
 def test_bad_timeout_is_refused_before_anything_starts(timeout, error):
     with pytest.raises(error, match="timeout must be"):
         torchmn.create_communicator(timeout=timeout)
+
+
+def test_torchmn_timeout_variable_is_checked(monkeypatch):
+    from torchmn.communicators import _setup
+    for bad in ("abc", "5s", "0", "-3", "inf"):
+        monkeypatch.setenv("TORCHMN_TIMEOUT", bad)
+        with pytest.raises(ValueError, match=f"TORCHMN_TIMEOUT='{bad}' is not a positive number of seconds"):
+            _setup.default_timeout()
+    monkeypatch.setenv("TORCHMN_TIMEOUT", "7.5")
+    assert _setup.default_timeout() == datetime.timedelta(seconds=7.5)
+
+
+def test_tcp_init_method_under_a_launcher(tmp_path):
+    """init_method='tcp://...' chosen by the script works under torchmn run and torchrun, whose
+    agent-store variable would otherwise make rank 0 a client of a store nobody hosts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "job.py"
+    script.write_text("import sys, torch, torchmn\n"
+                      f"comm = torchmn.create_communicator(init_method='tcp://127.0.0.1:{port}', timeout=20)\n"
+                      "print('SUM', int(comm.allreduce(torch.ones(1)).item()), flush=True)\n"
+                      "comm.finalize()\n")
+    for launcher in ("torchmn", "torchrun"):
+        out = run_job(script, [], np=2, launcher=launcher, timeout=60).stdout
+        assert out.count("SUM 2") == 2, (launcher, out)
+
+
+def test_timeout_applies_to_a_process_group_the_script_made(tmp_path):
+    """create_communicator(timeout=...) over the script's own process group: shared-memory waits
+    use it too (they used the 600 s default)."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import datetime, os, time, torch, torch.distributed as dist, torchmn\n"
+        "dist.init_process_group('gloo', init_method='env://', timeout=datetime.timedelta(seconds=60))\n"
+        "comm = torchmn.create_communicator('hierarchical', timeout=3)\n"
+        "comm.allreduce(torch.ones(3))\n"
+        "if comm.rank == 1:\n"
+        "    time.sleep(15)\n"
+        "    os._exit(0)\n"
+        "start = time.monotonic()\n"
+        "try:\n"
+        "    comm.allreduce(torch.ones(3))\n"
+        "except torchmn.CollectiveTimeoutError as e:\n"
+        "    print(f'RAISED after {time.monotonic() - start:.0f} s', flush=True)\n"
+        "os._exit(0)\n")
+    out = run_job(script, [], np=2, timeout=60).stdout
+    match = re.search(r"RAISED after (\d+) s", out)
+    assert match and int(match.group(1)) < 10, out
 
 
 def test_stale_file_rendezvous_is_refused(tmp_path):

@@ -14,7 +14,7 @@ from typing import Optional, Union
 import torch.distributed as dist
 
 from torchmn.communicators import shm
-from torchmn.communicators._setup import default_backend, init_world
+from torchmn.communicators._setup import adopt_world, default_backend, init_world
 from torchmn.communicators.communicator import Communicator
 from torchmn.communicators.errors import CollectiveMismatchError, CollectiveTimeoutError, RemoteRankError
 from torchmn.communicators.flat import FlatCommunicator
@@ -72,6 +72,7 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
     owns = False
     if dist.is_initialized():
         rank, size, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
+        adopt_world(timeout)
     elif env.size == 1 and init_method is None:
         rank, size, backend = 0, 1, backend or default_backend()
     else:

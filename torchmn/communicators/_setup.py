@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
+import math
 import os
 import time
+import urllib.parse
 from typing import Optional
 
 import torch
@@ -12,13 +15,45 @@ import torch.distributed as dist
 
 from torchmn.launch import LaunchEnvironment
 
-DEFAULT_TIMEOUT = datetime.timedelta(seconds=float(os.environ.get("TORCHMN_TIMEOUT", 600)))
-_timeout = DEFAULT_TIMEOUT  # the world's, once init_world set it up
+_timeout: Optional[datetime.timedelta] = None  # the world's, once set up or adopted
+
+
+def default_timeout() -> datetime.timedelta:
+    """``TORCHMN_TIMEOUT`` (seconds), else 600 s."""
+    value = os.environ.get("TORCHMN_TIMEOUT")
+    if value is None:
+        return datetime.timedelta(seconds=600)
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = math.nan
+    if not 0 < seconds < math.inf:
+        raise ValueError(f"TORCHMN_TIMEOUT={value!r} is not a positive number of seconds (how long a collective "
+                         f"waits for the other ranks); set it to, say, 600, or unset it")
+    return datetime.timedelta(seconds=seconds)
 
 
 def collective_timeout_s() -> float:
     """Seconds a collective may wait for the other ranks (also inside shared memory)."""
-    return _timeout.total_seconds()
+    return (_timeout or default_timeout()).total_seconds()
+
+
+def adopt_world(timeout: Optional[datetime.timedelta]) -> None:
+    """For a default process group that already exists (the script's own, or an earlier
+    communicator's): collectives, shared-memory ones included, wait for ``timeout`` when given
+    (applied to the group too), else for the group's own timeout."""
+    global _timeout
+    group = dist.group.WORLD
+    if timeout is not None:
+        set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)
+        if set_timeout is not None:
+            set_timeout(timeout, group)
+        _timeout = timeout
+        return
+    try:
+        _timeout = group._get_backend(torch.device("cpu")).options._timeout
+    except (AttributeError, RuntimeError):
+        _timeout = _timeout or default_timeout()
 
 
 def default_backend() -> str:
@@ -46,10 +81,11 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank % max(1, torch.cuda.device_count()))
     global _timeout
-    _timeout = timeout or DEFAULT_TIMEOUT
+    _timeout = timeout or default_timeout()
     try:
-        dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.size,
-                                timeout=_timeout)
+        with _own_store_for(init_method):
+            dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.size,
+                                    timeout=_timeout)
     except Exception as e:
         raise RuntimeError(
             f"rank {env.rank}/{env.size} could not join the job's rendezvous at {init_method} "
@@ -57,6 +93,34 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             f"is reachable from this one, and that the port is free and not firewalled "
             f"(MASTER_ADDR / MASTER_PORT override it).") from e
     atexit.register(shutdown_world)
+
+
+@contextlib.contextmanager
+def _own_store_for(init_method: str):
+    """Let rank 0 host the store of a tcp:// rendezvous the script chose. torchrun and torchmn run
+    set TORCHELASTIC_USE_AGENT_STORE, which makes every rank a client of the launcher's store; at
+    another address nobody would host one, and every rank would wait out the timeout."""
+    agent = os.environ.get(_AGENT_STORE)
+    if agent is None or not init_method.startswith("tcp://") or _is_launchers_store(init_method):
+        yield
+        return
+    del os.environ[_AGENT_STORE]
+    try:
+        yield
+    finally:
+        os.environ[_AGENT_STORE] = agent
+
+
+_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+
+
+def _is_launchers_store(init_method: str) -> bool:
+    address = urllib.parse.urlsplit(init_method)
+    try:
+        port = address.port
+    except ValueError:
+        return False
+    return (address.hostname, str(port)) == (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
 
 
 def _refuse_stale_file(path: str, env: LaunchEnvironment) -> None:
