@@ -94,7 +94,8 @@ def test_tcp_init_method_under_a_launcher(tmp_path):
     script = tmp_path / "job.py"
     script.write_text("import sys, torch, torchmn\n"
                       f"comm = torchmn.create_communicator(init_method='tcp://127.0.0.1:{port}', timeout=20)\n"
-                      "print('SUM', int(comm.allreduce(torch.ones(1)).item()), flush=True)\n"
+                      "sys.stdout.write(f'SUM {int(comm.allreduce(torch.ones(1)).item())}\\n')  # one write\n"
+                      "sys.stdout.flush()\n"
                       "comm.finalize()\n")
     for launcher in ("torchmn", "torchrun"):
         out = run_job(script, [], np=2, launcher=launcher, timeout=60).stdout
