@@ -260,8 +260,9 @@ def test_batch_script_with_several_tasks_is_refused(step):
     with pytest.raises(RuntimeError) as info:
         detect_environment(env)
     assert str(info.value) == ("this script runs in a Slurm allocation of 4 tasks but was not started "
-                               "by srun; launch it with `srun python ...` (one task per rank) or "
-                               "`torchmn run`")
+                               "by srun; launch it with `srun python ...` (one task per rank), or with one "
+                               "`torchmn run` per node: `srun --ntasks-per-node 1 torchmn run -np "
+                               "RANKS_PER_NODE python ...`")
 
 
 def test_batch_script_error_in_a_fresh_interpreter():
@@ -276,7 +277,15 @@ def test_batch_script_error_in_a_fresh_interpreter():
 def test_slurm_misuse_error_cases():
     assert "allocation of 4 tasks" in slurm_misuse_error(SLURM_BATCH)
     assert slurm_misuse_error({**SLURM_BATCH, "SLURM_NTASKS": "1"}) is None
-    assert slurm_misuse_error({k: v for k, v in SLURM_BATCH.items() if k != "SLURM_NTASKS"}) is None
+    # `sbatch -N 2` or `salloc -N 2` without -n: no SLURM_NTASKS, one task per node.
+    no_n = {k: v for k, v in SLURM_BATCH.items() if k != "SLURM_NTASKS"}
+    assert "allocation of 4 tasks" in slurm_misuse_error(no_n)
+    assert "allocation of 2 tasks" in slurm_misuse_error({**no_n, "SLURM_TASKS_PER_NODE": "1(x2)"})
+    assert slurm_misuse_error({**no_n, "SLURM_TASKS_PER_NODE": "1"}) is None
+    assert slurm_misuse_error({k: v for k, v in no_n.items() if k != "SLURM_TASKS_PER_NODE"}) is None
+    # What to do instead: srun, or one torchmn run per node (in a batch script, torchmn run alone
+    # would use the first node only).
+    assert "srun --ntasks-per-node 1 torchmn run" in slurm_misuse_error(SLURM_BATCH)
     assert slurm_misuse_error({k: v for k, v in SLURM_BATCH.items()
                                if k not in ("SLURM_JOB_ID", "SLURM_JOBID")}) is None
     assert slurm_misuse_error(SLURM) is None  # started by srun

@@ -1,4 +1,6 @@
 """expand_hostlist against outputs of `scontrol show hostnames` from Slurm 22.05.8."""
+import time
+
 import pytest
 
 from torchmn.launch import expand_hostlist
@@ -72,3 +74,13 @@ def test_expand_hostlist_errors_name_the_problem_and_quote_the_expression(expr, 
 def test_expand_hostlist_rejects_non_strings():
     with pytest.raises(TypeError):
         expand_hostlist(["node1"])
+
+
+def test_expressions_that_multiply_past_the_limit_fail_quickly():
+    """Each range is within Slurm's 65536, but the groups multiply (scontrol refuses these too)."""
+    start = time.monotonic()
+    for expr in ("a[1-60000]b[1-60000]", "n[" + ",".join(["1-60000"] * 40) + "]"):
+        with pytest.raises(ValueError, match="more than 1048576"):
+            expand_hostlist(expr)
+    assert time.monotonic() - start < 5
+    assert len(expand_hostlist("r[1-100]n[1-100]")) == 10000

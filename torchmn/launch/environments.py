@@ -75,16 +75,30 @@ def slurm_misuse_error(env: Mapping[str, str]) -> Optional[str]:
         >>> slurm_misuse_error({"SLURM_JOB_ID": "7", "SLURM_NTASKS": "4"})[:40]
         'this script runs in a Slurm allocation o'
     """
-    if not (env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")):
+    if not (env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")) or slurm_step_id(env) is not None:
         return None
-    try:
-        ntasks = int(env.get("SLURM_NTASKS", ""))
-    except ValueError:
-        return None
-    if ntasks <= 1 or slurm_step_id(env) is not None:
+    ntasks = _allocated_tasks(env)
+    if ntasks is None or ntasks <= 1:
         return None
     return (f"this script runs in a Slurm allocation of {ntasks} tasks but was not started by srun; "
-            f"launch it with `srun python ...` (one task per rank) or `torchmn run`")
+            f"launch it with `srun python ...` (one task per rank), or with one `torchmn run` per node: "
+            f"`srun --ntasks-per-node 1 torchmn run -np RANKS_PER_NODE python ...`")
+
+
+def _allocated_tasks(env: Mapping[str, str]) -> Optional[int]:
+    """Tasks of the allocation: SLURM_NTASKS, which `sbatch -N 2` without -n leaves unset, else
+    the sum of SLURM_TASKS_PER_NODE (one per node by default)."""
+    try:
+        return int(env.get("SLURM_NTASKS", ""))
+    except ValueError:
+        pass
+    value = env.get("SLURM_TASKS_PER_NODE")
+    if not value:
+        return None
+    try:
+        return sum(_expand_tasks_per_node("SLURM_TASKS_PER_NODE", value, ""))
+    except ValueError:
+        return None
 
 
 class TorchmnEnvironment(Environment):

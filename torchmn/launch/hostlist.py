@@ -1,12 +1,16 @@
 """Slurm hostlist expressions (``node[01-04,07]``), expanded the way ``scontrol show hostnames`` does."""
 from __future__ import annotations
 
+import math
 import re
 from typing import List, Tuple
 
 # Slurm refuses a single range of more hosts than this; so do we, so that a typo such as
 # node[1-1000000000] fails quickly instead of exhausting memory.
 MAX_RANGE = 64 * 1024
+# And a whole expression of more names than this (several groups multiply: a[1-60000]b[1-60000]
+# would be 3.6e9 names), which scontrol refuses too.
+MAX_HOSTS = 1024 * 1024
 
 _NUMBER = re.compile(r"[0-9]+")
 
@@ -45,9 +49,14 @@ def expand_hostlist(expr: str) -> List[str]:
     items = _split_items(expr)
     if not items:
         raise ValueError(f"no host names in hostlist expression {expr!r}")
+    parsed = [(item, _parse_name(item, expr)) for item in items]
+    total = sum(math.prod(len(group) for group in groups) for _, (_, groups) in parsed)
+    if total > MAX_HOSTS:
+        raise ValueError(f"hostlist {expr!r} expands to {total} host names, more than {MAX_HOSTS}; "
+                         f"check the ranges (several bracket groups in one name multiply)")
     hosts: List[str] = []
-    for item in items:
-        hosts.extend(_expand_item(item, expr))
+    for item, (texts, groups) in parsed:
+        hosts.extend(_expand_item(item, expr, texts, groups))
     return hosts
 
 
@@ -77,9 +86,8 @@ def _split_items(expr: str) -> List[str]:
     return [item for item in stripped if item]
 
 
-def _expand_item(item: str, expr: str) -> List[str]:
-    """Expand one name, which may hold several bracket groups."""
-    texts, groups = _parse_name(item, expr)
+def _expand_item(item: str, expr: str, texts: List[str], groups: List[_Group]) -> List[str]:
+    """Expand one name, parsed into its texts and bracket groups (it may hold several)."""
     if not groups:
         return [item]
     if texts[-1]:
@@ -146,6 +154,8 @@ def _parse_group(body: str, item: str, expr: str) -> _Group:
         if hi - lo + 1 > MAX_RANGE:
             raise ValueError(f"range {part!r} in hostlist {expr!r} has {hi - lo + 1} hosts, "
                              f"more than the {MAX_RANGE} Slurm allows")
+        if len(numbers) + hi - lo + 1 > MAX_HOSTS:
+            raise ValueError(f"'[{body}]' in hostlist {expr!r} holds more than {MAX_HOSTS} numbers")
         width = len(lo_text)
         numbers.extend(f"{n:0{width}d}" for n in range(lo, hi + 1))
     return numbers
