@@ -72,3 +72,18 @@ def test_rank_and_local_rank_come_from_the_mpi_environment(mpi, tmp_path):
     out = run_mpi(mpi, 3, [sys.executable, "-c", code, str(tmp_path)]).stdout
     rows = sorted(json.loads(path.read_text()) for path in tmp_path.glob("rank*.json"))
     assert rows == [[mpi, r, 3, r, 3, "127.0.0.1", r, r, 3] for r in range(3)], out
+
+
+def test_ipv6_and_unresolvable_rendezvous_hosts():
+    """MASTER_ADDR=::1 works (the tcp:// URL needs brackets); a host that does not resolve is named
+    at once instead of after the timeout."""
+    code = ("import sys, torch, torchmn; c = torchmn.create_communicator(timeout=60); "
+            "sys.stdout.write(f'SUM {int(c.allreduce(torch.ones(1)).item())}\\n'); c.finalize()")
+    argv = mpi_argv("openmpi", 2) + ["-x", "MASTER_ADDR", "-x", "MASTER_PORT", sys.executable, "-c", code]
+    env = clean_env({"MASTER_ADDR": "::1", "MASTER_PORT": str(free_port())})
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0 and proc.stdout.count("SUM 2") == 2, proc.stdout + proc.stderr
+    env["MASTER_ADDR"] = "no-such-host.invalid"
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=40)
+    assert proc.returncode != 0
+    assert "rendezvous host 'no-such-host.invalid' (openmpi launch) does not resolve here" in proc.stderr, proc.stderr

@@ -6,6 +6,7 @@ import contextlib
 import datetime
 import math
 import os
+import socket
 import time
 import urllib.parse
 from typing import Optional
@@ -75,7 +76,9 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             if env.master_port is None:
                 raise RuntimeError(f"{env.source}: no rendezvous port known for {env.size} ranks; "
                                    f"export MASTER_PORT (and MASTER_ADDR) on every rank")
-            init_method = f"tcp://{env.master_addr}:{env.master_port}"
+            _check_resolves(env)
+            host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr  # IPv6
+            init_method = f"tcp://{host}:{env.master_port}"
     if init_method.startswith("file://"):
         _refuse_stale_file(init_method[len("file://"):], env)
     if backend == "nccl":
@@ -93,6 +96,19 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             f"is reachable from this one, and that the port is free and not firewalled "
             f"(MASTER_ADDR / MASTER_PORT override it).") from e
     atexit.register(shutdown_world)
+
+
+def _check_resolves(env: LaunchEnvironment) -> None:
+    """Say at once that the rendezvous host has no address here, instead of waiting out the
+    timeout behind torch's retries."""
+    try:
+        socket.getaddrinfo(env.master_addr, env.master_port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise RuntimeError(
+            f"rank {env.rank}/{env.size} on {socket.gethostname()}: the rendezvous host {env.master_addr!r} "
+            f"({env.source} launch) does not resolve here ({e.strerror}); set MASTER_ADDR on every rank to an "
+            f"address or name this host can resolve (on Slurm: node names that differ from their NodeAddr "
+            f"need one)") from None
 
 
 @contextlib.contextmanager
