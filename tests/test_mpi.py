@@ -87,3 +87,12 @@ def test_ipv6_and_unresolvable_rendezvous_hosts():
     proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=40)
     assert proc.returncode != 0
     assert "rendezvous host 'no-such-host.invalid' (openmpi launch) does not resolve here" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("mpi", ["openmpi", "mpich"])
+def test_torchmn_run_under_mpirun_is_refused(mpi):
+    """mpirun -np 2 torchmn run ... would start two separate jobs that train apart silently."""
+    argv = mpi_argv(mpi, 2) + [sys.executable, "-m", "torchmn", "run", "-np", "1", sys.executable, "-c", "print('RAN')"]
+    proc = subprocess.run(argv, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode != 0 and "RAN" not in proc.stdout, proc.stdout + proc.stderr
+    assert f"torchmn run was started as one of 2 {mpi} processes" in proc.stderr, proc.stderr

@@ -42,7 +42,7 @@ from typing import IO, Callable, Deque, Dict, Iterator, List, Mapping, Optional,
 from torchmn import resources
 from torchmn.launch import base, hosts as hostlib, remote
 from torchmn.launch.detect import ENVIRONMENTS
-from torchmn.launch.environments import SlurmEnvironment
+from torchmn.launch.environments import SlurmEnvironment, TorchmnEnvironment
 from torchmn.launch.hostlist import expand_hostlist
 
 LOCAL_ADDR = "127.0.0.1"
@@ -118,6 +118,23 @@ def _step_hosts(env: Mapping[str, str]) -> List[str]:
         return expand_hostlist(env[name])
     except ValueError as e:
         raise RunError(f"{name}={env[name]!r} cannot be read: {e}.")
+
+
+def _refuse_outer_launcher(env: Mapping[str, str]) -> None:
+    """Refuse to be one of several copies that mpirun or torchrun started: each copy would start a
+    job of its own, with its own rendezvous, and they would train apart without a word."""
+    kind = _first_launcher(env)
+    if kind in (None, SlurmEnvironment, TorchmnEnvironment):  # Slurm: see slurm_step
+        return
+    try:
+        size = kind.read(env).size
+    except (ValueError, RuntimeError):
+        return
+    if size > 1:
+        command = {"openmpi": "mpirun", "mpich": "mpiexec"}.get(kind.source, kind.source)
+        raise RunError(f"torchmn run was started as one of {size} {kind.source} processes, so each would start a "
+                       f"job of its own. Start the ranks with one launcher: `{command} ... python train.py` "
+                       f"alone, or one `torchmn run -np N` (with -H/--hostfile for several hosts).")
 
 
 def slurm_step(env: Mapping[str, str]) -> Optional[SlurmStep]:
@@ -500,6 +517,7 @@ class Job:
         self.remote_hosts = [h for h, _ in placement if hosts and not hostlib.is_local(h)]
         self.slots = plan_slots(placement)
         self.master_addr = LOCAL_ADDR
+        _refuse_outer_launcher(self.base_env)
         # One task of a multi-node srun step: this node's share of one job (see slurm_step).
         self.slurm = None if hosts else slurm_step(self.base_env)
         if self.slurm is not None:
