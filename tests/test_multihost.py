@@ -395,3 +395,13 @@ def test_rank_that_never_starts_hits_the_start_timeout(cluster, tmp_path):
     assert proc.elapsed < 45, proc.elapsed
     assert_hosts_idle(cluster)
     assert not [p for p in psutil.process_iter() if str(wrapper) in " ".join(_cmdline(p))]
+
+
+def test_loopback_rendezvous_address_is_never_handed_to_other_hosts():
+    """Behind an ssh tunnel the address the hosts log in from is this machine's loopback, and the
+    fallback may be too: other hosts must not be told to connect to themselves."""
+    from torchmn.launch.runner import _is_loopback
+
+    assert _is_loopback("127.0.0.1") and _is_loopback("127.0.1.1") and _is_loopback("localhost")
+    assert _is_loopback("::1")
+    assert not _is_loopback("10.1.2.3") and not _is_loopback("no-such-host.invalid")

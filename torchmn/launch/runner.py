@@ -27,6 +27,7 @@ import collections
 import dataclasses
 import datetime
 import errno
+import ipaddress
 import os
 import queue
 import re
@@ -118,6 +119,13 @@ def _step_hosts(env: Mapping[str, str]) -> List[str]:
         return expand_hostlist(env[name])
     except ValueError as e:
         raise RunError(f"{name}={env[name]!r} cannot be read: {e}.")
+
+
+def _is_loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
+    except (OSError, ValueError, UnicodeError):
+        return address in ("localhost", "::1")
 
 
 def _refuse_outer_launcher(env: Mapping[str, str]) -> None:
@@ -618,6 +626,12 @@ class Job:
         else:
             self.master_addr = (hostlib.route_address(self.remote_hosts[0], self.ssh.port or 22)
                                 or socket.getfqdn())
+        if _is_loopback(self.master_addr):
+            # The other hosts would connect to themselves (behind an ssh tunnel or ProxyJump, the
+            # address they log in from is this machine's loopback).
+            raise RunError(f"cannot tell which address of this machine the hosts {', '.join(self.remote_hosts)} "
+                           f"reach it on (found only {self.master_addr}, a loopback address); name the "
+                           f"network with --network-interface (e.g. eth0)")
 
     def _interface_address(self) -> str:
         try:
@@ -948,8 +962,8 @@ class Job:
         if self.reported:
             lines.append(f"torchmn run: before that, on another node, {self.reported}.")
         if failed.is_remote and code == 255:
-            lines.append(f"torchmn run: exit code 255 is ssh's own: the connection to host {failed.slot.host} "
-                         f"failed or was lost.")
+            lines.append(f"torchmn run: exit code 255 is also ssh's own: unless the rank's output above shows "
+                         f"it exiting with 255 itself, the connection to host {failed.slot.host} failed or was lost.")
         if code == -signal.SIGKILL or (failed.is_remote and code == 128 + signal.SIGKILL):
             lines.append("torchmn run: SIGKILL often comes from the out-of-memory killer "
                          "(check `dmesg` or the job's memory limit).")
