@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 import torchmn
 from jobs import WORKERS, clean_env, run_job
@@ -158,3 +159,11 @@ def test_a_rank_that_stops_calling_collectives_is_named(name, where):
             assert "rank 1 (node 0" in line and "did not arrive within 5 s" in line, line
         else:
             assert "rank 1 (" in line and "never called it within the timeout" in line and "Waiting for them: rank(s) 0, 2" in line, line
+
+
+def test_a_finalized_communicator_refuses_collectives():
+    comm = torchmn.create_communicator()  # a world of one here
+    comm.finalize()
+    for call in (lambda: comm.allreduce(torch.ones(1)), lambda: comm.bcast_obj(1), comm.barrier):
+        with pytest.raises(RuntimeError, match="on a communicator that was finalized"):
+            call()

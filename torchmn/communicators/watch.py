@@ -44,6 +44,10 @@ def _watched(kind: str, fn: Callable) -> Callable:
     def call(comm, *args, **kwargs):
         if comm._watch_depth:  # part of another collective of this communicator: not numbered
             return fn(comm, *args, **kwargs)
+        if comm._finalized:
+            raise RuntimeError(f"rank {comm.rank}: {kind} on a communicator that was finalized (its process "
+                               f"group and shared memory are gone); create a new one with "
+                               f"torchmn.create_communicator() instead")
         comm._calls += 1
         seq = comm._calls
         comm._watch_depth += 1
