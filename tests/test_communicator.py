@@ -4,6 +4,7 @@ import re
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -167,3 +168,18 @@ def test_a_finalized_communicator_refuses_collectives():
     for call in (lambda: comm.allreduce(torch.ones(1)), lambda: comm.bcast_obj(1), comm.barrier):
         with pytest.raises(RuntimeError, match="on a communicator that was finalized"):
             call()
+
+
+def test_ranks_asking_for_different_algorithms_are_told_at_once(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import sys, torchmn\n"
+                      "name = sys.argv[1 + int(__import__('os').environ['TORCHMN_RANK'])]\n"
+                      "try:\n"
+                      "    torchmn.create_communicator(name, timeout=30)\n"
+                      "except torchmn.CollectiveMismatchError as e:\n"
+                      "    sys.stdout.write(f'MISMATCH {e}\\n')\n")
+    for names in (["naive", "flat"], ["hierarchical", "flat"]):
+        start = time.monotonic()
+        out = run_job(script, names, np=2, timeout=60).stdout
+        assert out.count("MISMATCH") == 2 and f"rank 0: {names[0]!r}, rank 1: {names[1]!r}" in out, out
+        assert time.monotonic() - start < 20, out

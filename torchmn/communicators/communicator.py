@@ -100,10 +100,17 @@ class Communicator(abc.ABC):
 
     # ----------------------------------------------------------------------------- topology
     def _set_topology(self, node_key: Any) -> None:
-        mine = (node_key, socket.gethostname())
+        mine = (node_key, socket.gethostname(), self.name)
         both = self.allgather_obj(mine) if self.size > 1 else [mine]
-        keys = [k for k, _ in both]
-        self._hosts = [h for _, h in both]
+        keys = [k for k, _, _ in both]
+        self._hosts = [h for _, h, _ in both]
+        names = [n for _, _, n in both]
+        if len(set(names)) > 1:
+            # Each algorithm makes its own calls: they would pair wrongly or wait out the timeout.
+            raise CollectiveMismatchError(
+                f"rank {self.rank}: the ranks asked for different communicators ("
+                f"{', '.join(f'rank {r}: {n!r}' for r, n in enumerate(names))}); pass the same name to "
+                f"create_communicator on every rank")
         nodes: list[Any] = []
         for k in keys:
             if k not in nodes:
