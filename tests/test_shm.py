@@ -66,6 +66,37 @@ def test_different_calls_on_two_ranks_raise_at_once():
     assert time.monotonic() - start < 25, out  # not the 30 s timeout
 
 
+SETUP_FAILS = """
+import os, sys, torchmn
+from torchmn.communicators import shm
+victim = int(sys.argv[1])
+if int(os.environ["TORCHMN_RANK"]) == victim:
+    real_open = os.open
+    def failing_open(path, flags, *args):
+        if str(path).startswith(shm.SHM_DIR):
+            raise OSError(28, "injected: no space")
+        return real_open(path, flags, *args)
+    shm.os.open = failing_open
+try:
+    torchmn.create_communicator("hierarchical", timeout=30)
+except (OSError, torchmn.communicators.RemoteRankError) as e:
+    sys.stdout.write(f"RAISED {type(e).__name__}: {e}\\n")
+"""
+
+
+@pytest.mark.parametrize("victim", [0, 1])
+def test_shared_memory_set_up_failing_on_one_rank_fails_on_all(tmp_path, victim):
+    """The creator (0) or a rank that maps the segment (1) fails: every rank raises at once, and
+    none is left with a segment its peer never attached to (which hung at the first collective)."""
+    script = tmp_path / "job.py"
+    script.write_text(SETUP_FAILS)
+    start = time.monotonic()
+    out = run_job(script, [str(victim)], np=2, timeout=60).stdout
+    assert "RAISED OSError: [Errno 28] injected" in out and "RAISED RemoteRankError" in out, out
+    assert f"failed on rank(s) {victim}" in out, out
+    assert time.monotonic() - start < 25 and not leftover_segments(), out
+
+
 def test_two_jobs_at_once_do_not_interfere():
     jobs = []
     for value in (10, 1000):

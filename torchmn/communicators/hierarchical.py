@@ -90,7 +90,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         my_node = self._node_members[self.inter_rank]
         self._shm_args = dict(
             node=self.inter_rank, local_rank=self.intra_rank, local_size=self.intra_size,
-            pids=[pids[r] for r in my_node], barrier=self.barrier,
+            pids=[pids[r] for r in my_node], agree=self.allgather_obj,
             timeout=collective_timeout_s(),
             describe=lambda i: f"rank {my_node[i]} (node {self.inter_rank}, {self.host})")
         # A small /dev/shm (Docker's default is 64 MB) means smaller slots, or TCP inside the node.

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from torchmn.communicators.errors import CollectiveMismatchError, CollectiveTimeoutError
+from torchmn.communicators.errors import CollectiveMismatchError, CollectiveTimeoutError, RemoteRankError
 
 SHM_DIR = "/dev/shm"
 DEFAULT_SLOT_MB = 16  # per rank; TORCHMN_SHM_SLOT_MB overrides. Larger tensors go in pieces.
@@ -85,11 +85,11 @@ class NodeSegment:
     """The shared-memory collectives of the ``local_size`` ranks of one node.
 
     Built collectively: the node's first rank creates the segment, the others map it once
-    ``barrier`` says it exists, and the creator unlinks the name after a second ``barrier``.
+    ``agree`` says it exists, and the creator unlinks the name once ``agree`` says all mapped it.
 
     Example::
 
-        >>> seg = NodeSegment.open(tag, node=0, local_rank=r, local_size=2, pids=pids, barrier=comm.barrier)
+        >>> seg = NodeSegment.open(tag, node=0, local_rank=r, local_size=2, pids=pids, agree=comm.allgather_obj)
         >>> seg.allreduce_(flat)                      # in place, summed over the node's ranks
     """
 
@@ -115,13 +115,13 @@ class NodeSegment:
 
     @classmethod
     def open(cls, job_tag: str, node: int, local_rank: int, local_size: int, pids: list[int],
-             barrier: Callable[[], None], slot_bytes: Optional[int] = None, timeout: float = 600.0,
+             agree: Callable[[bool], list], slot_bytes: Optional[int] = None, timeout: float = 600.0,
              describe: Callable[[int], str] = lambda r: f"local rank {r}") -> "NodeSegment":
         if slot_bytes is None:
             slot_bytes = requested_slot_bytes()
         slot_bytes = max(_ALIGN, _align(slot_bytes))  # every dtype's view needs aligned slots
         nbytes = cls.size_for(local_size, slot_bytes)
-        buf = _map_segment(segment_name(job_tag, node, pids[0]), nbytes, local_rank, barrier, "set TORCHMN_SHM_SLOT_MB lower")
+        buf = _map_segment(segment_name(job_tag, node, pids[0]), nbytes, local_rank, agree, "set TORCHMN_SHM_SLOT_MB lower")
         return cls(buf, local_rank, local_size, slot_bytes, pids, timeout, describe)
 
     # ----------------------------------------------------------------------------- waiting
@@ -332,7 +332,7 @@ class NodeArena:
 
     Example::
 
-        >>> arena = NodeArena.open(tag, 0, r, 2, pids, comm.barrier, shared_bytes=4096, region_bytes=4096)
+        >>> arena = NodeArena.open(tag, 0, r, 2, pids, comm.allgather_obj, shared_bytes=4096, region_bytes=4096)
         >>> arena.regions[r].view(torch.float32)[:4] = 1.0
         >>> arena.barrier()                      # every rank's writes before it are visible after it
     """
@@ -359,11 +359,11 @@ class NodeArena:
 
     @classmethod
     def open(cls, job_tag: str, node: int, local_rank: int, local_size: int, pids: list[int],
-             barrier: Callable[[], None], shared_bytes: int, region_bytes: int, timeout: float = 600.0,
+             agree: Callable[[bool], list], shared_bytes: int, region_bytes: int, timeout: float = 600.0,
              describe: Callable[[int], str] = lambda r: f"local rank {r}") -> "NodeArena":
         nbytes = cls.size_for(local_size, shared_bytes, region_bytes)
         shared_bytes, region_bytes = _align(shared_bytes), _align(region_bytes)
-        buf = _map_segment(segment_name(job_tag + "arena", node, pids[0]), nbytes, local_rank, barrier,
+        buf = _map_segment(segment_name(job_tag + "arena", node, pids[0]), nbytes, local_rank, agree,
                            "or give the machine (container: --shm-size) a larger /dev/shm")
         return cls(buf, local_rank, local_size, shared_bytes, region_bytes, pids, timeout, describe)
 
@@ -387,32 +387,55 @@ class NodeArena:
         _close(self._buf)
 
 
-def _map_segment(name: str, nbytes: int, local_rank: int, barrier: Callable[[], None], remedy: str) -> mmap.mmap:
-    """Local rank 0 creates /dev/shm/NAME, every local rank maps it, then the name is unlinked."""
+def _map_segment(name: str, nbytes: int, local_rank: int, agree: Callable[[bool], list],
+                 remedy: str) -> mmap.mmap:
+    """Local rank 0 creates /dev/shm/NAME, every local rank maps it, then the name is unlinked.
+
+    ``agree(ok)`` is every rank's ``ok``, collectively: after creating and after mapping, the ranks
+    tell each other whether that worked, so that a failure on one rank raises on all of them
+    instead of leaving the others with a segment their peer never attached to."""
     path = os.path.join(SHM_DIR, name)
     fd = -1
     try:
+        error = None
         if local_rank == 0:
             remove_stale_segments()
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
             try:
-                os.posix_fallocate(fd, 0, nbytes)  # fail now, not with SIGBUS mid-collective
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)  # fail now, not with SIGBUS mid-collective
+                except OSError as e:
+                    raise OSError(e.errno, f"cannot reserve {nbytes >> 20} MiB of shared memory in "
+                                           f"{SHM_DIR} ({e.strerror}); free space there, {remedy}") from e
             except OSError as e:
-                raise OSError(e.errno, f"cannot reserve {nbytes >> 20} MiB of shared memory in "
-                                       f"{SHM_DIR} ({e.strerror}); free space there, {remedy}") from e
-        barrier()
-        if local_rank != 0:
-            fd = os.open(path, os.O_RDWR)
-        return mmap.mmap(fd, nbytes)
+                error = e
+        _all_succeeded(agree, error, f"creating {path}")
+        buf = None
+        try:
+            if local_rank != 0:
+                fd = os.open(path, os.O_RDWR)
+            buf = mmap.mmap(fd, nbytes)
+        except OSError as e:
+            error = e
+        _all_succeeded(agree, error, f"mapping {path}")
+        return buf
     finally:
         if fd >= 0:
             os.close(fd)
-        # Everyone has mapped it (or failed) after this barrier: the name is no longer needed.
-        try:
-            barrier()
-        finally:
-            if local_rank == 0:
-                _unlink(path)
+        # Everyone has mapped it, or the set-up failed everywhere: the name is no longer needed.
+        if local_rank == 0:
+            _unlink(path)
+
+
+def _all_succeeded(agree: Callable[[bool], list], error: Optional[BaseException], what: str) -> None:
+    """Raise this rank's own ``error``, or, if another rank had one, an error naming it."""
+    oks = agree(error is None)
+    if error is not None:
+        raise error
+    failed = [r for r, ok in enumerate(oks) if not ok]
+    if failed:
+        raise RemoteRankError(f"shared memory could not be set up: {what} failed on rank(s) "
+                              f"{', '.join(map(str, failed))} (see that rank's error)")
 
 
 def _close(buf: mmap.mmap) -> None:
