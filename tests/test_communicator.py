@@ -183,3 +183,21 @@ def test_ranks_asking_for_different_algorithms_are_told_at_once(tmp_path):
         out = run_job(script, names, np=2, timeout=60).stdout
         assert out.count("MISMATCH") == 2 and f"rank 0: {names[0]!r}, rank 1: {names[1]!r}" in out, out
         assert time.monotonic() - start < 20, out
+
+
+def test_a_recv_that_times_out_names_the_sender(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text("import sys, time, torch, torchmn\n"
+                      "comm = torchmn.create_communicator('flat', timeout=3)\n"
+                      "comm.allreduce(torch.ones(1))\n"
+                      "if comm.rank == 1:\n"
+                      "    time.sleep(8)\n"
+                      "else:\n"
+                      "    for recv in (lambda: comm.recv(1), lambda: comm.recv_obj(source=1, tag=5)):\n"
+                      "        try:\n"
+                      "            recv()\n"
+                      "        except torchmn.CollectiveTimeoutError as e:\n"
+                      "            sys.stdout.write(f'NAMED {e}\\n')\n")
+    out = run_job(script, [], np=2, timeout=60).stdout
+    assert "NAMED recv from rank 1 (" in out and "did not make the matching send with the same tag" in out, out
+    assert "NAMED recv_obj from rank 1 (" in out and "matching send_obj" in out, out

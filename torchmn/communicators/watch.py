@@ -13,6 +13,7 @@ Shared-memory collectives inside a node name their missing peers themselves
 from __future__ import annotations
 
 import functools
+import inspect
 import time
 from typing import Callable
 
@@ -31,12 +32,46 @@ _LOST_PEER = ("Timed out", "timed out", "Connection closed by peer", "Connection
 GRACE_S = 3.0  # how long a rank that timed out waits for the others to report where they are
 
 
+# Point-to-point calls: not numbered (only two ranks take part), but a timeout names the peer.
+POINT_TO_POINT = {"send": "dest", "recv": "source", "send_obj": "dest", "recv_obj": "source"}
+
+
 def install(cls: type) -> None:
-    """Watch the collectives that ``cls`` itself defines (subclass overrides included)."""
+    """Watch the collectives and point-to-point calls that ``cls`` itself defines (subclass
+    overrides included)."""
     for name in WATCHED:
         fn = cls.__dict__.get(name)
         if fn is not None and not getattr(fn, "_watched", False):
             setattr(cls, name, _watched(name, fn))
+    for name, peer_arg in POINT_TO_POINT.items():
+        fn = cls.__dict__.get(name)
+        if fn is not None and not getattr(fn, "_watched", False):
+            setattr(cls, name, _watched_p2p(name, peer_arg, fn))
+
+
+def _watched_p2p(kind: str, peer_arg: str, fn: Callable) -> Callable:
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(comm, *args, **kwargs):
+        if comm._finalized:
+            raise RuntimeError(f"rank {comm.rank}: {kind} on a communicator that was finalized; create a new "
+                               f"one with torchmn.create_communicator() instead")
+        try:
+            return fn(comm, *args, **kwargs)
+        except RuntimeError as e:
+            if not lost_peer(e):
+                raise
+            peer = signature.bind(comm, *args, **kwargs).arguments[peer_arg]
+            other = "send" if kind.startswith("recv") else "recv"
+            direction = "from" if kind.startswith("recv") else "to"
+            raise CollectiveTimeoutError(
+                f"{kind} {direction} rank {peer} ({_host(comm, peer) if isinstance(peer, int) else 'host unknown'}) "
+                f"failed on rank {comm.rank} ({_host(comm, comm.rank)}): rank {peer} did not make the matching "
+                f"{other}{'_obj' if kind.endswith('_obj') else ''} with the same tag within the timeout, or "
+                f"exited. (torch.distributed said: {e})") from e
+    call._watched = True
+    return call
 
 
 def _watched(kind: str, fn: Callable) -> Callable:
