@@ -54,6 +54,8 @@ def _watched_p2p(kind: str, peer_arg: str, fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def call(comm, *args, **kwargs):
+        if comm._watch_depth:  # part of a collective (gather_obj, scatter_obj), which names the missing
+            return fn(comm, *args, **kwargs)
         if comm._finalized:
             raise RuntimeError(f"rank {comm.rank}: {kind} on a communicator that was finalized; create a new "
                                f"one with torchmn.create_communicator() instead")
