@@ -12,6 +12,9 @@ Two entry points:
 - ``apply_thread_budget`` is called inside a rank (by the communicator) when no torchmn launcher set
   the environment (srun, mpirun, torchrun): it applies the budget to libraries already loaded.
 
+This module imports nothing of torchmn's (and torch only inside a rank): ``torchmn run``'s
+watcher on a remote host loads it alone, without torch.
+
 A user's own ``OMP_NUM_THREADS`` always wins, over ``TORCHMN_NUM_THREADS`` too (which chooses
 torchmn's budget explicitly where the user left ``OMP_NUM_THREADS`` alone).
 """
@@ -42,6 +45,32 @@ _POOL_VARIABLES = {"openmp": "OMP_NUM_THREADS", "mkl": "MKL_NUM_THREADS", "openb
 # holding the object lets torchmn, or a test, undo them later.
 _limiter = None
 _applied: Optional[int] = None
+
+
+# Slurm gives its special steps ids near 2**32: batch 0xfffffffb (0xfffffffe before 20.11), extern
+# 0xfffffffc (0xffffffff before), interactive 0xfffffffa. None of these is a task started by srun.
+_SLURM_SPECIAL_STEP_MIN = 0xFFFFFFF0
+
+
+def slurm_step_id(env: Mapping[str, str]) -> Optional[int]:
+    """This task's srun step id, or None outside an srun step (batch script, salloc shell, extern).
+
+    Example::
+
+        >>> slurm_step_id({"SLURM_STEP_ID": "0"}), slurm_step_id({"SLURM_STEP_ID": "4294967291"})
+        (0, None)
+    """
+    value = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
+    if value is None:
+        return None
+    try:
+        step = int(value)
+    except ValueError:
+        # e.g. "batch" or "extern" as some tools print it: not a task that srun started.
+        return None
+    if step < 0 or step >= _SLURM_SPECIAL_STEP_MIN:
+        return None
+    return step
 
 
 def _environ(env: Optional[Mapping[str, str]]) -> Mapping[str, str]:
@@ -163,8 +192,6 @@ def cpu_count_available(env: Optional[Mapping[str, str]] = None) -> int:
 def _srun_task(env: Mapping[str, str]) -> bool:
     """Whether this process is a task that srun itself started (a batch script is not one, nor a
     rank that another launcher started inside the allocation)."""
-    from torchmn.launch.environments import slurm_step_id
-
     return slurm_step_id(env) is not None and not any(name in env for name in _OTHER_LAUNCHER_VARIABLES)
 
 

@@ -19,6 +19,7 @@ from torchmn.launch.base import (
     LaunchEnvironment,
 )
 from torchmn.launch.hostlist import expand_hostlist
+from torchmn.resources import slurm_step_id
 
 LOCALHOST = "127.0.0.1"
 
@@ -30,11 +31,6 @@ DEFAULT_PORT = 29500
 # program (gloo opens many) may hold the number and make the rendezvous fail with "address in use".
 PORT_BASE = 20000
 PORT_SPAN = 12000
-
-# Slurm gives its special steps ids near 2**32: batch 0xfffffffb (0xfffffffe before 20.11), extern
-# 0xfffffffc (0xffffffff before), interactive 0xfffffffa. None of these is a task started by srun.
-_SLURM_SPECIAL_STEP_MIN = 0xFFFFFFF0
-
 
 def slurm_port(job_id: int, step_id: int) -> int:
     """The rendezvous port for a Slurm step: ``20000 + (job_id * 97 + step_id) % 12000``.
@@ -365,27 +361,6 @@ def _master_port(env: Mapping[str, str], derived: Optional[int]) -> Optional[int
 def _first_present(env: Mapping[str, str], names: Sequence[str]) -> str:
     """The first of ``names`` that is set, else the first name (so errors name the main variable)."""
     return next((name for name in names if env.get(name)), names[0])
-
-
-def slurm_step_id(env: Mapping[str, str]) -> Optional[int]:
-    """This task's srun step id, or None outside an srun step (batch script, salloc shell, extern).
-
-    Example::
-
-        >>> slurm_step_id({"SLURM_STEP_ID": "0"}), slurm_step_id({"SLURM_STEP_ID": "4294967291"})
-        (0, None)
-    """
-    value = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
-    if value is None:
-        return None
-    try:
-        step = int(value)
-    except ValueError:
-        # e.g. "batch" or "extern" as some tools print it: not a task that srun started.
-        return None
-    if step < 0 or step >= _SLURM_SPECIAL_STEP_MIN:
-        return None
-    return step
 
 
 def _slurm_local_size(env: Mapping[str, str], node_rank: int, size: int, fix: str) -> tuple:
