@@ -72,38 +72,41 @@ def test_dataloader_workers_leave_one_cpu_for_the_rank(cpus):
     assert resources.dataloader_workers_budget(2, {"OMP_NUM_THREADS": "2"}) == 1
 
 
+def cgroup_limit(root, proc_cgroup_lines):
+    """_cgroup_cpu_limit for a fake cgroup tree under ``root`` and a fake /proc/self/cgroup."""
+    proc = root / "proc-self-cgroup"
+    proc.write_text(proc_cgroup_lines)
+    return resources._cgroup_cpu_limit(root=str(root), proc_cgroup=str(proc))
+
+
+def write_v1_quotas(quotas):
+    for directory, quota in quotas:
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "cpu.cfs_quota_us").write_text(f"{quota}\n")
+        (directory / "cpu.cfs_period_us").write_text("100000\n")
+
+
 def test_cgroup_v2_quota_of_own_cgroup_and_parents(tmp_path):
     (tmp_path / "job" / "step").mkdir(parents=True)
     (tmp_path / "job" / "cpu.max").write_text("250000 100000\n")
     (tmp_path / "job" / "step" / "cpu.max").write_text("max 100000\n")
-    proc = tmp_path / "cgroup"
-    proc.write_text("0::/job/step\n")
-    assert resources._cgroup_cpu_limit(root=str(tmp_path), proc_cgroup=str(proc)) == 3
+    assert cgroup_limit(tmp_path, "0::/job/step\n") == 3
     (tmp_path / "job" / "cpu.max").write_text("max 100000\n")
-    assert resources._cgroup_cpu_limit(root=str(tmp_path), proc_cgroup=str(proc)) is None
+    assert cgroup_limit(tmp_path, "0::/job/step\n") is None
 
 
 def test_cgroup_v1_quota(tmp_path):
-    (tmp_path / "cpu").mkdir()
-    (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("150000\n")
-    (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    proc = tmp_path / "cgroup"
-    proc.write_text("5:memory:/\n4:cpu,cpuacct:/\n")
-    assert resources._cgroup_cpu_limit(root=str(tmp_path), proc_cgroup=str(proc)) == 2
+    write_v1_quotas([(tmp_path / "cpu", 150000)])
+    assert cgroup_limit(tmp_path, "5:memory:/\n4:cpu,cpuacct:/\n") == 2
 
 
 def test_cgroup_v1_quota_of_own_cgroup_and_parents(tmp_path):
     """A quota on the process's own v1 cgroup (docker, systemd slices), not only on the root."""
     mount = tmp_path / "cpu,cpuacct"
-    (mount / "job" / "step").mkdir(parents=True)
-    for directory, quota in ((mount, "-1"), (mount / "job", "100000"), (mount / "job" / "step", "-1")):
-        (directory / "cpu.cfs_quota_us").write_text(quota + "\n")
-        (directory / "cpu.cfs_period_us").write_text("100000\n")
-    proc = tmp_path / "cgroup"
-    proc.write_text("7:pids:/job/step\n4:cpu,cpuacct:/job/step\n")
-    assert resources._cgroup_cpu_limit(root=str(tmp_path), proc_cgroup=str(proc)) == 1
-    (mount / "job" / "cpu.cfs_quota_us").write_text("-1\n")
-    assert resources._cgroup_cpu_limit(root=str(tmp_path), proc_cgroup=str(proc)) is None
+    write_v1_quotas([(mount, -1), (mount / "job", 100000), (mount / "job" / "step", -1)])
+    assert cgroup_limit(tmp_path, "7:pids:/job/step\n4:cpu,cpuacct:/job/step\n") == 1
+    write_v1_quotas([(mount / "job", -1)])
+    assert cgroup_limit(tmp_path, "7:pids:/job/step\n4:cpu,cpuacct:/job/step\n") is None
 
 
 def test_slurm_cpus_per_task_counts_per_task(cpus):
