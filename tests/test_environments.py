@@ -331,3 +331,36 @@ def test_bad_values_raise_value_error_naming_variable_and_value(env, fragments):
         detect_environment(env)
     for fragment in fragments:
         assert fragment in str(info.value)
+
+
+# `srun -n1 -w n2 CMD : -n2 -w n1 CMD` (Slurm 22.05.8): the node list and the tasks per node are in
+# sorted node order, SLURM_NODEID in component order; task 0 runs on n2.
+HET = {"SLURM_HET_SIZE": "2", "SLURM_JOB_ID": "6", "SLURM_STEP_ID": "0", "SLURM_NTASKS": "3",
+       "SLURM_JOB_NODELIST": "n[1-2]", "SLURM_STEP_NODELIST": "n[1-2]", "SLURM_JOB_NODELIST_PACK_GROUP_0": "n2",
+       "SLURM_JOB_NODELIST_PACK_GROUP_1": "n1", "SLURM_STEP_TASKS_PER_NODE": "2,1", "SLURM_TASKS_PER_NODE": "2,1"}
+
+
+@pytest.mark.parametrize("rank, node_id, local_rank, node, local_size", [(0, 0, 0, "n2", 1), (1, 1, 0, "n1", 2),
+                                                                         (2, 1, 1, "n1", 2)])
+def test_heterogeneous_step(rank, node_id, local_rank, node, local_size):
+    env = {**HET, "SLURM_PROCID": str(rank), "SLURM_NODEID": str(node_id), "SLURM_LOCALID": str(local_rank),
+           "SLURMD_NODENAME": node}
+    seen = detect_environment(env)
+    assert (seen.rank, seen.size, seen.local_rank, seen.local_size, seen.master_addr) == \
+        (rank, 3, local_rank, local_size, "n2")
+
+
+def test_arbitrary_distribution_needs_master_addr():
+    env = {**SLURM, "SLURM_DISTRIBUTION": "arbitrary"}
+    with pytest.raises(RuntimeError, match="arbitrary .* export MASTER_ADDR"):
+        detect_environment(env)
+    assert detect_environment({**env, "MASTER_ADDR": "n7"}).master_addr == "n7"
+
+
+def test_torchmn_run_per_node_refuses_a_task_on_another_node():
+    from torchmn.launch.runner import RunError, slurm_step
+
+    env = {**HET, "SLURM_NTASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1,1", "SLURM_TASKS_PER_NODE": "1,1",
+           "SLURM_PROCID": "0", "SLURM_NODEID": "0", "SLURM_LOCALID": "0", "SLURMD_NODENAME": "n2"}
+    with pytest.raises(RunError, match="task 0 runs on n2, node 0 of the step is n1"):
+        slurm_step(env)

@@ -225,10 +225,13 @@ class SlurmEnvironment(Environment):
     Checked after MPI: see ``OpenMPIEnvironment``.
 
     ``local_size`` is this node's entry of ``SLURM_STEP_TASKS_PER_NODE`` (else
-    ``SLURM_TASKS_PER_NODE``; srun sets both to the step's layout, e.g. ``2(x2),1``), indexed by
-    ``SLURM_NODEID``; else ``SLURM_NTASKS_PER_NODE``. ``master_addr`` is the first host of
-    ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``, else ``SLURM_NODELIST``), where task 0
-    runs with the default block distribution; the port is ``slurm_port(job id, step id)``.
+    ``SLURM_TASKS_PER_NODE``; srun sets both to the step's layout, e.g. ``2(x2),1``), at this node's
+    place in the step's node list (``SLURMD_NODENAME``; else ``SLURM_NODEID``, which in a
+    heterogeneous step follows the components instead); else ``SLURM_NTASKS_PER_NODE``.
+    ``master_addr`` is the first host of ``SLURM_STEP_NODELIST`` (else ``SLURM_JOB_NODELIST``, else
+    ``SLURM_NODELIST``), where task 0 runs with the block and cyclic distributions, or of the first
+    component of a heterogeneous step; ``--distribution=arbitrary`` needs ``MASTER_ADDR``. The port is
+    ``slurm_port(job id, step id)``.
     """
 
     source = "slurm"
@@ -245,18 +248,12 @@ class SlurmEnvironment(Environment):
         size = _int(env, size_name, fix)
         local_rank = _int(env, "SLURM_LOCALID", fix)
         node_rank = _int(env, "SLURM_NODEID", fix)
-        local_size, local_size_name = _slurm_local_size(env, node_rank, size, fix)
+        nodelist_name = _first_present(env, ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"))
+        hosts = _slurm_hosts(env, nodelist_name)
+        local_size, local_size_name = _slurm_local_size(env, _slurm_node_index(env, hosts, node_rank), size, fix)
         _check(env, ("SLURM_PROCID", rank), (size_name, size), ("SLURM_LOCALID", local_rank),
                (local_size_name, local_size), fix)
-        nodelist_name = _first_present(env, ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"))
-        first_host = None
-        if nodelist_name in env:
-            try:
-                first_host = expand_hostlist(env[nodelist_name])[0]
-            except ValueError as error:
-                raise ValueError(f"{nodelist_name}={env[nodelist_name]!r} cannot be read: {error}; "
-                                 f"set MASTER_ADDR to the first node's name to bypass it") from error
-        addr = _master_addr(env, first_host, size, local_size, cls.source,
+        addr = _master_addr(env, _slurm_rank0_host(env, hosts), size, local_size, cls.source,
                             "srun normally sets SLURM_STEP_NODELIST")
         return LaunchEnvironment(rank, size, local_rank, local_size, node_rank, addr,
                                  _master_port(env, _slurm_derived_port(env, fix)), cls.source)
@@ -361,6 +358,38 @@ def _master_port(env: Mapping[str, str], derived: Optional[int]) -> Optional[int
 def _first_present(env: Mapping[str, str], names: Sequence[str]) -> str:
     """The first of ``names`` that is set, else the first name (so errors name the main variable)."""
     return next((name for name in names if env.get(name)), names[0])
+
+
+def _slurm_hosts(env: Mapping[str, str], name: str) -> Optional[list]:
+    if name not in env:
+        return None
+    try:
+        return expand_hostlist(env[name])
+    except ValueError as error:
+        raise ValueError(f"{name}={env[name]!r} cannot be read: {error}; set MASTER_ADDR to the first "
+                         f"node's name to bypass it") from error
+
+
+def _slurm_node_index(env: Mapping[str, str], hosts: Optional[list], node_rank: int) -> int:
+    """This node's place in the step's node list, which the tasks-per-node counts follow. That is
+    SLURM_NODEID, except in a heterogeneous step, whose node ids follow its components instead."""
+    name = env.get("SLURMD_NODENAME")
+    if hosts and name in hosts:
+        return hosts.index(name)
+    return node_rank
+
+
+def _slurm_rank0_host(env: Mapping[str, str], hosts: Optional[list]) -> Optional[str]:
+    """Where task 0 runs: the first node of the step (block and cyclic distributions), or of the
+    first component of a heterogeneous step; unknown for ``--distribution=arbitrary``."""
+    if env.get("SLURM_DISTRIBUTION", "").startswith("arbitrary") and not env.get("MASTER_ADDR"):
+        raise RuntimeError("srun --distribution=arbitrary (SLURM_HOSTFILE) places task 0 on a node Slurm's "
+                           "variables do not tell; export MASTER_ADDR as the name of the node where task 0 "
+                           "runs (the first line of the hostfile)")
+    for name in ("SLURM_JOB_NODELIST_HET_GROUP_0", "SLURM_JOB_NODELIST_PACK_GROUP_0"):
+        if env.get("SLURM_HET_SIZE") and env.get(name):
+            return _slurm_hosts(env, name)[0]
+    return hosts[0] if hosts else None
 
 
 def _slurm_local_size(env: Mapping[str, str], node_rank: int, size: int, fix: str) -> tuple:

@@ -177,12 +177,14 @@ def slurm_step(env: Mapping[str, str]) -> Optional[SlurmStep]:
             f"exactly one task per node, each starting that node's ranks. Use "
             f"`srun --ntasks-per-node 1 torchmn run -np RANKS_PER_NODE ...`, or drop torchmn run and "
             f"start one srun task per rank: `srun -n {seen.size} python train.py`.")
-    if seen.rank != seen.node_rank:
+    on = env.get("SLURMD_NODENAME")
+    if seen.rank != seen.node_rank or (on in hosts and hosts.index(on) != seen.rank):
         raise RunError(
             f"Slurm task {seen.rank} runs on node {seen.node_rank} of the step (SLURM_PROCID="
             f"{seen.rank}, SLURM_NODEID={seen.node_rank}); torchmn run needs task N on node N, as "
-            f"Slurm's default block or cyclic distribution does. Drop --distribution/-m or the "
-            f"arbitrary layout.")
+            f"Slurm's default block or cyclic distribution does (task {seen.rank} runs on "
+            f"{on or 'an unknown node'}, node {seen.rank} of the step is {hosts[seen.rank]}). Drop "
+            f"--distribution/-m, the arbitrary layout or the heterogeneous components.")
     return SlurmStep(seen.rank, seen.size, tuple(hosts), seen.master_addr, seen.master_port)
 
 
