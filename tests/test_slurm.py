@@ -335,3 +335,34 @@ def test_preemption_checkpoint_requeue_resume(slurm, tmp_path):
     assert resumed["step"] == whole["step"] == 30
     for name, value in whole["model"].items():
         assert torch.allclose(resumed["model"][name], value, atol=1e-6), name
+
+
+def test_two_jobs_on_one_rendezvous_port_stop_at_once(slurm, tmp_path):
+    """Two steps that end up on the same port (derived ports can collide; here MASTER_PORT forces
+    it): the second job's rank 0 cannot listen, and its other rank, which reaches the first job's
+    store, sees whose it is and stops too, instead of waiting there for the whole timeout."""
+    port = str(20000 + (os.getpid() + 7) % 10000)
+    script = tmp_path / "hold.py"
+    script.write_text("import sys, time, torchmn\n"
+                      "comm = torchmn.create_communicator()\n"
+                      "sys.stdout.write(f'READY {comm.rank}\\n'); sys.stdout.flush()\n"
+                      "time.sleep(float(sys.argv[1]))\n"
+                      "comm.finalize()\n")
+    env = job_env(MASTER_PORT=port, TORCHMN_TIMEOUT="60")
+    first = subprocess.Popen(["srun", "-N", "1", "-n", "2", "-w", "n1", PY, str(script), "25"],
+                             env=slurm.env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        ready = [first.stdout.readline() for _ in range(2)]
+        assert all("READY" in line for line in ready), ready
+        start = time.monotonic()
+        second = slurm.run(["srun", "-N", "1", "-n", "2", "-w", "n2", PY, str(script), "0"], env=env,
+                           timeout=50, check=False)
+        took = time.monotonic() - start
+    finally:
+        first.kill()
+        first.wait(timeout=30)
+    out = second.stdout + second.stderr
+    assert second.returncode != 0 and "READY" not in second.stdout, out
+    assert f"the rendezvous port {port} is in use" in out, out
+    assert "belongs to Slurm job" in out, out
+    assert took < 20, (took, out)

@@ -68,6 +68,9 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
     The teardown matters: a gloo process that exits with its group alive sometimes aborts at
     exit (``terminate called without an active exception``), failing jobs that succeeded.
     """
+    global _timeout
+    _timeout = timeout or default_timeout()
+    store = None
     if init_method is None:
         if env.source in ("torchmn", "torchrun"):
             # Their launcher hosts the store (TORCHELASTIC_USE_AGENT_STORE) and set MASTER_*.
@@ -79,16 +82,15 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             _check_resolves(env)
             host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr  # IPv6
             init_method = f"tcp://{host}:{env.master_port}"
+            store = _job_store(env, _timeout)
     if init_method.startswith("file://"):
         _refuse_stale_file(init_method[len("file://"):], env)
     if backend == "nccl":
         torch.cuda.set_device(env.local_rank % max(1, torch.cuda.device_count()))
-    global _timeout
-    _timeout = timeout or default_timeout()
     try:
         with _own_store_for(init_method):
-            dist.init_process_group(backend, init_method=init_method, rank=env.rank, world_size=env.size,
-                                    timeout=_timeout)
+            where = {"store": store} if store is not None else {"init_method": init_method}
+            dist.init_process_group(backend, rank=env.rank, world_size=env.size, timeout=_timeout, **where)
     except Exception as e:
         raise RuntimeError(
             f"rank {env.rank}/{env.size} could not join the job's rendezvous at {init_method} "
@@ -96,6 +98,52 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             f"is reachable from this one, and that the port is free and not firewalled "
             f"(MASTER_ADDR / MASTER_PORT override it).") from e
     atexit.register(shutdown_world)
+
+
+_JOB_KEY = "torchmn/job"
+
+
+def _job_store(env: LaunchEnvironment, timeout: datetime.timedelta) -> "dist.TCPStore":
+    """The rendezvous store at a port derived from the launcher's job id (Slurm, MPI), hosted by
+    rank 0, which writes which job it is. Two jobs can derive the same port; the second's rank 0
+    then cannot listen on it, and its other ranks would join the first job's store and wait there
+    for the whole timeout: they compare the job instead, and stop at once."""
+    job = _job_identity(env)
+    try:
+        store = dist.TCPStore(env.master_addr, env.master_port, env.size, env.rank == 0, timeout=timeout,
+                              wait_for_workers=False, multi_tenant=True)
+    except RuntimeError as e:
+        if env.rank == 0 and "in use" in str(e).lower():
+            raise RuntimeError(f"rank 0 of {job} on {socket.gethostname()}: the rendezvous port {env.master_port} "
+                               f"is in use, by another job or program; export MASTER_PORT=<a free port> on every "
+                               f"rank") from None
+        raise
+    if env.rank == 0:
+        store.set(_JOB_KEY, job)
+        return store
+    try:
+        store.wait([_JOB_KEY])
+    except RuntimeError as e:
+        raise RuntimeError(f"rank {env.rank} of {job}: the rendezvous store at {env.master_addr}:{env.master_port} "
+                           f"never said which job it serves ({e}); if rank 0 did start, the port belongs to "
+                           f"another program: export MASTER_PORT=<a free port> on every rank") from None
+    owner = store.get(_JOB_KEY).decode()
+    if owner != job:
+        raise RuntimeError(f"rank {env.rank} of {job}: the rendezvous store at {env.master_addr}:{env.master_port} "
+                           f"belongs to {owner} (the two jobs derived the same port); export "
+                           f"MASTER_PORT=<a free port> on every rank")
+    return store
+
+
+def _job_identity(env: LaunchEnvironment) -> str:
+    """Words that differ between two jobs of the same launcher, as far as it tells."""
+    slurm_job = os.environ.get("SLURM_JOB_ID", os.environ.get("SLURM_JOBID"))
+    if env.source == "slurm" and slurm_job:
+        return f"Slurm job {slurm_job} step {os.environ.get('SLURM_STEP_ID', os.environ.get('SLURM_STEPID', '?'))}"
+    mpi_job = os.environ.get("OMPI_MCA_ess_base_jobid", os.environ.get("PMIX_NAMESPACE"))
+    if env.source == "openmpi" and mpi_job:
+        return f"Open MPI job {mpi_job}"
+    return f"a {env.source} job of {env.size} ranks"
 
 
 def _check_resolves(env: LaunchEnvironment) -> None:
