@@ -96,3 +96,19 @@ def test_torchmn_run_under_mpirun_is_refused(mpi):
     proc = subprocess.run(argv, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
     assert proc.returncode != 0 and "RAN" not in proc.stdout, proc.stdout + proc.stderr
     assert f"torchmn run was started as one of 2 {mpi} processes" in proc.stderr, proc.stderr
+
+
+def test_a_rank_that_never_joins_is_named_at_set_up(tmp_path):
+    """Rank 1 exits 0 before create_communicator (mpirun then lets the others run): rank 0's set-up
+    timeout says which rank never came, not just torch's store key."""
+    script = tmp_path / "absent.py"
+    script.write_text("import os, sys, torchmn\n"
+                      "if os.environ['OMPI_COMM_WORLD_RANK'] == '1':\n"
+                      "    sys.exit(0)\n"
+                      "try:\n"
+                      "    torchmn.create_communicator(timeout=6)\n"
+                      "except RuntimeError as e:\n"
+                      "    sys.stdout.write(f'RAISED {e}\\n')\n")
+    argv = mpi_argv("openmpi", 2) + [sys.executable, str(script)]
+    proc = subprocess.run(argv, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert "Rank(s) 1 never reached create_communicator" in proc.stdout, proc.stdout + proc.stderr

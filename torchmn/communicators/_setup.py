@@ -92,15 +92,29 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             where = {"store": store} if store is not None else {"init_method": init_method}
             dist.init_process_group(backend, rank=env.rank, world_size=env.size, timeout=_timeout, **where)
     except Exception as e:
+        missing = _never_arrived(store, env.size)
         raise RuntimeError(
             f"rank {env.rank}/{env.size} could not join the job's rendezvous at {init_method} "
-            f"({env.source} launch): {e}. Check that every rank was started, that the rendezvous host "
-            f"is reachable from this one, and that the port is free and not firewalled "
-            f"(MASTER_ADDR / MASTER_PORT override it).") from e
+            f"({env.source} launch): {e}. "
+            + (f"Rank(s) {', '.join(map(str, missing))} never reached create_communicator (not started, exited, "
+               f"or busy before it): see their output." if missing else
+               "Check that every rank was started, that the rendezvous host is reachable from this one, and that "
+               "the port is free and not firewalled (MASTER_ADDR / MASTER_PORT override it).")) from e
     atexit.register(shutdown_world)
 
 
+def _never_arrived(store: Optional["dist.TCPStore"], size: int) -> list:
+    """The ranks that never marked their arrival in the job's store (see _job_store)."""
+    if store is None:
+        return []
+    try:
+        return [r for r in range(size) if not store.check([f"{_ARRIVED}{r}"])]
+    except RuntimeError:  # the store went with rank 0
+        return []
+
+
 _JOB_KEY = "torchmn/job"
+_ARRIVED = "torchmn/arrived/"
 
 
 def _job_store(env: LaunchEnvironment, timeout: datetime.timedelta) -> "dist.TCPStore":
@@ -120,6 +134,7 @@ def _job_store(env: LaunchEnvironment, timeout: datetime.timedelta) -> "dist.TCP
         raise
     if env.rank == 0:
         store.set(_JOB_KEY, job)
+        store.set(f"{_ARRIVED}0", "")
         return store
     try:
         store.wait([_JOB_KEY])
@@ -132,6 +147,7 @@ def _job_store(env: LaunchEnvironment, timeout: datetime.timedelta) -> "dist.TCP
         raise RuntimeError(f"rank {env.rank} of {job}: the rendezvous store at {env.master_addr}:{env.master_port} "
                            f"belongs to {owner} (the two jobs derived the same port); export "
                            f"MASTER_PORT=<a free port> on every rank")
+    store.set(f"{_ARRIVED}{env.rank}", "")
     return store
 
 
