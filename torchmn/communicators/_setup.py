@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from torchmn.launch import LaunchEnvironment
+from torchmn.launch.environments import job_label
 
 _timeout: Optional[datetime.timedelta] = None  # the world's, once set up or adopted
 
@@ -122,7 +123,8 @@ def _job_store(env: LaunchEnvironment, timeout: datetime.timedelta) -> "dist.TCP
     rank 0, which writes which job it is. Two jobs can derive the same port; the second's rank 0
     then cannot listen on it, and its other ranks would join the first job's store and wait there
     for the whole timeout: they compare the job instead, and stop at once."""
-    job = _job_identity(env)
+    # Words that differ between two jobs of one launcher, as far as it tells.
+    job = job_label(os.environ, env.source) or f"a {env.source} job of {env.size} ranks"
     try:
         store = dist.TCPStore(env.master_addr, env.master_port, env.size, env.rank == 0, timeout=timeout,
                               wait_for_workers=False, multi_tenant=True)
@@ -149,17 +151,6 @@ def _job_store(env: LaunchEnvironment, timeout: datetime.timedelta) -> "dist.TCP
                            f"MASTER_PORT=<a free port> on every rank")
     store.set(f"{_ARRIVED}{env.rank}", "")
     return store
-
-
-def _job_identity(env: LaunchEnvironment) -> str:
-    """Words that differ between two jobs of the same launcher, as far as it tells."""
-    slurm_job = os.environ.get("SLURM_JOB_ID", os.environ.get("SLURM_JOBID"))
-    if env.source == "slurm" and slurm_job:
-        return f"Slurm job {slurm_job} step {os.environ.get('SLURM_STEP_ID', os.environ.get('SLURM_STEPID', '?'))}"
-    mpi_job = os.environ.get("OMPI_MCA_ess_base_jobid", os.environ.get("PMIX_NAMESPACE"))
-    if env.source == "openmpi" and mpi_job:
-        return f"Open MPI job {mpi_job}"
-    return f"a {env.source} job of {env.size} ranks"
 
 
 def _check_resolves(env: LaunchEnvironment) -> None:

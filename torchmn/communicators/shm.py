@@ -79,6 +79,7 @@ def new_job_tag() -> str:
 # instead of reading each other's data.
 SEGMENT_CALLS = ("an allreduce", "a reduce-scatter", "an all-gather", "a broadcast",
                  "an exchange of small buffers (a collective call check, or objects)")
+_ALLREDUCE, _REDUCE_SCATTER, _ALLGATHER, _BROADCAST, _ALLGATHER_BYTES = range(len(SEGMENT_CALLS))
 
 
 class NodeSegment:
@@ -146,7 +147,7 @@ class NodeSegment:
             result = self._result[:n * item].view(flat.dtype)
             self._seq += 1
             slots[self.local_rank].copy_(piece)
-            self._arrive_and_wait(0, 0)
+            self._arrive_and_wait(0, _ALLREDUCE)
             lo, hi = self._chunk(n, item, self.local_rank)
             if hi > lo:
                 if self.local_size == 1:
@@ -155,7 +156,7 @@ class NodeSegment:
                     reduce(slots[0][lo:hi], slots[1][lo:hi], out=result[lo:hi])
                     for s in slots[2:]:
                         reduce(result[lo:hi], s[lo:hi], out=result[lo:hi])
-            self._arrive_and_wait(1, 0)
+            self._arrive_and_wait(1, _ALLREDUCE)
             out[start:start + n].copy_(result)
         return out
 
@@ -170,12 +171,12 @@ class NodeSegment:
             mine = self._slots[self.local_rank][:self.local_size * n * item].view(flat.dtype)
             for r in range(self.local_size):
                 mine[r * n:(r + 1) * n].copy_(flat[r * k + start:r * k + start + n])
-            self._arrive_and_wait(0, 1)
+            self._arrive_and_wait(0, _REDUCE_SCATTER)
             me = self.local_rank
             parts = [s[:self.local_size * n * item].view(flat.dtype)[me * n:(me + 1) * n] for s in self._slots]
             out = shard[start:start + n]
             sum_into(out, parts)
-            self._arrive_and_wait(1, 1)
+            self._arrive_and_wait(1, _REDUCE_SCATTER)
 
     def allgather(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
         """Every local rank's ``shard`` (k elements) into ``flat`` (local_size * k), in rank order."""
@@ -186,10 +187,10 @@ class NodeSegment:
             n = min(per_piece, k - start)
             self._seq += 1
             self._slots[self.local_rank][:n * item].view(flat.dtype).copy_(shard[start:start + n])
-            self._arrive_and_wait(0, 2)
+            self._arrive_and_wait(0, _ALLGATHER)
             for r in range(self.local_size):
                 flat[r * k + start:r * k + start + n].copy_(self._slots[r][:n * item].view(flat.dtype))
-            self._arrive_and_wait(1, 2)
+            self._arrive_and_wait(1, _ALLGATHER)
 
     def broadcast_(self, flat: torch.Tensor, root: int = 0) -> None:
         """Local rank ``root``'s ``flat`` into every local rank's ``flat``."""
@@ -201,10 +202,10 @@ class NodeSegment:
             self._seq += 1
             if self.local_rank == root:
                 result.copy_(piece)
-            self._arrive_and_wait(0, 3)
+            self._arrive_and_wait(0, _BROADCAST)
             if self.local_rank != root:
                 piece.copy_(result)
-            self._arrive_and_wait(1, 3)
+            self._arrive_and_wait(1, _BROADCAST)
 
     def allgather_bytes(self, data: torch.Tensor) -> Optional[list[torch.Tensor]]:
         """Every local rank's uint8 buffer, in rank order; ``None`` on every rank if one rank's does
@@ -215,12 +216,12 @@ class NodeSegment:
         slot[:8].view(torch.int64)[0] = n
         if n + 8 <= self.slot_bytes:
             slot[8:8 + n].copy_(data)
-        self._arrive_and_wait(0, 4)
+        self._arrive_and_wait(0, _ALLGATHER_BYTES)
         lengths = [int(s[:8].view(torch.int64)[0]) for s in self._slots]
         out = None
         if all(m + 8 <= self.slot_bytes for m in lengths):
             out = [s[8:8 + m].clone() for s, m in zip(self._slots, lengths)]
-        self._arrive_and_wait(1, 4)
+        self._arrive_and_wait(1, _ALLGATHER_BYTES)
         return out
 
     def close(self) -> None:

@@ -49,6 +49,13 @@ def install(cls: type) -> None:
             setattr(cls, name, _watched_p2p(name, peer_arg, fn))
 
 
+def _refuse_if_finalized(comm, kind: str) -> None:
+    if comm._finalized:
+        raise RuntimeError(f"rank {comm.rank}: {kind} on a communicator that was finalized (its process "
+                           f"group and shared memory are gone); create a new one with "
+                           f"torchmn.create_communicator() instead")
+
+
 def _watched_p2p(kind: str, peer_arg: str, fn: Callable) -> Callable:
     signature = inspect.signature(fn)
 
@@ -56,9 +63,7 @@ def _watched_p2p(kind: str, peer_arg: str, fn: Callable) -> Callable:
     def call(comm, *args, **kwargs):
         if comm._watch_depth:  # part of a collective (gather_obj, scatter_obj), which names the missing
             return fn(comm, *args, **kwargs)
-        if comm._finalized:
-            raise RuntimeError(f"rank {comm.rank}: {kind} on a communicator that was finalized; create a new "
-                               f"one with torchmn.create_communicator() instead")
+        _refuse_if_finalized(comm, kind)
         try:
             return fn(comm, *args, **kwargs)
         except RuntimeError as e:
@@ -81,10 +86,7 @@ def _watched(kind: str, fn: Callable) -> Callable:
     def call(comm, *args, **kwargs):
         if comm._watch_depth:  # part of another collective of this communicator: not numbered
             return fn(comm, *args, **kwargs)
-        if comm._finalized:
-            raise RuntimeError(f"rank {comm.rank}: {kind} on a communicator that was finalized (its process "
-                               f"group and shared memory are gone); create a new one with "
-                               f"torchmn.create_communicator() instead")
+        _refuse_if_finalized(comm, kind)
         comm._calls += 1
         seq = comm._calls
         comm._watch_depth += 1

@@ -284,10 +284,31 @@ def _read_mpi(env: Mapping[str, str], source: str, names: Sequence[str], job_id_
                         "MPI does not say where rank 0 runs; export it to every rank, e.g. "
                         "`mpirun -x MASTER_ADDR=<first host> ...` (Open MPI) or "
                         "`mpiexec -genv MASTER_ADDR <first host> ...` (MPICH)")
-    job_id = next((env[name] for name in job_id_names if env.get(name)), None)
+    job_id = _mpi_job_id(env, job_id_names)
     derived = text_port(job_id) if job_id is not None else DEFAULT_PORT
     return LaunchEnvironment(rank, size, local_rank, local_size, None, addr,
                              _master_port(env, derived), source)
+
+
+def _mpi_job_id(env: Mapping[str, str], job_id_names: Sequence[str]) -> Optional[str]:
+    return next((env[name] for name in job_id_names if env.get(name)), None)
+
+
+def job_label(env: Mapping[str, str], source: str) -> Optional[str]:
+    """Words naming this job of launcher ``source`` (the job id its ports derive from), or None
+    where the launcher gives none.
+
+    Example::
+
+        >>> job_label({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "3"}, "slurm")
+        'Slurm job 42 step 3'
+    """
+    if source == SlurmEnvironment.source:
+        job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+        return f"Slurm job {job} step {slurm_step_id(env) or 0}" if job else None
+    mpi = {cls.source: cls for cls in (OpenMPIEnvironment, MPICHEnvironment)}.get(source)
+    job = _mpi_job_id(env, mpi._job_id_names) if mpi else None
+    return f"{source} job {job}" if job else None
 
 
 def _int(env: Mapping[str, str], name: str, fix: str) -> int:
