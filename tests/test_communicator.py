@@ -104,6 +104,22 @@ def test_tcp_init_method_under_a_launcher(tmp_path):
         assert out.count("SUM 2") == 2, (launcher, out)
 
 
+@pytest.mark.parametrize("launcher", ["torchmn", "torchrun"])
+def test_a_rank_that_never_joins_is_named_under_a_launcher(tmp_path, launcher):
+    """Rank 1 exits 0 before create_communicator (the launcher lets the others run): rank 0's
+    set-up timeout names rank 1, through the launcher's own store, not just torch's store key."""
+    script = tmp_path / "absent.py"
+    script.write_text("import os, sys, torchmn\n"
+                      "if os.environ['RANK'] == '1':\n"
+                      "    sys.exit(0)\n"
+                      "try:\n"
+                      "    torchmn.create_communicator(timeout=5)\n"
+                      "except RuntimeError as e:\n"
+                      "    sys.stdout.write(f'RAISED {e}\\n')\n")
+    out = run_job(script, [], np=2, launcher=launcher, timeout=60).stdout
+    assert "Rank(s) 1 never reached create_communicator" in out, out
+
+
 def test_timeout_applies_to_a_process_group_the_script_made(tmp_path):
     """create_communicator(timeout=...) over the script's own process group: shared-memory waits
     use it too (they used the 600 s default)."""

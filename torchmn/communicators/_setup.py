@@ -76,6 +76,7 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
         if env.source in ("torchmn", "torchrun"):
             # Their launcher hosts the store (TORCHELASTIC_USE_AGENT_STORE) and set MASTER_*.
             init_method = "env://"
+            store = _mark_arrival(_launchers_store(_timeout), env.rank)
         else:
             if env.master_port is None:
                 raise RuntimeError(f"{env.source}: no rendezvous port known for {env.size} ranks; "
@@ -90,7 +91,8 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
         torch.cuda.set_device(env.local_rank % max(1, torch.cuda.device_count()))
     try:
         with _own_store_for(init_method):
-            where = {"store": store} if store is not None else {"init_method": init_method}
+            where = {"store": store} if store is not None and init_method.startswith("tcp://") \
+                else {"init_method": init_method}
             dist.init_process_group(backend, rank=env.rank, world_size=env.size, timeout=_timeout, **where)
     except Exception as e:
         missing = _never_arrived(store, env.size)
@@ -105,17 +107,41 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
 
 
 def _never_arrived(store: Optional["dist.TCPStore"], size: int) -> list:
-    """The ranks that never marked their arrival in the job's store (see _job_store)."""
+    """The ranks that never marked their arrival in the job's store (see _mark_arrival)."""
     if store is None:
         return []
     try:
-        return [r for r in range(size) if not store.check([f"{_ARRIVED}{r}"])]
-    except RuntimeError:  # the store went with rank 0
+        return [r for r in range(size) if not store.check([_arrived_key(r)])]
+    except RuntimeError:  # the store went with rank 0, or with the launcher
         return []
 
 
 _JOB_KEY = "torchmn/job"
-_ARRIVED = "torchmn/arrived/"
+
+
+def _arrived_key(rank: int) -> str:
+    # torchrun keeps its store across restarts of the workers: each attempt marks its own arrivals.
+    return f"torchmn/arrived/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+
+
+def _mark_arrival(store: Optional["dist.TCPStore"], rank: int) -> Optional["dist.TCPStore"]:
+    """Say in the job's store that ``rank`` reached set-up, so that a set-up timeout on another
+    rank can name the ranks that never did (torch's own message only quotes a store key)."""
+    if store is not None:
+        store.set(_arrived_key(rank), "")
+    return store
+
+
+def _launchers_store(timeout: datetime.timedelta) -> Optional["dist.TCPStore"]:
+    """A client of the store that torchmn run or torchrun hosts (MASTER_ADDR:MASTER_PORT), or None
+    where it cannot be reached now: init_process_group then reports that its own way."""
+    if os.environ.get(_AGENT_STORE) != "True":
+        return None
+    try:
+        return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                             timeout=timeout)
+    except (KeyError, ValueError, RuntimeError):
+        return None
 
 
 def _job_store(env: LaunchEnvironment, timeout: datetime.timedelta) -> "dist.TCPStore":
@@ -136,8 +162,7 @@ def _job_store(env: LaunchEnvironment, timeout: datetime.timedelta) -> "dist.TCP
         raise
     if env.rank == 0:
         store.set(_JOB_KEY, job)
-        store.set(f"{_ARRIVED}0", "")
-        return store
+        return _mark_arrival(store, 0)
     try:
         store.wait([_JOB_KEY])
     except RuntimeError as e:
@@ -149,8 +174,7 @@ def _job_store(env: LaunchEnvironment, timeout: datetime.timedelta) -> "dist.TCP
         raise RuntimeError(f"rank {env.rank} of {job}: the rendezvous store at {env.master_addr}:{env.master_port} "
                            f"belongs to {owner} (the two jobs derived the same port); export "
                            f"MASTER_PORT=<a free port> on every rank")
-    store.set(f"{_ARRIVED}{env.rank}", "")
-    return store
+    return _mark_arrival(store, env.rank)
 
 
 def _check_resolves(env: LaunchEnvironment) -> None:
