@@ -92,6 +92,25 @@ def test_atomic_save_leaves_only_final_file(tmp_path):
     assert os.listdir(tmp_path) == ["x.pt"] and torch.equal(torch.load(path)["a"], torch.ones(2))
 
 
+def test_snapshots_are_readable_as_the_umask_says(tmp_path):
+    """mkstemp's 0600 would keep the user's other jobs (an evaluation job, say) from reading them."""
+    old = os.umask(0o022)
+    try:
+        atomic_save({}, str(tmp_path / "x.pt"))
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "x.pt").st_mode & 0o777 == 0o644
+
+
+def test_resume_removes_temporaries_a_killed_rank_left(tmp_path):
+    left = tmp_path / ".snapshot_iter_9_rank0.g4qs10tb.tmp"
+    left.write_bytes(b"half")
+    other = tmp_path / ".snapshot_iter_9_rank1.abcdefgh.tmp"   # another rank's: not ours to remove
+    other.write_bytes(b"half")
+    assert resume_latest(torch.nn.Linear(1, 1), solo(), str(tmp_path)) is None
+    assert sorted(os.listdir(tmp_path)) == [other.name]
+
+
 def test_snapshot_and_resume_single_rank(tmp_path):
     model = torch.nn.Linear(2, 1)
     manager = manager_for(model, tmp_path, 3)

@@ -412,6 +412,22 @@ def check_observation_aggregator(comm, tmp):
     r = (comm.size - 1) / 2
     assert seen == [(r, None), (r + 1, r + 0.5), (r + 2, None), (r + 3, r + 2.5)], seen
     assert [entry["loss"] for entry in log.log] == [r + 0.5, r + 2.5], log.log  # global means, not mixed
+    # Stopped after the first iteration of epoch 1 and resumed from a snapshot taken there: the
+    # epoch's global value is the same as without the stop.
+    out = os.path.join(tmp, f"oa_resume{comm.rank}")
+
+    def train(stop_at):
+        reported = []
+        manager = _manager(torch.nn.Linear(2, 2), 2, 2, out)
+        manager.extend(ObservationAggregator(comm, "loss", "loss/global", comm_trigger=(1, "epoch")))
+        manager.extend(lambda m: reported.append(m.observation.get("loss/global")), trigger=(1, "epoch"))
+        manager.extend(multi_node_snapshot(comm, autoload=True), trigger=(1, "iteration"))
+        while not manager.stop_trigger and manager.iteration != stop_at:
+            with manager.run_iteration():
+                ppe.reporting.report({"loss": float(comm.rank + manager.iteration)})
+        return reported
+    assert train(stop_at=3) == [r + 0.5]
+    assert train(stop_at=None) == [r + 2.5]
 
 
 def check_allreduce_persistent(comm, tmp):
@@ -471,6 +487,58 @@ def check_snapshot(comm, tmp):
     assert not said or ("rank(s) 0 have some, up to iteration 5" in said[0] and "more ranks" in said[0]), said
     e = expect_raise(lambda: multi_node_snapshot(comm, filename="snap_{iteration}"), ValueError)
     assert "{rank}" in str(e)
+    _check_snapshot_beside_another_runs(comm, tmp)
+    _check_snapshot_trigger_that_differs_between_ranks(comm, tmp)
+
+
+def _check_snapshot_beside_another_runs(comm, tmp):
+    """A fresh run in a directory where rank 0 still has an older run's later snapshots (as after the
+    job grew): n_retains keeps what this run writes, so a restart resumes from it."""
+    out = os.path.join(tmp, "beside")
+    if comm.rank == 0:
+        os.makedirs(out)
+        for it in (15, 18):
+            torch.save({}, snapshot_path(out, DEFAULT_FILENAME, it, 0))
+    comm.barrier()
+
+    def train(iterations):
+        manager = _manager(torch.nn.Linear(2, 1), 1, 100, out)
+        snap = multi_node_snapshot(comm, n_retains=2, autoload=True)
+        manager.extend(snap, trigger=(3, "iteration"))
+        while manager.iteration < iterations:
+            with manager.run_iteration():
+                pass
+        return snap.resumed_from
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)   # rank 0's note that it starts afresh
+        assert train(9) is None
+    assert sorted(available_iterations(out, comm.rank)) == ([6, 9, 15, 18] if comm.rank == 0 else [6, 9])
+    assert train(12) == 9
+
+
+class _SkewedTrigger(ppe.training.trigger.Trigger):
+    """Fires at iterations that differ between ranks, as a clock-based trigger does."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def __call__(self, manager):
+        return manager.iteration % 3 == self.rank % 3
+
+
+def _check_snapshot_trigger_that_differs_between_ranks(comm, tmp):
+    """Every rank snapshots when rank 0's trigger fires, also where the snapshot is collective (a
+    sharded optimizer's state_dict), which used to wait for ranks that never came."""
+    out = os.path.join(tmp, "skewed")
+    model = torch.nn.Linear(2, 1)
+    optimizer = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters()), comm, shard_state=True)
+    manager = ppe.training.ExtensionsManager(model, optimizer, 100, iters_per_epoch=1, out_dir=out)
+    manager.extend(multi_node_snapshot(comm), trigger=_SkewedTrigger(comm.rank))
+    while manager.iteration < 7:
+        with manager.run_iteration():
+            model(torch.ones(1, 2)).sum().backward()
+            optimizer.step()
+    assert sorted(available_iterations(out, comm.rank)) == [3, 6], sorted(available_iterations(out, comm.rank))
 
 
 CHECKS = {

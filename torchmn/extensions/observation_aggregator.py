@@ -8,6 +8,7 @@ from pytorch_pfn_extras.training import extension
 from pytorch_pfn_extras.training import trigger as trigger_module
 from pytorch_pfn_extras.training.triggers import IntervalTrigger
 
+from torchmn.extensions._triggers import agreed
 from torchmn.extensions._values import to_float
 
 
@@ -60,6 +61,19 @@ class ObservationAggregator(extension.Extension):
                 f"comm_trigger={comm_trigger!r})")
         self.aggregator = mean if aggregator is None else aggregator
         self._values: list[float] = []
+
+    def initialize(self, manager) -> None:
+        self.comm_trigger = agreed(self.comm_trigger, self.comm)  # an allgather: every rank must join it
+
+    def state_dict(self) -> dict:
+        # This rank's observations of an interval still open, so that a resumed run reports the
+        # same value for it as an uninterrupted one.
+        return {"values": list(self._values), "comm_trigger": self.comm_trigger.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._values = list(state.get("values", []))
+        if "comm_trigger" in state:
+            self.comm_trigger.load_state_dict(state["comm_trigger"])
 
     def __call__(self, manager) -> None:
         observation = manager.observation

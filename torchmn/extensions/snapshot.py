@@ -22,6 +22,7 @@ import torch
 from pytorch_pfn_extras.training import extension
 
 from torchmn.communicators.errors import RemoteRankError
+from torchmn.extensions._triggers import agree_on_own_trigger
 
 DEFAULT_FILENAME = "snapshot_iter_{iteration}_rank{rank}"
 
@@ -70,8 +71,9 @@ def atomic_save(obj: Any, path: str, savefun: Callable[[Any, Any], None] = torch
     """``savefun(obj, file)`` into a temporary file beside ``path``, fsync it, rename it to ``path``."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    fd, tmp = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=directory)
     try:
+        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide checkpoints from the user's other jobs
         with os.fdopen(fd, "wb") as f:
             savefun(obj, f)
             f.flush()
@@ -92,6 +94,31 @@ def atomic_save(obj: Any, path: str, savefun: Callable[[Any, Any], None] = torch
         pass  # fsync of a directory is unsupported on some file systems; the file itself is synced
     finally:
         os.close(dir_fd)
+
+
+def _temporary_prefix(path: str) -> str:
+    return "." + os.path.basename(path) + "."
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def remove_leftover_temporaries(out_dir: str, rank: int, filename: str = DEFAULT_FILENAME) -> None:
+    """Delete ``rank``'s temporary snapshot files that a killed run left in ``out_dir`` (only this
+    rank writes them, and it is not writing now): repeated crashes would fill the disk."""
+    pattern = _pattern(filename, rank)
+    if not os.path.isdir(out_dir):
+        return
+    for name in os.listdir(out_dir):
+        stem = name[1:].rsplit(".", 2)[0] if name.startswith(".") and name.endswith(".tmp") else None
+        if stem is not None and pattern.fullmatch(stem):
+            try:
+                os.remove(os.path.join(out_dir, name))
+            except FileNotFoundError:
+                pass
 
 
 # The manager's state leaves out its stop triggers; an early-stopping trigger's goes in here.
@@ -146,6 +173,7 @@ def resume_latest(target: Any, comm, out_dir: str, filename: str = DEFAULT_FILEN
         >>> it = torchmn.extensions.resume_latest(manager, comm, "result")
         >>> print("resumed from", it)      # e.g. 300, or None for a fresh start
     """
+    remove_leftover_temporaries(out_dir, comm.rank, filename)
     mine = available_iterations(out_dir, comm.rank, filename)
     everyone = comm.allgather_obj(sorted(mine))
     common = set(everyone[0]).intersection(*everyone[1:])
@@ -153,14 +181,22 @@ def resume_latest(target: Any, comm, out_dir: str, filename: str = DEFAULT_FILEN
         have = [r for r, its in enumerate(everyone) if its]
         if have and comm.rank == 0:
             lack = [r for r, its in enumerate(everyone) if not its]
-            newest = max(max(everyone[r]) for r in have)
+            if lack:
+                newest = max(max(everyone[r]) for r in have)
+                found = (f"rank(s) {_ranks(have)} have some, up to iteration {newest}; rank(s) {_ranks(lack)} "
+                         f"have none")
+                why = (f"If a rank crashed before its first snapshot, that is right. If the job now has more "
+                       f"ranks than when they were written, each new rank needs a file of its own: copy one "
+                       f"rank's snapshot to the new ranks' names (data-parallel ranks hold the same model) or "
+                       f"move the old ones away.")
+            else:
+                found = "; ".join(f"rank {r}'s newest: {', '.join(map(str, sorted(its)[-3:]))}"
+                                  for r, its in enumerate(everyone))
+                why = ("Every rank has snapshots, but of different iterations: they come from different runs "
+                       "(move the old ones away), or the ranks' snapshot triggers fired at different iterations.")
             warnings.warn(
                 f"resume_latest: no snapshot iteration in {out_dir} is common to all {comm.size} ranks "
-                f"(rank(s) {_ranks(have)} have some, up to iteration {newest}; rank(s) {_ranks(lack) or 'none'} "
-                f"have none), so training starts afresh and may overwrite them. If a rank crashed before "
-                f"its first snapshot, that is right. If the job now has more ranks than when they were "
-                f"written, each new rank needs a file of its own: copy one rank's snapshot to the new "
-                f"ranks' names (data-parallel ranks hold the same model) or move the old ones away.",
+                f"({found}), so training starts afresh and may overwrite them. {why}",
                 RuntimeWarning, stacklevel=2)
         return None
     iteration = max(common)
@@ -207,6 +243,7 @@ class MultiNodeSnapshot(extension.Extension):
         return self.out_dir if self.out_dir is not None else manager.out
 
     def initialize(self, manager) -> None:
+        agree_on_own_trigger(self, manager, self.comm)
         if self.autoload:
             target = manager if self.target is None else self.target
             self.resumed_from = resume_latest(target, self.comm, self._dir(manager), self.filename, self.loadfun)
@@ -217,8 +254,11 @@ class MultiNodeSnapshot(extension.Extension):
         atomic_save(_state_of(target), snapshot_path(out_dir, self.filename, manager.iteration, self.comm.rank),
                     self.savefun)
         if self.n_retains > 0:
+            # Only older iterations than this one go: newer ones are another run's (this one started
+            # afresh beside them), and removing by number would remove what was just written.
             found = available_iterations(out_dir, self.comm.rank, self.filename)
-            for it in sorted(found)[:-self.n_retains]:
+            older = sorted(it for it in found if it < manager.iteration)
+            for it in older[:max(0, len(older) - (self.n_retains - 1))]:
                 os.remove(found[it])
 
 
