@@ -231,6 +231,42 @@ def test_slow_console_gets_every_line(tmp_path):
     assert (tmp_path / "logs" / "rank.0.log").read_text().count("\n") == 12000
 
 
+def test_paused_console_gets_every_line(tmp_path):
+    """A console that stops reading for a while (a pager, a terminal paused with Ctrl-S): the
+    launcher waits for it, however long, instead of exiting with output unread."""
+    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "1", "--log-dir",
+                                 str(tmp_path / "logs"), sys.executable, "-c", LINES.format(n=10000, pad='')],
+                                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(5)
+        out, _ = launcher.communicate(timeout=TIMEOUT)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0 and out.count(b"\n") == 10000, out[-200:]
+    assert (tmp_path / "logs" / "rank.0.log").read_text().count("\n") == 10000
+
+
+def test_console_that_fails_neither_hangs_nor_cuts_the_logs(tmp_path):
+    """A console on a full disk (/dev/full), or closed: the job runs to its end, logs whole."""
+    argv = [sys.executable, "-m", "torchmn", "run", "-np", "1", "--log-dir", str(tmp_path / "logs"),
+            sys.executable, "-c", LINES.format(n=100_000, pad='')]
+    with open("/dev/full", "wb") as full:
+        assert subprocess.run(argv, stdout=full, stderr=full, timeout=60).returncode == 0
+    assert (tmp_path / "logs" / "rank.0.log").read_text().count("\n") == 100_000
+    argv[argv.index(str(tmp_path / "logs"))] = str(tmp_path / "logs2")
+    assert subprocess.run(argv, timeout=60, preexec_fn=lambda: os.close(1)).returncode == 0
+    assert (tmp_path / "logs2" / "rank.0.log").read_text().count("\n") == 100_000
+
+
+def test_a_line_of_many_megabytes_comes_through_whole():
+    """A 64 MB line (a big JSON record): it used to take minutes, the launcher rescanning its
+    pending bytes at every 64 KB read."""
+    proc = subprocess.run([sys.executable, "-m", "torchmn", "run", "-np", "1", sys.executable, "-c",
+                           "import sys; sys.stdout.write('x' * (64 << 20) + '\\n')"],
+                          capture_output=True, timeout=60)
+    assert proc.returncode == 0 and proc.stdout == b"[0] " + b"x" * (64 << 20) + b"\n", proc.stderr[-500:]
+
+
 def test_ranks_end_when_the_launcher_is_killed(tmp_path):
     """SIGKILL, which the launcher cannot forward (the OOM killer, a scheduler): the kernel ends the
     ranks anyway."""
@@ -299,6 +335,28 @@ def test_command_not_found_is_named(capsys):
     assert main(["run", "-np", "2", "no-such-command-xyz", "arg"]) == 127
     err = capsys.readouterr().err
     assert "command not found: 'no-such-command-xyz'" in err and "rank 0 on host" in err
+
+
+def test_command_on_the_exported_path_is_found(tmp_path):
+    """-x PATH=... is the PATH the ranks get, so the command is looked up on it."""
+    tool = tmp_path / "mytool"
+    tool.write_text("#!/bin/sh\necho TOOL RAN\n")
+    tool.chmod(0o755)
+    proc = torchmn_run("-np", "1", "-x", f"PATH={tmp_path}:{os.environ['PATH']}", "mytool", timeout=60)
+    assert proc.returncode == 0 and "[0] TOOL RAN" in proc.stdout, proc.stderr
+
+
+def test_orphans_that_end_are_reaped():
+    """The launcher adopts what ranks leave running (it is their subreaper); those that end must not
+    stay zombies for the whole job."""
+    code = ("import os, time, psutil\n"
+            "for _ in range(20):\n"
+            "    os.system('sleep 0.1 &')\n"
+            "time.sleep(2.5)\n"
+            "launcher = psutil.Process(os.getppid())\n"
+            "print('ZOMBIES', sum(c.status() == psutil.STATUS_ZOMBIE for c in launcher.children()))\n")
+    proc = torchmn_run("-np", "1", sys.executable, "-c", code, timeout=60)
+    assert "[0] ZOMBIES 0" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_bad_log_dir(tmp_path, capsys):

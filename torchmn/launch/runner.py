@@ -291,22 +291,28 @@ def exit_code_of(returncode: int) -> int:
 
 def _lines(pipe: IO[bytes]) -> Iterator[bytes]:
     """The pipe's output in pieces that end with "\\n", "\\r\\n" or a lone "\\r" (progress bars such as
-    tqdm redraw their line with "\\r"), so each piece gets its rank prefix as soon as it is written."""
-    pending = b""
+    tqdm redraw their line with "\\r"), so each piece gets its rank prefix as soon as it is written.
+    Each chunk read is searched once, so a line of many MB costs time in proportion to its length."""
+    pending: List[bytes] = []   # the start of a line still being written
     while True:
         chunk = pipe.read1(65536)
         if not chunk:
             break
-        pending += chunk
+        if pending and pending[-1].endswith(b"\r") and not chunk.startswith(b"\n"):
+            yield b"".join(pending)  # that "\r" was a line end of its own
+            pending = []
         start = 0
-        for end in _LINE_END.finditer(pending):
-            if end.group() == b"\r" and end.end() == len(pending):
+        for end in _LINE_END.finditer(chunk):
+            if end.group() == b"\r" and end.end() == len(chunk):
                 break  # maybe the first half of "\r\n": wait for the next chunk
-            yield pending[start:end.end()]
+            pending.append(chunk[start:end.end()])
+            yield b"".join(pending)
+            pending = []
             start = end.end()
-        pending = pending[start:]
+        if start < len(chunk):
+            pending.append(chunk[start:])
     if pending:
-        yield pending
+        yield b"".join(pending)
 
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
@@ -318,6 +324,7 @@ class _Console:
     def __init__(self, output_ranks: Optional[Set[int]]):
         self.lock = threading.Lock()
         self.output_ranks = output_ranks
+        self.lost: set = set()   # streams that failed: written no more
 
     def write(self, rank: int, line: bytes, to_stderr: bool) -> None:
         if self.output_ranks is not None and rank not in self.output_ranks:
@@ -326,6 +333,8 @@ class _Console:
         # A bare "\r" (a progress bar clearing its line) only moves the cursor: no prefix for it.
         data = line if line == b"\r" else b"[%d] " % rank + line
         with self.lock:
+            if stream is None or stream in self.lost:
+                return
             try:
                 binary = getattr(stream, "buffer", None)
                 if binary is not None:
@@ -335,20 +344,27 @@ class _Console:
                 else:
                     stream.write(data.decode("utf-8", "replace"))
                     stream.flush()
-            except BrokenPipeError:
-                # The reader went away (`torchmn run ... | head`): the job goes on, and its log
-                # files stay whole, so the rest of this stream goes nowhere.
-                _discard(stream)
+            except (OSError, ValueError):
+                # The reader went away (`torchmn run ... | head`), the disk is full, the stream was
+                # closed: the job goes on, and its log files stay whole, so the rest of this
+                # stream goes nowhere. (Stopping to read the rank's pipe would block the rank.)
+                self._lose(stream)
 
     def message(self, text: str) -> None:
         with self.lock:
-            try:
-                sys.stdout.flush()
-                sys.stderr.write(text if text.endswith("\n") else text + "\n")
-                sys.stderr.flush()
-            except BrokenPipeError:
-                _discard(sys.stdout)
-                _discard(sys.stderr)
+            for stream, data in ((sys.stdout, None), (sys.stderr, text if text.endswith("\n") else text + "\n")):
+                if stream is None or stream in self.lost:
+                    continue
+                try:
+                    if data is not None:
+                        stream.write(data)
+                    stream.flush()
+                except (OSError, ValueError):
+                    self._lose(stream)
+
+    def _lose(self, stream) -> None:
+        self.lost.add(stream)
+        _discard(stream)
 
 
 def _discard(stream) -> None:
@@ -377,7 +393,7 @@ class _Rank:
         self.stopped_by_launcher = False
         self.tail: Deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.log = log
-        self.last_output = time.monotonic()
+        self.waiting_since: Dict[int, Optional[float]] = {}   # per reader thread: see _timed
         self.log_lock = threading.Lock()
         self.console = console
         self.readers = [
@@ -389,7 +405,7 @@ class _Rank:
 
     def _read(self, pipe: IO[bytes], is_stderr: bool) -> None:
         marker = remote.STARTED_MARKER.encode() + b"\n"
-        for line in _lines(pipe):
+        for line in self._timed(_lines(pipe)):
             if not is_stderr and not self.started and line == marker:
                 self.started = True
                 continue
@@ -402,17 +418,28 @@ class _Rank:
                     self.log.write(line)
                     self.log.flush()
             self.console.write(self.slot.rank, line, is_stderr)
-            self.last_output = time.monotonic()
         pipe.close()
+
+    def _timed(self, lines: Iterator[bytes]) -> Iterator[bytes]:
+        """``lines``, noting when a reader starts waiting on the pipe (None while it writes out)."""
+        while True:
+            self.waiting_since[threading.get_ident()] = time.monotonic()
+            line = next(lines, None)
+            self.waiting_since[threading.get_ident()] = None
+            if line is None:
+                return
+            yield line
 
     def finish_output(self, idle: float) -> None:
         """Wait for the rest of the rank's output, for as long as it keeps coming (a slow console
-        takes what it takes), but no longer than ``idle`` seconds without a line: a process the
-        rank left behind may hold its pipes open."""
+        takes what it takes: a reader blocked writing to it is not idle), but no longer than
+        ``idle`` seconds of a reader waiting on a silent pipe: a process the rank left behind may
+        hold its pipes open."""
         for reader in self.readers:
             while reader.is_alive():
-                reader.join(max(0.05, self.last_output + idle - time.monotonic()))
-                if time.monotonic() - self.last_output >= idle:
+                reader.join(0.05)
+                since = self.waiting_since.get(reader.ident)
+                if since is not None and time.monotonic() - since >= idle:
                     break
         if self.log is not None and not any(r.is_alive() for r in self.readers):
             self.log.close()
@@ -570,7 +597,7 @@ class Job:
     def _check_command(self) -> None:
         if all(self._is_remote(slot) for slot in self.slots):
             return  # checked on each host by the watcher
-        path = self.base_env.get("PATH", os.defpath)
+        path = self.exports.get("PATH", self.base_env.get("PATH", os.defpath))  # -x PATH=... is the ranks' PATH
         if shutil.which(self.command[0], path=path) is None:
             where = "is not an executable file" if os.sep in self.command[0] else "was not found on PATH"
             raise RunError(f"command not found: {self.command[0]!r} {where} (rank 0 on host {self.host} "
@@ -775,9 +802,11 @@ class Job:
                 adopted = []
             for child in adopted:
                 try:  # only this job's: the launcher may run inside a process with children of its own
-                    if child.environ().get(JOB_ID) == self.job_id:
+                    if child.status() == psutil.STATUS_ZOMBIE:
+                        os.waitpid(child.pid, os.WNOHANG)  # an orphan that ended: as init would, reap it
+                    elif child.environ().get(JOB_ID) == self.job_id:
                         self.descendants[child.pid] = child
-                except psutil.Error:
+                except (psutil.Error, ChildProcessError):
                     continue
 
     def _kill_descendants(self) -> None:
