@@ -139,6 +139,10 @@ class Batch(dict):
     pass
 
 
+class Feature(torch.Tensor):
+    """A dataset's own tensor type."""
+
+
 def test_tensor_views_travel_without_their_whole_storage():
     from torchmn.communicators._pickle import dumps
 
@@ -151,6 +155,8 @@ def test_tensor_views_travel_without_their_whole_storage():
         again = pickle.loads(blob)
         assert type(again) is type(sample)  # nothing is rebuilt as a plain tuple or dict
     assert torch.equal(pickle.loads(dumps(Row(table[7], 7))).x, table[7])
+    row = table.as_subclass(Feature)[7]   # a subclass's view too (it carried its whole storage)
+    assert len(dumps(row)) < 10_000 and type(pickle.loads(dumps(row))) is Feature
     assert torch.equal(pickle.loads(dumps(table[7:8].t())), table[7:8].t())
     shared = table[3]
     a, b = pickle.loads(dumps((shared, shared)))

@@ -354,5 +354,79 @@ def check_transparency(comm):
     assert opt2.param_groups[0]["lr"] == 0.125
 
 
+class _FailingBackward(torch.autograd.Function):
+    """Identity whose backward raises when ``fail`` is set: a batch the script skips."""
+    fail = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        if _FailingBackward.fail:
+            raise FloatingPointError("bad gradient: skipping this batch")
+        return g
+
+
+def _train_skipping_a_batch(opt, model, comm, skip=1, steps=5):
+    for step in range(steps):
+        x, y = data(step)
+        if comm is not None:
+            x, y = local(x, comm), local(y, comm)
+        opt.zero_grad()
+        _FailingBackward.fail = step == skip
+        try:
+            # The first layer's gradients come last: the other buckets are out when it raises.
+            h = _FailingBackward.apply(torch.tanh(model[0](x)))
+            torch.nn.functional.cross_entropy(model[4](torch.tanh(model[2](h))), y).backward()
+        except FloatingPointError:
+            if comm is not None and step == skip:
+                expect(RuntimeError, opt.step)   # partial gradients: refused, not used
+            continue
+        opt.step()
+    _FailingBackward.fail = False
+    return model
+
+
+def check_failed_backward(comm):
+    """A backward that raises, caught and its batch skipped (on every rank): the next steps are
+    those of one process skipping it too (its half-sent buckets reached the next step's update)."""
+    ref_model = make_model()
+    ref = _train_skipping_a_batch(torch.optim.SGD(ref_model.parameters(), lr=0.1, momentum=0.9), ref_model, None)
+    for kwargs in ({}, {"shard_state": True}):
+        model = make_model()
+        opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), comm,
+                                                  bucket_cap_mb=0, **kwargs)
+        assert_close(_train_skipping_a_batch(opt, model, comm), ref, 1e-5, f"failed backward {kwargs}")
+
+
+def check_frozen_parameters_start_equal(comm):
+    """A frozen layer handed to the optimizer is broadcast too: initialised at random on each rank,
+    it would otherwise make the ranks' models differ for good."""
+    torch.manual_seed(comm.rank)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    model[0].requires_grad_(False)
+    torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm)
+    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert all(torch.equal(mine, other) for other in comm.allgather_obj(mine)), "frozen layer differs"
+
+
+def check_complex_parameters(comm):
+    """Complex gradients average like real ones (zero_fill=False read complex flags and crashed);
+    compression, which would drop their imaginary part, is refused."""
+    w = torch.nn.Parameter(torch.tensor([1 + 2j, -1j], dtype=torch.complex64))
+    opt = torchmn.create_multi_node_optimizer(torch.optim.SGD([w], lr=0.0), comm, zero_fill=False)
+    x = torch.tensor([comm.rank + 1j, 2.0], dtype=torch.complex64)
+    (w * x).real.sum().backward()
+    opt.step()
+    expected = torch.stack([torch.tensor([r + 1j, 2.0], dtype=torch.complex64) for r in range(comm.size)]).mean(0)
+    assert torch.allclose(w.grad.conj(), expected), (w.grad, expected)
+    if comm.size > 1:
+        v = torch.nn.Parameter(torch.zeros(2, dtype=torch.complex64))
+        expect(ValueError, lambda: torchmn.create_multi_node_optimizer(torch.optim.SGD([v], lr=0.1), comm,
+                                                                       compression="fp16"))
+
+
 if __name__ == "__main__":
     run_checks(globals())

@@ -21,7 +21,10 @@ class _Pickler(pickle.Pickler):
         self._copies: list[torch.Tensor] = []  # alive until the dump ends, so no id is reused
 
     def reducer_override(self, obj: Any) -> Any:
-        if type(obj) is not torch.Tensor or obj.layout is not torch.strided:
+        # Subclasses too (a dataset's own tensor type): clone() keeps their type. Not parameters,
+        # which pickle as parameters.
+        if not isinstance(obj, torch.Tensor) or isinstance(obj, torch.nn.Parameter) \
+                or obj.layout is not torch.strided:
             return NotImplemented
         moved = self._to_cpu and obj.device.type != "cpu"
         oversized = obj.untyped_storage().nbytes() > obj.numel() * obj.element_size()

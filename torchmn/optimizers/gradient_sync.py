@@ -123,7 +123,13 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._param_count = sum(len(g["params"]) for g in self._optimizer.param_groups)
         self.comm._check_same_layout(params, "create_multi_node_optimizer: the trainable parameters", 0,
                                      "build the same model, and freeze the same parameters, on every rank")
-        self.comm.bcast_tensors([p.data for p in params], root=0)
+        self.comm._check_same_layout(self._frozen_at_wrap, "create_multi_node_optimizer: the frozen parameters",
+                                     0, "build the same model, and freeze the same parameters, on every rank")
+        if self._wire_dtype is not None and any(p.is_complex() for p in params):
+            raise ValueError(f"compression={self.compression!r} with complex parameters: their gradients would "
+                             f"lose the imaginary part on the wire; use compression=None")
+        # Frozen ones too: a randomly initialised frozen layer would otherwise differ between ranks.
+        self.comm.bcast_tensors([p.data for p in params + self._frozen_at_wrap], root=0)
         return params
 
     def _can_share_memory(self, params: list[torch.nn.Parameter]) -> bool:
@@ -210,6 +216,13 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if closure is not None:
             raise ValueError("multi-node optimizers do not support a closure: call backward, then step()")
 
+    def _refuse_after_failed_backward(self) -> None:
+        if not self._check_backward_ended():
+            raise RuntimeError(
+                f"{self._where_am_i()}: step() after a backward() that raised before it ended: its gradients "
+                f"are partial and were only partly averaged over ranks. Call optimizer.zero_grad() and go "
+                f"on with the next batch (on every rank), as when skipping a batch")
+
     def _where_am_i(self) -> str:
         return f"rank {self.comm.rank} on {socket.gethostname()}"
 
@@ -230,6 +243,20 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                     f"parameters before wrapping; to unfreeze later (fine-tuning schedules), call "
                     f"optimizer.remove_hooks() and wrap the torch optimizer again.")
 
+    def _check_backward_ended(self) -> bool:
+        """Whether the last backward ended; if it raised instead (an exception caught by the
+        script, the batch skipped), forget what it left half done: autograd never ran its
+        end-of-backward callback, and its first buckets are out. Their results must not reach the
+        next step, nor its state the next backward."""
+        if not self._in_pass:
+            return True
+        self._in_pass = self._pass_syncs = False
+        self._next = 0
+        self._passes = 0
+        for bucket in self._buckets:
+            bucket.ready.clear()  # the buckets it sent wait for their collectives before being packed again
+        return False
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the wrapped optimizer's parameters, as torch's ``zero_grad``.
 
@@ -237,6 +264,7 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
             >>> optimizer.zero_grad()
         """
+        self._check_backward_ended()
         if not set_to_none:
             self._optimizer.zero_grad(set_to_none=False)
             return

@@ -93,7 +93,8 @@ class _Bucket:
             self.buffer.mul_(post_scale)
         # Where this rank had no gradient, whether some other rank had one (read only then). With
         # zero_fill=False every rank must have the same gradients: always read, to check.
-        elsewhere = self.flags.tolist() if not (zero_fill and all(self.had_grad)) else None
+        flags = self.flags.real if self.flags.is_complex() else self.flags
+        elsewhere = flags.tolist() if not (zero_fill and all(self.had_grad)) else None
         if not zero_fill:
             self._check_same_gradients(elsewhere)
         for i, (p, had, view) in enumerate(zip(self.params, self.had_grad, self.views)):
@@ -224,7 +225,14 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
                 f"{self._where_am_i()}: a second backward() before step() with double_buffering=True. Each "
                 f"backward's gradients go out when it ends and the next step() updates with them, so a "
                 f"second one would overwrite gradients still in flight. To accumulate gradients over several "
-                f"backward passes, use backward_passes_per_step=k or optimizer.no_sync()")
+                f"backward passes, use backward_passes_per_step=k or optimizer.no_sync(). A second backward can "
+                f"also come unasked: another loss backpropagating through these parameters (a GAN's generator "
+                f"loss through the discriminator: freeze it with requires_grad_(False) meanwhile), or "
+                f"checkpoint(..., use_reentrant=True), whose every segment is a backward of its own (use "
+                f"use_reentrant=False)")
+        if bucket.work is not None:
+            # Sent by a backward that raised (see _check_backward_ended): done with the buffer first.
+            bucket.work.wait()
         # Half-precision gradients (compressed, or the model's own) are divided before the sum, so
         # that it cannot overflow.
         pre = 1.0 / self.comm.size if divide_before_sum(bucket.wire_dtype) else None
@@ -250,6 +258,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
     def step(self, closure=None):
         """Average gradients over ranks (if backward has not already), then update."""
         self._check_closure(closure)
+        self._refuse_after_failed_backward()
         self._check_parameters_unchanged()
         self.synchronize()
         self._sent = False

@@ -525,6 +525,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             >>> loss_fn(model(x), y).backward(); optimizer.step()
         """
         self._check_closure(closure)
+        self._refuse_after_failed_backward()
         self._check_parameters_unchanged()
         reduced, self._reduced = self._reduced, False
         if reduced:  # by clip_grad_norm_, which took them; an edit since would still be lost
