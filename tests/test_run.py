@@ -267,21 +267,31 @@ def test_a_line_of_many_megabytes_comes_through_whole():
     assert proc.returncode == 0 and proc.stdout == b"[0] " + b"x" * (64 << 20) + b"\n", proc.stderr[-500:]
 
 
+RANK_WITH_A_CHILD = ("import os, signal, subprocess, sys, time\n"
+                     "if os.environ['RANK'] == '1':\n"
+                     "    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a rank deaf to SIGTERM\n"
+                     "child = subprocess.Popen(['sleep', '60'])  # in the rank's process group\n"
+                     "for name, pid in (('rank', os.getpid()), ('child', child.pid)):\n"
+                     "    open(os.path.join(sys.argv[1], name + os.environ['RANK'] + '.pid'), 'w').write(str(pid))\n"
+                     "time.sleep(60)\n")
+
+
 def test_ranks_end_when_the_launcher_is_killed(tmp_path):
-    """SIGKILL, which the launcher cannot forward (the OOM killer, a scheduler): the kernel ends the
-    ranks anyway."""
+    """SIGKILL, which the launcher cannot forward (the OOM killer, a scheduler): the ranks end
+    anyway, also one that ignores SIGTERM, and so does what they started (the kernel's death signal
+    reaches only the ranks themselves; the launcher's guardian process does the rest)."""
     launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "2", sys.executable, "-c",
-                                 f"import os, time; open(os.path.join({str(tmp_path)!r}, os.environ['RANK'] + "
-                                 f"'.pid'), 'w').write(str(os.getpid())); time.sleep(60)"],
+                                 RANK_WITH_A_CHILD, str(tmp_path)],
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 30
-    while len(pids_in(tmp_path)) < 2 and time.monotonic() < deadline:
+    while len(pids_in(tmp_path)) < 4 and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(0.2)  # the pid files are written: the ranks are up
     pids = pids_in(tmp_path)
     launcher.kill()
     launcher.wait(timeout=10)
-    assert len(pids) == 2, pids
+    assert len(pids) == 4, pids
+    time.sleep(3)  # the guardian's grace period for the rank that ignores SIGTERM
     assert_all_gone(pids)
 
 

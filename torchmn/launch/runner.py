@@ -41,7 +41,7 @@ import time
 from typing import IO, Callable, Deque, Dict, Iterator, List, Mapping, Optional, Sequence, Set, Tuple
 
 from torchmn import resources
-from torchmn.launch import base, hosts as hostlib, remote
+from torchmn.launch import base, guardian, hosts as hostlib, remote
 from torchmn.launch.detect import ENVIRONMENTS
 from torchmn.launch.environments import SlurmEnvironment, TorchmnEnvironment
 from torchmn.launch.hostlist import expand_hostlist
@@ -484,6 +484,20 @@ def _become_subreaper() -> bool:
     return prctl is not None and prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
 
 
+def _start_guardian(job_id: str, grace: float) -> Optional[subprocess.Popen]:
+    """Start the process that ends the job's local processes if this launcher dies without ending
+    them (see :mod:`torchmn.launch.guardian`); None where it could not start (the kernel's death
+    signal to each rank still applies)."""
+    if _prctl() is None:  # not Linux: no /proc to find the job's processes in
+        return None
+    try:
+        return subprocess.Popen([sys.executable, "-c", guardian.GUARDIAN_BOOTSTRAP, JOB_ID, job_id, str(grace)],
+                                stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True, close_fds=True)
+    except OSError:
+        return None
+
+
 def _close_stdin(process: subprocess.Popen) -> None:
     if process.stdin is not None:
         try:
@@ -570,6 +584,7 @@ class Job:
         self.started_at = 0.0
         self.console = _Console(output_ranks)
         self.ranks: List[_Rank] = []
+        self.guardian: Optional[subprocess.Popen] = None
         self.events: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self.first_failure: Optional[_Rank] = None
         self.received_signal: Optional[int] = None
@@ -721,6 +736,8 @@ class Job:
                 f"threads per rank: {threads or 'set by user (OMP_NUM_THREADS)'}"
                 f"{' (on this machine)' if self.remote_hosts else ''}, command: {' '.join(self.command)}")
         self.started_at = time.monotonic()
+        if any(not self._is_remote(slot) for slot in self.slots):
+            self.guardian = _start_guardian(self.job_id, self.grace)
         for slot in self.slots:
             log_path = os.path.join(self.log_dir, f"rank.{slot.rank}.log") if self.log_dir else None
             rank = self._start_rank(slot, port, log_path)
@@ -1009,6 +1026,13 @@ class Job:
     def close(self) -> None:
         # Dropping the last reference shuts the store's server down and frees the port.
         self.store = None
+        if self.guardian is not None:
+            try:
+                self.guardian.stdin.write(guardian.DONE)  # the ranks are done with: nothing for it to do
+                self.guardian.stdin.close()
+            except OSError:
+                pass
+            self.guardian = None
 
 
 def _first_line(error: BaseException) -> str:
