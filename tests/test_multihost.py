@@ -143,6 +143,31 @@ def test_watcher_stops_the_rank_when_its_stdin_closes(tmp_path):
         watcher.wait()
 
 
+def test_watcher_ends_with_its_rank_and_stops_what_the_rank_detached(tmp_path):
+    """A rank that starts a process in a new session and exits: the detached process inherits the
+    rank's stdout, yet the watcher's own stdout (the ssh channel) must close when the rank exits, or
+    sshd keeps the session and the job open; and the detached process goes with its rank."""
+    pid_file = tmp_path / "pid"
+    code = ("import subprocess, sys; p = subprocess.Popen(['sleep', '300'], start_new_session=True); "
+            f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('out', flush=True); sys.exit(3)")
+    env = {"TORCHMN_RANK": "0", "TORCHMN_LOCAL_SIZE": "1", "PYTHONPATH": str(REPO)}
+    line = remote.rank_command(str(tmp_path), sys.executable, env, [sys.executable, "-c", code])
+    stdin, keep_open = os.pipe()  # stdin stays open: the rank's own exit must end the watcher
+    watcher = subprocess.Popen(["sh", "-c", line], stdin=stdin, stdout=subprocess.PIPE, env=clean_env())
+    os.close(stdin)
+    try:
+        out, _ = watcher.communicate(timeout=20)
+        assert watcher.returncode == 3
+        assert out.decode().splitlines() == [remote.STARTED_MARKER, "out"]
+        assert_gone([int(pid_file.read_text())])
+    finally:
+        os.close(keep_open)
+        watcher.kill()
+        watcher.wait()
+        if pid_file.exists() and alive(int(pid_file.read_text())):
+            os.kill(int(pid_file.read_text()), signal.SIGKILL)
+
+
 # ---- real hosts -------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")
@@ -359,6 +384,38 @@ def test_failing_rank_on_second_host_stops_every_host(cluster, tmp_path):
     assert proc.elapsed < 60, proc.elapsed
     assert_hosts_idle(cluster)
     assert not [p for p in psutil.process_iter() if str(script) in " ".join(_cmdline(p))]
+
+
+@pytest.mark.parametrize("exit_code, helper_output", [(1, "inherited"), (0, "inherited"), (1, "devnull")])
+def test_rank_that_detaches_a_process_is_reported_and_leaves_nothing(cluster, tmp_path, exit_code, helper_output):
+    """Every rank starts a process in a new session, then rank 1 on h2 exits: the job must end at
+    once (a detached process that kept the rank's stdout must not hold rank 1's ssh session open)
+    naming rank 1 when it failed, and neither rank's detached process may outlive the job, whether
+    its rank exited on its own (rank 1) or was stopped by the launcher (rank 0)."""
+    stdio = "" if helper_output == "inherited" else ", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL"
+    script = tmp_path / "detach.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, subprocess, sys, time
+        rank = os.environ["TORCHMN_RANK"]
+        helper = subprocess.Popen(["sleep", "300"], start_new_session=True{stdio})
+        open(os.path.join({str(tmp_path)!r}, rank + ".pid"), "w").write(str(helper.pid))
+        print("detached", flush=True)
+        if rank == "1":
+            deadline = time.monotonic() + 30  # until rank 0 has detached its own
+            while not os.path.exists(os.path.join({str(tmp_path)!r}, "0.pid")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            sys.exit({exit_code})
+        time.sleep(300 if {exit_code} else 0)
+    """))
+    proc = launch(cluster, "-np", "2", "-H", hosts_arg(cluster, ("h1", 1), ("h2", 1)), sys.executable,
+                  str(script), timeout=60)
+    assert proc.returncode == exit_code, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert sorted(proc.stdout.splitlines()) == ["[0] detached", "[1] detached"], proc.stdout
+    if exit_code:
+        assert f"rank 1 (host {cluster.address('h2')}) failed with exit code 1; stopped the other 1 running " \
+               f"rank(s)" in proc.stderr, proc.stderr
+    assert proc.elapsed < 30, proc.elapsed
+    assert_hosts_idle(cluster)
 
 
 def test_killed_launcher_leaves_nothing_on_the_hosts(cluster, tmp_path):

@@ -7,10 +7,12 @@ COMMAND...``, where BOOTSTRAP runs this file as a script without importing the t
 (which imports torch: seconds of start-up and hundreds of MB for a process that only waits): the
 *watcher*. ``python -m torchmn.launch.remote -- COMMAND...`` runs the same. It checks that the rendezvous store is
 reachable from that host, tells gloo which interface reaches it, gives the rank its CPU thread
-budget for that host, prints a start marker, and runs COMMAND in a new session. When its stdin
-closes (the launcher killed its ssh client, or the launcher died) it stops COMMAND and everything
-COMMAND started: SIGTERM to the process group, SIGKILL after a grace period. So killing an ssh
-client is enough to tear a remote rank down, without a terminal (``ssh -tt``) on the remote side.
+budget for that host, prints a start marker, and runs COMMAND in a new session, relaying its output
+through pipes (so that nothing COMMAND leaves behind can hold the ssh session open). When COMMAND
+exits, or when the watcher's stdin closes (the launcher killed its ssh client, or the launcher
+died), it stops everything COMMAND started, detached processes included (the watcher is their
+subreaper): SIGTERM, SIGKILL after a grace period. So killing an ssh client is enough to tear a
+remote rank down, without a terminal (``ssh -tt``) on the remote side.
 
 Example (what the launcher runs for rank 2 on host ``node2``)::
 
@@ -279,18 +281,108 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def _stop_group(pgid: int, grace: float) -> None:
+def _become_subreaper() -> bool:
+    """Have processes orphaned below this one re-parented to it instead of to init (Linux's
+    ``prctl(PR_SET_CHILD_SUBREAPER)``), so that what the rank detached (a new session, a double
+    fork) is still found among this process's descendants; False where that is not available."""
+    if not sys.platform.startswith("linux"):
+        return False
     try:
-        os.killpg(pgid, signal.SIGTERM)
-    except (ProcessLookupError, PermissionError):
-        return
+        import ctypes
+        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def _stop_rank(pgid: int, grace: float) -> None:
+    """Stop the rank's process group and every other descendant of this process: SIGTERM, then
+    SIGKILL after ``grace`` seconds to whatever is left. As a subreaper this process adopts what the
+    rank detached, so descendants cover other sessions too; the group covers the case without a
+    subreaper. Descendants are listed again each round, since a killed process's children are
+    adopted in turn and get their own SIGTERM. Does not reap (the caller does, once the rank is)."""
+    import psutil
+
+    _signal_group(pgid, signal.SIGTERM)
+    termed = set()
     deadline = time.monotonic() + grace
-    while time.monotonic() < deadline and group_alive(pgid):
+    give_up = deadline + 5.0  # SIGKILL sent: only processes stuck in the kernel remain
+    while True:
+        left = _running_descendants()
+        now = time.monotonic()
+        if not left and not group_alive(pgid) or now >= give_up:
+            return
+        if now >= deadline:
+            _signal_group(pgid, signal.SIGKILL)
+        for process in left:
+            try:
+                if now >= deadline:
+                    process.kill()
+                elif process.pid not in termed:
+                    termed.add(process.pid)
+                    if os.getpgid(process.pid) != pgid:  # the group has had its SIGTERM
+                        process.terminate()
+            except (psutil.Error, OSError):  # gone already, or not ours to signal
+                pass
         time.sleep(0.05)
+
+
+def _running_descendants() -> list:
+    """This process's descendants, zombies aside. Each one is checked on its own: one that ends
+    meanwhile (the rank, reaped by the main thread) must not hide the others."""
+    import psutil
+
     try:
-        os.killpg(pgid, signal.SIGKILL)
+        children = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return []
+    running = []
+    for child in children:
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE:
+                running.append(child)
+        except psutil.Error:
+            continue
+    return running
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _reap_children() -> None:
+    """Collect the exit status of every child that has exited, so that no zombie outlives the
+    stop (init may reap them slowly in a container). Only once the rank itself has been waited for:
+    ``waitpid(-1)`` could take the rank's status away from ``Popen.wait``."""
+    while True:
+        try:
+            if os.waitpid(-1, os.WNOHANG)[0] == 0:
+                return
+        except ChildProcessError:
+            return
+
+
+def _relay(source: int, target: int) -> None:
+    """Copy the rank's output from the pipe ``source`` to this process's ``target`` (the ssh
+    channel), raw bytes as they come. The rank gets a pipe rather than the channel itself so that a
+    process it detached cannot keep the channel, and so the ssh session, open after the watcher
+    ends. A failed write (the channel is gone) drops the rest of the output but reading goes on, so
+    the rank never blocks on a full pipe."""
+    writable = True
+    while True:
+        try:
+            chunk = os.read(source, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        while writable and chunk:
+            try:
+                chunk = chunk[os.write(target, chunk):]
+            except OSError:
+                writable = False
 
 
 def _prepare_env(env: Dict[str, str]) -> Optional[str]:
@@ -332,8 +424,10 @@ def watch(command: Sequence[str], grace: float = GRACE_SECONDS) -> int:
         _say(error)
         return 1
     host = env.get("TORCHMN_HOST", socket.gethostname())
+    adopts = _become_subreaper()
     try:
-        process = subprocess.Popen(list(command), env=env, stdin=subprocess.DEVNULL, start_new_session=True)
+        process = subprocess.Popen(list(command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, start_new_session=True)
     except OSError as e:
         _say(f"rank {env.get('TORCHMN_RANK', '?')} on host {host} could not start {command[0]!r}: "
              f"{e.strerror}. Check that it is installed there and on the forwarded PATH.")
@@ -343,12 +437,20 @@ def watch(command: Sequence[str], grace: float = GRACE_SECONDS) -> int:
         sys.stdout.flush()
     except OSError:
         pass
-    stopping = threading.Event()
+    # Started after the marker, so that the marker is alone on its line whatever the rank prints.
+    relays = [threading.Thread(target=_relay, args=(pipe.fileno(), fd), daemon=True)
+              for pipe, fd in ((process.stdout, 1), (process.stderr, 2))]
+    for relay in relays:
+        relay.start()
+    stop_lock = threading.Lock()
+    torn_down = threading.Event()  # by the launcher (stdin closed), not by the rank's own exit
 
-    def stop(reason: str) -> None:
-        if not stopping.is_set():
-            stopping.set()
-            _stop_group(process.pid, grace)
+    def stop() -> None:
+        # The stdin thread and the main thread may both get here: one at a time. The main thread's
+        # stop, once the rank is reaped, is a last sweep after the stdin thread's (nothing found:
+        # one scan of /proc), for an orphan a scan missed while it was being re-parented.
+        with stop_lock:
+            _stop_rank(process.pid, grace)
 
     def read_stdin() -> None:
         try:
@@ -356,29 +458,40 @@ def watch(command: Sequence[str], grace: float = GRACE_SECONDS) -> int:
                 pass
         except OSError:
             pass
-        if process.poll() is None:
-            stop("stdin closed")
+        # Not process.poll(): only the main thread may reap the rank (see the wait below).
+        if process.returncode is None:
+            torn_down.set()
+        stop()
 
     def on_signal(signum, frame) -> None:
-        try:
-            os.killpg(process.pid, signum)
-        except (ProcessLookupError, PermissionError):
-            pass
+        _signal_group(process.pid, signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
     threading.Thread(target=read_stdin, daemon=True).start()
+    while adopts:
+        # Wait for any child without reaping it: adopted orphans that exit are reaped at once
+        # (no zombies piling up over a long job); the rank's own status is left to Popen.wait.
+        pid = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOWAIT).si_pid
+        if pid == process.pid:
+            break
+        os.waitpid(pid, 0)
     returncode = process.wait()
-    # Whatever the rank left running in its process group goes with it.
-    if not stopping.is_set():
-        _stop_group(process.pid, grace)
+    # Whatever the rank left running, in its process group or detached, goes with it.
+    stop()
+    _reap_children()
+    # The pipes reach EOF once nothing holds them any more; bounded, in case something we could not
+    # stop still does.
+    deadline = time.monotonic() + 2.0
+    for relay in relays:
+        relay.join(max(0.0, deadline - time.monotonic()))
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name
         except ValueError:
             name = f"signal {-returncode}"
-        if not stopping.is_set():
+        if not torn_down.is_set():
             _say(f"rank {env.get('TORCHMN_RANK', '?')} on host {host} was killed by {name}")
         return 128 - returncode
     return returncode
