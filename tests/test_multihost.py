@@ -438,6 +438,35 @@ def test_killed_launcher_leaves_nothing_on_the_hosts(cluster, tmp_path):
     assert_hosts_idle(cluster)
 
 
+def test_ctrl_c_reaches_remote_ranks_as_sigint(cluster, tmp_path):
+    """Ctrl-C (SIGINT to the launcher) reaches every rank as SIGINT, remote ones too (their
+    KeyboardInterrupt handlers run), as the launcher's message says; they used to get SIGTERM."""
+    script = tmp_path / "report.py"
+    script.write_text("import os, signal, sys, time\n"
+                      "def said(s, f):\n"
+                      "    print('got', signal.Signals(s).name, flush=True)\n"
+                      "    sys.exit(1)\n"
+                      "for s in (signal.SIGINT, signal.SIGTERM):\n"
+                      "    signal.signal(s, said)\n"
+                      "print('up', flush=True)\n"
+                      "time.sleep(60)\n")
+    argv = [sys.executable, "-m", "torchmn", "run", *cluster.launcher_options(), "-np", "2",
+            "-H", hosts_arg(cluster, ("h1", 1), ("h2", 1)), sys.executable, str(script)]
+    launcher = subprocess.Popen(argv, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    try:
+        lines = [launcher.stdout.readline(), launcher.stdout.readline()]
+        assert sorted(lines) == ["[0] up\n", "[1] up\n"], lines
+        launcher.send_signal(signal.SIGINT)
+        out, err = launcher.communicate(timeout=30)
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=10)
+    assert launcher.returncode == 130, err
+    assert sorted(line for line in out.splitlines() if "got" in line) == ["[0] got SIGINT", "[1] got SIGINT"], out
+    assert_hosts_idle(cluster)
+
+
 def test_rank_that_never_starts_hits_the_start_timeout(cluster, tmp_path):
     """An ssh that logs in for the check but then hangs when starting the rank on h2."""
     h2 = cluster.address("h2")

@@ -47,6 +47,10 @@ FORWARDED_NAMES = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "COND
                    "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
 FORWARDED_PREFIXES = ("TORCHMN_", "TORCH_", "NCCL_", "GLOO_")
 
+# What the launcher writes to a watcher's stdin to have a signal sent to the rank's process group
+# (Ctrl-C reaches remote ranks as SIGINT, as it reaches local ones): "signal 2\n".
+SIGNAL_LINE = b"signal "
+
 _EXIT_NO_CWD = 91
 _EXIT_NO_PYTHON = 92
 _EXIT_SSH = 255
@@ -294,15 +298,18 @@ def _become_subreaper() -> bool:
         return False
 
 
-def _stop_rank(pgid: int, grace: float) -> None:
+def _stop_rank(pgid: int, grace: float, signalled: bool = False) -> None:
     """Stop the rank's process group and every other descendant of this process: SIGTERM, then
     SIGKILL after ``grace`` seconds to whatever is left. As a subreaper this process adopts what the
     rank detached, so descendants cover other sessions too; the group covers the case without a
     subreaper. Descendants are listed again each round, since a killed process's children are
-    adopted in turn and get their own SIGTERM. Does not reap (the caller does, once the rank is)."""
+    adopted in turn and get their own SIGTERM. ``signalled``: the group has had its signal already
+    (the launcher's, see SIGNAL_LINE): no SIGTERM, only SIGKILL after ``grace`` to what is left, as
+    the launcher does with its local ranks. Does not reap (the caller does, once the rank is)."""
     import psutil
 
-    _signal_group(pgid, signal.SIGTERM)
+    if not signalled:
+        _signal_group(pgid, signal.SIGTERM)
     termed = set()
     deadline = time.monotonic() + grace
     give_up = deadline + 5.0  # SIGKILL sent: only processes stuck in the kernel remain
@@ -317,7 +324,7 @@ def _stop_rank(pgid: int, grace: float) -> None:
             try:
                 if now >= deadline:
                     process.kill()
-                elif process.pid not in termed:
+                elif process.pid not in termed and not signalled:
                     termed.add(process.pid)
                     if os.getpgid(process.pid) != pgid:  # the group has had its SIGTERM
                         process.terminate()
@@ -445,23 +452,32 @@ def watch(command: Sequence[str], grace: float = GRACE_SECONDS) -> int:
     stop_lock = threading.Lock()
     torn_down = threading.Event()  # by the launcher (stdin closed), not by the rank's own exit
 
-    def stop() -> None:
+    def stop(signalled: bool = False) -> None:
         # The stdin thread and the main thread may both get here: one at a time. The main thread's
         # stop, once the rank is reaped, is a last sweep after the stdin thread's (nothing found:
         # one scan of /proc), for an orphan a scan missed while it was being re-parented.
         with stop_lock:
-            _stop_rank(process.pid, grace)
+            _stop_rank(process.pid, grace, signalled)
 
     def read_stdin() -> None:
+        pending, signalled = b"", False
         try:
-            while os.read(0, 65536):
-                pass
+            while True:
+                data = os.read(0, 65536)
+                if not data:
+                    break
+                pending += data
+                while b"\n" in pending:
+                    line, pending = pending.split(b"\n", 1)
+                    if line.startswith(SIGNAL_LINE) and line[len(SIGNAL_LINE):].isdigit():
+                        _signal_group(process.pid, int(line[len(SIGNAL_LINE):]))
+                        signalled = True
         except OSError:
             pass
         # Not process.poll(): only the main thread may reap the rank (see the wait below).
         if process.returncode is None:
             torn_down.set()
-        stop()
+        stop(signalled)
 
     def on_signal(signum, frame) -> None:
         _signal_group(process.pid, signum)

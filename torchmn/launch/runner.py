@@ -498,6 +498,16 @@ def _start_guardian(job_id: str, grace: float) -> Optional[subprocess.Popen]:
         return None
 
 
+def _tell_watcher(process: subprocess.Popen, sig: int) -> None:
+    """Have a remote rank's watcher send ``sig`` to the rank (see remote.SIGNAL_LINE)."""
+    if process.stdin is not None:
+        try:
+            process.stdin.write(remote.SIGNAL_LINE + b"%d\n" % sig)
+            process.stdin.flush()
+        except (OSError, ValueError):
+            pass
+
+
 def _close_stdin(process: subprocess.Popen) -> None:
     if process.stdin is not None:
         try:
@@ -861,7 +871,9 @@ class Job:
             if rank.returncode is None and rank.process.poll() is None:
                 rank.stopped_by_launcher = True
             if rank.is_remote:
-                _close_stdin(rank.process)  # the watcher there stops the rank, then ssh exits
+                if rank.started:  # the watcher sends the rank our signal, then stops it, then ssh exits
+                    _tell_watcher(rank.process, first_signal)
+                _close_stdin(rank.process)
                 if not rank.started:  # no watcher yet: only the ssh client to stop
                     _signal_group(rank.pgid, signal.SIGTERM)
             else:
