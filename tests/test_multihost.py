@@ -168,6 +168,34 @@ def test_watcher_ends_with_its_rank_and_stops_what_the_rank_detached(tmp_path):
             os.kill(int(pid_file.read_text()), signal.SIGKILL)
 
 
+def test_ctrl_c_while_hosts_are_checked_stops_at_once(tmp_path):
+    """A host whose login hangs: Ctrl-C stops the launcher and its ssh client at once, instead of
+    after --start-timeout."""
+    pids = tmp_path / "ssh.pids"
+    hanging_ssh = tmp_path / "ssh"
+    hanging_ssh.write_text(f"#!/bin/sh\necho $$ >> {pids}\nexec sleep 60\n")
+    hanging_ssh.chmod(0o755)
+    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "1", "-H", "10.255.255.254:1",
+                                 "--ssh-command", str(hanging_ssh), "--start-timeout", "40", sys.executable, "-c",
+                                 "print('ran')"], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+    try:
+        deadline = time.monotonic() + 20
+        while not pids.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert pids.exists(), "the ssh client never started"
+        start = time.monotonic()
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=30)
+        took = time.monotonic() - start
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode == 130 and took < 10, (launcher.returncode, took, err)
+    assert "received SIGINT while checking the hosts" in err, err
+    assert_gone([int(pid) for pid in pids.read_text().split()])
+
+
 # ---- real hosts -------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="session")

@@ -188,7 +188,7 @@ class HostCheck:
 
 
 def check_host(host: str, ssh: SshOptions, python: str, cwd: str, env: Mapping[str, str],
-               timeout: float) -> HostCheck:
+               timeout: float, started: Optional[list] = None, preexec_fn=None) -> HostCheck:
     """Log in to ``host`` and check that ``cwd`` exists and ``python`` imports torchmn there.
 
     Example::
@@ -203,15 +203,21 @@ def check_host(host: str, ssh: SshOptions, python: str, cwd: str, env: Mapping[s
             + exec_line(env, [python, "-c", probe]))
     argv = ssh.argv(host, line)
     try:
-        proc = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                              timeout=timeout, start_new_session=True)
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True, preexec_fn=preexec_fn)
     except FileNotFoundError:
         return HostCheck(host, f"the ssh client {argv[0]!r} was not found on this machine; install "
                                f"openssh-client or give --ssh-command")
+    if started is not None:
+        started.append(proc)  # so that the launcher can stop it (Ctrl-C while checking)
+    try:
+        out, err_text = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
         return HostCheck(host, f"did not answer within {timeout:g} s (ssh hung, or the host is slow); "
                                f"try `{ssh.hint(host)}`, or raise --start-timeout")
-    err = proc.stderr.strip().splitlines()
+    err = err_text.strip().splitlines()
     last = err[-1] if err else ""
     if proc.returncode == _EXIT_SSH:
         return HostCheck(host, f"cannot be reached over ssh ({last or 'ssh exit code 255'}). Check the host "
@@ -225,7 +231,7 @@ def check_host(host: str, ssh: SshOptions, python: str, cwd: str, env: Mapping[s
         return HostCheck(host, f"has no Python interpreter at {python} (not found or not executable); "
                                f"remote ranks use the launcher's interpreter path, so install the same "
                                f"environment at the same path on every host")
-    for out_line in proc.stdout.splitlines():
+    for out_line in out.splitlines():
         if out_line.startswith(_CHECK_MARKER):
             parts = out_line[len(_CHECK_MARKER):].split()
             return HostCheck(host, None, parts[0] if parts else None)
@@ -235,12 +241,13 @@ def check_host(host: str, ssh: SshOptions, python: str, cwd: str, env: Mapping[s
 
 
 def check_hosts(hosts: Sequence[str], ssh: SshOptions, python: str, cwd: str, env: Mapping[str, str],
-                timeout: float) -> List[HostCheck]:
-    """``check_host`` for every host at once; results in the order of ``hosts``."""
+                timeout: float, started: Optional[list] = None, preexec_fn=None) -> List[HostCheck]:
+    """``check_host`` for every host at once; results in the order of ``hosts``. ``started``
+    collects the ssh clients as they start; ``preexec_fn`` runs in each."""
     if not hosts:
         return []
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        return list(pool.map(lambda h: check_host(h, ssh, python, cwd, env, timeout), hosts))
+        return list(pool.map(lambda h: check_host(h, ssh, python, cwd, env, timeout, started, preexec_fn), hosts))
 
 
 # ---- the watcher (runs on the remote host) -----------------------------------------------------

@@ -24,6 +24,7 @@ fails, and task 0 keeps the store up until the other nodes' ranks have ended. Se
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import datetime
 import errno
@@ -660,11 +661,18 @@ class Job:
         if self.verbose:
             self.console.message(f"torchmn run: checking hosts {', '.join(self.remote_hosts)} over ssh")
         env = remote.forwarded_env(self.base_env, self.exports)
-        try:
-            checks = remote.check_hosts(self.remote_hosts, self.ssh, sys.executable, os.getcwd(), env,
-                                        timeout=self.start_timeout)
-        except remote.RemoteError as e:
-            raise RunError(str(e))
+        clients: list = []
+        with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+            checking = pool.submit(remote.check_hosts, self.remote_hosts, self.ssh, sys.executable, os.getcwd(),
+                                   env, self.start_timeout, clients, self._death_signal)
+            while True:
+                try:
+                    checks = checking.result(timeout=0.1)
+                    break
+                except concurrent.futures.TimeoutError:
+                    self._stop_checks_on_signal(clients)
+                except remote.RemoteError as e:
+                    raise RunError(str(e))
         bad = [c for c in checks if c.error]
         if bad:
             lines = [f"{len(bad)} of {len(checks)} host(s) cannot run ranks:"]
@@ -686,6 +694,18 @@ class Job:
             raise RunError(f"cannot tell which address of this machine the hosts {', '.join(self.remote_hosts)} "
                            f"reach it on (found only {self.master_addr}, a loopback address); name the "
                            f"network with --network-interface (e.g. eth0)")
+
+    def _stop_checks_on_signal(self, clients: list) -> None:
+        """Ctrl-C (or SIGTERM) while hosts are checked: stop their ssh clients and the launcher now,
+        rather than after the checks (up to --start-timeout)."""
+        try:
+            event = self.events.get_nowait()  # nothing else can be queued before ranks start
+        except queue.Empty:
+            return
+        for client in list(clients):
+            _signal_group(client.pid, signal.SIGKILL)  # each in a session of its own
+        raise RunError(f"received {signal.Signals(event[1]).name} while checking the hosts; stopped",
+                       exit_code=128 + event[1])
 
     def _interface_address(self) -> str:
         try:
