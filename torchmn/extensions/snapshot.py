@@ -277,7 +277,10 @@ def multi_node_snapshot(comm, filename: str = DEFAULT_FILENAME, savefun: Callabl
     rank's newest ``n_retains`` snapshots; keep at least 2, so that a crash while writing still
     leaves an iteration every rank has. ``autoload=True`` resumes, when training starts, from
     the newest iteration every rank has (see :func:`resume_latest`); ``resumed_from`` then
-    holds it, or ``None``.
+    holds it, or ``None``. A trigger that is not a function of the iteration alone (ppe's
+    ``TimeTrigger``, a value trigger) fires as rank 0 decides, on every rank, so that the ranks
+    snapshot the same iterations. ``n_retains`` removes only iterations older than the one just
+    written: higher iterations another run left in the same directory are left alone.
 
     Example::
 

@@ -324,7 +324,10 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
     accumulate locally and communicate once; ``double_buffering=True`` updates with the previous
     step's averages while the current ones are in flight (the first ``step()`` only sends, and so
     does the first after loading a checkpoint: the averages in flight are not part of
-    ``state_dict()``, so a resumed run makes one update fewer than an uninterrupted one).
+    ``state_dict()``, so a resumed run makes one update fewer than an uninterrupted one). A
+    backward that raises (a batch the script skips, on every rank) is forgotten at the next
+    ``zero_grad()``; ``step()`` right after it refuses. Frozen parameters in the optimizer's
+    groups are broadcast too; freezing or unfreezing later needs a new wrapper.
 
     Example::
 
