@@ -412,6 +412,18 @@ def check_frozen_parameters_start_equal(comm):
     assert all(torch.equal(mine, other) for other in comm.allgather_obj(mine)), "frozen layer differs"
 
 
+def check_dtype_changed_after_wrapping(comm):
+    """model.double() after wrapping: a clear error naming the cause, not torch's about grad_dtype
+    (nor, sharded, an update of buffers the parameters no longer view)."""
+    for kwargs in ({}, {"shard_state": True}):
+        model = torch.nn.Linear(3, 2)
+        opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, **kwargs)
+        model.double()
+        e = expect(RuntimeError, lambda: model(torch.ones(1, 3, dtype=torch.float64)).sum().backward())
+        assert "was torch.float32 when create_multi_node_optimizer wrapped" in str(e), str(e)
+        opt.zero_grad()
+
+
 def check_complex_parameters(comm):
     """Complex gradients average like real ones (zero_fill=False read complex flags and crashed);
     compression, which would drop their imaginary part, is refused."""

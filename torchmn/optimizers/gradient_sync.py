@@ -140,6 +140,7 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def _attach(self, params: list[torch.nn.Parameter], buckets: list) -> None:
         self._where = {p: bi for bi, b in enumerate(buckets) for p in b.params}
+        self._dtypes = {p: p.dtype for p in params}
         # Also in a world of one, so that every option means the same there.
         for p in params:
             self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
@@ -175,6 +176,12 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 f"{self._where_am_i()}: the gradient of a parameter of shape "
                 f"{tuple(p.shape)} is {p.grad.layout} (nn.Embedding(sparse=True) or EmbeddingBag(sparse=True)); "
                 f"create_multi_node_optimizer averages dense gradients only: build the layer with sparse=False")
+        if p.dtype is not self._dtypes[p]:
+            raise RuntimeError(
+                f"{self._where_am_i()}: a parameter of shape {tuple(p.shape)} is {p.dtype} now but was "
+                f"{self._dtypes[p]} when create_multi_node_optimizer wrapped the optimizer (model.double(), "
+                f".half() or .to(dtype) since?); its gradient buffers are of the old type. Convert the model "
+                f"first, then create the torch optimizer and wrap it")
         if not self._in_pass:
             self._in_pass = True
             self._pass_syncs = not self._no_sync and self._passes + 1 >= self.backward_passes_per_step
