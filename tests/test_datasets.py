@@ -157,6 +157,8 @@ def test_tensor_views_travel_without_their_whole_storage():
     assert torch.equal(pickle.loads(dumps(Row(table[7], 7))).x, table[7])
     row = table.as_subclass(Feature)[7]   # a subclass's view too (it carried its whole storage)
     assert len(dumps(row)) < 10_000 and type(pickle.loads(dumps(row))) is Feature
+    lazy = torch.nn.Sequential(torch.nn.LazyLinear(4), torch.nn.LazyBatchNorm1d()).state_dict()
+    assert list(pickle.loads(dumps(lazy))) == list(lazy)   # uninitialized: no storage to look at
     assert torch.equal(pickle.loads(dumps(table[7:8].t())), table[7:8].t())
     shared = table[3]
     a, b = pickle.loads(dumps((shared, shared)))

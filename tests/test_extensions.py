@@ -102,12 +102,18 @@ def test_snapshots_are_readable_as_the_umask_says(tmp_path):
     assert os.stat(tmp_path / "x.pt").st_mode & 0o777 == 0o644
 
 
-def test_resume_removes_temporaries_a_killed_rank_left(tmp_path):
+def test_snapshot_extension_removes_temporaries_a_killed_rank_left(tmp_path):
     left = tmp_path / ".snapshot_iter_9_rank0.g4qs10tb.tmp"
     left.write_bytes(b"half")
     other = tmp_path / ".snapshot_iter_9_rank1.abcdefgh.tmp"   # another rank's: not ours to remove
     other.write_bytes(b"half")
+    # resume_latest alone leaves them: a job that only reads snapshots may call it while one is written
     assert resume_latest(torch.nn.Linear(1, 1), solo(), str(tmp_path)) is None
+    assert sorted(os.listdir(tmp_path)) == sorted([left.name, other.name])
+    manager = manager_for(torch.nn.Linear(2, 1), tmp_path, 1)
+    manager.extend(multi_node_snapshot(solo(), autoload=True), trigger=(5, "iteration"))
+    with manager.run_iteration():
+        pass
     assert sorted(os.listdir(tmp_path)) == [other.name]
 
 

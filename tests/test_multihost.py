@@ -175,15 +175,17 @@ def test_ctrl_c_while_hosts_are_checked_stops_at_once(tmp_path):
     hanging_ssh = tmp_path / "ssh"
     hanging_ssh.write_text(f"#!/bin/sh\necho $$ >> {pids}\nexec sleep 60\n")
     hanging_ssh.chmod(0o755)
-    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "1", "-H", "10.255.255.254:1",
+    # More hosts than are checked at once (32): the ones still queued must not start after Ctrl-C.
+    hosts = ",".join(f"10.255.254.{i}:1" for i in range(1, 35))
+    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "34", "-H", hosts,
                                  "--ssh-command", str(hanging_ssh), "--start-timeout", "40", sys.executable, "-c",
                                  "print('ran')"], env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True)
     try:
         deadline = time.monotonic() + 20
-        while not pids.exists() and time.monotonic() < deadline:
+        while (not pids.exists() or len(pids.read_text().split()) < 32) and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert pids.exists(), "the ssh client never started"
+        assert pids.exists(), "the ssh clients never started"
         start = time.monotonic()
         launcher.send_signal(signal.SIGINT)
         _, err = launcher.communicate(timeout=30)
@@ -194,6 +196,31 @@ def test_ctrl_c_while_hosts_are_checked_stops_at_once(tmp_path):
     assert launcher.returncode == 130 and took < 10, (launcher.returncode, took, err)
     assert "received SIGINT while checking the hosts" in err, err
     assert_gone([int(pid) for pid in pids.read_text().split()])
+
+
+def test_watcher_waits_for_a_paused_console(tmp_path):
+    """The reader of a remote rank's output pauses after the rank has exited (a pager, a slow
+    console): the watcher relays the rest once it reads again, however long the pause, instead of
+    dropping what is still in the pipe."""
+    n = 200_000
+    code = f"for i in range({n}): print(i)\nprint('LAST', flush=True)\n"
+    env = {"TORCHMN_RANK": "0", "TORCHMN_LOCAL_SIZE": "1", "PYTHONPATH": str(REPO)}
+    line = remote.rank_command(str(tmp_path), sys.executable, env, [sys.executable, "-c", code])
+    stdin, keep_open = os.pipe()
+    watcher = subprocess.Popen(["sh", "-c", line], stdin=stdin, stdout=subprocess.PIPE, env=clean_env())
+    os.close(stdin)
+    try:
+        lines = []
+        while not lines or lines[-1] != str(n - 12_000).encode():  # ~80 KB left: more than a pipe holds
+            lines.append(watcher.stdout.readline().strip())
+        time.sleep(5)   # the rank exits meanwhile; the watcher must not give up on its output
+        lines += watcher.stdout.read().split()
+        assert watcher.wait(timeout=20) == 0
+    finally:
+        os.close(keep_open)
+        watcher.kill()
+        watcher.wait()
+    assert lines[-1] == b"LAST" and len(lines) == n + 2, (len(lines), lines[-1])  # + the start marker
 
 
 # ---- real hosts -------------------------------------------------------------------------------------

@@ -369,6 +369,16 @@ def test_orphans_that_end_are_reaped():
     assert "[0] ZOMBIES 0" in proc.stdout, proc.stdout + proc.stderr
 
 
+def test_children_of_the_caller_keep_their_exit_codes():
+    """run() as a library call: the launcher reaps orphans that ranks leave, never the caller's
+    own children, whose Popen would then see exit code 0."""
+    from torchmn.launch.runner import run
+
+    own = subprocess.Popen(["sh", "-c", "exit 3"])
+    assert run([sys.executable, "-c", "import time; time.sleep(1.5)"], np=1) == 0
+    assert own.wait(timeout=10) == 3
+
+
 def test_bad_log_dir(tmp_path, capsys):
     not_a_dir = tmp_path / "file"
     not_a_dir.write_text("x")

@@ -12,6 +12,7 @@ import pickle
 from typing import Any
 
 import torch
+from torch.nn.parameter import UninitializedTensorMixin
 
 
 class _Pickler(pickle.Pickler):
@@ -23,11 +24,14 @@ class _Pickler(pickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         # Subclasses too (a dataset's own tensor type): clone() keeps their type. Not parameters,
         # which pickle as parameters.
-        if not isinstance(obj, torch.Tensor) or isinstance(obj, torch.nn.Parameter) \
+        if not isinstance(obj, torch.Tensor) or isinstance(obj, (torch.nn.Parameter, UninitializedTensorMixin)) \
                 or obj.layout is not torch.strided:
             return NotImplemented
         moved = self._to_cpu and obj.device.type != "cpu"
-        oversized = obj.untyped_storage().nbytes() > obj.numel() * obj.element_size()
+        try:
+            oversized = obj.untyped_storage().nbytes() > obj.numel() * obj.element_size()
+        except (RuntimeError, TypeError, ValueError):  # a subclass without a storage of its own
+            return NotImplemented
         if not (moved or oversized):
             return NotImplemented
         # detach: a copy made with autograd on would be a non-leaf, which pickle refuses

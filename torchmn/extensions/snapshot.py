@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import re
 import string
-import tempfile
+import secrets
 import warnings
 from typing import Any, Callable, Optional
 
@@ -71,9 +71,8 @@ def atomic_save(obj: Any, path: str, savefun: Callable[[Any, Any], None] = torch
     """``savefun(obj, file)`` into a temporary file beside ``path``, fsync it, rename it to ``path``."""
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=directory)
+    fd, tmp = _create_temporary(path)
     try:
-        os.fchmod(fd, 0o666 & ~_umask())  # mkstemp's 0600 would hide checkpoints from the user's other jobs
         with os.fdopen(fd, "wb") as f:
             savefun(obj, f)
             f.flush()
@@ -100,15 +99,22 @@ def _temporary_prefix(path: str) -> str:
     return "." + os.path.basename(path) + "."
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def _create_temporary(path: str) -> tuple:
+    """A new file beside ``path``, open for writing: ``(fd, its path)``. Created with mode 0666 so
+    that the kernel applies the umask, as for any file the user writes (mkstemp's 0600 would hide
+    checkpoints from the user's other jobs)."""
+    directory = os.path.dirname(path) or "."
+    while True:
+        tmp = os.path.join(directory, _temporary_prefix(path) + secrets.token_hex(4) + ".tmp")
+        try:
+            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
+        except FileExistsError:
+            continue
 
 
 def remove_leftover_temporaries(out_dir: str, rank: int, filename: str = DEFAULT_FILENAME) -> None:
-    """Delete ``rank``'s temporary snapshot files that a killed run left in ``out_dir`` (only this
-    rank writes them, and it is not writing now): repeated crashes would fill the disk."""
+    """Delete ``rank``'s temporary snapshot files that a killed run left in ``out_dir``: repeated
+    crashes would fill the disk. Only for the job that writes them, before it writes any."""
     pattern = _pattern(filename, rank)
     if not os.path.isdir(out_dir):
         return
@@ -173,7 +179,6 @@ def resume_latest(target: Any, comm, out_dir: str, filename: str = DEFAULT_FILEN
         >>> it = torchmn.extensions.resume_latest(manager, comm, "result")
         >>> print("resumed from", it)      # e.g. 300, or None for a fresh start
     """
-    remove_leftover_temporaries(out_dir, comm.rank, filename)
     mine = available_iterations(out_dir, comm.rank, filename)
     everyone = comm.allgather_obj(sorted(mine))
     common = set(everyone[0]).intersection(*everyone[1:])
@@ -244,6 +249,9 @@ class MultiNodeSnapshot(extension.Extension):
 
     def initialize(self, manager) -> None:
         agree_on_own_trigger(self, manager, self.comm)
+        # Here, not in resume_latest, which a job that only reads the snapshots may call while
+        # this one writes them.
+        remove_leftover_temporaries(self._dir(manager), self.comm.rank, self.filename)
         if self.autoload:
             target = manager if self.target is None else self.target
             self.resumed_from = resume_latest(target, self.comm, self._dir(manager), self.filename, self.loadfun)

@@ -188,7 +188,8 @@ class HostCheck:
 
 
 def check_host(host: str, ssh: SshOptions, python: str, cwd: str, env: Mapping[str, str],
-               timeout: float, started: Optional[list] = None, preexec_fn=None) -> HostCheck:
+               timeout: float, started: Optional[list] = None, preexec_fn=None,
+               stop: Optional[threading.Event] = None) -> HostCheck:
     """Log in to ``host`` and check that ``cwd`` exists and ``python`` imports torchmn there.
 
     Example::
@@ -202,6 +203,8 @@ def check_host(host: str, ssh: SshOptions, python: str, cwd: str, env: Mapping[s
             f"[ -x {q_python} ] || exit {_EXIT_NO_PYTHON}; "
             + exec_line(env, [python, "-c", probe]))
     argv = ssh.argv(host, line)
+    if stop is not None and stop.is_set():
+        return HostCheck(host, "not checked: the launcher was stopped")
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 text=True, start_new_session=True, preexec_fn=preexec_fn)
@@ -210,6 +213,8 @@ def check_host(host: str, ssh: SshOptions, python: str, cwd: str, env: Mapping[s
                                f"openssh-client or give --ssh-command")
     if started is not None:
         started.append(proc)  # so that the launcher can stop it (Ctrl-C while checking)
+    if stop is not None and stop.is_set():  # stopped while this one started: the launcher may not see it
+        proc.kill()
     try:
         out, err_text = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -241,13 +246,16 @@ def check_host(host: str, ssh: SshOptions, python: str, cwd: str, env: Mapping[s
 
 
 def check_hosts(hosts: Sequence[str], ssh: SshOptions, python: str, cwd: str, env: Mapping[str, str],
-                timeout: float, started: Optional[list] = None, preexec_fn=None) -> List[HostCheck]:
+                timeout: float, started: Optional[list] = None, preexec_fn=None,
+                stop: Optional[threading.Event] = None) -> List[HostCheck]:
     """``check_host`` for every host at once; results in the order of ``hosts``. ``started``
-    collects the ssh clients as they start; ``preexec_fn`` runs in each."""
+    collects the ssh clients as they start; ``preexec_fn`` runs in each; once ``stop`` is set, no
+    more start."""
     if not hosts:
         return []
     with concurrent.futures.ThreadPoolExecutor(max_workers=min(32, len(hosts))) as pool:
-        return list(pool.map(lambda h: check_host(h, ssh, python, cwd, env, timeout, started, preexec_fn), hosts))
+        return list(pool.map(lambda h: check_host(h, ssh, python, cwd, env, timeout, started, preexec_fn, stop),
+                             hosts))
 
 
 # ---- the watcher (runs on the remote host) -----------------------------------------------------
@@ -378,18 +386,22 @@ def _reap_children() -> None:
             return
 
 
-def _relay(source: int, target: int) -> None:
+def _relay(source: int, target: int, waiting_since: Dict[int, Optional[float]]) -> None:
     """Copy the rank's output from the pipe ``source`` to this process's ``target`` (the ssh
     channel), raw bytes as they come. The rank gets a pipe rather than the channel itself so that a
     process it detached cannot keep the channel, and so the ssh session, open after the watcher
     ends. A failed write (the channel is gone) drops the rest of the output but reading goes on, so
-    the rank never blocks on a full pipe."""
+    the rank never blocks on a full pipe. ``waiting_since[source]``: since when it has been waiting
+    on a silent pipe (None while it writes: a slow or paused console is not idle)."""
     writable = True
     while True:
+        waiting_since[source] = time.monotonic()
         try:
             chunk = os.read(source, 65536)
         except OSError:
             break
+        finally:
+            waiting_since[source] = None
         if not chunk:
             break
         while writable and chunk:
@@ -452,9 +464,10 @@ def watch(command: Sequence[str], grace: float = GRACE_SECONDS) -> int:
     except OSError:
         pass
     # Started after the marker, so that the marker is alone on its line whatever the rank prints.
-    relays = [threading.Thread(target=_relay, args=(pipe.fileno(), fd), daemon=True)
+    waiting_since: Dict[int, Optional[float]] = {}
+    relays = [(pipe.fileno(), threading.Thread(target=_relay, args=(pipe.fileno(), fd, waiting_since), daemon=True))
               for pipe, fd in ((process.stdout, 1), (process.stderr, 2))]
-    for relay in relays:
+    for _, relay in relays:
         relay.start()
     stop_lock = threading.Lock()
     torn_down = threading.Event()  # by the launcher (stdin closed), not by the rank's own exit
@@ -506,9 +519,14 @@ def watch(command: Sequence[str], grace: float = GRACE_SECONDS) -> int:
     _reap_children()
     # The pipes reach EOF once nothing holds them any more; bounded, in case something we could not
     # stop still does.
-    deadline = time.monotonic() + 2.0
-    for relay in relays:
-        relay.join(max(0.0, deadline - time.monotonic()))
+    # The rest of the output goes out however slow the console (the launcher's) reads it; only a
+    # pipe silent for 2 s, held open by something we could not stop, is given up on.
+    for source, relay in relays:
+        while relay.is_alive():
+            relay.join(0.05)
+            since = waiting_since.get(source)
+            if since is not None and time.monotonic() - since >= 2.0:
+                break
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name

@@ -485,6 +485,15 @@ def _become_subreaper() -> bool:
     return prctl is not None and prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
 
 
+def _children() -> Set[int]:
+    import psutil
+
+    try:
+        return {child.pid for child in psutil.Process().children()}
+    except psutil.Error:
+        return set()
+
+
 def _start_guardian(job_id: str, grace: float) -> Optional[subprocess.Popen]:
     """Start the process that ends the job's local processes if this launcher dies without ending
     them (see :mod:`torchmn.launch.guardian`); None where it could not start (the kernel's death
@@ -662,15 +671,16 @@ class Job:
             self.console.message(f"torchmn run: checking hosts {', '.join(self.remote_hosts)} over ssh")
         env = remote.forwarded_env(self.base_env, self.exports)
         clients: list = []
+        stop = threading.Event()
         with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
             checking = pool.submit(remote.check_hosts, self.remote_hosts, self.ssh, sys.executable, os.getcwd(),
-                                   env, self.start_timeout, clients, self._death_signal)
+                                   env, self.start_timeout, clients, self._death_signal, stop)
             while True:
                 try:
                     checks = checking.result(timeout=0.1)
                     break
                 except concurrent.futures.TimeoutError:
-                    self._stop_checks_on_signal(clients)
+                    self._stop_checks_on_signal(clients, stop)
                 except remote.RemoteError as e:
                     raise RunError(str(e))
         bad = [c for c in checks if c.error]
@@ -695,13 +705,14 @@ class Job:
                            f"reach it on (found only {self.master_addr}, a loopback address); name the "
                            f"network with --network-interface (e.g. eth0)")
 
-    def _stop_checks_on_signal(self, clients: list) -> None:
+    def _stop_checks_on_signal(self, clients: list, stop: threading.Event) -> None:
         """Ctrl-C (or SIGTERM) while hosts are checked: stop their ssh clients and the launcher now,
         rather than after the checks (up to --start-timeout)."""
         try:
             event = self.events.get_nowait()  # nothing else can be queued before ranks start
         except queue.Empty:
             return
+        stop.set()  # checks not started yet start no ssh client; one starting now stops itself
         for client in list(clients):
             _signal_group(client.pid, signal.SIGKILL)  # each in a session of its own
         raise RunError(f"received {signal.Signals(event[1]).name} while checking the hosts; stopped",
@@ -746,6 +757,9 @@ class Job:
         # Processes a rank detached (setsid, a daemon) and left behind when it exited come to the
         # launcher instead of init, so that teardown finds them however fast their rank ended.
         self.adopts_orphans = _become_subreaper()
+        # Children the process calling run() has of its own (and ours, the guardian): never
+        # reaped here, so that their Popen objects keep their exit codes.
+        self.own_children = _children()
         if self.log_dir is not None:
             _prepare_log_dir(self.log_dir)
         if self.slurm is not None:
@@ -768,6 +782,8 @@ class Job:
         self.started_at = time.monotonic()
         if any(not self._is_remote(slot) for slot in self.slots):
             self.guardian = _start_guardian(self.job_id, self.grace)
+            if self.guardian is not None:
+                self.own_children.add(self.guardian.pid)
         for slot in self.slots:
             log_path = os.path.join(self.log_dir, f"rank.{slot.rank}.log") if self.log_dir else None
             rank = self._start_rank(slot, port, log_path)
@@ -850,7 +866,8 @@ class Job:
             for child in adopted:
                 try:  # only this job's: the launcher may run inside a process with children of its own
                     if child.status() == psutil.STATUS_ZOMBIE:
-                        os.waitpid(child.pid, os.WNOHANG)  # an orphan that ended: as init would, reap it
+                        if child.pid not in self.own_children:
+                            os.waitpid(child.pid, os.WNOHANG)  # an orphan that ended: as init would, reap it
                     elif child.environ().get(JOB_ID) == self.job_id:
                         self.descendants[child.pid] = child
                 except (psutil.Error, ChildProcessError):
@@ -1062,7 +1079,8 @@ class Job:
             try:
                 self.guardian.stdin.write(guardian.DONE)  # the ranks are done with: nothing for it to do
                 self.guardian.stdin.close()
-            except OSError:
+                self.guardian.wait(timeout=5)
+            except (OSError, subprocess.TimeoutExpired):
                 pass
             self.guardian = None
 
