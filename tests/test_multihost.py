@@ -473,17 +473,25 @@ def test_rank_that_detaches_a_process_is_reported_and_leaves_nothing(cluster, tm
     assert_hosts_idle(cluster)
 
 
+def start_up_on_two_hosts(cluster, script, stderr):
+    """``torchmn run`` of ``script`` with a rank on h1 and one on h2, once both have printed 'up'."""
+    argv = [sys.executable, "-m", "torchmn", "run", *cluster.launcher_options(), "-np", "2",
+            "-H", hosts_arg(cluster, ("h1", 1), ("h2", 1)), sys.executable, str(script)]
+    launcher = subprocess.Popen(argv, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=stderr, text=True)
+    lines = [launcher.stdout.readline(), launcher.stdout.readline()]
+    if sorted(lines) != ["[0] up\n", "[1] up\n"]:
+        launcher.kill()
+        launcher.wait(timeout=10)
+        raise AssertionError(f"the ranks did not come up: {lines}")
+    return launcher
+
+
 def test_killed_launcher_leaves_nothing_on_the_hosts(cluster, tmp_path):
     """SIGKILL to the launcher: its ssh clients see stdin close, the watchers stop the ranks."""
     script = tmp_path / "sleeper.py"
     script.write_text("import time\nprint('up', flush=True)\ntime.sleep(300)\n")
-    argv = [sys.executable, "-m", "torchmn", "run", *cluster.launcher_options(), "-np", "2",
-            "-H", hosts_arg(cluster, ("h1", 1), ("h2", 1)), sys.executable, str(script)]
-    launcher = subprocess.Popen(argv, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                text=True)
+    launcher = start_up_on_two_hosts(cluster, script, stderr=subprocess.DEVNULL)
     try:
-        lines = [launcher.stdout.readline(), launcher.stdout.readline()]
-        assert sorted(lines) == ["[0] up\n", "[1] up\n"], lines
         ssh_clients = [p.pid for p in psutil.Process(launcher.pid).children()]
         assert len(ssh_clients) == 2
     finally:
@@ -505,13 +513,8 @@ def test_ctrl_c_reaches_remote_ranks_as_sigint(cluster, tmp_path):
                       "    signal.signal(s, said)\n"
                       "print('up', flush=True)\n"
                       "time.sleep(60)\n")
-    argv = [sys.executable, "-m", "torchmn", "run", *cluster.launcher_options(), "-np", "2",
-            "-H", hosts_arg(cluster, ("h1", 1), ("h2", 1)), sys.executable, str(script)]
-    launcher = subprocess.Popen(argv, cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+    launcher = start_up_on_two_hosts(cluster, script, stderr=subprocess.PIPE)
     try:
-        lines = [launcher.stdout.readline(), launcher.stdout.readline()]
-        assert sorted(lines) == ["[0] up\n", "[1] up\n"], lines
         launcher.send_signal(signal.SIGINT)
         out, err = launcher.communicate(timeout=30)
     finally:
