@@ -32,7 +32,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 DEFAULT_SSH_COMMAND = "ssh -o BatchMode=yes -o StrictHostKeyChecking=no -o ConnectTimeout=10"
 
@@ -300,10 +300,11 @@ def group_alive(pgid: int) -> bool:
     return False
 
 
-def _become_subreaper() -> bool:
+def become_subreaper() -> bool:
     """Have processes orphaned below this one re-parented to it instead of to init (Linux's
-    ``prctl(PR_SET_CHILD_SUBREAPER)``), so that what the rank detached (a new session, a double
-    fork) is still found among this process's descendants; False where that is not available."""
+    ``prctl(PR_SET_CHILD_SUBREAPER)``), so that what a rank detached (a new session, a double
+    fork) is still found among this process's descendants; False where that is not available.
+    (Shared with the launcher, like group_alive.)"""
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -324,7 +325,7 @@ def _stop_rank(pgid: int, grace: float, signalled: bool = False) -> None:
     import psutil
 
     if not signalled:
-        _signal_group(pgid, signal.SIGTERM)
+        signal_group(pgid, signal.SIGTERM)
     termed = set()
     deadline = time.monotonic() + grace
     give_up = deadline + 5.0  # SIGKILL sent: only processes stuck in the kernel remain
@@ -334,7 +335,7 @@ def _stop_rank(pgid: int, grace: float, signalled: bool = False) -> None:
         if not left and not group_alive(pgid) or now >= give_up:
             return
         if now >= deadline:
-            _signal_group(pgid, signal.SIGKILL)
+            signal_group(pgid, signal.SIGKILL)
         for process in left:
             try:
                 if now >= deadline:
@@ -367,7 +368,8 @@ def _running_descendants() -> list:
     return running
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def signal_group(pgid: int, sig: int) -> None:
+    """Send ``sig`` to a process group, if it still has members (shared with the launcher)."""
     try:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
@@ -383,6 +385,19 @@ def _reap_children() -> None:
             if os.waitpid(-1, os.WNOHANG)[0] == 0:
                 return
         except ChildProcessError:
+            return
+
+
+def join_unless_idle(thread: threading.Thread, waiting_since: Callable[[], Optional[float]],
+                     idle: float) -> None:
+    """Wait for ``thread``, a reader of a pipe, to end, however long it spends passing output on
+    (to a slow or paused console), but give up once ``waiting_since()`` (when it started waiting on
+    its pipe, None while it is not) is ``idle`` seconds old: something left behind holds the pipe
+    open. (Shared with the launcher.)"""
+    while thread.is_alive():
+        thread.join(0.05)
+        since = waiting_since()
+        if since is not None and time.monotonic() - since >= idle:
             return
 
 
@@ -450,7 +465,7 @@ def watch(command: Sequence[str], grace: float = GRACE_SECONDS) -> int:
         _say(error)
         return 1
     host = env.get("TORCHMN_HOST", socket.gethostname())
-    adopts = _become_subreaper()
+    adopts = become_subreaper()
     try:
         process = subprocess.Popen(list(command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                    stderr=subprocess.PIPE, start_new_session=True)
@@ -490,7 +505,7 @@ def watch(command: Sequence[str], grace: float = GRACE_SECONDS) -> int:
                 while b"\n" in pending:
                     line, pending = pending.split(b"\n", 1)
                     if line.startswith(SIGNAL_LINE) and line[len(SIGNAL_LINE):].isdigit():
-                        _signal_group(process.pid, int(line[len(SIGNAL_LINE):]))
+                        signal_group(process.pid, int(line[len(SIGNAL_LINE):]))
                         signalled = True
         except OSError:
             pass
@@ -500,7 +515,7 @@ def watch(command: Sequence[str], grace: float = GRACE_SECONDS) -> int:
         stop(signalled)
 
     def on_signal(signum, frame) -> None:
-        _signal_group(process.pid, signum)
+        signal_group(process.pid, signum)
 
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, on_signal)
@@ -517,16 +532,11 @@ def watch(command: Sequence[str], grace: float = GRACE_SECONDS) -> int:
     # Whatever the rank left running, in its process group or detached, goes with it.
     stop()
     _reap_children()
-    # The pipes reach EOF once nothing holds them any more; bounded, in case something we could not
-    # stop still does.
-    # The rest of the output goes out however slow the console (the launcher's) reads it; only a
-    # pipe silent for 2 s, held open by something we could not stop, is given up on.
+    # The pipes reach EOF once nothing holds them any more. The rest of the output goes out however
+    # slowly the launcher's console reads it; only a pipe that something we could not stop holds
+    # open, silent for 2 s, is given up on.
     for source, relay in relays:
-        while relay.is_alive():
-            relay.join(0.05)
-            since = waiting_since.get(source)
-            if since is not None and time.monotonic() - since >= 2.0:
-                break
+        join_unless_idle(relay, lambda source=source: waiting_since.get(source), 2.0)
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name

@@ -437,11 +437,7 @@ class _Rank:
         ``idle`` seconds of a reader waiting on a silent pipe: a process the rank left behind may
         hold its pipes open."""
         for reader in self.readers:
-            while reader.is_alive():
-                reader.join(0.05)
-                since = self.waiting_since.get(reader.ident)
-                if since is not None and time.monotonic() - since >= idle:
-                    break
+            remote.join_unless_idle(reader, lambda reader=reader: self.waiting_since.get(reader.ident), idle)
         if self.log is not None and not any(r.is_alive() for r in self.readers):
             self.log.close()
 
@@ -476,13 +472,6 @@ def _die_with_launcher() -> Optional[Callable[[], None]]:
 
 # Set in every local rank's environment, and so in every process it starts: which job they belong to.
 JOB_ID = "TORCHMN_JOB_ID"
-
-
-def _become_subreaper() -> bool:
-    """Make this process the one that orphaned descendants are re-parented to (Linux's
-    ``PR_SET_CHILD_SUBREAPER``), instead of init; False where that is not available."""
-    prctl = _prctl()
-    return prctl is not None and prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
 
 
 def _children() -> Set[int]:
@@ -524,15 +513,6 @@ def _close_stdin(process: subprocess.Popen) -> None:
             process.stdin.close()
         except OSError:
             pass
-
-
-def _signal_group(pgid: int, sig: int) -> bool:
-    """Send ``sig`` to a process group; False when the group no longer has any member."""
-    try:
-        os.killpg(pgid, sig)
-        return True
-    except (ProcessLookupError, PermissionError):
-        return False
 
 
 def _alive(process) -> bool:
@@ -714,7 +694,7 @@ class Job:
             return
         stop.set()  # checks not started yet start no ssh client; one starting now stops itself
         for client in list(clients):
-            _signal_group(client.pid, signal.SIGKILL)  # each in a session of its own
+            remote.signal_group(client.pid, signal.SIGKILL)  # each in a session of its own
         raise RunError(f"received {signal.Signals(event[1]).name} while checking the hosts; stopped",
                        exit_code=128 + event[1])
 
@@ -756,7 +736,7 @@ class Job:
         self._check_command()
         # Processes a rank detached (setsid, a daemon) and left behind when it exited come to the
         # launcher instead of init, so that teardown finds them however fast their rank ended.
-        self.adopts_orphans = _become_subreaper()
+        self.adopts_orphans = remote.become_subreaper()
         # Children the process calling run() has of its own (and ours, the guardian): never
         # reaped here, so that their Popen objects keep their exit codes.
         self.own_children = _children()
@@ -912,9 +892,9 @@ class Job:
                     _tell_watcher(rank.process, first_signal)
                 _close_stdin(rank.process)
                 if not rank.started:  # no watcher yet: only the ssh client to stop
-                    _signal_group(rank.pgid, signal.SIGTERM)
+                    remote.signal_group(rank.pgid, signal.SIGTERM)
             else:
-                _signal_group(rank.pgid, first_signal)
+                remote.signal_group(rank.pgid, first_signal)
         # Remote ranks get the watcher's own grace period on top, plus time for ssh to report back.
         extra = remote.GRACE_SECONDS + 2.0 if any(r.is_remote for r in self.ranks) else 0.0
         deadline = time.monotonic() + self.grace + extra
@@ -925,7 +905,7 @@ class Job:
     def _kill_all(self) -> None:
         self._remember_descendants()
         for rank in self.ranks:
-            _signal_group(rank.pgid, signal.SIGKILL)
+            remote.signal_group(rank.pgid, signal.SIGKILL)
         self._kill_descendants()
         for rank in self.ranks:
             rank.process.wait()
