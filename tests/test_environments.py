@@ -107,14 +107,25 @@ def test_torchmn_without_node_rank_and_master_port():
     assert detect_environment(env) == LaunchEnvironment(5, 8, 1, 4, None, "node1", None, "torchmn")
 
 
-def test_torchrun_detected_without_run_id():
+def test_env_launch_by_hand():
+    """torch's env:// variables without torchrun (a script, a scheduler such as Kubeflow's
+    PyTorchJob) are a job of their own, never a silent world of one per process."""
     env = {k: v for k, v in TORCHRUN.items() if k != "TORCHELASTIC_RUN_ID"}
-    assert detect_environment(env).source == "torchrun"
-
-
-def test_torchrun_needs_master_addr_or_run_id():
-    env = {k: v for k, v in TORCHRUN.items() if k not in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR")}
-    assert detect_environment(env).source == "single"
+    assert detect_environment(env) == LaunchEnvironment(3, 4, 1, 2, None, "10.0.0.1", 29400, "env")
+    # Without LOCAL_*: a loopback rendezvous means every rank is on this host...
+    bare = {"RANK": "1", "WORLD_SIZE": "3", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29611"}
+    assert detect_environment(bare) == LaunchEnvironment(1, 3, 1, 3, None, "127.0.0.1", 29611, "env")
+    assert detect_environment({**bare, "MASTER_ADDR": "localhost"}).local_size == 3
+    # ... any other means one process per host, as Kubeflow starts them.
+    assert detect_environment({**bare, "MASTER_ADDR": "master-0"}) == \
+        LaunchEnvironment(1, 3, 0, 1, None, "master-0", 29611, "env")
+    with pytest.raises(RuntimeError, match="MASTER_ADDR is not set and the 4 ranks"):
+        detect_environment({k: v for k, v in env.items() if k != "MASTER_ADDR"})
+    with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE is not set"):
+        detect_environment({**bare, "LOCAL_RANK": "0"})
+    # Slurm and MPI win over variables a batch script exported for its own use.
+    assert detect_environment({**SLURM, **bare}).source == "slurm"
+    assert detect_environment({**OPENMPI, **bare}).source == "openmpi"
 
 
 def test_torchrun_single_node_without_master_addr():
@@ -364,3 +375,19 @@ def test_torchmn_run_per_node_refuses_a_task_on_another_node():
            "SLURM_PROCID": "0", "SLURM_NODEID": "0", "SLURM_LOCALID": "0", "SLURMD_NODENAME": "n2"}
     with pytest.raises(RunError, match="task 0 runs on n2, node 0 of the step is n1"):
         slurm_step(env)
+
+
+def test_a_rank_whose_rank_0_never_came_says_so():
+    """Under Slurm (or MPI) rank 0 hosts the store: a rank that cannot reach it says that rank 0 never
+    opened it and what to check, not just torch's socket time-out."""
+    port = str(slurm_port(77, 0))
+    code = "import torchmn; torchmn.create_communicator(timeout=3)"
+    env = clean_environ({**SLURM, "SLURM_PROCID": "1", "SLURM_NTASKS": "2", "SLURM_LOCALID": "1",
+                         "SLURM_NODEID": "0", "SLURM_TASKS_PER_NODE": "2", "SLURM_STEP_TASKS_PER_NODE": "2",
+                         "SLURM_JOB_ID": "77", "SLURM_JOBID": "77", "SLURM_STEP_NODELIST": "localhost",
+                         "SLURM_JOB_NODELIST": "localhost", "SLURM_NODELIST": "localhost"})
+    result = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(REPO), capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode != 0
+    assert (f"rank 1 of Slurm job 77 step 0 on {os.uname().nodename}: rank 0 never opened the rendezvous "
+            f"store at localhost:{port} within 3 s. Check rank 0's output") in result.stderr, result.stderr

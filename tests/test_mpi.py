@@ -6,10 +6,12 @@ Each MPI is called by its full Debian name, since `mpirun`/`mpiexec` point at on
 """
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -112,3 +114,36 @@ def test_a_rank_that_never_joins_is_named_at_set_up(tmp_path):
     argv = mpi_argv("openmpi", 2) + [sys.executable, str(script)]
     proc = subprocess.run(argv, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
     assert "Rank(s) 1 never reached create_communicator" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_two_mpich_jobs_at_once_stay_apart(tmp_path):
+    """Hydra puts no job id in its ranks' environment; torchmn takes mpiexec's control port from the
+    proxy above each rank. Before, both jobs met on port 29500: the second's rank 1 joined the first
+    job, and both computed wrong sums."""
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys, time, torch, torchmn\n"
+                      "job, rank = sys.argv[1], int(os.environ['PMI_RANK'])\n"
+                      "if job == 'A' and rank == 1:\n"
+                      "    time.sleep(8)  # job B starts while job A's store waits for this rank\n"
+                      "comm = torchmn.create_communicator(timeout=40)\n"
+                      "value = comm.allreduce(torch.tensor([100.0 if job == 'A' else 1.0])).item()\n"
+                      "print(f'JOB {job} RANK {rank} SUM {value}', flush=True)\n"
+                      "comm.finalize()\n")
+    argv = mpi_argv("mpich", 2) + ["timeout", "60", sys.executable, str(script)]  # behind a wrapper too
+    first = subprocess.Popen(argv + ["A"], cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        time.sleep(4)
+        second = subprocess.run(argv + ["B"], cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
+        out_a = first.communicate(timeout=60)[0]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    out_b = second.stdout + second.stderr
+    assert second.returncode == 0 and first.returncode == 0, out_a + out_b
+    # Hydra may splice the two ranks' lines into one.
+    assert sorted(re.findall(r"JOB A RANK \d SUM [\d.]+", out_a)) == \
+        ["JOB A RANK 0 SUM 200.0", "JOB A RANK 1 SUM 200.0"], out_a
+    assert sorted(re.findall(r"JOB B RANK \d SUM [\d.]+", out_b)) == \
+        ["JOB B RANK 0 SUM 2.0", "JOB B RANK 1 SUM 2.0"], out_b

@@ -180,3 +180,23 @@ def test_apply_thread_budget_leaves_a_users_blas_threads():
         pytest.skip("needs 2 CPUs to tell 2 threads from the budget of 1")
     got = apply_in_subprocess(OPENBLAS_NUM_THREADS="2", TORCHMN_NUM_THREADS="1")
     assert got["pools"].get("openblas") == 2 and got["pools"].get("openmp") == 1, got
+
+
+def test_a_scripts_own_torch_threads_win():
+    """torch.set_num_threads called after `import torchmn` is the script's choice: the budget leaves it."""
+    script = ("import torch, torchmn\nfrom torchmn import resources\ntorch.set_num_threads({n})\n"
+              "print(resources.apply_thread_budget(2), torch.get_num_threads())")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    for n in (1, 3):
+        out = subprocess.run([sys.executable, "-c", script.format(n=n)], capture_output=True, text=True,
+                             env=env, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.split() == ["None", str(n)], out.stdout
+
+
+def test_a_bad_torchmn_num_threads_is_refused():
+    for value in ("abc", "0", "-2", "2,1"):
+        with pytest.raises(ValueError, match=f"TORCHMN_NUM_THREADS='{value}' is not a positive integer"):
+            resources.launcher_thread_env(2, {"TORCHMN_NUM_THREADS": value})
+    assert resources.launcher_thread_env(2, {"TORCHMN_NUM_THREADS": ""})["OMP_NUM_THREADS"] == str(
+        max(1, resources.cpu_count_available({}) // 2))

@@ -79,6 +79,7 @@ def _default_ssh() -> str:
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from torchmn import resources
     from torchmn.launch import hosts as hostlib
     from torchmn.launch.remote import SshOptions
     from torchmn.launch.runner import RunError, run
@@ -86,12 +87,13 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
         parser.error(f"--ssh-port must be between 1 and 65535, got {args.ssh_port}")
     try:
+        resources.requested_threads()  # a bad TORCHMN_NUM_THREADS stops the job before any rank starts
         hosts = None
         if args.hosts is not None:
             hosts = hostlib.parse_hosts(args.hosts)
         elif args.hostfile is not None:
             hosts = hostlib.parse_hostfile(args.hostfile)
-    except hostlib.HostsError as e:
+    except ValueError as e:  # HostsError is one
         sys.stderr.write(f"torchmn run: error: {e}\n")
         return 2
     ssh = SshOptions(command=args.ssh_command or _default_ssh(), port=args.ssh_port,

@@ -209,9 +209,48 @@ def thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None) -> i
     return max(1, cpu_count_available(env) // local_size)
 
 
-def _user_threads(env: Mapping[str, str]) -> Optional[int]:
-    """The budget chosen explicitly through TORCHMN_NUM_THREADS, if any."""
-    return _positive_int(env.get(TORCHMN_NUM_THREADS))
+def requested_threads(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The budget chosen explicitly through ``TORCHMN_NUM_THREADS``, if any; a value that is not a
+    positive integer raises ValueError rather than being silently replaced by the computed budget.
+
+    Example::
+
+        >>> requested_threads({"TORCHMN_NUM_THREADS": "4"}), requested_threads({})
+        (4, None)
+    """
+    env = _environ(env)
+    value = env.get(TORCHMN_NUM_THREADS)
+    if value is None or not value.strip():
+        return None
+    threads = _positive_int(value)
+    if threads is None or "," in value:
+        raise ValueError(f"{TORCHMN_NUM_THREADS}={value!r} is not a positive integer; set it to the number "
+                         f"of threads each rank may use, or unset it to get the CPUs divided among the ranks")
+    return threads
+
+
+# torch's intra-op thread count when torchmn was imported (remember_torch_threads): a different count
+# at create_communicator means the script chose its own with torch.set_num_threads.
+_torch_threads_at_import: Optional[int] = None
+
+
+def remember_torch_threads(count: int) -> None:
+    """Record torch's thread count as torchmn is imported (called by ``torchmn.communicators``).
+
+    Example::
+
+        >>> remember_torch_threads(4)   # then torch.set_num_threads(2) in the script wins over the budget
+    """
+    global _torch_threads_at_import
+    _torch_threads_at_import = count
+
+
+def _torch_threads_set_by_script() -> bool:
+    if _torch_threads_at_import is None:
+        return False
+    import torch
+
+    return torch.get_num_threads() != _torch_threads_at_import
 
 
 def _set_by_user(env: Mapping[str, str], name: str) -> bool:
@@ -236,7 +275,7 @@ def launcher_thread_env(local_size: int, env: Optional[Mapping[str, str]] = None
     env = _environ(env)
     if _set_by_user(env, "OMP_NUM_THREADS"):
         return {}
-    budget = _user_threads(env) or thread_budget(local_size, env)
+    budget = requested_threads(env) or thread_budget(local_size, env)
     added = {name: str(budget) for name in THREAD_VARIABLES if not _set_by_user(env, name)}
     added[TORCHMN_NUM_THREADS] = str(budget)
     return added
@@ -263,17 +302,18 @@ def _apply(threads: int, user_set: set) -> None:
         torch.set_num_threads(threads)
     # A pool whose variable is set read it when it loaded; it is left alone, so that a user's
     # MKL_NUM_THREADS or OPENBLAS_NUM_THREADS keeps its meaning (torchmn run sets them to the budget).
+    # Selected by API name: older threadpoolctl (3.1, Debian 12's) silently ignores limits keyed by file path.
     controller = ThreadpoolController()
-    limits = {}
-    for library in controller.lib_controllers:
-        variable = _POOL_VARIABLES.get(library.internal_api)
-        limits[library.filepath] = None if variable in user_set else threads
-    _limiter = controller.limit(limits=limits)
+    apis = sorted({library.internal_api for library in controller.lib_controllers
+                   if _POOL_VARIABLES.get(library.internal_api) not in user_set})
+    if apis:
+        _limiter = controller.select(internal_api=apis).limit(limits=threads)
 
 
 def apply_thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None) -> Optional[int]:
     """Apply the thread budget inside a running rank; returns the thread count torchmn applied, or
-    None when the user's own ``OMP_NUM_THREADS`` is in charge (then nothing is changed).
+    None when the user is in charge (then nothing is changed): their own ``OMP_NUM_THREADS``, or a
+    ``torch.set_num_threads`` call made after ``import torchmn``.
 
     ``TORCHMN_NUM_THREADS`` (set by ``torchmn run``, or by the user) is applied as given. Otherwise
     the budget is computed, applied to torch's intra-op pool and to every OpenMP/BLAS pool already
@@ -288,10 +328,12 @@ def apply_thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None
     if _applied is not None:
         return _applied
     env = _environ(env)
-    chosen = _user_threads(env)
+    chosen = requested_threads(env)
     omp = _positive_int(env.get("OMP_NUM_THREADS"))
     # torchmn run sets both to the same budget; a user's OMP_NUM_THREADS that differs wins.
     if omp is not None and omp != chosen:
+        return None
+    if _torch_threads_set_by_script():
         return None
     threads = chosen or thread_budget(_ranks_sharing_cpus(local_size, env), env)
     user_set = {name for name in THREAD_VARIABLES if _set_by_user(env, name)}
@@ -313,6 +355,6 @@ def dataloader_workers_budget(local_size: int, env: Optional[Mapping[str, str]] 
         0
     """
     env = _environ(env)
-    threads = _user_threads(env) or _positive_int(env.get("OMP_NUM_THREADS")) \
+    threads = requested_threads(env) or _positive_int(env.get("OMP_NUM_THREADS")) \
         or thread_budget(_ranks_sharing_cpus(local_size, env), env)
     return max(0, threads - 1)

@@ -11,8 +11,10 @@ import os
 import socket
 from typing import Optional, Union
 
+import torch
 import torch.distributed as dist
 
+from torchmn import resources
 from torchmn.communicators import shm
 from torchmn.communicators._setup import adopt_world, default_backend, init_world
 from torchmn.communicators.communicator import Communicator
@@ -21,6 +23,8 @@ from torchmn.communicators.flat import FlatCommunicator
 from torchmn.communicators.hierarchical import HierarchicalCommunicator
 from torchmn.communicators.naive import NaiveCommunicator
 from torchmn.launch import detect_environment
+
+resources.remember_torch_threads(torch.get_num_threads())
 
 _ALGORITHMS = {cls.name: cls for cls in (NaiveCommunicator, FlatCommunicator, HierarchicalCommunicator)}
 
@@ -63,8 +67,6 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
         >>> comm.rank, comm.size, comm.intra_rank, comm.inter_size
         (0, 1, 0, 1)
     """
-    from torchmn import resources
-
     _resolve(name)  # an unknown name fails before anything starts
     timeout = _as_timedelta(timeout)
     env = detect_environment()

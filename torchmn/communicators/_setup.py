@@ -159,7 +159,14 @@ def _job_store(env: LaunchEnvironment, timeout: datetime.timedelta) -> "dist.TCP
             raise RuntimeError(f"rank 0 of {job} on {socket.gethostname()}: the rendezvous port {env.master_port} "
                                f"is in use, by another job or program; export MASTER_PORT=<a free port> on every "
                                f"rank") from None
-        raise
+        if env.rank == 0:
+            raise RuntimeError(f"rank 0 of {job} on {socket.gethostname()}: could not open the rendezvous store "
+                               f"on port {env.master_port}: {e}") from e
+        raise RuntimeError(f"rank {env.rank} of {job} on {socket.gethostname()}: rank 0 never opened the "
+                           f"rendezvous store at {env.master_addr}:{env.master_port} within "
+                           f"{timeout.total_seconds():.0f} s. Check rank 0's output: did it start, or fail before "
+                           f"create_communicator? Is {env.master_addr} its host, reachable from here? (torch: "
+                           f"{str(e).splitlines()[0]})") from None
     if env.rank == 0:
         store.set(_JOB_KEY, job)
         return _mark_arrival(store, 0)

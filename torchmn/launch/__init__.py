@@ -1,4 +1,6 @@
-"""Launch support: find out how this process was started (no torch import here, to stay light).
+"""Launch support: find out how this process was started, and ``torchmn run``.
+
+``detect_environment`` only reads variables (and, under MPICH, /proc): it sets nothing up.
 
 Example::
 

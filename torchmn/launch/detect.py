@@ -5,6 +5,7 @@ from typing import Mapping, Optional, Tuple, Type
 
 from torchmn.launch.base import Environment, LaunchEnvironment, environ
 from torchmn.launch.environments import (
+    EnvEnvironment,
     MPICHEnvironment,
     OpenMPIEnvironment,
     SingleEnvironment,
@@ -15,13 +16,15 @@ from torchmn.launch.environments import (
 )
 
 # MPI comes before Slurm, unlike SPEC's list: mpirun inside an allocation inherits the batch
-# step's SLURM_* variables, which would otherwise win (see OpenMPIEnvironment).
+# step's SLURM_* variables, which would otherwise win (see OpenMPIEnvironment). A hand-written
+# env:// launch comes last: its variables are the ones a batch script may export for its own use.
 ENVIRONMENTS: Tuple[Type[Environment], ...] = (
     TorchmnEnvironment,
     TorchrunEnvironment,
     OpenMPIEnvironment,
     MPICHEnvironment,
     SlurmEnvironment,
+    EnvEnvironment,
 )
 
 
@@ -29,7 +32,8 @@ def detect_environment(env: Optional[Mapping[str, str]] = None) -> LaunchEnviron
     """Read this process's rank, size, node and rendezvous from its launcher's variables.
 
     ``env`` defaults to ``os.environ``. Launchers are tried in order: ``torchmn run``, torchrun,
-    Open MPI, MPICH / Intel MPI, Slurm (srun); with none, a world of one. Nothing is initialised.
+    Open MPI, MPICH / Intel MPI, Slurm (srun), torch's ``env://`` variables set by hand (source
+    ``"env"``); with none, a world of one. Nothing is initialised.
 
     Raises ValueError when a launcher's variables are malformed or inconsistent, and RuntimeError
     when the rendezvous address cannot be known or when a multi-task Slurm allocation runs the script

@@ -6,6 +6,8 @@ ValueError naming the variable, its value and what to do.
 """
 from __future__ import annotations
 
+import ipaddress
+import os
 import zlib
 from typing import Mapping, Optional, Sequence
 
@@ -127,20 +129,20 @@ class TorchrunEnvironment(Environment):
     """Started by torchrun / torchelastic: ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE``, ``GROUP_RANK`` (the node index), ``MASTER_ADDR``, ``MASTER_PORT``.
 
-    Detected by ``TORCHELASTIC_RUN_ID``, or by ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
-    ``MASTER_ADDR`` together (a hand-written ``env://`` launch).
+    Detected by ``TORCHELASTIC_RUN_ID``, which torchrun gives every worker. The same variables set
+    by hand are ``EnvEnvironment``'s, read after Slurm and MPI, whose tasks may inherit them from a
+    batch script.
     """
 
     source = "torchrun"
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
-        return ("TORCHELASTIC_RUN_ID" in env
-                or all(name in env for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")))
+        return "TORCHELASTIC_RUN_ID" in env
 
     @classmethod
     def read(cls, env: Mapping[str, str]) -> LaunchEnvironment:
-        fix = "torchrun sets it; when launching by hand set RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE"
+        fix = "torchrun sets it; was it overridden?"
         rank = _int(env, "RANK", fix)
         size = _int(env, "WORLD_SIZE", fix)
         local_rank = _int(env, "LOCAL_RANK", fix)
@@ -148,8 +150,7 @@ class TorchrunEnvironment(Environment):
         node_rank = _optional_int(env, "GROUP_RANK", fix)
         _check(env, ("RANK", rank), ("WORLD_SIZE", size), ("LOCAL_RANK", local_rank),
                ("LOCAL_WORLD_SIZE", local_size), fix)
-        addr = _master_addr(env, None, size, local_size, cls.source,
-                            "torchrun sets it; when launching by hand export it on every node")
+        addr = _master_addr(env, None, size, local_size, cls.source, "torchrun sets it; was it unset?")
         return LaunchEnvironment(rank, size, local_rank, local_size, node_rank, addr,
                                  _master_port(env, None), cls.source)
 
@@ -183,7 +184,7 @@ class OpenMPIEnvironment(Environment):
         fix = "Open MPI's mpirun sets it; check that it was not overridden with -x"
         names = ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                  "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE")
-        return _read_mpi(env, cls.source, names, cls._job_id_names, fix)
+        return _read_mpi(env, cls.source, names, fix)
 
 
 class MPICHEnvironment(Environment):
@@ -194,10 +195,12 @@ class MPICHEnvironment(Environment):
     ``PMI_RANK``/``PMI_SIZE`` but not the ``MPI_LOCAL*`` names; that case is left to the Slurm
     class, which knows the node index too.
 
-    ``node_rank`` is None and ``master_addr`` follows the Open MPI rule. Hydra gives each rank no job
-    id shared by all ranks (``PMI_FD`` differs per rank), so the port is 29500 unless
-    ``MASTER_PORT`` is set; ``PMI_JOBID`` or ``PMIX_NAMESPACE`` are used when a launcher provides
-    them.
+    ``node_rank`` is None and ``master_addr`` follows the Open MPI rule. Hydra puts no job id in the
+    ranks' environment (``PMI_FD`` differs per rank), so the port derives from ``PMI_JOBID`` or
+    ``PMIX_NAMESPACE`` where a launcher sets them, else from the ``--control-port`` of the Hydra
+    proxy that started this rank: mpiexec's own address, the same for every rank of one mpiexec on
+    every node, and different for two mpiexecs running at once (``hydra_job``). Without any of
+    these, 29500.
     """
 
     source = "mpich"
@@ -213,7 +216,7 @@ class MPICHEnvironment(Environment):
     def read(cls, env: Mapping[str, str]) -> LaunchEnvironment:
         fix = "MPICH / Intel MPI's mpiexec (Hydra) sets it; use Hydra's mpiexec, or srun under Slurm"
         names = ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS")
-        return _read_mpi(env, cls.source, names, cls._job_id_names, fix)
+        return _read_mpi(env, cls.source, names, fix)
 
 
 class SlurmEnvironment(Environment):
@@ -259,6 +262,52 @@ class SlurmEnvironment(Environment):
                                  _master_port(env, _slurm_derived_port(env, fix)), cls.source)
 
 
+class EnvEnvironment(Environment):
+    """Started by hand, or by a scheduler, with torch's ``env://`` variables: ``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, and optionally ``LOCAL_RANK`` /
+    ``LOCAL_WORLD_SIZE`` (Kubeflow's PyTorchJob sets the first four, one process per pod).
+
+    Checked after every launcher, so that a batch script that exports ``RANK`` for its own use
+    changes nothing under srun or mpirun. Without ``LOCAL_*``, ranks whose rendezvous is a loopback
+    address all share this host; otherwise each rank is taken to be alone on its host (the
+    communicator still groups ranks by hostname). ``node_rank`` is None.
+    """
+
+    source = "env"
+
+    @staticmethod
+    def detect(env: Mapping[str, str]) -> bool:
+        return "RANK" in env and "WORLD_SIZE" in env
+
+    @classmethod
+    def read(cls, env: Mapping[str, str]) -> LaunchEnvironment:
+        fix = ("torch's env:// launch needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT on every process "
+               "(LOCAL_RANK and LOCAL_WORLD_SIZE when several share a host); or start the job with torchrun "
+               "or `torchmn run`")
+        rank = _int(env, "RANK", fix)
+        size = _int(env, "WORLD_SIZE", fix)
+        if "LOCAL_RANK" in env or "LOCAL_WORLD_SIZE" in env:
+            local_rank, local_size = _int(env, "LOCAL_RANK", fix), _int(env, "LOCAL_WORLD_SIZE", fix)
+        elif _is_loopback(env.get("MASTER_ADDR") or LOCALHOST):
+            local_rank, local_size = rank, size
+        else:
+            local_rank, local_size = 0, 1
+        _check(env, ("RANK", rank), ("WORLD_SIZE", size), ("LOCAL_RANK", local_rank),
+               ("LOCAL_WORLD_SIZE", local_size), fix)
+        addr = _master_addr(env, None, size, local_size, cls.source, fix)
+        return LaunchEnvironment(rank, size, local_rank, local_size, None, addr, _master_port(env, None),
+                                 cls.source)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 class SingleEnvironment(Environment):
     """No launcher: a world of one process on 127.0.0.1 (``MASTER_ADDR``/``MASTER_PORT`` still win)."""
 
@@ -276,22 +325,56 @@ class SingleEnvironment(Environment):
 
 # ---- helpers ----
 
-def _read_mpi(env: Mapping[str, str], source: str, names: Sequence[str], job_id_names: Sequence[str],
-              fix: str) -> LaunchEnvironment:
+def _read_mpi(env: Mapping[str, str], source: str, names: Sequence[str], fix: str) -> LaunchEnvironment:
     rank, size, local_rank, local_size = (_int(env, name, fix) for name in names)
     _check(env, (names[0], rank), (names[1], size), (names[2], local_rank), (names[3], local_size), fix)
     addr = _master_addr(env, None, size, local_size, source,
                         "MPI does not say where rank 0 runs; export it to every rank, e.g. "
                         "`mpirun -x MASTER_ADDR=<first host> ...` (Open MPI) or "
                         "`mpiexec -genv MASTER_ADDR <first host> ...` (MPICH)")
-    job_id = _mpi_job_id(env, job_id_names)
+    job_id = _mpi_job_id(env, source)
     derived = text_port(job_id) if job_id is not None else DEFAULT_PORT
     return LaunchEnvironment(rank, size, local_rank, local_size, None, addr,
                              _master_port(env, derived), source)
 
 
-def _mpi_job_id(env: Mapping[str, str], job_id_names: Sequence[str]) -> Optional[str]:
-    return next((env[name] for name in job_id_names if env.get(name)), None)
+def _mpi_job_id(env: Mapping[str, str], source: str) -> Optional[str]:
+    kind = OpenMPIEnvironment if source == OpenMPIEnvironment.source else MPICHEnvironment
+    job = next((env[name] for name in kind._job_id_names if env.get(name)), None)
+    if job is None and kind is MPICHEnvironment:
+        return hydra_job()
+    return job
+
+
+# Hydra's proxy is hydra_pmi_proxy in MPICH and pmi_proxy in Intel MPI; ranks are its children,
+# or its grandchildren behind a wrapper such as `timeout` or `sh -c`.
+_HYDRA_PROXIES = ("hydra_pmi_proxy", "pmi_proxy")
+
+
+def hydra_job(pid: Optional[int] = None, generations: int = 8) -> Optional[str]:
+    """The ``--control-port`` (``host:port`` of mpiexec) of the Hydra proxy above process ``pid``
+    (default: this one), or None when no Hydra proxy started it. Linux only (/proc).
+
+    Example::
+
+        >>> hydra_job(pid=1) is None
+        True
+    """
+    pid = os.getppid() if pid is None else pid
+    for _ in range(generations):
+        if pid <= 1:
+            return None
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                argv = [arg.decode(errors="replace") for arg in f.read().split(b"\0")]
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])  # the name may hold spaces and parentheses
+        except (OSError, ValueError, IndexError):
+            return None
+        if os.path.basename(argv[0]) in _HYDRA_PROXIES:
+            return argv[argv.index("--control-port") + 1] if "--control-port" in argv[:-1] else None
+        pid = parent
+    return None
 
 
 def job_label(env: Mapping[str, str], source: str) -> Optional[str]:
@@ -306,8 +389,8 @@ def job_label(env: Mapping[str, str], source: str) -> Optional[str]:
     if source == SlurmEnvironment.source:
         job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
         return f"Slurm job {job} step {slurm_step_id(env) or 0}" if job else None
-    mpi = {cls.source: cls for cls in (OpenMPIEnvironment, MPICHEnvironment)}.get(source)
-    job = _mpi_job_id(env, mpi._job_id_names) if mpi else None
+    mpi = source in (OpenMPIEnvironment.source, MPICHEnvironment.source)
+    job = _mpi_job_id(env, source) if mpi else None
     return f"{source} job {job}" if job else None
 
 
