@@ -182,9 +182,38 @@ def check_mean_grad(comm):
                 raise AssertionError("a gradient missing on rank 1 only was accepted")
             except torchmn.CollectiveMismatchError as e:
                 assert "rank(s) [1] only" in str(e) and "zero_fill=True" in str(e), e
+            # A model of another layout on one rank: named on every rank, never mixed (shared memory
+            # summed it silently, gloo aborted the process).
+            other = torch.nn.Linear(4, 4 if comm.rank == 1 else 3)
+            for p in other.parameters():
+                p.grad = torch.ones_like(p)
+            for zero_fill in (False, True):
+                try:
+                    c.multi_node_mean_grad(other, zero_fill=zero_fill)
+                    raise AssertionError(f"{name}: a model of another shape on rank 1 was accepted")
+                except torchmn.CollectiveMismatchError as e:
+                    assert "tensor 0 is (4, 4) float32 there, (3, 4) float32 on rank 0" in str(e), e
+        # Sparse gradients (nn.Embedding(sparse=True)) are averaged too, each on its own.
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(6, 2, sparse=True)
+        lin = torch.nn.Linear(2, 1)
+        both = torch.nn.ModuleList([emb, lin])
+        lin(emb(torch.tensor([comm.rank % 6, 5]))).sum().mul(comm.rank + 1).backward()
+        dense = emb.weight.grad.to_dense()
+        c.multi_node_mean_grad(both)
+        expect = torch.zeros(6, 2)
+        for r in range(comm.size):
+            expect[[r % 6, 5]] += lin.weight.detach()[0] * (r + 1) / comm.size
+        assert dense.abs().sum() > 0 and torch.allclose(emb.weight.grad.to_dense(), expect), (name, emb.weight.grad)
+    # A mean beyond float16's / bfloat16's range does not overflow; an int64 mean is exact in float64.
+    assert comm.allreduce(torch.full((3,), 40000.0, dtype=torch.float16), op="mean").tolist() == [40000.0] * 3
+    big = comm.allreduce(torch.full((2,), 3e38, dtype=torch.bfloat16), op="mean")
+    assert big.dtype == torch.bfloat16 and torch.isfinite(big).all(), big
+    mean = comm.allreduce(torch.tensor([2 ** 40 + 1 + comm.rank]), op="mean")
+    assert mean.dtype == torch.float64 and mean.item() == 2 ** 40 + 1 + (comm.size - 1) / 2, mean
     # bool mean counts the True values; complex max is refused on every rank; conjugate views travel
     mean = comm.allreduce(torch.tensor([True, comm.rank == 0]), op="mean")
-    assert torch.allclose(mean, torch.tensor([1.0, 1.0 / comm.size])), mean
+    assert torch.allclose(mean, torch.tensor([1.0, 1.0 / comm.size], dtype=torch.float64)), mean
     try:
         comm.allreduce(torch.ones(2, dtype=torch.complex64), op="max")
         raise AssertionError("complex max was accepted")
@@ -402,6 +431,29 @@ def check_mismatch(comm):
             assert comm.rank != culprit and f"rank {culprit}" in str(e), (what, e)
         else:
             raise AssertionError(f"no error for {what} on rank {culprit}")
+    # Object collectives check their calls too: different roots are named at once on every rank.
+    for what, call in [("bcast_obj", lambda: comm.bcast_obj(comm.rank, root=comm.rank)),
+                       ("gather_obj", lambda: comm.gather_obj(comm.rank, root=comm.rank)),
+                       ("scatter_obj", lambda: comm.scatter_obj([0] * comm.size, root=comm.rank))]:
+        try:
+            call()
+        except torchmn.CollectiveMismatchError as e:
+            assert f"ranks called {what} inconsistently (root differs" in str(e), e
+        else:
+            raise AssertionError(f"no error for {what} with different roots")
+    # gather_obj with an object rank 1 cannot pickle: root receives every rank's message before it
+    # raises, so that a third rank's send is not left waiting for the timeout.
+    start = time.monotonic()
+    try:
+        got = comm.gather_obj((lambda: 0) if comm.rank == 1 else comm.rank)
+    except TypeError as e:
+        assert comm.rank == 1 and "cannot pickle" in str(e), e
+    except torchmn.communicators.RemoteRankError as e:
+        assert comm.rank == 0 and "rank 1 could not pickle" in str(e), e
+    else:
+        assert comm.rank > 1 and got is None, got
+    comm.barrier()
+    assert time.monotonic() - start < 10, time.monotonic() - start
     # Different collectives whose headers differ in size: one row against several, a tensor
     # collective against an object collective. Every rank raises, naming both calls.
     for what, call in [("scatter", lambda: comm.scatter([torch.ones(1)] * comm.size)),

@@ -256,6 +256,15 @@ def check_generic_evaluator(comm):
     for fail in (0, 1):
         e = expect_raise(lambda: Gather(comm, fail_rank=fail, broadcast=True)(comm.size), ValueError, RemoteRankError)
         assert "local evaluation broke" in str(e), e
+    # A result rank 1 cannot pickle fails like evaluate_local itself: on every rank, at once (a third
+    # rank used to wait in gather_obj for the timeout).
+    class Unpicklable(Gather):
+        def evaluate_local(self, step):
+            return (lambda: 0) if self.comm.rank == 1 else super().evaluate_local(step)
+
+    start = time.monotonic()
+    e = expect_raise(lambda: Unpicklable(comm, broadcast=True)(comm.size), Exception, RemoteRankError)
+    assert "pickle" in str(e) and time.monotonic() - start < 10, (e, time.monotonic() - start)
 
 
 # ----------------------------------------------------------------------------- iterators

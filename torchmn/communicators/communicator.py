@@ -11,6 +11,7 @@ from __future__ import annotations
 import abc
 import pickle
 import socket
+import zlib
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -37,8 +38,21 @@ def divide_before_sum(dtype: torch.dtype) -> bool:
 
 # Collective kinds, as they travel in headers. INVALID marks a rank whose own arguments were bad:
 # it still takes part in the header exchange, so the others fail with it instead of hanging.
-_KINDS = ("invalid", "bcast", "gather", "allgather", "scatter", "alltoall", "allreduce", "allgather_obj")
+_KINDS = ("invalid", "bcast", "gather", "allgather", "scatter", "alltoall", "allreduce", "allgather_obj",
+          "bcast_obj", "gather_obj", "scatter_obj", "multi_node_mean_grad")
 _KIND = {name: i for i, name in enumerate(_KINDS)}
+
+# Point-to-point messages of send/recv, of send_obj/recv_obj and of the object collectives share one
+# process group; each travels in its own tag space, so that none can match another's message (a
+# user's send_obj(tag=2) once matched gather_obj's own, and send() against recv_obj() aborted gloo).
+_TAG_SPACES = {"tensor": 0, "object": 1, "collective": 2}
+MAX_TAG = 2 ** 28
+
+
+def _wire_tag(tag: int, space: str) -> int:
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < MAX_TAG:
+        raise ValueError(f"tag must be an integer from 0 to {MAX_TAG - 1}, not {tag!r}")
+    return tag * len(_TAG_SPACES) + _TAG_SPACES[space]
 
 # gloo and NCCL count elements in 32-bit integers; objects travel in chunks below that.
 OBJ_CHUNK_BYTES = 256 * 1024 * 1024
@@ -234,6 +248,7 @@ class Communicator(abc.ABC):
             >>> if comm.rank == 1: x = comm.recv(source=0)
         """
         self._check_peer(dest, "dest")
+        tag = _wire_tag(tag, "tensor")
         hdr = torch.tensor(_wire.header(_KIND["bcast"], x=x), dtype=torch.int64, device=self._data_device)
         dist.send(hdr, self._global(dest), group=self._group, tag=tag)
         data = _wire.as_bytes(x.to(self._data_device))
@@ -243,6 +258,7 @@ class Communicator(abc.ABC):
     def recv(self, source: int, tag: int = 0) -> torch.Tensor:
         """Receive the tensor rank ``source`` sent with :meth:`send`; shape and dtype come with it."""
         self._check_peer(source, "source")
+        tag = _wire_tag(tag, "tensor")
         hdr = torch.empty(_wire.HEADER_LEN, dtype=torch.int64, device=self._data_device)
         dist.recv(hdr, self._global(source), group=self._group, tag=tag)
         dtype, shape = _wire.meta(hdr.tolist())
@@ -413,7 +429,8 @@ class Communicator(abc.ABC):
         """The elementwise reduction of every rank's ``x``, as a new tensor (``x`` is unchanged).
 
         ``op``: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"prod"``. ``"mean"`` of an integer
-        tensor is a floating-point tensor.
+        or bool tensor is a float64 tensor (exact for int64 sums below 2**53); float16 and bfloat16
+        means are summed in float64, so that a sum beyond their range does not overflow.
 
         Example::
 
@@ -438,6 +455,8 @@ class Communicator(abc.ABC):
         src = x.detach().to(self._data_device)
         if op == "mean" and src.dtype == torch.bool:
             src = src.to(torch.int64)  # a bool sum is a logical or: count the True values instead
+        if op == "mean" and divide_before_sum(src.dtype):
+            return self.allreduce(x.double(), op="mean").to(x.dtype)  # bfloat16 reaches float32's range
         # gloo has no int16 reduction; int32 gives the same bits once cast back (two's complement
         # wraps alike), except "mean", whose result is floating-point anyway.
         widen = src.dtype == torch.int16
@@ -446,7 +465,8 @@ class Communicator(abc.ABC):
         if widen and op != "mean":
             out = out.to(torch.int16)
         if op == "mean":
-            out = out / self.size if not out.is_floating_point() and not out.is_complex() else out.div_(self.size)
+            out = out.to(torch.float64).div_(self.size) if not out.is_floating_point() and not out.is_complex() \
+                else out.div_(self.size)
         return out.to(x.device)
 
     def _allreduce_copy(self, x: torch.Tensor, op: str) -> torch.Tensor:
@@ -459,9 +479,14 @@ class Communicator(abc.ABC):
     def _dump(self, obj: Any) -> torch.Tensor:
         return torch.frombuffer(bytearray(dumps(obj)), dtype=torch.uint8)
 
-    @staticmethod
-    def _load(buf: torch.Tensor) -> Any:
-        return pickle.loads(buf.cpu().numpy().tobytes())
+    def _load(self, buf: torch.Tensor, kind: str = "object collective", source: Optional[int] = None) -> Any:
+        try:
+            return pickle.loads(buf.cpu().numpy().tobytes())
+        except Exception as e:  # unpickling runs the sender's classes' code: any error can come out
+            origin = f"rank {source}'s object" if source is not None else "an object"
+            raise RemoteRankError(f"{kind}: {origin} was pickled but cannot be unpickled on rank {self.rank} "
+                                  f"({self.host}): {type(e).__name__}: {e}; is its class importable, with the "
+                                  f"same code, on every rank?") from e
 
     def _obj_lengths(self, n: int, error: Optional[Exception] = None) -> list[int]:
         """Every rank's pickled length. On gloo this is a call header like the tensor collectives',
@@ -506,41 +531,44 @@ class Communicator(abc.ABC):
         if self.size == 1:
             return obj
         buf, err = self._try_dump(obj, "bcast_obj") if self.rank == root else (None, None)
-        n = torch.tensor([buf.numel() if buf is not None else -1], dtype=torch.int64)
-        dist.broadcast(n, self._global(root), group=self._obj_group)
-        if err is not None:
-            raise err
-        if n.item() < 0:
-            raise RemoteRankError(f"bcast_obj: root rank {root} could not pickle its object (see its error); "
-                                  f"rank {self.rank} on {self.host} stops too")
+        # The call header names ranks that pass another root, or make another call, instead of hanging.
+        row = _wire.header(_KIND["bcast_obj"], root)
+        row[_wire.SHAPE] = buf.numel() if buf is not None else 0
+        n = int(self._agree("bcast_obj", rows=[row], error=err)[root, 0, _wire.SHAPE])
         if buf is None:
-            buf = torch.empty(int(n), dtype=torch.uint8)
+            buf = torch.empty(n, dtype=torch.uint8)
         self._bcast_bytes(buf, root, group=self._obj_group)
-        return obj if self.rank == root else self._load(buf)
+        return obj if self.rank == root else self._load(buf, "bcast_obj", root)
 
     def send_obj(self, obj: Any, dest: int, tag: int = 0) -> None:
         """Send a picklable object to rank ``dest``, which calls :meth:`recv_obj`."""
         self._check_peer(dest, "dest")
-        buf, err = self._try_dump(obj, "send_obj")
-        dist.send(torch.tensor([buf.numel() if err is None else -1], dtype=torch.int64), self._global(dest),
-                  group=self._obj_group, tag=tag)
-        if err is not None:
-            raise err  # the receiver was told
-        for start in range(0, buf.numel(), OBJ_CHUNK_BYTES):
-            dist.send(buf[start:start + OBJ_CHUNK_BYTES], self._global(dest), group=self._obj_group, tag=tag)
+        self._send_obj(obj, dest, _wire_tag(tag, "object"), "send_obj")
 
     def recv_obj(self, source: int, tag: int = 0) -> Any:
         """Receive the object rank ``source`` sent with :meth:`send_obj`."""
         self._check_peer(source, "source")
+        return self._load(self._recv_obj_bytes(source, _wire_tag(tag, "object"), "recv_obj"), "recv_obj", source)
+
+    def _send_obj(self, obj: Any, dest: int, wire_tag: int, kind: str) -> None:
+        buf, err = self._try_dump(obj, kind)
+        dist.send(torch.tensor([buf.numel() if err is None else -1], dtype=torch.int64), self._global(dest),
+                  group=self._obj_group, tag=wire_tag)
+        if err is not None:
+            raise err  # the receiver was told
+        for start in range(0, buf.numel(), OBJ_CHUNK_BYTES):
+            dist.send(buf[start:start + OBJ_CHUNK_BYTES], self._global(dest), group=self._obj_group, tag=wire_tag)
+
+    def _recv_obj_bytes(self, source: int, wire_tag: int, kind: str) -> torch.Tensor:
         n = torch.empty(1, dtype=torch.int64)
-        dist.recv(n, self._global(source), group=self._obj_group, tag=tag)
+        dist.recv(n, self._global(source), group=self._obj_group, tag=wire_tag)
         if n.item() < 0:
-            raise RemoteRankError(f"recv_obj: rank {source} could not pickle the object it sent (see its error); "
+            raise RemoteRankError(f"{kind}: rank {source} could not pickle the object it sent (see its error); "
                                   f"rank {self.rank} on {self.host} stops too")
         buf = torch.empty(int(n), dtype=torch.uint8)
         for start in range(0, buf.numel(), OBJ_CHUNK_BYTES):
-            dist.recv(buf[start:start + OBJ_CHUNK_BYTES], self._global(source), group=self._obj_group, tag=tag)
-        return self._load(buf)
+            dist.recv(buf[start:start + OBJ_CHUNK_BYTES], self._global(source), group=self._obj_group, tag=wire_tag)
+        return buf
 
     def allgather_obj(self, obj: Any) -> list[Any]:
         """Every rank's object, in rank order, on every rank.
@@ -558,13 +586,13 @@ class Communicator(abc.ABC):
             out = torch.empty(self.size * longest, dtype=torch.uint8)
             dist.all_gather_single(out, _padded(buf, longest), group=self._obj_group)
             chunks = self._comm_order([out[g * longest:(g + 1) * longest] for g in range(self.size)])
-            return [self._load(c[:n]) for c, n in zip(chunks, sizes)]
+            return [self._load(c[:n], "allgather_obj", r) for r, (c, n) in enumerate(zip(chunks, sizes))]
         # Large objects: each rank broadcasts its own in turn, in chunks.
         result = []
         for r, n in enumerate(sizes):
             b = buf if r == self.rank else torch.empty(n, dtype=torch.uint8)
             self._bcast_bytes(b, r, group=self._obj_group)
-            result.append(obj if r == self.rank else self._load(b))
+            result.append(obj if r == self.rank else self._load(b, "allgather_obj", r))
         return result
 
     def gather_obj(self, obj: Any, root: int = 0) -> Optional[list[Any]]:
@@ -572,16 +600,35 @@ class Communicator(abc.ABC):
         self._check_peer(root, "root")
         if self.size == 1:
             return [obj]
+        self._agree("gather_obj", rows=[_wire.header(_KIND["gather_obj"], root)])
+        tag = _wire_tag(_KIND["gather_obj"], "collective")
         if self.rank != root:
-            self.send_obj(obj, root, tag=_KIND["gather"])
+            self._send_obj(obj, root, tag, "gather_obj")
             return None
-        return [obj if r == root else self.recv_obj(r, tag=_KIND["gather"]) for r in range(self.size)]
+        # Every rank's message is received before a failure is raised: a rank whose send is never
+        # matched would wait out the timeout.
+        results, problem = [], None
+        for r in range(self.size):
+            if r == root:
+                results.append(obj)
+                continue
+            try:
+                results.append(self._load(self._recv_obj_bytes(r, tag, "gather_obj"), "gather_obj", r))
+            except RemoteRankError as e:
+                problem = problem or e
+                results.append(None)
+        if problem is not None:
+            raise problem
+        return results
 
     def scatter_obj(self, objs: Optional[Sequence[Any]], root: int = 0) -> Any:
         """Rank ``i`` receives ``objs[i]`` from root; other ranks pass ``None``."""
         self._check_peer(root, "root")
+        if self.size > 1:
+            self._agree("scatter_obj", rows=[_wire.header(_KIND["scatter_obj"], root)])
+        tag = _wire_tag(_KIND["scatter_obj"], "collective")
         if self.rank != root:
-            problem, obj = self.recv_obj(root, tag=_KIND["scatter"])
+            problem, obj = self._load(self._recv_obj_bytes(root, tag, "scatter_obj"), "scatter_obj", root)
             if problem is not None:
                 raise RemoteRankError(f"scatter_obj: root rank {root} failed: {problem} (raised on rank {self.rank})")
             return obj
@@ -594,12 +641,12 @@ class Communicator(abc.ABC):
                 continue
             if problem is None:
                 try:
-                    self.send_obj((None, objs[r]), r, tag=_KIND["scatter"])
+                    self._send_obj((None, objs[r]), r, tag, "scatter_obj")
                 except Exception as e:  # could not pickle: send_obj has told rank r
                     problem = e
                 continue
             # Every rank still waiting hears why, instead of waiting until the timeout.
-            self.send_obj((f"{type(problem).__name__}: {problem}", None), r, tag=_KIND["scatter"])
+            self._send_obj((f"{type(problem).__name__}: {problem}", None), r, tag, "scatter_obj")
         if problem is not None:
             raise problem
         return objs[root]
@@ -748,6 +795,16 @@ class Communicator(abc.ABC):
             >>> loss.backward(); comm.multi_node_mean_grad(model); optimizer.step()
         """
         params = [p for p in model.parameters() if p.requires_grad]
+        if self.size > 1:
+            # Buckets pair the ranks' gradients by position: a model of another layout would mix them
+            # silently (shared memory) or abort the process (gloo). A checksum of the layout costs one
+            # small exchange; the full layouts are compared only when it differs.
+            row = _wire.header(_KIND["multi_node_mean_grad"])
+            row[_wire.SHAPE] = zlib.crc32(repr([(tuple(p.shape), p.dtype) for p in params]).encode())
+            layouts = self._agree("multi_node_mean_grad", rows=[row])[:, 0, _wire.SHAPE]
+            if len(set(layouts.tolist())) > 1:
+                self._check_same_layout(params, "multi_node_mean_grad: the model's trainable parameters", 0,
+                                        "build the same model on every rank")
         if not zero_fill and self.size > 1:
             # Skipping must be agreed on: a tensor left out on some ranks only would pair the rest wrongly.
             masks = self.allgather_obj([p.grad is not None for p in params])
@@ -766,7 +823,12 @@ class Communicator(abc.ABC):
                     continue
                 p.grad = torch.zeros_like(p)
             grads.append(p.grad)
-        self.mean_tensors(grads)
+        # Sparse gradients (nn.Embedding(sparse=True)) cannot be packed into buckets: each has its own
+        # allreduce, whose result is the union of the ranks' rows.
+        for g in (g for g in grads if g.is_sparse and self.size > 1):
+            dist.all_reduce(g, group=self._group)
+            g.div_(self.size)
+        self.mean_tensors([g for g in grads if not g.is_sparse])
 
     @property
     def grad_bucket_cap_bytes(self) -> int:

@@ -232,7 +232,8 @@ class HierarchicalCommunicator(FlatCommunicator):
             return super().allgather_obj(obj)
         self._check_headers("allgather_obj", torch.stack([_first_row(p) for p in parts]).unsqueeze(1), err,
                             same_shape=False, same_dtype=False)
-        return [self._load(p[_ROW_BYTES:]) for p in parts]  # copies, own one included, as over TCP
+        # Copies, own one included, as over TCP.
+        return [self._load(p[_ROW_BYTES:], "allgather_obj", r) for r, p in enumerate(parts)]
 
     def finalize(self) -> None:
         if self._segment is not None:

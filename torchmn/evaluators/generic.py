@@ -4,6 +4,7 @@ from __future__ import annotations
 import abc
 from typing import Any, Optional
 
+from torchmn.communicators._pickle import dumps
 from torchmn.communicators.errors import RemoteRankError
 
 _OK, _FAILED = "ok", "failed"
@@ -47,6 +48,9 @@ class GenericMultiNodeEvaluator(abc.ABC):
         comm, root = self.comm, self.root
         try:
             local = (_OK, self.evaluate_local(*args, **kwargs))
+            # A result that cannot travel fails here, on this rank, like evaluate_local itself:
+            # inside gather_obj it would fail only on some ranks, leaving the others waiting.
+            dumps(local)
         except Exception as e:
             local = (_FAILED, f"{type(e).__name__}: {e}")
             comm.gather_obj(local, root=root)
