@@ -164,3 +164,41 @@ def test_data_dir_end_to_end(idx_dir, tmp_path):
     run_single(["--data-dir", str(idx_dir), "--epochs", "1", "--log", str(log_path)])
     log = check_log(log_path, 1)
     assert 0 <= log[0]["validation/main/accuracy"] <= 1
+
+
+def test_preemptible_checkpoints_on_sigterm_and_resumes(tmp_path):
+    """SIGTERM (Slurm's preemption, scancel) to `torchmn run`: the ranks save the checkpoint before they
+    stop, and the next run resumes from it to the same weights as an uninterrupted run. A second run
+    asked for fewer steps leaves the checkpoint as it is."""
+    import signal
+    import time
+
+    script = [sys.executable, "-m", "torchmn", "run", "-np", "2", sys.executable,
+              str(REPO / "examples" / "slurm" / "train_preemptible.py"), "--steps", "200", "--print-every", "10"]
+    first = subprocess.Popen(script + ["--sleep", "0.02", "--checkpoint", str(tmp_path / "cut.pt")], cwd=REPO,
+                             env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        seen = ""
+        deadline = time.monotonic() + JOB_TIMEOUT
+        while "step 40 " not in seen and time.monotonic() < deadline:
+            seen += first.stdout.readline()
+        first.send_signal(signal.SIGTERM)
+        seen += first.communicate(timeout=JOB_TIMEOUT)[0]
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert "signal received (SIGTERM): checkpoint saved at step" in seen, seen
+    resumed = subprocess.run(script + ["--checkpoint", str(tmp_path / "cut.pt")], cwd=REPO, env=clean_env(),
+                             capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    assert "resumed from step" in resumed.stdout and "done: 200 steps" in resumed.stdout, resumed.stdout + resumed.stderr
+    whole = subprocess.run(script + ["--checkpoint", str(tmp_path / "whole.pt")], cwd=REPO, env=clean_env(),
+                           capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    assert whole.returncode == 0, whole.stderr
+    cut, full = torch.load(tmp_path / "cut.pt"), torch.load(tmp_path / "whole.pt")
+    assert cut["step"] == full["step"] == 200
+    assert all(torch.equal(cut["model"][k], full["model"][k]) for k in full["model"]), (cut["model"], full["model"])
+    fewer = subprocess.run(script[:-4] + ["--steps", "100", "--checkpoint", str(tmp_path / "whole.pt")], cwd=REPO,
+                           env=clean_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    assert "nothing to do: the checkpoint is at step 200, --steps is 100" in fewer.stdout, fewer.stdout
+    assert torch.load(tmp_path / "whole.pt")["step"] == 200

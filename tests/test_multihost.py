@@ -525,6 +525,31 @@ def test_ctrl_c_reaches_remote_ranks_as_sigint(cluster, tmp_path):
     assert_hosts_idle(cluster)
 
 
+def test_usr1_reaches_remote_ranks_which_go_on(cluster, tmp_path):
+    """SIGUSR1 to the launcher is passed on to every rank, remote ones through their watcher, and
+    the job goes on to exit 0 (the warning Slurm's --signal=USR1@120 gives before a time limit)."""
+    script = tmp_path / "notified.py"
+    script.write_text("import signal, time\n"
+                      "got = []\n"
+                      "signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))\n"
+                      "print('up', flush=True)\n"
+                      "deadline = time.monotonic() + 20\n"
+                      "while not got and time.monotonic() < deadline:\n"
+                      "    time.sleep(0.05)\n"
+                      "time.sleep(0.5)\n"
+                      "print('got', len(got), 'alive', flush=True)\n")
+    launcher = start_up_on_two_hosts(cluster, script, stderr=subprocess.PIPE)
+    try:
+        launcher.send_signal(signal.SIGUSR1)
+        out, err = launcher.communicate(timeout=30)
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=10)
+    assert launcher.returncode == 0, err
+    assert sorted(line for line in out.splitlines() if "got" in line) == ["[0] got 1 alive", "[1] got 1 alive"], out
+    assert_hosts_idle(cluster)
+
+
 def test_rank_that_never_starts_hits_the_start_timeout(cluster, tmp_path):
     """An ssh that logs in for the check but then hangs when starting the rank on h2."""
     h2 = cluster.address("h2")

@@ -410,3 +410,36 @@ def test_progress_bar_redraws_come_through_prefixed():
                           capture_output=True, timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr
     assert b"[0] 10%\r[0] 20%\r[0] done\r\n" in proc.stderr, proc.stderr
+
+
+def test_usr1_and_usr2_reach_the_ranks_which_go_on(tmp_path):
+    """SIGUSR1/SIGUSR2 (Slurm's --signal=USR1@120 before a time limit) are notifications: passed on to
+    every rank, as mpirun does, and the job goes on. The launcher used to die of them silently."""
+    code = ("import os, signal, sys, time\n"
+            "got = []\n"
+            "for s in (signal.SIGUSR1, signal.SIGUSR2):\n"
+            "    signal.signal(s, lambda n, f: got.append(signal.Signals(n).name))\n"
+            f"open(os.path.join({str(tmp_path)!r}, 'rank' + os.environ['RANK'] + '.pid'), 'w').write(str(os.getpid()))\n"
+            "deadline = time.monotonic() + 30\n"
+            "while len(got) < 2 and time.monotonic() < deadline:\n"
+            "    time.sleep(0.05)\n"
+            "print('got', ' '.join(got), flush=True)\n")
+    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "2", sys.executable, "-c", code],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while len(pids_in(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pids_in(tmp_path)) == 2
+        launcher.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)
+        launcher.send_signal(signal.SIGUSR2)
+        out, err = launcher.communicate(timeout=TIMEOUT)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait(timeout=TIMEOUT)
+    assert launcher.returncode == 0, err
+    assert sorted(line for line in out.splitlines() if "got" in line) == \
+        ["[0] got SIGUSR1 SIGUSR2", "[1] got SIGUSR1 SIGUSR2"], out
+    assert "received SIGUSR1; passed it on to 2 running rank(s)" in err, err

@@ -14,13 +14,19 @@ Slurm warns a job before it ends it: ``#SBATCH --signal=USR1@120`` sends SIGUSR1
    ``scontrol requeue $SLURM_JOB_ID``: Slurm ends this run and queues the same job again;
 5. the requeued job runs the same command, finds the checkpoint and continues from its step.
 
+Preemption and a plain ``scancel`` send SIGTERM instead, and SIGKILL ``KillWait`` seconds later (30
+by default): on SIGTERM the ranks save the checkpoint the same way but do not requeue (a preempting
+Slurm requeues the job itself where configured to; ``scancel`` means stop), so the next run of the
+command resumes from it.
+
 The model is a small linear regression on synthetic data, so the example needs no download; the
 data of each step depends only on the step and the rank, so a resumed run sees the same batches it
 would have seen without the interruption. ``--sleep`` slows each step down, to give you time to
 send the signal by hand in a demonstration.
 
 Outside Slurm (``torchmn run -np 2 python train_preemptible.py``) the same code checkpoints on
-SIGUSR1 (``kill -USR1`` every rank) and exits; it just has no queue to go back to.
+SIGUSR1 or SIGTERM to the launcher (which passes SIGUSR1 on, and stops the ranks with SIGTERM) and
+exits; it just has no queue to go back to.
 """
 import argparse
 import os
@@ -40,7 +46,7 @@ BATCH = 32
 class StopRequest:
     """Remembers that a signal arrived; the training loop looks at it between steps."""
 
-    def __init__(self, signals=(signal.SIGUSR1,)):
+    def __init__(self, signals=(signal.SIGUSR1, signal.SIGTERM)):
         self.signum = 0
         for sig in signals:
             signal.signal(sig, self._handle)
@@ -129,13 +135,15 @@ def main():
 
     for step in range(start, args.steps):
         # One tiny allreduce per step: stop together if any rank was signalled.
-        if comm.allreduce(torch.tensor([stop.signum]), op="max").item():
+        signum = comm.allreduce(torch.tensor([stop.signum]), op="max").item()  # SIGTERM (15) wins
+        if signum:
             if comm.rank == 0:
                 save_checkpoint(args.checkpoint, {"step": step, "model": model.state_dict(),
                                                   "optimizer": optimizer.state_dict()})
-                print(f"signal received: checkpoint saved at step {step} to {args.checkpoint}", flush=True)
+                print(f"signal received ({signal.Signals(signum).name}): checkpoint saved at step {step} to "
+                      f"{args.checkpoint}", flush=True)
             comm.barrier()  # the checkpoint is complete before any rank leaves
-            if comm.rank == 0 and not args.no_requeue:
+            if comm.rank == 0 and signum == signal.SIGUSR1 and not args.no_requeue:
                 requeue_this_job()
             comm.finalize()
             return 0
@@ -149,7 +157,10 @@ def main():
         if args.sleep:
             time.sleep(args.sleep)
 
-    if comm.rank == 0:
+    if comm.rank == 0 and start >= args.steps:
+        # The checkpoint is already further on: rewriting it as step --steps would misstate its weights.
+        print(f"nothing to do: the checkpoint is at step {start}, --steps is {args.steps}", flush=True)
+    elif comm.rank == 0:
         save_checkpoint(args.checkpoint, {"step": args.steps, "model": model.state_dict(),
                                           "optimizer": optimizer.state_dict()})
         print(f"done: {args.steps} steps", flush=True)

@@ -6,6 +6,8 @@ every rank and prints "PASS <check> <seconds>s" on rank 0 once every rank has pa
 """
 import argparse
 import collections
+import contextlib
+import io
 import math
 import os
 import time
@@ -370,6 +372,11 @@ def _manager(model, iters_per_epoch, max_epochs, out, **kwargs):
 
 
 def check_early_stopping(comm, tmp):
+    # verbose=True: ppe's constructor speaks on rank 0 only.
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        MultiNodeEarlyStoppingTrigger(comm, monitor="val/loss", verbose=True)
+    assert ("early stopping: operator" in printed.getvalue()) == (comm.rank == 0), printed.getvalue()
     # Rank 0's loss grows fast, the others' shrink slowly: the global mean grows, so every rank
     # must stop after epoch 1 + patience although only rank 0's own values say so.
     stop = MultiNodeEarlyStoppingTrigger(comm, monitor="val/loss", patience=2, max_trigger=(20, "epoch"))
@@ -452,6 +459,17 @@ def check_allreduce_persistent(comm, tmp):
     assert torch.equal(bn[0].running_var, torch.full((3,), 2 * r + 1))
     assert torch.equal(bn[1].running_mean, torch.full((2,), 3 * r, dtype=torch.float64))
     assert bn[1].running_mean.dtype == torch.float64 and int(bn[0].num_batches_tracked) == 7
+    # float16 statistics whose sum over ranks passes 65504; a buffer equal on every rank comes back
+    # bit for bit; a non-persistent buffer (not state) is left as it is.
+    model = torch.nn.BatchNorm1d(2).half()
+    values = torch.rand(1000, generator=torch.Generator().manual_seed(0))
+    model.register_buffer("same", values.clone())
+    model.register_buffer("mask", torch.full((2,), float(comm.rank)), persistent=False)
+    with torch.no_grad():
+        model.running_var.fill_(40000.0)
+    AllreducePersistent(model, comm)()
+    assert model.running_var.tolist() == [40000.0, 40000.0], model.running_var
+    assert torch.equal(model.same, values) and model.mask.tolist() == [comm.rank] * 2
 
 
 def check_snapshot(comm, tmp):

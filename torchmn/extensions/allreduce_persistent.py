@@ -8,14 +8,17 @@ from pytorch_pfn_extras.training import extension
 
 
 class AllreducePersistent(extension.Extension):
-    """Average every floating-point buffer of ``model`` over the ranks.
+    """Average every persistent floating-point buffer of ``model`` over the ranks.
 
     Gradient averaging keeps parameters equal on every rank, but buffers such as BatchNorm's
     ``running_mean`` and ``running_var`` are updated from each rank's own batches and drift
     apart. Run this before evaluating or saving (its default trigger is once an epoch, with a
     priority just above evaluators'), or call it directly: ``AllreducePersistent(model, comm)()``.
     Integer buffers (``num_batches_tracked``) are left alone: ranks stepping in lockstep already
-    agree on them. Every rank must call it together, with the same model structure.
+    agree on them; so are non-persistent buffers (masks, tables a module computes), which are not
+    state, as in ChainerMN. The mean is taken in float64, so a buffer equal on every rank comes
+    back bit for bit, and a float16 one whose sum over ranks passes 65504 does not overflow.
+    Every rank must call it together, with the same model structure.
 
     Example::
 
@@ -31,13 +34,18 @@ class AllreducePersistent(extension.Extension):
 
     @torch.no_grad()
     def __call__(self, manager: Optional[object] = None) -> None:
-        groups: dict[tuple, list[torch.Tensor]] = {}
-        for buf in self.model.buffers():
-            if buf.is_floating_point():
-                groups.setdefault((buf.dtype, buf.device), []).append(buf)
-        # One allreduce per dtype and device, over all buffers flattened together.
+        groups: dict[torch.device, list[torch.Tensor]] = {}
+        seen = set()
+        for module in self.model.modules():
+            for name, buf in module._buffers.items():
+                if (buf is None or not buf.is_floating_point() or name in module._non_persistent_buffers_set
+                        or id(buf) in seen):
+                    continue
+                seen.add(id(buf))
+                groups.setdefault(buf.device, []).append(buf)
+        # One allreduce per device, over all buffers flattened together.
         for bufs in groups.values():
-            flat = torch.cat([b.reshape(-1) for b in bufs])
+            flat = torch.cat([b.reshape(-1).to(torch.float64) for b in bufs])
             flat = self.comm.allreduce(flat, op="mean")
             offset = 0
             for b in bufs:

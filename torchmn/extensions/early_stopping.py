@@ -33,8 +33,10 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
 
     def __init__(self, comm, monitor: str = "val/loss", patience: int = 3, mode: str = "auto",
                  max_trigger: Any = (100, "epoch"), check_trigger: Any = (1, "epoch"), verbose: bool = False):
+        # ppe's constructor prints its choice of operator when verbose: on rank 0 only.
         super().__init__(check_trigger=check_trigger, monitor=monitor, patience=patience, mode=mode,
-                         verbose=verbose, max_trigger=max_trigger)
+                         verbose=verbose and comm.rank == 0, max_trigger=max_trigger)
+        self.verbose = verbose
         self.comm = comm
         self._sum = 0.0
         self._count = 0

@@ -50,6 +50,9 @@ FORWARDED_PREFIXES = ("TORCHMN_", "TORCH_", "NCCL_", "GLOO_")
 # What the launcher writes to a watcher's stdin to have a signal sent to the rank's process group
 # (Ctrl-C reaches remote ranks as SIGINT, as it reaches local ones): "signal 2\n".
 SIGNAL_LINE = b"signal "
+# ... and to have a notification passed on to the rank, which keeps running (SIGUSR1/SIGUSR2, as a
+# batch system sends them before the time limit): "relay 10\n".
+RELAY_LINE = b"relay "
 
 _EXIT_NO_CWD = 91
 _EXIT_NO_PYTHON = 92
@@ -507,6 +510,8 @@ def watch(command: Sequence[str], grace: float = GRACE_SECONDS) -> int:
                     if line.startswith(SIGNAL_LINE) and line[len(SIGNAL_LINE):].isdigit():
                         signal_group(process.pid, int(line[len(SIGNAL_LINE):]))
                         signalled = True
+                    elif line.startswith(RELAY_LINE) and line[len(RELAY_LINE):].isdigit():
+                        signal_group(process.pid, int(line[len(RELAY_LINE):]))
         except OSError:
             pass
         # Not process.poll(): only the main thread may reap the rank (see the wait below).

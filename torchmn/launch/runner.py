@@ -52,6 +52,9 @@ GRACE_SECONDS = 3.0
 START_TIMEOUT = 60.0
 TAIL_LINES = 200
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Notifications, not stops: passed on to every running rank, and the job goes on, as under mpirun.
+# Slurm's `--signal=USR1@120` warns a job this way before its time limit (a rank can checkpoint).
+RELAYED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
 # Store keys the launchers of one Slurm step share (the ranks' own keys have no such prefix).
 SLURM_KEY = "torchmn/launcher/"
 # How long task 0 keeps the store up, after its own ranks ended, for the other nodes' ranks to end.
@@ -497,11 +500,11 @@ def _start_guardian(job_id: str, grace: float) -> Optional[subprocess.Popen]:
         return None
 
 
-def _tell_watcher(process: subprocess.Popen, sig: int) -> None:
-    """Have a remote rank's watcher send ``sig`` to the rank (see remote.SIGNAL_LINE)."""
+def _tell_watcher(process: subprocess.Popen, sig: int, line: bytes = remote.SIGNAL_LINE) -> None:
+    """Have a remote rank's watcher send ``sig`` to the rank (see remote.SIGNAL_LINE, RELAY_LINE)."""
     if process.stdin is not None:
         try:
-            process.stdin.write(remote.SIGNAL_LINE + b"%d\n" % sig)
+            process.stdin.write(line + b"%d\n" % sig)
             process.stdin.flush()
         except (OSError, ValueError):
             pass
@@ -820,7 +823,16 @@ class Job:
 
     def _on_signal(self, signum, frame) -> None:
         # SimpleQueue.put is reentrant, so it is safe even when the signal interrupts a get().
-        self.events.put(("signal", signum))
+        self.events.put(("relay" if signum in RELAYED_SIGNALS else "signal", signum))
+
+    def _relay(self, sig: int) -> None:
+        for rank in self._running():
+            if not rank.is_remote:
+                remote.signal_group(rank.pgid, sig)
+            elif rank.started:
+                _tell_watcher(rank.process, sig, remote.RELAY_LINE)
+        self.console.message(f"torchmn run: received {signal.Signals(sig).name}; passed it on to "
+                             f"{len(self._running())} running rank(s), which go on")
 
     def _remember_descendants(self) -> None:
         """Note every process a rank started, so that teardown can find grandchildren that left the
@@ -927,6 +939,8 @@ class Job:
                     and self.received_signal is None and self.start_failure is None \
                     and self.node_failure is None:
                 self.first_failure = rank
+        elif event[0] == "relay":
+            self._relay(event[1])
         elif event[0] == "signal":
             if self.received_signal is None and self.first_failure is None:
                 self.received_signal = event[1]
@@ -1097,7 +1111,7 @@ def run(command: Sequence[str], np: int, *, master_port: Optional[int] = None,
     previous = {}
     if in_main_thread:
         # Installed before the first rank starts, so a Ctrl-C during start-up still tears down.
-        for sig in FORWARDED_SIGNALS:
+        for sig in FORWARDED_SIGNALS + RELAYED_SIGNALS:
             previous[sig] = signal.signal(sig, job._on_signal)
     try:
         try:
