@@ -217,3 +217,26 @@ def test_a_recv_that_times_out_names_the_sender(tmp_path):
     out = run_job(script, [], np=2, timeout=60).stdout
     assert "NAMED recv from rank 1 (" in out and "did not make the matching send with the same tag" in out, out
     assert "NAMED recv_obj from rank 1 (" in out and "matching send_obj" in out, out
+
+
+AGAIN = """
+import faulthandler, torch, torchmn
+faulthandler.dump_traceback_later(40, exit=True)  # a hang fails at once, with the stacks
+for attempt in range(4):
+    comm = torchmn.create_communicator("flat", timeout=20)
+    assert comm.allreduce(torch.ones(2)).tolist() == [comm.size] * 2
+    assert comm.allgather_obj(attempt) == [attempt] * comm.size
+    comm.finalize()
+print("AGAIN OK", flush=True)
+"""
+
+
+@pytest.mark.parametrize("launcher", ["torchmn", "torchrun"])
+def test_a_new_world_after_finalize(launcher, tmp_path):
+    """finalize(), then create_communicator() again, as the error on a finalized communicator advises:
+    under a launcher that hosts the store, the new world used to meet the old one's keys there and
+    hang in two runs of three."""
+    script = tmp_path / "again.py"
+    script.write_text(AGAIN)
+    out = run_job(script, [], np=2, launcher=launcher, timeout=90).stdout
+    assert out.count("AGAIN OK") == 2, out

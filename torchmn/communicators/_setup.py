@@ -18,6 +18,7 @@ from torchmn.launch import LaunchEnvironment
 from torchmn.launch.environments import job_label
 
 _timeout: Optional[datetime.timedelta] = None  # the world's, once set up or adopted
+_worlds = 0  # default process groups this process set up (a world again after finalize)
 
 
 def default_timeout() -> datetime.timedelta:
@@ -69,14 +70,20 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
     The teardown matters: a gloo process that exits with its group alive sometimes aborts at
     exit (``terminate called without an active exception``), failing jobs that succeeded.
     """
-    global _timeout
+    global _timeout, _worlds
     _timeout = timeout or default_timeout()
+    _worlds += 1
     store = None
     if init_method is None:
         if env.source in ("torchmn", "torchrun"):
             # Their launcher hosts the store (TORCHELASTIC_USE_AGENT_STORE) and set MASTER_*.
             init_method = "env://"
             store = _mark_arrival(_launchers_store(_timeout), env.rank)
+            if store is not None and _worlds > 1:
+                # A world set up again after finalize(): the launcher's store outlives the first, and
+                # torch names the new default group as it named the old one, so the ranks would read
+                # the old group's addresses and wait on them. Each world gets keys of its own.
+                store = dist.PrefixStore(f"torchmn/world{_worlds}/", store)
         else:
             if env.master_port is None:
                 raise RuntimeError(f"{env.source}: no rendezvous port known for {env.size} ranks; "
@@ -91,8 +98,8 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
         torch.cuda.set_device(env.local_rank % max(1, torch.cuda.device_count()))
     try:
         with _own_store_for(init_method):
-            where = {"store": store} if store is not None and init_method.startswith("tcp://") \
-                else {"init_method": init_method}
+            own_keys = isinstance(store, dist.PrefixStore) or init_method.startswith("tcp://")
+            where = {"store": store} if store is not None and own_keys else {"init_method": init_method}
             dist.init_process_group(backend, rank=env.rank, world_size=env.size, timeout=_timeout, **where)
     except Exception as e:
         missing = _never_arrived(store, env.size)
