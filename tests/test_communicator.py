@@ -178,6 +178,18 @@ def test_a_rank_that_stops_calling_collectives_is_named(name, where):
             assert "rank 1 (" in line and "never called it within the timeout" in line and "Waiting for them: rank(s) 0, 2" in line, line
 
 
+@pytest.mark.parametrize("name", ["flat", "hierarchical"])
+def test_ranks_in_different_collectives_are_named_at_the_timeout(name):
+    """Rank 0 in a barrier, the others in an allreduce (through shared memory with hierarchical):
+    each side names what the other called, instead of saying it never came."""
+    out = run_job(WORKERS / "hang_jobs.py", [name, "kinds", "-1"], np=3, timeout=60).stdout
+    named = sorted(line for line in out.splitlines() if "NAMED" in line)
+    assert len(named) == 3, out
+    assert "rank 1 (vm) called allreduce instead".replace("vm", socket.gethostname()) in named[0], named[0]
+    for line in named[1:]:
+        assert f"rank 0 ({socket.gethostname()}) called barrier instead" in line, line
+
+
 def test_a_finalized_communicator_refuses_collectives():
     comm = torchmn.create_communicator()  # a world of one here
     comm.finalize()

@@ -431,6 +431,13 @@ def check_mismatch(comm):
             assert comm.rank != culprit and f"rank {culprit}" in str(e), (what, e)
         else:
             raise AssertionError(f"no error for {what} on rank {culprit}")
+    # alltoall of different dtypes names each rank's.
+    try:
+        comm.alltoall([torch.ones(1, dtype=torch.int32 if comm.rank == 0 else torch.float32)] * comm.size)
+    except torchmn.CollectiveMismatchError as e:
+        assert "different dtypes (rank 0: int32, rank 1: float32" in str(e), e
+    else:
+        raise AssertionError("no error for alltoall of different dtypes")
     # Object collectives check their calls too: different roots are named at once on every rank.
     for what, call in [("bcast_obj", lambda: comm.bcast_obj(comm.rank, root=comm.rank)),
                        ("gather_obj", lambda: comm.gather_obj(comm.rank, root=comm.rank)),

@@ -1,6 +1,6 @@
 """Jobs in which rank 1 stops taking part in the collectives, to check that the others' error names it.
 
-Usage: python hang_jobs.py COMMUNICATOR {collective,optimizer} [SLEEPER]
+Usage: python hang_jobs.py COMMUNICATOR {collective,optimizer,kinds} [SLEEPER]
 Rank SLEEPER (default 1) skips one call and sleeps; the others print "NAMED <error>" when the
 timeout (5 s, which also bounds start-up skew) hits.
 """
@@ -22,6 +22,8 @@ try:
         time.sleep(12)  # "still computing": longer than the timeout plus the others' grace period
     elif where == "collective":
         comm.allreduce(torch.ones(3))
+    elif where == "kinds":  # rank 0 waits in a barrier (over TCP), the others in an allreduce
+        comm.barrier() if comm.rank == 0 else comm.allreduce(torch.ones(3))
     else:
         model(torch.ones(2, 4)).sum().backward()  # the averaging runs here, from backward's hooks
         opt.step()

@@ -408,9 +408,11 @@ class Communicator(abc.ABC):
             except (TypeError, ValueError) as e:
                 err = type(e)(f"alltoall: {e}")
         hdrs = self._agree("alltoall", rows=rows, error=err)
-        dtypes = {_wire.meta(hdrs[r, j].tolist())[0] for r in range(self.size) for j in range(self.size)}
-        if len(dtypes) > 1:
-            raise CollectiveMismatchError(f"ranks called alltoall with different dtypes: {sorted(map(str, dtypes))}")
+        dtypes = [sorted({str(_wire.meta(hdrs[r, j].tolist())[0]) for j in range(self.size)}) for r in range(self.size)]
+        if len({d for ds in dtypes for d in ds}) > 1:
+            shown = ", ".join(f"rank {r}: {'/'.join(d.replace('torch.', '') for d in ds)}" for r, ds in enumerate(dtypes))
+            raise CollectiveMismatchError(f"ranks called alltoall with different dtypes ({shown}); every tensor "
+                                          f"of every rank must have one dtype (raised on rank {self.rank})")
         if self.size == 1:
             return (xs[0],)
         # What rank r sends to me is described by header row [r, me].

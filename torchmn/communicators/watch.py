@@ -95,6 +95,8 @@ def _watched(kind: str, fn: Callable) -> Callable:
         except RuntimeError as e:
             if lost_peer(e):
                 raise timed_out(comm, seq, kind, e) from e
+            if _lost_in_shared_memory(e):
+                raise _diagnosed(comm, seq, kind, e) from e
             raise
         finally:
             comm._watch_depth -= 1
@@ -124,6 +126,8 @@ class _WatchedWork:
         except RuntimeError as e:
             if lost_peer(e):
                 raise timed_out(self._comm, self._seq, self._kind, e) from e
+            if _lost_in_shared_memory(e):
+                raise _diagnosed(self._comm, self._seq, self._kind, e) from e
             raise
 
     def __getattr__(self, name):  # is_completed(), get_future(), ... as torch's handle has them
@@ -147,6 +151,23 @@ def timed_out(comm, seq: int, kind: str, error: BaseException) -> CollectiveTime
         return CollectiveTimeoutError(f"{head}: {error}; every rank reached it, so one of them left it "
                                       f"or failed inside it: see the other ranks' errors. {advice}")
     return CollectiveTimeoutError(f"{head}: {found}. {advice} (torch.distributed said: {error})")
+
+
+def _lost_in_shared_memory(error: BaseException) -> bool:
+    return type(error).__name__ == "PeerLostError"  # shm's; not imported here, shm imports torch's world
+
+
+def _diagnosed(comm, seq: int, kind: str, error: BaseException) -> BaseException:
+    """A shared-memory collective that lost a peer: this rank's call goes into the store as well, so
+    that ranks waiting in a collective over TCP meanwhile name it rightly instead of saying it never
+    came, and what the store knows of the others is added to the message."""
+    try:
+        found = _ask_the_store(dist.distributed_c10d._get_default_store(), comm, seq, kind)
+    except Exception:  # no store, or gone with its host: the shared-memory message stands alone
+        return error
+    if found is None:
+        return error
+    return type(error)(f"{error}. Collective #{seq} of this communicator ({kind}) on the other ranks: {found}")
 
 
 def _host(comm, r: int) -> str:
