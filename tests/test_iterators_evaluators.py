@@ -27,6 +27,8 @@ def test_evaluator_single_rank():
     assert create_multi_node_evaluator(lambda: {"acc": 0.75}, comm)() == {"acc": 0.75}
     assert create_multi_node_evaluator(lambda: ({}, 0), comm)() == {}
     assert math.isnan(create_multi_node_evaluator(lambda: ({"a": 1.0}, 0), comm)()["a"])
+    # A rank without samples may say so with None (`loss_sum / n if n else None`).
+    assert math.isnan(create_multi_node_evaluator(lambda: ({"a": None}, 0), comm)()["a"])
 
 
 @pytest.mark.parametrize("bad, error", [((1.0, 2), TypeError), (({"a": 1.0}, -1), ValueError),

@@ -33,6 +33,8 @@ def _local(result: Any, rank: int) -> tuple[dict[str, float], int]:
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
         raise ValueError(f"multi-node evaluator: fn() on rank {rank} returned n_samples={n!r}; "
                          f"it must be an integer >= 0")
+    if n == 0:  # no samples: the values are not used (None, as `total / n if n else None` gives, is fine)
+        return {str(k): math.nan for k in metrics}, 0
     return {str(k): _as_float(v, k, rank) for k, v in metrics.items()}, int(n)
 
 
@@ -80,7 +82,7 @@ def create_multi_node_evaluator(fn: Callable[..., Any], comm) -> MultiNodeEvalua
     ``(means, n)``: a dict of metric means over the ``n`` samples it saw. The wrapper returns,
     on every rank, each metric's mean over all samples of all ranks (each rank weighted by its
     ``n``, summed in float64), so uneven shards give the right answer. A rank with ``n == 0``
-    contributes nothing (its dict may be empty). If no rank saw a sample, every metric named by
+    contributes nothing (its dict may be empty, its values ``None``). If no rank saw a sample, every metric named by
     any rank is ``nan`` (and the result is ``{}`` if none was named). ``fn`` may also return a
     plain dict: it counts as ``n = 1``, so the result is the plain mean over ranks. Values may be
     numbers or one-element tensors. Every rank must call the wrapper together.

@@ -83,7 +83,7 @@ def create_multi_node_iterator(loader: Optional[Iterable], comm, rank_master: in
     For data that cannot be split, e.g. a model-parallel job where every rank needs the same
     input. Batches may be tensors, tuples, lists or dicts of them, nested, or any picklable
     object. The master yields its batches as the loader made them; the other ranks receive them
-with every tensor on CPU. Other ranks may pass ``None`` as ``loader``. Every rank must
+    with every tensor on CPU. Other ranks may pass ``None`` as ``loader``. Every rank must
     create the iterator together (the master's ``len(loader)`` is shared then, so ``len()``
     works everywhere) and iterate it in step, each epoch to its end (a rank that breaks out early
     leaves the others waiting); each ``for`` loop over it is one epoch, and it ends on every rank
