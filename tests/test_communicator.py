@@ -252,3 +252,21 @@ def test_a_new_world_after_finalize(launcher, tmp_path):
     script.write_text(AGAIN)
     out = run_job(script, [], np=2, launcher=launcher, timeout=90).stdout
     assert out.count("AGAIN OK") == 2, out
+
+
+def test_a_second_world_names_the_rank_that_never_came(tmp_path):
+    """After finalize(), rank 1 leaves and rank 0 sets up a world again: its error names rank 1 only
+    (the first world's arrivals in the launcher's store must not count, nor hide rank 0's own)."""
+    script = tmp_path / "second.py"
+    script.write_text("import sys, torchmn\n"
+                      "comm = torchmn.create_communicator(timeout=5)\n"
+                      "rank = comm.rank\n"
+                      "comm.finalize()\n"
+                      "if rank == 1:\n"
+                      "    sys.exit(0)\n"
+                      "try:\n"
+                      "    torchmn.create_communicator(timeout=5)\n"
+                      "except RuntimeError as e:\n"
+                      "    print('RAISED', e, flush=True)\n")
+    out = run_job(script, [], np=2, timeout=60).stdout
+    assert "Rank(s) 1 never reached create_communicator" in out, out

@@ -3,6 +3,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -391,3 +392,53 @@ def test_a_rank_whose_rank_0_never_came_says_so():
     assert result.returncode != 0
     assert (f"rank 1 of Slurm job 77 step 0 on {os.uname().nodename}: rank 0 never opened the rendezvous "
             f"store at localhost:{port} within 3 s. Check rank 0's output") in result.stderr, result.stderr
+
+
+def _by_hand(code, envs, timeout=90):
+    """Start one process per entry of ``envs`` (extra variables) running ``code``; their outputs."""
+    # Without thread counts: the budget is what is tested (an in-process communicator of an
+    # earlier test writes OMP_NUM_THREADS into this process's environment).
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=str(REPO),
+                              env={k: v for k, v in clean_environ(extra).items() if not k.endswith("_NUM_THREADS")},
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for extra in envs]
+    try:
+        outs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, out + err
+    return [out for out, _ in outs]
+
+
+def _host_address():
+    import psutil
+
+    return next(a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                if a.family == socket.AF_INET and not a.address.startswith("127."))
+
+
+def test_env_launch_by_hand_on_one_host_divides_the_cpus():
+    """Two ranks started by hand with a non-loopback MASTER_ADDR and no LOCAL_*: the communicator
+    finds them on one host, and the thread budget waits for that instead of giving each the machine."""
+    code = ("import torch, torchmn; c = torchmn.create_communicator(timeout=30); "
+            "print(c.rank, c.intra_size, torch.get_num_threads(), c.allreduce(torch.ones(1)).item())")
+    base = {"MASTER_ADDR": _host_address(), "MASTER_PORT": str(slurm_port(4242, os.getpid() % 90)), "WORLD_SIZE": "2"}
+    outs = _by_hand(code, [{**base, "RANK": "0"}, {**base, "RANK": "1"}])
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert sorted(o.split() for o in outs) == [["0", "2", str(threads), "2.0"], ["1", "2", str(threads), "2.0"]], outs
+
+
+def test_a_world_the_script_set_up_is_adopted_whatever_the_variables():
+    """A script that calls init_process_group itself may carry variables torchmn cannot read (RANK
+    and LOCAL_RANK without LOCAL_WORLD_SIZE): the communicator adopts the world anyway."""
+    port = slurm_port(4343, os.getpid() % 90)
+    code = ("import os, torch, torch.distributed as dist, torchmn; "
+            f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', "
+            "rank=int(os.environ['RANK']), world_size=2); c = torchmn.create_communicator(); "
+            "print(c.rank, c.size, c.allreduce(torch.ones(1)).item())")
+    outs = _by_hand(code, [{"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"},
+                           {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1"}])
+    assert sorted(o.split() for o in outs) == [["0", "2", "2.0"], ["1", "2", "2.0"]], outs

@@ -183,15 +183,16 @@ def test_apply_thread_budget_leaves_a_users_blas_threads():
 
 
 def test_a_scripts_own_torch_threads_win():
-    """torch.set_num_threads called after `import torchmn` is the script's choice: the budget leaves it."""
-    script = ("import torch, torchmn\nfrom torchmn import resources\ntorch.set_num_threads({n})\n"
-              "print(resources.apply_thread_budget(2), torch.get_num_threads())")
+    """torch.set_num_threads called after `import torchmn` is the script's choice: it becomes the budget."""
+    script = ("import torch, torchmn\nfrom threadpoolctl import threadpool_info\nfrom torchmn import resources\n"
+              "torch.set_num_threads({n})\nprint(resources.apply_thread_budget(2), torch.get_num_threads())\n"
+              "assert {{i['num_threads'] for i in threadpool_info()}} == {{{n}}}, threadpool_info()")
     env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
     for n in (1, 3):
         out = subprocess.run([sys.executable, "-c", script.format(n=n)], capture_output=True, text=True,
                              env=env, timeout=60)
         assert out.returncode == 0, out.stderr
-        assert out.stdout.split() == ["None", str(n)], out.stdout
+        assert out.stdout.split() == [str(n), str(n)], out.stdout
 
 
 def test_a_bad_torchmn_num_threads_is_refused():

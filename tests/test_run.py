@@ -288,6 +288,12 @@ def test_ranks_end_when_the_launcher_is_killed(tmp_path):
         time.sleep(0.1)
     time.sleep(0.2)  # the pid files are written: the ranks are up
     pids = pids_in(tmp_path)
+    # Slurm signals every process of a step (--signal=USR1@120): the guardian must outlive that.
+    import psutil
+    guardians = [p for p in psutil.Process(launcher.pid).children() if "guardian" in " ".join(p.cmdline())]
+    assert len(guardians) == 1, psutil.Process(launcher.pid).children()
+    guardians[0].send_signal(signal.SIGUSR1)
+    time.sleep(0.3)
     launcher.kill()
     launcher.wait(timeout=10)
     assert len(pids) == 4, pids
@@ -443,3 +449,14 @@ def test_usr1_and_usr2_reach_the_ranks_which_go_on(tmp_path):
     assert sorted(line for line in out.splitlines() if "got" in line) == \
         ["[0] got SIGUSR1 SIGUSR2", "[1] got SIGUSR1 SIGUSR2"], out
     assert "received SIGUSR1; passed it on to 2 running rank(s)" in err, err
+
+
+def test_runs_with_env_variables_a_script_exported():
+    """RANK and WORLD_SIZE in torchmn run's own environment (a batch script's, a Kubeflow pod's) are
+    no launcher that started copies of it: the job runs."""
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2"}
+    result = subprocess.run([sys.executable, "-m", "torchmn", "run", "-np", "2", sys.executable, "-c",
+                             "import os; print('rank', os.environ['TORCHMN_RANK'])"], env=env, capture_output=True,
+                            text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr
+    assert sorted(line for line in result.stdout.splitlines() if "rank" in line) == ["[0] rank 0", "[1] rank 1"]

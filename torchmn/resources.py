@@ -312,8 +312,9 @@ def _apply(threads: int, user_set: set) -> None:
 
 def apply_thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None) -> Optional[int]:
     """Apply the thread budget inside a running rank; returns the thread count torchmn applied, or
-    None when the user is in charge (then nothing is changed): their own ``OMP_NUM_THREADS``, or a
-    ``torch.set_num_threads`` call made after ``import torchmn``.
+    None when the user's own ``OMP_NUM_THREADS`` is in charge (then nothing is changed). A
+    ``torch.set_num_threads(n)`` call made after ``import torchmn`` makes ``n`` the budget: torch
+    keeps it, and the OpenMP/BLAS pools and child processes get it too.
 
     ``TORCHMN_NUM_THREADS`` (set by ``torchmn run``, or by the user) is applied as given. Otherwise
     the budget is computed, applied to torch's intra-op pool and to every OpenMP/BLAS pool already
@@ -334,7 +335,9 @@ def apply_thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None
     if omp is not None and omp != chosen:
         return None
     if _torch_threads_set_by_script():
-        return None
+        import torch
+
+        chosen = torch.get_num_threads()
     threads = chosen or thread_budget(_ranks_sharing_cpus(local_size, env), env)
     user_set = {name for name in THREAD_VARIABLES if _set_by_user(env, name)}
     if env is os.environ:

@@ -205,6 +205,16 @@ def check_mean_grad(comm):
         for r in range(comm.size):
             expect[[r % 6, 5]] += lin.weight.detach()[0] * (r + 1) / comm.size
         assert dense.abs().sum() > 0 and torch.allclose(emb.weight.grad.to_dense(), expect), (name, emb.weight.grad)
+        # zero_fill with no gradient on rank 1: its zeros are sparse too (a dense fill waited for ever).
+        both.zero_grad()
+        if comm.rank != 1:
+            lin(emb(torch.tensor([comm.rank % 6, 5]))).sum().mul(comm.rank + 1).backward()
+        c.multi_node_mean_grad(both, zero_fill=True)
+        expect = torch.zeros(6, 2)
+        for r in range(comm.size):
+            if r != 1:
+                expect[[r % 6, 5]] += lin.weight.detach()[0] * (r + 1) / comm.size
+        assert emb.weight.grad.is_sparse and torch.allclose(emb.weight.grad.to_dense(), expect), name
     # A mean beyond float16's / bfloat16's range does not overflow; an int64 mean is exact in float64.
     assert comm.allreduce(torch.full((3,), 40000.0, dtype=torch.float16), op="mean").tolist() == [40000.0] * 3
     big = comm.allreduce(torch.full((2,), 3e38, dtype=torch.bfloat16), op="mean")

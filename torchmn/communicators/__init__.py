@@ -69,8 +69,17 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
     """
     _resolve(name)  # an unknown name fails before anything starts
     timeout = _as_timedelta(timeout)
-    env = detect_environment()
-    resources.apply_thread_budget(env.local_size)
+    try:
+        env = detect_environment()
+    except (ValueError, RuntimeError):
+        if not dist.is_initialized():
+            raise
+        env = None  # the script set up the world itself; variables torchmn cannot read do not matter
+    # Hand-set env:// variables without LOCAL_WORLD_SIZE only guess the ranks per host: the budget
+    # (and the GPU) then wait for the topology, which the communicator learns from the hostnames.
+    locality_known = env is not None and not (env.source == "env" and "LOCAL_WORLD_SIZE" not in os.environ)
+    if locality_known:
+        resources.apply_thread_budget(env.local_size)
     owns = False
     if dist.is_initialized():
         rank, size, backend = dist.get_rank(), dist.get_world_size(), dist.get_backend()
@@ -87,14 +96,19 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
         # Objects and control traffic always travel on CPU through gloo.
         obj_group = dist.new_group(backend="gloo")
     # A node is what the launcher calls one; else (MPI, or a world the script set up itself) a host.
-    trust_launcher = env.node_rank is not None and env.size == size
+    trust_launcher = env is not None and env.node_rank is not None and env.size == size
     node_key = env.node_rank if trust_launcher else socket.gethostname()
     kwargs = {}
     if bucket_cap_mb is not None:
         kwargs["bucket_cap_bytes"] = int(bucket_cap_mb * 1024 * 1024)
     cls = _resolve(name, backend, size)
-    return cls(rank=rank, size=size, group=group, obj_group=obj_group, backend=backend,
+    comm = cls(rank=rank, size=size, group=group, obj_group=obj_group, backend=backend,
                node_key=node_key, owns_world=owns, **kwargs)
+    if not locality_known:
+        resources.apply_thread_budget(comm.intra_size)
+        if backend == "nccl":  # no NCCL collective has run yet: the topology travels through gloo
+            torch.cuda.set_device(comm.intra_rank % max(1, torch.cuda.device_count()))
+    return comm
 
 
 def _as_timedelta(timeout) -> Optional[datetime.timedelta]:

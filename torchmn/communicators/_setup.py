@@ -73,12 +73,12 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
     global _timeout, _worlds
     _timeout = timeout or default_timeout()
     _worlds += 1
-    store = None
+    store = arrivals = None
     if init_method is None:
         if env.source in ("torchmn", "torchrun"):
             # Their launcher hosts the store (TORCHELASTIC_USE_AGENT_STORE) and set MASTER_*.
             init_method = "env://"
-            store = _mark_arrival(_launchers_store(_timeout), env.rank)
+            store = arrivals = _mark_arrival(_launchers_store(_timeout), env.rank)
             if store is not None and _worlds > 1:
                 # A world set up again after finalize(): the launcher's store outlives the first, and
                 # torch names the new default group as it named the old one, so the ranks would read
@@ -91,7 +91,7 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             _check_resolves(env)
             host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr  # IPv6
             init_method = f"tcp://{host}:{env.master_port}"
-            store = _job_store(env, _timeout)
+            store = arrivals = _job_store(env, _timeout)
     if init_method.startswith("file://"):
         _refuse_stale_file(init_method[len("file://"):], env)
     if backend == "nccl":
@@ -102,7 +102,7 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             where = {"store": store} if store is not None and own_keys else {"init_method": init_method}
             dist.init_process_group(backend, rank=env.rank, world_size=env.size, timeout=_timeout, **where)
     except Exception as e:
-        missing = _never_arrived(store, env.size)
+        missing = _never_arrived(arrivals, env.size)
         raise RuntimeError(
             f"rank {env.rank}/{env.size} could not join the job's rendezvous at {init_method} "
             f"({env.source} launch): {e}. "
@@ -127,8 +127,9 @@ _JOB_KEY = "torchmn/job"
 
 
 def _arrived_key(rank: int) -> str:
-    # torchrun keeps its store across restarts of the workers: each attempt marks its own arrivals.
-    return f"torchmn/arrived/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{rank}"
+    # torchrun keeps its store across restarts of the workers, and a world set up again after
+    # finalize() meets the first one's keys: each attempt and each world marks its own arrivals.
+    return f"torchmn/arrived/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_worlds}/{rank}"
 
 
 def _mark_arrival(store: Optional["dist.TCPStore"], rank: int) -> Optional["dist.TCPStore"]:
@@ -157,7 +158,7 @@ def _job_store(env: LaunchEnvironment, timeout: datetime.timedelta) -> "dist.TCP
     then cannot listen on it, and its other ranks would join the first job's store and wait there
     for the whole timeout: they compare the job instead, and stop at once."""
     # Words that differ between two jobs of one launcher, as far as it tells.
-    job = job_label(os.environ, env.source) or f"a {env.source} job of {env.size} ranks"
+    job = job_label(os.environ, env.source) or f"a job of {env.size} ranks ({env.source})"
     try:
         store = dist.TCPStore(env.master_addr, env.master_port, env.size, env.rank == 0, timeout=timeout,
                               wait_for_workers=False, multi_tenant=True)

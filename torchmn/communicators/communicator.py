@@ -176,20 +176,25 @@ class Communicator(abc.ABC):
             return ValueError(f"{what}={r!r} is not a rank of this communicator (size {self.size})")
         return None
 
-    def _exchange_headers(self, rows: list[list[int]]) -> torch.Tensor:
-        """All ranks' header rows: a [size, len(rows), HEADER_LEN] int64 tensor."""
-        mine = torch.tensor(rows, dtype=torch.int64, device=self._data_device)
+    def _exchange_headers(self, rows: list[list[int]], objects: bool = False) -> torch.Tensor:
+        """All ranks' header rows: a [size, len(rows), HEADER_LEN] int64 tensor. ``objects``: the
+        call moves no tensor data, so under NCCL its header goes through the CPU (gloo) group, as its
+        data does, instead of syncing with the GPU and queueing behind gradients in flight."""
+        group, device = self._group, self._data_device
+        if objects and self.backend == "nccl":
+            group, device = self._obj_group, torch.device("cpu")
+        mine = torch.tensor(rows, dtype=torch.int64, device=device)
         if self.size == 1:
             return mine.unsqueeze(0).cpu()
-        out = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=self._data_device)
-        dist.all_gather_single(out, mine.reshape(-1), group=self._group)
+        out = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=device)
+        dist.all_gather_single(out, mine.reshape(-1), group=group)
         out = out.reshape((self.size,) + tuple(mine.shape)).cpu()
         return out if self._identity_order else out[self._group_ranks]
 
     def _agree(self, kind: str, *, root: int = _wire.NONE, op: str | None = None,
                x: torch.Tensor | None = None, rows: list[list[int]] | None = None,
                error: Exception | None = None, same_shape: bool = False,
-               same_dtype: bool = True) -> torch.Tensor:
+               same_dtype: bool = True, objects: bool = False) -> torch.Tensor:
         """Exchange one call's headers and raise on every rank if the ranks disagree.
 
         ``error``: this rank's own arguments were bad; the others are told, then it is raised here.
@@ -207,8 +212,8 @@ class Communicator(abc.ABC):
             # that a rank making a one-row call meanwhile exchanges as many bytes as this one and
             # the mismatch is named, instead of the exchange itself failing.
             what = [rows[0][:3] + [_wire.NONE, _wire.NONE] + [0] * _wire.MAX_NDIM]
-            self._check_headers(kind, self._exchange_headers(what), error, same_shape, same_dtype)
-        hdrs = self._exchange_headers(rows)
+            self._check_headers(kind, self._exchange_headers(what, objects), error, same_shape, same_dtype)
+        hdrs = self._exchange_headers(rows, objects)
         self._check_headers(kind, hdrs, error, same_shape, same_dtype)
         return hdrs
 
@@ -497,20 +502,8 @@ class Communicator(abc.ABC):
             if error is not None:
                 raise error
             return [n]
-        if self.backend != "nccl":
-            hdrs = self._agree("allgather_obj", rows=[_obj_header(n)], error=error)
-            return hdrs[:, 0, _wire.SHAPE].tolist()
-        # NCCL: objects travel on their own gloo group, which no tensor collective uses.
-        t = torch.tensor([-1 if error is not None else n], dtype=torch.int64)
-        out = torch.empty(self.size, dtype=torch.int64)
-        dist.all_gather_single(out, t, group=self._obj_group)
-        sizes = self._comm_order(out.tolist())
-        if error is not None:
-            raise error
-        if -1 in sizes:
-            raise RemoteRankError(f"allgather_obj: rank {sizes.index(-1)} could not pickle its object (see its "
-                                  f"error); rank {self.rank} on {self.host} stops too")
-        return sizes
+        hdrs = self._agree("allgather_obj", rows=[_obj_header(n)], error=error, objects=True)
+        return hdrs[:, 0, _wire.SHAPE].tolist()
 
     def _try_dump(self, obj: Any, kind: str) -> tuple[Optional[torch.Tensor], Optional[Exception]]:
         """``obj`` pickled, or the error to raise once the other ranks have been told."""
@@ -536,7 +529,7 @@ class Communicator(abc.ABC):
         # The call header names ranks that pass another root, or make another call, instead of hanging.
         row = _wire.header(_KIND["bcast_obj"], root)
         row[_wire.SHAPE] = buf.numel() if buf is not None else 0
-        n = int(self._agree("bcast_obj", rows=[row], error=err)[root, 0, _wire.SHAPE])
+        n = int(self._agree("bcast_obj", rows=[row], error=err, objects=True)[root, 0, _wire.SHAPE])
         if buf is None:
             buf = torch.empty(n, dtype=torch.uint8)
         self._bcast_bytes(buf, root, group=self._obj_group)
@@ -602,7 +595,7 @@ class Communicator(abc.ABC):
         self._check_peer(root, "root")
         if self.size == 1:
             return [obj]
-        self._agree("gather_obj", rows=[_wire.header(_KIND["gather_obj"], root)])
+        self._agree("gather_obj", rows=[_wire.header(_KIND["gather_obj"], root)], objects=True)
         tag = _wire_tag(_KIND["gather_obj"], "collective")
         if self.rank != root:
             self._send_obj(obj, root, tag, "gather_obj")
@@ -627,7 +620,7 @@ class Communicator(abc.ABC):
         """Rank ``i`` receives ``objs[i]`` from root; other ranks pass ``None``."""
         self._check_peer(root, "root")
         if self.size > 1:
-            self._agree("scatter_obj", rows=[_wire.header(_KIND["scatter_obj"], root)])
+            self._agree("scatter_obj", rows=[_wire.header(_KIND["scatter_obj"], root)], objects=True)
         tag = _wire_tag(_KIND["scatter_obj"], "collective")
         if self.rank != root:
             problem, obj = self._load(self._recv_obj_bytes(root, tag, "scatter_obj"), "scatter_obj", root)
@@ -797,16 +790,26 @@ class Communicator(abc.ABC):
             >>> loss.backward(); comm.multi_node_mean_grad(model); optimizer.step()
         """
         params = [p for p in model.parameters() if p.requires_grad]
+        sparse_fill = [0] * len(params)  # the sparse_dim a missing gradient's zeros take; 0: dense
         if self.size > 1:
             # Buckets pair the ranks' gradients by position: a model of another layout would mix them
             # silently (shared memory) or abort the process (gloo). A checksum of the layout costs one
             # small exchange; the full layouts are compared only when it differs.
             row = _wire.header(_KIND["multi_node_mean_grad"])
             row[_wire.SHAPE] = zlib.crc32(repr([(tuple(p.shape), p.dtype) for p in params]).encode())
-            layouts = self._agree("multi_node_mean_grad", rows=[row])[:, 0, _wire.SHAPE]
-            if len(set(layouts.tolist())) > 1:
+            row[_wire.SHAPE + 1] = sum(1 for p in params if p.grad is not None and p.grad.is_sparse)
+            row[_wire.SHAPE + 2] = sum(1 for p in params if p.grad is None)
+            hdrs = self._agree("multi_node_mean_grad", rows=[row], objects=True)[:, 0]
+            if len(set(hdrs[:, _wire.SHAPE].tolist())) > 1:
                 self._check_same_layout(params, "multi_node_mean_grad: the model's trainable parameters", 0,
                                         "build the same model on every rank")
+            if zero_fill and hdrs[:, _wire.SHAPE + 1].any() and hdrs[:, _wire.SHAPE + 2].any():
+                # A missing gradient counts as zeros of the kind the other ranks have: a dense fill
+                # of a sparse gradient would pair it with another bucket, and wait for ever.
+                # Each sparse gradient's sparse_dim (1 for nn.Embedding), which the zeros must share.
+                dims = self.allgather_obj([p.grad.sparse_dim() if p.grad is not None and p.grad.is_sparse else 0
+                                           for p in params])
+                sparse_fill = [max(d[i] for d in dims) for i in range(len(params))]
         if not zero_fill and self.size > 1:
             # Skipping must be agreed on: a tensor left out on some ranks only would pair the rest wrongly.
             masks = self.allgather_obj([p.grad is not None for p in params])
@@ -818,19 +821,22 @@ class Communicator(abc.ABC):
                     f"{tuple(params[mixed[0]].shape)}) is None on rank(s) {without} only ({len(mixed)} such "
                     f"parameters); pass zero_fill=True to count a missing gradient as zeros (raised on rank "
                     f"{self.rank})")
-        grads = []
-        for p in params:
+        grads, sparse = [], []
+        for i, p in enumerate(params):
             if p.grad is None:
                 if not zero_fill:
                     continue
-                p.grad = torch.zeros_like(p)
-            grads.append(p.grad)
+                p.grad = torch.zeros_like(p).to_sparse(sparse_fill[i]) if sparse_fill[i] else torch.zeros_like(p)
+            (sparse if p.grad.is_sparse else grads).append(p)
         # Sparse gradients (nn.Embedding(sparse=True)) cannot be packed into buckets: each has its own
-        # allreduce, whose result is the union of the ranks' rows.
-        for g in (g for g in grads if g.is_sparse and self.size > 1):
-            dist.all_reduce(g, group=self._group)
+        # allreduce, whose result is the union of the ranks' rows; through gloo, as NCCL has none.
+        for p in sparse if self.size > 1 else ():
+            g = p.grad if p.grad.device.type == "cpu" else p.grad.cpu()
+            dist.all_reduce(g, group=self._obj_group)
             g.div_(self.size)
-        self.mean_tensors([g for g in grads if not g.is_sparse])
+            if g is not p.grad:
+                p.grad = g.to(p.device)
+        self.mean_tensors([p.grad for p in grads])
 
     @property
     def grad_bucket_cap_bytes(self) -> int:

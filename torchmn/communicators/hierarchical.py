@@ -196,15 +196,15 @@ class HierarchicalCommunicator(FlatCommunicator):
             return None
         return shm.NodeArena.open(tags[0], shared_bytes=shared_bytes, region_bytes=region_bytes, **self._shm_args)
 
-    def _exchange_headers(self, rows: list[list[int]]) -> torch.Tensor:
+    def _exchange_headers(self, rows: list[list[int]], objects: bool = False) -> torch.Tensor:
         # The call check of every collective: through shared memory too, so small collectives
         # do not pay a TCP round trip before their data moves.
         if self._segment is None or not self._single_node or self._data_device.type != "cpu":
-            return super()._exchange_headers(rows)
+            return super()._exchange_headers(rows, objects)
         mine = torch.tensor(rows, dtype=torch.int64)
         parts = self._segment.allgather_bytes(mine.reshape(-1).view(torch.uint8))
         if parts is None:  # a call of thousands of tensors: more rows than a slot holds
-            return super()._exchange_headers(rows)
+            return super()._exchange_headers(rows, objects)
         if any(p.numel() != mine.numel() * 8 for p in parts):
             # Some rank is making another call (an object collective, or one of another row
             # count): compare what each call is, from its first row, and let the check name it.

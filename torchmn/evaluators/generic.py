@@ -50,7 +50,8 @@ class GenericMultiNodeEvaluator(abc.ABC):
             local = (_OK, self.evaluate_local(*args, **kwargs))
             # A result that cannot travel fails here, on this rank, like evaluate_local itself:
             # inside gather_obj it would fail only on some ranks, leaving the others waiting.
-            dumps(local)
+            if comm.rank != root:
+                dumps(local)
         except Exception as e:
             local = (_FAILED, f"{type(e).__name__}: {e}")
             comm.gather_obj(local, root=root)

@@ -99,6 +99,8 @@ def main(argv: list) -> int:
 
 
 if __name__ == "__main__":
-    for sig in (signal.SIGINT, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)  # a closing terminal is when it is needed most
+    # A closing terminal is when it is needed most; Slurm signals every process of a step (its
+    # --signal=USR1@120 warning too), and SIGUSR1's default action would end the guardian silently.
+    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(sig, signal.SIG_IGN)
     sys.exit(main(sys.argv[1:]))

@@ -44,7 +44,7 @@ from typing import IO, Callable, Deque, Dict, Iterator, List, Mapping, Optional,
 from torchmn import resources
 from torchmn.launch import base, guardian, hosts as hostlib, remote
 from torchmn.launch.detect import ENVIRONMENTS
-from torchmn.launch.environments import SlurmEnvironment, TorchmnEnvironment
+from torchmn.launch.environments import EnvEnvironment, SlurmEnvironment, TorchmnEnvironment
 from torchmn.launch.hostlist import expand_hostlist
 
 LOCAL_ADDR = "127.0.0.1"
@@ -136,7 +136,9 @@ def _refuse_outer_launcher(env: Mapping[str, str]) -> None:
     """Refuse to be one of several copies that mpirun or torchrun started: each copy would start a
     job of its own, with its own rendezvous, and they would train apart without a word."""
     kind = _first_launcher(env)
-    if kind in (None, SlurmEnvironment, TorchmnEnvironment):  # Slurm: see slurm_step
+    # Slurm: see slurm_step. Hand-set env:// variables are no launcher that started copies of us (a
+    # batch script may export RANK for itself; a Kubeflow pod may run torchmn run).
+    if kind in (None, SlurmEnvironment, TorchmnEnvironment, EnvEnvironment):
         return
     try:
         size = kind.read(env).size
@@ -826,13 +828,16 @@ class Job:
         self.events.put(("relay" if signum in RELAYED_SIGNALS else "signal", signum))
 
     def _relay(self, sig: int) -> None:
+        if self.received_signal is not None or self.first_failure is not None:
+            return  # the job is ending anyway
         for rank in self._running():
             if not rank.is_remote:
                 remote.signal_group(rank.pgid, sig)
             elif rank.started:
                 _tell_watcher(rank.process, sig, remote.RELAY_LINE)
         self.console.message(f"torchmn run: received {signal.Signals(sig).name}; passed it on to "
-                             f"{len(self._running())} running rank(s), which go on")
+                             f"{len(self._running())} running rank(s) (a rank without a handler for it ends, "
+                             f"as under mpirun)")
 
     def _remember_descendants(self) -> None:
         """Note every process a rank started, so that teardown can find grandchildren that left the
