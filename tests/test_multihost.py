@@ -486,6 +486,19 @@ def start_up_on_two_hosts(cluster, script, stderr):
     return launcher
 
 
+def signal_when_up(cluster, script, sig):
+    """Start ``script`` on h1 and h2, send the launcher ``sig`` once both ranks are up; its exit
+    code, stdout and stderr."""
+    launcher = start_up_on_two_hosts(cluster, script, stderr=subprocess.PIPE)
+    try:
+        launcher.send_signal(sig)
+        out, err = launcher.communicate(timeout=30)
+    finally:
+        launcher.kill()
+        launcher.wait(timeout=10)
+    return launcher.returncode, out, err
+
+
 def test_killed_launcher_leaves_nothing_on_the_hosts(cluster, tmp_path):
     """SIGKILL to the launcher: its ssh clients see stdin close, the watchers stop the ranks."""
     script = tmp_path / "sleeper.py"
@@ -513,14 +526,8 @@ def test_ctrl_c_reaches_remote_ranks_as_sigint(cluster, tmp_path):
                       "    signal.signal(s, said)\n"
                       "print('up', flush=True)\n"
                       "time.sleep(60)\n")
-    launcher = start_up_on_two_hosts(cluster, script, stderr=subprocess.PIPE)
-    try:
-        launcher.send_signal(signal.SIGINT)
-        out, err = launcher.communicate(timeout=30)
-    finally:
-        launcher.kill()
-        launcher.wait(timeout=10)
-    assert launcher.returncode == 130, err
+    code, out, err = signal_when_up(cluster, script, signal.SIGINT)
+    assert code == 130, err
     assert sorted(line for line in out.splitlines() if "got" in line) == ["[0] got SIGINT", "[1] got SIGINT"], out
     assert_hosts_idle(cluster)
 
@@ -538,14 +545,8 @@ def test_usr1_reaches_remote_ranks_which_go_on(cluster, tmp_path):
                       "    time.sleep(0.05)\n"
                       "time.sleep(0.5)\n"
                       "print('got', len(got), 'alive', flush=True)\n")
-    launcher = start_up_on_two_hosts(cluster, script, stderr=subprocess.PIPE)
-    try:
-        launcher.send_signal(signal.SIGUSR1)
-        out, err = launcher.communicate(timeout=30)
-    finally:
-        launcher.kill()
-        launcher.wait(timeout=10)
-    assert launcher.returncode == 0, err
+    code, out, err = signal_when_up(cluster, script, signal.SIGUSR1)
+    assert code == 0, err
     assert sorted(line for line in out.splitlines() if "got" in line) == ["[0] got 1 alive", "[1] got 1 alive"], out
     assert_hosts_idle(cluster)
 

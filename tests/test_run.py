@@ -158,15 +158,20 @@ def test_process_detached_by_a_rank_that_exits_at_once_is_stopped(tmp_path):
     assert_all_gone(pids)
 
 
+def wait_for_pid_files(tmp_path, n):
+    """Until the ranks have written ``n`` pid files into ``tmp_path`` (they are up), at most 30 s."""
+    deadline = time.monotonic() + 30
+    while len(pids_in(tmp_path)) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(pids_in(tmp_path)) == n
+
+
 def test_sigint_is_forwarded_and_exits_130(tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "2", sys.executable,
                                  script("run_misbehave.py"), "sleep", str(tmp_path), "-1"],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while len(pids_in(tmp_path)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(pids_in(tmp_path)) == 2
+        wait_for_pid_files(tmp_path, 2)
         launcher.send_signal(signal.SIGINT)
         out, err = launcher.communicate(timeout=TIMEOUT)
     finally:
@@ -433,10 +438,7 @@ def test_usr1_and_usr2_reach_the_ranks_which_go_on(tmp_path):
     launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "2", sys.executable, "-c", code],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
-        while len(pids_in(tmp_path)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert len(pids_in(tmp_path)) == 2
+        wait_for_pid_files(tmp_path, 2)
         launcher.send_signal(signal.SIGUSR1)
         time.sleep(0.5)
         launcher.send_signal(signal.SIGUSR2)
