@@ -193,6 +193,13 @@ def test_a_scripts_own_torch_threads_win():
                              env=env, timeout=60)
         assert out.returncode == 0, out.stderr
         assert out.stdout.split() == [str(n), str(n)], out.stdout
+    # Under torchmn run (every variable at its budget of 2), the script's 1 replaces them all, for the
+    # pools and for child processes.
+    launched = {**env, **{name: "2" for name in resources.THREAD_VARIABLES + (resources.TORCHMN_NUM_THREADS,)}}
+    code = script.format(n=1) + "\nimport os; print(os.environ['OMP_NUM_THREADS'], os.environ['TORCHMN_NUM_THREADS'])"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=launched, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "1", "1", "1"], out.stdout
 
 
 def test_a_bad_torchmn_num_threads_is_refused():

@@ -462,3 +462,5 @@ def test_runs_with_env_variables_a_script_exported():
                             text=True, timeout=TIMEOUT)
     assert result.returncode == 0, result.stderr
     assert sorted(line for line in result.stdout.splitlines() if "rank" in line) == ["[0] rank 0", "[1] rank 1"]
+    # ... but a scheduler may have started a copy on each host: the launcher says what that means.
+    assert "warning: RANK=0 and WORLD_SIZE=2 are set; if a scheduler started this command" in result.stderr

@@ -334,15 +334,20 @@ def apply_thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None
     # torchmn run sets both to the same budget; a user's OMP_NUM_THREADS that differs wins.
     if omp is not None and omp != chosen:
         return None
+    ours = chosen  # what torchmn run (or the user, through TORCHMN_NUM_THREADS) set the variables to
     if _torch_threads_set_by_script():
         import torch
 
         chosen = torch.get_num_threads()
     threads = chosen or thread_budget(_ranks_sharing_cpus(local_size, env), env)
-    user_set = {name for name in THREAD_VARIABLES if _set_by_user(env, name)}
+    # A variable holding torchmn's budget is torchmn's to replace; one the user set otherwise stays.
+    user_set = {name for name in THREAD_VARIABLES
+                if _set_by_user(env, name) and (ours is None or _positive_int(env.get(name)) != ours)}
     if env is os.environ:
-        for name, value in launcher_thread_env(local_size, {TORCHMN_NUM_THREADS: str(threads), **env}).items():
-            os.environ[name] = value
+        for name in THREAD_VARIABLES:
+            if name not in user_set:
+                os.environ[name] = str(threads)  # for child processes: DataLoader workers, subprocesses
+        os.environ[TORCHMN_NUM_THREADS] = str(threads)
     _apply(threads, user_set)
     _applied = threads
     return threads

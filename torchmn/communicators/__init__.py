@@ -106,7 +106,7 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
                node_key=node_key, owns_world=owns, **kwargs)
     if not locality_known:
         resources.apply_thread_budget(comm.intra_size)
-        if backend == "nccl":  # no NCCL collective has run yet: the topology travels through gloo
+        if backend == "nccl" and owns:  # no NCCL collective has run yet: the topology travels through gloo
             torch.cuda.set_device(comm.intra_rank % max(1, torch.cuda.device_count()))
     return comm
 

@@ -79,11 +79,13 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             # Their launcher hosts the store (TORCHELASTIC_USE_AGENT_STORE) and set MASTER_*.
             init_method = "env://"
             store = arrivals = _mark_arrival(_launchers_store(_timeout), env.rank)
-            if store is not None and _worlds > 1:
-                # A world set up again after finalize(): the launcher's store outlives the first, and
-                # torch names the new default group as it named the old one, so the ranks would read
-                # the old group's addresses and wait on them. Each world gets keys of its own.
-                store = dist.PrefixStore(f"torchmn/world{_worlds}/", store)
+            if store is not None:
+                # The launcher's store outlives a world: one set up again after finalize() (or after
+                # the script's own), or by a restarted torchrun attempt, would otherwise meet the keys
+                # of a group torch named alike, and wait on its addresses. Each gets keys of its own,
+                # as torch's own env:// gives each torchrun attempt.
+                restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+                store = dist.PrefixStore(f"torchmn/world{_worlds}/attempt{restart}/", store)
         else:
             if env.master_port is None:
                 raise RuntimeError(f"{env.source}: no rendezvous port known for {env.size} ranks; "

@@ -496,8 +496,10 @@ class Communicator(abc.ABC):
                                   f"same code, on every rank?") from e
 
     def _obj_lengths(self, n: int, error: Optional[Exception] = None) -> list[int]:
-        """Every rank's pickled length. On gloo this is a call header like the tensor collectives',
-        so a rank making another collective meanwhile, or one that could not pickle, is named."""
+        """Every rank's pickled length, in a call header like the tensor collectives', so a rank
+        making another collective meanwhile, or one that could not pickle, is named. Under NCCL the
+        object collectives' headers travel on the CPU group: a tensor collective made meanwhile on
+        another rank is then not named, only timed out."""
         if self.size == 1:
             if error is not None:
                 raise error

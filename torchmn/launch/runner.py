@@ -136,15 +136,20 @@ def _refuse_outer_launcher(env: Mapping[str, str]) -> None:
     """Refuse to be one of several copies that mpirun or torchrun started: each copy would start a
     job of its own, with its own rendezvous, and they would train apart without a word."""
     kind = _first_launcher(env)
-    # Slurm: see slurm_step. Hand-set env:// variables are no launcher that started copies of us (a
-    # batch script may export RANK for itself; a Kubeflow pod may run torchmn run).
-    if kind in (None, SlurmEnvironment, TorchmnEnvironment, EnvEnvironment):
+    if kind in (None, SlurmEnvironment, TorchmnEnvironment):  # Slurm: see slurm_step
         return
     try:
         size = kind.read(env).size
     except (ValueError, RuntimeError):
         return
-    if size > 1:
+    if size > 1 and kind is EnvEnvironment:
+        # Hand-set variables may be a batch script's own, or a scheduler's that started a copy of
+        # this command on each host (Kubeflow's PyTorchJob): say so, without refusing the first.
+        sys.stderr.write(f"torchmn run: warning: RANK={env.get('RANK')} and WORLD_SIZE={env.get('WORLD_SIZE')} are "
+                         f"set; if a scheduler started this command on several hosts, each copy runs a job of its "
+                         f"own (use one torchmn run with -H/--hostfile, or torchrun). Ignore this if the variables "
+                         f"are your script's.\n")
+    elif size > 1:
         command = {"openmpi": "mpirun", "mpich": "mpiexec"}.get(kind.source, kind.source)
         raise RunError(f"torchmn run was started as one of {size} {kind.source} processes, so each would start a "
                        f"job of its own. Start the ranks with one launcher: `{command} ... python train.py` "
@@ -828,7 +833,8 @@ class Job:
         self.events.put(("relay" if signum in RELAYED_SIGNALS else "signal", signum))
 
     def _relay(self, sig: int) -> None:
-        if self.received_signal is not None or self.first_failure is not None:
+        if any(x is not None for x in (self.received_signal, self.first_failure, self.start_failure,
+                                        self.node_failure)):
             return  # the job is ending anyway
         for rank in self._running():
             if not rank.is_remote:
