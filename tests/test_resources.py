@@ -43,7 +43,8 @@ def test_budget_rejects_nonsense_local_size(cpus):
 def test_launcher_env_sets_every_pool(cpus):
     cpus(8)
     env = resources.launcher_thread_env(2, {})
-    assert env == {name: "4" for name in resources.THREAD_VARIABLES + ("TORCHMN_NUM_THREADS",)}
+    assert env == {**{name: "4" for name in resources.THREAD_VARIABLES + ("TORCHMN_NUM_THREADS",)},
+                   "TORCHMN_THREAD_VARIABLES": ",".join(resources.THREAD_VARIABLES)}
 
 
 def test_launcher_env_leaves_user_settings_alone(cpus):
@@ -193,13 +194,19 @@ def test_a_scripts_own_torch_threads_win():
                              env=env, timeout=60)
         assert out.returncode == 0, out.stderr
         assert out.stdout.split() == [str(n), str(n)], out.stdout
-    # Under torchmn run (every variable at its budget of 2), the script's 1 replaces them all, for the
-    # pools and for child processes.
-    launched = {**env, **{name: "2" for name in resources.THREAD_VARIABLES + (resources.TORCHMN_NUM_THREADS,)}}
-    code = script.format(n=1) + "\nimport os; print(os.environ['OMP_NUM_THREADS'], os.environ['TORCHMN_NUM_THREADS'])"
+    # Under torchmn run (the variables it set at the budget of 2), the script's 1 replaces them, for the
+    # pools and for child processes; a variable the user set stays, even at the budget's value.
+    launched = {**env, **resources.launcher_thread_env(1, {"TORCHMN_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "2"})}
+    assert "OPENBLAS_NUM_THREADS" not in launched[resources.TORCHMN_THREAD_VARIABLES]
+    launched["OPENBLAS_NUM_THREADS"] = "2"
+    code = (script.format(n=1).rsplit("\n", 1)[0] + "\nimport os; print(os.environ['OMP_NUM_THREADS'], "
+            "os.environ['TORCHMN_NUM_THREADS'], os.environ['OPENBLAS_NUM_THREADS'])\n"
+            "print({i['internal_api']: i['num_threads'] for i in threadpool_info()})")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=launched, timeout=60)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["1", "1", "1", "1"], out.stdout
+    lines = out.stdout.splitlines()
+    assert lines[0].split() == ["1", "1"] and lines[1].split() == ["1", "1", "2"], out.stdout
+    assert eval(lines[2]) == {"openmp": 1, "openblas": 2}, out.stdout
 
 
 def test_a_bad_torchmn_num_threads_is_refused():

@@ -25,6 +25,8 @@ import os
 from typing import Callable, Dict, Mapping, Optional
 
 TORCHMN_NUM_THREADS = "TORCHMN_NUM_THREADS"
+# Which of THREAD_VARIABLES torchmn run set (comma-separated), so that a rank can tell them from the user's.
+TORCHMN_THREAD_VARIABLES = "TORCHMN_THREAD_VARIABLES"
 
 # Variables read by the thread pools commonly found in a PyTorch process. OMP_NUM_THREADS comes
 # first: when the user set it, we treat the whole thread configuration as theirs.
@@ -277,6 +279,7 @@ def launcher_thread_env(local_size: int, env: Optional[Mapping[str, str]] = None
         return {}
     budget = requested_threads(env) or thread_budget(local_size, env)
     added = {name: str(budget) for name in THREAD_VARIABLES if not _set_by_user(env, name)}
+    added[TORCHMN_THREAD_VARIABLES] = ",".join(added)
     added[TORCHMN_NUM_THREADS] = str(budget)
     return added
 
@@ -334,15 +337,14 @@ def apply_thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None
     # torchmn run sets both to the same budget; a user's OMP_NUM_THREADS that differs wins.
     if omp is not None and omp != chosen:
         return None
-    ours = chosen  # what torchmn run (or the user, through TORCHMN_NUM_THREADS) set the variables to
     if _torch_threads_set_by_script():
         import torch
 
         chosen = torch.get_num_threads()
     threads = chosen or thread_budget(_ranks_sharing_cpus(local_size, env), env)
-    # A variable holding torchmn's budget is torchmn's to replace; one the user set otherwise stays.
-    user_set = {name for name in THREAD_VARIABLES
-                if _set_by_user(env, name) and (ours is None or _positive_int(env.get(name)) != ours)}
+    # What torchmn run set is torchmn's to replace; what the user set stays.
+    theirs = set(env.get(TORCHMN_THREAD_VARIABLES, "").split(","))
+    user_set = {name for name in THREAD_VARIABLES if _set_by_user(env, name) and name not in theirs}
     if env is os.environ:
         for name in THREAD_VARIABLES:
             if name not in user_set:
