@@ -247,12 +247,14 @@ def remember_torch_threads(count: int) -> None:
     _torch_threads_at_import = count
 
 
-def _torch_threads_set_by_script() -> bool:
+def _scripts_torch_threads() -> Optional[int]:
+    """torch's thread count if the script set it after ``import torchmn``, else None."""
     if _torch_threads_at_import is None:
-        return False
+        return None
     import torch
 
-    return torch.get_num_threads() != _torch_threads_at_import
+    count = torch.get_num_threads()
+    return count if count != _torch_threads_at_import else None
 
 
 def _set_by_user(env: Mapping[str, str], name: str) -> bool:
@@ -337,10 +339,7 @@ def apply_thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None
     # torchmn run sets both to the same budget; a user's OMP_NUM_THREADS that differs wins.
     if omp is not None and omp != chosen:
         return None
-    if _torch_threads_set_by_script():
-        import torch
-
-        chosen = torch.get_num_threads()
+    chosen = _scripts_torch_threads() or chosen
     threads = chosen or thread_budget(_ranks_sharing_cpus(local_size, env), env)
     # What torchmn run set is torchmn's to replace; what the user set stays.
     theirs = set(env.get(TORCHMN_THREAD_VARIABLES, "").split(","))

@@ -486,14 +486,13 @@ class Communicator(abc.ABC):
     def _dump(self, obj: Any) -> torch.Tensor:
         return torch.frombuffer(bytearray(dumps(obj)), dtype=torch.uint8)
 
-    def _load(self, buf: torch.Tensor, kind: str = "object collective", source: Optional[int] = None) -> Any:
+    def _load(self, buf: torch.Tensor, kind: str, source: int) -> Any:
         try:
             return pickle.loads(buf.cpu().numpy().tobytes())
         except Exception as e:  # unpickling runs the sender's classes' code: any error can come out
-            origin = f"rank {source}'s object" if source is not None else "an object"
-            raise RemoteRankError(f"{kind}: {origin} was pickled but cannot be unpickled on rank {self.rank} "
-                                  f"({self.host}): {type(e).__name__}: {e}; is its class importable, with the "
-                                  f"same code, on every rank?") from e
+            raise RemoteRankError(f"{kind}: rank {source}'s object was pickled but cannot be unpickled on rank "
+                                  f"{self.rank} ({self.host}): {type(e).__name__}: {e}; is its class importable, "
+                                  f"with the same code, on every rank?") from e
 
     def _obj_lengths(self, n: int, error: Optional[Exception] = None) -> list[int]:
         """Every rank's pickled length, in a call header like the tensor collectives', so a rank
@@ -504,8 +503,12 @@ class Communicator(abc.ABC):
             if error is not None:
                 raise error
             return [n]
-        hdrs = self._agree("allgather_obj", rows=[_obj_header(n)], error=error, objects=True)
-        return hdrs[:, 0, _wire.SHAPE].tolist()
+        return self._agree_obj("allgather_obj", n=n, error=error)[:, 0, _wire.SHAPE].tolist()
+
+    def _agree_obj(self, kind: str, root: int = _wire.NONE, n: int = 0,
+                   error: Optional[Exception] = None) -> torch.Tensor:
+        """The call check of object collective ``kind`` (see ``_obj_header``): every rank's row."""
+        return self._agree(kind, rows=[_obj_header(n, kind, root)], error=error, objects=True)
 
     def _try_dump(self, obj: Any, kind: str) -> tuple[Optional[torch.Tensor], Optional[Exception]]:
         """``obj`` pickled, or the error to raise once the other ranks have been told."""
@@ -529,9 +532,8 @@ class Communicator(abc.ABC):
             return obj
         buf, err = self._try_dump(obj, "bcast_obj") if self.rank == root else (None, None)
         # The call header names ranks that pass another root, or make another call, instead of hanging.
-        row = _wire.header(_KIND["bcast_obj"], root)
-        row[_wire.SHAPE] = buf.numel() if buf is not None else 0
-        n = int(self._agree("bcast_obj", rows=[row], error=err, objects=True)[root, 0, _wire.SHAPE])
+        hdrs = self._agree_obj("bcast_obj", root, buf.numel() if buf is not None else 0, err)
+        n = int(hdrs[root, 0, _wire.SHAPE])
         if buf is None:
             buf = torch.empty(n, dtype=torch.uint8)
         self._bcast_bytes(buf, root, group=self._obj_group)
@@ -597,7 +599,7 @@ class Communicator(abc.ABC):
         self._check_peer(root, "root")
         if self.size == 1:
             return [obj]
-        self._agree("gather_obj", rows=[_wire.header(_KIND["gather_obj"], root)], objects=True)
+        self._agree_obj("gather_obj", root)
         tag = _wire_tag(_KIND["gather_obj"], "collective")
         if self.rank != root:
             self._send_obj(obj, root, tag, "gather_obj")
@@ -622,7 +624,7 @@ class Communicator(abc.ABC):
         """Rank ``i`` receives ``objs[i]`` from root; other ranks pass ``None``."""
         self._check_peer(root, "root")
         if self.size > 1:
-            self._agree("scatter_obj", rows=[_wire.header(_KIND["scatter_obj"], root)], objects=True)
+            self._agree_obj("scatter_obj", root)
         tag = _wire_tag(_KIND["scatter_obj"], "collective")
         if self.rank != root:
             problem, obj = self._load(self._recv_obj_bytes(root, tag, "scatter_obj"), "scatter_obj", root)
@@ -915,9 +917,10 @@ def _match_group_counts(counts: list[Optional[int]]) -> None:
         dist.new_group([dist.get_rank()], use_local_synchronization=True)
 
 
-def _obj_header(n: int) -> list[int]:
-    """The call header of an object allgather of ``n`` pickled bytes."""
-    row = _wire.header(_KIND["allgather_obj"])
+def _obj_header(n: int, kind: str = "allgather_obj", root: int = _wire.NONE) -> list[int]:
+    """The call header of object collective ``kind`` from ``root``, with ``n`` pickled bytes (this
+    rank's, or root's in bcast_obj) where the shape goes."""
+    row = _wire.header(_KIND[kind], root)
     row[_wire.SHAPE] = n
     return row
 

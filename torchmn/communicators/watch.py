@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import time
-from typing import Callable
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -93,11 +93,10 @@ def _watched(kind: str, fn: Callable) -> Callable:
         try:
             result = fn(comm, *args, **kwargs)
         except RuntimeError as e:
-            if lost_peer(e):
-                raise timed_out(comm, seq, kind, e) from e
-            if _lost_in_shared_memory(e):
-                raise _diagnosed(comm, seq, kind, e) from e
-            raise
+            named = _naming_the_ranks(comm, seq, kind, e)
+            if named is None:
+                raise
+            raise named from e
         finally:
             comm._watch_depth -= 1
         # Async (torch's handle, or torchmn's own around one): the timeout surfaces in wait().
@@ -124,11 +123,10 @@ class _WatchedWork:
         try:
             return self._work.wait(*args)
         except RuntimeError as e:
-            if lost_peer(e):
-                raise timed_out(self._comm, self._seq, self._kind, e) from e
-            if _lost_in_shared_memory(e):
-                raise _diagnosed(self._comm, self._seq, self._kind, e) from e
-            raise
+            named = _naming_the_ranks(self._comm, self._seq, self._kind, e)
+            if named is None:
+                raise
+            raise named from e
 
     def __getattr__(self, name):  # is_completed(), get_future(), ... as torch's handle has them
         return getattr(self._work, name)
@@ -153,8 +151,14 @@ def timed_out(comm, seq: int, kind: str, error: BaseException) -> CollectiveTime
     return CollectiveTimeoutError(f"{head}: {found}. {advice} (torch.distributed said: {error})")
 
 
-def _lost_in_shared_memory(error: BaseException) -> bool:
-    return type(error).__name__ == "PeerLostError"  # shm's; not imported here, shm imports torch's world
+def _naming_the_ranks(comm, seq: int, kind: str, error: BaseException) -> Optional[BaseException]:
+    """The error to raise instead of ``error``, which collective ``seq`` raised, naming what the other
+    ranks did; None where ``error`` is not about a lost peer (it is raised as it is)."""
+    if lost_peer(error):
+        return timed_out(comm, seq, kind, error)
+    if type(error).__name__ == "PeerLostError":  # shm's; not imported here, shm imports torch's world
+        return _diagnosed(comm, seq, kind, error)
+    return None
 
 
 def _diagnosed(comm, seq: int, kind: str, error: BaseException) -> BaseException:
