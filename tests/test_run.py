@@ -158,27 +158,31 @@ def test_process_detached_by_a_rank_that_exits_at_once_is_stopped(tmp_path):
     assert_all_gone(pids)
 
 
-def wait_for_pid_files(tmp_path, n):
-    """Until the ranks have written ``n`` pid files into ``tmp_path`` (they are up), at most 30 s."""
-    deadline = time.monotonic() + 30
-    while len(pids_in(tmp_path)) < n and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert len(pids_in(tmp_path)) == n
-
-
-def test_sigint_is_forwarded_and_exits_130(tmp_path):
-    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "2", sys.executable,
-                                 script("run_misbehave.py"), "sleep", str(tmp_path), "-1"],
+def signal_when_up(command, tmp_path, *signals):
+    """``torchmn run -np 2 command``; once both ranks have written their pid file into ``tmp_path``,
+    send the launcher ``signals``, 0.5 s apart. Its exit code, stdout and stderr."""
+    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "2", *command],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_for_pid_files(tmp_path, 2)
-        launcher.send_signal(signal.SIGINT)
+        deadline = time.monotonic() + 30
+        while len(pids_in(tmp_path)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(pids_in(tmp_path)) == 2
+        for i, sig in enumerate(signals):
+            time.sleep(0.5 if i else 0)
+            launcher.send_signal(sig)
         out, err = launcher.communicate(timeout=TIMEOUT)
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait(timeout=TIMEOUT)
-    assert launcher.returncode == 130
+    return launcher.returncode, out, err
+
+
+def test_sigint_is_forwarded_and_exits_130(tmp_path):
+    code, out, err = signal_when_up([sys.executable, script("run_misbehave.py"), "sleep", str(tmp_path), "-1"],
+                                    tmp_path, signal.SIGINT)
+    assert code == 130
     assert "received SIGINT; forwarded it to all 2 ranks" in err
     # The ranks got SIGINT (a KeyboardInterrupt), not just a kill, and are not blamed.
     assert "KeyboardInterrupt" in err
@@ -437,19 +441,8 @@ def test_usr1_and_usr2_reach_the_ranks_which_go_on(tmp_path):
             "while len(got) < 2 and time.monotonic() < deadline:\n"
             "    time.sleep(0.05)\n"
             "print('got', ' '.join(got), flush=True)\n")
-    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "2", sys.executable, "-c", code],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_pid_files(tmp_path, 2)
-        launcher.send_signal(signal.SIGUSR1)
-        time.sleep(0.5)
-        launcher.send_signal(signal.SIGUSR2)
-        out, err = launcher.communicate(timeout=TIMEOUT)
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait(timeout=TIMEOUT)
-    assert launcher.returncode == 0, err
+    returncode, out, err = signal_when_up([sys.executable, "-c", code], tmp_path, signal.SIGUSR1, signal.SIGUSR2)
+    assert returncode == 0, err
     assert sorted(line for line in out.splitlines() if "got" in line) == \
         ["[0] got SIGUSR1 SIGUSR2", "[1] got SIGUSR1 SIGUSR2"], out
     assert "received SIGUSR1; passed it on to 2 running rank(s)" in err, err
