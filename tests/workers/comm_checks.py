@@ -342,7 +342,7 @@ def check_nested_split(comm):
     node = comm.split(color=comm.inter_rank)
     twice = node.split(color=0, key=-node.rank)
     assert twice.allreduce(torch.tensor([comm.rank])).item() == sum(r for r in range(comm.size)
-                                                                     if comm._node_keys[r] == comm._node_key)
+                                                                     if comm.node_of(r) == comm.inter_rank)
 
 
 def check_shard_primitives(comm):

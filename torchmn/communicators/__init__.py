@@ -1,8 +1,8 @@
 """Communicators: who the ranks are, how they talk, and how gradients are averaged.
 
 One class per gradient-averaging algorithm (ChainerMN's layout): ``naive`` (an allreduce per
-tensor), ``flat`` (fused buckets), ``hierarchical``
-(shared memory inside a node, one rank per node across nodes). :func:`create_communicator` picks and builds one.
+tensor), ``flat`` (fused buckets), ``hierarchical`` (shared memory inside a node, one rank per
+node across nodes). :func:`create_communicator` picks and builds one.
 """
 from __future__ import annotations
 
@@ -15,37 +15,21 @@ import torch
 import torch.distributed as dist
 
 from torchmn import resources
-from torchmn.communicators import shm
 from torchmn.communicators._setup import adopt_world, default_backend, init_world
 from torchmn.communicators.communicator import Communicator
-from torchmn.communicators.errors import CollectiveMismatchError, CollectiveTimeoutError, RemoteRankError
+from torchmn.communicators.communicator_base import CommunicatorBase
+from torchmn.communicators.errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerLostError,
+                                          RemoteRankError)
 from torchmn.communicators.flat import FlatCommunicator
 from torchmn.communicators.hierarchical import HierarchicalCommunicator
 from torchmn.communicators.naive import NaiveCommunicator
+from torchmn.communicators.registry import make_communicator, resolve
 from torchmn.launch import detect_environment
 
+# The one side effect of importing torchmn: remember torch's thread count now, so that a
+# torch.set_num_threads the script makes after ``import torchmn`` is recognised as the script's
+# own choice, which wins over the per-rank thread budget (see torchmn.resources).
 resources.remember_torch_threads(torch.get_num_threads())
-
-_ALGORITHMS = {cls.name: cls for cls in (NaiveCommunicator, FlatCommunicator, HierarchicalCommunicator)}
-
-
-def _resolve(name: str, backend: str = "gloo", size: int = 1) -> type[Communicator]:
-    if name == "auto":
-        # NCCL already averages through NVLink/PCIe inside a node and the network across nodes;
-        # on CPU, gloo's TCP loopback is the bottleneck inside a node, and shared memory is not.
-        if backend == "gloo" and size > 1 and os.path.isdir(shm.SHM_DIR):
-            return HierarchicalCommunicator
-        return FlatCommunicator
-    try:
-        return _ALGORITHMS[name]
-    except KeyError:
-        raise ValueError(f"unknown communicator {name!r}; choose one of: auto, "
-                         f"{', '.join(_ALGORITHMS)}") from None
-
-
-def make_communicator(name: str, **kwargs) -> Communicator:
-    """Build the communicator class for ``name`` over an existing group (used by ``split``)."""
-    return _resolve(name, kwargs.get("backend", "gloo"), kwargs.get("size", 1))(**kwargs)
 
 
 def create_communicator(name: str = "auto", backend: Optional[str] = None,
@@ -67,7 +51,7 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
         >>> comm.rank, comm.size, comm.intra_rank, comm.inter_size
         (0, 1, 0, 1)
     """
-    _resolve(name)  # an unknown name fails before anything starts
+    resolve(name)  # an unknown name fails before anything starts
     timeout = _as_timedelta(timeout)
     try:
         env = detect_environment()
@@ -101,7 +85,7 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
     kwargs = {}
     if bucket_cap_mb is not None:
         kwargs["bucket_cap_bytes"] = int(bucket_cap_mb * 1024 * 1024)
-    cls = _resolve(name, backend, size)
+    cls = resolve(name, backend, size)
     comm = cls(rank=rank, size=size, group=group, obj_group=obj_group, backend=backend,
                node_key=node_key, owns_world=owns, **kwargs)
     if not locality_known:
@@ -124,5 +108,6 @@ def _as_timedelta(timeout) -> Optional[datetime.timedelta]:
     return timeout
 
 
-__all__ = ["Communicator", "CollectiveMismatchError", "CollectiveTimeoutError", "RemoteRankError", "NaiveCommunicator",
-           "FlatCommunicator", "HierarchicalCommunicator", "create_communicator", "make_communicator"]
+__all__ = ["Communicator", "CommunicatorBase", "CollectiveMismatchError", "CollectiveTimeoutError", "PeerLostError",
+           "RemoteRankError", "NaiveCommunicator", "FlatCommunicator", "HierarchicalCommunicator", "create_communicator",
+           "make_communicator"]

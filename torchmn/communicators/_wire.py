@@ -1,11 +1,12 @@
-"""How tensors travel: a fixed-size int64 header describing one tensor, and its bytes.
+"""How tensors travel: a fixed-size int64 header describing one tensor, its bytes, the tags of
+point-to-point messages, and tensors fused into buckets.
 
 Every data-moving collective sends raw bytes (a ``uint8`` view), so any dtype torch has travels
 over gloo and NCCL alike, and the receiver learns dtype and shape from the header.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import torch
 
@@ -69,3 +70,52 @@ def as_bytes(x: torch.Tensor) -> torch.Tensor:
 
 def from_bytes(buf: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
     return buf.view(dtype).reshape(tuple(shape))
+
+
+def padded(buf: torch.Tensor, length: int) -> torch.Tensor:
+    """``buf`` followed by zeros up to ``length`` bytes (gloo gathers equal sizes only)."""
+    if buf.numel() == length:
+        return buf
+    out = torch.zeros(length, dtype=buf.dtype, device=buf.device)
+    out[:buf.numel()] = buf
+    return out
+
+
+# gloo and NCCL count elements in 32-bit integers; objects travel in chunks below that.
+OBJ_CHUNK_BYTES = 256 * 1024 * 1024
+
+# Point-to-point messages of send/recv, of send_obj/recv_obj and of the object collectives share one
+# process group; each travels in its own tag space, so that none can match another's message (a
+# user's send_obj(tag=2) must not match gather_obj's own, nor send() a recv_obj()).
+TAG_SPACES = {"tensor": 0, "object": 1, "collective": 2}
+MAX_TAG = 2 ** 28
+
+
+def wire_tag(tag: int, space: str) -> int:
+    """The torch.distributed tag of a user's ``tag`` in tag space ``space`` (see TAG_SPACES)."""
+    if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < MAX_TAG:
+        raise ValueError(f"tag must be an integer from 0 to {MAX_TAG - 1}, not {tag!r}")
+    return tag * len(TAG_SPACES) + TAG_SPACES[space]
+
+
+def buckets(tensors: Iterable[torch.Tensor], cap_bytes: int) -> list[list[torch.Tensor]]:
+    """Consecutive runs of tensors of one dtype and device, each run at most ``cap_bytes`` (or one tensor)."""
+    out: list[list[torch.Tensor]] = []
+    size = 0
+    for t in tensors:
+        n = t.numel() * t.element_size()
+        if out and out[-1][0].dtype == t.dtype and out[-1][0].device == t.device and size + n <= cap_bytes:
+            out[-1].append(t)
+            size += n
+        else:
+            out.append([t])
+            size = n
+    return out
+
+
+def unpack_into(bucket: Sequence[torch.Tensor], flat: torch.Tensor) -> None:
+    """Copy consecutive pieces of ``flat`` back into the tensors of ``bucket``, in order."""
+    offset = 0
+    for t in bucket:
+        t.copy_(flat[offset:offset + t.numel()].view_as(t))
+        offset += t.numel()

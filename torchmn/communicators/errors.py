@@ -1,17 +1,23 @@
-"""Errors raised identically on every rank of a collective."""
+"""Errors a collective raises on every rank that takes part, naming the ranks concerned."""
+from torchmn.errors import TorchmnError
 
 
-class CollectiveMismatchError(RuntimeError):
+class CollectiveMismatchError(TorchmnError, RuntimeError):
     """Ranks called a collective with different kinds, roots, ops, dtypes or shapes.
 
     Raised on every rank, with the same message, instead of letting the job hang.
     """
 
 
-class RemoteRankError(RuntimeError):
+class RemoteRankError(TorchmnError, RuntimeError):
     """Another rank rejected its arguments to a collective; its own error says why."""
 
 
-class CollectiveTimeoutError(RuntimeError):
+class CollectiveTimeoutError(TorchmnError, RuntimeError):
     """A collective did not complete within the timeout; the message names the ranks that did not
     take part (and what they were doing instead, where known)."""
+
+
+class PeerLostError(CollectiveTimeoutError):
+    """A rank of this node stopped taking part in a shared-memory collective (exited, or did not
+    arrive within the timeout)."""

@@ -3,12 +3,19 @@ from __future__ import annotations
 
 import torch
 
-from torchmn.communicators.communicator import Communicator, _buckets, divide_before_sum
+from torchmn.communicators import _wire
+from torchmn.communicators.communicator import Communicator
+from torchmn.communicators.ops import divide_before_sum
 
 
 class FlatCommunicator(Communicator):
     """Packs tensors into buckets of at most ``bucket_cap_bytes`` (one dtype each) and allreduces
-    each bucket once: a few large messages instead of hundreds of small ones."""
+    each bucket once: a few large messages instead of hundreds of small ones.
+
+    Example::
+
+        >>> comm = torchmn.create_communicator("flat")
+    """
 
     name = "flat"
 
@@ -16,7 +23,7 @@ class FlatCommunicator(Communicator):
         if self.size == 1 or not tensors:
             return
         pending = []
-        for bucket in _buckets(tensors, self.bucket_cap_bytes):
+        for bucket in _wire.buckets(tensors, self.bucket_cap_bytes):
             flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
             first = divide_before_sum(flat.dtype)
             if first:  # half precision: a sum of several ranks' values could overflow
@@ -26,7 +33,4 @@ class FlatCommunicator(Communicator):
             work.wait()
             if not first:
                 flat.div_(self.size)
-            offset = 0
-            for t in bucket:
-                t.copy_(flat[offset:offset + t.numel()].view_as(t))
-                offset += t.numel()
+            _wire.unpack_into(bucket, flat)

@@ -16,12 +16,13 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from torchmn.communicators import shm
+from torchmn.communicators import _call_check, _wire, shm
+from torchmn.communicators._async_utility import AndThen, Completed, finish
+from torchmn.communicators._gloo_utility import reduce_scatter_single
 from torchmn.communicators._setup import collective_timeout_s
-from torchmn.communicators import _wire
-from torchmn.communicators.communicator import (_KIND, _OPS, _AndThen, _Completed, _finish, _obj_header,
-                                                reduce_scatter_single)
 from torchmn.communicators.flat import FlatCommunicator
+from torchmn.communicators.node_arena import NodeArena
+from torchmn.communicators.ops import OPS
 
 
 _UNSET = object()
@@ -73,13 +74,13 @@ class HierarchicalCommunicator(FlatCommunicator):
         if self.size == 1 or self.backend == "nccl":
             return
         if inter_group is _UNSET:  # a world communicator: all its ranks are here to create it
-            leaders = [self._global(node[0]) for node in self._node_members]
+            leaders = [self.world_rank(node[0]) for node in self._node_members]
             inter_group = _new_inter_group(leaders)
-            rail_groups = _new_rail_groups([[self._global(r) for r in node] for node in self._node_members])
+            rail_groups = _new_rail_groups([[self.world_rank(r) for r in node] for node in self._node_members])
         self._inter_group = inter_group
         if rail_groups is not None:
             # Rail i holds local rank i of every node, in the group's own order (by world rank).
-            rails = [sorted((node[i] for node in self._node_members), key=self._global)
+            rails = [sorted((node[i] for node in self._node_members), key=self.world_rank)
                      for i in range(self.intra_size)]
             self._rails = rail_groups[self.intra_rank]
             self._rail_order = torch.tensor([r for rail in rails for r in rail])
@@ -110,7 +111,7 @@ class HierarchicalCommunicator(FlatCommunicator):
             return {"inter_group": None, "rail_groups": None}
         nodes: dict = {}
         for r in members:  # nodes in order of first appearance, as the new communicator sees them
-            nodes.setdefault(parent._node_keys[r], []).append(parent._global(r))
+            nodes.setdefault(parent.node_of(r), []).append(parent.world_rank(r))
         nodes = list(nodes.values())
         return {"inter_group": _new_inter_group([n[0] for n in nodes], local=local),
                 "rail_groups": _new_rail_groups(nodes, local=local)}
@@ -127,19 +128,19 @@ class HierarchicalCommunicator(FlatCommunicator):
             return super().allreduce_flat(flat, async_op=async_op, op=op)
         self._segment.allreduce_(flat, op)
         if self._single_node:
-            return _Completed()
+            return Completed()
         # The node sum is ready now; the network allreduce of the nodes' first ranks runs in the
         # background (backward goes on), and wait() shares its result inside the node.
-        work = dist.all_reduce(flat, op=_OPS[op], group=self._inter_group, async_op=True) \
+        work = dist.all_reduce(flat, op=OPS[op], group=self._inter_group, async_op=True) \
             if self.intra_rank == 0 else None
-        return _finish(_AndThen(work, lambda: self._segment.broadcast_(flat, root=0)), async_op)
+        return finish(AndThen(work, lambda: self._segment.broadcast_(flat, root=0)), async_op)
 
     def _across_nodes(self, flat: torch.Tensor, op: str) -> None:
         """Node sums to the global result: the nodes' first ranks allreduce, then share it locally."""
         if self._single_node:
             return
         if self.intra_rank == 0:
-            dist.all_reduce(flat, op=_OPS[op], group=self._inter_group)
+            dist.all_reduce(flat, op=OPS[op], group=self._inter_group)
         self._segment.broadcast_(flat, root=0)
 
     def _allreduce_copy(self, x: torch.Tensor, op: str) -> torch.Tensor:
@@ -154,7 +155,7 @@ class HierarchicalCommunicator(FlatCommunicator):
     def reduce_scatter_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         if self._shm_ok(flat) and self._single_node:
             self._segment.reduce_scatter(flat, shard)
-            return _Completed()
+            return Completed()
         if not (self._shm_ok(flat) and self._rails is not None):
             return super().reduce_scatter_flat(flat, shard, async_op=async_op)
         # Several nodes: local rank i first sums, through shared memory, the shards of every rank
@@ -165,12 +166,12 @@ class HierarchicalCommunicator(FlatCommunicator):
         node_sums = torch.empty(self.inter_size * k, dtype=flat.dtype)
         self._segment.reduce_scatter(by_rail, node_sums)
         work = reduce_scatter_single(shard, node_sums, self._rails, async_op=True)
-        return _finish(_AndThen(work, keep=(node_sums,)), async_op)
+        return finish(AndThen(work, keep=(node_sums,)), async_op)
 
     def allgather_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         if self._shm_ok(flat) and self._single_node:
             self._segment.allgather(flat, shard)
-            return _Completed()
+            return Completed()
         if not (self._shm_ok(flat) and self._rails is not None):
             return super().allgather_flat(flat, shard, async_op=async_op)
         # The mirror image: the rail gathers its shards over the network, then the node's ranks
@@ -184,17 +185,17 @@ class HierarchicalCommunicator(FlatCommunicator):
             by_rail = torch.empty(self.size * k, dtype=flat.dtype)
             self._segment.allgather(by_rail, rail)
             flat.view(self.size, k).index_copy_(0, self._rail_order, by_rail.view(self.size, k))
-        return _finish(_AndThen(work, inside_the_node, keep=(sent,)), async_op)
+        return finish(AndThen(work, inside_the_node, keep=(sent,)), async_op)
 
-    def _open_node_arena(self, shared_bytes: int, region_bytes: int):
+    def open_node_arena(self, shared_bytes: int, region_bytes: int):
         if self._segment is None or not self._single_node:
             return None
         # A small /dev/shm (Docker's default is 64 MB) means the ordinary path, not a failure.
-        need = shm.NodeArena.size_for(self.intra_size, shared_bytes, region_bytes)
+        need = NodeArena.size_for(self.intra_size, shared_bytes, region_bytes)
         fits, tags = zip(*self.allgather_obj((need <= shm.fits_in(shm.free_bytes()), shm.new_job_tag())))
         if not all(fits):
             return None
-        return shm.NodeArena.open(tags[0], shared_bytes=shared_bytes, region_bytes=region_bytes, **self._shm_args)
+        return NodeArena.open(tags[0], shared_bytes=shared_bytes, region_bytes=region_bytes, **self._shm_args)
 
     def _exchange_headers(self, rows: list[list[int]], objects: bool = False) -> torch.Tensor:
         # The call check of every collective: through shared memory too, so small collectives
@@ -225,13 +226,13 @@ class HierarchicalCommunicator(FlatCommunicator):
         # collectives; larger ones, on every rank alike, the ordinary way. Each starts with a call
         # header, so that a rank making another collective, or one that could not pickle, is named.
         buf, err = self._try_dump(obj, "allgather_obj")
-        head = torch.tensor(_obj_header(buf.numel()) if err is None else _wire.header(_KIND["invalid"]),
+        head = torch.tensor(_call_check.obj_header(buf.numel()) if err is None else _call_check.invalid_rows(1)[0],
                             dtype=torch.int64).view(torch.uint8)
         parts = self._segment.allgather_bytes(head if err is not None else torch.cat([head, buf]))
         if parts is None:
             return super().allgather_obj(obj)
-        self._check_headers("allgather_obj", torch.stack([_first_row(p) for p in parts]).unsqueeze(1), err,
-                            same_shape=False, same_dtype=False)
+        _call_check.check_headers("allgather_obj", torch.stack([_first_row(p) for p in parts]).unsqueeze(1), err,
+                                  same_shape=False, same_dtype=False, rank=self.rank, host=self.host)
         # Copies, own one included, as over TCP.
         return [self._load(p[_ROW_BYTES:], "allgather_obj", r) for r, p in enumerate(parts)]
 

@@ -4,11 +4,17 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from torchmn.communicators.communicator import Communicator, divide_before_sum
+from torchmn.communicators.communicator import Communicator
+from torchmn.communicators.ops import divide_before_sum
 
 
 class NaiveCommunicator(Communicator):
-    """Averages each tensor with its own allreduce over all ranks."""
+    """Averages each tensor with its own allreduce over all ranks.
+
+    Example::
+
+        >>> comm = torchmn.create_communicator("naive")
+    """
 
     name = "naive"
     grad_bucket_cap_bytes = 0

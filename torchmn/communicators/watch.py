@@ -36,21 +36,38 @@ GRACE_S = 3.0  # how long a rank that timed out waits for the others to report w
 POINT_TO_POINT = {"send": "dest", "recv": "source", "send_obj": "dest", "recv_obj": "source"}
 
 
+class CallLog:
+    """What the watcher keeps per communicator: its tag, how many collectives it has made, whether
+    one is running (a collective made inside another is part of it, not numbered), the ranks'
+    hosts once known, and whether the communicator was finalized.
+
+    Args:
+        tag: tells this communicator's calls apart from other communicators' in the store.
+    """
+
+    def __init__(self, tag: str):
+        self.tag = tag
+        self.calls = 0
+        self.depth = 0
+        self.hosts: Optional[list] = None
+        self.closed = False
+
+
 def install(cls: type) -> None:
-    """Watch the collectives and point-to-point calls that ``cls`` itself defines (subclass
-    overrides included)."""
+    """Watch the collectives and point-to-point calls of ``cls`` (its own, and those it inherits
+    unwatched, as from the mixins a communicator is made of). Instances carry a ``call_log``."""
     for name in WATCHED:
-        fn = cls.__dict__.get(name)
-        if fn is not None and not getattr(fn, "_watched", False):
+        fn = getattr(cls, name, None)
+        if fn is not None and not getattr(fn, "watched", False):
             setattr(cls, name, _watched(name, fn))
     for name, peer_arg in POINT_TO_POINT.items():
-        fn = cls.__dict__.get(name)
-        if fn is not None and not getattr(fn, "_watched", False):
+        fn = getattr(cls, name, None)
+        if fn is not None and not getattr(fn, "watched", False):
             setattr(cls, name, _watched_p2p(name, peer_arg, fn))
 
 
 def _refuse_if_finalized(comm, kind: str) -> None:
-    if comm._finalized:
+    if comm.call_log.closed:
         raise RuntimeError(f"rank {comm.rank}: {kind} on a communicator that was finalized (its process "
                            f"group and shared memory are gone); create a new one with "
                            f"torchmn.create_communicator() instead")
@@ -61,7 +78,7 @@ def _watched_p2p(kind: str, peer_arg: str, fn: Callable) -> Callable:
 
     @functools.wraps(fn)
     def call(comm, *args, **kwargs):
-        if comm._watch_depth:  # part of a collective (gather_obj, scatter_obj), which names the missing
+        if comm.call_log.depth:  # part of a collective (gather_obj, scatter_obj), which names the missing
             return fn(comm, *args, **kwargs)
         _refuse_if_finalized(comm, kind)
         try:
@@ -77,19 +94,20 @@ def _watched_p2p(kind: str, peer_arg: str, fn: Callable) -> Callable:
                 f"failed on rank {comm.rank} ({_host(comm, comm.rank)}): rank {peer} did not make the matching "
                 f"{other}{'_obj' if kind.endswith('_obj') else ''} with the same tag within the timeout, or "
                 f"exited. (torch.distributed said: {e})") from e
-    call._watched = True
+    call.watched = True
     return call
 
 
 def _watched(kind: str, fn: Callable) -> Callable:
     @functools.wraps(fn)
     def call(comm, *args, **kwargs):
-        if comm._watch_depth:  # part of another collective of this communicator: not numbered
+        log = comm.call_log
+        if log.depth:  # part of another collective of this communicator: not numbered
             return fn(comm, *args, **kwargs)
         _refuse_if_finalized(comm, kind)
-        comm._calls += 1
-        seq = comm._calls
-        comm._watch_depth += 1
+        log.calls += 1
+        seq = log.calls
+        log.depth += 1
         try:
             result = fn(comm, *args, **kwargs)
         except RuntimeError as e:
@@ -98,12 +116,12 @@ def _watched(kind: str, fn: Callable) -> Callable:
                 raise
             raise named from e
         finally:
-            comm._watch_depth -= 1
+            log.depth -= 1
         # Async (torch's handle, or torchmn's own around one): the timeout surfaces in wait().
         if isinstance(result, dist.Work) or getattr(type(result), "wraps_torch_work", False):
             return _WatchedWork(result, comm, seq, kind)
         return result
-    call._watched = True
+    call.watched = True
     return call
 
 
@@ -175,12 +193,12 @@ def _diagnosed(comm, seq: int, kind: str, error: BaseException) -> BaseException
 
 
 def _host(comm, r: int) -> str:
-    hosts = getattr(comm, "_hosts", None)  # unknown if the very first collective timed out
+    hosts = comm.call_log.hosts  # unknown if the very first collective timed out
     return hosts[r] if hosts else "host unknown"
 
 
 def _ask_the_store(store, comm, seq: int, kind: str):
-    prefix = f"torchmn/watch/{comm._tag}/"
+    prefix = f"torchmn/watch/{comm.call_log.tag}/"
     store.set(f"{prefix}{seq}/{comm.rank}", kind)
     store.set(f"{prefix}last/{comm.rank}", f"{seq} {kind}")
     keys = [f"{prefix}{seq}/{r}" for r in range(comm.size)]

@@ -20,7 +20,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch.utils.data import Dataset
 
-from torchmn.communicators._pickle import dumps
+from torchmn.communicators.pickling import dumps
 from torchmn.communicators.errors import RemoteRankError
 
 DEFAULT_MAX_BUF_LEN = 256 * 1024 * 1024
@@ -104,7 +104,7 @@ def scatter_index(n_total: Optional[int], comm, root: int = 0, *, force_equal_le
         >>> torchmn.scatter_index(10 if comm.rank == 0 else None, comm) # 3 ranks
         (0, 4) on rank 0, (3, 7) on rank 1, (6, 10) on rank 2
     """
-    comm._check_peer(root, "root")
+    comm.check_rank(root, "root")
     problem = None
     if comm.rank == root:
         try:
@@ -221,7 +221,7 @@ def scatter_dataset(dataset: Any, comm, root: int = 0, shuffle: bool = False, se
         ...                                 shuffle=True, seed=0)
         >>> loader = torch.utils.data.DataLoader(train, batch_size=32, shuffle=True)
     """
-    comm._check_peer(root, "root")
+    comm.check_rank(root, "root")
     if max_buf_len <= 0:
         raise ValueError(f"scatter_dataset: max_buf_len must be positive, not {max_buf_len}")
     claims = comm.allgather_obj(_claim(dataset, comm, root))

@@ -4,7 +4,7 @@ from __future__ import annotations
 import abc
 from typing import Any, Optional
 
-from torchmn.communicators._pickle import dumps
+from torchmn.communicators.pickling import dumps
 from torchmn.communicators.errors import RemoteRankError
 
 _OK, _FAILED = "ok", "failed"
@@ -31,7 +31,7 @@ class GenericMultiNodeEvaluator(abc.ABC):
     """
 
     def __init__(self, comm, root: int = 0, broadcast: bool = False):
-        comm._check_peer(root, "root")
+        comm.check_rank(root, "root")
         self.comm = comm
         self.root = root
         self.broadcast = broadcast

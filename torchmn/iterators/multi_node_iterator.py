@@ -4,7 +4,7 @@ from __future__ import annotations
 import pickle
 from typing import Any, Iterable, Iterator, Optional
 
-from torchmn.communicators._pickle import dumps
+from torchmn.communicators.pickling import dumps
 from torchmn.communicators.errors import RemoteRankError
 
 _BATCH, _STOP, _ERROR = 0, 1, 2
@@ -15,7 +15,7 @@ class MultiNodeIterator:
     :func:`create_multi_node_iterator`)."""
 
     def __init__(self, loader: Optional[Iterable], comm, rank_master: int = 0):
-        comm._check_peer(rank_master, "rank_master")
+        comm.check_rank(rank_master, "rank_master")
         self.comm = comm
         self.rank_master = rank_master
         self.loader = loader

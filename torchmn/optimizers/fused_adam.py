@@ -16,7 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
-from torchmn.optimizers.gradient_sync import sum_scaled
+from torchmn.optimizers.node_memory import sum_scaled
 
 # The arguments torch.optim.adam._fused_adam gives the kernels; other torch versions may differ.
 _KERNEL_ARGS = ("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps", "lr", "beta1",
@@ -102,8 +102,8 @@ class SumAndStep:
     Summing every slice first and then running the kernel over them all writes the whole sum to
     memory and reads it back: 2 x 3.6 MB a step per rank on the MNIST MLP, with both ranks doing the
     same at once. Piece by piece, the sum is still in the cache when the kernel reads it. Each
-    piece's sum is made by the function that :meth:`_ShardBucket.sum_shard_of_peers` uses
-    (:func:`gradient_sync.sum_scaled`), and the kernel is elementwise and meets each element in the
+    piece's sum is made by the function that :meth:`node_memory.NodeShards.sum_shard_of_peers` uses
+    (:func:`node_memory.sum_scaled`), and the kernel is elementwise and meets each element in the
     same code path (its vector loop or its scalar tail, which round differently) as over the whole
     shard, so the results are the same bits
     (``piecewise_update_is_exact`` in tests/workers/shard_checks.py checks it).
@@ -152,7 +152,7 @@ class SumAndStep:
         self.calls = []
         call, used, n = [], 0, 0
         for b in self.buckets:
-            for i, lo, hi, others, _ in b.sum_plan:
+            for i, lo, hi, others, _ in b.node.sum_plan:
                 step, m, v, vmax = tensors[4 * (n + i):4 * (n + i) + 4]
                 p = b.shard_params[i].detach()
                 # Pieces start at multiples of the kernel's vector width and the last one runs to the

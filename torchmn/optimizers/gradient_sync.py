@@ -19,7 +19,6 @@ import torch
 from torch.autograd import Variable
 
 from torchmn.communicators import Communicator
-from torchmn.communicators.shm import sum_into
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # small, so communication starts early in backward
 COMPRESSION = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -43,22 +42,6 @@ def make_buckets(params: list[torch.nn.Parameter], cap: int, build: Callable[[li
     return buckets
 
 
-def arena_layout(nbytes: list[int]) -> tuple[list[int], int]:
-    """Byte offsets of buffers packed into one shared-memory region (each on its own cache lines),
-    and the region's size."""
-    offsets, total = [], 0
-    for n in nbytes:
-        offsets.append(total)
-        total += -(-n // 64) * 64
-    return offsets, total
-
-
-def region_view(region: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """``numel`` elements of ``dtype`` at byte ``offset`` of a uint8 shared-memory region."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return region[offset:offset + numel * itemsize].view(dtype)
-
-
 def copy_scaled(out: torch.Tensor, src: torch.Tensor, scale: Optional[float]) -> None:
     """``out`` = ``src`` times ``scale`` (None: a plain copy), in one pass where the dtypes agree."""
     if scale is None:
@@ -67,18 +50,6 @@ def copy_scaled(out: torch.Tensor, src: torch.Tensor, scale: Optional[float]) ->
         torch.mul(src, scale, out=out)  # scaled on the way in: no extra pass
     else:
         out.copy_(src * scale)
-
-
-def sum_scaled(out: torch.Tensor, others: list[torch.Tensor], mine: Optional[torch.Tensor], scale: float) -> None:
-    """``out`` = the other ranks' parts (added in rank order, as :func:`shm.sum_into` does) plus
-    ``mine`` times ``scale`` (None: this rank has no part), in one pass where there is one other."""
-    if mine is None:
-        sum_into(out, others)
-    elif len(others) == 1:
-        torch.add(others[0], mine, alpha=scale, out=out)
-    else:
-        sum_into(out, others)
-        out.add_(mine, alpha=scale)
 
 
 class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
@@ -121,9 +92,9 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # What step() checks, cheaply, to refuse changes the buckets cannot follow.
         self._frozen_at_wrap = [p for p in everything if not p.requires_grad]
         self._param_count = sum(len(g["params"]) for g in self._optimizer.param_groups)
-        self.comm._check_same_layout(params, "create_multi_node_optimizer: the trainable parameters", 0,
+        self.comm.check_same_layout(params, "create_multi_node_optimizer: the trainable parameters", 0,
                                      "build the same model, and freeze the same parameters, on every rank")
-        self.comm._check_same_layout(self._frozen_at_wrap, "create_multi_node_optimizer: the frozen parameters",
+        self.comm.check_same_layout(self._frozen_at_wrap, "create_multi_node_optimizer: the frozen parameters",
                                      0, "build the same model, and freeze the same parameters, on every rank")
         if self._wire_dtype is not None and any(p.is_complex() for p in params):
             raise ValueError(f"compression={self.compression!r} with complex parameters: their gradients would "

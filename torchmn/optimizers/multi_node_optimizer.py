@@ -15,11 +15,11 @@ from typing import Optional
 import torch
 
 from torchmn.communicators import Communicator
-from torchmn.communicators.communicator import divide_before_sum
+from torchmn.communicators.ops import divide_before_sum
 from torchmn.communicators.errors import CollectiveMismatchError
 from torchmn.communicators.shm import sum_into
-from torchmn.optimizers.gradient_sync import (GradientSyncOptimizer, arena_layout, copy_scaled, make_buckets,
-                                              region_view)
+from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, copy_scaled, make_buckets
+from torchmn.optimizers.node_memory import open_bucket_arena, region_view
 
 
 class _Bucket:
@@ -183,10 +183,10 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         result, and copies the whole result back: one barrier-separated pass, no slot copies.
         """
         buckets = self._bucket_sets[0]
-        offsets, total = arena_layout([b.numel * b.params[0].element_size() for b in buckets])
-        arena = self.comm._open_node_arena(shared_bytes=total, region_bytes=total)
-        if arena is None:
+        opened = open_bucket_arena(self.comm, [b.numel * b.params[0].element_size() for b in buckets])
+        if opened is None:
             return None
+        arena, offsets = opened
         self._results, self._peer_buffers = [], []
         for b, offset in zip(buckets, offsets):
             def view(region, b=b, offset=offset):

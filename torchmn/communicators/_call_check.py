@@ -1,0 +1,93 @@
+"""The call check: before moving data, every rank learns what call each rank made.
+
+Each tensor collective first exchanges one header row per tensor (see ``_wire.header``): which
+collective, its root and op, the dtype and shape. :func:`check_headers` then raises the same
+error on every rank where the calls disagree, instead of letting mismatched collectives hang or
+mix data. A rank whose own arguments were bad sends an ``invalid`` row, so the others fail with
+it rather than wait for it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from torchmn.communicators import _wire
+from torchmn.communicators.errors import CollectiveMismatchError, RemoteRankError
+from torchmn.communicators.ops import OPS
+
+# Collective kinds, as they travel in headers. Order is part of the wire format: append only.
+KINDS = ("invalid", "bcast", "gather", "allgather", "scatter", "alltoall", "allreduce", "allgather_obj",
+         "bcast_obj", "gather_obj", "scatter_obj", "multi_node_mean_grad")
+KIND = {name: i for i, name in enumerate(KINDS)}
+OP_CODES = {name: i for i, name in enumerate(OPS)}
+
+
+def op_code(op: Optional[str]) -> int:
+    """The header code of reduction ``op`` (``NONE`` for calls without one)."""
+    return OP_CODES[op] if op is not None else _wire.NONE
+
+
+def invalid_rows(count: int, op: Optional[str] = None) -> list[list[int]]:
+    """The rows a rank sends when its own arguments were bad (it raises once the others know)."""
+    return [_wire.header(KIND["invalid"], _wire.NONE, op_code(op))] * max(1, count)
+
+
+def summary_row(rows: list[list[int]]) -> list[int]:
+    """What a call of several rows is, in one row: its kind, root and op, no tensor.
+
+    A call of several rows (scatter, alltoall) first agrees on this, so that a rank making a
+    one-row call meanwhile exchanges as many bytes as this one and the mismatch is named, instead
+    of the exchange itself failing.
+    """
+    return rows[0][:3] + [_wire.NONE, _wire.NONE] + [0] * _wire.MAX_NDIM
+
+
+def obj_header(n: int, kind: str = "allgather_obj", root: int = _wire.NONE) -> list[int]:
+    """The call header of object collective ``kind`` from ``root``, with ``n`` pickled bytes (this
+    rank's, or root's in bcast_obj) where the shape goes."""
+    row = _wire.header(KIND[kind], root)
+    row[_wire.SHAPE] = n
+    return row
+
+
+def check_headers(kind: str, hdrs: torch.Tensor, error: Optional[Exception], same_shape: bool,
+                  same_dtype: bool, rank: int, host: str) -> None:
+    """Raise on every rank alike unless all ranks made the same call.
+
+    Args:
+        kind: the collective this rank called.
+        hdrs: every rank's header rows, ``[size, rows, HEADER_LEN]``.
+        error: this rank's own bad arguments, raised first.
+        same_shape: whether every rank's tensor must have one shape (allreduce).
+        same_dtype: whether every rank's tensor must have one dtype.
+        rank: this rank, and ``host`` its host, for the message.
+
+    Raises:
+        CollectiveMismatchError: the ranks' calls differ in collective, root, op, dtype or shape.
+        RemoteRankError: another rank rejected its own arguments.
+    """
+    if error is not None:
+        raise error
+    size = hdrs.shape[0]
+    bad = [r for r in range(size) if hdrs[r, 0, 0] == KIND["invalid"]]
+    if bad:
+        raise RemoteRankError(f"{kind}: rank {bad[0]} rejected its arguments (see its error); "
+                              f"rank {rank} on {host} stops too")
+    first = hdrs[:, 0, :]
+    problems = []
+    for field, col, names in (("collective", 0, KINDS), ("root", 1, None), ("op", 2, tuple(OPS))):
+        vals = first[:, col].tolist()
+        if len(set(vals)) > 1:
+            shown = [names[v] if names and v >= 0 else v for v in vals]
+            problems.append(f"{field} differs: " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown)))
+    if not problems and hdrs.shape[1] == 1:
+        metas = [_wire.meta(first[r].tolist()) for r in range(size)]
+        present = [(r, m) for r, m in enumerate(metas) if m is not None]
+        if same_dtype and len({m[0] for _, m in present}) > 1:
+            problems.append("dtype differs: " + ", ".join(f"rank {r}: {m[0]}" for r, m in present))
+        if same_shape and len({m[1] for _, m in present}) > 1:
+            problems.append("shape differs: " + ", ".join(f"rank {r}: {tuple(m[1])}" for r, m in present))
+    if problems:
+        raise CollectiveMismatchError(f"ranks called {kind} inconsistently ({'; '.join(problems)}); "
+                                      f"every rank must make the same call")

@@ -1,0 +1,239 @@
+"""What the shared-memory collectives and arenas share: mapping a segment on every rank of a
+node, the flags ranks wait on, and finding segments that killed jobs left behind."""
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+import time
+from typing import Callable, Optional
+
+import numpy as np
+
+from torchmn.communicators.errors import CollectiveMismatchError, PeerLostError, RemoteRankError
+
+SHM_DIR = "/dev/shm"
+ALIGN = 64  # chunk boundaries on cache lines, so ranks never write the same line
+KINDS = 16  # a flag word is seq * KINDS + the kind of call (see Flags.arrive_and_wait)
+
+
+def segment_name(job_tag: str, node: int, creator_pid: int) -> str:
+    # The creator's pid in the name lets a later job tell a segment left by a killed one.
+    return f"torchmn-{job_tag}-node{node}-pid{creator_pid}"
+
+
+# A segment has a name only while its job sets up (created, mapped by every rank of the node,
+# unlinked: seconds). One whose creator is dead and that is older than this was left by a job
+# killed in that window. The age also spares a segment from another PID namespace sharing /dev/shm.
+STALE_AFTER_S = 60.0
+
+
+def remove_stale_segments() -> list[str]:
+    """Delete the segments of jobs killed while they set up shared memory; returns their names."""
+    removed = []
+    now = time.time()
+    for name in leftover_segments():
+        pid = name.rpartition("-pid")[2]
+        path = os.path.join(SHM_DIR, name)
+        try:
+            old = now - os.stat(path).st_mtime > STALE_AFTER_S
+        except FileNotFoundError:
+            continue
+        if pid.isdigit() and old and not alive(int(pid)):
+            unlink(path)
+            removed.append(name)
+    return removed
+
+
+def leftover_segments(job_tag: Optional[str] = None) -> list[str]:
+    """Names in /dev/shm that look like torchmn's (for tests and `torchmn doctor`)."""
+    prefix = "torchmn-" + (job_tag or "")
+    try:
+        return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
+    except FileNotFoundError:
+        return []
+
+
+class Flags:
+    """Rows of sequence numbers at the start of a segment, one row per phase, one column per rank:
+    a rank arrives by writing its number and waits until every column has reached it."""
+
+    def __init__(self, buf: mmap.mmap, phases: int, local_rank: int, local_size: int, pids: list[int],
+                 timeout: float, describe: Callable[[int], str]):
+        self._rows = np.frombuffer(buf, dtype=np.int64, count=phases * local_size).reshape(phases, local_size)
+        # The same words as plain Python ints: the wait loop reads them without numpy's per-call
+        # cost, which matters run cold between backward and forward (twice a sharded step).
+        self._words = memoryview(self._rows).cast("B").cast("q")
+        self.local_rank = local_rank
+        self.local_size = local_size
+        self._pids = pids
+        self._timeout = timeout
+        self._describe = describe
+
+    @staticmethod
+    def nbytes(phases: int, local_size: int) -> int:
+        return align(phases * local_size * 8)
+
+    def arrive_and_wait(self, phase: int, seq: int, kind: int = 0, kinds: tuple = ()) -> None:
+        """Arrive at call ``seq`` and wait for every rank to reach it. ``kind`` (an index into
+        ``kinds``, the names of the calls) travels in the same word as ``seq``, so ranks that reach
+        call ``seq`` from different places in their code raise instead of pairing silently."""
+        fence()  # this rank's data writes before its flag
+        mark = seq * KINDS + kind
+        lowest = seq * KINDS
+        first = phase * self.local_size
+        self._words[first + self.local_rank] = mark
+        row = self._words[first:first + self.local_size]  # a live view of the phase's flags
+        deadline = None
+        spins = 0
+        while min(row) < lowest:
+            spins += 1
+            if spins < 64:
+                continue
+            # Yield the core, then back off to short sleeps: with more ranks than cores (or a busy
+            # machine), spinning would starve the very peer we wait for.
+            if spins < 2048:
+                os.sched_yield()
+            else:
+                time.sleep(5e-5)
+            if spins % 1024 == 0:
+                now = time.monotonic()
+                deadline = deadline or now + self._timeout
+                self._check_peers(phase, seq, now > deadline)
+        fence()  # the others' flags before their data
+        if kinds:
+            top = lowest + KINDS
+            # A rank still at call seq (not past it) with another kind of call is a mismatch.
+            if any(v != mark and v < top for v in row):
+                self._check_kinds(self._rows[phase], seq, kind, kinds)
+
+    def _check_kinds(self, row: np.ndarray, seq: int, kind: int, kinds: tuple) -> None:
+        # A rank already past call seq has checked it itself; compare those still at it.
+        marks = row.copy()
+        other = next((r for r in range(self.local_size) if marks[r] // KINDS == seq and marks[r] % KINDS != kind),
+                     None)
+        if other is not None:
+            raise CollectiveMismatchError(
+                f"shared-memory call #{seq}: {self._describe(other)} is at {kinds[marks[other] % KINDS]!r} while "
+                f"{self._describe(self.local_rank)} is at {kinds[kind]!r}: the ranks are not taking the same "
+                f"steps (did one rank skip backward() or step(), say on a check of its own loss, or call a "
+                f"collective such as the sharded optimizer's state_dict() alone?). Decide such things on every "
+                f"rank alike, e.g. from comm.allreduce of a flag")
+
+    def _check_peers(self, phase: int, seq: int, timed_out: bool) -> None:
+        missing = [r for r in range(self.local_size) if self._rows[phase, r] // KINDS < seq]
+        dead = [r for r in missing if not alive(self._pids[r])]
+        if dead or timed_out:
+            who = ", ".join(self._describe(r) for r in (dead or missing))
+            why = "exited" if dead else (
+                f"did not arrive within {self._timeout:.0f} s (still computing, or waiting in a call the "
+                f"others did not make: every rank must make the same collective calls in the same order; "
+                f"with shard_state=True, optimizer.state_dict() is one)")
+            raise PeerLostError(f"shared-memory collective #{seq}: {who} {why}; "
+                                f"{self._describe(self.local_rank)} gives up")
+
+
+def map_segment(name: str, nbytes: int, local_rank: int, agree: Callable[[bool], list],
+                 remedy: str) -> mmap.mmap:
+    """Local rank 0 creates /dev/shm/NAME, every local rank maps it, then the name is unlinked.
+
+    ``agree(ok)`` is every rank's ``ok``, collectively: after creating and after mapping, the ranks
+    tell each other whether that worked, so that a failure on one rank raises on all of them
+    instead of leaving the others with a segment their peer never attached to."""
+    path = os.path.join(SHM_DIR, name)
+    fd = -1
+    try:
+        error = None
+        if local_rank == 0:
+            remove_stale_segments()
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+                try:
+                    os.posix_fallocate(fd, 0, nbytes)  # fail now, not with SIGBUS mid-collective
+                except OSError as e:
+                    raise OSError(e.errno, f"cannot reserve {nbytes >> 20} MiB of shared memory in "
+                                           f"{SHM_DIR} ({e.strerror}); free space there, {remedy}") from e
+            except OSError as e:
+                error = e
+        all_succeeded(agree, error, f"creating {path}")
+        buf = None
+        try:
+            if local_rank != 0:
+                fd = os.open(path, os.O_RDWR)
+            buf = mmap.mmap(fd, nbytes)
+        except OSError as e:
+            error = e
+        all_succeeded(agree, error, f"mapping {path}")
+        return buf
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        # Everyone has mapped it, or the set-up failed everywhere: the name is no longer needed.
+        if local_rank == 0:
+            unlink(path)
+
+
+def all_succeeded(agree: Callable[[bool], list], error: Optional[BaseException], what: str) -> None:
+    """Raise this rank's own ``error``, or, if another rank had one, an error naming it."""
+    oks = agree(error is None)
+    if error is not None:
+        raise error
+    failed = [r for r, ok in enumerate(oks) if not ok]
+    if failed:
+        raise RemoteRankError(f"shared memory could not be set up: {what} failed on rank(s) "
+                              f"{', '.join(map(str, failed))} (see that rank's error)")
+
+
+def close_mapping(buf: mmap.mmap) -> None:
+    # A tensor may still view the mapping; then it is released with the process.
+    with contextlib.suppress(BufferError):
+        buf.close()
+
+
+_FENCE = threading.Lock()
+
+
+def fence() -> None:
+    """A full memory barrier between this thread's earlier and later loads and stores.
+
+    The flags and the data are plain memory: on x86 stores are seen in order anyway, but on Arm
+    a flag could become visible before the data it announces. Taking and releasing a lock is an
+    acquire and a release operation (pthread atomics), which orders them on every CPU; ~50 ns.
+    """
+    with _FENCE:
+        pass
+
+
+def chunk_bounds(n: int, itemsize: int, r: int, parts: int) -> tuple[int, int]:
+    """Part r of n elements split in ``parts``, cut on cache-line boundaries (ranks never write
+    the same line)."""
+    per = align(-(-n // parts) * itemsize) // itemsize
+    return min(n, r * per), min(n, (r + 1) * per)
+
+
+def align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie is dead for our purposes
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+def unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+
+

@@ -1,0 +1,425 @@
+"""The communicator's interface: what every communicator offers, and what each call means.
+
+:class:`torchmn.communicators.Communicator` implements it over ``torch.distributed``; the
+gradient-averaging algorithms (``naive``, ``flat``, ``hierarchical``) are its subclasses.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Any, Optional, Sequence
+
+import torch
+
+
+class CommunicatorBase(abc.ABC):
+    """A group of ranks and the collectives among them.
+
+    Attributes:
+        rank, size: this rank and the number of ranks.
+        intra_rank, intra_size: this rank's index among the ranks of its node, and their number.
+        inter_rank, inter_size: this node's index and the number of nodes.
+        device: the ``torch.device`` this rank computes on (``cuda:<intra_rank>`` or ``cpu``).
+        backend: ``"gloo"`` or ``"nccl"``.
+        name: the gradient-averaging algorithm (``"naive"``, ``"flat"``, ``"hierarchical"``).
+
+    Tensor and object collectives check, on every rank, that all ranks made the same call, and
+    raise :class:`~torchmn.CollectiveMismatchError` on every rank where they did not. A rank that
+    never makes the call is named in the others' :class:`~torchmn.CollectiveTimeoutError`.
+    """
+
+    rank: int
+    size: int
+    intra_rank: int
+    intra_size: int
+    inter_rank: int
+    inter_size: int
+    device: torch.device
+    backend: str
+    name: str
+
+    # ----------------------------------------------------------------------------- topology
+    @property
+    @abc.abstractmethod
+    def host(self) -> str:
+        """This rank's hostname."""
+
+    @abc.abstractmethod
+    def world_rank(self, r: int) -> int:
+        """The ``torch.distributed`` world rank of this communicator's rank ``r``.
+
+        Equal to ``r`` on the world communicator; differs on the result of :meth:`split`.
+
+        Example::
+
+            >>> half = comm.split(color=comm.rank % 2)
+            >>> half.world_rank(1)                           # 2 on the even half, 3 on the odd
+        """
+
+    @abc.abstractmethod
+    def node_of(self, r: int) -> int:
+        """The node index (``inter_rank``) of rank ``r``."""
+
+    @abc.abstractmethod
+    def check_rank(self, r: Any, what: str = "rank") -> None:
+        """Check that ``r`` names a rank of this communicator, before a collective depends on it.
+
+        Args:
+            r: the value to check.
+            what: how the caller calls it (``"root"``, ``"dest"``), for the message.
+
+        Raises:
+            ValueError: ``r`` is not an integer in ``[0, size)``.
+        """
+
+    # ----------------------------------------------------------------------------- point to point
+    @abc.abstractmethod
+    def send(self, x: torch.Tensor, dest: int, tag: int = 0) -> None:
+        """Send a tensor of any shape and dtype to rank ``dest``, which calls :meth:`recv`.
+
+        Args:
+            x: the tensor (contiguous or not).
+            dest: the receiving rank.
+            tag: tells apart several messages between the same ranks (0 to 2**28 - 1).
+
+        Raises:
+            ValueError: ``dest`` or ``tag`` is out of range.
+            CollectiveTimeoutError: ``dest`` did not receive within the timeout.
+
+        Example::
+
+            >>> if comm.rank == 0: comm.send(torch.ones(3, 2), dest=1)
+            >>> if comm.rank == 1: x = comm.recv(source=0)
+        """
+
+    @abc.abstractmethod
+    def recv(self, source: int, tag: int = 0) -> torch.Tensor:
+        """Receive the tensor rank ``source`` sent with :meth:`send`; shape and dtype come with it.
+
+        Args:
+            source: the sending rank.
+            tag: the sender's tag.
+
+        Returns:
+            A new tensor on this rank's data device.
+
+        Raises:
+            ValueError: ``source`` or ``tag`` is out of range.
+            CollectiveTimeoutError: ``source`` did not send within the timeout.
+        """
+
+    # ----------------------------------------------------------------------------- tensor collectives
+    @abc.abstractmethod
+    def bcast(self, x: Optional[torch.Tensor], root: int = 0) -> torch.Tensor:
+        """Root's tensor on every rank.
+
+        Args:
+            x: root's tensor; other ranks may pass ``None`` (shape and dtype come from root).
+            root: the sending rank.
+
+        Returns:
+            Root's ``x`` itself on root, a copy elsewhere.
+
+        Raises:
+            TypeError: root passed no tensor (raised on root; the others get RemoteRankError).
+            CollectiveMismatchError: the ranks passed different roots or made another call.
+
+        Example::
+
+            >>> w = comm.bcast(torch.randn(3, 3) if comm.rank == 0 else None)
+        """
+
+    @abc.abstractmethod
+    def gather(self, x: torch.Tensor, root: int = 0) -> Optional[tuple[torch.Tensor, ...]]:
+        """Every rank's tensor, in rank order, on ``root``. Shapes may differ between ranks.
+
+        Args:
+            x: this rank's tensor.
+            root: the receiving rank.
+
+        Returns:
+            On root a tuple of ``size`` tensors; ``None`` elsewhere.
+
+        Raises:
+            CollectiveMismatchError: the ranks passed different roots or dtypes.
+
+        Example::
+
+            >>> parts = comm.gather(torch.arange(comm.rank + 1))   # root: (tensor([0]), tensor([0, 1]), ...)
+        """
+
+    @abc.abstractmethod
+    def allgather(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every rank's tensor, in rank order, on every rank. Shapes may differ, dtypes may not.
+
+        Returns:
+            A tuple of ``size`` tensors.
+
+        Raises:
+            CollectiveMismatchError: the ranks' dtypes differ, or a rank made another call.
+
+        Example::
+
+            >>> xs = comm.allgather(torch.full((comm.rank + 1, 2), comm.rank))
+        """
+
+    @abc.abstractmethod
+    def scatter(self, xs: Optional[Sequence[torch.Tensor]], root: int = 0) -> torch.Tensor:
+        """Rank ``i`` receives ``xs[i]`` from root. Shapes may differ.
+
+        Args:
+            xs: on root, ``size`` tensors of one dtype; ``None`` elsewhere.
+            root: the sending rank.
+
+        Returns:
+            This rank's tensor.
+
+        Raises:
+            ValueError: root did not pass ``size`` tensors (the others get RemoteRankError).
+            CollectiveMismatchError: the ranks passed different roots.
+
+        Example::
+
+            >>> mine = comm.scatter([torch.full((2,), i) for i in range(comm.size)] if comm.rank == 0 else None)
+        """
+
+    @abc.abstractmethod
+    def alltoall(self, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Rank ``i`` sends ``xs[j]`` to rank ``j`` and receives, in rank order, what each sent it.
+
+        Args:
+            xs: ``size`` tensors, one per receiving rank, all of one dtype (shapes may differ).
+
+        Returns:
+            A tuple of ``size`` tensors: element ``j`` is what rank ``j`` sent to this rank.
+
+        Raises:
+            ValueError: ``xs`` is not ``size`` tensors.
+            CollectiveMismatchError: the tensors' dtypes differ (between or within ranks).
+
+        Example::
+
+            >>> got = comm.alltoall([torch.tensor([comm.rank, j]) for j in range(comm.size)])
+        """
+
+    @abc.abstractmethod
+    def allreduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The elementwise reduction of every rank's ``x``, as a new tensor (``x`` is unchanged).
+
+        ``"mean"`` of an integer or bool tensor is a float64 tensor (exact for int64 sums below
+        2**53); float16 and bfloat16 means are summed in float64, so that a sum beyond their range
+        does not overflow.
+
+        Args:
+            x: this rank's tensor; every rank's has the same shape and dtype.
+            op: ``"sum"``, ``"mean"``, ``"max"``, ``"min"`` or ``"prod"``.
+
+        Returns:
+            The reduction, a new tensor on ``x``'s device.
+
+        Raises:
+            ValueError: an unknown ``op``, or one undefined for ``x``'s dtype (complex max, min, prod).
+            TypeError: a dtype torch cannot reduce on CPU (uint16, float8, ...).
+            CollectiveMismatchError: the ranks' shapes, dtypes or ops differ.
+
+        Example::
+
+            >>> comm.allreduce(torch.arange(4) + comm.rank)   # arange(4) * size + sum(ranks)
+        """
+
+    # ----------------------------------------------------------------------------- object collectives
+    @abc.abstractmethod
+    def send_obj(self, obj: Any, dest: int, tag: int = 0) -> None:
+        """Send a picklable object to rank ``dest``, which calls :meth:`recv_obj`.
+
+        Raises:
+            ValueError: ``dest`` or ``tag`` is out of range.
+            TypeError: ``obj`` cannot be pickled (the receiver gets RemoteRankError).
+        """
+
+    @abc.abstractmethod
+    def recv_obj(self, source: int, tag: int = 0) -> Any:
+        """Receive the object rank ``source`` sent with :meth:`send_obj`.
+
+        Raises:
+            RemoteRankError: the sender could not pickle it, or it cannot be unpickled here.
+        """
+
+    @abc.abstractmethod
+    def bcast_obj(self, obj: Any, root: int = 0) -> Any:
+        """Root's picklable object on every rank. Sent in chunks, so objects over 2 GiB work.
+
+        Args:
+            obj: root's object; ignored elsewhere.
+            root: the sending rank.
+
+        Returns:
+            Root's object (on root, ``obj`` itself).
+
+        Raises:
+            CollectiveMismatchError: the ranks passed different roots or made another call.
+
+        Example::
+
+            >>> config = comm.bcast_obj(load_config() if comm.rank == 0 else None)
+        """
+
+    @abc.abstractmethod
+    def gather_obj(self, obj: Any, root: int = 0) -> Optional[list[Any]]:
+        """Every rank's object, in rank order, on ``root``; ``None`` elsewhere."""
+
+    @abc.abstractmethod
+    def allgather_obj(self, obj: Any) -> list[Any]:
+        """Every rank's object, in rank order, on every rank.
+
+        Example::
+
+            >>> hosts = comm.allgather_obj(socket.gethostname())
+        """
+
+    @abc.abstractmethod
+    def scatter_obj(self, objs: Optional[Sequence[Any]], root: int = 0) -> Any:
+        """Rank ``i`` receives ``objs[i]`` from root; other ranks pass ``None``.
+
+        Raises:
+            ValueError: root did not pass ``size`` objects (the others get RemoteRankError).
+        """
+
+    @abc.abstractmethod
+    def allreduce_obj(self, obj: Any) -> Any:
+        """The sum (by ``+``) of every rank's object, on every rank.
+
+        Example::
+
+            >>> n_seen = comm.allreduce_obj(len(local_shard))
+        """
+
+    # ----------------------------------------------------------------------------- control
+    @abc.abstractmethod
+    def barrier(self) -> None:
+        """Wait until every rank of this communicator gets here."""
+
+    @abc.abstractmethod
+    def split(self, color: int, key: int = 0) -> "CommunicatorBase":
+        """A new communicator of the ranks that pass the same ``color``, ordered by ``(key, rank)``.
+
+        Every rank must call it. The new communicator uses this one's algorithm.
+
+        Returns:
+            The communicator of this rank's color.
+
+        Example::
+
+            >>> half = comm.split(color=comm.rank % 2, key=comm.rank)
+        """
+
+    @abc.abstractmethod
+    def finalize(self) -> None:
+        """Tear down ``torch.distributed`` if this communicator set it up. Safe to call twice."""
+
+    # ----------------------------------------------------------------------------- models
+    @abc.abstractmethod
+    def bcast_data(self, model: torch.nn.Module, root: int = 0) -> None:
+        """Make every parameter and buffer of ``model`` root's, bit for bit.
+
+        Raises:
+            CollectiveMismatchError: the ranks' models differ in layout (count, shapes, dtypes).
+
+        Example::
+
+            >>> comm.bcast_data(model)   # all ranks now start from rank 0's weights
+        """
+
+    @abc.abstractmethod
+    def bcast_tensors(self, tensors: list[torch.Tensor], root: int = 0) -> None:
+        """Overwrite each tensor, in place, with root's, bit for bit (all ranks pass the same layout)."""
+
+    @abc.abstractmethod
+    def check_same_layout(self, tensors: list[torch.Tensor], what: str, root: int = 0,
+                          advice: str = "build the same model on every rank") -> None:
+        """Check that every rank passes tensors of root's count, shapes and dtypes (collective).
+
+        A collective over tensors of different layouts would hang or mix data.
+
+        Args:
+            tensors: this rank's tensors.
+            what: what they are, for the message.
+            root: the rank whose layout is the reference.
+            advice: what to do about a difference, for the message.
+
+        Raises:
+            CollectiveMismatchError: on every rank, naming the first difference.
+        """
+
+    @abc.abstractmethod
+    def multi_node_mean_grad(self, model: torch.nn.Module, zero_fill: bool = False) -> None:
+        """Make every ``.grad`` of ``model`` its mean over ranks, with this communicator's algorithm.
+
+        Args:
+            model: the module whose trainable parameters' gradients are averaged.
+            zero_fill: count a missing (``None``) gradient as zeros; its ``.grad`` becomes the mean.
+                Without it, a gradient missing on every rank is skipped.
+
+        Raises:
+            CollectiveMismatchError: a gradient is missing on some ranks only (without
+                ``zero_fill``), or the ranks' models differ in layout.
+
+        Example::
+
+            >>> loss.backward(); comm.multi_node_mean_grad(model); optimizer.step()
+        """
+
+    # ----------------------------------------------------------------------------- gradient primitives
+    @property
+    @abc.abstractmethod
+    def grad_bucket_cap_bytes(self) -> int:
+        """How many bytes of gradients this algorithm fuses into one message (0: one per tensor)."""
+
+    @abc.abstractmethod
+    def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """Replace each tensor, in place, by its mean over ranks (each algorithm's own way).
+
+        No call check: every rank passes the same layout.
+        """
+
+    @abc.abstractmethod
+    def allreduce_flat(self, flat: torch.Tensor, async_op: bool = False, op: str = "sum"):
+        """Reduce one contiguous 1-D buffer over all ranks, in place: the optimizers' primitive.
+
+        No call check: every rank passes the same layout.
+
+        Returns:
+            A handle with ``wait()`` (already completed unless ``async_op``).
+        """
+
+    @abc.abstractmethod
+    def reduce_scatter_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        """Sum ``flat`` (``size * k`` elements) over ranks; rank ``r`` gets elements ``[r*k, (r+1)*k)``.
+
+        The sharded optimizer's primitive; no call check.
+
+        Returns:
+            A handle with ``wait()``, after which ``shard`` (``k`` elements) holds the sum.
+        """
+
+    @abc.abstractmethod
+    def allgather_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        """Every rank's ``shard`` (``k`` elements) into ``flat`` (``size * k``), in rank order.
+
+        Returns:
+            A handle with ``wait()``.
+        """
+
+    @abc.abstractmethod
+    def open_node_arena(self, shared_bytes: int, region_bytes: int):
+        """Memory shared for good by all ranks of this communicator, or None where they cannot
+        share memory (several nodes, GPU, or an algorithm without shared memory).
+
+        Collective; every rank gets the same answer. The optimizers keep their buffers there.
+
+        Args:
+            shared_bytes: bytes of the region every rank reads and writes.
+            region_bytes: bytes of each rank's own region, readable by the others.
+
+        Returns:
+            A :class:`torchmn.communicators.node_arena.NodeArena`, or None.
+        """

@@ -1,0 +1,87 @@
+"""Memory the ranks of one node share for good, with a barrier: where the optimizers keep their
+buffers on one node (see ``Communicator.open_node_arena``)."""
+from __future__ import annotations
+
+import mmap
+from typing import Callable
+
+import torch
+
+from torchmn.communicators._shm_utility import Flags, align, chunk_bounds, close_mapping, map_segment, segment_name
+
+# The points at which users of a NodeArena meet (names for the errors when ranks disagree). The
+# sharded optimizer's first barrier of a step says how many backward passes sent gradients since
+# the last step (index: that count, at most 3), so a rank that skipped a step() is told apart.
+STEP_AFTER_SENDS = ("step() after 0 backward passes that sent gradients",
+                    "step() after 1 backward pass that sent gradients",
+                    "step() after 2 backward passes that sent gradients",
+                    "step() after 3 or more backward passes that sent gradients")
+ARENA_BARRIERS = ("barrier", "set-up", "backward done (gradients in)", "averaged gradients ready",
+                  "step done (shards updated)") + STEP_AFTER_SENDS
+BARRIER_CODE = {name: code for code, name in enumerate(ARENA_BARRIERS)}
+
+
+class NodeArena:
+    """Memory the ``local_size`` ranks of one node share for good, plus a barrier through flags.
+
+    ``job_tag`` must be new for every arena (see :func:`new_job_tag`). ``shared`` is one region
+    every rank reads and writes (the sharded optimizer keeps the model's parameters there: one copy
+    per node, and an update of a shard is seen by every rank without an all-gather);
+    ``regions[r]`` is local rank r's own region, which the others may read (its gradients).
+    Created collectively, like :class:`NodeSegment`.
+
+    Example::
+
+        >>> arena = NodeArena.open(tag, 0, r, 2, pids, comm.allgather_obj, shared_bytes=4096, region_bytes=4096)
+        >>> arena.regions[r].view(torch.float32)[:4] = 1.0
+        >>> arena.barrier()                      # every rank's writes before it are visible after it
+    """
+
+    def __init__(self, buf: mmap.mmap, local_rank: int, local_size: int, shared_bytes: int, region_bytes: int,
+                 pids: list[int], timeout: float, describe: Callable[[int], str]):
+        self._buf = buf
+        self.local_rank = local_rank
+        self.local_size = local_size
+        self._seq = 0
+        self._flags = Flags(buf, 1, local_rank, local_size, pids, timeout, describe)
+        start = Flags.nbytes(1, local_size)
+        # Each region is its own tensor over its own range of the mapping (not a view of one big
+        # tensor), so saving a tensor that views the shared region saves that region only.
+        self.shared = torch.frombuffer(buf, dtype=torch.uint8, offset=start, count=shared_bytes) \
+            if shared_bytes else torch.empty(0, dtype=torch.uint8)
+        start += shared_bytes
+        self.regions = [torch.frombuffer(buf, dtype=torch.uint8, offset=start + r * region_bytes, count=region_bytes)
+                        if region_bytes else torch.empty(0, dtype=torch.uint8) for r in range(local_size)]
+
+    @staticmethod
+    def size_for(local_size: int, shared_bytes: int, region_bytes: int) -> int:
+        return Flags.nbytes(1, local_size) + align(shared_bytes) + local_size * align(region_bytes)
+
+    @classmethod
+    def open(cls, job_tag: str, node: int, local_rank: int, local_size: int, pids: list[int],
+             agree: Callable[[bool], list], shared_bytes: int, region_bytes: int, timeout: float = 600.0,
+             describe: Callable[[int], str] = lambda r: f"local rank {r}") -> "NodeArena":
+        nbytes = cls.size_for(local_size, shared_bytes, region_bytes)
+        shared_bytes, region_bytes = align(shared_bytes), align(region_bytes)
+        buf = map_segment(segment_name(job_tag + "arena", node, pids[0]), nbytes, local_rank, agree,
+                           "or give the machine (container: --shm-size) a larger /dev/shm")
+        return cls(buf, local_rank, local_size, shared_bytes, region_bytes, pids, timeout, describe)
+
+    def my_chunk(self, n: int, itemsize: int) -> tuple[int, int]:
+        """This rank's share ``[lo, hi)`` of n elements when the node's ranks split work on them."""
+        return chunk_bounds(n, itemsize, self.local_rank, self.local_size)
+
+    def barrier(self, what: str = "barrier") -> None:
+        """Wait for every local rank; writes to the arena before it are visible to all after it.
+
+        ``what`` names the point in the caller's work (one of :data:`ARENA_BARRIERS`): ranks that
+        reach the same barrier number at different points raise :class:`CollectiveMismatchError`.
+        """
+        self._seq += 1
+        self._flags.arrive_and_wait(0, self._seq, BARRIER_CODE[what], ARENA_BARRIERS)
+
+    def close(self) -> None:
+        self.shared = None
+        self.regions = []
+        self._flags = None
+        close_mapping(self._buf)

@@ -1,0 +1,68 @@
+"""The gradient-averaging algorithms by name: what ``create_communicator(name)`` and
+``Communicator.split`` build."""
+from __future__ import annotations
+
+import os
+
+from torchmn.communicators import shm
+from torchmn.communicators.communicator import Communicator
+from torchmn.communicators.flat import FlatCommunicator
+from torchmn.communicators.hierarchical import HierarchicalCommunicator
+from torchmn.communicators.naive import NaiveCommunicator
+
+ALGORITHMS: dict[str, type[Communicator]] = {
+    cls.name: cls for cls in (NaiveCommunicator, FlatCommunicator, HierarchicalCommunicator)}
+
+
+def resolve(name: str, backend: str = "gloo", size: int = 1) -> type[Communicator]:
+    """The communicator class for algorithm ``name``.
+
+    Args:
+        name: ``"naive"``, ``"flat"``, ``"hierarchical"`` or ``"auto"``.
+        backend: the tensor backend, which ``"auto"`` decides by.
+        size: the number of ranks, which ``"auto"`` decides by.
+
+    Returns:
+        The class. ``"auto"`` is ``hierarchical`` on CPU with several ranks where shared memory
+        exists (gloo's TCP loopback is the bottleneck inside a node), else ``flat`` (NCCL already
+        averages through NVLink/PCIe inside a node and the network across nodes).
+
+    Raises:
+        ValueError: an unknown name.
+
+    Example::
+
+        >>> resolve("auto", "gloo", 4).name
+        'hierarchical'
+    """
+    if name == "auto":
+        if backend == "gloo" and size > 1 and os.path.isdir(shm.SHM_DIR):
+            return HierarchicalCommunicator
+        return FlatCommunicator
+    try:
+        return ALGORITHMS[name]
+    except KeyError:
+        raise ValueError(f"unknown communicator {name!r}; choose one of: auto, "
+                         f"{', '.join(ALGORITHMS)}") from None
+
+
+def make_communicator(name: str, **kwargs) -> Communicator:
+    """Build the communicator class for ``name`` over process groups that already exist.
+
+    What ``split`` does for its sub-communicators; tests use it for a world of one without
+    ``torch.distributed``.
+
+    Args:
+        name: the algorithm, as for :func:`resolve`.
+        **kwargs: the constructor's arguments (``rank``, ``size``, ``group``, ``obj_group``,
+            ``backend``, ``node_key``, ...).
+
+    Returns:
+        The communicator.
+
+    Example::
+
+        >>> solo = make_communicator("naive", rank=0, size=1, group=None, obj_group=None,
+        ...                          backend="gloo", node_key=0)
+    """
+    return resolve(name, kwargs.get("backend", "gloo"), kwargs.get("size", 1))(**kwargs)

@@ -1,0 +1,144 @@
+"""The optimizers' path through the node's shared memory, where all ranks are on one node (CPU).
+
+Both optimizers put their gradient buffers in a :class:`~torchmn.communicators.node_arena.NodeArena`
+(:func:`open_bucket_arena`): each rank's buffer is readable by the others, so a reduction is each
+rank summing its part straight from them, with no copy through a collective. The sharded optimizer
+also keeps the parameters there, once per node; :class:`NodeShards` is a shard bucket's part of it.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from torchmn.communicators import Communicator
+from torchmn.communicators.shm import sum_into
+
+
+def arena_layout(nbytes: list[int]) -> tuple[list[int], int]:
+    """Byte offsets of buffers packed into one shared-memory region, each on its own cache lines.
+
+    Args:
+        nbytes: each buffer's size in bytes.
+
+    Returns:
+        The offsets, and the region's size.
+
+    Example::
+
+        >>> arena_layout([10, 100])
+        ([0, 64], 192)
+    """
+    offsets, total = [], 0
+    for n in nbytes:
+        offsets.append(total)
+        total += -(-n // 64) * 64
+    return offsets, total
+
+
+def open_bucket_arena(comm: Communicator, nbytes: list[int]):
+    """Shared memory for buffers of ``nbytes`` each, in the shared region and in every rank's own.
+
+    Collective. Returns ``(arena, offsets)``, or None where the ranks cannot share memory (several
+    nodes, GPU, a small ``/dev/shm``): the caller then takes the path through collectives.
+    """
+    offsets, total = arena_layout(nbytes)
+    arena = comm.open_node_arena(shared_bytes=total, region_bytes=total)
+    return None if arena is None else (arena, offsets)
+
+
+def region_view(region: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """``numel`` elements of ``dtype`` at byte ``offset`` of a uint8 shared-memory region."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return region[offset:offset + numel * itemsize].view(dtype)
+
+
+def sum_scaled(out: torch.Tensor, others: list[torch.Tensor], mine: Optional[torch.Tensor], scale: float) -> None:
+    """``out`` = the other ranks' parts (added in rank order, as :func:`shm.sum_into` does) plus
+    ``mine`` times ``scale`` (None: this rank has no part), in one pass where there is one other."""
+    if mine is None:
+        sum_into(out, others)
+    elif len(others) == 1:
+        torch.add(others[0], mine, alpha=scale, out=out)
+    else:
+        sum_into(out, others)
+        out.add_(mine, alpha=scale)
+
+
+class NodeShards:
+    """A shard bucket's gradients in the node's shared memory: the reduce-scatter becomes each
+    rank summing its own slices straight from every rank's buffer.
+
+    The copies and sums are planned once here: they run every step, between backward and
+    forward, when each line of Python costs several times what it does warm. A slice that is a
+    whole parameter is shaped like it, so that its gradient goes in as it is.
+
+    Args:
+        bucket: the :class:`~torchmn.optimizers.shard_layout.ShardBucket`.
+        region: this rank's gradient buffer (``bucket.region_numel`` elements).
+        peer_regions: every rank's gradient buffer, this rank's at ``own_index``.
+        own_index: this rank's place among them.
+    """
+
+    def __init__(self, bucket, region: torch.Tensor, peer_regions: list[torch.Tensor], own_index: int):
+        self.bucket = b = bucket
+        r = b.rank
+        self.flags = region[b.padded:]
+        others = [g for j, g in enumerate(peer_regions) if j != own_index]
+        self.all_flags = [g[b.padded:] for g in peer_regions]
+
+        def view(buffer, p, at, start, end):
+            v = buffer[at + start:at + end]
+            return (v.view(p.shape), None, None) if end - start == p.numel() else (v, start, end)
+
+        self.pack_plan, self.sum_plan = [], []
+        self.mine_in_own = []  # this rank's slice of each parameter in its own buffer: where its sums go
+        for i, (p, off, k, (lo, hi)) in enumerate(zip(b.params, b.offsets, b.ks, b.slices)):
+            n = p.numel()
+            # The parts of the gradient that other ranks own go to this rank's buffer, at their place.
+            for start, end in ((0, lo), (hi, n)) if lo < hi else ((0, n),):
+                if start < end:
+                    self.pack_plan.append((i,) + view(region, p, off, start, end))
+            self.mine_in_own.append(region[off + r * k:off + (r + 1) * k])
+            # The real elements only: padding is 0 in every buffer (never written), so in the sums too.
+            if lo < hi:  # the other ranks' copies of this slice, and where the sum goes
+                self.sum_plan.append((i, lo, hi, [g[off + r * k:off + r * k + hi - lo] for g in others],
+                                      self.mine_in_own[-1][:hi - lo]))
+        self.flags_written = None
+
+    def pack_for_peers(self, scale: float) -> None:
+        """Copy, times ``scale``, the parts of the gradients that other ranks own into this rank's
+        shared buffer (the part in this rank's own slices stays in ``.grad``), and say which
+        gradients this rank has."""
+        b = self.bucket
+        b.remember_grads()
+        packed = b.packed
+        for i, view, start, end in self.pack_plan:
+            g = packed[i]
+            if g is None:
+                view.zero_()
+            else:
+                torch.mul(g if start is None else g.reshape(-1)[start:end], scale, out=view)
+        if b.present != self.flags_written:  # they stay in shared memory from one step to the next
+            self.flags.copy_(torch.tensor(b.present, dtype=self.flags.dtype))
+            self.flags_written = b.present
+
+    def sum_shard_of_peers(self, scale: float) -> None:
+        """This rank's slices of the node's gradient sum, as the shard parameters' gradients: the
+        other ranks' parts, read from their shared buffers (already times ``scale``), plus this
+        rank's own part times ``scale``. A parameter no rank has a gradient for gets None, and
+        the optimizer leaves it alone, as in one process.
+
+        The sums go to this rank's own slices of its own buffer, lines that no other rank reads or
+        writes: they last until this rank's next sum (``clip_grad_norm_`` before a skipped step
+        needs that), and the other ranks' next copies never have to take back lines this rank
+        wrote (summing in place into another rank's copy instead measured slower).
+        """
+        b = self.bucket
+        packed = b.packed
+        for i, lo, hi, others, out in self.sum_plan:
+            g = packed[i]
+            sum_scaled(out, others, None if g is None else g.reshape(-1)[lo:hi], scale)
+        # The flags are read only where this rank lacks a gradient: otherwise every count is >= 1.
+        counts = None if all(b.present) else sum(self.all_flags[1:], self.all_flags[0]).tolist()
+        b.set_grads(self.mine_in_own, counts)

@@ -1,0 +1,143 @@
+"""The sharded optimizer's ``state_dict``: whole, in the wrapped optimizer's format, from every
+rank's shards; and a whole state cut back into this rank's shards."""
+from __future__ import annotations
+
+import torch
+
+from torchmn.communicators import Communicator
+from torchmn.optimizers.inner_optimizers import IMPLEMENTATION_FLAGS
+from torchmn.optimizers.shard_layout import ShardBucket
+
+# State entries of those optimizers that are one value per parameter (a step count, a decay
+# factor), not one value per element: copied as they are rather than split or gathered.
+SCALAR_STATE = frozenset({"step", "eta", "mu", "mu_product"})
+
+
+
+def indices(param_groups: list[dict]) -> dict:
+    """Each real parameter's index in the state_dict format (torch numbers them across groups)."""
+    index, n = {}, 0
+    for group in param_groups:
+        for p in group["params"]:
+            if p not in index:
+                index[p] = n
+                n += 1
+    return index
+
+def gather_state_dict(comm: Communicator, param_groups: list[dict], buckets: list) -> dict:
+    """The whole optimizer state in torch's format, from every rank's shards (collective).
+
+    Args:
+        comm: the communicator; every rank calls this.
+        param_groups: the wrapped optimizer's parameter groups.
+        buckets: the shard buckets, each with its shard optimizer.
+
+    Returns:
+        What the unsharded optimizer's ``state_dict()`` would be.
+
+    Raises:
+        RuntimeError: the ranks hold different state layouts (they took different steps).
+    """
+    local_keys = [[list(b.optimizer.state.get(sp, {})) for sp in b.shard_params] for b in buckets]
+    if comm.size > 1 and any(k != local_keys for k in comm.allgather_obj(local_keys)):
+        raise RuntimeError("state_dict: ranks hold different optimizer state layouts; every rank "
+                           "must have taken the same steps")
+    index = indices(param_groups)
+    pending = []
+    state = {}
+    for b, keys in zip(buckets, local_keys):
+        shard_states = [b.optimizer.state.get(sp, {}) for sp in b.shard_params]
+        # Each entry's keys in the order the optimizer made them, as torch's own state_dict has
+        # them; the gathered tensors fill their places below.
+        entries = [dict.fromkeys(param_keys) for param_keys in keys]
+        for key in dict.fromkeys(k for param_keys in keys for k in param_keys):
+            holders = [i for i, s in enumerate(shard_states) if key in s]
+            value = shard_states[holders[0]][key]
+            if torch.is_tensor(value) and key not in SCALAR_STATE:
+                # Every rank's slices of this entry, for all the bucket's parameters at once.
+                send = torch.zeros(b.k, dtype=value.dtype, device=value.device)
+                for i in holders:
+                    send[b.block_offsets[i]:b.block_offsets[i] + b.ks[i]].copy_(shard_states[i][key].reshape(-1))
+                full = torch.empty(comm.size * b.k, dtype=value.dtype, device=value.device)
+                work = comm.allgather_flat(full, send, async_op=True)
+                pending.append((work, full, b, entries, key, holders))
+            else:
+                for i in holders:
+                    value = shard_states[i][key]
+                    entries[i][key] = value.clone() if torch.is_tensor(value) else value
+        for p, entry in zip(b.params, entries):
+            if entry:
+                state[index[p]] = entry
+    for work, full, b, entries, key, holders in pending:
+        work.wait()
+        rows = full.view(comm.size, b.k)
+        for i in holders:
+            at, k, p = b.block_offsets[i], b.ks[i], b.params[i]
+            entries[i][key] = rows[:, at:at + k].reshape(-1)[:p.numel()].view_as(p).clone()
+    state = dict(sorted(state.items()))
+    groups = []
+    for group in param_groups:
+        packed = {k: v for k, v in group.items() if k != "params"}
+        packed["params"] = [index[p] for p in group["params"]]
+        groups.append(packed)
+    return {"state": state, "param_groups": groups}
+
+def load_state_dict(state_dict: dict, param_groups: list[dict], inner: dict) -> None:
+    """Load a whole state in torch's format into this rank's shard optimizers (no communication).
+
+    Args:
+        state_dict: from :func:`gather_state_dict` on any rank count, or a plain torch optimizer.
+        param_groups: the wrapped optimizer's parameter groups (their hyperparameters are loaded).
+        inner: the shard buckets by ``(group index, kind)``, each list sharing one shard optimizer.
+
+    Raises:
+        ValueError: the groups or a state entry do not fit the optimizer's parameters.
+    """
+    saved_groups = state_dict["param_groups"]
+    groups = param_groups
+    if len(saved_groups) != len(groups):
+        raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer "
+                         f"has {len(groups)}")
+    for g, sg in zip(groups, saved_groups):
+        if len(sg["params"]) != len(g["params"]):
+            raise ValueError(f"loaded state dict has a group of {len(sg['params'])} parameters where "
+                             f"the optimizer has {len(g['params'])}")
+    saved_index = {}
+    for g, sg in zip(groups, saved_groups):
+        for p, i in zip(g["params"], sg["params"]):
+            saved_index[p] = i
+        for key, value in sg.items():
+            if key != "params":
+                g[key] = value
+    saved_state = state_dict["state"]
+    for (group, _), buckets in inner.items():
+        inner = buckets[0].optimizer
+        shard_states, n = {}, 0
+        for b in buckets:
+            for i, p in enumerate(b.params):
+                saved = saved_state.get(saved_index[p])
+                if saved:
+                    shard_states[n] = slice_of_state(b, i, saved)
+                n += 1
+        inner_group = {k: v for k, v in groups[group].items() if k != "params"}
+        inner_group.update({k: inner.param_groups[0][k] for k in IMPLEMENTATION_FLAGS
+                            if k in inner.param_groups[0]})
+        inner.state.clear()
+        # The inner optimizer's own loader casts dtypes and devices the way torch does.
+        inner.load_state_dict({"state": shard_states, "param_groups": [{**inner_group, "params": list(range(n))}]})
+
+def slice_of_state(b: ShardBucket, i: int, saved: dict) -> dict:
+    """This rank's slice of parameter ``i`` of bucket ``b``'s state, cut from its whole state."""
+    p, (lo, hi) = b.params[i], b.slices[i]
+    mine = {}
+    for key, value in saved.items():
+        if torch.is_tensor(value) and key not in SCALAR_STATE:
+            if value.numel() != p.numel():
+                raise ValueError(f"loaded state {key!r} has {value.numel()} elements for a parameter of "
+                                 f"shape {tuple(p.shape)}")
+            mine[key] = torch.zeros(b.ks[i], dtype=value.dtype, device=b.flat.device)  # the padding: 0
+            mine[key][:hi - lo].copy_(value.reshape(-1)[lo:hi])
+        else:
+            # A copy: Adam counts its step in place, which must not touch the caller's dict.
+            mine[key] = value.clone() if torch.is_tensor(value) else value
+    return mine
