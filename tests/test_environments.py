@@ -370,7 +370,8 @@ def test_arbitrary_distribution_needs_master_addr():
 
 
 def test_torchmn_run_per_node_refuses_a_task_on_another_node():
-    from torchmn.launch.runner import RunError, slurm_step
+    from torchmn.launch.config import RunError
+    from torchmn.launch.slurm_tasks import slurm_step
 
     env = {**HET, "SLURM_NTASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1,1", "SLURM_TASKS_PER_NODE": "1,1",
            "SLURM_PROCID": "0", "SLURM_NODEID": "0", "SLURM_LOCALID": "0", "SLURMD_NODENAME": "n2"}

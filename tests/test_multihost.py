@@ -20,7 +20,7 @@ from cluster.netns import NetnsCluster
 from jobs import REPO, WORKERS, clean_env
 from torchmn.cli import main
 from torchmn.launch import hosts as hostlib
-from torchmn.launch import remote
+from torchmn.launch import remote, ssh
 
 TIMEOUT = 120
 
@@ -98,7 +98,7 @@ def test_remote_command_line_keeps_every_word_and_value(tmp_path):
     env = {"A": "x y", "B": "it's $HOME", "C": "line1\nline2", "EMPTY": ""}
     argv = [sys.executable, "-c", "import os, sys; print(repr(sys.argv[1:])); print(repr([os.environ[k] "
             "for k in ('A', 'B', 'C', 'EMPTY')])); print(os.getcwd())", "a b", "'q'", '"$PATH"', "*"]
-    proc = subprocess.run(["sh", "-c", remote.shell_command(str(tmp_path), env, argv)], capture_output=True,
+    proc = subprocess.run(["sh", "-c", ssh.shell_command(str(tmp_path), env, argv)], capture_output=True,
                           text=True, timeout=60, cwd="/")
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [repr(argv[3:]), repr(list(env.values())), str(tmp_path)]
@@ -107,13 +107,13 @@ def test_remote_command_line_keeps_every_word_and_value(tmp_path):
 def test_forwarded_environment():
     env = {"PATH": "/p", "PYTHONPATH": "/pp", "VIRTUAL_ENV": "/v", "HOME": "/root", "SSH_AUTH_SOCK": "/s",
            "TORCHMN_COMM_TIMEOUT": "5", "NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "3", "SECRET": "x"}
-    exports = remote.parse_exports(["SECRET", "EXTRA=1=2"], env)
+    exports = ssh.parse_exports(["SECRET", "EXTRA=1=2"], env)
     assert exports == {"SECRET": "x", "EXTRA": "1=2"}
-    assert remote.forwarded_env(env, exports) == {
+    assert ssh.forwarded_env(env, exports) == {
         "PATH": "/p", "PYTHONPATH": "/pp", "VIRTUAL_ENV": "/v", "TORCHMN_COMM_TIMEOUT": "5",
         "NCCL_DEBUG": "INFO", "OMP_NUM_THREADS": "3", "SECRET": "x", "EXTRA": "1=2"}
-    with pytest.raises(remote.RemoteError, match="expected NAME or NAME=VALUE"):
-        remote.parse_exports(["1BAD=x"], env)
+    with pytest.raises(ssh.RemoteError, match="expected NAME or NAME=VALUE"):
+        ssh.parse_exports(["1BAD=x"], env)
 
 
 def test_watcher_stops_the_rank_when_its_stdin_closes(tmp_path):
@@ -126,7 +126,7 @@ def test_watcher_stops_the_rank_when_its_stdin_closes(tmp_path):
             f"open({str(pid_file)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}} {{torch_in_watcher}}'); "
             "time.sleep(300)")
     env = {"TORCHMN_RANK": "0", "TORCHMN_LOCAL_SIZE": "1", "PYTHONPATH": str(REPO)}
-    line = remote.rank_command(str(tmp_path), sys.executable, env, [sys.executable, "-c", code])
+    line = ssh.rank_command(str(tmp_path), sys.executable, env, [sys.executable, "-c", code])
     watcher = subprocess.Popen(["sh", "-c", line], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=clean_env())
     try:
         assert watcher.stdout.readline().decode().strip() == remote.STARTED_MARKER
@@ -151,7 +151,7 @@ def test_watcher_ends_with_its_rank_and_stops_what_the_rank_detached(tmp_path):
     code = ("import subprocess, sys; p = subprocess.Popen(['sleep', '300'], start_new_session=True); "
             f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('out', flush=True); sys.exit(3)")
     env = {"TORCHMN_RANK": "0", "TORCHMN_LOCAL_SIZE": "1", "PYTHONPATH": str(REPO)}
-    line = remote.rank_command(str(tmp_path), sys.executable, env, [sys.executable, "-c", code])
+    line = ssh.rank_command(str(tmp_path), sys.executable, env, [sys.executable, "-c", code])
     stdin, keep_open = os.pipe()  # stdin stays open: the rank's own exit must end the watcher
     watcher = subprocess.Popen(["sh", "-c", line], stdin=stdin, stdout=subprocess.PIPE, env=clean_env())
     os.close(stdin)
@@ -205,7 +205,7 @@ def test_watcher_waits_for_a_paused_console(tmp_path):
     n = 200_000
     code = f"for i in range({n}): print(i)\nprint('LAST', flush=True)\n"
     env = {"TORCHMN_RANK": "0", "TORCHMN_LOCAL_SIZE": "1", "PYTHONPATH": str(REPO)}
-    line = remote.rank_command(str(tmp_path), sys.executable, env, [sys.executable, "-c", code])
+    line = ssh.rank_command(str(tmp_path), sys.executable, env, [sys.executable, "-c", code])
     stdin, keep_open = os.pipe()
     watcher = subprocess.Popen(["sh", "-c", line], stdin=stdin, stdout=subprocess.PIPE, env=clean_env())
     os.close(stdin)
@@ -570,7 +570,7 @@ def test_rank_that_never_starts_hits_the_start_timeout(cluster, tmp_path):
 def test_loopback_rendezvous_address_is_never_handed_to_other_hosts():
     """Behind an ssh tunnel the address the hosts log in from is this machine's loopback, and the
     fallback may be too: other hosts must not be told to connect to themselves."""
-    from torchmn.launch.runner import _is_loopback
+    from torchmn.launch.hosts import is_loopback as _is_loopback
 
     assert _is_loopback("127.0.0.1") and _is_loopback("127.0.1.1") and _is_loopback("localhost")
     assert _is_loopback("::1")

@@ -1,7 +1,7 @@
 """The ``torchmn`` command: ``torchmn run -np N [options] COMMAND [ARGS...]``.
 
-Subcommands are registered in ``SUBCOMMANDS``; ``doctor`` and ``tune`` (SPEC section 5) will join
-``run`` there.
+Subcommands are registered in ``SUBCOMMANDS``. ``run`` parses its options into one
+``torchmn.launch.config.LaunchConfig`` and hands it to ``torchmn.launch.runner.run``.
 
 Example::
 
@@ -73,7 +73,7 @@ def _add_run(subparsers) -> None:
 
 
 def _default_ssh() -> str:
-    from torchmn.launch.remote import DEFAULT_SSH_COMMAND
+    from torchmn.launch.ssh import DEFAULT_SSH_COMMAND
 
     return DEFAULT_SSH_COMMAND
 
@@ -81,8 +81,9 @@ def _default_ssh() -> str:
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from torchmn import resources
     from torchmn.launch import hosts as hostlib
-    from torchmn.launch.remote import SshOptions
-    from torchmn.launch.runner import RunError, run
+    from torchmn.launch.config import LaunchConfig, RunError
+    from torchmn.launch.runner import run
+    from torchmn.launch.ssh import SshOptions
 
     if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
         parser.error(f"--ssh-port must be between 1 and 65535, got {args.ssh_port}")
@@ -99,10 +100,11 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     ssh = SshOptions(command=args.ssh_command or _default_ssh(), port=args.ssh_port,
                      identity_file=args.ssh_identity_file)
     try:
-        return run(args.command, args.np, master_port=args.master_port, log_dir=args.log_dir,
-                   output_ranks=args.output_ranks, start_timeout=args.start_timeout,
-                   verbose=args.verbose, hosts=hosts, ssh=ssh, exports=args.exports,
-                   network_interface=args.network_interface)
+        config = LaunchConfig(args.command, args.np, master_port=args.master_port, log_dir=args.log_dir,
+                              output_ranks=args.output_ranks, start_timeout=args.start_timeout,
+                              verbose=args.verbose, hosts=hosts, ssh=ssh, exports=args.exports,
+                              network_interface=args.network_interface)
+        return run(config)
     except RunError as e:
         sys.stderr.write(f"torchmn run: error: {e}\n")
         return e.exit_code
@@ -113,6 +115,9 @@ SUBCOMMANDS = (_add_run,)
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``torchmn`` argument parser, one subparser per subcommand.
+
+    Returns:
+        The parser; each subcommand's namespace has ``handler`` and ``subparser``.
 
     Example::
 
@@ -127,7 +132,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Entry point of the ``torchmn`` console script; returns (and, as a script, exits with) the exit code.
+    """Entry point of the ``torchmn`` console script.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit code (the console script exits with it).
 
     Example::
 

@@ -1,28 +1,19 @@
 """CPU thread budget: how many threads each rank may use, so ranks do not fight over cores.
 
-Every library in a training process (torch's intra-op pool, OpenMP, MKL, OpenBLAS, DataLoader
-workers) sizes itself to the whole machine by default. With N ranks on one node that is N times too
-many threads, and oversubscription costs about 3x on small CPU jobs. The default budget here is the
-CPUs this process may use divided by the ranks that share them.
-
-Two entry points:
-
-- ``launcher_thread_env`` is used by ``torchmn run``: it puts the budget into each rank's
-  environment before the rank starts, so every library picks it up at load time.
-- ``apply_thread_budget`` is called inside a rank (by the communicator) when no torchmn launcher set
-  the environment (srun, mpirun, torchrun): it applies the budget to libraries already loaded.
-
-This module imports nothing of torchmn's (and torch only inside a rank): ``torchmn run``'s
-watcher on a remote host loads it alone, without torch.
-
-A user's own ``OMP_NUM_THREADS`` always wins, over ``TORCHMN_NUM_THREADS`` too (which chooses
-torchmn's budget explicitly where the user left ``OMP_NUM_THREADS`` alone).
+Every thread pool in a training process (torch's, OpenMP, MKL, OpenBLAS) sizes itself to the whole
+machine; the budget is the CPUs this process may use divided by the ranks that share them.
+``torchmn run`` puts it in each rank's environment (``launcher_thread_env``); under other launchers
+the communicator applies it inside the rank (``apply_thread_budget``). A user's own
+``OMP_NUM_THREADS`` always wins, ``TORCHMN_NUM_THREADS`` next. torch is imported only inside a
+rank: the remote watcher loads this module without it (see ``docs/design/launcher.md``).
 """
 from __future__ import annotations
 
 import math
 import os
 from typing import Callable, Dict, Mapping, Optional
+
+from torchmn.launch.environments.slurm import slurm_step_id
 
 TORCHMN_NUM_THREADS = "TORCHMN_NUM_THREADS"
 # Which of THREAD_VARIABLES torchmn run set (comma-separated), so that a rank can tell them from the user's.
@@ -47,32 +38,6 @@ _POOL_VARIABLES = {"openmp": "OMP_NUM_THREADS", "mkl": "MKL_NUM_THREADS", "openb
 # holding the object lets torchmn, or a test, undo them later.
 _limiter = None
 _applied: Optional[int] = None
-
-
-# Slurm gives its special steps ids near 2**32: batch 0xfffffffb (0xfffffffe before 20.11), extern
-# 0xfffffffc (0xffffffff before), interactive 0xfffffffa. None of these is a task started by srun.
-_SLURM_SPECIAL_STEP_MIN = 0xFFFFFFF0
-
-
-def slurm_step_id(env: Mapping[str, str]) -> Optional[int]:
-    """This task's srun step id, or None outside an srun step (batch script, salloc shell, extern).
-
-    Example::
-
-        >>> slurm_step_id({"SLURM_STEP_ID": "0"}), slurm_step_id({"SLURM_STEP_ID": "4294967291"})
-        (0, None)
-    """
-    value = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID"))
-    if value is None:
-        return None
-    try:
-        step = int(value)
-    except ValueError:
-        # e.g. "batch" or "extern" as some tools print it: not a task that srun started.
-        return None
-    if step < 0 or step >= _SLURM_SPECIAL_STEP_MIN:
-        return None
-    return step
 
 
 def _environ(env: Optional[Mapping[str, str]]) -> Mapping[str, str]:
@@ -173,6 +138,12 @@ def cpu_count_available(env: Optional[Mapping[str, str]] = None) -> int:
     else the job's CPUs on this node (``SLURM_CPUS_ON_NODE``: a batch script, or the ranks that
     ``torchmn run`` or ``mpirun`` start inside it, share them).
 
+    Args:
+        env: the environment (default: ``os.environ``).
+
+    Returns:
+        The CPU count, at least 1.
+
     Example::
 
         >>> cpu_count_available({"SLURM_STEP_ID": "0", "SLURM_CPUS_PER_TASK": "1"})
@@ -198,8 +169,17 @@ def _srun_task(env: Mapping[str, str]) -> bool:
 
 
 def thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None) -> int:
-    """Threads for one of ``local_size`` ranks sharing this process's CPUs: available // local_size,
-    at least 1.
+    """Threads for one of ``local_size`` ranks sharing this process's CPUs.
+
+    Args:
+        local_size: the ranks that share them.
+        env: the environment (default: ``os.environ``).
+
+    Returns:
+        ``cpu_count_available() // local_size``, at least 1.
+
+    Raises:
+        ValueError: ``local_size`` is below 1.
 
     Example::
 
@@ -212,8 +192,17 @@ def thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None) -> i
 
 
 def requested_threads(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
-    """The budget chosen explicitly through ``TORCHMN_NUM_THREADS``, if any; a value that is not a
-    positive integer raises ValueError rather than being silently replaced by the computed budget.
+    """The budget chosen explicitly through ``TORCHMN_NUM_THREADS``.
+
+    Args:
+        env: the environment (default: ``os.environ``).
+
+    Returns:
+        The thread count, or None when the variable is unset or blank.
+
+    Raises:
+        ValueError: the value is not a positive integer (rather than silently replacing it by the
+            computed budget).
 
     Example::
 
@@ -238,6 +227,9 @@ _torch_threads_at_import: Optional[int] = None
 
 def remember_torch_threads(count: int) -> None:
     """Record torch's thread count as torchmn is imported (called by ``torchmn.communicators``).
+
+    Args:
+        count: ``torch.get_num_threads()`` at import.
 
     Example::
 
@@ -268,6 +260,16 @@ def launcher_thread_env(local_size: int, env: Optional[Mapping[str, str]] = None
     starts at the rank's budget. Variables the user already set are left out; when the user set
     ``OMP_NUM_THREADS`` nothing is returned (the thread configuration is theirs). A user-set
     ``TORCHMN_NUM_THREADS`` replaces the computed budget.
+
+    Args:
+        local_size: the ranks on the node.
+        env: the launcher's environment (default: ``os.environ``).
+
+    Returns:
+        The variables to add to each rank's environment.
+
+    Raises:
+        ValueError: ``TORCHMN_NUM_THREADS`` is not a positive integer.
 
     Example::
 
@@ -316,15 +318,24 @@ def _apply(threads: int, user_set: set) -> None:
 
 
 def apply_thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None) -> Optional[int]:
-    """Apply the thread budget inside a running rank; returns the thread count torchmn applied, or
-    None when the user's own ``OMP_NUM_THREADS`` is in charge (then nothing is changed). A
-    ``torch.set_num_threads(n)`` call made after ``import torchmn`` makes ``n`` the budget: torch
+    """Apply the thread budget inside a running rank. A ``torch.set_num_threads(n)`` call made after ``import torchmn`` makes ``n`` the budget: torch
     keeps it, and the OpenMP/BLAS pools and child processes get it too.
 
     ``TORCHMN_NUM_THREADS`` (set by ``torchmn run``, or by the user) is applied as given. Otherwise
     the budget is computed, applied to torch's intra-op pool and to every OpenMP/BLAS pool already
     loaded (threadpoolctl), and written to ``os.environ`` so that child processes such as DataLoader
     workers inherit it. Calling it again returns the first result.
+
+    Args:
+        local_size: the ranks on this node.
+        env: the environment (default: ``os.environ``, which is then updated).
+
+    Returns:
+        The thread count torchmn applied, or None when the user's own ``OMP_NUM_THREADS`` is in
+        charge (then nothing is changed).
+
+    Raises:
+        ValueError: ``TORCHMN_NUM_THREADS`` is not a positive integer.
 
     Example::
 
@@ -357,6 +368,13 @@ def apply_thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None
 def dataloader_workers_budget(local_size: int, env: Optional[Mapping[str, str]] = None) -> int:
     """A default ``num_workers`` for a rank's DataLoader: one less than its thread budget (the rank's
     main thread keeps one CPU), at least 0.
+
+    Args:
+        local_size: the ranks on this node.
+        env: the environment (default: ``os.environ``).
+
+    Returns:
+        The number of DataLoader workers.
 
     Example::
 

@@ -1,4 +1,4 @@
-"""What a launcher tells a process about its place in the job."""
+"""What a launcher tells a process about its place in the job, and the interface of a launcher."""
 from __future__ import annotations
 
 import dataclasses
@@ -43,6 +43,11 @@ class LaunchEnvironment:
     source: str
 
     def describe(self) -> str:
+        """One line for logs and error messages.
+
+        Returns:
+            ``source: rank R/N, local L/M, node K, rendezvous ADDR:PORT``.
+        """
         return (f"{self.source}: rank {self.rank}/{self.size}, local {self.local_rank}/{self.local_size}, "
                 f"node {self.node_rank}, rendezvous {self.master_addr}:{self.master_port}")
 
@@ -54,12 +59,40 @@ class Environment:
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
+        """Whether this launcher started the process whose environment is ``env``.
+
+        Args:
+            env: the environment.
+
+        Returns:
+            True when the launcher's variables are there.
+        """
         raise NotImplementedError
 
     @classmethod
     def read(cls, env: Mapping[str, str]) -> LaunchEnvironment:
+        """This process's place in the job, from the launcher's variables.
+
+        Args:
+            env: the environment.
+
+        Returns:
+            The place; ``source`` is the class's ``source``.
+
+        Raises:
+            ValueError: a variable is missing, malformed or does not fit the others.
+            RuntimeError: the rendezvous address cannot be known.
+        """
         raise NotImplementedError
 
 
 def environ(env: Optional[Mapping[str, str]] = None) -> Mapping[str, str]:
+    """``env``, or ``os.environ`` when it is None.
+
+    Args:
+        env: an environment, or None.
+
+    Returns:
+        The environment to read.
+    """
     return os.environ if env is None else env

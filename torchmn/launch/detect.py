@@ -15,9 +15,9 @@ from torchmn.launch.environments import (
     slurm_misuse_error,
 )
 
-# MPI comes before Slurm, unlike SPEC's list: mpirun inside an allocation inherits the batch
-# step's SLURM_* variables, which would otherwise win (see OpenMPIEnvironment). A hand-written
-# env:// launch comes last: its variables are the ones a batch script may export for its own use.
+# MPI comes before Slurm: mpirun inside an allocation inherits the batch step's SLURM_* variables,
+# which would otherwise win (see OpenMPIEnvironment). A hand-written env:// launch comes last: its
+# variables are the ones a batch script may export for its own use.
 ENVIRONMENTS: Tuple[Type[Environment], ...] = (
     TorchmnEnvironment,
     TorchrunEnvironment,
@@ -28,16 +28,41 @@ ENVIRONMENTS: Tuple[Type[Environment], ...] = (
 )
 
 
+def launcher_class(env: Optional[Mapping[str, str]] = None) -> Optional[Type[Environment]]:
+    """The class of the launcher that started this process: the one ``detect_environment`` reads.
+
+    Args:
+        env: the environment (default: ``os.environ``).
+
+    Returns:
+        The first class of ``ENVIRONMENTS`` whose ``detect`` says yes, or None for no launcher.
+
+    Example::
+
+        >>> launcher_class({"OMPI_COMM_WORLD_RANK": "0", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"}).source
+        'openmpi'
+    """
+    env = environ(env)
+    return next((kind for kind in ENVIRONMENTS if kind.detect(env)), None)
+
+
 def detect_environment(env: Optional[Mapping[str, str]] = None) -> LaunchEnvironment:
     """Read this process's rank, size, node and rendezvous from its launcher's variables.
 
-    ``env`` defaults to ``os.environ``. Launchers are tried in order: ``torchmn run``, torchrun,
-    Open MPI, MPICH / Intel MPI, Slurm (srun), torch's ``env://`` variables set by hand (source
-    ``"env"``); with none, a world of one. Nothing is initialised.
+    Launchers are tried in order: ``torchmn run``, torchrun, Open MPI, MPICH / Intel MPI, Slurm
+    (srun), torch's ``env://`` variables set by hand (source ``"env"``); with none, a world of one.
+    Nothing is initialised.
 
-    Raises ValueError when a launcher's variables are malformed or inconsistent, and RuntimeError
-    when the rendezvous address cannot be known or when a multi-task Slurm allocation runs the script
-    without srun.
+    Args:
+        env: the environment (default: ``os.environ``).
+
+    Returns:
+        This process's place in the job.
+
+    Raises:
+        ValueError: a launcher's variables are malformed or inconsistent.
+        RuntimeError: the rendezvous address cannot be known, or a multi-task Slurm allocation
+            runs the script without srun.
 
     Example::
 
@@ -47,9 +72,9 @@ def detect_environment(env: Optional[Mapping[str, str]] = None) -> LaunchEnviron
         'slurm: rank 1/2, local 1/2, node 0, rendezvous n1:24074'
     """
     env = environ(env)
-    for kind in ENVIRONMENTS:
-        if kind.detect(env):
-            return kind.read(env)
+    kind = launcher_class(env)
+    if kind is not None:
+        return kind.read(env)
     message = slurm_misuse_error(env)
     if message:
         raise RuntimeError(message)

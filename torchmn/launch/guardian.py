@@ -1,16 +1,8 @@
 """The guardian: ends a local job's processes when its launcher dies without ending them itself.
 
-The kernel sends each rank SIGTERM when the launcher dies, even by SIGKILL (PR_SET_PDEATHSIG),
-but nothing more: a rank that ignores SIGTERM, the children it started, and what it detached
-would outlive the launcher. So ``torchmn run`` starts this small process beside the ranks, in a
-session of its own (a signal to the launcher's process group or terminal does not reach it),
-holding the write end of a pipe. When the launcher ends normally it writes ``done`` first; when
-the pipe closes without it, the guardian stops every process that carries the job's
-``TORCHMN_JOB_ID`` in its environment (the ranks and all they started): SIGTERM, then SIGKILL
-after the grace period.
-
-Like the remote watcher, it runs as a plain script (``GUARDIAN_BOOTSTRAP``), without importing
-torch, which would cost seconds and hundreds of MB for a process that only waits.
+``torchmn run`` starts it beside the ranks (``GUARDIAN_BOOTSTRAP``, without torch), holding the
+write end of its stdin; when the pipe closes without ``DONE``, it stops every process that carries
+the job's ``TORCHMN_JOB_ID``. Why it is needed is in ``docs/design/launcher.md``.
 """
 from __future__ import annotations
 
@@ -19,14 +11,24 @@ import signal
 import sys
 import time
 
-GUARDIAN_BOOTSTRAP = ("import importlib.util as u, os, runpy, sys; sys.argv[0] = 'torchmn.launch.guardian'; "
-                      "runpy.run_path(os.path.join(os.path.dirname(u.find_spec('torchmn').origin), "
-                      "'launch', 'guardian.py'), run_name='__main__')")
+from torchmn.launch.procutil import bootstrap
+
+# Runs this module as the guardian without importing torch (see procutil.bootstrap).
+GUARDIAN_BOOTSTRAP = bootstrap("torchmn.launch.guardian")
+# What the launcher writes before closing the pipe when the job ended normally.
 DONE = b"done\n"
 
 
 def job_processes(variable: str, job_id: str) -> list:
-    """The processes whose environment holds ``variable=job_id`` (psutil objects)."""
+    """The processes whose environment holds ``variable=job_id``.
+
+    Args:
+        variable: the variable's name (``TORCHMN_JOB_ID``).
+        job_id: the job's value of it.
+
+    Returns:
+        psutil ``Process`` objects.
+    """
     import psutil
 
     tag = f"{variable}={job_id}".encode()
@@ -42,7 +44,12 @@ def job_processes(variable: str, job_id: str) -> list:
 
 
 def stop(variable: str, job_id: str, grace: float) -> None:
-    """SIGTERM to the job's processes, SIGKILL to those left after ``grace`` seconds."""
+    """SIGTERM to the job's processes, SIGKILL to those left after ``grace`` seconds.
+
+    Args:
+        variable, job_id: what marks the job's processes (see ``job_processes``).
+        grace: seconds between SIGTERM and SIGKILL.
+    """
     import psutil
 
     for process in job_processes(variable, job_id):
@@ -79,8 +86,14 @@ def _running(process) -> bool:
 
 
 def main(argv: list) -> int:
-    """``guardian.py VARIABLE JOB_ID GRACE``: wait for stdin to close, then stop the job unless
-    the launcher wrote ``done``."""
+    """Wait for stdin to close, then stop the job unless the launcher wrote ``DONE``.
+
+    Args:
+        argv: ``VARIABLE JOB_ID GRACE`` (see ``stop``).
+
+    Returns:
+        0.
+    """
     variable, job_id, grace = argv[0], argv[1], float(argv[2])
     received = b""
     while True:

@@ -40,7 +40,15 @@ def expand_hostlist(expr: str) -> List[str]:
         >>> expand_hostlist("a[1-2]b[3-4]")
         ['a1b3', 'a1b4', 'a2b3', 'a2b4']
 
-    Raises ValueError, quoting the expression, when it cannot be parsed.
+    Args:
+        expr: the expression, e.g. ``SLURM_STEP_NODELIST``'s value.
+
+    Returns:
+        The host names.
+
+    Raises:
+        TypeError: ``expr`` is not a string.
+        ValueError: the expression cannot be parsed, or names too many hosts (quoting it).
     """
     if not isinstance(expr, str):
         raise TypeError(f"hostlist expression must be a string, not {type(expr).__name__}")

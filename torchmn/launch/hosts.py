@@ -18,6 +18,8 @@ import re
 import socket
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from torchmn.errors import TorchmnError
+
 Hosts = List[Tuple[str, int]]
 
 # A name may not start with "-": it goes into ssh's command line, where it would read as an option.
@@ -25,7 +27,7 @@ _HOST_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.\-]*$|^\[[0-9A-Fa-f:.]+\]$")
 _LOOPBACK_NAMES = {"localhost", "localhost.localdomain", "ip6-localhost"}
 
 
-class HostsError(ValueError):
+class HostsError(TorchmnError, ValueError):
     """A ``-H`` value or hostfile that does not parse, or an ``-np`` that does not fit it."""
 
 
@@ -63,6 +65,12 @@ def _entry(text: str, where: str) -> Tuple[str, int]:
 def merge(hosts: Sequence[Tuple[str, int]]) -> Hosts:
     """Add up the slots of a host named more than once, keeping the order of first mention.
 
+    Args:
+        hosts: (host, slots) pairs.
+
+    Returns:
+        One pair per host.
+
     Example::
 
         >>> merge([("a", 1), ("b", 2), ("a", 3)])
@@ -76,6 +84,15 @@ def merge(hosts: Sequence[Tuple[str, int]]) -> Hosts:
 
 def parse_hosts(text: str) -> Hosts:
     """Parse a ``-H`` value: ``host:slots`` entries separated by commas; a bare host has 1 slot.
+
+    Args:
+        text: the value.
+
+    Returns:
+        (host, slots) pairs, a host named twice once with the slots of both.
+
+    Raises:
+        HostsError: the value does not parse.
 
     Example::
 
@@ -93,7 +110,17 @@ def parse_hostfile_text(text: str, name: str = "hostfile") -> Hosts:
     """Parse hostfile lines: ``host slots=N``, ``host:N`` or ``host``; ``#`` starts a comment.
 
     Open MPI's ``max_slots=N`` (or ``max-slots=N``) is accepted and ignored, and ``slots = N`` with
-    spaces is read as ``slots=N``. Errors name the file and the line.
+    spaces is read as ``slots=N``.
+
+    Args:
+        text: the hostfile's contents.
+        name: the file's name, for errors (which also name the line).
+
+    Returns:
+        (host, slots) pairs, a host named twice once with the slots of both.
+
+    Raises:
+        HostsError: a line does not parse, or no host is named.
 
     Example::
 
@@ -128,7 +155,17 @@ def parse_hostfile_text(text: str, name: str = "hostfile") -> Hosts:
 
 
 def parse_hostfile(path: str) -> Hosts:
-    """Read and parse a hostfile (see ``parse_hostfile_text``)."""
+    """Read and parse a hostfile (see ``parse_hostfile_text``).
+
+    Args:
+        path: the hostfile (``--hostfile``).
+
+    Returns:
+        (host, slots) pairs.
+
+    Raises:
+        HostsError: the file cannot be read or does not parse.
+    """
     try:
         with open(path) as f:
             text = f.read()
@@ -139,7 +176,17 @@ def parse_hostfile(path: str) -> Hosts:
 
 def assign_ranks(hosts: Sequence[Tuple[str, int]], np: int) -> Hosts:
     """Place ``np`` ranks on ``hosts``, filling each host's slots in order; hosts left without a
-    rank are dropped. More ranks than slots is an error.
+    rank are dropped.
+
+    Args:
+        hosts: (host, slots) pairs.
+        np: the number of ranks.
+
+    Returns:
+        (host, ranks on it) pairs.
+
+    Raises:
+        HostsError: more ranks than slots.
 
     Example::
 
@@ -166,6 +213,12 @@ def merge_local_aliases(hosts: Sequence[Tuple[str, int]]) -> Hosts:
     the first such name given, with their slots added up, as Open MPI does. Otherwise ranks there
     would count as separate nodes, each given the whole machine's threads and the same local rank.
 
+    Args:
+        hosts: (host, slots) pairs.
+
+    Returns:
+        The pairs, this machine's names merged into one.
+
     Example::
 
         >>> merge_local_aliases([("localhost", 1), ("127.0.0.1", 1)])
@@ -177,6 +230,11 @@ def merge_local_aliases(hosts: Sequence[Tuple[str, int]]) -> Hosts:
 
 
 def local_addresses() -> set:
+    """The IP addresses of this machine's interfaces.
+
+    Returns:
+        The addresses as strings (IPv6 ones without their ``%zone``).
+    """
     import psutil
 
     found = set()
@@ -190,6 +248,12 @@ def local_addresses() -> set:
 def is_local(host: str) -> bool:
     """Whether ``host`` names this machine: ``localhost``, its hostname, a loopback address, or an
     address of one of its interfaces (ranks there start without ssh).
+
+    Args:
+        host: a host name or address; a name is looked up.
+
+    Returns:
+        True for this machine.
 
     Example::
 
@@ -212,8 +276,48 @@ def is_local(host: str) -> bool:
     return bool(resolved & local_addresses())
 
 
+def is_loopback(address: str, resolve: bool = True) -> bool:
+    """Whether ``address`` names this machine's loopback interface.
+
+    Args:
+        address: a host name or an IP address.
+        resolve: look the name up (``/etc/hosts``, DNS): ``127.0.1.1``, which Debian gives the
+            machine's own hostname, counts; an address that cannot be looked up counts only as
+            ``localhost`` or ``::1``. Without it, nothing is looked up (reading a rank's
+            environment must not wait on DNS): only ``localhost`` and loopback IP addresses count.
+
+    Returns:
+        True for a loopback address.
+
+    Example::
+
+        >>> is_loopback("127.0.1.1"), is_loopback("10.1.2.3"), is_loopback("localhost", resolve=False)
+        (True, False, True)
+    """
+    if not resolve:
+        if address == "localhost":
+            return True
+        try:
+            return ipaddress.ip_address(address).is_loopback
+        except ValueError:
+            return False
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
+    except (OSError, ValueError, UnicodeError):
+        return address in ("localhost", "::1")
+
+
 def interface_address(name: str) -> str:
     """The IPv4 address of network interface ``name`` (else its first IPv6 address).
+
+    Args:
+        name: the interface (``--network-interface``), e.g. ``eth0``.
+
+    Returns:
+        The address.
+
+    Raises:
+        HostsError: there is no such interface, or it has no IP address.
 
     Example::
 
@@ -235,7 +339,13 @@ def interface_address(name: str) -> str:
 
 
 def interface_of(address: str) -> Optional[str]:
-    """The name of this machine's interface that holds ``address``; None when none does.
+    """The name of this machine's interface that holds ``address``.
+
+    Args:
+        address: an IP address.
+
+    Returns:
+        The interface's name, or None when none holds it.
 
     Example::
 
@@ -251,7 +361,14 @@ def interface_of(address: str) -> Optional[str]:
 
 
 def route_address(host: str, port: int = 22) -> Optional[str]:
-    """The address this machine would use to reach ``host`` (no packet is sent); None if unknown.
+    """The address this machine would use to reach ``host`` (no packet is sent).
+
+    Args:
+        host: the host.
+        port: a port on it (only to pick the route).
+
+    Returns:
+        The local address, or None if the host cannot be looked up or reached.
 
     Example::
 

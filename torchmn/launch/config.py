@@ -1,0 +1,101 @@
+"""The settings of one ``torchmn run`` job, and the error for a job that cannot be run as asked.
+
+The command line builds one ``LaunchConfig``; it flows ``cli -> run(config) -> Job(config)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import AbstractSet, Optional, Sequence, Tuple
+
+from torchmn.errors import TorchmnError
+from torchmn.launch.ssh import SshOptions
+
+# Seconds between SIGTERM and SIGKILL when the launcher stops its ranks.
+GRACE_SECONDS = 3.0
+# Seconds the host checks, and each remote rank's start, may take by default (--start-timeout).
+START_TIMEOUT = 60.0
+
+
+class RunError(TorchmnError):
+    """A job that cannot be started as asked; ``exit_code`` is what ``torchmn run`` exits with.
+
+    Args:
+        message: what is wrong and what to do about it.
+        exit_code: the launcher's exit code (2 by default; 127 for a command not found, ...).
+    """
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """What ``torchmn run`` was asked to do: the command line's options, checked.
+
+    Attributes:
+        command: the program each rank runs, with its arguments (a leading ``--`` is dropped).
+        np: the number of ranks (in a multi-task Slurm step: ranks per node).
+        master_port: the rendezvous port; None lets the OS pick a free one.
+        log_dir: a directory for ``rank.<r>.log`` files, or None.
+        output_ranks: the ranks whose output the console shows; None for all.
+        start_timeout: seconds the host checks, and each remote rank's start, may take
+            (None: ``START_TIMEOUT``).
+        verbose: print what the launcher does.
+        grace: seconds between SIGTERM and SIGKILL when ranks are stopped.
+        hosts: (host, slots) pairs as ``torchmn.launch.hosts.parse_hosts`` returns; ranks fill the
+            slots in order; None means this machine.
+        ssh: how to reach the other hosts (None: ``SshOptions()``).
+        exports: ``-x NAME`` / ``-x NAME=VALUE`` options, for every rank.
+        network_interface: the interface whose address other hosts use for the rendezvous (else:
+            the address the first remote host sees the launcher connect from).
+
+    Raises:
+        RunError: ``np`` below 1, no command, a port outside 1-65535, or a start timeout that is
+            not positive.
+
+    Example::
+
+        >>> LaunchConfig(["--", "python", "train.py"], np=2).command
+        ('python', 'train.py')
+        >>> LaunchConfig([], np=2)
+        Traceback (most recent call last):
+        torchmn.launch.config.RunError: no command given. Usage: torchmn run -np N [options] COMMAND [ARGS...]
+    """
+
+    command: Sequence[str]
+    np: int
+    master_port: Optional[int] = None
+    log_dir: Optional[str] = None
+    output_ranks: Optional[AbstractSet[int]] = None
+    start_timeout: Optional[float] = None
+    verbose: bool = False
+    grace: float = GRACE_SECONDS
+    hosts: Optional[Sequence[Tuple[str, int]]] = None
+    ssh: Optional[SshOptions] = None
+    exports: Sequence[str] = ()
+    network_interface: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.np < 1:
+            raise RunError(f"-np must be at least 1, got {self.np}.")
+        command = tuple(self.command)
+        if command and command[0] == "--":
+            command = command[1:]
+        if not command:
+            raise RunError("no command given. Usage: torchmn run -np N [options] COMMAND [ARGS...]")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise RunError(f"--master-port must be between 1 and 65535, got {self.master_port}.")
+        if self.start_timeout is not None and self.start_timeout <= 0:
+            raise RunError(f"--start-timeout must be positive, got {self.start_timeout:g}.")
+        # Frozen: the normalised values are set once, here.
+        normalised = {
+            "command": command,
+            "output_ranks": None if self.output_ranks is None else frozenset(self.output_ranks),
+            "start_timeout": START_TIMEOUT if self.start_timeout is None else self.start_timeout,
+            "hosts": None if self.hosts is None else tuple(self.hosts),
+            "ssh": self.ssh or SshOptions(),
+            "exports": tuple(self.exports),
+        }
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)
