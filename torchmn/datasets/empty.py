@@ -8,7 +8,20 @@ from torch.utils.data import Dataset
 
 
 class EmptyDataset(Dataset):
-    """``n`` items, each an empty tuple."""
+    """``n`` items, each an empty tuple; :func:`create_empty_dataset` makes one.
+
+    Indexing works as for a list of empty tuples: integers (negative ones count from the end, and
+    numpy or 0-d tensor integers are accepted) give ``()``, slices give a list.
+
+    Args:
+        n: the number of items.
+
+    Example::
+
+        >>> empty = torchmn.datasets.empty.EmptyDataset(2)
+        >>> empty[-1], empty[0:2]
+        ((), [(), ()])
+    """
 
     def __init__(self, n: int):
         self._n = int(n)
@@ -36,6 +49,12 @@ def create_empty_dataset(dataset) -> EmptyDataset:
 
     Useful for ranks that must step through the same number of iterations as the others without
     reading any data, e.g. the non-input stages of a model-parallel pipeline.
+
+    Args:
+        dataset: anything with ``len()``; only its length is used.
+
+    Returns:
+        An :class:`EmptyDataset` of ``len(dataset)`` items.
 
     Example::
 

@@ -1,15 +1,9 @@
-"""Splitting one dataset among ranks.
+"""Splitting one dataset among ranks: :func:`scatter_dataset` and :func:`scatter_index`.
 
-Two ways a part reaches its rank:
-
-- **Copied** (the default): only root reads the dataset; it pickles each rank's samples and sends
-  them in chunks of at most ``max_buf_len`` bytes, so a dataset far too large to pickle in one
-  piece still scatters, and root never holds more than one chunk of pickled samples at a time.
-- **Shared**: a dataset that every rank can open itself (files on a shared file system, an index
-  into storage every node sees) is marked by subclassing :class:`SharedDataset` or by a class
-  attribute ``__torchmn_shared__ = True``. Then only the dataset object itself (which should be
-  small to pickle: a path, a file list) and the index order are broadcast, and every rank reads its
-  own samples.
+A rank's part is either copied from root, in bounded chunks of pickled samples, or, for a
+:class:`SharedDataset` that every rank can open itself, read by the rank itself from the dataset
+object root broadcasts. ``docs/design/data-and-extensions.md`` explains the two ways and how a
+failure on one rank reaches the others.
 """
 from __future__ import annotations
 
@@ -46,15 +40,41 @@ class SharedDataset(Dataset):
 
 
 def is_shared(dataset: Any) -> bool:
-    """Whether ``dataset`` says every rank can open it (see :class:`SharedDataset`)."""
+    """Whether ``dataset`` says every rank can open it (see :class:`SharedDataset`).
+
+    Args:
+        dataset: any object.
+
+    Returns:
+        True if ``dataset`` (or its class) sets ``__torchmn_shared__`` to a true value.
+
+    Example::
+
+        >>> torchmn.datasets.is_shared(Images(files)), torchmn.datasets.is_shared([1, 2])
+        (True, False)
+    """
     return bool(getattr(dataset, "__torchmn_shared__", False))
 
 
 class DatasetPart(Dataset):
-    """One rank's part of a scattered dataset.
+    """One rank's part of a scattered dataset, as :func:`scatter_dataset` returns it.
 
     ``indices`` are the positions of its items in root's dataset (after shuffling), so
-    ``part[i]`` is ``dataset[part.indices[i]]``.
+    ``part[i]`` is ``dataset[part.indices[i]]``. Indexing works as for a list: negative integers
+    count from the end, and a slice gives a list of items.
+
+    Args:
+        base: the dataset the items are read from: root's dataset, or the samples this rank
+            received.
+        indices: the positions of the part's items in root's dataset.
+        positions: where each item is in ``base``; ``None`` means ``indices`` (``base`` is then
+            the whole dataset).
+
+    Example::
+
+        >>> part = torchmn.scatter_dataset(data if comm.rank == 0 else None, comm)
+        >>> len(part), part.indices[:3]    # rank 0 of 3, 1000 samples
+        (334, [0, 1, 2])
     """
 
     def __init__(self, base: Any, indices: Sequence[int], positions: Optional[Sequence[int]] = None):
@@ -96,6 +116,20 @@ def scatter_index(n_total: Optional[int], comm, root: int = 0, *, force_equal_le
     ``size`` does not divide ``n_total``; ``end`` never exceeds ``n_total``. ``False``: the
     ranges do not overlap and cover ``range(n_total)`` exactly; the first ``n_total % size``
     ranks get one more.
+
+    Args:
+        n_total: the number of indices to split; only root's counts.
+        comm: the communicator whose ranks share the range.
+        root: the rank whose ``n_total`` is used.
+        force_equal_length: equal-length, possibly overlapping ranges (``True``) or disjoint
+            ones (``False``), as described above.
+
+    Returns:
+        ``(begin, end)``: this rank's half-open range of indices.
+
+    Raises:
+        ValueError: ``root`` is not a rank of ``comm``, or root's ``n_total`` is not an integer
+            ``>= 0`` (then every rank raises).
 
     Example::
 
@@ -214,6 +248,30 @@ def scatter_dataset(dataset: Any, comm, root: int = 0, shuffle: bool = False, se
     Samples are copied to their rank in chunks of at most ``max_buf_len`` pickled bytes, unless
     the dataset is a :class:`SharedDataset` (or sets ``__torchmn_shared__ = True``): then only
     the dataset object and the order are broadcast and each rank reads its own samples.
+
+    Args:
+        dataset: the dataset to split, on root (anything with ``len()`` and integer indexing);
+            ``None`` on every other rank.
+        comm: the communicator whose ranks get the parts.
+        root: the rank that holds ``dataset``.
+        shuffle: permute the samples before splitting.
+        seed: the seed of root's permutation; ``None`` for a random one.
+        max_buf_len: the most pickled bytes root sends in one chunk (a single larger sample
+            travels alone).
+        force_equal_length: equal-length, possibly overlapping parts (``True``) or disjoint ones
+            (``False``), as for :func:`scatter_index`.
+
+    Returns:
+        This rank's :class:`DatasetPart`.
+
+    Raises:
+        ValueError: ``root`` is not a rank or ``max_buf_len`` is not positive; or, on every rank,
+            root passed ``None`` or a dataset without ``len()``, another rank passed a dataset,
+            or root could not pickle its shared dataset.
+        RuntimeError: this rank could not unpickle a sample of its part, or received fewer
+            samples than its part holds.
+        RemoteRankError: the scatter failed on another rank (root reading or sending a part,
+            another rank unpickling its own); the rank where it failed raises its own error.
 
     Example::
 

@@ -19,6 +19,16 @@ class GenericMultiNodeEvaluator(abc.ABC):
     ``evaluate_local`` fails on some rank, root raises too (and, with ``broadcast=True``, so does
     every rank).
 
+    Subclasses implement :meth:`evaluate_local` and :meth:`aggregate`.
+
+    Args:
+        comm: the communicator whose ranks evaluate.
+        root: the rank that aggregates.
+        broadcast: return the aggregate on every rank, not only on ``root``.
+
+    Raises:
+        ValueError: ``root`` is not a rank of ``comm``.
+
     Example::
 
         >>> class AUC(torchmn.GenericMultiNodeEvaluator):
@@ -38,13 +48,43 @@ class GenericMultiNodeEvaluator(abc.ABC):
 
     @abc.abstractmethod
     def evaluate_local(self, *args: Any, **kwargs: Any) -> Any:
-        """This rank's result over its shard; anything picklable."""
+        """This rank's result over its shard; anything picklable.
+
+        Args:
+            *args, **kwargs: what the evaluator was called with.
+
+        Returns:
+            This rank's local result, gathered to root for :meth:`aggregate`.
+        """
 
     @abc.abstractmethod
     def aggregate(self, results: list) -> Any:
-        """Combine every rank's local result (``results[r]`` is rank ``r``'s); runs on root only."""
+        """Combine every rank's local result (``results[r]`` is rank ``r``'s); runs on root only.
+
+        Args:
+            results: the :meth:`evaluate_local` result of every rank, in rank order.
+
+        Returns:
+            The aggregate, which calling the evaluator returns on root (on every rank with
+            ``broadcast=True``).
+        """
 
     def __call__(self, *args: Any, **kwargs: Any) -> Optional[Any]:
+        """Evaluate on every rank and aggregate on root. Every rank must call it together.
+
+        Args:
+            *args, **kwargs: passed to :meth:`evaluate_local`.
+
+        Returns:
+            The aggregate on root, and on every rank with ``broadcast=True``; ``None`` on the
+            other ranks otherwise.
+
+        Raises:
+            RemoteRankError: on root (on every rank with ``broadcast=True``), when
+                ``evaluate_local`` failed on another rank; with ``broadcast=True``, also on the
+                other ranks when ``evaluate_local`` or ``aggregate`` failed on root. The rank where
+                either failed raises that error itself, also when its result cannot be pickled.
+        """
         comm, root = self.comm, self.root
         try:
             local = (_OK, self.evaluate_local(*args, **kwargs))

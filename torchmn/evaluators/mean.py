@@ -39,13 +39,38 @@ def _local(result: Any, rank: int) -> tuple[dict[str, float], int]:
 
 
 class MultiNodeEvaluator:
-    """Callable made by :func:`create_multi_node_evaluator`."""
+    """Callable made by :func:`create_multi_node_evaluator`: ``fn``'s metrics, averaged over ranks.
+
+    Args:
+        fn: the per-rank evaluation, returning ``(means, n)`` or a dict of means.
+        comm: the communicator whose ranks evaluate.
+
+    Example::
+
+        >>> evaluator = torchmn.evaluators.MultiNodeEvaluator(evaluate, comm)
+        >>> evaluator()["loss"]
+    """
 
     def __init__(self, fn: Callable[..., Any], comm):
         self.fn = fn
         self.comm = comm
 
     def __call__(self, *args: Any, **kwargs: Any) -> dict[str, float]:
+        """Run ``fn`` on this rank and average its metrics over all ranks' samples.
+
+        Args:
+            *args, **kwargs: passed to ``fn``.
+
+        Returns:
+            ``{metric: global mean}``, the same on every rank.
+
+        Raises:
+            TypeError, ValueError: ``fn`` returned something other than ``(dict, n)`` or a dict of
+                numbers, or ``n`` is not an integer ``>= 0`` (on the rank that returned it).
+            RuntimeError: ``fn`` failed, or returned such a result, on another rank; the rank where
+                it failed raises its own error.
+            ValueError: the ranks that saw samples reported different metric names (every rank).
+        """
         comm = self.comm
         try:
             mine: Any = _local(self.fn(*args, **kwargs), comm.rank)
@@ -86,6 +111,14 @@ def create_multi_node_evaluator(fn: Callable[..., Any], comm) -> MultiNodeEvalua
     any rank is ``nan`` (and the result is ``{}`` if none was named). ``fn`` may also return a
     plain dict: it counts as ``n = 1``, so the result is the plain mean over ranks. Values may be
     numbers or one-element tensors. Every rank must call the wrapper together.
+
+    Args:
+        fn: the per-rank evaluation, returning ``(means, n)`` or a dict of means.
+        comm: the communicator whose ranks evaluate.
+
+    Returns:
+        A :class:`MultiNodeEvaluator`; calling it with ``fn``'s arguments returns
+        ``{metric: global mean}`` on every rank.
 
     Example::
 

@@ -20,6 +20,10 @@ class AllreducePersistent(extension.Extension):
     back bit for bit, and a float16 one whose sum over ranks passes 65504 does not overflow.
     Every rank must call it together, with the same model structure.
 
+    Args:
+        model: the module whose buffers are averaged.
+        comm: the communicator whose ranks hold copies of ``model``.
+
     Example::
 
         >>> manager.extend(torchmn.extensions.AllreducePersistent(model, comm))
@@ -34,6 +38,11 @@ class AllreducePersistent(extension.Extension):
 
     @torch.no_grad()
     def __call__(self, manager: Optional[object] = None) -> None:
+        """Average the buffers now, in place.
+
+        Args:
+            manager: the ``ExtensionsManager`` when run as an extension; not used.
+        """
         groups: dict[torch.device, list[torch.Tensor]] = {}
         seen = set()
         for module in self.model.modules():

@@ -22,6 +22,15 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
     Every rank must use it with the same arguments. ``mode``: ``"min"``, ``"max"`` or ``"auto"``
     (``"max"`` when ``monitor`` names an accuracy).
 
+    Args:
+        comm: the communicator whose ranks train together.
+        monitor: the observation key judged, e.g. ``"val/loss"``.
+        patience: how many checks without improvement stop training.
+        mode: ``"min"``, ``"max"`` or ``"auto"``, as above.
+        max_trigger: stops training in any case (ppe's trigger forms, e.g. ``(100, "epoch")``).
+        check_trigger: the interval at whose end the mean is compared.
+        verbose: print, on rank 0, the operator chosen and when training stops.
+
     Example::
 
         >>> stop = torchmn.extensions.MultiNodeEarlyStoppingTrigger(comm, monitor="val/loss", patience=3)
@@ -103,10 +112,17 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
         """The best value, the patience used up, and this interval's observations so far.
 
         ``manager``: what :func:`~torchmn.extensions.multi_node_snapshot` passes. A snapshot is
-        taken among an iteration's extensions, before this trigger checks that iteration; the
-        state then also holds that check (the observation, whether the intervals end there), which
-        the restored trigger makes first, so that a resumed run stops where an uninterrupted one
-        would.
+        taken among an iteration's extensions, ahead of this trigger's check of that iteration;
+        the state then also holds that check (the observation, whether the intervals end there),
+        which the restored trigger makes first, so that a resumed run stops where an uninterrupted
+        one would.
+
+        Args:
+            manager: the ``ExtensionsManager`` being snapshotted, or ``None`` for the trigger's
+                own state alone.
+
+        Returns:
+            A dict for :meth:`load_state_dict`.
 
         Example::
 
@@ -123,6 +139,11 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned.
+
+        Args:
+            state: a dict :meth:`state_dict` returned.
+        """
         self.best = state["best"]
         self.count = state["count"]
         self._sum = state.get("sum", 0.0)

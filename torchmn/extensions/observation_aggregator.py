@@ -13,6 +13,20 @@ from torchmn.extensions._values import to_float
 
 
 def mean(values: Sequence[float]) -> float:
+    """The arithmetic mean: :class:`ObservationAggregator`'s default ``aggregator``.
+
+    Args:
+        values: one number per rank that observed the key (never empty: when no rank did,
+            nothing is aggregated).
+
+    Returns:
+        ``sum(values) / len(values)``.
+
+    Example::
+
+        >>> torchmn.extensions.observation_aggregator.mean([1.0, 2.0, 6.0])
+        3.0
+    """
     return sum(values) / len(values)
 
 
@@ -32,6 +46,18 @@ class ObservationAggregator(extension.Extension):
     would average the global value of one iteration with local values of the others, so that
     combination is refused. With a coarser ``comm_trigger`` (one allgather per epoch instead of
     per iteration), report under a new key.
+
+    Args:
+        comm: the communicator whose ranks report ``original_key``.
+        original_key: the observation key to aggregate.
+        aggregated_key: the key to report the aggregate under; ``None`` for ``original_key``.
+        comm_trigger: when to aggregate (ppe's trigger forms), by default every iteration.
+        aggregator: turns the list of rank means into the reported value; ``None`` for
+            :func:`mean`.
+
+    Raises:
+        ValueError: ``aggregated_key`` is ``original_key`` (or ``None``) and ``comm_trigger``
+            does not fire every iteration.
 
     Example::
 
@@ -63,14 +89,29 @@ class ObservationAggregator(extension.Extension):
         self._values: list[float] = []
 
     def initialize(self, manager) -> None:
+        """Make ``comm_trigger`` fire at the same iterations on every rank.
+
+        Args:
+            manager: the ``ExtensionsManager`` running this extension.
+        """
         self.comm_trigger = agreed(self.comm_trigger, self.comm)  # an allgather: every rank must join it
 
     def state_dict(self) -> dict:
+        """This rank's observations of the open interval, and ``comm_trigger``'s state.
+
+        Returns:
+            A dict for :meth:`load_state_dict`.
+        """
         # This rank's observations of an interval still open, so that a resumed run reports the
         # same value for it as an uninterrupted one.
         return {"values": list(self._values), "comm_trigger": self.comm_trigger.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what :meth:`state_dict` returned.
+
+        Args:
+            state: a dict :meth:`state_dict` returned.
+        """
         self._values = list(state.get("values", []))
         if "comm_trigger" in state:
             self.comm_trigger.load_state_dict(state["comm_trigger"])

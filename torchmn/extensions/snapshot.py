@@ -1,13 +1,9 @@
 """Per-rank snapshots, written atomically, resumed from the newest iteration every rank has.
 
-Each rank writes its own file, named by ``filename`` with the fields ``{iteration}`` and
-``{rank}`` (default ``snapshot_iter_{iteration}_rank{rank}``), in the manager's output directory.
-A file is written to a temporary name in the same directory, flushed to disk with ``fsync`` and
-renamed over the final name, so a crash never leaves a half-written snapshot under a real name.
-
-A crash can still leave ranks with different sets of snapshots (one rank finished writing
-iteration 300, another died first). :func:`resume_latest` therefore lists each rank's iterations,
-intersects them over all ranks and loads the newest common one everywhere.
+:func:`multi_node_snapshot` makes the extension that writes one file per rank and iteration;
+:func:`resume_latest` loads, on every rank, the newest iteration all ranks have.
+``docs/design/data-and-extensions.md`` explains the file names, the atomic write and how resuming
+picks its iteration.
 """
 from __future__ import annotations
 
@@ -50,12 +46,49 @@ def _pattern(filename: str, rank: int) -> re.Pattern:
 
 
 def snapshot_path(out_dir: str, filename: str, iteration: int, rank: int) -> str:
+    """The path of ``rank``'s snapshot of ``iteration``.
+
+    Args:
+        out_dir: the snapshot directory.
+        filename: the file name pattern, with the fields ``{iteration}`` and ``{rank}``.
+        iteration: the iteration.
+        rank: the rank.
+
+    Returns:
+        ``out_dir`` joined with ``filename`` filled in.
+
+    Raises:
+        ValueError: ``filename`` is not a plain file name holding both ``{iteration}`` and
+            ``{rank}`` (and no other field).
+
+    Example::
+
+        >>> torchmn.extensions.snapshot.snapshot_path("result", DEFAULT_FILENAME, 300, 1)
+        'result/snapshot_iter_300_rank1'
+    """
     _pattern(filename, rank)
     return os.path.join(out_dir, filename.format(iteration=iteration, rank=rank))
 
 
 def available_iterations(out_dir: str, rank: int, filename: str = DEFAULT_FILENAME) -> dict[int, str]:
-    """``{iteration: path}`` of the snapshots ``rank`` has in ``out_dir`` (no communication)."""
+    """``{iteration: path}`` of the snapshots ``rank`` has in ``out_dir`` (no communication).
+
+    Args:
+        out_dir: the snapshot directory; one that does not exist holds no snapshot.
+        rank: the rank whose files are listed.
+        filename: the file name pattern the snapshots were written with.
+
+    Returns:
+        The iteration of each of ``rank``'s snapshots, mapped to its path.
+
+    Raises:
+        ValueError: ``filename`` is not a valid pattern (see :func:`snapshot_path`).
+
+    Example::
+
+        >>> torchmn.extensions.available_iterations("result", comm.rank)
+        {200: 'result/snapshot_iter_200_rank0', 300: 'result/snapshot_iter_300_rank0'}
+    """
     pattern = _pattern(filename, rank)
     if not os.path.isdir(out_dir):
         return {}
@@ -68,7 +101,24 @@ def available_iterations(out_dir: str, rank: int, filename: str = DEFAULT_FILENA
 
 
 def atomic_save(obj: Any, path: str, savefun: Callable[[Any, Any], None] = torch.save) -> None:
-    """``savefun(obj, file)`` into a temporary file beside ``path``, fsync it, rename it to ``path``."""
+    """``savefun(obj, file)`` into a temporary file beside ``path``, fsync it, rename it to ``path``.
+
+    A crash therefore never leaves a half-written file under ``path``. The directory is created
+    if needed.
+
+    Args:
+        obj: what to save.
+        path: the final path.
+        savefun: writes ``obj`` to an open binary file.
+
+    Raises:
+        Exception: whatever ``savefun`` or the file system raised, once the temporary file is
+            removed.
+
+    Example::
+
+        >>> torchmn.extensions.snapshot.atomic_save(model.state_dict(), "result/model.pt")
+    """
     directory = os.path.dirname(path) or "."
     os.makedirs(directory, exist_ok=True)
     fd, tmp = _create_temporary(path)
@@ -114,7 +164,20 @@ def _create_temporary(path: str) -> tuple:
 
 def remove_leftover_temporaries(out_dir: str, rank: int, filename: str = DEFAULT_FILENAME) -> None:
     """Delete ``rank``'s temporary snapshot files that a killed run left in ``out_dir``: repeated
-    crashes would fill the disk. Only for the job that writes them, before it writes any."""
+    crashes would fill the disk. Only for the job that writes them, ahead of its first write.
+
+    Args:
+        out_dir: the snapshot directory; one that does not exist is left alone.
+        rank: the rank whose temporaries are removed.
+        filename: the file name pattern the snapshots are written with.
+
+    Raises:
+        ValueError: ``filename`` is not a valid pattern (see :func:`snapshot_path`).
+
+    Example::
+
+        >>> torchmn.extensions.snapshot.remove_leftover_temporaries("result", comm.rank)
+    """
     pattern = _pattern(filename, rank)
     if not os.path.isdir(out_dir):
         return
@@ -174,6 +237,28 @@ def resume_latest(target: Any, comm, out_dir: str, filename: str = DEFAULT_FILEN
     ranks (nothing is loaded then). If loading fails on any rank, every rank raises. Every rank
     must call it together. ``loadfun(path)`` defaults to ``torch.load(path, map_location="cpu")``.
 
+    Args:
+        target: what to load into: an ``ExtensionsManager``, an object with ``load_state_dict``,
+            or a dict of them.
+        comm: the communicator whose ranks resume together.
+        out_dir: the snapshot directory.
+        filename: the file name pattern the snapshots were written with.
+        loadfun: reads a snapshot file into the saved state.
+
+    Returns:
+        The iteration resumed from, the same on every rank, or ``None`` if no iteration is common
+        to all ranks.
+
+    Raises:
+        ValueError: ``filename`` is not a valid pattern (see :func:`snapshot_path`).
+        RuntimeError: loading failed on this rank, and on no lower rank.
+        RemoteRankError: loading failed on a lower rank, or on another rank while this one loaded
+            its snapshot: when loading fails anywhere, every rank raises.
+
+    Warns:
+        RuntimeWarning: on rank 0, when some rank has snapshots but no iteration is common to all
+            ranks (training then starts afresh and may overwrite them).
+
     Example::
 
         >>> it = torchmn.extensions.resume_latest(manager, comm, "result")
@@ -190,10 +275,10 @@ def resume_latest(target: Any, comm, out_dir: str, filename: str = DEFAULT_FILEN
                 newest = max(max(everyone[r]) for r in have)
                 found = (f"rank(s) {_ranks(have)} have some, up to iteration {newest}; rank(s) {_ranks(lack)} "
                          f"have none")
-                why = (f"If a rank crashed before its first snapshot, that is right. If the job now has more "
-                       f"ranks than when they were written, each new rank needs a file of its own: copy one "
-                       f"rank's snapshot to the new ranks' names (data-parallel ranks hold the same model) or "
-                       f"move the old ones away.")
+                why = ("If a rank crashed before its first snapshot, that is right. If the job now has more "
+                       "ranks than when they were written, each new rank needs a file of its own: copy one "
+                       "rank's snapshot to the new ranks' names (data-parallel ranks hold the same model) or "
+                       "move the old ones away.")
             else:
                 found = "; ".join(f"rank {r}'s newest: {', '.join(map(str, sorted(its)[-3:]))}"
                                   for r, its in enumerate(everyone))
@@ -224,7 +309,23 @@ def _ranks(ranks: list[int]) -> str:
 
 
 class MultiNodeSnapshot(extension.Extension):
-    """Extension made by :func:`multi_node_snapshot`."""
+    """Extension made by :func:`multi_node_snapshot`, which describes it.
+
+    Args:
+        comm, filename, savefun, target, n_retains, autoload, out_dir, loadfun: as for
+            :func:`multi_node_snapshot`.
+
+    Attributes:
+        resumed_from: the iteration ``autoload`` resumed from, or ``None``.
+
+    Raises:
+        ValueError: ``filename`` is not a valid pattern (see :func:`snapshot_path`).
+
+    Example::
+
+        >>> snap = torchmn.extensions.MultiNodeSnapshot(comm, autoload=True)
+        >>> manager.extend(snap, trigger=(1000, "iteration"))
+    """
 
     trigger = 1, "epoch"
     priority = extension.PRIORITY_SNAPSHOT
@@ -248,6 +349,11 @@ class MultiNodeSnapshot(extension.Extension):
         return self.out_dir if self.out_dir is not None else manager.out
 
     def initialize(self, manager) -> None:
+        """Agree on the trigger, remove leftover temporaries and, with ``autoload``, resume.
+
+        Args:
+            manager: the ``ExtensionsManager`` running this extension.
+        """
         agree_on_own_trigger(self, manager, self.comm)
         # Here, not in resume_latest, which a job that only reads the snapshots may call while
         # this one writes them.
@@ -289,6 +395,22 @@ def multi_node_snapshot(comm, filename: str = DEFAULT_FILENAME, savefun: Callabl
     ``TimeTrigger``, a value trigger) fires as rank 0 decides, on every rank, so that the ranks
     snapshot the same iterations. ``n_retains`` removes only iterations older than the one just
     written: higher iterations another run left in the same directory are left alone.
+
+    Args:
+        comm: the communicator whose ranks snapshot together.
+        filename: the file name pattern, with the fields ``{iteration}`` and ``{rank}``.
+        savefun: writes the state to an open binary file.
+        target: what to save; ``None`` for the manager.
+        n_retains: how many of this rank's newest snapshots to keep; ``<= 0`` keeps all.
+        autoload: resume from the newest common iteration when training starts.
+        out_dir: the snapshot directory; ``None`` for the manager's output directory.
+        loadfun: reads a snapshot file, for ``autoload``.
+
+    Returns:
+        A :class:`MultiNodeSnapshot` to pass to ``manager.extend``.
+
+    Raises:
+        ValueError: ``filename`` is not a valid pattern (see :func:`snapshot_path`).
 
     Example::
 

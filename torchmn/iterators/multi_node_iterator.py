@@ -12,7 +12,26 @@ _BATCH, _STOP, _ERROR = 0, 1, 2
 
 class MultiNodeIterator:
     """An iterable whose batches come from ``loader`` on ``rank_master`` (see
-    :func:`create_multi_node_iterator`)."""
+    :func:`create_multi_node_iterator`, which makes one).
+
+    Each ``for`` loop over it is one epoch; ``epoch`` counts the epochs finished on this rank.
+    ``len()`` is the master's ``len(loader)`` on every rank.
+
+    Args:
+        loader: the iterable to read on ``rank_master``; other ranks may pass ``None``.
+        comm: the communicator whose ranks get the batches.
+        rank_master: the rank that reads ``loader``.
+
+    Raises:
+        ValueError: ``rank_master`` is not a rank of ``comm``; or, on every rank, the master
+            passed ``loader=None`` or ``len()`` of its loader failed.
+
+    Example::
+
+        >>> it = torchmn.iterators.MultiNodeIterator(loader if comm.rank == 0 else None, comm)
+        >>> len(it), it.epoch
+        (100, 0)
+    """
 
     def __init__(self, loader: Optional[Iterable], comm, rank_master: int = 0):
         comm.check_rank(rank_master, "rank_master")
@@ -39,12 +58,26 @@ class MultiNodeIterator:
             raise ValueError(f"create_multi_node_iterator: {problem} (raised on rank {comm.rank})")
 
     def __len__(self) -> int:
+        """The number of batches in an epoch: the master's ``len(loader)``.
+
+        Raises:
+            TypeError: the master's loader has no ``len()`` (e.g. over an ``IterableDataset``).
+        """
         if self._length is None:
             raise TypeError(f"the loader on master rank {self.rank_master} has no len()")
         return self._length
 
     def __iter__(self) -> Iterator[Any]:
-        """One epoch. Every rank must start it, and consume it, in step with the others."""
+        """One epoch. Every rank must start it, and consume it, in step with the others.
+
+        Yields:
+            The master's batches: on the master as its loader made them, on the other ranks with
+            every tensor on CPU.
+
+        Raises:
+            RemoteRankError: on every rank but the master, when the master's loader (or pickling
+                a batch) failed; the master raises that error itself.
+        """
         comm, master = self.comm, self.rank_master
         source = None
         while True:
@@ -89,6 +122,19 @@ def create_multi_node_iterator(loader: Optional[Iterable], comm, rank_master: in
     leaves the others waiting); each ``for`` loop over it is one epoch, and it ends on every rank
     after the same batch. If the master's loader raises, the master raises that error and the
     other ranks raise :class:`~torchmn.communicators.errors.RemoteRankError`.
+
+    Args:
+        loader: the iterable to read (a ``DataLoader``, or any iterable of picklable batches) on
+            ``rank_master``; other ranks may pass ``None``.
+        comm: the communicator whose ranks get the batches.
+        rank_master: the rank that reads ``loader``.
+
+    Returns:
+        A :class:`MultiNodeIterator`.
+
+    Raises:
+        ValueError: ``rank_master`` is not a rank of ``comm``; or, on every rank, the master
+            passed ``loader=None`` or ``len()`` of its loader failed.
 
     Example::
 
