@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from workers.data_jobs import all_checks_output
+from jobs import assert_check_passed
+from workers.data_jobs import data_check_output
 from torchmn.communicators import make_communicator
 from torchmn.datasets import (DatasetPart, SharedDataset, create_empty_dataset, is_shared, scatter_dataset,
                               scatter_index)
@@ -21,10 +22,11 @@ def solo():
     return make_communicator("naive", rank=0, size=1, group=None, obj_group=None, backend="gloo", node_key=0)
 
 
+@pytest.mark.check_job("data")
 @pytest.mark.parametrize("np", [2, 3])
 @pytest.mark.parametrize("check", CHECKS)
-def test_across_ranks(np, check):
-    assert f"PASS {check} " in all_checks_output(np)
+def test_across_ranks(np, check, request):
+    assert_check_passed(data_check_output(request, np), check)
 
 
 def ranges_of(n, size, **kw):
@@ -144,7 +146,7 @@ class Feature(torch.Tensor):
 
 
 def test_tensor_views_travel_without_their_whole_storage():
-    from torchmn.communicators._pickle import dumps
+    from torchmn.communicators.pickling import dumps
 
     table = torch.randn(4000, 784)  # 12.5 MB; one row is 3 KB
     ds = torch.utils.data.TensorDataset(table, torch.arange(4000))

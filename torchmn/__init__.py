@@ -13,6 +13,7 @@ does not need pytorch-pfn-extras.
 """
 from torchmn.communicators import CollectiveMismatchError, CollectiveTimeoutError, Communicator, create_communicator
 from torchmn.datasets import SharedDataset, create_empty_dataset, scatter_dataset, scatter_index
+from torchmn.errors import TorchmnError
 from torchmn.evaluators import GenericMultiNodeEvaluator, create_multi_node_evaluator
 from torchmn.iterators import create_multi_node_iterator
 from torchmn.optimizers import MultiNodeOptimizer, ShardedMultiNodeOptimizer, create_multi_node_optimizer
@@ -23,5 +24,5 @@ __all__ = [
     "CollectiveMismatchError", "CollectiveTimeoutError", "Communicator", "GenericMultiNodeEvaluator", "MultiNodeOptimizer",
     "ShardedMultiNodeOptimizer", "SharedDataset", "create_communicator", "create_empty_dataset",
     "create_multi_node_evaluator", "create_multi_node_iterator", "create_multi_node_optimizer",
-    "scatter_dataset", "scatter_index", "__version__",
+    "scatter_dataset", "scatter_index", "TorchmnError", "__version__",
 ]

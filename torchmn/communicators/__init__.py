@@ -40,9 +40,27 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
 
     Detects how the job was launched (``torchmn run``, torchrun, Slurm, Open MPI, MPICH, or a plain
     ``python script.py``, a world of one that opens no port), applies the per-rank CPU thread budget,
-    and reuses a default process group the script already initialised. ``timeout`` (a
-    ``datetime.timedelta`` or seconds; default ``TORCHMN_TIMEOUT``, else 600 s) is how long a
-    collective waits for the other ranks before raising :class:`CollectiveTimeoutError`.
+    and reuses a default process group the script already initialised.
+
+    Args:
+        name: the gradient-averaging algorithm: ``"auto"`` (the fastest correct one for the
+            topology), ``"naive"``, ``"flat"`` or ``"hierarchical"``.
+        backend: ``"gloo"`` or ``"nccl"``; default NCCL where CUDA is available, else gloo.
+        timeout: how long a collective waits for the other ranks before raising
+            :class:`CollectiveTimeoutError` (a ``datetime.timedelta`` or seconds; default
+            ``TORCHMN_TIMEOUT``, else 600 s).
+        init_method: as ``torch.distributed.init_process_group``'s (``env://``,
+            ``tcp://host:port``, ``file:///shared/path``); default: from the launcher.
+        bucket_cap_mb: how many MB of gradients go in one message (default 25).
+
+    Returns:
+        The :class:`Communicator` of this rank.
+
+    Raises:
+        ValueError: an unknown ``name``, a bad ``timeout``, or malformed launcher variables.
+        RuntimeError: the rendezvous cannot be reached or set up (the message names the ranks
+            that never arrived, or what to check).
+        CollectiveMismatchError: the ranks asked for different algorithms.
 
     Example::
 
@@ -76,7 +94,7 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
         rank, size, owns = env.rank, env.size, True
     group = dist.group.WORLD if dist.is_initialized() else None
     obj_group = group
-    if backend == "nccl":
+    if backend == "nccl" and group is not None:
         # Objects and control traffic always travel on CPU through gloo.
         obj_group = dist.new_group(backend="gloo")
     # A node is what the launcher calls one; else (MPI, or a world the script set up itself) a host.
@@ -109,5 +127,5 @@ def _as_timedelta(timeout) -> Optional[datetime.timedelta]:
 
 
 __all__ = ["Communicator", "CommunicatorBase", "CollectiveMismatchError", "CollectiveTimeoutError", "PeerLostError",
-           "RemoteRankError", "NaiveCommunicator", "FlatCommunicator", "HierarchicalCommunicator", "create_communicator",
-           "make_communicator"]
+           "RemoteRankError", "NaiveCommunicator", "FlatCommunicator", "HierarchicalCommunicator",
+           "create_communicator", "make_communicator"]

@@ -4,11 +4,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from torchmn.communicators import _torch_compat
 from torchmn.communicators._async_utility import AndThen, finish
 
 
 def reduce_scatter_single(shard: torch.Tensor, flat: torch.Tensor, group, async_op: bool = False):
-    """``dist.reduce_scatter_single``, except through gloo: there an all-to-all, then a local sum.
+    """torch's single-tensor reduce-scatter, except through gloo: there an all-to-all, then a local sum.
 
     gloo has no reduce-scatter of its own: torch runs one as an allreduce of the whole buffer and
     keeps a chunk, twice the traffic. An all-to-all moves each rank only the chunks it sums
@@ -29,7 +30,7 @@ def reduce_scatter_single(shard: torch.Tensor, flat: torch.Tensor, group, async_
     """
     backend = dist.get_backend(group)  # "gloo", or per device: "cpu:gloo,cuda:nccl"
     if not (backend == "gloo" or (flat.device.type == "cpu" and "cpu:gloo" in backend)):
-        return dist.reduce_scatter_single(shard, flat, group=group, async_op=async_op)
+        return _torch_compat.reduce_scatter_single(shard, flat, group=group, async_op=async_op)
     chunks = torch.empty_like(flat)
     work = dist.all_to_all_single(chunks, flat, group=group, async_op=True)
     n = dist.get_world_size(group)

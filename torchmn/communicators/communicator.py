@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from torchmn.communicators import _call_check, _wire, watch
+from torchmn.communicators._torch_compat import all_gather_single
 from torchmn.communicators._async_utility import Completed
 from torchmn.communicators._gloo_utility import reduce_scatter_single
 from torchmn.communicators._group_utility import match_group_counts, torch_group_count
@@ -76,7 +77,9 @@ class Communicator(TensorCollectives, ObjectCollectives, ModelCollectives, Commu
         self._data_device = torch.device("cpu")  # until the topology tells which GPU (NCCL)
         self._set_topology(node_key)
         if backend == "nccl":
-            self.device = torch.device("cuda", self.intra_rank)
+            # The GPU set-up chose (_setup.init_world): a launcher that shows each rank only its
+            # own GPUs (Slurm's --gpus-per-task, CUDA_VISIBLE_DEVICES) numbers them from 0 again.
+            self.device = torch.device("cuda", self.intra_rank % max(1, torch.cuda.device_count()))
         else:
             self.device = torch.device("cpu")
         self._data_device = self.device  # where headers and byte buffers live for this backend
@@ -159,7 +162,7 @@ class Communicator(TensorCollectives, ObjectCollectives, ModelCollectives, Commu
         if self.size == 1:
             return mine.unsqueeze(0).cpu()
         out = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=device)
-        dist.all_gather_single(out, mine.reshape(-1), group=group)
+        all_gather_single(out, mine.reshape(-1), group=group)
         out = out.reshape((self.size,) + tuple(mine.shape)).cpu()
         return out if self._identity_order else out[self._group_ranks]
 
@@ -278,7 +281,7 @@ class Communicator(TensorCollectives, ObjectCollectives, ModelCollectives, Commu
         if not self._identity_order:  # as in reduce_scatter_flat
             chunks = self._group_order(list(flat.split(shard.numel())))
             return dist.all_gather(chunks, shard, group=self._group, async_op=async_op)
-        return dist.all_gather_single(flat, shard, group=self._group, async_op=async_op)
+        return all_gather_single(flat, shard, group=self._group, async_op=async_op)
 
     def open_node_arena(self, shared_bytes: int, region_bytes: int):
         return None

@@ -18,36 +18,42 @@ class CommunicatorBase(abc.ABC):
         rank, size: this rank and the number of ranks.
         intra_rank, intra_size: this rank's index among the ranks of its node, and their number.
         inter_rank, inter_size: this node's index and the number of nodes.
-        device: the ``torch.device`` this rank computes on (``cuda:<intra_rank>`` or ``cpu``).
+        device: the ``torch.device`` this rank computes on (``cpu``, or under NCCL the GPU
+            ``cuda:<intra_rank % visible GPUs>``).
         backend: ``"gloo"`` or ``"nccl"``.
         name: the gradient-averaging algorithm (``"naive"``, ``"flat"``, ``"hierarchical"``).
 
     Tensor and object collectives check, on every rank, that all ranks made the same call, and
     raise :class:`~torchmn.CollectiveMismatchError` on every rank where they did not. A rank that
     never makes the call is named in the others' :class:`~torchmn.CollectiveTimeoutError`.
+
+    Example::
+
+        >>> comm = torchmn.create_communicator()
+        >>> comm.rank, comm.size, comm.intra_rank, comm.inter_size
+        (0, 1, 0, 1)
     """
 
-    rank: int
-    size: int
-    intra_rank: int
-    intra_size: int
-    inter_rank: int
-    inter_size: int
-    device: torch.device
-    backend: str
-    name: str
-
-    # ----------------------------------------------------------------------------- topology
     @property
     @abc.abstractmethod
     def host(self) -> str:
-        """This rank's hostname."""
+        """This rank's hostname.
+
+        Returns:
+            ``socket.gethostname()`` of the process.
+        """
 
     @abc.abstractmethod
     def world_rank(self, r: int) -> int:
         """The ``torch.distributed`` world rank of this communicator's rank ``r``.
 
         Equal to ``r`` on the world communicator; differs on the result of :meth:`split`.
+
+        Args:
+            r: a rank of this communicator.
+
+        Returns:
+            Its rank in ``torch.distributed``'s default group.
 
         Example::
 
@@ -57,21 +63,26 @@ class CommunicatorBase(abc.ABC):
 
     @abc.abstractmethod
     def node_of(self, r: int) -> int:
-        """The node index (``inter_rank``) of rank ``r``."""
+        """The node index (``inter_rank``) of rank ``r``.
+
+        Args:
+            r: a rank of this communicator.
+
+        Returns:
+            The index of its node, from 0 to ``inter_size - 1``.
+        """
 
     @abc.abstractmethod
     def check_rank(self, r: Any, what: str = "rank") -> None:
         """Check that ``r`` names a rank of this communicator, before a collective depends on it.
 
         Args:
-            r: the value to check.
-            what: how the caller calls it (``"root"``, ``"dest"``), for the message.
+            r: the value to check; ``what``: its name for the message (``"root"``, ``"dest"``).
 
         Raises:
             ValueError: ``r`` is not an integer in ``[0, size)``.
         """
 
-    # ----------------------------------------------------------------------------- point to point
     @abc.abstractmethod
     def send(self, x: torch.Tensor, dest: int, tag: int = 0) -> None:
         """Send a tensor of any shape and dtype to rank ``dest``, which calls :meth:`recv`.
@@ -87,8 +98,7 @@ class CommunicatorBase(abc.ABC):
 
         Example::
 
-            >>> if comm.rank == 0: comm.send(torch.ones(3, 2), dest=1)
-            >>> if comm.rank == 1: x = comm.recv(source=0)
+            >>> comm.send(torch.ones(3, 2), dest=1) if comm.rank == 0 else comm.recv(source=0)
         """
 
     @abc.abstractmethod
@@ -96,8 +106,7 @@ class CommunicatorBase(abc.ABC):
         """Receive the tensor rank ``source`` sent with :meth:`send`; shape and dtype come with it.
 
         Args:
-            source: the sending rank.
-            tag: the sender's tag.
+            source: the sending rank; ``tag``: the sender's tag.
 
         Returns:
             A new tensor on this rank's data device.
@@ -107,7 +116,6 @@ class CommunicatorBase(abc.ABC):
             CollectiveTimeoutError: ``source`` did not send within the timeout.
         """
 
-    # ----------------------------------------------------------------------------- tensor collectives
     @abc.abstractmethod
     def bcast(self, x: Optional[torch.Tensor], root: int = 0) -> torch.Tensor:
         """Root's tensor on every rank.
@@ -150,6 +158,9 @@ class CommunicatorBase(abc.ABC):
     @abc.abstractmethod
     def allgather(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Every rank's tensor, in rank order, on every rank. Shapes may differ, dtypes may not.
+
+        Args:
+            x: this rank's tensor.
 
         Returns:
             A tuple of ``size`` tensors.
@@ -226,10 +237,14 @@ class CommunicatorBase(abc.ABC):
             >>> comm.allreduce(torch.arange(4) + comm.rank)   # arange(4) * size + sum(ranks)
         """
 
-    # ----------------------------------------------------------------------------- object collectives
     @abc.abstractmethod
     def send_obj(self, obj: Any, dest: int, tag: int = 0) -> None:
         """Send a picklable object to rank ``dest``, which calls :meth:`recv_obj`.
+
+        Args:
+            obj: the object (tensor views travel as what they show, not their whole storage).
+            dest: the receiving rank.
+            tag: tells apart several messages between the same ranks.
 
         Raises:
             ValueError: ``dest`` or ``tag`` is out of range.
@@ -239,6 +254,12 @@ class CommunicatorBase(abc.ABC):
     @abc.abstractmethod
     def recv_obj(self, source: int, tag: int = 0) -> Any:
         """Receive the object rank ``source`` sent with :meth:`send_obj`.
+
+        Args:
+            source: the sending rank; ``tag``: the sender's tag.
+
+        Returns:
+            The object.
 
         Raises:
             RemoteRankError: the sender could not pickle it, or it cannot be unpickled here.
@@ -265,11 +286,30 @@ class CommunicatorBase(abc.ABC):
 
     @abc.abstractmethod
     def gather_obj(self, obj: Any, root: int = 0) -> Optional[list[Any]]:
-        """Every rank's object, in rank order, on ``root``; ``None`` elsewhere."""
+        """Every rank's object, in rank order, on ``root``; ``None`` elsewhere.
+
+        Args:
+            obj: this rank's object; ``root``: the receiving rank.
+
+        Returns:
+            On root a list of ``size`` objects; ``None`` elsewhere.
+
+        Raises:
+            RemoteRankError: a rank could not pickle its object (raised on root once all are in).
+        """
 
     @abc.abstractmethod
     def allgather_obj(self, obj: Any) -> list[Any]:
         """Every rank's object, in rank order, on every rank.
+
+        Args:
+            obj: this rank's object.
+
+        Returns:
+            A list of ``size`` objects.
+
+        Raises:
+            TypeError: this rank's object cannot be pickled (the others get RemoteRankError).
 
         Example::
 
@@ -280,6 +320,12 @@ class CommunicatorBase(abc.ABC):
     def scatter_obj(self, objs: Optional[Sequence[Any]], root: int = 0) -> Any:
         """Rank ``i`` receives ``objs[i]`` from root; other ranks pass ``None``.
 
+        Args:
+            objs: on root, ``size`` objects; ``None`` elsewhere. ``root``: the sending rank.
+
+        Returns:
+            This rank's object.
+
         Raises:
             ValueError: root did not pass ``size`` objects (the others get RemoteRankError).
         """
@@ -288,12 +334,17 @@ class CommunicatorBase(abc.ABC):
     def allreduce_obj(self, obj: Any) -> Any:
         """The sum (by ``+``) of every rank's object, on every rank.
 
+        Args:
+            obj: this rank's object (a number, a list, a Counter, ...).
+
+        Returns:
+            ``obj`` of rank 0 + ... + ``obj`` of the last rank.
+
         Example::
 
             >>> n_seen = comm.allreduce_obj(len(local_shard))
         """
 
-    # ----------------------------------------------------------------------------- control
     @abc.abstractmethod
     def barrier(self) -> None:
         """Wait until every rank of this communicator gets here."""
@@ -303,6 +354,10 @@ class CommunicatorBase(abc.ABC):
         """A new communicator of the ranks that pass the same ``color``, ordered by ``(key, rank)``.
 
         Every rank must call it. The new communicator uses this one's algorithm.
+
+        Args:
+            color: ranks passing the same color end up in the same communicator.
+            key: orders the ranks of the new communicator (ties by this communicator's rank).
 
         Returns:
             The communicator of this rank's color.
@@ -316,10 +371,13 @@ class CommunicatorBase(abc.ABC):
     def finalize(self) -> None:
         """Tear down ``torch.distributed`` if this communicator set it up. Safe to call twice."""
 
-    # ----------------------------------------------------------------------------- models
     @abc.abstractmethod
     def bcast_data(self, model: torch.nn.Module, root: int = 0) -> None:
         """Make every parameter and buffer of ``model`` root's, bit for bit.
+
+        Args:
+            model: the same model on every rank.
+            root: the rank whose weights everyone gets.
 
         Raises:
             CollectiveMismatchError: the ranks' models differ in layout (count, shapes, dtypes).
@@ -331,7 +389,12 @@ class CommunicatorBase(abc.ABC):
 
     @abc.abstractmethod
     def bcast_tensors(self, tensors: list[torch.Tensor], root: int = 0) -> None:
-        """Overwrite each tensor, in place, with root's, bit for bit (all ranks pass the same layout)."""
+        """Overwrite each tensor, in place, with root's, bit for bit (all ranks pass the same layout).
+
+        Args:
+            tensors: this rank's tensors, in the same order, shapes and dtypes as root's.
+            root: the rank whose values everyone gets.
+        """
 
     @abc.abstractmethod
     def check_same_layout(self, tensors: list[torch.Tensor], what: str, root: int = 0,
@@ -368,42 +431,51 @@ class CommunicatorBase(abc.ABC):
             >>> loss.backward(); comm.multi_node_mean_grad(model); optimizer.step()
         """
 
-    # ----------------------------------------------------------------------------- gradient primitives
+    # The gradient primitives: what each algorithm gives the optimizers. They make no call check
+    # (every rank passes the same layout) and return a handle whose wait() finishes the call
+    # (already finished unless async_op=True).
     @property
     @abc.abstractmethod
     def grad_bucket_cap_bytes(self) -> int:
-        """How many bytes of gradients this algorithm fuses into one message (0: one per tensor)."""
+        """Returns: how many bytes of gradients this algorithm fuses into one message (0: one a tensor)."""
 
     @abc.abstractmethod
     def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
-        """Replace each tensor, in place, by its mean over ranks (each algorithm's own way).
+        """Replace each tensor, in place, by its mean over ranks, in this algorithm's way.
 
-        No call check: every rank passes the same layout.
+        Args:
+            tensors: dense tensors, in the same order, shapes and dtypes on every rank.
         """
 
     @abc.abstractmethod
     def allreduce_flat(self, flat: torch.Tensor, async_op: bool = False, op: str = "sum"):
-        """Reduce one contiguous 1-D buffer over all ranks, in place: the optimizers' primitive.
+        """Reduce one contiguous 1-D buffer over all ranks, in place.
 
-        No call check: every rank passes the same layout.
+        Args:
+            flat: a contiguous 1-D tensor, of the same length and dtype on every rank.
+            async_op: return at once.
+            op: ``"sum"``, ``"max"``, ``"min"`` or ``"prod"``.
 
         Returns:
-            A handle with ``wait()`` (already completed unless ``async_op``).
+            A handle with ``wait()``.
         """
 
     @abc.abstractmethod
     def reduce_scatter_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
-        """Sum ``flat`` (``size * k`` elements) over ranks; rank ``r`` gets elements ``[r*k, (r+1)*k)``.
+        """Sum ``flat`` over ranks; rank ``r`` gets elements ``[r*k, (r+1)*k)`` of the sum in ``shard``.
 
-        The sharded optimizer's primitive; no call check.
+        Args:
+            flat: ``size * k`` contiguous elements.
+            shard: ``k`` elements, overwritten.
+            async_op: return at once.
 
         Returns:
-            A handle with ``wait()``, after which ``shard`` (``k`` elements) holds the sum.
+            A handle with ``wait()``.
         """
 
     @abc.abstractmethod
     def allgather_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
-        """Every rank's ``shard`` (``k`` elements) into ``flat`` (``size * k``), in rank order.
+        """Every rank's ``shard`` (``k`` elements) into ``flat`` (``size * k``, overwritten), in rank order.
 
         Returns:
             A handle with ``wait()``.
@@ -411,15 +483,13 @@ class CommunicatorBase(abc.ABC):
 
     @abc.abstractmethod
     def open_node_arena(self, shared_bytes: int, region_bytes: int):
-        """Memory shared for good by all ranks of this communicator, or None where they cannot
-        share memory (several nodes, GPU, or an algorithm without shared memory).
-
-        Collective; every rank gets the same answer. The optimizers keep their buffers there.
+        """Memory all ranks share for good (the optimizers keep their buffers there). Collective.
 
         Args:
             shared_bytes: bytes of the region every rank reads and writes.
             region_bytes: bytes of each rank's own region, readable by the others.
 
         Returns:
-            A :class:`torchmn.communicators.node_arena.NodeArena`, or None.
+            A :class:`~torchmn.communicators.node_arena.NodeArena`, or None on every rank where
+            they cannot share memory (several nodes, GPU, an algorithm without shared memory).
         """

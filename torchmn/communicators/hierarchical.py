@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from torchmn.communicators import _call_check, _wire, shm
+from torchmn.communicators._torch_compat import all_gather_single
 from torchmn.communicators._async_utility import AndThen, Completed, finish
 from torchmn.communicators._gloo_utility import reduce_scatter_single
 from torchmn.communicators._setup import collective_timeout_s
@@ -179,7 +180,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         k = shard.numel()
         rail = torch.empty(self.inter_size * k, dtype=flat.dtype)
         sent = shard.contiguous()
-        work = dist.all_gather_single(rail, sent, group=self._rails, async_op=True)
+        work = all_gather_single(rail, sent, group=self._rails, async_op=True)
 
         def inside_the_node():
             by_rail = torch.empty(self.size * k, dtype=flat.dtype)

@@ -55,12 +55,32 @@ class NodeArena:
 
     @staticmethod
     def size_for(local_size: int, shared_bytes: int, region_bytes: int) -> int:
+        """Returns: the bytes of /dev/shm an arena of these sizes takes."""
         return Flags.nbytes(1, local_size) + align(shared_bytes) + local_size * align(region_bytes)
 
     @classmethod
     def open(cls, job_tag: str, node: int, local_rank: int, local_size: int, pids: list[int],
              agree: Callable[[bool], list], shared_bytes: int, region_bytes: int, timeout: float = 600.0,
              describe: Callable[[int], str] = lambda r: f"local rank {r}") -> "NodeArena":
+        """Create the arena on local rank 0 and map it on every local rank (collective).
+
+        Args:
+            job_tag: new for every segment (:func:`torchmn.communicators.shm.new_job_tag`), the same on
+                every rank of the node.
+            node: the node's index, in the segment's name.
+            local_rank, local_size: this rank among the node's ranks.
+            pids: the node's ranks' process ids, to tell a dead peer from a slow one.
+            agree: a collective that returns every rank's value (``comm.allgather_obj``).
+            shared_bytes, region_bytes: sizes of the shared region and of each rank's own.
+            timeout: seconds a barrier waits for the other ranks.
+            describe: names local rank ``r`` in errors.
+
+        Returns:
+            The arena, the same memory on every rank of the node.
+
+        Raises:
+            OSError: /dev/shm has no room (on the rank that failed; the others get RemoteRankError).
+        """
         nbytes = cls.size_for(local_size, shared_bytes, region_bytes)
         shared_bytes, region_bytes = align(shared_bytes), align(region_bytes)
         buf = map_segment(segment_name(job_tag + "arena", node, pids[0]), nbytes, local_rank, agree,
@@ -68,19 +88,28 @@ class NodeArena:
         return cls(buf, local_rank, local_size, shared_bytes, region_bytes, pids, timeout, describe)
 
     def my_chunk(self, n: int, itemsize: int) -> tuple[int, int]:
-        """This rank's share ``[lo, hi)`` of n elements when the node's ranks split work on them."""
+        """This rank's share of ``n`` elements when the node's ranks split work on them.
+
+        Returns:
+            ``(lo, hi)``, cut on cache lines so that no two ranks write the same line.
+        """
         return chunk_bounds(n, itemsize, self.local_rank, self.local_size)
 
     def barrier(self, what: str = "barrier") -> None:
         """Wait for every local rank; writes to the arena before it are visible to all after it.
 
-        ``what`` names the point in the caller's work (one of :data:`ARENA_BARRIERS`): ranks that
-        reach the same barrier number at different points raise :class:`CollectiveMismatchError`.
+        Args:
+            what: the point in the caller's work (one of :data:`ARENA_BARRIERS`).
+
+        Raises:
+            CollectiveMismatchError: ranks reached the same barrier number at different points.
+            PeerLostError: a rank of the node exited, or did not come within the timeout.
         """
         self._seq += 1
         self._flags.arrive_and_wait(0, self._seq, BARRIER_CODE[what], ARENA_BARRIERS)
 
     def close(self) -> None:
+        """Unmap the arena (memory a tensor still views is released with the process)."""
         self.shared = None
         self.regions = []
         self._flags = None

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from torchmn.communicators import _call_check, _wire
+from torchmn.communicators._torch_compat import all_gather_single
 from torchmn.communicators.errors import RemoteRankError
 from torchmn.communicators.pickling import dumps
 
@@ -110,7 +111,7 @@ class ObjectCollectives:
         if max(sizes) * self.size <= _wire.OBJ_CHUNK_BYTES:
             longest = max(sizes)
             out = torch.empty(self.size * longest, dtype=torch.uint8)
-            dist.all_gather_single(out, _wire.padded(buf, longest), group=self._obj_group)
+            all_gather_single(out, _wire.padded(buf, longest), group=self._obj_group)
             chunks = self._comm_order([out[g * longest:(g + 1) * longest] for g in range(self.size)])
             return [self._load(c[:n], "allgather_obj", r) for r, (c, n) in enumerate(zip(chunks, sizes))]
         # Large objects: each rank broadcasts its own in turn, in chunks.

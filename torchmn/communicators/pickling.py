@@ -43,8 +43,13 @@ class _Pickler(pickle.Pickler):
 def dumps(obj: Any, to_cpu: bool = False) -> bytes:
     """``pickle.dumps(obj)``, but tensor views are sent as copies of what they show.
 
-    ``to_cpu=True`` also moves every tensor to CPU (a GPU tensor would otherwise unpickle onto the
-    sender's GPU index on the receiver).
+    Args:
+        obj: any picklable object; tensors may sit anywhere in it.
+        to_cpu: also move every tensor to CPU (a GPU tensor would otherwise unpickle onto the
+            sender's GPU index on the receiver).
+
+    Returns:
+        The pickled bytes.
 
     Example::
 

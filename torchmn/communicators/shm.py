@@ -36,7 +36,11 @@ __all__ = ["SHM_DIR", "NodeSegment", "PeerLostError", "chunk_bounds", "fits_in",
 
 
 def new_job_tag() -> str:
-    """A tag unique to this job: two jobs on one machine never share a segment."""
+    """A tag unique to this job, so that two jobs on one machine never share a segment.
+
+    Returns:
+        16 hex digits.
+    """
     return uuid.uuid4().hex[:16]
 
 
@@ -78,17 +82,39 @@ class NodeSegment:
     # ----------------------------------------------------------------------------- set-up
     @staticmethod
     def size_for(local_size: int, slot_bytes: int) -> int:
+        """Returns: the bytes of /dev/shm a segment with these slots takes."""
         return Flags.nbytes(PHASES, local_size) + (local_size + 1) * slot_bytes
 
     @classmethod
     def open(cls, job_tag: str, node: int, local_rank: int, local_size: int, pids: list[int],
              agree: Callable[[bool], list], slot_bytes: Optional[int] = None, timeout: float = 600.0,
              describe: Callable[[int], str] = lambda r: f"local rank {r}") -> "NodeSegment":
+        """Create the segment on local rank 0 and map it on every local rank (collective).
+
+        Args:
+            job_tag: new for every segment (:func:`torchmn.communicators.shm.new_job_tag`), the same on
+                every rank of the node.
+            node: the node's index, in the segment's name.
+            local_rank, local_size: this rank among the node's ranks.
+            pids: the node's ranks' process ids, to tell a dead peer from a slow one.
+            agree: a collective that returns every rank's value (``comm.allgather_obj``).
+            slot_bytes: each rank's slot (default ``TORCHMN_SHM_SLOT_MB``, 16 MB); larger tensors go
+                in pieces.
+            timeout: seconds a collective waits for the other ranks.
+            describe: names local rank ``r`` in errors.
+
+        Returns:
+            The segment.
+
+        Raises:
+            OSError: /dev/shm has no room (on the rank that failed; the others get RemoteRankError).
+        """
         if slot_bytes is None:
             slot_bytes = requested_slot_bytes()
         slot_bytes = max(ALIGN, align(slot_bytes))  # every dtype's view needs aligned slots
         nbytes = cls.size_for(local_size, slot_bytes)
-        buf = map_segment(segment_name(job_tag, node, pids[0]), nbytes, local_rank, agree, "set TORCHMN_SHM_SLOT_MB lower")
+        buf = map_segment(segment_name(job_tag, node, pids[0]), nbytes, local_rank, agree,
+                          "set TORCHMN_SHM_SLOT_MB lower")
         return cls(buf, local_rank, local_size, slot_bytes, pids, timeout, describe)
 
     # ----------------------------------------------------------------------------- waiting
@@ -100,8 +126,18 @@ class NodeSegment:
         return chunk_bounds(n, itemsize, r, self.local_size)
 
     def allreduce_(self, flat: torch.Tensor, op: str = "sum", out: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """Reduce a contiguous 1-D CPU tensor over the node's ranks, in place (or into ``out``);
-        every rank gets the same bits, since each chunk is reduced by one rank in one order."""
+        """Reduce a contiguous 1-D CPU tensor over the node's ranks, in place (or into ``out``).
+
+        Every rank gets the same bits, since each chunk is reduced by one rank in one order.
+
+        Args:
+            flat: this rank's tensor.
+            op: ``"sum"``, ``"max"``, ``"min"`` or ``"prod"``.
+            out: where the result goes (default: ``flat``).
+
+        Returns:
+            ``out``.
+        """
         reduce = REDUCE[op]
         out = flat if out is None else out
         item = flat.element_size()
@@ -174,8 +210,15 @@ class NodeSegment:
             self._arrive_and_wait(1, _BROADCAST)
 
     def allgather_bytes(self, data: torch.Tensor) -> Optional[list[torch.Tensor]]:
-        """Every local rank's uint8 buffer, in rank order; ``None`` on every rank if one rank's does
-        not fit a slot (the caller then takes another path, on every rank alike)."""
+        """Every local rank's bytes, in rank order.
+
+        Args:
+            data: this rank's uint8 buffer (lengths may differ between ranks).
+
+        Returns:
+            Copies of every rank's buffer; ``None`` on every rank if one rank's does not fit a slot
+            (the caller then takes another path, on every rank alike).
+        """
         n = data.numel()
         self._seq += 1
         slot = self._slots[self.local_rank]
@@ -191,6 +234,7 @@ class NodeSegment:
         return out
 
     def close(self) -> None:
+        """Unmap the segment."""
         self._slots = []
         self._result = None
         self._flags = None
@@ -199,7 +243,12 @@ class NodeSegment:
 
 def sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
     """``out`` = the sum of ``parts``, added in list (rank) order, so whichever rank computes a
-    chunk gets the bits any other would."""
+    chunk gets the bits any other would.
+
+    Args:
+        out: where the sum goes.
+        parts: tensors of ``out``'s shape, one per rank.
+    """
     if len(parts) == 1:
         out.copy_(parts[0])
         return
@@ -212,12 +261,17 @@ MIN_SLOT_BYTES = 256 << 10  # below this, TCP is as good as shared memory in pie
 
 
 def requested_slot_bytes() -> int:
+    """Returns: the slot size ``TORCHMN_SHM_SLOT_MB`` asks for (default 16 MB), in bytes."""
     return int(float(os.environ.get("TORCHMN_SHM_SLOT_MB", DEFAULT_SLOT_MB)) * 1024 * 1024)
 
 
 def fitting_slot_bytes(local_size: int, free: int) -> int:
-    """The slot size to use with ``free`` bytes in /dev/shm: the requested one, or the largest
-    that takes at most half of it (0: shared memory too small to be worth it)."""
+    """The slot size for a segment of ``local_size`` ranks when /dev/shm has ``free`` bytes.
+
+    Returns:
+        The requested size, or the largest that takes at most half of ``free``; 0 where shared
+        memory is too small to be worth it.
+    """
     want = requested_slot_bytes()
     spare = fits_in(free) - Flags.nbytes(PHASES, local_size)
     fits = spare // (local_size + 1) // ALIGN * ALIGN
@@ -227,12 +281,12 @@ def fitting_slot_bytes(local_size: int, free: int) -> int:
 
 
 def fits_in(free: int) -> int:
-    """How much of ``free`` bytes of /dev/shm torchmn takes at most: half, the rest is others'."""
+    """Returns: how much of ``free`` bytes of /dev/shm torchmn takes at most (half: the rest is others')."""
     return free // 2
 
 
 def free_bytes() -> int:
-    """Bytes free in /dev/shm (0 if there is none)."""
+    """Returns: the bytes free in /dev/shm (0 if there is none)."""
     try:
         st = os.statvfs(SHM_DIR)
     except OSError:

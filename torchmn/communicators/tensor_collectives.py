@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from torchmn.communicators import _call_check, _wire
+from torchmn.communicators._torch_compat import all_gather_single
 from torchmn.communicators.errors import CollectiveMismatchError
 from torchmn.communicators.ops import OPS, divide_before_sum
 
@@ -62,7 +63,7 @@ class TensorCollectives:
         longest = max(sizes)
         out = torch.empty(self.size * longest, dtype=torch.uint8, device=buf.device)
         if longest:
-            dist.all_gather_single(out, _wire.padded(buf, longest), group=self._group)
+            all_gather_single(out, _wire.padded(buf, longest), group=self._group)
         chunks = self._comm_order([out[g * longest:(g + 1) * longest] for g in range(self.size)])
         return [c[:n] for c, n in zip(chunks, sizes)]
 
@@ -147,7 +148,8 @@ class TensorCollectives:
             except (TypeError, ValueError) as e:
                 err = type(e)(f"alltoall: {e}")
         hdrs = self._agree("alltoall", rows=rows, error=err)
-        dtypes = [sorted({str(_wire.meta(hdrs[r, j].tolist())[0]) for j in range(self.size)}) for r in range(self.size)]
+        dtypes = [sorted({str(_wire.meta(hdrs[r, j].tolist())[0]) for j in range(self.size)})
+                  for r in range(self.size)]
         if len({d for ds in dtypes for d in ds}) > 1:
             shown = ", ".join(f"rank {r}: {'/'.join(d.replace('torch.', '') for d in ds)}" for r, ds in enumerate(dtypes))
             raise CollectiveMismatchError(f"ranks called alltoall with different dtypes ({shown}); every tensor "

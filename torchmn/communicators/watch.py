@@ -1,4 +1,4 @@
-"""Naming the ranks that did not join a collective that timed out (SPEC section 7).
+"""Naming the ranks that did not join a collective that timed out.
 
 torch.distributed's own timeout names nobody ("Timed out waiting 600000ms for recv operation").
 When a collective of a communicator fails that way, each rank that gave up writes "I was in
@@ -126,6 +126,15 @@ def _watched(kind: str, fn: Callable) -> Callable:
 
 
 def lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` is torch.distributed saying that a peer never came or went away.
+
+    Args:
+        error: what a collective raised.
+
+    Returns:
+        True for torch's own timeout and connection errors (not torchmn's, which already say
+        what went wrong).
+    """
     # Exactly torch's errors, not torchmn's own (which already say what went wrong).
     return (type(error) is RuntimeError or type(error).__name__ in ("DistBackendError", "DistNetworkError")) \
         and any(s in str(error) for s in _LOST_PEER)
@@ -151,7 +160,18 @@ class _WatchedWork:
 
 
 def timed_out(comm, seq: int, kind: str, error: BaseException) -> CollectiveTimeoutError:
-    """The error to raise on this rank: which ranks did not take part in collective ``seq``."""
+    """The error to raise on this rank instead of torch's: which ranks did not take part.
+
+    Args:
+        comm: the communicator whose collective failed.
+        seq: the collective's number on this communicator (the same call on every rank).
+        kind: the collective's name.
+        error: what torch.distributed raised.
+
+    Returns:
+        A :class:`CollectiveTimeoutError` naming the missing ranks and, where the job's store knows,
+        what they were doing instead.
+    """
     me = f"rank {comm.rank} ({_host(comm, comm.rank)})"
     head = f"{kind} (collective #{seq} of this communicator) failed on {me}"
     advice = ("Every rank must call the same collectives in the same order; if one legitimately needs "

@@ -2,8 +2,8 @@
 
 A shard optimizer (see :mod:`torchmn.optimizers.sharded`) is private: one group of flat CPU
 shards, no hooks, no closure. What ``Adam.step`` and ``torch.optim.adam.adam`` do around the fused
-kernel (collecting lists, grouping tensors by device and dtype, checks) is 0.2 ms of cold Python a
-step, 3% of the MNIST bench's time, and none of it is needed. The arithmetic is the kernel's
+kernel (collecting lists, grouping tensors by device and dtype, checks) is Python that runs cold
+between backward and forward every step, and none of it is needed. The arithmetic is the kernel's
 either way: the tests compare against one process.
 
 :func:`direct_step` steps a shard optimizer that way; :class:`SumAndStep` also makes, piece by
@@ -30,9 +30,16 @@ PIECE_BYTES = 512 * 1024
 
 
 def kernel_for(optimizer: torch.optim.Optimizer) -> Optional[Callable]:
-    """The fused kernel that steps ``optimizer``, or None where calling it directly would not do
-    what ``optimizer.step()`` does (not fused Adam or AdamW, capturable, differentiable, or this
-    torch's kernels are not the known ones)."""
+    """The fused kernel that steps ``optimizer``.
+
+    Args:
+        optimizer: a shard optimizer.
+
+    Returns:
+        torch's fused Adam or AdamW kernel, or None where calling it directly would not do what
+        ``optimizer.step()`` does (not fused Adam or AdamW, capturable, differentiable, or this
+        torch's kernels are not the known ones).
+    """
     group = optimizer.param_groups[0]
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or not group.get("fused") \
             or group.get("capturable") or group.get("differentiable") or "decoupled_weight_decay" not in group:
@@ -62,9 +69,15 @@ def _hyperparameters(group: dict) -> Optional[dict]:
 
 
 def direct_step(optimizer: torch.optim.Optimizer, step: Callable) -> Optional[Callable]:
-    """A function that steps ``optimizer`` (a shard optimizer) through its fused kernel directly,
-    or None where :func:`kernel_for` finds none; it calls ``step`` where a shard has no state yet
-    (the first step creates it) or a hyperparameter is a tensor.
+    """A function that steps ``optimizer`` (a shard optimizer) through its fused kernel directly.
+
+    Args:
+        optimizer: the shard optimizer.
+        step: its ordinary step, called where a shard has no state yet (the first step creates
+            it) or a hyperparameter is a tensor.
+
+    Returns:
+        The function, or None where :func:`kernel_for` finds no kernel.
 
     Example::
 

@@ -26,8 +26,19 @@ COMPRESSION = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bf
 
 def make_buckets(params: list[torch.nn.Parameter], cap: int, build: Callable[[list], object],
                  same_bucket: Callable[[torch.nn.Parameter, torch.nn.Parameter], bool]) -> list:
-    """Runs of consecutive parameters, last parameter first, each run ``build``-ed into a bucket:
-    the first run at most FIRST_BUCKET_BYTES, the others at most ``cap`` (0: one per parameter)."""
+    """Runs of consecutive parameters, last parameter first (the order backward produces their
+    gradients), each run made into a bucket.
+
+    Args:
+        params: the trainable parameters, in the optimizer's order.
+        cap: the most bytes of a bucket after the first, which holds at most FIRST_BUCKET_BYTES so
+            that communication starts early (0: one parameter a bucket).
+        build: makes a bucket of a run of parameters.
+        same_bucket: whether two parameters may share a bucket (same dtype and device, ...).
+
+    Returns:
+        The buckets, in the order they are sent.
+    """
     buckets, run, run_bytes = [], [], 0
     limit = min(cap, FIRST_BUCKET_BYTES) if cap else 0
     for p in reversed(params):
@@ -43,7 +54,13 @@ def make_buckets(params: list[torch.nn.Parameter], cap: int, build: Callable[[li
 
 
 def copy_scaled(out: torch.Tensor, src: torch.Tensor, scale: Optional[float]) -> None:
-    """``out`` = ``src`` times ``scale`` (None: a plain copy), in one pass where the dtypes agree."""
+    """``out`` = ``src`` times ``scale``, in one pass where the dtypes agree.
+
+    Args:
+        out: the destination.
+        src: the source, of ``out``'s shape.
+        scale: the factor; None for a plain copy.
+    """
     if scale is None:
         out.copy_(src)
     elif src.dtype == out.dtype:
@@ -57,7 +74,8 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     ``defaults``, and sends ``self._buckets`` as backward makes their gradients ready.
 
     Subclasses set ``self._buckets`` (each with ``.params`` and a ``.ready`` set) and implement
-    ``_send(bucket)`` and ``_all_sent()``.
+    ``_send(bucket)`` and ``_all_sent()``. Build one with
+    :func:`torchmn.create_multi_node_optimizer`.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, *, compression: Optional[str],
@@ -177,6 +195,9 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def no_sync(self) -> Iterator[None]:
         """Backward passes inside accumulate gradients locally; the next one outside communicates.
 
+        Returns:
+            A context manager.
+
         Example::
 
             >>> with optimizer.no_sync():
@@ -238,6 +259,11 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the wrapped optimizer's parameters, as torch's ``zero_grad``.
 
+        Also forgets a backward that raised before it ended (its half-sent buckets).
+
+        Args:
+            set_to_none: set ``.grad`` to None (default) rather than to zeros.
+
         Example::
 
             >>> optimizer.zero_grad()
@@ -246,17 +272,23 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if not set_to_none:
             self._optimizer.zero_grad(set_to_none=False)
             return
-        # What torch's does for set_to_none, without its profiler range and dynamo guard: those
-        # cost 100 us a call here, run cold between step() and forward (1.5% of the MNIST bench).
+        # What torch's does for set_to_none, without its profiler range and dynamo guard, which
+        # cost a measurable part of a small model's step, run cold between step() and forward.
         for group in self._optimizer.param_groups:
             for p in group["params"]:
                 p.grad = None
 
     def add_param_group(self, param_group) -> None:
+        """Not supported after wrapping: the gradient buckets are built for the parameters there were.
+
+        Raises:
+            NotImplementedError: always; add groups to the torch optimizer before wrapping it.
+        """
         raise NotImplementedError("add a parameter group to the wrapped optimizer before wrapping it")
 
     @property
     def param_groups(self):
+        """The wrapped optimizer's parameter groups (LR schedulers change them there)."""
         return self._optimizer.param_groups
 
     @param_groups.setter
@@ -265,6 +297,7 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     @property
     def defaults(self):
+        """The wrapped optimizer's defaults."""
         return self._optimizer.defaults
 
     @defaults.setter
@@ -279,13 +312,25 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                         f"a new one (create_multi_node_optimizer(...).load_state_dict(state)) instead")
 
     def register_step_pre_hook(self, hook):
-        """``hook(optimizer, args, kwargs)`` before each update, as torch's (``optimizer`` is the
-        wrapped one)."""
+        """Call ``hook(optimizer, args, kwargs)`` before each update, as torch's does.
+
+        Args:
+            hook: the function; its ``optimizer`` is the wrapped one.
+
+        Returns:
+            A handle whose ``remove()`` removes the hook.
+        """
         return self._optimizer.register_step_pre_hook(hook)
 
     def register_step_post_hook(self, hook):
-        """``hook(optimizer, args, kwargs)`` after each update, as torch's (``optimizer`` is the
-        wrapped one)."""
+        """Call ``hook(optimizer, args, kwargs)`` after each update, as torch's does.
+
+        Args:
+            hook: the function; its ``optimizer`` is the wrapped one.
+
+        Returns:
+            A handle whose ``remove()`` removes the hook.
+        """
         return self._optimizer.register_step_post_hook(hook)
 
     def __repr__(self) -> str:

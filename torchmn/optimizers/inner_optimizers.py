@@ -22,6 +22,9 @@ ELEMENTWISE_OPTIMIZERS = (
 def check_optimizer(optimizer) -> None:
     """Refuse an optimizer whose update cannot be split into flat shards.
 
+    Args:
+        optimizer: the optimizer ``shard_state=True`` would wrap.
+
     Raises:
         TypeError: LBFGS, or any optimizer not in :data:`ELEMENTWISE_OPTIMIZERS`.
     """
@@ -49,10 +52,21 @@ def build_inner(cls: type, shard_params: list[torch.nn.Parameter], group: dict) 
     (the caller decides which shards share one: see the sharded optimizer's constructor).
 
     A shard parameter is one flat tensor, which is what torch's fused kernels are for (Adam's update
-    in one pass over memory instead of several: 2-3x faster on CPU). So where the user left the
-    kernel to torch (``fused`` and ``foreach`` unset) and ``cls`` is one of :data:`AUTO_FUSED`, with
-    a fused kernel for the shards' device and dtype, the shards use it; the arithmetic is the same
-    up to rounding.
+    in one pass over memory instead of several). So where the user left the kernel to torch
+    (``fused`` and ``foreach`` unset) and ``cls`` is one of :data:`AUTO_FUSED`, with a fused kernel
+    for the shards' device and dtype, the shards use it; the arithmetic is the same up to rounding.
+
+    Args:
+        cls: the wrapped optimizer's class.
+        shard_params: the flat shard parameters it updates.
+        group: the wrapped optimizer's parameter group, for the hyperparameters.
+
+    Returns:
+        The shard optimizer.
+
+    Example::
+
+        >>> inner = build_inner(torch.optim.Adam, bucket.shard_params, optimizer.param_groups[0])
     """
     hyper = {k: v for k, v in group.items() if k != "params"}
     accepted = inspect.signature(cls.__init__).parameters
@@ -74,10 +88,20 @@ def step_function(optimizer: torch.optim.Optimizer):
     """A function that steps one of the shard optimizers, as cheaply as torch allows.
 
     Each runs once per training step, between backward and forward, when the interpreter runs
-    cold: Python around the update then costs 300-400 us a call, a third of Adam's fused kernel
-    on a 4 MB shard. The shard optimizers are private (no hooks, no closure, one group of flat
-    shards), so they can skip the wrapper torch puts around every step (step hooks,
-    a profiler range) and, for fused Adam and AdamW, everything around torch's fused kernel.
+    cold and Python around the update costs a good part of what the update itself does. The
+    shard optimizers are private (no hooks, no closure, one group of flat shards), so they can
+    skip the wrapper torch puts around every step (step hooks, a profiler range) and, for fused
+    Adam and AdamW, everything around torch's fused kernel.
+
+    Args:
+        optimizer: a shard optimizer from :func:`build_inner`.
+
+    Returns:
+        A function of no arguments that makes one step.
+
+    Example::
+
+        >>> step = step_function(inner); step()
     """
     step = type(optimizer).step
     if getattr(step, "hooked", False) and callable(getattr(step, "__wrapped__", None)):

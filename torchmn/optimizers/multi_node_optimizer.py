@@ -144,6 +144,12 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
     After backward, each ``.grad`` is a view into the wrapper's gradient buffers (no copy out, as
     with DDP's ``gradient_as_bucket_view=True``): a ``.grad`` tensor kept from one step to the
     next is overwritten by the next step's average; ``.clone()`` it to keep it.
+
+    Example::
+
+        >>> optimizer = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm)
+        >>> loss_fn(model(x), y).backward()       # .grad holds the average over ranks here
+        >>> optimizer.step()
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, *, double_buffering: bool,
@@ -256,7 +262,18 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             bucket.ready.clear()
 
     def step(self, closure=None):
-        """Average gradients over ranks (if backward has not already), then update."""
+        """Average gradients over ranks (if backward has not already), then update.
+
+        Args:
+            closure: not supported (multi-node optimizers need backward before ``step()``).
+
+        Returns:
+            What the wrapped optimizer's ``step()`` returns (None on double buffering's first step).
+
+        Raises:
+            ValueError: a closure was passed.
+            RuntimeError: the last backward raised, or parameters were added or unfrozen since wrapping.
+        """
         self._check_closure(closure)
         self._refuse_after_failed_backward()
         self._check_parameters_unchanged()
@@ -282,6 +299,18 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         ``zero_fill=False`` a parameter left without a gradient on some ranks counts only where it
         has one, so ranks can clip by different factors: keep the default ``zero_fill=True``.
 
+        Args:
+            max_norm: the largest total norm the gradients may have.
+            norm_type: the norm's order (``2.0``, ``float("inf")``, ...).
+            error_if_nonfinite: raise where the total norm is NaN or infinite.
+            foreach: as ``torch.nn.utils.clip_grad_norm_``'s.
+
+        Returns:
+            The total norm of the averaged gradients, before clipping.
+
+        Raises:
+            ValueError: with ``double_buffering=True`` (the update uses the previous step's averages).
+
         Example::
 
             >>> loss_fn(model(x), y).backward()
@@ -297,13 +326,20 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def state_dict(self):
+        """The wrapped optimizer's ``state_dict()``: the same on every rank, no communication."""
         return self._optimizer.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
+        """Load a ``state_dict()`` of this or a plain torch optimizer (on every rank).
+
+        Args:
+            state_dict: the state, in torch's optimizer format.
+        """
         self._optimizer.load_state_dict(state_dict)
 
     @property
     def state(self):
+        """The wrapped optimizer's ``state``."""
         return self._optimizer.state
 
     @state.setter
@@ -328,6 +364,27 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
     backward that raises (a batch the script skips, on every rank) is forgotten at the next
     ``zero_grad()``; ``step()`` right after it refuses. Frozen parameters in the optimizer's
     groups are broadcast too; freezing or unfreezing later needs a new wrapper.
+
+    Args:
+        optimizer: any ``torch.optim.Optimizer`` over the model's parameters (built on every rank).
+        comm: the communicator.
+        double_buffering: update with the previous step's averages (ChainerMN's semantics).
+        zero_fill: count a gradient missing on some ranks as zeros (with False, such a gradient
+            raises :class:`~torchmn.CollectiveMismatchError`).
+        compression: ``None``, ``"fp16"`` or ``"bf16"``: the dtype gradients travel in.
+        bucket_cap_mb: MB of gradients per message (default: the communicator's).
+        backward_passes_per_step: backward passes accumulated locally per averaging.
+        shard_state: ZeRO stage 1 (:class:`ShardedMultiNodeOptimizer`): each rank updates and keeps
+            state for 1/size of the model.
+
+    Returns:
+        A :class:`MultiNodeOptimizer`, or a :class:`ShardedMultiNodeOptimizer` with ``shard_state``.
+
+    Raises:
+        TypeError: ``optimizer`` is not a torch optimizer, or (sharded) not an elementwise one.
+        ValueError: an unknown ``compression``, ``backward_passes_per_step < 1``, or options that
+            cannot go together (``shard_state`` with ``double_buffering`` or ``zero_fill=False``).
+        CollectiveMismatchError: the ranks' models differ in layout.
 
     Example::
 

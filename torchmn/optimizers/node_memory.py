@@ -39,8 +39,15 @@ def arena_layout(nbytes: list[int]) -> tuple[list[int], int]:
 def open_bucket_arena(comm: Communicator, nbytes: list[int]):
     """Shared memory for buffers of ``nbytes`` each, in the shared region and in every rank's own.
 
-    Collective. Returns ``(arena, offsets)``, or None where the ranks cannot share memory (several
-    nodes, GPU, a small ``/dev/shm``): the caller then takes the path through collectives.
+    Collective.
+
+    Args:
+        comm: the communicator.
+        nbytes: each buffer's size in bytes.
+
+    Returns:
+        ``(arena, offsets)``, or None where the ranks cannot share memory (several nodes, GPU, a
+        small ``/dev/shm``): the caller then takes the path through collectives.
     """
     offsets, total = arena_layout(nbytes)
     arena = comm.open_node_arena(shared_bytes=total, region_bytes=total)
@@ -48,14 +55,31 @@ def open_bucket_arena(comm: Communicator, nbytes: list[int]):
 
 
 def region_view(region: torch.Tensor, offset: int, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """``numel`` elements of ``dtype`` at byte ``offset`` of a uint8 shared-memory region."""
+    """A typed view into a shared-memory region.
+
+    Args:
+        region: a uint8 tensor.
+        offset: the view's first byte.
+        numel: its elements.
+        dtype: its dtype.
+
+    Returns:
+        ``numel`` elements of ``dtype`` at byte ``offset`` of ``region``.
+    """
     itemsize = torch.empty((), dtype=dtype).element_size()
     return region[offset:offset + numel * itemsize].view(dtype)
 
 
 def sum_scaled(out: torch.Tensor, others: list[torch.Tensor], mine: Optional[torch.Tensor], scale: float) -> None:
-    """``out`` = the other ranks' parts (added in rank order, as :func:`shm.sum_into` does) plus
-    ``mine`` times ``scale`` (None: this rank has no part), in one pass where there is one other."""
+    """``out`` = the other ranks' parts plus this rank's times ``scale``, in one pass where there
+    is one other rank.
+
+    Args:
+        out: where the sum goes.
+        others: the other ranks' parts, added in rank order (as :func:`shm.sum_into` does).
+        mine: this rank's part, or None where it has none.
+        scale: the factor for ``mine`` (the others' parts are scaled already).
+    """
     if mine is None:
         sum_into(out, others)
     elif len(others) == 1:
@@ -109,7 +133,11 @@ class NodeShards:
     def pack_for_peers(self, scale: float) -> None:
         """Copy, times ``scale``, the parts of the gradients that other ranks own into this rank's
         shared buffer (the part in this rank's own slices stays in ``.grad``), and say which
-        gradients this rank has."""
+        gradients this rank has.
+
+        Args:
+            scale: ``1 / size``, so that the sums are means.
+        """
         b = self.bucket
         b.remember_grads()
         packed = b.packed
@@ -133,6 +161,9 @@ class NodeShards:
         writes: they last until this rank's next sum (``clip_grad_norm_`` before a skipped step
         needs that), and the other ranks' next copies never have to take back lines this rank
         wrote (summing in place into another rank's copy instead measured slower).
+
+        Args:
+            scale: ``1 / size``, for this rank's own part (the others' are scaled already).
         """
         b = self.bucket
         packed = b.packed

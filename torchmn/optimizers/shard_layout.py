@@ -83,7 +83,7 @@ class ShardBucket:
 
     @property
     def region_numel(self) -> int:
-        """Elements of a rank's shared gradient buffer: the flat layout, then the flags."""
+        """Returns: the elements of a rank's shared gradient buffer (the flat layout, then the flags)."""
         return self.padded + len(self.params)
 
     # ----------------------------------------------------------------------------- through collectives
@@ -119,7 +119,15 @@ class ShardBucket:
             self.send = None
 
     def pack(self, scale: Optional[float]) -> torch.Tensor:
-        """The wire buffer for this step's reduce-scatter: the gradients rank-major, times ``scale``."""
+        """The wire buffer for this step's reduce-scatter.
+
+        Args:
+            scale: the factor for the gradients (None: as they are).
+
+        Returns:
+            ``size * block`` elements: rank ``j``'s block holds slice ``j`` of every gradient (times
+            ``scale``), then one flag per parameter saying whether this rank has its gradient.
+        """
         self.remember_grads()
         for g, (rows, split, tail, pads) in zip(self.packed, self.wire_plan):
             if g is None:
@@ -144,7 +152,7 @@ class ShardBucket:
         self.set_grads(self.shard_grads, counts)
 
     def send_shards(self) -> torch.Tensor:
-        """This rank's updated shards, in its block's layout, for the all-gather."""
+        """Returns: this rank's updated shards, in its block's layout, for the all-gather."""
         torch.cat(self.shard_views, out=self.send[:self.k])
         return self.send
 
@@ -163,7 +171,13 @@ class ShardBucket:
             p.data = self.flat[off:off + p.numel()].view_as(p)
 
     def set_grads(self, grads: list[torch.Tensor], counts: Optional[list[float]]) -> None:
-        """The shard parameters' gradients; None where ``counts`` (ranks that had it) says 0."""
+        """Set the shard parameters' gradients.
+
+        Args:
+            grads: one tensor per shard parameter.
+            counts: how many ranks had each gradient (None: all did); a gradient no rank had
+                becomes None, so that the optimizer leaves its parameter alone.
+        """
         for i, (sp, g) in enumerate(zip(self.shard_params, grads)):
             if counts is not None and not counts[i]:
                 g = None
@@ -177,6 +191,7 @@ class ShardBucket:
         self.versions = None
 
     def note_versions(self) -> None:
+        """Note the gradients' version counters, to tell an edit made before ``step()``."""
         self.versions = [g._version if g is not None else None for g in self.packed]
 
     def check_grads_unchanged(self) -> None:
@@ -184,6 +199,9 @@ class ShardBucket:
 
         Backward's hooks have already sent them (or, on one node, copied the parts other ranks
         need): an edit now would reach only part of the model, silently.
+
+        Raises:
+            RuntimeError: a ``.grad`` was replaced or changed in place since backward.
         """
         for p, g, version in zip(self.params, self.packed, self.versions):
             if p.grad is not g or (g is not None and g._version != version):

@@ -15,7 +15,14 @@ SCALAR_STATE = frozenset({"step", "eta", "mu", "mu_product"})
 
 
 def indices(param_groups: list[dict]) -> dict:
-    """Each real parameter's index in the state_dict format (torch numbers them across groups)."""
+    """Each parameter's index in torch's ``state_dict`` format, which numbers them across groups.
+
+    Args:
+        param_groups: the optimizer's parameter groups.
+
+    Returns:
+        ``{parameter: index}``.
+    """
     index, n = {}, 0
     for group in param_groups:
         for p in group["params"]:
@@ -127,7 +134,19 @@ def load_state_dict(state_dict: dict, param_groups: list[dict], inner: dict) -> 
         inner.load_state_dict({"state": shard_states, "param_groups": [{**inner_group, "params": list(range(n))}]})
 
 def slice_of_state(b: ShardBucket, i: int, saved: dict) -> dict:
-    """This rank's slice of parameter ``i`` of bucket ``b``'s state, cut from its whole state."""
+    """This rank's slice of parameter ``i`` of bucket ``b``'s state, cut from its whole state.
+
+    Args:
+        b: the shard bucket.
+        i: the parameter's index in the bucket.
+        saved: the parameter's whole state (``state_dict()["state"][index]``).
+
+    Returns:
+        The state of this rank's shard parameter (scalar entries, such as step counts, copied).
+
+    Raises:
+        ValueError: a tensor entry does not have the parameter's number of elements.
+    """
     p, (lo, hi) = b.params[i], b.slices[i]
     mine = {}
     for key, value in saved.items():

@@ -172,6 +172,15 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     def step(self, closure=None):
         """Update this rank's shard with the averaged gradients, then all-gather the parameters.
 
+        Args:
+            closure: not supported (multi-node optimizers need backward before ``step()``).
+
+        Raises:
+            ValueError: a closure was passed.
+            RuntimeError: the last backward raised, a ``.grad`` was edited after backward, or
+                parameters were added or unfrozen since wrapping.
+            CollectiveMismatchError: (one node) ranks are at different steps (one skipped ``step()``).
+
         Example::
 
             >>> loss_fn(model(x), y).backward(); optimizer.step()
@@ -214,6 +223,11 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         return None
 
     def register_step_pre_hook(self, hook):
+        """Not supported with ``shard_state=True``: call the hook around ``optimizer.step()``.
+
+        Raises:
+            NotImplementedError: always.
+        """
         # Global hooks (torch.optim.optimizer.register_optimizer_step_pre_hook) do not run for the
         # shard optimizers either: they are stepped without torch's hook wrapper (inner_optimizers.step_function).
         raise NotImplementedError("step hooks with shard_state=True: each rank updates its shards with "
@@ -235,7 +249,19 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         gradients that exist only as shards: call it between backward and ``step()``, on every
         rank. Each rank takes its shard of the averaged gradients (which ``step()`` then uses),
         the ranks add up their shards' norms, and every shard is scaled by the same factor.
-        ``foreach`` is accepted for torch's signature.
+
+        Args:
+            max_norm: the largest total norm the gradients may have.
+            norm_type: the norm's order (``2.0``, ``float("inf")``, ...).
+            error_if_nonfinite: raise where the total norm is NaN or infinite.
+            foreach: accepted for torch's signature.
+
+        Returns:
+            The total norm of the averaged gradients, before clipping.
+
+        Raises:
+            ValueError: ``norm_type`` is not positive.
+            RuntimeError: the norm is not finite and ``error_if_nonfinite`` is set.
 
         Example::
 
@@ -353,8 +379,11 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
 
     @property
     def state(self) -> dict:
-        """This rank's shard state, keyed by its shard parameters (its slice of each parameter; a fresh
-        dict each time)."""
+        """This rank's shard state.
+
+        Returns:
+            A fresh dict, keyed by the shard parameters (this rank's slice of each parameter).
+        """
         return {sp: b.optimizer.state[sp] for b in self._buckets for sp in b.shard_params if sp in b.optimizer.state}
 
     @state.setter
@@ -362,8 +391,11 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         raise AttributeError("the sharded optimizer's state is per shard: use load_state_dict()")
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state tensors this rank holds: about 1/size of the unsharded optimizer's,
-        plus the padding of each parameter to a multiple of size (at most size elements per tensor).
+        """Bytes of optimizer state tensors this rank holds.
+
+        Returns:
+            About 1/size of the unsharded optimizer's, plus the padding of each parameter to a
+            multiple of size (at most size elements per tensor).
 
         Example::
 
