@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -44,3 +45,54 @@ def run_job(script: str | Path, args: list[str], *, np: int = 2, launcher: str =
         raise AssertionError(f"job failed with exit code {proc.returncode}: {' '.join(argv)}\n"
                              f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
     return proc
+
+
+# ----------------------------------------------------------------------------- one test id per check
+# Starting ranks costs seconds (each imports torch), so the checks of one configuration share one
+# job: the first test of the group runs it with exactly the checks this pytest session selected
+# (`pytest -k compression` runs the compression check alone), and every test reads its own check's
+# line from that job's output. A test declares its group with @pytest.mark.check_job(FAMILY,
+# **fixed_config) and a `check` parameter; its other parameters complete the configuration.
+_check_jobs: dict = {}
+
+
+def _job_key(item):
+    mark = item.get_closest_marker("check_job")
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if mark is None or "check" not in params:
+        return None
+    config = dict(mark.kwargs)
+    config.update((k, v) for k, v in params.items() if k != "check")
+    return mark.args[0], tuple(sorted(config.items(), key=lambda kv: kv[0]))
+
+
+def check_job_output(request, run) -> subprocess.CompletedProcess:
+    """The job that runs this test's check with the others of its group (see above).
+
+    ``run(checks)`` runs the selected checks and returns the CompletedProcess (``check=False``);
+    it is called once per group and session. An exception it raises (a timeout) fails every test
+    of the group.
+    """
+    key = _job_key(request.node)
+    assert key is not None, "a check test needs @pytest.mark.check_job(...) and a `check` parameter"
+    if key not in _check_jobs:
+        checks = list(dict.fromkeys(item.callspec.params["check"] for item in request.session.items
+                                    if _job_key(item) == key))
+        try:
+            _check_jobs[key] = run(checks)
+        except Exception as e:  # noqa: BLE001 (the job's own failure, reported by each of its tests)
+            _check_jobs[key] = e
+    result = _check_jobs[key]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
+def assert_check_passed(proc: subprocess.CompletedProcess, check: str) -> None:
+    """Fail unless the job printed "PASS <check>" (rank 0's line; "[0] " prefixed under torchmn run)."""
+    if re.search(rf"^(\[\d+\] )?PASS {re.escape(check)}( |$)", proc.stdout, re.MULTILINE):
+        return
+    raise AssertionError(
+        f"check {check!r} did not pass (the job exited with {proc.returncode}; a failed check stops the "
+        f"job, so the checks after it do not run)\n--- stdout ---\n{proc.stdout[-6000:]}\n"
+        f"--- stderr ---\n{proc.stderr[-6000:]}")

@@ -10,27 +10,35 @@ import pytest
 import torch
 
 import torchmn
-from jobs import WORKERS, clean_env, run_job
+from jobs import WORKERS, assert_check_passed, check_job_output, clean_env, run_job
 
 CHECKS = WORKERS / "comm_checks.py"
 
 
+CHECKS_ALL = ("ring", "collectives", "arange", "allgather_uneven", "bcast_data", "mean_grad", "objects", "topology",
+              "split", "nested_split", "shard_primitives", "flat_in_flight", "mismatch")
+GRADIENT_CHECKS = ("mean_grad", "bcast_data", "flat_in_flight", "split", "nested_split", "shard_primitives")
+
+
+@pytest.mark.check_job("comm")
+@pytest.mark.parametrize("check", CHECKS_ALL)
 @pytest.mark.parametrize("launcher", ["torchmn", "torchrun"])
 @pytest.mark.parametrize("np", [2, 4])
-def test_all_collectives(launcher, np):
-    out = run_job(CHECKS, ["all"], np=np, launcher=launcher, timeout=150).stdout
-    for check in ("ring", "collectives", "arange", "allgather_uneven", "bcast_data", "mean_grad", "objects",
-                  "topology", "split", "nested_split", "shard_primitives", "flat_in_flight", "mismatch"):
-        assert f"PASS {check}" in out, out
-    assert f"TOPOLOGY size={np} inter_size=1 intra_size={np}" in out
+def test_all_collectives(launcher, np, check, request):
+    proc = check_job_output(request, lambda checks: run_job(CHECKS, checks, np=np, launcher=launcher, timeout=150,
+                                                            check=False))
+    assert_check_passed(proc, check)
+    if check == "topology":
+        assert f"TOPOLOGY size={np} inter_size=1 intra_size={np}" in proc.stdout
 
 
+@pytest.mark.check_job("comm-algorithm", np=3)
+@pytest.mark.parametrize("check", GRADIENT_CHECKS)
 @pytest.mark.parametrize("name", ["naive", "flat"])
-def test_gradient_algorithms(name):
-    checks = ["mean_grad", "bcast_data", "flat_in_flight", "split", "nested_split", "shard_primitives"]
-    out = run_job(CHECKS, ["--name", name, *checks], np=3, timeout=90).stdout
-    for check in checks:
-        assert f"PASS {check}" in out, out
+def test_gradient_algorithms(name, check, request):
+    proc = check_job_output(request, lambda checks: run_job(CHECKS, ["--name", name, *checks], np=3, timeout=90,
+                                                            check=False))
+    assert_check_passed(proc, check)
 
 
 def test_bcast_obj_300mb():

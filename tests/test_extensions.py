@@ -6,7 +6,8 @@ import pytest
 import pytorch_pfn_extras as ppe
 import torch
 
-from workers.data_jobs import all_checks_output
+from jobs import assert_check_passed
+from workers.data_jobs import data_check_output
 from torchmn.communicators import make_communicator
 from torchmn.extensions import (AllreducePersistent, MultiNodeEarlyStoppingTrigger, ObservationAggregator,
                                 available_iterations, multi_node_snapshot, resume_latest)
@@ -19,9 +20,10 @@ def solo():
     return make_communicator("naive", rank=0, size=1, group=None, obj_group=None, backend="gloo", node_key=0)
 
 
+@pytest.mark.check_job("data", np=2)
 @pytest.mark.parametrize("check", CHECKS)
-def test_across_two_ranks(check):
-    assert f"PASS {check} " in all_checks_output(2)
+def test_across_two_ranks(check, request):
+    assert_check_passed(data_check_output(request, 2), check)
 
 
 def manager_for(model, out, max_epochs=3, iters_per_epoch=1, **kwargs):

@@ -4,7 +4,8 @@ import math
 import pytest
 import torch
 
-from workers.data_jobs import all_checks_output
+from jobs import assert_check_passed
+from workers.data_jobs import data_check_output
 from torchmn.communicators import make_communicator
 from torchmn.evaluators import GenericMultiNodeEvaluator, create_multi_node_evaluator
 from torchmn.iterators import create_multi_node_iterator
@@ -16,9 +17,10 @@ def solo():
     return make_communicator("naive", rank=0, size=1, group=None, obj_group=None, backend="gloo", node_key=0)
 
 
+@pytest.mark.check_job("data", np=3)
 @pytest.mark.parametrize("check", CHECKS)
-def test_across_three_ranks(check):
-    assert f"PASS {check} " in all_checks_output(3)
+def test_across_three_ranks(check, request):
+    assert_check_passed(data_check_output(request, 3), check)
 
 
 def test_evaluator_single_rank():

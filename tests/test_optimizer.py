@@ -1,7 +1,14 @@
-"""The multi-node optimizer against one process on the whole batch, in real multi-process jobs."""
+"""The multi-node optimizer against one process on the whole batch, in real multi-process jobs.
+
+One test id per check and configuration (`pytest -k compression` runs that check alone); the
+checks of one configuration share one job (see tests/jobs.py).
+"""
+import subprocess
+import sys
+
 import pytest
 
-from jobs import WORKERS, run_job
+from jobs import WORKERS, assert_check_passed, check_job_output, clean_env, run_job
 
 CHECKS = WORKERS / "optim_checks.py"
 ALL = ("equivalence", "compression", "double_buffering", "clipping", "unused_parameter", "unused_everywhere",
@@ -10,20 +17,19 @@ ALL = ("equivalence", "compression", "double_buffering", "clipping", "unused_par
        "complex_parameters", "dtype_changed_after_wrapping")
 
 
+@pytest.mark.check_job("optim")
+@pytest.mark.parametrize("check", ALL)
 @pytest.mark.parametrize("name,np", [("hierarchical", 2), ("hierarchical", 3), ("flat", 2), ("naive", 2),
                                      ("flat", 3)])
-def test_optimizer_matches_one_process(name, np):
-    out = run_job(CHECKS, ["--name", name, "all"], np=np, timeout=180).stdout
-    for check in ALL:
-        assert f"PASS {check}" in out, out
+def test_optimizer_matches_one_process(name, np, check, request):
+    proc = check_job_output(request, lambda checks: run_job(CHECKS, ["--name", name, *checks], np=np, timeout=180,
+                                                            check=False))
+    assert_check_passed(proc, check)
 
 
-def test_optimizer_in_a_world_of_one():
-    import subprocess
-    import sys
-
-    from jobs import clean_env
-    proc = subprocess.run([sys.executable, str(CHECKS), "all"], env=clean_env(), capture_output=True,
-                          text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert all(f"PASS {c}" in proc.stdout for c in ALL)
+@pytest.mark.check_job("optim-one-process")
+@pytest.mark.parametrize("check", ALL)
+def test_optimizer_in_a_world_of_one(check, request):
+    proc = check_job_output(request, lambda checks: subprocess.run(
+        [sys.executable, str(CHECKS), *checks], env=clean_env(), capture_output=True, text=True, timeout=120))
+    assert_check_passed(proc, check)

@@ -1,10 +1,14 @@
-"""The sharded (ZeRO stage 1) optimizer against one process on the whole batch, in real multi-process jobs."""
+"""The sharded (ZeRO stage 1) optimizer against one process on the whole batch, in real multi-process jobs.
+
+One test id per check and configuration; the checks of one configuration share one job (see
+tests/jobs.py).
+"""
 import subprocess
 import sys
 
 import pytest
 
-from jobs import WORKERS, clean_env, run_job
+from jobs import WORKERS, assert_check_passed, check_job_output, clean_env, run_job
 
 CHECKS = WORKERS / "shard_checks.py"
 ALL = ("equivalence", "accumulation", "overlap", "compression", "state_is_sharded", "refusals", "unused_parameter",
@@ -15,37 +19,37 @@ ALL = ("equivalence", "accumulation", "overlap", "compression", "state_is_sharde
        "half_precision_sums")
 
 
-def _one_process(args):
-    proc = subprocess.run([sys.executable, str(CHECKS)] + args, env=clean_env(), capture_output=True,
-                          text=True, timeout=90)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return proc.stdout
-
-
+@pytest.mark.check_job("shard", name="auto")
+@pytest.mark.parametrize("check", ALL)
 @pytest.mark.parametrize("np", [2, 3])
-def test_sharded_matches_one_process(np):
+def test_sharded_matches_one_process(np, check, request):
     """The default communicator on one node: parameters and gradients in shared memory."""
-    out = run_job(CHECKS, ["all"], np=np, timeout=90).stdout
-    for check in ALL:
-        assert f"PASS {check}" in out, out
+    proc = check_job_output(request, lambda checks: run_job(CHECKS, checks, np=np, timeout=90, check=False))
+    assert_check_passed(proc, check)
 
 
+@pytest.mark.check_job("shard", name="flat")
+@pytest.mark.parametrize("check", ALL)
 @pytest.mark.parametrize("np", [2, 3])
-def test_sharded_through_torch_distributed(np):
+def test_sharded_through_torch_distributed(np, check, request):
     """The `flat` communicator: reduce-scatter and all-gather through gloo, as across nodes."""
-    out = run_job(CHECKS, ["--name", "flat", "all"], np=np, timeout=90).stdout
-    for check in ALL:
-        assert f"PASS {check}" in out, out
+    proc = check_job_output(request, lambda checks: run_job(CHECKS, ["--name", "flat", *checks], np=np, timeout=90,
+                                                            check=False))
+    assert_check_passed(proc, check)
 
 
-def test_sharded_in_a_world_of_one():
-    out = _one_process(["all"])
-    assert all(f"PASS {c}" in out for c in ALL), out
+@pytest.mark.check_job("shard-one-process")
+@pytest.mark.parametrize("check", ALL)
+def test_sharded_in_a_world_of_one(check, request):
+    proc = check_job_output(request, lambda checks: subprocess.run(
+        [sys.executable, str(CHECKS), *checks], env=clean_env(), capture_output=True, text=True, timeout=90))
+    assert_check_passed(proc, check)
 
 
 def test_checkpoint_moves_between_rank_counts(tmp_path):
     ckpt = str(tmp_path / "ckpt.pt")
-    assert "PASS save" in run_job(CHECKS, ["--path", ckpt, "save"], np=3, timeout=90).stdout
+    assert_check_passed(run_job(CHECKS, ["--path", ckpt, "save"], np=3, timeout=90), "save")
     # plain_resume loads into a plain torch optimizer with no communicator: one process's view.
-    out = run_job(CHECKS, ["--path", ckpt, "resume", "plain_resume"], np=2, timeout=90).stdout
-    assert "PASS resume" in out and "PASS plain_resume" in out, out
+    out = run_job(CHECKS, ["--path", ckpt, "resume", "plain_resume"], np=2, timeout=90)
+    assert_check_passed(out, "resume")
+    assert_check_passed(out, "plain_resume")

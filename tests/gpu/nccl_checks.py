@@ -1,0 +1,172 @@
+"""The NCCL and CUDA paths, checked on a machine with GPUs (CI has none: run this by hand there).
+
+Every rank runs every check on the GPU it computes on and compares with what one process computes
+from the same data; rank 0 prints "PASS <check>" after each, then a timing table of tensor
+allreduce through torchmn against raw ``torch.distributed`` in the same run.
+
+    torchmn run -np 2 python tests/gpu/nccl_checks.py          # one GPU per rank
+    python tests/gpu/nccl_checks.py --init tcp://127.0.0.1:29400  # a world of one, over NCCL
+
+With one GPU, NCCL refuses two ranks on the same device unless they look like two hosts:
+``torchmn run -np 2 bash -c 'NCCL_HOSTID=h$RANK exec python tests/gpu/nccl_checks.py'`` (each
+rank then talks to the other through NCCL's socket transport, as across nodes).
+"""
+import argparse
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import torchmn
+
+BATCH = 24
+
+
+def make_model(device):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 32), torch.nn.Tanh(), torch.nn.Linear(32, 3)).double().to(device)
+
+
+def data(step, device):
+    g = torch.Generator().manual_seed(100 + step)
+    x = torch.randn(BATCH, 6, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (BATCH,), generator=g)
+    return x.to(device), y.to(device)
+
+
+def local(t, comm):
+    n = t.shape[0] // comm.size
+    return t[comm.rank * n:(comm.rank + 1) * n]
+
+
+def reference(device, steps, opt_cls):
+    model = make_model(device)
+    opt = opt_cls(model.parameters())
+    for step in range(steps):
+        x, y = data(step, device)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def check_topology(comm):
+    assert comm.backend == "nccl", comm.backend
+    assert comm.device.type == "cuda" and comm.device.index == torch.cuda.current_device(), \
+        (comm.device, torch.cuda.current_device())
+
+
+def check_collectives(comm):
+    r, n, dev = comm.rank, comm.size, comm.device
+    x = torch.arange(6, device=dev, dtype=torch.float32) + r
+    assert torch.equal(comm.allreduce(x).cpu(), torch.arange(6.0) * n + sum(range(n)))
+    assert comm.allreduce(x).device == dev
+    assert torch.equal(comm.allreduce(x, op="max").cpu(), torch.arange(6.0) + n - 1)
+    half = torch.full((3,), 40000.0, dtype=torch.float16, device=dev)
+    assert torch.equal(comm.allreduce(half, op="mean").cpu(), torch.full((3,), 40000.0, dtype=torch.float16))
+    b = comm.bcast(torch.randn(4, 5, device=dev) if r == 0 else None)
+    assert b.shape == (4, 5)
+    assert torch.equal(torch.stack(comm.allgather(b)).cpu(), b.cpu().expand(n, 4, 5))
+    parts = comm.allgather(torch.full((r + 1, 2), r, device=dev, dtype=torch.int64))
+    assert [tuple(p.shape) for p in parts] == [(k + 1, 2) for k in range(n)]
+    g = comm.gather(torch.full((r + 1,), r, device=dev), root=n - 1)
+    assert (g is None) == (r != n - 1)
+    mine = comm.scatter([torch.full((k + 1,), k, device=dev) for k in range(n)] if r == 0 else None)
+    assert mine.tolist() == [r] * (r + 1)
+    got = comm.alltoall([torch.tensor([r, k], device=dev) for k in range(n)])
+    assert [t.tolist() for t in got] == [[k, r] for k in range(n)]
+    if n > 1:
+        if r == 0:
+            comm.send(torch.ones(3, 2, device=dev, dtype=torch.bfloat16), dest=1)
+        elif r == 1:
+            assert comm.recv(source=0).tolist() == [[1.0, 1.0]] * 3
+    assert comm.bcast_obj({"root": r} if r == 0 else None) == {"root": 0}
+    assert comm.allgather_obj(r) == list(range(n))
+    comm.barrier()
+
+
+def check_mean_grad(comm):
+    model = make_model(comm.device)
+    comm.bcast_data(model)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, float(comm.rank))
+    comm.multi_node_mean_grad(model)
+    for p in model.parameters():
+        assert torch.allclose(p.grad, torch.full_like(p, (comm.size - 1) / 2)), p.grad
+
+
+def _train(comm, steps, opt_cls, **kw):
+    model = make_model(comm.device)
+    opt = torchmn.create_multi_node_optimizer(opt_cls(model.parameters()), comm, **kw)
+    for step in range(steps):
+        x, y = data(step, comm.device)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(model(local(x, comm)), local(y, comm)).backward()
+        opt.step()
+    return model, opt
+
+
+def check_optimizer(comm):
+    def adam(ps):
+        return torch.optim.Adam(ps, lr=0.01)
+    ref = reference(comm.device, 5, adam)
+    for kw in ({}, {"compression": "fp16"}, {"shard_state": True}):
+        model, opt = _train(comm, 5, adam, **kw)
+        tol = 1e-3 if kw.get("compression") else 1e-6
+        for p, q in zip(model.parameters(), ref):
+            assert torch.allclose(p, q, atol=tol), (kw, (p - q).abs().max().item())
+        sd = opt.state_dict()
+        assert len(sd["state"]) == len(ref), kw
+
+
+def time_allreduce(comm, mb_sizes=(0.1, 7.2, 64), rounds=20):
+    """Median seconds of an allreduce through torchmn and through raw torch.distributed, same run."""
+    rows = []
+    for mb in mb_sizes:
+        n = int(mb * 1024 * 1024 / 4)
+        x = torch.ones(n, device=comm.device)
+        out = {}
+        for name, fn in (("torchmn allreduce", lambda: comm.allreduce(x)),
+                         ("torchmn allreduce_flat", lambda: comm.allreduce_flat(x)),
+                         ("torch.distributed all_reduce", lambda: dist.all_reduce(x))):
+            fn()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(rounds):
+                comm.barrier()
+                start = time.perf_counter()
+                fn()
+                torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+            out[name] = statistics.median(times)
+        rows.append((mb, out))
+    return rows
+
+
+CHECKS = {"topology": check_topology, "collectives": check_collectives, "mean_grad": check_mean_grad,
+          "optimizer": check_optimizer}
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--init", default=None, help="init_method for a world of one over NCCL")
+    parser.add_argument("--no-timing", action="store_true")
+    args = parser.parse_args()
+    comm = torchmn.create_communicator(backend="nccl", init_method=args.init)
+    for name, check in CHECKS.items():
+        check(comm)
+        comm.barrier()
+        if comm.rank == 0:
+            print(f"PASS {name}", flush=True)
+    if not args.no_timing and dist.is_initialized():
+        rows = time_allreduce(comm)
+        if comm.rank == 0:
+            print(f"{comm.size} rank(s), {torch.cuda.get_device_name()}, NCCL {torch.cuda.nccl.version()}")
+            for mb, out in rows:
+                print(f"  {mb:>5} MB: " + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in out.items()))
+    comm.finalize()
+
+
+if __name__ == "__main__":
+    main()

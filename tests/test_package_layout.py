@@ -1,0 +1,94 @@
+"""The package's shape: small modules, and modules that talk to each other through public names.
+
+A module may use its own private names, and a package may import its own private helper modules
+(``torchmn.communicators._wire``); what it may not do is reach into another module's private
+names (``from torchmn.x import _helper``, ``comm._something`` where ``_something`` belongs to
+another module), so that a maintainer can change a module's private parts without reading the
+rest of the package.
+"""
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "torchmn"
+MAX_LINES = 500
+
+
+def _modules():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        yield path, ast.parse(path.read_text(), str(path))
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _owners() -> dict:
+    """Every private name torchmn defines (functions, classes, module variables, methods and
+    attributes set on ``self``), and the modules that define it."""
+    owners: dict = {}
+    for path, tree in _modules():
+        module = _module_name(path)
+        for node in ast.walk(tree):
+            names = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    for leaf in ast.walk(t):
+                        if isinstance(leaf, ast.Name):
+                            names.append(leaf.id)
+                        elif isinstance(leaf, ast.Attribute) and isinstance(leaf.value, ast.Name) \
+                                and leaf.value.id in ("self", "cls"):
+                            names.append(leaf.attr)
+            for name in names:
+                if _private(name):
+                    owners.setdefault(name, set()).add(module)
+    return owners
+
+
+def _reaches():
+    """(where, what) for each use of another module's private name."""
+    owners = _owners()
+    for path, tree in _modules():
+        module = _module_name(path)
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        where = path.relative_to(PACKAGE.parent)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torchmn"):
+                for alias in node.names:
+                    if _private(alias.name) and f"{node.module}.{alias.name}" not in owners.get(alias.name, ()):
+                        # A private name imported from another module (a private *module* of the
+                        # importing package is fine: it is that package's own helper).
+                        if not (node.module == package and (PACKAGE.parent / node.module.replace(".", "/")
+                                                            / f"{alias.name}.py").exists()):
+                            yield f"{where}:{node.lineno}", f"from {node.module} import {alias.name}"
+                parts = node.module.split(".")
+                hidden = [i for i, p in enumerate(parts) if _private(p)]
+                if hidden and ".".join(parts[:hidden[0]]) != package:
+                    yield f"{where}:{node.lineno}", f"from {node.module} import ... (another package's private module)"
+            elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr in owners:
+                value = node.value
+                if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+                    continue
+                if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id == "super":
+                    continue
+                if module not in owners[node.attr]:
+                    yield f"{where}:{node.lineno}", f"{ast.unparse(value)}.{node.attr}"
+
+
+def test_no_module_is_over_500_lines():
+    long = {str(p.relative_to(PACKAGE.parent)): n for p, _ in _modules()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by concern): {long}"
+
+
+def test_no_module_reaches_into_another_modules_private_names():
+    found = sorted(set(_reaches()))
+    assert not found, "private names used across modules (make them public, or move the code):\n" + \
+        "\n".join(f"  {where}: {what}" for where, what in found)
