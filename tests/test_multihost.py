@@ -17,7 +17,7 @@ import psutil
 import pytest
 
 from cluster.netns import NetnsCluster
-from jobs import REPO, WORKERS, clean_env
+from jobs import REPO, WORKERS, assert_check_passed, check_job_output, clean_env
 from torchmn.cli import main
 from torchmn.launch import hosts as hostlib
 from torchmn.launch import remote, ssh
@@ -288,34 +288,38 @@ TWO_HOST_CHECKS = ("topology", "collectives", "objects", "split", "nested_split"
                    "mismatch")
 
 
-def test_two_hosts_two_ranks_each(cluster):
+def _two_host_job(cluster, worker, checks):
     proc = launch(cluster, "-np", "4", "-H", hosts_arg(cluster, ("h1", 2), ("h2", 2)),
-                  sys.executable, str(WORKERS / "comm_checks.py"), *TWO_HOST_CHECKS)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "[0] TOPOLOGY size=4 inter_size=2 intra_size=2" in proc.stdout, proc.stdout
-    for check in TWO_HOST_CHECKS:
-        assert f"[0] PASS {check}" in proc.stdout
+                  sys.executable, str(WORKERS / worker), *checks)
     assert_hosts_idle(cluster)
-    print(f"2 hosts x 2 ranks: {proc.elapsed:.1f} s")
+    print(f"2 hosts x 2 ranks, {worker} {' '.join(checks)}: {proc.elapsed:.1f} s")
+    return proc
+
+
+@pytest.mark.check_job("two-hosts-comm")
+@pytest.mark.parametrize("check", TWO_HOST_CHECKS)
+def test_two_hosts_two_ranks_each(cluster, check, request):
+    proc = check_job_output(request, lambda checks: _two_host_job(cluster, "comm_checks.py", checks))
+    assert_check_passed(proc, check)
+    if check == "topology":
+        assert "[0] TOPOLOGY size=4 inter_size=2 intra_size=2" in proc.stdout, proc.stdout
 
 
 SHARDED_CHECKS = ("equivalence", "state_dict_format", "unused_parameter", "shared_memory_where_possible",
                   "clip_grad_norm", "state_per_parameter")
 
 
-def test_sharded_optimizer_on_two_hosts(cluster):
+@pytest.mark.check_job("two-hosts-shard")
+@pytest.mark.parametrize("check", SHARDED_CHECKS)
+def test_sharded_optimizer_on_two_hosts(cluster, check, request):
     """ZeRO-1 across 2 hosts x 2 ranks: reduce-scatter and all-gather through shared memory inside
     each host and over rails (local rank i of each host) between them; one-process results."""
-    proc = launch(cluster, "-np", "4", "-H", hosts_arg(cluster, ("h1", 2), ("h2", 2)),
-                  sys.executable, str(WORKERS / "shard_checks.py"), *SHARDED_CHECKS)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    for check in SHARDED_CHECKS:
-        assert f"[0] PASS {check}" in proc.stdout
-    assert_hosts_idle(cluster)
+    proc = check_job_output(request, lambda checks: _two_host_job(cluster, "shard_checks.py", checks))
+    assert_check_passed(proc, check)
 
 
 def test_rank_missing_on_the_other_host_is_named(cluster):
-    """SPEC 7 across nodes: host 2's first rank never joins the optimizer's averaging. Rank 0,
+    """Across nodes: host 2's first rank never joins the optimizer's averaging. Rank 0,
     whose network allreduce with it runs in the background during backward, names it when the
     timeout hits; so does host 2's other rank, which waits for it in shared memory."""
     proc = launch(cluster, "-np", "4", "-H", hosts_arg(cluster, ("h1", 2), ("h2", 2)),
