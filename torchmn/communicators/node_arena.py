@@ -65,15 +65,10 @@ class NodeArena:
         """Create the arena on local rank 0 and map it on every local rank (collective).
 
         Args:
-            job_tag: new for every segment (:func:`torchmn.communicators.shm.new_job_tag`), the same on
-                every rank of the node.
-            node: the node's index, in the segment's name.
-            local_rank, local_size: this rank among the node's ranks.
-            pids: the node's ranks' process ids, to tell a dead peer from a slow one.
-            agree: a collective that returns every rank's value (``comm.allgather_obj``).
+            job_tag, node, local_rank, local_size, pids, agree, describe: as for
+                :meth:`torchmn.communicators.shm.NodeSegment.open`.
             shared_bytes, region_bytes: sizes of the shared region and of each rank's own.
             timeout: seconds a barrier waits for the other ranks.
-            describe: names local rank ``r`` in errors.
 
         Returns:
             The arena, the same memory on every rank of the node.
