@@ -46,6 +46,16 @@ def test_bcast_obj_300mb():
     assert "PASS big_obj" in out
 
 
+def test_a_one_element_tensor_expanded_from_a_scalar_travels():
+    """torch.ones(()).expand(1) counts as contiguous with stride 0 (a gradient of a sum looks so):
+    it must travel as its one element."""
+    comm = torchmn.create_communicator()
+    x = torch.full((), 2.5).expand(1)
+    assert comm.bcast(x).tolist() == [2.5]
+    assert [t.tolist() for t in comm.allgather(x)] == [[2.5]]
+    assert comm.allreduce(x).tolist() == [2.5]
+
+
 def test_world_of_one_opens_no_port():
     """A plain `python script.py` is a world of one: every collective works and no socket is opened."""
     code = r"""

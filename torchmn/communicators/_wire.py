@@ -65,7 +65,11 @@ def nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:
 def as_bytes(x: torch.Tensor) -> torch.Tensor:
     """A flat uint8 view of ``x`` (a contiguous copy first if needed)."""
     # Conjugate and negative views are lazy bits on the tensor, not in its memory: apply them first.
-    return x.resolve_conj().resolve_neg().contiguous().reshape(-1).view(torch.uint8)
+    flat = x.resolve_conj().resolve_neg().contiguous().reshape(-1)
+    if flat.numel() == 1 and flat.stride(0) != 1:
+        # One element expanded (stride 0) counts as contiguous, but cannot be viewed as bytes.
+        flat = flat.as_strided((1,), (1,))
+    return flat.view(torch.uint8)
 
 
 def from_bytes(buf: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
