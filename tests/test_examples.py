@@ -202,3 +202,28 @@ def test_preemptible_checkpoints_on_sigterm_and_resumes(tmp_path):
                            env=clean_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
     assert "nothing to do: the checkpoint is at step 200, --steps is 100" in fewer.stdout, fewer.stdout
     assert torch.load(tmp_path / "whole.pt")["step"] == 200
+
+
+PIPELINE = REPO / "examples" / "model_parallel" / "pipeline_mnist.py"
+
+
+def _accuracies(out):
+    return [float(line.split("val accuracy")[1].split()[0]) for line in out.splitlines() if "val accuracy" in line]
+
+
+@pytest.mark.timeout(300)
+def test_pipeline_example_reaches_one_process_accuracy():
+    """2 stages, 4 micro-batches, 4,000 training images, 20 epochs: one process reaches about 0.95."""
+    proc = run_job(PIPELINE, [], np=2, launcher="torchmn", timeout=240)
+    accuracies = _accuracies(proc.stdout)
+    assert len(accuracies) == 20 and accuracies[-1] >= 0.93, proc.stdout[-2000:]
+    assert "peak activation memory of stage 1" in proc.stdout
+
+
+def test_pipeline_example_with_data_parallel_replicas():
+    """4 ranks: 2 stages x 2 replicas, each stage's replicas averaging their gradients."""
+    proc = run_job(PIPELINE, ["--n-train", "800", "--epochs", "3", "--schedule", "gpipe"], np=4,
+                   launcher="torchmn", timeout=JOB_TIMEOUT)
+    accuracies = _accuracies(proc.stdout)
+    assert len(accuracies) == 3 and accuracies[-1] >= 0.7, proc.stdout[-2000:]
+    assert "2 replica(s)" in proc.stdout

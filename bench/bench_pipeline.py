@@ -1,0 +1,89 @@
+"""The pipeline's bubble and activation memory: GPipe and 1F1B, against the theory.
+
+Run (one stage per rank):
+
+    torchmn run -np 2 python bench/bench_pipeline.py
+    torchmn run -np 2 python bench/bench_pipeline.py --micro-batches 1 2 4 8 --steps 5 --width 2048 --batch 512
+
+Every stage is the same MLP block (``--layers`` Linear+ReLU of ``--width``), so the stages cost the
+same. For each schedule and micro-batch count m it times ``Pipeline.train_step`` (median of
+``--steps`` steps after a warm-up) and, in the same job and on the same ranks at the same time,
+the stage's own work with no pipeline: the forward and backward of the same m micro-batches, one
+after another. The bubble is the share of a step a stage is not computing: 1 - compute / step,
+against the theory (p - 1) / (m + p - 1), which counts no communication. Also the peak bytes of
+activations each stage held for backward.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+import torchmn
+from torchmn.nn import Pipeline
+
+
+def make_stage(width: int, layers: int) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())])
+
+
+def time_steps(fn, steps: int) -> float:
+    fn()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"])
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--width", type=int, default=2048)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    args = parser.parse_args()
+    comm = torchmn.create_communicator()
+    p = comm.size
+    x = torch.randn(args.batch, args.width)
+    target = torch.randn(args.batch, args.width)
+    rows = []
+    for schedule in args.schedules:
+        for m in args.micro_batches:
+            stage = make_stage(args.width, args.layers)
+            pipe = Pipeline(stage, comm, micro_batches=m, schedule=schedule, loss_fn=torch.nn.functional.mse_loss)
+
+            def step():
+                comm.barrier()
+                pipe.train_step(x if pipe.is_first else None, target=target if pipe.is_last else None)
+
+            def alone():
+                comm.barrier()  # every stage computes at the same moment, as in the pipeline
+                for piece in torch.tensor_split(x, m):
+                    stage(piece).sum().backward()
+
+            step_s = max(comm.allgather_obj(time_steps(step, args.steps)))
+            compute_s = max(comm.allgather_obj(time_steps(alone, args.steps)))
+            memory = comm.allgather_obj(pipe.peak_activation_bytes)
+            rows.append((schedule, m, step_s, compute_s, memory))
+    if comm.rank == 0:
+        print(f"# {p} stages, each {args.layers} x Linear({args.width}, {args.width}) + ReLU, batch {args.batch}, "
+              f"median of {args.steps} steps, {torch.get_num_threads()} thread(s) per rank")
+        print("| schedule | micro-batches | step | stage compute | bubble | theory (p-1)/(m+p-1) | "
+              + " | ".join(f"peak activations, stage {s}" for s in range(p)) + " |")
+        print("|---" * (6 + p) + "|")
+        for schedule, m, step_s, compute_s, memory in rows:
+            bubble = 1 - compute_s / step_s
+            print(f"| {schedule} | {m} | {step_s * 1e3:.1f} ms | {compute_s * 1e3:.1f} ms | {bubble:.2f} | "
+                  f"{(p - 1) / (m + p - 1):.2f} | " + " | ".join(f"{b / 1e6:.2f} MB" for b in memory) + " |")
+    comm.finalize()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,77 @@
+"""What the pipeline's schedules share: cutting batches, preparing received activations, and
+counting the activation memory a stage holds."""
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+
+def chunk(x: Any, m: int) -> list:
+    """``x`` (a tensor, or a tuple of tensors cut alike) cut into ``m`` pieces along dimension 0."""
+    if isinstance(x, torch.Tensor):
+        if len(x) < m:
+            raise ValueError(f"Pipeline: a batch of {len(x)} cannot be cut into {m} micro-batches")
+        return list(torch.tensor_split(x, m))
+    parts = [chunk(t, m) for t in x]
+    return [tuple(p[k] for p in parts) for k in range(m)]
+
+
+def differentiable_inputs(x: Any) -> Any:
+    """Received activations as leaves whose gradient backward fills (integer ones stay as they are)."""
+    if isinstance(x, tuple):
+        return tuple(differentiable_inputs(t) for t in x)
+    return x.detach().requires_grad_() if x.is_floating_point() or x.is_complex() else x
+
+
+def grads_of(x: Any) -> Any:
+    """The gradients of received activations, one per tensor (zeros where there is none), so that
+    the sending stage can pair them with its outputs."""
+    if isinstance(x, tuple):
+        return tuple(grads_of(t) for t in x)
+    return x.grad if x.grad is not None else torch.zeros_like(x)
+
+
+def nbytes(x: Any) -> int:
+    """Bytes of the tensors in ``x`` (a tensor or a tuple of them)."""
+    if isinstance(x, tuple):
+        return sum(nbytes(t) for t in x)
+    return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+
+
+class ActivationMeter:
+    """Bytes of activations a stage holds for backward, per micro-batch, and their peak.
+
+    The tensors autograd saves for backward are counted as they are saved (each once; parameters,
+    which are not activations, left out), plus the stage's input and output, and released when the
+    micro-batch's backward is done.
+    """
+
+    def __init__(self):
+        self.live: dict = {}
+        self.current = 0
+        self.peak = 0
+
+    @contextlib.contextmanager
+    def recording(self, k: int):
+        seen, total = set(), [0]
+
+        def pack(t: torch.Tensor):
+            key = (t.data_ptr(), tuple(t.shape), t.dtype)
+            if not (t.requires_grad and t.is_leaf) and key not in seen:
+                seen.add(key)
+                total[0] += t.numel() * t.element_size()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            yield
+        self.hold(k, total[0])
+
+    def hold(self, k: int, n: int) -> None:
+        self.live[k] = self.live.get(k, 0) + n
+        self.current += n
+        self.peak = max(self.peak, self.current)
+
+    def release(self, k: int) -> None:
+        self.current -= self.live.pop(k, 0)
