@@ -144,8 +144,48 @@ def time_allreduce(comm, mb_sizes=(0.1, 7.2, 64), rounds=20):
     return rows
 
 
+def check_functions(comm):
+    """torchmn.functions on the GPU: a send/recv round trip and allgather's backward."""
+    import torchmn.functions as F
+    n, r, dev = comm.size, comm.rank, comm.device
+    x = torch.randn(r + 1, 3, device=dev, dtype=torch.float64, requires_grad=True)
+    ys = F.allgather(comm, x)
+    sum((j + 1) * y.sum() for j, y in enumerate(ys)).backward()
+    assert torch.allclose(x.grad, torch.full_like(x, n * (r + 1.0))), x.grad
+    if n > 1:
+        layer = torch.nn.Linear(3, 3).double().to(dev)
+        if r == 0:
+            h = torch.randn(4, 3, device=dev, dtype=torch.float64, requires_grad=True)
+            d = F.send(layer(h), comm, rank=1)
+            out = F.recv(comm, rank=1, delegate_variable=d)
+            out.sum().backward()
+            assert h.grad is not None and h.grad.device == dev
+        elif r == 1:
+            F.send(layer(F.recv(comm, rank=0)), comm, rank=0).backward()
+
+
+def check_pipeline(comm):
+    """A pipeline of one CUDA stage per rank: the gradients of the unsplit batch (float64)."""
+    from torchmn.nn import Pipeline
+    p, r, dev = comm.size, comm.rank, comm.device
+    torch.manual_seed(0)
+    stages = [torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh()).double().to(dev) for _ in range(p)]
+    torch.manual_seed(0)
+    ref = [torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh()).double().to(dev) for _ in range(p)]
+    x, y = data(0, dev)[0][:, :6].contiguous(), torch.randn(BATCH, 6, dtype=torch.float64, device=dev)
+    y = comm.bcast(y)
+    for schedule in ("gpipe", "1f1b"):
+        for s in stages + ref:
+            s.zero_grad()
+        pipe = Pipeline(stages[r], comm, micro_batches=4, schedule=schedule, loss_fn=torch.nn.functional.mse_loss)
+        pipe.train_step(x if r == 0 else None, target=y if r == p - 1 else None)
+        torch.nn.functional.mse_loss(torch.nn.Sequential(*ref)(x), y).backward()
+        for a, b in zip(stages[r].parameters(), ref[r].parameters()):
+            assert torch.allclose(a.grad, b.grad, atol=1e-9), (schedule, (a.grad - b.grad).abs().max())
+
+
 CHECKS = {"topology": check_topology, "collectives": check_collectives, "mean_grad": check_mean_grad,
-          "optimizer": check_optimizer}
+          "optimizer": check_optimizer, "functions": check_functions, "pipeline": check_pipeline}
 
 
 def main():
