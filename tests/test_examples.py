@@ -227,3 +227,13 @@ def test_pipeline_example_with_data_parallel_replicas():
     accuracies = _accuracies(proc.stdout)
     assert len(accuracies) == 3 and accuracies[-1] >= 0.7, proc.stdout[-2000:]
     assert "2 replica(s)" in proc.stdout
+
+
+@pytest.mark.timeout(300)
+def test_spatial_cnn_example_reaches_one_process_accuracy():
+    """Every image split by rows over 2 ranks (spatial convolutions, multi-node BatchNorm): about 0.96,
+    as one process."""
+    proc = run_job(REPO / "examples" / "model_parallel" / "spatial_cnn.py", [], np=2, launcher="torchmn",
+                   timeout=280)
+    accuracies = _accuracies(proc.stdout)
+    assert len(accuracies) == 6 and accuracies[-1] >= 0.95, proc.stdout[-2000:]

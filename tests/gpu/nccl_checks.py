@@ -184,8 +184,29 @@ def check_pipeline(comm):
             assert torch.allclose(a.grad, b.grad, atol=1e-9), (schedule, (a.grad - b.grad).abs().max())
 
 
+def check_parallel_layers(comm):
+    """MultiNodeBatchNorm2d and SpatialParallelConv2d on the GPU against the dense layers (float64)."""
+    from torchmn.nn import MultiNodeBatchNorm2d, SpatialParallelConv2d
+    p, r, dev = comm.size, comm.rank, comm.device
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2 * p, 3, 9, 8, generator=g, dtype=torch.float64).to(dev)
+    mine = x[2 * r:2 * r + 2]
+    bn = MultiNodeBatchNorm2d(3, comm=comm).double().to(dev)
+    dense_bn = torch.nn.BatchNorm2d(3).double().to(dev)
+    assert torch.allclose(bn(mine), dense_bn(x)[2 * r:2 * r + 2], atol=1e-10)
+    assert torch.allclose(bn.running_var, dense_bn.running_var, atol=1e-12)
+    torch.manual_seed(3)
+    conv = SpatialParallelConv2d(3, 4, 3, padding=1, comm=comm).double().to(dev)
+    torch.manual_seed(3)
+    dense = torch.nn.Conv2d(3, 4, 3, padding=1).double().to(dev)
+    rows = x.tensor_split(p, dim=2)[r]
+    start = sum(t.shape[2] for t in x.tensor_split(p, dim=2)[:r])
+    assert torch.allclose(conv(rows), dense(x)[:, :, start:start + rows.shape[2]], atol=1e-10)
+
+
 CHECKS = {"topology": check_topology, "collectives": check_collectives, "mean_grad": check_mean_grad,
-          "optimizer": check_optimizer, "functions": check_functions, "pipeline": check_pipeline}
+          "optimizer": check_optimizer, "functions": check_functions, "pipeline": check_pipeline,
+          "parallel_layers": check_parallel_layers}
 
 
 def main():

@@ -1,23 +1,13 @@
 """Differentiable communication (ChainerMN's ``chainermn.functions``): autograd functions whose
 backward sends the gradients back across ranks, for models split over several ranks.
 
-Point to point: :func:`send` returns a *delegate* (a scalar that carries the dependency; on a rank
-whose last operation is a send, ``delegate.backward()`` runs that rank's part of the backward),
-:func:`recv` takes the previous delegate so that a rank's backward runs in the right order, and
-:func:`pseudo_connect` ties a delegate to the next computation. Collectives: :func:`bcast`,
-:func:`gather`, :func:`scatter`, :func:`allgather`, :func:`alltoall`.
-
-Example::
-
-    >>> if comm.rank == 0:
-    ...     delegate = torchmn.functions.send(layer0(x), comm, rank=1)
-    ...     delegate.backward()                  # receives the gradient from rank 1
-    ... else:
-    ...     h = torchmn.functions.recv(comm, rank=0)
-    ...     loss_fn(layer1(h), y).backward()     # sends the gradient of h to rank 0
+:func:`send` returns a *delegate*, whose ``backward()`` runs a sending rank's part of the backward;
+:func:`recv` and :func:`pseudo_connect` take it, so that one backward runs every part in order.
+Collectives: :func:`allreduce`, :func:`bcast`, :func:`gather`, :func:`scatter`, :func:`allgather`,
+:func:`alltoall`. How they keep every rank's backward paired: ``docs/design/model-parallelism.md``.
 """
-from torchmn.functions.collectives import allgather, alltoall, bcast, gather, scatter
+from torchmn.functions.collectives import allgather, allreduce, alltoall, bcast, gather, scatter
 from torchmn.functions.point_to_point import recv, send
 from torchmn.functions.pseudo_connect import pseudo_connect
 
-__all__ = ["allgather", "alltoall", "bcast", "gather", "pseudo_connect", "recv", "scatter", "send"]
+__all__ = ["allgather", "allreduce", "alltoall", "bcast", "gather", "pseudo_connect", "recv", "scatter", "send"]

@@ -1,6 +1,6 @@
 """Differentiable collectives: the backward of each is the collective that carries the gradients
-back (``bcast`` <-> sum at the root, ``gather`` <-> ``scatter``, ``allgather`` <-> reduce-scatter,
-``alltoall`` <-> ``alltoall``).
+back (``allreduce`` <-> ``allreduce``, ``bcast`` <-> sum at the root, ``gather`` <-> ``scatter``,
+``allgather`` <-> reduce-scatter, ``alltoall`` <-> ``alltoall``).
 
 Every rank runs the backward collective, so every rank must backpropagate through the output (a
 rank whose loss does not use it would leave the others waiting, until the timeout names it). A
@@ -97,6 +97,41 @@ class _AllToAll(torch.autograd.Function):
     def backward(ctx, *gys):
         gxs = ctx.comm.alltoall([g.contiguous() for g in gys])
         return (None, None, *[g.to(d) for g, d in zip(gxs, ctx.devices)])
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, comm, anchor_, x):
+        ctx.comm = comm
+        return comm.allreduce(x)
+
+    @staticmethod
+    def backward(ctx, gy):
+        return None, None, ctx.comm.allreduce(gy.contiguous())
+
+
+def allreduce(comm: CommunicatorBase, x: torch.Tensor) -> torch.Tensor:
+    """The sum of every rank's ``x`` on every rank; in backward, the sum of every rank's gradient.
+
+    The objective being the sum of the ranks' losses, each rank's ``x`` influences every rank's
+    result, so its gradient is the sum of theirs (where every rank computes the same loss from the
+    result, that is ``size`` times one loss's: the multi-node optimizer's average undoes it).
+
+    Args:
+        comm: the communicator.
+        x: this rank's tensor; every rank's has the same shape and dtype.
+
+    Returns:
+        The sum, part of the graph.
+
+    Raises:
+        CollectiveMismatchError: the ranks' shapes or dtypes differ.
+
+    Example::
+
+        >>> stats = torchmn.functions.allreduce(comm, torch.stack([x.sum(0), (x * x).sum(0)]))
+    """
+    return _AllReduce.apply(comm, anchor(x.device), x)
 
 
 def bcast(comm: CommunicatorBase, x: Optional[torch.Tensor], root: int = 0) -> torch.Tensor:

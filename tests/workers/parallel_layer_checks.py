@@ -1,0 +1,347 @@
+"""Checks of the parallel layers (MultiNodeBatchNorm, SpatialParallelConv2d, ChannelParallelConv2d,
+Column/RowParallelLinear), run on every rank of a real job (see tests/test_parallel_layers.py).
+
+Every rank builds the dense layer with the same seed and the same data, computes the dense result
+itself, and compares it with what the split layer computes, in float64.
+Usage: python parallel_layer_checks.py CHECK [CHECK ...]   (or "all")
+"""
+import os
+import sys
+
+import torch
+
+import torchmn
+from torchmn.communicators import make_communicator
+from torchmn.nn import (ChannelParallelConv2d, ColumnParallelLinear, MultiNodeBatchNorm1d, MultiNodeBatchNorm2d,
+                        RowParallelLinear, SpatialParallelConv2d, create_mnbn_model)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from check_runner import run_checks  # noqa: E402
+
+EXACT = dict(rtol=0, atol=1e-10)
+BN = dict(rtol=0, atol=1e-8)
+
+
+def close(a, b, what, tol=EXACT):
+    assert a.shape == b.shape, f"{what}: shape {tuple(a.shape)} against {tuple(b.shape)}"
+    assert torch.allclose(a, b, **tol), f"{what}: max difference {(a - b).abs().max().item()}"
+
+
+def randn(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def solo():
+    return make_communicator("naive", rank=0, size=1, group=None, obj_group=None, backend="gloo", node_key=0)
+
+
+# ----------------------------------------------------------------------------- BatchNorm
+def _local_sizes(size):
+    return [3, 5, 8, 2][:size] if size <= 4 else [3] * size
+
+
+def _bn_run(layer_for, comm, x_all, t_all, sizes, steps=2, average=True):
+    """Train-mode forwards and backwards of a BN layer on this rank's part of the batch; returns
+    (output part, averaged weight and bias gradients, the layer)."""
+    start = sum(sizes[:comm.rank])
+    x, t = x_all[start:start + sizes[comm.rank]], t_all[start:start + sizes[comm.rank]]
+    bn = layer_for(comm)
+    for _ in range(steps):
+        bn.zero_grad()
+        y = bn(x)
+        # Each rank's loss is its samples' share of the global mean: their average is that mean.
+        (comm.size * (y * t).sum() / (sum(sizes) * t[0].numel() / t.shape[1])).backward()
+    grads = [p.grad.clone() for p in bn.parameters()]
+    if average and comm.size > 1:
+        grads = [comm.allreduce(g, op="mean") for g in grads]
+    return y.detach(), grads, bn
+
+
+def _four_way(comm, plain, multi, shape_rest):
+    sizes = _local_sizes(comm.size)
+    x, t = randn(sum(sizes), 4, *shape_rest, seed=1) * 3 + 1, randn(sum(sizes), 4, *shape_rest, seed=2)
+    whole = [sum(sizes)]
+    y1, g1, bn1 = _bn_run(lambda c: plain(4).double(), solo(), x, t, whole)
+    _, g2, _ = _bn_run(lambda c: plain(4).double(), comm, x, t, sizes)
+    y3, g3, bn3 = _bn_run(lambda c: multi(4, comm=c).double(), solo(), x, t, whole)
+    y4, g4, bn4 = _bn_run(lambda c: multi(4, comm=c).double(), comm, x, t, sizes)
+    start = sum(sizes[:comm.rank])
+    mine = slice(start, start + sizes[comm.rank])
+    close(y3, y1, "one process: MultiNodeBatchNorm against BatchNorm", BN)
+    close(y4, y1[mine], "MultiNodeBatchNorm on ranks against BatchNorm on the whole batch", BN)
+    for a, b, c in zip(g1, g3, g4):
+        close(b, a, "one process: the gradients", BN)
+        close(c, a, "averaged gradients on ranks against one process", BN)
+    assert comm.size == 1 or any(not torch.allclose(a, b, **BN) for a, b in zip(g1, g2)), \
+        "plain BatchNorm on ranks gave the global gradients: the check cannot tell"
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        close(getattr(bn4, name).double(), getattr(bn1, name).double(), f"{name}", BN)
+
+
+def check_bn_four_way(comm):
+    _four_way(comm, torch.nn.BatchNorm1d, MultiNodeBatchNorm1d, ())
+
+
+def check_bn_four_way_images(comm):
+    _four_way(comm, torch.nn.BatchNorm2d, MultiNodeBatchNorm2d, (3, 2))
+
+
+def check_bn_cumulative_average(comm):
+    """momentum=None: the running statistics are the cumulative average, as one process keeps."""
+    sizes = _local_sizes(comm.size)
+    x, t = randn(sum(sizes), 4, seed=3), randn(sum(sizes), 4, seed=4)
+    _, _, one = _bn_run(lambda c: torch.nn.BatchNorm1d(4, momentum=None).double(), solo(), x, t, [sum(sizes)], 3)
+    _, _, many = _bn_run(lambda c: MultiNodeBatchNorm1d(4, momentum=None, comm=c).double(), comm, x, t, sizes, 3)
+    close(many.running_mean, one.running_mean, "cumulative running_mean", BN)
+    close(many.running_var, one.running_var, "cumulative running_var", BN)
+
+
+def check_bn_eval_makes_no_collective(comm):
+    """In eval mode only rank 0 runs the layer: a collective would wait for the others (and time out)."""
+    bn = MultiNodeBatchNorm1d(4, comm=comm).double()
+    bn(randn(6, 4))  # training: statistics, and the agreement on the arguments
+    bn.eval()
+    if comm.rank == 0:
+        calls = comm.call_log.calls
+        for _ in range(3):
+            bn(randn(5, 4))
+        assert comm.call_log.calls == calls, "eval mode made a collective"
+    comm.barrier()
+
+
+def check_bn_channel_mismatch_refused(comm):
+    if comm.size < 2:
+        return
+    c = 4 if comm.rank else 5
+    bn = MultiNodeBatchNorm1d(4, comm=comm).double()
+    bn.num_features = c  # as if the model were built differently on rank 0
+    try:
+        bn(randn(3, c))
+    except torchmn.CollectiveMismatchError as e:
+        assert "rank 0" in str(e) and "rank 1" in str(e), e
+    else:
+        raise AssertionError("no error")
+
+
+def check_create_mnbn_model(comm):
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(3, 4, 3)
+            self.bn = torch.nn.BatchNorm2d(4)
+            self.tail = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6))
+
+    model = torch.nn.Sequential(Block(), torch.nn.Sequential(torch.nn.SyncBatchNorm(6)), torch.nn.BatchNorm3d(2))
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)]
+    for k, m in enumerate(bns):
+        m.running_mean.fill_(k + 1.0)
+        m.num_batches_tracked.fill_(7)
+    model[0].bn.weight.requires_grad_(False)
+    model.eval()
+    states = [{k: v.clone() for k, v in m.state_dict().items()} for m in bns]
+    model = create_mnbn_model(model, comm)
+    replaced = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)]
+    assert all(type(m).__name__.startswith("MultiNodeBatchNorm") for m in replaced), [type(m) for m in replaced]
+    assert [type(m).__name__ for m in replaced] == ["MultiNodeBatchNorm2d", "MultiNodeBatchNorm1d",
+                                                    "MultiNodeBatchNorm", "MultiNodeBatchNorm3d"]
+    for m, state in zip(replaced, states):
+        for k, v in state.items():
+            assert torch.equal(m.state_dict()[k], v), k
+        assert not m.training
+    assert not model[0].bn.weight.requires_grad
+
+
+# ----------------------------------------------------------------------------- spatial convolution
+ROW_SPLITS = {1: [13], 2: [12, 1], 3: [6, 1, 6], 4: [6, 1, 1, 5]}  # of 13 rows: one rank with a single row
+COLUMN_SPLITS = {1: [11], 2: [10, 1]}  # of 11 columns
+
+
+SPATIAL = [dict(kernel_size=k) for k in (1, 3, 5, 7)] + [
+    dict(kernel_size=3, padding=1), dict(kernel_size=3, stride=2), dict(kernel_size=5, stride=2, padding=2),
+    dict(kernel_size=3, dilation=2, padding=2), dict(kernel_size=3, padding="same"),
+    dict(kernel_size=4, padding="same", dilation=2), dict(kernel_size=3, padding=1, groups=2),
+    dict(kernel_size=(3, 5), stride=(2, 1), padding=(1, 2), groups=2)]
+
+
+def _spatial_case(comm, kw, split="h", heights=None, widths=None, seed=0):
+    grid_rows, grid_cols = (comm.size, 1) if split == "h" else \
+        next((comm.size // c, c) for c in range(int(comm.size ** 0.5), 0, -1) if comm.size % c == 0)
+    heights = heights or ROW_SPLITS[grid_rows]
+    widths = widths or COLUMN_SPLITS[grid_cols]
+    x = randn(2, 4, sum(heights), sum(widths), seed=seed)
+    torch.manual_seed(seed)
+    layer = SpatialParallelConv2d(4, 6, comm=comm, split=split, **kw).double()
+    torch.manual_seed(seed)
+    dense = torch.nn.Conv2d(4, 6, **kw).double()
+    i, j = divmod(comm.rank, grid_cols)
+    r0, c0 = sum(heights[:i]), sum(widths[:j])
+    block = x[:, :, r0:r0 + heights[i], c0:c0 + widths[j]].clone().requires_grad_()
+    y = layer(block)
+    xd = x.clone().requires_grad_()
+    yd = dense(xd)
+    g = randn(*yd.shape, seed=seed + 100)
+    yd.backward(g)
+    # Where this rank's output block sits: the blocks of the other ranks of its block row and column.
+    shapes = [tuple(s.tolist()) for s in comm.allgather(torch.tensor(list(y.shape)))]
+    out_r0 = sum(shapes[k * grid_cols][2] for k in range(i))
+    out_c0 = sum(shapes[k][3] for k in range(j))
+    mine = (slice(None), slice(None), slice(out_r0, out_r0 + y.shape[2]), slice(out_c0, out_c0 + y.shape[3]))
+    what = f"{kw} split={split} heights={heights} widths={widths}"
+    close(y, yd[mine], f"output, {what}")
+    y.backward(g[mine])
+    close(block.grad, xd.grad[:, :, r0:r0 + heights[i], c0:c0 + widths[j]], f"input gradient, {what}")
+    close(comm.allreduce(layer.weight.grad), dense.weight.grad, f"weight gradient summed over ranks, {what}")
+    close(comm.allreduce(layer.bias.grad), dense.bias.grad, f"bias gradient summed over ranks, {what}")
+
+
+def check_spatial_conv(comm):
+    for k, kw in enumerate(SPATIAL):
+        _spatial_case(comm, kw, seed=k)
+
+
+def check_spatial_conv_width_split(comm):
+    for k, kw in enumerate(SPATIAL[::2]):
+        _spatial_case(comm, kw, split="hw", seed=k)
+
+
+def check_spatial_conv_empty_blocks(comm):
+    """A rank holding no rows, and blocks that own no output row."""
+    if comm.size < 2:
+        return
+    heights = [0] + [13 - (comm.size - 2)] + [1] * (comm.size - 2)
+    _spatial_case(comm, dict(kernel_size=3, padding=1), heights=heights)
+    _spatial_case(comm, dict(kernel_size=2, stride=2), heights=[3] + [1] * (comm.size - 2) + [13 - 3 - (comm.size - 2)])
+
+
+def check_spatial_conv_refuses_misfit_blocks(comm):
+    if comm.size < 2:
+        return
+    layer = SpatialParallelConv2d(4, 6, 3, comm=comm).double()
+    batch = 3 if comm.rank == 1 else 2
+    try:
+        layer(randn(batch, 4, 5, 7))
+    except torchmn.CollectiveMismatchError as e:
+        assert "rank 1: (3, 4, 5, 7)" in str(e) and "rank 0: (2, 4, 5, 7)" in str(e), e
+    else:
+        raise AssertionError("no error")
+
+
+# ----------------------------------------------------------------------------- tensor parallel
+def check_channel_conv(comm):
+    x = randn(2, 6, 7, 5, seed=5)
+    for kw in (dict(), dict(gather_output=False), dict(input_is_parallel=True), dict(padding_mode="reflect")):
+        torch.manual_seed(1)
+        layer = ChannelParallelConv2d(6, 5, 3, padding=1, comm=comm, **{k: v for k, v in kw.items()
+                                                                          if k != "padding_mode"},
+                                      padding_mode=kw.get("padding_mode", "zeros")).double()
+        torch.manual_seed(1)
+        dense = torch.nn.Conv2d(6, 5, 3, padding=1, padding_mode=kw.get("padding_mode", "zeros")).double()
+        c_in = layer.in_sizes
+        lo = sum(c_in[:comm.rank])
+        xd = x.clone().requires_grad_()
+        yd = dense(xd)
+        g = randn(*yd.shape, seed=6)
+        (yd * g).sum().backward()
+        xi = (x[:, lo:lo + c_in[comm.rank]] if kw.get("input_is_parallel") else x).clone().requires_grad_()
+        y = layer(xi)
+        o_lo = sum(layer.out_sizes[:comm.rank])
+        if kw.get("gather_output", True):
+            close(y, yd, f"channel-parallel output {kw}")
+            (y * g).sum().backward()
+        else:
+            close(y, yd[:, o_lo:o_lo + layer.out_sizes[comm.rank]], f"channel-parallel output slice {kw}")
+            # Each rank's loss covers its slice; the input's gradient is summed over the ranks in backward.
+            (y * g[:, o_lo:o_lo + y.shape[1]]).sum().backward()
+        close(layer.weight.grad, dense.weight.grad[o_lo:o_lo + layer.out_sizes[comm.rank]], f"weight gradient {kw}")
+        expected = xd.grad[:, lo:lo + c_in[comm.rank]] if kw.get("input_is_parallel") else xd.grad
+        close(xi.grad, expected, f"input gradient {kw}")
+        state = layer.dense_state_dict()
+        close(state["weight"], dense.weight, "dense_state_dict")
+        fresh = ChannelParallelConv2d(6, 5, 3, padding=1, comm=comm).double()
+        fresh.load_dense_state_dict(dense.state_dict())
+        close(fresh.weight, layer.weight, "load_dense_state_dict")
+
+
+def check_channel_conv_grouped(comm):
+    """ChainerMN's variant: the block-diagonal convolution (groups=size) where channels divide evenly."""
+    x = randn(2, 2 * comm.size, 6, 6, seed=7)
+    torch.manual_seed(2)
+    layer = ChannelParallelConv2d(2 * comm.size, 3 * comm.size, 3, comm=comm, grouped=True).double()
+    dense = torch.nn.Conv2d(2 * comm.size, 3 * comm.size, 3, groups=comm.size).double()
+    blocks = layer.dense_state_dict()
+    with torch.no_grad():
+        for r in range(comm.size):
+            dense.weight[3 * r:3 * r + 3] = blocks["weight"][3 * r:3 * r + 3, 2 * r:2 * r + 2]
+        dense.bias.copy_(blocks["bias"])
+    close(layer(x), dense(x), "grouped channel-parallel output")
+
+
+def check_column_row_mlp(comm):
+    """Column -> ReLU -> Row: the dense MLP's output and gradients; one allreduce forward, one backward."""
+    x = randn(3, 8, seed=8)
+    torch.manual_seed(3)
+    up = ColumnParallelLinear(8, 4 * comm.size + 1, comm=comm, gather_output=False).double()
+    down = RowParallelLinear(4 * comm.size + 1, 5, comm=comm, input_is_parallel=True).double()
+    torch.manual_seed(3)
+    dense_up, dense_down = torch.nn.Linear(8, 4 * comm.size + 1).double(), torch.nn.Linear(4 * comm.size + 1, 5).double()
+    xi, xd = x.clone().requires_grad_(), x.clone().requires_grad_()
+    down(torch.relu(up(xi)))  # the first forward agrees on the layers' arguments
+    calls = comm.call_log.calls
+    y = down(torch.relu(up(xi)))
+    forward_calls = comm.call_log.calls - calls
+    yd = dense_down(torch.relu(dense_up(xd)))
+    close(y, yd, "Column -> Row output")
+    g = randn(*y.shape, seed=9)
+    for p in list(up.parameters()) + list(down.parameters()):
+        p.grad = None
+    xi.grad = None
+    calls = comm.call_log.calls
+    (y * g).sum().backward()
+    backward_calls = comm.call_log.calls - calls
+    (yd * g).sum().backward()
+    if comm.size > 1:
+        assert (forward_calls, backward_calls) == (1, 1), (forward_calls, backward_calls)
+    rows = up.out_sizes if hasattr(up, "out_sizes") else up.sizes
+    lo = sum(rows[:comm.rank])
+    close(up.weight.grad, dense_up.weight.grad[lo:lo + rows[comm.rank]], "column weight gradient")
+    close(down.weight.grad, dense_down.weight.grad[:, lo:lo + rows[comm.rank]], "row weight gradient")
+    close(down.bias.grad, dense_down.bias.grad, "row bias gradient")
+    close(xi.grad, xd.grad, "input gradient")
+    for layer, dense in ((up, dense_up), (down, dense_down)):
+        state = layer.dense_state_dict()
+        close(state["weight"], dense.weight, "dense_state_dict weight")
+        close(state["bias"], dense.bias, "dense_state_dict bias")
+
+
+def check_column_and_row_alone(comm):
+    x = randn(4, 6, seed=10)
+    torch.manual_seed(4)
+    col = ColumnParallelLinear(6, 2 * comm.size, comm=comm).double()
+    torch.manual_seed(4)
+    dense = torch.nn.Linear(6, 2 * comm.size).double()
+    close(col(x), dense(x), "ColumnParallelLinear(gather_output=True)")
+    torch.manual_seed(5)
+    row = RowParallelLinear(6, 3, comm=comm).double()
+    torch.manual_seed(5)
+    dense = torch.nn.Linear(6, 3).double()
+    xi, xd = x.clone().requires_grad_(), x.clone().requires_grad_()
+    close(row(xi), dense(xd), "RowParallelLinear(input_is_parallel=False)")
+    row(xi).sum().backward()
+    dense(xd).sum().backward()
+    close(xi.grad, xd.grad, "RowParallelLinear input gradient")
+
+
+def check_arguments_refused(comm):
+    if comm.size < 2:
+        return
+    layer = ColumnParallelLinear(6, 4 if comm.rank else 6, comm=comm)
+    try:
+        layer(torch.randn(2, 6))
+    except torchmn.CollectiveMismatchError as e:
+        assert "rank 0: (6, 6" in str(e) and "rank 1: (6, 4" in str(e), e
+    else:
+        raise AssertionError("no error")
+
+
+if __name__ == "__main__":
+    run_checks(globals())

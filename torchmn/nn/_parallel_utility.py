@@ -1,0 +1,111 @@
+"""What the parallel layers share: how a dimension is split over ranks, the agreement on a layer's
+arguments, and Megatron's four communication operators for tensor parallelism.
+
+Megatron's operators assume that every rank computes the same loss, and give every parameter
+slice its exact gradient: ``copy_to_parallel`` (forward: identity; backward: allreduce) feeds a
+replicated tensor into split computation, ``reduce_from_parallel`` (forward: allreduce; backward:
+identity) sums partial results into a replicated one, ``gather_from_parallel`` (forward: all-gather;
+backward: this rank's slice) joins split results into a replicated tensor, and
+``scatter_to_parallel`` (forward: this rank's slice; backward: all-gather) splits a replicated one.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from torchmn.communicators import CollectiveMismatchError, CommunicatorBase
+
+
+def split_sizes(n: int, parts: int) -> list[int]:
+    """``n`` split into ``parts`` sizes that differ by at most one, the larger first."""
+    return [n // parts + (1 if r < n % parts else 0) for r in range(parts)]
+
+
+def offsets(sizes: Sequence[int]) -> list[int]:
+    """Where each part starts."""
+    out, at = [], 0
+    for s in sizes:
+        out.append(at)
+        at += s
+    return out
+
+
+def agree_on_arguments(layer: torch.nn.Module, comm: CommunicatorBase, arguments: tuple) -> None:
+    """Raise on every rank unless every rank built ``layer`` with the same ``arguments`` (collective).
+
+    Raises:
+        CollectiveMismatchError: naming each rank's arguments.
+    """
+    everyone = comm.allgather_obj(arguments) if comm.size > 1 else [arguments]
+    if any(e != arguments for e in everyone):
+        shown = "; ".join(f"rank {r}: {e}" for r, e in enumerate(everyone))
+        raise CollectiveMismatchError(f"{type(layer).__name__}: the ranks built the layer with different arguments "
+                                      f"({shown}); build it alike on every rank (raised on rank {comm.rank})")
+
+
+class _CopyToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, comm, x):
+        ctx.comm = comm
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, ctx.comm.allreduce(g.contiguous())
+
+
+class _ReduceFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, comm, x):
+        return comm.allreduce(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, g
+
+
+class _GatherFromParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, comm, dim, x):
+        parts = comm.allgather(x.contiguous())
+        sizes = [p.shape[dim] for p in parts]
+        ctx.dim, ctx.start, ctx.length = dim, offsets(sizes)[comm.rank], x.shape[dim]
+        return torch.cat([p.to(x.device) for p in parts], dim=dim)
+
+    @staticmethod
+    def backward(ctx, g):
+        return None, None, g.narrow(ctx.dim, ctx.start, ctx.length).contiguous()
+
+
+class _ScatterToParallel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, comm, dim, x):
+        sizes = split_sizes(x.shape[dim], comm.size)
+        ctx.comm, ctx.dim = comm, dim
+        return x.narrow(dim, offsets(sizes)[comm.rank], sizes[comm.rank]).contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        parts = ctx.comm.allgather(g.contiguous())
+        return None, None, torch.cat([p.to(g.device) for p in parts], dim=ctx.dim)
+
+
+def copy_to_parallel(comm: CommunicatorBase, x: torch.Tensor) -> torch.Tensor:
+    """``x`` unchanged; its gradient is summed over the ranks (Megatron's ``f``)."""
+    return _CopyToParallel.apply(comm, x)
+
+
+def reduce_from_parallel(comm: CommunicatorBase, x: torch.Tensor) -> torch.Tensor:
+    """The sum of every rank's ``x``; the gradient passes back unchanged (Megatron's ``g``)."""
+    return _ReduceFromParallel.apply(comm, x)
+
+
+def gather_from_parallel(comm: CommunicatorBase, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Every rank's ``x`` joined along ``dim`` (sizes may differ); backward keeps this rank's slice."""
+    return _GatherFromParallel.apply(comm, dim % x.dim(), x)
+
+
+def scatter_to_parallel(comm: CommunicatorBase, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """This rank's slice of ``x`` along ``dim`` (see :func:`split_sizes`); backward gathers the slices."""
+    return _ScatterToParallel.apply(comm, dim % x.dim(), x)

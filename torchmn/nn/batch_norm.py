@@ -1,0 +1,200 @@
+"""BatchNorm over the global batch of every rank, on CPU (gloo, shared memory) as on GPU (NCCL).
+
+torch's ``SyncBatchNorm`` refuses CPU tensors. Here each forward makes one collective (every
+rank's per-channel sum, sum of squares and count, together) and each backward one (their
+gradients), so uneven local batches give exactly the global statistics.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from torchmn.communicators import CommunicatorBase
+from torchmn.functions import allreduce
+from torchmn.nn._parallel_utility import agree_on_arguments
+
+
+class MultiNodeBatchNorm(torch.nn.modules.batchnorm._NormBase):
+    """Batch normalization with statistics over the batch of every rank of ``comm``.
+
+    Takes ``torch.nn.BatchNorm2d``'s arguments in its order, plus ``comm``; parameter and buffer
+    names are BatchNorm's, so its ``state_dict`` loads as it is. In training (or without running
+    statistics) the mean and variance are those of the global batch: the per-channel sums, sums of
+    squares and counts of every rank, in one allreduce; backward sends their gradients back in one
+    allreduce too. In eval mode with running statistics it makes no collective. ``momentum=None``
+    is the cumulative average, as in torch. The running statistics (unbiased variance over the
+    global batch) and ``num_batches_tracked`` are those one process on the whole batch would keep.
+
+    The gradient each rank gets for the weight and bias is its own batch's part, as with the other
+    layers of a data-parallel model: average them with the multi-node optimizer.
+
+    This base class takes inputs of any number of dimensions ``>= 2`` (as ``SyncBatchNorm``);
+    :class:`MultiNodeBatchNorm1d`, ``2d`` and ``3d`` check theirs as torch's do.
+
+    Args:
+        num_features: channels ``C`` of an input ``(N, C, ...)``.
+        eps, momentum, affine, track_running_stats, device, dtype: as ``torch.nn.BatchNorm2d``'s.
+        comm: the ranks whose batches make the global one.
+
+    Raises:
+        CollectiveMismatchError: (first forward) the ranks built the layer with different arguments;
+            (any forward) their inputs have different channel counts.
+
+    Example::
+
+        >>> bn = torchmn.nn.MultiNodeBatchNorm2d(64, comm=comm)
+        >>> y = bn(x)                     # statistics over every rank's images
+    """
+
+    def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
+                 track_running_stats: bool = True, device=None, dtype=None, *, comm: CommunicatorBase):
+        super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
+        self.comm = comm
+        self._agreed = False
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() < 2:
+            raise ValueError(f"expected an input of at least 2 dimensions (N, C, ...), got {x.dim()}")
+
+    def _agree_on_arguments(self) -> None:
+        agree_on_arguments(self, self.comm, (self.num_features, self.eps, self.momentum, self.affine,
+                                             self.track_running_stats))
+        self._agreed = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalize ``x`` (this rank's part of the batch) with the global batch's statistics.
+
+        Args:
+            x: ``(N, C, ...)``; ``N`` may differ between ranks.
+
+        Returns:
+            The normalized tensor, of ``x``'s shape.
+
+        Raises:
+            ValueError: an input of another number of dimensions or channels.
+            CollectiveMismatchError: the ranks' layers or channel counts differ.
+        """
+        self._check_input_dim(x)
+        if x.shape[1] != self.num_features:
+            raise ValueError(f"{type(self).__name__}: expected {self.num_features} channels, got input of shape "
+                             f"{tuple(x.shape)}")
+        use_batch = self.training or not self.track_running_stats
+        if not use_batch:
+            return torch.nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
+                                                  False, 0.0, self.eps)
+        if not self._agreed:
+            self._agree_on_arguments()
+        dims = [0] + list(range(2, x.dim()))
+        compute = torch.promote_types(x.dtype, torch.float32)  # half precision normalizes in float32
+        xc = x.to(compute)
+        # This rank's mean and variance in one pass (Welford), then every rank's count, count x mean
+        # and count x (variance + mean^2) summed in float64: the global moments, 2C + 1 numbers.
+        var_l, mean_l = torch.var_mean(xc, dims, correction=0)
+        n_l = x.numel() // max(1, x.shape[1])
+        mean_l, var_l = mean_l.double(), var_l.double()
+        count = torch.full((1,), float(n_l), dtype=torch.float64, device=x.device)
+        total = allreduce(self.comm, torch.cat([mean_l * n_l, (var_l + mean_l * mean_l) * n_l, count]))
+        c = self.num_features
+        n = total[2 * c]
+        mean = total[:c] / n
+        var = (total[c:2 * c] / n - mean * mean).clamp_min(0)
+        if self.training and self.track_running_stats:
+            self._update_running_stats(mean.detach(), var.detach(), n.detach())
+        shape = [1, c] + [1] * (x.dim() - 2)
+        scale = torch.rsqrt(var + self.eps).to(compute)
+        if self.affine:
+            scale = scale * self.weight.to(compute)
+        shift = scale * mean.to(compute)
+        if self.affine:
+            shift = shift - self.bias.to(compute)
+        # y = x * scale - shift, in one pass.
+        return torch.addcmul(-shift.view(shape), xc, scale.view(shape)).to(x.dtype)
+
+    @torch.no_grad()
+    def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, n: torch.Tensor) -> None:
+        self.num_batches_tracked.add_(1)
+        factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+        unbiased = var * (n / (n - 1)) if n > 1 else var
+        self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
+        self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+
+
+class MultiNodeBatchNorm1d(MultiNodeBatchNorm):
+    """:class:`MultiNodeBatchNorm` for ``(N, C)`` or ``(N, C, L)`` inputs, as ``torch.nn.BatchNorm1d``.
+
+    Example::
+
+        >>> bn = torchmn.nn.MultiNodeBatchNorm1d(100, comm=comm)
+    """
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() not in (2, 3):
+            raise ValueError(f"expected 2D or 3D input (got {x.dim()}D input)")
+
+
+class MultiNodeBatchNorm2d(MultiNodeBatchNorm):
+    """:class:`MultiNodeBatchNorm` for ``(N, C, H, W)`` inputs, as ``torch.nn.BatchNorm2d``.
+
+    Example::
+
+        >>> bn = torchmn.nn.MultiNodeBatchNorm2d(64, comm=comm)
+    """
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() != 4:
+            raise ValueError(f"expected 4D input (got {x.dim()}D input)")
+
+
+class MultiNodeBatchNorm3d(MultiNodeBatchNorm):
+    """:class:`MultiNodeBatchNorm` for ``(N, C, D, H, W)`` inputs, as ``torch.nn.BatchNorm3d``.
+
+    Example::
+
+        >>> bn = torchmn.nn.MultiNodeBatchNorm3d(16, comm=comm)
+    """
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() != 5:
+            raise ValueError(f"expected 5D input (got {x.dim()}D input)")
+
+
+_REPLACEMENTS = {torch.nn.BatchNorm1d: MultiNodeBatchNorm1d, torch.nn.BatchNorm2d: MultiNodeBatchNorm2d,
+                 torch.nn.BatchNorm3d: MultiNodeBatchNorm3d, torch.nn.SyncBatchNorm: MultiNodeBatchNorm}
+
+
+def create_mnbn_model(module: torch.nn.Module, comm: CommunicatorBase) -> torch.nn.Module:
+    """Replace every ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` in ``module`` by its multi-node one.
+
+    Each replacement keeps the original's arguments, parameters, running statistics,
+    ``num_batches_tracked``, training mode and ``requires_grad``; the rest of the model is untouched.
+
+    Args:
+        module: the model (or a BatchNorm layer itself).
+        comm: the ranks whose batches make the global one.
+
+    Returns:
+        The model, changed in place (or the new layer, where ``module`` is a BatchNorm).
+
+    Example::
+
+        >>> model = torchmn.nn.create_mnbn_model(torchvision.models.resnet18(), comm)
+    """
+    cls = _REPLACEMENTS.get(type(module))
+    if cls is not None:
+        new = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
+                  comm=comm)
+        ref = module.weight if module.affine else (module.running_mean if module.track_running_stats else None)
+        if ref is not None:
+            new = new.to(device=ref.device, dtype=ref.dtype)
+        new.load_state_dict(module.state_dict())
+        if module.affine:
+            new.weight.requires_grad_(module.weight.requires_grad)
+            new.bias.requires_grad_(module.bias.requires_grad)
+        new.train(module.training)
+        return new
+    for name, child in module.named_children():
+        replaced = create_mnbn_model(child, comm)
+        if replaced is not child:
+            setattr(module, name, replaced)
+    return module
