@@ -213,10 +213,10 @@ def _accuracies(out):
 
 @pytest.mark.timeout(300)
 def test_pipeline_example_reaches_one_process_accuracy():
-    """2 stages, 4 micro-batches, 4,000 training images, 20 epochs: one process reaches about 0.95."""
-    proc = run_job(PIPELINE, [], np=2, launcher="torchmn", timeout=240)
+    """2 stages, 4 micro-batches, 4,000 training images: one process reaches about 0.95 (0.94 in 10 epochs)."""
+    proc = run_job(PIPELINE, ["--epochs", "10"], np=2, launcher="torchmn", timeout=240)
     accuracies = _accuracies(proc.stdout)
-    assert len(accuracies) == 20 and accuracies[-1] >= 0.93, proc.stdout[-2000:]
+    assert len(accuracies) == 10 and accuracies[-1] >= 0.93, proc.stdout[-2000:]
     assert "peak activation memory of stage 1" in proc.stdout
 
 
