@@ -47,6 +47,12 @@ def run_job(script: str | Path, args: list[str], *, np: int = 2, launcher: str =
     return proc
 
 
+def run_one_process(script: str | Path, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run ``python script args`` as a plain process (a world of one), without failing on its exit code."""
+    return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=clean_env(), capture_output=True,
+                          text=True, timeout=timeout)
+
+
 # ----------------------------------------------------------------------------- one test id per check
 # Starting ranks costs seconds (each imports torch), so the checks of one configuration share one
 # job: the first test of the group runs it with exactly the checks this pytest session selected

@@ -3,12 +3,10 @@
 One test id per check and configuration (`pytest -k compression` runs that check alone); the
 checks of one configuration share one job (see tests/jobs.py).
 """
-import subprocess
-import sys
 
 import pytest
 
-from jobs import WORKERS, assert_check_passed, check_job_output, clean_env, run_job
+from jobs import WORKERS, assert_check_passed, check_job_output, run_job, run_one_process
 
 CHECKS = WORKERS / "optim_checks.py"
 ALL = ("equivalence", "compression", "double_buffering", "clipping", "unused_parameter", "unused_everywhere",
@@ -30,6 +28,4 @@ def test_optimizer_matches_one_process(name, np, check, request):
 @pytest.mark.check_job("optim-one-process")
 @pytest.mark.parametrize("check", ALL)
 def test_optimizer_in_a_world_of_one(check, request):
-    proc = check_job_output(request, lambda checks: subprocess.run(
-        [sys.executable, str(CHECKS), *checks], env=clean_env(), capture_output=True, text=True, timeout=120))
-    assert_check_passed(proc, check)
+    assert_check_passed(check_job_output(request, lambda checks: run_one_process(CHECKS, checks, 120)), check)

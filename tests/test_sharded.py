@@ -3,12 +3,10 @@
 One test id per check and configuration; the checks of one configuration share one job (see
 tests/jobs.py).
 """
-import subprocess
-import sys
 
 import pytest
 
-from jobs import WORKERS, assert_check_passed, check_job_output, clean_env, run_job
+from jobs import WORKERS, assert_check_passed, check_job_output, run_job, run_one_process
 
 CHECKS = WORKERS / "shard_checks.py"
 ALL = ("equivalence", "accumulation", "overlap", "compression", "state_is_sharded", "refusals", "unused_parameter",
@@ -41,9 +39,7 @@ def test_sharded_through_torch_distributed(np, check, request):
 @pytest.mark.check_job("shard-one-process")
 @pytest.mark.parametrize("check", ALL)
 def test_sharded_in_a_world_of_one(check, request):
-    proc = check_job_output(request, lambda checks: subprocess.run(
-        [sys.executable, str(CHECKS), *checks], env=clean_env(), capture_output=True, text=True, timeout=90))
-    assert_check_passed(proc, check)
+    assert_check_passed(check_job_output(request, lambda checks: run_one_process(CHECKS, checks, 90)), check)
 
 
 def test_checkpoint_moves_between_rank_counts(tmp_path):
