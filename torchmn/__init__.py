@@ -8,8 +8,9 @@ built on ``torch.distributed``::
     optimizer = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters()), comm)
     train = torchmn.scatter_dataset(train if comm.rank == 0 else None, comm, shuffle=True)
 
-``torchmn.extensions`` (pytorch-pfn-extras extensions) is imported on its own, so that the core
-does not need pytorch-pfn-extras.
+Model parallelism is in ``torchmn.functions`` (differentiable communication) and ``torchmn.nn``
+(parallel layers, pipelines). ``torchmn.extensions`` (pytorch-pfn-extras extensions) is imported
+on its own, so that the core does not need pytorch-pfn-extras.
 """
 from torchmn.communicators import CollectiveMismatchError, CollectiveTimeoutError, Communicator, create_communicator
 from torchmn.datasets import SharedDataset, create_empty_dataset, scatter_dataset, scatter_index
@@ -17,6 +18,7 @@ from torchmn.errors import TorchmnError
 from torchmn.evaluators import GenericMultiNodeEvaluator, create_multi_node_evaluator
 from torchmn.iterators import create_multi_node_iterator
 from torchmn.optimizers import MultiNodeOptimizer, ShardedMultiNodeOptimizer, create_multi_node_optimizer
+from torchmn import functions, nn  # model parallelism: torchmn.functions.send, torchmn.nn.Pipeline, ...
 
 __version__ = "0.1.0"
 
@@ -24,5 +26,5 @@ __all__ = [
     "CollectiveMismatchError", "CollectiveTimeoutError", "Communicator", "GenericMultiNodeEvaluator", "MultiNodeOptimizer",
     "ShardedMultiNodeOptimizer", "SharedDataset", "create_communicator", "create_empty_dataset",
     "create_multi_node_evaluator", "create_multi_node_iterator", "create_multi_node_optimizer",
-    "scatter_dataset", "scatter_index", "TorchmnError", "__version__",
+    "scatter_dataset", "scatter_index", "TorchmnError", "functions", "nn", "__version__",
 ]
