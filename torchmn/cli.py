@@ -1,4 +1,4 @@
-"""The ``torchmn`` command: ``torchmn run -np N [options] COMMAND [ARGS...]``.
+"""The ``torchmn`` command: ``torchmn run -np N [options] COMMAND [ARGS...]`` (horovodrun's flags too).
 
 Subcommands are registered in ``SUBCOMMANDS``. ``run`` parses its options into one
 ``torchmn.launch.config.LaunchConfig`` and hands it to ``torchmn.launch.runner.run``.
@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 from typing import Optional, Sequence, Set
+
+from torchmn.launch import horovodrun_flags
 
 
 def _ranks_list(text: str) -> Set[int]:
@@ -37,8 +39,8 @@ def _add_run(subparsers) -> None:
         epilog="Each rank gets TORCHMN_RANK/SIZE/LOCAL_RANK/..., torchrun's RANK/WORLD_SIZE/LOCAL_RANK/"
                "MASTER_ADDR/MASTER_PORT (init_method='env://' works), and a CPU thread budget "
                "(OMP_NUM_THREADS etc.) unless OMP_NUM_THREADS is already set.")
-    p.add_argument("-np", "--num-proc", dest="np", type=int, required=True, metavar="N",
-                   help="number of ranks to start")
+    p.add_argument("-np", "--num-proc", dest="np", type=int, default=None, metavar="N",
+                   help="number of ranks to start (required)")
     p.add_argument("--master-port", type=int, default=None, metavar="PORT",
                    help="rendezvous port (default: a free port chosen by the OS)")
     p.add_argument("--log-dir", default=None, metavar="DIR",
@@ -60,13 +62,15 @@ def _add_run(subparsers) -> None:
                        help="set this variable for every rank, on this host and the others, like mpirun -x "
                             "(repeatable; NAME alone passes this shell's value); PATH, PYTHONPATH, VIRTUAL_ENV "
                             "and TORCHMN_*/NCCL_*/GLOO_* always reach the other hosts")
-    hosts.add_argument("--ssh-port", type=int, default=None, metavar="PORT", help="ssh port of the hosts")
-    hosts.add_argument("--ssh-identity-file", default=None, metavar="FILE", help="ssh private key to log in with")
+    hosts.add_argument("--ssh-port", "-p", type=int, default=None, metavar="PORT", help="ssh port of the hosts")
+    hosts.add_argument("--ssh-identity-file", "-i", default=None, metavar="FILE",
+                       help="ssh private key to log in with")
     hosts.add_argument("--ssh-command", default=None, metavar="COMMAND",
                        help="the ssh client command (default: %r)" % _default_ssh())
     hosts.add_argument("--network-interface", default=None, metavar="IFACE",
                        help="use this interface's address for the rendezvous (default: the address the "
                             "first remote host sees the launcher connect from)")
+    horovodrun_flags.add_to(p)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND [ARGS...]",
                    help="the program each rank runs ('--' before it is optional)")
     p.set_defaults(handler=_run, subparser=p)
@@ -85,6 +89,17 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from torchmn.launch.runner import run
     from torchmn.launch.ssh import SshOptions
 
+    if args.check_build:
+        print(horovodrun_flags.build_report())
+        return 0
+    if args.np is None:
+        parser.error("the following arguments are required: -np/--num-proc")
+    notes, refusal = horovodrun_flags.apply(args)
+    for note in notes:
+        sys.stderr.write(note + "\n")
+    if refusal is not None:
+        sys.stderr.write(f"torchmn run: error: {refusal}\n")
+        return 2
     if args.ssh_port is not None and not 0 < args.ssh_port < 65536:
         parser.error(f"--ssh-port must be between 1 and 65535, got {args.ssh_port}")
     try:

@@ -31,6 +31,10 @@ class AndThen:
         self._keep = ()
         return True
 
+    def network_done(self) -> bool:
+        """Whether the network part has finished (then ``wait()`` only runs the local part)."""
+        return self._work is None or self._work.is_completed()
+
     def is_completed(self) -> bool:
         """True once ``wait()`` has run: the local part runs there, never from a poll (on one node it
         must run in the same order on every rank)."""

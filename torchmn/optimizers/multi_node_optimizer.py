@@ -325,6 +325,28 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         params = [p for g in self._optimizer.param_groups for p in g["params"]]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
+    def average_without_gradients(self) -> None:
+        """Take part in the other ranks' gradient averaging with zeros, and update nothing.
+
+        What a rank that has run out of data does while the others still train
+        (``torchmn.horovod.join``): the others' averages count it as zeros. Its own gradients
+        are None afterwards.
+
+        Raises:
+            RuntimeError: with ``double_buffering=True``, or when this step's gradients went out already.
+
+        Example::
+
+            >>> optimizer.average_without_gradients()    # the others run backward() meanwhile
+        """
+        if self.double_buffering or self._sent:
+            raise RuntimeError(f"{self._where_am_i()}: average_without_gradients() needs double_buffering=False "
+                               f"and no gradients sent since the last step()")
+        self.zero_grad()
+        self.synchronize()
+        self._sent = False
+        self.zero_grad()
+
     def state_dict(self):
         """The wrapped optimizer's ``state_dict()``: the same on every rank, no communication."""
         return self._optimizer.state_dict()

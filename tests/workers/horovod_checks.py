@@ -1,0 +1,557 @@
+"""Checks of torchmn.horovod, in the manner of Horovod's test/parallel/test_torch.py, run on every
+rank of a real job (see tests/test_horovod.py).
+
+Every rank builds every rank's input from that rank's seed, so it knows the exact expected result.
+Usage: python horovod_checks.py CHECK [CHECK ...]   (or "all")
+"""
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+import torch
+
+import torchmn
+import torchmn.horovod as hvd
+
+DTYPES = [torch.float16, torch.float32, torch.float64, torch.int32, torch.int64]
+DIMS = [1, 2, 3]
+
+
+def rank_tensor(r, dim, dtype, low=-100, high=100):
+    """Rank r's input: the same on every rank that builds it."""
+    g = torch.Generator().manual_seed(1000 + r)
+    return torch.randint(low, high, [17] * dim, generator=g).to(dtype)
+
+
+def expect(cond, what):
+    assert cond, f"rank {hvd.rank()}: {what}"
+
+
+def expect_raises(exc_type, fn, *words):
+    try:
+        fn()
+    except exc_type as e:
+        for w in words:
+            assert w in str(e), f"rank {hvd.rank()}: {exc_type.__name__} without {w!r}: {e}"
+        return e
+    raise AssertionError(f"rank {hvd.rank()}: {exc_type.__name__} not raised")
+
+
+# ----------------------------------------------------------------------------- allreduce
+def check_allreduce_ops_and_dtypes():
+    size, rank = hvd.size(), hvd.rank()
+    for op, dtype, dim in itertools.product([hvd.Sum, hvd.Average, hvd.Min, hvd.Max, hvd.Product], DTYPES, DIMS):
+        low, high = (-2, 3) if op == hvd.Product else (-100, 100)
+        inputs = [rank_tensor(r, dim, dtype, low, high) for r in range(size)]
+        wide = torch.stack([t.to(torch.float64) for t in inputs])
+        if op == hvd.Sum:
+            want = wide.sum(0)
+        elif op == hvd.Average:
+            want = wide.sum(0) / size if dtype.is_floating_point else torch.div(wide.sum(0), size, rounding_mode="floor")
+        elif op == hvd.Min:
+            want = wide.min(0).values
+        elif op == hvd.Max:
+            want = wide.max(0).values
+        else:
+            want = wide.prod(0)
+        got = hvd.allreduce(inputs[rank], op=op)
+        expect(got.dtype == dtype and got.shape == inputs[rank].shape, f"{op} {dtype}: result {got.dtype} {got.shape}")
+        tol = {torch.float16: 0.5, torch.float32: 1e-4, torch.float64: 1e-9}.get(dtype, 0.0)
+        diff = (got.to(torch.float64) - want).abs().max().item()
+        expect(diff <= tol, f"op {op} {dtype} dim {dim}: off by {diff}")
+        expect(torch.equal(inputs[rank], rank_tensor(rank, dim, dtype, low, high)), "allreduce changed its input")
+
+
+def check_allreduce_inplace():
+    size, rank = hvd.size(), hvd.rank()
+    for dtype, dim in itertools.product(DTYPES, DIMS):
+        t = rank_tensor(rank, dim, dtype)
+        want = sum(rank_tensor(r, dim, dtype).to(torch.float64) for r in range(size))
+        out = hvd.allreduce_(t, op=hvd.Sum)
+        expect(out is t, "allreduce_ returns its tensor")
+        expect((t.to(torch.float64) - want).abs().max() <= (0.5 if dtype == torch.float16 else 0), f"{dtype} in place")
+    t = torch.full((3,), float(rank))
+    h = hvd.allreduce_async_(t, op=hvd.Max)
+    expect(hvd.synchronize(h) is t and torch.equal(t, torch.full((3,), float(size - 1))), "allreduce_async_")
+
+
+def check_allreduce_prescale_postscale():
+    size, rank = hvd.size(), hvd.rank()
+    for dtype, dim in itertools.product([torch.float32, torch.float64], DIMS):
+        t = rank_tensor(rank, dim, dtype)
+        want = sum(rank_tensor(r, dim, dtype).to(torch.float64) * 2.0 for r in range(size)) * 0.25
+        got = hvd.allreduce(t, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.25)
+        expect((got.to(torch.float64) - want).abs().max() < 1e-4, f"{dtype} scaled sum")
+    t = torch.tensor([7, -7, 3], dtype=torch.int64)
+    got = hvd.allreduce(t, op=hvd.Sum, prescale_factor=1.5)  # 10.5 -> 10, -10.5 -> -10, 4.5 -> 4 on each rank
+    expect(torch.equal(got, torch.tensor([10, -10, 4]) * size), f"integer prescale truncates: {got}")
+    avg = hvd.allreduce(torch.ones(4) * (rank + 1), postscale_factor=2.0)
+    expect(torch.allclose(avg, torch.full((4,), (size + 1) / 2 * 2.0)), "Average with postscale")
+
+
+def check_allreduce_async_many():
+    size, rank = hvd.size(), hvd.rank()
+    handles = []
+    for i in range(50):
+        t = torch.full((i + 1, 3), float(rank + i))
+        handles.append((i, hvd.allreduce_async(t, op=hvd.Sum, name=f"many.{i}")))
+    for i, h in reversed(handles):
+        got = hvd.synchronize(h)
+        want = sum(r + i for r in range(size))
+        expect(got.shape == (i + 1, 3) and torch.all(got == want), f"async allreduce {i}: {got.flatten()[:3]}")
+    expect_raises(ValueError, lambda: hvd.synchronize(handles[0][1]), "not a collective in flight")
+
+
+def check_poll():
+    size = hvd.size()
+    h = hvd.allreduce_async(torch.ones(1 << 20), op=hvd.Sum)
+    deadline = time.time() + 30
+    while not hvd.poll(h):
+        expect(time.time() < deadline, "poll never returned True")
+        time.sleep(0.001)
+    expect(torch.all(hvd.synchronize(h) == size), "polled result")
+    expect_raises(ValueError, lambda: hvd.poll(h), "not a collective in flight")
+
+
+def check_grouped_allreduce():
+    size, rank = hvd.size(), hvd.rank()
+    tensors = [rank_tensor(rank, d, dt) for d, dt in [(1, torch.float32), (2, torch.int64), (3, torch.float64),
+                                                      (1, torch.float16), (2, torch.float32)]]
+    want = [sum(rank_tensor(r, t.dim(), t.dtype).to(torch.float64) for r in range(size)) for t in tensors]
+    for got, w, t in zip(hvd.grouped_allreduce(tensors, op=hvd.Sum), want, tensors):
+        expect(got.dtype == t.dtype and (got.to(torch.float64) - w).abs().max() <= 0.5, f"grouped {t.dtype}")
+    results = hvd.synchronize(hvd.grouped_allreduce_async(tensors, op=hvd.Sum))
+    expect(all(torch.equal(a, b) for a, b in zip(results, hvd.grouped_allreduce(tensors, op=hvd.Sum))),
+           "grouped async equals grouped")
+    copies = [t.clone() for t in tensors]
+    out = hvd.grouped_allreduce_(copies, op=hvd.Sum)
+    expect(all(o is c for o, c in zip(out, copies)) and all(torch.equal(c, r) for c, r in zip(copies, results)),
+           "grouped in place")
+
+
+def check_allreduce_grad():
+    size = hvd.size()
+    for op, dim in itertools.product([hvd.Sum, hvd.Average], DIMS):
+        x = torch.ones([5] * dim, dtype=torch.float64, requires_grad=True)
+        hvd.allreduce(x, op=op).backward(torch.ones([5] * dim, dtype=torch.float64))
+        want = size if op == hvd.Sum else 1
+        expect(torch.all(x.grad == want), f"allreduce gradient ({op}): {x.grad.flatten()[0]}")
+
+
+def check_mismatched_shapes_raise():
+    rank = hvd.rank()
+    e = expect_raises(torchmn.CollectiveMismatchError,
+                      lambda: hvd.allreduce(torch.ones(17, 17 + rank)), "rank 0", "rank 1", "(17, 17)", "(17, 18)")
+    expect(isinstance(e, RuntimeError), "a mismatch is a RuntimeError, as Horovod's")
+    expect_raises(torchmn.CollectiveMismatchError,
+                  lambda: hvd.allreduce(torch.ones(4, dtype=torch.float32 if rank else torch.float64)), "float64")
+    expect_raises(torchmn.CollectiveMismatchError,
+                  lambda: hvd.allreduce(torch.ones(4), op=hvd.Sum if rank else hvd.Max), "Sum", "Max")
+    expect(torch.all(hvd.allreduce(torch.ones(2), op=hvd.Sum) == hvd.size()), "collectives go on afterwards")
+
+
+def check_unsupported_refused():
+    expect_raises(NotImplementedError, lambda: hvd.allreduce(torch.ones(3), op=hvd.Adasum), "Adasum")
+    expect_raises(NotImplementedError, lambda: hvd.reducescatter(torch.ones(4), op=hvd.Max), "Max")
+    expect_raises(ValueError, lambda: hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum), "supersedes")
+    h = hvd.allreduce_async(torch.ones(3), name="dup")
+    expect_raises(ValueError, lambda: hvd.allreduce_async(torch.ones(3), name="dup"), "same name")
+    hvd.synchronize(h)
+
+
+# ----------------------------------------------------------------------------- allgather / broadcast
+def check_allgather_uneven():
+    size, rank = hvd.size(), hvd.rank()
+    sizes = [3, 2, 7, 4][:size]
+    for dtype, dim in itertools.product(DTYPES + [torch.uint8, torch.bool], DIMS):
+        t = torch.full([sizes[rank]] + [17] * (dim - 1), rank % 2 if dtype == torch.bool else rank).to(dtype)
+        got = hvd.allgather(t)
+        expect(got.shape[0] == sum(sizes) and got.dtype == dtype, f"allgather shape {tuple(got.shape)}")
+        start = 0
+        for r, n in enumerate(sizes):
+            expect(torch.all(got[start:start + n] == (r % 2 if dtype == torch.bool else r)), f"rows of rank {r}")
+            start += n
+    expect(torch.equal(hvd.synchronize(hvd.allgather_async(torch.tensor([rank]))), torch.arange(size)),
+           "allgather_async")
+    expect_raises(torchmn.CollectiveMismatchError, lambda: hvd.allgather(torch.ones(2, 3 + rank)),
+                  "beyond the first dimension")
+
+
+def check_allgather_grad():
+    size, rank = hvd.size(), hvd.rank()
+    sizes = [3, 2, 7, 4][:size]
+    for dim in DIMS:
+        x = torch.full([sizes[rank]] + [17] * (dim - 1), float(rank), dtype=torch.float64, requires_grad=True)
+        grad_ys = torch.cat([torch.ones([n] + [17] * (dim - 1), dtype=torch.float64) * r for r, n in enumerate(sizes)])
+        hvd.allgather(x).backward(grad_ys)
+        expect(torch.all(x.grad == rank * size), f"allgather gradient: {x.grad.flatten()[0]} (Horovod: rank * size)")
+
+
+def check_broadcast_every_root():
+    size, rank = hvd.size(), hvd.rank()
+    for dtype, dim, root in itertools.product(DTYPES + [torch.uint8, torch.int8, torch.bool], DIMS, range(size)):
+        t = torch.full([17] * dim, rank % 2 if dtype == torch.bool else rank).to(dtype)
+        root_value = root % 2 if dtype == torch.bool else root
+        got = hvd.broadcast(t, root)
+        expect(torch.all(got == root_value) and got.dtype == dtype, f"broadcast from {root} ({dtype})")
+        if rank != root:
+            expect(torch.all(t == (rank % 2 if dtype == torch.bool else rank)), "broadcast changed its input")
+        expect(hvd.broadcast_(t, root) is t and torch.all(t == root_value), "broadcast_ in place")
+    expect_raises(ValueError, lambda: hvd.broadcast(torch.ones(2), size + 3), "invalid root rank")
+    expect_raises(torchmn.CollectiveMismatchError, lambda: hvd.broadcast(torch.ones(2), rank), "root")
+    expect_raises(torchmn.CollectiveMismatchError, lambda: hvd.broadcast(torch.ones(2, 1 + rank), 0), "shape")
+
+
+def check_broadcast_grad():
+    size, rank = hvd.size(), hvd.rank()
+    for dim, root in itertools.product(DIMS, range(size)):
+        x = torch.full([17] * dim, float(rank), dtype=torch.float64, requires_grad=True)
+        hvd.broadcast(x, root).backward(torch.ones([17] * dim, dtype=torch.float64))
+        want = size if rank == root else 0
+        expect(torch.all(x.grad == want), f"broadcast gradient from {root}: {x.grad.flatten()[0]}")
+
+
+# ----------------------------------------------------------------------------- alltoall / reducescatter
+def check_alltoall_uneven():
+    size, rank = hvd.size(), hvd.rank()
+    splits = [rank + j + 1 for j in range(size)]        # rank r sends r + j + 1 rows to rank j
+    rows = torch.cat([torch.full((n, 2), float(100 * rank + j)) for j, n in enumerate(splits)])
+    out, received = hvd.alltoall(rows, splits=torch.tensor(splits, dtype=torch.int32))
+    expect(received.dtype == torch.int32 and received.tolist() == [r + rank + 1 for r in range(size)],
+           f"received splits {received.tolist()}")
+    start = 0
+    for r, n in enumerate(received.tolist()):
+        expect(torch.all(out[start:start + n] == 100 * r + rank), f"rows from rank {r}")
+        start += n
+    even = hvd.alltoall(torch.arange(2 * size, dtype=torch.float64) + 100 * rank)
+    expect(isinstance(even, torch.Tensor) and even.tolist() == [100 * r + 2 * rank + k for r in range(size)
+                                                                for k in range(2)], f"equal splits: {even}")
+    x = rows.clone().requires_grad_()
+    y, _ = hvd.alltoall(x, splits=splits)
+    y.backward(torch.ones_like(y) * (rank + 1))
+    want = torch.cat([torch.full((n, 2), float(j + 1)) for j, n in enumerate(splits)])
+    expect(torch.equal(x.grad, want), "alltoall gradient goes back to its senders")
+    expect_raises(ValueError, lambda: hvd.alltoall(torch.ones(5, 2), splits=[1] * size), "sum to")
+
+
+def check_reducescatter():
+    size, rank = hvd.size(), hvd.rank()
+    for op, dtype, rows in itertools.product([hvd.Sum, hvd.Average], [torch.float32, torch.float64, torch.int32,
+                                                                       torch.int64, torch.float16], [size * 4, size * 4 + 1]):
+        inputs = [rank_tensor(r, 1, dtype)[:1].repeat(rows, 3) * 0 + torch.arange(rows).view(-1, 1).to(dtype) + r
+                  for r in range(size)]
+        total = sum(t.to(torch.float64) for t in inputs)
+        counts = [rows // size + (1 if r < rows % size else 0) for r in range(size)]
+        start = sum(counts[:rank])
+        want = total[start:start + counts[rank]]
+        if op == hvd.Average:
+            want = want / size if dtype.is_floating_point else torch.div(want, size, rounding_mode="floor")
+        got = hvd.reducescatter(inputs[rank], op=op)
+        expect(got.shape == (counts[rank], 3) and got.dtype == dtype, f"reducescatter shape {tuple(got.shape)}")
+        expect((got.to(torch.float64) - want).abs().max() <= (0.5 if dtype == torch.float16 else 1e-9),
+               f"reducescatter {op} {dtype} {rows} rows")
+    for op, want in ((hvd.Sum, size), (hvd.Average, 1)):
+        x = torch.ones(size * 4, 5, dtype=torch.float64, requires_grad=True)
+        hvd.reducescatter(x, op=op).backward(torch.ones(4, 5, dtype=torch.float64))
+        expect(torch.all(x.grad == want), f"reducescatter gradient ({op}): {x.grad[0, 0]}")
+
+
+def check_grouped_ops():
+    size, rank = hvd.size(), hvd.rank()
+    gathered = hvd.grouped_allgather([torch.tensor([rank]), torch.full((2, 2), float(rank))])
+    expect(gathered[0].tolist() == list(range(size)) and gathered[1].shape == (2 * size, 2), "grouped_allgather")
+    scattered = hvd.grouped_reducescatter([torch.ones(size * 2), torch.ones(size, 3)], op=hvd.Sum)
+    expect(torch.all(scattered[0] == size) and scattered[0].shape == (2,) and scattered[1].shape == (1, 3),
+           "grouped_reducescatter")
+    a, b = hvd.synchronize(hvd.grouped_reducescatter_async([torch.ones(size), torch.ones(size)], op=hvd.Sum))
+    expect(torch.all(a == size) and torch.all(b == size), "grouped_reducescatter_async")
+    g = hvd.synchronize(hvd.grouped_allgather_async([torch.tensor([rank])]))
+    expect(g[0].tolist() == list(range(size)), "grouped_allgather_async")
+
+
+def check_sparse_allreduce():
+    size, rank = hvd.size(), hvd.rank()
+    t = torch.sparse_coo_tensor([[rank, 0]], [1.0, 2.0], (size + 1,))
+    got = hvd.synchronize(hvd.sparse_allreduce_async(t, name="sparse", op=hvd.Sum)).coalesce().to_dense()
+    want = torch.zeros(size + 1)
+    for r in range(size):
+        want[r] += 1.0
+        want[0] += 2.0
+    expect(torch.equal(got, want), f"sparse allreduce {got} != {want}")
+
+
+# ----------------------------------------------------------------------------- objects, sets, timeline, join
+def check_objects_and_barrier():
+    size, rank = hvd.size(), hvd.rank()
+    expect(hvd.broadcast_object({"epoch": rank}, root_rank=size - 1) == {"epoch": size - 1}, "broadcast_object")
+    expect(hvd.allgather_object(("r", rank)) == [("r", r) for r in range(size)], "allgather_object")
+    hvd.barrier()
+
+
+def check_topology_queries():
+    size, rank = hvd.size(), hvd.rank()
+    expect(hvd.is_initialized() and hvd.local_size() == size and hvd.local_rank() == rank, "one node: local = global")
+    expect(hvd.cross_size() == 1 and hvd.cross_rank() == 0 and hvd.is_homogeneous(), "one node: cross")
+    expect(hvd.gloo_enabled() and hvd.gloo_built() and not hvd.mpi_enabled() and not hvd.mpi_built(), "controllers")
+    expect(hvd.nccl_built() == 0 and not hvd.ddl_built() and not hvd.ccl_built(), "CPU build: no NCCL")
+    expect_raises(ValueError, hvd.mpi_threads_supported, "MPI is not enabled")
+
+
+def check_process_set_of_two():
+    size, rank = hvd.size(), hvd.rank()
+    pair = hvd.add_process_set([0, 1])
+    expect(pair.included() == (rank < 2) and pair.size() == 2, "membership")
+    if rank < 2:
+        expect(pair.rank() == rank, "rank within the set")
+        got = hvd.allreduce(torch.tensor([float(rank + 1)]), op=hvd.Sum, process_set=pair)
+        expect(got.item() == 3.0, f"allreduce within the set: {got}")
+        expect(hvd.broadcast(torch.tensor([rank]), 1, process_set=pair).item() == 1, "broadcast within the set")
+        expect(hvd.allgather(torch.tensor([rank]), process_set=pair).tolist() == [0, 1], "allgather within the set")
+    else:
+        expect(pair.rank() == -1, "an outsider's rank in the set")
+        expect_raises(ValueError, lambda: hvd.allreduce(torch.ones(1), process_set=pair),
+                      f"Rank {rank} is not a member of the provided process set.")
+    expect(hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == size, "the global set afterwards")
+    expect(hvd.remove_process_set(pair) and not hvd.remove_process_set(pair), "remove_process_set")
+    expect_raises(ValueError, lambda: hvd.allreduce(torch.ones(1), process_set=pair), "has not been registered")
+
+
+def check_timeline():
+    rank = hvd.rank()
+    path = os.path.join(hvd.broadcast_object(tempfile.mkdtemp() if rank == 0 else None, 0), "timeline.json")
+    hvd.start_timeline(path)
+    hvd.allreduce(torch.ones(1000), name="tl.allreduce")
+    hvd.allgather(torch.ones(3, 2), name="tl.allgather")
+    hvd.broadcast(torch.ones(4), 0, name="tl.broadcast")
+    hvd.synchronize(hvd.allreduce_async(torch.ones(10), name="tl.async"))
+    hvd.stop_timeline()
+    hvd.barrier()
+    if rank == 0:
+        with open(path) as f:
+            trace = json.load(f)
+        events = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+        for name, kind in (("tl.allreduce", "ALLREDUCE"), ("tl.allgather", "ALLGATHER"),
+                           ("tl.broadcast", "BROADCAST"), ("tl.async", "ALLREDUCE")):
+            mine = [e for e in events if e["args"]["tensor"] == name]
+            expect(sorted(e["pid"] for e in mine) == list(range(hvd.size())), f"{name}: one event per rank")
+            expect(all(e["name"] == kind and e["dur"] >= 0 and e["ts"] >= 0 for e in mine), f"{name}: {mine}")
+        allreduce = [e for e in events if e["args"]["tensor"] == "tl.allreduce"][0]
+        expect(allreduce["args"]["bytes"] == 4000, "bytes recorded")
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).double()
+
+
+def _batch(r, step, n=4):
+    g = torch.Generator().manual_seed(100 * r + step)
+    return torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randn(n, 2, generator=g, dtype=torch.float64)
+
+
+def _grads(model, r, step):
+    model.zero_grad()
+    x, y = _batch(r, step)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def check_join_one_rank_early():
+    size, rank = hvd.size(), hvd.rank()
+    early = size - 1
+    model = _mlp()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    reference = _mlp()
+    if rank == early:
+        last = hvd.join()
+    else:
+        for step in range(2):
+            s = hvd.allreduce(torch.ones(3), op=hvd.Sum, name=f"join.sum.{step}")
+            expect(torch.all(s == size - 1), f"a joined rank counts as zero: {s}")
+            a = hvd.allreduce(torch.ones(3), name=f"join.avg.{step}")
+            expect(torch.allclose(a, torch.full((3,), (size - 1) / size)), f"Average divides by the job's size: {a}")
+            g = hvd.grouped_allreduce([torch.ones(2), torch.ones(1, dtype=torch.int64)], op=hvd.Sum)
+            expect(g[0][0] == size - 1 and g[1][0] == size - 1, "grouped allreduce with a joined rank")
+            grads = [sum(gs) / size for gs in zip(*[_grads(reference, r, step) for r in range(size - 1)])]
+            with torch.no_grad():
+                for p, gr in zip(reference.parameters(), grads):
+                    p -= 0.1 * gr
+            opt.zero_grad()
+            x, y = _batch(rank, step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            for p, q in zip(model.parameters(), reference.parameters()):
+                expect(torch.allclose(p, q, atol=1e-12), "DistributedOptimizer step with a joined rank")
+        if rank == 0:   # the last to join: the others have joined by the end of this allreduce
+            alone = hvd.allreduce(torch.ones(2), op=hvd.Sum, name="join.alone")
+            expect(torch.all(alone == 1), f"only rank 0 left: {alone}")
+        last = hvd.join()
+    expect(last == 0, f"join() returns the last rank to join (0), not {last}")
+    expect(torch.all(hvd.allreduce(torch.ones(1), op=hvd.Sum) == size), "after join, all ranks count again")
+
+
+# ----------------------------------------------------------------------------- DistributedOptimizer
+def _train(opt_kwargs, steps, passes=1, clip=None, dtype_tol=1e-12):
+    """Train a DistributedOptimizer and a local reference on every rank's batches; compare."""
+    size, rank = hvd.size(), hvd.rank()
+    model, reference = _mlp(), _mlp()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                                   named_parameters=model.named_parameters(), **opt_kwargs)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    scale = size if opt_kwargs.get("op") == hvd.Sum else 1
+    for step in range(steps):
+        opt.zero_grad()
+        for k in range(passes):
+            x, y = _batch(rank, step * passes + k)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        per_rank = []
+        for r in range(size):
+            acc = [torch.zeros_like(p) for p in reference.parameters()]
+            for k in range(passes):
+                acc = [a + g for a, g in zip(acc, _grads(reference, r, step * passes + k))]
+            per_rank.append(acc)
+        for p, gs in zip(reference.parameters(), zip(*per_rank)):
+            p.grad = sum(gs) / size * scale
+        if clip is not None:
+            opt.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            with opt.skip_synchronize():
+                opt.step()
+        else:
+            opt.step()
+        ref_opt.step()
+        for p, q in zip(model.parameters(), reference.parameters()):
+            diff = (p - q).abs().max().item()
+            expect(diff <= dtype_tol, f"step {step}: parameters off by {diff}")
+    return model, opt
+
+
+def check_optimizer_averages():
+    _train({}, steps=3)
+    model, opt = _train({"op": hvd.Sum}, steps=2)
+    expect(isinstance(opt, torch.optim.SGD), "the DistributedOptimizer is an instance of the wrapped class")
+
+
+def check_optimizer_backward_passes_per_step():
+    model, opt = _train({"backward_passes_per_step": 2}, steps=2, passes=2)
+    opt.zero_grad()
+    for k in range(2):
+        x, y = _batch(hvd.rank(), 50 + k)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    x, y = _batch(hvd.rank(), 60)
+    expect_raises(AssertionError, lambda: torch.nn.functional.mse_loss(model(x), y).backward(),
+                  "more than backward_passes_per_step times")
+
+
+def check_optimizer_fp16_compression():
+    _train({"compression": hvd.Compression.fp16}, steps=3, dtype_tol=2e-3)
+
+
+def check_optimizer_synchronize_clip():
+    model, opt = _train({}, steps=3, clip=0.05)
+    opt.zero_grad()
+    x, y = _batch(hvd.rank(), 99)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    expect(any("skip_synchronize" in str(w.message) for w in caught), "step() after synchronize() warns")
+
+
+def check_optimizer_misuse_refused():
+    model = _mlp()
+    named = list(model.named_parameters())
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    expect_raises(ValueError, lambda: hvd.DistributedOptimizer(sgd, named_parameters=named + named[:1]),
+                  "must be unique. Found duplicates: 0.weight")
+    expect_raises(ValueError, lambda: hvd.DistributedOptimizer(sgd, named_parameters=named[1:]),
+                  "one or more model parameters were not named")
+    expect_raises(NotImplementedError, lambda: hvd.DistributedOptimizer(sgd, op=hvd.Adasum), "Adasum")
+    expect_raises(ValueError, lambda: hvd.DistributedOptimizer(sgd, op=hvd.Sum, gradient_predivide_factor=2.0),
+                  "gradient_predivide_factor not supported with op != Average")
+
+
+def check_broadcast_optimizer_state_after_reload():
+    rank = hvd.rank()
+    path = os.path.join(hvd.broadcast_object(tempfile.mkdtemp() if rank == 0 else None, 0), "ckpt.pt")
+
+    def create(lr):
+        model = _mlp()
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=lr, betas=(0.8, 0.9)),
+                                       named_parameters=model.named_parameters())
+        return model, opt
+    model, opt = create(0.01)
+    for step in range(2):
+        opt.zero_grad()
+        x, y = _batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    if rank == 0:
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+    hvd.barrier()
+    model, opt = create(0.5 + rank)          # a fresh optimizer, other hyper-parameters on each rank
+    hvd.broadcast_optimizer_state(opt, root_rank=0)   # before any step: root's empty state
+    expect(opt.param_groups[0]["lr"] == 0.5 and not opt.state_dict()["state"], "before the first step")
+    if rank == 0:
+        saved = torch.load(path)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["optimizer"])
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    mine = opt.state_dict()
+    everyone = hvd.allgather_object(mine)
+    for other in everyone:
+        expect(other["param_groups"][0]["lr"] == 0.01 and other["param_groups"][0]["betas"] == (0.8, 0.9),
+               "hyper-parameters are root's")
+        expect(len(other["state"]) == 4, "Adam state for the four parameters")
+        for k, st in other["state"].items():
+            for name, v in st.items():
+                same = torch.equal(v, mine["state"][k][name]) if torch.is_tensor(v) else v == mine["state"][k][name]
+                expect(same, f"state {k}.{name} differs between ranks")
+    params = hvd.allgather_object([p.detach().clone() for p in model.parameters()])
+    expect(all(torch.equal(a, b) for ps in params for a, b in zip(ps, params[0])), "parameters equal")
+
+
+def check_sync_batch_norm():
+    size, rank = hvd.size(), hvd.rank()
+    g = torch.Generator().manual_seed(7)
+    sizes = [3, 5, 2, 4][:size]
+    full = torch.randn(sum(sizes), 4, generator=g, dtype=torch.float64)
+    grad_out = torch.randn(sum(sizes), 4, generator=g, dtype=torch.float64)
+    start = sum(sizes[:rank])
+    bn = hvd.SyncBatchNorm(4).double()
+    dense = torch.nn.BatchNorm1d(4).double()
+    x = full[start:start + sizes[rank]].clone().requires_grad_()
+    xd = full.clone().requires_grad_()
+    y = bn(x)
+    yd = dense(xd)
+    expect(torch.allclose(y, yd[start:start + sizes[rank]], atol=1e-10), "forward")
+    y.backward(grad_out[start:start + sizes[rank]])
+    yd.backward(grad_out)
+    expect(torch.allclose(x.grad, xd.grad[start:start + sizes[rank]], atol=1e-10), "input gradient")
+    wg = hvd.allreduce(bn.weight.grad, op=hvd.Sum)
+    expect(torch.allclose(wg, dense.weight.grad, atol=1e-10), "weight gradient (summed over ranks)")
+    expect(torch.allclose(bn.running_mean, dense.running_mean) and torch.allclose(bn.running_var, dense.running_var),
+           "running statistics")
+
+
+def main():
+    checks = {name[len("check_"):]: f for name, f in globals().items() if name.startswith("check_")}
+    names = list(checks) if sys.argv[1:] == ["all"] else sys.argv[1:]
+    hvd.init()
+    for name in names:
+        checks[name]()
+        if hvd.rank() == 0:
+            print(f"PASS {name}", flush=True)
+    hvd.shutdown()
+
+
+if __name__ == "__main__":
+    main()

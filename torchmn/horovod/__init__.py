@@ -1,0 +1,56 @@
+"""Horovod's PyTorch API on torchmn: ``import torchmn.horovod as hvd`` runs a ``horovod.torch``
+script unchanged but for that line.
+
+The ranks are torchmn's communicator's; gradients are averaged by torchmn's multi-node optimizer;
+the collectives are the communicator's checked ones, so a mismatch raises on every rank, naming
+the ranks and shapes, where Horovod would hang or abort. ``docs/coming-from-horovod.md`` lists every
+name with its status.
+
+Example::
+
+    >>> import torchmn.horovod as hvd
+    >>> hvd.init()
+    >>> optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+"""
+from torchmn.horovod.allreduce_ops import (allreduce, allreduce_, allreduce_async, allreduce_async_,
+                                           grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                                           grouped_allreduce_async_, sparse_allreduce_async)
+from torchmn.horovod.basics import (Adasum, Average, HorovodInternalError, Max, Min, Product, Sum, ccl_built,
+                                    cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
+                                    handle_average_backwards_compatibility, init, is_homogeneous, is_initialized,
+                                    local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
+                                    nccl_built, rank, rocm_built, shutdown, size)
+from torchmn.horovod.compression import Compression
+from torchmn.horovod.functions import (allgather_object, barrier, broadcast_object, broadcast_optimizer_state,
+                                       broadcast_parameters)
+from torchmn.horovod.gather_ops import (allgather, allgather_async, alltoall, alltoall_async, broadcast, broadcast_,
+                                        broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
+                                        grouped_reducescatter, grouped_reducescatter_async, reducescatter,
+                                        reducescatter_async)
+from torchmn.horovod.handles import poll, synchronize
+from torchmn.horovod.coordination import join
+from torchmn.horovod.optimizer import DistributedOptimizer
+from torchmn.horovod.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from torchmn.horovod.sync_batch_norm import SyncBatchNorm
+from torchmn.horovod.timeline import start_timeline, stop_timeline
+
+
+def __getattr__(name):
+    if name == "elastic":
+        import torchmn.horovod.elastic  # noqa: F401  (raises ImportError saying what to use instead)
+    raise AttributeError(f"module 'torchmn.horovod' has no attribute {name!r}")
+
+
+__all__ = ["Adasum", "Average", "Compression", "DistributedOptimizer", "HorovodInternalError", "Max", "Min",
+           "ProcessSet", "Product", "Sum", "SyncBatchNorm", "add_process_set", "allgather", "allgather_async",
+           "allgather_object", "allreduce", "allreduce_", "allreduce_async", "allreduce_async_", "alltoall",
+           "alltoall_async", "barrier", "broadcast", "broadcast_", "broadcast_async", "broadcast_async_",
+           "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "ccl_built", "cross_rank",
+           "cross_size", "cuda_built", "ddl_built", "gloo_built", "gloo_enabled", "global_process_set",
+           "grouped_allgather", "grouped_allgather_async", "grouped_allreduce", "grouped_allreduce_",
+           "grouped_allreduce_async", "grouped_allreduce_async_", "grouped_reducescatter",
+           "grouped_reducescatter_async", "handle_average_backwards_compatibility", "init", "is_homogeneous",
+           "is_initialized", "join", "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+           "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "remove_process_set", "rocm_built",
+           "shutdown", "size", "sparse_allreduce_async", "start_timeline", "stop_timeline", "synchronize"]

@@ -1,0 +1,121 @@
+"""Every collective's first step (ranks agree on what they are doing), and ``hvd.join``.
+
+Horovod lets a rank that ran out of data call ``join()`` while the others go on: its tensors count
+as zeros in their allreduces until every rank has joined. Here each collective on the job's global
+process set starts with a one-number sum in which a joined rank counts 1; while it is 0 (nobody
+joined) the collective goes on, and where it also needs every rank's arguments (allreduce checks
+shapes) the ranks exchange descriptions of their calls. A joined rank waits inside ``join()``
+taking part in those exchanges, and mirrors each allreduce with zeros of the shapes the others
+describe (the ops and the optimizer register how, in :data:`MIRRORS`).
+"""
+from __future__ import annotations
+
+import socket
+from typing import Callable, Optional
+
+import torch
+
+from torchmn.communicators import CollectiveMismatchError
+from torchmn.horovod import handles
+from torchmn.horovod.basics import HorovodInternalError, job, require_comm
+
+# kind -> function(description, comm) that takes part in that collective with zeros
+MIRRORS: dict[str, Callable] = {}
+JOINED = "join"
+
+
+def describe(kind: str, *fields) -> tuple:
+    """A call's description as the ranks exchange it: kind, host, then what the kind needs."""
+    return (kind, socket.gethostname()) + fields
+
+
+def agree(comm, description: tuple, need_descriptions: bool) -> Optional[list[tuple]]:
+    """The first step of a collective: learn whether a rank has joined, and if needed what each does.
+
+    Args:
+        comm: the communicator the collective runs on.
+        description: this rank's call, from :func:`describe`.
+        need_descriptions: exchange every rank's description even when nobody has joined.
+
+    Returns:
+        Every rank's description, or None when nobody joined and they were not needed.
+
+    Raises:
+        HorovodInternalError: a rank has joined and this collective cannot run with zeros for it.
+    """
+    if comm.size == 1:
+        return [description] if need_descriptions else None
+    if comm is job.comm:
+        flag = torch.zeros(1, dtype=torch.int64, device=comm.device)
+        if description[0] == JOINED:
+            flag += 1
+        comm.allreduce_flat(flag)
+        someone_joined = int(flag.item()) > 0
+    else:
+        someone_joined = False  # join() covers the global process set only
+    if not (someone_joined or need_descriptions):
+        return None
+    descriptions = comm.allgather_obj(description)
+    joined = [r for r, d in enumerate(descriptions) if d[0] == JOINED]
+    if joined and description[0] != JOINED:
+        kinds = {d[0] for d in descriptions if d[0] != JOINED}
+        if not kinds <= set(MIRRORS):
+            raise HorovodInternalError(
+                f"hvd.{description[0]} on rank {comm.rank} ({socket.gethostname()}) while rank(s) {joined} have "
+                f"called hvd.join(): a joined rank takes part only in allreduces (its tensors count as zeros) and "
+                f"in DistributedOptimizer steps. Call this collective before join(), on every rank")
+    return descriptions
+
+
+def check_same_kind(descriptions: list[tuple], rank: int) -> None:
+    """Raise on every rank alike unless the ranks that have not joined make the same kind of call."""
+    calls = [(r, d[0], d[1]) for r, d in enumerate(descriptions) if d[0] != JOINED]
+    if len({kind for _, kind, _ in calls}) > 1:
+        listing = ", ".join(f"rank {r} ({host}) hvd.{kind}" for r, kind, host in calls)
+        raise CollectiveMismatchError(f"the ranks called different collectives at the same point: {listing}; "
+                                      f"rank {rank} stops. Every rank must make the same calls in the same order")
+
+
+def join(device: int = -1) -> int:
+    """This rank has no more data: take part in the others' allreduces with zeros until all have joined.
+
+    Blocks until every rank of the job has called ``join()``. Meanwhile the other ranks'
+    allreduces (``hvd.allreduce``, ``grouped_allreduce`` and ``DistributedOptimizer`` steps) count
+    this rank's tensors as zeros; an ``Average`` still divides by the job's size.
+
+    Args:
+        device: accepted for Horovod's signature (the device of the joined rank's zeros is the
+            communicator's).
+
+    Returns:
+        The rank that joined last.
+
+    Raises:
+        HorovodInternalError: another rank made a collective a joined rank cannot take part in.
+
+    Example::
+
+        >>> for batch in my_uneven_shard:
+        ...     train_step(batch)
+        >>> hvd.join()
+    """
+    comm = require_comm()
+    handles.drain()
+    if comm.size == 1:
+        return comm.rank
+    waited = 0
+    while True:
+        descriptions = agree(comm, describe(JOINED, waited), need_descriptions=True)
+        waiting = [(r, d) for r, d in enumerate(descriptions) if d[0] != JOINED]
+        if not waiting:
+            newest = min(d[2] for d in descriptions)
+            return max(r for r, d in enumerate(descriptions) if d[2] == newest)
+        kinds = {d[0] for _, d in waiting}
+        kind = next(iter(kinds))
+        if len(kinds) > 1 or kind not in MIRRORS:
+            raise HorovodInternalError(
+                f"rank {comm.rank} has joined, and rank(s) {[r for r, _ in waiting]} called "
+                f"{sorted('hvd.' + k for k in kinds)}: a joined rank takes part only in allreduces and "
+                f"DistributedOptimizer steps. Call other collectives before join(), on every rank")
+        MIRRORS[kind](waiting[0][1], comm)
+        waited += 1

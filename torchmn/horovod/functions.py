@@ -1,0 +1,127 @@
+"""Whole-model and Python-object collectives: ``broadcast_parameters``,
+``broadcast_optimizer_state``, ``broadcast_object``, ``allgather_object`` and ``barrier``."""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from torchmn.horovod import coordination, handles
+from torchmn.horovod.process_sets import comm_of, global_process_set
+
+
+def _start(what: str, process_set) -> Any:
+    """The communicator of a blocking collective, after the ones in flight and the join check."""
+    comm = comm_of(process_set, what)
+    handles.drain()
+    coordination.agree(comm, coordination.describe(what.replace("hvd.", "")), need_descriptions=False)
+    return comm
+
+
+def _root_index(root_rank: int, process_set, what: str) -> int:
+    comm_of(process_set, what)  # before hvd.init(), Horovod's message first
+    ranks = (global_process_set if process_set is None else process_set).ranks
+    if root_rank not in ranks:
+        raise ValueError(f"{what} received invalid root rank {root_rank} for provided process set (ranks {ranks})")
+    return ranks.index(root_rank)
+
+
+def broadcast_parameters(params, root_rank: int, prefix: Optional[str] = None,
+                         process_set=global_process_set) -> None:
+    """Overwrite every rank's parameters and buffers with root's, in place.
+
+    Args:
+        params: ``model.state_dict()`` (a dict of tensors) or ``model.named_parameters()``
+            (pairs of name and tensor).
+        root_rank: the rank whose values everyone gets.
+        prefix: accepted for Horovod's signature (names do not travel).
+        process_set: the ranks taking part.
+
+    Raises:
+        ValueError: ``params`` is of another type, or ``root_rank`` is not in the set.
+        CollectiveMismatchError: the ranks' tensors differ in count, shape or dtype.
+
+    Example::
+
+        >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    """
+    if isinstance(params, dict):
+        items = sorted(params.items())
+    elif isinstance(params, list) or hasattr(params, "__iter__"):
+        items = list(params)
+        if items and not (isinstance(items[0], tuple) and len(items[0]) == 2):
+            raise ValueError("broadcast_parameters takes model.state_dict() or model.named_parameters() (pairs of "
+                             f"name and tensor), not a sequence of {type(items[0]).__name__}")
+    else:
+        raise ValueError(f"invalid params of type: {type(params)}")
+    root = _root_index(root_rank, process_set, "broadcast_parameters")
+    comm = _start("hvd.broadcast_parameters", process_set)
+    tensors = [p.data if isinstance(p, torch.nn.Parameter) else p for _, p in items if p is not None]
+    with torch.no_grad():
+        comm.bcast_tensors(tensors, root=root)
+
+
+def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model=None,
+                              process_set=global_process_set) -> None:
+    """Make every rank's optimizer state and hyper-parameters root's.
+
+    Works for any torch optimizer (and a :class:`DistributedOptimizer`), before the first step
+    too (then root's empty state is what every rank gets), with tensor state, scalar state and
+    hyper-parameters such as ``lr`` and ``betas``.
+
+    Args:
+        optimizer: this rank's optimizer, over the same parameters as root's.
+        root_rank: the rank whose state everyone gets.
+        model: accepted for Horovod's signature.
+        process_set: the ranks taking part.
+
+    Raises:
+        ValueError: ``root_rank`` is not in the set; an LBFGS optimizer (as Horovod).
+
+    Example::
+
+        >>> if hvd.rank() == 0:
+        ...     optimizer.load_state_dict(torch.load("ckpt.pt")["optimizer"])
+        >>> hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+    """
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+    root = _root_index(root_rank, process_set, "broadcast_optimizer_state")
+    comm = _start("hvd.broadcast_optimizer_state", process_set)
+    state = comm.bcast_obj(optimizer.state_dict() if comm.rank == root else None, root=root)
+    if comm.rank != root:
+        optimizer.load_state_dict(state)
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set=global_process_set) -> Any:
+    """Returns: root's ``obj`` (any picklable object) on every rank.
+
+    Example::
+
+        >>> epoch = hvd.broadcast_object(epoch, root_rank=0)
+    """
+    root = _root_index(root_rank, process_set, "broadcast_object")
+    comm = _start("hvd.broadcast_object", process_set)
+    return comm.bcast_obj(obj if comm.rank == root else None, root=root)
+
+
+def allgather_object(obj: Any, name: Optional[str] = None, process_set=global_process_set) -> list:
+    """Returns: every rank's ``obj`` (any picklable object), in rank order.
+
+    Example::
+
+        >>> counts = hvd.allgather_object(len(my_shard))
+    """
+    comm = _start("hvd.allgather_object", process_set)
+    return comm.allgather_obj(obj)
+
+
+def barrier(process_set=global_process_set) -> None:
+    """Wait until every rank of the set gets here.
+
+    Example::
+
+        >>> hvd.barrier()
+    """
+    _start("hvd.barrier", process_set).barrier()

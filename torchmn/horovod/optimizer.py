@@ -1,0 +1,328 @@
+"""``hvd.DistributedOptimizer``: Horovod's optimizer wrapper, on torchmn's multi-node optimizer.
+
+The averaging is :func:`torchmn.create_multi_node_optimizer`'s (buckets sent while backward
+runs, shared memory between the ranks of a node); this wrapper adds Horovod's interface: its
+argument names, ``synchronize()`` / ``skip_synchronize()``, ``op=hvd.Sum``, its errors for misuse,
+and its part in ``hvd.join``. The object is an instance of the wrapped optimizer's class, as
+Horovod's is, so ``isinstance(opt, torch.optim.SGD)`` still holds.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import time
+import warnings
+import weakref
+from typing import Iterator
+
+import torch
+from torch.autograd import Variable
+
+import torchmn
+from torchmn.horovod import coordination, timeline
+from torchmn.horovod.basics import OP_NAMES, Adasum, Average, Sum
+from torchmn.horovod.compression import Compression, Compressor
+from torchmn.horovod.process_sets import comm_of, global_process_set
+
+_optimizers: list = []   # weak references, in creation order (the same on every rank): join() mirrors them
+
+TOO_MANY_PASSES = ("Gradients were computed more than backward_passes_per_step times before call to step(). "
+                   "Increase backward_passes_per_step to accumulate gradients locally.")
+STEP_AFTER_SYNCHRONIZE = ("optimizer.step() called without optimizer.skip_synchronize() context after "
+                          "optimizer.synchronize(). torchmn does not average the gradients a second time, but a "
+                          "Horovod script run on Horovod would; use: with optimizer.skip_synchronize(): "
+                          "optimizer.step()")
+
+
+def _wire_name(compression) -> str | None:
+    if compression is None or compression is Compression.none:
+        return None
+    if isinstance(compression, type) and issubclass(compression, Compressor) and compression.wire_name:
+        return compression.wire_name
+    raise NotImplementedError(f"hvd.DistributedOptimizer: compression={compression!r} is not supported; torchmn "
+                              f"sends gradients as they are (hvd.Compression.none) or as float16 "
+                              f"(hvd.Compression.fp16)")
+
+
+def _fusion_threshold_mb() -> float | None:
+    """Horovod's fusion buffer size, as the gradient bucket size: ``HOROVOD_FUSION_THRESHOLD``
+    (bytes) or horovodrun's ``--fusion-threshold-mb``; None: the communicator's default."""
+    if os.environ.get("HOROVOD_FUSION_THRESHOLD_MB"):
+        return float(os.environ["HOROVOD_FUSION_THRESHOLD_MB"])
+    if os.environ.get("HOROVOD_FUSION_THRESHOLD"):
+        return int(os.environ["HOROVOD_FUSION_THRESHOLD"]) / (1024 * 1024)
+    return None
+
+
+def _check_names(optimizer: torch.optim.Optimizer, named_parameters) -> None:
+    """Horovod's checks of ``named_parameters``."""
+    named = list(named_parameters)
+    if named and not (isinstance(named[0], tuple) and len(named[0]) == 2 and isinstance(named[0][1], torch.Tensor)):
+        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced by "
+                         "model.named_parameters().")
+    duplicates = sorted(k for k, count in collections.Counter(k for k, _ in named).items() if count > 1)
+    if duplicates:
+        raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: "
+                         f"{', '.join(duplicates)}")
+    named_ids = {id(v) for _, v in named}
+    unnamed = [id(p) for g in optimizer.param_groups for p in g["params"] if id(p) not in named_ids]
+    if unnamed:
+        raise ValueError(f"named_parameters was specified, but one or more model parameters were not named. "
+                         f"Python object ids: {', '.join(str(i) for i in unnamed)}")
+
+
+class _DistributedOptimizer(torch.optim.Optimizer):
+    """The behaviour of :func:`DistributedOptimizer` (its class also derives from the wrapped one's)."""
+
+    def __init__(self, optimizer, named_parameters, compression, backward_passes_per_step, op,
+                 gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set):
+        # Deliberately no Optimizer.__init__: param_groups and state are the wrapped optimizer's.
+        if named_parameters is not None:
+            _check_names(optimizer, named_parameters)
+        if op == Adasum:
+            raise NotImplementedError("hvd.DistributedOptimizer: op=hvd.Adasum is not implemented in torchmn.horovod; "
+                                      "use op=hvd.Average (the default) or hvd.Sum")
+        if op not in (Average, Sum):
+            raise NotImplementedError(f"hvd.DistributedOptimizer: op={OP_NAMES.get(op, op)} is not supported; use "
+                                      f"hvd.Average (the default) or hvd.Sum")
+        if gradient_predivide_factor != 1.0 and op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if groups is not None and not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
+            raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
+        if not isinstance(num_groups, int) or num_groups < 0:
+            raise ValueError(f"num_groups must be a non-negative integer, not {num_groups!r}")
+        self._comm = comm_of(process_set, "hvd.DistributedOptimizer")
+        self.op = op
+        self.backward_passes_per_step = backward_passes_per_step
+        self.sparse_as_dense = sparse_as_dense
+        self._params = [p for p in dict.fromkeys(p for g in optimizer.param_groups for p in g["params"])
+                        if p.requires_grad]
+        self._in_pass = self._pass_syncs = False
+        self._passes_since_step = self._passes_since_sync = 0
+        self._sent_by_backward = False     # this step's gradients went out at the end of a backward
+        self._synchronized = False         # ... and are averaged, in .grad
+        self._user_synchronized = False    # the script called synchronize() itself
+        self._skip_synchronize = False
+        self._sync_started = None
+        # Before the multi-node optimizer's hooks, so that they run first for each gradient.
+        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+        self._inner = torchmn.create_multi_node_optimizer(optimizer, self._comm, compression=_wire_name(compression),
+                                                          backward_passes_per_step=backward_passes_per_step,
+                                                          bucket_cap_mb=_fusion_threshold_mb())
+        self._index = len(_optimizers)
+        _optimizers.append(weakref.ref(self))
+
+    # ----------------------------------------------------------------------------- backward
+    def _on_grad(self, p: torch.Tensor) -> None:
+        if self.sparse_as_dense and p.grad is not None and p.grad.layout is not torch.strided:
+            p.grad = p.grad.to_dense()
+        if self._in_pass:
+            return
+        if self._passes_since_step >= self.backward_passes_per_step:
+            raise AssertionError(TOO_MANY_PASSES)
+        self._in_pass = True
+        self._pass_syncs = self._passes_since_sync + 1 >= self.backward_passes_per_step
+        Variable._execution_engine.queue_callback(self._on_backward_end)
+        if self._pass_syncs:
+            self._start_sync()
+
+    def _on_backward_end(self) -> None:
+        self._in_pass = False
+        self._passes_since_step += 1
+        self._passes_since_sync += 1
+        if self._pass_syncs:
+            self._passes_since_sync = 0
+            self._sent_by_backward = True
+
+    def _start_sync(self) -> None:
+        """Before this rank's gradients go out: tell a rank in ``hvd.join()`` to take part."""
+        self._sync_started = time.time()
+        coordination.agree(self._comm, coordination.describe("optimizer", self._index), need_descriptions=False)
+
+    def mirror(self) -> None:
+        """A joined rank's part in the others' averaging (they have agreed with it already): zero
+        gradients, no update."""
+        self._inner.average_without_gradients()
+
+    # ----------------------------------------------------------------------------- Horovod's interface
+    def synchronize(self) -> None:
+        """Finish averaging this step's gradients into ``.grad`` (sending them now if backward has not).
+
+        Between ``synchronize()`` and ``step()`` the averaged gradients can be changed (clipped);
+        then call ``step()`` inside :meth:`skip_synchronize`.
+
+        Example::
+
+            >>> loss.backward()
+            >>> optimizer.synchronize()
+            >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            >>> with optimizer.skip_synchronize():
+            ...     optimizer.step()
+        """
+        self._user_synchronized = True
+        self._synchronize()
+
+    def _synchronize(self) -> None:
+        if self._synchronized:
+            return
+        if not self._sent_by_backward:
+            self._start_sync()
+        self._inner.synchronize()
+        if self.op == Sum and self._comm.size > 1:
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.mul_(self._comm.size)
+        if self._sync_started is not None:
+            nbytes = sum(p.numel() * p.element_size() for p in self._params)
+            timeline.record("allreduce", "DistributedOptimizer.gradients", nbytes, self._sync_started, time.time(),
+                            0 if self._comm is global_process_set.comm else -1)
+        self._synchronized = True
+        self._passes_since_sync = 0
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """``step()`` inside uses the gradients :meth:`synchronize` averaged, without a warning.
+
+        Returns:
+            A context manager.
+        """
+        self._skip_synchronize = True
+        try:
+            yield
+        finally:
+            self._skip_synchronize = False
+
+    def step(self, closure=None):
+        """Update with the averaged gradients (averaging them first if needed).
+
+        Args:
+            closure: not supported (call backward, then ``step()``).
+
+        Returns:
+            What the wrapped optimizer's ``step()`` returns.
+
+        Raises:
+            ValueError: a closure was passed.
+        """
+        if self._user_synchronized and not self._skip_synchronize:
+            warnings.warn(STEP_AFTER_SYNCHRONIZE, stacklevel=2)
+        self._synchronize()
+        result = self._inner.step(closure)
+        self._passes_since_step = 0
+        self._sent_by_backward = self._synchronized = self._user_synchronized = False
+        self._sync_started = None
+        return result
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients, as torch's ``zero_grad``."""
+        self._in_pass = False  # a backward that raised never ran its end-of-backward callback
+        self._inner.zero_grad(set_to_none)
+
+    @property
+    def param_groups(self):
+        """The wrapped optimizer's parameter groups (LR schedulers change them there)."""
+        return self._inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value):
+        self._inner.param_groups = value
+
+    @property
+    def defaults(self):
+        """The wrapped optimizer's defaults."""
+        return self._inner.defaults
+
+    @defaults.setter
+    def defaults(self, value):
+        self._inner.defaults = value
+
+    @property
+    def state(self):
+        """The wrapped optimizer's state."""
+        return self._inner.state
+
+    @state.setter
+    def state(self, value):
+        self._inner.state = value
+
+    def state_dict(self):
+        """The wrapped optimizer's ``state_dict()`` (loads into a plain torch optimizer)."""
+        return self._inner.state_dict()
+
+    def load_state_dict(self, state_dict) -> None:
+        """Load a ``state_dict()`` of this or a plain torch optimizer."""
+        self._inner.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group) -> None:
+        """Raises: NotImplementedError: add groups to the torch optimizer before wrapping it."""
+        self._inner.add_param_group(param_group)
+
+    def register_step_pre_hook(self, hook):
+        """Call ``hook(optimizer, args, kwargs)`` before each update; returns a removable handle."""
+        return self._inner.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook):
+        """Call ``hook(optimizer, args, kwargs)`` after each update; returns a removable handle."""
+        return self._inner.register_step_post_hook(hook)
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a hvd.DistributedOptimizer cannot be copied or pickled; save optimizer.state_dict()")
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self._inner!r})"
+
+
+def _mirror_optimizer(description: tuple, comm) -> None:
+    ref = _optimizers[description[2]] if description[2] < len(_optimizers) else None
+    optimizer = ref() if ref is not None else None
+    if optimizer is None:
+        raise RuntimeError(f"rank {comm.rank} has joined and cannot take part in DistributedOptimizer number "
+                           f"{description[2]}'s averaging: this rank has no such optimizer (create the same "
+                           f"optimizers on every rank)")
+    optimizer.mirror()
+
+
+coordination.MIRRORS["optimizer"] = _mirror_optimizer
+
+
+def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
+                         op=Average, gradient_predivide_factor=1.0, num_groups=0, groups=None,
+                         sparse_as_dense=False, process_set=global_process_set):
+    """Wrap a torch optimizer so that ``step()`` uses gradients averaged over the ranks (Horovod's).
+
+    Gradients are averaged by :func:`torchmn.create_multi_node_optimizer` while backward runs.
+    Parameters are broadcast from rank 0 here (Horovod scripts also call
+    ``broadcast_parameters``; it does no harm). ``num_groups`` and ``groups`` are accepted:
+    torchmn fuses gradients into buckets by size instead. ``gradient_predivide_factor`` gives
+    the same average (torchmn divides once).
+
+    Args:
+        optimizer: any torch optimizer over the model's parameters.
+        named_parameters: ``model.named_parameters()``, checked as Horovod checks it.
+        compression: ``hvd.Compression.none`` or ``hvd.Compression.fp16``.
+        backward_passes_per_step: backward passes accumulated locally per averaging.
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        gradient_predivide_factor: accepted with ``op=hvd.Average`` only.
+        num_groups, groups: accepted (see above).
+        sparse_as_dense: turn sparse gradients (``nn.Embedding(sparse=True)``) dense.
+        process_set: the ranks that average together.
+
+    Returns:
+        The wrapped optimizer, an instance of ``optimizer``'s class.
+
+    Raises:
+        ValueError: duplicate or missing ``named_parameters``; ``gradient_predivide_factor`` with
+            ``op=hvd.Sum``; a rank outside ``process_set``.
+        NotImplementedError: ``op=hvd.Adasum`` or another op; a custom compressor.
+        AssertionError: (in backward) more backward passes than ``backward_passes_per_step``
+            before ``step()``.
+
+    Example::
+
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
+        >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    """
+    cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
+    return cls(optimizer, named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor,
+               num_groups, groups, sparse_as_dense, process_set)

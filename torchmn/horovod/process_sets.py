@@ -1,0 +1,159 @@
+"""Horovod's process sets: named subsets of the job's ranks, each a torchmn communicator made by
+``comm.split``, that every collective takes as ``process_set=``."""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+from torchmn.horovod.basics import job, require_comm
+
+
+class ProcessSet:
+    """A set of ranks collectives can run on, as Horovod's ``ProcessSet``.
+
+    Build it from ranks of the job, then register it on every rank with
+    :func:`add_process_set` (or ``hvd.init(process_sets=[...])``).
+
+    Args:
+        ranks_or_comm: the job's ranks that belong to the set (an ``mpi4py`` communicator is
+            not taken: torchmn does not run on MPI's communicators).
+
+    Example::
+
+        >>> evens = hvd.add_process_set(hvd.ProcessSet([0, 2]))
+        >>> if evens.included():
+        ...     hvd.allreduce(x, process_set=evens)
+    """
+
+    def __init__(self, ranks_or_comm: Sequence[int]):
+        if not isinstance(ranks_or_comm, (list, tuple, range)):
+            raise ValueError("ProcessSet takes a list of ranks (torchmn.horovod does not run on mpi4py "
+                             f"communicators), not {type(ranks_or_comm).__name__}")
+        self.ranks = sorted(int(r) for r in ranks_or_comm)
+        self.process_set_id: Optional[int] = None
+        self.comm = None  # this rank's communicator of the set, where it belongs to it
+
+    def _require_registered(self) -> None:
+        if self.process_set_id is None or _registered.get(self.process_set_id) is not self:
+            raise ValueError("Process set provided does not exist, or has not been registered.")
+
+    def size(self) -> int:
+        """Returns: the number of ranks in the set."""
+        self._require_registered()
+        return len(self.ranks)
+
+    def rank(self) -> int:
+        """Returns: this process's rank within the set, or -1 where it does not belong to it."""
+        self._require_registered()
+        return self.comm.rank if self.comm is not None else -1
+
+    def included(self) -> bool:
+        """Returns: whether this process belongs to the set."""
+        self._require_registered()
+        return self.comm is not None
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ProcessSet) and self.ranks == other.ranks
+
+    def __hash__(self) -> int:
+        return hash(tuple(self.ranks))
+
+    def __repr__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0
+_registered: dict[int, ProcessSet] = {}
+
+
+def register_global(comm) -> None:
+    """Make :data:`global_process_set` every rank of ``comm``, the job's (called by ``hvd.init``)."""
+    global_process_set.ranks = list(range(comm.size))
+    global_process_set.comm = comm
+    _registered.clear()
+    _registered[0] = global_process_set
+
+
+def forget_all() -> None:
+    """Unregister every process set (called by ``hvd.shutdown``)."""
+    for ps in _registered.values():
+        if ps is not global_process_set:
+            ps.process_set_id = None
+        ps.comm = None
+    _registered.clear()
+
+
+def add_process_set(process_set) -> ProcessSet:
+    """Register a process set on every rank of the job (a collective: every rank calls it, in
+    the same order). Ranks are ``hvd.rank()`` numbers.
+
+    Args:
+        process_set: a :class:`ProcessSet` or a list of ranks.
+
+    Returns:
+        The registered :class:`ProcessSet`.
+
+    Raises:
+        ValueError: a set of these ranks is registered already, or a rank is out of range.
+
+    Example::
+
+        >>> pair = hvd.add_process_set([0, 1])
+    """
+    world = require_comm()
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    bad = [r for r in ps.ranks if not 0 <= r < world.size]
+    if bad or not ps.ranks:
+        raise ValueError(f"add_process_set: ranks {bad or ps.ranks} are not ranks of this job of "
+                         f"{world.size}; give ranks 0..{world.size - 1}")
+    for existing in _registered.values():
+        if existing.ranks == ps.ranks:
+            raise ValueError(f"A process set with the same ranks has already been registered: {existing}")
+    inside = world.rank in ps.ranks
+    sub = world.split(color=0 if inside else 1, key=world.rank)
+    ps.comm = sub if inside else None
+    ps.process_set_id = max(_registered) + 1
+    _registered[ps.process_set_id] = ps
+    return ps
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Unregister a process set (on every rank); the global one stays.
+
+    Args:
+        process_set: a set :func:`add_process_set` returned.
+
+    Returns:
+        True if it was registered and is removed now, False otherwise.
+
+    Example::
+
+        >>> hvd.remove_process_set(pair)
+    """
+    require_comm()
+    if process_set is global_process_set or process_set.process_set_id not in _registered:
+        return False
+    del _registered[process_set.process_set_id]
+    process_set.process_set_id = None
+    process_set.comm = None
+    return True
+
+
+def comm_of(process_set: Optional[ProcessSet], op_name: str):
+    """The communicator a collective runs on for ``process_set``, checked as Horovod checks it.
+
+    Raises:
+        ValueError: before ``hvd.init``; the set is not registered; this rank is not in it.
+    """
+    require_comm()
+    ps = global_process_set if process_set is None else process_set
+    if not isinstance(ps, ProcessSet) or _registered.get(ps.process_set_id) is not ps:
+        raise ValueError(f"{op_name}: Process set provided does not exist, or has not been registered.")
+    if ps.comm is None:
+        raise ValueError(f"{op_name}: Rank {job.comm.rank} is not a member of the provided process set.")
+    return ps.comm
+
+
+def set_ranks(process_set: Optional[ProcessSet]) -> list[int]:
+    """Returns: the ranks (``hvd.rank()`` numbers) of ``process_set`` (the global one for None), in set order."""
+    return (global_process_set if process_set is None else process_set).ranks

@@ -1,0 +1,124 @@
+"""horovodrun's command-line flags in ``torchmn run``: each is taken as torchmn's own, mapped to
+what does the same here, accepted with a note where it tunes something torchmn does otherwise, or
+refused with what to use instead. None is silently misread.
+
+``-np``, ``-H``, ``--hostfile``, ``--start-timeout``, ``--network-interface`` and ``--verbose`` are
+``torchmn run``'s own; ``-p`` / ``-i`` are its ``--ssh-port`` / ``--ssh-identity-file``.
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Dict, List, Optional, Tuple
+
+# flag: (takes a value, what it becomes: an environment variable to set, "note", or "refuse"), why.
+# Environment variables are set for every rank (local and remote), as `-x NAME=VALUE` would.
+FLAGS: Dict[str, Tuple[bool, str, str]] = {
+    "--gloo": (False, "note", "torchmn's ranks always talk through torch.distributed (gloo on CPU, NCCL on GPU)"),
+    "--timeline-filename": (True, "env:HOROVOD_TIMELINE", "torchmn.horovod writes its timeline there, as Horovod"),
+    "--timeline-mark-cycles": (False, "note", "torchmn's timeline has no cycle markers"),
+    "--fusion-threshold-mb": (True, "env:HOROVOD_FUSION_THRESHOLD_MB",
+                              "the DistributedOptimizer's gradient buckets take this size"),
+    "--gloo-timeout-seconds": (True, "env:TORCHMN_TIMEOUT", "how long a collective waits for the other ranks"),
+    "--nics": (True, "network_interface", "the interface the rendezvous address is taken from"),
+    "--output-filename": (True, "log_dir", "each rank's output goes to DIR/rank.<r>.log"),
+    "--cycle-time-ms": (True, "note", "torchmn sends gradient buckets from backward hooks, with no cycle"),
+    "--cache-capacity": (True, "note", "torchmn negotiates no tensors, so there is no response cache"),
+    "--disable-cache": (False, "note", "torchmn negotiates no tensors, so there is no response cache"),
+    "--hierarchical-allreduce": (False, "note", "torchmn's default on CPU already reduces inside each node first "
+                                                "(shared memory), then between nodes"),
+    "--hierarchical-allgather": (False, "note", "torchmn's allgather is one collective"),
+    "--autotune": (False, "note", "torchmn has no autotuner for these settings"),
+    "--autotune-log-file": (True, "note", "torchmn has no autotuner"),
+    "--no-stall-check": (False, "note", "torchmn names the ranks missing from a collective at its timeout "
+                                        "(TORCHMN_TIMEOUT, or --gloo-timeout-seconds)"),
+    "--stall-check-warning-time-seconds": (True, "note", "see --no-stall-check"),
+    "--stall-check-shutdown-time-seconds": (True, "note", "see --no-stall-check"),
+    "--num-nccl-streams": (True, "note", "NCCL's streams are torch's"),
+    "--thread-affinity": (True, "note", "torchmn gives each rank a CPU thread budget instead"),
+    "--tcp": (False, "note", "torchmn always uses TCP between hosts"),
+    "--mpi": (False, "refuse", "to run under MPI, start the ranks with mpirun itself: `mpirun -np N python "
+                               "train.py` (torchmn detects Open MPI and MPICH)"),
+    "--mpi-args": (True, "refuse", "start the ranks with mpirun itself and pass its arguments there"),
+    "--jsrun": (False, "refuse", "start the ranks with jsrun itself"),
+    "--binding-args": (True, "refuse", "torchmn run does no CPU binding; it gives each rank a thread budget"),
+    "--config-file": (True, "refuse", "pass the settings as flags (torchmn run reads no YAML config)"),
+    "--min-np": (True, "refuse", "elastic training is not supported: restart a checkpointing script from its "
+                                 "scheduler (examples/slurm/)"),
+    "--max-np": (True, "refuse", "see --min-np"),
+    "--slots-per-host": (True, "refuse", "give slots with -H host:N or a --hostfile"),
+    "--host-discovery-script": (True, "refuse", "see --min-np"),
+    "--elastic-timeout": (True, "refuse", "see --min-np"),
+    "--reset-limit": (True, "refuse", "see --min-np"),
+    "--blacklist-cooldown-range": (True, "refuse", "see --min-np"),
+}
+LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
+
+
+def add_to(parser: argparse.ArgumentParser) -> None:
+    """Add horovodrun's flags to ``torchmn run``'s parser (hidden from its help but ``--log-level``).
+
+    Args:
+        parser: the ``run`` subcommand's parser.
+    """
+    group = parser.add_argument_group("horovodrun's flags")
+    group.add_argument("--log-level", choices=LOG_LEVELS, type=str.upper, default=None,
+                       help="as horovodrun's: TRACE, DEBUG and INFO make the launcher verbose")
+    group.add_argument("--check-build", "-cb", action="store_true",
+                       help="print what torchmn.horovod supports (horovodrun's --check-build) and exit")
+    for flag, (takes_value, _, _) in FLAGS.items():
+        kwargs = dict(dest="horovodrun_" + flag[2:].replace("-", "_"), default=None, help=argparse.SUPPRESS)
+        if takes_value:
+            group.add_argument(flag, metavar="VALUE", **kwargs)
+        else:
+            group.add_argument(flag, action="store_const", const=True, **kwargs)
+
+
+def apply(args: argparse.Namespace) -> Tuple[List[str], Optional[str]]:
+    """What horovodrun's flags on the command line mean here.
+
+    Sets ``args.verbose``, ``args.network_interface`` and ``args.log_dir`` where a flag maps to them
+    and adds ``-x`` exports for the ones that become variables.
+
+    Args:
+        args: the parsed ``torchmn run`` arguments.
+
+    Returns:
+        ``(notes, refusal)``: a line for each flag accepted with a note, and the message refusing
+        the first flag that has no counterpart here (None when none does).
+    """
+    notes: List[str] = []
+    if args.log_level in ("TRACE", "DEBUG", "INFO"):
+        args.verbose = True
+    for flag, (_, becomes, why) in FLAGS.items():
+        value = getattr(args, "horovodrun_" + flag[2:].replace("-", "_"))
+        if value is None:
+            continue
+        if becomes == "refuse":
+            return notes, f"{flag} is horovodrun's and has no counterpart here: {why}"
+        if becomes == "note":
+            notes.append(f"torchmn run: note: {flag} has no effect: {why}")
+        elif becomes.startswith("env:"):
+            args.exports.append(f"{becomes[4:]}={value}")
+        elif getattr(args, becomes) is None:
+            setattr(args, becomes, value)
+        else:
+            return notes, f"{flag} and torchmn run's own option for the same thing were both given; keep one"
+    return notes, None
+
+
+def build_report() -> str:
+    """What horovodrun's ``--check-build`` prints, for torchmn.horovod.
+
+    Returns:
+        A few lines: the frameworks, controllers and tensor operations available.
+    """
+    import torch.distributed as dist
+
+    mark = {True: "[X]", False: "[ ]"}
+    nccl = dist.is_available() and dist.is_nccl_available()
+    return "\n".join([
+        "torchmn.horovod, on torch.distributed:",
+        "Available Frameworks:", f"    {mark[False]} TensorFlow", f"    {mark[True]} PyTorch", f"    {mark[False]} MXNet",
+        "Available Controllers:", f"    {mark[False]} MPI", f"    {mark[True]} Gloo",
+        "Available Tensor Operations:", f"    {mark[nccl]} NCCL", f"    {mark[False]} DDL", f"    {mark[False]} CCL",
+        f"    {mark[False]} MPI", f"    {mark[True]} Gloo"])
