@@ -2,6 +2,7 @@
 import gzip
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 
@@ -237,3 +238,30 @@ def test_spatial_cnn_example_reaches_one_process_accuracy():
                    timeout=280)
     accuracies = _accuracies(proc.stdout)
     assert len(accuracies) == 6 and accuracies[-1] >= 0.95, proc.stdout[-2000:]
+
+
+HOROVOD_MNIST = REPO / "examples" / "horovod" / "pytorch_mnist.py"
+
+
+@pytest.mark.timeout(300)
+def test_horovod_example_runs_under_horovodrun_flags_to_one_process_accuracy(tmp_path):
+    """The Horovod-idiom script, as `horovodrun -np 2 -H localhost:2 python ...` would start it: the
+    accuracy of one process (about 0.94), checkpoints on rank 0 only, and a resumed run that goes on
+    from the newest one (broadcast_parameters and broadcast_optimizer_state after rank 0 loads it)."""
+    one = subprocess.run([sys.executable, str(HOROVOD_MNIST)], cwd=REPO, env=clean_env(), capture_output=True,
+                         text=True, timeout=JOB_TIMEOUT)
+    assert one.returncode == 0, one.stderr
+    argv = [sys.executable, "-m", "torchmn", "run", "-np", "2", "-H", "localhost:2", sys.executable,
+            str(HOROVOD_MNIST), "--fp16-allreduce", "--checkpoint-dir", str(tmp_path)]
+    two = subprocess.run(argv, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    assert two.returncode == 0, two.stderr[-3000:]
+    single, both = _accuracies(one.stdout), _accuracies(two.stdout)
+    assert len(single) == len(both) == 10, two.stdout
+    assert both[-1] >= 0.92 and both[-1] >= single[-1] - 0.02, (single, both)
+    assert all(line.startswith("[0] ") for line in two.stdout.splitlines() if "val accuracy" in line)
+    assert sorted(os.listdir(tmp_path)) == sorted(f"checkpoint-{e}.pt" for e in range(1, 11))
+    resumed = subprocess.run(argv + ["--epochs", "11"], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                             timeout=JOB_TIMEOUT)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    epochs = [line.split()[2] for line in resumed.stdout.splitlines() if "val accuracy" in line]
+    assert epochs == ["11"] and _accuracies(resumed.stdout)[-1] >= 0.92, resumed.stdout
