@@ -1,4 +1,5 @@
-"""Time the MNIST MLP with Adam: one process, DDP, torchmn unsharded and torchmn shard_state=True.
+"""Time the MNIST MLP with Adam: one process, DDP, torchmn unsharded and torchmn shard_state=True,
+and the Horovod idiom through torchmn.horovod.
 
 The workload (784-1000-1000-10 ReLU, Adam, 1000 samples, a global batch of 100 split over the
 ranks, 20 epochs) is the one where the Adam update of 1.8 M parameters costs as much as the
@@ -11,6 +12,7 @@ of the training loop alone (slowest rank), not of start-up. Run it on an idle ma
     python bench/bench_zero.py --repeats 1 --epochs 2
     python bench/bench_zero.py --variants single-2t torchmn-zero
     python bench/bench_zero.py --variants torchmn-zero torchmn-zero-gloo   # shared memory vs gloo
+    python bench/bench_zero.py --variants single-2t ddp horovod            # a Horovod script vs DDP
 """
 from __future__ import annotations
 
@@ -39,6 +41,8 @@ VARIANTS = {
     "torchmn-zero": ("torchmn", 2, 1, "zero"),
     # The sharded path across nodes (reduce-scatter and all-gather through gloo), timed on one node.
     "torchmn-zero-gloo": ("torchmn", 2, 1, "zero-gloo"),
+    # A Horovod script (hvd.DistributedOptimizer, broadcast_parameters/_optimizer_state) on torchmn.horovod.
+    "horovod": ("torchmn", 2, 1, "horovod"),
 }
 
 
@@ -95,6 +99,14 @@ def worker(mode: str, args) -> None:
         rank, size = comm.rank, comm.size
         optimizer = torchmn.create_multi_node_optimizer(optimizer, comm, shard_state=mode != "torchmn")
         barrier, gather = comm.barrier, comm.allgather_obj
+    elif mode == "horovod":
+        import torchmn.horovod as hvd
+        hvd.init()
+        rank, size = hvd.rank(), hvd.size()
+        hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+        optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+        hvd.broadcast_optimizer_state(optimizer, root_rank=0)
+        barrier, gather = hvd.barrier, hvd.allgather_object
     else:
         barrier, gather = (lambda: None), (lambda obj: [obj])
     x, y, source = load_data(args.samples)
@@ -117,6 +129,8 @@ def worker(mode: str, args) -> None:
                                    "data": source}), flush=True)
     if comm is not None:
         comm.finalize()
+    elif mode == "horovod":
+        hvd.shutdown()
     elif mode == "ddp":
         import torch.distributed as dist
         time.sleep(0.05)  # let gloo's threads drop their last work first (see torchmn's shutdown_world)

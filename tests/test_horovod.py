@@ -14,7 +14,7 @@ ALL = ("allreduce_ops_and_dtypes", "allreduce_inplace", "allreduce_prescale_post
        "allgather_uneven", "allgather_grad", "broadcast_every_root", "broadcast_grad", "alltoall_uneven",
        "reducescatter", "grouped_ops", "sparse_allreduce", "objects_and_barrier", "topology_queries",
        "timeline", "join_one_rank_early", "optimizer_averages", "optimizer_backward_passes_per_step",
-       "optimizer_fp16_compression", "optimizer_synchronize_clip", "optimizer_misuse_refused",
+       "optimizer_fp16_compression", "optimizer_synchronize_clip", "optimizer_sparse_as_dense", "optimizer_misuse_refused",
        "broadcast_optimizer_state_after_reload", "sync_batch_norm")
 
 
@@ -33,6 +33,27 @@ def test_horovod_process_sets(check, request):
     proc = check_job_output(request, lambda checks: run_job(CHECKS, checks, np=3, timeout=120, check=False,
                                                             env={"TORCHMN_TIMEOUT": "60"}))
     assert_check_passed(proc, check)
+
+
+INIT_WITH_RANKS = """
+import torch, torchmn.horovod as hvd
+hvd.init(comm=[0, 2])
+world = int(__import__("os").environ["TORCHMN_RANK"])
+if world in (0, 2):
+    assert (hvd.rank(), hvd.size()) == ({0: 0, 2: 1}[world], 2), (hvd.rank(), hvd.size())
+    assert hvd.allreduce(torch.tensor([float(world)]), op=hvd.Sum).item() == 2.0
+else:
+    assert (hvd.rank(), hvd.size()) == (0, 1)
+print("PASS init_with_ranks", flush=True)
+hvd.shutdown()
+"""
+
+
+def test_horovod_init_with_a_list_of_ranks(tmp_path):
+    script = tmp_path / "init_ranks.py"
+    script.write_text(INIT_WITH_RANKS)
+    proc = run_job(script, [], np=3, timeout=120, check=False, env={"TORCHMN_TIMEOUT": "60"})
+    assert proc.returncode == 0 and proc.stdout.count("PASS init_with_ranks") == 3, proc.stdout + proc.stderr
 
 
 def _python(code: str) -> subprocess.CompletedProcess:

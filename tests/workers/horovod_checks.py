@@ -465,6 +465,31 @@ def check_optimizer_synchronize_clip():
     expect(any("skip_synchronize" in str(w.message) for w in caught), "step() after synchronize() warns")
 
 
+def check_optimizer_sparse_as_dense():
+    size, rank = hvd.size(), hvd.rank()
+
+    def run(sparse):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 3, sparse=sparse).double()
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5),
+                                       named_parameters=emb.named_parameters(), sparse_as_dense=sparse)
+        emb(torch.tensor([rank, rank + 1])).sum().backward()
+        opt.step()
+        return emb.weight.detach()
+    dense, densified = run(False), run(True)
+    expect(torch.equal(dense, densified), "sparse_as_dense=True averages as the dense layer does")
+    counts = torch.zeros(10, dtype=torch.float64)
+    for r in range(size):
+        counts[r] += 1
+        counts[r + 1] += 1
+    torch.manual_seed(0)
+    start = torch.nn.Embedding(10, 3).double().weight.detach()
+    expect(torch.allclose(dense, start - 0.5 * (counts / size).view(-1, 1)), "the averaged update")
+    emb = torch.nn.Embedding(10, 3, sparse=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5))
+    expect_raises(RuntimeError, lambda: emb(torch.tensor([0])).sum().backward(), "sparse_as_dense=True")
+
+
 def check_optimizer_misuse_refused():
     model = _mlp()
     named = list(model.named_parameters())

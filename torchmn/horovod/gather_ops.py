@@ -369,7 +369,7 @@ def _reducescatter(tensor, op, name, process_set, prescale, postscale, what: str
     if prescale != 1.0:
         scale(padded, prescale)
     shard = torch.empty((most,) + tuple(tensor.shape[1:]), dtype=wire, device=comm.device)
-    comm.reduce_scatter_flat(padded.view(-1), shard.view(-1)).wait()
+    comm.reduce_scatter_flat(padded.view(-1), shard.view(-1), async_op=True).wait()
     out = shard[:counts[comm.rank]]
     if op == Average:
         out = out.div_(comm.size) if out.is_floating_point() else out.floor_divide_(comm.size)

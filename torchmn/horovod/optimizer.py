@@ -115,7 +115,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     # ----------------------------------------------------------------------------- backward
     def _on_grad(self, p: torch.Tensor) -> None:
-        if self.sparse_as_dense and p.grad is not None and p.grad.layout is not torch.strided:
+        if p.grad is not None and p.grad.layout is not torch.strided:
+            if not self.sparse_as_dense:
+                raise RuntimeError(f"hvd.DistributedOptimizer: a parameter of shape {tuple(p.shape)} has a sparse "
+                                   f"gradient (nn.Embedding(sparse=True)); pass sparse_as_dense=True to average it "
+                                   f"as a dense one")
             p.grad = p.grad.to_dense()
         if self._in_pass:
             return

@@ -107,6 +107,12 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """The wrapped optimizer's trainable parameters, each once, broadcast from rank 0."""
         everything = list(dict.fromkeys(p for g in self._optimizer.param_groups for p in g["params"]))
         params = [p for p in everything if p.requires_grad]
+        if self.comm.backend == "nccl" and any(p.device.type != "cuda" for p in everything):
+            raise ValueError(
+                f"{self._where_am_i()}: the communicator uses NCCL, which moves CUDA tensors only, but parameters "
+                f"of this optimizer are on the CPU: move the model to the GPU first (model.to(comm.device)), or "
+                f"create the communicator with backend='gloo' (or hide the GPUs: CUDA_VISIBLE_DEVICES='') to train "
+                f"on the CPU")
         # What step() checks, cheaply, to refuse changes the buckets cannot follow.
         self._frozen_at_wrap = [p for p in everything if not p.requires_grad]
         self._param_count = sum(len(g["params"]) for g in self._optimizer.param_groups)
