@@ -486,7 +486,7 @@ def check_optimizer_sparse_as_dense():
     start = torch.nn.Embedding(10, 3).double().weight.detach()
     expect(torch.allclose(dense, start - 0.5 * (counts / size).view(-1, 1)), "the averaged update")
     emb = torch.nn.Embedding(10, 3, sparse=True)
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5))
+    hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5))
     expect_raises(RuntimeError, lambda: emb(torch.tensor([0])).sum().backward(), "sparse_as_dense=True")
 
 

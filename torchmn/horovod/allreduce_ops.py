@@ -25,7 +25,14 @@ WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.int1
 
 
 def check_op(op: int, what: str) -> None:
-    """Raises: NotImplementedError for Adasum and values that are not Horovod ops."""
+    """Refuse ops torchmn.horovod does not reduce with.
+
+    Args:
+        op: a Horovod op value; ``what``: the call, for the message.
+
+    Raises:
+        NotImplementedError: ``hvd.Adasum``, or a value that is not a Horovod op.
+    """
     if op == Adasum:
         raise NotImplementedError(f"{what}: op=hvd.Adasum is not implemented in torchmn.horovod; use op=hvd.Average "
                                   f"(the default) or hvd.Sum")
@@ -35,11 +42,19 @@ def check_op(op: int, what: str) -> None:
 
 
 def layout(t: torch.Tensor) -> tuple:
+    """Returns: ``(shape, dtype name)`` of ``t``, as the ranks exchange it to check their calls."""
     return tuple(t.shape), str(t.dtype).replace("torch.", "")
 
 
 def local_problem(tensors: Sequence, what: str) -> Optional[str]:
-    """What is wrong with this rank's own tensors, or None (sent to the others, so all raise)."""
+    """What is wrong with this rank's own tensors (sent to the others, so that all raise).
+
+    Args:
+        tensors: the call's tensors; ``what``: the call, for the message.
+
+    Returns:
+        The problem in words, or None.
+    """
     for t in tensors:
         if not isinstance(t, torch.Tensor):
             return f"{what} takes tensors, not {type(t).__name__}"
@@ -53,7 +68,16 @@ def local_problem(tensors: Sequence, what: str) -> Optional[str]:
 
 
 def check_descriptions(descriptions: list[tuple], what: str, rank: int) -> None:
-    """Raise on every rank alike unless every rank that has not joined reduces the same layouts with the same op."""
+    """Raise on every rank alike unless every rank that has not joined reduces the same layouts with the same op.
+
+    Args:
+        descriptions: every rank's call, from ``coordination.agree``.
+        what: the call, for the message; ``rank``: this rank.
+
+    Raises:
+        ValueError: a rank rejected its own arguments.
+        CollectiveMismatchError: the ranks' ops, factors, shapes or dtypes differ.
+    """
     coordination.check_same_kind(descriptions, rank)
     calls = [(r, d) for r, d in enumerate(descriptions) if d[0] != coordination.JOINED]
     for r, d in calls:
@@ -86,6 +110,11 @@ class _Works:
 def start_reduce(comm, tensors: list[torch.Tensor], op: int, prescale: float, postscale: float,
                  outputs: Optional[list[torch.Tensor]]):
     """Start reducing ``tensors`` over ``comm``.
+
+    Args:
+        comm: the communicator; ``tensors``: this rank's tensors; ``op``: a Horovod op.
+        prescale, postscale: the factors before and after the reduction.
+        outputs: tensors to write the results into (in-place forms), or None for new ones.
 
     Returns:
         ``(work, finish)``: the network part in flight, and a function that returns the results
@@ -128,7 +157,12 @@ def start_reduce(comm, tensors: list[torch.Tensor], op: int, prescale: float, po
 
 
 def scale(flat: torch.Tensor, factor: float) -> None:
-    """Multiply in place; integers as Horovod's scaling does (the product truncated toward zero)."""
+    """Multiply ``flat`` by ``factor`` in place; integers as Horovod's scaling does (the product
+    truncated toward zero).
+
+    Args:
+        flat: the tensor; ``factor``: the factor.
+    """
     if flat.is_floating_point():
         flat.mul_(factor)
     else:
@@ -152,8 +186,16 @@ coordination.MIRRORS["allreduce"] = _mirror_allreduce
 
 def start_allreduce(tensors: list[torch.Tensor], outputs: Optional[list[torch.Tensor]], name: Optional[str],
                     op: int, prescale: float, postscale: float, process_set, what: str, grouped: bool = True) -> int:
-    """Check, agree and start a (grouped) allreduce; returns its handle (whose result is the list
-    of results, or the one result where not ``grouped``)."""
+    """Check, agree and start a (grouped) allreduce: what every allreduce form calls.
+
+    Args:
+        tensors, outputs: as :func:`start_reduce`; ``name``, ``op``, ``prescale``, ``postscale``,
+            ``process_set``: the call's arguments; ``what``: the call, for messages.
+        grouped: the handle's result is the list of results (else the one result).
+
+    Returns:
+        The handle.
+    """
     comm = comm_of(process_set, what)
     check_op(op, what)
     handles.check_name("allreduce", name)
@@ -206,6 +248,12 @@ def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.
 def allreduce_async_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                      process_set=global_process_set) -> int:
     """:func:`allreduce_async` whose result is written into ``tensor`` (returned by ``synchronize``).
+
+    Args:
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set: as :func:`allreduce_async`.
+
+    Returns:
+        A handle.
 
     Example::
 
@@ -260,7 +308,13 @@ def allreduce(tensor, average=None, name=None, compression=Compression.none, op=
 
 def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                process_set=global_process_set) -> torch.Tensor:
-    """Reduce ``tensor`` over the ranks in place; returns ``tensor``.
+    """Reduce ``tensor`` over the ranks in place.
+
+    Args:
+        tensor, average, name, op, prescale_factor, postscale_factor, process_set: as :func:`allreduce_async`.
+
+    Returns:
+        ``tensor``, holding the result.
 
     Example::
 
@@ -273,6 +327,10 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
                             postscale_factor=1.0, process_set=global_process_set) -> int:
     """Start reducing a list of tensors as one fused collective.
+
+    Args:
+        tensors: the tensors; average, name, op, prescale_factor, postscale_factor, process_set:
+            as :func:`allreduce_async`.
 
     Returns:
         A handle whose ``synchronize`` returns the list of results.
@@ -291,6 +349,13 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
                              postscale_factor=1.0, process_set=global_process_set) -> int:
     """:func:`grouped_allreduce_async` writing each result into its tensor.
 
+    Args:
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set: as
+            :func:`grouped_allreduce_async`.
+
+    Returns:
+        A handle whose ``synchronize`` returns the tensors.
+
     Example::
 
         >>> hvd.synchronize(hvd.grouped_allreduce_async_([a, b]))
@@ -304,6 +369,10 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
 def grouped_allreduce(tensors, average=None, name=None, compression=Compression.none, op=None,
                       prescale_factor=1.0, postscale_factor=1.0, process_set=global_process_set) -> list:
     """Reduce a list of tensors as one fused collective; differentiable.
+
+    Args:
+        tensors: the tensors; compression: as :func:`allreduce`; average, name, op,
+            prescale_factor, postscale_factor, process_set: as :func:`allreduce_async`.
 
     Returns:
         The list of results, in order.
@@ -320,7 +389,14 @@ def grouped_allreduce(tensors, average=None, name=None, compression=Compression.
 
 def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
                        process_set=global_process_set) -> list:
-    """Reduce a list of tensors in place, fused; returns them.
+    """Reduce a list of tensors in place, fused.
+
+    Args:
+        tensors, average, name, op, prescale_factor, postscale_factor, process_set: as
+            :func:`grouped_allreduce_async`.
+
+    Returns:
+        The tensors, holding the results.
 
     Example::
 
@@ -342,6 +418,9 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
     Returns:
         A callable (pass it to :func:`~torchmn.horovod.synchronize`, or call it) returning the
         reduced sparse tensor (duplicate indices are summed when it is coalesced).
+
+    Raises:
+        NotImplementedError: an op other than Average and Sum.
 
     Example::
 

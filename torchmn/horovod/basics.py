@@ -18,7 +18,16 @@ NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 
 
 class HorovodInternalError(TorchmnError, RuntimeError):
-    """A collective failed on a rank (a peer left, or timed out), as Horovod's error of that name."""
+    """A collective cannot run: a rank that called ``hvd.join()`` cannot take part in it (Horovod's
+    error of that name; Horovod also raises it when a peer leaves).
+
+    Example::
+
+        >>> try:
+        ...     hvd.allgather(x)            # while another rank has joined
+        ... except hvd.HorovodInternalError as e:
+        ...     print(e)
+    """
 
 
 class _Job:
@@ -35,6 +44,9 @@ job = _Job()
 
 def require_comm():
     """The job's communicator.
+
+    Returns:
+        The communicator ``init`` made (the ranks the job's global process set holds).
 
     Raises:
         ValueError: before :func:`init`, with Horovod's message.
@@ -122,37 +134,72 @@ def shutdown() -> None:
 
 
 def is_initialized() -> bool:
-    """Returns: whether :func:`init` has run (and :func:`shutdown` not since)."""
+    """Returns: whether :func:`init` has run (and :func:`shutdown` not since).
+
+    Example::
+
+        >>> hvd.is_initialized()
+    """
     return job.comm is not None
 
 
 def rank() -> int:
-    """Returns: this process's rank in the job."""
+    """Returns: this process's rank in the job.
+
+    Example::
+
+        >>> hvd.rank()
+    """
     return require_comm().rank
 
 
 def size() -> int:
-    """Returns: the number of ranks in the job."""
+    """Returns: the number of ranks in the job.
+
+    Example::
+
+        >>> hvd.size()
+    """
     return require_comm().size
 
 
 def local_rank() -> int:
-    """Returns: this process's rank among the job's ranks on its node."""
+    """Returns: this process's rank among the job's ranks on its node.
+
+    Example::
+
+        >>> torch.cuda.set_device(hvd.local_rank())
+    """
     return require_comm().intra_rank
 
 
 def local_size() -> int:
-    """Returns: the number of the job's ranks on this node."""
+    """Returns: the number of the job's ranks on this node.
+
+    Example::
+
+        >>> hvd.local_size()
+    """
     return require_comm().intra_size
 
 
 def cross_rank() -> int:
-    """Returns: this node's index among the job's nodes."""
+    """Returns: this node's index among the job's nodes.
+
+    Example::
+
+        >>> hvd.cross_rank()
+    """
     return require_comm().inter_rank
 
 
 def cross_size() -> int:
-    """Returns: the number of nodes with a rank of this local rank (the nodes, on a homogeneous job)."""
+    """Returns: the number of nodes with a rank of this local rank (the nodes, on a homogeneous job).
+
+    Example::
+
+        >>> hvd.cross_size()
+    """
     comm = require_comm()
     per_node = comm.allgather_obj(comm.intra_rank) if comm.size > 1 else [0]
     return sum(1 for node in range(comm.inter_size) if comm.intra_rank in
@@ -160,7 +207,12 @@ def cross_size() -> int:
 
 
 def is_homogeneous() -> bool:
-    """Returns: whether every node runs as many of the job's ranks."""
+    """Returns: whether every node runs as many of the job's ranks.
+
+    Example::
+
+        >>> hvd.is_homogeneous()
+    """
     comm = require_comm()
     counts = [sum(1 for r in range(comm.size) if comm.node_of(r) == node) for node in range(comm.inter_size)]
     return len(set(counts)) == 1
@@ -169,15 +221,27 @@ def is_homogeneous() -> bool:
 def mpi_threads_supported() -> bool:
     """Horovod's question about its MPI controller, which torchmn does not have.
 
+    Returns:
+        Never returns.
+
     Raises:
         ValueError: always, as Horovod does where MPI is not enabled.
+
+    Example::
+
+        >>> hvd.mpi_threads_supported()     # ValueError
     """
     raise ValueError("Horovod MPI is not enabled; Please make sure it's installed and enabled. (torchmn.horovod "
                      "runs on torch.distributed: gloo on CPU, NCCL on GPU.)")
 
 
 def mpi_enabled() -> bool:
-    """Returns: False: torchmn.horovod does not run on MPI (mpirun can still start its ranks)."""
+    """Returns: False: torchmn.horovod does not run on MPI (mpirun can still start its ranks).
+
+    Example::
+
+        >>> hvd.mpi_enabled()
+    """
     return False
 
 
@@ -185,7 +249,12 @@ mpi_built = mpi_enabled
 
 
 def gloo_enabled() -> bool:
-    """Returns: True: gloo carries the CPU tensors and the control traffic."""
+    """Returns: True: gloo carries the CPU tensors and the control traffic.
+
+    Example::
+
+        >>> hvd.gloo_enabled()
+    """
     return True
 
 
@@ -193,7 +262,12 @@ gloo_built = gloo_enabled
 
 
 def nccl_built() -> int:
-    """Returns: the version of torch's NCCL, coded as Horovod's (2.28.9 -> 22809; before 2.9 x1000), or 0."""
+    """Returns: the version of torch's NCCL, coded as Horovod's (2.28.9 -> 22809; before 2.9 x1000), or 0.
+
+    Example::
+
+        >>> hvd.nccl_built()
+    """
     if not (dist.is_available() and dist.is_nccl_available() and torch.cuda.is_available()):
         return 0
     major, minor, patch = torch.cuda.nccl.version()
@@ -201,7 +275,12 @@ def nccl_built() -> int:
 
 
 def ddl_built() -> bool:
-    """Returns: False (IBM DDL is not supported)."""
+    """Returns: False (IBM DDL is not supported).
+
+    Example::
+
+        >>> hvd.ddl_built()
+    """
     return False
 
 
@@ -209,12 +288,22 @@ ccl_built = ddl_built
 
 
 def cuda_built() -> bool:
-    """Returns: whether this torch was built with CUDA."""
+    """Returns: whether this torch was built with CUDA.
+
+    Example::
+
+        >>> hvd.cuda_built()
+    """
     return torch.version.cuda is not None
 
 
 def rocm_built() -> bool:
-    """Returns: whether this torch was built with ROCm."""
+    """Returns: whether this torch was built with ROCm.
+
+    Example::
+
+        >>> hvd.rocm_built()
+    """
     return torch.version.hip is not None
 
 

@@ -95,7 +95,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set=global_process_set) -> Any:
-    """Returns: root's ``obj`` (any picklable object) on every rank.
+    """Root's ``obj`` (any picklable object) on every rank.
+
+    Args:
+        obj: root's object (ignored elsewhere).
+        root_rank: the rank whose object everyone gets.
+        name: accepted for Horovod's signature.
+        process_set: the ranks taking part.
+
+    Returns:
+        Root's object.
 
     Example::
 
@@ -107,7 +116,15 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set=global_process_set) -> list:
-    """Returns: every rank's ``obj`` (any picklable object), in rank order.
+    """Every rank's ``obj`` (any picklable object), in rank order.
+
+    Args:
+        obj: this rank's object.
+        name: accepted for Horovod's signature.
+        process_set: the ranks taking part.
+
+    Returns:
+        A list of the objects.
 
     Example::
 
@@ -119,6 +136,9 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set=global_pr
 
 def barrier(process_set=global_process_set) -> None:
     """Wait until every rank of the set gets here.
+
+    Args:
+        process_set: the ranks taking part.
 
     Example::
 

@@ -110,6 +110,12 @@ def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor
 def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
     """:func:`allgather`, returning a handle (complete at once).
 
+    Args:
+        tensor, name, process_set: as :func:`allgather`.
+
+    Returns:
+        A handle whose ``synchronize`` returns the gathered tensor.
+
     Example::
 
         >>> hvd.synchronize(hvd.allgather_async(x))
@@ -122,6 +128,12 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
 def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
     """:func:`allgather` of each tensor of a list; returns the list of results.
 
+    Args:
+        tensors: the tensors; name, process_set: as :func:`allgather`.
+
+    Returns:
+        The gathered tensors, in order.
+
     Example::
 
         >>> a, b = hvd.grouped_allgather([a, b])
@@ -131,6 +143,12 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set) -> lis
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
     """:func:`grouped_allgather`, returning a handle (complete at once).
+
+    Args:
+        tensors, name, process_set: as :func:`grouped_allgather`.
+
+    Returns:
+        A handle whose ``synchronize`` returns the list.
 
     Example::
 
@@ -207,6 +225,12 @@ def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> t
 def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
     """Overwrite ``tensor`` with root's values, in place; returns it.
 
+    Args:
+        tensor, root_rank, name, process_set: as :func:`broadcast`.
+
+    Returns:
+        ``tensor``, holding root's values.
+
     Example::
 
         >>> hvd.broadcast_(p.data, root_rank=0)
@@ -217,6 +241,12 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
     """:func:`broadcast`, returning a handle (complete at once).
+
+    Args:
+        tensor, root_rank, name, process_set: as :func:`broadcast`.
+
+    Returns:
+        A handle whose ``synchronize`` returns root's tensor.
 
     Example::
 
@@ -229,6 +259,12 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
     """:func:`broadcast_`, returning a handle (complete at once).
+
+    Args:
+        tensor, root_rank, name, process_set: as :func:`broadcast`.
+
+    Returns:
+        A handle whose ``synchronize`` returns ``tensor``.
 
     Example::
 
@@ -321,6 +357,12 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
     """:func:`alltoall`, returning a handle (complete at once; ``synchronize`` returns what it returns).
+
+    Args:
+        tensor, splits, name, process_set: as :func:`alltoall`.
+
+    Returns:
+        A handle.
 
     Example::
 
@@ -425,6 +467,12 @@ def reducescatter_async(tensor, op=Average, name=None, process_set=global_proces
                         postscale_factor=1.0) -> int:
     """:func:`reducescatter`, returning a handle (complete at once).
 
+    Args:
+        tensor, op, name, process_set, prescale_factor, postscale_factor: as :func:`reducescatter`.
+
+    Returns:
+        A handle whose ``synchronize`` returns this rank's rows.
+
     Example::
 
         >>> mine = hvd.synchronize(hvd.reducescatter_async(x, op=hvd.Sum))
@@ -438,6 +486,13 @@ def grouped_reducescatter(tensors, op=Average, name=None, process_set=global_pro
                           postscale_factor=1.0) -> list:
     """:func:`reducescatter` of each tensor of a list; returns the list of results.
 
+    Args:
+        tensors: the tensors; op, name, process_set, prescale_factor, postscale_factor: as
+            :func:`reducescatter`.
+
+    Returns:
+        This rank's rows of each reduction, in order.
+
     Example::
 
         >>> a, b = hvd.grouped_reducescatter([a, b], op=hvd.Sum)
@@ -449,6 +504,13 @@ def grouped_reducescatter(tensors, op=Average, name=None, process_set=global_pro
 def grouped_reducescatter_async(tensors, op=Average, name=None, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> int:
     """:func:`grouped_reducescatter`, returning a handle (complete at once).
+
+    Args:
+        tensors, op, name, process_set, prescale_factor, postscale_factor: as
+            :func:`grouped_reducescatter`.
+
+    Returns:
+        A handle whose ``synchronize`` returns the list.
 
     Example::
 

@@ -153,7 +153,3 @@ def comm_of(process_set: Optional[ProcessSet], op_name: str):
         raise ValueError(f"{op_name}: Rank {job.comm.rank} is not a member of the provided process set.")
     return ps.comm
 
-
-def set_ranks(process_set: Optional[ProcessSet]) -> list[int]:
-    """Returns: the ranks (``hvd.rank()`` numbers) of ``process_set`` (the global one for None), in set order."""
-    return (global_process_set if process_set is None else process_set).ranks
