@@ -15,7 +15,7 @@ ALL = ("allreduce_ops_and_dtypes", "allreduce_inplace", "allreduce_prescale_post
        "reducescatter", "grouped_ops", "sparse_allreduce", "objects_and_barrier", "topology_queries",
        "timeline", "join_one_rank_early", "optimizer_averages", "optimizer_backward_passes_per_step",
        "optimizer_fp16_compression", "optimizer_synchronize_clip", "optimizer_sparse_as_dense", "optimizer_misuse_refused",
-       "broadcast_optimizer_state_after_reload", "sync_batch_norm")
+       "broadcast_optimizer_state_after_reload", "broadcast_optimizer_state_every_optimizer", "sync_batch_norm")
 
 
 @pytest.mark.check_job("horovod")

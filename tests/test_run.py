@@ -473,3 +473,12 @@ def test_runs_with_env_variables_a_script_exported():
     assert sorted(line for line in result.stdout.splitlines() if "rank" in line) == ["[0] rank 0", "[1] rank 1"]
     # ... but a scheduler may have started a copy on each host: the launcher says what that means.
     assert "warning: RANK=0 and WORLD_SIZE=2 are set; if a scheduler started this command" in result.stderr
+
+
+def test_command_options_that_abbreviate_the_launchers_pass_through():
+    """--log, --out, --verb belong to the command: never taken for (or refused as ambiguous with)
+    --log-dir/--log-level, --output-ranks/--output-filename, --verbose."""
+    proc = torchmn_run("-np", "1", sys.executable, "-c", "import sys; print(sys.argv[1:])",
+                       "--log", "x", "--out", "y", "--verb", "--log-level", timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "[0] ['--log', 'x', '--out', 'y', '--verb', '--log-level']" in proc.stdout

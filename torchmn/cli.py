@@ -31,8 +31,10 @@ def _ranks_list(text: str) -> Set[int]:
 
 
 def _add_run(subparsers) -> None:
+    # No abbreviations: the command's own options (--log, --out) must never be taken, or refused
+    # as ambiguous, for the launcher's (--log-dir, --output-ranks).
     p = subparsers.add_parser(
-        "run", help="start N ranks of a command, on this machine or over ssh on several",
+        "run", allow_abbrev=False, help="start N ranks of a command, on this machine or over ssh on several",
         description="Start N ranks of COMMAND on this machine, or on the hosts of -H/--hostfile over ssh, "
                     "with the rank prefixed to every output line. When a rank fails, all others are "
                     "stopped and the first failure is reported.",

@@ -544,6 +544,32 @@ def check_broadcast_optimizer_state_after_reload():
     expect(all(torch.equal(a, b) for ps in params for a, b in zip(ps, params[0])), "parameters equal")
 
 
+def check_broadcast_optimizer_state_every_optimizer():
+    """As Horovod's test_broadcast_state: every torch.optim optimizer (but LBFGS and SparseAdam),
+    its state and hyper-parameters root's on every rank after one step with other settings."""
+    rank = hvd.rank()
+    classes = sorted((c for c in torch.optim.Optimizer.__subclasses__()
+                      if c.__module__.startswith("torch.optim") and c not in (torch.optim.LBFGS, torch.optim.SparseAdam)),
+                     key=lambda c: c.__name__)
+    expect(len(classes) >= 10, f"only {len(classes)} optimizers found")
+    for cls in classes:
+        model = _mlp()
+        # Muon takes matrices only (its own rule): give it the weights.
+        named = [(n, p) for n, p in model.named_parameters() if cls.__name__ != "Muon" or p.dim() == 2]
+        opt = hvd.DistributedOptimizer(cls([p for _, p in named], lr=0.01 * (rank + 1)), named_parameters=named)
+        x, y = _batch(rank, 0)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        hvd.broadcast_optimizer_state(opt, root_rank=0)
+        mine = opt.state_dict()
+        expect(mine["param_groups"][0]["lr"] == 0.01, f"{cls.__name__}: lr {mine['param_groups'][0]['lr']}")
+        root = hvd.broadcast_object(mine, root_rank=0)
+        for k, st in root["state"].items():
+            for name, v in st.items():
+                same = torch.equal(v, mine["state"][k][name]) if torch.is_tensor(v) else v == mine["state"][k][name]
+                expect(same, f"{cls.__name__}: state {k}.{name} differs from root's")
+
+
 def check_sync_batch_norm():
     size, rank = hvd.size(), hvd.rank()
     g = torch.Generator().manual_seed(7)

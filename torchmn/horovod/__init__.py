@@ -24,10 +24,10 @@ from torchmn.horovod.basics import (Adasum, Average, HorovodInternalError, Max, 
 from torchmn.horovod.compression import Compression
 from torchmn.horovod.functions import (allgather_object, barrier, broadcast_object, broadcast_optimizer_state,
                                        broadcast_parameters)
-from torchmn.horovod.gather_ops import (allgather, allgather_async, alltoall, alltoall_async, broadcast, broadcast_,
-                                        broadcast_async, broadcast_async_, grouped_allgather, grouped_allgather_async,
-                                        grouped_reducescatter, grouped_reducescatter_async, reducescatter,
-                                        reducescatter_async)
+from torchmn.horovod.exchange_ops import (alltoall, alltoall_async, grouped_reducescatter,
+                                          grouped_reducescatter_async, reducescatter, reducescatter_async)
+from torchmn.horovod.gather_ops import (allgather, allgather_async, broadcast, broadcast_, broadcast_async,
+                                        broadcast_async_, grouped_allgather, grouped_allgather_async)
 from torchmn.horovod.handles import poll, synchronize
 from torchmn.horovod.coordination import join
 from torchmn.horovod.optimizer import DistributedOptimizer
