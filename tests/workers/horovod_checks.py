@@ -501,6 +501,9 @@ def check_optimizer_misuse_refused():
     expect_raises(NotImplementedError, lambda: hvd.DistributedOptimizer(sgd, op=hvd.Adasum), "Adasum")
     expect_raises(ValueError, lambda: hvd.DistributedOptimizer(sgd, op=hvd.Sum, gradient_predivide_factor=2.0),
                   "gradient_predivide_factor not supported with op != Average")
+    opt = hvd.DistributedOptimizer(sgd, named_parameters=named)
+    expect_raises(NotImplementedError, lambda: opt.step(lambda: 0.0), "closure")
+    expect_raises(NotImplementedError, lambda: hvd.ProcessSet(object()), "mpi4py")
 
 
 def check_broadcast_optimizer_state_after_reload():

@@ -67,7 +67,8 @@ def init(comm=None, process_sets=None) -> None:
             adding them later).
 
     Raises:
-        ValueError: a ``comm`` of another type, or a duplicate process set.
+        NotImplementedError: an ``mpi4py`` communicator as ``comm``.
+        ValueError: a duplicate process set.
 
     Example::
 
@@ -81,8 +82,9 @@ def init(comm=None, process_sets=None) -> None:
     if job.comm is not None:
         return
     if comm is not None and not isinstance(comm, (list, tuple, range)):
-        raise ValueError("Invalid type of argument comm. Expected list of rank integers or mpi4py.MPI.Comm "
-                         "object. (torchmn.horovod takes a list of ranks; it does not run on MPI communicators.)")
+        raise NotImplementedError(f"hvd.init(comm=<{type(comm).__name__}>): torchmn.horovod takes a list of ranks "
+                                  f"as comm, not an mpi4py communicator (it does not run on MPI's communicators: "
+                                  f"start the job with mpirun and leave comm out)")
     world = torchmn.create_communicator()
     job.owns_comm = True
     job.solo = torchmn.communicators.make_communicator("naive", rank=0, size=1, group=None, obj_group=None,

@@ -207,8 +207,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             What the wrapped optimizer's ``step()`` returns.
 
         Raises:
-            ValueError: a closure was passed.
+            NotImplementedError: a closure was passed.
         """
+        if closure is not None:
+            raise NotImplementedError("hvd.DistributedOptimizer.step(closure): closures are not supported by "
+                                      "torchmn.horovod; call loss.backward(), then optimizer.step()")
         if self._user_synchronized and not self._skip_synchronize:
             warnings.warn(STEP_AFTER_SYNCHRONIZE, stacklevel=2)
         self._synchronize()

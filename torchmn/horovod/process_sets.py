@@ -26,8 +26,8 @@ class ProcessSet:
 
     def __init__(self, ranks_or_comm: Sequence[int]):
         if not isinstance(ranks_or_comm, (list, tuple, range)):
-            raise ValueError("ProcessSet takes a list of ranks (torchmn.horovod does not run on mpi4py "
-                             f"communicators), not {type(ranks_or_comm).__name__}")
+            raise NotImplementedError(f"ProcessSet(<{type(ranks_or_comm).__name__}>): torchmn.horovod takes a list "
+                                      f"of ranks, not an mpi4py communicator")
         self.ranks = sorted(int(r) for r in ranks_or_comm)
         self.process_set_id: Optional[int] = None
         self.comm = None  # this rank's communicator of the set, where it belongs to it
