@@ -1,4 +1,5 @@
-"""Time the MNIST MLP with Adam: one process, DDP, torchmn unsharded and torchmn shard_state=True,
+"""Time the MNIST MLP with Adam: one process, DDP, torchmn's default, torchmn with every rank
+updating the whole model (shard_state=False) and with shard_state=True,
 and the Horovod idiom through torchmn.horovod.
 
 The workload (784-1000-1000-10 ReLU, Adam, 1000 samples, a global batch of 100 split over the
@@ -37,7 +38,10 @@ VARIANTS = {
     # torchmn's shards use torch's fused Adam kernel; this is one process given that kernel too.
     "single-2t-fused": ("python", 1, 2, "single-fused"),
     "ddp": ("torchrun", 2, 1, "ddp"),
+    # The default: on one node the ranks share the parameters and the optimizer state and split the update.
     "torchmn": ("torchmn", 2, 1, "torchmn"),
+    # shard_state=False: every rank updates the whole model.
+    "torchmn-replicated": ("torchmn", 2, 1, "replicated"),
     "torchmn-zero": ("torchmn", 2, 1, "zero"),
     # The sharded path across nodes (reduce-scatter and all-gather through gloo), timed on one node.
     "torchmn-zero-gloo": ("torchmn", 2, 1, "zero-gloo"),
@@ -72,8 +76,11 @@ def make_model():
 
 
 def state_bytes(optimizer) -> int:
+    """Bytes of optimizer state this rank keeps (and updates): its slices where the state is split."""
     import torch
 
+    if hasattr(optimizer, "state_bytes"):
+        return optimizer.state_bytes()
     return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                if torch.is_tensor(v))
 
@@ -93,11 +100,12 @@ def worker(mode: str, args) -> None:
         rank, size = dist.get_rank(), dist.get_world_size()
         model = torch.nn.parallel.DistributedDataParallel(model)
         barrier, gather = dist.barrier, _dist_gather
-    elif mode in ("torchmn", "zero", "zero-gloo"):
+    elif mode in ("torchmn", "replicated", "zero", "zero-gloo"):
         import torchmn
         comm = torchmn.create_communicator("flat" if mode == "zero-gloo" else "auto")
         rank, size = comm.rank, comm.size
-        optimizer = torchmn.create_multi_node_optimizer(optimizer, comm, shard_state=mode != "torchmn")
+        shard_state = {"torchmn": None, "replicated": False}.get(mode, True)
+        optimizer = torchmn.create_multi_node_optimizer(optimizer, comm, shard_state=shard_state)
         barrier, gather = comm.barrier, comm.allgather_obj
     elif mode == "horovod":
         import torchmn.horovod as hvd

@@ -56,8 +56,8 @@ def main():
     parser.add_argument("--log", "--log-file", default="result/log.json",
                         help="JSON log, one entry per epoch (under torchrun, spell it --log-file)")
     parser.add_argument("--communicator", default="auto", help="gradient averaging: auto, flat, naive, ...")
-    parser.add_argument("--shard-state", action="store_true",
-                        help="shard the optimizer state and update over ranks (ZeRO stage 1)")
+    parser.add_argument("--shard-state", action="store_true", default=None,
+                        help="ZeRO stage 1 everywhere (by default the ranks of one node already split the update)")
     add_data_arguments(parser)
     args = parser.parse_args()
     torch.manual_seed(args.seed)

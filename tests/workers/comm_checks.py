@@ -60,6 +60,20 @@ def check_collectives(comm):
             assert torch.equal(comm.allreduce(x, op="prod"), prod), where
             mean = comm.allreduce(x, op="mean")
             assert torch.allclose(mean.double(), x0.double() + (n - 1) / 2), where
+            # allreduce_: the same results, written into the tensor passed (non-contiguous too)
+            for op, want in (("sum", sum(x0 + k for k in range(n))), ("max", x0 + n - 1), ("min", x0)):
+                y = x.clone()  # keeps the strides: the non-contiguous case stays non-contiguous
+                assert comm.allreduce_(y, op=op) is y and torch.equal(y, want), (where, op)
+            if dtype.is_floating_point:
+                y = x.clone()
+                comm.allreduce_(y, op="mean")
+                assert torch.allclose(y.double(), x0.double() + (n - 1) / 2), where
+            else:  # an integer mean is float64: it cannot be written back, so it is refused on every rank
+                try:
+                    comm.allreduce_(x.clone(), op="mean")
+                    raise AssertionError(f"allreduce_ mean of {dtype} was accepted")
+                except TypeError as e:
+                    assert "use comm.allreduce(x, op='mean')" in str(e), e
             # bcast from every root
             for root in range(n):
                 got = comm.bcast(x if r == root else None, root=root)
@@ -162,6 +176,17 @@ def check_mean_grad(comm):
         c.multi_node_mean_grad(m)
         for k, p in enumerate(m.parameters()):
             assert torch.allclose(p.grad, torch.full_like(p, (comm.size - 1) / 2 + k)), (name, k)
+        # Parameters of several dtypes in one model (on one node: one shared-memory mean for all)
+        mixed = torch.nn.ModuleList([torch.nn.Linear(3, 2).double(), torch.nn.Linear(2, 2).half(), torch.nn.Linear(5, 4)])
+        for k, p in enumerate(mixed.parameters()):
+            p.grad = torch.full_like(p, float(2 * comm.rank + k))
+        for _ in range(2):  # the second call takes the plan made by the first
+            c.multi_node_mean_grad(mixed)
+            for k, p in enumerate(mixed.parameters()):
+                # float16 is divided before it is summed (no overflow), so it is rounded on 3 ranks
+                tol = 1e-3 if p.dtype == torch.float16 else 0
+                assert p.grad.dtype == p.dtype and torch.allclose(p.grad, torch.full_like(p, comm.size - 1.0 + k),
+                                                                  rtol=tol, atol=0), (name, k, p.dtype, p.grad)
         # zero_fill: a grad that is None everywhere becomes zeros; one skipped stays None
         for p in m.parameters():
             p.grad = None
@@ -400,6 +425,12 @@ def check_mismatch(comm):
         assert "shape differs" in str(e) and "rank 1: (2,)" in str(e), e
     else:
         raise AssertionError("no error for mismatched shapes")
+    try:
+        comm.allreduce_(torch.zeros(comm.rank + 1))
+    except torchmn.CollectiveMismatchError as e:
+        assert "shape differs" in str(e) and "rank 1: (2,)" in str(e), e
+    else:
+        raise AssertionError("no error for mismatched shapes in allreduce_")
     try:
         comm.bcast(torch.ones(1), root=comm.rank % 2)
     except torchmn.CollectiveMismatchError as e:

@@ -6,6 +6,7 @@ Usage: python optim_checks.py [--name flat] CHECK [CHECK ...]   (or "all")
 """
 
 import contextlib
+import copy
 import os
 import sys
 
@@ -296,7 +297,6 @@ def check_refusals(comm):
     assert "sparse=False" in str(e), e
     opt.remove_hooks()
     # Copies: refused, without breaking the other wrappers of the class.
-    import copy
     model = make_model()
     opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm)
     e = expect(TypeError, lambda: copy.deepcopy(opt))
@@ -315,6 +315,70 @@ def expect(error, fn):
     except error as e:
         return e
     raise AssertionError(f"expected {error.__name__}")
+
+
+def splits_update(comm):
+    """Whether the default optimizer splits the update over the ranks (one node, shared memory)."""
+    return comm.name == "hierarchical" and comm.inter_size == 1 and comm.size > 1
+
+
+def check_default_keeps_replicated_semantics(comm):
+    """The default optimizer (which on one node splits the update over the ranks): .grad holds the
+    averaged gradient after backward, state[p] answers for every parameter, state_dict() taken on
+    rank 0 alone is whole and loads into a plain torch.optim.Adam, and a run resumed from it on
+    every rank continues exactly as the uninterrupted one."""
+    expected = "NodeSharedOptimizer" if splits_update(comm) else "MultiNodeOptimizer"
+
+    def start():
+        model = make_model()
+        return model, torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters(), lr=0.01), comm)
+
+    def train(model, opt, steps, ref=None, ref_opt=None):
+        for step in steps:
+            x, y = data(step)
+            opt.zero_grad()
+            loss_fn(model, local(x, comm), local(y, comm)).backward()
+            if ref is not None:
+                ref_opt.zero_grad()
+                loss_fn(ref, x, y).backward()
+                for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+                    assert torch.allclose(p.grad, q.grad, rtol=1e-10, atol=1e-14), \
+                        f"step {step}: .grad of {name} is not the averaged gradient: {(p.grad - q.grad).abs().max()}"
+                ref_opt.step()
+            opt.step()
+
+    model, opt = start()
+    assert type(opt).__name__ == expected, (comm.name, comm.inter_size, type(opt).__name__)
+    ref = make_model()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    train(model, opt, range(3), ref, ref_opt)
+    assert_close(model, ref, 1e-6, "the default optimizer after 3 steps")
+    assert set(opt.state) == set(model.parameters())
+    for p in model.parameters():
+        assert opt.state[p]["exp_avg"].shape == p.shape and float(opt.state[p]["step"]) == 3.0
+    saved = None
+    if comm.rank == 0:  # alone: the other ranks make no call meanwhile
+        # A copy, as torch.save makes: torch's own state_dict() holds the live state tensors.
+        saved = copy.deepcopy(opt.state_dict())
+        plain = torch.optim.Adam(make_model().parameters(), lr=0.01)
+        plain.load_state_dict(saved)
+        want = ref_opt.state_dict()
+        assert saved["param_groups"] == want["param_groups"], (saved["param_groups"], want["param_groups"])
+        assert saved["state"].keys() == want["state"].keys()
+        for i, entry in want["state"].items():
+            assert entry.keys() == saved["state"][i].keys(), (entry.keys(), saved["state"][i].keys())
+            for key, value in entry.items():
+                assert torch.allclose(value, saved["state"][i][key], rtol=1e-9, atol=1e-15), (i, key)
+    comm.barrier()
+    saved = comm.bcast_obj(saved)
+    weights = comm.bcast_obj({k: v.clone() for k, v in model.state_dict().items()})
+    train(model, opt, range(3, 6))
+    resumed, resumed_opt = start()
+    resumed.load_state_dict(weights)
+    resumed_opt.load_state_dict(saved)
+    train(resumed, resumed_opt, range(3, 6))
+    for (name, p), q in zip(resumed.named_parameters(), model.parameters()):
+        assert torch.equal(p, q), f"resumed run differs in {name} by {(p - q).abs().max()}"
 
 
 def check_shared_memory_where_possible(comm):
@@ -345,7 +409,11 @@ def check_transparency(comm):
         opt.step()
         sched.step()
     assert opt.param_groups[0]["lr"] == 0.125 and inner.param_groups[0]["lr"] == 0.125
-    assert opt.param_groups is inner.param_groups and opt.state is inner.state
+    assert opt.param_groups is inner.param_groups
+    if splits_update(comm):  # the state lives in shared memory; SGD without momentum keeps none
+        assert opt.state == {} and inner.state == {}, opt.state
+    else:
+        assert opt.state is inner.state
     sd = opt.state_dict()
     assert sd == inner.state_dict() or sd.keys() == inner.state_dict().keys()
     model2 = make_model()

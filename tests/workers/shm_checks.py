@@ -124,13 +124,16 @@ def main():
 
 def check_small_dev_shm(comm):
     """A /dev/shm too small for the optimizers' shared buffers (Docker's default is 64 MB): both
-    optimizers fall back to the ordinary collectives and still train identically on every rank."""
+    optimizers fall back to the ordinary collectives and still train identically on every rank; the
+    default, which would share parameters and state there, is the replicated optimizer."""
     torch.manual_seed(0)
-    for shard_state in (False, True):
+    for shard_state in (None, False, True):
         model = torch.nn.Linear(2000, 2000)  # 16 MB of parameters: the buffers would need 3x that
         opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
                                                   shard_state=shard_state)
         assert opt._arena is None, f"shard_state={shard_state}: shared buffers in a small /dev/shm"
+        if shard_state is None:
+            assert type(opt) is torchmn.MultiNodeOptimizer, type(opt)
         model(torch.full((2, 2000), float(comm.rank))).sum().backward()
         opt.step()
         mine = model.weight.detach()[:3, :3].clone()

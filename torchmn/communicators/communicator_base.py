@@ -10,8 +10,10 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from torchmn.communicators.gradient_primitives import GradientPrimitives
 
-class CommunicatorBase(abc.ABC):
+
+class CommunicatorBase(GradientPrimitives):
     """A group of ranks and the collectives among them.
 
     Attributes:
@@ -232,9 +234,38 @@ class CommunicatorBase(abc.ABC):
             TypeError: a dtype torch cannot reduce on CPU (uint16, float8, ...).
             CollectiveMismatchError: the ranks' shapes, dtypes or ops differ.
 
+        A new tensor of tens of MB costs more than the reduction itself (the allocator maps its
+        pages afresh from the OS on every call): for large tensors use :meth:`allreduce_`.
+
         Example::
 
             >>> comm.allreduce(torch.arange(4) + comm.rank)   # arange(4) * size + sum(ranks)
+        """
+
+    @abc.abstractmethod
+    def allreduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """The elementwise reduction of every rank's ``x``, written into ``x``, checked as :meth:`allreduce`.
+
+        The fast path for large tensors: the data moves in place (through shared memory on one
+        node), with no new tensor.
+
+        Args:
+            x: this rank's tensor; every rank's has the same shape and dtype.
+            op: ``"sum"``, ``"mean"`` (floating-point tensors only), ``"max"``, ``"min"`` or ``"prod"``.
+
+        Returns:
+            ``x``, holding the reduction.
+
+        Raises:
+            ValueError: an unknown ``op``, or one undefined for ``x``'s dtype.
+            TypeError: ``"mean"`` of an integer tensor (its mean is float64: use :meth:`allreduce`), or
+                a dtype torch cannot reduce on CPU.
+            CollectiveMismatchError: the ranks' shapes, dtypes or ops differ.
+
+        Example::
+
+            >>> big = torch.rand(16 << 20)
+            >>> comm.allreduce_(big, op="mean")
         """
 
     @abc.abstractmethod
@@ -429,67 +460,4 @@ class CommunicatorBase(abc.ABC):
         Example::
 
             >>> loss.backward(); comm.multi_node_mean_grad(model); optimizer.step()
-        """
-
-    # The gradient primitives: what each algorithm gives the optimizers. They make no call check
-    # (every rank passes the same layout) and return a handle whose wait() finishes the call
-    # (already finished unless async_op=True).
-    @property
-    @abc.abstractmethod
-    def grad_bucket_cap_bytes(self) -> int:
-        """Returns: how many bytes of gradients this algorithm fuses into one message (0: one a tensor)."""
-
-    @abc.abstractmethod
-    def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
-        """Replace each tensor, in place, by its mean over ranks, in this algorithm's way.
-
-        Args:
-            tensors: dense tensors, in the same order, shapes and dtypes on every rank.
-        """
-
-    @abc.abstractmethod
-    def allreduce_flat(self, flat: torch.Tensor, async_op: bool = False, op: str = "sum"):
-        """Reduce one contiguous 1-D buffer over all ranks, in place.
-
-        Args:
-            flat: a contiguous 1-D tensor, of the same length and dtype on every rank.
-            async_op: return at once.
-            op: ``"sum"``, ``"max"``, ``"min"`` or ``"prod"``.
-
-        Returns:
-            A handle with ``wait()``.
-        """
-
-    @abc.abstractmethod
-    def reduce_scatter_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
-        """Sum ``flat`` over ranks; rank ``r`` gets elements ``[r*k, (r+1)*k)`` of the sum in ``shard``.
-
-        Args:
-            flat: ``size * k`` contiguous elements.
-            shard: ``k`` elements, overwritten.
-            async_op: return at once.
-
-        Returns:
-            A handle with ``wait()``.
-        """
-
-    @abc.abstractmethod
-    def allgather_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
-        """Every rank's ``shard`` (``k`` elements) into ``flat`` (``size * k``, overwritten), in rank order.
-
-        Returns:
-            A handle with ``wait()``.
-        """
-
-    @abc.abstractmethod
-    def open_node_arena(self, shared_bytes: int, region_bytes: int):
-        """Memory all ranks share for good (the optimizers keep their buffers there). Collective.
-
-        Args:
-            shared_bytes: bytes of the region every rank reads and writes.
-            region_bytes: bytes of each rank's own region, readable by the others.
-
-        Returns:
-            A :class:`~torchmn.communicators.node_arena.NodeArena`, or None on every rank where
-            they cannot share memory (several nodes, GPU, an algorithm without shared memory).
         """

@@ -19,10 +19,12 @@ import torch.distributed as dist
 from torchmn.communicators import _call_check, _wire, shm
 from torchmn.communicators._torch_compat import all_gather_single
 from torchmn.communicators._async_utility import AndThen, Completed, finish
+from torchmn.communicators._pages import empty_like_fast
 from torchmn.communicators._gloo_utility import reduce_scatter_single
 from torchmn.communicators._setup import collective_timeout_s
 from torchmn.communicators.flat import FlatCommunicator
 from torchmn.communicators.node_arena import NodeArena
+from torchmn.communicators.node_mean import NodeMean
 from torchmn.communicators.ops import OPS
 
 
@@ -72,6 +74,8 @@ class HierarchicalCommunicator(FlatCommunicator):
         self._segment = None
         self._inter_group = None
         self._rails = None
+        self._node_mean = None          # the arena mean_tensors keeps between calls
+        self._node_mean_refused = 0     # bytes for which no arena could be had (not asked again)
         if self.size == 1 or self.backend == "nccl":
             return
         if inter_group is _UNSET:  # a world communicator: all its ranks are here to create it
@@ -148,7 +152,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         if not self._shm_ok(x):
             return super()._allreduce_copy(x, op)
         # Straight from x into shared memory and from there into the result: no staging copy.
-        out = torch.empty_like(x)
+        out = empty_like_fast(x)
         self._segment.allreduce_(x.view(-1), op, out=out.view(-1))
         self._across_nodes(out.view(-1), op)
         return out
@@ -237,7 +241,29 @@ class HierarchicalCommunicator(FlatCommunicator):
         # Copies, own one included, as over TCP.
         return [self._load(p[_ROW_BYTES:], "allgather_obj", r) for r, p in enumerate(parts)]
 
+    def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
+        if self.size > 1 and tensors and self._segment is not None and self._single_node and \
+                all(t.device.type == "cpu" and t.is_contiguous() and t.is_floating_point() for t in tensors):
+            nbytes = NodeMean.nbytes(tensors)
+            if self._node_mean is None or self._node_mean.capacity < nbytes:
+                # Collective, decided alike on every rank: the caller has checked that every rank
+                # passes tensors of one layout.
+                if self._node_mean_refused and nbytes >= self._node_mean_refused:
+                    return super().mean_tensors(tensors)
+                if self._node_mean is not None:
+                    self._node_mean.close()
+                self._node_mean = NodeMean.open(self, nbytes)
+                if self._node_mean is None:
+                    self._node_mean_refused = nbytes
+                    return super().mean_tensors(tensors)
+            self._node_mean.mean_(tensors)
+            return
+        super().mean_tensors(tensors)
+
     def finalize(self) -> None:
+        if self._node_mean is not None:
+            self._node_mean.close()
+            self._node_mean = None
         if self._segment is not None:
             self._segment.close()
             self._segment = None

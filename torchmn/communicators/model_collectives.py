@@ -45,6 +45,15 @@ class ModelCollectives:
             f"{what} differ between ranks: rank(s) {bad} (on {self._hosts[bad[0]]}) differ from root rank {root}'s "
             f"({detail}); {advice} (raised on rank {self.rank})")
 
+    def _layout_checksum(self, params: list[torch.Tensor]) -> int:
+        """A checksum of the parameters' shapes and dtypes, remembered for the last layout seen."""
+        key = tuple((p.shape, p.dtype) for p in params)
+        cached = getattr(self, "_last_layout", None)
+        if cached is None or cached[0] != key:
+            cached = (key, zlib.crc32(repr([(tuple(s), d) for s, d in key]).encode()))
+            self._last_layout = cached
+        return cached[1]
+
     def bcast_tensors(self, tensors: list[torch.Tensor], root: int = 0) -> None:
         if self.size == 1:
             return
@@ -68,12 +77,15 @@ class ModelCollectives:
         sparse_fill = [0] * len(params)  # the sparse_dim a missing gradient's zeros take; 0: dense
         if self.size > 1:
             # Buckets pair the ranks' gradients by position: a model of another layout would mix them
-            # silently (shared memory) or abort the process (gloo). A checksum of the layout costs one
-            # small exchange; the full layouts are compared only when it differs.
+            # silently (shared memory) or abort the process (gloo). One small exchange carries a
+            # checksum of the layout and one of which gradients are None; the full layouts or masks
+            # are exchanged only when a checksum differs.
+            missing = bytes(p.grad is None for p in params)
             row = _wire.header(_call_check.KIND["multi_node_mean_grad"])
-            row[_wire.SHAPE] = zlib.crc32(repr([(tuple(p.shape), p.dtype) for p in params]).encode())
+            row[_wire.SHAPE] = self._layout_checksum(params)
             row[_wire.SHAPE + 1] = sum(1 for p in params if p.grad is not None and p.grad.is_sparse)
-            row[_wire.SHAPE + 2] = sum(1 for p in params if p.grad is None)
+            row[_wire.SHAPE + 2] = missing.count(1)
+            row[_wire.SHAPE + 3] = zlib.crc32(missing)
             hdrs = self._agree("multi_node_mean_grad", rows=[row], objects=True)[:, 0]
             if len(set(hdrs[:, _wire.SHAPE].tolist())) > 1:
                 self.check_same_layout(params, "multi_node_mean_grad: the model's trainable parameters", 0,
@@ -85,11 +97,11 @@ class ModelCollectives:
                 dims = self.allgather_obj([p.grad.sparse_dim() if p.grad is not None and p.grad.is_sparse else 0
                                            for p in params])
                 sparse_fill = [max(d[i] for d in dims) for i in range(len(params))]
-        if not zero_fill and self.size > 1:
-            # Skipping must be agreed on: a tensor left out on some ranks only would pair the rest wrongly.
-            masks = self.allgather_obj([p.grad is not None for p in params])
-            mixed = [i for i in range(len(params)) if len({m[i] for m in masks}) > 1]
-            if mixed:
+            if not zero_fill and len(set(hdrs[:, _wire.SHAPE + 3].tolist())) > 1:
+                # Skipping must be agreed on: a tensor left out on some ranks only would pair the
+                # rest wrongly. The masks differ: find where, to say so.
+                masks = self.allgather_obj([p.grad is not None for p in params])
+                mixed = [i for i in range(len(params)) if len({m[i] for m in masks}) > 1]
                 without = [r for r, m in enumerate(masks) if not m[mixed[0]]]
                 raise CollectiveMismatchError(
                     f"multi_node_mean_grad: the gradient of parameter {mixed[0]} (shape "

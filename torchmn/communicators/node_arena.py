@@ -17,7 +17,7 @@ STEP_AFTER_SENDS = ("step() after 0 backward passes that sent gradients",
                     "step() after 2 backward passes that sent gradients",
                     "step() after 3 or more backward passes that sent gradients")
 ARENA_BARRIERS = ("barrier", "set-up", "backward done (gradients in)", "averaged gradients ready",
-                  "step done (shards updated)") + STEP_AFTER_SENDS
+                  "step done (shards updated)") + STEP_AFTER_SENDS + ("mean: tensors in", "mean: means ready")
 BARRIER_CODE = {name: code for code, name in enumerate(ARENA_BARRIERS)}
 
 

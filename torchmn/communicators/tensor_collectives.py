@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from torchmn.communicators import _call_check, _wire
+from torchmn.communicators._pages import empty_like_fast
 from torchmn.communicators._torch_compat import all_gather_single
 from torchmn.communicators.errors import CollectiveMismatchError
 from torchmn.communicators.ops import OPS, divide_before_sum
@@ -168,28 +169,52 @@ class TensorCollectives:
                          torch.split(recv, self._group_order(recv_sizes))))
         return tuple(_wire.from_bytes(parts[r], *m) for r, m in enumerate(recv_metas))
 
-    def allreduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        err = None
+    def _allreduce_problem(self, x: torch.Tensor, op: str, name: str = "allreduce") -> Optional[Exception]:
+        """What is wrong with this rank's arguments to an allreduce, or None."""
         if op not in OPS:
-            err = ValueError(f"allreduce: op must be one of {', '.join(OPS)}, not {op!r}")
-        elif not isinstance(x, torch.Tensor):
-            err = TypeError(f"allreduce: pass a tensor, not {type(x).__name__}")
-        elif x.dtype in _wire.MOVE_ONLY:
-            err = TypeError(f"allreduce: torch has no arithmetic for {x.dtype} on CPU, so it cannot be reduced; "
-                            f"convert first (x.to(torch.int64), x.float()) and back")
-        elif x.is_complex() and op in ("max", "min"):
-            err = ValueError(f"allreduce: op {op!r} is undefined for complex tensors ({x.dtype})")
-        elif x.is_complex() and op == "prod":
+            return ValueError(f"{name}: op must be one of {', '.join(OPS)}, not {op!r}")
+        if not isinstance(x, torch.Tensor):
+            return TypeError(f"{name}: pass a tensor, not {type(x).__name__}")
+        if x.dtype in _wire.MOVE_ONLY:
+            return TypeError(f"{name}: torch has no arithmetic for {x.dtype} on CPU, so it cannot be reduced; "
+                             f"convert first (x.to(torch.int64), x.float()) and back")
+        if x.is_complex() and op in ("max", "min"):
+            return ValueError(f"{name}: op {op!r} is undefined for complex tensors ({x.dtype})")
+        if x.is_complex() and op == "prod":
             # Decided here, on every rank alike: a failure inside the backend would reach only the
             # ranks that call it (between nodes, not the others of each node).
-            err = ValueError(f"allreduce: torch.distributed has no 'prod' of complex tensors ({x.dtype}); "
-                             f"multiply the gathered tensors instead (torch.stack(comm.allgather(x)).prod(0))")
+            return ValueError(f"{name}: torch.distributed has no 'prod' of complex tensors ({x.dtype}); "
+                              f"multiply the gathered tensors instead (torch.stack(comm.allgather(x)).prod(0))")
+        return None
+
+    def allreduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        err = self._allreduce_problem(x, op)
         self._agree("allreduce", op=None if err else op, x=None if err else x, error=err, same_shape=True)
+        return self._allreduce_agreed(x, op)
+
+    def allreduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        err = self._allreduce_problem(x, op, "allreduce_")
+        if err is None and op == "mean" and not (x.is_floating_point() or x.is_complex()):
+            err = TypeError(f"allreduce_: the mean of {x.dtype} values is float64 and cannot be written into the "
+                            f"tensor; use comm.allreduce(x, op='mean'), or op='sum' and divide")
+        self._agree("allreduce", op=None if err else op, x=None if err else x, error=err, same_shape=True)
+        if (x.is_contiguous() and x.device == self._data_device and x.dtype not in (torch.int16, torch.bool)
+                and not (op == "mean" and divide_before_sum(x.dtype))):
+            # The data moves in place: no new tensor, whose pages (tens of MB) would be mapped afresh.
+            self.allreduce_flat(x.detach().view(-1), op="sum" if op == "mean" else op)
+            if op == "mean":
+                x.detach().div_(self.size)
+            return x
+        with torch.no_grad():
+            return x.copy_(self._allreduce_agreed(x, op))
+
+    def _allreduce_agreed(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        """The reduction of ``x``, once the ranks have agreed on the call."""
         src = x.detach().to(self._data_device)
         if op == "mean" and src.dtype == torch.bool:
             src = src.to(torch.int64)  # a bool sum is a logical or: count the True values instead
         if op == "mean" and divide_before_sum(src.dtype):
-            return self.allreduce(x.double(), op="mean").to(x.dtype)  # bfloat16 reaches float32's range
+            return self._allreduce_agreed(x.double(), op="mean").to(x.dtype)  # bfloat16 reaches float32's range
         # gloo has no int16 reduction; int32 gives the same bits once cast back (two's complement
         # wraps alike), except "mean", whose result is floating-point anyway.
         widen = src.dtype == torch.int16
@@ -204,6 +229,6 @@ class TensorCollectives:
 
     def _allreduce_copy(self, x: torch.Tensor, op: str) -> torch.Tensor:
         """The reduction of contiguous ``x`` over ranks, as a new tensor (algorithms may do it faster)."""
-        out = x.clone()
+        out = empty_like_fast(x).copy_(x)
         self.allreduce_flat(out.view(-1), op=op)
         return out

@@ -109,7 +109,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
         self._inner = torchmn.create_multi_node_optimizer(optimizer, self._comm, compression=_wire_name(compression),
                                                           backward_passes_per_step=backward_passes_per_step,
-                                                          bucket_cap_mb=_fusion_threshold_mb())
+                                                          bucket_cap_mb=_fusion_threshold_mb(),
+                                                          # Horovod's: every rank updates the whole model
+                                                          # (join() ranks sit out steps).
+                                                          shard_state=False)
         self._index = len(_optimizers)
         _optimizers.append(weakref.ref(self))
 

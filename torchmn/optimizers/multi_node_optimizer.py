@@ -373,8 +373,19 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
                                 double_buffering: bool = False, zero_fill: bool = True,
                                 compression: Optional[str] = None, bucket_cap_mb: Optional[float] = None,
                                 backward_passes_per_step: int = 1,
-                                shard_state: bool = False) -> torch.optim.Optimizer:
+                                shard_state: Optional[bool] = None) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so every ``step()`` uses gradients averaged over all ranks.
+
+    Which optimizer you get: where every rank is on one node, the parameters are on the CPU and
+    the optimizer is elementwise (Adam, SGD, ... :data:`~torchmn.optimizers.inner_optimizers.
+    ELEMENTWISE_OPTIMIZERS`), the default (``shard_state=None``) is a
+    :class:`~torchmn.optimizers.node_shared.NodeSharedOptimizer`: the ranks share one copy of the
+    parameters and of the optimizer state, and each updates its slice of every parameter, so two
+    ranks beat one process instead of each repeating the whole update; ``.grad`` still holds the
+    averaged gradient after backward and ``state_dict()`` is whole on any rank, called alone. Its
+    parameters live in shared memory (convert the model before wrapping; see the class for what
+    that changes). ``shard_state=False`` gives the replicated :class:`MultiNodeOptimizer` (every
+    rank updates the whole model) everywhere; ``shard_state=True`` ZeRO stage 1 everywhere.
 
     Parameters are broadcast from rank 0 here, so every rank starts equal. Gradients travel in
     buckets while backward runs (``bucket_cap_mb``, default the communicator's), optionally as
@@ -396,11 +407,13 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
         compression: ``None``, ``"fp16"`` or ``"bf16"``: the dtype gradients travel in.
         bucket_cap_mb: MB of gradients per message (default: the communicator's).
         backward_passes_per_step: backward passes accumulated locally per averaging.
-        shard_state: ZeRO stage 1 (:class:`ShardedMultiNodeOptimizer`): each rank updates and keeps
-            state for 1/size of the model.
+        shard_state: None (default): split the update over the ranks where they share a node
+            (see above), else replicate it; True: ZeRO stage 1 (:class:`ShardedMultiNodeOptimizer`),
+            each rank updates and keeps state for 1/size of the model, on any number of nodes;
+            False: every rank updates the whole model (:class:`MultiNodeOptimizer`).
 
     Returns:
-        A :class:`MultiNodeOptimizer`, or a :class:`ShardedMultiNodeOptimizer` with ``shard_state``.
+        A ``NodeSharedOptimizer``, :class:`MultiNodeOptimizer` or :class:`ShardedMultiNodeOptimizer`.
 
     Raises:
         TypeError: ``optimizer`` is not a torch optimizer, or (sharded) not an elementwise one.
@@ -415,6 +428,13 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
         >>> loss_fn(model(x), y).backward()
         >>> optimizer.step()
     """
+    if shard_state is None and _can_split_on_node(optimizer, comm, double_buffering, zero_fill, compression):
+        from torchmn.optimizers.node_shared import NoNodeMemory, NodeSharedOptimizer
+        try:
+            return NodeSharedOptimizer(optimizer, comm, bucket_cap_mb=bucket_cap_mb,
+                                       backward_passes_per_step=backward_passes_per_step)
+        except NoNodeMemory:
+            pass  # several nodes, or too small a /dev/shm: every rank updates the whole model
     if shard_state:
         from torchmn.optimizers.sharded import ShardedMultiNodeOptimizer
         return ShardedMultiNodeOptimizer(optimizer, comm, double_buffering=double_buffering,
@@ -424,3 +444,17 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
     return MultiNodeOptimizer(optimizer, comm, double_buffering=double_buffering, zero_fill=zero_fill,
                               compression=compression, bucket_cap_mb=bucket_cap_mb,
                               backward_passes_per_step=backward_passes_per_step)
+
+
+def _can_split_on_node(optimizer, comm: Communicator, double_buffering: bool, zero_fill: bool,
+                       compression: Optional[str]) -> bool:
+    """Whether the default may split the update over the node's ranks (the same answer on every
+    rank): several ranks, CPU parameters, an elementwise optimizer, and no option that needs every
+    rank to update the whole model. Whether they share one node is found when the memory is opened."""
+    from torchmn.optimizers.inner_optimizers import ELEMENTWISE_OPTIMIZERS
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return False
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    return (comm.size > 1 and bool(params) and all(p.device.type == "cpu" for p in params)
+            and type(optimizer) in ELEMENTWISE_OPTIMIZERS and not double_buffering and zero_fill
+            and compression is None)

@@ -129,6 +129,9 @@ class NodeShards:
                 self.sum_plan.append((i, lo, hi, [g[off + r * k:off + r * k + hi - lo] for g in others],
                                       self.mine_in_own[-1][:hi - lo]))
         self.flags_written = None
+        # Each parameter's whole gradient in this rank's buffer: after average_for_all, its average.
+        self.averages = [region[off:off + p.numel()].view_as(p) for p, off in zip(b.params, b.offsets)]
+        self.counts = None
 
     def pack_for_peers(self, scale: float) -> None:
         """Copy, times ``scale``, the parts of the gradients that other ranks own into this rank's
@@ -173,3 +176,52 @@ class NodeShards:
         # The flags are read only where this rank lacks a gradient: otherwise every count is >= 1.
         counts = None if all(b.present) else sum(self.all_flags[1:], self.all_flags[0]).tolist()
         b.set_grads(self.mine_in_own, counts)
+
+    def average_for_all(self, scale: float) -> None:
+        """Sum this rank's slices of the node's gradients and write the averages into every rank's
+        buffer, so that each buffer then holds the whole average (:attr:`averages`).
+
+        Call it between two barriers: after every rank packed (:meth:`pack_for_peers`), and before
+        any rank reads its averages. Each rank writes only its own slices, in every buffer.
+
+        Args:
+            scale: ``1 / size``, for this rank's own part (the others' are scaled already).
+        """
+        b = self.bucket
+        packed = b.packed
+        for i, lo, hi, others, out in self.sum_plan:
+            g = packed[i]
+            mine = None if g is None else g.reshape(-1)[lo:hi]
+            if mine is not None and len(others) > 1 and mine.data_ptr() == out.data_ptr():
+                # Kept gradients (zero_grad(set_to_none=False)) accumulate where the sum goes.
+                out.mul_(scale)
+                for other in others:
+                    out.add_(other)
+            else:
+                sum_scaled(out, others, mine, scale)
+            for other in others:
+                other.copy_(out)
+        # Read here, between the barriers: a rank writes its flags again in its next backward.
+        self.counts = None if all(b.present) else sum(self.all_flags[1:], self.all_flags[0]).tolist()
+
+    def point_grads_at_averages(self) -> None:
+        """Make each parameter's ``.grad`` its average in this rank's buffer (None where no rank had
+        a gradient, so that the optimizer leaves it alone, as in one process)."""
+        counts = self.counts
+        for i, (p, average) in enumerate(zip(self.bucket.params, self.averages)):
+            g = None if counts is not None and not counts[i] else average
+            if p.grad is not g:
+                p.grad = g
+
+    def take_averages(self) -> None:
+        """The shard parameters' gradients: this rank's slice of each ``.grad`` (the averages, or
+        what the script put there since: clipped in place, or replaced)."""
+        b = self.bucket
+        for p, sp, average, mine, (lo, hi) in zip(b.params, b.shard_params, self.averages, self.mine_in_own, b.slices):
+            g = p.grad
+            if g is None:
+                mine = None
+            elif g is not average:  # replaced after backward: its slice goes where the average was
+                mine[:hi - lo].copy_(g.reshape(-1)[lo:hi])
+            if sp.grad is not mine:
+                sp.grad = mine

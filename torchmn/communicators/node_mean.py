@@ -1,0 +1,128 @@
+"""The mean of many tensors over the ranks of one node, through memory they share for good: the
+path ``multi_node_mean_grad`` takes on one CPU node, the same the multi-node optimizer takes.
+
+Each rank copies its tensors into its own region of a :class:`NodeArena` (one pass); after a
+barrier, each sums its share of every tensor straight from all ranks' regions into the shared
+region, divided on the way (one pass over its share); after a second barrier, each copies the
+whole mean back into its tensors (one pass). Three passes over the bytes, where packing into a
+bucket, a shared-memory allreduce through slots, dividing and unpacking take six.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from torchmn.communicators._shm_utility import align
+from torchmn.communicators.node_arena import NodeArena
+from torchmn.communicators.ops import divide_before_sum
+
+
+class _Group:
+    """The tensors of one dtype in a call: where they lie in every region and in the shared one,
+    and the part of them this rank sums."""
+
+    def __init__(self, arena: NodeArena, dtype: torch.dtype, indices: list[int], numels: list[int], offset: int):
+        self.indices, self.numels = indices, numels
+        n = sum(numels)
+        nbytes = n * torch.empty(0, dtype=dtype).element_size()
+        self.regions = [r[offset:offset + nbytes].view(dtype) for r in arena.regions]
+        self.mine = self.regions[arena.local_rank]
+        self.shared = arena.shared[offset:offset + nbytes].view(dtype)
+        self.results = self.shared.split(numels)
+        lo, hi = arena.my_chunk(n, self.shared.element_size())
+        self.chunks = [r[lo:hi] for r in self.regions] if hi > lo else None
+        self.out = self.shared[lo:hi]
+        self.divide_first = divide_before_sum(dtype)
+
+
+class NodeMean:
+    """Means over the node's ranks of lists of CPU tensors, in an arena kept between calls.
+
+    Build it with :meth:`open` (collective); :meth:`mean_` replaces tensors by their means. Every
+    rank must pass tensors of the same layout in the same order (the caller checks).
+
+    Example::
+
+        >>> node_mean = NodeMean.open(comm, NodeMean.nbytes(grads))
+        >>> node_mean.mean_(grads)
+    """
+
+    def __init__(self, arena: NodeArena, capacity: int):
+        self.arena = arena
+        self.capacity = capacity
+        self._plan_key = None
+        self._plan: list[_Group] = []
+
+    @staticmethod
+    def _groups(tensors: list[torch.Tensor]) -> dict:
+        groups: dict = {}
+        for i, t in enumerate(tensors):
+            groups.setdefault(t.dtype, []).append(i)
+        return groups
+
+    @classmethod
+    def nbytes(cls, tensors: list[torch.Tensor]) -> int:
+        """Returns: the bytes a region needs for ``tensors`` (one run per dtype, each cache-line aligned)."""
+        return sum(align(sum(tensors[i].numel() * tensors[i].element_size() for i in idx))
+                   for idx in cls._groups(tensors).values())
+
+    @classmethod
+    def open(cls, comm, nbytes: int) -> Optional["NodeMean"]:
+        """Map an arena for tensors of up to ``nbytes`` (collective on the node's ranks).
+
+        Args:
+            comm: a communicator of one node that can share memory (``open_node_arena``).
+            nbytes: the bytes the tensors take, from :meth:`nbytes`.
+
+        Returns:
+            The NodeMean, or None on every rank where the arena cannot be had (several nodes,
+            GPU, too little /dev/shm).
+        """
+        arena = comm.open_node_arena(nbytes, nbytes)
+        return cls(arena, nbytes) if arena is not None else None
+
+    def _plan_for(self, tensors: list[torch.Tensor]) -> list[_Group]:
+        key = tuple((t.numel(), t.dtype) for t in tensors)
+        if key != self._plan_key:
+            plan, offset = [], 0
+            for dtype, idx in self._groups(tensors).items():
+                numels = [tensors[i].numel() for i in idx]
+                plan.append(_Group(self.arena, dtype, idx, numels, offset))
+                offset += align(sum(numels) * tensors[idx[0]].element_size())
+            self._plan_key, self._plan = key, plan
+        return self._plan
+
+    def mean_(self, tensors: list[torch.Tensor]) -> None:
+        """Replace each (contiguous CPU) tensor by its mean over the node's ranks.
+
+        Args:
+            tensors: this rank's tensors, of the layout every rank passes, within the capacity.
+        """
+        arena, size = self.arena, self.arena.local_size
+        plan = self._plan_for(tensors)
+        for g in plan:
+            parts = [tensors[i].view(-1) for i in g.indices]
+            if len(parts) == 1:
+                g.mine.copy_(parts[0])
+            else:
+                torch.cat(parts, out=g.mine)
+            if g.divide_first:  # float16/bfloat16: a sum of several ranks' values could overflow
+                g.mine.mul_(1.0 / size)
+        arena.barrier("mean: tensors in")
+        for g in plan:
+            if g.chunks is None:
+                continue
+            torch.add(g.chunks[0], g.chunks[1], out=g.out)
+            for peer in g.chunks[2:]:
+                g.out.add_(peer)
+            if not g.divide_first:
+                g.out.mul_(1.0 / size) if size & (size - 1) == 0 else g.out.div_(size)
+        arena.barrier("mean: means ready")
+        for g in plan:
+            for i, result in zip(g.indices, g.results):
+                tensors[i].view(-1).copy_(result)
+
+    def close(self) -> None:
+        """Unmap the arena."""
+        self.arena.close()

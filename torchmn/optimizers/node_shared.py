@@ -1,0 +1,346 @@
+"""The default multi-node optimizer where all ranks are on one node (CPU): the ranks share one copy
+of the parameters and of the optimizer state, and split the update.
+
+Data parallelism on one node can only beat one process if the update is split: every rank
+updating the whole model with the same averaged gradients does the same work N times. So, as
+with ``shard_state=True``, each rank updates one slice of every parameter (in memory the node's
+ranks share, so nothing is gathered afterwards), but this optimizer keeps what a user of the
+replicated one relies on:
+
+- ``.grad`` holds the averaged gradient when ``backward()`` returns (each rank averages its slices
+  and writes them into every rank's buffer), so ``torch.nn.utils.clip_grad_norm_``, unscaling and
+  any other edit before ``step()`` reach the update;
+- the optimizer state lives in shared memory too, so ``state_dict()`` is whole on any rank,
+  called on that rank alone, and ``state[p]`` answers for every parameter.
+
+How the slices, buffers and shared memory are laid out: :mod:`.shard_layout` and
+:mod:`.node_memory`; the step: ``docs/design/sharded-optimizer.md``.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from torchmn.communicators import Communicator
+from torchmn.optimizers import shard_state
+from torchmn.optimizers.inner_optimizers import build_inner, step_function
+from torchmn.optimizers.node_memory import NodeShards, arena_layout, region_view
+from torchmn.optimizers.sharded import ShardedMultiNodeOptimizer
+
+
+class NoNodeMemory(RuntimeError):
+    """The ranks cannot share memory here (several nodes, GPU, a small ``/dev/shm``): the caller
+    takes the replicated optimizer instead."""
+
+
+def elementwise_state(cls: type, group: dict, dtype: torch.dtype) -> dict:
+    """The state entries ``cls`` keeps one value per element for, with the hyperparameters of
+    ``group``: found by stepping a throwaway optimizer over a 2-element parameter.
+
+    Args:
+        cls: the optimizer class.
+        group: a parameter group (its hyperparameters).
+        dtype: the parameters' dtype.
+
+    Returns:
+        ``{name: dtype}``, e.g. ``{"exp_avg": torch.float32, "exp_avg_sq": torch.float32}`` for Adam.
+
+    Example::
+
+        >>> elementwise_state(torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}, torch.float32)
+        {'momentum_buffer': torch.float32}
+    """
+    p = torch.nn.Parameter(torch.zeros(2, dtype=dtype))
+    probe = build_inner(cls, [p], group)
+    p.grad = torch.zeros_like(p)
+    step_function(probe)()
+    return {k: v.dtype for k, v in probe.state[p].items()
+            if torch.is_tensor(v) and k not in shard_state.SCALAR_STATE and v.shape == p.shape}
+
+
+class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
+    """What ``create_multi_node_optimizer(optimizer, comm)`` builds where every rank is on one node
+    and the parameters are on the CPU: the update split over the ranks, with ``.grad`` averaged
+    after backward and the whole state readable on any rank.
+
+    It behaves like the replicated :class:`~torchmn.optimizers.MultiNodeOptimizer`, with these
+    differences, which come from the parameters and the state living once per node, in shared memory:
+
+    - the model's parameters are views into that memory: move or convert the model (``.to``,
+      ``.double()``) before wrapping, and change parameters only through the optimizer or by
+      loading the same values on every rank (``model.load_state_dict``); an in-place change that
+      is not idempotent, made on every rank (``p.mul_(0.99)``), would be applied once per rank;
+    - ``step()`` is collective on the node: every rank calls it the same number of times;
+    - each rank updates its slice of every parameter from its own ``.grad``: edits between
+      backward and ``step()`` must be the same on every rank (clipping and unscaling are);
+    - ``state[p]`` is a fresh dict per access, whose per-element tensors are views into the shared
+      state (scalars, like step counts, are this rank's);
+    - ``state_dict()`` is taken between ``step()`` and the next backward (where scripts save);
+      ``load_state_dict()`` on every rank.
+
+    ``shard_state=False`` gives the replicated optimizer (every rank updates the whole model).
+
+    Example::
+
+        >>> opt = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters()), comm)
+        >>> loss_fn(model(x), y).backward()
+        >>> torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)   # .grad holds the averages
+        >>> opt.step()
+        >>> if comm.rank == 0: torch.save(opt.state_dict(), "opt.pt")  # rank 0 alone
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, *, bucket_cap_mb=None,
+                 backward_passes_per_step: int = 1):
+        self._state_views = []  # per bucket: {name: (whole views, shard views)}, set in shared memory
+        super().__init__(optimizer, comm, bucket_cap_mb=bucket_cap_mb,
+                         backward_passes_per_step=backward_passes_per_step)
+        self._pre_hooks, self._post_hooks = OrderedDict(), OrderedDict()
+        self._home_state()  # optimizers that make state when built (Adagrad)
+
+    def _place_in_shared_memory(self):
+        """The parameters, then each bucket's per-element optimizer state, in the shared region;
+        each rank's gradients in its own region.
+
+        Raises:
+            NoNodeMemory: the ranks cannot share memory.
+        """
+        buckets = self._buckets
+        kinds = {}
+        for b in buckets:
+            key = (b.group, b.dtype)
+            if key not in kinds:
+                kinds[key] = elementwise_state(type(self._optimizer), self._optimizer.param_groups[b.group], b.dtype)
+        states = [kinds[(b.group, b.dtype)] for b in buckets]
+        itemsize = {d: torch.empty((), dtype=d).element_size() for s in states for d in s.values()}
+        shared_offsets, shared_total = arena_layout(
+            [b.padded * b.itemsize for b in buckets]
+            + [b.padded * itemsize[d] for b, s in zip(buckets, states) for d in s.values()])
+        region_offsets, region_total = arena_layout([b.region_numel * b.itemsize for b in buckets])
+        arena = self.comm.open_node_arena(shared_bytes=shared_total, region_bytes=region_total)
+        if arena is None:  # before anything is placed: the caller builds the replicated optimizer
+            raise NoNodeMemory("the ranks cannot share memory")
+        at = iter(shared_offsets)
+        for b, offset in zip(buckets, region_offsets):
+            # Rank 0 writes the (already broadcast) parameters; the others find them there.
+            b.place(region_view(arena.shared, next(at), b.padded, b.dtype), fill=self.comm.rank == 0)
+            regions = [region_view(region, offset, b.region_numel, b.dtype) for region in arena.regions]
+            b.node = NodeShards(b, regions[arena.local_rank], regions, arena.local_rank)
+        for b, state in zip(buckets, states):
+            views = {}
+            for name, dtype in state.items():
+                flat = region_view(arena.shared, next(at), b.padded, dtype)
+                whole = [flat[off:off + p.numel()].view_as(p) for p, off in zip(b.params, b.offsets)]
+                mine = [flat[off + b.rank * k:off + (b.rank + 1) * k] for off, k in zip(b.offsets, b.ks)]
+                views[name] = (whole, mine)
+            self._state_views.append(views)
+        arena.barrier("set-up")
+        return arena
+
+    def _home_state(self) -> None:
+        """Move the shard optimizers' per-element state into shared memory, where it is not yet
+        (torch's optimizers make it at their first step, and loading a state dict replaces it)."""
+        for b, views in zip(self._buckets, self._state_views):
+            state = b.optimizer.state
+            for i, sp in enumerate(b.shard_params):
+                s = state.get(sp)
+                if not s:
+                    continue
+                for name, (_, mine) in views.items():
+                    t = s.get(name)
+                    if t is not None and t is not mine[i] and t.shape == mine[i].shape:
+                        with torch.no_grad():
+                            mine[i].copy_(t)
+                        s[name] = mine[i]
+
+    # ----------------------------------------------------------------------------- backward
+    def _all_sent(self) -> None:
+        # Every rank's gradients are in its buffer; each averages its slices into every buffer.
+        self._arena.barrier("backward done (gradients in)")
+        scale = 1.0 / self.comm.size
+        for b in self._buckets:
+            b.node.average_for_all(scale)
+        self._arena.barrier("averaged gradients ready")
+        for b in self._buckets:
+            b.node.point_grads_at_averages()
+            b.packed = None  # so that zero_grad() frees the gradients backward made
+
+    # ----------------------------------------------------------------------------- public
+    def step(self, closure=None):
+        """Update this rank's slice of every parameter with its ``.grad``; every rank's model sees
+        the whole update when it returns. Collective on the node.
+
+        Args:
+            closure: not supported (multi-node optimizers need backward before ``step()``).
+
+        Raises:
+            ValueError: a closure was passed.
+            RuntimeError: the last backward raised, or parameters were added or unfrozen since wrapping.
+            CollectiveMismatchError: ranks are at different steps (one skipped ``step()``).
+
+        Example::
+
+            >>> loss_fn(model(x), y).backward(); optimizer.step()
+        """
+        self._check_closure(closure)
+        self._refuse_after_failed_backward()
+        self._check_parameters_unchanged()
+        self.synchronize()
+        for hook in list(self._pre_hooks.values()):
+            hook(self, (), {})
+        self._sync_hyperparameters()
+        for b in self._buckets:
+            b.node.take_averages()
+        for buckets in self._inner.values():
+            buckets[0].step_shard()
+        self._home_state()
+        # Every slice is updated in the shared parameters, and nobody reads another rank's
+        # gradient buffer any more, so backward may write them again.
+        self._arena.barrier("step done (shards updated)")
+        self._sent = False
+        self._sends = 0
+        for hook in list(self._post_hooks.values()):
+            hook(self, (), {})
+        return None
+
+    def register_step_pre_hook(self, hook):
+        """Call ``hook(optimizer, args, kwargs)`` before each update, on every rank.
+
+        Args:
+            hook: the function; its ``optimizer`` is this one.
+
+        Returns:
+            A handle whose ``remove()`` removes the hook.
+        """
+        handle = RemovableHandle(self._pre_hooks)
+        self._pre_hooks[handle.id] = hook
+        return handle
+
+    def register_step_post_hook(self, hook):
+        """Call ``hook(optimizer, args, kwargs)`` after each update (every rank's slice is done).
+
+        Args:
+            hook: the function; its ``optimizer`` is this one.
+
+        Returns:
+            A handle whose ``remove()`` removes the hook.
+        """
+        handle = RemovableHandle(self._post_hooks)
+        self._post_hooks[handle.id] = hook
+        return handle
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach=None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the averaged gradients (no communication: every
+        rank holds them all), after sending them if backward has not.
+
+        Args:
+            max_norm: the largest total norm the gradients may have.
+            norm_type: the norm's order (``2.0``, ``float("inf")``, ...).
+            error_if_nonfinite: raise where the total norm is NaN or infinite.
+            foreach: as ``torch.nn.utils.clip_grad_norm_``'s.
+
+        Returns:
+            The total norm of the averaged gradients, before clipping.
+
+        Example::
+
+            >>> loss_fn(model(x), y).backward()
+            >>> norm = optimizer.clip_grad_norm_(1.0)
+            >>> optimizer.step()
+        """
+        self.synchronize()
+        params = [p for g in self._optimizer.param_groups for p in g["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+    def _entries(self, copy: bool) -> dict:
+        """``{parameter: its whole state}``: per-element entries from shared memory, the rest
+        (step counts) from this rank's shard, which has the same."""
+        entries = {}
+        for b, views in zip(self._buckets, self._state_views):
+            state = b.optimizer.state
+            for i, (p, sp) in enumerate(zip(b.params, b.shard_params)):
+                s = state.get(sp)
+                if not s:
+                    continue
+                entry = {}
+                for name, value in s.items():
+                    if name in views and value is views[name][1][i]:
+                        value = views[name][0][i]
+                    elif torch.is_tensor(value) and name not in shard_state.SCALAR_STATE:
+                        raise RuntimeError(
+                            f"{self._where_am_i()}: the optimizer state {name!r} of a parameter of shape "
+                            f"{tuple(p.shape)} is not in the memory the node's ranks share (a hyperparameter "
+                            f"changed since wrapping, which made new state), so this rank cannot read the "
+                            f"other ranks' parts of it. Set such hyperparameters before wrapping, or wrap "
+                            f"with shard_state=False")
+                    entry[name] = value.clone() if copy and torch.is_tensor(value) else value
+                entries[p] = entry
+        return entries
+
+    def state_dict(self) -> dict:
+        """The whole optimizer state, in the wrapped optimizer's format, on any rank alone.
+
+        No communication: the state lives in memory the node's ranks share. Take it between
+        ``step()`` and the next backward, as scripts do to save it.
+
+        Returns:
+            ``{"state": ..., "param_groups": ...}`` as ``torch.optim.Optimizer.state_dict()``;
+            it loads into the plain torch optimizer, or with any rank count.
+
+        Raises:
+            RuntimeError: a per-element state entry is not in shared memory (a hyperparameter
+                changed since wrapping made new state).
+
+        Example::
+
+            >>> if comm.rank == 0:
+            ...     torch.save({"model": model.state_dict(), "opt": optimizer.state_dict()}, path)
+        """
+        groups = self._optimizer.param_groups
+        index = shard_state.indices(groups)
+        state = {index[p]: entry for p, entry in self._entries(copy=True).items()}
+        packed = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
+                  for g in groups]
+        return {"state": dict(sorted(state.items())), "param_groups": packed}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a whole state (from :meth:`state_dict`, any rank count, or a plain torch
+        optimizer), on every rank: each writes its slice into the shared state.
+
+        Args:
+            state_dict: the state, in torch's optimizer format.
+
+        Raises:
+            ValueError: its groups or state entries do not fit this optimizer's parameters.
+
+        Example::
+
+            >>> optimizer.load_state_dict(torch.load(path)["opt"])
+        """
+        super().load_state_dict(state_dict)
+        self._home_state()
+
+    @property
+    def state(self) -> dict:
+        """The whole state of every parameter that has one.
+
+        Returns:
+            A fresh ``{parameter: {name: value}}``; per-element tensors are views into the shared
+            state, so they show every rank's updates.
+        """
+        return self._entries(copy=False)
+
+    @state.setter
+    def state(self, value):
+        raise AttributeError("the optimizer state lives in memory the node's ranks share: use load_state_dict()")
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank updates (its slices; the node holds one copy).
+
+        Returns:
+            About 1/size of the replicated optimizer's.
+        """
+        return sum(v.numel() * v.element_size() for buckets in self._inner.values()
+                   for s in buckets[0].optimizer.state.values() for v in s.values() if torch.is_tensor(v))
