@@ -1,4 +1,5 @@
-"""The ``torchmn`` command: ``torchmn run -np N [options] COMMAND [ARGS...]`` (horovodrun's flags too).
+"""The ``torchmn`` command: ``torchmn run -np N [options] COMMAND [ARGS...]`` (horovodrun's flags too),
+and ``torchmn doctor`` (:mod:`torchmn.doctor`).
 
 Subcommands are registered in ``SUBCOMMANDS``. ``run`` parses its options into one
 ``torchmn.launch.config.LaunchConfig`` and hands it to ``torchmn.launch.runner.run``.
@@ -10,6 +11,7 @@ Example::
     $ torchmn run -np 8 --hostfile hosts -x NCCL_DEBUG=INFO python train.py
     $ torchmn run -np 2 --log-dir logs --output-ranks 0 -- python train.py --epochs 3
     $ python -m torchmn run -np 2 python -c "import os; print(os.environ['RANK'])"
+    $ torchmn doctor -np 2 -- python train.py
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ import argparse
 import sys
 from typing import Optional, Sequence, Set
 
+from torchmn.doctor.command import add_doctor
 from torchmn.launch import horovodrun_flags
 
 
@@ -127,7 +130,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return e.exit_code
 
 
-SUBCOMMANDS = (_add_run,)
+SUBCOMMANDS = (_add_run, add_doctor)
 
 
 def build_parser() -> argparse.ArgumentParser:

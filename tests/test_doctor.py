@@ -1,0 +1,83 @@
+"""`torchmn doctor` on real jobs: oversubscribed, budgeted and under-used, read from its JSON output.
+
+The jobs run on 2 CPUs (the first two this machine has), so the verdicts mean the same on any machine.
+"""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from jobs import REPO, clean_env
+
+BUSY = REPO / "tests" / "scripts" / "busy.py"
+TWO_CPUS = sorted(os.sched_getaffinity(0))[:2]
+
+
+def doctor(args, env=None, timeout=90):
+    proc = subprocess.run([sys.executable, "-m", "torchmn", "doctor", *args], env=clean_env(env), capture_output=True,
+                          text=True, timeout=timeout, preexec_fn=lambda: os.sched_setaffinity(0, TWO_CPUS))
+    return proc
+
+
+def diagnosis(args, env=None):
+    proc = doctor(["--json", "--warmup", "4", "--seconds", "3", *args], env)
+    assert proc.stdout.strip(), proc.stderr[-3000:]
+    return proc.returncode, json.loads(proc.stdout)
+
+
+pytestmark = pytest.mark.skipif(len(TWO_CPUS) < 2, reason="needs 2 CPUs")
+
+
+@pytest.mark.timeout(120)
+def test_doctor_finds_oversubscription():
+    """2 ranks x OMP_NUM_THREADS=2 and 4 DataLoader workers each, on 2 CPUs: the seed case."""
+    rc, d = diagnosis(["-np", "2", "--", sys.executable, str(BUSY), "60", "4"], {"OMP_NUM_THREADS": "2"})
+    assert d["verdict"] == "oversubscribed" and rc == 1, d
+    assert len(d["ranks"]) == 2 and [r["rank"] for r in d["ranks"]] == [0, 1], d["ranks"]
+    assert all(r["workers"] == 4 and r["settings"]["OMP_NUM_THREADS"] == "2" for r in d["ranks"]), d["ranks"]
+    assert "OMP_NUM_THREADS=1" in d["fix"] and "dataloader_workers_budget" in d["fix"], d["fix"]
+
+
+@pytest.mark.timeout(120)
+def test_doctor_calls_torchmns_budget_fine():
+    rc, d = diagnosis(["-np", "2", "--", sys.executable, str(BUSY), "60"])
+    assert d["verdict"] == "fine" and rc == 0, d
+    assert all(r["settings"]["OMP_NUM_THREADS"] == "1" and r["budget_threads"] == 1 for r in d["ranks"]), d["ranks"]
+
+
+@pytest.mark.timeout(120)
+def test_doctor_finds_an_under_used_machine():
+    """One process with one thread on 2 CPUs."""
+    rc, d = diagnosis(["--", sys.executable, str(BUSY), "60"], {"OMP_NUM_THREADS": "1"})
+    assert d["verdict"] == "under-used" and rc == 0, d
+    assert d["ranks"][0]["rank"] is None and "-np 2" in d["fix"], d
+
+
+@pytest.mark.timeout(60)
+def test_doctor_attaches_to_a_job_by_its_id():
+    job = subprocess.Popen([sys.executable, str(BUSY), "60"], env=clean_env({"SLURM_JOB_ID": "doctor-test-42",
+                                                                              "OMP_NUM_THREADS": "1"}))
+    try:
+        proc = doctor(["--job", "doctor-test-42", "--seconds", "1"])
+        assert proc.returncode == 0 and f"(pid {job.pid})" in proc.stdout and "verdict: " in proc.stdout, \
+            proc.stdout + proc.stderr
+    finally:
+        job.kill()
+        job.wait()
+
+
+def test_doctor_says_a_process_has_ended():
+    job = subprocess.Popen([sys.executable, "-c", "pass"])
+    job.wait()
+    proc = doctor(["--pid", str(job.pid)])
+    assert proc.returncode == 2 and f"process {job.pid} has ended" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("args,words", [([], "nothing to inspect"),
+                                        (["--pid", "1", "--", "true"], "not both"),
+                                        (["--seconds", "0", "--", "true"], "--seconds must be positive")])
+def test_doctor_refuses_bad_input(args, words):
+    proc = doctor(args)
+    assert proc.returncode == 2 and words in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

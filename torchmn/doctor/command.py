@@ -1,0 +1,130 @@
+"""``torchmn doctor``: run a command (or attach to a running job), sample its processes, and say in
+plain words whether it is oversubscribed, under-used or fine, and what to change."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import psutil
+
+from torchmn import resources
+from torchmn.doctor import processes, sampling, verdict
+
+EXIT_OVERSUBSCRIBED = 1
+EXIT_BAD_INPUT = 2
+
+
+def add_doctor(subparsers) -> None:
+    """Register ``torchmn doctor`` on the ``torchmn`` command's subparsers."""
+    p = subparsers.add_parser(
+        "doctor", allow_abbrev=False, help="find out why a job is slow: threads vs CPUs, per rank",
+        description="Sample a job's processes for a few seconds and say whether it is oversubscribed "
+                    "(more runnable threads than CPUs), under-used or fine, with the fix. Give a command "
+                    "after --, run under torchmn run with -np, or attach to a running job with --pid or --job.",
+        epilog="Exit status: 0 fine or under-used, 1 oversubscribed, 2 bad input. The command is stopped once "
+               "it has been sampled.")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--pid", type=int, default=None, help="a running process: it and its descendants")
+    where.add_argument("--job", default=None, metavar="JOB_ID",
+                       help="a running job's processes on this machine (TORCHMN_JOB_ID, SLURM_JOB_ID or "
+                            "TORCHELASTIC_RUN_ID)")
+    p.add_argument("-np", "--num-proc", dest="np", type=int, default=None, metavar="N",
+                   help="run the command under torchmn run -np N")
+    p.add_argument("--seconds", type=float, default=3.0, help="how long to sample (default 3)")
+    p.add_argument("--warmup", type=float, default=3.0,
+                   help="seconds to let a started command get past its imports before sampling (default 3)")
+    p.add_argument("--json", action="store_true", help="print the findings as JSON")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    p.set_defaults(handler=run_doctor, subparser=p)
+
+
+def run_doctor(args, parser) -> int:
+    """The handler of ``torchmn doctor``.
+
+    Returns:
+        :data:`EXIT_OVERSUBSCRIBED` where the job is oversubscribed, :data:`EXIT_BAD_INPUT` on bad
+        input, else 0.
+    """
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if args.seconds <= 0 or args.warmup < 0:
+        return _refuse("--seconds must be positive and --warmup not negative")
+    if (args.pid is not None or args.job is not None) and (command or args.np is not None):
+        return _refuse("give either --pid/--job or a command (with -np), not both")
+    started = None
+    try:
+        if args.pid is not None:
+            roots, where = [processes.process_tree(args.pid)], f"pid {args.pid}"
+        elif args.job is not None:
+            roots, where = processes.job_roots(args.job), f"job {args.job}"
+        elif command:
+            if args.np is not None and args.np < 1:
+                return _refuse(f"-np must be at least 1, not {args.np}")
+            started = _start(command, args.np)
+            roots, where = [psutil.Process(started.pid)], " ".join(command)
+            failed = _warm_up(started, args.warmup)
+            if failed is not None:
+                return _refuse(failed)
+        else:
+            return _refuse("nothing to inspect: give a command after -- (e.g. torchmn doctor -np 2 -- python "
+                           "train.py), --pid PID or --job JOB_ID")
+        ranks = processes.ranks_in_trees(roots)
+        if not ranks:
+            return _refuse(f"the processes of {where} ended before they could be sampled")
+        pids = [r.pid for r in ranks] + [w for r in ranks for w in r.workers]
+        samples = sampling.sample(pids, args.seconds)
+    except processes.ProcessGone as e:
+        return _refuse(str(e))
+    finally:
+        if started is not None:
+            _stop(started)
+    d = verdict.diagnose(ranks, samples, resources.cpu_count_available(), args.seconds)
+    print(json.dumps(d.to_json(), indent=1) if args.json else verdict.report(d, where), flush=True)
+    return EXIT_OVERSUBSCRIBED if d.verdict == verdict.OVERSUBSCRIBED else 0
+
+
+def _refuse(message: str) -> int:
+    sys.stderr.write(f"torchmn doctor: error: {message}\n")
+    return EXIT_BAD_INPUT
+
+
+def _start(command: list, np: Optional[int]) -> subprocess.Popen:
+    argv = [sys.executable, "-m", "torchmn", "run", "-np", str(np)] + command if np is not None else command
+    # Its own session, so that stopping it reaches every process it started; its output goes to
+    # stderr, so that --json output stays clean.
+    try:
+        return subprocess.Popen(argv, stdout=sys.stderr, stdin=subprocess.DEVNULL, start_new_session=True)
+    except OSError as e:
+        raise processes.ProcessGone(f"cannot start {argv[0]!r}: {e}") from None
+
+
+def _warm_up(proc: subprocess.Popen, warmup: float) -> Optional[str]:
+    """Wait ``warmup`` seconds; a message where the command ended meanwhile."""
+    deadline = time.monotonic() + warmup
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return (f"the command ended (exit code {proc.returncode}) within the {warmup:g} s warm-up, before "
+                    f"it could be sampled: give it more work, or a shorter --warmup")
+        time.sleep(0.05)
+    return None
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is not None:
+        return
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, PermissionError):
+        return
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()

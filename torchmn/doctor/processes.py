@@ -1,0 +1,157 @@
+"""Finding a job's processes on this machine: its ranks, each rank's DataLoader workers, and what
+each rank's environment says about threads.
+
+A rank is the topmost process of a tree that carries a rank variable (``TORCHMN_RANK``, torchrun's
+``RANK``, Open MPI's, MPICH's or Slurm's); its descendants are its workers, except torchmn's own
+helpers (the watcher and the guardian, started with ``-c`` and a ``torchmn.`` module). A process
+tree without any rank variable is one rank (a script run with plain ``python``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import socket
+from typing import Iterable, Optional
+
+import psutil
+
+RANK_VARIABLES = ("TORCHMN_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
+# What the doctor shows of each rank's environment: the thread settings every library reads.
+# TORCHMN_THREAD_VARIABLES names those torchmn run set (the others are the user's).
+THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TORCHMN_NUM_THREADS",
+                    "SLURM_CPUS_PER_TASK", "TORCHMN_THREAD_VARIABLES")
+JOB_VARIABLES = ("TORCHMN_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
+
+
+class ProcessGone(LookupError):
+    """The process asked for has ended (or never was)."""
+
+
+@dataclasses.dataclass
+class Rank:
+    """One rank of the job, as the doctor sees it.
+
+    Attributes:
+        pid: the rank's process.
+        rank: its rank, or None where no rank variable is set (a plain script).
+        host: the machine (this one).
+        settings: its thread variables (:data:`THREAD_VARIABLES`) that are set.
+        workers: its descendant processes other than torchmn's helpers (DataLoader workers).
+    """
+
+    pid: int
+    rank: Optional[int]
+    host: str
+    settings: dict
+    workers: list
+
+
+def _environ(proc: psutil.Process) -> dict:
+    try:
+        return proc.environ()
+    except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess, OSError):
+        return {}
+
+
+def _rank_of(env: dict) -> Optional[int]:
+    for name in RANK_VARIABLES:
+        value = env.get(name, "")
+        if value.strip().isdigit():
+            return int(value)
+    return None
+
+
+def _is_helper(proc: psutil.Process) -> bool:
+    """torchmn's watcher or guardian (not a worker of the script)."""
+    try:
+        cmdline = proc.cmdline()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+        return True
+    return "-c" in cmdline and any("torchmn." in part for part in cmdline)
+
+
+def ranks_in_trees(roots: Iterable[psutil.Process]) -> list:
+    """The ranks of the process trees under ``roots`` (each root included).
+
+    Args:
+        roots: the processes whose trees hold the job.
+
+    Returns:
+        The :class:`Rank` objects, in rank order; one rank without a number where no process of a
+        tree has a rank variable.
+    """
+    host = socket.gethostname()
+    ranks = []
+    for root in roots:
+        try:
+            tree = [root] + root.children(recursive=True)
+        except psutil.NoSuchProcess:
+            continue
+        envs = {p.pid: _environ(p) for p in tree}
+        numbered = {p.pid for p in tree if _rank_of(envs[p.pid]) is not None}
+        if not numbered:
+            numbered = {root.pid}
+        tops = [p for p in tree if p.pid in numbered and not _has_ancestor_in(p, numbered, root.pid)]
+        for top in tops:
+            try:
+                below = top.children(recursive=True)
+            except psutil.NoSuchProcess:
+                continue
+            env = envs.get(top.pid, {})
+            ranks.append(Rank(pid=top.pid, rank=_rank_of(env), host=host,
+                              settings={k: env[k] for k in THREAD_VARIABLES if k in env},
+                              workers=[p.pid for p in below if not _is_helper(p)]))
+    ranks.sort(key=lambda r: (r.rank is None, r.rank if r.rank is not None else 0, r.pid))
+    return ranks
+
+
+def _has_ancestor_in(proc: psutil.Process, pids: set, stop: int) -> bool:
+    try:
+        for parent in proc.parents():
+            if parent.pid in pids:
+                return True
+            if parent.pid == stop:
+                return False
+    except psutil.NoSuchProcess:
+        pass
+    return False
+
+
+def process_tree(pid: int) -> psutil.Process:
+    """The process ``pid``, for :func:`ranks_in_trees`.
+
+    Raises:
+        ProcessGone: it has ended, or never existed.
+    """
+    try:
+        proc = psutil.Process(pid)
+        if proc.status() == psutil.STATUS_ZOMBIE:
+            raise psutil.NoSuchProcess(pid)
+        return proc
+    except psutil.NoSuchProcess:
+        raise ProcessGone(f"process {pid} has ended (or never existed): nothing to inspect") from None
+
+
+def job_roots(job_id: str) -> list:
+    """The topmost processes on this machine whose environment names job ``job_id``
+    (``TORCHMN_JOB_ID``, Slurm's ``SLURM_JOB_ID``, or torchrun's ``TORCHELASTIC_RUN_ID``).
+
+    Raises:
+        ProcessGone: no process of this job runs here.
+    """
+    found = {}
+    for proc in psutil.process_iter():
+        env = _environ(proc)
+        if any(env.get(name) == job_id for name in JOB_VARIABLES):
+            found[proc.pid] = proc
+    roots = [p for p in found.values() if not any(a.pid in found for a in _parents(p))]
+    if not roots:
+        raise ProcessGone(f"no process of job {job_id} runs on this machine (looked for "
+                          f"{', '.join(JOB_VARIABLES)}={job_id} in every process's environment)")
+    return roots
+
+
+def _parents(proc: psutil.Process) -> list:
+    try:
+        return proc.parents()
+    except psutil.NoSuchProcess:
+        return []

@@ -1,0 +1,157 @@
+"""From samples to a verdict (oversubscribed, under-used, fine), the fix, and the report in words
+or JSON."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+from torchmn import resources
+
+OVERSUBSCRIBED, UNDER_USED, FINE = "oversubscribed", "under-used", "fine"
+# Runnable threads per CPU above which the ranks wait for CPUs (context switches, cold caches, and
+# OpenMP threads spinning for a partner that is not running): the 3-6x slowdowns.
+TOO_MANY = 1.3
+# Below this share of the CPUs used, the job leaves CPUs idle.
+TOO_FEW = 0.6
+
+
+@dataclasses.dataclass
+class Diagnosis:
+    """The doctor's findings.
+
+    Attributes:
+        verdict: :data:`OVERSUBSCRIBED`, :data:`UNDER_USED` or :data:`FINE`.
+        cpus: CPUs the ranks may use on this machine.
+        runnable: runnable threads of the job on average.
+        cpu_percent: CPU the job used, in percent of one CPU.
+        ranks: one dict per rank (pid, rank, threads, busy threads, CPU%, budget, settings, workers).
+        fix: what to change, in words ("" where nothing needs to).
+        seconds: the sampling window.
+    """
+
+    verdict: str
+    cpus: int
+    runnable: float
+    cpu_percent: float
+    ranks: list
+    fix: str
+    seconds: float
+
+    def to_json(self) -> dict:
+        """Returns: the diagnosis as plain data."""
+        return dataclasses.asdict(self)
+
+
+def diagnose(ranks: list, samples: dict, cpus: int, seconds: float) -> Diagnosis:
+    """Judge a sampled job.
+
+    Args:
+        ranks: the :class:`~torchmn.doctor.processes.Rank` objects of this machine.
+        samples: ``{pid: ProcessSample}`` for the ranks and their workers.
+        cpus: the CPUs the ranks may use.
+        seconds: the sampling window.
+
+    Returns:
+        The :class:`Diagnosis`.
+
+    Example::
+
+        >>> d = diagnose(ranks, sample(pids, 3.0), resources.cpu_count_available(), 3.0)
+        >>> d.verdict
+        'fine'
+    """
+    budget = max(1, cpus // max(1, len(ranks)))
+    rows, runnable, used = [], 0.0, 0.0
+    for r in ranks:
+        own = samples.get(r.pid)
+        workers = [samples[w] for w in r.workers if w in samples]
+        row = {"pid": r.pid, "rank": r.rank, "host": r.host, "settings": r.settings,
+               "threads": own.threads if own else 0, "busy_threads": own.busy_threads if own else 0,
+               "cpu_percent": round(own.cpu_percent, 1) if own else 0.0,
+               "runnable": round(own.runnable, 2) if own else 0.0,
+               "involuntary_switches_per_s": round(own.involuntary_per_s, 1) if own else 0.0,
+               "budget_threads": budget, "workers": len(workers),
+               "workers_cpu_percent": round(sum(w.cpu_percent for w in workers), 1),
+               "workers_runnable": round(sum(w.runnable for w in workers), 2)}
+        rows.append(row)
+        runnable += row["runnable"] + row["workers_runnable"]
+        used += row["cpu_percent"] + row["workers_cpu_percent"]
+    if runnable > TOO_MANY * cpus and runnable - cpus >= 1.0:
+        verdict, fix = OVERSUBSCRIBED, _fix_oversubscribed(rows, cpus, budget)
+    elif used < TOO_FEW * 100 * cpus and runnable < TOO_FEW * cpus + 0.5:
+        verdict, fix = UNDER_USED, _fix_under_used(rows, cpus, used)
+    else:
+        verdict, fix = FINE, ""
+    return Diagnosis(verdict, cpus, round(runnable, 2), round(used, 1), rows, fix, seconds)
+
+
+def _fix_oversubscribed(rows: list, cpus: int, budget: int) -> str:
+    fixes = []
+    # OMP_NUM_THREADS the user set (torchmn run lists those it set in TORCHMN_THREAD_VARIABLES).
+    set_threads = {row["settings"].get("OMP_NUM_THREADS") for row in rows
+                   if "OMP_NUM_THREADS" not in row["settings"].get("TORCHMN_THREAD_VARIABLES", "")} - {None}
+    if any(row["busy_threads"] > budget or row["runnable"] > budget + 0.5 for row in rows):
+        if set_threads:
+            fixes.append(f"OMP_NUM_THREADS={'/'.join(sorted(set_threads))} in the ranks' environment overrides "
+                         f"torchmn's budget of {budget} thread(s) per rank ({cpus} CPUs / {len(rows)} ranks): unset "
+                         f"it (torchmn run, and `import torchmn` under other launchers, then give each rank "
+                         f"{budget}) or set OMP_NUM_THREADS={budget}")
+        else:
+            fixes.append(f"each rank runs more threads than its share ({budget} of {cpus} CPUs for {len(rows)} "
+                         f"ranks): import torchmn before torch opens its pools, drop torch.set_num_threads() "
+                         f"calls above {budget}, or set TORCHMN_NUM_THREADS={budget}")
+    workers = sum(row["workers"] for row in rows)
+    if workers and sum(row["workers_runnable"] for row in rows) >= 1.0:
+        spare = resources.dataloader_workers_budget(len(rows))
+        fixes.append(f"{workers} DataLoader worker process(es) compete with the ranks for {cpus} CPUs: use "
+                     f"num_workers=torchmn.resources.dataloader_workers_budget(comm.intra_size) ({spare} here)")
+    if not fixes:
+        fixes.append(f"{len(rows)} rank(s) on {cpus} CPUs: start at most {cpus} ranks on this machine (-np)")
+    return "; ".join(fixes)
+
+
+def _fix_under_used(rows: list, cpus: int, used: float) -> str:
+    threads = max(1, max((row["busy_threads"] for row in rows), default=1))
+    per_rank = max(1, cpus // max(1, len(rows)))
+    return (f"{len(rows)} rank(s) used {used / 100:.1f} of {cpus} CPUs: give each rank {per_rank} thread(s) "
+            f"(unset OMP_NUM_THREADS, or TORCHMN_NUM_THREADS={per_rank}) or start {max(1, cpus // threads)} "
+            f"ranks (-np {max(1, cpus // threads)}); if the ranks wait on data or communication instead, "
+            f"more DataLoader workers or larger batches help")
+
+
+def _rank_name(row: dict) -> str:
+    return f"rank {row['rank']}" if row["rank"] is not None else "the process"
+
+
+def report(d: Diagnosis, where: Optional[str] = None) -> str:
+    """The diagnosis in plain words, a line per finding.
+
+    Args:
+        d: the diagnosis.
+        where: what was sampled (a command, a pid, a job).
+
+    Returns:
+        The report.
+    """
+    lines = [f"torchmn doctor: {len(d.ranks)} rank(s) on {d.ranks[0]['host'] if d.ranks else '?'}"
+             + (f" ({where})" if where else "") + f", sampled for {d.seconds:.1f} s",
+             f"CPUs the ranks may use here: {d.cpus} (affinity, cgroup quota and Slurm's allocation); "
+             f"torchmn's budget: {d.ranks[0]['budget_threads'] if d.ranks else '-'} thread(s) per rank"]
+    for row in d.ranks:
+        ours = row["settings"].get("TORCHMN_THREAD_VARIABLES", "").split(",")
+        settings = ", ".join(f"{k}={v}" + (" (torchmn's budget)" if k in ours else "")
+                             for k, v in row["settings"].items() if k != "TORCHMN_THREAD_VARIABLES")
+        settings = settings or "no thread variables set"
+        lines.append(f"{_rank_name(row)} (pid {row['pid']}): {row['threads']} threads, {row['busy_threads']} busy, "
+                     f"{row['runnable']:.1f} runnable on average, CPU {row['cpu_percent']:.0f}% "
+                     f"(its budget allows {100 * row['budget_threads']}%), {row['involuntary_switches_per_s']:.0f} "
+                     f"involuntary context switches/s; {settings}")
+        if row["workers"]:
+            lines.append(f"  {row['workers']} worker process(es) (DataLoader): CPU {row['workers_cpu_percent']:.0f}%, "
+                         f"{row['workers_runnable']:.1f} runnable on average")
+    lines.append(f"runnable threads: {d.runnable:.1f} on average for {d.cpus} CPUs "
+                 f"({d.runnable / max(1, d.cpus):.1f} per CPU); CPU used: {d.cpu_percent / 100:.1f} of {d.cpus}")
+    lines.append(f"verdict: {d.verdict}")
+    if d.fix:
+        lines.append(f"fix: {d.fix}")
+    return "\n".join(lines)
