@@ -1,5 +1,5 @@
 """The ``torchmn`` command: ``torchmn run -np N [options] COMMAND [ARGS...]`` (horovodrun's flags too),
-and ``torchmn doctor`` (:mod:`torchmn.doctor`).
+``torchmn doctor`` (:mod:`torchmn.doctor`) and ``torchmn tune`` (:mod:`torchmn.tune`).
 
 Subcommands are registered in ``SUBCOMMANDS``. ``run`` parses its options into one
 ``torchmn.launch.config.LaunchConfig`` and hands it to ``torchmn.launch.runner.run``.
@@ -12,6 +12,7 @@ Example::
     $ torchmn run -np 2 --log-dir logs --output-ranks 0 -- python train.py --epochs 3
     $ python -m torchmn run -np 2 python -c "import os; print(os.environ['RANK'])"
     $ torchmn doctor -np 2 -- python train.py
+    $ torchmn tune -np 2 --n-trials 20 -- python train.py
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Optional, Sequence, Set
 
 from torchmn.doctor.command import add_doctor
 from torchmn.launch import horovodrun_flags
+from torchmn.tune.command import add_tune
 
 
 def _ranks_list(text: str) -> Set[int]:
@@ -130,7 +132,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return e.exit_code
 
 
-SUBCOMMANDS = (_add_run, add_doctor)
+SUBCOMMANDS = (_add_run, add_doctor, add_tune)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -16,6 +16,10 @@ from typing import Callable, Dict, Mapping, Optional
 from torchmn.launch.environments.slurm import slurm_step_id
 
 TORCHMN_NUM_THREADS = "TORCHMN_NUM_THREADS"
+# Settings torchmn tune (or a user) can give a job without touching the script.
+TORCHMN_INTEROP_THREADS = "TORCHMN_INTEROP_THREADS"     # torch's inter-op pool, applied with the budget
+TORCHMN_NUM_WORKERS = "TORCHMN_NUM_WORKERS"             # what dataloader_workers_budget() returns
+TORCHMN_BUCKET_CAP_MB = "TORCHMN_BUCKET_CAP_MB"         # create_communicator's default bucket_cap_mb
 # Which of THREAD_VARIABLES torchmn run set (comma-separated), so that a rank can tell them from the user's.
 TORCHMN_THREAD_VARIABLES = "TORCHMN_THREAD_VARIABLES"
 
@@ -345,6 +349,7 @@ def apply_thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None
     if _applied is not None:
         return _applied
     env = _environ(env)
+    _apply_interop(env)
     chosen = requested_threads(env)
     omp = _positive_int(env.get("OMP_NUM_THREADS"))
     # torchmn run sets both to the same budget; a user's OMP_NUM_THREADS that differs wins.
@@ -366,8 +371,8 @@ def apply_thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None
 
 
 def dataloader_workers_budget(local_size: int, env: Optional[Mapping[str, str]] = None) -> int:
-    """A default ``num_workers`` for a rank's DataLoader: one less than its thread budget (the rank's
-    main thread keeps one CPU), at least 0.
+    """A default ``num_workers`` for a rank's DataLoader: ``TORCHMN_NUM_WORKERS`` where set, else one
+    less than its thread budget (the rank's main thread keeps one CPU), at least 0.
 
     Args:
         local_size: the ranks on this node.
@@ -376,12 +381,66 @@ def dataloader_workers_budget(local_size: int, env: Optional[Mapping[str, str]] 
     Returns:
         The number of DataLoader workers.
 
+    Raises:
+        ValueError: ``TORCHMN_NUM_WORKERS`` is not a whole number.
+
     Example::
 
         >>> dataloader_workers_budget(10**6)
         0
     """
     env = _environ(env)
+    workers = env.get(TORCHMN_NUM_WORKERS, "").strip()
+    if workers:
+        if not workers.isdigit():
+            raise ValueError(f"{TORCHMN_NUM_WORKERS} must be a whole number >= 0, not {workers!r}")
+        return int(workers)
     threads = requested_threads(env) or _positive_int(env.get("OMP_NUM_THREADS")) \
         or thread_budget(_ranks_sharing_cpus(local_size, env), env)
     return max(0, threads - 1)
+
+
+def _apply_interop(env: Mapping[str, str]) -> None:
+    """``TORCHMN_INTEROP_THREADS``, where set, sizes torch's inter-op pool (before it starts)."""
+    value = env.get(TORCHMN_INTEROP_THREADS)
+    if value is None:
+        return
+    threads = _positive_int(value)
+    if threads is None:
+        raise ValueError(f"{TORCHMN_INTEROP_THREADS} must be a positive integer, not {value!r}")
+    import torch
+
+    if torch.get_num_interop_threads() != threads:
+        try:
+            torch.set_num_interop_threads(threads)
+        except RuntimeError:  # the pool already ran work: torch cannot resize it any more
+            pass
+
+
+def bucket_cap_mb_requested(env: Optional[Mapping[str, str]] = None) -> Optional[float]:
+    """``TORCHMN_BUCKET_CAP_MB``, the default gradient bucket size of new communicators, or None.
+
+    Args:
+        env: the environment (default: ``os.environ``).
+
+    Returns:
+        The MB, or None where it is not set.
+
+    Raises:
+        ValueError: it is not a number >= 0.
+
+    Example::
+
+        >>> bucket_cap_mb_requested({"TORCHMN_BUCKET_CAP_MB": "4"})
+        4.0
+    """
+    value = _environ(env).get(TORCHMN_BUCKET_CAP_MB)
+    if value is None or not value.strip():
+        return None
+    try:
+        mb = float(value)
+    except ValueError:
+        mb = -1.0
+    if not mb >= 0:
+        raise ValueError(f"{TORCHMN_BUCKET_CAP_MB} must be a number of MB >= 0, not {value!r}")
+    return mb

@@ -51,7 +51,8 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
             ``TORCHMN_TIMEOUT``, else 600 s).
         init_method: as ``torch.distributed.init_process_group``'s (``env://``,
             ``tcp://host:port``, ``file:///shared/path``); default: from the launcher.
-        bucket_cap_mb: how many MB of gradients go in one message (default 25).
+        bucket_cap_mb: how many MB of gradients go in one message (default ``TORCHMN_BUCKET_CAP_MB``,
+            else 25).
 
     Returns:
         The :class:`Communicator` of this rank.
@@ -101,6 +102,8 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
     trust_launcher = env is not None and env.node_rank is not None and env.size == size
     node_key = env.node_rank if trust_launcher else socket.gethostname()
     kwargs = {}
+    if bucket_cap_mb is None:
+        bucket_cap_mb = resources.bucket_cap_mb_requested()
     if bucket_cap_mb is not None:
         kwargs["bucket_cap_bytes"] = int(bucket_cap_mb * 1024 * 1024)
     cls = resolve(name, backend, size)

@@ -1,0 +1,99 @@
+"""`torchmn tune` on tiny real commands: resuming a killed search, pruning a trial past its timeout,
+stopping on a command that always fails, and one clear line for bad input."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from jobs import clean_env
+
+optuna = pytest.importorskip("optuna")
+
+# Prints its objective from X; hangs where the file HANG names exists and is then removed (once).
+TRIAL = ("import os, sys, time\n"
+         "hang = os.environ.get('HANG')\n"
+         "if hang and os.path.exists(hang):\n"
+         "    os.remove(hang); time.sleep(60)\n"
+         "time.sleep(0.3)\n"
+         "print('torchmn-objective:', float(os.environ['X']))\n")
+
+
+def tune(args, cwd, env=None, timeout=90):
+    return subprocess.run([sys.executable, "-m", "torchmn", "tune", *args], cwd=cwd, env=clean_env(env),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def trials(storage):
+    study = optuna.load_study(study_name="t", storage=storage)
+    return study.get_trials(deepcopy=False)
+
+
+@pytest.mark.timeout(120)
+def test_tune_resumes_after_being_killed(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'tune.db'}"
+    args = ["--storage", storage, "--study-name", "t", "--only-params", "--param", "X=int:1:9", "--n-trials", "3",
+            "--", sys.executable, "-c", TRIAL]
+    hang = tmp_path / "hang"
+    hang.touch()
+    # The first trial hangs: kill the search while it runs, as a node failure or Ctrl-C would.
+    proc = subprocess.Popen([sys.executable, "-m", "torchmn", "tune", *args], cwd=tmp_path,
+                            env=clean_env({"HANG": str(hang)}), start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 30
+    while hang.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    time.sleep(0.5)
+    # SIGKILL leaves no time to stop the trial (in a session of its own): end it by its pid too.
+    orphans = psutil.Process(proc.pid).children(recursive=True)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for p in orphans:
+        p.kill()
+    assert [t.state.name for t in trials(storage)] == ["RUNNING"]
+    out = tune(args, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "resuming study 't' (1 trial(s) done)" in out.stderr, out.stderr
+    states = [t.state.name for t in trials(storage)]
+    assert states == ["FAIL", "COMPLETE", "COMPLETE"], states  # the killed one, marked failed; then the rest
+    best = min(t.value for t in trials(storage) if t.value is not None)
+    assert f"best ({best:.3f} s): X={int(best)} " in out.stdout and "| trial | state | time s | X |" in out.stdout, \
+        out.stdout
+    again = tune(args, tmp_path)  # the study holds its 3 finished trials: nothing more to run
+    assert again.returncode == 0 and "resuming study 't' (3 trial(s) done)" in again.stderr, again.stderr
+    assert len(trials(storage)) == 3
+
+
+@pytest.mark.timeout(120)
+def test_tune_prunes_a_trial_past_its_timeout(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'tune.db'}"
+    (tmp_path / "hang").touch()
+    out = tune(["--storage", storage, "--study-name", "t", "--only-params", "--param", "X=int:1:9", "--n-trials", "2",
+                "--trial-timeout", "3", "--", sys.executable, "-c", TRIAL], tmp_path, {"HANG": str(tmp_path / "hang")})
+    assert out.returncode == 0, out.stderr
+    first, second = trials(storage)
+    assert first.state.name == "PRUNED" and "--trial-timeout" in first.user_attrs["reason"], first
+    assert second.state.name == "COMPLETE" and second.value == second.params["X"], second
+
+
+@pytest.mark.timeout(120)
+def test_tune_stops_when_every_trial_fails(tmp_path):
+    out = tune(["--storage", f"sqlite:///{tmp_path / 'tune.db'}", "--n-trials", "10", "--", sys.executable, "-c",
+                "import sys; print('bad config'); sys.exit(3)"], tmp_path)
+    assert out.returncode == 2, out.stderr
+    assert "torchmn tune: error: 3 trials in a row failed" in out.stderr and "exit code 3" in out.stderr \
+        and "bad config" in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize("args,words", [
+    ([], "no command to tune"),
+    (["--param", "X=int:5", "--", "true"], "--param 'X=int:5'"),
+    (["--param", "X=lognormal:1:2", "--", "true"], "expected NAME=int:LOW:HIGH"),
+    (["--storage", "sqlite:////nonexistent-dir/x/tune.db", "--", "true"], "cannot open the storage"),
+])
+def test_tune_refuses_bad_input(args, words, tmp_path):
+    out = tune(args, tmp_path)
+    assert out.returncode == 2 and words in out.stderr and out.stderr.count("\n") == 1, out.stderr

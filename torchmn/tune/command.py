@@ -1,0 +1,82 @@
+"""``torchmn tune -- COMMAND``: search thread, worker and bucket settings of a training command with
+Optuna, each trial a real run of it."""
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+
+
+def add_tune(subparsers) -> None:
+    """Register ``torchmn tune`` on the ``torchmn`` command's subparsers."""
+    p = subparsers.add_parser(
+        "tune", allow_abbrev=False, help="search threads, DataLoader workers and bucket size with Optuna",
+        description="Run COMMAND once per trial with settings Optuna suggests (torchmn's thread, inter-op, "
+                    "DataLoader-worker and bucket-size variables, and any --param), minimizing the time it "
+                    "reports: a line 'torchmn-objective: SECONDS', else the elapsed_time of its LogReport "
+                    "(--log), else its wall time. The study lives in --storage, so running the same search "
+                    "again resumes it.")
+    p.add_argument("-np", "--num-proc", dest="np", type=int, default=None, metavar="N",
+                   help="run each trial under torchmn run -np N")
+    p.add_argument("--n-trials", type=int, default=20, help="trials the study should hold in the end (20)")
+    p.add_argument("--timeout", type=float, default=None, metavar="SECONDS", help="stop starting trials after this")
+    p.add_argument("--trial-timeout", type=float, default=None, metavar="SECONDS",
+                   help="stop and prune a trial that runs longer")
+    p.add_argument("--storage", default=None, metavar="URL",
+                   help="Optuna storage (default sqlite:///torchmn-tune.db in the working directory)")
+    p.add_argument("--study-name", default=None, help="default: derived from the command and the parameters")
+    p.add_argument("--param", action="append", default=[], metavar="NAME=KIND:...",
+                   help="search this too: NAME=int:LOW:HIGH, float:LOW:HIGH, log:LOW:HIGH or cat:A,B; NAME an "
+                        "environment variable, or --option to pass as an argument (repeatable)")
+    p.add_argument("--only-params", action="store_true", help="search only the --param ones, not torchmn's own")
+    p.add_argument("--log", default=None, metavar="FILE",
+                   help="the LogReport file the command writes (its elapsed_time is the objective, and its "
+                        "entries feed the pruner)")
+    p.add_argument("--plot", default=None, metavar="FILE", help="write the optimization history (PNG, PDF, ...)")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    p.set_defaults(handler=run_tune, subparser=p)
+
+
+def run_tune(args, parser) -> int:
+    """The handler of ``torchmn tune``. Returns: 0, or 2 when it cannot run or go on."""
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    try:
+        from torchmn.tune.space import default_space, parse_param
+        from torchmn.tune.study import Tuner, TuneError
+    except ImportError as e:
+        return _refuse(f"{e.name} is missing: pip install 'torchmn[tune]'")
+    if not command:
+        return _refuse("no command to tune: torchmn tune [options] -- python train.py")
+    if args.n_trials < 1 or (args.np is not None and args.np < 1):
+        return _refuse("--n-trials and -np must be at least 1")
+    try:
+        extra = [parse_param(spec) for spec in args.param]
+    except ValueError as e:
+        return _refuse(str(e))
+    if args.only_params and not extra:
+        return _refuse("--only-params needs at least one --param")
+    cpus = len(os.sched_getaffinity(0))
+    params = ([] if args.only_params else default_space(cpus, args.np or 1)) + extra
+    # A SIGTERM (a scheduler's, a CI's) ends the search like Ctrl-C: the running trial is stopped.
+    signal.signal(signal.SIGTERM, _terminated)
+    try:
+        tuner = Tuner(command, np=args.np, params=params, storage=args.storage, study_name=args.study_name,
+                      trial_timeout=args.trial_timeout, log=args.log)
+        study = tuner.optimize(args.n_trials, args.timeout)
+    except TuneError as e:
+        return _refuse(str(e))
+    print(tuner.summary(study), flush=True)
+    if args.plot:
+        for path in tuner.plot(study, args.plot):
+            print(f"plot: {path}", flush=True)
+    return 0
+
+
+def _refuse(message: str) -> int:
+    sys.stderr.write(f"torchmn tune: error: {message}\n")
+    return 2
+
+
+def _terminated(signum, frame):
+    raise SystemExit(128 + signum)

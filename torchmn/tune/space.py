@@ -1,0 +1,132 @@
+"""What ``torchmn tune`` searches: parameters, how each reaches the command, and the default space.
+
+A parameter whose name starts with ``--`` reaches the command as an argument (``--lr 0.01``);
+any other name is an environment variable of every rank (``TORCHMN_NUM_THREADS=2``). The default
+space is torchmn's own settings, which every script honours without a change:
+``TORCHMN_NUM_THREADS`` (threads per rank), ``TORCHMN_INTEROP_THREADS`` (torch's inter-op pool),
+``TORCHMN_NUM_WORKERS`` (``torchmn.resources.dataloader_workers_budget``'s answer) and
+``TORCHMN_BUCKET_CAP_MB`` (the gradient bucket size).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+KINDS = ("int", "float", "log", "cat")
+
+
+@dataclasses.dataclass(frozen=True)
+class Param:
+    """One searched setting.
+
+    Attributes:
+        name: an environment variable, or ``--option`` for an argument.
+        kind: ``"int"``, ``"float"``, ``"log"`` (a float searched on a log scale) or ``"cat"``.
+        low, high: the range (``int``, ``float``, ``log``).
+        choices: the values (``cat``).
+    """
+
+    name: str
+    kind: str
+    low: Optional[float] = None
+    high: Optional[float] = None
+    choices: tuple = ()
+
+    def suggest(self, trial):
+        """Returns: this parameter's value for ``trial`` (an ``optuna.Trial``)."""
+        if self.kind == "int":
+            return trial.suggest_int(self.name, int(self.low), int(self.high))
+        if self.kind in ("float", "log"):
+            return trial.suggest_float(self.name, self.low, self.high, log=self.kind == "log")
+        return trial.suggest_categorical(self.name, list(self.choices))
+
+    @property
+    def is_argument(self) -> bool:
+        """Returns: whether it reaches the command as an argument (else as an environment variable)."""
+        return self.name.startswith("--")
+
+
+def parse_param(spec: str) -> Param:
+    """Parse ``NAME=KIND:...``: ``int:LOW:HIGH``, ``float:LOW:HIGH``, ``log:LOW:HIGH`` or
+    ``cat:A,B,C``.
+
+    Args:
+        spec: the text given to ``--param``.
+
+    Returns:
+        The :class:`Param`.
+
+    Raises:
+        ValueError: the text does not have that form (the message shows what does).
+
+    Example::
+
+        >>> parse_param("OMP_NUM_THREADS=int:1:4")
+        Param(name='OMP_NUM_THREADS', kind='int', low=1, high=4, choices=())
+        >>> parse_param("--lr=log:1e-4:1e-1").is_argument
+        True
+    """
+    usage = ("expected NAME=int:LOW:HIGH, NAME=float:LOW:HIGH, NAME=log:LOW:HIGH or NAME=cat:A,B,... "
+             "(NAME an environment variable, or --option for an argument), e.g. OMP_NUM_THREADS=int:1:4")
+    name, sep, rest = spec.partition("=")
+    kind, _, values = rest.partition(":")
+    if not sep or not name or kind not in KINDS or not values:
+        raise ValueError(f"--param {spec!r}: {usage}")
+    if kind == "cat":
+        choices = tuple(v for v in values.split(",") if v)
+        if not choices:
+            raise ValueError(f"--param {spec!r}: no choices; {usage}")
+        return Param(name, kind, choices=choices)
+    parts = values.split(":")
+    try:
+        low, high = (int(p) for p in parts) if kind == "int" else (float(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"--param {spec!r}: LOW and HIGH must be {'whole ' if kind == 'int' else ''}numbers; "
+                         f"{usage}") from None
+    if low > high or (kind == "log" and low <= 0):
+        raise ValueError(f"--param {spec!r}: need LOW <= HIGH{' and LOW > 0 on a log scale' if kind == 'log' else ''}")
+    return Param(name, kind, low, high)
+
+
+def default_space(cpus: int, ranks: int) -> list:
+    """torchmn's own settings, sized for ``ranks`` ranks sharing ``cpus`` CPUs.
+
+    Args:
+        cpus: the CPUs of the machine the trials run on.
+        ranks: the ranks each trial starts on it.
+
+    Returns:
+        The parameters.
+
+    Example::
+
+        >>> [p.name for p in default_space(8, 2)]
+        ['TORCHMN_NUM_THREADS', 'TORCHMN_INTEROP_THREADS', 'TORCHMN_NUM_WORKERS', 'TORCHMN_BUCKET_CAP_MB']
+    """
+    top = max(1, cpus // max(1, ranks))
+    return [Param("TORCHMN_NUM_THREADS", "int", 1, max(top, min(cpus, 2 * top))),
+            Param("TORCHMN_INTEROP_THREADS", "int", 1, max(1, top)),
+            Param("TORCHMN_NUM_WORKERS", "int", 0, max(1, top)),
+            Param("TORCHMN_BUCKET_CAP_MB", "cat", choices=("1", "4", "25", "100"))]
+
+
+def apply(params: list, values: dict, command: list, env: dict) -> tuple:
+    """The command line and environment of a trial.
+
+    Args:
+        params: the searched parameters.
+        values: the trial's value of each (by name).
+        command: the command.
+        env: the environment to start from.
+
+    Returns:
+        ``(argv, env)``: the command with argument parameters appended, and the environment with
+        the others set.
+    """
+    argv, env = list(command), dict(env)
+    for p in params:
+        if p.is_argument:
+            argv += [p.name, str(values[p.name])]
+        else:
+            env[p.name] = str(values[p.name])
+    return argv, env

@@ -1,0 +1,183 @@
+"""``torchmn tune``'s study: trials of a command over a search space, kept in an Optuna storage so
+that an interrupted search resumes, and the summary (a table of trials, the best command line)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shlex
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+from torchmn.tune import space as space_
+from torchmn.tune.trial_run import COMPLETE, PRUNED, run_trial
+
+DEFAULT_STORAGE = "sqlite:///torchmn-tune.db"
+FAILURES_IN_A_ROW = 3
+
+
+class TuneError(RuntimeError):
+    """``torchmn tune`` cannot go on (a storage it cannot open, a command that fails every time)."""
+
+
+class Tuner:
+    """Search settings of a training command: each trial is a real run of it.
+
+    Args:
+        command: the command (``["python", "train.py"]``).
+        np: run each trial under ``torchmn run -np np`` (None: the command as it is).
+        params: the :class:`~torchmn.tune.space.Param` list (default: torchmn's own settings,
+            :func:`~torchmn.tune.space.default_space`).
+        storage: an Optuna storage URL (default ``sqlite:///torchmn-tune.db``, in the working directory).
+        study_name: the study's name (default: one derived from the command, so that running the
+            same search again resumes it).
+        trial_timeout: seconds a trial may run; past it, it is stopped and pruned.
+        log: a pytorch-pfn-extras ``LogReport`` file the command writes (objective and progress).
+
+    Example::
+
+        >>> tuner = Tuner(["python", "train.py"], np=2,
+        ...               params=default_space(8, 2) + [parse_param("--lr=log:1e-4:1e-1")])
+        >>> study = tuner.optimize(n_trials=20)
+        >>> print(tuner.summary(study))
+    """
+
+    def __init__(self, command: list, *, np: Optional[int] = None, params: Optional[list] = None,
+                 storage: Optional[str] = None, study_name: Optional[str] = None,
+                 trial_timeout: Optional[float] = None, log: Optional[str] = None):
+        if not command:
+            raise ValueError("torchmn tune needs a command: torchmn tune [options] -- python train.py")
+        self.command, self.np = list(command), np
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        self.params = list(params) if params is not None else space_.default_space(cpus, np or 1)
+        self.storage = storage or DEFAULT_STORAGE
+        key = json.dumps([self.command, np, [p.name for p in self.params]])
+        self.study_name = study_name or f"torchmn-tune-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+        self.trial_timeout, self.log = trial_timeout, log
+        self.launch = [sys.executable, "-m", "torchmn", "run", "-np", str(np)] if np is not None else []
+
+    def open(self):
+        """The study, created or loaded; trials a killed search left running are marked failed.
+
+        Raises:
+            TuneError: the storage cannot be opened.
+        """
+        import optuna
+
+        try:
+            study = optuna.create_study(storage=self.storage, study_name=self.study_name, direction="minimize",
+                                        load_if_exists=True,
+                                        pruner=optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1))
+        except Exception as e:  # sqlalchemy's, optuna's and the OS's errors alike
+            raise TuneError(f"cannot open the storage {self.storage!r}: {type(e).__name__}: "
+                            f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
+            study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+        return study
+
+    def optimize(self, n_trials: int, timeout: Optional[float] = None, progress=None):
+        """Run trials until the study holds ``n_trials`` finished ones (earlier runs' count) or
+        ``timeout`` seconds pass.
+
+        Args:
+            n_trials: trials the study should hold in the end.
+            timeout: seconds for this call (None: no limit).
+            progress: called with a line per trial (default: print to stderr).
+
+        Returns:
+            The ``optuna.Study``.
+
+        Raises:
+            TuneError: the storage cannot be opened, or 3 trials in a row failed (the last error in
+                the message).
+        """
+        import optuna
+        from optuna.trial import TrialState
+
+        progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
+        study = self.open()
+        done = sum(1 for t in study.get_trials(deepcopy=False) if t.state.is_finished())
+        if done:
+            progress(f"torchmn tune: resuming study {self.study_name!r} ({done} trial(s) done)")
+        deadline = None if timeout is None else time.monotonic() + timeout
+        failures = 0
+        while done < n_trials and (deadline is None or time.monotonic() < deadline):
+            trial = study.ask()
+            values = {p.name: p.suggest(trial) for p in self.params}
+            argv, env = space_.apply(self.params, values, self.launch + self.command, os.environ)
+            outcome = run_trial(argv, env, trial, self.trial_timeout, self.log)
+            trial.set_user_attr("wall_s", round(outcome.wall, 3))
+            if outcome.state == COMPLETE:
+                study.tell(trial, outcome.value)
+                failures = 0
+            elif outcome.state == PRUNED:
+                trial.set_user_attr("reason", outcome.reason)
+                study.tell(trial, state=TrialState.PRUNED)
+                failures = 0
+            else:
+                trial.set_user_attr("error", outcome.reason[-2000:])
+                study.tell(trial, state=TrialState.FAIL)
+                failures += 1
+            done += 1
+            shown = f"{outcome.value:.3f} s" if outcome.value is not None else outcome.reason.splitlines()[0]
+            progress(f"trial {trial.number}: {_settings(values)} -> {outcome.state}, {shown}")
+            if failures >= FAILURES_IN_A_ROW:
+                raise TuneError(f"{failures} trials in a row failed, so the command fails whatever the settings; "
+                                f"stopping. The last one: {outcome.reason}")
+        optuna.logging.set_verbosity(optuna.logging.WARNING)
+        return study
+
+    def best_command(self, study) -> Optional[str]:
+        """Returns: the best trial's settings as one shell command line, or None where no trial completed."""
+        try:
+            best = study.best_trial
+        except ValueError:
+            return None
+        argv, env = space_.apply(self.params, best.params, self.command, {})
+        launch = ["torchmn", "run", "-np", str(self.np)] if self.np is not None else []
+        return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in launch + argv])
+
+    def summary(self, study) -> str:
+        """Returns: a table of the study's trials (settings, time, state) and the best command line."""
+        names = [p.name for p in self.params]
+        rows = ["| trial | state | time s | " + " | ".join(names) + " |", "|---" * (len(names) + 3) + "|"]
+        for t in study.get_trials(deepcopy=False):
+            value = f"{t.value:.3f}" if t.value is not None else "-"
+            rows.append(f"| {t.number} | {t.state.name.lower()} | {value} | "
+                        + " | ".join(str(t.params.get(n, "-")) for n in names) + " |")
+        best = self.best_command(study)
+        rows.append("")
+        rows.append(f"best ({study.best_value:.3f} s): {best}" if best else "no trial completed")
+        return "\n".join(rows)
+
+    def plot(self, study, path: str) -> list:
+        """Write the optimization history to ``path`` and, where Optuna can compute them, the
+        parameter importances next to it (``<name>-importances<suffix>``), with matplotlib.
+
+        Returns:
+            The files written.
+        """
+        import matplotlib
+
+        matplotlib.use("Agg")
+        from optuna.visualization import matplotlib as plots
+
+        written = []
+        ax = plots.plot_optimization_history(study)
+        ax.figure.savefig(path, bbox_inches="tight")
+        written.append(path)
+        target = Path(path)
+        try:
+            ax = plots.plot_param_importances(study)
+            other = str(target.with_name(f"{target.stem}-importances{target.suffix}"))
+            ax.figure.savefig(other, bbox_inches="tight")
+            written.append(other)
+        except (RuntimeError, ValueError):
+            pass  # fewer than two completed trials, or no parameter varied
+        return written
+
+
+def _settings(values: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in values.items())
