@@ -265,3 +265,14 @@ def test_horovod_example_runs_under_horovodrun_flags_to_one_process_accuracy(tmp
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     epochs = [line.split()[2] for line in resumed.stdout.splitlines() if "val accuracy" in line]
     assert epochs == ["11"] and _accuracies(resumed.stdout)[-1] >= 0.92, resumed.stdout
+
+
+def test_tune_example_two_ranks_per_trial(tmp_path):
+    """examples/tune/tune_mnist.py: 2 ranks run each trial; the study (a sqlite file) resumes."""
+    storage = f"sqlite:///{tmp_path / 'study.db'}"
+    args = ["--n-train", "400", "--epochs", "1", "--n-trials", "2", "--storage", storage]
+    first = run_job(REPO / "examples" / "tune" / "tune_mnist.py", args, np=2, launcher="torchmn",
+                    timeout=JOB_TIMEOUT)
+    assert first.stdout.count("complete accuracy") == 2 and "best: accuracy" in first.stdout, first.stdout
+    again = run_job(REPO / "examples" / "tune" / "tune_mnist.py", args, np=2, launcher="torchmn", timeout=JOB_TIMEOUT)
+    assert again.stdout.count("complete accuracy") == 4, again.stdout

@@ -97,3 +97,12 @@ def test_tune_stops_when_every_trial_fails(tmp_path):
 def test_tune_refuses_bad_input(args, words, tmp_path):
     out = tune(args, tmp_path)
     assert out.returncode == 2 and words in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("check", ["states", "uncaught"])
+def test_multi_node_study(check, tmp_path):
+    """2 ranks run each trial together; a failure or a prune on one rank ends it alike on both."""
+    from jobs import WORKERS, run_job
+    out = run_job(WORKERS / "tune_checks.py", [f"sqlite:///{tmp_path / 'study.db'}", check], np=2, timeout=90)
+    assert f"PASS {check}" in out.stdout, out.stdout + out.stderr

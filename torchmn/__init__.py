@@ -19,6 +19,7 @@ from torchmn.evaluators import GenericMultiNodeEvaluator, create_multi_node_eval
 from torchmn.iterators import create_multi_node_iterator
 from torchmn.optimizers import MultiNodeOptimizer, ShardedMultiNodeOptimizer, create_multi_node_optimizer
 from torchmn import functions, nn  # model parallelism: torchmn.functions.send, torchmn.nn.Pipeline, ...
+from torchmn import tune  # torchmn.tune.MultiNodeStudy (Optuna itself is imported when used)
 
 __version__ = "0.1.0"
 
@@ -26,5 +27,5 @@ __all__ = [
     "CollectiveMismatchError", "CollectiveTimeoutError", "Communicator", "GenericMultiNodeEvaluator", "MultiNodeOptimizer",
     "ShardedMultiNodeOptimizer", "SharedDataset", "create_communicator", "create_empty_dataset",
     "create_multi_node_evaluator", "create_multi_node_iterator", "create_multi_node_optimizer",
-    "scatter_dataset", "scatter_index", "TorchmnError", "functions", "nn", "__version__",
+    "scatter_dataset", "scatter_index", "TorchmnError", "functions", "nn", "tune", "__version__",
 ]

@@ -136,6 +136,28 @@ def _read_cfs_quota(directory: str) -> Optional[int]:
     return max(1, math.ceil(quota / period))
 
 
+def cpu_limits(env: Optional[Mapping[str, str]] = None, affinity: Optional[int] = None) -> Dict[str, Optional[int]]:
+    """What limits the CPUs a process may use, each as a CPU count (None where it sets no limit).
+
+    Args:
+        env: the process's environment (default: ``os.environ``), for Slurm's allocation.
+        affinity: its CPU affinity count (default: this process's).
+
+    Returns:
+        ``{"affinity": n, "cgroup": quota or None, "slurm": cpus or None}``.
+
+    Example::
+
+        >>> cpu_limits({"SLURM_CPUS_ON_NODE": "4"}, affinity=8)["slurm"]
+        4
+    """
+    env = _environ(env)
+    slurm = _positive_int(env.get("SLURM_CPUS_PER_TASK")) if _srun_task(env) else None
+    if slurm is None:
+        slurm = _positive_int(env.get("SLURM_CPUS_ON_NODE"))
+    return {"affinity": affinity or _affinity_count(), "cgroup": _cgroup_cpu_limit(), "slurm": slurm}
+
+
 def cpu_count_available(env: Optional[Mapping[str, str]] = None) -> int:
     """CPUs this process may use: the tightest of its CPU affinity, a cgroup CPU quota and what
     Slurm allocated: ``--cpus-per-task`` (``SLURM_CPUS_PER_TASK``) for a task that srun started,
@@ -153,16 +175,7 @@ def cpu_count_available(env: Optional[Mapping[str, str]] = None) -> int:
         >>> cpu_count_available({"SLURM_STEP_ID": "0", "SLURM_CPUS_PER_TASK": "1"})
         1
     """
-    env = _environ(env)
-    counts = [_affinity_count()]
-    quota = _cgroup_cpu_limit()
-    if quota is not None:
-        counts.append(quota)
-    slurm = _positive_int(env.get("SLURM_CPUS_PER_TASK")) if _srun_task(env) else None
-    if slurm is None:
-        slurm = _positive_int(env.get("SLURM_CPUS_ON_NODE"))
-    if slurm is not None:
-        counts.append(slurm)
+    counts = [n for n in cpu_limits(env).values() if n is not None]
     return max(1, min(counts))
 
 

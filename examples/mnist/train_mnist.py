@@ -27,6 +27,7 @@ from tqdm import tqdm
 
 import torchmn  # torchmn: the library
 import torchmn.datasets
+import torchmn.resources
 import torchmn.evaluators
 from data import add_data_arguments, load_mnist
 
@@ -67,7 +68,9 @@ def main():
     train, val = load_mnist(args.n_train, args.data_dir) if comm.rank == 0 else (None, None)
     train = torchmn.datasets.scatter_dataset(train, comm, shuffle=True, seed=args.seed)
     val = torchmn.datasets.scatter_dataset(val, comm, shuffle=True, seed=args.seed, force_equal_length=False)
-    train_loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True)
+    workers = torchmn.resources.dataloader_workers_budget(comm.intra_size)  # torchmn: CPUs left to this rank
+    train_loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True,
+                                               num_workers=workers, persistent_workers=workers > 0)
     val_loader = torch.utils.data.DataLoader(val, batch_size=args.batch_size)
 
     model = make_model()

@@ -14,7 +14,7 @@ from typing import Optional
 import psutil
 
 from torchmn import resources
-from torchmn.doctor import processes, sampling, verdict
+from torchmn.doctor import pools, processes, sampling, verdict
 
 EXIT_OVERSUBSCRIBED = 1
 EXIT_BAD_INPUT = 2
@@ -83,7 +83,8 @@ def run_doctor(args, parser) -> int:
     finally:
         if started is not None:
             _stop(started)
-    d = verdict.diagnose(ranks, samples, resources.cpu_count_available(), args.seconds)
+    limits = resources.cpu_limits(ranks[0].slurm, affinity=processes.affinity(ranks[0].pid))
+    d = verdict.diagnose(ranks, samples, limits, args.seconds, pools.probe(ranks[0].settings))
     print(json.dumps(d.to_json(), indent=1) if args.json else verdict.report(d, where), flush=True)
     return EXIT_OVERSUBSCRIBED if d.verdict == verdict.OVERSUBSCRIBED else 0
 

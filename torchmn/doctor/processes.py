@@ -20,6 +20,8 @@ RANK_VARIABLES = ("TORCHMN_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "P
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "TORCHMN_NUM_THREADS",
                     "SLURM_CPUS_PER_TASK", "TORCHMN_THREAD_VARIABLES")
 JOB_VARIABLES = ("TORCHMN_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
+# What Slurm allocated, for the CPUs the rank may use (torchmn.resources.cpu_limits reads them).
+SLURM_VARIABLES = ("SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE", "SLURM_STEP_ID")
 
 
 class ProcessGone(LookupError):
@@ -36,6 +38,7 @@ class Rank:
         host: the machine (this one).
         settings: its thread variables (:data:`THREAD_VARIABLES`) that are set.
         workers: its descendant processes other than torchmn's helpers (DataLoader workers).
+        slurm: its Slurm allocation variables that are set (:data:`SLURM_VARIABLES`).
     """
 
     pid: int
@@ -43,6 +46,7 @@ class Rank:
     host: str
     settings: dict
     workers: list
+    slurm: dict = dataclasses.field(default_factory=dict)
 
 
 def _environ(proc: psutil.Process) -> dict:
@@ -99,7 +103,8 @@ def ranks_in_trees(roots: Iterable[psutil.Process]) -> list:
             env = envs.get(top.pid, {})
             ranks.append(Rank(pid=top.pid, rank=_rank_of(env), host=host,
                               settings={k: env[k] for k in THREAD_VARIABLES if k in env},
-                              workers=[p.pid for p in below if not _is_helper(p)]))
+                              workers=[p.pid for p in below if not _is_helper(p)],
+                              slurm={k: env[k] for k in SLURM_VARIABLES if k in env}))
     ranks.sort(key=lambda r: (r.rank is None, r.rank if r.rank is not None else 0, r.pid))
     return ranks
 
@@ -155,3 +160,11 @@ def _parents(proc: psutil.Process) -> list:
         return proc.parents()
     except psutil.NoSuchProcess:
         return []
+
+
+def affinity(pid: int) -> Optional[int]:
+    """Returns: how many CPUs process ``pid`` may run on, or None where that cannot be read."""
+    try:
+        return len(psutil.Process(pid).cpu_affinity())
+    except (psutil.Error, AttributeError, OSError):
+        return None

@@ -6,6 +6,7 @@ import dataclasses
 from typing import Optional
 
 from torchmn import resources
+from torchmn.doctor import pools
 
 OVERSUBSCRIBED, UNDER_USED, FINE = "oversubscribed", "under-used", "fine"
 # Runnable threads per CPU above which the ranks wait for CPUs (context switches, cold caches, and
@@ -21,7 +22,9 @@ class Diagnosis:
 
     Attributes:
         verdict: :data:`OVERSUBSCRIBED`, :data:`UNDER_USED` or :data:`FINE`.
-        cpus: CPUs the ranks may use on this machine.
+        cpus: CPUs the ranks may use on this machine (the tightest of ``limits``).
+        limits: what limits them (``torchmn.resources.cpu_limits``: affinity, cgroup, slurm).
+        pools: the thread pools a process with the first rank's settings opens (``pools.probe``).
         runnable: runnable threads of the job on average.
         cpu_percent: CPU the job used, in percent of one CPU.
         ranks: one dict per rank (pid, rank, threads, busy threads, CPU%, budget, settings, workers).
@@ -31,6 +34,8 @@ class Diagnosis:
 
     verdict: str
     cpus: int
+    limits: dict
+    pools: Optional[dict]
     runnable: float
     cpu_percent: float
     ranks: list
@@ -42,24 +47,26 @@ class Diagnosis:
         return dataclasses.asdict(self)
 
 
-def diagnose(ranks: list, samples: dict, cpus: int, seconds: float) -> Diagnosis:
+def diagnose(ranks: list, samples: dict, limits: dict, seconds: float, pools: Optional[dict] = None) -> Diagnosis:
     """Judge a sampled job.
 
     Args:
         ranks: the :class:`~torchmn.doctor.processes.Rank` objects of this machine.
         samples: ``{pid: ProcessSample}`` for the ranks and their workers.
-        cpus: the CPUs the ranks may use.
+        limits: what limits the CPUs the ranks may use (``torchmn.resources.cpu_limits``).
         seconds: the sampling window.
+        pools: the thread pools the first rank's settings open (``pools.probe``), for the report.
 
     Returns:
         The :class:`Diagnosis`.
 
     Example::
 
-        >>> d = diagnose(ranks, sample(pids, 3.0), resources.cpu_count_available(), 3.0)
+        >>> d = diagnose(ranks, sample(pids, 3.0), resources.cpu_limits(), 3.0)
         >>> d.verdict
         'fine'
     """
+    cpus = max(1, min(n for n in limits.values() if n is not None))
     budget = max(1, cpus // max(1, len(ranks)))
     rows, runnable, used = [], 0.0, 0.0
     for r in ranks:
@@ -82,7 +89,7 @@ def diagnose(ranks: list, samples: dict, cpus: int, seconds: float) -> Diagnosis
         verdict, fix = UNDER_USED, _fix_under_used(rows, cpus, used)
     else:
         verdict, fix = FINE, ""
-    return Diagnosis(verdict, cpus, round(runnable, 2), round(used, 1), rows, fix, seconds)
+    return Diagnosis(verdict, cpus, dict(limits), pools, round(runnable, 2), round(used, 1), rows, fix, seconds)
 
 
 def _fix_oversubscribed(rows: list, cpus: int, budget: int) -> str:
@@ -135,8 +142,11 @@ def report(d: Diagnosis, where: Optional[str] = None) -> str:
     """
     lines = [f"torchmn doctor: {len(d.ranks)} rank(s) on {d.ranks[0]['host'] if d.ranks else '?'}"
              + (f" ({where})" if where else "") + f", sampled for {d.seconds:.1f} s",
-             f"CPUs the ranks may use here: {d.cpus} (affinity, cgroup quota and Slurm's allocation); "
-             f"torchmn's budget: {d.ranks[0]['budget_threads'] if d.ranks else '-'} thread(s) per rank"]
+             f"CPUs the ranks may use here: {d.cpus} (affinity {d.limits.get('affinity')}, cgroup quota "
+             f"{d.limits.get('cgroup') or 'none'}, Slurm allocation {d.limits.get('slurm') or 'none'}); "
+             f"torchmn's budget: {d.ranks[0]['budget_threads'] if d.ranks else '-'} thread(s) per rank",
+             f"thread pools a process with {_rank_name(d.ranks[0]) if d.ranks else 'its'}'s settings opens: "
+             f"{pools.describe(d.pools)}"]
     for row in d.ranks:
         ours = row["settings"].get("TORCHMN_THREAD_VARIABLES", "").split(",")
         settings = ", ".join(f"{k}={v}" + (" (torchmn's budget)" if k in ours else "")
