@@ -173,9 +173,13 @@ class NodeShards:
         for i, lo, hi, others, out in self.sum_plan:
             g = packed[i]
             sum_scaled(out, others, None if g is None else g.reshape(-1)[lo:hi], scale)
-        # The flags are read only where this rank lacks a gradient: otherwise every count is >= 1.
-        counts = None if all(b.present) else sum(self.all_flags[1:], self.all_flags[0]).tolist()
-        b.set_grads(self.mine_in_own, counts)
+        b.set_grads(self.mine_in_own, self._counts())
+
+    def _counts(self):
+        """How many ranks have each gradient, or None where this rank has them all (then every
+        count is >= 1, and the flags need not be read)."""
+        b = self.bucket
+        return None if all(b.present) else sum(self.all_flags[1:], self.all_flags[0]).tolist()
 
     def average_for_all(self, scale: float) -> None:
         """Sum this rank's slices of the node's gradients and write the averages into every rank's
@@ -202,7 +206,7 @@ class NodeShards:
             for other in others:
                 other.copy_(out)
         # Read here, between the barriers: a rank writes its flags again in its next backward.
-        self.counts = None if all(b.present) else sum(self.all_flags[1:], self.all_flags[0]).tolist()
+        self.counts = self._counts()
 
     def point_grads_at_averages(self) -> None:
         """Make each parameter's ``.grad`` its average in this rank's buffer (None where no rank had

@@ -213,9 +213,7 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
         Returns:
             A handle whose ``remove()`` removes the hook.
         """
-        handle = RemovableHandle(self._pre_hooks)
-        self._pre_hooks[handle.id] = hook
-        return handle
+        return _register(self._pre_hooks, hook)
 
     def register_step_post_hook(self, hook):
         """Call ``hook(optimizer, args, kwargs)`` after each update (every rank's slice is done).
@@ -226,9 +224,7 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
         Returns:
             A handle whose ``remove()`` removes the hook.
         """
-        handle = RemovableHandle(self._post_hooks)
-        self._post_hooks[handle.id] = hook
-        return handle
+        return _register(self._post_hooks, hook)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach=None) -> torch.Tensor:
@@ -344,3 +340,9 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
         """
         return sum(v.numel() * v.element_size() for buckets in self._inner.values()
                    for s in buckets[0].optimizer.state.values() for v in s.values() if torch.is_tensor(v))
+
+
+def _register(hooks: OrderedDict, hook) -> RemovableHandle:
+    handle = RemovableHandle(hooks)
+    hooks[handle.id] = hook
+    return handle
