@@ -106,3 +106,26 @@ def test_multi_node_study(check, tmp_path):
     from jobs import WORKERS, run_job
     out = run_job(WORKERS / "tune_checks.py", [f"sqlite:///{tmp_path / 'study.db'}", check], np=2, timeout=90)
     assert f"PASS {check}" in out.stdout, out.stdout + out.stderr
+
+
+# Three quick trials, then one whose progress is far slower: the median pruner stops it early.
+PROGRESS = ("import os, sys, time\n"
+            "count = os.path.join(os.getcwd(), 'count')\n"
+            "n = int(open(count).read()) if os.path.exists(count) else 0\n"
+            "open(count, 'w').write(str(n + 1))\n"
+            "slow = 100.0 if n == 3 else 1.0\n"
+            "for step in range(3):\n"
+            "    print('torchmn-intermediate:', step, slow * (step + 1), flush=True)\n"
+            "    time.sleep(0.3 if slow == 1.0 else 10)\n"
+            "print('torchmn-objective:', slow * 3)\n")
+
+
+@pytest.mark.timeout(120)
+def test_tune_prunes_a_slow_trial_from_its_progress(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'tune.db'}"
+    out = tune(["--storage", storage, "--study-name", "t", "--only-params", "--param", "X=int:1:9", "--n-trials", "4",
+                "--", sys.executable, "-c", PROGRESS], tmp_path)
+    assert out.returncode == 0, out.stderr
+    states = [t.state.name for t in trials(storage)]
+    assert states == ["COMPLETE"] * 3 + ["PRUNED"], (states, out.stderr)
+    assert "pruned at step 1" in trials(storage)[3].user_attrs["reason"]
