@@ -114,10 +114,10 @@ PROGRESS = ("import os, sys, time\n"
             "n = int(open(count).read()) if os.path.exists(count) else 0\n"
             "open(count, 'w').write(str(n + 1))\n"
             "slow = 100.0 if n == 3 else 1.0\n"
-            "for step in range(3):\n"
+            "for step in range(4):\n"
             "    print('torchmn-intermediate:', step, slow * (step + 1), flush=True)\n"
-            "    time.sleep(0.3 if slow == 1.0 else 10)\n"
-            "print('torchmn-objective:', slow * 3)\n")
+            "    time.sleep(0.2 if slow == 1.0 else 4)\n"
+            "print('torchmn-objective:', slow * 4)\n")
 
 
 @pytest.mark.timeout(120)
@@ -128,4 +128,4 @@ def test_tune_prunes_a_slow_trial_from_its_progress(tmp_path):
     assert out.returncode == 0, out.stderr
     states = [t.state.name for t in trials(storage)]
     assert states == ["COMPLETE"] * 3 + ["PRUNED"], (states, out.stderr)
-    assert "pruned at step 1" in trials(storage)[3].user_attrs["reason"]
+    assert "pruned at step 2" in trials(storage)[3].user_attrs["reason"]

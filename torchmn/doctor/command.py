@@ -76,8 +76,12 @@ def run_doctor(args, parser) -> int:
         ranks = processes.ranks_in_trees(roots)
         if not ranks:
             return _refuse(f"the processes of {where} ended before they could be sampled")
-        pids = [r.pid for r in ranks] + [w for r in ranks for w in r.workers]
-        samples = sampling.sample(pids, args.seconds)
+
+        def job_pids():  # again and again: DataLoader workers start at a rank's first batch
+            nonlocal ranks
+            ranks = processes.ranks_in_trees(roots) or ranks
+            return [r.pid for r in ranks] + [w for r in ranks for w in r.workers]
+        samples = sampling.sample(job_pids, args.seconds)
     except processes.ProcessGone as e:
         return _refuse(str(e))
     finally:

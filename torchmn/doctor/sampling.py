@@ -71,13 +71,16 @@ def _counters(proc: psutil.Process):
         return None
 
 
-def sample(pids: list, seconds: float, interval: float = 0.02) -> dict:
-    """Watch ``pids`` for ``seconds``.
+def sample(pids, seconds: float, interval: float = 0.02, refresh: float = 0.5) -> dict:
+    """Watch the job's processes for ``seconds``.
 
     Args:
-        pids: the processes (ranks and workers).
+        pids: the processes (ranks and workers), or a function that returns them now: it is called
+            again every ``refresh`` seconds, so that processes started meanwhile (DataLoader workers
+            at the first batch) are watched from when they appear.
         seconds: the window.
         interval: seconds between two counts of runnable threads.
+        refresh: seconds between two calls of ``pids`` (where it is a function).
 
     Returns:
         ``{pid: ProcessSample}``.
@@ -86,27 +89,37 @@ def sample(pids: list, seconds: float, interval: float = 0.02) -> dict:
 
         >>> samples = sample([rank.pid for rank in ranks], 3.0)
     """
-    procs = {}
-    for pid in pids:
+    current = pids if callable(pids) else (lambda: pids)
+    procs, start, counts, most = {}, {}, {}, {}
+
+    def watch(pid):
         try:
             procs[pid] = psutil.Process(pid)
         except psutil.NoSuchProcess:
-            continue
-    start = {pid: (_counters(p), _thread_times(p)) for pid, p in procs.items()}
-    t0 = time.monotonic()
-    counts = {pid: [] for pid in procs}
-    most = {pid: 0 for pid in procs}
+            return
+        start[pid] = (_counters(procs[pid]), _thread_times(procs[pid]), time.monotonic())
+        counts[pid], most[pid] = [], 0
+
+    t0 = last_refresh = time.monotonic()
+    for pid in current():
+        watch(pid)
     while time.monotonic() - t0 < seconds:
+        if time.monotonic() - last_refresh >= refresh and callable(pids):
+            last_refresh = time.monotonic()
+            for pid in current():
+                if pid not in procs:
+                    watch(pid)
         for pid in procs:
             threads, running = _thread_states(pid)
             if threads:
                 counts[pid].append(running)
                 most[pid] = max(most[pid], threads)
         time.sleep(interval)
-    wall = time.monotonic() - t0
+    end_time = time.monotonic()
     out = {}
     for pid, proc in procs.items():
-        (begin, thread_begin), end = start[pid], _counters(proc)
+        (begin, thread_begin, seen), end = start[pid], _counters(proc)
+        wall = max(end_time - seen, 1e-3)
         s = ProcessSample(pid, threads=most[pid])
         if begin is None or end is None:
             s.alive = False
@@ -115,6 +128,8 @@ def sample(pids: list, seconds: float, interval: float = 0.02) -> dict:
             s.involuntary_per_s = (end[1] - begin[1]) / wall
             thread_end = _thread_times(proc)
             s.busy_threads = sum(1 for tid, t in thread_end.items() if t - thread_begin.get(tid, t) >= 0.5 * wall)
-        s.runnable = sum(counts[pid]) / len(counts[pid]) if counts[pid] else 0.0
+        # Runnable threads averaged over the whole window: a process seen late counts for the time it ran.
+        mean = sum(counts[pid]) / len(counts[pid]) if counts[pid] else 0.0
+        s.runnable = mean * wall / max(end_time - t0, 1e-3)
         out[pid] = s
     return out

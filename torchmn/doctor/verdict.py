@@ -5,13 +5,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from torchmn import resources
 from torchmn.doctor import pools
 
 OVERSUBSCRIBED, UNDER_USED, FINE = "oversubscribed", "under-used", "fine"
 # Runnable threads per CPU above which the ranks wait for CPUs (context switches, cold caches, and
 # OpenMP threads spinning for a partner that is not running): the 3-6x slowdowns.
-TOO_MANY = 1.3
+TOO_MANY = 1.25
 # Below this share of the CPUs used, the job leaves CPUs idle.
 TOO_FEW = 0.6
 
@@ -83,7 +82,7 @@ def diagnose(ranks: list, samples: dict, limits: dict, seconds: float, pools: Op
         rows.append(row)
         runnable += row["runnable"] + row["workers_runnable"]
         used += row["cpu_percent"] + row["workers_cpu_percent"]
-    if runnable > TOO_MANY * cpus and runnable - cpus >= 1.0:
+    if runnable > TOO_MANY * cpus and runnable - cpus >= 0.5:
         verdict, fix = OVERSUBSCRIBED, _fix_oversubscribed(rows, cpus, budget)
     elif used < TOO_FEW * 100 * cpus and runnable < TOO_FEW * cpus + 0.5:
         verdict, fix = UNDER_USED, _fix_under_used(rows, cpus, used)
@@ -95,25 +94,31 @@ def diagnose(ranks: list, samples: dict, limits: dict, seconds: float, pools: Op
 def _fix_oversubscribed(rows: list, cpus: int, budget: int) -> str:
     fixes = []
     # OMP_NUM_THREADS the user set (torchmn run lists those it set in TORCHMN_THREAD_VARIABLES).
-    set_threads = {row["settings"].get("OMP_NUM_THREADS") for row in rows
-                   if "OMP_NUM_THREADS" not in row["settings"].get("TORCHMN_THREAD_VARIABLES", "")} - {None}
-    if any(row["busy_threads"] > budget or row["runnable"] > budget + 0.5 for row in rows):
-        if set_threads:
-            fixes.append(f"OMP_NUM_THREADS={'/'.join(sorted(set_threads))} in the ranks' environment overrides "
-                         f"torchmn's budget of {budget} thread(s) per rank ({cpus} CPUs / {len(rows)} ranks): unset "
-                         f"it (torchmn run, and `import torchmn` under other launchers, then give each rank "
-                         f"{budget}) or set OMP_NUM_THREADS={budget}")
-        else:
-            fixes.append(f"each rank runs more threads than its share ({budget} of {cpus} CPUs for {len(rows)} "
-                         f"ranks): import torchmn before torch opens its pools, drop torch.set_num_threads() "
-                         f"calls above {budget}, or set TORCHMN_NUM_THREADS={budget}")
+    users = {row["settings"].get("OMP_NUM_THREADS") for row in rows
+             if "OMP_NUM_THREADS" not in row["settings"].get("TORCHMN_THREAD_VARIABLES", "")} - {None}
+    asked = {row["settings"].get("TORCHMN_NUM_THREADS") for row in rows} - {None}
+    if any(v.isdigit() and int(v) > budget for v in users):
+        fixes.append(f"OMP_NUM_THREADS={'/'.join(sorted(users))} in the ranks' environment overrides torchmn's "
+                     f"budget of {budget} thread(s) per rank ({cpus} CPUs / {len(rows)} ranks): unset it (torchmn "
+                     f"run, and `import torchmn` under other launchers, then give each rank {budget}) or set "
+                     f"OMP_NUM_THREADS={budget}")
+    elif any(v.isdigit() and int(v) > budget for v in asked):
+        fixes.append(f"TORCHMN_NUM_THREADS={'/'.join(sorted(asked))} asks for more than the {budget} thread(s) per "
+                     f"rank that {cpus} CPUs give {len(rows)} ranks: unset it or set TORCHMN_NUM_THREADS={budget}")
+    elif any(row["busy_threads"] > budget or row["runnable"] > budget + 0.5 for row in rows):
+        fixes.append(f"each rank runs more threads than its share ({budget} of {cpus} CPUs for {len(rows)} "
+                     f"ranks): import torchmn before torch opens its pools, drop torch.set_num_threads() "
+                     f"calls above {budget}, or set TORCHMN_NUM_THREADS={budget}")
     workers = sum(row["workers"] for row in rows)
-    if workers and sum(row["workers_runnable"] for row in rows) >= 1.0:
-        spare = resources.dataloader_workers_budget(len(rows))
+    if workers and sum(row["workers_runnable"] for row in rows) >= 0.5:
+        spare = max(0, budget - 1)  # what dataloader_workers_budget gives a rank on this budget
         fixes.append(f"{workers} DataLoader worker process(es) compete with the ranks for {cpus} CPUs: use "
                      f"num_workers=torchmn.resources.dataloader_workers_budget(comm.intra_size) ({spare} here)")
+    if len(rows) > cpus:
+        fixes.append(f"{len(rows)} ranks on {cpus} CPUs: start at most {cpus} ranks on this machine (-np {cpus})")
     if not fixes:
-        fixes.append(f"{len(rows)} rank(s) on {cpus} CPUs: start at most {cpus} ranks on this machine (-np)")
+        fixes.append("the extra runnable threads are not torch's pools nor DataLoader workers: threads the script "
+                     "or another library starts (see each rank's busy threads above)")
     return "; ".join(fixes)
 
 

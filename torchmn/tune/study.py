@@ -69,7 +69,8 @@ class Tuner:
         try:
             study = optuna.create_study(storage=self.storage, study_name=self.study_name, direction="minimize",
                                         load_if_exists=True,
-                                        pruner=optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1))
+                                        # Not on the first steps, whose times are mostly start-up noise.
+                                        pruner=optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=2))
         except Exception as e:  # sqlalchemy's, optuna's and the OS's errors alike
             raise TuneError(f"cannot open the storage {self.storage!r}: {type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
@@ -144,7 +145,7 @@ class Tuner:
         names = [p.name for p in self.params]
         rows = ["| trial | state | time s | " + " | ".join(names) + " |", "|---" * (len(names) + 3) + "|"]
         for t in study.get_trials(deepcopy=False):
-            value = f"{t.value:.3f}" if t.value is not None else "-"
+            value = f"{t.value:.3f}" if t.state.name == "COMPLETE" else "-"  # a pruned one's is its last progress
             rows.append(f"| {t.number} | {t.state.name.lower()} | {value} | "
                         + " | ".join(str(t.params.get(n, "-")) for n in names) + " |")
         best = self.best_command(study)
