@@ -55,9 +55,10 @@ def test_tune_resumes_after_being_killed(tmp_path):
     for p in orphans:
         p.kill()
     assert [t.state.name for t in trials(storage)] == ["RUNNING"]
-    out = tune(args, tmp_path)
+    out = tune(["--plot", "history.png", *args], tmp_path)
     assert out.returncode == 0, out.stderr
     assert "resuming study 't' (1 trial(s) done)" in out.stderr, out.stderr
+    assert (tmp_path / "history.png").stat().st_size > 1000 and "plot: history.png" in out.stdout, out.stdout
     states = [t.state.name for t in trials(storage)]
     assert states == ["FAIL", "COMPLETE", "COMPLETE"], states  # the killed one, marked failed; then the rest
     best = min(t.value for t in trials(storage) if t.value is not None)

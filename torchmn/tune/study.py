@@ -160,18 +160,25 @@ class Tuner:
         Returns:
             The files written.
         """
+        import warnings
+
         import matplotlib
+        from optuna.exceptions import ExperimentalWarning
 
         matplotlib.use("Agg")
         from optuna.visualization import matplotlib as plots
 
         written = []
-        ax = plots.plot_optimization_history(study)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ExperimentalWarning)
+            ax = plots.plot_optimization_history(study)
         ax.figure.savefig(path, bbox_inches="tight")
         written.append(path)
         target = Path(path)
         try:
-            ax = plots.plot_param_importances(study)
+            with warnings.catch_warnings():  # optuna marks its matplotlib plots experimental
+                warnings.simplefilter("ignore", ExperimentalWarning)
+                ax = plots.plot_param_importances(study)
             other = str(target.with_name(f"{target.stem}-importances{target.suffix}"))
             ax.figure.savefig(other, bbox_inches="tight")
             written.append(other)
