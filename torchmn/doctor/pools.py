@@ -51,7 +51,13 @@ def probe(settings: dict, timeout: float = 60) -> Optional[dict]:
 
 
 def describe(pools: Optional[dict]) -> str:
-    """Returns: the probe's result in words."""
+    """Returns: the probe's result in words.
+
+    Example::
+
+        >>> describe(probe({"OMP_NUM_THREADS": "1"}))
+        'torch intra-op 1, inter-op 1; openmp (libgomp.so.1) 1'
+    """
     if not pools:
         return "unknown (the probe process failed)"
     libs = ", ".join(f"{p['api']} ({p['library']}) {p['threads']}" for p in pools["pools"])

@@ -82,6 +82,11 @@ def ranks_in_trees(roots: Iterable[psutil.Process]) -> list:
     Returns:
         The :class:`Rank` objects, in rank order; one rank without a number where no process of a
         tree has a rank variable.
+
+    Example::
+
+        >>> [r.rank for r in ranks_in_trees([psutil.Process(launcher_pid)])]
+        [0, 1]
     """
     host = socket.gethostname()
     ranks = []
@@ -126,6 +131,10 @@ def process_tree(pid: int) -> psutil.Process:
 
     Raises:
         ProcessGone: it has ended, or never existed.
+
+    Example::
+
+        >>> ranks_in_trees([process_tree(12345)])
     """
     try:
         proc = psutil.Process(pid)
@@ -142,6 +151,10 @@ def job_roots(job_id: str) -> list:
 
     Raises:
         ProcessGone: no process of this job runs here.
+
+    Example::
+
+        >>> ranks_in_trees(job_roots(os.environ["SLURM_JOB_ID"]))
     """
     found = {}
     for proc in psutil.process_iter():
@@ -163,7 +176,13 @@ def _parents(proc: psutil.Process) -> list:
 
 
 def affinity(pid: int) -> Optional[int]:
-    """Returns: how many CPUs process ``pid`` may run on, or None where that cannot be read."""
+    """Returns: how many CPUs process ``pid`` may run on, or None where that cannot be read.
+
+    Example::
+
+        >>> affinity(os.getpid())
+        2
+    """
     try:
         return len(psutil.Process(pid).cpu_affinity())
     except (psutil.Error, AttributeError, OSError):

@@ -144,6 +144,10 @@ def report(d: Diagnosis, where: Optional[str] = None) -> str:
 
     Returns:
         The report.
+
+    Example::
+
+        >>> print(report(diagnose(ranks, samples, resources.cpu_limits(), 3.0), "pid 4242"))
     """
     lines = [f"torchmn doctor: {len(d.ranks)} rank(s) on {d.ranks[0]['host'] if d.ranks else '?'}"
              + (f" ({where})" if where else "") + f", sampled for {d.seconds:.1f} s",

@@ -212,6 +212,11 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
 
         Returns:
             A handle whose ``remove()`` removes the hook.
+
+        Example::
+
+            >>> handle = optimizer.register_step_pre_hook(lambda opt, args, kwargs: print("stepping"))
+            >>> handle.remove()
         """
         return _register(self._pre_hooks, hook)
 
@@ -223,6 +228,10 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
 
         Returns:
             A handle whose ``remove()`` removes the hook.
+
+        Example::
+
+            >>> handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: scheduler.step())
         """
         return _register(self._post_hooks, hook)
 
@@ -337,6 +346,10 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
 
         Returns:
             About 1/size of the replicated optimizer's.
+
+        Example::
+
+            >>> print(f"{optimizer.state_bytes() / 1e6:.1f} MB of optimizer state updated here")
         """
         return sum(v.numel() * v.element_size() for buckets in self._inner.values()
                    for s in buckets[0].optimizer.state.values() for v in s.values() if torch.is_tensor(v))

@@ -116,6 +116,10 @@ class MultiNodeStudy:
         Raises:
             Exception: the first rank's exception that ``catch`` does not cover, on that rank; on the
                 others a RuntimeError naming it (after the trial is marked failed).
+
+        Example::
+
+            >>> torchmn.tune.MultiNodeStudy(study, comm).optimize(objective, n_trials=20, catch=(ValueError,))
         """
         import optuna
         from optuna.trial import TrialState

@@ -33,7 +33,13 @@ class Param:
     choices: tuple = ()
 
     def suggest(self, trial):
-        """Returns: this parameter's value for ``trial`` (an ``optuna.Trial``)."""
+        """Returns: this parameter's value for ``trial`` (an ``optuna.Trial``).
+
+        Example::
+
+            >>> parse_param("X=int:1:4").suggest(trial)
+            3
+        """
         if self.kind == "int":
             return trial.suggest_int(self.name, int(self.low), int(self.high))
         if self.kind in ("float", "log"):
@@ -122,6 +128,11 @@ def apply(params: list, values: dict, command: list, env: dict) -> tuple:
     Returns:
         ``(argv, env)``: the command with argument parameters appended, and the environment with
         the others set.
+
+    Example::
+
+        >>> apply([parse_param("X=int:1:4")], {"X": 2}, ["python", "t.py"], {})
+        (['python', 't.py'], {'X': '2'})
     """
     argv, env = list(command), dict(env)
     for p in params:

@@ -63,6 +63,10 @@ class Tuner:
 
         Raises:
             TuneError: the storage cannot be opened.
+
+        Example::
+
+            >>> study = tuner.open()
         """
         import optuna
 
@@ -93,6 +97,10 @@ class Tuner:
         Raises:
             TuneError: the storage cannot be opened, or 3 trials in a row failed (the last error in
                 the message).
+
+        Example::
+
+            >>> study = tuner.optimize(20, timeout=3600)
         """
         import optuna
         from optuna.trial import TrialState
@@ -131,7 +139,13 @@ class Tuner:
         return study
 
     def best_command(self, study) -> Optional[str]:
-        """Returns: the best trial's settings as one shell command line, or None where no trial completed."""
+        """Returns: the best trial's settings as one shell command line, or None where no trial completed.
+
+        Example::
+
+            >>> print(tuner.best_command(study))
+            TORCHMN_NUM_THREADS=1 ... torchmn run -np 2 python train.py
+        """
         try:
             best = study.best_trial
         except ValueError:
@@ -141,7 +155,12 @@ class Tuner:
         return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in launch + argv])
 
     def summary(self, study) -> str:
-        """Returns: a table of the study's trials (settings, time, state) and the best command line."""
+        """Returns: a table of the study's trials (settings, time, state) and the best command line.
+
+        Example::
+
+            >>> print(tuner.summary(study))
+        """
         names = [p.name for p in self.params]
         rows = ["| trial | state | time s | " + " | ".join(names) + " |", "|---" * (len(names) + 3) + "|"]
         for t in study.get_trials(deepcopy=False):
@@ -159,6 +178,11 @@ class Tuner:
 
         Returns:
             The files written.
+
+        Example::
+
+            >>> tuner.plot(study, "tune.png")
+            ['tune.png', 'tune-importances.png']
         """
         import warnings
 
