@@ -419,18 +419,13 @@ def check_mismatch(comm):
     if comm.size == 1:
         return
     # Different shapes: every rank raises the same, naming the ranks.
-    try:
-        comm.allreduce(torch.zeros(comm.rank + 1))
-    except torchmn.CollectiveMismatchError as e:
-        assert "shape differs" in str(e) and "rank 1: (2,)" in str(e), e
-    else:
-        raise AssertionError("no error for mismatched shapes")
-    try:
-        comm.allreduce_(torch.zeros(comm.rank + 1))
-    except torchmn.CollectiveMismatchError as e:
-        assert "shape differs" in str(e) and "rank 1: (2,)" in str(e), e
-    else:
-        raise AssertionError("no error for mismatched shapes in allreduce_")
+    for allreduce in (comm.allreduce, comm.allreduce_):
+        try:
+            allreduce(torch.zeros(comm.rank + 1))
+        except torchmn.CollectiveMismatchError as e:
+            assert "shape differs" in str(e) and "rank 1: (2,)" in str(e), e
+        else:
+            raise AssertionError(f"no error for mismatched shapes in {allreduce.__name__}")
     try:
         comm.bcast(torch.ones(1), root=comm.rank % 2)
     except torchmn.CollectiveMismatchError as e:

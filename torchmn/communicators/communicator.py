@@ -286,5 +286,8 @@ class Communicator(TensorCollectives, ObjectCollectives, ModelCollectives, Commu
     def open_node_arena(self, shared_bytes: int, region_bytes: int):
         return None
 
+    def may_share_node_memory(self) -> bool:
+        return False
+
 
 watch.install(Communicator)

@@ -73,3 +73,13 @@ class GradientPrimitives(abc.ABC):
             A :class:`~torchmn.communicators.node_arena.NodeArena`, or None on every rank where
             they cannot share memory (several nodes, GPU, an algorithm without shared memory).
         """
+
+    @abc.abstractmethod
+    def may_share_node_memory(self) -> bool:
+        """Whether :meth:`open_node_arena` can succeed at all (every rank on one node, an algorithm
+        with shared memory); it may still return None where ``/dev/shm`` is too small. No
+        communication, the same answer on every rank.
+
+        Returns:
+            False where :meth:`open_node_arena` is sure to return None.
+        """

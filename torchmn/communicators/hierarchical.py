@@ -192,8 +192,11 @@ class HierarchicalCommunicator(FlatCommunicator):
             flat.view(self.size, k).index_copy_(0, self._rail_order, by_rail.view(self.size, k))
         return finish(AndThen(work, inside_the_node, keep=(sent,)), async_op)
 
+    def may_share_node_memory(self) -> bool:
+        return self._segment is not None and self._single_node
+
     def open_node_arena(self, shared_bytes: int, region_bytes: int):
-        if self._segment is None or not self._single_node:
+        if not self.may_share_node_memory():
             return None
         # A small /dev/shm (Docker's default is 64 MB) means the ordinary path, not a failure.
         need = NodeArena.size_for(self.intra_size, shared_bytes, region_bytes)

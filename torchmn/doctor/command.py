@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,6 +13,7 @@ import psutil
 
 from torchmn import resources
 from torchmn.doctor import pools, processes, sampling, verdict
+from torchmn.launch.procutil import stop_group
 
 EXIT_OVERSUBSCRIBED = 1
 EXIT_BAD_INPUT = 2
@@ -86,7 +85,7 @@ def run_doctor(args, parser) -> int:
         return _refuse(str(e))
     finally:
         if started is not None:
-            _stop(started)
+            stop_group(started)
     limits = resources.cpu_limits(ranks[0].slurm, affinity=processes.affinity(ranks[0].pid))
     d = verdict.diagnose(ranks, samples, limits, args.seconds, pools.probe(ranks[0].settings))
     print(json.dumps(d.to_json(), indent=1) if args.json else verdict.report(d, where), flush=True)
@@ -117,19 +116,3 @@ def _warm_up(proc: subprocess.Popen, warmup: float) -> Optional[str]:
                     f"it could be sampled: give it more work, or a shorter --warmup")
         time.sleep(0.05)
     return None
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is not None:
-        return
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
-    except (ProcessLookupError, PermissionError):
-        return
-    except subprocess.TimeoutExpired:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()

@@ -8,6 +8,8 @@ module on hosts and at moments where torch must not be imported.
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 import threading
 import time
@@ -60,6 +62,31 @@ def signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def stop_group(proc, grace: float = 10.0) -> None:
+    """End a process started in a session of its own, and everything it started: SIGTERM to its
+    group, then SIGKILL where it has not exited after ``grace`` seconds.
+
+    Args:
+        proc: the ``subprocess.Popen`` (started with ``start_new_session=True``).
+        grace: seconds it gets to exit after SIGTERM.
+
+    Example::
+
+        >>> proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
+        >>> stop_group(proc); proc.returncode
+        -15
+    """
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        if proc.poll() is not None:
+            return
+        signal_group(proc.pid, sig)
+        try:
+            proc.wait(timeout=grace)
+            return
+        except subprocess.TimeoutExpired:
+            continue
 
 
 def group_alive(pgid: int) -> bool:

@@ -53,6 +53,27 @@ def make_buckets(params: list[torch.nn.Parameter], cap: int, build: Callable[[li
     return buckets
 
 
+def could_share_memory(comm: Communicator, params: list[torch.nn.Parameter], compression: Optional[str]) -> bool:
+    """Whether gradient buffers could live in shared memory (if the communicator has some):
+    uncompressed CPU gradients of several ranks. The same answer on every rank.
+
+    Args:
+        comm: the communicator.
+        params: the trainable parameters.
+        compression: the optimizer's ``compression`` (None: uncompressed).
+
+    Returns:
+        Whether an optimizer should try to open the node's shared memory for them.
+
+    Example::
+
+        >>> could_share_memory(comm, list(model.parameters()), None)   # 2 ranks, a CPU model
+        True
+    """
+    return (comm.size > 1 and compression is None and bool(params)
+            and all(p.device.type == "cpu" for p in params))
+
+
 def copy_scaled(out: torch.Tensor, src: torch.Tensor, scale: Optional[float]) -> None:
     """``out`` = ``src`` times ``scale``, in one pass where the dtypes agree.
 
@@ -128,10 +149,14 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         return params
 
     def _can_share_memory(self, params: list[torch.nn.Parameter]) -> bool:
-        """Whether gradient buffers could live in shared memory (if the communicator has some):
-        uncompressed CPU gradients of several ranks. The same answer on every rank."""
-        return (self.comm.size > 1 and self._wire_dtype is None and bool(params)
-                and all(p.device.type == "cpu" for p in params))
+        return could_share_memory(self.comm, params, self.compression)
+
+    def _clip_averaged(self, max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the wrapped optimizer's parameters, once this
+        step's gradients are averaged into ``.grad``."""
+        self.synchronize()
+        params = [p for g in self._optimizer.param_groups for p in g["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def _attach(self, params: list[torch.nn.Parameter], buckets: list) -> None:
         self._where = {p: bi for bi, b in enumerate(buckets) for p in b.params}

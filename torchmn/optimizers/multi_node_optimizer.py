@@ -18,7 +18,7 @@ from torchmn.communicators import Communicator
 from torchmn.communicators.ops import divide_before_sum
 from torchmn.communicators.errors import CollectiveMismatchError
 from torchmn.communicators.shm import sum_into
-from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, copy_scaled, make_buckets
+from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, copy_scaled, could_share_memory, make_buckets
 from torchmn.optimizers.node_memory import open_bucket_arena, region_view
 
 
@@ -321,9 +321,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             raise ValueError("clip_grad_norm_ with double_buffering=True: the update uses the previous "
                              "step's averages, which step() swaps in after this call; use "
                              "double_buffering=False to clip")
-        self.synchronize()
-        params = [p for g in self._optimizer.param_groups for p in g["params"]]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return self._clip_averaged(max_norm, norm_type, error_if_nonfinite, foreach)
 
     def average_without_gradients(self) -> None:
         """Take part in the other ranks' gradient averaging with zeros, and update nothing.
@@ -434,7 +432,7 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
             return NodeSharedOptimizer(optimizer, comm, bucket_cap_mb=bucket_cap_mb,
                                        backward_passes_per_step=backward_passes_per_step)
         except NoNodeMemory:
-            pass  # several nodes, or too small a /dev/shm: every rank updates the whole model
+            pass  # too small a /dev/shm: every rank updates the whole model
     if shard_state:
         from torchmn.optimizers.sharded import ShardedMultiNodeOptimizer
         return ShardedMultiNodeOptimizer(optimizer, comm, double_buffering=double_buffering,
@@ -449,12 +447,12 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
 def _can_split_on_node(optimizer, comm: Communicator, double_buffering: bool, zero_fill: bool,
                        compression: Optional[str]) -> bool:
     """Whether the default may split the update over the node's ranks (the same answer on every
-    rank): several ranks, CPU parameters, an elementwise optimizer, and no option that needs every
-    rank to update the whole model. Whether they share one node is found when the memory is opened."""
+    rank): ranks on one node with shared memory, CPU parameters, an elementwise optimizer, and no
+    option that needs every rank to update the whole model. (Whether /dev/shm is large enough is
+    found when the memory is opened.)"""
     from torchmn.optimizers.inner_optimizers import ELEMENTWISE_OPTIMIZERS
     if not isinstance(optimizer, torch.optim.Optimizer):
         return False
     params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    return (comm.size > 1 and bool(params) and all(p.device.type == "cpu" for p in params)
-            and type(optimizer) in ELEMENTWISE_OPTIMIZERS and not double_buffering and zero_fill
-            and compression is None)
+    return (type(optimizer) in ELEMENTWISE_OPTIMIZERS and not double_buffering and zero_fill
+            and comm.may_share_node_memory() and could_share_memory(comm, params, compression))

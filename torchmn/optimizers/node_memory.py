@@ -70,6 +70,29 @@ def region_view(region: torch.Tensor, offset: int, numel: int, dtype: torch.dtyp
     return region[offset:offset + numel * itemsize].view(dtype)
 
 
+def place_buckets(arena, buckets: list, shared_offsets: list, region_offsets: list, rank: int) -> None:
+    """Put shard buckets in a node's arena: each one's parameters at its offset in the shared
+    region (rank 0 writes the already broadcast values, the others find them there), and its
+    gradient buffer at its offset in every rank's region (``bucket.node``, a :class:`NodeShards`).
+
+    Args:
+        arena: the :class:`~torchmn.communicators.node_arena.NodeArena`.
+        buckets: the :class:`~torchmn.optimizers.shard_layout.ShardBucket` objects.
+        shared_offsets: each bucket's byte offset in the shared region.
+        region_offsets: each bucket's byte offset in a rank's region.
+        rank: this rank.
+
+    Example::
+
+        >>> arena, offsets = open_bucket_arena(comm, [b.region_numel * b.itemsize for b in buckets])
+        >>> place_buckets(arena, buckets, offsets, offsets, comm.rank)
+    """
+    for b, shared_at, region_at in zip(buckets, shared_offsets, region_offsets):
+        b.place(region_view(arena.shared, shared_at, b.padded, b.dtype), fill=rank == 0)
+        regions = [region_view(region, region_at, b.region_numel, b.dtype) for region in arena.regions]
+        b.node = NodeShards(b, regions[arena.local_rank], regions, arena.local_rank)
+
+
 def sum_scaled(out: torch.Tensor, others: list[torch.Tensor], mine: Optional[torch.Tensor], scale: float) -> None:
     """``out`` = the other ranks' parts plus this rank's times ``scale``, in one pass where there
     is one other rank.
@@ -77,13 +100,18 @@ def sum_scaled(out: torch.Tensor, others: list[torch.Tensor], mine: Optional[tor
     Args:
         out: where the sum goes.
         others: the other ranks' parts, added in rank order (as :func:`shm.sum_into` does).
-        mine: this rank's part, or None where it has none.
+        mine: this rank's part, or None where it has none; it may be ``out`` itself (kept
+            gradients, ``zero_grad(set_to_none=False)``, accumulate where the sum goes).
         scale: the factor for ``mine`` (the others' parts are scaled already).
     """
     if mine is None:
         sum_into(out, others)
     elif len(others) == 1:
         torch.add(others[0], mine, alpha=scale, out=out)
+    elif mine.data_ptr() == out.data_ptr():  # scaled in place first, or the sum would overwrite it
+        out.mul_(scale)
+        for other in others:
+            out.add_(other)
     else:
         sum_into(out, others)
         out.add_(mine, alpha=scale)
@@ -168,12 +196,19 @@ class NodeShards:
         Args:
             scale: ``1 / size``, for this rank's own part (the others' are scaled already).
         """
-        b = self.bucket
-        packed = b.packed
+        self._sum_slices(scale, share=False)
+        self.bucket.set_grads(self.mine_in_own, self._counts())
+
+    def _sum_slices(self, scale: float, share: bool) -> None:
+        """Each of this rank's slices: the sum of every rank's part, into this rank's buffer, and
+        with ``share`` copied at once (while still in cache) into every other rank's buffer."""
+        packed = self.bucket.packed
         for i, lo, hi, others, out in self.sum_plan:
             g = packed[i]
             sum_scaled(out, others, None if g is None else g.reshape(-1)[lo:hi], scale)
-        b.set_grads(self.mine_in_own, self._counts())
+            if share:
+                for other in others:
+                    other.copy_(out)
 
     def _counts(self):
         """How many ranks have each gradient, or None where this rank has them all (then every
@@ -191,20 +226,7 @@ class NodeShards:
         Args:
             scale: ``1 / size``, for this rank's own part (the others' are scaled already).
         """
-        b = self.bucket
-        packed = b.packed
-        for i, lo, hi, others, out in self.sum_plan:
-            g = packed[i]
-            mine = None if g is None else g.reshape(-1)[lo:hi]
-            if mine is not None and len(others) > 1 and mine.data_ptr() == out.data_ptr():
-                # Kept gradients (zero_grad(set_to_none=False)) accumulate where the sum goes.
-                out.mul_(scale)
-                for other in others:
-                    out.add_(other)
-            else:
-                sum_scaled(out, others, mine, scale)
-            for other in others:
-                other.copy_(out)
+        self._sum_slices(scale, share=True)
         # Read here, between the barriers: a rank writes its flags again in its next backward.
         self.counts = self._counts()
 

@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from torchmn.communicators import Communicator
 from torchmn.optimizers import shard_state
 from torchmn.optimizers.inner_optimizers import build_inner, step_function
-from torchmn.optimizers.node_memory import NodeShards, arena_layout, region_view
+from torchmn.optimizers.node_memory import arena_layout, place_buckets, region_view
 from torchmn.optimizers.sharded import ShardedMultiNodeOptimizer
 
 
@@ -121,12 +121,8 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
         arena = self.comm.open_node_arena(shared_bytes=shared_total, region_bytes=region_total)
         if arena is None:  # before anything is placed: the caller builds the replicated optimizer
             raise NoNodeMemory("the ranks cannot share memory")
-        at = iter(shared_offsets)
-        for b, offset in zip(buckets, region_offsets):
-            # Rank 0 writes the (already broadcast) parameters; the others find them there.
-            b.place(region_view(arena.shared, next(at), b.padded, b.dtype), fill=self.comm.rank == 0)
-            regions = [region_view(region, offset, b.region_numel, b.dtype) for region in arena.regions]
-            b.node = NodeShards(b, regions[arena.local_rank], regions, arena.local_rank)
+        place_buckets(arena, buckets, shared_offsets, region_offsets, self.comm.rank)
+        at = iter(shared_offsets[len(buckets):])
         for b, state in zip(buckets, states):
             views = {}
             for name, dtype in state.items():
@@ -255,9 +251,7 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
             >>> norm = optimizer.clip_grad_norm_(1.0)
             >>> optimizer.step()
         """
-        self.synchronize()
-        params = [p for g in self._optimizer.param_groups for p in g["params"]]
-        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return self._clip_averaged(max_norm, norm_type, error_if_nonfinite, foreach)
 
     def _entries(self, copy: bool) -> dict:
         """``{parameter: its whole state}``: per-element entries from shared memory, the rest
@@ -306,9 +300,7 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
         groups = self._optimizer.param_groups
         index = shard_state.indices(groups)
         state = {index[p]: entry for p, entry in self._entries(copy=True).items()}
-        packed = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[p] for p in g["params"]]}
-                  for g in groups]
-        return {"state": dict(sorted(state.items())), "param_groups": packed}
+        return shard_state.torch_format(groups, state, index)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a whole state (from :meth:`state_dict`, any rank count, or a plain torch
@@ -340,19 +332,6 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
     @state.setter
     def state(self, value):
         raise AttributeError("the optimizer state lives in memory the node's ranks share: use load_state_dict()")
-
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank updates (its slices; the node holds one copy).
-
-        Returns:
-            About 1/size of the replicated optimizer's.
-
-        Example::
-
-            >>> print(f"{optimizer.state_bytes() / 1e6:.1f} MB of optimizer state updated here")
-        """
-        return sum(v.numel() * v.element_size() for buckets in self._inner.values()
-                   for s in buckets[0].optimizer.state.values() for v in s.values() if torch.is_tensor(v))
 
 
 def _register(hooks: OrderedDict, hook) -> RemovableHandle:

@@ -81,13 +81,31 @@ def gather_state_dict(comm: Communicator, param_groups: list[dict], buckets: lis
         for i in holders:
             at, k, p = b.block_offsets[i], b.ks[i], b.params[i]
             entries[i][key] = rows[:, at:at + k].reshape(-1)[:p.numel()].view_as(p).clone()
-    state = dict(sorted(state.items()))
+    return torch_format(param_groups, state, index)
+
+
+def torch_format(param_groups: list[dict], state: dict, index: dict) -> dict:
+    """An optimizer's ``state_dict`` as torch's ``Optimizer.state_dict()`` lays it out.
+
+    Args:
+        param_groups: the optimizer's parameter groups.
+        state: each parameter's whole state, by its index.
+        index: each parameter's index (:func:`indices`).
+
+    Returns:
+        ``{"state": ..., "param_groups": ...}``, the state in index order and each group with
+        its parameters as indices.
+
+    Example::
+
+        >>> torch_format(opt.param_groups, {0: {"step": torch.tensor(1.0)}}, indices(opt.param_groups))
+    """
     groups = []
     for group in param_groups:
         packed = {k: v for k, v in group.items() if k != "params"}
         packed["params"] = [index[p] for p in group["params"]]
         groups.append(packed)
-    return {"state": state, "param_groups": groups}
+    return {"state": dict(sorted(state.items())), "param_groups": groups}
 
 def load_state_dict(state_dict: dict, param_groups: list[dict], inner: dict) -> None:
     """Load a whole state in torch's format into this rank's shard optimizers (no communication).

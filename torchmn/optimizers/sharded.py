@@ -19,7 +19,7 @@ from torchmn.communicators.ops import divide_before_sum
 from torchmn.optimizers import fused_adam, shard_state
 from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, make_buckets
 from torchmn.optimizers.inner_optimizers import IMPLEMENTATION_FLAGS, build_inner, check_optimizer, step_function
-from torchmn.optimizers.node_memory import NodeShards, open_bucket_arena, region_view
+from torchmn.optimizers.node_memory import open_bucket_arena, place_buckets
 from torchmn.optimizers.shard_layout import ShardBucket
 
 
@@ -124,13 +124,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         if opened is None:
             return None
         arena, offsets = opened
-        for b, offset in zip(self._buckets, offsets):
-            def flat_of(region, numel, b=b, offset=offset):
-                return region_view(region, offset, numel, b.dtype)
-            # Rank 0 writes the (already broadcast) parameters; the others find them there.
-            b.place(flat_of(arena.shared, b.padded), fill=self.comm.rank == 0)
-            b.node = NodeShards(b, flat_of(arena.regions[arena.local_rank], b.region_numel),
-                                [flat_of(region, b.region_numel) for region in arena.regions], arena.local_rank)
+        place_buckets(arena, self._buckets, offsets, offsets, self.comm.rank)
         arena.barrier("set-up")
         return arena
 
@@ -391,7 +385,8 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         raise AttributeError("the sharded optimizer's state is per shard: use load_state_dict()")
 
     def state_bytes(self) -> int:
-        """Bytes of optimizer state tensors this rank holds.
+        """Bytes of optimizer state tensors this rank keeps and updates: its shards (which the
+        default optimizer on one node keeps in memory the node's ranks share).
 
         Returns:
             About 1/size of the unsharded optimizer's, plus the padding of each parameter to a
@@ -401,5 +396,6 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
 
             >>> print(f"rank {comm.rank}: {optimizer.state_bytes() / 1e6:.1f} MB of optimizer state")
         """
-        return sum(v.numel() * v.element_size() for s in self.state.values() for v in s.values()
-                   if torch.is_tensor(v))
+        # The shard optimizers' own state (each shard parameter has one optimizer).
+        return sum(v.numel() * v.element_size() for buckets in self._inner.values()
+                   for s in buckets[0].optimizer.state.values() for v in s.values() if torch.is_tensor(v))

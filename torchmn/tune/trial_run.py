@@ -14,11 +14,12 @@ import dataclasses
 import json
 import os
 import re
-import signal
 import subprocess
 import threading
 import time
 from typing import Optional
+
+from torchmn.launch.procutil import stop_group
 
 OBJECTIVE = re.compile(r"torchmn-objective:\s*([-+0-9.eE]+|nan|inf)")
 INTERMEDIATE = re.compile(r"torchmn-intermediate:\s*(\d+)\s+([-+0-9.eE]+)")
@@ -82,20 +83,6 @@ def _log_progress(path: Optional[str]) -> list:
     return out
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """End the command and everything it started (its own session)."""
-    for sig, wait in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-        try:
-            os.killpg(proc.pid, sig)
-        except (ProcessLookupError, PermissionError):
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
-            continue
-
-
 def run_trial(argv: list, env: dict, trial, timeout: Optional[float], log: Optional[str] = None,
               poll: float = 0.2) -> Outcome:
     """Run one trial's command and judge it.
@@ -129,7 +116,7 @@ def run_trial(argv: list, env: dict, trial, timeout: Optional[float], log: Optio
     try:
         while proc.poll() is None:
             if timeout is not None and time.monotonic() - start > timeout:
-                _stop(proc)
+                stop_group(proc)
                 return Outcome(PRUNED, None, f"ran past --trial-timeout ({timeout:g} s): stopped",
                                time.monotonic() - start)
             for step, value in sorted(set(out.progress) | set(_log_progress(log))):
@@ -137,13 +124,13 @@ def run_trial(argv: list, env: dict, trial, timeout: Optional[float], log: Optio
                     reported.add(step)
                     trial.report(value, step)
                     if trial.should_prune():
-                        _stop(proc)
+                        stop_group(proc)
                         return Outcome(PRUNED, None, f"pruned at step {step} ({value:.3g} s, slower than the "
                                                      f"median of earlier trials there)", time.monotonic() - start)
             time.sleep(poll)
     finally:
         if proc.poll() is None:
-            _stop(proc)
+            stop_group(proc)
     wall = time.monotonic() - start
     out.join()
     if proc.returncode != 0:
