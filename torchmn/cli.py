@@ -10,6 +10,7 @@ Example::
     $ torchmn run -np 8 -H node1:4,node2:4 python train.py
     $ torchmn run -np 8 --hostfile hosts -x NCCL_DEBUG=INFO python train.py
     $ torchmn run -np 2 --log-dir logs --output-ranks 0 -- python train.py --epochs 3
+    $ torchmn run -np 2 --max-restarts 3 python train.py      # resumes from its checkpoint
     $ python -m torchmn run -np 2 python -c "import os; print(os.environ['RANK'])"
     $ torchmn doctor -np 2 -- python train.py
     $ torchmn tune -np 2 --n-trials 20 -- python train.py
@@ -35,6 +36,21 @@ def _ranks_list(text: str) -> Set[int]:
     return ranks
 
 
+def _restart_codes(text: str):
+    from torchmn.launch.restarts import parse_restart_on
+
+    try:
+        return parse_restart_on(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--restart-on: "))
+
+
+def _default_restart_delay() -> float:
+    from torchmn.launch.config import RESTART_DELAY
+
+    return RESTART_DELAY
+
+
 def _add_run(subparsers) -> None:
     # No abbreviations: the command's own options (--log, --out) must never be taken, or refused
     # as ambiguous, for the launcher's (--log-dir, --output-ranks).
@@ -58,6 +74,16 @@ def _add_run(subparsers) -> None:
                    help="how long checking the hosts, and starting each remote rank, may take "
                         "(default 60)")
     p.add_argument("--verbose", "-v", action="store_true", help="print what the launcher does")
+    restarts = p.add_argument_group("restarts (each start is a new job; the ranks see TORCHMN_RESTART_COUNT)")
+    restarts.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                          help="when a rank fails, stop the job and start every rank again, up to K times "
+                               "(default 0); SIGINT/SIGTERM to the launcher still end the job")
+    restarts.add_argument("--restart-on", type=_restart_codes, default=None, metavar="CODE|SIGNAL[,...]",
+                          help="restart only when the first failed rank ended with one of these exit codes "
+                               "or signals, e.g. 1,137,SIGKILL (a signal N counts as exit code 128+N; "
+                               "default: any failure)")
+    restarts.add_argument("--restart-delay", type=float, default=None, metavar="SECONDS",
+                          help="wait this long before a restart (default %g)" % _default_restart_delay())
     hosts = p.add_argument_group("several hosts (ranks on other hosts start over ssh)")
     where = hosts.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", dest="hosts", default=None, metavar="HOST:N[,HOST:N...]",
@@ -125,7 +151,13 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         config = LaunchConfig(args.command, args.np, master_port=args.master_port, log_dir=args.log_dir,
                               output_ranks=args.output_ranks, start_timeout=args.start_timeout,
                               verbose=args.verbose, hosts=hosts, ssh=ssh, exports=args.exports,
-                              network_interface=args.network_interface)
+                              network_interface=args.network_interface, max_restarts=args.max_restarts,
+                              restart_on=args.restart_on,
+                              restart_delay=_default_restart_delay() if args.restart_delay is None
+                              else args.restart_delay)
+        if args.max_restarts == 0 and (args.restart_on is not None or args.restart_delay is not None):
+            sys.stderr.write("torchmn run: note: --restart-on and --restart-delay do nothing without "
+                             "--max-restarts K\n")
         return run(config)
     except RunError as e:
         sys.stderr.write(f"torchmn run: error: {e}\n")

@@ -14,6 +14,11 @@ from torchmn.launch.ssh import SshOptions
 GRACE_SECONDS = 3.0
 # Seconds the host checks, and each remote rank's start, may take by default (--start-timeout).
 START_TIMEOUT = 60.0
+# Seconds between a failed start and the next (--restart-delay). Long enough for a stop that
+# reached the ranks before the launcher (scancel, a preemption: SIGTERM to every process) to reach
+# the launcher too, so that the stop wins; and for what a failure leaves (memory an OOM kill is
+# freeing, a busy file server) to settle. Short next to the seconds a torch job takes to start.
+RESTART_DELAY = 3.0
 
 
 class RunError(TorchmnError):
@@ -49,10 +54,14 @@ class LaunchConfig:
         exports: ``-x NAME`` / ``-x NAME=VALUE`` options, for every rank.
         network_interface: the interface whose address other hosts use for the rendezvous (else:
             the address the first remote host sees the launcher connect from).
+        max_restarts: how many times a failed job is started again (``--max-restarts``).
+        restart_on: the exit codes that restart it, a signal N as 128+N (``--restart-on``, see
+            ``torchmn.launch.restarts.parse_restart_on``); None: any failure of a rank.
+        restart_delay: seconds between a failure and the restart (``--restart-delay``).
 
     Raises:
-        RunError: ``np`` below 1, no command, a port outside 1-65535, or a start timeout that is
-            not positive.
+        RunError: ``np`` below 1, no command, a port outside 1-65535, a start timeout that is
+            not positive, a negative restart count or delay, or a ``restart_on`` code outside 1-255.
 
     Example::
 
@@ -75,6 +84,9 @@ class LaunchConfig:
     ssh: Optional[SshOptions] = None
     exports: Sequence[str] = ()
     network_interface: Optional[str] = None
+    max_restarts: int = 0
+    restart_on: Optional[AbstractSet[int]] = None
+    restart_delay: float = RESTART_DELAY
 
     def __post_init__(self) -> None:
         if self.np < 1:
@@ -88,6 +100,12 @@ class LaunchConfig:
             raise RunError(f"--master-port must be between 1 and 65535, got {self.master_port}.")
         if self.start_timeout is not None and self.start_timeout <= 0:
             raise RunError(f"--start-timeout must be positive, got {self.start_timeout:g}.")
+        if self.max_restarts < 0:
+            raise RunError(f"--max-restarts must be 0 or more, got {self.max_restarts}.")
+        if not self.restart_delay >= 0:  # also refuses NaN
+            raise RunError(f"--restart-delay must be 0 or more seconds, got {self.restart_delay:g}.")
+        if self.restart_on is not None and (not self.restart_on or not all(0 < c < 256 for c in self.restart_on)):
+            raise RunError(f"--restart-on takes exit codes 1-255 and signal names, got {sorted(self.restart_on)}.")
         # Frozen: the normalised values are set once, here.
         normalised = {
             "command": command,
@@ -96,6 +114,7 @@ class LaunchConfig:
             "hosts": None if self.hosts is None else tuple(self.hosts),
             "ssh": self.ssh or SshOptions(),
             "exports": tuple(self.exports),
+            "restart_on": None if self.restart_on is None else frozenset(self.restart_on),
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)

@@ -18,11 +18,12 @@ import time
 from typing import List, Mapping, Optional
 
 from torchmn import resources
-from torchmn.launch import hosts as hostlib
+from torchmn.launch import auth, hosts as hostlib
 from torchmn.launch.config import GRACE_SECONDS, START_TIMEOUT, LaunchConfig, RunError
 from torchmn.launch.output import Console, describe_exit, exit_code_of, failure_summary, prepare_log_dir
 from torchmn.launch.plan import Slot, local_env, plan_slots, refuse_outer_launcher, remote_env
 from torchmn.launch.rendezvous import address_for_hosts, interface_address, start_store
+from torchmn.launch.restarts import Restarts
 from torchmn.launch.slurm_tasks import SlurmTasks, slurm_step
 from torchmn.launch.ssh import RemoteError, check_hosts_or_stop, forwarded_env, parse_exports, rank_command
 from torchmn.launch.supervisor import Rank, Supervisor
@@ -65,7 +66,10 @@ class Job:
         refuse_outer_launcher(self.base_env)
         # One task of a multi-node srun step: this node's share of one job (see slurm_tasks).
         step = None if hosts else slurm_step(self.base_env)
-        self.slurm = None if step is None else SlurmTasks(step, config.np, config.start_timeout)
+        self.slurm = None if step is None else SlurmTasks(step, config.np, config.start_timeout, self.base_env)
+        # The job's secret: only processes started with it (or that prove they know it) reach the
+        # store; see docs/security.md. The tasks of a Slurm step share theirs.
+        self.token = self.slurm.token if self.slurm is not None else auth.new_token()
         if self.slurm is not None:
             self.slots = self.slurm.plan(config.network_interface)
             self.master_addr = step.master_addr
@@ -145,14 +149,19 @@ class Job:
     def _start_rank(self, slot: Slot, port: int, log_path: Optional[str]) -> Rank:
         if self._is_remote(slot):
             env = remote_env(slot, self.base_env, self.exports, self.master_addr, port)
+            env[auth.TOKEN_ON_STDIN] = "1"  # the token itself goes through stdin, below
             line = rank_command(os.getcwd(), sys.executable, env, self.config.command)
             argv, env = self.config.ssh.argv(slot.host, line), self.base_env
         else:
             argv = self.config.command
             env = local_env(slot, self.base_env, self.exports, self.master_addr, port, self.job_id,
                             several_hosts=bool(self.remote_hosts))
-        return self.procs.start_rank(slot, argv, env, self._is_remote(slot), log_path, self.console,
+            env[auth.TOKEN_ENV] = self.token
+        rank = self.procs.start_rank(slot, argv, env, self._is_remote(slot), log_path, self.console,
                                      self._rank_exited)
+        if self._is_remote(slot):
+            auth.send_token(rank.process.stdin, self.token)
+        return rank
 
     def start(self) -> None:
         """Check the command and the hosts, open the rendezvous store and start every rank.
@@ -168,11 +177,13 @@ class Job:
         if self.slurm is not None:
             origin = ("MASTER_PORT" if self.base_env.get("MASTER_PORT")
                       else "derived from the Slurm job and step ids")
-            self.store = self.slurm.open_store(self.master_addr, self.master_port, origin)
+            self.store = self.slurm.open_store(self.master_addr, self.master_port, origin, self.console.message,
+                                               self._local_pids)
             self.slurm.check_in()
         else:
             self._check_hosts()
-            self.store = start_store(self.master_addr, self.master_port)
+            self.store = start_store(self.master_addr, self.master_port, token=self.token, log=self.console.message,
+                                     likely_pids=self._local_pids)
         port = self.store.port
         if config.verbose:
             self._describe(port)
@@ -182,6 +193,10 @@ class Job:
         for slot in self.slots:
             log_path = os.path.join(config.log_dir, f"rank.{slot.rank}.log") if config.log_dir else None
             self._start_rank(slot, port, log_path)
+
+    def _local_pids(self) -> List[int]:
+        """The ranks started on this machine: the store's gate looks at them first."""
+        return [rank.process.pid for rank in list(self.ranks) if not rank.is_remote]
 
     def _describe(self, port: int) -> None:
         placed = ", ".join(f"{h}:{n}" for h, n in dict(collections.Counter(s.host for s in self.slots)).items())
@@ -333,6 +348,26 @@ class Job:
         self.console.message(failure_summary(failed, self.ranks, self.slurm.reported if self.slurm else None))
         return exit_code_of(failed.returncode)
 
+    def run_once(self) -> int:
+        """Start the job, watch it to its end and close it: one start, without restarts.
+
+        Returns:
+            The exit code (see ``watch``).
+
+        Raises:
+            RunError: the job cannot start; any rank already started has been stopped.
+        """
+        try:
+            try:
+                self.start()
+            except BaseException:
+                if self.ranks:
+                    self.teardown(signal.SIGTERM)
+                raise
+            return self.watch()
+        finally:
+            self.close()
+
     def close(self) -> None:
         """Close the rendezvous store and let the guardian go; call once the job has ended."""
         # Dropping the last reference shuts the store's server down and frees the port.
@@ -343,17 +378,19 @@ class Job:
 
 
 def run(config: LaunchConfig, env: Optional[Mapping[str, str]] = None) -> int:
-    """Run a job as ``torchmn run`` would, from start to teardown.
+    """Run a job as ``torchmn run`` would, from start to teardown, and again after a failure as
+    ``config.max_restarts`` allows (see ``torchmn.launch.restarts``).
 
     In the main thread, SIGINT, SIGTERM and SIGHUP (forwarded to the ranks, which are then
-    stopped) and SIGUSR1, SIGUSR2 (passed on) are handled for the job's length.
+    stopped, and no restart follows) and SIGUSR1, SIGUSR2 (passed on) are handled for the job's
+    length.
 
     Args:
         config: what to run, and how.
         env: the launcher's environment, which the ranks inherit (default: ``os.environ``).
 
     Returns:
-        The exit code ``torchmn run`` would exit with (see ``Job.watch``).
+        The exit code ``torchmn run`` would exit with (see ``Job.watch`` and ``Restarts.run``).
 
     Raises:
         RunError: the job cannot be run as asked; any rank already started has been stopped.
@@ -364,22 +401,15 @@ def run(config: LaunchConfig, env: Optional[Mapping[str, str]] = None) -> int:
         [0] 0
         0
     """
-    job = Job(config, env)
+    restarts = Restarts(config, os.environ if env is None else env, Job)
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {}
     if in_main_thread:
         # Installed before the first rank starts, so a Ctrl-C during start-up still tears down.
         for sig in FORWARDED_SIGNALS + RELAYED_SIGNALS:
-            previous[sig] = signal.signal(sig, job.on_signal)
+            previous[sig] = signal.signal(sig, restarts.on_signal)
     try:
-        try:
-            job.start()
-        except BaseException:
-            if job.ranks:
-                job.teardown(signal.SIGTERM)
-            raise
-        return job.watch()
+        return restarts.run()
     finally:
-        job.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
