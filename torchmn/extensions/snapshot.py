@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import re
 import string
-import secrets
 import warnings
 from typing import Any, Callable, Optional
 
 import torch
 from pytorch_pfn_extras.training import extension
 
+from torchmn.checkpoint.files import atomic_save, remove_temporaries
 from torchmn.communicators.errors import RemoteRankError
 from torchmn.extensions._triggers import agree_on_own_trigger
 
@@ -100,68 +100,6 @@ def available_iterations(out_dir: str, rank: int, filename: str = DEFAULT_FILENA
     return found
 
 
-def atomic_save(obj: Any, path: str, savefun: Callable[[Any, Any], None] = torch.save) -> None:
-    """``savefun(obj, file)`` into a temporary file beside ``path``, fsync it, rename it to ``path``.
-
-    A crash therefore never leaves a half-written file under ``path``. The directory is created
-    if needed.
-
-    Args:
-        obj: what to save.
-        path: the final path.
-        savefun: writes ``obj`` to an open binary file.
-
-    Raises:
-        Exception: whatever ``savefun`` or the file system raised, once the temporary file is
-            removed.
-
-    Example::
-
-        >>> torchmn.extensions.snapshot.atomic_save(model.state_dict(), "result/model.pt")
-    """
-    directory = os.path.dirname(path) or "."
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = _create_temporary(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            savefun(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-    try:
-        # Make the rename itself durable; not every file system lets a directory be opened.
-        dir_fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(dir_fd)
-    except OSError:
-        pass  # fsync of a directory is unsupported on some file systems; the file itself is synced
-    finally:
-        os.close(dir_fd)
-
-
-def _temporary_prefix(path: str) -> str:
-    return "." + os.path.basename(path) + "."
-
-
-def _create_temporary(path: str) -> tuple:
-    """A new file beside ``path``, open for writing: ``(fd, its path)``. Created with mode 0666 so
-    that the kernel applies the umask, as for any file the user writes (mkstemp's 0600 would hide
-    checkpoints from the user's other jobs)."""
-    directory = os.path.dirname(path) or "."
-    while True:
-        tmp = os.path.join(directory, _temporary_prefix(path) + secrets.token_hex(4) + ".tmp")
-        try:
-            return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
-        except FileExistsError:
-            continue
-
-
 def remove_leftover_temporaries(out_dir: str, rank: int, filename: str = DEFAULT_FILENAME) -> None:
     """Delete ``rank``'s temporary snapshot files that a killed run left in ``out_dir``: repeated
     crashes would fill the disk. Only for the job that writes them, ahead of its first write.
@@ -179,15 +117,7 @@ def remove_leftover_temporaries(out_dir: str, rank: int, filename: str = DEFAULT
         >>> torchmn.extensions.snapshot.remove_leftover_temporaries("result", comm.rank)
     """
     pattern = _pattern(filename, rank)
-    if not os.path.isdir(out_dir):
-        return
-    for name in os.listdir(out_dir):
-        stem = name[1:].rsplit(".", 2)[0] if name.startswith(".") and name.endswith(".tmp") else None
-        if stem is not None and pattern.fullmatch(stem):
-            try:
-                os.remove(os.path.join(out_dir, name))
-            except FileNotFoundError:
-                pass
+    remove_temporaries(out_dir, pattern.fullmatch)
 
 
 # The manager's state leaves out its stop triggers; an early-stopping trigger's goes in here.

@@ -39,6 +39,9 @@ class MultiNodeIterator:
         self.rank_master = rank_master
         self.loader = loader
         self.epoch = 0
+        self.batches = 0          # batches yielded in the epoch under way
+        self._skip = 0            # batches the master passes over when the next epoch starts
+        self._resuming = False    # the next epoch continues one a checkpoint interrupted
         is_master = comm.rank == rank_master
         problem = None
         length = None
@@ -67,6 +70,47 @@ class MultiNodeIterator:
             raise TypeError(f"the loader on master rank {self.rank_master} has no len()")
         return self._length
 
+    def state_dict(self) -> dict:
+        """The position: finished epochs, batches into the current one, and the master's loader's
+        own state where it has one (:class:`~torchmn.checkpoint.ResumableLoader`). No communication.
+
+        Returns:
+            ``{"epoch", "batches"}``, plus ``"loader"`` on the master when its loader has
+            ``state_dict()``.
+
+        Example::
+
+            >>> it.state_dict()
+            {'epoch': 2, 'batches': 17}
+        """
+        state = {"epoch": self.epoch, "batches": self.batches}
+        if self.comm.rank == self.rank_master and callable(getattr(self.loader, "state_dict", None)):
+            state["loader"] = self.loader.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Resume at a position from :meth:`state_dict`, on every rank.
+
+        The next epoch continues after the batches already taken: the master's loader loads its
+        own state where both have one; otherwise the master reads and drops those batches, which
+        repeats the old run exactly when its loader makes the same order for the same epoch (a
+        sampler given ``set_epoch(it.epoch)``, or a loader that is not shuffled).
+
+        Args:
+            state: from :meth:`state_dict`.
+
+        Example::
+
+            >>> it.load_state_dict({"epoch": 2, "batches": 17})
+        """
+        self.epoch = int(state["epoch"])
+        self.batches = self._skip = int(state["batches"])
+        self._resuming = True
+        if (self.comm.rank == self.rank_master and "loader" in state
+                and callable(getattr(self.loader, "load_state_dict", None))):
+            self.loader.load_state_dict(state["loader"])
+            self._skip = 0
+
     def __iter__(self) -> Iterator[Any]:
         """One epoch. Every rank must start it, and consume it, in step with the others.
 
@@ -80,11 +124,17 @@ class MultiNodeIterator:
         """
         comm, master = self.comm, self.rank_master
         source = None
+        skip, self._skip = self._skip, 0
+        if not self._resuming:
+            self.batches = 0
+        self._resuming = False
         while True:
             if comm.rank == master:
                 try:
                     if source is None:  # iter() may fail too (a DataLoader whose workers cannot start)
                         source = iter(self.loader)
+                        for _ in range(skip):  # resuming mid-epoch from a loader without state
+                            next(source)
                     batch = next(source)
                     # Pickled here, so that a batch that cannot be pickled is reported like a
                     # failing loader. Tensors go to CPU: a GPU tensor would unpickle onto the
@@ -93,20 +143,24 @@ class MultiNodeIterator:
                 except StopIteration:
                     comm.bcast_obj((_STOP, None), root=master)
                     self.epoch += 1
+                    self.batches = 0
                     return
                 except Exception as e:
                     comm.bcast_obj((_ERROR, f"{type(e).__name__}: {e}"), root=master)
                     raise
                 comm.bcast_obj((_BATCH, blob), root=master)
+                self.batches += 1
                 yield batch
                 continue
             kind, payload = comm.bcast_obj(None, root=master)
             if kind == _STOP:
                 self.epoch += 1
+                self.batches = 0
                 return
             if kind == _ERROR:
                 raise RemoteRankError(f"multi-node iterator: the loader on master rank {master} failed: "
                                       f"{payload} (raised on rank {comm.rank})")
+            self.batches += 1
             yield pickle.loads(payload)
 
 

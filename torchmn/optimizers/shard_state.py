@@ -178,3 +178,81 @@ def slice_of_state(b: ShardBucket, i: int, saved: dict) -> dict:
             # A copy: Adam counts its step in place, which must not touch the caller's dict.
             mine[key] = value.clone() if torch.is_tensor(value) else value
     return mine
+
+
+def local_part(comm: Communicator, param_groups: list[dict], buckets: list) -> dict:
+    """This rank's part of the optimizer state: its slice of every per-element entry (no communication).
+
+    Args:
+        comm: the communicator (for the rank count the part records).
+        param_groups: the wrapped optimizer's parameter groups.
+        buckets: the shard buckets, each with its shard optimizer.
+
+    Returns:
+        ``{"size", "param_groups", "state": {index: {key: value}}, "slices": {index: (lo, hi)}}``:
+        per-element tensors hold elements ``lo:hi`` of the flattened parameter.
+    """
+    index = indices(param_groups)
+    state, slices = {}, {}
+    for b in buckets:
+        for i, (p, sp) in enumerate(zip(b.params, b.shard_params)):
+            entry = b.optimizer.state.get(sp)
+            if not entry:
+                continue
+            lo, hi = b.slices[i]
+            state[index[p]] = {key: (value[:hi - lo].clone() if torch.is_tensor(value) and key not in SCALAR_STATE
+                                     else value.clone() if torch.is_tensor(value) else value)
+                               for key, value in entry.items()}
+            slices[index[p]] = (lo, hi)
+    part = torch_format(param_groups, state, index)
+    part.update(size=comm.size, slices=slices)
+    return part
+
+
+def merge_parts(parts: list[dict], param_groups: list[dict]) -> dict:
+    """The whole state in torch's format, from the parts every rank of a job wrote (any rank count).
+
+    Args:
+        parts: :func:`local_part` of every rank of the job that saved, in rank order.
+        param_groups: the parameter groups of the optimizer that will load it (for the shapes).
+
+    Returns:
+        What the unsharded optimizer's ``state_dict()`` would be.
+
+    Raises:
+        ValueError: the parts are not one job's (their rank counts differ, a part is missing), or
+            do not cover a parameter of this optimizer.
+    """
+    sizes = {part["size"] for part in parts}
+    if sizes != {len(parts)}:
+        raise ValueError(f"optimizer state: {len(parts)} parts, written by jobs of {sorted(sizes)} ranks; "
+                         f"a checkpoint needs the parts of every rank of one job")
+    params = [p for group in param_groups for p in group["params"]]
+    state = {}
+    for index in sorted({i for part in parts for i in part["state"]}):
+        if index >= len(params):
+            raise ValueError(f"optimizer state: the checkpoint has state for parameter {index}, the optimizer "
+                             f"has {len(params)} parameters")
+        p = params[index]
+        entry, covered = {}, 0
+        for part in parts:
+            if index not in part["state"]:
+                continue
+            lo, hi = part["slices"][index]
+            for key, value in part["state"][index].items():
+                if torch.is_tensor(value) and key not in SCALAR_STATE:
+                    if key not in entry:
+                        entry[key] = torch.zeros(p.numel(), dtype=value.dtype)
+                    if hi > p.numel():
+                        raise ValueError(f"optimizer state {key!r} of parameter {index} reaches element {hi}; the "
+                                         f"parameter has shape {tuple(p.shape)}")
+                    entry[key][lo:hi].copy_(value.reshape(-1)[:hi - lo])
+                else:
+                    entry.setdefault(key, value)
+            covered += hi - lo
+        if covered != p.numel():
+            raise ValueError(f"optimizer state of parameter {index} covers {covered} of its {p.numel()} elements "
+                             f"(shape {tuple(p.shape)}): the checkpoint is of another model")
+        state[index] = {key: value.view(p.shape) if torch.is_tensor(value) and value.numel() == p.numel()
+                        and key not in SCALAR_STATE else value for key, value in entry.items()}
+    return {"state": state, "param_groups": parts[0]["param_groups"]}

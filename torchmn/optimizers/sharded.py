@@ -371,6 +371,36 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         """
         shard_state.load_state_dict(state_dict, self._optimizer.param_groups, self._inner)
 
+    def local_state_dict(self) -> dict:
+        """This rank's part of the optimizer state, for checkpoints that every rank writes its own
+        part of (no communication; ``torchmn.checkpoint`` uses it).
+
+        Returns:
+            This rank's slices of the per-element state, with the element range of each parameter
+            they hold and the hyperparameters; :meth:`load_local_state_dicts` takes every rank's.
+
+        Example::
+
+            >>> torch.save(optimizer.local_state_dict(), f"opt_rank{comm.rank}.pt")
+        """
+        return shard_state.local_part(self.comm, self._optimizer.param_groups, self._buckets)
+
+    def load_local_state_dicts(self, parts: list) -> None:
+        """Load the state from the parts every rank of a job wrote with :meth:`local_state_dict`,
+        on any rank count (each rank keeps its own shard of the whole).
+
+        Args:
+            parts: every saving rank's part, in rank order.
+
+        Raises:
+            ValueError: the parts are not one job's, or do not fit this optimizer's parameters.
+
+        Example::
+
+            >>> optimizer.load_local_state_dicts([torch.load(f"opt_rank{r}.pt") for r in range(4)])
+        """
+        self.load_state_dict(shard_state.merge_parts(parts, self._optimizer.param_groups))
+
     @property
     def state(self) -> dict:
         """This rank's shard state.

@@ -1,0 +1,118 @@
+"""torchmn.checkpoint: real jobs that write checkpoints, get killed, and resume bit for bit."""
+from __future__ import annotations
+
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+import torch
+
+from jobs import WORKERS, assert_check_passed, check_job_output, clean_env, launcher_argv, run_job, run_one_process
+
+TRAIN = WORKERS / "checkpoint_train.py"
+CHECKS = WORKERS / "checkpoint_checks.py"
+ALL = ("keep_prunes_old_steps", "torn_or_partial_steps_are_never_loaded", "another_model_is_named",
+       "newer_step_of_another_run_is_not_overwritten", "unwritable_directory_is_named",
+       "ranks_saving_different_steps_are_named", "resumable_loader_continues_exactly",
+       "multi_node_iterator_position")
+
+
+def same_parameters(a: str, b: str) -> bool:
+    first, second = torch.load(a), torch.load(b)
+    return first.keys() == second.keys() and all(torch.equal(first[k], second[k]) for k in first)
+
+
+@pytest.mark.check_job("checkpoint")
+@pytest.mark.parametrize("check", ALL)
+def test_checkpoint(check, request, tmp_path_factory):
+    root = tmp_path_factory.getbasetemp() / "checkpoint-checks"
+    root.mkdir(exist_ok=True)
+    proc = check_job_output(request, lambda checks: run_job(CHECKS, [str(root), *checks], np=2, timeout=180,
+                                                            check=False))
+    assert_check_passed(proc, check)
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("optimizer", ["replicated", "sharded", "default"])
+def test_checkpoint_stop_and_resume_is_bit_exact(optimizer, tmp_path):
+    """A run stopped after step 33 and resumed from its step-30 checkpoint ends with the parameters
+    of an uninterrupted run, for each optimizer (model, optimizer, scheduler, data position and
+    every rank's dropout RNG all come back)."""
+    common = ["--steps", "60", "--every", "5", "--optimizer", optimizer]
+    run_job(TRAIN, ["--dir", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"), *common], timeout=120)
+    short = [a if a != "60" else "33" for a in common]
+    run_job(TRAIN, ["--dir", str(tmp_path / "ck"), "--out", str(tmp_path / "short.pt"), *short], timeout=120)
+    resumed = run_job(TRAIN, ["--dir", str(tmp_path / "ck"), "--out", str(tmp_path / "out.pt"), *common], timeout=120)
+    assert "starting at step 30" in resumed.stdout
+    assert same_parameters(str(tmp_path / "ref.pt"), str(tmp_path / "out.pt"))
+
+
+@pytest.mark.timeout(240)
+def test_checkpoint_loads_on_another_rank_count(tmp_path):
+    run_job(TRAIN, ["--dir", str(tmp_path / "two_ranks"), "--out", str(tmp_path / "x.pt"), "--steps", "10",
+                    "--every", "10", "--optimizer", "sharded"], timeout=120)
+    proc = run_one_process(CHECKS, [str(tmp_path), "loads_on_another_rank_count"], timeout=120)
+    assert_check_passed(proc, "loads_on_another_rank_count")
+
+
+def rank_processes(launcher: subprocess.Popen) -> list:
+    """The launcher's ranks: its topmost descendants with a RANK in their environment."""
+    with_rank = set()
+    for p in psutil.Process(launcher.pid).children(recursive=True):
+        try:
+            if "RANK" in p.environ():
+                with_rank.add(p)
+        except psutil.Error:
+            continue
+    pids = {p.pid for p in with_rank}
+    return [p for p in with_rank if p.ppid() not in pids]
+
+
+@pytest.mark.timeout(600)
+def test_checkpoint_survives_20_kills_of_a_random_rank(tmp_path):
+    """20 times, a random rank is SIGKILLed at a random moment of a loop that checkpoints every 2
+    steps (each rank file carries 1 MB of ballast, so many kills land in a write). Every resume
+    loads a complete checkpoint (the script checks the parameters against the digest saved with
+    them), the steps resumed from never go back, and the final parameters equal an uninterrupted
+    run's bit for bit."""
+    args = ["--steps", "500", "--every", "2", "--ballast", "1", "--keep", "2"]
+    run_job(TRAIN, ["--dir", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"), *args], timeout=180)
+    chance = random.Random(int(os.environ.get("TORCHMN_TEST_SEED", "0")))
+    argv = launcher_argv("torchmn", 2) + [sys.executable, str(TRAIN), "--dir", str(tmp_path / "ck"),
+                                          "--out", str(tmp_path / "out.pt"), *args]
+    resumed_from, kills = [], 0
+    while kills < 20:
+        job = subprocess.Popen(argv, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        try:
+            started = 0
+            for line in job.stdout:
+                m = re.search(r"starting at step (\d+)", line)
+                if m:
+                    started += 1
+                    resumed_from.append(int(m.group(1)))
+                    if started == 2:
+                        break
+                assert "differ from those saved" not in line, line
+            time.sleep(chance.uniform(0.1, 1.2))
+            ranks = rank_processes(job)
+            assert ranks, "the job ended before it was killed: give it more steps"
+            chance.choice(ranks).send_signal(signal.SIGKILL)
+            kills += 1
+            rest = job.communicate(timeout=60)[0]
+            assert "differ from those saved" not in rest, rest
+            assert job.returncode != 0
+        finally:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+    assert resumed_from == sorted(resumed_from), resumed_from
+    final = run_job(TRAIN, ["--dir", str(tmp_path / "ck"), "--out", str(tmp_path / "out.pt"), *args], timeout=180)
+    assert "done at step 500" in final.stdout
+    assert resumed_from[-1] > 0, resumed_from
+    assert same_parameters(str(tmp_path / "ref.pt"), str(tmp_path / "out.pt"))

@@ -1,0 +1,197 @@
+"""Checks of torchmn.checkpoint that run inside every rank of a job (rank 0 prints "PASS <check>").
+
+    torchmn run -np 2 python checkpoint_checks.py DIR CHECK [CHECK ...]
+"""
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import torch
+
+import torchmn
+from torchmn.checkpoint import CheckpointError, Checkpointer, ResumableLoader
+
+warnings.filterwarnings("ignore", message=".*NodeShared.*")
+
+
+def small_model(width: int = 8) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Linear(width, 2))
+
+
+def expect_error(call, *words):
+    try:
+        call()
+    except CheckpointError as e:
+        for w in words:
+            assert w in str(e), (w, str(e))
+        return str(e)
+    raise AssertionError("no CheckpointError")
+
+
+def listing(directory: str) -> dict:
+    return {os.path.join(d, f): os.path.getsize(os.path.join(d, f))
+            for d, _, names in os.walk(directory) for f in names}
+
+
+def check_keep_prunes_old_steps(comm, root):
+    model = small_model()
+    ckpt = Checkpointer(os.path.join(root, "keep"), comm, keep=2, model=model)
+    for step in (5, 10, 15):
+        ckpt.save(step)
+    comm.allgather_obj(None)
+    assert ckpt.complete_steps() == [10, 15], ckpt.complete_steps()
+
+
+def check_torn_or_partial_steps_are_never_loaded(comm, root):
+    directory = os.path.join(root, "torn")
+    model = small_model()
+    ckpt = Checkpointer(directory, comm, keep=5, model=model)
+    ckpt.save(1)
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    ckpt.save(2)
+    ckpt.save(3)
+    comm.allgather_obj(None)
+    if comm.rank == 0:
+        # Step 3: a rank's file cut short (a copy that broke off). Step 4: no manifest (a kill).
+        with open(os.path.join(directory, "step_00000003", "rank00001.pt" if comm.size > 1 else "rank00000.pt"),
+                  "r+b") as f:
+            f.truncate(10)
+        os.makedirs(os.path.join(directory, "step_00000004"))
+        with open(os.path.join(directory, "step_00000004", "shared.pt"), "wb") as f:
+            f.write(b"partial")
+    comm.allgather_obj(None)
+    fresh = small_model()
+    assert Checkpointer(directory, comm, model=fresh).load_latest() == 2
+    assert torch.equal(fresh[0].weight, model[0].weight)
+
+
+def check_another_model_is_named(comm, root):
+    directory = os.path.join(root, "other_model")
+    Checkpointer(directory, comm, model=small_model(8)).save(1)
+    comm.allgather_obj(None)
+    before = listing(directory)
+    wider = small_model(16)
+    kept = wider[0].weight.clone()
+    expect_error(Checkpointer(directory, comm, model=wider).load_latest,
+                 "another model", "0.weight is (8, 4) in the checkpoint, (16, 4) in the model", "on rank 0")
+    renamed = torch.nn.Sequential(torch.nn.Linear(4, 8))
+    renamed.add_module("head", torch.nn.Linear(8, 2))
+    expect_error(Checkpointer(directory, comm, model=renamed).load_latest,
+                 "missing from the checkpoint: head.weight, head.bias", "not in the model: 1.weight, 1.bias")
+    assert torch.equal(wider[0].weight, kept), "a refused checkpoint changed the model"
+    assert listing(directory) == before, "a refused load changed the files"
+
+
+def check_newer_step_of_another_run_is_not_overwritten(comm, root):
+    directory = os.path.join(root, "newer")
+    Checkpointer(directory, comm, model=small_model()).save(50)
+    comm.allgather_obj(None)
+    before = listing(directory)
+    fresh = Checkpointer(directory, comm, model=small_model())
+    expect_error(lambda: fresh.save(10), "complete checkpoint of step 50", "load_latest()", "nothing was overwritten")
+    assert listing(directory) == before
+
+
+def check_unwritable_directory_is_named(comm, root):
+    blocker = os.path.join(root, "a_file")
+    if comm.rank == 0:
+        with open(blocker, "w") as f:
+            f.write("not a directory")
+    comm.allgather_obj(None)
+    expect_error(lambda: Checkpointer(os.path.join(blocker, "ckpt"), comm, model=small_model()),
+                 "failed on rank 0", "cannot create files in the checkpoint directory", "choose a directory")
+    with open(blocker) as f:
+        assert f.read() == "not a directory"
+
+
+def check_ranks_saving_different_steps_are_named(comm, root):
+    ckpt = Checkpointer(os.path.join(root, "steps"), comm, model=small_model())
+    if comm.size > 1:
+        expect_error(lambda: ckpt.save(10 + comm.rank), "rank 0: 10", "rank 1: 11")
+    assert ckpt.complete_steps() == []
+
+
+def check_loads_on_another_rank_count(comm, root):
+    """Run on 1 rank over a checkpoint a 2-rank job of checkpoint_train.py wrote with the sharded
+    optimizer: model and optimizer load; the per-rank data position refuses, naming both counts."""
+    directory = os.path.join(root, "two_ranks")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Dropout(0.3),
+                                torch.nn.Linear(64, 4)).double()
+    optimizer = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters(), lr=1e-2), comm,
+                                                    shard_state=True)
+    loader = ResumableLoader(list(range(200)), batch_size=8, seed=10)
+    expect_error(Checkpointer(directory, comm, model=model, optimizer=optimizer, loader=loader).load_latest,
+                 "written by 2 ranks and this job has 1", "loader", "Resume with 2 ranks")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step = Checkpointer(directory, comm, model=model, optimizer=optimizer).load_latest()
+    assert step == 10, step
+    assert any("written by 2 ranks and is loaded on 1" in str(w.message) for w in caught), caught
+    state = optimizer.state_dict()["state"]
+    assert len(state) == 4 and all(int(s["step"]) == 10 for s in state.values()), state
+    saved = torch.load(os.path.join(directory, "step_00000010", "shared.pt"), weights_only=False)["model"]
+    assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+    # The two parts, merged, are the whole state: every element of exp_avg is set.
+    assert all((s["exp_avg"] != 0).all() for s in state.values())
+
+
+def check_resumable_loader_continues_exactly(comm, root):
+    data = list(range(45))
+    reference = ResumableLoader(data, batch_size=4, seed=3, drop_last=False)
+    expected = [b.tolist() for _ in range(3) for b in reference]
+    for cut in (1, 11, 12, 13, 24, 30):
+        first = ResumableLoader(data, batch_size=4, seed=3)
+        got = []
+        while len(got) < cut:
+            for b in first:
+                got.append(b.tolist())
+                if len(got) == cut:
+                    break
+        second = ResumableLoader(data, batch_size=4, seed=3)
+        second.load_state_dict(first.state_dict())
+        while len(got) < len(expected):
+            got.extend(b.tolist() for b in second)
+        assert got == expected, cut
+    try:
+        ResumableLoader(data[:40], batch_size=4, seed=3).load_state_dict(reference.state_dict())
+        raise AssertionError("a position over another dataset loaded")
+    except ValueError as e:
+        assert "45 samples" in str(e) and "40 samples" in str(e)
+
+
+def check_multi_node_iterator_position(comm, root):
+    """A multi-node iterator resumes mid-epoch: over a ResumableLoader from its state, over a
+    plain unshuffled DataLoader by reading past the batches taken."""
+    for stateful in (True, False):
+        data = list(range(30))
+        make = ((lambda: ResumableLoader(data, batch_size=4, seed=1)) if stateful
+                else (lambda: torch.utils.data.DataLoader(data, batch_size=4)))
+        it = torchmn.create_multi_node_iterator(make() if comm.rank == 0 else None, comm)
+        expected = [b.tolist() for _ in range(2) for b in it]
+        it = torchmn.create_multi_node_iterator(make() if comm.rank == 0 else None, comm)
+        got = []
+        for b in it:
+            got.append(b.tolist())
+            if len(got) == 3:
+                break
+        state = comm.bcast_obj(it.state_dict())
+        it = torchmn.create_multi_node_iterator(make() if comm.rank == 0 else None, comm)
+        it.load_state_dict(state)
+        got.extend(b.tolist() for b in it)
+        assert (it.epoch, it.batches) == (1, 0), (it.epoch, it.batches)
+        got.extend(b.tolist() for b in it)
+        assert got == expected and it.epoch == 2, (stateful, got, expected)
+
+
+if __name__ == "__main__":
+    comm = torchmn.create_communicator()
+    for name in sys.argv[2:]:
+        globals()[f"check_{name}"](comm, sys.argv[1])
+        if comm.rank == 0:
+            print(f"PASS {name}", flush=True)
+    comm.finalize()

@@ -1,0 +1,414 @@
+"""``Checkpointer``: save and resume a plain training loop on every rank, surviving kills.
+
+What each rank writes, and how the ranks agree on what is complete, is in ``files.py``; which
+object is written by whom is decided here (:func:`kind_of`).
+"""
+from __future__ import annotations
+
+import os
+import secrets
+import time
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from torchmn.checkpoint import files
+from torchmn.checkpoint.rng import rng_state, set_rng_state
+from torchmn.errors import TorchmnError
+
+SHARED, PARTS, RANK = "shared", "parts", "rank"
+
+
+class CheckpointError(TorchmnError, RuntimeError):
+    """A checkpoint could not be written or loaded; the message says on which rank and host, and
+    what to do. Raised on every rank together."""
+
+
+def kind_of(obj: Any) -> str:
+    """Who writes ``obj``'s state.
+
+    Args:
+        obj: an object with ``state_dict()`` and ``load_state_dict()``.
+
+    Returns:
+        ``"parts"`` for an optimizer that shards its state (every rank writes its own part:
+        it has ``local_state_dict()``); ``"shared"`` for what every rank holds alike (a module,
+        an optimizer, a learning-rate scheduler, a gradient scaler, a multi-node iterator): rank 0
+        writes it, every rank loads it; ``"rank"`` for anything else, such as a data loader over
+        this rank's part of the data: each rank writes and loads its own.
+
+    Example::
+
+        >>> kind_of(torch.nn.Linear(2, 2)), kind_of(loader)
+        ('shared', 'rank')
+    """
+    from torchmn.iterators import MultiNodeIterator
+
+    if callable(getattr(obj, "local_state_dict", None)) and callable(getattr(obj, "load_local_state_dicts", None)):
+        return PARTS
+    scaler = getattr(getattr(torch, "amp", None), "GradScaler", ())
+    if isinstance(obj, (torch.nn.Module, torch.optim.lr_scheduler.LRScheduler, MultiNodeIterator, scaler)) \
+            or hasattr(obj, "param_groups"):
+        return SHARED
+    return RANK
+
+
+def module_mismatch(module: torch.nn.Module, state: dict, limit: int = 3) -> Optional[str]:
+    """How a saved ``state_dict`` differs from ``module``'s own, or None where it fits.
+
+    Args:
+        module: the module to load into.
+        state: the saved state.
+        limit: how many names of each kind of difference to show.
+
+    Returns:
+        The missing and unexpected keys and the differing shapes, the first ``limit`` of each.
+    """
+    own = module.state_dict()
+
+    def names(keys: list) -> str:
+        more = f" and {len(keys) - limit} more" if len(keys) > limit else ""
+        return ", ".join(keys[:limit]) + more
+
+    problems = []
+    missing = [k for k in own if k not in state]
+    unexpected = [k for k in state if k not in own]
+    shapes = [f"{k} is {tuple(state[k].shape)} in the checkpoint, {tuple(v.shape)} in the model"
+              for k, v in own.items() if k in state and torch.is_tensor(v) and torch.is_tensor(state[k])
+              and state[k].shape != v.shape]
+    if missing:
+        problems.append(f"missing from the checkpoint: {names(missing)}")
+    if unexpected:
+        problems.append(f"not in the model: {names(unexpected)}")
+    if shapes:
+        problems.append(f"shapes differ: {names(shapes)}")
+    return "; ".join(problems) or None
+
+
+class Checkpointer:
+    """Checkpoints of a plain training loop, written by every rank together and resumed bit for bit.
+
+    Give it the objects to save by name. Every rank constructs it, and calls :meth:`save` and
+    :meth:`load_latest`, together (they are collective). Who writes what (:func:`kind_of`):
+    rank 0 writes what every rank holds alike (model, optimizer, scheduler, scaler, a multi-node
+    iterator); each rank writes its own RNG states (torch, CUDA, numpy, ``random``), the state of
+    its other objects (a :class:`~torchmn.checkpoint.ResumableLoader` over its part of the data), and
+    its part of a sharded optimizer's state. Every file is written atomically, and a step counts
+    only once rank 0 has marked it complete after every rank wrote its files, so a kill at any
+    moment leaves the previous complete step to resume from. The directory must be one that all
+    ranks see (a shared file system on several nodes); the constructor checks that.
+
+    A checkpoint loads on another number of ranks where its state allows it: what rank 0 wrote,
+    and a sharded optimizer's parts, load on any rank count; RNG states are then left as they are
+    (the resume is not bit for bit, and rank 0 warns); per-rank objects refuse.
+
+    Args:
+        directory: the checkpoint directory; created if needed.
+        comm: the communicator whose ranks checkpoint together.
+        keep: how many complete steps to keep (the newest); at least 1.
+        **objects: what to save and load, by name: objects with ``state_dict()`` and
+            ``load_state_dict()``.
+
+    Attributes:
+        resumed_from: the step :meth:`load_latest` loaded, or None.
+        extra: this rank's keyword values given to :meth:`save` of the step loaded.
+
+    Raises:
+        ValueError: ``keep < 1``, or an object without ``state_dict``/``load_state_dict``.
+        CheckpointError: on every rank, when the directory cannot be created or written on some
+            rank, or some rank does not see rank 0's files in it.
+
+    Example::
+
+        >>> ckpt = torchmn.checkpoint.Checkpointer("ckpt", comm, keep=3, model=model,
+        ...                                        optimizer=optimizer, scheduler=scheduler, loader=loader)
+        >>> step = ckpt.load_latest() or 0      # on a restart: the newest complete step
+        >>> while step < 1000:
+        ...     train_one_step(next_batch())
+        ...     step += 1
+        ...     if step % 100 == 0:
+        ...         ckpt.save(step)
+    """
+
+    def __init__(self, directory: str, comm, *, keep: int = 3, **objects: Any):
+        if int(keep) != keep or keep < 1:
+            raise ValueError(f"Checkpointer: keep={keep!r}; keep at least 1 complete step (2 or more lets "
+                             f"a bad checkpoint be skipped by hand)")
+        for name, obj in objects.items():
+            if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+                raise ValueError(f"Checkpointer: {name}={type(obj).__name__} has no state_dict()/load_state_dict(); "
+                                 f"pass objects that do (a plain DataLoader has none: use "
+                                 f"torchmn.checkpoint.ResumableLoader), or save plain values with save(step, {name}=...)")
+        self.directory = os.path.abspath(directory)
+        self.comm = comm
+        self.keep = int(keep)
+        self.objects = dict(objects)
+        self.kinds = {name: kind_of(obj) for name, obj in objects.items()}
+        self.resumed_from: Optional[int] = None
+        self.extra: dict = {}
+        self._check_directory()
+
+    # --- set-up -------------------------------------------------------------------------------
+
+    def _raise_if_any(self, problem: Optional[str], what: str) -> None:
+        """Every rank raises if any rank has a problem, naming the first such rank and its host."""
+        problems = self.comm.allgather_obj((problem, self.comm.host))
+        failed = [(r, p, host) for r, (p, host) in enumerate(problems) if p is not None]
+        if failed:
+            r, p, host = failed[0]
+            others = f" (and on rank(s) {', '.join(str(f[0]) for f in failed[1:])})" if len(failed) > 1 else ""
+            raise CheckpointError(f"{what} failed on rank {r} ({host}){others}: {p} [raised on rank {self.comm.rank}]")
+
+    def _check_directory(self) -> None:
+        """Every rank can write the directory, and sees what rank 0 writes there."""
+        probe, problem = None, None
+        if self.comm.rank == 0:
+            probe = os.path.join(self.directory, f".probe-{secrets.token_hex(6)}")
+            try:
+                os.makedirs(self.directory, exist_ok=True)
+                with open(probe, "wb"):
+                    pass
+            except OSError as e:
+                problem = (f"cannot create files in the checkpoint directory {self.directory}: {e.strerror or e}; "
+                           f"choose a directory this user can write")
+        probe, problem = self.comm.bcast_obj((probe, problem), root=0)
+        if problem is None and self.comm.rank != 0:
+            if not os.path.exists(probe):
+                problem = (f"this rank does not see the file rank 0 wrote in {self.directory}: the checkpoint "
+                           f"directory must be on a file system every node mounts (NFS, Lustre, GPFS)")
+            else:
+                try:
+                    with open(probe + f".rank{self.comm.rank}", "wb"):
+                        pass
+                    os.remove(probe + f".rank{self.comm.rank}")
+                except OSError as e:
+                    problem = f"cannot create files in the checkpoint directory {self.directory}: {e.strerror or e}"
+        try:
+            self._raise_if_any(problem, "Checkpointer: checking the directory")
+        finally:
+            if self.comm.rank == 0 and probe and os.path.exists(probe):
+                os.remove(probe)
+
+    # --- saving -------------------------------------------------------------------------------
+
+    def save(self, step: int, **extra: Any) -> None:
+        """Write a checkpoint of ``step`` on every rank; older complete steps beyond ``keep`` go.
+
+        Collective: every rank calls it with the same step, between steps (after
+        ``optimizer.step()``). It returns once every rank has written its files.
+
+        Args:
+            step: the step number (a non-negative integer, larger than any complete step saved
+                before, except the one this run resumed from, which is then left as it is).
+            **extra: plain picklable values of this rank to keep with the step
+                (:attr:`extra` after :meth:`load_latest`).
+
+        Raises:
+            CheckpointError: on every rank, when the ranks disagree on the step, a newer complete
+                step of another run is in the directory, or writing failed on some rank (a full
+                disk, say): older complete steps are left as they are.
+
+        Example::
+
+            >>> if step % 100 == 0:
+            ...     ckpt.save(step, epoch=epoch)
+        """
+        if isinstance(step, bool) or int(step) != step or step < 0:
+            raise ValueError(f"Checkpointer.save: step={step!r} must be a non-negative integer")
+        step = int(step)
+        if step == self.resumed_from:
+            # The state is the one just loaded: the complete step on disk already holds it.
+            self.comm.allgather_obj(step)
+            return
+        refusal = self._prepare_step(step) if self.comm.rank == 0 else None
+        agreed = self.comm.allgather_obj((step, refusal))
+        if refusal is None:
+            refusal = agreed[0][1]
+        if refusal:
+            raise CheckpointError(f"Checkpointer.save({step}): {refusal} [raised on rank {self.comm.rank}]")
+        if len({s for s, _ in agreed}) > 1:
+            raise CheckpointError(f"Checkpointer.save: the ranks save different steps ("
+                                  f"{', '.join(f'rank {r}: {s}' for r, (s, _) in enumerate(agreed))}); every rank "
+                                  f"must save the same step together [raised on rank {self.comm.rank}]")
+        folder = files.step_dir(self.directory, step)
+        written, problem = {}, None
+        try:
+            states = {name: obj.state_dict() for name, obj in self.objects.items() if self.kinds[name] == RANK}
+            parts = {name: obj.local_state_dict() for name, obj in self.objects.items() if self.kinds[name] == PARTS}
+            mine = {"rank": self.comm.rank, "size": self.comm.size, "rng": rng_state(), "objects": states,
+                    "parts": parts, "extra": extra}
+            written[files.rank_file(self.comm.rank)] = files.atomic_save(
+                mine, os.path.join(folder, files.rank_file(self.comm.rank)))
+            if self.comm.rank == 0:
+                shared = {name: obj.state_dict() for name, obj in self.objects.items() if self.kinds[name] == SHARED}
+                written[files.SHARED] = files.atomic_save(shared, os.path.join(folder, files.SHARED))
+        except Exception as e:
+            problem = f"writing {folder}: {type(e).__name__}: {e}"
+        everyone = self.comm.allgather_obj((problem, self.comm.host, written))
+        failed = [(r, p, host) for r, (p, host, _) in enumerate(everyone) if p is not None]
+        if failed:
+            r, p, host = failed[0]
+            raise CheckpointError(f"Checkpointer.save({step}) failed on rank {r} ({host}): {p}. The step is not "
+                                  f"marked complete; the older complete steps are kept [raised on rank "
+                                  f"{self.comm.rank}]")
+        if self.comm.rank == 0:
+            sizes = {name: size for _, _, w in everyone for name, size in w.items()}
+            files.write_manifest(self.directory, step, {
+                "step": step, "size": self.comm.size, "files": sizes, "kinds": self.kinds,
+                "hosts": [host for _, host, _ in everyone], "time": time.time()})
+            self._prune(step)
+
+    def _prepare_step(self, step: int) -> Optional[str]:
+        """On rank 0, before any rank writes: refuse to overwrite another run's newer complete
+        step; clear an incomplete folder of this step that a killed run left."""
+        newer = [s for s in files.steps_on_disk(self.directory)
+                 if s >= step and files.read_manifest(self.directory, s) is not None]
+        if newer:
+            return (f"{self.directory} already holds a complete checkpoint of step {newer[-1]}, which this run did "
+                    f"not resume from; call load_latest() first to continue that run, or use another directory "
+                    f"(nothing was overwritten)")
+        if os.path.isdir(files.step_dir(self.directory, step)):
+            files.remove_folder(self.directory, step)
+        return None
+
+    def _prune(self, step: int) -> None:
+        """On rank 0: remove complete steps beyond the newest ``keep``, and incomplete ones older
+        than ``step`` (left by kills)."""
+        complete = []
+        for s in files.steps_on_disk(self.directory):
+            if s < step and files.read_manifest(self.directory, s) is None:
+                files.remove_folder(self.directory, s)
+            elif s <= step:
+                complete.append(s)
+        for s in complete[:-self.keep]:
+            files.remove_step(self.directory, s, [], last=True)
+            files.remove_folder(self.directory, s)
+
+    # --- loading ------------------------------------------------------------------------------
+
+    def complete_steps(self) -> list[int]:
+        """The complete steps in the directory, oldest first (no communication).
+
+        Returns:
+            The steps whose manifest is there and whose files all have the sizes it records.
+
+        Example::
+
+            >>> ckpt.complete_steps()
+            [80, 90, 100]
+        """
+        found = []
+        for s in files.steps_on_disk(self.directory):
+            manifest = files.read_manifest(self.directory, s)
+            if manifest is not None and files.whole_files(self.directory, s, manifest, list(manifest["files"])) is None:
+                found.append(s)
+        return found
+
+    def load_latest(self) -> Optional[int]:
+        """Load, on every rank, the newest step that every rank wrote completely.
+
+        Collective. Restores every object given to the constructor, this rank's RNG states and
+        :attr:`extra`. A step whose writing a kill interrupted is never loaded.
+
+        Returns:
+            The step loaded, the same on every rank, or None when there is none (nothing is
+            loaded, and training starts afresh).
+
+        Raises:
+            CheckpointError: on every rank, when the checkpoint does not fit (another model: the
+                first differing keys and shapes are named; per-rank state written by another
+                number of ranks) or cannot be read on some rank; nothing is changed on disk.
+
+        Example::
+
+            >>> start = ckpt.load_latest()
+            >>> print("resuming from", start)      # e.g. 300, or None for a fresh start
+        """
+        choice = None
+        if self.comm.rank == 0:
+            steps = self.complete_steps()
+            if steps:
+                choice = (steps[-1], files.read_manifest(self.directory, steps[-1]))
+        choice = self.comm.bcast_obj(choice, root=0)
+        if choice is None:
+            return None
+        step, manifest = choice
+        saved_size = manifest["size"]
+        problem = self._fit_rank_count(saved_size)
+        self._raise_if_any(problem, f"Checkpointer.load_latest (step {step})")
+        problem = None
+        try:
+            self._load(step, manifest)
+        except Exception as e:
+            problem = f"{type(e).__name__}: {e}"
+        self._raise_if_any(problem, f"Checkpointer.load_latest: loading step {step} from {self.directory}")
+        if saved_size != self.comm.size and self.comm.rank == 0:
+            warnings.warn(f"Checkpointer: step {step} was written by {saved_size} ranks and is loaded on "
+                          f"{self.comm.size}: the model and optimizer are restored, the random number "
+                          f"generators are not, so the run does not repeat the old one bit for bit",
+                          RuntimeWarning, stacklevel=2)
+        self.resumed_from = step
+        return step
+
+    def _fit_rank_count(self, saved_size: int) -> Optional[str]:
+        if saved_size == self.comm.size:
+            return None
+        per_rank = [name for name, kind in self.kinds.items() if kind == RANK]
+        if not per_rank:
+            return None
+        return (f"the checkpoint was written by {saved_size} ranks and this job has {self.comm.size}: the per-rank "
+                f"state of {', '.join(per_rank)} (each rank's own, such as its data position) cannot be moved "
+                f"between rank counts. Resume with {saved_size} ranks, or leave {', '.join(per_rank)} out of the "
+                f"Checkpointer to start its epoch afresh")
+
+    def _load(self, step: int, manifest: dict) -> None:
+        folder = files.step_dir(self.directory, step)
+        saved_size = manifest["size"]
+        same_size = saved_size == self.comm.size
+        need = [files.SHARED] if files.SHARED in manifest["files"] else []
+        if same_size:
+            need.append(files.rank_file(self.comm.rank))
+        if any(kind == PARTS for kind in self.kinds.values()):
+            need.extend(files.rank_file(r) for r in range(saved_size))
+        wrong = files.whole_files(self.directory, step, manifest, sorted(set(need)))
+        if wrong:
+            raise OSError(wrong)
+
+        def read(name: str) -> Any:
+            return torch.load(os.path.join(folder, name), map_location="cpu", weights_only=False)
+
+        shared = read(files.SHARED) if files.SHARED in need else {}
+        mine = read(files.rank_file(self.comm.rank)) if same_size else None
+        parts_of = {}
+        if any(kind == PARTS for kind in self.kinds.values()):
+            everyone = [mine if same_size and r == self.comm.rank else read(files.rank_file(r))
+                        for r in range(saved_size)]
+            parts_of = {name: [rank["parts"].get(name) for rank in everyone]
+                        for name, kind in self.kinds.items() if kind == PARTS}
+        saved_names = {**shared, **(mine["objects"] if mine else {}), **parts_of}
+        missing = [name for name, kind in self.kinds.items()
+                   if name not in saved_names or (kind == PARTS and None in parts_of[name])]
+        if missing:
+            raise KeyError(f"the checkpoint has no state for {', '.join(missing)} (it holds "
+                           f"{', '.join(sorted(manifest.get('kinds', {}))) or 'nothing'}); give the Checkpointer "
+                           f"the same names as the run that wrote it")
+        for name, obj in self.objects.items():
+            if isinstance(obj, torch.nn.Module):
+                mismatch = module_mismatch(obj, shared[name])
+                if mismatch:
+                    raise ValueError(f"{name}: the checkpoint is of another model: {mismatch}")
+        for name, obj in self.objects.items():
+            kind = self.kinds[name]
+            try:
+                if kind == SHARED:
+                    obj.load_state_dict(shared[name])
+                elif kind == PARTS:
+                    obj.load_local_state_dicts(parts_of[name])
+                else:
+                    obj.load_state_dict(mine["objects"][name])
+            except Exception as e:
+                raise ValueError(f"{name}: {type(e).__name__}: {e}") from e
+        if mine is not None:
+            set_rng_state(mine["rng"])
+            self.extra = dict(mine.get("extra", {}))
