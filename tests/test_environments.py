@@ -10,7 +10,9 @@ import sys
 import pytest
 
 from torchmn.launch import LaunchEnvironment, detect_environment
+from mpi4py_builds import mpi4py_dir
 from torchmn.launch.environments import slurm_misuse_error, slurm_port, text_port
+from torchmn.launch.environments.mpi import MPI_RENDEZVOUS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
@@ -169,10 +171,29 @@ def test_srun_pmi2_is_read_as_slurm():
 
 # ---- MPI ----
 
-def test_mpi_multi_node_needs_master_addr():
+def test_mpi_multi_node_without_mpi4py_needs_master_addr(monkeypatch):
+    monkeypatch.setitem(sys.modules, "mpi4py", None)  # Python's marker for a module that cannot be imported
     env = {**OPENMPI, "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "OMPI_COMM_WORLD_LOCAL_RANK": "0"}
-    with pytest.raises(RuntimeError, match=r"MASTER_ADDR is not set.*mpirun -x MASTER_ADDR=<first host>"):
+    with pytest.raises(RuntimeError, match=r"MASTER_ADDR is not set.*install mpi4py.*"
+                                           r"mpirun -x MASTER_ADDR=<first host> -x MASTER_PORT=29500"):
         detect_environment(env)
+
+
+@pytest.mark.parametrize("mpi", ["openmpi", "mpich"])
+def test_mpi_multi_node_with_mpi4py_leaves_the_address_to_mpi(mpi, monkeypatch):
+    """Detection only finds mpi4py (importing mpi4py.MPI would initialise MPI): rank 0 sends its
+    address over MPI at set-up, on MASTER_PORT if set, else on a port it picks."""
+    monkeypatch.syspath_prepend(mpi4py_dir(mpi))
+    one_per_node = {"openmpi": {"OMPI_COMM_WORLD_LOCAL_SIZE": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "0"},
+                    "mpich": {"MPI_LOCALNRANKS": "1", "MPI_LOCALRANKID": "0"}}
+    env = {**(OPENMPI if mpi == "openmpi" else MPICH), **one_per_node[mpi]}
+    place = detect_environment(env)
+    assert (place.master_addr, place.master_port, place.source) == (MPI_RENDEZVOUS, None, mpi)
+    assert detect_environment({**env, "MASTER_PORT": "23456"}).master_port == 23456
+    assert detect_environment({**env, "MASTER_ADDR": "head"}).master_addr == "head"
+    assert "mpi4py" not in sys.modules and "mpi4py.MPI" not in sys.modules
+    # Every rank on this node: nothing to send.
+    assert detect_environment(OPENMPI if mpi == "openmpi" else MPICH) == EXPECTED[mpi]
 
 
 def test_mpi_master_addr_and_port_from_environment_win():

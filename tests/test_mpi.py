@@ -1,5 +1,6 @@
-"""Jobs started by Open MPI's and MPICH's own launchers: rank, size and local rank come from the
-environment they set (no mpi4py), and the communicator works under each.
+"""Jobs started by Open MPI's and MPICH's own launchers on this one machine: rank, size and local
+rank come from the environment they set (no mpi4py needed), and the communicator works under each.
+Across hosts, where mpi4py carries rank 0's address: tests/test_mpi_hosts.py.
 
 Needs `apt-get install -y openmpi-bin mpich`; a missing launcher fails the test with that message.
 Each MPI is called by its full Debian name, since `mpirun`/`mpiexec` point at only one of them.
@@ -16,6 +17,7 @@ import time
 import pytest
 
 from jobs import REPO, WORKERS, assert_check_passed, check_job_output, clean_env
+from mpi4py_builds import mpi4py_dir
 
 TIMEOUT = 150
 MPIS = {
@@ -42,10 +44,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def run_mpi(mpi, np, argv, port=True, check=True):
+def run_mpi(mpi, np, argv, port=True, check=True, extra_env=None):
     # MPICH gives its ranks no shared job id to derive a port from (29500 is used): a free one here,
     # so that tests running at the same time do not meet on it.
-    env = clean_env({"MASTER_PORT": str(free_port())} if port else None)
+    env = clean_env({**({"MASTER_PORT": str(free_port())} if port else {}), **(extra_env or {})})
     proc = subprocess.run(mpi_argv(mpi, np) + argv, cwd=REPO, env=env, capture_output=True, text=True,
                           timeout=TIMEOUT)
     assert proc.returncode == 0 or not check, f"{mpi} -np {np} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
@@ -79,6 +81,21 @@ def test_rank_and_local_rank_come_from_the_mpi_environment(mpi, tmp_path):
     out = run_mpi(mpi, 3, [sys.executable, "-c", code, str(tmp_path)]).stdout
     rows = sorted(json.loads(path.read_text()) for path in tmp_path.glob("rank*.json"))
     assert rows == [[mpi, r, 3, r, 3, "127.0.0.1", r, r, 3] for r in range(3)], out
+
+
+@pytest.mark.parametrize("mpi", ["openmpi", "mpich"])
+def test_one_host_with_mpi4py_does_not_initialise_mpi(mpi, tmp_path):
+    """mpi4py only carries rank 0's address between nodes: with every rank on this one, the
+    rendezvous is 127.0.0.1 as without it, and MPI is never initialised."""
+    code = ("import json, sys, torch, torchmn; from torchmn.launch import detect_environment; "
+            "e = detect_environment(); c = torchmn.create_communicator(); total = c.allreduce(torch.ones(1)).item(); "
+            "row = [e.master_addr, total, 'mpi4py.MPI' in sys.modules]; "
+            "open(f'{sys.argv[1]}/rank{e.rank}.json', 'w').write(json.dumps(row)); c.finalize()")
+    pythonpath = os.pathsep.join([mpi4py_dir(mpi), str(REPO)])
+    out = run_mpi(mpi, 2, [sys.executable, "-c", code, str(tmp_path)], port=(mpi == "mpich"),
+                  extra_env={"PYTHONPATH": pythonpath}).stdout
+    rows = [json.loads(path.read_text()) for path in sorted(tmp_path.glob("rank*.json"))]
+    assert rows == [["127.0.0.1", 2.0, False]] * 2, out
 
 
 def test_ipv6_and_unresolvable_rendezvous_hosts():

@@ -14,8 +14,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from torchmn.launch import LaunchEnvironment
+from torchmn.launch import LaunchEnvironment, mpi_rendezvous
 from torchmn.launch.environments import job_label
+from torchmn.launch.environments.mpi import MPI_RENDEZVOUS
 
 _timeout: Optional[datetime.timedelta] = None  # the world's, once set up or adopted
 _worlds = 0  # default process groups this process set up (a world again after finalize)
@@ -86,6 +87,10 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
                 # as torch's own env:// gives each torchrun attempt.
                 restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
                 store = dist.PrefixStore(f"torchmn/world{_worlds}/attempt{restart}/", store)
+        elif env.master_addr == MPI_RENDEZVOUS:
+            # mpirun across nodes without MASTER_ADDR: rank 0's address travels over MPI (mpi4py).
+            store, init_method = mpi_rendezvous.rendezvous_store(env, _timeout)
+            store = arrivals = _mark_arrival(store, env.rank)
         else:
             if env.master_port is None:
                 raise RuntimeError(f"{env.source}: no rendezvous port known for {env.size} ranks; "

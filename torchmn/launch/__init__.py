@@ -1,6 +1,7 @@
 """Launch support: find out how this process was started, and ``torchmn run``.
 
-``detect_environment`` only reads variables (and, under MPICH, /proc): it sets nothing up.
+``detect_environment`` only reads variables (and, under MPICH, /proc; under MPI across nodes, whether
+mpi4py is installed, without importing it): it sets nothing up.
 
 Example::
 

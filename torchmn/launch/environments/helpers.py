@@ -133,8 +133,9 @@ def check_place(env: Mapping[str, str], rank: tuple, size: tuple, local_rank: tu
 
 
 def master_addr(env: Mapping[str, str], derived: Optional[str], size: int, local_size: int,
-                source: str, hint: str) -> str:
-    """Where rank 0 runs: ``MASTER_ADDR``, else ``derived``, else 127.0.0.1 when every rank is local.
+                source: str, hint: str, spanning_addr: Optional[str] = None) -> str:
+    """Where rank 0 runs: ``MASTER_ADDR``, else ``derived``, else 127.0.0.1 when every rank is local,
+    else ``spanning_addr``.
 
     Args:
         env: the environment.
@@ -142,12 +143,15 @@ def master_addr(env: Mapping[str, str], derived: Optional[str], size: int, local
         size, local_size: the ranks of the job, and of this node.
         source: the launcher's name, for the error.
         hint: how to tell torchmn the address, for the error.
+        spanning_addr: what stands for the address when the ranks span several nodes and nothing
+            says it (MPI with mpi4py: ``MPI_RENDEZVOUS``), if anything.
 
     Returns:
         The rendezvous address.
 
     Raises:
-        RuntimeError: nothing says where rank 0 runs and the ranks span several nodes.
+        RuntimeError: nothing says where rank 0 runs, the ranks span several nodes and no
+            ``spanning_addr`` is given.
 
     Example::
 
@@ -160,6 +164,8 @@ def master_addr(env: Mapping[str, str], derived: Optional[str], size: int, local
         return derived
     if local_size == size:
         return LOCALHOST
+    if spanning_addr:
+        return spanning_addr
     raise RuntimeError(f"MASTER_ADDR is not set and the {size} ranks ({source}) span several nodes, so "
                        f"torchmn cannot tell where rank 0 runs; {hint}")
 
@@ -214,7 +220,8 @@ def first_present(env: Mapping[str, str], names: Sequence[str]) -> str:
 
 
 def read_ranks(env: Mapping[str, str], source: str, names: Tuple[str, str, str, str], fix: str, hint: str,
-               node_rank_name: Optional[str] = None, derived_port: Optional[int] = None) -> LaunchEnvironment:
+               node_rank_name: Optional[str] = None, derived_port: Optional[int] = None,
+               spanning_addr: Optional[str] = None) -> LaunchEnvironment:
     """Read a launcher that names rank, size, local rank and local size in four variables.
 
     Args:
@@ -225,6 +232,8 @@ def read_ranks(env: Mapping[str, str], source: str, names: Tuple[str, str, str, 
         hint: how to tell torchmn the rendezvous address when nothing says it.
         node_rank_name: the variable of the node index, if the launcher sets one.
         derived_port: the port when ``MASTER_PORT`` is not set.
+        spanning_addr: the address when the ranks span several nodes and ``MASTER_ADDR`` is not
+            set (see ``master_addr``); None: that is an error.
 
     Returns:
         This process's place in the job.
@@ -241,6 +250,6 @@ def read_ranks(env: Mapping[str, str], source: str, names: Tuple[str, str, str, 
     rank, size, local_rank, local_size = (read_int(env, name, fix) for name in names)
     node_rank = optional_int(env, node_rank_name, fix) if node_rank_name else None
     check_place(env, (names[0], rank), (names[1], size), (names[2], local_rank), (names[3], local_size), fix)
-    addr = master_addr(env, None, size, local_size, source, hint)
+    addr = master_addr(env, None, size, local_size, source, hint, spanning_addr)
     return LaunchEnvironment(rank, size, local_rank, local_size, node_rank, addr,
                              master_port(env, derived_port), source)
