@@ -176,7 +176,11 @@ def test_preemptible_checkpoints_on_sigterm_and_resumes(tmp_path):
 
     script = [sys.executable, "-m", "torchmn", "run", "-np", "2", sys.executable,
               str(REPO / "examples" / "slurm" / "train_preemptible.py"), "--steps", "200", "--print-every", "10"]
-    first = subprocess.Popen(script + ["--sleep", "0.02", "--checkpoint", str(tmp_path / "cut.pt")], cwd=REPO,
+
+    def checkpoint(name):
+        return ["--checkpoint", str(tmp_path / name), "--out", str(tmp_path / f"{name}.pt")]
+
+    first = subprocess.Popen(script + ["--sleep", "0.02", *checkpoint("cut")], cwd=REPO,
                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         seen = ""
@@ -190,19 +194,21 @@ def test_preemptible_checkpoints_on_sigterm_and_resumes(tmp_path):
             first.kill()
             first.wait()
     assert "signal received (SIGTERM): checkpoint saved at step" in seen, seen
-    resumed = subprocess.run(script + ["--checkpoint", str(tmp_path / "cut.pt")], cwd=REPO, env=clean_env(),
+    assert not (tmp_path / "cut.pt").exists(), seen  # stopped before the end
+    resumed = subprocess.run(script + checkpoint("cut"), cwd=REPO, env=clean_env(),
                              capture_output=True, text=True, timeout=JOB_TIMEOUT)
     assert "resumed from step" in resumed.stdout and "done: 200 steps" in resumed.stdout, resumed.stdout + resumed.stderr
-    whole = subprocess.run(script + ["--checkpoint", str(tmp_path / "whole.pt")], cwd=REPO, env=clean_env(),
+    whole = subprocess.run(script + checkpoint("whole"), cwd=REPO, env=clean_env(),
                            capture_output=True, text=True, timeout=JOB_TIMEOUT)
     assert whole.returncode == 0, whole.stderr
     cut, full = torch.load(tmp_path / "cut.pt"), torch.load(tmp_path / "whole.pt")
-    assert cut["step"] == full["step"] == 200
-    assert all(torch.equal(cut["model"][k], full["model"][k]) for k in full["model"]), (cut["model"], full["model"])
-    fewer = subprocess.run(script[:-4] + ["--steps", "100", "--checkpoint", str(tmp_path / "whole.pt")], cwd=REPO,
+    assert all(torch.equal(cut[k], full[k]) for k in full), (cut, full)
+    weights = (tmp_path / "whole.pt").read_bytes()
+    fewer = subprocess.run(script[:-4] + ["--steps", "100", *checkpoint("whole")], cwd=REPO,
                            env=clean_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
     assert "nothing to do: the checkpoint is at step 200, --steps is 100" in fewer.stdout, fewer.stdout
-    assert torch.load(tmp_path / "whole.pt")["step"] == 200
+    assert (tmp_path / "whole.pt").read_bytes() == weights
+    assert (tmp_path / "whole" / "step_00000200" / "COMPLETE").exists()  # the newest step is still 200
 
 
 PIPELINE = REPO / "examples" / "model_parallel" / "pipeline_mnist.py"

@@ -6,6 +6,7 @@ cluster fixture fails (it does not skip) with a message naming the package.
 """
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -443,6 +444,35 @@ def test_failing_rank_on_second_host_stops_every_host(cluster, tmp_path):
     assert proc.elapsed < 60, proc.elapsed
     assert_hosts_idle(cluster)
     assert not [p for p in psutil.process_iter() if str(script) in " ".join(_cmdline(p))]
+
+
+@pytest.mark.timeout(200)
+def test_restart_starts_every_host_again(cluster, tmp_path):
+    """--max-restarts with ranks on two hosts: a rank on h2 fails in the first start only; the
+    launcher stops both hosts' ranks, starts them again (TORCHMN_RESTART_COUNT reaches the remote
+    ranks), they meet in a new rendezvous and finish; nothing is left on the hosts."""
+    script = tmp_path / "fail_once_on_h2.py"
+    script.write_text(textwrap.dedent("""
+        import os, torchmn
+        comm = torchmn.create_communicator()
+        count = int(os.environ["TORCHMN_RESTART_COUNT"])
+        comm.barrier()
+        print(f"start {count} on {comm.host}", flush=True)
+        if count == 0 and comm.rank == 1:
+            raise RuntimeError("rank 1 fails in the first start")
+        comm.barrier()
+        comm.finalize()
+    """))
+    proc = launch(cluster, "-np", "2", "-H", hosts_arg(cluster, ("h1", 1), ("h2", 1)), "--max-restarts", "1",
+                  "--restart-delay", "0", sys.executable, str(script), timeout=180)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        starts = [int(n) for n in re.findall(rf"^\[{rank}\] start (\d) on ", proc.stdout, re.M)]
+        assert starts == [0, 1], proc.stdout
+    assert ("after start 0 (ran" in proc.stderr and f"rank 1 (host {cluster.address('h2')}) failed with exit code 1: "
+            f"RuntimeError: rank 1 fails in the first start" in proc.stderr), proc.stderr
+    assert "the job completed after 1 restart (--max-restarts 1)" in proc.stderr, proc.stderr
+    assert_hosts_idle(cluster)
 
 
 @pytest.mark.parametrize("exit_code, helper_output", [(1, "inherited"), (0, "inherited"), (1, "devnull")])

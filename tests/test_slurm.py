@@ -294,47 +294,117 @@ def test_sbatch_without_srun_is_a_clear_error(slurm, tmp_path):
 
 
 
-@pytest.mark.timeout(170)
-def test_preemption_checkpoint_requeue_resume(slurm, tmp_path):
-    """SIGUSR1 to the job's tasks -> all ranks stop at one step, rank 0 saves a checkpoint and
-    requeues the job -> the job runs again, resumes from the checkpoint and finishes; its final
-    weights equal those of a run that was never interrupted."""
-    out_file, checkpoint, reference = tmp_path / "pre.out", tmp_path / "ck.pt", tmp_path / "reference.pt"
-    args = ["--steps", "30", "--print-every", "5", "--checkpoint"]
-    job = submit(slurm, ["-o", str(out_file), "examples/slurm/preemptible.sbatch", *args, str(checkpoint),
-                         "--sleep", "0.15"], cwd=REPO)
-    # The same training without interruption, on the nodes' spare CPUs while the job runs: the
-    # resumed run must end with the same weights.
-    uninterrupted = subprocess.Popen(
-        ["srun", "-N", "2", "--ntasks-per-node", "1", PY, "examples/slurm/train_preemptible.py", *args,
-         str(reference)], env=slurm.env(job_env()), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-        text=True)
+# Preemption and failure: checkpoint, requeue, resume (examples/slurm/train_preemptible.py). Every
+# run trains the same 30 steps; a resumed run must end with the weights of an uninterrupted one.
+PREEMPTIBLE_ARGS = ["--steps", "30", "--checkpoint-every", "10", "--print-every", "5"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_weights(slurm, tmp_path_factory):
+    """The weights of the 30 steps trained without interruption, on 2 nodes x 1 rank."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    slurm.run(["srun", "-N", "2", "--ntasks-per-node", "1", PY, "examples/slurm/train_preemptible.py",
+               *PREEMPTIBLE_ARGS, "--checkpoint", str(folder / "ck"), "--out", str(folder / "model.pt")],
+              env=job_env(), cwd=REPO, timeout=90)
+    return torch.load(folder / "model.pt")
+
+
+def assert_same_weights(path, expected):
+    got = torch.load(path)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), (name, got[name], value)
+
+
+def preempt_and_resume(slurm, tmp_path, template, *options):
+    """Submit ``template``, send its tasks SIGUSR1 once training runs, and wait for the requeued
+    job to finish; returns its output, the step the checkpoint was saved at, and the weights file."""
+    out_file, checkpoint, weights = tmp_path / "job.out", tmp_path / "ck", tmp_path / "model.pt"
+    job = submit(slurm, [*options, "-o", str(out_file), f"examples/slurm/{template}", *PREEMPTIBLE_ARGS,
+                         "--checkpoint", str(checkpoint), "--out", str(weights), "--sleep", "0.15"], cwd=REPO)
 
     def details():
         return job_details(slurm, job, out_file)
 
-    try:
-        # Signal only once training runs: before its handler is installed SIGUSR1 would kill a rank.
-        wait_for("step 5", lambda: "step 5 " in read(out_file), 60, details)
-        slurm.run(["scancel", "--signal=USR1", job], timeout=10)
-        state, exit_code = wait_done(slurm, job, out_file, timeout=100)
-        text = read(out_file)
-        saved = re.search(r"checkpoint saved at step (\d+)", text)
-        assert saved, details()
-        assert f"requeued job {job}" in text, details()
-        assert f"resumed from step {saved.group(1)} (restart 1)" in text, details()
-        assert "done: 30 steps" in text, details()
-        assert (state, exit_code, job_field(slurm, job, "Restarts")) == ("COMPLETED", "0:0", "1"), details()
-        reference_output = uninterrupted.communicate(timeout=60)[0]
-    finally:
-        if uninterrupted.poll() is None:
-            uninterrupted.kill()
-            uninterrupted.wait()
-    assert uninterrupted.returncode == 0, reference_output
-    resumed, whole = torch.load(checkpoint), torch.load(reference)
-    assert resumed["step"] == whole["step"] == 30
-    for name, value in whole["model"].items():
-        assert torch.allclose(resumed["model"][name], value, atol=1e-6), name
+    # Signal only once training runs: before its handler is installed SIGUSR1 would kill a rank.
+    wait_for("step 5", lambda: "step 5 " in read(out_file), 60, details)
+    slurm.run(["scancel", "--signal=USR1", job], timeout=10)
+    state, exit_code = wait_done(slurm, job, out_file, timeout=100)
+    text = read(out_file)
+    saved = re.search(r"checkpoint saved at step (\d+)", text)
+    assert saved, details()
+    assert f"requeueing job {job}" in text and f"scontrol requeue {job} failed" not in text, details()
+    assert f"resumed from step {saved.group(1)} (restart 1)" in text, details()
+    assert "done: 30 steps" in text, details()
+    assert (state, exit_code, job_field(slurm, job, "Restarts")) == ("COMPLETED", "0:0", "1"), details()
+    return text, weights
+
+
+@pytest.mark.timeout(200)
+def test_preemption_checkpoint_requeue_resume(slurm, tmp_path, uninterrupted_weights):
+    """preemptible.sbatch (one srun task per rank): SIGUSR1 to the job's tasks -> all ranks stop
+    at one step, save a checkpoint, rank 0 requeues the job -> the job runs again, resumes from
+    the checkpoint and finishes with the weights of a run that was never interrupted."""
+    text, weights = preempt_and_resume(slurm, tmp_path, "preemptible.sbatch")
+    assert_same_weights(weights, uninterrupted_weights)
+
+
+@pytest.mark.timeout(200)
+def test_preemption_with_torchmn_run_per_node_requeues_and_resumes(slurm, tmp_path, uninterrupted_weights):
+    """preemptible_torchmn_run.sbatch (one torchmn run per node, 1 rank each): the launchers pass
+    SIGUSR1 on, the ranks checkpoint, the job is requeued once (not again by the batch script for
+    the step the requeue stopped) and resumes to the same weights."""
+    text, weights = preempt_and_resume(slurm, tmp_path, "preemptible_torchmn_run.sbatch",
+                                       "--export=ALL,RANKS_PER_NODE=1")
+    assert "passed it on to 1 running rank(s)" in text, text
+    assert "requeueing the job" not in text, text
+    assert_same_weights(weights, uninterrupted_weights)
+
+
+@pytest.mark.timeout(200)
+def test_failed_torchmn_run_step_is_requeued_and_resumes(slurm, tmp_path, uninterrupted_weights):
+    """preemptible_torchmn_run.sbatch --fail-at 17: rank 1 fails once, every launcher stops, the
+    batch script requeues the job, which resumes from the checkpoint of step 10 and finishes with
+    the weights of a run that never failed: Slurm's way to restart a multi-node torchmn run."""
+    out_file, weights = tmp_path / "job.out", tmp_path / "model.pt"
+    job = submit(slurm, ["--export=ALL,RANKS_PER_NODE=1", "-o", str(out_file),
+                         "examples/slurm/preemptible_torchmn_run.sbatch", *PREEMPTIBLE_ARGS, "--fail-at", "17",
+                         "--checkpoint", str(tmp_path / "ck"), "--out", str(weights)], cwd=REPO)
+    state, exit_code = wait_done(slurm, job, out_file, timeout=150)
+    text = read(out_file)
+    details = job_details(slurm, job, out_file)
+    assert "RuntimeError: failing at step 17 on purpose (--fail-at)" in text, details
+    # srun's exit code: 1, or 128+N when Slurm (--kill-on-bad-exit) killed the other node's launcher.
+    assert re.search(r"the step failed with exit code \d+: requeueing the job \(restart 1 of 3\)", text), details
+    assert text.count("requeueing the job") == 1, details
+    assert "resumed from step 10 (restart 1)" in text, details
+    assert "done: 30 steps" in text, details
+    assert (state, exit_code, job_field(slurm, job, "Restarts")) == ("COMPLETED", "0:0", "1"), details
+    assert_same_weights(weights, uninterrupted_weights)
+
+
+def test_torchmn_run_max_restarts_in_a_multi_node_step_is_refused(slurm):
+    """One launcher per node cannot restart alone: --max-restarts is refused, naming Slurm's requeue."""
+    proc = slurm.run(["srun", "-N", "2", "--ntasks-per-node", "1", PY, "-m", "torchmn", "run", "-np", "1",
+                      "--max-restarts", "2", PY, "-c", "print('started')"], env=job_env(), timeout=60, check=False)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, output
+    assert ("--max-restarts does not work inside a Slurm step of 2 torchmn run tasks (one per node)"
+            in output), output
+    assert "#SBATCH --requeue" in output and "scontrol requeue $SLURM_JOB_ID" in output, output
+    assert "started" not in output, output
+
+
+def test_torchmn_run_restarts_inside_a_one_task_step(slurm):
+    """A single launcher in a Slurm step (one node) restarts its ranks as it does anywhere."""
+    code = ("import os, sys\n"
+            "count = int(os.environ['TORCHMN_RESTART_COUNT'])\n"
+            "print('start', count, flush=True)\n"
+            "sys.exit(3 if count == 0 and os.environ['RANK'] == '1' else 0)\n")
+    proc = slurm.run(["srun", "-N", "1", "-n", "1", PY, "-m", "torchmn", "run", "-np", "2", "--max-restarts", "1",
+                      "--restart-delay", "0", PY, "-c", code], env=job_env(), timeout=60)
+    assert re.findall(r"^\[1\] start (\d)", proc.stdout, re.M) == ["0", "1"], proc.stdout
+    assert "the job completed after 1 restart" in proc.stderr, proc.stderr
 
 
 def test_two_jobs_on_one_rendezvous_port_stop_at_once(slurm, tmp_path):

@@ -5,9 +5,10 @@ Usage: train_restartable.py --steps 60 --every 10 --checkpoint DIR --out FINAL.p
 
 With ``--crash-at S``, rank ``--crash-rank`` (default 1) raises at the start of step S, but only in
 the first start of the job (``TORCHMN_RESTART_COUNT`` 0): the restarted job resumes and finishes.
-Every batch is a function of the step and the rank, and dropout draws from torch's generator,
-whose state the checkpoint keeps, so a resumed run ends with the weights of an uninterrupted
-one, bit for bit. Rank 0 writes the final parameters to ``--out``.
+Checkpoints are ``torchmn.checkpoint.Checkpointer``'s. Every batch is a function of the step and
+the rank, and dropout draws from torch's generator, whose state the checkpoint keeps, so a resumed
+run ends with the weights of an uninterrupted one, bit for bit. Rank 0 writes the final
+parameters to ``--out``.
 """
 import argparse
 import os
@@ -16,40 +17,9 @@ import sys
 import torch
 
 import torchmn
+from torchmn.checkpoint import Checkpointer
 
 FEATURES = 8
-
-
-class Snapshots:
-    """Every rank's state at a step, in ``directory/step_<S>.rank<r>.pt`` (written atomically);
-    the newest step every rank has is the one resumed from."""
-
-    def __init__(self, directory, comm, **objects):
-        self.directory, self.comm, self.objects = directory, comm, objects
-        os.makedirs(directory, exist_ok=True)
-
-    def _path(self, step, rank):
-        return os.path.join(self.directory, f"step_{step:06d}.rank{rank}.pt")
-
-    def save(self, step):
-        state = {name: obj.state_dict() for name, obj in self.objects.items()}
-        state["rng"] = torch.get_rng_state()
-        path = self._path(step, self.comm.rank)
-        torch.save(state, path + ".tmp")
-        os.replace(path + ".tmp", path)
-        self.comm.barrier()
-
-    def load_latest(self):
-        steps = sorted({int(name[5:11]) for name in os.listdir(self.directory) if name.endswith(".pt")})
-        complete = [s for s in steps if all(os.path.exists(self._path(s, r)) for r in range(self.comm.size))]
-        step = self.comm.bcast_obj(complete[-1] if complete else None)
-        if step is None:
-            return None
-        state = torch.load(self._path(step, self.comm.rank), weights_only=False)
-        for name, obj in self.objects.items():
-            obj.load_state_dict(state[name])
-        torch.set_rng_state(state["rng"])
-        return step
 
 
 def batch(step, rank):
@@ -76,8 +46,8 @@ def main():
     optimizer = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
                                                     comm)
     torch.manual_seed(comm.rank)  # each rank's own dropout masks
-    snapshots = Snapshots(args.checkpoint, comm, model=model, optimizer=optimizer)
-    start = snapshots.load_latest() or 0
+    checkpoints = Checkpointer(args.checkpoint, comm, keep=2, model=model, optimizer=optimizer)
+    start = checkpoints.load_latest() or 0  # also puts back each rank's RNG states (dropout)
     if comm.rank == 0:
         print(f"start {restart}: from step {start}", flush=True)
     for step in range(start, args.steps):
@@ -88,7 +58,7 @@ def main():
         torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
         if (step + 1) % args.every == 0:
-            snapshots.save(step + 1)
+            checkpoints.save(step + 1)
     if comm.rank == 0:
         torch.save({name: p.detach().clone() for name, p in model.named_parameters()}, args.out)
         print(f"done: {args.steps} steps", flush=True)
