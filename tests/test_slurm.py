@@ -407,6 +407,31 @@ def test_torchmn_run_restarts_inside_a_one_task_step(slurm):
     assert "the job completed after 1 restart" in proc.stderr, proc.stderr
 
 
+def test_scancel_ends_a_torchmn_run_with_max_restarts(slurm):
+    """scancel sends SIGTERM to every process of the step, the ranks as well as the launcher: the
+    ranks dying of it must not be restarted, however the signals race (the restart delay lets
+    the launcher's own SIGTERM arrive)."""
+    code = ("import os, time\n"
+            "print('start', os.environ['TORCHMN_RESTART_COUNT'], 'job', os.environ['SLURM_JOB_ID'], flush=True)\n"
+            "time.sleep(60)\n")
+    proc = subprocess.Popen(["srun", "-N", "1", "-n", "1", PY, "-m", "torchmn", "run", "-np", "2", "--max-restarts",
+                             "3", PY, "-c", code], env=slurm.env(job_env()), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        first = proc.stdout.readline()
+        job = re.search(r"start 0 job (\d+)", first)
+        assert job, first
+        slurm.run(["scancel", job.group(1)], timeout=10)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "start 1" not in out, out
+    assert "restarting the job" not in err, err
+    assert "received SIGTERM" in err, err
+
+
 def test_two_jobs_on_one_rendezvous_port_stop_at_once(slurm, tmp_path):
     """Two steps that end up on the same port (derived ports can collide; here MASTER_PORT forces
     it): the second job's rank 0 cannot listen, and its other rank, which reaches the first job's
