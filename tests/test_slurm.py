@@ -430,6 +430,9 @@ def test_scancel_ends_a_torchmn_run_with_max_restarts(slurm):
     assert "start 1" not in out, out
     assert "restarting the job" not in err, err
     assert "received SIGTERM" in err, err
+    # The cancelled job holds its node while it completes: the next test must find it free.
+    wait_for("the nodes to be idle", lambda: set(slurm.run(["sinfo", "-h", "-N", "-o", "%t"], timeout=10).stdout.split())
+             == {"idle"}, 30, lambda: slurm.run(["sinfo", "-N"], timeout=10).stdout)
 
 
 def test_two_jobs_on_one_rendezvous_port_stop_at_once(slurm, tmp_path):
