@@ -18,6 +18,7 @@ from torchmn.errors import TorchmnError
 from torchmn.evaluators import GenericMultiNodeEvaluator, create_multi_node_evaluator
 from torchmn.iterators import create_multi_node_iterator
 from torchmn.optimizers import MultiNodeOptimizer, ShardedMultiNodeOptimizer, create_multi_node_optimizer
+from torchmn.optimizers.join import join  # uneven data: with torchmn.join(comm): ...
 from torchmn import functions, nn  # model parallelism: torchmn.functions.send, torchmn.nn.Pipeline, ...
 from torchmn import tune  # torchmn.tune.MultiNodeStudy (Optuna itself is imported when used)
 
@@ -26,6 +27,6 @@ __version__ = "0.1.0"
 __all__ = [
     "CollectiveMismatchError", "CollectiveTimeoutError", "Communicator", "GenericMultiNodeEvaluator", "MultiNodeOptimizer",
     "ShardedMultiNodeOptimizer", "SharedDataset", "create_communicator", "create_empty_dataset",
-    "create_multi_node_evaluator", "create_multi_node_iterator", "create_multi_node_optimizer",
+    "create_multi_node_evaluator", "create_multi_node_iterator", "create_multi_node_optimizer", "join",
     "scatter_dataset", "scatter_index", "TorchmnError", "functions", "nn", "tune", "__version__",
 ]

@@ -19,6 +19,7 @@ import torch
 from torch.autograd import Variable
 
 from torchmn.communicators import Communicator
+from torchmn.optimizers import join as joining
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # small, so communication starts early in backward
 COMPRESSION = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -123,6 +124,10 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._next = 0              # next bucket to send, in order
         self._hooks = []
         self._where: dict = {}
+        # Whose gradients this step's average is over: every rank, or inside torchmn.join the ranks
+        # that still have data (the exchange at the start of each step's averaging tells).
+        self._contributors = comm.size
+        joining.register(self)
 
     def _trainable(self) -> list[torch.nn.Parameter]:
         """The wrapped optimizer's trainable parameters, each once, broadcast from rank 0."""
@@ -177,10 +182,14 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _send_ready(self) -> None:
         buckets = self._buckets
         while self._next < len(buckets) and len(buckets[self._next].ready) == len(buckets[self._next].params):
+            if self._next == 0:
+                self._contributors = joining.contributors(self)
             self._send(buckets[self._next])
             self._next += 1
 
     def _send_rest(self) -> None:
+        if self._next == 0:  # the step's first bucket: inside torchmn.join, learn who still has data
+            self._contributors = joining.contributors(self)
         for bucket in self._buckets[self._next:]:
             self._send(bucket)
         self._next = 0

@@ -223,8 +223,8 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
     def _send(self, bucket: _Bucket) -> None:
         if self._arena is not None:
             # Into this rank's shared buffer, divided by size on the way (exact for powers of two);
-            # summed at the end of backward.
-            bucket.pack(1.0 / self.comm.size)
+            # summed at the end of backward. (Inside torchmn.join, by the ranks that still have data.)
+            bucket.pack(1.0 / self._contributors)
             return
         if self.double_buffering and self._step_sent:
             raise RuntimeError(
@@ -241,7 +241,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             bucket.work.wait()
         # Half-precision gradients (compressed, or the model's own) are divided before the sum, so
         # that it cannot overflow.
-        pre = 1.0 / self.comm.size if divide_before_sum(bucket.wire_dtype) else None
+        pre = 1.0 / self._contributors if divide_before_sum(bucket.wire_dtype) else None
         bucket.work = self.comm.allreduce_flat(bucket.pack(pre), async_op=True)
 
     def _all_sent(self) -> None:
@@ -258,7 +258,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         for bucket in self._bucket_sets[set_index]:
             bucket.work.wait()
             bucket.work = None
-            bucket.unpack(None if divide_before_sum(bucket.wire_dtype) else 1.0 / self.comm.size, self.zero_fill)
+            bucket.unpack(None if divide_before_sum(bucket.wire_dtype) else 1.0 / self._contributors, self.zero_fill)
             bucket.ready.clear()
 
     def step(self, closure=None):

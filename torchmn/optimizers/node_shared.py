@@ -154,7 +154,7 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
     def _all_sent(self) -> None:
         # Every rank's gradients are in its buffer; each averages its slices into every buffer.
         self._arena.barrier("backward done (gradients in)")
-        scale = 1.0 / self.comm.size
+        scale = 1.0 / self._contributors  # every rank, or inside torchmn.join those with data
         for b in self._buckets:
             b.node.average_for_all(scale)
         self._arena.barrier("averaged gradients ready")

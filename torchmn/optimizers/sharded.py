@@ -16,7 +16,7 @@ import torch
 from torchmn.communicators import Communicator
 from torchmn.communicators.node_arena import STEP_AFTER_SENDS
 from torchmn.communicators.ops import divide_before_sum
-from torchmn.optimizers import fused_adam, shard_state
+from torchmn.optimizers import fused_adam, join as joining, shard_state
 from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, make_buckets
 from torchmn.optimizers.inner_optimizers import IMPLEMENTATION_FLAGS, build_inner, check_optimizer, step_function
 from torchmn.optimizers.node_memory import open_bucket_arena, place_buckets
@@ -133,8 +133,8 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         self._reduced = False  # new gradients: whatever clip_grad_norm_ took is stale
         if self._arena is not None:
             # Into this rank's shared buffer, divided by size on the way (exact for powers of two);
-            # step() sums the shards from there.
-            bucket.node.pack_for_peers(1.0 / self.comm.size)
+            # step() sums the shards from there. (Inside torchmn.join, by the ranks that have data.)
+            bucket.node.pack_for_peers(1.0 / self._contributors)
             bucket.ready.clear()
             return
         if bucket.reduce_work is not None:
@@ -143,7 +143,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             bucket.reduce_work.wait()
         # Half-precision gradients (compressed, or the model's own) are divided before the sum, so
         # that it cannot overflow.
-        pre = 1.0 / self.comm.size if divide_before_sum(bucket.wire_dtype) else None
+        pre = 1.0 / self._contributors if divide_before_sum(bucket.wire_dtype) else None
         bucket.reduce_work = self.comm.reduce_scatter_flat(bucket.pack(pre), bucket.grad_shard, async_op=True)
         bucket.ready.clear()
 
@@ -256,6 +256,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         Raises:
             ValueError: ``norm_type`` is not positive.
             RuntimeError: the norm is not finite and ``error_if_nonfinite`` is set.
+            JoinError: called inside ``torchmn.join`` (a rank out of data could not repeat it).
 
         Example::
 
@@ -266,6 +267,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         norm_type = float(norm_type)
         if norm_type <= 0:
             raise ValueError(f"clip_grad_norm_: norm_type must be positive (2.0, inf, ...), not {norm_type}")
+        joining.refuse_inside(self, "optimizer.clip_grad_norm_ with shard_state=True",
+                              "Wrap with shard_state=False, or the default on one node, whose clip_grad_norm_ "
+                              "needs no collective")
         if not self._reduced:
             self._take_gradients()
             if self._arena is not None:
@@ -313,24 +317,27 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         # For clip_grad_norm_, which needs every sum before any update.
         self._gradients_in()
         for b in self._buckets:
-            b.node.sum_shard_of_peers(1.0 / self.comm.size)
+            b.node.sum_shard_of_peers(1.0 / self._contributors)
 
     def _sum_and_update_in_shared_memory(self) -> None:
         """Sum each shard from the node's buffers and update it: piece by piece where the fused
         Adam kernel allows (:class:`fused_adam.SumAndStep`), else all sums, then the update."""
         self._gradients_in()
+        scale = 1.0 / self._contributors
         for key, buckets in self._inner.items():
             sum_and_step = self._sum_and_step.get(key)
+            if sum_and_step is not None:
+                sum_and_step.scale = scale  # fewer ranks than size inside torchmn.join
             if sum_and_step is None or not sum_and_step():
                 for b in buckets:
-                    b.node.sum_shard_of_peers(1.0 / self.comm.size)
+                    b.node.sum_shard_of_peers(scale)
                 buckets[0].step_shard()
 
     def _finish_reduce_scatter(self, b: ShardBucket) -> None:
         b.reduce_work.wait()
         b.reduce_work = None
         if not divide_before_sum(b.wire_dtype):
-            b.grad_shard.mul_(1.0 / self.comm.size)
+            b.grad_shard.mul_(1.0 / self._contributors)
         if b.wire_dtype != b.dtype:
             b.shard_grad.copy_(b.grad_shard[:b.k])
         b.take_reduced()
