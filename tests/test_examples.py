@@ -89,6 +89,23 @@ def test_two_ranks(tmp_path):
     assert proc.stdout.count("epoch   2") == 1
 
 
+@pytest.mark.timeout(3 * JOB_TIMEOUT + 20)
+def test_two_ranks_resume_from_checkpoint(tmp_path):
+    """Stopped after epoch 1 and started again with the same --checkpoint, the example continues at
+    epoch 2 and logs what an uninterrupted run logs (the losses to the last bit)."""
+    def run(epochs, log, checkpoint=None):
+        extra = ["--checkpoint", str(checkpoint)] if checkpoint else []
+        proc = run_job(MNIST / "train_mnist.py", ["--n-train", "400", "--epochs", str(epochs), "--log", str(log),
+                                                  *extra], np=2, timeout=JOB_TIMEOUT)
+        return [{k: v for k, v in e.items() if k != "elapsed_time"} for e in json.loads(log.read_text())], proc
+
+    whole, _ = run(2, tmp_path / "whole.json")
+    run(1, tmp_path / "first.json", tmp_path / "ckpt")
+    resumed, proc = run(2, tmp_path / "resumed.json", tmp_path / "ckpt")
+    assert "epoch   1" not in proc.stdout and "epoch   2" in proc.stdout, proc.stdout[-2000:]
+    assert resumed == whole
+
+
 @pytest.mark.timeout(JOB_TIMEOUT + 20)
 def test_ppe_two_ranks(tmp_path):
     out = tmp_path / "ppe"

@@ -14,6 +14,10 @@ over ranks at every step, so every rank holds the same model. Only rank 0 prints
 
 Every epoch appends {"epoch", "main/loss", "validation/main/loss", "validation/main/accuracy",
 "elapsed_time"} to the JSON list in --log (elapsed_time: seconds since training started).
+
+With --checkpoint DIR, every epoch ends with a checkpoint, and a run started again (after a crash,
+or by `torchmn run --max-restarts 3`) continues from the newest epoch every rank saved, with
+the results an uninterrupted run would have given.
 """
 import argparse
 import json
@@ -26,6 +30,7 @@ from torch import nn
 from tqdm import tqdm
 
 import torchmn  # torchmn: the library
+import torchmn.checkpoint
 import torchmn.datasets
 import torchmn.resources
 import torchmn.evaluators
@@ -57,6 +62,8 @@ def main():
     parser.add_argument("--log", "--log-file", default="result/log.json",
                         help="JSON log, one entry per epoch (under torchrun, spell it --log-file)")
     parser.add_argument("--communicator", default="auto", help="gradient averaging: auto, flat, naive, ...")
+    parser.add_argument("--checkpoint", default=None,
+                        help="checkpoint directory: save after every epoch, and resume from the newest there")
     parser.add_argument("--shard-state", action="store_true", default=None,
                         help="ZeRO stage 1 everywhere (by default the ranks of one node already split the update)")
     add_data_arguments(parser)
@@ -93,11 +100,15 @@ def main():
 
     evaluate = torchmn.evaluators.create_multi_node_evaluator(evaluate_local, comm)  # torchmn: all ranks
 
-    log = []
-    progress = tqdm(total=args.epochs * len(train_loader), unit="batch",
+    log, done = [], 0
+    if args.checkpoint:  # torchmn: resume from the newest epoch every rank saved (RNG states too)
+        ckpt = torchmn.checkpoint.Checkpointer(args.checkpoint, comm, keep=2, model=model, optimizer=optimizer)
+        done = ckpt.load_latest() or 0
+        log = ckpt.extra.get("log", [])
+    progress = tqdm(total=args.epochs * len(train_loader), initial=done * len(train_loader), unit="batch",
                     disable=comm.rank != 0)  # torchmn: progress bar on rank 0
-    start = time.perf_counter()
-    for epoch in range(1, args.epochs + 1):
+    start = time.perf_counter() - (log[-1]["elapsed_time"] if log else 0.0)
+    for epoch in range(done + 1, args.epochs + 1):
         loss_sum = 0.0
         for x, y in train_loader:
             optimizer.zero_grad()
@@ -113,6 +124,8 @@ def main():
                  "validation/main/accuracy": metrics["accuracy"], "elapsed_time": time.perf_counter() - start}
         if comm.rank == 0:  # torchmn: rank 0 prints and logs
             report(log, entry, args.log)
+        if args.checkpoint:
+            ckpt.save(epoch, log=log)  # torchmn: every rank, together
     progress.close()
     comm.finalize()  # torchmn: done
 
