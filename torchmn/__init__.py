@@ -21,6 +21,7 @@ from torchmn.optimizers import MultiNodeOptimizer, ShardedMultiNodeOptimizer, cr
 from torchmn.optimizers.join import join  # uneven data: with torchmn.join(comm): ...
 from torchmn import functions, nn  # model parallelism: torchmn.functions.send, torchmn.nn.Pipeline, ...
 from torchmn import tune  # torchmn.tune.MultiNodeStudy (Optuna itself is imported when used)
+from torchmn import checkpoint  # torchmn.checkpoint.Checkpointer: save and resume plain loops
 
 __version__ = "0.1.0"
 
@@ -28,5 +29,5 @@ __all__ = [
     "CollectiveMismatchError", "CollectiveTimeoutError", "Communicator", "GenericMultiNodeEvaluator", "MultiNodeOptimizer",
     "ShardedMultiNodeOptimizer", "SharedDataset", "create_communicator", "create_empty_dataset",
     "create_multi_node_evaluator", "create_multi_node_iterator", "create_multi_node_optimizer", "join",
-    "scatter_dataset", "scatter_index", "TorchmnError", "functions", "nn", "tune", "__version__",
+    "scatter_dataset", "scatter_index", "TorchmnError", "checkpoint", "functions", "nn", "tune", "__version__",
 ]
