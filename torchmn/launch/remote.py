@@ -1,11 +1,12 @@
 """The watcher: the process that runs one remote rank, on the remote host, for ``torchmn run -H``.
 
 The launcher's ssh client starts it there (``WATCHER_BOOTSTRAP``, see ``torchmn.launch.ssh``); it
-checks that the rendezvous store is reachable, gives the rank its thread budget and gloo's
-interface, runs the rank, relays its output, and stops everything the rank started when the rank
-exits or the launcher goes away. The protocol between launcher and watcher is in
-``docs/design/launcher.md``. Loaded without torch: it imports the standard library and torchmn's
-stdlib-only modules alone.
+reads the job's token from its stdin, connects to the rendezvous store's gate as this host's
+voucher (which checks that the store is reachable, see ``torchmn.launch.voucher``), gives the rank
+the token, its thread budget and gloo's interface, runs the rank, relays its output, and stops
+everything the rank started when the rank exits or the launcher goes away. The protocol between
+launcher and watcher is in ``docs/design/launcher.md``. Loaded without torch: it imports the
+standard library and torchmn's stdlib-only modules alone.
 """
 from __future__ import annotations
 
@@ -16,11 +17,13 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 from torchmn import resources
 from torchmn.launch import hosts as hostlib
+from torchmn.launch.auth import TOKEN_ENV, TOKEN_ON_STDIN, TokenError, read_token_line
 from torchmn.launch.procutil import become_subreaper, bootstrap, group_alive, join_unless_idle, signal_group
+from torchmn.launch.voucher import Voucher
 
 # Runs this module as the watcher without importing torch (see procutil.bootstrap).
 WATCHER_BOOTSTRAP = bootstrap("torchmn.launch.remote")
@@ -151,28 +154,53 @@ def _relay(source: int, target: int, waiting_since: Dict[int, Optional[float]]) 
                 writable = False
 
 
-def _prepare_env(env: Dict[str, str]) -> Optional[str]:
-    """Check the store is reachable, choose gloo's interface and add the thread budget.
-    Returns an error message, or None."""
+def _prepare_env(env: Dict[str, str], token: Optional[str],
+                 rank_pids: List[int]) -> Tuple[Optional[str], Optional[Voucher]]:
+    """Check the store is reachable, choose gloo's interface and add the thread budget. With the
+    job's token, the check is this host's voucher (see ``torchmn.launch.voucher``), kept open
+    while the rank runs. Returns an error message or None, and the voucher."""
     rank, host = env.get("TORCHMN_RANK", "?"), env.get("TORCHMN_HOST", socket.gethostname())
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
+    voucher = None
     if addr and port:
+        seconds = float(env.get("TORCHMN_STORE_CHECK_SECONDS", "10"))
         try:
-            connection = _reach_store(addr, int(port), float(env.get("TORCHMN_STORE_CHECK_SECONDS", "10")))
+            if token:
+                voucher = Voucher.connect(addr, int(port), token, seconds, likely_pids=lambda: rank_pids)
+                local_address = voucher.local_address
+            else:
+                with _reach_store(addr, int(port), seconds) as connection:
+                    local_address = connection.getsockname()[0]
+        except TokenError:
+            return (f"rank {rank} on host {host}: the rendezvous store at {addr}:{port} refused this job's "
+                    f"token; another program may have taken the launcher's port. Start the job again."), None
         except OSError as e:
             return (f"rank {rank} on host {host} cannot reach the rendezvous store at {addr}:{port} "
                     f"({e.strerror or e}). The launcher machine must accept connections from every "
                     f"host: pick its address with `torchmn run --network-interface IFACE`, or open "
-                    f"the port range in the firewall.")
-        with connection:
-            local_address = connection.getsockname()[0]
+                    f"the port range in the firewall."), None
         if "GLOO_SOCKET_IFNAME" not in env:
             interface = hostlib.interface_of(local_address)
             if interface:
                 env["GLOO_SOCKET_IFNAME"] = interface
     local_size = int(env.get("TORCHMN_LOCAL_SIZE", "1"))
     env.update(resources.launcher_thread_env(local_size, env))
-    return None
+    return None, voucher
+
+
+def _job_token(env: Dict[str, str]) -> Tuple[Optional[str], Optional[str]]:
+    """The job's token, which the launcher writes as the first line of stdin (never on the ssh
+    command line: every user of both hosts could read it in ``ps``). Returns it (None when the
+    launcher sends none) and an error message or None."""
+    if not env.pop(TOKEN_ON_STDIN, None):
+        return None, None
+    token = read_token_line(0)
+    if token is None:
+        host = env.get("TORCHMN_HOST", socket.gethostname())
+        return None, (f"rank {env.get('TORCHMN_RANK', '?')} on host {host}: the launcher's connection ended "
+                      f"before it sent the job's token")
+    env[TOKEN_ENV] = token
+    return token, None
 
 
 def watch(command: Sequence[str], grace: float = GRACE_SECONDS) -> int:
@@ -191,7 +219,10 @@ def watch(command: Sequence[str], grace: float = GRACE_SECONDS) -> int:
         $ python -m torchmn.launch.remote -- python -c "print('hi')"   # in a terminal: stdin stays open
     """
     env = dict(os.environ)
-    error = _prepare_env(env)
+    token, error = _job_token(env)
+    rank_pids: List[int] = []
+    if error is None:
+        error, voucher = _prepare_env(env, token, rank_pids)
     if error:
         _say(error)
         return 1
@@ -204,6 +235,9 @@ def watch(command: Sequence[str], grace: float = GRACE_SECONDS) -> int:
         _say(f"rank {env.get('TORCHMN_RANK', '?')} on host {host} could not start {command[0]!r}: "
              f"{e.strerror}. Check that it is installed there and on the forwarded PATH.")
         return 127 if isinstance(e, FileNotFoundError) else 126
+    rank_pids.append(process.pid)
+    if voucher is not None:
+        voucher.serve()
     try:
         sys.stdout.write(STARTED_MARKER + "\n")
         sys.stdout.flush()

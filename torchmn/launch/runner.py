@@ -18,7 +18,7 @@ import time
 from typing import List, Mapping, Optional
 
 from torchmn import resources
-from torchmn.launch import hosts as hostlib
+from torchmn.launch import auth, hosts as hostlib
 from torchmn.launch.config import GRACE_SECONDS, START_TIMEOUT, LaunchConfig, RunError
 from torchmn.launch.output import Console, describe_exit, exit_code_of, failure_summary, prepare_log_dir
 from torchmn.launch.plan import Slot, local_env, plan_slots, refuse_outer_launcher, remote_env
@@ -66,7 +66,10 @@ class Job:
         refuse_outer_launcher(self.base_env)
         # One task of a multi-node srun step: this node's share of one job (see slurm_tasks).
         step = None if hosts else slurm_step(self.base_env)
-        self.slurm = None if step is None else SlurmTasks(step, config.np, config.start_timeout)
+        self.slurm = None if step is None else SlurmTasks(step, config.np, config.start_timeout, self.base_env)
+        # The job's secret: only processes started with it (or that prove they know it) reach the
+        # store; see docs/security.md. The tasks of a Slurm step share theirs.
+        self.token = self.slurm.token if self.slurm is not None else auth.new_token()
         if self.slurm is not None:
             self.slots = self.slurm.plan(config.network_interface)
             self.master_addr = step.master_addr
@@ -146,14 +149,19 @@ class Job:
     def _start_rank(self, slot: Slot, port: int, log_path: Optional[str]) -> Rank:
         if self._is_remote(slot):
             env = remote_env(slot, self.base_env, self.exports, self.master_addr, port)
+            env[auth.TOKEN_ON_STDIN] = "1"  # the token itself goes through stdin, below
             line = rank_command(os.getcwd(), sys.executable, env, self.config.command)
             argv, env = self.config.ssh.argv(slot.host, line), self.base_env
         else:
             argv = self.config.command
             env = local_env(slot, self.base_env, self.exports, self.master_addr, port, self.job_id,
                             several_hosts=bool(self.remote_hosts))
-        return self.procs.start_rank(slot, argv, env, self._is_remote(slot), log_path, self.console,
+            env[auth.TOKEN_ENV] = self.token
+        rank = self.procs.start_rank(slot, argv, env, self._is_remote(slot), log_path, self.console,
                                      self._rank_exited)
+        if self._is_remote(slot):
+            auth.send_token(rank.process.stdin, self.token)
+        return rank
 
     def start(self) -> None:
         """Check the command and the hosts, open the rendezvous store and start every rank.
@@ -169,11 +177,13 @@ class Job:
         if self.slurm is not None:
             origin = ("MASTER_PORT" if self.base_env.get("MASTER_PORT")
                       else "derived from the Slurm job and step ids")
-            self.store = self.slurm.open_store(self.master_addr, self.master_port, origin)
+            self.store = self.slurm.open_store(self.master_addr, self.master_port, origin, self.console.message,
+                                               self._local_pids)
             self.slurm.check_in()
         else:
             self._check_hosts()
-            self.store = start_store(self.master_addr, self.master_port)
+            self.store = start_store(self.master_addr, self.master_port, token=self.token, log=self.console.message,
+                                     likely_pids=self._local_pids)
         port = self.store.port
         if config.verbose:
             self._describe(port)
@@ -183,6 +193,10 @@ class Job:
         for slot in self.slots:
             log_path = os.path.join(config.log_dir, f"rank.{slot.rank}.log") if config.log_dir else None
             self._start_rank(slot, port, log_path)
+
+    def _local_pids(self) -> List[int]:
+        """The ranks started on this machine: the store's gate looks at them first."""
+        return [rank.process.pid for rank in list(self.ranks) if not rank.is_remote]
 
     def _describe(self, port: int) -> None:
         placed = ", ".join(f"{h}:{n}" for h, n in dict(collections.Counter(s.host for s in self.slots)).items())

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-from typing import List, Mapping, Optional, Sequence, Tuple
+import os
+from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
+from torchmn.launch import hosts as hostlib
+from torchmn.launch.auth import TokenError, step_token
 from torchmn.launch.config import RunError
 from torchmn.launch.detect import launcher_class
 from torchmn.launch.environments import SlurmEnvironment
 from torchmn.launch.hostlist import expand_hostlist
 from torchmn.launch.plan import Slot, plan_slots
-from torchmn.launch.rendezvous import start_store
+from torchmn.launch.rendezvous import HostedStore, start_store
+from torchmn.launch.voucher import Voucher
 
 # Store keys the launchers of one Slurm step share (the ranks' own keys have no such prefix).
 SLURM_KEY = "torchmn/launcher/"
@@ -32,6 +36,7 @@ class SlurmStep:
         tasks: ``SLURM_NTASKS``, equal to the number of nodes in the step.
         hosts: the step's nodes, in ``SLURM_NODEID`` order.
         master_addr, master_port: where task 0 hosts the store.
+        job_id, step_id: ``SLURM_JOB_ID`` and ``SLURM_STEP_ID`` (the step's token derives from them).
     """
 
     task: int
@@ -39,6 +44,8 @@ class SlurmStep:
     hosts: Tuple[str, ...]
     master_addr: str
     master_port: int
+    job_id: str = ""
+    step_id: str = ""
 
 
 def _step_hosts(env: Mapping[str, str]) -> List[str]:
@@ -101,7 +108,8 @@ def slurm_step(env: Mapping[str, str]) -> Optional[SlurmStep]:
             f"Slurm's default block or cyclic distribution does (task {seen.rank} runs on "
             f"{on or 'an unknown node'}, node {seen.rank} of the step is {hosts[seen.rank]}). Drop "
             f"--distribution/-m, the arbitrary layout or the heterogeneous components.")
-    return SlurmStep(seen.rank, seen.size, tuple(hosts), seen.master_addr, seen.master_port)
+    return SlurmStep(seen.rank, seen.size, tuple(hosts), seen.master_addr, seen.master_port,
+                     env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", ""))
 
 
 def _first_line(error: BaseException) -> str:
@@ -115,18 +123,29 @@ class SlurmTasks:
         step: this task's place (see ``slurm_step``).
         np: ranks per node (``-np``), which every task must agree on.
         start_timeout: how long to wait for the other tasks (``--start-timeout``).
+        env: the launcher's environment (default: ``os.environ``), for the step's token.
 
     Attributes:
         store: the rendezvous store, once open.
         reported: another node's failure that was reported before this node's own first failure.
+        token: the job's token, the same in every task (see ``torchmn.launch.auth.step_token``).
+
+    Raises:
+        RunError: the step's token can be neither read nor made.
     """
 
-    def __init__(self, step: SlurmStep, np: int, start_timeout: float):
+    def __init__(self, step: SlurmStep, np: int, start_timeout: float, env: Optional[Mapping[str, str]] = None):
         self.step = step
         self.np = np
         self.start_timeout = start_timeout
         self.store = None
+        self.hosted: Optional[HostedStore] = None
+        self.voucher: Optional[Voucher] = None
         self.reported: Optional[str] = None
+        try:
+            self.token = step_token(os.environ if env is None else env, step.job_id, step.step_id)
+        except TokenError as e:
+            raise RunError(f"Slurm task {step.task}: {e}")
 
     def plan(self, network_interface: Optional[str]) -> List[Slot]:
         """This node's share of the job's slots: ``np`` ranks on each of the step's nodes.
@@ -146,33 +165,62 @@ class SlurmTasks:
         everyone = plan_slots([(host, self.np) for host in self.step.hosts])
         return [slot for slot in everyone if slot.node_rank == self.step.task]
 
-    def open_store(self, master_addr: str, master_port: int, port_origin: str):
-        """Task 0 hosts the store (it listens on every interface); the other tasks connect to it.
+    def open_store(self, master_addr: str, master_port: int, port_origin: str,
+                   log: Optional[Callable[[str], None]] = None, likely_pids: Callable[[], Sequence[int]] = tuple):
+        """Task 0 hosts the store, behind its gate on the step's first node; the other tasks
+        connect to it as clients, each after it connected as its node's voucher (see
+        ``torchmn.launch.voucher``), which answers for the node's ranks and for this launcher.
 
         Args:
             master_addr, master_port: where task 0 hosts it.
             port_origin: where the port came from, for the error when it is taken.
+            log: where task 0's gate reports refused connections.
+            likely_pids: this node's ranks, looked at first to identify a client.
 
         Returns:
-            The store, also kept in ``store``.
+            Task 0: the ``HostedStore``; the other tasks: their ``TCPStore`` client. Either way
+            ``port`` is the port the ranks are told.
 
         Raises:
-            RunError: the store cannot be started, or reached within the start timeout.
+            RunError: the store cannot be started, or reached within the start timeout, or task 0
+                refused this task's token.
         """
         if self.step.task == 0:
-            self.store = start_store(master_addr, master_port, port_origin=port_origin)
-            return self.store
+            self.hosted = start_store(self._listen_address(master_addr), master_port, port_origin=port_origin,
+                                      token=self.token, log=log, likely_pids=likely_pids)
+            self.store = self.hosted.store
+            return self.hosted
         from torch.distributed import TCPStore
 
         try:
+            self.voucher = Voucher.connect(master_addr, master_port, self.token, self.start_timeout,
+                                           likely_pids=likely_pids)
+            self.voucher.serve()
             self.store = TCPStore(master_addr, master_port, is_master=False,
                                   timeout=datetime.timedelta(seconds=self.start_timeout))
-        except RuntimeError as e:
+        except TokenError:
+            raise RunError(f"the rendezvous store of Slurm task 0 at {master_addr}:{master_port} refused the "
+                           f"token of task {self.step.task}: the tasks of this step do not share one. Each "
+                           f"task derives it from the key in its home directory, so the nodes need the same "
+                           f"home; or export TORCHMN_JOB_TOKEN=$(python -c 'import secrets; "
+                           f"print(secrets.token_hex(32))') in the batch script, before srun.")
+        except (OSError, RuntimeError) as e:
             raise RunError(f"could not reach the rendezvous store of Slurm task 0 at "
                            f"{master_addr}:{master_port} within {self.start_timeout:g} s "
                            f"({_first_line(e)}). Check that task 0 started and that the port is open "
                            f"between the nodes (set MASTER_PORT to use another), or raise --start-timeout.")
         return self.store
+
+    def _listen_address(self, master_addr: str) -> str:
+        """Where task 0's gate listens: ``master_addr``, unless that name is a loopback address
+        here (Debian's ``127.0.1.1 node1`` line) while the other nodes are elsewhere; then the
+        address this node reaches them from."""
+        if self.step.tasks > 1 and hostlib.is_loopback(master_addr):
+            others = [h for h in self.step.hosts[1:] if not hostlib.is_loopback(h)]
+            routed = hostlib.route_address(others[0]) if others else None
+            if routed and not hostlib.is_loopback(routed):
+                return routed
+        return master_addr
 
     def check_in(self) -> None:
         """Publish this task's -np and wait for every other task's; they must all agree.
@@ -248,5 +296,12 @@ class SlurmTasks:
             pass
 
     def close(self) -> None:
-        """Drop this object's reference to the store (the last one shuts task 0's server down)."""
+        """Drop this object's reference to the store (the last one shuts task 0's server down)
+        and close this node's voucher."""
         self.store = None
+        if self.hosted is not None:
+            self.hosted.close()
+            self.hosted = None
+        if self.voucher is not None:
+            self.voucher.close()
+            self.voucher = None

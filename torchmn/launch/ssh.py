@@ -21,6 +21,7 @@ import threading
 from typing import Callable, Dict, List, Mapping, Optional, Sequence
 
 from torchmn.errors import TorchmnError
+from torchmn.launch.auth import TOKEN_ENV, TOKEN_ON_STDIN
 from torchmn.launch.procutil import signal_group
 from torchmn.launch.remote import WATCHER_BOOTSTRAP
 
@@ -31,6 +32,8 @@ FORWARDED_NAMES = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "COND
                    "CONDA_DEFAULT_ENV", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS",
                    "NUMEXPR_NUM_THREADS", "VECLIB_MAXIMUM_THREADS")
 FORWARDED_PREFIXES = ("TORCHMN_", "TORCH_", "NCCL_", "GLOO_")
+# ... except these (see forwarded_env).
+NOT_FORWARDED = (TOKEN_ENV, TOKEN_ON_STDIN)
 
 # Printed by a host check that got as far as importing torchmn.
 _CHECK_MARKER = "@@torchmn-host-ok@@"
@@ -149,6 +152,10 @@ def forwarded_env(env: Mapping[str, str], exports: Mapping[str, str]) -> Dict[st
     out = {name: value for name, value in env.items()
            if name in FORWARDED_NAMES or name.startswith(FORWARDED_PREFIXES)}
     out.update(exports)
+    # A job token never goes on a command line, where every user of both hosts could read it in
+    # `ps`: the watcher reads the job's own from its stdin.
+    for name in NOT_FORWARDED:
+        out.pop(name, None)
     return out
 
 

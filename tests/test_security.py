@@ -1,0 +1,369 @@
+"""The job's token and the store's gate, with real jobs under `torchmn run` (see docs/security.md).
+
+One job stays up while the tests of this machine probe its rendezvous store from outside
+(tests/scripts/store_probe_job.py): a raw TCP client, a torch TCPStore client, processes started
+with the token and with another, a greeting with a wrong token, the machine's other addresses,
+the store's own port behind the gate. After each probe the job shows it still works (an allreduce
+and a new store client on every rank). The multi-host tests run ranks in network namespaces
+(tests/cluster/netns.py), as tests/test_multihost.py does.
+"""
+import datetime
+import hashlib
+import ipaddress
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+import torch.distributed as dist
+
+from cluster.netns import NetnsCluster
+from jobs import REPO, clean_env
+from torchmn.launch import auth
+from torchmn.launch.voucher import Voucher
+
+PROBE_JOB = str(REPO / "tests" / "scripts" / "store_probe_job.py")
+ALLREDUCE = str(REPO / "tests" / "scripts" / "run_allreduce.py")
+REFUSED = "refused a connection to the rendezvous store from"
+
+
+class ProbedJob:
+    """``torchmn run ... store_probe_job.py DIR`` in the background, its output collected as it comes."""
+
+    def __init__(self, folder, np=2, launcher_args=(), plain=False, cwd=REPO):
+        self.folder, self.np, self.rounds = folder, np, 0
+        argv = [sys.executable, "-m", "torchmn", "run", "-np", str(np), *launcher_args,
+                sys.executable, PROBE_JOB, str(folder)] + (["plain"] if plain else [])
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=clean_env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE, text=True)
+        self.out, self.err = [], []
+        self.readers = [threading.Thread(target=self._read, args=(stream, lines), daemon=True)
+                        for stream, lines in ((self.proc.stdout, self.out), (self.proc.stderr, self.err))]
+        for reader in self.readers:
+            reader.start()
+        self.info = self._wait_for_info()
+
+    @staticmethod
+    def _read(stream, lines):
+        for line in stream:
+            lines.append(line.rstrip("\n"))
+
+    def output(self):
+        return "\n".join(self.out) + "\n--- stderr ---\n" + "\n".join(self.err)
+
+    def _wait_for_info(self, seconds=90):
+        path = os.path.join(self.folder, "job.json")
+        deadline = time.monotonic() + seconds
+        while not os.path.exists(path):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"the job never wrote {path}:\n{self.output()}")
+            time.sleep(0.1)
+        with open(path) as f:
+            return json.load(f)
+
+    def wait_for(self, what, predicate, seconds=30):
+        deadline = time.monotonic() + seconds
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out after {seconds} s waiting for {what}:\n{self.output()}")
+            time.sleep(0.05)
+
+    def still_works(self):
+        """Have every rank run an allreduce and open a new store client; fail unless all did."""
+        self.rounds += 1
+        open(os.path.join(self.folder, f"round{self.rounds}"), "w").close()
+        line = f"ROUND {self.rounds} OK"
+        self.wait_for(f"every rank's {line!r}", lambda: sum(line in x for x in self.out) == self.np, 60)
+
+    def refusals(self):
+        return [line for line in self.err if REFUSED in line]
+
+    def stop(self, seconds=60):
+        open(os.path.join(self.folder, "stop"), "w").close()
+        try:
+            self.proc.wait(seconds)
+        finally:
+            self.kill()
+        for reader in self.readers:
+            reader.join(5)
+        return self.proc.returncode
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """One two-rank job on this machine for every probe below; at the end it must exit 0."""
+    folder = tmp_path_factory.mktemp("probed")
+    started = ProbedJob(folder, launcher_args=["-v"])
+    yield started
+    code = started.stop()
+    assert code == 0, started.output()
+
+
+def launcher_refusal(job, client_port, seconds=15):
+    """The launcher's line about the connection from this machine's port ``client_port``."""
+    pattern = re.compile(rf"{REFUSED} 127\.0\.0\.1:{client_port}\b")
+    job.wait_for(f"the launcher's line about 127.0.0.1:{client_port}",
+                 lambda: any(pattern.search(line) for line in job.err), seconds)
+    return [line for line in job.err if pattern.search(line)]
+
+
+def test_token_reaches_every_rank_and_never_the_output(job):
+    token = job.info["token"]
+    assert re.fullmatch(r"[0-9a-f]{64}", token), token
+    digest = hashlib.sha256(token.encode()).hexdigest()
+    job.wait_for("both ranks' token lines", lambda: sum(f"TOKEN SHA256 {digest}" in x for x in job.out) == 2)
+    # -v describes the job on stderr: the token is in no line the launcher writes.
+    assert any("rendezvous 127.0.0.1:" in line for line in job.err), job.output()
+    assert token not in job.output()
+    # Nor in any command line of the job, which every user of the machine can read.
+    launcher = psutil.Process(job.info["launcher_pid"])
+    for process in [launcher] + launcher.children(recursive=True):
+        assert token not in " ".join(process.cmdline())
+
+
+def test_raw_client_without_token_is_closed_and_logged(job):
+    with socket.create_connection((job.info["addr"], job.info["port"]), timeout=10) as raw:
+        raw.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        try:
+            answer = raw.recv(100)
+        except ConnectionResetError:
+            answer = b""
+        client_port = raw.getsockname()[1]
+    assert answer == b"", answer
+    lines = launcher_refusal(job, client_port)
+    assert len(lines) == 1, lines
+    assert f"process {os.getpid()} (" in lines[0], lines[0]  # who: this test's process
+    assert "not started with this job's token" in lines[0], lines[0]
+    job.still_works()
+
+
+def test_tcpstore_client_without_token_cannot_get_or_set(job):
+    start = time.monotonic()
+    with pytest.raises((RuntimeError, OSError)):
+        store = dist.TCPStore(job.info["addr"], job.info["port"], is_master=False,
+                              timeout=datetime.timedelta(seconds=2))
+        store.set("intruder", "was here")
+    assert time.monotonic() - start < 20
+    job.still_works()
+
+
+def _store_client(job, token, key):
+    """A process started with TORCHMN_JOB_TOKEN=token that sets and reads back one key."""
+    code = (f"import datetime, torch.distributed as dist\n"
+            f"s = dist.TCPStore({job.info['addr']!r}, {job.info['port']}, is_master=False, "
+            f"timeout=datetime.timedelta(seconds=3))\n"
+            f"s.set({key!r}, 'v'); print('GOT', s.get({key!r}).decode())\n")
+    env = clean_env({auth.TOKEN_ENV: token})
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_process_started_with_the_token_is_admitted(job):
+    proc = _store_client(job, job.info["token"], "helper/key")
+    assert proc.returncode == 0 and "GOT v" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_process_started_with_another_token_is_refused(job):
+    proc = _store_client(job, auth.new_token(), "stranger/key")
+    assert proc.returncode != 0 and "GOT" not in proc.stdout, proc.stdout + proc.stderr
+    job.wait_for("the launcher's line about the stranger", lambda: any(
+        "not started with this job's token" in line and "(python" in line and str(os.getpid()) not in line
+        for line in job.refusals()))
+    job.still_works()
+
+
+def test_wrong_token_greeting_is_refused_right_one_accepted(job):
+    with pytest.raises(auth.TokenError):
+        Voucher.connect(job.info["addr"], job.info["port"], auth.new_token(), seconds=5)
+    job.wait_for("the line about a wrong token", lambda: any("presented a wrong token" in line
+                                                             for line in job.refusals()))
+    voucher = Voucher.connect(job.info["addr"], job.info["port"], job.info["token"], seconds=5)
+    voucher.close()
+    job.still_works()
+
+
+def _other_addresses():
+    found = []
+    for name, addresses in psutil.net_if_addrs().items():
+        for address in addresses:
+            if address.family not in (socket.AF_INET, socket.AF_INET6):
+                continue
+            ip = ipaddress.ip_address(address.address.split("%")[0])
+            if not ip.is_loopback and not ip.is_link_local:
+                found.append(str(ip))
+    return found
+
+
+def test_loopback_job_is_not_reachable_on_other_addresses(job):
+    others = _other_addresses()
+    assert others, "this machine has no address but loopback ones: nothing to check against"
+    for address in others:
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection((address, job.info["port"]), timeout=5).close()
+    # Nothing the launcher listens on is on every interface, or off loopback.
+    listening = [c.laddr for c in psutil.Process(job.info["launcher_pid"]).net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN]
+    assert len(listening) == 2, listening  # the gate and the store's own port
+    assert all(ipaddress.ip_address(a.ip).is_loopback for a in listening), listening
+    job.still_works()
+
+
+def test_store_port_behind_the_gate_drops_direct_connections(job):
+    listening = [c.laddr for c in psutil.Process(job.info["launcher_pid"]).net_connections("tcp")
+                 if c.status == psutil.CONN_LISTEN and c.laddr.port != job.info["port"]]
+    assert len(listening) == 1, listening
+    store = listening[0]
+    # The kernel drops every connection not signed with the launcher's key: nothing answers.
+    for source in ("127.0.0.1", "127.0.0.2"):
+        sock = socket.socket()
+        sock.bind((source, 0))
+        sock.settimeout(2)
+        with pytest.raises(TimeoutError):
+            sock.connect((store.ip, store.port))
+        sock.close()
+    job.still_works()
+
+
+def test_plain_env_script_job_survives_probes(tmp_path):
+    """A plain init_process_group script is admitted (its processes carry the token) while a
+    stranger is refused."""
+    plain = ProbedJob(tmp_path, plain=True)
+    try:
+        with socket.create_connection((plain.info["addr"], plain.info["port"]), timeout=10) as raw:
+            raw.sendall(b"\x00" * 16)
+            assert raw.recv(10) == b""
+        plain.still_works()
+    finally:
+        code = plain.stop()
+    assert code == 0, plain.output()
+    assert len(plain.refusals()) == 1, plain.output()
+
+
+# -- several hosts ------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cluster():
+    hosts = NetnsCluster(["h1", "h2"])
+    hosts.start()  # raises (fails the tests) with what to install when something is missing
+    yield hosts
+    hosts.stop()
+
+
+def _hosts(cluster, *entries):
+    return ",".join(f"{cluster.address(name)}:{slots}" for name, slots in entries)
+
+
+def test_plain_script_on_other_hosts_is_vouched_for(cluster):
+    """Ranks on two other hosts, set up by plain init_process_group (env://): each host's watcher
+    answers for its rank, so the gate admits them."""
+    argv = [sys.executable, "-m", "torchmn", "run", *cluster.launcher_options(), "-np", "2",
+            "-H", _hosts(cluster, ("h1", 1), ("h2", 1)), sys.executable, ALLREDUCE]
+    proc = subprocess.run(argv, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[1] allreduce ok rank=1 size=2 sum=3" in proc.stdout, proc.stdout
+    assert REFUSED not in proc.stderr, proc.stderr
+
+
+def _connect_from(cluster, host, address, port):
+    """On ``host``, a raw client of address:port; prints what it got back."""
+    code = (f"import socket\ns = socket.create_connection(({address!r}, {port}), timeout=10)\n"
+            f"s.sendall(b'hello'); print('LOCAL', s.getsockname()[1], 'GOT', repr(s.recv(10)))\n")
+    return subprocess.run(cluster.ssh_argv(host) + [shlex.join([sys.executable, "-c", code])],
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_strangers_on_other_hosts_are_refused(cluster, tmp_path):
+    """A raw client on the host of a rank (its watcher says it is no process of the job) and on a
+    host without ranks (nobody answers for it): both are closed, and the launcher names them."""
+    remote = ProbedJob(tmp_path, np=1,
+                       launcher_args=[*cluster.launcher_options(), "-H", _hosts(cluster, ("h1", 1))])
+    try:
+        addr, port = remote.info["addr"], remote.info["port"]
+        assert addr == cluster.gateway, remote.info
+        for host, why in (("h1", "on that host: process"), ("h2", "no launcher or watcher of this job runs")):
+            proc = _connect_from(cluster, host, addr, port)
+            assert "GOT b''" in proc.stdout, proc.stdout + proc.stderr
+            local_port = proc.stdout.split()[1]
+            pattern = f"{REFUSED} {cluster.address(host)}:{local_port} ("
+            remote.wait_for(f"the line about {host}", lambda: any(pattern in x and why in x for x in remote.err))
+        remote.still_works()
+    finally:
+        code = remote.stop()
+    assert code == 0, remote.output()
+
+
+# -- the tasks of a Slurm step ------------------------------------------------------------------
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _slurm_task(task, port, home, token=None):
+    """One `torchmn run -np 1` as task ``task`` of a two-task step on this machine: Slurm's own
+    variables (tests/test_slurm.py runs the same under a real cluster)."""
+    env = clean_env({"SLURM_PROCID": str(task), "SLURM_NODEID": str(task), "SLURM_LOCALID": "0",
+                     "SLURM_NTASKS": "2", "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_JOB_ID": "4242",
+                     "SLURM_STEP_ID": "0", "SLURM_STEP_NODELIST": "localhost,localhost",
+                     "MASTER_PORT": str(port), "HOME": str(home)})
+    env.pop("XDG_CONFIG_HOME", None)
+    if token:
+        env[auth.TOKEN_ENV] = token
+    code = "import os; print('RANK', os.environ['RANK'], 'TOKEN', len(os.environ['TORCHMN_JOB_TOKEN']))"
+    return subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "1", "--start-timeout", "20",
+                             sys.executable, "-c", code], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _finish(procs, seconds=90):
+    results = []
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=seconds)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+        results.append((proc.returncode, out, err))
+    return results
+
+
+def test_slurm_tasks_share_a_token_through_the_users_key(tmp_path):
+    """Without TORCHMN_JOB_TOKEN, the tasks derive one token from the key in the shared home."""
+    port = _free_port()
+    results = _finish([_slurm_task(0, port, tmp_path), _slurm_task(1, port, tmp_path)])
+    for code, out, err in results:
+        assert code == 0, out + err
+        assert REFUSED not in err, err
+    assert "[0] RANK 0 TOKEN 64" in results[0][1] and "[1] RANK 1 TOKEN 64" in results[1][1], results
+    key = tmp_path / ".config" / "torchmn" / "job-key"
+    assert key.stat().st_mode & 0o777 == 0o600 and len(key.read_bytes()) == 64
+
+
+def test_slurm_task_with_another_token_is_refused(tmp_path):
+    """Tasks that do not share a token (different homes, different exported tokens): task 0's store
+    refuses task 1, which says how to fix it."""
+    port = _free_port()
+    first = _slurm_task(0, port, tmp_path / "a", token=auth.new_token())
+    second = _slurm_task(1, port, tmp_path / "b", token=auth.new_token())
+    (code1, out1, err1), = _finish([second])
+    assert code1 == 2, out1 + err1
+    assert "refused the token of task 1: the tasks of this step do not share one" in err1, err1
+    assert "export TORCHMN_JOB_TOKEN=" in err1, err1
+    first.terminate()
+    (code0, out0, err0), = _finish([first])
+    assert "presented a wrong token" in err0, err0
+    assert "RANK" not in out0 + out1

@@ -1,0 +1,320 @@
+"""The job's secret: the token ``torchmn run`` makes for each job, and the greeting that proves it.
+
+The launcher hands the token to its ranks in ``TORCHMN_JOB_TOKEN`` (to remote ranks through the
+watcher's stdin, never on a command line, where every user of the host could read it in ``ps``).
+The rendezvous store admits a connection from a process started with the token, or from a
+launcher or watcher of the job that proves it knows the token with this module's greeting:
+
+1. the client sends ``GREETING`` (a first byte no ``TCPStore`` request starts with, then
+   ``torchmn`` and a kind byte);
+2. the server answers with a random challenge of ``CHALLENGE_SIZE`` bytes;
+3. the client answers ``proof(token, challenge, kind)``, an HMAC, so that the token itself never
+   crosses the network and a recorded answer is worth nothing for the next challenge;
+4. the server sends ``ACCEPTED`` and keeps the connection, or closes it.
+
+Standard library only: the watcher loads this module on hosts where torch must not be imported.
+The trust model is in ``docs/security.md``.
+"""
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+import socket
+from typing import Mapping, Optional
+
+# The variable that carries the token to every rank (and to what the rank starts).
+TOKEN_ENV = "TORCHMN_JOB_TOKEN"
+# Set on a remote rank's watcher: the first line of its stdin is the token (see token_line).
+TOKEN_ON_STDIN = "TORCHMN_JOB_TOKEN_ON_STDIN"
+
+# 0xff is no TCPStore request type, so the store's server tells a greeting from a plain
+# TCPStore client by the first byte alone (a plain client speaks first and then waits).
+GREETING_BYTE = b"\xff"
+VOUCHER = b"V"  # the kind of connection: a watcher or launcher that vouches for its host's processes
+GREETING = GREETING_BYTE + b"torchmn" + VOUCHER
+CHALLENGE_SIZE = 32
+PROOF_SIZE = 32
+ACCEPTED = b"\x01"
+
+# Shortest token taken from the environment (a Slurm step's, see step_token): 128 bits in hex.
+MIN_TOKEN_CHARS = 32
+
+
+class TokenError(OSError):
+    """The other side did not accept this process's token, or the greeting went wrong."""
+
+
+def new_token() -> str:
+    """A fresh random token for one job.
+
+    Returns:
+        64 hexadecimal characters (256 random bits).
+
+    Example::
+
+        >>> len(new_token())
+        64
+    """
+    return secrets.token_hex(32)
+
+
+def proof(token: str, challenge: bytes, kind: bytes = VOUCHER) -> bytes:
+    """What a client answers to the server's challenge: HMAC-SHA256 of the challenge and the kind
+    of connection, keyed with the token.
+
+    Args:
+        token: the job's token.
+        challenge: the server's random bytes.
+        kind: the kind of connection (``VOUCHER``).
+
+    Returns:
+        ``PROOF_SIZE`` bytes.
+
+    Example::
+
+        >>> len(proof("ab" * 32, bytes(CHALLENGE_SIZE)))
+        32
+    """
+    return hmac.new(token.encode(), b"torchmn rendezvous " + kind + challenge, hashlib.sha256).digest()
+
+
+def proof_matches(token: str, challenge: bytes, answer: bytes, kind: bytes = VOUCHER) -> bool:
+    """Whether ``answer`` is the right proof, compared in constant time (``hmac.compare_digest``).
+
+    Args:
+        token: the job's token.
+        challenge: the challenge that was sent.
+        answer: what the client sent back.
+        kind: the kind of connection.
+
+    Returns:
+        True when the client knows the token.
+
+    Example::
+
+        >>> token, challenge = new_token(), os.urandom(CHALLENGE_SIZE)
+        >>> proof_matches(token, challenge, proof(token, challenge)), proof_matches(token, challenge, bytes(32))
+        (True, False)
+    """
+    return hmac.compare_digest(proof(token, challenge, kind), answer)
+
+
+def _read_exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise TokenError("the connection was closed")
+        data += chunk
+    return data
+
+
+def greet(sock: socket.socket, token: str) -> None:
+    """The client's side of the greeting, on a connected socket (see the module's docstring).
+
+    Args:
+        sock: connected to the rendezvous store's address; it should have a timeout.
+        token: the job's token.
+
+    Raises:
+        TokenError: the server closed the connection, which it does when the token is wrong.
+        OSError: the connection failed.
+
+    Example::
+
+        >>> greet(socket.create_connection((addr, port), timeout=10), os.environ[TOKEN_ENV])  # doctest: +SKIP
+    """
+    sock.sendall(GREETING)
+    challenge = _read_exactly(sock, CHALLENGE_SIZE)
+    sock.sendall(proof(token, challenge))
+    try:
+        answer = _read_exactly(sock, len(ACCEPTED))
+    except TokenError:
+        answer = b""
+    if answer != ACCEPTED:
+        raise TokenError("the rendezvous store refused this job token")
+
+
+def token_line(token: str) -> bytes:
+    """The first line the launcher writes to a remote rank's watcher (see ``TOKEN_ON_STDIN``).
+
+    Args:
+        token: the job's token.
+
+    Returns:
+        The line, newline included.
+
+    Example::
+
+        >>> token_line("ab12")
+        b'token ab12\\n'
+    """
+    return b"token " + token.encode() + b"\n"
+
+
+def send_token(stream, token: str) -> None:
+    """Write ``token_line`` to a remote rank's watcher: its ssh client's stdin.
+
+    Args:
+        stream: the ssh client's stdin (``Popen.stdin``), or None.
+        token: the job's token.
+
+    Example::
+
+        >>> send_token(rank.process.stdin, token)  # doctest: +SKIP
+    """
+    if stream is None:
+        return
+    try:
+        stream.write(token_line(token))
+        stream.flush()
+    except (OSError, ValueError):
+        pass  # the ssh client is gone: its exit says why
+
+
+def read_token_line(fd: int) -> Optional[str]:
+    """Read ``token_line`` from ``fd`` (the watcher's stdin), byte by byte up to the newline, so
+    that nothing the launcher writes after it is taken away from the stdin reader.
+
+    Args:
+        fd: the file descriptor.
+
+    Returns:
+        The token, or None when the stream ended first or the line is not a token line.
+
+    Example::
+
+        >>> r, w = os.pipe(); _ = os.write(w, token_line("ab12")); read_token_line(r)
+        'ab12'
+    """
+    line = b""
+    while not line.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte:
+            return None
+        line += byte
+        if len(line) > 4096:
+            return None
+    if not line.startswith(b"token "):
+        return None
+    return line[len(b"token "):-1].decode(errors="replace") or None
+
+
+def step_token(env: Mapping[str, str], job_id: str, step_id: str) -> str:
+    """The token every task of one Slurm step agrees on without talking: ``TORCHMN_JOB_TOKEN``
+    when the batch script exported one (srun passes it to every task), else an HMAC of the step's
+    ids keyed with this user's key (see ``user_key``), the same on every node that shares the home
+    directory.
+
+    Args:
+        env: the launcher's environment.
+        job_id, step_id: ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``.
+
+    Returns:
+        The token.
+
+    Raises:
+        TokenError: the exported token is too short, or the key file can be neither read nor made.
+
+    Example::
+
+        >>> step_token({TOKEN_ENV: "f" * 64}, "42", "0") == "f" * 64
+        True
+    """
+    given = env.get(TOKEN_ENV, "")
+    if given:
+        if len(given) < MIN_TOKEN_CHARS:
+            raise TokenError(f"{TOKEN_ENV} is set but has only {len(given)} characters; export at least "
+                             f"{MIN_TOKEN_CHARS}, e.g. {TOKEN_ENV}=$(python -c 'import secrets; "
+                             f"print(secrets.token_hex(32))')")
+        return given
+    key = user_key(env)
+    return hmac.new(key, f"slurm step {job_id}.{step_id}".encode(), hashlib.sha256).hexdigest()
+
+
+def key_path(env: Mapping[str, str]) -> str:
+    """Where this user's key lives: ``$XDG_CONFIG_HOME/torchmn/job-key`` (``~/.config/...``).
+
+    Args:
+        env: the environment.
+
+    Returns:
+        The path.
+
+    Example::
+
+        >>> key_path({"XDG_CONFIG_HOME": "/home/me/.config"})
+        '/home/me/.config/torchmn/job-key'
+    """
+    config = env.get("XDG_CONFIG_HOME") or os.path.join(env.get("HOME") or os.path.expanduser("~"), ".config")
+    return os.path.join(config, "torchmn", "job-key")
+
+
+def user_key(env: Mapping[str, str]) -> bytes:
+    """This user's key, readable by this user alone (mode 0600), made once with 256 random bits.
+
+    Several nodes that share the home directory may make it at the same moment: each writes a
+    file of its own and links it into place (atomic, also over NFS), and every one then reads
+    whichever won.
+
+    Args:
+        env: the environment (``HOME``, ``XDG_CONFIG_HOME``).
+
+    Returns:
+        The key.
+
+    Raises:
+        TokenError: the key can be neither read nor made.
+
+    Example::
+
+        >>> len(user_key(os.environ))  # doctest: +SKIP
+        64
+    """
+    path = key_path(env)
+    fix = (f"or export {TOKEN_ENV}=$(python -c 'import secrets; print(secrets.token_hex(32))') before srun "
+           f"so that every task gets the same token")
+    try:
+        with open(path, "rb") as f:
+            key = f.read().strip()
+        if len(key) >= MIN_TOKEN_CHARS:
+            return key
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        raise TokenError(f"cannot read the torchmn key {path} ({e.strerror}); fix its permissions, {fix}")
+    try:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+        mine = f"{path}.{socket.gethostname()}.{os.getpid()}"
+        fd = os.open(mine, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_hex(32).encode())
+        try:
+            os.link(mine, path)
+        except FileExistsError:
+            pass  # another node's won; read it
+        finally:
+            os.unlink(mine)
+        with open(path, "rb") as f:
+            return f.read().strip()
+    except OSError as e:
+        raise TokenError(f"cannot make the torchmn key {path} ({e.strerror}); make its directory writable, {fix}")
+
+
+def token_from(env: Mapping[str, str]) -> Optional[str]:
+    """The job's token in a rank's environment, if any.
+
+    Args:
+        env: the environment.
+
+    Returns:
+        The token, or None.
+
+    Example::
+
+        >>> token_from({TOKEN_ENV: "ab" * 32}) == "ab" * 32, token_from({})
+        (True, None)
+    """
+    return env.get(TOKEN_ENV) or None
