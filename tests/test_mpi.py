@@ -16,6 +16,7 @@ import time
 
 import pytest
 
+from failure_jobs import assert_failure_shown_once, failing_argv, run_failing
 from jobs import REPO, WORKERS, assert_check_passed, check_job_output, clean_env
 from mpi4py_builds import mpi4py_dir
 
@@ -169,3 +170,20 @@ def test_two_mpich_jobs_at_once_stay_apart(tmp_path):
         ["JOB A RANK 0 SUM 200.0", "JOB A RANK 1 SUM 200.0"], out_a
     assert sorted(re.findall(r"JOB B RANK \d SUM [\d.]+", out_b)) == \
         ["JOB B RANK 0 SUM 2.0", "JOB B RANK 1 SUM 2.0"], out_b
+
+
+@pytest.mark.parametrize("mpi", ["openmpi", "mpich"])
+def test_exception_in_a_collective_ends_the_mpi_job(mpi, tmp_path):
+    """Rank 1 raises while the others wait for it in an allreduce: every rank ends within seconds,
+    rank 1's traceback is shown once, the others say in one line that rank 1 failed. Open MPI
+    stops the job when rank 1 exits and names it as the first to fail (the others waited for that);
+    MPICH's mpiexec stops nobody, so the others end on their own."""
+    env = clean_env({"MASTER_PORT": str(free_port())} if mpi == "mpich" else None)
+    output, code, seconds = run_failing(mpi_argv(mpi, 4) + failing_argv("raise", tmp_path), tmp_path, env=env,
+                                        timeout=TIMEOUT)
+    assert code != 0, output
+    if mpi == "openmpi":
+        assert re.search(r"The first process to do so was:\s+Process name: \[\[\d+,\d+\],1\]", output), output
+        assert_failure_shown_once(output, seconds)
+    else:
+        assert_failure_shown_once(output, seconds, others_named={0, 2, 3})

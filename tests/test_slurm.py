@@ -3,7 +3,8 @@
 Covers srun with one task per rank (one node and two; split communicators across nodes),
 ``torchmn run`` inside an srun task (one node; one task per node on two, a failing rank there, and
 the error for several tasks on one node), an sbatch job running the MNIST example, the error for a
-batch script that forgot srun, and preemption: signal -> checkpoint -> requeue -> resume.
+batch script that forgot srun, preemption: signal -> checkpoint -> requeue -> resume, and a rank's
+uncaught exception ending the whole step within seconds.
 
 The cluster needs ``slurmd slurmctld slurm-client munge`` and root. Without them these tests fail
 (they do not skip): CI installs them, and a skip would hide that Slurm support went untested.
@@ -20,6 +21,7 @@ import pytest
 import torch
 
 from cluster.slurm import INSTALL_HINT, SlurmCluster, missing_programs
+from failure_jobs import assert_failure_shown_once, failing_argv, seconds_since_raise
 from jobs import REPO, WORKERS
 from torchmn import resources
 from torchmn.launch.environments import slurm_port
@@ -464,3 +466,17 @@ def test_two_jobs_on_one_rendezvous_port_stop_at_once(slurm, tmp_path):
     assert f"the rendezvous port {port} is in use" in out, out
     assert "belongs to Slurm job" in out, out
     assert took < 20, (took, out)
+
+
+@pytest.mark.parametrize("mode", ["raise", "optimizer"])
+def test_exception_in_a_collective_ends_the_srun_step(slurm, mode, tmp_path):
+    """2 nodes x 2 ranks, no --kill-on-bad-exit: Slurm stops nobody when rank 1 raises while the
+    others wait for it (in an allreduce, or the optimizer's gradient averaging across the nodes).
+    Every rank still ends within seconds, rank 1's traceback is shown once, and the three others
+    each say in one line that rank 1 failed (the news crosses to n2 through the closed connections)."""
+    proc = slurm.run(["srun", "-N", "2", "--ntasks-per-node", "2", *failing_argv(mode, tmp_path)], env=job_env(),
+                     timeout=120, check=False)
+    output = proc.stdout + proc.stderr
+    seconds = seconds_since_raise(tmp_path, output)
+    assert proc.returncode != 0, output
+    assert_failure_shown_once(output, seconds, others_named={0, 2, 3})

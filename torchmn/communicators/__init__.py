@@ -15,11 +15,12 @@ import torch
 import torch.distributed as dist
 
 from torchmn import resources
+from torchmn.communicators import failure
 from torchmn.communicators._setup import adopt_world, default_backend, init_world
 from torchmn.communicators.communicator import Communicator
 from torchmn.communicators.communicator_base import CommunicatorBase
 from torchmn.communicators.errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerLostError,
-                                          RemoteRankError)
+                                          RankFailedError, RemoteRankError)
 from torchmn.communicators.flat import FlatCommunicator
 from torchmn.communicators.hierarchical import HierarchicalCommunicator
 from torchmn.communicators.naive import NaiveCommunicator
@@ -113,6 +114,9 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
         resources.apply_thread_budget(comm.intra_size)
         if backend == "nccl" and owns:  # no NCCL collective has run yet: the topology travels through gloo
             torch.cuda.set_device(comm.intra_rank % max(1, torch.cuda.device_count()))
+    if size > 1:
+        # An uncaught exception on this rank then ends the others at once, not at their timeout.
+        failure.install()
     return comm
 
 
@@ -130,5 +134,5 @@ def _as_timedelta(timeout) -> Optional[datetime.timedelta]:
 
 
 __all__ = ["Communicator", "CommunicatorBase", "CollectiveMismatchError", "CollectiveTimeoutError", "PeerLostError",
-           "RemoteRankError", "NaiveCommunicator", "FlatCommunicator", "HierarchicalCommunicator",
+           "RankFailedError", "RemoteRankError", "NaiveCommunicator", "FlatCommunicator", "HierarchicalCommunicator",
            "create_communicator", "make_communicator"]

@@ -7,6 +7,7 @@ import mmap
 import os
 import threading
 import time
+import weakref
 from typing import Callable, Optional
 
 import numpy as np
@@ -16,6 +17,11 @@ from torchmn.communicators.errors import CollectiveMismatchError, PeerLostError,
 SHM_DIR = "/dev/shm"
 ALIGN = 64  # chunk boundaries on cache lines, so ranks never write the same line
 KINDS = 16  # a flag word is seq * KINDS + the kind of call (see Flags.arrive_and_wait)
+# What a rank ending with an uncaught exception writes into its flag words (mark_failed): below
+# every call number, so its peers keep waiting until their next look, which then tells them at
+# once, instead of when its process is gone (module teardown takes a second or more with torch).
+FAILED = -1
+_live_flags: "weakref.WeakSet[Flags]" = weakref.WeakSet()  # every Flags of this process, for mark_failed
 
 
 def segment_name(job_tag: str, node: int, creator_pid: int) -> str:
@@ -70,6 +76,7 @@ class Flags:
         self._pids = pids
         self._timeout = timeout
         self._describe = describe
+        _live_flags.add(self)
 
     @staticmethod
     def nbytes(phases: int, local_size: int) -> int:
@@ -121,17 +128,29 @@ class Flags:
                 f"collective such as the sharded optimizer's state_dict() alone?). Decide such things on every "
                 f"rank alike, e.g. from comm.allreduce of a flag")
 
+    def mark_failed(self) -> None:
+        """Tell the node's other ranks, waiting now or later, that this rank will not come."""
+        for phase in range(self._rows.shape[0]):
+            self._words[phase * self.local_size + self.local_rank] = FAILED
+
     def _check_peers(self, phase: int, seq: int, timed_out: bool) -> None:
         missing = [r for r in range(self.local_size) if self._rows[phase, r] // KINDS < seq]
-        dead = [r for r in missing if not alive(self._pids[r])]
+        failed = [r for r in missing if self._rows[phase, r] == FAILED]
+        dead = failed or [r for r in missing if not alive(self._pids[r])]
         if dead or timed_out:
             who = ", ".join(self._describe(r) for r in (dead or missing))
-            why = "exited" if dead else (
+            why = "ended with an error" if failed else "exited" if dead else (
                 f"did not arrive within {self._timeout:.0f} s (still computing, or waiting in a call the "
                 f"others did not make: every rank must make the same collective calls in the same order; "
                 f"with shard_state=True, optimizer.state_dict() is one)")
             raise PeerLostError(f"shared-memory collective #{seq}: {who} {why}; "
                                 f"{self._describe(self.local_rank)} gives up")
+
+
+def mark_failed() -> None:
+    """Mark this rank failed in every shared-memory segment it has open (see ``FAILED``)."""
+    for flags in list(_live_flags):
+        flags.mark_failed()
 
 
 def map_segment(name: str, nbytes: int, local_rank: int, agree: Callable[[bool], list],

@@ -10,6 +10,7 @@ gradient primitives (``allreduce_flat``, ``reduce_scatter_flat``, ``allgather_fl
 from __future__ import annotations
 
 import socket
+import weakref
 from typing import Any, Optional, Sequence
 
 import torch
@@ -29,6 +30,24 @@ from torchmn.communicators.tensor_collectives import TensorCollectives
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 _worlds = 0  # world communicators created by this process, for their call logs' tags
+_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()  # this process's communicators (release_groups)
+
+
+def release_groups() -> None:
+    """Finalize every communicator of this process and drop its references to its process groups.
+
+    For a rank that is ending with an error (:mod:`torchmn.communicators.failure`): a gloo group's
+    connections close only when the last reference to it goes, and a communicator holds its groups
+    for as long as the script holds it, so destroying the groups alone would leave the ranks
+    waiting for this one until its process is gone.
+
+    Example::
+
+        >>> release_groups()
+        >>> comm.allreduce(x)    # RuntimeError: ... a communicator that was finalized
+    """
+    for comm in list(_live):
+        comm._let_go()
 
 
 class Communicator(TensorCollectives, ObjectCollectives, ModelCollectives, CommunicatorBase):
@@ -61,6 +80,7 @@ class Communicator(TensorCollectives, ObjectCollectives, ModelCollectives, Commu
             _worlds += 1
             tag = f"world{_worlds}"
         self.call_log = watch.CallLog(tag)
+        _live.add(self)
         self._splits = 0
         self.rank = rank
         self.size = size
@@ -252,6 +272,11 @@ class Communicator(TensorCollectives, ObjectCollectives, ModelCollectives, Commu
         if self._owns_world:
             from torchmn.communicators._setup import shutdown_world
             shutdown_world()
+
+    def _let_go(self) -> None:
+        """Finalized, without its process groups (see :func:`release_groups`)."""
+        self.call_log.closed = True
+        self._group = self._obj_group = None
 
     # ----------------------------------------------------------------------------- gradient primitives
     @property

@@ -21,3 +21,18 @@ class CollectiveTimeoutError(TorchmnError, RuntimeError):
 class PeerLostError(CollectiveTimeoutError):
     """A rank of this node stopped taking part in a shared-memory collective (exited, or did not
     arrive within the timeout)."""
+
+
+class RankFailedError(PeerLostError):
+    """Another rank ended with an uncaught exception while this one waited for it in a collective.
+
+    The message names that rank, its host and its error (its traceback is in its own output);
+    ``failure`` holds the same as a :class:`torchmn.communicators.failure.Failure`. It replaces the
+    :class:`PeerLostError` or :class:`CollectiveTimeoutError` the lost peer would have raised (and is
+    both, so ``except`` clauses written for those still catch it). Uncaught, it ends this rank with
+    one line instead of a traceback: the failed rank's traceback is the one that matters.
+    """
+
+    def __init__(self, message: str, failure=None):
+        super().__init__(message)
+        self.failure = failure

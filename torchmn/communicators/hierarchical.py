@@ -272,3 +272,7 @@ class HierarchicalCommunicator(FlatCommunicator):
             self._segment = None
         super().finalize()
 
+    def _let_go(self) -> None:
+        # The shared-memory segment stays: peers marked failed in it (failure.py) still read it.
+        super()._let_go()
+        self._inter_group = self._rails = None

@@ -9,6 +9,10 @@ is the same call on every rank that runs the same program.
 
 Shared-memory collectives inside a node name their missing peers themselves
 (:class:`torchmn.communicators.shm.PeerLostError`).
+
+A peer lost because its rank ended with an uncaught exception, which its exception hook recorded
+(see :mod:`torchmn.communicators.failure`), is named at once, with its error, as
+:class:`~torchmn.communicators.errors.RankFailedError`: there is nobody to wait for.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from torchmn.communicators import failure
 from torchmn.communicators.errors import CollectiveTimeoutError
 
 # The communicator methods whose calls are numbered and watched.
@@ -89,6 +94,10 @@ def _watched_p2p(kind: str, peer_arg: str, fn: Callable) -> Callable:
             peer = signature.bind(comm, *args, **kwargs).arguments[peer_arg]
             other = "send" if kind.startswith("recv") else "recv"
             direction = "from" if kind.startswith("recv") else "to"
+            failed = failure.recorded()
+            if failed is not None:
+                raise failure.stopped_by(failed, f"{kind} {direction} rank {peer}",
+                                         f"rank {comm.rank} ({_host(comm, comm.rank)})") from e
             raise CollectiveTimeoutError(
                 f"{kind} {direction} rank {peer} ({_host(comm, peer) if isinstance(peer, int) else 'host unknown'}) "
                 f"failed on rank {comm.rank} ({_host(comm, comm.rank)}): rank {peer} did not make the matching "
@@ -192,11 +201,14 @@ def timed_out(comm, seq: int, kind: str, error: BaseException) -> CollectiveTime
 def _naming_the_ranks(comm, seq: int, kind: str, error: BaseException) -> Optional[BaseException]:
     """The error to raise instead of ``error``, which collective ``seq`` raised, naming what the other
     ranks did; None where ``error`` is not about a lost peer (it is raised as it is)."""
-    if lost_peer(error):
-        return timed_out(comm, seq, kind, error)
-    if type(error).__name__ == "PeerLostError":  # shm's; not imported here, shm imports torch's world
-        return _diagnosed(comm, seq, kind, error)
-    return None
+    shm_lost = type(error).__name__ == "PeerLostError"  # shm's; not imported here, shm imports torch's world
+    if not (shm_lost or lost_peer(error)):
+        return None
+    failed = failure.recorded()
+    if failed is not None:  # a rank ended with an uncaught exception: no grace period to wait out
+        return failure.stopped_by(failed, f"{kind} (collective #{seq} of this communicator)",
+                                  f"rank {comm.rank} ({_host(comm, comm.rank)})")
+    return _diagnosed(comm, seq, kind, error) if shm_lost else timed_out(comm, seq, kind, error)
 
 
 def _diagnosed(comm, seq: int, kind: str, error: BaseException) -> BaseException:
