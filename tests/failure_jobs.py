@@ -3,8 +3,8 @@
 started it."""
 from __future__ import annotations
 
-import random
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -43,7 +43,10 @@ def run_by_hand(mode: str, out: Path, np: int = 4, timeout: float = 120) -> tupl
     """Start ``np`` ranks as plain processes with torch's env:// variables, as a batch script
     without a launcher would: nobody stops the others when one fails. Returns (outputs by rank,
     exit codes by rank, seconds from the raise until the last rank ended)."""
-    env = clean_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(random.randint(20000, 40000)),
+    with socket.socket() as probe:  # a free port for rank 0's store
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = clean_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
                      "WORLD_SIZE": str(np), "LOCAL_WORLD_SIZE": str(np)})
     procs = [subprocess.Popen(failing_argv(mode, out), cwd=REPO, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(np)]
