@@ -1,5 +1,5 @@
 """The command line every worker script shares: pick checks by name, run them on every rank of
-the job, print "PASS <check>" on rank 0 after each.
+the job, print "PASS <check>" on rank 0 after each; and ``expect``, which the checks share.
 
     python comm_checks.py [--name flat] CHECK [CHECK ...]      ("all": every check but the excluded)
 """
@@ -7,6 +7,15 @@ import argparse
 import inspect
 
 import torchmn
+
+
+def expect(error, fn):
+    """Call ``fn``; return the ``error`` it raises, or fail the check if it raises none."""
+    try:
+        fn()
+    except error as e:
+        return e
+    raise AssertionError(f"expected {error.__name__}")
 
 
 def run_checks(namespace: dict, *, not_in_all=(), with_path=False) -> None:

@@ -17,7 +17,7 @@ from torchmn.optimizers import NodeSharedOptimizer, ShardedMultiNodeOptimizer
 from torchmn.optimizers.join import JoinError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_runner import run_checks  # noqa: E402
+from check_runner import expect, run_checks  # noqa: E402
 
 COUNTS = {1: [4], 2: [7, 10], 3: [6, 2, 4], 4: [3, 5, 5, 8]}          # batches per rank
 WITH_AN_EMPTY_RANK = {1: [0], 2: [0, 3], 3: [4, 0, 6], 4: [2, 0, 5, 1]}  # one rank has none at all
@@ -196,14 +196,6 @@ def check_exchange_only_inside_join(comm):
         finally:
             del comm.allgather_obj
         opt.remove_hooks()
-
-
-def expect(error, fn):
-    try:
-        fn()
-    except error as e:
-        return e
-    raise AssertionError(f"expected {error.__name__}")
 
 
 def check_double_buffering_refused(comm):

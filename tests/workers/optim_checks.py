@@ -15,7 +15,7 @@ import torch
 import torchmn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_runner import run_checks  # noqa: E402
+from check_runner import expect, run_checks  # noqa: E402
 
 BATCH = 24  # divisible by 1, 2, 3 and 4 ranks
 
@@ -307,14 +307,6 @@ def check_refusals(comm):
     loss_fn(model, local(x, comm), local(y, comm)).backward()
     opt.step()
     assert calls == ["pre"], calls
-
-
-def expect(error, fn):
-    try:
-        fn()
-    except error as e:
-        return e
-    raise AssertionError(f"expected {error.__name__}")
 
 
 def splits_update(comm):
