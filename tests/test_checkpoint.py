@@ -74,11 +74,17 @@ def rank_processes(launcher: subprocess.Popen) -> list:
     return [p for p in with_rank if p.ppid() not in pids]
 
 
+def newest_step(directory) -> int:
+    """The newest step with a folder in a checkpoint directory (written completely or not), or -1."""
+    steps = [int(p.name[5:]) for p in directory.glob("step_*") if p.name[5:].isdigit()]
+    return max(steps, default=-1)
+
+
 @pytest.mark.timeout(600)
 def test_checkpoint_survives_20_kills_of_a_random_rank(tmp_path):
-    """20 times, a random rank is SIGKILLed at a random moment of a loop that checkpoints every
-    step (each rank's file carries 16 MB of ballast, so writing takes most of a step and most kills
-    land in a write). Every resume loads a complete checkpoint (the script checks the parameters
+    """20 times, a random rank is SIGKILLed at a random moment, 1 to 15 steps after the job
+    (re)started, of a loop that checkpoints every step (each rank's file carries 16 MB of ballast,
+    so writing takes most of a step and most kills land in a write). Every resume loads a complete checkpoint (the script checks the parameters
     against the digest saved with them), the steps resumed from never go back, and the final
     parameters equal an uninterrupted run's bit for bit."""
     args = ["--steps", "400", "--every", "1", "--ballast", "16", "--keep", "2"]
@@ -101,7 +107,13 @@ def test_checkpoint_survives_20_kills_of_a_random_rank(tmp_path):
                     if started == 2:
                         break
                 assert "differ from those saved" not in line, line
-            time.sleep(chance.uniform(0.05, 0.6))
+            # A random number of checkpoints later (so that the kills keep pace with the training
+            # on a machine of any speed), at a random moment within a step.
+            target = resumed_from[-1] + chance.randint(1, 15)
+            deadline = time.monotonic() + 60
+            while newest_step(tmp_path / "ck") < target and job.poll() is None and time.monotonic() < deadline:
+                time.sleep(0.002)
+            time.sleep(chance.uniform(0.0, 0.03))
             ranks = rank_processes(job)
             assert ranks, "the job ended before it was killed: give it more steps"
             chance.choice(ranks).send_signal(signal.SIGKILL)
