@@ -221,7 +221,12 @@ class Checkpointer:
             # The state is the one just loaded: the complete step on disk already holds it.
             self.comm.allgather_obj(step)
             return
-        refusal = self._prepare_step(step) if self.comm.rank == 0 else None
+        refusal = None
+        if self.comm.rank == 0:
+            try:
+                refusal = self._prepare_step(step)
+            except OSError as e:  # told to every rank below, rather than leaving them waiting
+                refusal = f"preparing {files.step_dir(self.directory, step)} on rank 0 ({self.comm.host}): {e}"
         agreed = self.comm.allgather_obj((step, refusal))
         if refusal is None:
             refusal = agreed[0][1]
