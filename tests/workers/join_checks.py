@@ -18,31 +18,16 @@ from torchmn.optimizers.join import JoinError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_runner import expect, run_checks  # noqa: E402
+from optim_checks import OPTIMIZERS, loss_fn, make_model, wrapped_model  # noqa: E402
 
 COUNTS = {1: [4], 2: [7, 10], 3: [6, 2, 4], 4: [3, 5, 5, 8]}          # batches per rank
 WITH_AN_EMPTY_RANK = {1: [0], 2: [0, 3], 3: [4, 0, 6], 4: [2, 0, 5, 1]}  # one rank has none at all
 AFTER = 2  # steps on every rank after the context: the ordinary average again
 KINDS = {"replicated": {"shard_state": False}, "sharded": {"shard_state": True}, "default": {}}
-OPTIMIZERS = {
-    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
-    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
-}
-
-
-def make_model(seed=0):
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
-                               torch.nn.Linear(16, 3)).double()
-
-
 def batch(rank, step):
     """Rank ``rank``'s batch ``step`` (4 samples; the steps after the context are numbered on)."""
     g = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (4,), generator=g)
-
-
-def loss_fn(model, x, y):
-    return torch.nn.functional.cross_entropy(model(x), y)
 
 
 def reference(counts, opt_name, steps_after=AFTER):
@@ -61,13 +46,7 @@ def reference(counts, opt_name, steps_after=AFTER):
 
 def train(comm, counts, opt_name, passes=1, **kwargs):
     """This rank's batches inside torchmn.join, then ``AFTER`` steps on every rank outside it."""
-    model = make_model()
-    if comm.rank != 0:  # different starting weights on purpose: the wrapper must broadcast them
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(1.0)
-    opt = torchmn.create_multi_node_optimizer(OPTIMIZERS[opt_name](model.parameters()), comm,
-                                              backward_passes_per_step=passes, **kwargs)
+    model, opt = wrapped_model(comm, opt_name, passes, **kwargs)
     longest = max(counts)
     with torchmn.join(comm) as joined:
         for t in range(counts[comm.rank]):

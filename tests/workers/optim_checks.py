@@ -20,8 +20,8 @@ from check_runner import expect, run_checks  # noqa: E402
 BATCH = 24  # divisible by 1, 2, 3 and 4 ranks
 
 
-def make_model():
-    torch.manual_seed(0)
+def make_model(seed=0):
+    torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
                                torch.nn.Linear(16, 3)).double()
 
@@ -68,8 +68,8 @@ def reference(opt_name, steps=5, passes=1, clip=None, delayed=False):
     return model
 
 
-def distributed(comm, opt_name, steps=5, passes=1, clip=None, no_sync=False, set_to_none=True,
-                clip_with_optimizer=False, **kwargs):
+def wrapped_model(comm, opt_name, passes=1, **kwargs):
+    """The model, with other starting weights off rank 0, and its multi-node optimizer."""
     model = make_model()
     if comm.rank != 0:  # different starting weights on purpose: the wrapper must broadcast them
         with torch.no_grad():
@@ -77,6 +77,12 @@ def distributed(comm, opt_name, steps=5, passes=1, clip=None, no_sync=False, set
                 p.add_(1.0)
     opt = torchmn.create_multi_node_optimizer(OPTIMIZERS[opt_name](model.parameters()), comm,
                                               backward_passes_per_step=passes, **kwargs)
+    return model, opt
+
+
+def distributed(comm, opt_name, steps=5, passes=1, clip=None, no_sync=False, set_to_none=True,
+                clip_with_optimizer=False, **kwargs):
+    model, opt = wrapped_model(comm, opt_name, passes, **kwargs)
     for step in range(steps):
         x, y = data(step)
         x, y = local(x, comm), local(y, comm)
