@@ -287,8 +287,7 @@ class Checkpointer:
             elif s <= step:
                 complete.append(s)
         for s in complete[:-self.keep]:
-            files.remove_step(self.directory, s, [], last=True)
-            files.remove_folder(self.directory, s)
+            files.remove_step(self.directory, s)
 
     # --- loading ------------------------------------------------------------------------------
 

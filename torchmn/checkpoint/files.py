@@ -234,36 +234,21 @@ def whole_files(directory: str, step: int, manifest: dict, names: list[str]) -> 
     return None
 
 
-def remove_step(directory: str, step: int, names: list[str], last: bool) -> None:
-    """Remove ``names`` from ``step``'s folder; with ``last``, the manifest first and then the folder.
-
-    The manifest goes before any file, so a step is never complete with a file missing; the
-    folder itself goes when it is empty (other ranks may still be removing their files).
+def remove_step(directory: str, step: int) -> None:
+    """Remove ``step``: its manifest first, so that the step is never complete with a file missing,
+    then its folder.
 
     Args:
         directory: the checkpoint directory.
         step: the step.
-        names: the files to remove (this rank's).
-        last: this rank owns the manifest (rank 0).
     """
     folder = step_dir(directory, step)
-    if last:
-        try:
-            os.remove(os.path.join(folder, MANIFEST))
-        except FileNotFoundError:
-            pass
-        fsync_directory(folder)
-    for name in names:
-        try:
-            os.remove(os.path.join(folder, name))
-        except FileNotFoundError:
-            pass
-    if last:
-        remove_temporaries(folder, lambda name: True)
-        try:
-            os.rmdir(folder)
-        except OSError:
-            pass  # another rank's file is still there: it removes its own, and the next prune the folder
+    try:
+        os.remove(os.path.join(folder, MANIFEST))
+    except FileNotFoundError:
+        pass
+    fsync_directory(folder)
+    remove_folder(directory, step)
 
 
 def remove_folder(directory: str, step: int) -> None:
