@@ -13,23 +13,22 @@ Example::
     >>> optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 """
-from torchmn.horovod.allreduce_ops import (allreduce, allreduce_, allreduce_async, allreduce_async_,
-                                           grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
-                                           grouped_allreduce_async_, sparse_allreduce_async)
-from torchmn.horovod.basics import (Adasum, Average, HorovodInternalError, Max, Min, Product, Sum, ccl_built,
-                                    cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
-                                    handle_average_backwards_compatibility, init, is_homogeneous, is_initialized,
-                                    local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported,
-                                    nccl_built, rank, rocm_built, shutdown, size)
+from torchmn.horovod.basics import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
+                                    init, is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
+                                    mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size)
+from torchmn.horovod.collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce,
+                                         allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async,
+                                         broadcast, broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
+                                         grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
+                                         grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
+                                         grouped_reducescatter_async, handle_average_backwards_compatibility,
+                                         reducescatter, reducescatter_async, sparse_allreduce_async)
 from torchmn.horovod.compression import Compression
+from torchmn.horovod.coordination import join
+from torchmn.horovod.errors import HorovodInternalError
 from torchmn.horovod.functions import (allgather_object, barrier, broadcast_object, broadcast_optimizer_state,
                                        broadcast_parameters)
-from torchmn.horovod.exchange_ops import (alltoall, alltoall_async, grouped_reducescatter,
-                                          grouped_reducescatter_async, reducescatter, reducescatter_async)
-from torchmn.horovod.gather_ops import (allgather, allgather_async, broadcast, broadcast_, broadcast_async,
-                                        broadcast_async_, grouped_allgather, grouped_allgather_async)
 from torchmn.horovod.handles import poll, synchronize
-from torchmn.horovod.coordination import join
 from torchmn.horovod.optimizer import DistributedOptimizer
 from torchmn.horovod.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from torchmn.horovod.sync_batch_norm import SyncBatchNorm
@@ -37,8 +36,10 @@ from torchmn.horovod.timeline import start_timeline, stop_timeline
 
 
 def __getattr__(name):
+    # hvd.elastic is imported where a script first uses it, as Horovod's subpackage is: importing it
+    # raises ElasticImportError (an ImportError) saying what to use instead.
     if name == "elastic":
-        import torchmn.horovod.elastic  # noqa: F401  (raises ImportError saying what to use instead)
+        import torchmn.horovod.elastic  # noqa: F401
     raise AttributeError(f"module 'torchmn.horovod' has no attribute {name!r}")
 
 

@@ -1,59 +1,22 @@
-"""The job torchmn.horovod runs in: ``init``, the ranks, what is built, and the reduction ops."""
+"""Joining and leaving the job (``init``, ``shutdown``), and what the job and this build are:
+the ranks, the node topology, the libraries built in.
+
+``init`` makes the job's communicator, stores it in :data:`torchmn.horovod.process_sets.job`,
+registers the process sets and starts the timeline ``HOROVOD_TIMELINE`` names; ``shutdown``
+completes the collectives in flight, writes the timeline and tears all of it down.
+"""
 from __future__ import annotations
 
 import atexit
 import os
-import warnings
-from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from torchmn.errors import TorchmnError
-
-# Horovod's reduction ops, with Horovod's values.
-Average, Sum, Adasum, Min, Max, Product = 0, 1, 2, 3, 4, 5
-OP_NAMES = {Average: "Average", Sum: "Sum", Adasum: "Adasum", Min: "Min", Max: "Max", Product: "Product"}
-NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
-
-
-class HorovodInternalError(TorchmnError, RuntimeError):
-    """A collective cannot run: a rank that called ``hvd.join()`` cannot take part in it (Horovod's
-    error of that name; Horovod also raises it when a peer leaves).
-
-    Example::
-
-        >>> try:
-        ...     hvd.allgather(x)            # while another rank has joined
-        ... except hvd.HorovodInternalError as e:
-        ...     print(e)
-    """
-
-
-class _Job:
-    """The communicator of the job, once :func:`init` made it."""
-
-    comm = None
-    world = None       # every rank of the job (``comm`` is the part ``init(comm=[...])`` chose)
-    owns_comm = False
-    solo = None  # a world of one, for the ranks a process set leaves out
-
-
-job = _Job()
-
-
-def require_comm():
-    """The job's communicator.
-
-    Returns:
-        The communicator ``init`` made (the ranks the job's global process set holds).
-
-    Raises:
-        ValueError: before :func:`init`, with Horovod's message.
-    """
-    if job.comm is None:
-        raise ValueError(NOT_INITIALIZED)
-    return job.comm
+import torchmn
+from torchmn.horovod import handles, timeline
+from torchmn.horovod.errors import InvalidCallError, UnsupportedError
+from torchmn.horovod.process_sets import add_process_set, forget_all, job, register_global, require_comm
 
 
 def init(comm=None, process_sets=None) -> None:
@@ -67,8 +30,8 @@ def init(comm=None, process_sets=None) -> None:
             adding them later).
 
     Raises:
-        NotImplementedError: an ``mpi4py`` communicator as ``comm``.
-        ValueError: a duplicate process set.
+        UnsupportedError: an ``mpi4py`` communicator as ``comm``.
+        InvalidCallError: a duplicate process set; ``process_sets`` a string other than ``"dynamic"``.
 
     Example::
 
@@ -76,15 +39,12 @@ def init(comm=None, process_sets=None) -> None:
         >>> hvd.init()
         >>> hvd.rank(), hvd.size()
     """
-    from torchmn.horovod import process_sets as ps_module, timeline
-    import torchmn
-
     if job.comm is not None:
         return
     if comm is not None and not isinstance(comm, (list, tuple, range)):
-        raise NotImplementedError(f"hvd.init(comm=<{type(comm).__name__}>): torchmn.horovod takes a list of ranks "
-                                  f"as comm, not an mpi4py communicator (it does not run on MPI's communicators: "
-                                  f"start the job with mpirun and leave comm out)")
+        raise UnsupportedError(f"hvd.init(comm=<{type(comm).__name__}>): torchmn.horovod takes a list of ranks "
+                               f"as comm, not an mpi4py communicator (it does not run on MPI's communicators: "
+                               f"start the job with mpirun and leave comm out)")
     world = torchmn.create_communicator()
     job.owns_comm = True
     job.solo = torchmn.communicators.make_communicator("naive", rank=0, size=1, group=None, obj_group=None,
@@ -97,16 +57,16 @@ def init(comm=None, process_sets=None) -> None:
     else:
         job.world = world
         job.comm = world
-    ps_module.register_global(job.comm)
+    register_global(job.comm)
     if isinstance(process_sets, str):
         if process_sets.lower() != "dynamic":
-            raise ValueError(f"process_sets must be a list of ProcessSet or 'dynamic', not {process_sets!r}")
+            raise InvalidCallError(f"process_sets must be a list of ProcessSet or 'dynamic', not {process_sets!r}")
     elif process_sets:
         for index, ps in enumerate(process_sets):
             if ps in process_sets[:index]:
-                raise ValueError(f"Horovod could not be initialized because process_sets entry number {index} is "
-                                 f"a duplicate: {ps}")
-            ps_module.add_process_set(ps)
+                raise InvalidCallError(f"Horovod could not be initialized because process_sets entry number "
+                                       f"{index} is a duplicate: {ps}")
+            add_process_set(ps)
     path = os.environ.get("HOROVOD_TIMELINE")
     if path and path.upper() != "DYNAMIC":
         timeline.start_timeline(path)
@@ -114,21 +74,21 @@ def init(comm=None, process_sets=None) -> None:
 
 
 def shutdown() -> None:
-    """Leave the job: write the timeline if one runs, and tear down what :func:`init` set up.
+    """Leave the job: complete the collectives in flight, write the timeline if one runs, and
+    tear down what :func:`init` set up (``init`` registers it to run at exit too).
 
     Example::
 
         >>> hvd.shutdown()
+        >>> hvd.is_initialized()            # False
     """
-    from torchmn.horovod import handles, process_sets as ps_module, timeline
-
     if job.comm is None:
         return
     handles.drain()
     handles.forget()
     if timeline.recording():
         timeline.stop_timeline()
-    ps_module.forget_all()
+    forget_all()
     world = job.world
     job.comm = job.world = None
     if job.owns_comm:
@@ -136,37 +96,60 @@ def shutdown() -> None:
 
 
 def is_initialized() -> bool:
-    """Returns: whether :func:`init` has run (and :func:`shutdown` not since).
+    """Whether this process is in the job.
+
+    Returns:
+        True once :func:`init` has run, until :func:`shutdown`.
 
     Example::
 
-        >>> hvd.is_initialized()
+        >>> if not hvd.is_initialized():
+        ...     hvd.init()
     """
     return job.comm is not None
 
 
 def rank() -> int:
-    """Returns: this process's rank in the job.
+    """This process's rank in the job.
+
+    Returns:
+        0 .. ``size() - 1``.
+
+    Raises:
+        InvalidCallError: before ``hvd.init()`` (a ``ValueError``, with Horovod's message).
 
     Example::
 
-        >>> hvd.rank()
+        >>> if hvd.rank() == 0:
+        ...     torch.save(model.state_dict(), "model.pt")
     """
     return require_comm().rank
 
 
 def size() -> int:
-    """Returns: the number of ranks in the job.
+    """The number of ranks in the job.
+
+    Returns:
+        The ranks the job's global process set holds.
+
+    Raises:
+        InvalidCallError: before ``hvd.init()`` (a ``ValueError``, with Horovod's message).
 
     Example::
 
-        >>> hvd.size()
+        >>> lr = 0.01 * hvd.size()
     """
     return require_comm().size
 
 
 def local_rank() -> int:
-    """Returns: this process's rank among the job's ranks on its node.
+    """This process's rank among the job's ranks on its node.
+
+    Returns:
+        0 .. ``local_size() - 1``.
+
+    Raises:
+        InvalidCallError: before ``hvd.init()`` (a ``ValueError``, with Horovod's message).
 
     Example::
 
@@ -176,7 +159,13 @@ def local_rank() -> int:
 
 
 def local_size() -> int:
-    """Returns: the number of the job's ranks on this node.
+    """The number of the job's ranks on this node.
+
+    Returns:
+        The ranks that share this process's host.
+
+    Raises:
+        InvalidCallError: before ``hvd.init()`` (a ``ValueError``, with Horovod's message).
 
     Example::
 
@@ -186,7 +175,13 @@ def local_size() -> int:
 
 
 def cross_rank() -> int:
-    """Returns: this node's index among the job's nodes.
+    """This node's index among the job's nodes.
+
+    Returns:
+        0 .. the number of nodes - 1.
+
+    Raises:
+        InvalidCallError: before ``hvd.init()`` (a ``ValueError``, with Horovod's message).
 
     Example::
 
@@ -196,7 +191,13 @@ def cross_rank() -> int:
 
 
 def cross_size() -> int:
-    """Returns: the number of nodes with a rank of this local rank (the nodes, on a homogeneous job).
+    """The number of nodes with a rank of this local rank (a collective: call it on every rank).
+
+    Returns:
+        The number of nodes, on a homogeneous job.
+
+    Raises:
+        InvalidCallError: before ``hvd.init()`` (a ``ValueError``, with Horovod's message).
 
     Example::
 
@@ -209,7 +210,13 @@ def cross_size() -> int:
 
 
 def is_homogeneous() -> bool:
-    """Returns: whether every node runs as many of the job's ranks.
+    """Whether every node runs as many of the job's ranks.
+
+    Returns:
+        True where each node holds ``local_size()`` ranks.
+
+    Raises:
+        InvalidCallError: before ``hvd.init()`` (a ``ValueError``, with Horovod's message).
 
     Example::
 
@@ -227,22 +234,26 @@ def mpi_threads_supported() -> bool:
         Never returns.
 
     Raises:
-        ValueError: always, as Horovod does where MPI is not enabled.
+        InvalidCallError: always (a ``ValueError``), as Horovod does where MPI is not enabled.
 
     Example::
 
         >>> hvd.mpi_threads_supported()     # ValueError
     """
-    raise ValueError("Horovod MPI is not enabled; Please make sure it's installed and enabled. (torchmn.horovod "
-                     "runs on torch.distributed: gloo on CPU, NCCL on GPU.)")
+    raise InvalidCallError("Horovod MPI is not enabled; Please make sure it's installed and enabled. (torchmn.horovod "
+                           "runs on torch.distributed: gloo on CPU, NCCL on GPU.)")
 
 
 def mpi_enabled() -> bool:
-    """Returns: False: torchmn.horovod does not run on MPI (mpirun can still start its ranks).
+    """Whether Horovod's MPI controller runs: it does not in torchmn.horovod (``mpirun`` can still
+    start its ranks).
+
+    Returns:
+        False.
 
     Example::
 
-        >>> hvd.mpi_enabled()
+        >>> hvd.mpi_enabled()               # False
     """
     return False
 
@@ -251,11 +262,14 @@ mpi_built = mpi_enabled
 
 
 def gloo_enabled() -> bool:
-    """Returns: True: gloo carries the CPU tensors and the control traffic.
+    """Whether gloo runs: it carries the CPU tensors and the control traffic.
+
+    Returns:
+        True.
 
     Example::
 
-        >>> hvd.gloo_enabled()
+        >>> hvd.gloo_enabled()              # True
     """
     return True
 
@@ -264,7 +278,10 @@ gloo_built = gloo_enabled
 
 
 def nccl_built() -> int:
-    """Returns: the version of torch's NCCL, coded as Horovod's (2.28.9 -> 22809; before 2.9 x1000), or 0.
+    """The version of torch's NCCL, coded as Horovod codes it.
+
+    Returns:
+        2.28.9 as 22809 (before 2.9: major x1000), or 0 where NCCL or CUDA is not available.
 
     Example::
 
@@ -277,11 +294,14 @@ def nccl_built() -> int:
 
 
 def ddl_built() -> bool:
-    """Returns: False (IBM DDL is not supported).
+    """Whether IBM DDL is built in: it is not supported.
+
+    Returns:
+        False.
 
     Example::
 
-        >>> hvd.ddl_built()
+        >>> hvd.ddl_built()                 # False
     """
     return False
 
@@ -290,7 +310,10 @@ ccl_built = ddl_built
 
 
 def cuda_built() -> bool:
-    """Returns: whether this torch was built with CUDA.
+    """Whether this torch was built with CUDA.
+
+    Returns:
+        True where ``torch.version.cuda`` is set.
 
     Example::
 
@@ -300,25 +323,13 @@ def cuda_built() -> bool:
 
 
 def rocm_built() -> bool:
-    """Returns: whether this torch was built with ROCm.
+    """Whether this torch was built with ROCm.
+
+    Returns:
+        True where ``torch.version.hip`` is set.
 
     Example::
 
         >>> hvd.rocm_built()
     """
     return torch.version.hip is not None
-
-
-def handle_average_backwards_compatibility(op: Optional[int], average: Optional[bool]) -> int:
-    """The op of a call that may use the old ``average=`` argument, as Horovod decides it.
-
-    Raises:
-        ValueError: both were given.
-    """
-    if op is not None and average is not None:
-        raise ValueError("The op parameter supersedes average. Please provide only one of them.")
-    if average is not None:
-        warnings.warn("Parameter `average` has been replaced with `op` and will be removed in v0.21.0",
-                      DeprecationWarning, stacklevel=3)
-        return Average if average else Sum
-    return Average if op is None else op

@@ -6,7 +6,7 @@ process set starts with a one-number sum in which a joined rank counts 1; while 
 joined) the collective goes on, and where it also needs every rank's arguments (allreduce checks
 shapes) the ranks exchange descriptions of their calls. A joined rank waits inside ``join()``
 taking part in those exchanges, and mirrors each allreduce with zeros of the shapes the others
-describe (the ops and the optimizer register how, in :data:`MIRRORS`).
+describe (the collectives and the optimizer register how, with :func:`register_mirror`).
 """
 from __future__ import annotations
 
@@ -17,15 +17,43 @@ import torch
 
 from torchmn.communicators import CollectiveMismatchError
 from torchmn.horovod import handles
-from torchmn.horovod.basics import HorovodInternalError, job, require_comm
+from torchmn.horovod.errors import HorovodInternalError
+from torchmn.horovod.process_sets import job, require_comm
 
 # kind -> function(description, comm) that takes part in that collective with zeros
-MIRRORS: dict[str, Callable] = {}
+_mirrors: dict[str, Callable] = {}
 JOINED = "join"
 
 
+def register_mirror(kind: str, mirror: Callable) -> None:
+    """Say how a joined rank takes part in the collectives of one kind.
+
+    Args:
+        kind: the kind the collective's description names (its first field).
+        mirror: ``mirror(description, comm)``: runs this rank's part of the collective another
+            rank described, with zeros for this rank's tensors.
+
+    Example::
+
+        >>> register_mirror("allreduce", mirror_allreduce)
+    """
+    _mirrors[kind] = mirror
+
+
 def describe(kind: str, *fields) -> tuple:
-    """A call's description as the ranks exchange it: kind, host, then what the kind needs."""
+    """A call's description, as the ranks exchange it to check that they make the same call.
+
+    Args:
+        kind: the collective (:data:`JOINED` for a rank inside ``join()``).
+        fields: what the ranks of this kind must agree on.
+
+    Returns:
+        ``(kind, host, *fields)``.
+
+    Example::
+
+        >>> describe("allgather", "features", ((4, 3), "float32"), None)
+    """
     return (kind, socket.gethostname()) + fields
 
 
@@ -42,6 +70,10 @@ def agree(comm, description: tuple, need_descriptions: bool) -> Optional[list[tu
 
     Raises:
         HorovodInternalError: a rank has joined and this collective cannot run with zeros for it.
+
+    Example::
+
+        >>> descriptions = agree(comm, describe("allgather", name, layout, None), need_descriptions=True)
     """
     if comm.size == 1:
         return [description] if need_descriptions else None
@@ -59,7 +91,7 @@ def agree(comm, description: tuple, need_descriptions: bool) -> Optional[list[tu
     joined = [r for r, d in enumerate(descriptions) if d[0] == JOINED]
     if joined and description[0] != JOINED:
         kinds = {d[0] for d in descriptions if d[0] != JOINED}
-        if not kinds <= set(MIRRORS):
+        if not kinds <= set(_mirrors):
             raise HorovodInternalError(
                 f"hvd.{description[0]} on rank {comm.rank} ({socket.gethostname()}) while rank(s) {joined} have "
                 f"called hvd.join(): a joined rank takes part only in allreduces (its tensors count as zeros) and "
@@ -68,7 +100,19 @@ def agree(comm, description: tuple, need_descriptions: bool) -> Optional[list[tu
 
 
 def check_same_kind(descriptions: list[tuple], rank: int) -> None:
-    """Raise on every rank alike unless the ranks that have not joined make the same kind of call."""
+    """Raise on every rank alike unless the ranks that have not joined make the same kind of call.
+
+    Args:
+        descriptions: every rank's description, from :func:`agree`.
+        rank: this rank, for the message.
+
+    Raises:
+        CollectiveMismatchError: two ranks called different collectives.
+
+    Example::
+
+        >>> check_same_kind(agree(comm, describe("broadcast", 0), need_descriptions=True), comm.rank)
+    """
     calls = [(r, d[0], d[1]) for r, d in enumerate(descriptions) if d[0] != JOINED]
     if len({kind for _, kind, _ in calls}) > 1:
         listing = ", ".join(f"rank {r} ({host}) hvd.{kind}" for r, kind, host in calls)
@@ -91,6 +135,7 @@ def join(device: int = -1) -> int:
         The rank that joined last.
 
     Raises:
+        InvalidCallError: before ``hvd.init()``.
         HorovodInternalError: another rank made a collective a joined rank cannot take part in.
 
     Example::
@@ -112,10 +157,10 @@ def join(device: int = -1) -> int:
             return max(r for r, d in enumerate(descriptions) if d[2] == newest)
         kinds = {d[0] for _, d in waiting}
         kind = next(iter(kinds))
-        if len(kinds) > 1 or kind not in MIRRORS:
+        if len(kinds) > 1 or kind not in _mirrors:
             raise HorovodInternalError(
                 f"rank {comm.rank} has joined, and rank(s) {[r for r, _ in waiting]} called "
                 f"{sorted('hvd.' + k for k in kinds)}: a joined rank takes part only in allreduces and "
                 f"DistributedOptimizer steps. Call other collectives before join(), on every rank")
-        MIRRORS[kind](waiting[0][1], comm)
+        _mirrors[kind](waiting[0][1], comm)
         waited += 1

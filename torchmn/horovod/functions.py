@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 
 from torchmn.horovod import coordination, handles
+from torchmn.horovod.errors import InvalidCallError
 from torchmn.horovod.process_sets import comm_of, global_process_set
 
 
@@ -22,7 +23,8 @@ def _root_index(root_rank: int, process_set, what: str) -> int:
     comm_of(process_set, what)  # before hvd.init(), Horovod's message first
     ranks = (global_process_set if process_set is None else process_set).ranks
     if root_rank not in ranks:
-        raise ValueError(f"{what} received invalid root rank {root_rank} for provided process set (ranks {ranks})")
+        raise InvalidCallError(f"{what} received invalid root rank {root_rank} for provided process set "
+                               f"(ranks {ranks})")
     return ranks.index(root_rank)
 
 
@@ -38,7 +40,8 @@ def broadcast_parameters(params, root_rank: int, prefix: Optional[str] = None,
         process_set: the ranks taking part.
 
     Raises:
-        ValueError: ``params`` is of another type, or ``root_rank`` is not in the set.
+        InvalidCallError: ``params`` is of another type, or ``root_rank`` is not in the set; before
+            ``hvd.init()``.
         CollectiveMismatchError: the ranks' tensors differ in count, shape or dtype.
 
     Example::
@@ -50,10 +53,10 @@ def broadcast_parameters(params, root_rank: int, prefix: Optional[str] = None,
     elif isinstance(params, list) or hasattr(params, "__iter__"):
         items = list(params)
         if items and not (isinstance(items[0], tuple) and len(items[0]) == 2):
-            raise ValueError("broadcast_parameters takes model.state_dict() or model.named_parameters() (pairs of "
-                             f"name and tensor), not a sequence of {type(items[0]).__name__}")
+            raise InvalidCallError("broadcast_parameters takes model.state_dict() or model.named_parameters() "
+                                   f"(pairs of name and tensor), not a sequence of {type(items[0]).__name__}")
     else:
-        raise ValueError(f"invalid params of type: {type(params)}")
+        raise InvalidCallError(f"invalid params of type: {type(params)}")
     root = _root_index(root_rank, process_set, "broadcast_parameters")
     comm = _start("hvd.broadcast_parameters", process_set)
     tensors = [p.data if isinstance(p, torch.nn.Parameter) else p for _, p in items if p is not None]
@@ -76,7 +79,8 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         process_set: the ranks taking part.
 
     Raises:
-        ValueError: ``root_rank`` is not in the set; an LBFGS optimizer (as Horovod).
+        InvalidCallError: ``root_rank`` is not in the set; an LBFGS optimizer (as Horovod); before
+            ``hvd.init()``.
 
     Example::
 
@@ -85,7 +89,7 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         >>> hvd.broadcast_optimizer_state(optimizer, root_rank=0)
     """
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise ValueError("cannot broadcast torch.optim.LBFGS state")
+        raise InvalidCallError("cannot broadcast torch.optim.LBFGS state")
     root = _root_index(root_rank, process_set, "broadcast_optimizer_state")
     comm = _start("hvd.broadcast_optimizer_state", process_set)
     state = comm.bcast_obj(optimizer.state_dict() if comm.rank == root else None, root=root)
@@ -105,6 +109,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 
     Returns:
         Root's object.
+
+    Raises:
+        InvalidCallError: ``root_rank`` is not in the set; before ``hvd.init()``.
 
     Example::
 
@@ -126,6 +133,9 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set=global_pr
     Returns:
         A list of the objects.
 
+    Raises:
+        InvalidCallError: before ``hvd.init()``; a rank outside ``process_set``.
+
     Example::
 
         >>> counts = hvd.allgather_object(len(my_shard))
@@ -139,6 +149,10 @@ def barrier(process_set=global_process_set) -> None:
 
     Args:
         process_set: the ranks taking part.
+
+    Raises:
+        InvalidCallError: before ``hvd.init()``; a rank outside ``process_set``.
+        HorovodInternalError: a rank has joined.
 
     Example::
 

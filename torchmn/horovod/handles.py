@@ -12,14 +12,15 @@ import time
 from typing import Any, Callable, Optional
 
 from torchmn.horovod import timeline
+from torchmn.horovod.errors import InvalidCallError
 
 
 class _Pending:
     """One collective in flight: its network work, what finishes it, and what the timeline records."""
 
     def __init__(self, kind: str, name: str, work, finish: Callable[[], Any], nbytes: int, process_set_id: int,
-                 start: Optional[float], record: bool = True):
-        self.kind, self.name, self.work, self.finish, self.record = kind, name, work, finish, record
+                 start: Optional[float], in_timeline: bool = True):
+        self.kind, self.name, self.work, self.finish, self.in_timeline = kind, name, work, finish, in_timeline
         self.nbytes, self.process_set_id = nbytes, process_set_id
         self.start = time.time() if start is None else start
 
@@ -31,13 +32,26 @@ class _Pending:
             self.work.wait()
             self.work = None
         result = self.finish()
-        if self.record:
+        if self.in_timeline:
             timeline.record(self.kind, self.name, self.nbytes, self.start, time.time(), self.process_set_id)
         return result
 
 
 def work_done(work) -> bool:
-    """Whether a communicator or torch handle's network part has finished (None: nothing to do)."""
+    """Whether the network part of a collective has finished, without waiting for it.
+
+    Args:
+        work: a communicator's or torch's work handle, an object with ``network_done()``, or None
+            (nothing in flight).
+
+    Returns:
+        True once ``work.wait()`` would return at once.
+
+    Example::
+
+        >>> work = comm.allreduce_flat(flat, async_op=True)
+        >>> work_done(work)
+    """
     if work is None:
         return True
     if hasattr(work, "network_done"):
@@ -51,32 +65,73 @@ _next_handle = [1]
 
 
 def name_in_flight(name: Optional[str]) -> bool:
-    """Returns: whether an unsynchronized collective has this explicit name."""
+    """Whether a collective not yet synchronized was given this name.
+
+    Args:
+        name: a collective's ``name=`` (None: never in flight, as unnamed collectives never clash).
+
+    Returns:
+        True while a handle of that name is pending.
+
+    Example::
+
+        >>> h = hvd.allreduce_async(x, name="loss")
+        >>> name_in_flight("loss")          # True until hvd.synchronize(h)
+    """
     return name is not None and any(p.name == name for p in _pending.values())
 
 
 def check_name(kind: str, name: Optional[str]) -> None:
-    """Raises: ValueError (Horovod's) if another collective of this ``name`` is still in flight."""
+    """Refuse a collective whose name another collective in flight has, as Horovod does.
+
+    Args:
+        kind: the collective, for the message.
+        name: its ``name=``.
+
+    Raises:
+        InvalidCallError: another collective of this ``name`` is still in flight (Horovod's message).
+
+    Example::
+
+        >>> check_name("allgather", "features")
+    """
     if name_in_flight(name):
-        raise ValueError(f"Requested to {kind} a tensor with the same name as another tensor that is currently "
+        raise InvalidCallError(f"Requested to {kind} a tensor with the same name as another tensor that is currently "
                          f"being processed ({name!r}). If you want to request another tensor, use a different "
                          f"tensor name.")
 
 
 def submit(kind: str, name: Optional[str], work, finish: Callable[[], Any], nbytes: int,
-           process_set_id: int = 0, start: Optional[float] = None, record: bool = True) -> int:
-    """Track a collective whose network part ``work`` is in flight (None: done already, as the
-    collectives that run at once); returns its handle. ``start``: when it began (default now);
-    ``record``: add it to the timeline when it completes (those that ran at once recorded themselves).
+           process_set_id: int = 0, start: Optional[float] = None, in_timeline: bool = True) -> int:
+    """Track a collective until it completes, and give it a handle.
+
+    Args:
+        kind: the collective (``"allreduce"``, ...).
+        name: its ``name=`` (None: named ``<kind>.noname.<handle>`` in the timeline).
+        work: its network part in flight, or None where it has run already.
+        finish: what completes it locally once ``work`` is done; returns what ``synchronize`` returns.
+        nbytes: the bytes it carries, for the timeline.
+        process_set_id: the set it runs on, for the timeline.
+        start: when it began (default: now).
+        in_timeline: add it to the timeline when it completes (False for a collective that ran at
+            once and recorded itself).
+
+    Returns:
+        The handle, for :func:`synchronize` and :func:`poll`.
 
     Raises:
-        ValueError: another collective of this ``name`` is still in flight (Horovod's error).
+        InvalidCallError: another collective of this ``name`` is still in flight (Horovod's message).
+
+    Example::
+
+        >>> work = comm.allreduce_flat(flat, async_op=True)
+        >>> handle = submit("allreduce", None, work, lambda: flat, flat.numel() * flat.element_size())
     """
     check_name(kind, name)
     handle = _next_handle[0]
     _next_handle[0] += 1
     _pending[handle] = _Pending(kind, name or f"{kind}.noname.{handle}", work, finish, nbytes,
-                                process_set_id, start, record)
+                                process_set_id, start, in_timeline)
     return handle
 
 
@@ -99,7 +154,7 @@ def synchronize(handle) -> Any:
         The collective's output (for in-place forms, the tensor passed in).
 
     Raises:
-        ValueError: ``handle`` is unknown or was synchronized already.
+        InvalidCallError: ``handle`` is unknown or was synchronized already.
 
     Example::
 
@@ -109,7 +164,7 @@ def synchronize(handle) -> Any:
     if callable(handle):
         return handle()
     if handle not in _pending and handle not in _results:
-        raise ValueError(f"synchronize: handle {handle!r} is not a collective in flight (synchronized already, "
+        raise InvalidCallError(f"synchronize: handle {handle!r} is not a collective in flight (synchronized already, "
                          f"or not returned by an *_async call)")
     _complete_through(handle)
     return _results.pop(handle)
@@ -125,7 +180,7 @@ def poll(handle) -> bool:
         True once :func:`synchronize` will return at once.
 
     Raises:
-        ValueError: ``handle`` is unknown or was synchronized already.
+        InvalidCallError: ``handle`` is unknown or was synchronized already.
 
     Example::
 
@@ -136,7 +191,7 @@ def poll(handle) -> bool:
     if handle in _results:
         return True
     if handle not in _pending:
-        raise ValueError(f"poll: handle {handle!r} is not a collective in flight (synchronized already, or not "
+        raise InvalidCallError(f"poll: handle {handle!r} is not a collective in flight (synchronized already, or not "
                          f"returned by an *_async call)")
     if all(p.network_done() for h, p in _pending.items() if h <= handle):
         _complete_through(handle)
@@ -145,12 +200,26 @@ def poll(handle) -> bool:
 
 
 def drain() -> None:
-    """Complete every collective in flight (before a blocking collective, ``join`` or ``shutdown``)."""
+    """Complete every collective in flight, in order (before a blocking collective, ``join`` or
+    ``shutdown``, which must not overtake them).
+
+    Example::
+
+        >>> h = hvd.allreduce_async(x)
+        >>> drain()
+        >>> hvd.poll(h)                     # True
+    """
     if _pending:
         _complete_through(max(_pending))
 
 
 def forget() -> None:
-    """Drop every handle (after ``shutdown``)."""
+    """Drop every handle and every result not yet fetched (``hvd.shutdown`` calls this after
+    :func:`drain`).
+
+    Example::
+
+        >>> drain(); forget()
+    """
     _pending.clear()
     _results.clear()

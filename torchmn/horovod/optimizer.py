@@ -21,8 +21,10 @@ from torch.autograd import Variable
 
 import torchmn
 from torchmn.horovod import coordination, timeline
-from torchmn.horovod.basics import OP_NAMES, Adasum, Average, Sum
+from torchmn.horovod.collectives import OP_NAMES, Adasum, Average, Sum
 from torchmn.horovod.compression import Compression, Compressor
+from torchmn.horovod.errors import (HorovodInternalError, InvalidCallError, NotPicklableError, SparseGradientError,
+                                    TooManyBackwardPassesError, UnsupportedError)
 from torchmn.horovod.process_sets import comm_of, global_process_set
 
 _optimizers: list = []   # weak references, in creation order (the same on every rank): join() mirrors them
@@ -40,9 +42,9 @@ def _wire_name(compression) -> str | None:
         return None
     if isinstance(compression, type) and issubclass(compression, Compressor) and compression.wire_name:
         return compression.wire_name
-    raise NotImplementedError(f"hvd.DistributedOptimizer: compression={compression!r} is not supported; torchmn "
-                              f"sends gradients as they are (hvd.Compression.none) or as float16 "
-                              f"(hvd.Compression.fp16)")
+    raise UnsupportedError(f"hvd.DistributedOptimizer: compression={compression!r} is not supported; torchmn "
+                           f"sends gradients as they are (hvd.Compression.none) or as float16 "
+                           f"(hvd.Compression.fp16)")
 
 
 def _fusion_threshold_mb() -> float | None:
@@ -59,17 +61,17 @@ def _check_names(optimizer: torch.optim.Optimizer, named_parameters) -> None:
     """Horovod's checks of ``named_parameters``."""
     named = list(named_parameters)
     if named and not (isinstance(named[0], tuple) and len(named[0]) == 2 and isinstance(named[0][1], torch.Tensor)):
-        raise ValueError("named_parameters should be a sequence of tuples (name, parameter), usually produced by "
-                         "model.named_parameters().")
+        raise InvalidCallError("named_parameters should be a sequence of tuples (name, parameter), usually produced by "
+                               "model.named_parameters().")
     duplicates = sorted(k for k, count in collections.Counter(k for k, _ in named).items() if count > 1)
     if duplicates:
-        raise ValueError(f"Parameter names in named_parameters must be unique. Found duplicates: "
-                         f"{', '.join(duplicates)}")
+        raise InvalidCallError(f"Parameter names in named_parameters must be unique. Found duplicates: "
+                               f"{', '.join(duplicates)}")
     named_ids = {id(v) for _, v in named}
     unnamed = [id(p) for g in optimizer.param_groups for p in g["params"] if id(p) not in named_ids]
     if unnamed:
-        raise ValueError(f"named_parameters was specified, but one or more model parameters were not named. "
-                         f"Python object ids: {', '.join(str(i) for i in unnamed)}")
+        raise InvalidCallError(f"named_parameters was specified, but one or more model parameters were not named. "
+                               f"Python object ids: {', '.join(str(i) for i in unnamed)}")
 
 
 class _DistributedOptimizer(torch.optim.Optimizer):
@@ -81,17 +83,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if named_parameters is not None:
             _check_names(optimizer, named_parameters)
         if op == Adasum:
-            raise NotImplementedError("hvd.DistributedOptimizer: op=hvd.Adasum is not implemented in torchmn.horovod; "
-                                      "use op=hvd.Average (the default) or hvd.Sum")
+            raise UnsupportedError("hvd.DistributedOptimizer: op=hvd.Adasum is not implemented in torchmn.horovod; "
+                                   "use op=hvd.Average (the default) or hvd.Sum")
         if op not in (Average, Sum):
-            raise NotImplementedError(f"hvd.DistributedOptimizer: op={OP_NAMES.get(op, op)} is not supported; use "
-                                      f"hvd.Average (the default) or hvd.Sum")
+            raise UnsupportedError(f"hvd.DistributedOptimizer: op={OP_NAMES.get(op, op)} is not supported; use "
+                                   f"hvd.Average (the default) or hvd.Sum")
         if gradient_predivide_factor != 1.0 and op != Average:
-            raise ValueError("gradient_predivide_factor not supported with op != Average")
+            raise InvalidCallError("gradient_predivide_factor not supported with op != Average")
         if groups is not None and not (isinstance(groups, list) or (isinstance(groups, int) and groups > 0)):
-            raise ValueError("groups should be a non-negative integer or a list of list of torch.Tensor.")
+            raise InvalidCallError("groups should be a non-negative integer or a list of list of torch.Tensor.")
         if not isinstance(num_groups, int) or num_groups < 0:
-            raise ValueError(f"num_groups must be a non-negative integer, not {num_groups!r}")
+            raise InvalidCallError(f"num_groups must be a non-negative integer, not {num_groups!r}")
         self._comm = comm_of(process_set, "hvd.DistributedOptimizer")
         self.op = op
         self.backward_passes_per_step = backward_passes_per_step
@@ -120,14 +122,14 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _on_grad(self, p: torch.Tensor) -> None:
         if p.grad is not None and p.grad.layout is not torch.strided:
             if not self.sparse_as_dense:
-                raise RuntimeError(f"hvd.DistributedOptimizer: a parameter of shape {tuple(p.shape)} has a sparse "
-                                   f"gradient (nn.Embedding(sparse=True)); pass sparse_as_dense=True to average it "
-                                   f"as a dense one")
+                raise SparseGradientError(f"hvd.DistributedOptimizer: a parameter of shape {tuple(p.shape)} has a "
+                                          f"sparse gradient (nn.Embedding(sparse=True)); pass sparse_as_dense=True "
+                                          f"to average it as a dense one")
             p.grad = p.grad.to_dense()
         if self._in_pass:
             return
         if self._passes_since_step >= self.backward_passes_per_step:
-            raise AssertionError(TOO_MANY_PASSES)
+            raise TooManyBackwardPassesError(TOO_MANY_PASSES)
         self._in_pass = True
         self._pass_syncs = self._passes_since_sync + 1 >= self.backward_passes_per_step
         Variable._execution_engine.queue_callback(self._on_backward_end)
@@ -148,8 +150,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         coordination.agree(self._comm, coordination.describe("optimizer", self._index), need_descriptions=False)
 
     def mirror(self) -> None:
-        """A joined rank's part in the others' averaging (they have agreed with it already): zero
-        gradients, no update."""
+        """This rank's part, while it is in ``hvd.join()``, in the others' averaging (they have
+        agreed with it already): zeros for its gradients, and no update.
+
+        Example::
+
+            >>> optimizer.mirror()          # on a joined rank, while the others run step()
+        """
         self._inner.average_without_gradients()
 
     # ----------------------------------------------------------------------------- Horovod's interface
@@ -193,6 +200,12 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
         Returns:
             A context manager.
+
+        Example::
+
+            >>> optimizer.synchronize()
+            >>> with optimizer.skip_synchronize():
+            ...     optimizer.step()
         """
         self._skip_synchronize = True
         try:
@@ -210,11 +223,16 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             What the wrapped optimizer's ``step()`` returns.
 
         Raises:
-            NotImplementedError: a closure was passed.
+            UnsupportedError: a closure was passed.
+
+        Example::
+
+            >>> loss.backward()
+            >>> optimizer.step()
         """
         if closure is not None:
-            raise NotImplementedError("hvd.DistributedOptimizer.step(closure): closures are not supported by "
-                                      "torchmn.horovod; call loss.backward(), then optimizer.step()")
+            raise UnsupportedError("hvd.DistributedOptimizer.step(closure): closures are not supported by "
+                                   "torchmn.horovod; call loss.backward(), then optimizer.step()")
         if self._user_synchronized and not self._skip_synchronize:
             warnings.warn(STEP_AFTER_SYNCHRONIZE, stacklevel=2)
         self._synchronize()
@@ -225,13 +243,29 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return result
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradients, as torch's ``zero_grad``."""
+        """Reset the gradients, as torch's ``zero_grad``.
+
+        Args:
+            set_to_none: set ``.grad`` to None rather than zeroing it.
+
+        Example::
+
+            >>> optimizer.zero_grad()
+        """
         self._in_pass = False  # a backward that raised never ran its end-of-backward callback
         self._inner.zero_grad(set_to_none)
 
     @property
     def param_groups(self):
-        """The wrapped optimizer's parameter groups (LR schedulers change them there)."""
+        """The wrapped optimizer's parameter groups (LR schedulers change them there).
+
+        Returns:
+            The list of groups, each a dict with ``"params"`` and the hyper-parameters.
+
+        Example::
+
+            >>> optimizer.param_groups[0]["lr"] = 0.01
+        """
         return self._inner.param_groups
 
     @param_groups.setter
@@ -240,7 +274,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def defaults(self):
-        """The wrapped optimizer's defaults."""
+        """The wrapped optimizer's defaults.
+
+        Returns:
+            The dict of hyper-parameters new groups start from.
+
+        Example::
+
+            >>> optimizer.defaults["lr"]
+        """
         return self._inner.defaults
 
     @defaults.setter
@@ -249,7 +291,15 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def state(self):
-        """The wrapped optimizer's state."""
+        """The wrapped optimizer's state.
+
+        Returns:
+            The dict from parameter to its state (momentum buffers, ...).
+
+        Example::
+
+            >>> optimizer.state[model.weight]
+        """
         return self._inner.state
 
     @state.setter
@@ -257,27 +307,76 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._inner.state = value
 
     def state_dict(self):
-        """The wrapped optimizer's ``state_dict()`` (loads into a plain torch optimizer)."""
+        """The wrapped optimizer's ``state_dict()`` (loads into a plain torch optimizer).
+
+        Returns:
+            The state dict.
+
+        Example::
+
+            >>> torch.save(optimizer.state_dict(), "optimizer.pt")
+        """
         return self._inner.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
-        """Load a ``state_dict()`` of this or a plain torch optimizer."""
+        """Load a ``state_dict()`` of this or a plain torch optimizer.
+
+        Args:
+            state_dict: what ``state_dict()`` returned.
+
+        Example::
+
+            >>> optimizer.load_state_dict(torch.load("optimizer.pt"))
+        """
         self._inner.load_state_dict(state_dict)
 
     def add_param_group(self, param_group) -> None:
-        """Raises: NotImplementedError: add groups to the torch optimizer before wrapping it."""
+        """Refused: the averaging is set up for the groups the optimizer had when it was wrapped.
+
+        Args:
+            param_group: the group.
+
+        Raises:
+            NotImplementedError: always (add groups to the torch optimizer before wrapping it).
+
+        Example::
+
+            >>> torch_opt.add_param_group({"params": head.parameters()})     # before hvd.DistributedOptimizer
+        """
         self._inner.add_param_group(param_group)
 
     def register_step_pre_hook(self, hook):
-        """Call ``hook(optimizer, args, kwargs)`` before each update; returns a removable handle."""
+        """Call ``hook(optimizer, args, kwargs)`` before each update.
+
+        Args:
+            hook: the function.
+
+        Returns:
+            A handle whose ``remove()`` unregisters it.
+
+        Example::
+
+            >>> handle = optimizer.register_step_pre_hook(lambda opt, args, kwargs: print("step"))
+        """
         return self._inner.register_step_pre_hook(hook)
 
     def register_step_post_hook(self, hook):
-        """Call ``hook(optimizer, args, kwargs)`` after each update; returns a removable handle."""
+        """Call ``hook(optimizer, args, kwargs)`` after each update.
+
+        Args:
+            hook: the function.
+
+        Returns:
+            A handle whose ``remove()`` unregisters it.
+
+        Example::
+
+            >>> handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: print("stepped"))
+        """
         return self._inner.register_step_post_hook(hook)
 
     def __reduce_ex__(self, protocol):
-        raise TypeError("a hvd.DistributedOptimizer cannot be copied or pickled; save optimizer.state_dict()")
+        raise NotPicklableError("a hvd.DistributedOptimizer cannot be copied or pickled; save optimizer.state_dict()")
 
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self._inner!r})"
@@ -287,13 +386,13 @@ def _mirror_optimizer(description: tuple, comm) -> None:
     ref = _optimizers[description[2]] if description[2] < len(_optimizers) else None
     optimizer = ref() if ref is not None else None
     if optimizer is None:
-        raise RuntimeError(f"rank {comm.rank} has joined and cannot take part in DistributedOptimizer number "
-                           f"{description[2]}'s averaging: this rank has no such optimizer (create the same "
-                           f"optimizers on every rank)")
+        raise HorovodInternalError(f"rank {comm.rank} has joined and cannot take part in DistributedOptimizer "
+                                   f"number {description[2]}'s averaging: this rank has no such optimizer (create "
+                                   f"the same optimizers on every rank)")
     optimizer.mirror()
 
 
-coordination.MIRRORS["optimizer"] = _mirror_optimizer
+coordination.register_mirror("optimizer", _mirror_optimizer)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,
@@ -322,11 +421,12 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         The wrapped optimizer, an instance of ``optimizer``'s class.
 
     Raises:
-        ValueError: duplicate or missing ``named_parameters``; ``gradient_predivide_factor`` with
+        InvalidCallError: duplicate or missing ``named_parameters``; ``gradient_predivide_factor`` with
             ``op=hvd.Sum``; a rank outside ``process_set``.
-        NotImplementedError: ``op=hvd.Adasum`` or another op; a custom compressor.
-        AssertionError: (in backward) more backward passes than ``backward_passes_per_step``
+        UnsupportedError: ``op=hvd.Adasum`` or another op; a custom compressor.
+        TooManyBackwardPassesError: (in backward) more backward passes than ``backward_passes_per_step``
             before ``step()``.
+        SparseGradientError: (in backward) a sparse gradient without ``sparse_as_dense=True``.
 
     Example::
 

@@ -1,10 +1,49 @@
-"""Horovod's process sets: named subsets of the job's ranks, each a torchmn communicator made by
-``comm.split``, that every collective takes as ``process_set=``."""
+"""The ranks a collective runs on: the job's communicator and Horovod's process sets.
+
+``hvd.init`` (in :mod:`torchmn.horovod.basics`) stores the job's communicator in :data:`job` and
+makes :data:`global_process_set` hold every rank of it; a process set is a named subset of those
+ranks with its own torchmn communicator, made by ``comm.split``, that every collective takes as
+``process_set=``. This is the state every other part of torchmn.horovod reads, so it imports none
+of them.
+"""
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from torchmn.horovod.basics import job, require_comm
+from torchmn.horovod.errors import InvalidCallError, UnsupportedError
+
+NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
+
+
+class _Job:
+    """The communicators of the job, once ``hvd.init`` made them (all None before and after)."""
+
+    comm = None        # the ranks the job's global process set holds
+    world = None       # every rank of the job (``comm`` is the part ``init(comm=[...])`` chose)
+    owns_comm = False  # ``hvd.shutdown`` finalizes ``world``
+    solo = None        # a world of one, for the ranks ``init(comm=[...])`` leaves out
+
+
+job = _Job()
+
+
+def require_comm():
+    """The job's communicator, or Horovod's error before ``hvd.init()``.
+
+    Returns:
+        The communicator ``hvd.init`` made (the ranks the job's global process set holds).
+
+    Raises:
+        InvalidCallError: before ``hvd.init()`` (a ``ValueError``, with Horovod's message).
+
+    Example::
+
+        >>> comm = require_comm()
+        >>> comm.rank, comm.size
+    """
+    if job.comm is None:
+        raise InvalidCallError(NOT_INITIALIZED)
+    return job.comm
 
 
 class ProcessSet:
@@ -17,6 +56,9 @@ class ProcessSet:
         ranks_or_comm: the job's ranks that belong to the set (an ``mpi4py`` communicator is
             not taken: torchmn does not run on MPI's communicators).
 
+    Raises:
+        UnsupportedError: ``ranks_or_comm`` is not a list, tuple or range of ranks.
+
     Example::
 
         >>> evens = hvd.add_process_set(hvd.ProcessSet([0, 2]))
@@ -26,28 +68,63 @@ class ProcessSet:
 
     def __init__(self, ranks_or_comm: Sequence[int]):
         if not isinstance(ranks_or_comm, (list, tuple, range)):
-            raise NotImplementedError(f"ProcessSet(<{type(ranks_or_comm).__name__}>): torchmn.horovod takes a list "
-                                      f"of ranks, not an mpi4py communicator")
+            raise UnsupportedError(f"ProcessSet(<{type(ranks_or_comm).__name__}>): torchmn.horovod takes a list "
+                                   f"of ranks, not an mpi4py communicator")
         self.ranks = sorted(int(r) for r in ranks_or_comm)
         self.process_set_id: Optional[int] = None
         self.comm = None  # this rank's communicator of the set, where it belongs to it
 
     def _require_registered(self) -> None:
         if self.process_set_id is None or _registered.get(self.process_set_id) is not self:
-            raise ValueError("Process set provided does not exist, or has not been registered.")
+            raise InvalidCallError("Process set provided does not exist, or has not been registered.")
 
     def size(self) -> int:
-        """Returns: the number of ranks in the set."""
+        """The number of ranks in the set.
+
+        Returns:
+            ``len(self.ranks)``.
+
+        Raises:
+            InvalidCallError: the set is not registered.
+
+        Example::
+
+            >>> hvd.add_process_set([0, 1]).size()      # 2
+        """
         self._require_registered()
         return len(self.ranks)
 
     def rank(self) -> int:
-        """Returns: this process's rank within the set, or -1 where it does not belong to it."""
+        """This process's rank within the set.
+
+        Returns:
+            Its index in ``self.ranks``, or -1 where it does not belong to the set.
+
+        Raises:
+            InvalidCallError: the set is not registered.
+
+        Example::
+
+            >>> pair = hvd.add_process_set([1, 2])
+            >>> pair.rank()                 # 0 on rank 1, 1 on rank 2, -1 elsewhere
+        """
         self._require_registered()
         return self.comm.rank if self.comm is not None else -1
 
     def included(self) -> bool:
-        """Returns: whether this process belongs to the set."""
+        """Whether this process belongs to the set.
+
+        Returns:
+            True where ``hvd.rank()`` is one of ``self.ranks``.
+
+        Raises:
+            InvalidCallError: the set is not registered.
+
+        Example::
+
+            >>> if pair.included():
+            ...     hvd.allreduce(x, process_set=pair)
+        """
         self._require_registered()
         return self.comm is not None
 
@@ -67,7 +144,15 @@ _registered: dict[int, ProcessSet] = {}
 
 
 def register_global(comm) -> None:
-    """Make :data:`global_process_set` every rank of ``comm``, the job's (called by ``hvd.init``)."""
+    """Make :data:`global_process_set` every rank of ``comm``, the job's, and the only set registered.
+
+    Args:
+        comm: the job's communicator (``hvd.init`` calls this once it has made it).
+
+    Example::
+
+        >>> register_global(job.comm)
+    """
     global_process_set.ranks = list(range(comm.size))
     global_process_set.comm = comm
     _registered.clear()
@@ -75,7 +160,13 @@ def register_global(comm) -> None:
 
 
 def forget_all() -> None:
-    """Unregister every process set (called by ``hvd.shutdown``)."""
+    """Unregister every process set and drop their communicators (``hvd.shutdown`` calls this).
+
+    Example::
+
+        >>> forget_all()
+        >>> global_process_set.comm is None     # True
+    """
     for ps in _registered.values():
         if ps is not global_process_set:
             ps.process_set_id = None
@@ -94,7 +185,8 @@ def add_process_set(process_set) -> ProcessSet:
         The registered :class:`ProcessSet`.
 
     Raises:
-        ValueError: a set of these ranks is registered already, or a rank is out of range.
+        InvalidCallError: before ``hvd.init()``; a set of these ranks is registered already; a rank
+            is out of range.
 
     Example::
 
@@ -104,11 +196,11 @@ def add_process_set(process_set) -> ProcessSet:
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
     bad = [r for r in ps.ranks if not 0 <= r < world.size]
     if bad or not ps.ranks:
-        raise ValueError(f"add_process_set: ranks {bad or ps.ranks} are not ranks of this job of "
-                         f"{world.size}; give ranks 0..{world.size - 1}")
+        raise InvalidCallError(f"add_process_set: ranks {bad or ps.ranks} are not ranks of this job of "
+                               f"{world.size}; give ranks 0..{world.size - 1}")
     for existing in _registered.values():
         if existing.ranks == ps.ranks:
-            raise ValueError(f"A process set with the same ranks has already been registered: {existing}")
+            raise InvalidCallError(f"A process set with the same ranks has already been registered: {existing}")
     inside = world.rank in ps.ranks
     sub = world.split(color=0 if inside else 1, key=world.rank)
     ps.comm = sub if inside else None
@@ -126,6 +218,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     Returns:
         True if it was registered and is removed now, False otherwise.
 
+    Raises:
+        InvalidCallError: before ``hvd.init()``.
+
     Example::
 
         >>> hvd.remove_process_set(pair)
@@ -142,14 +237,24 @@ def remove_process_set(process_set: ProcessSet) -> bool:
 def comm_of(process_set: Optional[ProcessSet], op_name: str):
     """The communicator a collective runs on for ``process_set``, checked as Horovod checks it.
 
+    Args:
+        process_set: the call's ``process_set=`` (None: the global one).
+        op_name: the call, for the messages.
+
+    Returns:
+        This rank's communicator of the set.
+
     Raises:
-        ValueError: before ``hvd.init``; the set is not registered; this rank is not in it.
+        InvalidCallError: before ``hvd.init()``; the set is not registered; this rank is not in it.
+
+    Example::
+
+        >>> comm = comm_of(process_set, "hvd.allgather")
     """
     require_comm()
     ps = global_process_set if process_set is None else process_set
     if not isinstance(ps, ProcessSet) or _registered.get(ps.process_set_id) is not ps:
-        raise ValueError(f"{op_name}: Process set provided does not exist, or has not been registered.")
+        raise InvalidCallError(f"{op_name}: Process set provided does not exist, or has not been registered.")
     if ps.comm is None:
-        raise ValueError(f"{op_name}: Rank {job.comm.rank} is not a member of the provided process set.")
+        raise InvalidCallError(f"{op_name}: Rank {job.comm.rank} is not a member of the provided process set.")
     return ps.comm
-

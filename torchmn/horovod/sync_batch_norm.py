@@ -1,7 +1,7 @@
 """``hvd.SyncBatchNorm``: batch normalization over every rank's batch, on CPU too."""
 from __future__ import annotations
 
-from torchmn.horovod.basics import require_comm
+from torchmn.horovod.process_sets import require_comm
 from torchmn.nn import MultiNodeBatchNorm
 
 
@@ -13,7 +13,7 @@ class SyncBatchNorm(MultiNodeBatchNorm):
         num_features, eps, momentum, affine, track_running_stats: as ``torch.nn.BatchNorm1d``.
 
     Raises:
-        ValueError: before ``hvd.init()``.
+        InvalidCallError: before ``hvd.init()`` (a ``ValueError``).
 
     Example::
 

@@ -12,16 +12,40 @@ import socket
 import time
 from typing import Optional
 
+from torchmn.horovod.process_sets import job, require_comm
+
 _state: dict = {"events": None, "path": None, "start": None}
 
 
 def recording() -> bool:
-    """Returns: whether a timeline is being recorded."""
+    """Whether a timeline is being recorded.
+
+    Returns:
+        True between :func:`start_timeline` and :func:`stop_timeline`.
+
+    Example::
+
+        >>> if recording():
+        ...     stop_timeline()
+    """
     return _state["events"] is not None
 
 
 def record(kind: str, name: str, nbytes: int, start: float, end: float, process_set_id: int = 0) -> None:
-    """Add one collective to the timeline, if one is recording (times from ``time.time()``)."""
+    """Add one collective to the timeline, if one is recording.
+
+    Args:
+        kind: the collective (``"allreduce"``, ...), the event's name in the trace.
+        name: the tensor's name.
+        nbytes: the bytes it carried.
+        start, end: when it began and ended, from ``time.time()``.
+        process_set_id: the set it ran on (the event's row within its rank).
+
+    Example::
+
+        >>> t0 = time.time(); comm.barrier()
+        >>> record("barrier", "barrier.noname", 0, t0, time.time())
+    """
     events = _state["events"]
     if events is not None:
         events.append((kind, name, int(nbytes), start, end, process_set_id))
@@ -35,7 +59,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
         mark_cycles: accepted for Horovod's signature; torchmn has no background cycles to mark.
 
     Raises:
-        ValueError: before ``hvd.init()``.
+        InvalidCallError: before ``hvd.init()`` (a ``ValueError``).
 
     Example::
 
@@ -43,8 +67,6 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
         >>> hvd.allreduce(x)
         >>> hvd.stop_timeline()     # rank 0 writes /tmp/timeline.json
     """
-    from torchmn.horovod.basics import require_comm
-
     require_comm()
     _state.update(events=[], path=os.path.abspath(file_path), start=time.time())
 
@@ -56,12 +78,13 @@ def stop_timeline() -> Optional[str]:
     Returns:
         The file's path on rank 0, None elsewhere (and where no timeline was recording).
 
+    Raises:
+        OSError: rank 0 cannot write the file.
+
     Example::
 
         >>> hvd.stop_timeline()
     """
-    from torchmn.horovod.basics import job
-
     events, path, start = _state["events"], _state["path"], _state["start"]
     _state.update(events=None, path=None, start=None)
     if events is None or job.comm is None:
