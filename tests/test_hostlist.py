@@ -3,7 +3,7 @@ import time
 
 import pytest
 
-from torchmn.launch import expand_hostlist
+from torchmn.environments import expand_hostlist
 
 # Expected values were taken from `scontrol show hostnames EXPR` (Slurm 22.05.8, Debian 12).
 CASES = [

@@ -74,7 +74,7 @@ def test_collectives_under_mpi(mpi, np, check, request):
 def test_rank_and_local_rank_come_from_the_mpi_environment(mpi, tmp_path):
     # Each rank writes its own file: the launchers forward the ranks' stdout without keeping lines
     # whole, so two ranks' rows can arrive spliced into one line.
-    code = ("import json, sys, torchmn; from torchmn.launch import detect_environment; e = detect_environment(); "
+    code = ("import json, sys, torchmn; from torchmn.environments import detect_environment; e = detect_environment(); "
             "c = torchmn.create_communicator(); "
             "row = [e.source, e.rank, e.size, e.local_rank, e.local_size, e.master_addr, c.rank, c.intra_rank, "
             "c.intra_size]; "
@@ -88,7 +88,7 @@ def test_rank_and_local_rank_come_from_the_mpi_environment(mpi, tmp_path):
 def test_one_host_with_mpi4py_does_not_initialise_mpi(mpi, tmp_path):
     """mpi4py only carries rank 0's address between nodes: with every rank on this one, the
     rendezvous is 127.0.0.1 as without it, and MPI is never initialised."""
-    code = ("import json, sys, torch, torchmn; from torchmn.launch import detect_environment; "
+    code = ("import json, sys, torch, torchmn; from torchmn.environments import detect_environment; "
             "e = detect_environment(); c = torchmn.create_communicator(); total = c.allreduce(torch.ones(1)).item(); "
             "row = [e.master_addr, total, 'mpi4py.MPI' in sys.modules]; "
             "open(f'{sys.argv[1]}/rank{e.rank}.json', 'w').write(json.dumps(row)); c.finalize()")

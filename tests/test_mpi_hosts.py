@@ -23,7 +23,7 @@ import pytest
 from cluster.netns import NetnsCluster
 from jobs import REPO, WORKERS, assert_check_passed, check_job_output
 from mpi4py_builds import mpi4py_dir
-from torchmn.launch import mpi_rendezvous
+from torchmn.environments import mpi_rendezvous
 
 TIMEOUT = 150
 LAUNCHERS = {"openmpi": ("mpiexec.openmpi", "openmpi-bin"), "mpich": ("mpiexec.mpich", "mpich")}
@@ -136,7 +136,7 @@ def test_mpi4py_built_for_another_mpi_is_named(cluster):
 
 
 def test_rank_0_offers_its_default_route_else_its_host_name(cluster):
-    code = "from torchmn.launch.mpi_rendezvous import offered_address; print(repr(offered_address()))"
+    code = "from torchmn.environments.mpi_rendezvous import offered_address; print(repr(offered_address()))"
     env = {"PATH": os.environ["PATH"], "PYTHONPATH": str(REPO)}
 
     def offered():

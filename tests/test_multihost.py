@@ -16,12 +16,12 @@ import time
 
 import psutil
 import pytest
-
 from cluster.netns import NetnsCluster
 from jobs import REPO, WORKERS, assert_check_passed, check_job_output, clean_env
+
+from torchmn import network
 from torchmn.cli import main
-from torchmn.launch import hosts as hostlib
-from torchmn.launch import remote, ssh
+from torchmn.run.remote import hostfile, protocol, ssh
 
 TIMEOUT = 120
 
@@ -29,44 +29,44 @@ TIMEOUT = 120
 # ---- hosts, hostfiles, -x and the remote command line: no cluster needed -------------------------
 
 def test_hosts_option_forms():
-    assert hostlib.parse_hosts("a:2,b:2") == [("a", 2), ("b", 2)]
-    assert hostlib.parse_hosts("a, b:3, a") == [("a", 2), ("b", 3)]  # a bare host is 1 slot; repeats add up
-    assert hostlib.parse_hosts("[fe80::1]:2,10.0.0.1") == [("fe80::1", 2), ("10.0.0.1", 1)]
+    assert hostfile.parse_hosts("a:2,b:2") == [("a", 2), ("b", 2)]
+    assert hostfile.parse_hosts("a, b:3, a") == [("a", 2), ("b", 3)]  # a bare host is 1 slot; repeats add up
+    assert hostfile.parse_hosts("[fe80::1]:2,10.0.0.1") == [("fe80::1", 2), ("10.0.0.1", 1)]
     for bad, words in [("a:0", "at least 1"), ("a:x", "'x' is not an integer"), ("a,,b", "separated by commas"),
                        ("", "separated by commas"), ("fe80::1:2", "brackets"), ("a b:2", "not a host"),
                        ("a:1_0", "'1_0' is not an integer"), ("a:+2", "'[+]2' is not an integer"),
                        ("-oProxyCommand=x:1", "not a host")]:
-        with pytest.raises(hostlib.HostsError, match=words):
-            hostlib.parse_hosts(bad)
+        with pytest.raises(hostfile.HostsError, match=words):
+            hostfile.parse_hosts(bad)
 
 
 def test_hostfile_forms_and_errors_name_the_line(tmp_path):
     text = "# cluster\n\nnode1 slots=2   # first\nnode2:3\nnode3\nnode4 slots=1 max_slots=4\n"
-    assert hostlib.parse_hostfile_text(text) == [("node1", 2), ("node2", 3), ("node3", 1), ("node4", 1)]
+    assert hostfile.parse_hostfile_text(text) == [("node1", 2), ("node2", 3), ("node3", 1), ("node4", 1)]
     path = tmp_path / "hosts"
     path.write_text("node1 slots=2\nnode2 cpus=4\n")
-    with pytest.raises(hostlib.HostsError, match=r"line 2 \('node2 cpus=4'\): unexpected 'cpus=4'"):
-        hostlib.parse_hostfile(str(path))
-    with pytest.raises(hostlib.HostsError, match="line 1 .*slot count must be at least 1"):
-        hostlib.parse_hostfile_text("a slots=0\n")
+    with pytest.raises(hostfile.HostsError, match=r"line 2 \('node2 cpus=4'\): unexpected 'cpus=4'"):
+        hostfile.parse_hostfile(str(path))
+    with pytest.raises(hostfile.HostsError, match="line 1 .*slot count must be at least 1"):
+        hostfile.parse_hostfile_text("a slots=0\n")
     # Open MPI's spellings: spaces around "=", max-slots, an IPv6 address with slots=.
-    assert hostlib.parse_hostfile_text("n1 slots = 2\nn2 slots=2 max-slots=4\n[::1] slots=3\n") == \
+    assert hostfile.parse_hostfile_text("n1 slots = 2\nn2 slots=2 max-slots=4\n[::1] slots=3\n") == \
         [("n1", 2), ("n2", 2), ("::1", 3)]
     for bad in ("n1 slots=1 slots=5\n", "n1:2 slots=3\n", "[::1]:2 slots=3\n"):
-        with pytest.raises(hostlib.HostsError, match="slots given twice"):
-            hostlib.parse_hostfile_text(bad)
-    with pytest.raises(hostlib.HostsError, match="names no hosts"):
-        hostlib.parse_hostfile_text("# nothing\n\n")
-    with pytest.raises(hostlib.HostsError, match="cannot read --hostfile"):
-        hostlib.parse_hostfile(str(tmp_path / "missing"))
+        with pytest.raises(hostfile.HostsError, match="slots given twice"):
+            hostfile.parse_hostfile_text(bad)
+    with pytest.raises(hostfile.HostsError, match="names no hosts"):
+        hostfile.parse_hostfile_text("# nothing\n\n")
+    with pytest.raises(hostfile.HostsError, match="cannot read --hostfile"):
+        hostfile.parse_hostfile(str(tmp_path / "missing"))
 
 
 def test_ranks_fill_hosts_in_order():
     hosts = [("a", 2), ("b", 2), ("c", 2)]
-    assert hostlib.assign_ranks(hosts, 6) == hosts
-    assert hostlib.assign_ranks(hosts, 3) == [("a", 2), ("b", 1)]
-    with pytest.raises(hostlib.HostsError, match=r"-np 7 is larger than the 6 slots given \(a:2, b:2, c:2\)"):
-        hostlib.assign_ranks(hosts, 7)
+    assert hostfile.assign_ranks(hosts, 6) == hosts
+    assert hostfile.assign_ranks(hosts, 3) == [("a", 2), ("b", 1)]
+    with pytest.raises(hostfile.HostsError, match=r"-np 7 is larger than the 6 slots given \(a:2, b:2, c:2\)"):
+        hostfile.assign_ranks(hosts, 7)
 
 
 def test_cli_errors_are_clear(tmp_path, capsys):
@@ -91,7 +91,7 @@ def test_local_hosts_run_without_ssh(capsys):
                           capture_output=True, text=True, env=clean_env(), timeout=TIMEOUT)
     assert proc.returncode == 0, proc.stderr
     assert sorted(proc.stdout.splitlines()) == ["[0] 0 0 forwarded", "[1] 0 1 forwarded", "[2] 0 2 forwarded"]
-    assert hostlib.is_local(socket.gethostname()) and not hostlib.is_local("10.255.255.254")
+    assert network.is_local(socket.gethostname()) and not network.is_local("10.255.255.254")
 
 
 def test_remote_command_line_keeps_every_word_and_value(tmp_path):
@@ -130,7 +130,7 @@ def test_watcher_stops_the_rank_when_its_stdin_closes(tmp_path):
     line = ssh.rank_command(str(tmp_path), sys.executable, env, [sys.executable, "-c", code])
     watcher = subprocess.Popen(["sh", "-c", line], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=clean_env())
     try:
-        assert watcher.stdout.readline().decode().strip() == remote.STARTED_MARKER
+        assert watcher.stdout.readline().decode().strip() == protocol.STARTED_MARKER
         deadline = time.monotonic() + 30
         while len(pid_file.exists() and pid_file.read_text().split() or []) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -159,7 +159,7 @@ def test_watcher_ends_with_its_rank_and_stops_what_the_rank_detached(tmp_path):
     try:
         out, _ = watcher.communicate(timeout=20)
         assert watcher.returncode == 3
-        assert out.decode().splitlines() == [remote.STARTED_MARKER, "out"]
+        assert out.decode().splitlines() == [protocol.STARTED_MARKER, "out"]
         assert_gone([int(pid_file.read_text())])
     finally:
         os.close(keep_open)
@@ -589,7 +589,7 @@ def test_rank_that_never_starts_hits_the_start_timeout(cluster, tmp_path):
     """An ssh that logs in for the check but then hangs when starting the rank on h2."""
     h2 = cluster.address("h2")
     wrapper = tmp_path / "slow-ssh"
-    wrapper.write_text("#!/bin/sh\ncase \"$*\" in *\" %s \"*torchmn.launch.remote*) exec sleep 300;; esac\n"
+    wrapper.write_text("#!/bin/sh\ncase \"$*\" in *\" %s \"*torchmn.run.remote.watcher*) exec sleep 300;; esac\n"
                        "exec %s \"$@\"\n" % (h2, cluster.ssh_command))
     wrapper.chmod(0o755)
     proc = launch(cluster, "-np", "2", "-H", hosts_arg(cluster, ("h1", 1), ("h2", 1)), "--start-timeout", "10",
@@ -604,7 +604,7 @@ def test_rank_that_never_starts_hits_the_start_timeout(cluster, tmp_path):
 def test_loopback_rendezvous_address_is_never_handed_to_other_hosts():
     """Behind an ssh tunnel the address the hosts log in from is this machine's loopback, and the
     fallback may be too: other hosts must not be told to connect to themselves."""
-    from torchmn.launch.hosts import is_loopback as _is_loopback
+    from torchmn.network import is_loopback as _is_loopback
 
     assert _is_loopback("127.0.0.1") and _is_loopback("127.0.1.1") and _is_loopback("localhost")
     assert _is_loopback("::1")

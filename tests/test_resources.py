@@ -183,9 +183,12 @@ def test_apply_thread_budget_leaves_a_users_blas_threads():
     assert got["pools"].get("openblas") == 2 and got["pools"].get("openmp") == 1, got
 
 
-def test_a_scripts_own_torch_threads_win():
-    """torch.set_num_threads called after `import torchmn` is the script's choice: it becomes the budget."""
-    script = ("import torch, torchmn\nfrom threadpoolctl import threadpool_info\nfrom torchmn import resources\n"
+@pytest.mark.parametrize("imports", ["import torch, torchmn", "import torchmn, torch"],
+                         ids=["torch_first", "torchmn_first"])
+def test_a_scripts_own_torch_threads_win(imports):
+    """torch.set_num_threads called after `import torchmn` is the script's choice: it becomes the budget,
+    whether torch was imported before torchmn or after (``import torchmn`` does not import torch)."""
+    script = (imports + "\nfrom threadpoolctl import threadpool_info\nfrom torchmn import resources\n"
               "torch.set_num_threads({n})\nprint(resources.apply_thread_budget(2), torch.get_num_threads())\n"
               "assert {{i['num_threads'] for i in threadpool_info()}} == {{{n}}}, threadpool_info()")
     env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}

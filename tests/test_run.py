@@ -387,7 +387,7 @@ def test_orphans_that_end_are_reaped():
 def test_children_of_the_caller_keep_their_exit_codes():
     """run() as a library call: the launcher reaps orphans that ranks leave, never the caller's
     own children, whose Popen would then see exit code 0."""
-    from torchmn.launch.runner import LaunchConfig, run
+    from torchmn.run.job import LaunchConfig, run
 
     own = subprocess.Popen(["sh", "-c", "exit 3"])
     assert run(LaunchConfig([sys.executable, "-c", "import time; time.sleep(1.5)"], np=1)) == 0
@@ -395,17 +395,20 @@ def test_children_of_the_caller_keep_their_exit_codes():
 
 
 def test_watcher_and_guardian_start_without_torch():
-    """The remote watcher and the guardian run beside the ranks for the whole job: their bootstraps
-    load torchmn's launch modules without torchmn/__init__.py, which imports torch."""
-    from torchmn.launch.guardian import GUARDIAN_BOOTSTRAP
-    from torchmn.launch.remote import WATCHER_BOOTSTRAP
+    """The remote watcher and the guardian run beside the ranks for the whole job, started as the
+    launcher starts them (``python -m MODULE``): the package root loads its names lazily, so neither
+    imports torch (``-X importtime`` lists every module a process imports)."""
+    from torchmn.run.processes import guardian
+    from torchmn.run.remote.protocol import WATCHER_MODULE
 
-    for bootstrap, args, stdin in ((WATCHER_BOOTSTRAP, ["--", "true"], ""),
-                                   (GUARDIAN_BOOTSTRAP, ["TORCHMN_JOB_ID", "no-such-job", "1"], "done\n")):
-        code = f"import sys\ntry:\n    exec({bootstrap!r})\nfinally:\n    print('TORCH', 'torch' in sys.modules)"
-        proc = subprocess.run([sys.executable, "-c", code, *args], input=stdin, capture_output=True, text=True,
-                              timeout=60)
-        assert proc.returncode == 0 and "TORCH False" in proc.stdout, proc.stdout + proc.stderr
+    for module, args, stdin in ((WATCHER_MODULE, ["--", "true"], ""),
+                                (guardian.__name__, ["TORCHMN_JOB_ID", "no-such-job", "1"], "done\n")):
+        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", module, *args], input=stdin,
+                              capture_output=True, text=True, timeout=60, env=clean_env())
+        imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+        # ``-m`` runs the module as __main__ after importing its packages, the root among them.
+        assert proc.returncode == 0 and "torchmn" in imported, proc.stderr[-3000:]
+        assert "torch" not in imported and "torch.distributed" not in imported, sorted(imported)
 
 
 def test_bad_log_dir(tmp_path, capsys):

@@ -26,8 +26,8 @@ import torch.distributed as dist
 
 from cluster.netns import NetnsCluster
 from jobs import REPO, clean_env
-from torchmn.launch import auth
-from torchmn.launch.voucher import Voucher
+from torchmn.run.store import auth
+from torchmn.run.store.voucher import Voucher
 
 PROBE_JOB = str(REPO / "tests" / "scripts" / "store_probe_job.py")
 ALLREDUCE = str(REPO / "tests" / "scripts" / "run_allreduce.py")

@@ -24,7 +24,7 @@ from cluster.slurm import INSTALL_HINT, SlurmCluster, missing_programs
 from failure_jobs import assert_failure_shown_once, failing_argv, seconds_since_raise
 from jobs import REPO, WORKERS
 from torchmn import resources
-from torchmn.launch.environments import slurm_port
+from torchmn.environments import slurm_port
 
 PY = sys.executable
 CHECKS = str(WORKERS / "comm_checks.py")
@@ -33,7 +33,7 @@ CHECKS = str(WORKERS / "comm_checks.py")
 # the same process (a torch import per rank is most of a job's cost on a small machine).
 PROBE = f"""
 import os, runpy, sys, torch
-from torchmn.launch import detect_environment
+from torchmn.environments import detect_environment
 e = detect_environment()
 sys.argv = [{CHECKS!r}] + sys.argv[1:]
 try:

@@ -9,25 +9,74 @@ built on ``torch.distributed``::
     train = torchmn.scatter_dataset(train if comm.rank == 0 else None, comm, shuffle=True)
 
 Model parallelism is in ``torchmn.functions`` (differentiable communication) and ``torchmn.nn``
-(parallel layers, pipelines). ``torchmn.extensions`` (pytorch-pfn-extras extensions) is imported
-on its own, so that the core does not need pytorch-pfn-extras.
+(parallel layers, pipelines). ``torchmn.extensions`` (pytorch-pfn-extras extensions) and
+``torchmn.horovod`` are imported on their own.
+
+The names below are loaded when first used (PEP 562), so that ``import torchmn`` does not import
+torch: the launcher and its helper processes (``torchmn.run``) are part of this package and run
+where torch would only cost seconds and memory. ``import torchmn`` does one thing at once: it notes
+torch's thread count (now, or when torch is imported), so that a ``torch.set_num_threads`` the
+script calls afterwards wins over the per-rank thread budget (``torchmn.resources``).
 """
-from torchmn.communicators import CollectiveMismatchError, CollectiveTimeoutError, Communicator, create_communicator
-from torchmn.datasets import SharedDataset, create_empty_dataset, scatter_dataset, scatter_index
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+from torchmn import resources
 from torchmn.errors import TorchmnError
-from torchmn.evaluators import GenericMultiNodeEvaluator, create_multi_node_evaluator
-from torchmn.iterators import create_multi_node_iterator
-from torchmn.optimizers import MultiNodeOptimizer, ShardedMultiNodeOptimizer, create_multi_node_optimizer
-from torchmn.optimizers.join import join  # uneven data: with torchmn.join(comm): ...
-from torchmn import functions, nn  # model parallelism: torchmn.functions.send, torchmn.nn.Pipeline, ...
-from torchmn import tune  # torchmn.tune.MultiNodeStudy (Optuna itself is imported when used)
-from torchmn import checkpoint  # torchmn.checkpoint.Checkpointer: save and resume plain loops
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "CollectiveMismatchError", "CollectiveTimeoutError", "Communicator", "GenericMultiNodeEvaluator", "MultiNodeOptimizer",
-    "ShardedMultiNodeOptimizer", "SharedDataset", "create_communicator", "create_empty_dataset",
-    "create_multi_node_evaluator", "create_multi_node_iterator", "create_multi_node_optimizer", "join",
-    "scatter_dataset", "scatter_index", "TorchmnError", "checkpoint", "functions", "nn", "tune", "__version__",
-]
+# Each public name, and the module it lives in.
+_NAMES = {
+    "CollectiveMismatchError": "torchmn.communicators",
+    "CollectiveTimeoutError": "torchmn.communicators",
+    "Communicator": "torchmn.communicators",
+    "create_communicator": "torchmn.communicators",
+    "SharedDataset": "torchmn.datasets",
+    "create_empty_dataset": "torchmn.datasets",
+    "scatter_dataset": "torchmn.datasets",
+    "scatter_index": "torchmn.datasets",
+    "GenericMultiNodeEvaluator": "torchmn.evaluators",
+    "create_multi_node_evaluator": "torchmn.evaluators",
+    "create_multi_node_iterator": "torchmn.iterators",
+    "MultiNodeOptimizer": "torchmn.optimizers",
+    "ShardedMultiNodeOptimizer": "torchmn.optimizers",
+    "create_multi_node_optimizer": "torchmn.optimizers",
+    "join": "torchmn.optimizers.join",  # uneven data: with torchmn.join(comm): ...
+}
+# Subpackages reachable as attributes after a bare ``import torchmn``.
+_SUBPACKAGES = ("checkpoint", "communicators", "datasets", "environments", "evaluators", "functions",
+                "iterators", "nn", "optimizers", "tune")
+
+__all__ = sorted([*_NAMES, *_SUBPACKAGES, "TorchmnError", "__version__"])
+
+resources.watch_torch_threads()
+
+
+def __getattr__(name: str):
+    if name in _NAMES:
+        value = getattr(importlib.import_module(_NAMES[name]), name)
+    elif name in _SUBPACKAGES:
+        value = importlib.import_module(f"torchmn.{name}")
+    else:
+        raise AttributeError(f"module 'torchmn' has no attribute {name!r}")
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # what type checkers and IDEs see
+    from torchmn import (checkpoint, communicators, datasets, environments, evaluators, functions, iterators, nn,
+                         optimizers, tune)
+    from torchmn.communicators import (CollectiveMismatchError, CollectiveTimeoutError, Communicator,
+                                       create_communicator)
+    from torchmn.datasets import SharedDataset, create_empty_dataset, scatter_dataset, scatter_index
+    from torchmn.evaluators import GenericMultiNodeEvaluator, create_multi_node_evaluator
+    from torchmn.iterators import create_multi_node_iterator
+    from torchmn.optimizers import MultiNodeOptimizer, ShardedMultiNodeOptimizer, create_multi_node_optimizer
+    from torchmn.optimizers.join import join

@@ -2,7 +2,7 @@
 ``torchmn doctor`` (:mod:`torchmn.doctor`) and ``torchmn tune`` (:mod:`torchmn.tune`).
 
 Subcommands are registered in ``SUBCOMMANDS``. ``run`` parses its options into one
-``torchmn.launch.config.LaunchConfig`` and hands it to ``torchmn.launch.runner.run``.
+``torchmn.run.config.LaunchConfig`` and hands it to ``torchmn.run.job.run``.
 
 Example::
 
@@ -22,7 +22,7 @@ import sys
 from typing import Optional, Sequence, Set
 
 from torchmn.doctor.command import add_doctor
-from torchmn.launch import horovodrun_flags
+from torchmn.run import horovodrun_flags
 from torchmn.tune.command import add_tune
 
 
@@ -37,7 +37,7 @@ def _ranks_list(text: str) -> Set[int]:
 
 
 def _restart_codes(text: str):
-    from torchmn.launch.restarts import parse_restart_on
+    from torchmn.run.restarts import parse_restart_on
 
     try:
         return parse_restart_on(text)
@@ -46,7 +46,7 @@ def _restart_codes(text: str):
 
 
 def _default_restart_delay() -> float:
-    from torchmn.launch.config import RESTART_DELAY
+    from torchmn.run.config import RESTART_DELAY
 
     return RESTART_DELAY
 
@@ -110,17 +110,17 @@ def _add_run(subparsers) -> None:
 
 
 def _default_ssh() -> str:
-    from torchmn.launch.ssh import DEFAULT_SSH_COMMAND
+    from torchmn.run.remote.ssh import DEFAULT_SSH_COMMAND
 
     return DEFAULT_SSH_COMMAND
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from torchmn import resources
-    from torchmn.launch import hosts as hostlib
-    from torchmn.launch.config import LaunchConfig, RunError
-    from torchmn.launch.runner import run
-    from torchmn.launch.ssh import SshOptions
+    from torchmn.run.remote import hostfile
+    from torchmn.run.config import LaunchConfig, RunError
+    from torchmn.run.job import run
+    from torchmn.run.remote.ssh import SshOptions
 
     if args.check_build:
         print(horovodrun_flags.build_report())
@@ -139,9 +139,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         resources.requested_threads()  # a bad TORCHMN_NUM_THREADS stops the job before any rank starts
         hosts = None
         if args.hosts is not None:
-            hosts = hostlib.parse_hosts(args.hosts)
+            hosts = hostfile.parse_hosts(args.hosts)
         elif args.hostfile is not None:
-            hosts = hostlib.parse_hostfile(args.hostfile)
+            hosts = hostfile.parse_hostfile(args.hostfile)
     except ValueError as e:  # HostsError is one
         sys.stderr.write(f"torchmn run: error: {e}\n")
         return 2

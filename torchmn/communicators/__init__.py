@@ -25,12 +25,7 @@ from torchmn.communicators.flat import FlatCommunicator
 from torchmn.communicators.hierarchical import HierarchicalCommunicator
 from torchmn.communicators.naive import NaiveCommunicator
 from torchmn.communicators.registry import make_communicator, resolve
-from torchmn.launch import detect_environment
-
-# The one side effect of importing torchmn: remember torch's thread count now, so that a
-# torch.set_num_threads the script makes after ``import torchmn`` is recognised as the script's
-# own choice, which wins over the per-rank thread budget (see torchmn.resources).
-resources.remember_torch_threads(torch.get_num_threads())
+from torchmn.environments import detect_environment
 
 
 def create_communicator(name: str = "auto", backend: Optional[str] = None,

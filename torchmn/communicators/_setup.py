@@ -14,9 +14,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from torchmn.launch import LaunchEnvironment, mpi_rendezvous
-from torchmn.launch.environments import job_label
-from torchmn.launch.environments.mpi import MPI_RENDEZVOUS
+from torchmn.environments import LaunchEnvironment, mpi_rendezvous
+from torchmn.environments import job_label
+from torchmn.environments.mpi import MPI_RENDEZVOUS
 
 _timeout: Optional[datetime.timedelta] = None  # the world's, once set up or adopted
 _worlds = 0  # default process groups this process set up (a world again after finalize)

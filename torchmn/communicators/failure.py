@@ -48,7 +48,7 @@ import torch.distributed as dist
 
 from torchmn.communicators import _shm_utility
 from torchmn.communicators.errors import PeerLostError, RankFailedError
-from torchmn.launch import detect_environment
+from torchmn.environments import detect_environment
 
 RECORD_KEY = "torchmn/failure/first"
 _COUNT_KEY = "torchmn/failure/count"

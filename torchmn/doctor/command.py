@@ -13,7 +13,7 @@ import psutil
 
 from torchmn import resources
 from torchmn.doctor import pools, processes, sampling, verdict
-from torchmn.launch.procutil import stop_group
+from torchmn.run.processes.groups import stop_group
 
 EXIT_OVERSUBSCRIBED = 1
 EXIT_BAD_INPUT = 2

@@ -7,8 +7,32 @@ Example::
     $ torchmn tune -np 2 --n-trials 20 -- python train.py
     $ torchmn tune -np 2 --param --lr=log:1e-4:1e-1 --log result/log -- python train.py
 """
-from torchmn.tune.distributed import DistributedTrial, MultiNodeStudy
-from torchmn.tune.space import Param, default_space, parse_param
-from torchmn.tune.study import Tuner, TuneError
+from __future__ import annotations
 
-__all__ = ["DistributedTrial", "MultiNodeStudy", "Param", "TuneError", "Tuner", "default_space", "parse_param"]
+import importlib
+from typing import TYPE_CHECKING
+
+_NAMES = {"DistributedTrial": "torchmn.tune.distributed", "MultiNodeStudy": "torchmn.tune.distributed",
+          "Param": "torchmn.tune.space", "default_space": "torchmn.tune.space", "parse_param": "torchmn.tune.space",
+          "TuneError": "torchmn.tune.study", "Tuner": "torchmn.tune.study"}
+__all__ = sorted(_NAMES)
+
+
+# Loaded when first used: ``torchmn run`` and ``torchmn tune`` load this package's command without
+# torch, which only the trials inside a job need.
+def __getattr__(name: str):
+    if name not in _NAMES:
+        raise AttributeError(f"module 'torchmn.tune' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_NAMES[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:
+    from torchmn.tune.distributed import DistributedTrial, MultiNodeStudy
+    from torchmn.tune.space import Param, default_space, parse_param
+    from torchmn.tune.study import Tuner, TuneError

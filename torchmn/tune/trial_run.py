@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Optional
 
-from torchmn.launch.procutil import stop_group
+from torchmn.run.processes.groups import stop_group
 
 OBJECTIVE = re.compile(r"torchmn-objective:\s*([-+0-9.eE]+|nan|inf)")
 INTERMEDIATE = re.compile(r"torchmn-intermediate:\s*(\d+)\s+([-+0-9.eE]+)")

@@ -1,0 +1,53 @@
+"""Ranks started by hand, or by a scheduler, with torch's ``env://`` variables."""
+from __future__ import annotations
+
+from typing import Mapping
+
+from torchmn.environments.base import Environment, LaunchEnvironment
+from torchmn.environments.variables import LOCALHOST, check_place, master_addr, master_port, read_int
+from torchmn.network import is_loopback
+
+
+class EnvMethodEnvironment(Environment):
+    """Started by hand, or by a scheduler, with torch's ``env://`` variables: ``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, and optionally ``LOCAL_RANK`` /
+    ``LOCAL_WORLD_SIZE`` (Kubeflow's PyTorchJob sets the first four, one process per pod).
+
+    Checked after every launcher, so that a batch script that exports ``RANK`` for its own use
+    changes nothing under srun or mpirun. Without ``LOCAL_*``, ranks whose rendezvous is a loopback
+    address all share this host; otherwise each rank is taken to be alone on its host (the
+    communicator still groups ranks by hostname). ``node_rank`` is None.
+
+    Example::
+
+        >>> EnvMethodEnvironment.read({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+        ...                      "MASTER_PORT": "29511"}).describe()
+        'env: rank 1/2, local 1/2, node None, rendezvous 127.0.0.1:29511'
+    """
+
+    source = "env"
+
+    @staticmethod
+    def detect(env: Mapping[str, str]) -> bool:
+        """True when ``RANK`` and ``WORLD_SIZE`` are set; see ``Environment.detect``."""
+        return "RANK" in env and "WORLD_SIZE" in env
+
+    @classmethod
+    def read(cls, env: Mapping[str, str]) -> LaunchEnvironment:
+        """This process's place, from torch's ``env://`` variables; see ``Environment.read``."""
+        fix = ("torch's env:// launch needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT on every process "
+               "(LOCAL_RANK and LOCAL_WORLD_SIZE when several share a host); or start the job with torchrun "
+               "or `torchmn run`")
+        rank = read_int(env, "RANK", fix)
+        size = read_int(env, "WORLD_SIZE", fix)
+        if "LOCAL_RANK" in env or "LOCAL_WORLD_SIZE" in env:
+            local_rank, local_size = read_int(env, "LOCAL_RANK", fix), read_int(env, "LOCAL_WORLD_SIZE", fix)
+        elif is_loopback(env.get("MASTER_ADDR") or LOCALHOST, resolve=False):
+            local_rank, local_size = rank, size
+        else:
+            local_rank, local_size = 0, 1
+        check_place(env, ("RANK", rank), ("WORLD_SIZE", size), ("LOCAL_RANK", local_rank),
+                    ("LOCAL_WORLD_SIZE", local_size), fix)
+        addr = master_addr(env, None, size, local_size, cls.source, fix)
+        return LaunchEnvironment(rank, size, local_rank, local_size, None, addr, master_port(env, None),
+                                 cls.source)

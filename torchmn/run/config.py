@@ -1,0 +1,120 @@
+"""The settings of one ``torchmn run`` job, and the error for a job that cannot be run as asked.
+
+The command line builds one ``LaunchConfig``; it flows ``cli -> run(config) -> Job(config)``.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import AbstractSet, Optional, Sequence, Tuple
+
+from torchmn.errors import TorchmnError
+from torchmn.run.remote.ssh import SshOptions
+
+# Seconds between SIGTERM and SIGKILL when the launcher stops its ranks.
+GRACE_SECONDS = 3.0
+# Seconds the host checks, and each remote rank's start, may take by default (--start-timeout).
+START_TIMEOUT = 60.0
+# Seconds between a failed start and the next (--restart-delay). Long enough for a stop that
+# reached the ranks before the launcher (scancel, a preemption: SIGTERM to every process) to reach
+# the launcher too, so that the stop wins; and for what a failure leaves (memory an OOM kill is
+# freeing, a busy file server) to settle. Short next to the seconds a torch job takes to start.
+RESTART_DELAY = 3.0
+
+
+class RunError(TorchmnError):
+    """A job that cannot be started as asked; ``exit_code`` is what ``torchmn run`` exits with.
+
+    Args:
+        message: what is wrong and what to do about it.
+        exit_code: the launcher's exit code (2 by default; 127 for a command not found, ...).
+    """
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchConfig:
+    """What ``torchmn run`` was asked to do: the command line's options, checked.
+
+    Attributes:
+        command: the program each rank runs, with its arguments (a leading ``--`` is dropped).
+        np: the number of ranks (in a multi-task Slurm step: ranks per node).
+        master_port: the rendezvous port; None lets the OS pick a free one.
+        log_dir: a directory for ``rank.<r>.log`` files, or None.
+        output_ranks: the ranks whose output the console shows; None for all.
+        start_timeout: seconds the host checks, and each remote rank's start, may take
+            (None: ``START_TIMEOUT``).
+        verbose: print what the launcher does.
+        grace: seconds between SIGTERM and SIGKILL when ranks are stopped.
+        hosts: (host, slots) pairs as ``torchmn.run.remote.hostfile.parse_hosts`` returns; ranks fill the
+            slots in order; None means this machine.
+        ssh: how to reach the other hosts (None: ``SshOptions()``).
+        exports: ``-x NAME`` / ``-x NAME=VALUE`` options, for every rank.
+        network_interface: the interface whose address other hosts use for the rendezvous (else:
+            the address the first remote host sees the launcher connect from).
+        max_restarts: how many times a failed job is started again (``--max-restarts``).
+        restart_on: the exit codes that restart it, a signal N as 128+N (``--restart-on``, see
+            ``torchmn.run.restarts.parse_restart_on``); None: any failure of a rank.
+        restart_delay: seconds between a failure and the restart (``--restart-delay``).
+
+    Raises:
+        RunError: ``np`` below 1, no command, a port outside 1-65535, a start timeout that is
+            not positive, a negative restart count or delay, or a ``restart_on`` code outside 1-255.
+
+    Example::
+
+        >>> LaunchConfig(["--", "python", "train.py"], np=2).command
+        ('python', 'train.py')
+        >>> LaunchConfig([], np=2)
+        Traceback (most recent call last):
+        torchmn.run.config.RunError: no command given. Usage: torchmn run -np N [options] COMMAND [ARGS...]
+    """
+
+    command: Sequence[str]
+    np: int
+    master_port: Optional[int] = None
+    log_dir: Optional[str] = None
+    output_ranks: Optional[AbstractSet[int]] = None
+    start_timeout: Optional[float] = None
+    verbose: bool = False
+    grace: float = GRACE_SECONDS
+    hosts: Optional[Sequence[Tuple[str, int]]] = None
+    ssh: Optional[SshOptions] = None
+    exports: Sequence[str] = ()
+    network_interface: Optional[str] = None
+    max_restarts: int = 0
+    restart_on: Optional[AbstractSet[int]] = None
+    restart_delay: float = RESTART_DELAY
+
+    def __post_init__(self) -> None:
+        if self.np < 1:
+            raise RunError(f"-np must be at least 1, got {self.np}.")
+        command = tuple(self.command)
+        if command and command[0] == "--":
+            command = command[1:]
+        if not command:
+            raise RunError("no command given. Usage: torchmn run -np N [options] COMMAND [ARGS...]")
+        if self.master_port is not None and not 0 < self.master_port < 65536:
+            raise RunError(f"--master-port must be between 1 and 65535, got {self.master_port}.")
+        if self.start_timeout is not None and self.start_timeout <= 0:
+            raise RunError(f"--start-timeout must be positive, got {self.start_timeout:g}.")
+        if self.max_restarts < 0:
+            raise RunError(f"--max-restarts must be 0 or more, got {self.max_restarts}.")
+        if not self.restart_delay >= 0:  # also refuses NaN
+            raise RunError(f"--restart-delay must be 0 or more seconds, got {self.restart_delay:g}.")
+        if self.restart_on is not None and (not self.restart_on or not all(0 < c < 256 for c in self.restart_on)):
+            raise RunError(f"--restart-on takes exit codes 1-255 and signal names, got {sorted(self.restart_on)}.")
+        # Frozen: the normalised values are set once, here.
+        normalised = {
+            "command": command,
+            "output_ranks": None if self.output_ranks is None else frozenset(self.output_ranks),
+            "start_timeout": START_TIMEOUT if self.start_timeout is None else self.start_timeout,
+            "hosts": None if self.hosts is None else tuple(self.hosts),
+            "ssh": self.ssh or SshOptions(),
+            "exports": tuple(self.exports),
+            "restart_on": None if self.restart_on is None else frozenset(self.restart_on),
+        }
+        for name, value in normalised.items():
+            object.__setattr__(self, name, value)

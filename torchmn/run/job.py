@@ -1,0 +1,423 @@
+"""``torchmn run``: start N ranks of a command, watch them, and tear the job down cleanly.
+
+``run(config)`` runs one job; ``Job`` puts the pieces together: the plan (``plan``), the processes
+(``supervisor``), their output (``output``), remote hosts (``ssh``) and the other tasks of a Slurm
+step (``slurm_tasks``). How the launcher supervises its ranks is in ``docs/design/launcher.md``.
+"""
+from __future__ import annotations
+
+import collections
+import os
+import queue
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from typing import List, Mapping, Optional
+
+from torchmn import network, resources
+from torchmn.run.config import GRACE_SECONDS, START_TIMEOUT, LaunchConfig, RunError
+from torchmn.run.plan import Slot, local_env, plan_slots, refuse_outer_launcher, remote_env
+from torchmn.run.processes.output import Console, describe_exit, exit_code_of, failure_summary, prepare_log_dir
+from torchmn.run.processes.supervisor import Rank, Supervisor
+from torchmn.run.remote import hostfile
+from torchmn.run.remote.ssh import RemoteError, check_hosts_or_stop, forwarded_env, parse_exports, rank_command
+from torchmn.run.restarts import Restarts
+from torchmn.run.slurm_step import SlurmTasks, slurm_step
+from torchmn.run.store import auth
+from torchmn.run.store.rendezvous import address_for_hosts, start_store
+
+__all__ = ["GRACE_SECONDS", "START_TIMEOUT", "Job", "LaunchConfig", "RunError", "run"]
+
+LOCAL_ADDR = "127.0.0.1"
+FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# Notifications, not stops: passed on to every running rank, and the job goes on, as under mpirun.
+# Slurm's `--signal=USR1@120` warns a job this way before its time limit (a rank can checkpoint).
+RELAYED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+class Job:
+    """A ``torchmn run`` job. Use ``run()`` unless you need the pieces.
+
+    Args:
+        config: what to run, and how.
+        env: the launcher's environment, which the ranks inherit (default: ``os.environ``).
+
+    Raises:
+        RunError: the job cannot be run as asked (nothing has been started).
+    """
+
+    def __init__(self, config: LaunchConfig, env: Optional[Mapping[str, str]] = None):
+        self.config = config
+        self.base_env = dict(os.environ if env is None else env)
+        self.host = socket.gethostname()
+        hosts = config.hosts
+        try:
+            self.exports = parse_exports(config.exports, self.base_env)
+            placement = (hostfile.assign_ranks(hostfile.merge_local_aliases(hosts), config.np) if hosts
+                         else [(self.host, config.np)])
+        except (hostfile.HostsError, RemoteError) as e:
+            raise RunError(str(e))
+        self.remote_hosts = [h for h, _ in placement if hosts and not network.is_local(h)]
+        self.slots: List[Slot] = plan_slots(placement)
+        self.master_addr = LOCAL_ADDR
+        self.master_port = config.master_port
+        refuse_outer_launcher(self.base_env)
+        # One task of a multi-node srun step: this node's share of one job (see slurm_tasks).
+        step = None if hosts else slurm_step(self.base_env)
+        self.slurm = None if step is None else SlurmTasks(step, config.np, config.start_timeout, self.base_env)
+        # The job's secret: only processes started with it (or that prove they know it) reach the
+        # store; see docs/security.md. The tasks of a Slurm step share theirs.
+        self.token = self.slurm.token if self.slurm is not None else auth.new_token()
+        if self.slurm is not None:
+            self.slots = self.slurm.plan(config.network_interface)
+            self.master_addr = step.master_addr
+            if self.master_port is None:
+                self.master_port = step.master_port
+        self.size = self.slots[0].size
+        if config.output_ranks is not None and not config.output_ranks <= set(range(self.size)):
+            raise RunError(f"--output-ranks names ranks {sorted(config.output_ranks - set(range(self.size)))}, "
+                           f"but the job has ranks 0..{self.size - 1} only.")
+        self.console = Console(config.output_ranks)
+        self.job_id = f"{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
+        # Made in this thread, which starts the ranks (see supervisor.die_with_launcher).
+        self.procs = Supervisor(self.job_id, config.grace)
+        self.events: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self.first_failure: Optional[Rank] = None
+        self.received_signal: Optional[int] = None
+        self.start_failure: Optional[str] = None
+        self.node_failure: Optional[str] = None
+        self.started_at = 0.0
+        self.store = None
+
+    @property
+    def ranks(self) -> List[Rank]:
+        """The ranks started so far."""
+        return self.procs.ranks
+
+    # -- starting ---------------------------------------------------------------------------------
+
+    def _is_remote(self, slot: Slot) -> bool:
+        return slot.host in self.remote_hosts
+
+    def _check_command(self) -> None:
+        command = self.config.command
+        if all(self._is_remote(slot) for slot in self.slots):
+            return  # checked on each host by the watcher
+        path = self.exports.get("PATH", self.base_env.get("PATH", os.defpath))  # -x PATH=... is the ranks' PATH
+        if shutil.which(command[0], path=path) is None:
+            where = "is not an executable file" if os.sep in command[0] else "was not found on PATH"
+            raise RunError(f"command not found: {command[0]!r} {where} (rank 0 on host {self.host} "
+                           f"would have run it). Check the spelling, or give its full path.", exit_code=127)
+
+    def _check_hosts(self) -> None:
+        """Check every remote host at once and choose the rendezvous address; raise RunError naming
+        every host that cannot run ranks."""
+        config = self.config
+        if not self.remote_hosts:
+            if config.network_interface:
+                self.master_addr = self._interface_address()
+            return
+        if config.verbose:
+            self.console.message(f"torchmn run: checking hosts {', '.join(self.remote_hosts)} over ssh")
+        env = forwarded_env(self.base_env, self.exports)
+        try:
+            checks = check_hosts_or_stop(self.remote_hosts, config.ssh, sys.executable, os.getcwd(), env,
+                                         config.start_timeout, self.procs.death_signal, self._raise_on_signal)
+        except RemoteError as e:
+            raise RunError(str(e)) from e
+        bad = [c for c in checks if c.error]
+        if bad:
+            lines = [f"{len(bad)} of {len(checks)} host(s) cannot run ranks:"]
+            lines += [f"  host {c.host}: {c.error}" for c in bad]
+            raise RunError("\n".join(lines))
+        if config.network_interface:
+            self.master_addr = self._interface_address()
+        else:
+            self.master_addr = address_for_hosts(checks, self.remote_hosts, config.ssh.port)
+
+    def _interface_address(self) -> str:
+        """The address of ``--network-interface``, for the rendezvous."""
+        try:
+            return network.interface_address(self.config.network_interface)
+        except network.NetworkError as e:
+            raise RunError(str(e)) from e
+
+    def _raise_on_signal(self) -> None:
+        """Ctrl-C (or SIGTERM) while hosts are checked: stop the launcher now."""
+        try:
+            event = self.events.get_nowait()  # nothing else can be queued before ranks start
+        except queue.Empty:
+            return
+        raise RunError(f"received {signal.Signals(event[1]).name} while checking the hosts; stopped",
+                       exit_code=128 + event[1])
+
+    def _start_rank(self, slot: Slot, port: int, log_path: Optional[str]) -> Rank:
+        if self._is_remote(slot):
+            env = remote_env(slot, self.base_env, self.exports, self.master_addr, port)
+            env[auth.TOKEN_ON_STDIN] = "1"  # the token itself goes through stdin, below
+            line = rank_command(os.getcwd(), sys.executable, env, self.config.command)
+            argv, env = self.config.ssh.argv(slot.host, line), self.base_env
+        else:
+            argv = self.config.command
+            env = local_env(slot, self.base_env, self.exports, self.master_addr, port, self.job_id,
+                            several_hosts=bool(self.remote_hosts))
+            env[auth.TOKEN_ENV] = self.token
+        rank = self.procs.start_rank(slot, argv, env, self._is_remote(slot), log_path, self.console,
+                                     self._rank_exited)
+        if self._is_remote(slot):
+            auth.send_token(rank.process.stdin, self.token)
+        return rank
+
+    def start(self) -> None:
+        """Check the command and the hosts, open the rendezvous store and start every rank.
+
+        Raises:
+            RunError: the job cannot start; ranks already started are left to ``teardown``.
+        """
+        config = self.config
+        self._check_command()
+        self.procs.prepare()
+        if config.log_dir is not None:
+            prepare_log_dir(config.log_dir)
+        if self.slurm is not None:
+            origin = ("MASTER_PORT" if self.base_env.get("MASTER_PORT")
+                      else "derived from the Slurm job and step ids")
+            self.store = self.slurm.open_store(self.master_addr, self.master_port, origin, self.console.message,
+                                               self._local_pids)
+            self.slurm.check_in()
+        else:
+            self._check_hosts()
+            self.store = start_store(self.master_addr, self.master_port, token=self.token, log=self.console.message,
+                                     likely_pids=self._local_pids)
+        port = self.store.port
+        if config.verbose:
+            self._describe(port)
+        self.started_at = time.monotonic()
+        if any(not self._is_remote(slot) for slot in self.slots):
+            self.procs.start_guardian()
+        for slot in self.slots:
+            log_path = os.path.join(config.log_dir, f"rank.{slot.rank}.log") if config.log_dir else None
+            self._start_rank(slot, port, log_path)
+
+    def _local_pids(self) -> List[int]:
+        """The ranks started on this machine: the store's gate looks at them first."""
+        return [rank.process.pid for rank in list(self.ranks) if not rank.is_remote]
+
+    def _describe(self, port: int) -> None:
+        placed = ", ".join(f"{h}:{n}" for h, n in dict(collections.Counter(s.host for s in self.slots)).items())
+        threads = resources.launcher_thread_env(self.slots[0].local_size, self.base_env).get(
+            resources.TORCHMN_NUM_THREADS)
+        slurm = self.slurm.step if self.slurm else None
+        ranks = (f"ranks {self.slots[0].rank}-{self.slots[-1].rank} of {self.size} "
+                 f"(Slurm task {slurm.task} of {slurm.tasks})" if slurm else f"{self.config.np} ranks")
+        self.console.message(
+            f"torchmn run: {ranks} on {placed}, rendezvous {self.master_addr}:{port}, "
+            f"threads per rank: {threads or 'set by user (OMP_NUM_THREADS)'}"
+            f"{' (on this machine)' if self.remote_hosts else ''}, command: {' '.join(self.config.command)}")
+
+    def _rank_exited(self, rank: Rank, returncode: int) -> None:
+        self.events.put(("exit", rank, returncode))
+
+    # -- watching ---------------------------------------------------------------------------------
+
+    def on_signal(self, signum: int, frame) -> None:
+        """The launcher's handler of ``FORWARDED_SIGNALS`` and ``RELAYED_SIGNALS``; ``run`` installs it.
+
+        Args:
+            signum: the signal received.
+            frame: unused.
+        """
+        # SimpleQueue.put is reentrant, so it is safe even when the signal interrupts a get().
+        self.events.put(("relay" if signum in RELAYED_SIGNALS else "signal", signum))
+
+    def _ending(self) -> bool:
+        """Whether something already ends the job: a failed rank, a signal, a late start, another node."""
+        return any(x is not None for x in (self.received_signal, self.first_failure, self.start_failure,
+                                           self.node_failure))
+
+    def _relay(self, sig: int) -> None:
+        if self._ending():
+            return
+        running = self.procs.relay(sig)
+        self.console.message(f"torchmn run: received {signal.Signals(sig).name}; passed it on to "
+                             f"{running} running rank(s) (a rank without a handler for it ends, "
+                             f"as under mpirun)")
+
+    def teardown(self, first_signal: int) -> None:
+        """Stop every rank and everything it started: ``first_signal`` to each process group,
+        SIGKILL to whatever is left after the grace period.
+
+        Args:
+            first_signal: the signal the ranks get first (the one the launcher received, else SIGTERM).
+        """
+        self.procs.remember_descendants()
+        # Exits already queued happened before the stop: those ranks ended on their own.
+        while True:
+            try:
+                self._handle(self.events.get_nowait(), escalate=False)
+            except queue.Empty:
+                break
+        self.procs.stop(first_signal)
+        deadline = time.monotonic() + self.procs.grace_after_stop()
+        while self.procs.anything_left() and time.monotonic() < deadline:
+            self._next_event(min(0.05, max(0.0, deadline - time.monotonic())), escalate=True)
+        self.procs.kill_all()
+
+    def _next_event(self, timeout: float, escalate: bool = False) -> None:
+        try:
+            event = self.events.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self._handle(event, escalate)
+
+    def _handle(self, event: tuple, escalate: bool) -> None:
+        if event[0] == "exit":
+            _, rank, returncode = event
+            rank.returncode = returncode
+            if returncode != 0 and not rank.stopped_by_launcher and not self._ending():
+                self.first_failure = rank
+        elif event[0] == "relay":
+            self._relay(event[1])
+        elif event[0] == "signal":
+            if self.received_signal is None and self.first_failure is None:
+                self.received_signal = event[1]
+            elif escalate:
+                # A second Ctrl-C during teardown: do not make the user wait for the grace period.
+                self.procs.kill_all()
+
+    def watch(self) -> int:
+        """Wait for the job to end, then stop whatever is left and report.
+
+        Returns:
+            The launcher's exit code: 0, the first failed rank's, 128+N for signal N, 124 for a
+            rank that did not start in time, 1 when another node's rank failed.
+        """
+        last_scan = 0.0
+        while self.procs.running() and not self._ending():
+            self._next_event(0.5)
+            if time.monotonic() - last_scan > 0.5:
+                self.procs.remember_descendants()
+                self._check_started()
+                self._check_other_nodes()
+                last_scan = time.monotonic()
+        failed = self.first_failure
+        if self.slurm is not None and failed is not None:
+            self.slurm.report_failure(f"rank {failed.slot.rank} (host {failed.slot.host}) "
+                                      f"{describe_exit(failed.returncode)}")
+        # Also when every rank exited 0: stops anything they left running in the background.
+        self.teardown(self.received_signal or signal.SIGTERM)
+        for rank in self.ranks:
+            rank.output.finish(idle=2.0)
+        code = self._summarize()
+        if self.slurm is not None:
+            self.slurm.end_task(wait_for_others=self.received_signal is None)
+        return code
+
+    def _check_other_nodes(self) -> None:
+        """Stop this node's ranks when another task's launcher reported a failed rank."""
+        reason = self.slurm.reported_failure() if self.slurm is not None else None
+        if reason is not None:
+            self.node_failure = (f"torchmn run: {reason}; stopped the {len(self.procs.running())} "
+                                 f"rank(s) on this node.")
+
+    def _check_started(self) -> None:
+        """End the job when a remote rank has not started within the start timeout."""
+        timeout = self.config.start_timeout
+        if self.start_failure is not None or time.monotonic() - self.started_at < timeout:
+            return
+        late = [r for r in self.ranks if not r.started and r.returncode is None]
+        if not late:
+            return
+        hosts = sorted({r.slot.host for r in late}, key=[s.host for s in self.slots].index)
+        self.start_failure = (
+            f"torchmn run: rank(s) {', '.join(str(r.slot.rank) for r in late)} on host(s) "
+            f"{', '.join(hosts)} did not start within {timeout:g} s (--start-timeout); "
+            f"stopped the job. The host passed its check, so ssh or the host itself is slow or hung: "
+            f"try `{self.config.ssh.hint(hosts[0])}`, or raise --start-timeout.")
+
+    def _summarize(self) -> int:
+        if self.start_failure is not None:
+            self.console.message(self.start_failure)
+            return 124
+        if self.node_failure is not None:
+            self.console.message(self.node_failure)
+            return 1
+        if self.received_signal is not None:
+            name = signal.Signals(self.received_signal).name
+            self.console.message(f"torchmn run: received {name}; forwarded it to all {self.config.np} ranks "
+                                 f"and stopped them.")
+            return 128 + self.received_signal
+        failed = self.first_failure
+        if failed is None:
+            return 0
+        self.console.message(failure_summary(failed, self.ranks, self.slurm.reported if self.slurm else None))
+        return exit_code_of(failed.returncode)
+
+    def run_once(self) -> int:
+        """Start the job, watch it to its end and close it: one start, without restarts.
+
+        Returns:
+            The exit code (see ``watch``).
+
+        Raises:
+            RunError: the job cannot start; any rank already started has been stopped.
+        """
+        try:
+            try:
+                self.start()
+            except BaseException:
+                if self.ranks:
+                    self.teardown(signal.SIGTERM)
+                raise
+            return self.watch()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Close the rendezvous store and let the guardian go; call once the job has ended."""
+        # Dropping the last reference shuts the store's server down and frees the port.
+        self.store = None
+        if self.slurm is not None:
+            self.slurm.close()
+        self.procs.close()
+
+
+def run(config: LaunchConfig, env: Optional[Mapping[str, str]] = None) -> int:
+    """Run a job as ``torchmn run`` would, from start to teardown, and again after a failure as
+    ``config.max_restarts`` allows (see ``torchmn.run.restarts``).
+
+    In the main thread, SIGINT, SIGTERM and SIGHUP (forwarded to the ranks, which are then
+    stopped, and no restart follows) and SIGUSR1, SIGUSR2 (passed on) are handled for the job's
+    length.
+
+    Args:
+        config: what to run, and how.
+        env: the launcher's environment, which the ranks inherit (default: ``os.environ``).
+
+    Returns:
+        The exit code ``torchmn run`` would exit with (see ``Job.watch`` and ``Restarts.run``).
+
+    Raises:
+        RunError: the job cannot be run as asked; any rank already started has been stopped.
+
+    Example::
+
+        >>> run(LaunchConfig(["python", "-c", "import os; print(os.environ['RANK'])"], np=2, output_ranks={0}))
+        [0] 0
+        0
+    """
+    restarts = Restarts(config, os.environ if env is None else env, Job)
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = {}
+    if in_main_thread:
+        # Installed before the first rank starts, so a Ctrl-C during start-up still tears down.
+        for sig in FORWARDED_SIGNALS + RELAYED_SIGNALS:
+            previous[sig] = signal.signal(sig, restarts.on_signal)
+    try:
+        return restarts.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

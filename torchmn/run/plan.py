@@ -1,0 +1,179 @@
+"""Planning a job: ranks onto the hosts' slots, and the variables each rank starts with.
+
+Also the check that ``torchmn run`` is not one of several copies another launcher started.
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Dict, List, Mapping, Sequence, Tuple
+
+from torchmn import network, resources
+from torchmn.environments import EnvMethodEnvironment, SlurmEnvironment, TorchmnEnvironment, base
+from torchmn.environments.detect import launcher_class
+from torchmn.run.config import RunError
+from torchmn.run.remote.ssh import forwarded_env
+
+# Set in every local rank's environment, and so in every process it starts: which job they belong to.
+JOB_ID = "TORCHMN_JOB_ID"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """One rank's place in the job.
+
+    Attributes:
+        rank, size: the rank and the number of ranks.
+        local_rank, local_size: the same among the ranks of its host.
+        node_rank, node_count: its host's index, and the number of hosts.
+        host: the host it runs on.
+    """
+
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    node_rank: int
+    node_count: int
+    host: str
+
+
+def plan_slots(hosts: Sequence[Tuple[str, int]]) -> List[Slot]:
+    """Number ranks host by host: the first host's slots get ranks 0..k-1, and so on.
+
+    Args:
+        hosts: (host, ranks on it) pairs, in order.
+
+    Returns:
+        One ``Slot`` per rank, in rank order.
+
+    Example::
+
+        >>> [(s.rank, s.local_rank, s.node_rank) for s in plan_slots([("a", 2), ("b", 1)])]
+        [(0, 0, 0), (1, 1, 0), (2, 0, 1)]
+    """
+    size = sum(count for _, count in hosts)
+    slots: List[Slot] = []
+    for node_rank, (host, count) in enumerate(hosts):
+        for local_rank in range(count):
+            slots.append(Slot(len(slots), size, local_rank, count, node_rank, len(hosts), host))
+    return slots
+
+
+def rank_env(slot: Slot, master_addr: str, master_port: int) -> Dict[str, str]:
+    """The variables that tell one rank its place: torchmn's names and torchrun's.
+
+    Args:
+        slot: the rank's place.
+        master_addr, master_port: where the rendezvous store listens.
+
+    Returns:
+        The variables.
+
+    Example::
+
+        >>> rank_env(plan_slots([("h", 2)])[1], "127.0.0.1", 29500)["RANK"]
+        '1'
+    """
+    return {
+        base.TORCHMN_RANK: str(slot.rank),
+        base.TORCHMN_SIZE: str(slot.size),
+        base.TORCHMN_LOCAL_RANK: str(slot.local_rank),
+        base.TORCHMN_LOCAL_SIZE: str(slot.local_size),
+        base.TORCHMN_NODE_RANK: str(slot.node_rank),
+        base.TORCHMN_NODE_COUNT: str(slot.node_count),
+        base.TORCHMN_HOST: slot.host,
+        "RANK": str(slot.rank),
+        "WORLD_SIZE": str(slot.size),
+        "LOCAL_RANK": str(slot.local_rank),
+        "LOCAL_WORLD_SIZE": str(slot.local_size),
+        "GROUP_RANK": str(slot.node_rank),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        # The launcher hosts the store; with this, torch's env:// rendezvous makes every rank,
+        # rank 0 included, a client of it instead of rank 0 binding MASTER_PORT itself.
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+
+
+def local_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str], master_addr: str,
+              master_port: int, job_id: str, several_hosts: bool) -> Dict[str, str]:
+    """The whole environment of a rank on this machine.
+
+    Args:
+        slot: the rank's place.
+        base_env: the launcher's environment.
+        exports: the ``-x`` variables.
+        master_addr, master_port: where the rendezvous store listens.
+        job_id: the value of ``JOB_ID``, by which teardown finds what the rank started.
+        several_hosts: other hosts take part, so gloo is told which interface reaches them.
+
+    Returns:
+        The environment, for ``subprocess.Popen``.
+    """
+    env = dict(base_env)
+    env.update(exports)
+    env.update(resources.launcher_thread_env(slot.local_size, env))
+    env.update(rank_env(slot, master_addr, master_port))
+    env["PYTHONUNBUFFERED"] = "1"
+    env[JOB_ID] = job_id
+    if several_hosts and "GLOO_SOCKET_IFNAME" not in env:
+        # gloo would otherwise pick the address of this machine's hostname, often 127.0.1.1.
+        interface = network.interface_of(master_addr)
+        if interface:
+            env["GLOO_SOCKET_IFNAME"] = interface
+    return env
+
+
+def remote_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str], master_addr: str,
+               master_port: int) -> Dict[str, str]:
+    """What a remote rank's ssh command line sets: the forwarded variables and its place. The
+    watcher adds the thread budget and gloo's interface on the host itself.
+
+    Args:
+        slot: the rank's place.
+        base_env: the launcher's environment.
+        exports: the ``-x`` variables.
+        master_addr, master_port: where the rendezvous store listens.
+
+    Returns:
+        The variables, for ``torchmn.run.remote.ssh.rank_command``.
+    """
+    env = forwarded_env(base_env, exports)
+    env.update(rank_env(slot, master_addr, master_port))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def refuse_outer_launcher(env: Mapping[str, str]) -> None:
+    """Refuse to be one of several copies that mpirun or torchrun started: each copy would start a
+    job of its own, with its own rendezvous, and they would train apart without a word.
+
+    Copies started by srun are handled by ``torchmn.run.slurm_step``; hand-set ``RANK`` and
+    ``WORLD_SIZE`` only bring a warning, since they may be a batch script's own.
+
+    Args:
+        env: the launcher's environment.
+
+    Raises:
+        RunError: another launcher started this process as one of several.
+    """
+    kind = launcher_class(env)
+    if kind in (None, SlurmEnvironment, TorchmnEnvironment):
+        return
+    try:
+        size = kind.read(env).size
+    except (ValueError, RuntimeError):
+        return
+    if size > 1 and kind is EnvMethodEnvironment:
+        # Hand-set variables may be a batch script's own, or a scheduler's that started a copy of
+        # this command on each host (Kubeflow's PyTorchJob): say so, without refusing the first.
+        sys.stderr.write(f"torchmn run: warning: RANK={env.get('RANK')} and WORLD_SIZE={env.get('WORLD_SIZE')} are "
+                         f"set; if a scheduler started this command on several hosts, each copy runs a job of its "
+                         f"own (use one torchmn run with -H/--hostfile, or torchrun). Ignore this if the variables "
+                         f"are your script's.\n")
+    elif size > 1:
+        command = {"openmpi": "mpirun", "mpich": "mpiexec"}.get(kind.source, kind.source)
+        raise RunError(f"torchmn run was started as one of {size} {kind.source} processes, so each would start a "
+                       f"job of its own. Start the ranks with one launcher: `{command} ... python train.py` "
+                       f"alone, or one `torchmn run -np N` (with -H/--hostfile for several hosts).")

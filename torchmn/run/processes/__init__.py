@@ -1,0 +1,3 @@
+"""Starting, watching and ending the job's processes on this machine: the ranks (``supervisor.py``),
+their output (``output.py``), process groups and ``prctl`` (``groups.py``), and the guardian that ends
+the job if the launcher dies (``guardian.py``)."""

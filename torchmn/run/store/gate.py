@@ -1,0 +1,459 @@
+"""The gate: the only door to the rendezvous store, on the job's address, for members of the job only.
+
+torch's ``TCPStore`` has no authentication, so the launcher's store listens on 127.0.0.1 alone,
+on a port only the gate can connect to (``torchmn.run.store.rendezvous``), and the gate listens
+where the ranks were told (``MASTER_ADDR:MASTER_PORT``). For each connection it
+reads the first byte:
+
+- a greeting (``torchmn.run.store.auth``): a launcher or watcher of the job proves it knows the token
+  and stays connected as a *voucher* for the processes of its host;
+- anything else is a ``TCPStore`` client (a rank's, torch's own ``env://``, or the script's).
+  It is admitted when it belongs to the job: on this machine, when the process that holds the
+  connection was started with the job's token (``torchmn.run.store.peers``); from another host,
+  when a voucher connected from that host's address says so, having looked the same way there.
+  An admitted client is joined to a new connection to the real store, and the gate passes bytes
+  both ways until either side closes (``torchmn.run.store.pipes``).
+
+Anything else is closed, with one line in the launcher's output saying who and why. All sockets
+are served by one thread (``selectors``); working out who a client is, which reads ``/proc``
+or waits for a voucher's answer, runs on a small pool of threads meanwhile.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import os
+import queue
+import selectors
+import socket
+import threading
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+from torchmn.run.store import auth
+from torchmn.run.store.peers import identify
+from torchmn.run.store.pipes import End, Pipes
+
+# Seconds a new connection has to send its first byte, or to finish its greeting.
+GREETING_SECONDS = 10.0
+# Seconds to wait for a voucher's answer about one of its host's connections.
+VOUCH_SECONDS = 10.0
+# Refusals written to the log; past this many, one line says the rest are not shown.
+MAX_LOGGED_REFUSALS = 20
+
+
+def listen(address: str, port: int) -> socket.socket:
+    """A listening socket on ``address`` (an address or a name of this machine) and ``port``.
+
+    Args:
+        address: where to listen; never every interface.
+        port: the port, 0 for one the OS picks.
+
+    Returns:
+        The socket.
+
+    Raises:
+        OSError: the address is not this machine's, or the port is taken.
+
+    Example::
+
+        >>> listen("127.0.0.1", 0).getsockname()[0]
+        '127.0.0.1'
+    """
+    infos = socket.getaddrinfo(address, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, where = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        # Only lets a new job reuse a port whose old connections linger in TIME_WAIT; Linux still
+        # refuses a second listener.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(where)
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+@dataclasses.dataclass(eq=False)
+class _Newcomer:
+    """A connection whose first bytes have not told yet what it is."""
+
+    sock: socket.socket
+    address: Tuple[str, int]
+    deadline: float
+    data: bytes = b""
+    challenge: Optional[bytes] = None
+
+
+@dataclasses.dataclass(eq=False)
+class _Voucher:
+    """A launcher or watcher of the job on another host (or this one), which answers for its host."""
+
+    sock: socket.socket
+    address: Tuple[str, int]
+    data: bytes = b""
+    out: bytearray = dataclasses.field(default_factory=bytearray)
+    asked: Dict[int, "_Question"] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(eq=False)
+class _Question:
+    done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    answered: bool = False
+    member: bool = False
+    words: str = ""
+
+
+class Gate:
+    """Serve the rendezvous store's door on ``address:port`` for the job whose token is ``token``.
+
+    Args:
+        address: the job's address: 127.0.0.1 for a job on one machine, else the address the
+            other hosts reach this one on.
+        port: the port (``--master-port``), 0 for one the OS picks.
+        token: the job's token.
+        connect_store: opens a new connection to the real store (see
+            ``torchmn.run.store.rendezvous``, which alone can reach its port).
+        log: where the gate's lines go (the launcher's console).
+        likely_pids: the job's ranks here, looked at first to identify a client.
+
+    Attributes:
+        port: the port the gate listens on.
+
+    Raises:
+        OSError: the gate cannot listen there.
+
+    Example::
+
+        >>> gate = Gate("127.0.0.1", 0, token, connect_to_store, print)  # doctest: +SKIP
+        >>> gate.port, gate.close()  # doctest: +SKIP
+    """
+
+    def __init__(self, address: str, port: int, token: str, connect_store: Callable[[], socket.socket],
+                 log: Callable[[str], None], likely_pids: Callable[[], Sequence[int]] = tuple):
+        self.listener = listen(address, port)
+        self.listener.setblocking(False)
+        self.port = self.listener.getsockname()[1]
+        self.token = token
+        self.connect_store = connect_store
+        self.log = log
+        self.likely_pids = likely_pids
+        self.refused: set = set()  # (address, who) already in the log
+        self.vouchers: Dict[str, List[_Voucher]] = {}
+        self.lock = threading.Lock()
+        self.questions = itertools.count()
+        self.calls: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
+        self.selector = selectors.DefaultSelector()
+        self.pipes = Pipes(self.selector)
+        self.newcomers: Dict[socket.socket, _Newcomer] = {}
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.wake_r.setblocking(False)
+        self.wake_w.setblocking(False)
+        self.selector.register(self.listener, selectors.EVENT_READ, "listener")
+        self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
+        self.workers = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="torchmn-gate")
+        self.closing = False
+        self.thread = threading.Thread(target=self._serve, name="torchmn-gate", daemon=True)
+        self.thread.start()
+
+    # -- the loop ---------------------------------------------------------------------------------
+
+    def _in_loop(self, call: Callable[[], None]) -> None:
+        """Run ``call`` on the gate's thread, which alone touches its sockets."""
+        self.calls.put(call)
+        try:
+            self.wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # already woken, or closed
+
+    def _serve(self) -> None:
+        try:
+            while not self.closing:
+                timeout = 0.5 if self.newcomers else None
+                for key, events in self.selector.select(timeout):
+                    self._safely(self._ready, key.data, key.fileobj, events, sock=key.fileobj)
+                while True:
+                    try:
+                        call = self.calls.get_nowait()
+                    except queue.Empty:
+                        break
+                    self._safely(call)
+                now = time.monotonic()
+                for newcomer in [n for n in self.newcomers.values() if n.deadline < now]:
+                    what = "finished no greeting" if newcomer.data else "sent nothing"
+                    self._refuse(newcomer, f"it {what} within {GREETING_SECONDS:g} s")
+        finally:
+            self._close_all()
+
+    def _safely(self, call: Callable[..., None], *args, sock: Optional[socket.socket] = None) -> None:
+        """Run one step of the loop; a mistake in it costs that connection, not the whole store."""
+        try:
+            call(*args)
+        except Exception as e:  # noqa: BLE001
+            self.log(f"torchmn run: the rendezvous store's gate dropped a connection after an error: "
+                     f"{type(e).__name__}: {e}")
+            if sock is not None and sock not in (self.listener, self.wake_r):
+                try:
+                    self.selector.unregister(sock)
+                except (KeyError, ValueError):
+                    pass
+                sock.close()
+
+    def _ready(self, data, sock: socket.socket, events: int) -> None:
+        if isinstance(data, End):  # the usual case first: a request or an answer to pass on
+            self.pipes.ready(data, events)
+        elif data == "listener":
+            self._accept()
+        elif data == "wake":
+            try:
+                while sock.recv(4096):
+                    pass
+            except (BlockingIOError, OSError):
+                pass
+        elif isinstance(data, _Newcomer):
+            self._greeting(data)
+        elif isinstance(data, _Voucher):
+            self._from_voucher(data, events)
+
+    def _accept(self) -> None:
+        for _ in range(64):
+            try:
+                sock, address = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            sock.setblocking(False)
+            newcomer = _Newcomer(sock, address[:2], time.monotonic() + GREETING_SECONDS)
+            self.newcomers[sock] = newcomer
+            self.selector.register(sock, selectors.EVENT_READ, newcomer)
+
+    # -- greeting ---------------------------------------------------------------------------------
+
+    def _greeting(self, newcomer: _Newcomer) -> None:
+        try:
+            chunk = newcomer.sock.recv(4096)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            chunk = b""
+        if not chunk:
+            self._drop(newcomer)
+            return
+        newcomer.data += chunk
+        if newcomer.challenge is None and not newcomer.data.startswith(auth.GREETING_BYTE):
+            # A TCPStore client: working out who it is reads /proc or asks a voucher.
+            self._forget(newcomer)
+            self.workers.submit(self._admit, newcomer)
+            return
+        if newcomer.challenge is None:
+            if len(newcomer.data) < len(auth.GREETING):
+                return
+            if newcomer.data[:len(auth.GREETING)] != auth.GREETING:
+                self._refuse(newcomer, "it sent an unknown greeting")
+                return
+            newcomer.data = newcomer.data[len(auth.GREETING):]
+            newcomer.challenge = os.urandom(auth.CHALLENGE_SIZE)
+            try:
+                newcomer.sock.send(newcomer.challenge)  # 32 bytes into an empty buffer: sent whole
+            except OSError:
+                self._drop(newcomer)
+                return
+        if len(newcomer.data) < auth.PROOF_SIZE:
+            return
+        if not auth.proof_matches(self.token, newcomer.challenge, newcomer.data[:auth.PROOF_SIZE]):
+            self._refuse(newcomer, "it presented a wrong token (another job's, or a guess)")
+            return
+        self._forget(newcomer)
+        voucher = _Voucher(newcomer.sock, newcomer.address, data=newcomer.data[auth.PROOF_SIZE:])
+        voucher.out += auth.ACCEPTED
+        with self.lock:
+            self.vouchers.setdefault(voucher.address[0], []).append(voucher)
+        self.selector.register(voucher.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, voucher)
+
+    def _forget(self, newcomer: _Newcomer) -> None:
+        self.newcomers.pop(newcomer.sock, None)
+        try:
+            self.selector.unregister(newcomer.sock)
+        except (KeyError, ValueError):
+            pass
+
+    def _drop(self, newcomer: _Newcomer) -> None:
+        """A connection closed before it said anything: a port check, nothing to log."""
+        self._forget(newcomer)
+        newcomer.sock.close()
+
+    def _refuse(self, newcomer: _Newcomer, why: str, who: str = "") -> None:
+        self._forget(newcomer)
+        newcomer.sock.close()
+        self._log_refusal(newcomer.address, who, why)
+
+    def _log_refusal(self, address: Tuple[str, int], who: str, why: str) -> None:
+        # A TCPStore client that is refused tries again until its timeout: one line per process
+        # (or per address, where the process is not known), not one per try.
+        with self.lock:
+            if (address[0], who) in self.refused:
+                return
+            self.refused.add((address[0], who))
+            count = len(self.refused)
+        if count > MAX_LOGGED_REFUSALS:
+            return
+        where = f"[{address[0]}]:{address[1]}" if ":" in address[0] else f"{address[0]}:{address[1]}"
+        line = (f"torchmn run: refused a connection to the rendezvous store from {where}"
+                f"{f' ({who})' if who else ''}: {why}; the store admits only the job's own processes")
+        if count == MAX_LOGGED_REFUSALS:
+            line += " (further refusals are not shown)"
+        self.log(line)
+
+    # -- admitting a TCPStore client (on a worker thread) -----------------------------------------
+
+    def _admit(self, newcomer: _Newcomer) -> None:
+        try:
+            gate_end = newcomer.sock.getsockname()[:2]
+            peer = identify(newcomer.address, gate_end, self.token, first=self._likely())
+            member, who = peer.member, (peer.describe() if peer.found else "")
+            if not member:
+                # Another host's client, or on this one a launcher of the job without the token in
+                # its environment (a Slurm task's): a voucher connected from there answers for it.
+                member, words = self._ask_voucher(newcomer.address, gate_end)
+                who = who or words
+            if not member:
+                newcomer.sock.close()
+                self._log_refusal(newcomer.address, who, "it was not started with this job's token "
+                                  "(TORCHMN_JOB_TOKEN) and presented none")
+                return
+            store = self.connect_store()
+        except Exception as e:  # noqa: BLE001 - whatever fails, the client must not hang half-admitted
+            newcomer.sock.close()
+            self._log_refusal(newcomer.address, "", f"could not be joined to the store ({e})")
+            return
+        self._in_loop(lambda: self._join(newcomer, store))
+
+    def _likely(self) -> List[int]:
+        try:
+            return list(self.likely_pids())
+        except Exception:  # noqa: BLE001 - a hint only
+            return []
+
+    def _ask_voucher(self, address: Tuple[str, int], gate_end: Tuple[str, int]) -> Tuple[bool, str]:
+        with self.lock:
+            vouchers = list(self.vouchers.get(address[0], ()))
+        if not vouchers:
+            return False, "no launcher or watcher of this job runs on that host"
+        # Every voucher of a host sees the same /proc: the first that answers decides. One that
+        # does not (its rank just ended, and its connection with it) hands over to the next.
+        for voucher in vouchers:
+            number = next(self.questions)
+            question = _Question()
+            line = f"Q {number} {address[0]} {address[1]} {gate_end[0]} {gate_end[1]}\n".encode()
+
+            def ask(voucher=voucher, number=number, question=question, line=line) -> None:
+                if voucher.sock.fileno() < 0:
+                    question.done.set()
+                    return
+                voucher.asked[number] = question
+                voucher.out += line
+                self._voucher_events(voucher)
+            self._in_loop(ask)
+            question.done.wait(VOUCH_SECONDS)
+            if question.answered:
+                return question.member, (f"on that host: {question.words}" if question.words else "")
+        return False, f"no watcher of that host answered within {VOUCH_SECONDS:g} s"
+
+    # -- vouchers ---------------------------------------------------------------------------------
+
+    def _voucher_events(self, voucher: _Voucher) -> None:
+        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if voucher.out else 0)
+        try:
+            self.selector.modify(voucher.sock, events, voucher)
+        except (KeyError, ValueError):
+            pass
+
+    def _from_voucher(self, voucher: _Voucher, events: int) -> None:
+        try:
+            if events & selectors.EVENT_WRITE and voucher.out:
+                del voucher.out[:voucher.sock.send(voucher.out)]
+            if events & selectors.EVENT_READ:
+                chunk = voucher.sock.recv(65536)
+                if not chunk:
+                    raise ConnectionError("closed")
+                voucher.data += chunk
+        except (BlockingIOError, InterruptedError):
+            pass
+        except OSError:
+            self._lose_voucher(voucher)
+            return
+        while b"\n" in voucher.data:
+            line, voucher.data = voucher.data.split(b"\n", 1)
+            words = line.decode(errors="replace").split(" ", 3)
+            if len(words) >= 3 and words[0] == "A" and words[1].isdigit():
+                question = voucher.asked.pop(int(words[1]), None)
+                if question is not None:
+                    question.answered = True
+                    question.member = words[2] == "1"
+                    question.words = words[3] if len(words) > 3 else ""
+                    question.done.set()
+        self._voucher_events(voucher)
+
+    def _lose_voucher(self, voucher: _Voucher) -> None:
+        with self.lock:
+            same = self.vouchers.get(voucher.address[0], [])
+            if voucher in same:
+                same.remove(voucher)
+            if not same:
+                self.vouchers.pop(voucher.address[0], None)
+        try:
+            self.selector.unregister(voucher.sock)
+        except (KeyError, ValueError):
+            pass
+        voucher.sock.close()
+        for question in voucher.asked.values():
+            question.done.set()
+        voucher.asked.clear()
+
+    def _join(self, newcomer: _Newcomer, store: socket.socket) -> None:
+        if self.closing:
+            newcomer.sock.close()
+            store.close()
+            return
+        self.pipes.join(newcomer.sock, store, newcomer.data)
+
+    # -- closing ----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop serving: close the door and every connection through it (the ranks' store
+        connections included). Safe to call more than once."""
+        if self.closing:
+            return
+        self.closing = True
+        try:
+            self.wake_w.send(b"\0")
+        except OSError:
+            pass
+        if threading.current_thread() is not self.thread:
+            self.thread.join(5)
+        self.workers.shutdown(wait=False)
+
+    def _close_all(self) -> None:
+        self.pipes.close_all()
+        for key in list(self.selector.get_map().values()):
+            try:
+                key.fileobj.close()
+            except OSError:
+                pass
+        self.selector.close()
+        self.wake_w.close()
+        while True:
+            try:
+                self.calls.get_nowait()()  # joins still queued: they see closing and close their sockets
+            except queue.Empty:
+                break
+            except Exception:  # noqa: BLE001 - a question to a voucher now closed: its asker gives up
+                continue
+        with self.lock:
+            vouchers = [v for same in self.vouchers.values() for v in same]
+        for voucher in vouchers:
+            for question in voucher.asked.values():
+                question.done.set()

@@ -1,0 +1,200 @@
+"""Where the ranks meet: the rendezvous store the launcher hosts, behind its gate, and the address
+it is reached on. Who may pass the gate is in ``torchmn.run.store.gate`` and ``docs/security.md``."""
+from __future__ import annotations
+
+import errno
+import secrets
+import socket
+import struct
+import sys
+import weakref
+from typing import Callable, Optional, Sequence
+
+from torchmn import network
+from torchmn.run.config import RunError
+from torchmn.run.remote.ssh import HostCheck
+from torchmn.run.store import auth
+from torchmn.run.store.gate import Gate
+
+# Linux's TCP MD5 signature option with an address prefix (linux/tcp.h).
+TCP_MD5SIG_EXT = 32
+TCP_MD5SIG_FLAG_PREFIX = 1
+
+
+def sign(sock: socket.socket, key: bytes) -> None:
+    """Have the kernel sign every TCP segment of ``sock`` with ``key`` (RFC 2385), and, on a
+    listening socket, drop every connection from an IPv4 address that does not sign with it.
+
+    Args:
+        sock: an IPv4 TCP socket, before it connects or once it listens.
+        key: up to 80 bytes.
+
+    Raises:
+        OSError: the kernel has no TCP MD5 signatures (``CONFIG_TCP_MD5SIG``).
+
+    Example::
+
+        >>> listener = socket.socket(); listener.bind(("127.0.0.1", 0)); listener.listen()
+        >>> sign(listener, b"k" * 32)   # from now on, only sockets signed with b"k" * 32 connect
+    """
+    # struct tcp_md5sig: the address (a sockaddr_storage), flags, prefix length, key length,
+    # interface index, key. Prefix 0 of 0.0.0.0 covers every IPv4 peer, including the other
+    # loopback addresses and this machine's own addresses used as a source.
+    address = struct.pack("=HH4s", socket.AF_INET, 0, bytes(4)).ljust(128, b"\0")
+    option = address + struct.pack("=BBHi", TCP_MD5SIG_FLAG_PREFIX, 0, len(key), 0) + key.ljust(80, b"\0")
+    sock.setsockopt(socket.IPPROTO_TCP, TCP_MD5SIG_EXT, option)
+
+
+def _store_connector(port: int, key: Optional[bytes]) -> Callable[[], socket.socket]:
+    """How the gate opens a connection to the store: from 127.0.0.1, signed with ``key``."""
+    def connect() -> socket.socket:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            if key is not None:
+                sign(sock, key)
+            sock.settimeout(10)
+            sock.connect(("127.0.0.1", port))
+        except OSError:
+            sock.close()
+            raise
+        return sock
+    return connect
+
+
+class HostedStore:
+    """The job's rendezvous store as the launcher hosts it: torch's ``TCPStore`` on 127.0.0.1,
+    reachable only through the gate (``torchmn.run.store.gate``) on the job's address.
+
+    Args:
+        store: the launcher's own client of the store (the ``TCPStore`` that hosts it).
+        gate: the gate.
+        address: where the gate listens.
+
+    Attributes:
+        store: as given.
+        port: the gate's port, which the ranks are told (``MASTER_PORT``).
+        address: as given.
+        signed: whether the kernel signs the store's own port (see ``sign``).
+    """
+
+    def __init__(self, store, gate: Gate, address: str, signed: bool):
+        self.store = store
+        self.gate = gate
+        self.port = gate.port
+        self.address = address
+        self.signed = signed
+        # Dropping the last reference closes the gate, as it closes the store.
+        self._finalizer = weakref.finalize(self, gate.close)
+
+    def close(self) -> None:
+        """Close the gate and every connection through it; the store goes with the last reference."""
+        self._finalizer()
+
+
+def _stderr(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def start_store(host: str, port: Optional[int], port_origin: Optional[str] = None, token: Optional[str] = None,
+                log: Optional[Callable[[str], None]] = None,
+                likely_pids: Callable[[], Sequence[int]] = tuple) -> HostedStore:
+    """Host the rendezvous store, as torchrun does (every rank is a client of it), for the job
+    members alone: the ``TCPStore`` listens on 127.0.0.1 only, on a port the kernel keeps for the
+    gate (``sign``), and the gate listens on ``host``, never on every interface.
+
+    Args:
+        host: the job's address: 127.0.0.1 on one machine, else the address the other hosts
+            reach this one on (``--network-interface``'s, or ``address_for_hosts``).
+        port: the gate's port; None lets the OS pick a free one, so there is no race for it.
+        port_origin: where a given port came from, for the error when it is taken (default:
+            ``--master-port``).
+        token: the job's token (default: a new one).
+        log: where refused connections are reported (default: stderr).
+        likely_pids: the job's processes on this machine, looked at first to identify a client.
+
+    Returns:
+        The store; dropping the last reference closes it.
+
+    Raises:
+        RunError: the port is taken, ``host`` is not this machine's, or the store cannot start.
+
+    Example::
+
+        >>> hosted = start_store("127.0.0.1", None); hosted.port > 0
+        True
+    """
+    from torch.distributed import TCPStore
+
+    log = log or _stderr
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(1024)
+        # Given a listening socket, the store listens on it alone; by itself it would listen on
+        # every interface.
+        store = TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
+                         master_listen_fd=listener.fileno())
+    except (OSError, RuntimeError) as e:
+        listener.close()
+        raise RunError(f"could not start the rendezvous store on 127.0.0.1: {e}")
+    store_port = listener.getsockname()[1]
+    # The store's own client is connected by now; from here on only signed connections (the
+    # gate's) reach that port, so no other program of this machine can skip the gate.
+    key: Optional[bytes] = secrets.token_bytes(32)
+    try:
+        sign(listener, key)
+    except OSError as e:
+        key = None
+        log(f"torchmn run: warning: this kernel cannot sign TCP connections ({e.strerror}; Linux's "
+            f"CONFIG_TCP_MD5SIG), so other users of this machine can reach the rendezvous store on "
+            f"127.0.0.1:{store_port} without the job's token; see docs/security.md")
+    listener.detach()  # the store owns the socket now, and closes it
+    try:
+        gate = Gate(host, port or 0, token or auth.new_token(), _store_connector(store_port, key), log,
+                    likely_pids)
+    except OSError as e:
+        if port and e.errno == errno.EADDRINUSE:
+            if port_origin:
+                raise RunError(f"port {port} ({port_origin}) is already in use on this machine. "
+                               f"Choose another: set MASTER_PORT, or pass --master-port.")
+            raise RunError(f"port {port} is already in use on this machine (--master-port {port}). "
+                           f"Pick another port, or leave --master-port out so torchmn picks a free one.")
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise RunError(f"cannot listen for the ranks on {host}: it is not an address of this machine "
+                           f"({socket.gethostname()}); name this machine's address or interface "
+                           f"(MASTER_ADDR, --network-interface)")
+        raise RunError(f"could not start the rendezvous store on {host}:{port or 0}: {e.strerror or e}")
+    return HostedStore(store, gate, host, key is not None)
+
+
+def address_for_hosts(checks: Sequence[HostCheck], remote_hosts: Sequence[str], ssh_port: Optional[int]) -> str:
+    """The address of this machine that the other hosts reach the store on.
+
+    The address the first host saw the ssh connection come from, when it is one of this machine's;
+    else the address this machine routes to the first host from; else its fully qualified name.
+
+    Args:
+        checks: what checking the remote hosts found, in the order of ``remote_hosts``.
+        remote_hosts: the other hosts.
+        ssh_port: the hosts' ssh port (None: 22), to find the route.
+
+    Returns:
+        The rendezvous address.
+
+    Raises:
+        RunError: the only address found is a loopback address, which the other hosts would take
+            for themselves (behind an ssh tunnel or ProxyJump, they log in from this machine's
+            loopback).
+    """
+    local = network.local_addresses()
+    seen = checks[0].client_address
+    if seen and seen in local and not seen.startswith("127."):
+        address = seen
+    else:
+        address = network.route_address(remote_hosts[0], ssh_port or 22) or socket.getfqdn()
+    if network.is_loopback(address):
+        raise RunError(f"cannot tell which address of this machine the hosts {', '.join(remote_hosts)} "
+                       f"reach it on (found only {address}, a loopback address); name the "
+                       f"network with --network-interface (e.g. eth0)")
+    return address
