@@ -1,7 +1,6 @@
 """torchmn.horovod: Horovod's PyTorch API, in real 2- and 3-rank jobs, checked as Horovod's own
 test/parallel/test_torch.py checks it (one test id per check and rank count; the checks of one
 rank count share one job, see tests/jobs.py)."""
-import ast
 import subprocess
 import sys
 
@@ -121,30 +120,3 @@ def test_horovod_errors_are_torchmn_errors_with_horovods_builtin_base():
     assert proc.stdout.splitlines() == [f"{what} True" for what in (
         "before init", "mpi4py communicator", "elastic", "adasum", "unknown handle", "pickled optimizer",
         "second backward", "sparse gradient")], proc.stdout
-
-
-def test_horovod_modules_import_each_other_without_a_cycle():
-    """The modules of torchmn.horovod form a layered graph at module level, and none imports
-    torchmn inside a function but ``__getattr__``, which imports ``hvd.elastic`` when asked for."""
-    package = REPO / "torchmn" / "horovod"
-    modules = {path.stem: ast.parse(path.read_text()) for path in package.glob("*.py")}
-    graph, nested = {}, []
-    for name, tree in modules.items():
-        graph[name] = set()
-        for node in tree.body:
-            if isinstance(node, ast.ImportFrom) and node.module == "torchmn.horovod":
-                graph[name] |= {a.name for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torchmn.horovod."):
-                graph[name].add(node.module.split(".")[2])
-            elif isinstance(node, ast.Import):
-                graph[name] |= {a.name.split(".")[2] for a in node.names if a.name.startswith("torchmn.horovod.")}
-        for function in ast.walk(tree):
-            if isinstance(function, ast.FunctionDef):
-                nested += [(name, function.name) for node in ast.walk(function)
-                           if isinstance(node, (ast.Import, ast.ImportFrom))]
-    assert nested == [("__init__", "__getattr__")], nested
-    done: list[str] = []
-    while len(done) < len(graph):
-        ready = [m for m in graph if m not in done and graph[m] <= set(done)]
-        assert ready, f"import cycle among {sorted(set(graph) - set(done))}"
-        done += ready

@@ -13,24 +13,27 @@ Example::
     >>> optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 """
+from torchmn.horovod.allreduce_collectives import (allreduce, allreduce_, allreduce_async, allreduce_async_,
+                                                   grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
+                                                   grouped_allreduce_async_)
 from torchmn.horovod.basics import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
                                     init, is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
                                     mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size)
-from torchmn.horovod.collectives import (Adasum, Average, Max, Min, Product, Sum, allgather, allgather_async, allreduce,
-                                         allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async,
-                                         broadcast, broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
-                                         grouped_allgather_async, grouped_allreduce, grouped_allreduce_,
-                                         grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
-                                         grouped_reducescatter_async, handle_average_backwards_compatibility,
-                                         reducescatter, reducescatter_async, sparse_allreduce_async)
 from torchmn.horovod.compression import Compression
 from torchmn.horovod.coordination import join
 from torchmn.horovod.errors import HorovodInternalError
+from torchmn.horovod.exchange_collectives import (allgather, allgather_async, alltoall, alltoall_async, broadcast,
+                                                  broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
+                                                  grouped_allgather_async, grouped_reducescatter,
+                                                  grouped_reducescatter_async, reducescatter, reducescatter_async,
+                                                  sparse_allreduce_async)
 from torchmn.horovod.functions import (allgather_object, barrier, broadcast_object, broadcast_optimizer_state,
                                        broadcast_parameters)
 from torchmn.horovod.handles import poll, synchronize
 from torchmn.horovod.optimizer import DistributedOptimizer
 from torchmn.horovod.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from torchmn.horovod.reduction_ops import (Adasum, Average, Max, Min, Product, Sum,
+                                           handle_average_backwards_compatibility)
 from torchmn.horovod.sync_batch_norm import SyncBatchNorm
 from torchmn.horovod.timeline import start_timeline, stop_timeline
 

@@ -21,11 +21,11 @@ from torch.autograd import Variable
 
 import torchmn
 from torchmn.horovod import coordination, timeline
-from torchmn.horovod.collectives import OP_NAMES, Adasum, Average, Sum
 from torchmn.horovod.compression import Compression, Compressor
 from torchmn.horovod.errors import (HorovodInternalError, InvalidCallError, NotPicklableError, SparseGradientError,
                                     TooManyBackwardPassesError, UnsupportedError)
 from torchmn.horovod.process_sets import comm_of, global_process_set
+from torchmn.horovod.reduction_ops import OP_NAMES, Adasum, Average, Sum
 
 _optimizers: list = []   # weak references, in creation order (the same on every rank): join() mirrors them
 
