@@ -1,5 +1,7 @@
 """`torchmn run` with real processes: environment, output, rendezvous, teardown, signals, errors."""
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
@@ -485,3 +487,127 @@ def test_command_options_that_abbreviate_the_launchers_pass_through():
                        "--log", "x", "--out", "y", "--verb", "--log-level", timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "[0] ['--log', 'x', '--out', 'y', '--verb', '--log-level']" in proc.stdout
+
+
+# -- torchmn run --dry-run ------------------------------------------------------------------------
+
+def dry_run_ranks(output):
+    """{rank: {"place": the rank's line, "command": its command line, "env": {NAME: VALUE}}} of a dry run."""
+    ranks, current = {}, None
+    for line in output.splitlines():
+        if line.startswith("rank ") and ": host " in line:
+            current = ranks.setdefault(int(line.split()[1].rstrip(":")), {"place": line, "env": {}})
+        elif current is not None and line.startswith("  command: "):
+            current["command"] = line[len("  command: "):]
+        elif current is not None and line.startswith("    ") and "=" in line:
+            name, value = line.strip().split("=", 1)
+            current["env"][name] = value
+    return ranks
+
+
+def assert_no_secret(output, *secrets):
+    assert "TORCHMN_JOB_TOKEN=<secret>" in output
+    # A job token is 64 hex digits; nothing of the kind is printed.
+    assert not re.search(r"[0-9a-f]{32}", output), output
+    for secret in secrets:
+        assert secret not in output
+
+
+def test_dry_run_gives_each_rank_the_variables_a_real_run_gives(tmp_path):
+    """The dry run's variables are those a real run's ranks get (run_env.py prints them), but for
+    what only the start chooses; and it starts nothing: its command would leave a file."""
+    marker = tmp_path / "started"
+    env = clean_env(TORCHMN_JOB_TOKEN="f" * 64)  # a batch script's: never printed
+    real = torchmn_run("-np", "2", sys.executable, script("run_env.py"), env=env)
+    assert real.returncode == 0, real.stderr
+    dry = torchmn_run("--dry-run", "-np", "2", sys.executable, script("run_env.py"), str(marker), env=env)
+    assert dry.returncode == 0, dry.stderr
+    assert not marker.exists() and "nothing was started" in dry.stdout
+    assert_no_secret(dry.stdout, "f" * 64)
+    ranks = dry_run_ranks(dry.stdout)
+    assert sorted(ranks) == [0, 1]
+    for rank in (0, 1):
+        seen = rank_env(real.stdout, rank)
+        planned = ranks[rank]["env"]
+        assert ranks[rank]["command"] == f"{sys.executable} {script('run_env.py')} {marker}"
+        assert f"rank {rank}: host {socket.gethostname()}, this machine; local rank {rank} of 2, node 0 of 1" \
+            == ranks[rank]["place"]
+        for name, value in seen.items():
+            shown = planned.get(name, env.get(name, "<unset>"))  # only what torchmn adds or changes is listed
+            if name == "MASTER_PORT":
+                assert shown == "<chosen at start>"
+            else:
+                assert shown == value, name
+        assert planned["TORCHMN_JOB_ID"] == "<chosen at start>" and planned["TORCHMN_RESTART_COUNT"] == "0"
+    assert "MASTER_PORT=<chosen at start> (a free port the OS picks)" in dry.stdout
+
+
+def test_dry_run_opens_no_store_and_starts_no_process(monkeypatch, capsys):
+    """In the launcher itself: no socket is bound or connected, no process started."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the dry run started something")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(socket.socket, "bind", refuse)
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    assert main(["run", "--dry-run", "-np", "2", "--master-port", "29555", sys.executable, "train.py"]) == 0
+    out = capsys.readouterr().out
+    assert dry_run_ranks(out)[1]["env"]["MASTER_PORT"] == "29555"
+    assert main(["run", "--dry-run", "-np", "2", "-H", "nosuchhost-a:1,nosuchhost-b:1", "train.py"]) == 0
+    assert "rank 1: host nosuchhost-b, over ssh" in capsys.readouterr().out
+
+
+def test_dry_run_for_other_hosts_shows_the_ssh_command_lines(tmp_path):
+    """Hosts that do not resolve are fine: nothing contacts them. Each rank's ssh command line is
+    the one a real run would start, its variables those listed, the token on none of them."""
+    key = tmp_path / "id_test"
+    dry = torchmn_run("--dry-run", "-np", "4", "-H", "nosuchhost-a:2,nosuchhost-b:2", "-p", "2222", "-i", str(key),
+                      "-x", "WANDB_API_KEY=sekrit-value", "-x", "NCCL_DEBUG=INFO",
+                      "python", "train.py", "--epochs", "1", env=clean_env(OMP_NUM_THREADS="2"))
+    assert dry.returncode == 0, dry.stderr
+    assert_no_secret(dry.stdout, "sekrit-value")
+    assert "nosuchhost-a  2 slots, ranks 0-1: another host" in dry.stdout
+    assert "MASTER_ADDR=<chosen at start> (the address of this machine that the remote hosts see" in dry.stdout
+    ranks = dry_run_ranks(dry.stdout)
+    assert sorted(ranks) == [0, 1, 2, 3]
+    for rank, info in ranks.items():
+        host, local = ("nosuchhost-a", rank) if rank < 2 else ("nosuchhost-b", rank - 2)
+        assert info["place"] == f"rank {rank}: host {host}, over ssh; local rank {local} of 2, node {rank // 2} of 2"
+        argv = shlex.split(info["command"])
+        assert argv[:2] == ["ssh", "-o"] and argv[-6:-2] == ["-i", str(key), "-p", "2222"] and argv[-2] == host
+        words = shlex.split(argv[-1])
+        assert words[:5] == ["cd", os.getcwd(), "&&", "exec", "env"]
+        command_at = words.index(sys.executable)
+        assert words[command_at:] == [sys.executable, "-m", "torchmn.run.remote.watcher", "--", "python", "train.py",
+                                      "--epochs", "1"]
+        on_line = dict(word.split("=", 1) for word in words[5:command_at])
+        assert on_line == info["env"]
+        assert on_line["RANK"] == on_line["TORCHMN_RANK"] == str(rank)
+        assert on_line["LOCAL_RANK"] == str(local) and on_line["GROUP_RANK"] == str(rank // 2)
+        assert on_line["WORLD_SIZE"] == "4" and on_line["TORCHMN_HOST"] == host
+        assert on_line["WANDB_API_KEY"] == "<secret>" and on_line["NCCL_DEBUG"] == "INFO"
+        assert on_line["OMP_NUM_THREADS"] == "2" and on_line["TORCHMN_JOB_TOKEN_ON_STDIN"] == "1"
+        assert "TORCHMN_JOB_TOKEN" not in on_line
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["-np", "5", "-H", "nosuchhost-a:2,nosuchhost-b:2", "true"], 2, "-np 5 is larger than the 4 slots given"),
+    (["-np", "2", "-H", "a:x", "true"], 2, "slot count 'x' is not an integer"),
+    (["-np", "2", "no-such-command-xyz"], 127, "command not found: 'no-such-command-xyz'"),
+    (["-np", "2", "--output-ranks", "5", "true"], 2, "--output-ranks names ranks [5]"),
+    (["-np", "1", "--network-interface", "nosuch0", "true"], 2, "--network-interface 'nosuch0': no such interface"),
+])
+def test_dry_run_refuses_what_a_real_run_refuses(args, code, message, capsys):
+    assert main(["run", "--dry-run", *args]) == code
+    dry = capsys.readouterr()
+    assert main(["run", *args]) == code
+    real = capsys.readouterr()
+    assert message in dry.err and dry.err == real.err and dry.out == ""
+
+
+def test_dry_run_does_not_import_torch():
+    proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "torchmn", "run", "--dry-run", "-np", "2", "true"],
+                          capture_output=True, text=True, timeout=60, env=clean_env())
+    imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    assert proc.returncode == 0 and "torchmn.run.dry_run" in imported, proc.stderr[-3000:]
+    assert "torch" not in imported, sorted(imported)

@@ -1,5 +1,7 @@
-"""The ``torchmn`` command: ``torchmn run -np N [options] COMMAND [ARGS...]`` (horovodrun's flags too),
-``torchmn doctor`` (:mod:`torchmn.doctor`) and ``torchmn tune`` (:mod:`torchmn.tune`).
+"""The ``torchmn`` command: ``torchmn run -np N [options] COMMAND [ARGS...]`` (horovodrun's flags too;
+``--dry-run`` prints the plan, :mod:`torchmn.run.dry_run`), ``torchmn info`` (:mod:`torchmn.info`),
+``torchmn doctor`` (:mod:`torchmn.doctor`), ``torchmn tune`` (:mod:`torchmn.tune`) and
+``torchmn --version``.
 
 Subcommands are registered in ``SUBCOMMANDS``. ``run`` parses its options into one
 ``torchmn.run.config.LaunchConfig`` and hands it to ``torchmn.run.job.run``.
@@ -11,6 +13,10 @@ Example::
     $ torchmn run -np 8 --hostfile hosts -x NCCL_DEBUG=INFO python train.py
     $ torchmn run -np 2 --log-dir logs --output-ranks 0 -- python train.py --epochs 3
     $ torchmn run -np 2 --max-restarts 3 python train.py      # resumes from its checkpoint
+    $ torchmn run --dry-run -np 8 -H node1:4,node2:4 python train.py   # the plan; nothing starts
+    $ torchmn info                                             # what a rank started here would find
+    $ torchmn run -np 2 torchmn info --json                    # each rank's view, one JSON line each
+    $ torchmn --version
     $ python -m torchmn run -np 2 python -c "import os; print(os.environ['RANK'])"
     $ torchmn doctor -np 2 -- python train.py
     $ torchmn tune -np 2 --n-trials 20 -- python train.py
@@ -22,6 +28,7 @@ import sys
 from typing import Optional, Sequence, Set
 
 from torchmn.doctor.command import add_doctor
+from torchmn.info import add_info, version_text
 from torchmn.run import horovodrun_flags
 from torchmn.tune.command import add_tune
 
@@ -74,6 +81,10 @@ def _add_run(subparsers) -> None:
                    help="how long checking the hosts, and starting each remote rank, may take "
                         "(default 60)")
     p.add_argument("--verbose", "-v", action="store_true", help="print what the launcher does")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan (hosts and slots; each rank's place, command line and variables, "
+                        "secrets hidden) and exit without starting anything or contacting any host; the "
+                        "options are checked as for a real run")
     restarts = p.add_argument_group("restarts (each start is a new job; the ranks see TORCHMN_RESTART_COUNT)")
     restarts.add_argument("--max-restarts", type=int, default=0, metavar="K",
                           help="when a rank fails, stop the job and start every rank again, up to K times "
@@ -158,13 +169,28 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.max_restarts == 0 and (args.restart_on is not None or args.restart_delay is not None):
             sys.stderr.write("torchmn run: note: --restart-on and --restart-delay do nothing without "
                              "--max-restarts K\n")
+        if args.dry_run:
+            from torchmn.run.dry_run import dry_run
+
+            return dry_run(config)
         return run(config)
     except RunError as e:
         sys.stderr.write(f"torchmn run: error: {e}\n")
         return e.exit_code
 
 
-SUBCOMMANDS = (_add_run, add_doctor, add_tune)
+class _VersionAction(argparse.Action):
+    """``--version``: the text is made only when asked (it reads torch's installed metadata)."""
+
+    def __init__(self, option_strings, dest, help=None):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help=help)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        sys.stdout.write(version_text() + "\n")
+        parser.exit()
+
+
+SUBCOMMANDS = (_add_run, add_info, add_doctor, add_tune)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -178,7 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
         >>> build_parser().parse_args(["run", "-np", "2", "python", "x.py"]).command
         ['python', 'x.py']
     """
-    parser = argparse.ArgumentParser(prog="torchmn", description="Multi-node distributed training for PyTorch.")
+    parser = argparse.ArgumentParser(prog="torchmn", description="Multi-node distributed training for PyTorch.",
+                                     epilog="Start with `torchmn info` (what a rank started here would find) "
+                                            "and `torchmn run --help`.")
+    parser.add_argument("--version", action=_VersionAction,
+                        help="print the versions of torchmn, torch and Python, and exit")
     subparsers = parser.add_subparsers(dest="subcommand", metavar="SUBCOMMAND")
     for add in SUBCOMMANDS:
         add(subparsers)

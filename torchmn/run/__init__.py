@@ -5,7 +5,8 @@ per start (``job.py``, ``restarts.py``). Inside: ``plan.py`` puts ranks onto slo
 its variables; ``processes/`` starts, watches and ends processes (supervisor, output, guardian);
 ``remote/`` reaches other hosts (hostfiles, ssh, the watcher that runs each remote rank);
 ``store/`` hosts the rendezvous store behind its gate; ``slurm_step.py`` makes one job of a Slurm
-step's tasks. None of it imports torch. How it works: ``docs/design/launcher.md``.
+step's tasks; ``dry_run.py`` prints a job's plan without starting anything (``--dry-run``). None
+of it imports torch. How it works: ``docs/design/launcher.md``.
 
 Example::
 

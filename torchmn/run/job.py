@@ -15,7 +15,7 @@ import socket
 import sys
 import threading
 import time
-from typing import List, Mapping, Optional
+from typing import Dict, List, Mapping, Optional, Union
 
 from torchmn import network, resources
 from torchmn.run.config import GRACE_SECONDS, START_TIMEOUT, LaunchConfig, RunError
@@ -56,8 +56,9 @@ class Job:
         hosts = config.hosts
         try:
             self.exports = parse_exports(config.exports, self.base_env)
-            placement = (hostfile.assign_ranks(hostfile.merge_local_aliases(hosts), config.np) if hosts
-                         else [(self.host, config.np)])
+            # The hosts and their slots, this machine's names merged into one (None: this machine).
+            self.hosts = hostfile.merge_local_aliases(hosts) if hosts else None
+            placement = hostfile.assign_ranks(self.hosts, config.np) if hosts else [(self.host, config.np)]
         except (hostfile.HostsError, RemoteError) as e:
             raise RunError(str(e))
         self.remote_hosts = [h for h, _ in placement if hosts and not network.is_local(h)]
@@ -99,12 +100,19 @@ class Job:
 
     # -- starting ---------------------------------------------------------------------------------
 
-    def _is_remote(self, slot: Slot) -> bool:
+    def is_remote(self, slot: Slot) -> bool:
+        """Whether ``slot``'s rank runs on another host (started over ssh, through the watcher)."""
         return slot.host in self.remote_hosts
 
-    def _check_command(self) -> None:
+    def check_command(self) -> None:
+        """Check that the command can be found where it starts on this machine (with ``-x PATH=...``,
+        on that PATH); ranks on other hosts have theirs checked by the watcher there.
+
+        Raises:
+            RunError: the command is not found (exit code 127).
+        """
         command = self.config.command
-        if all(self._is_remote(slot) for slot in self.slots):
+        if all(self.is_remote(slot) for slot in self.slots):
             return  # checked on each host by the watcher
         path = self.exports.get("PATH", self.base_env.get("PATH", os.defpath))  # -x PATH=... is the ranks' PATH
         if shutil.which(command[0], path=path) is None:
@@ -116,9 +124,9 @@ class Job:
         """Check every remote host at once and choose the rendezvous address; raise RunError naming
         every host that cannot run ranks."""
         config = self.config
+        known = self.known_master_addr()  # before any ssh: a wrong --network-interface needs none
         if not self.remote_hosts:
-            if config.network_interface:
-                self.master_addr = self._interface_address()
+            self.master_addr = known
             return
         if config.verbose:
             self.console.message(f"torchmn run: checking hosts {', '.join(self.remote_hosts)} over ssh")
@@ -133,17 +141,28 @@ class Job:
             lines = [f"{len(bad)} of {len(checks)} host(s) cannot run ranks:"]
             lines += [f"  host {c.host}: {c.error}" for c in bad]
             raise RunError("\n".join(lines))
-        if config.network_interface:
-            self.master_addr = self._interface_address()
-        else:
-            self.master_addr = address_for_hosts(checks, self.remote_hosts, config.ssh.port)
+        self.master_addr = known or address_for_hosts(checks, self.remote_hosts, config.ssh.port)
 
-    def _interface_address(self) -> str:
-        """The address of ``--network-interface``, for the rendezvous."""
-        try:
-            return network.interface_address(self.config.network_interface)
-        except network.NetworkError as e:
-            raise RunError(str(e)) from e
+    def known_master_addr(self) -> Optional[str]:
+        """The rendezvous address as far as it is known before any host is checked.
+
+        Returns:
+            The Slurm step's first node in a multi-task Slurm step; else the address of
+            ``--network-interface`` where given; else ``127.0.0.1`` for a job on this machine alone;
+            None where other hosts take part, since the address is then the one the first remote
+            host sees the launcher connect from, which only the host checks tell.
+
+        Raises:
+            RunError: ``--network-interface`` names no interface with an address.
+        """
+        if self.slurm is not None:
+            return self.master_addr
+        if self.config.network_interface:
+            try:
+                return network.interface_address(self.config.network_interface)
+            except network.NetworkError as e:
+                raise RunError(str(e)) from e
+        return None if self.remote_hosts else LOCAL_ADDR
 
     def _raise_on_signal(self) -> None:
         """Ctrl-C (or SIGTERM) while hosts are checked: stop the launcher now."""
@@ -154,20 +173,72 @@ class Job:
         raise RunError(f"received {signal.Signals(event[1]).name} while checking the hosts; stopped",
                        exit_code=128 + event[1])
 
-    def _start_rank(self, slot: Slot, port: int, log_path: Optional[str]) -> Rank:
-        if self._is_remote(slot):
+    def rank_environment(self, slot: Slot, port: Union[int, str]) -> Dict[str, str]:
+        """The variables torchmn sets for one rank.
+
+        For a rank on this machine, its whole environment: the launcher's, the ``-x`` exports, the
+        thread budget, its place, the job's id and its token. For a rank on another host, the
+        variables its ssh command line sets (the forwarded ones and its place); the watcher there
+        adds the token (read from its stdin), the thread budget and gloo's interface.
+
+        Args:
+            slot: the rank's place.
+            port: the rendezvous port (``torchmn run --dry-run`` passes a placeholder).
+
+        Returns:
+            The variables.
+
+        Example::
+
+            >>> job = Job(LaunchConfig(["python", "train.py"], np=2))
+            >>> job.rank_environment(job.slots[1], 29500)["RANK"]
+            '1'
+        """
+        if self.is_remote(slot):
             env = remote_env(slot, self.base_env, self.exports, self.master_addr, port)
-            env[auth.TOKEN_ON_STDIN] = "1"  # the token itself goes through stdin, below
-            line = rank_command(os.getcwd(), sys.executable, env, self.config.command)
-            argv, env = self.config.ssh.argv(slot.host, line), self.base_env
-        else:
-            argv = self.config.command
-            env = local_env(slot, self.base_env, self.exports, self.master_addr, port, self.job_id,
-                            several_hosts=bool(self.remote_hosts))
-            env[auth.TOKEN_ENV] = self.token
-        rank = self.procs.start_rank(slot, argv, env, self._is_remote(slot), log_path, self.console,
-                                     self._rank_exited)
-        if self._is_remote(slot):
+            env[auth.TOKEN_ON_STDIN] = "1"  # the token itself goes through stdin (see _start_rank)
+            return env
+        env = local_env(slot, self.base_env, self.exports, self.master_addr, port, self.job_id,
+                        several_hosts=bool(self.remote_hosts))
+        env[auth.TOKEN_ENV] = self.token
+        return env
+
+    def rank_argv(self, slot: Slot, env: Mapping[str, str]) -> List[str]:
+        """What is started for one rank: the command itself on this machine; for a rank on another
+        host, the ssh client that runs the watcher there, ``env`` on its command line.
+
+        Args:
+            slot: the rank's place.
+            env: its variables (see ``rank_environment``).
+
+        Returns:
+            The argument list, for ``subprocess.Popen``.
+
+        Raises:
+            RunError: ``--ssh-command`` is empty.
+
+        Example::
+
+            >>> job = Job(LaunchConfig(["python", "train.py"], np=1))
+            >>> job.rank_argv(job.slots[0], {})
+            ['python', 'train.py']
+        """
+        if not self.is_remote(slot):
+            return list(self.config.command)
+        line = rank_command(os.getcwd(), sys.executable, env, self.config.command)
+        try:
+            return self.config.ssh.argv(slot.host, line)
+        except RemoteError as e:
+            raise RunError(str(e)) from e
+
+    def _start_rank(self, slot: Slot, port: int, log_path: Optional[str]) -> Rank:
+        remote = self.is_remote(slot)
+        env = self.rank_environment(slot, port)
+        argv = self.rank_argv(slot, env)
+        # A remote rank's ssh client runs with the launcher's environment; its rank's is on the line.
+        rank = self.procs.start_rank(slot, argv, self.base_env if remote else env, remote, log_path,
+                                     self.console, self._rank_exited)
+        if remote:
             auth.send_token(rank.process.stdin, self.token)
         return rank
 
@@ -178,7 +249,7 @@ class Job:
             RunError: the job cannot start; ranks already started are left to ``teardown``.
         """
         config = self.config
-        self._check_command()
+        self.check_command()
         self.procs.prepare()
         if config.log_dir is not None:
             prepare_log_dir(config.log_dir)
@@ -196,7 +267,7 @@ class Job:
         if config.verbose:
             self._describe(port)
         self.started_at = time.monotonic()
-        if any(not self._is_remote(slot) for slot in self.slots):
+        if any(not self.is_remote(slot) for slot in self.slots):
             self.procs.start_guardian()
         for slot in self.slots:
             log_path = os.path.join(config.log_dir, f"rank.{slot.rank}.log") if config.log_dir else None

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Dict, List, Mapping, Sequence, Tuple, Union
 
 from torchmn import network, resources
 from torchmn.environments import EnvMethodEnvironment, SlurmEnvironment, TorchmnEnvironment, base
@@ -60,12 +60,13 @@ def plan_slots(hosts: Sequence[Tuple[str, int]]) -> List[Slot]:
     return slots
 
 
-def rank_env(slot: Slot, master_addr: str, master_port: int) -> Dict[str, str]:
+def rank_env(slot: Slot, master_addr: str, master_port: Union[int, str]) -> Dict[str, str]:
     """The variables that tell one rank its place: torchmn's names and torchrun's.
 
     Args:
         slot: the rank's place.
-        master_addr, master_port: where the rendezvous store listens.
+        master_addr, master_port: where the rendezvous store listens (``torchmn run --dry-run``
+            passes placeholders for what only the start tells).
 
     Returns:
         The variables.
@@ -97,7 +98,7 @@ def rank_env(slot: Slot, master_addr: str, master_port: int) -> Dict[str, str]:
 
 
 def local_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str], master_addr: str,
-              master_port: int, job_id: str, several_hosts: bool) -> Dict[str, str]:
+              master_port: Union[int, str], job_id: str, several_hosts: bool) -> Dict[str, str]:
     """The whole environment of a rank on this machine.
 
     Args:
@@ -126,7 +127,7 @@ def local_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str
 
 
 def remote_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str], master_addr: str,
-               master_port: int) -> Dict[str, str]:
+               master_port: Union[int, str]) -> Dict[str, str]:
     """What a remote rank's ssh command line sets: the forwarded variables and its place. The
     watcher adds the thread budget and gloo's interface on the host itself.
 

@@ -196,10 +196,8 @@ class Restarts:
         config = self.config
         count = 0
         while True:
-            job = self.make_job(config, {**self.env, TORCHMN_RESTART_COUNT: str(count)})
+            job = self.make_start(count)
             self.console = job.console
-            if count == 0:
-                self._refuse_multi_node_slurm(job)
             started = time.monotonic()
             self.job = job
             try:
@@ -221,6 +219,25 @@ class Restarts:
             count += 1
             if not self._wait(count, failure):
                 return 128 + self.stop_signal
+
+    def make_start(self, count: int) -> "Job":
+        """Build one start of the job, nothing started yet: its ranks' environment is the launcher's
+        with ``TORCHMN_RESTART_COUNT`` set to ``count``. ``torchmn run --dry-run`` shows start 0.
+
+        Args:
+            count: which start: 0 first, 1 after the first restart, ...
+
+        Returns:
+            The job (``make_job``'s).
+
+        Raises:
+            RunError: the job cannot run as asked; also ``--max-restarts`` in a Slurm step of
+                several ``torchmn run`` tasks.
+        """
+        job = self.make_job(self.config, {**self.env, TORCHMN_RESTART_COUNT: str(count)})
+        if count == 0:
+            self._refuse_multi_node_slurm(job)
+        return job
 
     def _refuse_multi_node_slurm(self, job: "Job") -> None:
         if self.config.max_restarts and job.slurm is not None:
