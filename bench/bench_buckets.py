@@ -42,8 +42,8 @@ def main() -> None:
     base = torchmn.create_communicator("auto")
 
     def variant(name):
-        return make_communicator(name, rank=base.rank, size=base.size, group=base._group,
-                                 obj_group=base._obj_group, backend=base.backend, node_key=base._node_key)
+        return make_communicator(name, rank=base.rank, size=base.size, group=base.process_group,
+                                 obj_group=base.object_group, backend=base.backend, node_key=base.node_key)
     comms = {"naive": variant("naive"), "flat": variant("flat"), f"auto ({base.name})": base,
              "update only": None}
     steps = {name: make_step(c) for name, c in comms.items()}

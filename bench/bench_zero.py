@@ -1,6 +1,6 @@
-"""Time the MNIST MLP with Adam: one process, DDP, torchmn's default, torchmn with every rank
-updating the whole model (shard_state=False) and with shard_state=True,
-and the Horovod idiom through torchmn.horovod.
+"""Time the MNIST MLP with Adam: one process, DDP, DDP with ZeroRedundancyOptimizer, torchmn's
+default, torchmn with every rank updating the whole model (shard_state=False) and with
+shard_state=True, and the Horovod idiom through torchmn.horovod.
 
 The workload (784-1000-1000-10 ReLU, Adam, 1000 samples, a global batch of 100 split over the
 ranks, 20 epochs) is the one where the Adam update of 1.8 M parameters costs as much as the
@@ -9,11 +9,17 @@ Every variant uses the same total thread count (default 2): one process with 2 t
 process with 1 thread, and 2 ranks with 1 thread each. Each run is a fresh job; the time is that
 of the training loop alone (slowest rank), not of start-up. Run it on an idle machine.
 
+torchmn's split updates (the default on one node, shard_state=True) step Adam with torch's fused
+kernel; torch's default Adam on the CPU is its for-loop implementation. So one process (2 threads),
+DDP and DDP + ZeroRedundancyOptimizer each run twice, with torch's default Adam and with
+``torch.optim.Adam(fused=True)``: the ``-fused`` variants are torchmn's like-for-like peers.
+
     python bench/bench_zero.py                       # median of 5 runs each, a markdown table
     python bench/bench_zero.py --repeats 1 --epochs 2
     python bench/bench_zero.py --variants single-2t torchmn-zero
     python bench/bench_zero.py --variants torchmn-zero torchmn-zero-gloo   # shared memory vs gloo
     python bench/bench_zero.py --variants single-2t ddp horovod            # a Horovod script vs DDP
+    python bench/bench_zero.py --variants ddp-fused ddp-zero-fused torchmn torchmn-zero   # fused peers
 """
 from __future__ import annotations
 
@@ -38,6 +44,11 @@ VARIANTS = {
     # torchmn's shards use torch's fused Adam kernel; this is one process given that kernel too.
     "single-2t-fused": ("python", 1, 2, "single-fused"),
     "ddp": ("torchrun", 2, 1, "ddp"),
+    # DDP given the fused Adam kernel that torchmn's split updates use.
+    "ddp-fused": ("torchrun", 2, 1, "ddp-fused"),
+    # torch's ZeRO stage 1, as torch documents it: DDP + ZeroRedundancyOptimizer(optimizer_class=Adam).
+    "ddp-zero": ("torchrun", 2, 1, "ddp-zero"),
+    "ddp-zero-fused": ("torchrun", 2, 1, "ddp-zero-fused"),
     # The default: on one node the ranks share the parameters and the optimizer state and split the update.
     "torchmn": ("torchmn", 2, 1, "torchmn"),
     # shard_state=False: every rank updates the whole model.
@@ -48,6 +59,15 @@ VARIANTS = {
     # A Horovod script (hvd.DistributedOptimizer, broadcast_parameters/_optimizer_state) on torchmn.horovod.
     "horovod": ("torchmn", 2, 1, "horovod"),
 }
+
+# How each variant's Adam update runs: "for-loop" is torch's default on the CPU (fused and foreach
+# unset: one parameter at a time, several elementwise passes each); "fused" is torch's fused Adam
+# kernel (one pass), which torchmn's shards use where the user left the choice to torch.
+ADAM_UPDATE = {"single-2t": "for-loop", "single-1t": "for-loop", "single-2t-fused": "fused", "ddp": "for-loop",
+               "ddp-fused": "fused", "ddp-zero": "for-loop", "ddp-zero-fused": "fused", "torchmn": "fused",
+               "torchmn-replicated": "for-loop", "torchmn-zero": "fused", "torchmn-zero-gloo": "fused",
+               "horovod": "for-loop"}
+FUSED_MODES = ("single-fused", "ddp-fused", "ddp-zero-fused")
 
 
 # ----------------------------------------------------------------------------- one rank's work
@@ -78,9 +98,12 @@ def make_model():
 def state_bytes(optimizer) -> int:
     """Bytes of optimizer state this rank keeps (and updates): its slices where the state is split."""
     import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
     if hasattr(optimizer, "state_bytes"):
         return optimizer.state_bytes()
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer = optimizer.optim  # this rank's local optimizer, over the parameters it owns
     return sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values()
                if torch.is_tensor(v))
 
@@ -92,13 +115,18 @@ def worker(mode: str, args) -> None:
 
     torch.set_num_threads(args.threads)
     model = make_model()
-    optimizer = torch.optim.Adam(model.parameters(), fused=True if mode == "single-fused" else None)
+    adam = {"fused": True} if mode in FUSED_MODES else {}  # else torch's default
+    optimizer = torch.optim.Adam(model.parameters(), **adam)
     rank, size, comm = 0, 1, None
-    if mode == "ddp":
+    if mode.startswith("ddp"):
         import torch.distributed as dist
         dist.init_process_group("gloo")
         rank, size = dist.get_rank(), dist.get_world_size()
         model = torch.nn.parallel.DistributedDataParallel(model)
+        if mode.startswith("ddp-zero"):
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            # In place of the plain Adam above (which has no state yet), as torch documents it.
+            optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, **adam)
         barrier, gather = dist.barrier, _dist_gather
     elif mode in ("torchmn", "replicated", "zero", "zero-gloo"):
         import torchmn
@@ -139,7 +167,7 @@ def worker(mode: str, args) -> None:
         comm.finalize()
     elif mode == "horovod":
         hvd.shutdown()
-    elif mode == "ddp":
+    elif mode.startswith("ddp"):
         import torch.distributed as dist
         time.sleep(0.05)  # let gloo's threads drop their last work first (see torchmn's shutdown_world)
         dist.destroy_process_group()
@@ -176,25 +204,31 @@ def run_once(name: str, args) -> dict:
     return json.loads(lines[-1].split(RESULT, 1)[1])
 
 
+# The references of the ratio columns, in order: (variant, column heading).
+REFERENCES = [("single-2t", "speed vs 1 proc 2 thr"), ("single-1t", "speed vs 1 proc 1 thr"),
+              ("single-2t-fused", "speed vs 1 proc 2 thr fused Adam"), ("ddp", "speed vs DDP"),
+              ("ddp-fused", "speed vs DDP fused Adam"), ("ddp-zero", "speed vs DDP + ZeRO"),
+              ("ddp-zero-fused", "speed vs DDP + ZeRO fused Adam")]
+
+
 def table(results: dict, args) -> str:
-    """The markdown table: median, spread and ratios (>1 means faster than the reference)."""
+    """The markdown table: median, spread and ratios (>1 means faster than the reference; "-" where
+    the reference did not run)."""
     med = {n: statistics.median(r["seconds"] for r in runs) for n, runs in results.items()}
 
     def ratio(ref, n):
         return f"{med[ref] / med[n]:.2f}x" if ref in med else "-"
 
-    rows = ["| variant | ranks x threads | median s | min-max s | speed vs 1 proc 2 thr | speed vs 1 proc 1 thr "
-            "| speed vs 1 proc 2 thr fused Adam | speed vs DDP | optimizer state bytes per rank "
-            "| last loss (rank 0's part) |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+    head = (["variant", "ranks x threads", "Adam update", "median s", "min-max s"] + [h for _, h in REFERENCES]
+            + ["optimizer state bytes per rank", "last loss (rank 0's part)"])
+    rows = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n, runs in results.items():
         _, ranks, threads, _ = VARIANTS[n]
         secs = [r["seconds"] for r in runs]
         states = ", ".join(f"{b / 1e6:.1f} MB" for b in runs[-1]["state_bytes"])
-        rows.append(f"| {n} | {ranks} x {threads} | {med[n]:.2f} | {min(secs):.2f}-{max(secs):.2f} | "
-                    f"{ratio('single-2t', n)} | {ratio('single-1t', n)} | {ratio('single-2t-fused', n)} | {ratio('ddp', n)} | "
-                    f"{states} | "
-                    f"{runs[-1]['loss']:.4f} |")
+        cells = ([n, f"{ranks} x {threads}", ADAM_UPDATE[n], f"{med[n]:.2f}", f"{min(secs):.2f}-{max(secs):.2f}"]
+                 + [ratio(ref, n) for ref, _ in REFERENCES] + [states, f"{runs[-1]['loss']:.4f}"])
+        rows.append("| " + " | ".join(cells) + " |")
     data = next(iter(results.values()))[0]["data"]
     rows.append(f"\n{args.samples} samples ({data} data), global batch {args.batch}, {args.epochs} epochs, "
                 f"median of {args.repeats} runs; training loop only, slowest rank.")

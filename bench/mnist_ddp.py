@@ -1,9 +1,15 @@
 """The ChainerMN MNIST workload under torchrun + DistributedDataParallel: the peer in bench_mnist.py.
 
     torchrun --standalone --nproc-per-node 2 bench/mnist_ddp.py --n-train 1000 --batch-size 50 --log-file ddp.json
+    torchrun ... bench/mnist_ddp.py ... --fused          # torch.optim.Adam(fused=True)
+    torchrun ... bench/mnist_ddp.py ... --zero [--fused] # DDP + ZeroRedundancyOptimizer(Adam)
 
 The same model, data, batches, optimizer, per-epoch validation and JSON log as
-examples/mnist/train_mnist.py, written the way a torchrun + DDP user would.
+examples/mnist/train_mnist.py, written the way a torchrun + DDP user would. ``--fused`` gives Adam
+torch's fused kernel (torchmn's split updates use it; torch's default on the CPU is its for-loop
+implementation); ``--zero`` shards Adam's state as torch documents, with
+``ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam)``: the peer of
+``train_mnist.py --shard-state``.
 """
 import argparse
 import json
@@ -14,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples", "mnist"))
@@ -27,6 +34,8 @@ def main():
     parser.add_argument("--batch-size", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", "--log-file", required=True)
+    parser.add_argument("--fused", action="store_true", help="torch.optim.Adam(fused=True)")
+    parser.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer around Adam")
     add_data_arguments(parser)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
@@ -38,7 +47,11 @@ def main():
     val_part = torch.utils.data.Subset(val, range(rank, len(val), size))
     val_loader = torch.utils.data.DataLoader(val_part, batch_size=args.batch_size)
     model = DistributedDataParallel(make_model())
-    optimizer = torch.optim.Adam(model.parameters())
+    adam = {"fused": True} if args.fused else {}  # else torch's default
+    if args.zero:
+        optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam, **adam)
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), **adam)
     log = []
     start = time.perf_counter()
     for epoch in range(1, args.epochs + 1):
