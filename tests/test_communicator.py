@@ -288,3 +288,20 @@ def test_a_second_world_names_the_rank_that_never_came(tmp_path):
                       "    print('RAISED', e, flush=True)\n")
     out = run_job(script, [], np=2, timeout=60).stdout
     assert "Rank(s) 1 never reached create_communicator" in out, out
+
+
+COLLECTIVES = ("bcast", "gather", "allgather", "scatter", "alltoall", "allreduce", "allreduce_", "bcast_obj",
+               "gather_obj", "allgather_obj", "scatter_obj", "allreduce_obj", "barrier", "split", "bcast_data",
+               "bcast_tensors", "multi_node_mean_grad", "allreduce_flat", "reduce_scatter_flat", "allgather_flat")
+POINT_TO_POINT = ("send", "recv", "send_obj", "recv_obj")
+
+
+@pytest.mark.parametrize("algorithm", ["naive", "flat", "hierarchical"])
+def test_every_collective_of_every_algorithm_is_watched(algorithm):
+    """Each collective is numbered and its lost peers named (watch.py), also where an algorithm
+    overrides it: the decorators are written at each definition, so a forgotten one fails here."""
+    from torchmn.communicators.registry import ALGORITHMS
+
+    cls = ALGORITHMS[algorithm]
+    unwatched = [name for name in COLLECTIVES + POINT_TO_POINT if not getattr(getattr(cls, name), "watched", False)]
+    assert not unwatched, f"{cls.__name__}: not decorated with watch.collective / watch.point_to_point: {unwatched}"

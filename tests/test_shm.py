@@ -76,7 +76,7 @@ if int(os.environ["TORCHMN_RANK"]) == victim:
         if str(path).startswith(shm.SHM_DIR):
             raise OSError(28, "injected: no space")
         return real_open(path, flags, *args)
-    shm.os.open = failing_open
+    os.open = failing_open  # the module the shared-memory set-up opens its segment through
 try:
     torchmn.create_communicator("hierarchical", timeout=30)
 except (OSError, torchmn.communicators.RemoteRankError) as e:

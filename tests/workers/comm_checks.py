@@ -167,8 +167,8 @@ def check_bcast_data(comm):
 def check_mean_grad(comm):
     for name in ("naive", "flat", "hierarchical"):
         c = torchmn.communicators.make_communicator(name, rank=comm.rank, size=comm.size,
-                                                    group=comm._group, obj_group=comm._obj_group,
-                                                    backend=comm.backend, node_key=comm._node_key,
+                                                    group=comm.process_group, obj_group=comm.object_group,
+                                                    backend=comm.backend, node_key=comm.node_key,
                                                     bucket_cap_bytes=200)
         m = _model()
         for k, p in enumerate(m.parameters()):

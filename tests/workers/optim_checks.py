@@ -286,7 +286,7 @@ def check_refusals(comm):
     assert all(torch.equal(mine, other) for other in comm.allgather_obj(mine))
     # A parameter group added to the wrapped optimizer afterwards.
     extra = torch.nn.Parameter(torch.zeros(3, dtype=torch.float64))
-    opt._optimizer.add_param_group({"params": [extra]})
+    opt.wrapped.add_param_group({"params": [extra]})
     e = expect(RuntimeError, opt.step)
     assert "had 6 when" in str(e) and "before wrapping" in str(e), e
     opt.remove_hooks()
@@ -385,7 +385,7 @@ def check_shared_memory_where_possible(comm):
     expected = comm.name == "hierarchical" and comm.inter_size == 1 and comm.size > 1
     model = make_model()
     opt = torchmn.create_multi_node_optimizer(OPTIMIZERS["adam"](model.parameters()), comm)
-    assert (opt._arena is not None) == expected, (comm.name, comm.inter_size, opt._arena)
+    assert (opt.arena is not None) == expected, (comm.name, comm.inter_size, opt.arena)
     for opt_name in ("sgd", "adam"):
         assert_close(distributed(comm, opt_name, set_to_none=False), reference(opt_name), 1e-5,
                      f"{opt_name} with zero_grad(set_to_none=False)")

@@ -104,14 +104,14 @@ def check_overlap(comm):
     x, y = local(x, comm), local(y, comm)
     with opt.no_sync():
         loss_fn(model, x, y).backward()
-    assert not any(b.sent for b in opt._buckets), "no_sync backward communicated"
+    assert not any(b.sent for b in opt.buckets), "no_sync backward communicated"
     loss_fn(model, x, y).backward()
-    assert len(opt._buckets) > 1 and all(b.sent for b in opt._buckets), \
+    assert len(opt.buckets) > 1 and all(b.sent for b in opt.buckets), \
         "backward returned without sending every bucket"
-    if opt._arena is None and comm.size > 1:
-        assert all(b.reduce_work is not None for b in opt._buckets), "a bucket's reduce-scatter was not launched"
+    if opt.arena is None and comm.size > 1:
+        assert all(b.reduce_work is not None for b in opt.buckets), "a bucket's reduce-scatter was not launched"
     opt.step()
-    assert not any(b.sent or b.reduce_work or b.gather_work for b in opt._buckets)
+    assert not any(b.sent or b.reduce_work or b.gather_work for b in opt.buckets)
 
 
 def check_shared_memory_where_possible(comm):
@@ -120,8 +120,8 @@ def check_shared_memory_where_possible(comm):
     expected = comm.name == "hierarchical" and comm.inter_size == 1 and comm.size > 1
     model = make_model()
     opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, shard_state=True)
-    assert (opt._arena is not None) == expected, (comm.name, comm.inter_size, opt._arena)
-    if comm.name == "hierarchical" and comm.inter_size > 1 and len(set(map(len, comm._node_members))) == 1:
+    assert (opt.arena is not None) == expected, (comm.name, comm.inter_size, opt.arena)
+    if comm.name == "hierarchical" and comm.inter_size > 1 and len(set(map(len, comm.node_ranks))) == 1:
         assert comm._rails is not None, "several equal nodes: reduce-scatter should go over rails"
     comm.barrier()
     if comm.rank == 0:
@@ -143,7 +143,7 @@ def check_kernel_choice(comm):
         opt.step()
         opt.load_state_dict(opt.state_dict())
         opt.step()
-        groups = [b.optimizer.param_groups[0] for b in opt._buckets]
+        groups = [b.optimizer.param_groups[0] for b in opt.buckets]
         assert all(g["fused"] == kw.get("fused") for g in opt.param_groups)  # the user's groups are left alone
         return {(g["fused"], g["foreach"]) for g in groups}
     assert inner_flags() == {(True, None)}
@@ -152,13 +152,13 @@ def check_kernel_choice(comm):
     # Not SGD's: its fused kernel cannot mix parameters with and without momentum buffers.
     sgd = torchmn.create_multi_node_optimizer(torch.optim.SGD(make_model().parameters(), lr=0.1, momentum=0.9),
                                               comm, shard_state=True)
-    assert {b.optimizer.param_groups[0]["fused"] for b in sgd._buckets} == {None}
+    assert {b.optimizer.param_groups[0]["fused"] for b in sgd.buckets} == {None}
     sgd.remove_hooks()
     # On one node the fused kernel's shards are summed and updated piece by piece.
     for cls, kw, piecewise in ((torch.optim.AdamW, {}, True), (torch.optim.Adam, {"foreach": True}, False),
                                (torch.optim.SGD, {"lr": 0.1}, False)):
         opt = torchmn.create_multi_node_optimizer(cls(make_model().parameters(), **kw), comm, shard_state=True)
-        assert bool(opt._sum_and_step) == (piecewise and opt._arena is not None), (cls, kw, opt._sum_and_step)
+        assert bool(opt._sum_and_step) == (piecewise and opt.arena is not None), (cls, kw, opt._sum_and_step)
         opt.remove_hooks()
 
 
@@ -286,7 +286,7 @@ def check_state_per_parameter(comm):
     sharded_model.load_state_dict(saved[0])
     opt = torchmn.create_multi_node_optimizer(torch.optim.Adam(sharded_model.parameters(), lr=0.01, weight_decay=0.1),
                                               comm, shard_state=True, bucket_cap_mb=100)
-    assert len(opt._buckets) == 1
+    assert len(opt.buckets) == 1
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -505,7 +505,7 @@ def check_skipped_step_is_named(comm):
     step: every rank raises, naming the difference, instead of mixing steps' gradients."""
     model = make_model()
     opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, shard_state=True)
-    if opt._arena is None:  # elsewhere the collectives' own checks name it (reduce-scatter vs all-gather)
+    if opt.arena is None:  # elsewhere the collectives' own checks name it (reduce-scatter vs all-gather)
         return
     errors = []
     for step in range(3):

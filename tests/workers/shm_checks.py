@@ -76,7 +76,7 @@ def check_peer_lost(comm):
         os._exit(0)
     try:
         comm.allreduce_flat(torch.ones(10))
-    except torchmn.communicators.shm.PeerLostError as e:
+    except torchmn.communicators.errors.PeerLostError as e:
         print(f"PEER LOST: {e}", flush=True)
         os._exit(3)
 
@@ -131,7 +131,7 @@ def check_small_dev_shm(comm):
         model = torch.nn.Linear(2000, 2000)  # 16 MB of parameters: the buffers would need 3x that
         opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
                                                   shard_state=shard_state)
-        assert opt._arena is None, f"shard_state={shard_state}: shared buffers in a small /dev/shm"
+        assert opt.arena is None, f"shard_state={shard_state}: shared buffers in a small /dev/shm"
         if shard_state is None:
             assert type(opt) is torchmn.MultiNodeOptimizer, type(opt)
         model(torch.full((2, 2000), float(comm.rank))).sum().backward()

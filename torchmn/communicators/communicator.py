@@ -1,56 +1,46 @@
-"""The communicator over ``torch.distributed``: who the ranks are, where they live, and the
-plumbing every collective shares (rank order, call checks, byte broadcasts, split).
+"""The communicator over ``torch.distributed``: who the ranks are, where they live, and every
+collective among them.
 
-The collectives themselves come from three parts, one family each: tensor collectives
-(:mod:`.tensor_collectives`), object collectives (:mod:`.object_collectives`) and collectives over a
-model's tensors (:mod:`.model_collectives`). The gradient-averaging algorithms subclass
-:class:`Communicator` and give :meth:`mean_tensors` and, where they have a faster way, the
-gradient primitives (``allreduce_flat``, ``reduce_scatter_flat``, ``allgather_flat``).
+:class:`Communicator` implements :class:`~torchmn.communicators.communicator_base.CommunicatorBase`,
+where every public method is documented. Its parts, in this order: topology; the plumbing every
+collective shares (rank order, the call check, byte broadcasts); tensor point-to-point calls and
+collectives (data moves as bytes behind a header saying dtype and shape, see :mod:`._wire`, so a
+receiver never needs to know them); object collectives (pickled with
+:func:`~torchmn.communicators.pickling.dumps`, in chunks, on the CPU group also under NCCL);
+collectives over a model's tensors (ChainerMN's ``bcast_data`` and ``multi_node_mean_grad``);
+control (barrier, split, finalize); the gradient primitives.
+
+The gradient-averaging algorithms (``naive.py``, ``flat.py``, ``hierarchical.py``) subclass it,
+give :meth:`mean_tensors` and, where they have a faster way, override the algorithm hooks:
+``allreduce_flat``, ``reduce_scatter_flat``, ``allgather_flat``, ``allreduce_copy``,
+``exchange_headers``, ``allgather_obj``, ``open_node_arena``. Each collective is numbered and
+watched (:mod:`.watch`): a subclass that overrides one decorates it the same way.
 """
 from __future__ import annotations
 
 import socket
-import weakref
+import zlib
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from torchmn.communicators import _call_check, _wire, watch
-from torchmn.communicators._torch_compat import all_gather_single
+from torchmn.communicators import _call_check, _setup, _wire, failure, watch
 from torchmn.communicators._async_utility import Completed
 from torchmn.communicators._gloo_utility import reduce_scatter_single
 from torchmn.communicators._group_utility import match_group_counts, torch_group_count
+from torchmn.communicators._torch_compat import all_gather_single
 from torchmn.communicators.communicator_base import CommunicatorBase
-from torchmn.communicators.errors import CollectiveMismatchError
-from torchmn.communicators.model_collectives import ModelCollectives
-from torchmn.communicators.object_collectives import ObjectCollectives
-from torchmn.communicators.ops import OPS
-from torchmn.communicators.tensor_collectives import TensorCollectives
+from torchmn.communicators.errors import CollectiveMismatchError, RemoteRankError
+from torchmn.communicators.ops import OPS, divide_before_sum
+from torchmn.communicators.pickling import pickle_for_call, unpickle_from
+from torchmn.communicators.shm.pages import empty_like_fast
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 _worlds = 0  # world communicators created by this process, for their call logs' tags
-_live: "weakref.WeakSet[Communicator]" = weakref.WeakSet()  # this process's communicators (release_groups)
 
 
-def release_groups() -> None:
-    """Finalize every communicator of this process and drop its references to its process groups.
-
-    For a rank that is ending with an error (:mod:`torchmn.communicators.failure`): a gloo group's
-    connections close only when the last reference to it goes, and a communicator holds its groups
-    for as long as the script holds it, so destroying the groups alone would leave the ranks
-    waiting for this one until its process is gone.
-
-    Example::
-
-        >>> release_groups()
-        >>> comm.allreduce(x)    # RuntimeError: ... a communicator that was finalized
-    """
-    for comm in list(_live):
-        comm._let_go()
-
-
-class Communicator(TensorCollectives, ObjectCollectives, ModelCollectives, CommunicatorBase):
+class Communicator(CommunicatorBase):
     """A group of ranks and the collectives among them, over ``torch.distributed``.
 
     Do not build one directly: :func:`torchmn.create_communicator` detects the launcher, sets up
@@ -66,10 +56,6 @@ class Communicator(TensorCollectives, ObjectCollectives, ModelCollectives, Commu
 
     name = "base"
 
-    def __init_subclass__(cls, **kwargs):
-        super().__init_subclass__(**kwargs)
-        watch.install(cls)
-
     def __init__(self, *, rank: int, size: int, group: Optional[dist.ProcessGroup],
                  obj_group: Optional[dist.ProcessGroup], backend: str, node_key: Any,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_BYTES, owns_world: bool = False,
@@ -80,20 +66,20 @@ class Communicator(TensorCollectives, ObjectCollectives, ModelCollectives, Commu
             _worlds += 1
             tag = f"world{_worlds}"
         self.call_log = watch.CallLog(tag)
-        _live.add(self)
+        failure.track(self)  # so that a rank ending with an uncaught exception can let go of its groups
         self._splits = 0
         self.rank = rank
         self.size = size
         self.backend = backend
         self.bucket_cap_bytes = bucket_cap_bytes
-        self._group = group          # None: a world of one with no process group at all
+        self.process_group = group   # tensors' group; None: a world of one with no process group at all
         # torch orders a group's ranks by world rank; split(key=...) may order them otherwise.
         # _group_ranks[r] is the process-group rank of this communicator's rank r.
         self._group_ranks = list(group_ranks) if group_ranks is not None else list(range(size))
         self._identity_order = self._group_ranks == list(range(size))
-        self._obj_group = obj_group  # always a CPU (gloo) group: objects and control traffic
+        self.object_group = obj_group  # always a CPU (gloo) group: objects and control traffic
         self._owns_world = owns_world
-        self._node_key = node_key
+        self.node_key = node_key
         self._data_device = torch.device("cpu")  # until the topology tells which GPU (NCCL)
         self._set_topology(node_key)
         if backend == "nccl":
@@ -127,7 +113,7 @@ class Communicator(TensorCollectives, ObjectCollectives, ModelCollectives, Commu
         self.inter_size = len(nodes)
         self.intra_rank = members.index(self.rank)
         self.intra_size = len(members)
-        self._node_members = [[r for r, k in enumerate(keys) if k == n] for n in nodes]
+        self.node_ranks = [[r for r, k in enumerate(keys) if k == n] for n in nodes]
         self._node_index = [nodes.index(k) for k in keys]
 
     @property
@@ -136,9 +122,9 @@ class Communicator(TensorCollectives, ObjectCollectives, ModelCollectives, Commu
 
     def world_rank(self, r: int) -> int:
         g = self._group_ranks[r]
-        if self._group is None or self._group is dist.GroupMember.WORLD:
+        if self.process_group is None or self.process_group is dist.GroupMember.WORLD:
             return g
-        return dist.get_global_rank(self._group, g)
+        return dist.get_global_rank(self.process_group, g)
 
     def node_of(self, r: int) -> int:
         return self._node_index[r]
@@ -171,13 +157,13 @@ class Communicator(TensorCollectives, ObjectCollectives, ModelCollectives, Commu
             return ValueError(f"{what}={r!r} is not a rank of this communicator (size {self.size})")
         return None
 
-    def _exchange_headers(self, rows: list[list[int]], objects: bool = False) -> torch.Tensor:
+    def exchange_headers(self, rows: list[list[int]], objects: bool = False) -> torch.Tensor:
         """All ranks' header rows: a [size, len(rows), HEADER_LEN] int64 tensor. ``objects``: the
         call moves no tensor data, so under NCCL its header goes through the CPU (gloo) group, as its
         data does, instead of syncing with the GPU and queueing behind gradients in flight."""
-        group, device = self._group, self._data_device
+        group, device = self.process_group, self._data_device
         if objects and self.backend == "nccl":
-            group, device = self._obj_group, torch.device("cpu")
+            group, device = self.object_group, torch.device("cpu")
         mine = torch.tensor(rows, dtype=torch.int64, device=device)
         if self.size == 1:
             return mine.unsqueeze(0).cpu()
@@ -201,29 +187,511 @@ class Communicator(TensorCollectives, ObjectCollectives, ModelCollectives, Commu
         if error is not None:
             rows = _call_check.invalid_rows(len(rows) if rows else 1, op)
         if len(rows) > 1 and self.size > 1:
-            what = self._exchange_headers([_call_check.summary_row(rows)], objects)
+            what = self.exchange_headers([_call_check.summary_row(rows)], objects)
             _call_check.check_headers(kind, what, error, same_shape, same_dtype, self.rank, self.host)
-        hdrs = self._exchange_headers(rows, objects)
+        hdrs = self.exchange_headers(rows, objects)
         _call_check.check_headers(kind, hdrs, error, same_shape, same_dtype, self.rank, self.host)
         return hdrs
 
     def _bcast_bytes(self, buf: torch.Tensor, root: int, group=None) -> None:
         """Root's bytes into every rank's ``buf`` (of root's length), in chunks gloo and NCCL can count."""
-        group = self._group if group is None else group
+        group = self.process_group if group is None else group
         if self.size == 1 or buf.numel() == 0:
             return
         for start in range(0, buf.numel(), _wire.OBJ_CHUNK_BYTES):
             dist.broadcast(buf[start:start + _wire.OBJ_CHUNK_BYTES], self.world_rank(root), group=group)
 
+    # ----------------------------------------------------------------------------- tensors: point to point
+    @watch.point_to_point("dest")
+    def send(self, x: torch.Tensor, dest: int, tag: int = 0) -> None:
+        self.check_rank(dest, "dest")
+        tag = _wire.wire_tag(tag, "tensor")
+        hdr = torch.tensor(_wire.header(_call_check.KIND["bcast"], x=x), dtype=torch.int64, device=self._data_device)
+        dist.send(hdr, self.world_rank(dest), group=self.process_group, tag=tag)
+        data = _wire.as_bytes(x.to(self._data_device))
+        if data.numel():
+            dist.send(data, self.world_rank(dest), group=self.process_group, tag=tag)
+
+    @watch.point_to_point("source")
+    def recv(self, source: int, tag: int = 0) -> torch.Tensor:
+        self.check_rank(source, "source")
+        tag = _wire.wire_tag(tag, "tensor")
+        hdr = torch.empty(_wire.HEADER_LEN, dtype=torch.int64, device=self._data_device)
+        dist.recv(hdr, self.world_rank(source), group=self.process_group, tag=tag)
+        dtype, shape = _wire.meta(hdr.tolist())
+        buf = torch.empty(_wire.nbytes(dtype, shape), dtype=torch.uint8, device=self._data_device)
+        if buf.numel():
+            dist.recv(buf, self.world_rank(source), group=self.process_group, tag=tag)
+        return _wire.from_bytes(buf, dtype, shape)
+
+    # ----------------------------------------------------------------------------- tensors: collectives
+    @watch.collective
+    def bcast(self, x: Optional[torch.Tensor], root: int = 0) -> torch.Tensor:
+        err = self._peer_error(root, "bcast: root")
+        if err is None and self.rank == root and not isinstance(x, torch.Tensor):
+            err = TypeError(f"bcast: root rank {root} must pass a tensor, not {type(x).__name__}")
+        hdrs = self._agree("bcast", root=root, x=x if self.rank == root else None, error=err)
+        dtype, shape = _wire.meta(hdrs[root, 0].tolist())
+        if self.rank == root:
+            buf = _wire.as_bytes(x.to(self._data_device))
+        else:
+            buf = torch.empty(_wire.nbytes(dtype, shape), dtype=torch.uint8, device=self._data_device)
+        self._bcast_bytes(buf, root)
+        return x if self.rank == root else _wire.from_bytes(buf, dtype, shape)
+
+    def _allgather_bytes(self, buf: torch.Tensor, sizes: Sequence[int]) -> list[torch.Tensor]:
+        """Every rank's byte buffer, sizes known in advance; unequal sizes are padded in flight."""
+        if self.size == 1:
+            return [buf]
+        longest = max(sizes)
+        out = torch.empty(self.size * longest, dtype=torch.uint8, device=buf.device)
+        if longest:
+            all_gather_single(out, _wire.padded(buf, longest), group=self.process_group)
+        chunks = self._comm_order([out[g * longest:(g + 1) * longest] for g in range(self.size)])
+        return [c[:n] for c, n in zip(chunks, sizes)]
+
+    @watch.collective
+    def gather(self, x: torch.Tensor, root: int = 0) -> Optional[tuple[torch.Tensor, ...]]:
+        err = self._peer_error(root, "gather: root")
+        if err is None and not isinstance(x, torch.Tensor):
+            err = TypeError(f"gather: pass a tensor, not {type(x).__name__}")
+        hdrs = self._agree("gather", root=root, x=x if err is None else None, error=err)
+        if self.size == 1:
+            return (x,)
+        metas = [_wire.meta(hdrs[r, 0].tolist()) for r in range(self.size)]
+        sizes = [_wire.nbytes(*m) for m in metas]
+        mine = _wire.as_bytes(x.to(self._data_device))
+        if self.backend == "nccl":  # NCCL has no gather: all-gather and keep root's copy
+            parts = self._allgather_bytes(mine, sizes)
+        else:
+            longest = max(sizes)
+            bufs = [torch.empty(longest, dtype=torch.uint8, device=self._data_device)
+                    for _ in range(self.size)] if self.rank == root else None
+            if longest:
+                dist.gather(_wire.padded(mine, longest), bufs, dst=self.world_rank(root), group=self.process_group)
+            parts = [b[:n] for b, n in zip(self._comm_order(bufs), sizes)] if self.rank == root else None
+        if self.rank != root:
+            return None
+        return tuple(_wire.from_bytes(b, *m) for b, m in zip(parts, metas))
+
+    @watch.collective
+    def allgather(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        err = None if isinstance(x, torch.Tensor) else TypeError(f"allgather: pass a tensor, not {type(x).__name__}")
+        hdrs = self._agree("allgather", x=x if err is None else None, error=err)
+        metas = [_wire.meta(hdrs[r, 0].tolist()) for r in range(self.size)]
+        bufs = self._allgather_bytes(_wire.as_bytes(x.to(self._data_device)), [_wire.nbytes(*m) for m in metas])
+        if self.size == 1:
+            return (x,)
+        return tuple(_wire.from_bytes(b, *m) for b, m in zip(bufs, metas))
+
+    @watch.collective
+    def scatter(self, xs: Optional[Sequence[torch.Tensor]], root: int = 0) -> torch.Tensor:
+        err = self._peer_error(root, "scatter: root")
+        if err is None and self.rank == root:
+            if xs is None or len(xs) != self.size or not all(isinstance(t, torch.Tensor) for t in xs):
+                err = ValueError(f"scatter: root rank {root} must pass a sequence of {self.size} tensors "
+                                 f"(one per rank), got {type(xs).__name__}"
+                                 + (f" of length {len(xs)}" if hasattr(xs, '__len__') else ""))
+        kind = _call_check.KIND["scatter"]
+        rows = [_wire.header(kind, root if err is None else _wire.NONE)] * self.size
+        if self.rank == root and err is None:
+            try:
+                rows = [_wire.header(kind, root, _wire.NONE, t) for t in xs]
+            except (TypeError, ValueError) as e:
+                err = type(e)(f"scatter: {e}")
+        hdrs = self._agree("scatter", root=root, rows=rows, error=err)
+        metas = [_wire.meta(hdrs[root, i].tolist()) for i in range(self.size)]
+        if self.size == 1:
+            return xs[0]
+        sizes = [_wire.nbytes(*m) for m in metas]
+        longest = max(sizes)
+        out = torch.empty(longest, dtype=torch.uint8, device=self._data_device)
+        if longest:
+            chunks = None
+            if self.rank == root:
+                chunks = [_wire.padded(_wire.as_bytes(t.to(self._data_device)), longest) for t in xs]
+            if self.backend == "nccl":
+                # NCCL has no scatter: root broadcasts the stacked chunks.
+                stacked = torch.cat(self._group_order(chunks)) if chunks else \
+                    torch.empty(self.size * longest, dtype=torch.uint8, device=self._data_device)
+                self._bcast_bytes(stacked, root)
+                g = self._group_ranks[self.rank]
+                out = stacked[g * longest:(g + 1) * longest]
+            else:
+                dist.scatter(out, self._group_order(chunks) if chunks else None, src=self.world_rank(root),
+                             group=self.process_group)
+        return _wire.from_bytes(out[:sizes[self.rank]].clone(), *metas[self.rank])
+
+    @watch.collective
+    def alltoall(self, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        err = None
+        if xs is None or len(xs) != self.size or not all(isinstance(t, torch.Tensor) for t in xs):
+            err = ValueError(f"alltoall: pass a sequence of {self.size} tensors (one per rank)")
+        kind = _call_check.KIND["alltoall"]
+        rows = [_wire.header(kind)] * self.size
+        if err is None:
+            try:
+                rows = [_wire.header(kind, x=t) for t in xs]
+            except (TypeError, ValueError) as e:
+                err = type(e)(f"alltoall: {e}")
+        hdrs = self._agree("alltoall", rows=rows, error=err)
+        dtypes = [sorted({str(_wire.meta(hdrs[r, j].tolist())[0]) for j in range(self.size)})
+                  for r in range(self.size)]
+        if len({d for ds in dtypes for d in ds}) > 1:
+            shown = ", ".join(f"rank {r}: {'/'.join(d.replace('torch.', '') for d in ds)}" for r, ds in enumerate(dtypes))
+            raise CollectiveMismatchError(f"ranks called alltoall with different dtypes ({shown}); every tensor "
+                                          f"of every rank must have one dtype (raised on rank {self.rank})")
+        if self.size == 1:
+            return (xs[0],)
+        # What rank r sends to me is described by header row [r, me].
+        recv_metas = [_wire.meta(hdrs[r, self.rank].tolist()) for r in range(self.size)]
+        # One buffer each way with per-rank splits: gloo's list all_to_all takes equal sizes only.
+        send = self._group_order([_wire.as_bytes(t.to(self._data_device)).reshape(-1) for t in xs])
+        recv_sizes = [_wire.nbytes(*m) for m in recv_metas]
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self._data_device)
+        dist.all_to_all_single(recv, torch.cat(send), output_split_sizes=self._group_order(recv_sizes),
+                               input_split_sizes=[b.numel() for b in send], group=self.process_group)
+        parts = dict(zip(self._group_order(list(range(self.size))),
+                         torch.split(recv, self._group_order(recv_sizes))))
+        return tuple(_wire.from_bytes(parts[r], *m) for r, m in enumerate(recv_metas))
+
+    def _allreduce_problem(self, x: torch.Tensor, op: str, name: str = "allreduce") -> Optional[Exception]:
+        """What is wrong with this rank's arguments to an allreduce, or None."""
+        if op not in OPS:
+            return ValueError(f"{name}: op must be one of {', '.join(OPS)}, not {op!r}")
+        if not isinstance(x, torch.Tensor):
+            return TypeError(f"{name}: pass a tensor, not {type(x).__name__}")
+        if x.dtype in _wire.MOVE_ONLY:
+            return TypeError(f"{name}: torch has no arithmetic for {x.dtype} on CPU, so it cannot be reduced; "
+                             f"convert first (x.to(torch.int64), x.float()) and back")
+        if x.is_complex() and op in ("max", "min"):
+            return ValueError(f"{name}: op {op!r} is undefined for complex tensors ({x.dtype})")
+        if x.is_complex() and op == "prod":
+            # Decided here, on every rank alike: a failure inside the backend would reach only the
+            # ranks that call it (between nodes, not the others of each node).
+            return ValueError(f"{name}: torch.distributed has no 'prod' of complex tensors ({x.dtype}); "
+                              f"multiply the gathered tensors instead (torch.stack(comm.allgather(x)).prod(0))")
+        return None
+
+    @watch.collective
+    def allreduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        err = self._allreduce_problem(x, op)
+        self._agree("allreduce", op=None if err else op, x=None if err else x, error=err, same_shape=True)
+        return self._allreduce_agreed(x, op)
+
+    @watch.collective
+    def allreduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        err = self._allreduce_problem(x, op, "allreduce_")
+        if err is None and op == "mean" and not (x.is_floating_point() or x.is_complex()):
+            err = TypeError(f"allreduce_: the mean of {x.dtype} values is float64 and cannot be written into the "
+                            f"tensor; use comm.allreduce(x, op='mean'), or op='sum' and divide")
+        self._agree("allreduce", op=None if err else op, x=None if err else x, error=err, same_shape=True)
+        if (x.is_contiguous() and x.device == self._data_device and x.dtype not in (torch.int16, torch.bool)
+                and not (op == "mean" and divide_before_sum(x.dtype))):
+            # The data moves in place: no new tensor, whose pages (tens of MB) would be mapped afresh.
+            self.allreduce_flat(x.detach().view(-1), op="sum" if op == "mean" else op)
+            if op == "mean":
+                x.detach().div_(self.size)
+            return x
+        with torch.no_grad():
+            return x.copy_(self._allreduce_agreed(x, op))
+
+    def _allreduce_agreed(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        """The reduction of ``x``, once the ranks have agreed on the call."""
+        src = x.detach().to(self._data_device)
+        if op == "mean" and src.dtype == torch.bool:
+            src = src.to(torch.int64)  # a bool sum is a logical or: count the True values instead
+        if op == "mean" and divide_before_sum(src.dtype):
+            return self._allreduce_agreed(x.double(), op="mean").to(x.dtype)  # bfloat16 reaches float32's range
+        # gloo has no int16 reduction; int32 gives the same bits once cast back (two's complement
+        # wraps alike), except "mean", whose result is floating-point anyway.
+        widen = src.dtype == torch.int16
+        out = self.allreduce_copy((src.to(torch.int32) if widen else src).contiguous(),
+                                   "sum" if op == "mean" else op)
+        if widen and op != "mean":
+            out = out.to(torch.int16)
+        if op == "mean":
+            out = out.to(torch.float64).div_(self.size) if not out.is_floating_point() and not out.is_complex() \
+                else out.div_(self.size)
+        return out.to(x.device)
+
+    def allreduce_copy(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        """The reduction of contiguous ``x`` over ranks, as a new tensor (algorithms may do it faster)."""
+        out = empty_like_fast(x).copy_(x)
+        self.allreduce_flat(out.view(-1), op=op)
+        return out
+
+    # ----------------------------------------------------------------------------- objects: the call check
+    def _agree_obj(self, kind: str, root: int = _wire.NONE, n: int = 0,
+                   error: Optional[Exception] = None) -> torch.Tensor:
+        """The call check of object collective ``kind`` (see ``_call_check.obj_header``): every
+        rank's row. Under NCCL the headers travel on the CPU group: a tensor collective made meanwhile
+        on another rank is then not named, only timed out."""
+        return self._agree(kind, rows=[_call_check.obj_header(n, kind, root)], error=error, objects=True)
+
+    def _obj_lengths(self, n: int, error: Optional[Exception] = None) -> list[int]:
+        """Every rank's pickled length, through the call check, so a rank making another collective
+        meanwhile, or one that could not pickle, is named."""
+        if self.size == 1:
+            if error is not None:
+                raise error
+            return [n]
+        return self._agree_obj("allgather_obj", n=n, error=error)[:, 0, _wire.SHAPE].tolist()
+
+    # ----------------------------------------------------------------------------- objects: point to point
+    @watch.point_to_point("dest")
+    def send_obj(self, obj: Any, dest: int, tag: int = 0) -> None:
+        self.check_rank(dest, "dest")
+        self._send_obj(obj, dest, _wire.wire_tag(tag, "object"), "send_obj")
+
+    @watch.point_to_point("source")
+    def recv_obj(self, source: int, tag: int = 0) -> Any:
+        self.check_rank(source, "source")
+        return self._unpickle(self._recv_obj_bytes(source, _wire.wire_tag(tag, "object"), "recv_obj"), "recv_obj", source)
+
+    def _send_obj(self, obj: Any, dest: int, wire_tag: int, kind: str) -> None:
+        buf, err = pickle_for_call(obj, kind, self.rank, self.host)
+        dist.send(torch.tensor([buf.numel() if err is None else -1], dtype=torch.int64), self.world_rank(dest),
+                  group=self.object_group, tag=wire_tag)
+        if err is not None:
+            raise err  # the receiver was told
+        for start in range(0, buf.numel(), _wire.OBJ_CHUNK_BYTES):
+            dist.send(buf[start:start + _wire.OBJ_CHUNK_BYTES], self.world_rank(dest), group=self.object_group,
+                      tag=wire_tag)
+
+    def _recv_obj_bytes(self, source: int, wire_tag: int, kind: str) -> torch.Tensor:
+        n = torch.empty(1, dtype=torch.int64)
+        dist.recv(n, self.world_rank(source), group=self.object_group, tag=wire_tag)
+        if n.item() < 0:
+            raise RemoteRankError(f"{kind}: rank {source} could not pickle the object it sent (see its error); "
+                                  f"rank {self.rank} on {self.host} stops too")
+        buf = torch.empty(int(n), dtype=torch.uint8)
+        for start in range(0, buf.numel(), _wire.OBJ_CHUNK_BYTES):
+            dist.recv(buf[start:start + _wire.OBJ_CHUNK_BYTES], self.world_rank(source), group=self.object_group,
+                      tag=wire_tag)
+        return buf
+
+    # ----------------------------------------------------------------------------- objects: collectives
+    @watch.collective
+    def bcast_obj(self, obj: Any, root: int = 0) -> Any:
+        self.check_rank(root, "root")
+        if self.size == 1:
+            return obj
+        buf, err = pickle_for_call(obj, "bcast_obj", self.rank, self.host) if self.rank == root else (None, None)
+        # The call header names ranks that pass another root, or make another call, instead of hanging.
+        hdrs = self._agree_obj("bcast_obj", root, buf.numel() if buf is not None else 0, err)
+        n = int(hdrs[root, 0, _wire.SHAPE])
+        if buf is None:
+            buf = torch.empty(n, dtype=torch.uint8)
+        self._bcast_bytes(buf, root, group=self.object_group)
+        return obj if self.rank == root else self._unpickle(buf, "bcast_obj", root)
+
+    @watch.collective
+    def allgather_obj(self, obj: Any) -> list[Any]:
+        if self.size == 1:
+            return [obj]
+        buf, err = pickle_for_call(obj, "allgather_obj", self.rank, self.host)
+        sizes = self._obj_lengths(buf.numel() if err is None else 0, err)
+        if max(sizes) * self.size <= _wire.OBJ_CHUNK_BYTES:
+            longest = max(sizes)
+            out = torch.empty(self.size * longest, dtype=torch.uint8)
+            all_gather_single(out, _wire.padded(buf, longest), group=self.object_group)
+            chunks = self._comm_order([out[g * longest:(g + 1) * longest] for g in range(self.size)])
+            return [self._unpickle(c[:n], "allgather_obj", r) for r, (c, n) in enumerate(zip(chunks, sizes))]
+        # Large objects: each rank broadcasts its own in turn, in chunks.
+        result = []
+        for r, n in enumerate(sizes):
+            b = buf if r == self.rank else torch.empty(n, dtype=torch.uint8)
+            self._bcast_bytes(b, r, group=self.object_group)
+            result.append(obj if r == self.rank else self._unpickle(b, "allgather_obj", r))
+        return result
+
+    @watch.collective
+    def gather_obj(self, obj: Any, root: int = 0) -> Optional[list[Any]]:
+        self.check_rank(root, "root")
+        if self.size == 1:
+            return [obj]
+        self._agree_obj("gather_obj", root)
+        tag = _wire.wire_tag(_call_check.KIND["gather_obj"], "collective")
+        if self.rank != root:
+            self._send_obj(obj, root, tag, "gather_obj")
+            return None
+        # Every rank's message is received before a failure is raised: a rank whose send is never
+        # matched would wait out the timeout.
+        results, problem = [], None
+        for r in range(self.size):
+            if r == root:
+                results.append(obj)
+                continue
+            try:
+                results.append(self._unpickle(self._recv_obj_bytes(r, tag, "gather_obj"), "gather_obj", r))
+            except RemoteRankError as e:
+                problem = problem or e
+                results.append(None)
+        if problem is not None:
+            raise problem
+        return results
+
+    @watch.collective
+    def scatter_obj(self, objs: Optional[Sequence[Any]], root: int = 0) -> Any:
+        self.check_rank(root, "root")
+        if self.size > 1:
+            self._agree_obj("scatter_obj", root)
+        tag = _wire.wire_tag(_call_check.KIND["scatter_obj"], "collective")
+        if self.rank != root:
+            problem, obj = self._unpickle(self._recv_obj_bytes(root, tag, "scatter_obj"), "scatter_obj", root)
+            if problem is not None:
+                raise RemoteRankError(f"scatter_obj: root rank {root} failed: {problem} (raised on rank {self.rank})")
+            return obj
+        problem = None
+        if objs is None or len(objs) != self.size:
+            problem = ValueError(f"scatter_obj: root must pass {self.size} objects (one per rank), not "
+                                 f"{'None' if objs is None else len(objs)}")
+        for r in range(self.size):
+            if r == root:
+                continue
+            if problem is None:
+                try:
+                    self._send_obj((None, objs[r]), r, tag, "scatter_obj")
+                except Exception as e:  # could not pickle: send_obj has told rank r
+                    problem = e
+                continue
+            # Every rank still waiting hears why, instead of waiting until the timeout.
+            self._send_obj((f"{type(problem).__name__}: {problem}", None), r, tag, "scatter_obj")
+        if problem is not None:
+            raise problem
+        return objs[root]
+
+    @watch.collective
+    def allreduce_obj(self, obj: Any) -> Any:
+        values = self.allgather_obj(obj)
+        total = values[0]
+        for v in values[1:]:
+            total = total + v
+        return total
+
+    def _unpickle(self, buf: torch.Tensor, kind: str, source: int) -> Any:
+        return unpickle_from(buf, kind, source, self.rank, self.host)
+
+    # ----------------------------------------------------------------------------- a model's tensors
+    @watch.collective
+    def bcast_data(self, model: torch.nn.Module, root: int = 0) -> None:
+        self.check_rank(root, "root")
+        tensors = list(model.parameters()) + list(model.buffers())
+        self.check_same_layout(tensors, "bcast_data: the model's parameters and buffers", root,
+                               "build the same model on every rank")
+        self.bcast_tensors(tensors, root)
+
+    def check_same_layout(self, tensors: list[torch.Tensor], what: str, root: int = 0,
+                          advice: str = "build the same model on every rank") -> None:
+        if self.size == 1:
+            return
+        layouts = self.allgather_obj([(tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in tensors])
+        bad = [r for r, lay in enumerate(layouts) if lay != layouts[root]]
+        if not bad:
+            return
+        theirs, ours = layouts[bad[0]], layouts[root]
+        diff = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), None)
+        if diff is None:
+            detail = f"{len(theirs)} tensors there, {len(ours)} on rank {root}"
+        else:
+            detail = (f"tensor {diff} is {theirs[diff][0]} {theirs[diff][1]} there, "
+                      f"{ours[diff][0]} {ours[diff][1]} on rank {root}")
+        raise CollectiveMismatchError(
+            f"{what} differ between ranks: rank(s) {bad} (on {self._hosts[bad[0]]}) differ from root rank {root}'s "
+            f"({detail}); {advice} (raised on rank {self.rank})")
+
+    def _layout_checksum(self, params: list[torch.Tensor]) -> int:
+        """A checksum of the parameters' shapes and dtypes, remembered for the last layout seen."""
+        key = tuple((p.shape, p.dtype) for p in params)
+        cached = getattr(self, "_last_layout", None)
+        if cached is None or cached[0] != key:
+            cached = (key, zlib.crc32(repr([(tuple(s), d) for s, d in key]).encode()))
+            self._last_layout = cached
+        return cached[1]
+
+    @watch.collective
+    def bcast_tensors(self, tensors: list[torch.Tensor], root: int = 0) -> None:
+        if self.size == 1:
+            return
+        with torch.no_grad():
+            for bucket in _wire.buckets(tensors, self.bucket_cap_bytes):
+                if self.rank == root:
+                    flat = torch.cat([_wire.as_bytes(t.detach()) for t in bucket]).to(self._data_device)
+                else:
+                    n = sum(t.numel() * t.element_size() for t in bucket)
+                    flat = torch.empty(n, dtype=torch.uint8, device=self._data_device)
+                self._bcast_bytes(flat, root)
+                if self.rank != root:
+                    offset = 0
+                    for t in bucket:
+                        n = t.numel() * t.element_size()
+                        t.copy_(_wire.from_bytes(flat[offset:offset + n], t.dtype, t.shape))
+                        offset += n
+
+    @watch.collective
+    def multi_node_mean_grad(self, model: torch.nn.Module, zero_fill: bool = False) -> None:
+        params = [p for p in model.parameters() if p.requires_grad]
+        sparse_fill = [0] * len(params)  # the sparse_dim a missing gradient's zeros take; 0: dense
+        if self.size > 1:
+            # Buckets pair the ranks' gradients by position: a model of another layout would mix them
+            # silently (shared memory) or abort the process (gloo). One small exchange carries a
+            # checksum of the layout and one of which gradients are None; the full layouts or masks
+            # are exchanged only when a checksum differs.
+            missing = bytes(p.grad is None for p in params)
+            row = _wire.header(_call_check.KIND["multi_node_mean_grad"])
+            row[_wire.SHAPE] = self._layout_checksum(params)
+            row[_wire.SHAPE + 1] = sum(1 for p in params if p.grad is not None and p.grad.is_sparse)
+            row[_wire.SHAPE + 2] = missing.count(1)
+            row[_wire.SHAPE + 3] = zlib.crc32(missing)
+            hdrs = self._agree("multi_node_mean_grad", rows=[row], objects=True)[:, 0]
+            if len(set(hdrs[:, _wire.SHAPE].tolist())) > 1:
+                self.check_same_layout(params, "multi_node_mean_grad: the model's trainable parameters", 0,
+                                       "build the same model on every rank")
+            if zero_fill and hdrs[:, _wire.SHAPE + 1].any() and hdrs[:, _wire.SHAPE + 2].any():
+                # A missing gradient counts as zeros of the kind the other ranks have: a dense fill
+                # of a sparse gradient would pair it with another bucket, and wait for ever.
+                # Each sparse gradient's sparse_dim (1 for nn.Embedding), which the zeros must share.
+                dims = self.allgather_obj([p.grad.sparse_dim() if p.grad is not None and p.grad.is_sparse else 0
+                                           for p in params])
+                sparse_fill = [max(d[i] for d in dims) for i in range(len(params))]
+            if not zero_fill and len(set(hdrs[:, _wire.SHAPE + 3].tolist())) > 1:
+                # Skipping must be agreed on: a tensor left out on some ranks only would pair the
+                # rest wrongly. The masks differ: find where, to say so.
+                masks = self.allgather_obj([p.grad is not None for p in params])
+                mixed = [i for i in range(len(params)) if len({m[i] for m in masks}) > 1]
+                without = [r for r, m in enumerate(masks) if not m[mixed[0]]]
+                raise CollectiveMismatchError(
+                    f"multi_node_mean_grad: the gradient of parameter {mixed[0]} (shape "
+                    f"{tuple(params[mixed[0]].shape)}) is None on rank(s) {without} only ({len(mixed)} such "
+                    f"parameters); pass zero_fill=True to count a missing gradient as zeros (raised on rank "
+                    f"{self.rank})")
+        grads, sparse = [], []
+        for i, p in enumerate(params):
+            if p.grad is None:
+                if not zero_fill:
+                    continue
+                p.grad = torch.zeros_like(p).to_sparse(sparse_fill[i]) if sparse_fill[i] else torch.zeros_like(p)
+            (sparse if p.grad.is_sparse else grads).append(p)
+        # Sparse gradients (nn.Embedding(sparse=True)) cannot be packed into buckets: each has its own
+        # allreduce, whose result is the union of the ranks' rows; through gloo, as NCCL has none.
+        for p in sparse if self.size > 1 else ():
+            g = p.grad if p.grad.device.type == "cpu" else p.grad.cpu()
+            dist.all_reduce(g, group=self.object_group)
+            g.div_(self.size)
+            if g is not p.grad:
+                p.grad = g.to(p.device)
+        self.mean_tensors([p.grad for p in grads])
+
     # ----------------------------------------------------------------------------- control
+    @watch.collective
     def barrier(self) -> None:
         if self.size > 1:
-            dist.barrier(group=self._obj_group)
+            dist.barrier(group=self.object_group)
 
+    @watch.collective
     def split(self, color: int, key: int = 0) -> "Communicator":
-        from torchmn.communicators.registry import resolve  # the registry knows the subclasses
-
-        cls = resolve(self.name, self.backend, self.size)
+        cls = type(self)
         self._splits += 1
         entries = self.allgather_obj((color, key, self.rank, torch_group_count()))
         colors = sorted({e[0] for e in entries}, key=repr)
@@ -254,7 +722,7 @@ class Communicator(TensorCollectives, ObjectCollectives, ModelCollectives, Commu
                         extra, f"{self.call_log.tag}.{self._splits}.{colors.index(c)}")
         rank, size, group, obj_group, group_ranks, extra, tag = mine
         return cls(rank=rank, size=size, group=group, obj_group=obj_group, backend=self.backend,
-                   node_key=self._node_key, bucket_cap_bytes=self.bucket_cap_bytes, group_ranks=group_ranks,
+                   node_key=self.node_key, bucket_cap_bytes=self.bucket_cap_bytes, group_ranks=group_ranks,
                    tag=tag, **extra)
 
     @classmethod
@@ -270,24 +738,35 @@ class Communicator(TensorCollectives, ObjectCollectives, ModelCollectives, Commu
             return
         self.call_log.closed = True
         if self._owns_world:
-            from torchmn.communicators._setup import shutdown_world
-            shutdown_world()
+            _setup.shutdown_world()
 
-    def _let_go(self) -> None:
-        """Finalized, without its process groups (see :func:`release_groups`)."""
+    def drop_process_groups(self) -> None:
+        """Finalize this communicator and let go of its process groups at once.
+
+        For a rank ending with an uncaught exception (:func:`torchmn.communicators.failure.release_groups`):
+        a gloo group's connections close only when the last reference to it goes, and the script
+        may hold this communicator to the end. Algorithms that hold more groups drop them too.
+
+        Example::
+
+            >>> comm.drop_process_groups()
+            >>> comm.allreduce(x)    # RuntimeError: ... a communicator that was finalized
+        """
         self.call_log.closed = True
-        self._group = self._obj_group = None
+        self.process_group = self.object_group = None
 
     # ----------------------------------------------------------------------------- gradient primitives
     @property
     def grad_bucket_cap_bytes(self) -> int:
         return self.bucket_cap_bytes
 
+    @watch.collective
     def allreduce_flat(self, flat: torch.Tensor, async_op: bool = False, op: str = "sum"):
         if self.size == 1:
             return Completed()
-        return dist.all_reduce(flat, op=OPS[op], group=self._group, async_op=async_op)
+        return dist.all_reduce(flat, op=OPS[op], group=self.process_group, async_op=async_op)
 
+    @watch.collective
     def reduce_scatter_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         if self.size == 1:
             shard.copy_(flat)
@@ -296,23 +775,21 @@ class Communicator(TensorCollectives, ObjectCollectives, ModelCollectives, Commu
             # torch numbers a group's ranks by world rank; after split(key=...) this communicator's
             # rank r is another group rank, so hand torch the chunks in its order.
             chunks = self._group_order(list(flat.split(shard.numel())))
-            return dist.reduce_scatter(shard, chunks, group=self._group, async_op=async_op)
-        return reduce_scatter_single(shard, flat, self._group, async_op)
+            return dist.reduce_scatter(shard, chunks, group=self.process_group, async_op=async_op)
+        return reduce_scatter_single(shard, flat, self.process_group, async_op)
 
+    @watch.collective
     def allgather_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         if self.size == 1:
             flat.copy_(shard)
             return Completed()
         if not self._identity_order:  # as in reduce_scatter_flat
             chunks = self._group_order(list(flat.split(shard.numel())))
-            return dist.all_gather(chunks, shard, group=self._group, async_op=async_op)
-        return all_gather_single(flat, shard, group=self._group, async_op=async_op)
+            return dist.all_gather(chunks, shard, group=self.process_group, async_op=async_op)
+        return all_gather_single(flat, shard, group=self.process_group, async_op=async_op)
 
-    def open_node_arena(self, shared_bytes: int, region_bytes: int):
+    def open_node_arena(self, shared_bytes: int, region_bytes: int, points: Sequence[str]):
         return None
 
     def may_share_node_memory(self) -> bool:
         return False
-
-
-watch.install(Communicator)

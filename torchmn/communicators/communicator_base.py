@@ -1,7 +1,10 @@
 """The communicator's interface: what every communicator offers, and what each call means.
 
 :class:`torchmn.communicators.Communicator` implements it over ``torch.distributed``; the
-gradient-averaging algorithms (``naive``, ``flat``, ``hierarchical``) are its subclasses.
+gradient-averaging algorithms (``naive``, ``flat``, ``hierarchical``) are its subclasses. Its last
+section is what the algorithms give the optimizers and override: the gradient primitives (flat
+buffers, no call check, handles with ``wait()``), shared node memory, and the hooks under the
+collectives.
 """
 from __future__ import annotations
 
@@ -10,10 +13,9 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from torchmn.communicators.gradient_primitives import GradientPrimitives
 
 
-class CommunicatorBase(GradientPrimitives):
+class CommunicatorBase(abc.ABC):
     """A group of ranks and the collectives among them.
 
     Attributes:
@@ -24,6 +26,13 @@ class CommunicatorBase(GradientPrimitives):
             ``cuda:<intra_rank % visible GPUs>``).
         backend: ``"gloo"`` or ``"nccl"``.
         name: the gradient-averaging algorithm (``"naive"``, ``"flat"``, ``"hierarchical"``).
+        process_group: the ``torch.distributed`` group its tensor collectives use (None in a world
+            of one without ``torch.distributed``); its ranks are numbered by world rank, which
+            after ``split(key=...)`` may differ from this communicator's order.
+        object_group: the CPU (gloo) group of object collectives and control traffic; the same
+            group as ``process_group`` unless the backend is NCCL.
+        node_key: what identifies this rank's node (the launcher's node number, else the hostname).
+        node_ranks: the ranks of each node, ``node_ranks[inter_rank]`` being this node's.
 
     Tensor and object collectives check, on every rank, that all ranks made the same call, and
     raise :class:`~torchmn.CollectiveMismatchError` on every rank where they did not. A rank that
@@ -460,4 +469,162 @@ class CommunicatorBase(GradientPrimitives):
         Example::
 
             >>> loss.backward(); comm.multi_node_mean_grad(model); optimizer.step()
+        """
+
+    # ----------------------------------------------------------------------------- for algorithms and optimizers
+    @property
+    @abc.abstractmethod
+    def grad_bucket_cap_bytes(self) -> int:
+        """How many bytes of gradients this algorithm fuses into one message.
+
+        Returns:
+            The bytes; 0 means one message a tensor (``naive``).
+
+        Example::
+
+            >>> comm.grad_bucket_cap_bytes         # flat and hierarchical: bucket_cap_bytes
+            26214400
+        """
+
+    @abc.abstractmethod
+    def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
+        """Replace each tensor, in place, by its mean over ranks, in this algorithm's way.
+
+        Args:
+            tensors: dense tensors, in the same order, shapes and dtypes on every rank.
+
+        Example::
+
+            >>> comm.mean_tensors([p.grad for p in model.parameters()])
+        """
+
+    @abc.abstractmethod
+    def allreduce_flat(self, flat: torch.Tensor, async_op: bool = False, op: str = "sum"):
+        """Reduce one contiguous 1-D buffer over all ranks, in place.
+
+        Args:
+            flat: a contiguous 1-D tensor, of the same length and dtype on every rank.
+            async_op: return at once.
+            op: ``"sum"``, ``"max"``, ``"min"`` or ``"prod"``.
+
+        Returns:
+            A handle with ``wait()``.
+
+        Example::
+
+            >>> comm.allreduce_flat(bucket, async_op=True).wait()
+        """
+
+    @abc.abstractmethod
+    def reduce_scatter_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        """Sum ``flat`` over ranks; rank ``r`` gets elements ``[r*k, (r+1)*k)`` of the sum in ``shard``.
+
+        Args:
+            flat: ``size * k`` contiguous elements.
+            shard: ``k`` elements, overwritten.
+            async_op: return at once.
+
+        Returns:
+            A handle with ``wait()``.
+
+        Example::
+
+            >>> comm.reduce_scatter_flat(grads, my_shard)     # grads: size * k elements
+        """
+
+    @abc.abstractmethod
+    def allgather_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
+        """Every rank's ``shard`` (``k`` elements) into ``flat`` (``size * k``, overwritten), in rank order.
+
+        Args:
+            flat: ``size * k`` contiguous elements, overwritten.
+            shard: this rank's ``k`` elements.
+            async_op: return at once.
+
+        Returns:
+            A handle with ``wait()``.
+
+        Example::
+
+            >>> comm.allgather_flat(params, my_shard)
+        """
+
+    @abc.abstractmethod
+    def open_node_arena(self, shared_bytes: int, region_bytes: int, points: Sequence[str]):
+        """Memory all ranks share for good (the optimizers keep their buffers there). Collective.
+
+        Args:
+            shared_bytes: bytes of the region every rank reads and writes.
+            region_bytes: bytes of each rank's own region, readable by the others.
+            points: the names of the points where the ranks meet in the arena's ``barrier``.
+
+        Returns:
+            A :class:`~torchmn.communicators.shm.NodeArena`, or None on every rank where they
+            cannot share memory (several nodes, GPU, an algorithm without shared memory, a small
+            ``/dev/shm``).
+
+        Example::
+
+            >>> arena = comm.open_node_arena(4096, 4096, points=("written", "summed"))
+        """
+
+    @abc.abstractmethod
+    def may_share_node_memory(self) -> bool:
+        """Whether :meth:`open_node_arena` can succeed at all (every rank on one node, an algorithm
+        with shared memory); it may still return None where ``/dev/shm`` is too small. No
+        communication, the same answer on every rank.
+
+        Returns:
+            False where :meth:`open_node_arena` is sure to return None.
+
+        Example::
+
+            >>> comm.may_share_node_memory()      # hierarchical, every rank on one CPU node
+            True
+        """
+
+    @abc.abstractmethod
+    def allreduce_copy(self, x: torch.Tensor, op: str) -> torch.Tensor:
+        """The reduction of contiguous ``x`` over ranks, as a new tensor: the step under
+        :meth:`allreduce` once the ranks agreed on the call, which an algorithm may do faster.
+
+        Args:
+            x: a contiguous tensor on this rank's data device.
+            op: ``"sum"``, ``"max"``, ``"min"`` or ``"prod"``.
+
+        Returns:
+            A new tensor; ``x`` is left as it is.
+
+        Example::
+
+            >>> total = comm.allreduce_copy(x.contiguous(), "sum")   # no call check: use allreduce
+        """
+
+    @abc.abstractmethod
+    def exchange_headers(self, rows: list[list[int]], objects: bool = False) -> torch.Tensor:
+        """Every rank's call-check header rows (see ``torchmn/communicators/_call_check.py``): the
+        small exchange before every collective, which an algorithm may route faster.
+
+        Args:
+            rows: this rank's rows, each ``_wire.HEADER_LEN`` integers.
+            objects: the call moves no tensor data (an object collective): under NCCL its headers
+                go through the CPU group.
+
+        Returns:
+            An int64 tensor ``[size, len(rows), HEADER_LEN]``, in rank order, on the CPU.
+
+        Example::
+
+            >>> comm.exchange_headers([[1] * 16]).shape       # 2 ranks
+            torch.Size([2, 1, 16])
+        """
+
+    @abc.abstractmethod
+    def drop_process_groups(self) -> None:
+        """Finalize this communicator and let go of its process groups at once (a rank ending with
+        an uncaught exception does this, see :mod:`torchmn.communicators.failure`).
+
+        Example::
+
+            >>> comm.drop_process_groups()
         """

@@ -1,5 +1,13 @@
-"""Errors a collective raises on every rank that takes part, naming the ranks concerned."""
+"""Errors a collective raises on every rank that takes part, naming the ranks concerned, and how to
+tell torch.distributed's own errors for a lost peer (:func:`lost_peer`)."""
+import torch.distributed as dist
+
 from torchmn.errors import TorchmnError
+
+# What torch.distributed says when a peer never came or went away.
+# ("pair closure": gloo on a rank whose peer gave up first, closing their connection.)
+_LOST_PEER = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+              "caused pair closure")
 
 
 class CollectiveMismatchError(TorchmnError, RuntimeError):
@@ -36,3 +44,25 @@ class RankFailedError(PeerLostError):
     def __init__(self, message: str, failure=None):
         super().__init__(message)
         self.failure = failure
+
+
+def lost_peer(error: BaseException) -> bool:
+    """Whether ``error`` is torch.distributed saying that a peer never came or went away.
+
+    Args:
+        error: what a collective raised.
+
+    Returns:
+        True for torch's own timeout and connection errors (not torchmn's, which already say
+        what went wrong).
+
+    Example::
+
+        >>> lost_peer(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+        True
+        >>> lost_peer(CollectiveTimeoutError("allreduce ... failed on rank 0: rank 1 never called it"))
+        False
+    """
+    # Exactly torch's: torchmn's own errors derive from RuntimeError too, and already say what went wrong.
+    torchs = type(error) is RuntimeError or isinstance(error, (dist.DistBackendError, dist.DistNetworkError))
+    return torchs and any(s in str(error) for s in _LOST_PEER)

@@ -42,12 +42,13 @@ import socket
 import sys
 import time
 import traceback
+import weakref
 from typing import Optional
 
 import torch.distributed as dist
 
-from torchmn.communicators import _shm_utility
-from torchmn.communicators.errors import PeerLostError, RankFailedError
+from torchmn.communicators.shm import segment
+from torchmn.communicators.errors import PeerLostError, RankFailedError, lost_peer
 from torchmn.environments import detect_environment
 
 RECORD_KEY = "torchmn/failure/first"
@@ -66,6 +67,7 @@ STORE_HOST_WAIT_S = 5.0
 NAME_THE_FIRST_EXIT = ("torchmn", "torchrun", "openmpi")
 
 _previous = None  # the hook this one replaced, which prints tracebacks
+_communicators: "weakref.WeakSet" = weakref.WeakSet()  # this process's communicators (track, release_groups)
 _store = None  # kept once used: a rank that hosts the store must serve the record after breaking off
 
 
@@ -102,6 +104,37 @@ def install() -> None:
         return  # also when torch's hook now wraps ours (a world set up again after finalize)
     _previous = sys.excepthook
     sys.excepthook = _excepthook
+
+
+def track(comm) -> None:
+    """Remember a communicator, so that this rank can let go of its process groups when it ends with
+    an uncaught exception (:func:`release_groups`). Every communicator calls it as it is made.
+
+    Args:
+        comm: the communicator (held weakly: tracking keeps nothing alive).
+
+    Example::
+
+        >>> failure.track(self)     # in Communicator.__init__
+    """
+    _communicators.add(comm)
+
+
+def release_groups() -> None:
+    """Finalize every communicator of this process and drop its references to its process groups.
+
+    For a rank that is ending with an error: a gloo group's connections close only when the last
+    reference to it goes, and a communicator holds its groups for as long as the script holds it,
+    so destroying the groups alone would leave the ranks waiting for this one until its process
+    is gone.
+
+    Example::
+
+        >>> release_groups()
+        >>> comm.allreduce(x)    # RuntimeError: ... a communicator that was finalized
+    """
+    for comm in list(_communicators):
+        comm.drop_process_groups()
 
 
 def recorded() -> Optional[Failure]:
@@ -175,8 +208,6 @@ def _another_ranks_failure(exc: BaseException) -> Optional[Failure]:
     """The recorded failure of another rank that ``exc`` (a lost peer) comes from, if any."""
     if isinstance(exc, RankFailedError) and exc.failure is not None:
         return exc.failure
-    from torchmn.communicators.watch import lost_peer  # it imports this module
-
     if not (isinstance(exc, PeerLostError) or lost_peer(exc)):
         return None
     failed = recorded()
@@ -217,14 +248,12 @@ def _serve_the_record(size: int) -> None:
 
 def _break_off(exc: BaseException) -> None:
     """Make the ranks waiting for this one raise now: shared-memory flags, then connections."""
-    _shm_utility.mark_failed()
+    segment.mark_failed()
     if not dist.is_initialized() or dist.get_backend() != "gloo":
         return
     _store_call(lambda store: None)  # kept: destroying the groups drops their reference to it
     # A gloo group's connections close when the last reference to it (or to one of its collectives'
     # handles) goes: the communicators' and those in the frames the exception went through.
-    from torchmn.communicators.communicator import release_groups  # it imports watch, which imports this
-
     release_groups()
     seen = set()
     while exc is not None and id(exc) not in seen:
@@ -249,5 +278,5 @@ def _let_it_exit_first(failure: Failure) -> None:
         time.sleep(OTHER_HOST_WAIT_S)
         return
     deadline = time.monotonic() + SAME_HOST_WAIT_S
-    while time.monotonic() < deadline and _shm_utility.alive(failure.pid):
+    while time.monotonic() < deadline and segment.alive(failure.pid):
         time.sleep(0.02)

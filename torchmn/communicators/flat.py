@@ -5,7 +5,7 @@ import torch
 
 from torchmn.communicators import _wire
 from torchmn.communicators.communicator import Communicator
-from torchmn.communicators.ops import divide_before_sum
+from torchmn.communicators.ops import mean_divisors
 
 
 class FlatCommunicator(Communicator):
@@ -25,12 +25,12 @@ class FlatCommunicator(Communicator):
         pending = []
         for bucket in _wire.buckets(tensors, self.bucket_cap_bytes):
             flat = torch.cat([t.reshape(-1) for t in bucket]) if len(bucket) > 1 else bucket[0].reshape(-1).clone()
-            first = divide_before_sum(flat.dtype)
-            if first:  # half precision: a sum of several ranks' values could overflow
-                flat.div_(self.size)
-            pending.append((bucket, flat, first, self.allreduce_flat(flat, async_op=True)))
-        for bucket, flat, first, work in pending:
+            before, after = mean_divisors(flat.dtype, self.size)
+            if before > 1:  # half precision: a sum of several ranks' values could overflow
+                flat.div_(before)
+            pending.append((bucket, flat, after, self.allreduce_flat(flat, async_op=True)))
+        for bucket, flat, after, work in pending:
             work.wait()
-            if not first:
-                flat.div_(self.size)
+            if after > 1:
+                flat.div_(after)
             _wire.unpack_into(bucket, flat)

@@ -12,20 +12,19 @@ from __future__ import annotations
 
 import os
 import warnings
+from typing import Sequence
 
 import torch
 import torch.distributed as dist
 
-from torchmn.communicators import _call_check, _wire, shm
-from torchmn.communicators._torch_compat import all_gather_single
+from torchmn.communicators import _call_check, _wire, shm, watch
 from torchmn.communicators._async_utility import AndThen, Completed, finish
-from torchmn.communicators._pages import empty_like_fast
 from torchmn.communicators._gloo_utility import reduce_scatter_single
 from torchmn.communicators._setup import collective_timeout_s
+from torchmn.communicators._torch_compat import all_gather_single
 from torchmn.communicators.flat import FlatCommunicator
-from torchmn.communicators.node_arena import NodeArena
-from torchmn.communicators.node_mean import NodeMean
 from torchmn.communicators.ops import OPS
+from torchmn.communicators.pickling import pickle_for_call, unpickle_from
 
 
 _UNSET = object()
@@ -79,13 +78,13 @@ class HierarchicalCommunicator(FlatCommunicator):
         if self.size == 1 or self.backend == "nccl":
             return
         if inter_group is _UNSET:  # a world communicator: all its ranks are here to create it
-            leaders = [self.world_rank(node[0]) for node in self._node_members]
+            leaders = [self.world_rank(node[0]) for node in self.node_ranks]
             inter_group = _new_inter_group(leaders)
-            rail_groups = _new_rail_groups([[self.world_rank(r) for r in node] for node in self._node_members])
+            rail_groups = _new_rail_groups([[self.world_rank(r) for r in node] for node in self.node_ranks])
         self._inter_group = inter_group
         if rail_groups is not None:
             # Rail i holds local rank i of every node, in the group's own order (by world rank).
-            rails = [sorted((node[i] for node in self._node_members), key=self.world_rank)
+            rails = [sorted((node[i] for node in self.node_ranks), key=self.world_rank)
                      for i in range(self.intra_size)]
             self._rails = rail_groups[self.intra_rank]
             self._rail_order = torch.tensor([r for rail in rails for r in rail])
@@ -93,7 +92,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         # pid (to tell a dead peer) and the space free in its /dev/shm.
         tags, pids, frees = zip(*self.allgather_obj((shm.new_job_tag(), os.getpid(), shm.free_bytes())))
         tag = tags[0]
-        my_node = self._node_members[self.inter_rank]
+        my_node = self.node_ranks[self.inter_rank]
         self._shm_args = dict(
             node=self.inter_rank, local_rank=self.intra_rank, local_size=self.intra_size,
             pids=[pids[r] for r in my_node], agree=self.allgather_obj,
@@ -128,6 +127,7 @@ class HierarchicalCommunicator(FlatCommunicator):
     def _shm_ok(self, t: torch.Tensor) -> bool:
         return self._segment is not None and t.device.type == "cpu" and t.is_contiguous()
 
+    @watch.collective
     def allreduce_flat(self, flat: torch.Tensor, async_op: bool = False, op: str = "sum"):
         if not self._shm_ok(flat):
             return super().allreduce_flat(flat, async_op=async_op, op=op)
@@ -148,15 +148,16 @@ class HierarchicalCommunicator(FlatCommunicator):
             dist.all_reduce(flat, op=OPS[op], group=self._inter_group)
         self._segment.broadcast_(flat, root=0)
 
-    def _allreduce_copy(self, x: torch.Tensor, op: str) -> torch.Tensor:
+    def allreduce_copy(self, x: torch.Tensor, op: str) -> torch.Tensor:
         if not self._shm_ok(x):
-            return super()._allreduce_copy(x, op)
+            return super().allreduce_copy(x, op)
         # Straight from x into shared memory and from there into the result: no staging copy.
-        out = empty_like_fast(x)
+        out = shm.empty_like_fast(x)
         self._segment.allreduce_(x.view(-1), op, out=out.view(-1))
         self._across_nodes(out.view(-1), op)
         return out
 
+    @watch.collective
     def reduce_scatter_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         if self._shm_ok(flat) and self._single_node:
             self._segment.reduce_scatter(flat, shard)
@@ -173,6 +174,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         work = reduce_scatter_single(shard, node_sums, self._rails, async_op=True)
         return finish(AndThen(work, keep=(node_sums,)), async_op)
 
+    @watch.collective
     def allgather_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         if self._shm_ok(flat) and self._single_node:
             self._segment.allgather(flat, shard)
@@ -195,25 +197,26 @@ class HierarchicalCommunicator(FlatCommunicator):
     def may_share_node_memory(self) -> bool:
         return self._segment is not None and self._single_node
 
-    def open_node_arena(self, shared_bytes: int, region_bytes: int):
+    def open_node_arena(self, shared_bytes: int, region_bytes: int, points: Sequence[str]):
         if not self.may_share_node_memory():
             return None
         # A small /dev/shm (Docker's default is 64 MB) means the ordinary path, not a failure.
-        need = NodeArena.size_for(self.intra_size, shared_bytes, region_bytes)
+        need = shm.NodeArena.size_for(self.intra_size, shared_bytes, region_bytes)
         fits, tags = zip(*self.allgather_obj((need <= shm.fits_in(shm.free_bytes()), shm.new_job_tag())))
         if not all(fits):
             return None
-        return NodeArena.open(tags[0], shared_bytes=shared_bytes, region_bytes=region_bytes, **self._shm_args)
+        return shm.NodeArena.open(tags[0], shared_bytes=shared_bytes, region_bytes=region_bytes, points=points,
+                                   **self._shm_args)
 
-    def _exchange_headers(self, rows: list[list[int]], objects: bool = False) -> torch.Tensor:
+    def exchange_headers(self, rows: list[list[int]], objects: bool = False) -> torch.Tensor:
         # The call check of every collective: through shared memory too, so small collectives
         # do not pay a TCP round trip before their data moves.
-        if self._segment is None or not self._single_node or self._data_device.type != "cpu":
-            return super()._exchange_headers(rows, objects)
+        if self._segment is None or not self._single_node or self.device.type != "cpu":
+            return super().exchange_headers(rows, objects)
         mine = torch.tensor(rows, dtype=torch.int64)
         parts = self._segment.allgather_bytes(mine.reshape(-1).view(torch.uint8))
         if parts is None:  # a call of thousands of tensors: more rows than a slot holds
-            return super()._exchange_headers(rows, objects)
+            return super().exchange_headers(rows, objects)
         if any(p.numel() != mine.numel() * 8 for p in parts):
             # Some rank is making another call (an object collective, or one of another row
             # count): compare what each call is, from its first row, and let the check name it.
@@ -221,6 +224,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         # On one node, local rank order is this communicator's rank order.
         return torch.stack([p.view(torch.int64).reshape(mine.shape) for p in parts])
 
+    @watch.collective
     def allgather_obj(self, obj):
         """Every rank's object, in rank order, on every rank (through shared memory on one node).
 
@@ -233,7 +237,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         # Small objects (metrics, losses, flags) in one round through the segment, not two TCP
         # collectives; larger ones, on every rank alike, the ordinary way. Each starts with a call
         # header, so that a rank making another collective, or one that could not pickle, is named.
-        buf, err = self._try_dump(obj, "allgather_obj")
+        buf, err = pickle_for_call(obj, "allgather_obj", self.rank, self.host)
         head = torch.tensor(_call_check.obj_header(buf.numel()) if err is None else _call_check.invalid_rows(1)[0],
                             dtype=torch.int64).view(torch.uint8)
         parts = self._segment.allgather_bytes(head if err is not None else torch.cat([head, buf]))
@@ -242,12 +246,12 @@ class HierarchicalCommunicator(FlatCommunicator):
         _call_check.check_headers("allgather_obj", torch.stack([_first_row(p) for p in parts]).unsqueeze(1), err,
                                   same_shape=False, same_dtype=False, rank=self.rank, host=self.host)
         # Copies, own one included, as over TCP.
-        return [self._load(p[_ROW_BYTES:], "allgather_obj", r) for r, p in enumerate(parts)]
+        return [unpickle_from(p[_ROW_BYTES:], "allgather_obj", r, self.rank, self.host) for r, p in enumerate(parts)]
 
     def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
         if self.size > 1 and tensors and self._segment is not None and self._single_node and \
                 all(t.device.type == "cpu" and t.is_contiguous() and t.is_floating_point() for t in tensors):
-            nbytes = NodeMean.nbytes(tensors)
+            nbytes = shm.NodeMean.nbytes(tensors)
             if self._node_mean is None or self._node_mean.capacity < nbytes:
                 # Collective, decided alike on every rank: the caller has checked that every rank
                 # passes tensors of one layout.
@@ -255,7 +259,7 @@ class HierarchicalCommunicator(FlatCommunicator):
                     return super().mean_tensors(tensors)
                 if self._node_mean is not None:
                     self._node_mean.close()
-                self._node_mean = NodeMean.open(self, nbytes)
+                self._node_mean = shm.NodeMean.open(self, nbytes)
                 if self._node_mean is None:
                     self._node_mean_refused = nbytes
                     return super().mean_tensors(tensors)
@@ -272,7 +276,7 @@ class HierarchicalCommunicator(FlatCommunicator):
             self._segment = None
         super().finalize()
 
-    def _let_go(self) -> None:
+    def drop_process_groups(self) -> None:
         # The shared-memory segment stays: peers marked failed in it (failure.py) still read it.
-        super()._let_go()
+        super().drop_process_groups()
         self._inter_group = self._rails = None

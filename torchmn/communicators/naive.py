@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from torchmn.communicators.communicator import Communicator
-from torchmn.communicators.ops import divide_before_sum
+from torchmn.communicators.ops import mean_divisors
 
 
 class NaiveCommunicator(Communicator):
@@ -22,12 +22,12 @@ class NaiveCommunicator(Communicator):
     def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
         if self.size == 1:
             return
-        first = [divide_before_sum(t.dtype) for t in tensors]
-        for t, divide in zip(tensors, first):
-            if divide:
-                t.div_(self.size)
-        works = [dist.all_reduce(t, group=self._group, async_op=True) for t in tensors]
-        for t, w, divided in zip(tensors, works, first):
+        divisors = [mean_divisors(t.dtype, self.size) for t in tensors]
+        for t, (before, _) in zip(tensors, divisors):
+            if before > 1:
+                t.div_(before)
+        works = [dist.all_reduce(t, group=self.process_group, async_op=True) for t in tensors]
+        for t, w, (_, after) in zip(tensors, works, divisors):
             w.wait()
-            if not divided:
-                t.div_(self.size)
+            if after > 1:
+                t.div_(after)

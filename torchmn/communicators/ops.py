@@ -32,3 +32,25 @@ def divide_before_sum(dtype: torch.dtype) -> bool:
         (True, False)
     """
     return dtype in (torch.float16, torch.bfloat16)
+
+
+def mean_divisors(dtype: torch.dtype, ranks: int) -> tuple[int, int]:
+    """How a mean over ``ranks`` ranks divides: ``(before, after)``, each rank's values divided by
+    ``before`` before the sum and the sum by ``after`` after it; one of them is ``ranks``, the other 1.
+
+    Every mean over ranks (the algorithms' ``mean_tensors``, the optimizers' buckets) decides here,
+    by :func:`divide_before_sum`.
+
+    Args:
+        dtype: the dtype the values are summed in.
+        ranks: how many ranks' values are averaged.
+
+    Returns:
+        ``(ranks, 1)`` for float16 and bfloat16, ``(1, ranks)`` otherwise.
+
+    Example::
+
+        >>> mean_divisors(torch.float16, 4), mean_divisors(torch.float32, 4)
+        ((4, 1), (1, 4))
+    """
+    return (ranks, 1) if divide_before_sum(dtype) else (1, ranks)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.nn.parameter import UninitializedTensorMixin
+
+from torchmn.communicators.errors import RemoteRankError
 
 
 class _Pickler(pickle.Pickler):
@@ -60,3 +62,58 @@ def dumps(obj: Any, to_cpu: bool = False) -> bytes:
     buf = io.BytesIO()
     _Pickler(buf, to_cpu).dump(obj)
     return buf.getvalue()
+
+
+def pickle_for_call(obj: Any, kind: str, rank: int, host: str) -> tuple[Optional[torch.Tensor], Optional[Exception]]:
+    """``obj`` pickled (:func:`dumps`) into a byte tensor for object collective ``kind``, or the error
+    to raise once the other ranks have been told that this rank has nothing to send.
+
+    Args:
+        obj: the object.
+        kind: the collective, for the message (``"bcast_obj"``).
+        rank, host: this rank and its host, for the message.
+
+    Returns:
+        ``(bytes, None)``, or ``(None, TypeError)`` naming the rank, its host and why pickle failed.
+
+    Example::
+
+        >>> buf, err = pickle_for_call({"loss": 0.5}, "bcast_obj", 0, "node0")
+        >>> err is None and buf.dtype == torch.uint8
+        True
+    """
+    try:
+        return torch.frombuffer(bytearray(dumps(obj)), dtype=torch.uint8), None
+    except Exception as e:  # pickle fails in many ways (PicklingError, TypeError, AttributeError)
+        err = TypeError(f"{kind}: rank {rank} on {host} cannot pickle its object ({type(obj).__name__}): {e}")
+        err.__cause__ = e
+        return None, err
+
+
+def unpickle_from(buf: torch.Tensor, kind: str, source: int, rank: int, host: str) -> Any:
+    """The object rank ``source`` sent in object collective ``kind``.
+
+    Args:
+        buf: the pickled bytes, a uint8 tensor.
+        kind: the collective, for the message.
+        source: the rank that pickled it.
+        rank, host: this rank and its host, for the message.
+
+    Returns:
+        The object.
+
+    Raises:
+        RemoteRankError: it cannot be unpickled here (its class is not importable, or differs).
+
+    Example::
+
+        >>> buf, _ = pickle_for_call([1, 2], "bcast_obj", 0, "node0")
+        >>> unpickle_from(buf, "bcast_obj", 0, 1, "node1")
+        [1, 2]
+    """
+    try:
+        return pickle.loads(buf.cpu().numpy().tobytes())
+    except Exception as e:  # unpickling runs the sender's classes' code: any error can come out
+        raise RemoteRankError(f"{kind}: rank {source}'s object was pickled but cannot be unpickled on rank "
+                              f"{rank} ({host}): {type(e).__name__}: {e}; is its class importable, "
+                              f"with the same code, on every rank?") from e

@@ -1,5 +1,5 @@
-"""The gradient-averaging algorithms by name: what ``create_communicator(name)`` and
-``Communicator.split`` build."""
+"""The gradient-averaging algorithms by name: what ``create_communicator(name)`` builds (a split
+communicator keeps its parent's class)."""
 from __future__ import annotations
 
 import os

@@ -8,7 +8,11 @@ the store knows, what they were doing instead. Collectives are numbered per comm
 is the same call on every rank that runs the same program.
 
 Shared-memory collectives inside a node name their missing peers themselves
-(:class:`torchmn.communicators.shm.PeerLostError`).
+(:class:`~torchmn.communicators.errors.PeerLostError`).
+
+Every collective of a communicator is decorated with :func:`collective`, every point-to-point call
+with :func:`point_to_point`; an algorithm that overrides one decorates its override alike (a call
+made inside another watched call is part of it, and is not numbered again).
 
 A peer lost because its rank ended with an uncaught exception, which its exception hook recorded
 (see :mod:`torchmn.communicators.failure`), is named at once, with its error, as
@@ -24,21 +28,9 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from torchmn.communicators import failure
-from torchmn.communicators.errors import CollectiveTimeoutError
+from torchmn.communicators.errors import CollectiveTimeoutError, PeerLostError, lost_peer
 
-# The communicator methods whose calls are numbered and watched.
-WATCHED = ("bcast", "gather", "allgather", "scatter", "alltoall", "allreduce", "bcast_obj", "gather_obj",
-           "allgather_obj", "scatter_obj", "allreduce_obj", "barrier", "split", "bcast_data", "bcast_tensors",
-           "multi_node_mean_grad", "allreduce_flat", "reduce_scatter_flat", "allgather_flat")
-# What torch.distributed says when a peer never came or went away.
-# ("pair closure": gloo on a rank whose peer gave up first, closing their connection.)
-_LOST_PEER = ("Timed out", "timed out", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
-              "caused pair closure")
 GRACE_S = 3.0  # how long a rank that timed out waits for the others to report where they are
-
-
-# Point-to-point calls: not numbered (only two ranks take part), but a timeout names the peer.
-POINT_TO_POINT = {"send": "dest", "recv": "source", "send_obj": "dest", "recv_obj": "source"}
 
 
 class CallLog:
@@ -58,19 +50,6 @@ class CallLog:
         self.closed = False
 
 
-def install(cls: type) -> None:
-    """Watch the collectives and point-to-point calls of ``cls`` (its own, and those it inherits
-    unwatched, as from the mixins a communicator is made of). Instances carry a ``call_log``."""
-    for name in WATCHED:
-        fn = getattr(cls, name, None)
-        if fn is not None and not getattr(fn, "watched", False):
-            setattr(cls, name, _watched(name, fn))
-    for name, peer_arg in POINT_TO_POINT.items():
-        fn = getattr(cls, name, None)
-        if fn is not None and not getattr(fn, "watched", False):
-            setattr(cls, name, _watched_p2p(name, peer_arg, fn))
-
-
 def _refuse_if_finalized(comm, kind: str) -> None:
     if comm.call_log.closed:
         raise RuntimeError(f"rank {comm.rank}: {kind} on a communicator that was finalized (its process "
@@ -78,7 +57,45 @@ def _refuse_if_finalized(comm, kind: str) -> None:
                            f"torchmn.create_communicator() instead")
 
 
-def _watched_p2p(kind: str, peer_arg: str, fn: Callable) -> Callable:
+def point_to_point(peer_arg: str) -> Callable[[Callable], Callable]:
+    """Decorate a communicator's point-to-point method: not numbered (only two ranks take part),
+    but a lost peer is named in the error, with its host, and a finalized communicator refuses.
+
+    Args:
+        peer_arg: the name of the method's argument that is the other rank (``"dest"``, ``"source"``).
+
+    Returns:
+        The decorator.
+
+    Example::
+
+        >>> @watch.point_to_point("dest")
+        ... def send(self, x, dest, tag=0): ...
+    """
+    return functools.partial(_watched_p2p, peer_arg)
+
+
+def collective(fn: Callable) -> Callable:
+    """Decorate a communicator's collective: each call gets the next number of its communicator, a
+    finalized communicator refuses, and a collective that loses a peer raises an error naming the
+    ranks that never joined it (or the rank whose failure stopped it), here or in ``wait()``.
+
+    Args:
+        fn: the method; its name is the collective's, in messages.
+
+    Returns:
+        The watched method (``.watched`` is True).
+
+    Example::
+
+        >>> @watch.collective
+        ... def allreduce(self, x, op="sum"): ...
+    """
+    return _watched(fn.__name__, fn)
+
+
+def _watched_p2p(peer_arg: str, fn: Callable) -> Callable:
+    kind = fn.__name__
     signature = inspect.signature(fn)
 
     @functools.wraps(fn)
@@ -134,21 +151,6 @@ def _watched(kind: str, fn: Callable) -> Callable:
     return call
 
 
-def lost_peer(error: BaseException) -> bool:
-    """Whether ``error`` is torch.distributed saying that a peer never came or went away.
-
-    Args:
-        error: what a collective raised.
-
-    Returns:
-        True for torch's own timeout and connection errors (not torchmn's, which already say
-        what went wrong).
-    """
-    # Exactly torch's errors, not torchmn's own (which already say what went wrong).
-    return (type(error) is RuntimeError or type(error).__name__ in ("DistBackendError", "DistNetworkError")) \
-        and any(s in str(error) for s in _LOST_PEER)
-
-
 class _WatchedWork:
     """An async collective's handle whose ``wait()`` names the missing ranks on a timeout."""
 
@@ -201,7 +203,7 @@ def timed_out(comm, seq: int, kind: str, error: BaseException) -> CollectiveTime
 def _naming_the_ranks(comm, seq: int, kind: str, error: BaseException) -> Optional[BaseException]:
     """The error to raise instead of ``error``, which collective ``seq`` raised, naming what the other
     ranks did; None where ``error`` is not about a lost peer (it is raised as it is)."""
-    shm_lost = type(error).__name__ == "PeerLostError"  # shm's; not imported here, shm imports torch's world
+    shm_lost = isinstance(error, PeerLostError)
     if not (shm_lost or lost_peer(error)):
         return None
     failed = failure.recorded()

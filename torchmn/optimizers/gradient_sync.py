@@ -75,6 +75,23 @@ def could_share_memory(comm: Communicator, params: list[torch.nn.Parameter], com
             and all(p.device.type == "cpu" for p in params))
 
 
+def describe_rank(comm: Communicator) -> str:
+    """This rank and its host, as the optimizers' messages name them.
+
+    Args:
+        comm: the optimizer's communicator.
+
+    Returns:
+        ``"rank R on HOST"``.
+
+    Example::
+
+        >>> describe_rank(comm)
+        'rank 0 on node1'
+    """
+    return f"rank {comm.rank} on {socket.gethostname()}"
+
+
 def copy_scaled(out: torch.Tensor, src: torch.Tensor, scale: Optional[float]) -> None:
     """``out`` = ``src`` times ``scale``, in one pass where the dtypes agree.
 
@@ -93,11 +110,23 @@ def copy_scaled(out: torch.Tensor, src: torch.Tensor, scale: Optional[float]) ->
 
 class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Base of the multi-node optimizers: shares the wrapped optimizer's ``param_groups`` and
-    ``defaults``, and sends ``self._buckets`` as backward makes their gradients ready.
+    ``defaults``, and sends ``self.buckets`` as backward makes their gradients ready.
 
-    Subclasses set ``self._buckets`` (each with ``.params`` and a ``.ready`` set) and implement
-    ``_send(bucket)`` and ``_all_sent()``. Build one with
-    :func:`torchmn.create_multi_node_optimizer`.
+    Build one with :func:`torchmn.create_multi_node_optimizer`.
+
+    Attributes:
+        wrapped: the ``torch.optim.Optimizer`` this one wraps.
+        comm: the communicator.
+        compression: ``None``, ``"fp16"`` or ``"bf16"``.
+        wire_dtype: the dtype gradients travel in under ``compression`` (None: their own).
+        contributors: how many ranks' gradients this step's average is over (every rank, or
+            inside :func:`torchmn.join` those that still have data).
+        buckets: the gradient buckets, in the order they are sent (each with ``.params`` and a
+            ``.ready`` set), which the subclass builds.
+
+    A subclass builds its buckets from :meth:`trainable_params`, calls :meth:`attach_hooks`,
+    implements ``_send(bucket)`` (start one bucket's communication) and ``_all_sent()`` (every
+    bucket of the step is out), and starts its ``step()`` with :meth:`check_step`.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, *, compression: Optional[str],
@@ -110,11 +139,11 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         if backward_passes_per_step < 1:
             raise ValueError(f"backward_passes_per_step must be >= 1, not {backward_passes_per_step}")
         # Deliberately no Optimizer.__init__: param_groups are the wrapped optimizer's own.
-        self._optimizer = optimizer
+        self.wrapped = optimizer
         self.comm = comm
         self.compression = compression
         self.backward_passes_per_step = backward_passes_per_step
-        self._wire_dtype = COMPRESSION[compression]
+        self.wire_dtype = COMPRESSION[compression]
         self._no_sync = False
         self._passes = 0            # backward passes since the gradients last went out
         self._in_pass = False
@@ -126,44 +155,85 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._where: dict = {}
         # Whose gradients this step's average is over: every rank, or inside torchmn.join the ranks
         # that still have data (the exchange at the start of each step's averaging tells).
-        self._contributors = comm.size
+        self.contributors = comm.size
         joining.register(self)
 
-    def _trainable(self) -> list[torch.nn.Parameter]:
-        """The wrapped optimizer's trainable parameters, each once, broadcast from rank 0."""
-        everything = list(dict.fromkeys(p for g in self._optimizer.param_groups for p in g["params"]))
+    def trainable_params(self) -> list[torch.nn.Parameter]:
+        """The wrapped optimizer's trainable parameters, each once, after checking that every rank
+        holds the same layout and broadcasting their values (and the frozen ones') from rank 0.
+        Collective; for a subclass's ``__init__``.
+
+        Returns:
+            The parameters that require gradients, in the optimizer's order.
+
+        Raises:
+            ValueError: CPU parameters under NCCL, or compression of complex parameters.
+            CollectiveMismatchError: the ranks' models differ in layout.
+
+        Example::
+
+            >>> params = self.trainable_params()
+        """
+        everything = list(dict.fromkeys(p for g in self.wrapped.param_groups for p in g["params"]))
         params = [p for p in everything if p.requires_grad]
         if self.comm.backend == "nccl" and any(p.device.type != "cuda" for p in everything):
             raise ValueError(
-                f"{self._where_am_i()}: the communicator uses NCCL, which moves CUDA tensors only, but parameters "
+                f"{describe_rank(self.comm)}: the communicator uses NCCL, which moves CUDA tensors only, but parameters "
                 f"of this optimizer are on the CPU: move the model to the GPU first (model.to(comm.device)), or "
                 f"create the communicator with backend='gloo' (or hide the GPUs: CUDA_VISIBLE_DEVICES='') to train "
                 f"on the CPU")
         # What step() checks, cheaply, to refuse changes the buckets cannot follow.
         self._frozen_at_wrap = [p for p in everything if not p.requires_grad]
-        self._param_count = sum(len(g["params"]) for g in self._optimizer.param_groups)
+        self._param_count = sum(len(g["params"]) for g in self.wrapped.param_groups)
         self.comm.check_same_layout(params, "create_multi_node_optimizer: the trainable parameters", 0,
                                      "build the same model, and freeze the same parameters, on every rank")
         self.comm.check_same_layout(self._frozen_at_wrap, "create_multi_node_optimizer: the frozen parameters",
                                      0, "build the same model, and freeze the same parameters, on every rank")
-        if self._wire_dtype is not None and any(p.is_complex() for p in params):
+        if self.wire_dtype is not None and any(p.is_complex() for p in params):
             raise ValueError(f"compression={self.compression!r} with complex parameters: their gradients would "
                              f"lose the imaginary part on the wire; use compression=None")
         # Frozen ones too: a randomly initialised frozen layer would otherwise differ between ranks.
         self.comm.bcast_tensors([p.data for p in params + self._frozen_at_wrap], root=0)
         return params
 
-    def _can_share_memory(self, params: list[torch.nn.Parameter]) -> bool:
-        return could_share_memory(self.comm, params, self.compression)
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+                        foreach: Optional[bool] = None) -> torch.Tensor:
+        """Clip the averaged gradients by their norm over the whole model; returns that norm.
 
-    def _clip_averaged(self, max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the wrapped optimizer's parameters, once this
-        step's gradients are averaged into ``.grad``."""
+        ``torch.nn.utils.clip_grad_norm_`` over the wrapped optimizer's parameters, once this
+        step's gradients are averaged into ``.grad`` (sent first if backward has not).
+
+        Args:
+            max_norm: the largest total norm the gradients may have.
+            norm_type: the norm's order (``2.0``, ``float("inf")``, ...).
+            error_if_nonfinite: raise where the total norm is NaN or infinite.
+            foreach: as ``torch.nn.utils.clip_grad_norm_``'s.
+
+        Returns:
+            The total norm of the averaged gradients, before clipping.
+
+        Example::
+
+            >>> loss_fn(model(x), y).backward()
+            >>> norm = optimizer.clip_grad_norm_(1.0)
+            >>> optimizer.step()
+        """
         self.synchronize()
-        params = [p for g in self._optimizer.param_groups for p in g["params"]]
+        params = [p for g in self.wrapped.param_groups for p in g["params"]]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
-    def _attach(self, params: list[torch.nn.Parameter], buckets: list) -> None:
+    def attach_hooks(self, params: list[torch.nn.Parameter], buckets: list) -> None:
+        """Hook every parameter's gradient: each bucket goes out once backward has made all its
+        gradients (for subclasses, once they built their buckets).
+
+        Args:
+            params: the trainable parameters (:meth:`trainable_params`).
+            buckets: this optimizer's buckets, in the order they are sent.
+
+        Example::
+
+            >>> self.attach_hooks(params, self.buckets)       # at the end of a subclass's __init__
+        """
         self._where = {p: bi for bi, b in enumerate(buckets) for p in b.params}
         self._dtypes = {p: p.dtype for p in params}
         # Also in a world of one, so that every option means the same there.
@@ -180,17 +250,17 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """Every bucket of this step has been sent (at the end of backward, or by synchronize)."""
 
     def _send_ready(self) -> None:
-        buckets = self._buckets
+        buckets = self.buckets
         while self._next < len(buckets) and len(buckets[self._next].ready) == len(buckets[self._next].params):
             if self._next == 0:
-                self._contributors = joining.contributors(self)
+                self.contributors = joining.contributors(self)
             self._send(buckets[self._next])
             self._next += 1
 
     def _send_rest(self) -> None:
         if self._next == 0:  # the step's first bucket: inside torchmn.join, learn who still has data
-            self._contributors = joining.contributors(self)
-        for bucket in self._buckets[self._next:]:
+            self.contributors = joining.contributors(self)
+        for bucket in self.buckets[self._next:]:
             self._send(bucket)
         self._next = 0
         self._passes = 0
@@ -202,12 +272,12 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if p.grad.layout is not torch.strided:
             raise RuntimeError(
-                f"{self._where_am_i()}: the gradient of a parameter of shape "
+                f"{describe_rank(self.comm)}: the gradient of a parameter of shape "
                 f"{tuple(p.shape)} is {p.grad.layout} (nn.Embedding(sparse=True) or EmbeddingBag(sparse=True)); "
                 f"create_multi_node_optimizer averages dense gradients only: build the layer with sparse=False")
         if p.dtype is not self._dtypes[p]:
             raise RuntimeError(
-                f"{self._where_am_i()}: a parameter of shape {tuple(p.shape)} is {p.dtype} now but was "
+                f"{describe_rank(self.comm)}: a parameter of shape {tuple(p.shape)} is {p.dtype} now but was "
                 f"{self._dtypes[p]} when create_multi_node_optimizer wrapped the optimizer (model.double(), "
                 f".half() or .to(dtype) since?); its gradient buffers are of the old type. Convert the model "
                 f"first, then create the torch optimizer and wrap it")
@@ -216,7 +286,7 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._pass_syncs = not self._no_sync and self._passes + 1 >= self.backward_passes_per_step
             Variable._execution_engine.queue_callback(self._on_backward_end)
         if self._pass_syncs:
-            self._buckets[self._where[p]].ready.add(id(p))
+            self.buckets[self._where[p]].ready.add(id(p))
             self._send_ready()
 
     def _on_backward_end(self) -> None:
@@ -251,32 +321,39 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         finally:
             self._no_sync = previous
 
-    def _check_closure(self, closure) -> None:
+    def check_step(self, closure) -> None:
+        """What every ``step()`` checks first (for subclasses): no closure, the last backward
+        ended, and the parameters are those the gradient buckets were built for.
+
+        Args:
+            closure: what ``step()`` was given.
+
+        Raises:
+            ValueError: a closure was passed.
+            RuntimeError: the last backward raised before it ended, or parameters were added or
+                unfrozen since wrapping.
+
+        Example::
+
+            >>> self.check_step(closure)      # the first line of a subclass's step()
+        """
         if closure is not None:
             raise ValueError("multi-node optimizers do not support a closure: call backward, then step()")
-
-    def _refuse_after_failed_backward(self) -> None:
         if not self._check_backward_ended():
             raise RuntimeError(
-                f"{self._where_am_i()}: step() after a backward() that raised before it ended: its gradients "
+                f"{describe_rank(self.comm)}: step() after a backward() that raised before it ended: its gradients "
                 f"are partial and were only partly averaged over ranks. Call optimizer.zero_grad() and go "
                 f"on with the next batch (on every rank), as when skipping a batch")
-
-    def _where_am_i(self) -> str:
-        return f"rank {self.comm.rank} on {socket.gethostname()}"
-
-    def _check_parameters_unchanged(self) -> None:
-        """Refuse a step whose parameters are not those the gradient buckets were built for."""
-        count = sum(len(g["params"]) for g in self._optimizer.param_groups)
+        count = sum(len(g["params"]) for g in self.wrapped.param_groups)
         if count != self._param_count:
             raise RuntimeError(
-                f"{self._where_am_i()}: the wrapped optimizer has {count} parameters now but had {self._param_count} when "
+                f"{describe_rank(self.comm)}: the wrapped optimizer has {count} parameters now but had {self._param_count} when "
                 f"create_multi_node_optimizer wrapped it, so the new ones would not be averaged over ranks. "
                 f"Add parameter groups before wrapping.")
         for p in self._frozen_at_wrap:
             if p.requires_grad and p.grad is not None:
                 raise RuntimeError(
-                    f"{self._where_am_i()}: a parameter of shape {tuple(p.shape)} has a gradient, but it was frozen "
+                    f"{describe_rank(self.comm)}: a parameter of shape {tuple(p.shape)} has a gradient, but it was frozen "
                     f"(requires_grad=False) when create_multi_node_optimizer wrapped the optimizer, so its "
                     f"gradients are not averaged over ranks and the ranks' models would drift apart. Unfreeze "
                     f"parameters before wrapping; to unfreeze later (fine-tuning schedules), call "
@@ -292,7 +369,7 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._in_pass = self._pass_syncs = False
         self._next = 0
         self._passes = 0
-        for bucket in self._buckets:
+        for bucket in self.buckets:
             bucket.ready.clear()  # the buckets it sent wait for their collectives before being packed again
         return False
 
@@ -310,11 +387,11 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """
         self._check_backward_ended()
         if not set_to_none:
-            self._optimizer.zero_grad(set_to_none=False)
+            self.wrapped.zero_grad(set_to_none=False)
             return
         # What torch's does for set_to_none, without its profiler range and dynamo guard, which
         # cost a measurable part of a small model's step, run cold between step() and forward.
-        for group in self._optimizer.param_groups:
+        for group in self.wrapped.param_groups:
             for p in group["params"]:
                 p.grad = None
 
@@ -329,20 +406,20 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     @property
     def param_groups(self):
         """The wrapped optimizer's parameter groups (LR schedulers change them there)."""
-        return self._optimizer.param_groups
+        return self.wrapped.param_groups
 
     @param_groups.setter
     def param_groups(self, value):
-        self._optimizer.param_groups = value
+        self.wrapped.param_groups = value
 
     @property
     def defaults(self):
         """The wrapped optimizer's defaults."""
-        return self._optimizer.defaults
+        return self.wrapped.defaults
 
     @defaults.setter
     def defaults(self, value):
-        self._optimizer.defaults = value
+        self.wrapped.defaults = value
 
     def __reduce_ex__(self, protocol):
         # Also what copy.copy and copy.deepcopy would use; torch's Optimizer.__setstate__ would then
@@ -360,7 +437,7 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         Returns:
             A handle whose ``remove()`` removes the hook.
         """
-        return self._optimizer.register_step_pre_hook(hook)
+        return self.wrapped.register_step_pre_hook(hook)
 
     def register_step_post_hook(self, hook):
         """Call ``hook(optimizer, args, kwargs)`` after each update, as torch's does.
@@ -371,10 +448,10 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         Returns:
             A handle whose ``remove()`` removes the hook.
         """
-        return self._optimizer.register_step_post_hook(hook)
+        return self.wrapped.register_step_post_hook(hook)
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}({self._optimizer!r}, {self.comm!r})"
+        return f"{type(self).__name__}({self.wrapped!r}, {self.comm!r})"
 
     def remove_hooks(self) -> None:
         """Detach from the parameters' gradient hooks (the wrapped optimizer keeps working alone)."""

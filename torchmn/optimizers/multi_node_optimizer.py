@@ -15,10 +15,11 @@ from typing import Optional
 import torch
 
 from torchmn.communicators import Communicator
-from torchmn.communicators.ops import divide_before_sum
+from torchmn.communicators.ops import mean_divisors
 from torchmn.communicators.errors import CollectiveMismatchError
 from torchmn.communicators.shm import sum_into
-from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, copy_scaled, could_share_memory, make_buckets
+from torchmn.optimizers.gradient_sync import (GradientSyncOptimizer, copy_scaled, could_share_memory, describe_rank,
+                                              make_buckets)
 from torchmn.optimizers.node_memory import open_bucket_arena, region_view
 
 
@@ -161,7 +162,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         self.zero_fill = zero_fill
         self._first_step = True
         self._step_sent = False     # double buffering: this step's gradients have gone out
-        params = self._trainable()
+        params = self.trainable_params()
         cap = comm.grad_bucket_cap_bytes if bucket_cap_mb is None else int(bucket_cap_mb * 1024 * 1024)
         # Double buffering keeps gradients out of buckets that may still be in flight.
         as_views = not double_buffering
@@ -170,16 +171,16 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             return a.dtype == b.dtype and a.device == b.device
 
         def build(run):
-            return _Bucket(run, self._wire_dtype, as_views, comm.size)
+            return _Bucket(run, self.wire_dtype, as_views, comm.size)
         self._bucket_sets = [make_buckets(params, cap, build, same_bucket)]
         if double_buffering:
             self._bucket_sets.append(make_buckets(params, cap, build, same_bucket))
         self._current = 0           # which bucket set this backward fills
         self._in_flight: list[int] = []  # double buffering: sets sent but not yet used, oldest first
-        self._arena = None
-        if not double_buffering and self._can_share_memory(params):
-            self._arena = self._place_in_shared_memory()
-        self._attach(params, self._bucket_sets[0])
+        self.arena = None
+        if not double_buffering and could_share_memory(self.comm, params, self.compression):
+            self.arena = self._place_in_shared_memory()
+        self.attach_hooks(params, self._bucket_sets[0])
 
     def _place_in_shared_memory(self):
         """On one node, put each rank's buckets in memory the node's ranks share, or return None.
@@ -203,32 +204,32 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         return arena
 
     def _reduce_in_shared_memory(self) -> None:
-        arena = self._arena
+        arena = self.arena
         arena.barrier("backward done (gradients in)")  # every rank's gradients are in its buffers
-        for b, result, peers in zip(self._buckets, self._results, self._peer_buffers):
+        for b, result, peers in zip(self.buckets, self._results, self._peer_buffers):
             lo, hi = arena.my_chunk(b.numel, result.element_size())
             if hi > lo:
                 sum_into(result[lo:hi], [peer[lo:hi] for peer in peers])
         arena.barrier("averaged gradients ready")      # the whole result is there
-        for b, result in zip(self._buckets, self._results):
+        for b, result in zip(self.buckets, self._results):
             b.unpack(None, self.zero_fill, result=result)
             b.ready.clear()
         # No barrier needed after the copy-out: the result is written again only after the next
         # step's first barrier, which every rank reaches after its own copy-out.
 
     @property
-    def _buckets(self) -> list[_Bucket]:
+    def buckets(self) -> list[_Bucket]:
         return self._bucket_sets[self._current]
 
     def _send(self, bucket: _Bucket) -> None:
-        if self._arena is not None:
+        if self.arena is not None:
             # Into this rank's shared buffer, divided by size on the way (exact for powers of two);
             # summed at the end of backward. (Inside torchmn.join, by the ranks that still have data.)
-            bucket.pack(1.0 / self._contributors)
+            bucket.pack(1.0 / self.contributors)
             return
         if self.double_buffering and self._step_sent:
             raise RuntimeError(
-                f"{self._where_am_i()}: a second backward() before step() with double_buffering=True. Each "
+                f"{describe_rank(self.comm)}: a second backward() before step() with double_buffering=True. Each "
                 f"backward's gradients go out when it ends and the next step() updates with them, so a "
                 f"second one would overwrite gradients still in flight. To accumulate gradients over several "
                 f"backward passes, use backward_passes_per_step=k or optimizer.no_sync(). A second backward can "
@@ -241,11 +242,11 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             bucket.work.wait()
         # Half-precision gradients (compressed, or the model's own) are divided before the sum, so
         # that it cannot overflow.
-        pre = 1.0 / self._contributors if divide_before_sum(bucket.wire_dtype) else None
-        bucket.work = self.comm.allreduce_flat(bucket.pack(pre), async_op=True)
+        before, _ = mean_divisors(bucket.wire_dtype, self.contributors)
+        bucket.work = self.comm.allreduce_flat(bucket.pack(1.0 / before if before > 1 else None), async_op=True)
 
     def _all_sent(self) -> None:
-        if self._arena is not None:
+        if self.arena is not None:
             self._reduce_in_shared_memory()
         elif self.double_buffering:
             self._step_sent = True
@@ -258,7 +259,8 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         for bucket in self._bucket_sets[set_index]:
             bucket.work.wait()
             bucket.work = None
-            bucket.unpack(None if divide_before_sum(bucket.wire_dtype) else 1.0 / self._contributors, self.zero_fill)
+            _, after = mean_divisors(bucket.wire_dtype, self.contributors)
+            bucket.unpack(1.0 / after if after > 1 else None, self.zero_fill)
             bucket.ready.clear()
 
     def step(self, closure=None):
@@ -274,21 +276,19 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             ValueError: a closure was passed.
             RuntimeError: the last backward raised, or parameters were added or unfrozen since wrapping.
         """
-        self._check_closure(closure)
-        self._refuse_after_failed_backward()
-        self._check_parameters_unchanged()
+        self.check_step(closure)
         self.synchronize()
         self._sent = False
         self._step_sent = False
         if not self.double_buffering:
-            return self._optimizer.step()
+            return self.wrapped.step()
         # Double buffering (ChainerMN): update with the previous step's averages while this
         # step's are in flight; the very first step has nothing to update with.
         if self._first_step:
             self._first_step = False
             return None
         self._finish(self._in_flight.pop(0))
-        return self._optimizer.step()
+        return self.wrapped.step()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: Optional[bool] = None) -> torch.Tensor:
@@ -321,7 +321,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             raise ValueError("clip_grad_norm_ with double_buffering=True: the update uses the previous "
                              "step's averages, which step() swaps in after this call; use "
                              "double_buffering=False to clip")
-        return self._clip_averaged(max_norm, norm_type, error_if_nonfinite, foreach)
+        return super().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
 
     def average_without_gradients(self) -> None:
         """Take part in the other ranks' gradient averaging with zeros, and update nothing.
@@ -338,7 +338,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             >>> optimizer.average_without_gradients()    # the others run backward() meanwhile
         """
         if self.double_buffering or self._sent:
-            raise RuntimeError(f"{self._where_am_i()}: average_without_gradients() needs double_buffering=False "
+            raise RuntimeError(f"{describe_rank(self.comm)}: average_without_gradients() needs double_buffering=False "
                                f"and no gradients sent since the last step()")
         self.zero_grad()
         self.synchronize()
@@ -347,7 +347,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
 
     def state_dict(self):
         """The wrapped optimizer's ``state_dict()``: the same on every rank, no communication."""
-        return self._optimizer.state_dict()
+        return self.wrapped.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
         """Load a ``state_dict()`` of this or a plain torch optimizer (on every rank).
@@ -355,16 +355,16 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         Args:
             state_dict: the state, in torch's optimizer format.
         """
-        self._optimizer.load_state_dict(state_dict)
+        self.wrapped.load_state_dict(state_dict)
 
     @property
     def state(self):
         """The wrapped optimizer's ``state``."""
-        return self._optimizer.state
+        return self.wrapped.state
 
     @state.setter
     def state(self, value):
-        self._optimizer.state = value
+        self.wrapped.state = value
 
 
 def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communicator, *,

@@ -1,6 +1,6 @@
 """The optimizers' path through the node's shared memory, where all ranks are on one node (CPU).
 
-Both optimizers put their gradient buffers in a :class:`~torchmn.communicators.node_arena.NodeArena`
+Both optimizers put their gradient buffers in a :class:`~torchmn.communicators.shm.arena.NodeArena`
 (:func:`open_bucket_arena`): each rank's buffer is readable by the others, so a reduction is each
 rank summing its part straight from them, with no copy through a collective. The sharded optimizer
 also keeps the parameters there, once per node; :class:`NodeShards` is a shard bucket's part of it.
@@ -13,6 +13,17 @@ import torch
 
 from torchmn.communicators import Communicator
 from torchmn.communicators.shm import sum_into
+
+# The points where the ranks of a node meet in an optimizer's arena (NodeArena.barrier: ranks that
+# reach one barrier from different points raise, naming both). The sharded optimizer's first
+# barrier of a step says how many backward passes sent gradients since the last step (at most 3),
+# so that a rank that skipped a step() is told apart.
+STEP_AFTER_SENDS = ("step() after 0 backward passes that sent gradients",
+                    "step() after 1 backward pass that sent gradients",
+                    "step() after 2 backward passes that sent gradients",
+                    "step() after 3 or more backward passes that sent gradients")
+ARENA_POINTS = ("set-up", "backward done (gradients in)", "averaged gradients ready",
+                "step done (shards updated)") + STEP_AFTER_SENDS
 
 
 def arena_layout(nbytes: list[int]) -> tuple[list[int], int]:
@@ -50,7 +61,7 @@ def open_bucket_arena(comm: Communicator, nbytes: list[int]):
         small ``/dev/shm``): the caller then takes the path through collectives.
     """
     offsets, total = arena_layout(nbytes)
-    arena = comm.open_node_arena(shared_bytes=total, region_bytes=total)
+    arena = comm.open_node_arena(shared_bytes=total, region_bytes=total, points=ARENA_POINTS)
     return None if arena is None else (arena, offsets)
 
 
@@ -76,7 +87,7 @@ def place_buckets(arena, buckets: list, shared_offsets: list, region_offsets: li
     gradient buffer at its offset in every rank's region (``bucket.node``, a :class:`NodeShards`).
 
     Args:
-        arena: the :class:`~torchmn.communicators.node_arena.NodeArena`.
+        arena: the :class:`~torchmn.communicators.shm.arena.NodeArena`.
         buckets: the :class:`~torchmn.optimizers.shard_layout.ShardBucket` objects.
         shared_offsets: each bucket's byte offset in the shared region.
         region_offsets: each bucket's byte offset in a rank's region.

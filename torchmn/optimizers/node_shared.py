@@ -25,8 +25,9 @@ from torch.utils.hooks import RemovableHandle
 
 from torchmn.communicators import Communicator
 from torchmn.optimizers import shard_state
+from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, describe_rank
 from torchmn.optimizers.inner_optimizers import build_inner, step_function
-from torchmn.optimizers.node_memory import arena_layout, place_buckets, region_view
+from torchmn.optimizers.node_memory import ARENA_POINTS, arena_layout, place_buckets, region_view
 from torchmn.optimizers.sharded import ShardedMultiNodeOptimizer
 
 
@@ -106,19 +107,20 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
         Raises:
             NoNodeMemory: the ranks cannot share memory.
         """
-        buckets = self._buckets
+        buckets = self.buckets
         kinds = {}
         for b in buckets:
             key = (b.group, b.dtype)
             if key not in kinds:
-                kinds[key] = elementwise_state(type(self._optimizer), self._optimizer.param_groups[b.group], b.dtype)
+                kinds[key] = elementwise_state(type(self.wrapped), self.wrapped.param_groups[b.group], b.dtype)
         states = [kinds[(b.group, b.dtype)] for b in buckets]
         itemsize = {d: torch.empty((), dtype=d).element_size() for s in states for d in s.values()}
         shared_offsets, shared_total = arena_layout(
             [b.padded * b.itemsize for b in buckets]
             + [b.padded * itemsize[d] for b, s in zip(buckets, states) for d in s.values()])
         region_offsets, region_total = arena_layout([b.region_numel * b.itemsize for b in buckets])
-        arena = self.comm.open_node_arena(shared_bytes=shared_total, region_bytes=region_total)
+        arena = self.comm.open_node_arena(shared_bytes=shared_total, region_bytes=region_total,
+                                          points=ARENA_POINTS)
         if arena is None:  # before anything is placed: the caller builds the replicated optimizer
             raise NoNodeMemory("the ranks cannot share memory")
         place_buckets(arena, buckets, shared_offsets, region_offsets, self.comm.rank)
@@ -137,7 +139,7 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
     def _home_state(self) -> None:
         """Move the shard optimizers' per-element state into shared memory, where it is not yet
         (torch's optimizers make it at their first step, and loading a state dict replaces it)."""
-        for b, views in zip(self._buckets, self._state_views):
+        for b, views in zip(self.buckets, self._state_views):
             state = b.optimizer.state
             for i, sp in enumerate(b.shard_params):
                 s = state.get(sp)
@@ -153,12 +155,12 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
     # ----------------------------------------------------------------------------- backward
     def _all_sent(self) -> None:
         # Every rank's gradients are in its buffer; each averages its slices into every buffer.
-        self._arena.barrier("backward done (gradients in)")
-        scale = 1.0 / self._contributors  # every rank, or inside torchmn.join those with data
-        for b in self._buckets:
+        self.arena.barrier("backward done (gradients in)")
+        scale = 1.0 / self.contributors  # every rank, or inside torchmn.join those with data
+        for b in self.buckets:
             b.node.average_for_all(scale)
-        self._arena.barrier("averaged gradients ready")
-        for b in self._buckets:
+        self.arena.barrier("averaged gradients ready")
+        for b in self.buckets:
             b.node.point_grads_at_averages()
             b.packed = None  # so that zero_grad() frees the gradients backward made
 
@@ -179,21 +181,19 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
 
             >>> loss_fn(model(x), y).backward(); optimizer.step()
         """
-        self._check_closure(closure)
-        self._refuse_after_failed_backward()
-        self._check_parameters_unchanged()
+        self.check_step(closure)
         self.synchronize()
         for hook in list(self._pre_hooks.values()):
             hook(self, (), {})
-        self._sync_hyperparameters()
-        for b in self._buckets:
+        self.sync_hyperparameters()
+        for b in self.buckets:
             b.node.take_averages()
-        for buckets in self._inner.values():
+        for buckets in self.shard_groups.values():
             buckets[0].step_shard()
         self._home_state()
         # Every slice is updated in the shared parameters, and nobody reads another rank's
         # gradient buffer any more, so backward may write them again.
-        self._arena.barrier("step done (shards updated)")
+        self.arena.barrier("step done (shards updated)")
         self._sent = False
         self._sends = 0
         for hook in list(self._post_hooks.values()):
@@ -251,13 +251,14 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
             >>> norm = optimizer.clip_grad_norm_(1.0)
             >>> optimizer.step()
         """
-        return self._clip_averaged(max_norm, norm_type, error_if_nonfinite, foreach)
+        # Every rank holds the whole averaged gradient, as the replicated optimizer does.
+        return GradientSyncOptimizer.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
 
     def _entries(self, copy: bool) -> dict:
         """``{parameter: its whole state}``: per-element entries from shared memory, the rest
         (step counts) from this rank's shard, which has the same."""
         entries = {}
-        for b, views in zip(self._buckets, self._state_views):
+        for b, views in zip(self.buckets, self._state_views):
             state = b.optimizer.state
             for i, (p, sp) in enumerate(zip(b.params, b.shard_params)):
                 s = state.get(sp)
@@ -269,7 +270,7 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
                         value = views[name][0][i]
                     elif torch.is_tensor(value) and name not in shard_state.SCALAR_STATE:
                         raise RuntimeError(
-                            f"{self._where_am_i()}: the optimizer state {name!r} of a parameter of shape "
+                            f"{describe_rank(self.comm)}: the optimizer state {name!r} of a parameter of shape "
                             f"{tuple(p.shape)} is not in the memory the node's ranks share (a hyperparameter "
                             f"changed since wrapping, which made new state), so this rank cannot read the "
                             f"other ranks' parts of it. Set such hyperparameters before wrapping, or wrap "
@@ -297,7 +298,7 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
             >>> if comm.rank == 0:
             ...     torch.save({"model": model.state_dict(), "opt": optimizer.state_dict()}, path)
         """
-        groups = self._optimizer.param_groups
+        groups = self.wrapped.param_groups
         index = shard_state.indices(groups)
         state = {index[p]: entry for p, entry in self._entries(copy=True).items()}
         return shard_state.torch_format(groups, state, index)

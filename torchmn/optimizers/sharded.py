@@ -14,12 +14,11 @@ from typing import Optional
 import torch
 
 from torchmn.communicators import Communicator
-from torchmn.communicators.node_arena import STEP_AFTER_SENDS
-from torchmn.communicators.ops import divide_before_sum
+from torchmn.communicators.ops import mean_divisors
 from torchmn.optimizers import fused_adam, join as joining, shard_state
-from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, make_buckets
+from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, could_share_memory, make_buckets
 from torchmn.optimizers.inner_optimizers import IMPLEMENTATION_FLAGS, build_inner, check_optimizer, step_function
-from torchmn.optimizers.node_memory import open_bucket_arena, place_buckets
+from torchmn.optimizers.node_memory import STEP_AFTER_SENDS, open_bucket_arena, place_buckets
 from torchmn.optimizers.shard_layout import ShardBucket
 
 
@@ -76,19 +75,19 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             for p in group["params"]:
                 if p.requires_grad:
                     owners.setdefault(p, gi)
-        params = self._trainable()
+        params = self.trainable_params()
         cap = comm.grad_bucket_cap_bytes if bucket_cap_mb is None else int(bucket_cap_mb * 1024 * 1024)
 
         def same_bucket(a, b):  # a bucket never mixes parameter groups, dtypes or devices
             return owners[a] == owners[b] and a.dtype == b.dtype and a.device == b.device
 
         def build(run):
-            return ShardBucket(run, owners[run[0]], comm.rank, comm.size, self._wire_dtype)
-        self._buckets = make_buckets(params, cap, build, same_bucket)
+            return ShardBucket(run, owners[run[0]], comm.rank, comm.size, self.wire_dtype)
+        self.buckets = make_buckets(params, cap, build, same_bucket)
         self._reduced = False  # clip_grad_norm_ took this step's averaged shards already
-        self._arena = self._place_in_shared_memory() if self._can_share_memory(params) else None
-        if self._arena is None:
-            for b in self._buckets:
+        self.arena = self._place_in_shared_memory() if could_share_memory(self.comm, params, self.compression) else None
+        if self.arena is None:
+            for b in self.buckets:
                 b.place()
                 b.place_wire()
         # On one node the shards are all updated at once: one inner optimizer per group (and dtype
@@ -97,21 +96,21 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         # Elsewhere each bucket is updated as its reduce-scatter lands, so that its all-gather
         # overlaps the next buckets' updates: one inner optimizer per bucket (one over the group
         # would walk all its shards every time).
-        self._inner = {}
-        for i, b in enumerate(self._buckets):
+        self.shard_groups = {}
+        for i, b in enumerate(self.buckets):
             b.point_params()
-            kind = (b.dtype, b.device) if self._arena is not None else i
-            self._inner.setdefault((b.group, kind), []).append(b)
+            kind = (b.dtype, b.device) if self.arena is not None else i
+            self.shard_groups.setdefault((b.group, kind), []).append(b)
         self._sum_and_step = {}  # per inner optimizer on one node, where its fused kernel allows
-        for key, buckets in self._inner.items():
+        for key, buckets in self.shard_groups.items():
             inner = build_inner(type(optimizer), [sp for b in buckets for sp in b.shard_params],
                                 optimizer.param_groups[key[0]])
             step = step_function(inner)
             for b in buckets:
                 b.optimizer, b.step_shard = inner, step
-            if self._arena is not None and fused_adam.kernel_for(inner) is not None:
+            if self.arena is not None and fused_adam.kernel_for(inner) is not None:
                 self._sum_and_step[key] = fused_adam.SumAndStep(inner, buckets, 1.0 / comm.size)
-        self._attach(params, self._buckets)
+        self.attach_hooks(params, self.buckets)
 
     def _place_in_shared_memory(self):
         """On one node, put the flat buffers in memory the node's ranks share, or return None.
@@ -120,21 +119,21 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         of every rank, so no all-gather is needed. Each rank's gradient buffer is readable by the
         others, so the reduce-scatter is each rank summing its shard straight from them.
         """
-        opened = open_bucket_arena(self.comm, [b.region_numel * b.itemsize for b in self._buckets])
+        opened = open_bucket_arena(self.comm, [b.region_numel * b.itemsize for b in self.buckets])
         if opened is None:
             return None
         arena, offsets = opened
-        place_buckets(arena, self._buckets, offsets, offsets, self.comm.rank)
+        place_buckets(arena, self.buckets, offsets, offsets, self.comm.rank)
         arena.barrier("set-up")
         return arena
 
     def _send(self, bucket: ShardBucket) -> None:
         bucket.sent = True
         self._reduced = False  # new gradients: whatever clip_grad_norm_ took is stale
-        if self._arena is not None:
+        if self.arena is not None:
             # Into this rank's shared buffer, divided by size on the way (exact for powers of two);
             # step() sums the shards from there. (Inside torchmn.join, by the ranks that have data.)
-            bucket.node.pack_for_peers(1.0 / self._contributors)
+            bucket.node.pack_for_peers(1.0 / self.contributors)
             bucket.ready.clear()
             return
         if bucket.reduce_work is not None:
@@ -143,22 +142,23 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             bucket.reduce_work.wait()
         # Half-precision gradients (compressed, or the model's own) are divided before the sum, so
         # that it cannot overflow.
-        pre = 1.0 / self._contributors if divide_before_sum(bucket.wire_dtype) else None
-        bucket.reduce_work = self.comm.reduce_scatter_flat(bucket.pack(pre), bucket.grad_shard, async_op=True)
+        before, _ = mean_divisors(bucket.wire_dtype, self.contributors)
+        bucket.reduce_work = self.comm.reduce_scatter_flat(bucket.pack(1.0 / before if before > 1 else None),
+                                                           bucket.grad_shard, async_op=True)
         bucket.ready.clear()
 
     def _all_sent(self) -> None:
         # Backward is done with every gradient now. Their versions are noted here, not as each
         # bucket goes: gradients that are views of one tensor (parameters used through torch.cat)
         # share a version counter, which accumulating into a later bucket's gradient bumps.
-        for b in self._buckets:
+        for b in self.buckets:
             b.note_versions()
 
-    def _sync_hyperparameters(self) -> None:
+    def sync_hyperparameters(self) -> None:
         # Schedulers and users change the outer groups; the shard optimizers read their own copies.
-        for (group, _), buckets in self._inner.items():
+        for (group, _), buckets in self.shard_groups.items():
             inner = buckets[0].optimizer.param_groups[0]
-            for key, value in self._optimizer.param_groups[group].items():
+            for key, value in self.wrapped.param_groups[group].items():
                 if key != "params" and key not in IMPLEMENTATION_FLAGS:
                     inner[key] = value
 
@@ -179,36 +179,34 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
 
             >>> loss_fn(model(x), y).backward(); optimizer.step()
         """
-        self._check_closure(closure)
-        self._refuse_after_failed_backward()
-        self._check_parameters_unchanged()
+        self.check_step(closure)
         reduced, self._reduced = self._reduced, False
         if reduced:  # by clip_grad_norm_, which took them; an edit since would still be lost
             self._check_gradients()
         else:
             self._take_gradients()
         self._sent = False
-        self._sync_hyperparameters()
-        for b in self._buckets:
+        self.sync_hyperparameters()
+        for b in self.buckets:
             b.sent = False
-        if self._arena is not None:
+        if self.arena is not None:
             if reduced:
-                for buckets in self._inner.values():
+                for buckets in self.shard_groups.values():
                     buckets[0].step_shard()
             else:
                 self._sum_and_update_in_shared_memory()
             # Every shard is updated in the shared parameters, and nobody reads a gradient buffer
             # any more, so backward may write them again.
-            self._arena.barrier("step done (shards updated)")
+            self.arena.barrier("step done (shards updated)")
             self._forget_gradients()
             return None
-        for b in self._buckets:
+        for b in self.buckets:
             if not reduced:  # bucket by bucket, so early buckets' all-gathers overlap later updates
                 self._finish_reduce_scatter(b)
             b.step_shard()
             if b.send is not None:
                 b.gather_work = self.comm.allgather_flat(b.gathered, b.send_shards(), async_op=True)
-        for b in self._buckets:
+        for b in self.buckets:
             if b.gather_work is not None:
                 b.gather_work.wait()
                 b.gather_work = None
@@ -232,7 +230,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
 
     def _forget_gradients(self) -> None:
         self._sends = 0
-        for b in self._buckets:
+        for b in self.buckets:
             b.packed = b.versions = None  # so that the next zero_grad frees them
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
@@ -272,13 +270,13 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
                               "needs no collective")
         if not self._reduced:
             self._take_gradients()
-            if self._arena is not None:
+            if self.arena is not None:
                 self._sum_shards_in_shared_memory()
             else:
-                for b in self._buckets:
+                for b in self.buckets:
                     self._finish_reduce_scatter(b)
             self._reduced = True
-        shards = [(sp.grad, hi - lo) for b in self._buckets for sp, (lo, hi) in zip(b.shard_params, b.slices)
+        shards = [(sp.grad, hi - lo) for b in self.buckets for sp, (lo, hi) in zip(b.shard_params, b.slices)
                   if sp.grad is not None]
         # The real elements only: a shard's padding must stay 0 (the sums never rewrite it), and a
         # non-finite factor (a skipped bad step) would make it NaN in every later norm.
@@ -305,26 +303,26 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         self._check_gradients()
 
     def _check_gradients(self) -> None:
-        for b in self._buckets:
+        for b in self.buckets:
             b.check_grads_unchanged()
 
     def _gradients_in(self) -> None:
         # Every rank's gradients are in its buffer. The barrier also tells how many times they were
         # sent since the last step: a rank that skipped a step() meets the others' next one.
-        self._arena.barrier(STEP_AFTER_SENDS[min(self._sends, len(STEP_AFTER_SENDS) - 1)])
+        self.arena.barrier(STEP_AFTER_SENDS[min(self._sends, len(STEP_AFTER_SENDS) - 1)])
 
     def _sum_shards_in_shared_memory(self) -> None:
         # For clip_grad_norm_, which needs every sum before any update.
         self._gradients_in()
-        for b in self._buckets:
-            b.node.sum_shard_of_peers(1.0 / self._contributors)
+        for b in self.buckets:
+            b.node.sum_shard_of_peers(1.0 / self.contributors)
 
     def _sum_and_update_in_shared_memory(self) -> None:
         """Sum each shard from the node's buffers and update it: piece by piece where the fused
         Adam kernel allows (:class:`fused_adam.SumAndStep`), else all sums, then the update."""
         self._gradients_in()
-        scale = 1.0 / self._contributors
-        for key, buckets in self._inner.items():
+        scale = 1.0 / self.contributors
+        for key, buckets in self.shard_groups.items():
             sum_and_step = self._sum_and_step.get(key)
             if sum_and_step is not None:
                 sum_and_step.scale = scale  # fewer ranks than size inside torchmn.join
@@ -336,8 +334,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     def _finish_reduce_scatter(self, b: ShardBucket) -> None:
         b.reduce_work.wait()
         b.reduce_work = None
-        if not divide_before_sum(b.wire_dtype):
-            b.grad_shard.mul_(1.0 / self._contributors)
+        _, after = mean_divisors(b.wire_dtype, self.contributors)
+        if after > 1:
+            b.grad_shard.mul_(1.0 / after)
         if b.wire_dtype != b.dtype:
             b.shard_grad.copy_(b.grad_shard[:b.k])
         b.take_reduced()
@@ -359,7 +358,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             >>> sd = optimizer.state_dict()          # all ranks
             >>> if comm.rank == 0: torch.save({"model": model.state_dict(), "opt": sd}, path)
         """
-        return shard_state.gather_state_dict(self.comm, self._optimizer.param_groups, self._buckets)
+        return shard_state.gather_state_dict(self.comm, self.wrapped.param_groups, self.buckets)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a whole state (from :meth:`state_dict` on any rank count, or a plain torch optimizer).
@@ -376,7 +375,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
 
             >>> optimizer.load_state_dict(torch.load(path)["opt"])
         """
-        shard_state.load_state_dict(state_dict, self._optimizer.param_groups, self._inner)
+        shard_state.load_state_dict(state_dict, self.wrapped.param_groups, self.shard_groups)
 
     def local_state_dict(self) -> dict:
         """This rank's part of the optimizer state, for checkpoints that every rank writes its own
@@ -390,7 +389,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
 
             >>> torch.save(optimizer.local_state_dict(), f"opt_rank{comm.rank}.pt")
         """
-        return shard_state.local_part(self.comm, self._optimizer.param_groups, self._buckets)
+        return shard_state.local_part(self.comm, self.wrapped.param_groups, self.buckets)
 
     def load_local_state_dicts(self, parts: list) -> None:
         """Load the state from the parts every rank of a job wrote with :meth:`local_state_dict`,
@@ -406,7 +405,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
 
             >>> optimizer.load_local_state_dicts([torch.load(f"opt_rank{r}.pt") for r in range(4)])
         """
-        self.load_state_dict(shard_state.merge_parts(parts, self._optimizer.param_groups))
+        self.load_state_dict(shard_state.merge_parts(parts, self.wrapped.param_groups))
 
     @property
     def state(self) -> dict:
@@ -415,7 +414,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         Returns:
             A fresh dict, keyed by the shard parameters (this rank's slice of each parameter).
         """
-        return {sp: b.optimizer.state[sp] for b in self._buckets for sp in b.shard_params if sp in b.optimizer.state}
+        return {sp: b.optimizer.state[sp] for b in self.buckets for sp in b.shard_params if sp in b.optimizer.state}
 
     @state.setter
     def state(self, value):
@@ -434,5 +433,5 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             >>> print(f"rank {comm.rank}: {optimizer.state_bytes() / 1e6:.1f} MB of optimizer state")
         """
         # The shard optimizers' own state (each shard parameter has one optimizer).
-        return sum(v.numel() * v.element_size() for buckets in self._inner.values()
+        return sum(v.numel() * v.element_size() for buckets in self.shard_groups.values()
                    for s in buckets[0].optimizer.state.values() for v in s.values() if torch.is_tensor(v))

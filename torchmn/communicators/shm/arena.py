@@ -1,24 +1,18 @@
 """Memory the ranks of one node share for good, with a barrier: where the optimizers keep their
-buffers on one node (see ``Communicator.open_node_arena``)."""
+buffers on one node (see ``Communicator.open_node_arena``).
+
+Whoever opens an arena names the points its ranks meet at (``points``): a barrier carries the
+point's index, so ranks that reach one barrier from different points of their work raise, naming
+both, instead of pairing silently."""
 from __future__ import annotations
 
 import mmap
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
-from torchmn.communicators._shm_utility import Flags, align, chunk_bounds, close_mapping, map_segment, segment_name
-
-# The points at which users of a NodeArena meet (names for the errors when ranks disagree). The
-# sharded optimizer's first barrier of a step says how many backward passes sent gradients since
-# the last step (index: that count, at most 3), so a rank that skipped a step() is told apart.
-STEP_AFTER_SENDS = ("step() after 0 backward passes that sent gradients",
-                    "step() after 1 backward pass that sent gradients",
-                    "step() after 2 backward passes that sent gradients",
-                    "step() after 3 or more backward passes that sent gradients")
-ARENA_BARRIERS = ("barrier", "set-up", "backward done (gradients in)", "averaged gradients ready",
-                  "step done (shards updated)") + STEP_AFTER_SENDS + ("mean: tensors in", "mean: means ready")
-BARRIER_CODE = {name: code for code, name in enumerate(ARENA_BARRIERS)}
+from torchmn.communicators.shm.segment import (KINDS, Flags, align, chunk_bounds, close_mapping, map_segment,
+                                                segment_name)
 
 
 class NodeArena:
@@ -32,13 +26,17 @@ class NodeArena:
 
     Example::
 
-        >>> arena = NodeArena.open(tag, 0, r, 2, pids, comm.allgather_obj, shared_bytes=4096, region_bytes=4096)
+        >>> arena = NodeArena.open(tag, 0, r, 2, pids, comm.allgather_obj, shared_bytes=4096, region_bytes=4096,
+        ...                        points=("written", "summed"))
         >>> arena.regions[r].view(torch.float32)[:4] = 1.0
-        >>> arena.barrier()                      # every rank's writes before it are visible after it
+        >>> arena.barrier("written")             # every rank's writes before it are visible after it
     """
 
     def __init__(self, buf: mmap.mmap, local_rank: int, local_size: int, shared_bytes: int, region_bytes: int,
-                 pids: list[int], timeout: float, describe: Callable[[int], str]):
+                 pids: list[int], timeout: float, describe: Callable[[int], str], points: Sequence[str]):
+        if not 0 < len(points) <= KINDS:
+            raise ValueError(f"an arena's barrier points must be 1 to {KINDS} names, not {len(points)}")
+        self._points = tuple(points)
         self._buf = buf
         self.local_rank = local_rank
         self.local_size = local_size
@@ -60,14 +58,15 @@ class NodeArena:
 
     @classmethod
     def open(cls, job_tag: str, node: int, local_rank: int, local_size: int, pids: list[int],
-             agree: Callable[[bool], list], shared_bytes: int, region_bytes: int, timeout: float = 600.0,
-             describe: Callable[[int], str] = lambda r: f"local rank {r}") -> "NodeArena":
+             agree: Callable[[bool], list], shared_bytes: int, region_bytes: int, points: Sequence[str],
+             timeout: float = 600.0, describe: Callable[[int], str] = lambda r: f"local rank {r}") -> "NodeArena":
         """Create the arena on local rank 0 and map it on every local rank (collective).
 
         Args:
             job_tag, node, local_rank, local_size, pids, agree, describe: as for
                 :meth:`torchmn.communicators.shm.NodeSegment.open`.
             shared_bytes, region_bytes: sizes of the shared region and of each rank's own.
+            points: the names of the points where the ranks meet (:meth:`barrier`), at most 16.
             timeout: seconds a barrier waits for the other ranks.
 
         Returns:
@@ -80,7 +79,7 @@ class NodeArena:
         shared_bytes, region_bytes = align(shared_bytes), align(region_bytes)
         buf = map_segment(segment_name(job_tag + "arena", node, pids[0]), nbytes, local_rank, agree,
                            "or give the machine (container: --shm-size) a larger /dev/shm")
-        return cls(buf, local_rank, local_size, shared_bytes, region_bytes, pids, timeout, describe)
+        return cls(buf, local_rank, local_size, shared_bytes, region_bytes, pids, timeout, describe, points)
 
     def my_chunk(self, n: int, itemsize: int) -> tuple[int, int]:
         """This rank's share of ``n`` elements when the node's ranks split work on them.
@@ -90,18 +89,18 @@ class NodeArena:
         """
         return chunk_bounds(n, itemsize, self.local_rank, self.local_size)
 
-    def barrier(self, what: str = "barrier") -> None:
+    def barrier(self, what: str) -> None:
         """Wait for every local rank; writes to the arena before it are visible to all after it.
 
         Args:
-            what: the point in the caller's work (one of :data:`ARENA_BARRIERS`).
+            what: the point in the caller's work, one of the arena's ``points``.
 
         Raises:
             CollectiveMismatchError: ranks reached the same barrier number at different points.
             PeerLostError: a rank of the node exited, or did not come within the timeout.
         """
         self._seq += 1
-        self._flags.arrive_and_wait(0, self._seq, BARRIER_CODE[what], ARENA_BARRIERS)
+        self._flags.arrive_and_wait(0, self._seq, self._points.index(what), self._points)
 
     def close(self) -> None:
         """Unmap the arena (memory a tensor still views is released with the process)."""

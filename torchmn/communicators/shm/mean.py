@@ -13,9 +13,12 @@ from typing import Optional
 
 import torch
 
-from torchmn.communicators._shm_utility import align
-from torchmn.communicators.node_arena import NodeArena
-from torchmn.communicators.ops import divide_before_sum
+from torchmn.communicators.ops import mean_divisors
+from torchmn.communicators.shm.arena import NodeArena
+from torchmn.communicators.shm.segment import align
+
+# Where the ranks meet in a call (see NodeArena.barrier).
+POINTS = ("mean: tensors in", "mean: means ready")
 
 
 class _Group:
@@ -33,7 +36,7 @@ class _Group:
         lo, hi = arena.my_chunk(n, self.shared.element_size())
         self.chunks = [r[lo:hi] for r in self.regions] if hi > lo else None
         self.out = self.shared[lo:hi]
-        self.divide_first = divide_before_sum(dtype)
+        self.before, self.after = mean_divisors(dtype, arena.local_size)
 
 
 class NodeMean:
@@ -79,7 +82,7 @@ class NodeMean:
             The NodeMean, or None on every rank where the arena cannot be had (several nodes,
             GPU, too little /dev/shm).
         """
-        arena = comm.open_node_arena(nbytes, nbytes)
+        arena = comm.open_node_arena(nbytes, nbytes, points=POINTS)
         return cls(arena, nbytes) if arena is not None else None
 
     def _plan_for(self, tensors: list[torch.Tensor]) -> list[_Group]:
@@ -99,7 +102,7 @@ class NodeMean:
         Args:
             tensors: this rank's tensors, of the layout every rank passes, within the capacity.
         """
-        arena, size = self.arena, self.arena.local_size
+        arena = self.arena
         plan = self._plan_for(tensors)
         for g in plan:
             parts = [tensors[i].view(-1) for i in g.indices]
@@ -107,8 +110,8 @@ class NodeMean:
                 g.mine.copy_(parts[0])
             else:
                 torch.cat(parts, out=g.mine)
-            if g.divide_first:  # float16/bfloat16: a sum of several ranks' values could overflow
-                g.mine.mul_(1.0 / size)
+            if g.before > 1:  # float16/bfloat16: a sum of several ranks' values could overflow
+                g.mine.mul_(1.0 / g.before)
         arena.barrier("mean: tensors in")
         for g in plan:
             if g.chunks is None:
@@ -116,8 +119,8 @@ class NodeMean:
             torch.add(g.chunks[0], g.chunks[1], out=g.out)
             for peer in g.chunks[2:]:
                 g.out.add_(peer)
-            if not g.divide_first:
-                g.out.mul_(1.0 / size) if size & (size - 1) == 0 else g.out.div_(size)
+            if g.after > 1:  # exact where it is a power of two, else a true division
+                g.out.mul_(1.0 / g.after) if g.after & (g.after - 1) == 0 else g.out.div_(g.after)
         arena.barrier("mean: means ready")
         for g in plan:
             for i, result in zip(g.indices, g.results):

@@ -16,10 +16,8 @@ from typing import Callable, Optional
 
 import torch
 
-from torchmn.communicators._shm_utility import (ALIGN, SHM_DIR, Flags, align, chunk_bounds, close_mapping,
-                                                leftover_segments, map_segment, remove_stale_segments,
-                                                segment_name)
-from torchmn.communicators.errors import PeerLostError
+from torchmn.communicators.shm.segment import (ALIGN, SHM_DIR, Flags, align, chunk_bounds, close_mapping,
+                                                map_segment, segment_name)
 
 DEFAULT_SLOT_MB = 16  # per rank; TORCHMN_SHM_SLOT_MB overrides. Larger tensors go in pieces.
 PHASES = 2  # "my slot is written", "my chunk is reduced"
@@ -30,10 +28,6 @@ REDUCE = {
     "min": torch.minimum,
     "prod": torch.mul,
 }
-
-__all__ = ["SHM_DIR", "NodeSegment", "PeerLostError", "chunk_bounds", "fits_in", "fitting_slot_bytes", "free_bytes",
-           "leftover_segments", "new_job_tag", "remove_stale_segments", "requested_slot_bytes", "sum_into"]
-
 
 def new_job_tag() -> str:
     """A tag unique to this job, so that two jobs on one machine never share a segment.
