@@ -152,3 +152,110 @@ def test_no_module_reaches_into_another_modules_private_names():
     found = sorted(set(_reaches()))
     assert not found, "private names used across modules (make them public, or move the code):\n" + \
         "\n".join(f"  {where}: {what}" for where, what in found)
+
+
+BUILT_IN_ERRORS = {"Exception", "ValueError", "TypeError", "RuntimeError", "OSError", "KeyError", "LookupError",
+                   "NotImplementedError", "AttributeError", "IndexError", "AssertionError", "ImportError",
+                   "TimeoutError", "FileNotFoundError", "PermissionError", "ConnectionError"}
+# Python's protocols expect these built-ins exactly where they are raised: a module's __getattr__
+# (hasattr, from-imports) and a sequence's __getitem__ (iteration ends at IndexError).
+PROTOCOL_ERRORS = {"__getattr__": "AttributeError", "__getitem__": "IndexError"}
+
+
+def test_every_error_torchmn_raises_on_purpose_is_a_torchmn_error():
+    """``except torchmn.TorchmnError`` catches every error torchmn raises on purpose: no built-in
+    exception is made in torchmn's code (outside Python's protocols), and every exception class
+    torchmn defines derives from TorchmnError (besides its built-in base)."""
+    bases, made = {}, []
+    for path, tree in _modules():
+        where = path.relative_to(PACKAGE.parent)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                bases[node.name] = ([ast.unparse(b).rsplit(".", 1)[-1] for b in node.bases], f"{where}:{node.lineno}")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                allowed = PROTOCOL_ERRORS.get(node.name)
+                for call in ast.walk(node):
+                    if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) \
+                            and call.func.id in BUILT_IN_ERRORS and call.func.id != allowed:
+                        made.append(f"{where}:{call.lineno}: {call.func.id}(...)")
+
+    def derives(name: str, target: str, seen=()) -> bool:
+        if name == target:
+            return True
+        return name in bases and name not in seen and any(derives(b, target, seen + (name,)) for b in bases[name][0])
+
+    errors = [name for name in bases if any(derives(b, "Exception") or b in BUILT_IN_ERRORS for b in bases[name][0])]
+    outside = [f"{bases[name][1]}: {name}" for name in errors if name != "TorchmnError" and not derives(name, "TorchmnError")]
+    assert not made, "built-in exceptions made in torchmn (use one of torchmn.errors' classes):\n  " + "\n  ".join(made)
+    assert not outside, "exception classes that are not TorchmnErrors:\n  " + "\n  ".join(outside)
+
+
+def _documented_in_a_base(cls: ast.ClassDef, method: str, classes: dict, seen: tuple = ()) -> bool:
+    """Whether a torchmn base class of ``cls`` documents ``method`` (Python's help() shows it)."""
+    for base in cls.bases:
+        for parent in classes.get(ast.unparse(base).rsplit(".", 1)[-1], []):
+            if parent in seen:
+                continue
+            if any(isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef)) and m.name == method
+                   and ast.get_docstring(m) for m in parent.body):
+                return True
+            if _documented_in_a_base(parent, method, classes, seen + (parent,)):
+                return True
+    return False
+
+
+def _docstring_gaps(fn, is_property: bool) -> list:
+    doc = ast.get_docstring(fn)
+    if not doc:
+        return ["no docstring"]
+    params = [a.arg for a in fn.args.args + fn.args.kwonlyargs if a.arg not in ("self", "cls")]
+    params += [a.arg for a in (fn.args.vararg, fn.args.kwarg) if a is not None]
+    if fn.returns is not None:
+        returns = ast.unparse(fn.returns) != "None"
+    else:
+        returns = any(isinstance(n, ast.Return) and n.value is not None for n in ast.walk(fn))
+    gaps = []
+    if doc.lstrip().startswith("Returns:"):
+        gaps.append("a one-line 'Returns:' instead of a summary")
+    if params and "Args:" not in doc:
+        gaps.append("no Args")
+    if returns and not is_property and "Returns:" not in doc and "Yields:" not in doc:
+        gaps.append("no Returns")
+    if not is_property and "Example" not in doc:
+        gaps.append("no Example")
+    return gaps
+
+
+def test_public_docstrings_have_google_sections():
+    """Every public function and method of a public module says what it does in a summary line,
+    with ``Args:`` where it takes arguments, ``Returns:`` where it returns something, and an
+    ``Example::``; a method that overrides a documented torchmn base method shares its docs."""
+    modules = list(_modules())
+    classes: dict = {}
+    for _, tree in modules:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(node)
+    found = []
+    for path, tree in modules:
+        rel = path.relative_to(PACKAGE)
+        if any(_private(part) for part in rel.with_suffix("").parts):
+            continue  # a package's private helper module
+        for node in tree.body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _private(node.name):
+                found += [f"{rel}:{node.lineno} {node.name}: {gap}" for gap in _docstring_gaps(node, False)]
+            if not isinstance(node, ast.ClassDef) or _private(node.name):
+                continue
+            if not ast.get_docstring(node):
+                found.append(f"{rel}:{node.lineno} class {node.name}: no docstring")
+            for method in node.body:
+                if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) or _private(method.name):
+                    continue
+                decorators = {ast.unparse(d) for d in method.decorator_list}
+                if any(d.endswith(".setter") for d in decorators):
+                    continue  # documented by its getter
+                if not ast.get_docstring(method) and _documented_in_a_base(node, method.name, classes):
+                    continue
+                found += [f"{rel}:{method.lineno} {node.name}.{method.name}: {gap}"
+                          for gap in _docstring_gaps(method, "property" in decorators)]
+    assert not found, f"{len(found)} public docstrings without their sections:\n  " + "\n  ".join(found)

@@ -36,8 +36,8 @@ from torchmn.tune.command import add_tune
 def _ranks_list(text: str) -> Set[int]:
     try:
         ranks = {int(part) for part in text.split(",") if part.strip()}
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ranks such as 0,2, got {text!r}")
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected a comma-separated list of ranks such as 0,2, got {text!r}") from e
     if not ranks or min(ranks) < 0:
         raise argparse.ArgumentTypeError(f"expected ranks >= 0 such as 0,2, got {text!r}")
     return ranks
@@ -49,7 +49,7 @@ def _restart_codes(text: str):
     try:
         return parse_restart_on(text)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e).removeprefix("--restart-on: "))
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--restart-on: ")) from e
 
 
 def _default_restart_delay() -> float:
@@ -138,7 +138,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         return 0
     if args.np is None:
         parser.error("the following arguments are required: -np/--num-proc")
-    notes, refusal = horovodrun_flags.apply(args)
+    notes, refusal = horovodrun_flags.translate(args)
     for note in notes:
         sys.stderr.write(note + "\n")
     if refusal is not None:

@@ -29,6 +29,7 @@ from typing import Any, Dict, Mapping, Optional
 
 from torchmn import __version__, resources
 from torchmn.environments import detect_environment
+from torchmn.errors import TorchmnError
 
 EXIT_BAD_ENVIRONMENT = 2
 # Each launcher's ``source`` (``torchmn.environments``) in words.
@@ -43,7 +44,7 @@ LAUNCHER_NAMES = {
 }
 
 
-class InfoError(ValueError):
+class InfoError(TorchmnError, ValueError):
     """This process's environment cannot be read as a rank's: malformed launcher variables, a bad
     thread or shared-memory setting. The message says what and how to fix it."""
 
@@ -191,7 +192,7 @@ def _mpi4py() -> Dict[str, Any]:
     return {"installed": installed, "version": package_version("mpi4py") if installed else None}
 
 
-def gather(env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
+def collect(env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
     """Everything ``torchmn info`` reports, as a dict (what ``--json`` prints).
 
     Imports torch where it is installed (the backends, GPUs and shared-memory sizes need it), and
@@ -216,7 +217,7 @@ def gather(env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
 
     Example::
 
-        >>> gather({})["launcher"]["source"]
+        >>> collect({})["launcher"]["source"]
         'single'
     """
     env = dict(os.environ if env is None else env)
@@ -274,14 +275,14 @@ def format_text(info: Mapping[str, Any]) -> str:
     """``torchmn info``'s text report of what ``gather`` returned.
 
     Args:
-        info: ``gather()``'s dict.
+        info: ``collect()``'s dict.
 
     Returns:
         One line per topic.
 
     Example::
 
-        >>> print(format_text(gather({})))    # doctest: +SKIP
+        >>> print(format_text(collect({})))    # doctest: +SKIP
         torchmn:    0.1.0 (torch 2.13.0+cpu, Python 3.12.3) on vm
         launcher:   none (a world of one process)
         ...
@@ -357,7 +358,7 @@ def run_info(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         0
     """
     try:
-        info = gather()
+        info = collect()
     except InfoError as e:
         sys.stderr.write(f"torchmn info: error: {e}\n")
         return EXIT_BAD_ENVIRONMENT

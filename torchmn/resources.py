@@ -17,6 +17,7 @@ import sys
 from typing import Callable, Dict, Mapping, Optional
 
 from torchmn.environments.slurm import slurm_step_id
+from torchmn.errors import TorchmnValueError
 
 TORCHMN_NUM_THREADS = "TORCHMN_NUM_THREADS"
 # Settings torchmn tune (or a user) can give a job without touching the script.
@@ -207,7 +208,7 @@ def thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None) -> i
         1
     """
     if local_size < 1:
-        raise ValueError(f"local_size must be at least 1, got {local_size}")
+        raise TorchmnValueError(f"local_size must be at least 1, got {local_size}")
     return max(1, cpu_count_available(env) // local_size)
 
 
@@ -235,8 +236,8 @@ def requested_threads(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
         return None
     threads = _positive_int(value)
     if threads is None or "," in value:
-        raise ValueError(f"{TORCHMN_NUM_THREADS}={value!r} is not a positive integer; set it to the number "
-                         f"of threads each rank may use, or unset it to get the CPUs divided among the ranks")
+        raise TorchmnValueError(f"{TORCHMN_NUM_THREADS}={value!r} is not a positive integer; set it to the number "
+                                f"of threads each rank may use, or unset it to get the CPUs divided among the ranks")
     return threads
 
 
@@ -451,7 +452,7 @@ def dataloader_workers_budget(local_size: int, env: Optional[Mapping[str, str]] 
     workers = env.get(TORCHMN_NUM_WORKERS, "").strip()
     if workers:
         if not workers.isdigit():
-            raise ValueError(f"{TORCHMN_NUM_WORKERS} must be a whole number >= 0, not {workers!r}")
+            raise TorchmnValueError(f"{TORCHMN_NUM_WORKERS} must be a whole number >= 0, not {workers!r}")
         return int(workers)
     threads = requested_threads(env) or _positive_int(env.get("OMP_NUM_THREADS")) \
         or thread_budget(_ranks_sharing_cpus(local_size, env), env)
@@ -465,7 +466,7 @@ def _apply_interop(env: Mapping[str, str]) -> None:
         return
     threads = _positive_int(value)
     if threads is None:
-        raise ValueError(f"{TORCHMN_INTEROP_THREADS} must be a positive integer, not {value!r}")
+        raise TorchmnValueError(f"{TORCHMN_INTEROP_THREADS} must be a positive integer, not {value!r}")
     import torch
 
     if torch.get_num_interop_threads() != threads:
@@ -500,5 +501,5 @@ def bucket_cap_mb_requested(env: Optional[Mapping[str, str]] = None) -> Optional
     except ValueError:
         mb = -1.0
     if not mb >= 0:
-        raise ValueError(f"{TORCHMN_BUCKET_CAP_MB} must be a number of MB >= 0, not {value!r}")
+        raise TorchmnValueError(f"{TORCHMN_BUCKET_CAP_MB} must be a number of MB >= 0, not {value!r}")
     return mb

@@ -15,7 +15,7 @@ import torch
 
 from torchmn.checkpoint import files
 from torchmn.checkpoint.rng import rng_state, set_rng_state
-from torchmn.errors import TorchmnError
+from torchmn.errors import TorchmnError, TorchmnKeyError, TorchmnOSError, TorchmnValueError
 
 SHARED, PARTS, RANK = "shared", "parts", "rank"
 
@@ -133,13 +133,14 @@ class Checkpointer:
 
     def __init__(self, directory: str, comm, *, keep: int = 3, **objects: Any):
         if int(keep) != keep or keep < 1:
-            raise ValueError(f"Checkpointer: keep={keep!r}; keep at least 1 complete step (2 or more lets "
-                             f"a bad checkpoint be skipped by hand)")
+            raise TorchmnValueError(f"Checkpointer: keep={keep!r}; keep at least 1 complete step (2 or more lets "
+                                    f"a bad checkpoint be skipped by hand)")
         for name, obj in objects.items():
             if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
-                raise ValueError(f"Checkpointer: {name}={type(obj).__name__} has no state_dict()/load_state_dict(); "
-                                 f"pass objects that do (a plain DataLoader has none: use "
-                                 f"torchmn.checkpoint.ResumableLoader), or save plain values with save(step, {name}=...)")
+                raise TorchmnValueError(
+                    f"Checkpointer: {name}={type(obj).__name__} has no state_dict()/load_state_dict(); "
+                    f"pass objects that do (a plain DataLoader has none: use "
+                    f"torchmn.checkpoint.ResumableLoader), or save plain values with save(step, {name}=...)")
         self.directory = os.path.abspath(directory)
         self.comm = comm
         self.keep = int(keep)
@@ -215,7 +216,7 @@ class Checkpointer:
             ...     ckpt.save(step, epoch=epoch)
         """
         if isinstance(step, bool) or int(step) != step or step < 0:
-            raise ValueError(f"Checkpointer.save: step={step!r} must be a non-negative integer")
+            raise TorchmnValueError(f"Checkpointer.save: step={step!r} must be a non-negative integer")
         step = int(step)
         if step == self.resumed_from:
             # The state is the one just loaded: the complete step on disk already holds it.
@@ -377,7 +378,7 @@ class Checkpointer:
             need.extend(files.rank_file(r) for r in range(saved_size))
         wrong = files.whole_files(self.directory, step, manifest, sorted(set(need)))
         if wrong:
-            raise OSError(wrong)
+            raise TorchmnOSError(wrong)
 
         def read(name: str) -> Any:
             return torch.load(os.path.join(folder, name), map_location="cpu", weights_only=False)
@@ -394,14 +395,14 @@ class Checkpointer:
         missing = [name for name, kind in self.kinds.items()
                    if name not in saved_names or (kind == PARTS and None in parts_of[name])]
         if missing:
-            raise KeyError(f"the checkpoint has no state for {', '.join(missing)} (it holds "
-                           f"{', '.join(sorted(manifest.get('kinds', {}))) or 'nothing'}); give the Checkpointer "
-                           f"the same names as the run that wrote it")
+            raise TorchmnKeyError(f"the checkpoint has no state for {', '.join(missing)} (it holds "
+                                  f"{', '.join(sorted(manifest.get('kinds', {}))) or 'nothing'}); give the Checkpointer "
+                                  f"the same names as the run that wrote it")
         for name, obj in self.objects.items():
             if isinstance(obj, torch.nn.Module):
                 mismatch = module_mismatch(obj, shared[name])
                 if mismatch:
-                    raise ValueError(f"{name}: the checkpoint is of another model: {mismatch}")
+                    raise TorchmnValueError(f"{name}: the checkpoint is of another model: {mismatch}")
         for name, obj in self.objects.items():
             kind = self.kinds[name]
             try:
@@ -412,7 +413,7 @@ class Checkpointer:
                 else:
                     obj.load_state_dict(mine["objects"][name])
             except Exception as e:
-                raise ValueError(f"{name}: {type(e).__name__}: {e}") from e
+                raise TorchmnValueError(f"{name}: {type(e).__name__}: {e}") from e
         if mine is not None:
             set_rng_state(mine["rng"])
             self.extra = dict(mine.get("extra", {}))

@@ -13,6 +13,8 @@ from typing import Any, Iterator
 
 import torch
 
+from torchmn.errors import TorchmnValueError
+
 # Mixes the epoch into the seed so that neighbouring seeds do not share orders.
 _EPOCH_STRIDE = 1_000_003
 
@@ -57,10 +59,10 @@ class ResumableLoader:
                  drop_last: bool = False, **loader_kwargs: Any):
         taken = sorted({"sampler", "batch_sampler", "generator", "persistent_workers", "shuffle"} & set(loader_kwargs))
         if taken:
-            raise ValueError(f"ResumableLoader sets {', '.join(taken)} itself (its order must come back on a "
-                             f"resume); leave them out")
+            raise TorchmnValueError(f"ResumableLoader sets {', '.join(taken)} itself (its order must come back on a "
+                                    f"resume); leave them out")
         if int(batch_size) != batch_size or batch_size < 1:
-            raise ValueError(f"ResumableLoader: batch_size={batch_size!r} must be a positive integer")
+            raise TorchmnValueError(f"ResumableLoader: batch_size={batch_size!r} must be a positive integer")
         self.dataset = dataset
         self.batch_size = int(batch_size)
         self.shuffle = shuffle
@@ -114,7 +116,8 @@ class ResumableLoader:
             ValueError: it was taken over a dataset of another size, or with another seed.
         """
         if state["samples"] != len(self.dataset) or state["seed"] != self.seed:
-            raise ValueError(f"ResumableLoader: the position was taken over {state['samples']} samples with seed "
-                             f"{state['seed']}; this loader has {len(self.dataset)} samples and seed {self.seed}")
+            raise TorchmnValueError(
+                f"ResumableLoader: the position was taken over {state['samples']} samples with seed "
+                f"{state['seed']}; this loader has {len(self.dataset)} samples and seed {self.seed}")
         self.epoch = int(state["epoch"])
         self.batches = int(state["batches"])

@@ -26,6 +26,7 @@ from torchmn.communicators.hierarchical import HierarchicalCommunicator
 from torchmn.communicators.naive import NaiveCommunicator
 from torchmn.communicators.registry import make_communicator, resolve
 from torchmn.environments import detect_environment
+from torchmn.errors import TorchmnTypeError, TorchmnValueError
 
 
 def create_communicator(name: str = "auto", backend: Optional[str] = None,
@@ -121,10 +122,10 @@ def _as_timedelta(timeout) -> Optional[datetime.timedelta]:
     if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         timeout = datetime.timedelta(seconds=timeout)
     elif not isinstance(timeout, datetime.timedelta):
-        raise TypeError(f"create_communicator: timeout must be seconds or a datetime.timedelta, "
-                        f"not {type(timeout).__name__}")
+        raise TorchmnTypeError(f"create_communicator: timeout must be seconds or a datetime.timedelta, "
+                               f"not {type(timeout).__name__}")
     if not timeout.total_seconds() > 0:
-        raise ValueError(f"create_communicator: timeout must be positive, not {timeout.total_seconds()} s")
+        raise TorchmnValueError(f"create_communicator: timeout must be positive, not {timeout.total_seconds()} s")
     return timeout
 
 

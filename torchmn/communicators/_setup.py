@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torchmn.environments import LaunchEnvironment, mpi_rendezvous
 from torchmn.environments import job_label
 from torchmn.environments.mpi import MPI_RENDEZVOUS
+from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
 
 _timeout: Optional[datetime.timedelta] = None  # the world's, once set up or adopted
 _worlds = 0  # default process groups this process set up (a world again after finalize)
@@ -32,8 +33,8 @@ def default_timeout() -> datetime.timedelta:
     except ValueError:
         seconds = math.nan
     if not 0 < seconds < math.inf:
-        raise ValueError(f"TORCHMN_TIMEOUT={value!r} is not a positive number of seconds (how long a collective "
-                         f"waits for the other ranks); set it to, say, 600, or unset it")
+        raise TorchmnValueError(f"TORCHMN_TIMEOUT={value!r} is not a positive number of seconds (how long a collective "
+                                f"waits for the other ranks); set it to, say, 600, or unset it")
     return datetime.timedelta(seconds=seconds)
 
 
@@ -93,8 +94,8 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             store = arrivals = _mark_arrival(store, env.rank)
         else:
             if env.master_port is None:
-                raise RuntimeError(f"{env.source}: no rendezvous port known for {env.size} ranks; "
-                                   f"export MASTER_PORT (and MASTER_ADDR) on every rank")
+                raise TorchmnRuntimeError(f"{env.source}: no rendezvous port known for {env.size} ranks; "
+                                          f"export MASTER_PORT (and MASTER_ADDR) on every rank")
             _check_resolves(env)
             host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr  # IPv6
             init_method = f"tcp://{host}:{env.master_port}"
@@ -110,7 +111,7 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             dist.init_process_group(backend, rank=env.rank, world_size=env.size, timeout=_timeout, **where)
     except Exception as e:
         missing = _never_arrived(arrivals, env.size)
-        raise RuntimeError(
+        raise TorchmnRuntimeError(
             f"rank {env.rank}/{env.size} could not join the job's rendezvous at {init_method} "
             f"({env.source} launch): {e}. "
             + (f"Rank(s) {', '.join(map(str, missing))} never reached create_communicator (not started, exited, "
@@ -171,31 +172,34 @@ def _job_store(env: LaunchEnvironment, timeout: datetime.timedelta) -> "dist.TCP
                               wait_for_workers=False, multi_tenant=True)
     except RuntimeError as e:
         if env.rank == 0 and "in use" in str(e).lower():
-            raise RuntimeError(f"rank 0 of {job} on {socket.gethostname()}: the rendezvous port {env.master_port} "
-                               f"is in use, by another job or program; export MASTER_PORT=<a free port> on every "
-                               f"rank") from None
+            raise TorchmnRuntimeError(
+                f"rank 0 of {job} on {socket.gethostname()}: the rendezvous port {env.master_port} "
+                f"is in use, by another job or program; export MASTER_PORT=<a free port> on every "
+                f"rank") from None
         if env.rank == 0:
-            raise RuntimeError(f"rank 0 of {job} on {socket.gethostname()}: could not open the rendezvous store "
-                               f"on port {env.master_port}: {e}") from e
-        raise RuntimeError(f"rank {env.rank} of {job} on {socket.gethostname()}: rank 0 never opened the "
-                           f"rendezvous store at {env.master_addr}:{env.master_port} within "
-                           f"{timeout.total_seconds():.0f} s. Check rank 0's output: did it start, or fail before "
-                           f"create_communicator? Is {env.master_addr} its host, reachable from here? (torch: "
-                           f"{str(e).splitlines()[0]})") from None
+            raise TorchmnRuntimeError(f"rank 0 of {job} on {socket.gethostname()}: could not open the rendezvous store "
+                                      f"on port {env.master_port}: {e}") from e
+        raise TorchmnRuntimeError(f"rank {env.rank} of {job} on {socket.gethostname()}: rank 0 never opened the "
+                                  f"rendezvous store at {env.master_addr}:{env.master_port} within "
+                                  f"{timeout.total_seconds():.0f} s. Check rank 0's output: did it start, or fail before "
+                                  f"create_communicator? Is {env.master_addr} its host, reachable from here? (torch: "
+                                  f"{str(e).splitlines()[0]})") from None
     if env.rank == 0:
         store.set(_JOB_KEY, job)
         return _mark_arrival(store, 0)
     try:
         store.wait([_JOB_KEY])
     except RuntimeError as e:
-        raise RuntimeError(f"rank {env.rank} of {job}: the rendezvous store at {env.master_addr}:{env.master_port} "
-                           f"never said which job it serves ({e}); if rank 0 did start, the port belongs to "
-                           f"another program: export MASTER_PORT=<a free port> on every rank") from None
+        raise TorchmnRuntimeError(
+            f"rank {env.rank} of {job}: the rendezvous store at {env.master_addr}:{env.master_port} "
+            f"never said which job it serves ({e}); if rank 0 did start, the port belongs to "
+            f"another program: export MASTER_PORT=<a free port> on every rank") from None
     owner = store.get(_JOB_KEY).decode()
     if owner != job:
-        raise RuntimeError(f"rank {env.rank} of {job}: the rendezvous store at {env.master_addr}:{env.master_port} "
-                           f"belongs to {owner} (the two jobs derived the same port); export "
-                           f"MASTER_PORT=<a free port> on every rank")
+        raise TorchmnRuntimeError(
+            f"rank {env.rank} of {job}: the rendezvous store at {env.master_addr}:{env.master_port} "
+            f"belongs to {owner} (the two jobs derived the same port); export "
+            f"MASTER_PORT=<a free port> on every rank")
     return _mark_arrival(store, env.rank)
 
 
@@ -205,7 +209,7 @@ def _check_resolves(env: LaunchEnvironment) -> None:
     try:
         socket.getaddrinfo(env.master_addr, env.master_port, type=socket.SOCK_STREAM)
     except socket.gaierror as e:
-        raise RuntimeError(
+        raise TorchmnRuntimeError(
             f"rank {env.rank}/{env.size} on {socket.gethostname()}: the rendezvous host {env.master_addr!r} "
             f"({env.source} launch) does not resolve here ({e.strerror}); set MASTER_ADDR on every rank to an "
             f"address or name this host can resolve (on Slurm: node names that differ from their NodeAddr "
@@ -259,7 +263,7 @@ def _refuse_stale_file(path: str, env: LaunchEnvironment) -> None:
         elif key.startswith(b"/default_pg/") and key.endswith(b"/%d" % env.rank):
             mine = True
     if users >= env.size or mine:
-        raise RuntimeError(
+        raise TorchmnRuntimeError(
             f"rank {env.rank}: the rendezvous file {path} is left over from an earlier job "
             f"({'it already holds this rank' if mine else f'{users} ranks already joined it'}); "
             f"delete it (rm {path}) or give this job a new file:// path")

@@ -10,6 +10,8 @@ from typing import Iterable, Sequence
 
 import torch
 
+from torchmn.errors import TorchmnTypeError, TorchmnValueError
+
 MAX_NDIM = 16
 
 # Order is part of the wire format: append, never reorder.
@@ -33,8 +35,8 @@ def dtype_code(dtype: torch.dtype) -> int:
     try:
         return _CODE[dtype]
     except KeyError:
-        raise TypeError(f"torchmn cannot send tensors of dtype {dtype}; supported: "
-                        f"{', '.join(str(d) for d in DTYPES)}") from None
+        raise TorchmnTypeError(f"torchmn cannot send tensors of dtype {dtype}; supported: "
+                               f"{', '.join(str(d) for d in DTYPES)}") from None
 
 
 def header(kind: int, root: int = NONE, op: int = NONE, x: torch.Tensor | None = None) -> list[int]:
@@ -42,7 +44,7 @@ def header(kind: int, root: int = NONE, op: int = NONE, x: torch.Tensor | None =
     if x is None:
         return [kind, root, op, NONE, NONE] + [0] * MAX_NDIM
     if x.dim() > MAX_NDIM:
-        raise ValueError(f"tensors of more than {MAX_NDIM} dimensions cannot be sent (got {x.dim()})")
+        raise TorchmnValueError(f"tensors of more than {MAX_NDIM} dimensions cannot be sent (got {x.dim()})")
     shape = list(x.shape) + [0] * (MAX_NDIM - x.dim())
     return [kind, root, op, dtype_code(x.dtype), x.dim()] + shape
 
@@ -98,7 +100,7 @@ MAX_TAG = 2 ** 28
 def wire_tag(tag: int, space: str) -> int:
     """The torch.distributed tag of a user's ``tag`` in tag space ``space`` (see TAG_SPACES)."""
     if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < MAX_TAG:
-        raise ValueError(f"tag must be an integer from 0 to {MAX_TAG - 1}, not {tag!r}")
+        raise TorchmnValueError(f"tag must be an integer from 0 to {MAX_TAG - 1}, not {tag!r}")
     return tag * len(TAG_SPACES) + TAG_SPACES[space]
 
 

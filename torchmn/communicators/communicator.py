@@ -35,6 +35,7 @@ from torchmn.communicators.errors import CollectiveMismatchError, RemoteRankErro
 from torchmn.communicators.ops import OPS, divide_before_sum
 from torchmn.communicators.pickling import pickle_for_call, unpickle_from
 from torchmn.communicators.shm.pages import empty_like_fast
+from torchmn.errors import TorchmnTypeError, TorchmnValueError
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 _worlds = 0  # world communicators created by this process, for their call logs' tags
@@ -154,7 +155,7 @@ class Communicator(CommunicatorBase):
 
     def _peer_error(self, r: Any, what: str) -> Optional[ValueError]:
         if not isinstance(r, int) or not 0 <= r < self.size:
-            return ValueError(f"{what}={r!r} is not a rank of this communicator (size {self.size})")
+            return TorchmnValueError(f"{what}={r!r} is not a rank of this communicator (size {self.size})")
         return None
 
     def exchange_headers(self, rows: list[list[int]], objects: bool = False) -> torch.Tensor:
@@ -229,7 +230,7 @@ class Communicator(CommunicatorBase):
     def bcast(self, x: Optional[torch.Tensor], root: int = 0) -> torch.Tensor:
         err = self._peer_error(root, "bcast: root")
         if err is None and self.rank == root and not isinstance(x, torch.Tensor):
-            err = TypeError(f"bcast: root rank {root} must pass a tensor, not {type(x).__name__}")
+            err = TorchmnTypeError(f"bcast: root rank {root} must pass a tensor, not {type(x).__name__}")
         hdrs = self._agree("bcast", root=root, x=x if self.rank == root else None, error=err)
         dtype, shape = _wire.meta(hdrs[root, 0].tolist())
         if self.rank == root:
@@ -254,7 +255,7 @@ class Communicator(CommunicatorBase):
     def gather(self, x: torch.Tensor, root: int = 0) -> Optional[tuple[torch.Tensor, ...]]:
         err = self._peer_error(root, "gather: root")
         if err is None and not isinstance(x, torch.Tensor):
-            err = TypeError(f"gather: pass a tensor, not {type(x).__name__}")
+            err = TorchmnTypeError(f"gather: pass a tensor, not {type(x).__name__}")
         hdrs = self._agree("gather", root=root, x=x if err is None else None, error=err)
         if self.size == 1:
             return (x,)
@@ -276,7 +277,8 @@ class Communicator(CommunicatorBase):
 
     @watch.collective
     def allgather(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        err = None if isinstance(x, torch.Tensor) else TypeError(f"allgather: pass a tensor, not {type(x).__name__}")
+        err = None if isinstance(x, torch.Tensor) else TorchmnTypeError(
+            f"allgather: pass a tensor, not {type(x).__name__}")
         hdrs = self._agree("allgather", x=x if err is None else None, error=err)
         metas = [_wire.meta(hdrs[r, 0].tolist()) for r in range(self.size)]
         bufs = self._allgather_bytes(_wire.as_bytes(x.to(self._data_device)), [_wire.nbytes(*m) for m in metas])
@@ -289,9 +291,9 @@ class Communicator(CommunicatorBase):
         err = self._peer_error(root, "scatter: root")
         if err is None and self.rank == root:
             if xs is None or len(xs) != self.size or not all(isinstance(t, torch.Tensor) for t in xs):
-                err = ValueError(f"scatter: root rank {root} must pass a sequence of {self.size} tensors "
-                                 f"(one per rank), got {type(xs).__name__}"
-                                 + (f" of length {len(xs)}" if hasattr(xs, '__len__') else ""))
+                err = TorchmnValueError(f"scatter: root rank {root} must pass a sequence of {self.size} tensors "
+                                        f"(one per rank), got {type(xs).__name__}"
+                                        + (f" of length {len(xs)}" if hasattr(xs, '__len__') else ""))
         kind = _call_check.KIND["scatter"]
         rows = [_wire.header(kind, root if err is None else _wire.NONE)] * self.size
         if self.rank == root and err is None:
@@ -326,7 +328,7 @@ class Communicator(CommunicatorBase):
     def alltoall(self, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         err = None
         if xs is None or len(xs) != self.size or not all(isinstance(t, torch.Tensor) for t in xs):
-            err = ValueError(f"alltoall: pass a sequence of {self.size} tensors (one per rank)")
+            err = TorchmnValueError(f"alltoall: pass a sequence of {self.size} tensors (one per rank)")
         kind = _call_check.KIND["alltoall"]
         rows = [_wire.header(kind)] * self.size
         if err is None:
@@ -358,19 +360,19 @@ class Communicator(CommunicatorBase):
     def _allreduce_problem(self, x: torch.Tensor, op: str, name: str = "allreduce") -> Optional[Exception]:
         """What is wrong with this rank's arguments to an allreduce, or None."""
         if op not in OPS:
-            return ValueError(f"{name}: op must be one of {', '.join(OPS)}, not {op!r}")
+            return TorchmnValueError(f"{name}: op must be one of {', '.join(OPS)}, not {op!r}")
         if not isinstance(x, torch.Tensor):
-            return TypeError(f"{name}: pass a tensor, not {type(x).__name__}")
+            return TorchmnTypeError(f"{name}: pass a tensor, not {type(x).__name__}")
         if x.dtype in _wire.MOVE_ONLY:
-            return TypeError(f"{name}: torch has no arithmetic for {x.dtype} on CPU, so it cannot be reduced; "
-                             f"convert first (x.to(torch.int64), x.float()) and back")
+            return TorchmnTypeError(f"{name}: torch has no arithmetic for {x.dtype} on CPU, so it cannot be reduced; "
+                                    f"convert first (x.to(torch.int64), x.float()) and back")
         if x.is_complex() and op in ("max", "min"):
-            return ValueError(f"{name}: op {op!r} is undefined for complex tensors ({x.dtype})")
+            return TorchmnValueError(f"{name}: op {op!r} is undefined for complex tensors ({x.dtype})")
         if x.is_complex() and op == "prod":
             # Decided here, on every rank alike: a failure inside the backend would reach only the
             # ranks that call it (between nodes, not the others of each node).
-            return ValueError(f"{name}: torch.distributed has no 'prod' of complex tensors ({x.dtype}); "
-                              f"multiply the gathered tensors instead (torch.stack(comm.allgather(x)).prod(0))")
+            return TorchmnValueError(f"{name}: torch.distributed has no 'prod' of complex tensors ({x.dtype}); "
+                                     f"multiply the gathered tensors instead (torch.stack(comm.allgather(x)).prod(0))")
         return None
 
     @watch.collective
@@ -383,8 +385,9 @@ class Communicator(CommunicatorBase):
     def allreduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         err = self._allreduce_problem(x, op, "allreduce_")
         if err is None and op == "mean" and not (x.is_floating_point() or x.is_complex()):
-            err = TypeError(f"allreduce_: the mean of {x.dtype} values is float64 and cannot be written into the "
-                            f"tensor; use comm.allreduce(x, op='mean'), or op='sum' and divide")
+            err = TorchmnTypeError(
+                f"allreduce_: the mean of {x.dtype} values is float64 and cannot be written into the "
+                f"tensor; use comm.allreduce(x, op='mean'), or op='sum' and divide")
         self._agree("allreduce", op=None if err else op, x=None if err else x, error=err, same_shape=True)
         if (x.is_contiguous() and x.device == self._data_device and x.dtype not in (torch.int16, torch.bool)
                 and not (op == "mean" and divide_before_sum(x.dtype))):
@@ -545,8 +548,8 @@ class Communicator(CommunicatorBase):
             return obj
         problem = None
         if objs is None or len(objs) != self.size:
-            problem = ValueError(f"scatter_obj: root must pass {self.size} objects (one per rank), not "
-                                 f"{'None' if objs is None else len(objs)}")
+            problem = TorchmnValueError(f"scatter_obj: root must pass {self.size} objects (one per rank), not "
+                                        f"{'None' if objs is None else len(objs)}")
         for r in range(self.size):
             if r == root:
                 continue

@@ -15,6 +15,7 @@ import torch
 from torch.nn.parameter import UninitializedTensorMixin
 
 from torchmn.communicators.errors import RemoteRankError
+from torchmn.errors import TorchmnTypeError
 
 
 class _Pickler(pickle.Pickler):
@@ -85,7 +86,7 @@ def pickle_for_call(obj: Any, kind: str, rank: int, host: str) -> tuple[Optional
     try:
         return torch.frombuffer(bytearray(dumps(obj)), dtype=torch.uint8), None
     except Exception as e:  # pickle fails in many ways (PicklingError, TypeError, AttributeError)
-        err = TypeError(f"{kind}: rank {rank} on {host} cannot pickle its object ({type(obj).__name__}): {e}")
+        err = TorchmnTypeError(f"{kind}: rank {rank} on {host} cannot pickle its object ({type(obj).__name__}): {e}")
         err.__cause__ = e
         return None, err
 

@@ -9,6 +9,7 @@ from torchmn.communicators.communicator import Communicator
 from torchmn.communicators.flat import FlatCommunicator
 from torchmn.communicators.hierarchical import HierarchicalCommunicator
 from torchmn.communicators.naive import NaiveCommunicator
+from torchmn.errors import TorchmnValueError
 
 ALGORITHMS: dict[str, type[Communicator]] = {
     cls.name: cls for cls in (NaiveCommunicator, FlatCommunicator, HierarchicalCommunicator)}
@@ -42,8 +43,8 @@ def resolve(name: str, backend: str = "gloo", size: int = 1) -> type[Communicato
     try:
         return ALGORITHMS[name]
     except KeyError:
-        raise ValueError(f"unknown communicator {name!r}; choose one of: auto, "
-                         f"{', '.join(ALGORITHMS)}") from None
+        raise TorchmnValueError(f"unknown communicator {name!r}; choose one of: auto, "
+                                f"{', '.join(ALGORITHMS)}") from None
 
 
 def make_communicator(name: str, **kwargs) -> Communicator:

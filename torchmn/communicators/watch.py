@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from torchmn.communicators import failure
 from torchmn.communicators.errors import CollectiveTimeoutError, PeerLostError, lost_peer
+from torchmn.errors import TorchmnRuntimeError
 
 GRACE_S = 3.0  # how long a rank that timed out waits for the others to report where they are
 
@@ -52,9 +53,9 @@ class CallLog:
 
 def _refuse_if_finalized(comm, kind: str) -> None:
     if comm.call_log.closed:
-        raise RuntimeError(f"rank {comm.rank}: {kind} on a communicator that was finalized (its process "
-                           f"group and shared memory are gone); create a new one with "
-                           f"torchmn.create_communicator() instead")
+        raise TorchmnRuntimeError(f"rank {comm.rank}: {kind} on a communicator that was finalized (its process "
+                                  f"group and shared memory are gone); create a new one with "
+                                  f"torchmn.create_communicator() instead")
 
 
 def point_to_point(peer_arg: str) -> Callable[[Callable], Callable]:

@@ -6,6 +6,8 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from torchmn.errors import TorchmnTypeError
+
 
 class EmptyDataset(Dataset):
     """``n`` items, each an empty tuple; :func:`create_empty_dataset` makes one.
@@ -35,7 +37,7 @@ class EmptyDataset(Dataset):
         try:
             i = operator.index(i)  # numpy and 0-d tensor integers too, as samplers may yield them
         except TypeError:
-            raise TypeError(f"EmptyDataset indices must be integers or slices, not {type(i).__name__}") from None
+            raise TorchmnTypeError(f"EmptyDataset indices must be integers or slices, not {type(i).__name__}") from None
         if i < 0:
             i += self._n
         if not 0 <= i < self._n:

@@ -16,6 +16,7 @@ from torch.utils.data import Dataset
 
 from torchmn.communicators.pickling import dumps
 from torchmn.communicators.errors import RemoteRankError
+from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
 
 DEFAULT_MAX_BUF_LEN = 256 * 1024 * 1024
 _TAG = 7301  # keeps scatter traffic apart from a user's own send_obj/recv_obj with the default tag
@@ -150,7 +151,7 @@ def scatter_index(n_total: Optional[int], comm, root: int = 0, *, force_equal_le
     if comm.size > 1:
         problem, n_total = comm.bcast_obj((problem, n_total) if comm.rank == root else None, root=root)
     if problem:
-        raise ValueError(f"scatter_index: {problem} (raised on rank {comm.rank})")
+        raise TorchmnValueError(f"scatter_index: {problem} (raised on rank {comm.rank})")
     return _bounds(n_total, comm.size, comm.rank, force_equal_length)
 
 
@@ -221,12 +222,12 @@ def _recv_part(comm, root: int) -> DatasetPart:
                 # send until the timeout instead of reaching the check that tells every rank.
                 failure = e
     if failure is not None:
-        raise RuntimeError(f"scatter_dataset: rank {comm.rank} could not unpickle a sample of its part "
-                           f"({type(failure).__name__}: {failure}); every rank must be able to import the "
-                           f"dataset's sample types") from failure
+        raise TorchmnRuntimeError(f"scatter_dataset: rank {comm.rank} could not unpickle a sample of its part "
+                                  f"({type(failure).__name__}: {failure}); every rank must be able to import the "
+                                  f"dataset's sample types") from failure
     if len(samples) != len(indices):
-        raise RuntimeError(f"scatter_dataset: rank {comm.rank} received {len(samples)} samples from root "
-                           f"rank {root} but expected {len(indices)}")
+        raise TorchmnRuntimeError(f"scatter_dataset: rank {comm.rank} received {len(samples)} samples from root "
+                                  f"rank {root} but expected {len(indices)}")
     return DatasetPart(samples, indices, positions=range(len(samples)))
 
 
@@ -281,11 +282,11 @@ def scatter_dataset(dataset: Any, comm, root: int = 0, shuffle: bool = False, se
     """
     comm.check_rank(root, "root")
     if max_buf_len <= 0:
-        raise ValueError(f"scatter_dataset: max_buf_len must be positive, not {max_buf_len}")
+        raise TorchmnValueError(f"scatter_dataset: max_buf_len must be positive, not {max_buf_len}")
     claims = comm.allgather_obj(_claim(dataset, comm, root))
     problems = [c["problem"] for c in claims if "problem" in c]
     if problems:
-        raise ValueError("scatter_dataset: " + "; ".join(problems) + f" (raised on rank {comm.rank})")
+        raise TorchmnValueError("scatter_dataset: " + "; ".join(problems) + f" (raised on rank {comm.rank})")
     n, shared = claims[root]["n"], claims[root]["shared"]
 
     if shared:
@@ -298,9 +299,9 @@ def scatter_dataset(dataset: Any, comm, root: int = 0, shuffle: bool = False, se
                 message = (f"{type(e).__name__}: {e}", None)
         problem, blob = comm.bcast_obj(message, root=root)
         if problem:
-            raise ValueError(f"scatter_dataset: root rank {root} could not pickle its shared dataset "
-                             f"({problem}); a SharedDataset must be picklable, e.g. hold paths and open "
-                             f"files lazily (raised on rank {comm.rank})")
+            raise TorchmnValueError(f"scatter_dataset: root rank {root} could not pickle its shared dataset "
+                                    f"({problem}); a SharedDataset must be picklable, e.g. hold paths and open "
+                                    f"files lazily (raised on rank {comm.rank})")
         if comm.rank != root:
             dataset, order = pickle.loads(blob)
         b, e = _bounds(n, comm.size, comm.rank, force_equal_length)

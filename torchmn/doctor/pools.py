@@ -28,7 +28,7 @@ def probe(settings: dict, timeout: float = 60) -> Optional[dict]:
     """The pools a process with these thread settings opens.
 
     Args:
-        settings: a rank's thread variables (``Rank.settings``).
+        settings: a rank's thread variables (``RankProcess.settings``).
         timeout: seconds the probe may take.
 
     Returns:
@@ -50,12 +50,12 @@ def probe(settings: dict, timeout: float = 60) -> Optional[dict]:
         return None
 
 
-def describe(pools: Optional[dict]) -> str:
+def describe_pools(pools: Optional[dict]) -> str:
     """Returns: the probe's result in words.
 
     Example::
 
-        >>> describe(probe({"OMP_NUM_THREADS": "1"}))
+        >>> describe_pools(probe({"OMP_NUM_THREADS": "1"}))
         'torch intra-op 1, inter-op 1; openmp (libgomp.so.1) 1'
     """
     if not pools:

@@ -14,6 +14,8 @@ from typing import Iterable, Optional
 
 import psutil
 
+from torchmn.errors import TorchmnError
+
 RANK_VARIABLES = ("TORCHMN_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
 # What the doctor shows of each rank's environment: the thread settings every library reads.
 # TORCHMN_THREAD_VARIABLES names those torchmn run set (the others are the user's).
@@ -24,12 +26,12 @@ JOB_VARIABLES = ("TORCHMN_JOB_ID", "SLURM_JOB_ID", "TORCHELASTIC_RUN_ID")
 SLURM_VARIABLES = ("SLURM_CPUS_PER_TASK", "SLURM_CPUS_ON_NODE", "SLURM_STEP_ID")
 
 
-class ProcessGone(LookupError):
+class ProcessGone(TorchmnError, LookupError):
     """The process asked for has ended (or never was)."""
 
 
 @dataclasses.dataclass
-class Rank:
+class RankProcess:
     """One rank of the job, as the doctor sees it.
 
     Attributes:
@@ -80,7 +82,7 @@ def ranks_in_trees(roots: Iterable[psutil.Process]) -> list:
         roots: the processes whose trees hold the job.
 
     Returns:
-        The :class:`Rank` objects, in rank order; one rank without a number where no process of a
+        The :class:`RankProcess` objects, in rank order; one rank without a number where no process of a
         tree has a rank variable.
 
     Example::
@@ -106,7 +108,7 @@ def ranks_in_trees(roots: Iterable[psutil.Process]) -> list:
             except psutil.NoSuchProcess:
                 continue
             env = envs.get(top.pid, {})
-            ranks.append(Rank(pid=top.pid, rank=_rank_of(env), host=host,
+            ranks.append(RankProcess(pid=top.pid, rank=_rank_of(env), host=host,
                               settings={k: env[k] for k in THREAD_VARIABLES if k in env},
                               workers=[p.pid for p in below if not _is_helper(p)],
                               slurm={k: env[k] for k in SLURM_VARIABLES if k in env}))

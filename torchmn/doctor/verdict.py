@@ -50,7 +50,7 @@ def diagnose(ranks: list, samples: dict, limits: dict, seconds: float, pools: Op
     """Judge a sampled job.
 
     Args:
-        ranks: the :class:`~torchmn.doctor.processes.Rank` objects of this machine.
+        ranks: the :class:`~torchmn.doctor.processes.RankProcess` objects of this machine.
         samples: ``{pid: ProcessSample}`` for the ranks and their workers.
         limits: what limits the CPUs the ranks may use (``torchmn.resources.cpu_limits``).
         seconds: the sampling window.
@@ -155,7 +155,7 @@ def report(d: Diagnosis, where: Optional[str] = None) -> str:
              f"{d.limits.get('cgroup') or 'none'}, Slurm allocation {d.limits.get('slurm') or 'none'}); "
              f"torchmn's budget: {d.ranks[0]['budget_threads'] if d.ranks else '-'} thread(s) per rank",
              f"thread pools a process with {_rank_name(d.ranks[0]) if d.ranks else 'its'}'s settings opens: "
-             f"{pools.describe(d.pools)}"]
+             f"{pools.describe_pools(d.pools)}"]
     for row in d.ranks:
         ours = row["settings"].get("TORCHMN_THREAD_VARIABLES", "").split(",")
         settings = ", ".join(f"{k}={v}" + (" (torchmn's budget)" if k in ours else "")

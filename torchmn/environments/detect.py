@@ -11,6 +11,7 @@ from torchmn.environments.single import SingleEnvironment
 from torchmn.environments.slurm import SlurmEnvironment, slurm_misuse_error
 from torchmn.environments.torchmn_run import TorchmnEnvironment
 from torchmn.environments.torchrun import TorchrunEnvironment
+from torchmn.errors import TorchmnRuntimeError
 
 # MPI comes before Slurm: mpirun inside an allocation inherits the batch step's SLURM_* variables,
 # which would otherwise win (see OpenMPIEnvironment). A hand-written env:// launch comes last: its
@@ -74,5 +75,5 @@ def detect_environment(env: Optional[Mapping[str, str]] = None) -> LaunchEnviron
         return kind.read(env)
     message = slurm_misuse_error(env)
     if message:
-        raise RuntimeError(message)
+        raise TorchmnRuntimeError(message)
     return SingleEnvironment.read(env)

@@ -5,6 +5,8 @@ import math
 import re
 from typing import List, Tuple
 
+from torchmn.errors import TorchmnTypeError, TorchmnValueError
+
 # Slurm refuses a single range of more hosts than this; so do we, so that a typo such as
 # node[1-1000000000] fails quickly instead of exhausting memory.
 MAX_RANGE = 64 * 1024
@@ -51,17 +53,17 @@ def expand_hostlist(expr: str) -> List[str]:
         ValueError: the expression cannot be parsed, or names too many hosts (quoting it).
     """
     if not isinstance(expr, str):
-        raise TypeError(f"hostlist expression must be a string, not {type(expr).__name__}")
+        raise TorchmnTypeError(f"hostlist expression must be a string, not {type(expr).__name__}")
     if not expr.strip():
-        raise ValueError(f"empty hostlist expression {expr!r}")
+        raise TorchmnValueError(f"empty hostlist expression {expr!r}")
     items = _split_items(expr)
     if not items:
-        raise ValueError(f"no host names in hostlist expression {expr!r}")
+        raise TorchmnValueError(f"no host names in hostlist expression {expr!r}")
     parsed = [(item, _parse_name(item, expr)) for item in items]
     total = sum(math.prod(len(group) for group in groups) for _, (_, groups) in parsed)
     if total > MAX_HOSTS:
-        raise ValueError(f"hostlist {expr!r} expands to {total} host names, more than {MAX_HOSTS}; "
-                         f"check the ranges (several bracket groups in one name multiply)")
+        raise TorchmnValueError(f"hostlist {expr!r} expands to {total} host names, more than {MAX_HOSTS}; "
+                                f"check the ranges (several bracket groups in one name multiply)")
     hosts: List[str] = []
     for item, (texts, groups) in parsed:
         hosts.extend(_expand_item(item, expr, texts, groups))
@@ -77,16 +79,16 @@ def _split_items(expr: str) -> List[str]:
         if ch == "[":
             depth += 1
             if depth > 1:
-                raise ValueError(f"nested '[' at position {i} in hostlist {expr!r}")
+                raise TorchmnValueError(f"nested '[' at position {i} in hostlist {expr!r}")
         elif ch == "]":
             depth -= 1
             if depth < 0:
-                raise ValueError(f"']' without a matching '[' at position {i} in hostlist {expr!r}")
+                raise TorchmnValueError(f"']' without a matching '[' at position {i} in hostlist {expr!r}")
         elif depth == 0 and (ch == "," or ch.isspace()):
             items.append(expr[start:i])
             start = i + 1
     if depth != 0:
-        raise ValueError(f"unbalanced '[' (no closing ']') in hostlist {expr!r}")
+        raise TorchmnValueError(f"unbalanced '[' (no closing ']') in hostlist {expr!r}")
     items.append(expr[start:])
     stripped = [item.strip() for item in items]
     # Slurm skips repeated separators ("a,,b" or "a, b"): only a list with no name at all is an error,
@@ -100,8 +102,8 @@ def _expand_item(item: str, expr: str, texts: List[str], groups: List[_Group]) -
         return [item]
     if texts[-1]:
         # Slurm 22.05 rejects this too ("Invalid hostlist"); a name may only end in its last group.
-        raise ValueError(f"text {texts[-1]!r} after the last ']' in {item!r} of hostlist {expr!r}: "
-                         f"a name with brackets must end with ']' (Slurm rejects this too)")
+        raise TorchmnValueError(f"text {texts[-1]!r} after the last ']' in {item!r} of hostlist {expr!r}: "
+                                f"a name with brackets must end with ']' (Slurm rejects this too)")
     # texts[i] precedes groups[i]; texts[-1] follows the last group.
     last = groups[-1]
     rest = groups[:-1]
@@ -140,30 +142,30 @@ def _parse_name(item: str, expr: str) -> Tuple[List[str], List[_Group]]:
 
 def _parse_group(body: str, item: str, expr: str) -> _Group:
     if not body.strip():
-        raise ValueError(f"empty brackets '[]' in {item!r} of hostlist {expr!r}")
+        raise TorchmnValueError(f"empty brackets '[]' in {item!r} of hostlist {expr!r}")
     if any(ch.isspace() for ch in body):
         # Slurm mis-reads these ("[1, 2]" gives "1" and "02"), so refuse rather than guess.
-        raise ValueError(f"whitespace inside '[{body}]' of hostlist {expr!r}; write '[1,2]', not '[1, 2]'")
+        raise TorchmnValueError(f"whitespace inside '[{body}]' of hostlist {expr!r}; write '[1,2]', not '[1, 2]'")
     numbers: _Group = []
     for part in body.split(","):
         if not part:
-            raise ValueError(f"empty range (two commas in a row, or a trailing comma) in '[{body}]' "
-                             f"of hostlist {expr!r}")
+            raise TorchmnValueError(f"empty range (two commas in a row, or a trailing comma) in '[{body}]' "
+                                    f"of hostlist {expr!r}")
         lo_text, _, hi_text = part.partition("-")
         # "3-" means just 3, as in Slurm.
         if not _NUMBER.fullmatch(lo_text) or (hi_text and not _NUMBER.fullmatch(hi_text)):
-            raise ValueError(f"invalid range {part!r} in '[{body}]' of hostlist {expr!r}: "
-                             f"expected a number or 'lo-hi' with non-negative integers")
+            raise TorchmnValueError(f"invalid range {part!r} in '[{body}]' of hostlist {expr!r}: "
+                                    f"expected a number or 'lo-hi' with non-negative integers")
         lo = int(lo_text)
         hi = int(hi_text) if hi_text else lo
         if lo > hi:
-            raise ValueError(f"range {part!r} in hostlist {expr!r} goes downwards "
-                             f"({lo} > {hi}); write it as '{hi_text}-{lo_text}'")
+            raise TorchmnValueError(f"range {part!r} in hostlist {expr!r} goes downwards "
+                                    f"({lo} > {hi}); write it as '{hi_text}-{lo_text}'")
         if hi - lo + 1 > MAX_RANGE:
-            raise ValueError(f"range {part!r} in hostlist {expr!r} has {hi - lo + 1} hosts, "
-                             f"more than the {MAX_RANGE} Slurm allows")
+            raise TorchmnValueError(f"range {part!r} in hostlist {expr!r} has {hi - lo + 1} hosts, "
+                                    f"more than the {MAX_RANGE} Slurm allows")
         if len(numbers) + hi - lo + 1 > MAX_HOSTS:
-            raise ValueError(f"'[{body}]' in hostlist {expr!r} holds more than {MAX_HOSTS} numbers")
+            raise TorchmnValueError(f"'[{body}]' in hostlist {expr!r} holds more than {MAX_HOSTS} numbers")
         width = len(lo_text)
         numbers.extend(f"{n:0{width}d}" for n in range(lo, hi + 1))
     return numbers

@@ -19,6 +19,7 @@ from torchmn.environments.variables import (
     read_int,
 )
 from torchmn.environments.hostlist import expand_hostlist
+from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
 
 # Slurm gives its special steps ids near 2**32: batch 0xfffffffb (0xfffffffe before 20.11), extern
 # 0xfffffffc (0xffffffff before), interactive 0xfffffffa. None of these is a task started by srun.
@@ -188,8 +189,8 @@ def _slurm_hosts(env: Mapping[str, str], name: str) -> Optional[list]:
     try:
         return expand_hostlist(env[name])
     except ValueError as error:
-        raise ValueError(f"{name}={env[name]!r} cannot be read: {error}; set MASTER_ADDR to the first "
-                         f"node's name to bypass it") from error
+        raise TorchmnValueError(f"{name}={env[name]!r} cannot be read: {error}; set MASTER_ADDR to the first "
+                                f"node's name to bypass it") from error
 
 
 def _slurm_node_index(env: Mapping[str, str], hosts: Optional[list], node_rank: int) -> int:
@@ -205,9 +206,9 @@ def _slurm_rank0_host(env: Mapping[str, str], hosts: Optional[list]) -> Optional
     """Where task 0 runs: the first node of the step (block and cyclic distributions), or of the
     first component of a heterogeneous step; unknown for ``--distribution=arbitrary``."""
     if env.get("SLURM_DISTRIBUTION", "").startswith("arbitrary") and not env.get("MASTER_ADDR"):
-        raise RuntimeError("srun --distribution=arbitrary (SLURM_HOSTFILE) places task 0 on a node Slurm's "
-                           "variables do not tell; export MASTER_ADDR as the name of the node where task 0 "
-                           "runs (the first line of the hostfile)")
+        raise TorchmnRuntimeError("srun --distribution=arbitrary (SLURM_HOSTFILE) places task 0 on a node Slurm's "
+                                  "variables do not tell; export MASTER_ADDR as the name of the node where task 0 "
+                                  "runs (the first line of the hostfile)")
     for name in ("SLURM_JOB_NODELIST_HET_GROUP_0", "SLURM_JOB_NODELIST_PACK_GROUP_0"):
         if env.get("SLURM_HET_SIZE") and env.get(name):
             return _slurm_hosts(env, name)[0]
@@ -220,14 +221,14 @@ def _slurm_local_size(env: Mapping[str, str], node_rank: int, size: int, fix: st
         if env.get(name):
             counts = _expand_tasks_per_node(name, env[name], fix)
             if node_rank >= len(counts):
-                raise ValueError(f"SLURM_NODEID={env['SLURM_NODEID']!r} has no entry in "
-                                 f"{name}={env[name]!r} ({len(counts)} nodes); {fix}")
+                raise TorchmnValueError(f"SLURM_NODEID={env['SLURM_NODEID']!r} has no entry in "
+                                        f"{name}={env[name]!r} ({len(counts)} nodes); {fix}")
             return counts[node_rank], name
     if env.get("SLURM_NTASKS_PER_NODE"):
         return read_int(env, "SLURM_NTASKS_PER_NODE", fix), "SLURM_NTASKS_PER_NODE"
     if size == 1:
         return 1, "SLURM_NTASKS"
-    raise ValueError(f"SLURM_TASKS_PER_NODE is not set, so the number of tasks on this node is unknown; {fix}")
+    raise TorchmnValueError(f"SLURM_TASKS_PER_NODE is not set, so the number of tasks on this node is unknown; {fix}")
 
 
 def _expand_tasks_per_node(name: str, value: str, fix: str) -> list:
@@ -239,11 +240,11 @@ def _expand_tasks_per_node(name: str, value: str, fix: str) -> list:
             count = int(count_text)
             repeat = int(repeat_text[:-1]) if repeat_text else 1
             if repeat_text and not repeat_text.endswith(")"):
-                raise ValueError(part)
+                raise TorchmnValueError(part)
         except ValueError:
-            raise ValueError(f"{name}={value!r} is not a tasks-per-node list like '2(x3),1'; {fix}") from None
+            raise TorchmnValueError(f"{name}={value!r} is not a tasks-per-node list like '2(x3),1'; {fix}") from None
         if count < 1 or repeat < 1:
-            raise ValueError(f"{name}={value!r} has a count below 1; {fix}")
+            raise TorchmnValueError(f"{name}={value!r} has a count below 1; {fix}")
         counts.extend([count] * repeat)
     return counts
 

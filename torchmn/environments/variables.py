@@ -10,6 +10,7 @@ import zlib
 from typing import Mapping, Optional, Sequence, Tuple
 
 from torchmn.environments.base import LaunchEnvironment
+from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
 
 LOCALHOST = "127.0.0.1"
 
@@ -62,12 +63,12 @@ def read_int(env: Mapping[str, str], name: str, fix: str) -> int:
         3
     """
     if name not in env:
-        raise ValueError(f"{name} is not set; {fix}")
+        raise TorchmnValueError(f"{name} is not set; {fix}")
     value = env[name]
     try:
         return int(value.strip())
     except ValueError:
-        raise ValueError(f"{name}={value!r} is not an integer; {fix}") from None
+        raise TorchmnValueError(f"{name}={value!r} is not an integer; {fix}") from None
 
 
 def optional_int(env: Mapping[str, str], name: str, fix: str) -> Optional[int]:
@@ -93,7 +94,7 @@ def optional_int(env: Mapping[str, str], name: str, fix: str) -> Optional[int]:
         return None
     number = read_int(env, name, fix)
     if number < 0:
-        raise ValueError(f"{name}={env[name]!r} is negative; {fix}")
+        raise TorchmnValueError(f"{name}={env[name]!r} is negative; {fix}")
     return number
 
 
@@ -120,16 +121,16 @@ def check_place(env: Mapping[str, str], rank: tuple, size: tuple, local_rank: tu
         return f"{name}={env.get(name, value)!r}"
 
     if size[1] < 1:
-        raise ValueError(f"{shown(size)} must be at least 1; {fix}")
+        raise TorchmnValueError(f"{shown(size)} must be at least 1; {fix}")
     if local_size[1] < 1:
-        raise ValueError(f"{shown(local_size)} must be at least 1; {fix}")
+        raise TorchmnValueError(f"{shown(local_size)} must be at least 1; {fix}")
     if not 0 <= rank[1] < size[1]:
-        raise ValueError(f"{shown(rank)} is outside 0..{size[1] - 1} given by {shown(size)}; {fix}")
+        raise TorchmnValueError(f"{shown(rank)} is outside 0..{size[1] - 1} given by {shown(size)}; {fix}")
     if not 0 <= local_rank[1] < local_size[1]:
-        raise ValueError(f"{shown(local_rank)} is outside 0..{local_size[1] - 1} given by "
-                         f"{shown(local_size)}; {fix}")
+        raise TorchmnValueError(f"{shown(local_rank)} is outside 0..{local_size[1] - 1} given by "
+                                f"{shown(local_size)}; {fix}")
     if local_size[1] > size[1]:
-        raise ValueError(f"{shown(local_size)} is larger than {shown(size)}; {fix}")
+        raise TorchmnValueError(f"{shown(local_size)} is larger than {shown(size)}; {fix}")
 
 
 def master_addr(env: Mapping[str, str], derived: Optional[str], size: int, local_size: int,
@@ -166,8 +167,8 @@ def master_addr(env: Mapping[str, str], derived: Optional[str], size: int, local
         return LOCALHOST
     if spanning_addr:
         return spanning_addr
-    raise RuntimeError(f"MASTER_ADDR is not set and the {size} ranks ({source}) span several nodes, so "
-                       f"torchmn cannot tell where rank 0 runs; {hint}")
+    raise TorchmnRuntimeError(f"MASTER_ADDR is not set and the {size} ranks ({source}) span several nodes, so "
+                              f"torchmn cannot tell where rank 0 runs; {hint}")
 
 
 def master_port(env: Mapping[str, str], derived: Optional[int]) -> Optional[int]:
@@ -196,8 +197,8 @@ def master_port(env: Mapping[str, str], derived: Optional[int]) -> Optional[int]
     except ValueError:
         port = -1
     if not 0 < port < 65536:
-        raise ValueError(f"MASTER_PORT={env['MASTER_PORT']!r} is not a port number (1-65535); "
-                         f"unset it or set it to a free TCP port")
+        raise TorchmnValueError(f"MASTER_PORT={env['MASTER_PORT']!r} is not a port number (1-65535); "
+                                f"unset it or set it to a free TCP port")
     return port
 
 

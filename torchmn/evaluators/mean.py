@@ -7,17 +7,19 @@ from typing import Any, Callable
 
 import torch
 
+from torchmn.errors import TorchmnRuntimeError, TorchmnTypeError, TorchmnValueError
+
 
 def _as_float(value: Any, key: str, rank: int) -> float:
     if isinstance(value, torch.Tensor):
         if value.numel() != 1:
-            raise ValueError(f"multi-node evaluator: metric {key!r} on rank {rank} is a tensor of shape "
-                             f"{tuple(value.shape)}; return one number per metric")
+            raise TorchmnValueError(f"multi-node evaluator: metric {key!r} on rank {rank} is a tensor of shape "
+                                    f"{tuple(value.shape)}; return one number per metric")
         return float(value.detach().cpu().double().item())
     if isinstance(value, numbers.Real):
         return float(value)
-    raise TypeError(f"multi-node evaluator: metric {key!r} on rank {rank} is a {type(value).__name__}; "
-                    f"return numbers (or one-element tensors)")
+    raise TorchmnTypeError(f"multi-node evaluator: metric {key!r} on rank {rank} is a {type(value).__name__}; "
+                           f"return numbers (or one-element tensors)")
 
 
 def _local(result: Any, rank: int) -> tuple[dict[str, float], int]:
@@ -26,13 +28,13 @@ def _local(result: Any, rank: int) -> tuple[dict[str, float], int]:
     elif isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], dict):
         metrics, n = result
     else:
-        raise TypeError(f"multi-node evaluator: fn() on rank {rank} returned {type(result).__name__}; "
-                        f"return (dict_of_means, n_samples) or a dict")
+        raise TorchmnTypeError(f"multi-node evaluator: fn() on rank {rank} returned {type(result).__name__}; "
+                               f"return (dict_of_means, n_samples) or a dict")
     if isinstance(n, torch.Tensor):
         n = n.item()
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
-        raise ValueError(f"multi-node evaluator: fn() on rank {rank} returned n_samples={n!r}; "
-                         f"it must be an integer >= 0")
+        raise TorchmnValueError(f"multi-node evaluator: fn() on rank {rank} returned n_samples={n!r}; "
+                                f"it must be an integer >= 0")
     if n == 0:  # no samples: the values are not used (None, as `total / n if n else None` gives, is fine)
         return {str(k): math.nan for k in metrics}, 0
     return {str(k): _as_float(v, k, rank) for k, v in metrics.items()}, int(n)
@@ -82,17 +84,17 @@ class MultiNodeEvaluator:
         failed = [(r, x[1]) for r, x in enumerate(everyone) if x[0] == "error"]
         if failed:
             r, why = failed[0]
-            raise RuntimeError(f"multi-node evaluator: fn() failed on rank {r} ({why}); "
-                               f"raised on rank {comm.rank} too")
+            raise TorchmnRuntimeError(f"multi-node evaluator: fn() failed on rank {r} ({why}); "
+                                      f"raised on rank {comm.rank} too")
         counted = [(r, metrics, n) for r, (metrics, n) in enumerate(everyone) if n > 0]
         # A rank that saw no sample contributes nothing, its metric names included.
         keys = sorted({k for _, metrics, _ in counted for k in metrics} if counted else
                       {k for metrics, _ in everyone for k in metrics})
         for r, metrics, _ in counted:
             if sorted(metrics) != keys:
-                raise ValueError(f"multi-node evaluator: rank {r} reported metrics {sorted(metrics)} but the "
-                                 f"ranks together reported {keys}; every rank that saw samples must report "
-                                 f"the same metrics (raised on rank {comm.rank})")
+                raise TorchmnValueError(f"multi-node evaluator: rank {r} reported metrics {sorted(metrics)} but the "
+                                        f"ranks together reported {keys}; every rank that saw samples must report "
+                                        f"the same metrics (raised on rank {comm.rank})")
         total = sum(n for _, _, n in counted)
         if total == 0:
             return {k: math.nan for k in keys}

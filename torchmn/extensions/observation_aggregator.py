@@ -8,6 +8,7 @@ from pytorch_pfn_extras.training import extension
 from pytorch_pfn_extras.training import trigger as trigger_module
 from pytorch_pfn_extras.training.triggers import IntervalTrigger
 
+from torchmn.errors import TorchmnValueError
 from torchmn.extensions._triggers import agreed
 from torchmn.extensions._values import to_float
 
@@ -79,7 +80,7 @@ class ObservationAggregator(extension.Extension):
         every_iteration = isinstance(self.comm_trigger, IntervalTrigger) \
             and (self.comm_trigger.period, self.comm_trigger.unit) == (1, "iteration")
         if self.aggregated_key == original_key and not every_iteration:
-            raise ValueError(
+            raise TorchmnValueError(
                 f"ObservationAggregator: replacing {original_key!r} in place needs comm_trigger=(1, 'iteration'), "
                 f"not {comm_trigger!r}: LogReport would mix one iteration's global value with the other "
                 f"iterations' local ones. Pass a new aggregated_key, e.g. "

@@ -18,6 +18,7 @@ from pytorch_pfn_extras.training import extension
 
 from torchmn.checkpoint.files import atomic_save, remove_temporaries
 from torchmn.communicators.errors import RemoteRankError
+from torchmn.errors import TorchmnValueError
 from torchmn.extensions._triggers import agree_on_own_trigger
 
 DEFAULT_FILENAME = "snapshot_iter_{iteration}_rank{rank}"
@@ -26,8 +27,8 @@ DEFAULT_FILENAME = "snapshot_iter_{iteration}_rank{rank}"
 def _pattern(filename: str, rank: int) -> re.Pattern:
     """A regex matching ``filename`` for this rank, capturing the iteration."""
     if os.sep in filename or (os.altsep and os.altsep in filename):
-        raise ValueError(f"snapshot filename {filename!r} must be a plain file name; choose the directory "
-                         f"with the manager's out_dir (or out_dir=)")
+        raise TorchmnValueError(f"snapshot filename {filename!r} must be a plain file name; choose the directory "
+                                f"with the manager's out_dir (or out_dir=)")
     fields = set()
     parts = []
     for literal, field, spec, conversion in string.Formatter().parse(filename):
@@ -35,13 +36,13 @@ def _pattern(filename: str, rank: int) -> re.Pattern:
         if field is None:
             continue
         if field not in ("iteration", "rank") or conversion:
-            raise ValueError(f"snapshot filename {filename!r}: only the fields {{iteration}} and {{rank}} "
-                             f"may appear, found {{{field}}}")
+            raise TorchmnValueError(f"snapshot filename {filename!r}: only the fields {{iteration}} and {{rank}} "
+                                    f"may appear, found {{{field}}}")
         fields.add(field)
         parts.append(r"(\d+)" if field == "iteration" else re.escape(format(rank, spec or "")))
     if fields != {"iteration", "rank"}:
-        raise ValueError(f"snapshot filename {filename!r} must contain both {{iteration}} and {{rank}}, "
-                         f"so that ranks do not overwrite each other and resuming can find iterations")
+        raise TorchmnValueError(f"snapshot filename {filename!r} must contain both {{iteration}} and {{rank}}, "
+                                f"so that ranks do not overwrite each other and resuming can find iterations")
     return re.compile("".join(parts))
 
 

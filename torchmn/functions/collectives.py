@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 import torch
 
 from torchmn.communicators import CommunicatorBase
+from torchmn.errors import TorchmnTypeError, TorchmnValueError
 from torchmn.functions._graph_utility import anchor, delegate
 
 
@@ -155,7 +156,7 @@ def bcast(comm: CommunicatorBase, x: Optional[torch.Tensor], root: int = 0) -> t
     comm.check_rank(root, "root")
     if comm.rank == root:
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"bcast: root rank {root} must pass a tensor, not {type(x).__name__}")
+            raise TorchmnTypeError(f"bcast: root rank {root} must pass a tensor, not {type(x).__name__}")
         return _Bcast.apply(comm, root, anchor(x.device), x)
     return _Bcast.apply(comm, root, anchor(comm.device), None)
 
@@ -208,8 +209,8 @@ def scatter(comm: CommunicatorBase, xs: Optional[Sequence[torch.Tensor]], root: 
     if comm.rank != root:
         return _Scatter.apply(comm, root, anchor(comm.device))
     if xs is None or len(xs) != comm.size:
-        raise ValueError(f"scatter: root rank {root} must pass {comm.size} tensors (one per rank), not "
-                         f"{'None' if xs is None else len(xs)}")
+        raise TorchmnValueError(f"scatter: root rank {root} must pass {comm.size} tensors (one per rank), not "
+                                f"{'None' if xs is None else len(xs)}")
     return _Scatter.apply(comm, root, anchor(xs[root].device), *xs)
 
 
@@ -253,6 +254,6 @@ def alltoall(comm: CommunicatorBase, xs: Sequence[torch.Tensor]) -> tuple:
         >>> ys = torchmn.functions.alltoall(comm, list(x.chunk(comm.size, dim=1)))
     """
     if xs is None or len(xs) != comm.size:
-        raise ValueError(f"alltoall: pass {comm.size} tensors (one per rank), not "
-                         f"{'None' if xs is None else len(xs)}")
+        raise TorchmnValueError(f"alltoall: pass {comm.size} tensors (one per rank), not "
+                                f"{'None' if xs is None else len(xs)}")
     return _AllToAll.apply(comm, anchor(xs[0].device), *xs)

@@ -13,6 +13,7 @@ from typing import Optional, Sequence, Union
 import torch
 
 from torchmn.communicators import CommunicatorBase
+from torchmn.errors import TorchmnTypeError, TorchmnValueError
 from torchmn.functions._graph_utility import anchor, delegate, differentiable
 
 Tensors = Union[torch.Tensor, Sequence[torch.Tensor]]
@@ -119,11 +120,11 @@ def send(x: Tensors, comm: CommunicatorBase, rank: int, tag: int = 0) -> torch.T
     """
     comm.check_rank(rank, "rank")
     if rank == comm.rank:
-        raise ValueError(f"send: rank {rank} is this rank; pass the value on directly instead")
+        raise TorchmnValueError(f"send: rank {rank} is this rank; pass the value on directly instead")
     single = isinstance(x, torch.Tensor)
     xs = (x,) if single else tuple(x)
     if not xs or not all(isinstance(t, torch.Tensor) for t in xs):
-        raise TypeError(f"send: x must be a tensor or a tuple of tensors, not {type(x).__name__}")
+        raise TorchmnTypeError(f"send: x must be a tensor or a tuple of tensors, not {type(x).__name__}")
     device = xs[0].device
     return _Send.apply(comm, rank, tag, single, anchor(device), *xs)
 
@@ -154,7 +155,7 @@ def recv(comm: CommunicatorBase, rank: int, delegate_variable: Optional[torch.Te
     """
     comm.check_rank(rank, "rank")
     if rank == comm.rank:
-        raise ValueError(f"recv: rank {rank} is this rank; pass the value on directly instead")
+        raise TorchmnValueError(f"recv: rank {rank} is this rank; pass the value on directly instead")
     count = int(comm.recv(rank, tag).item())
     start = delegate_variable if delegate_variable is not None else anchor(comm.device)
     out = _Recv.apply(comm, rank, tag, 1 if count == -1 else count, start)

@@ -5,6 +5,7 @@ from typing import Optional, Union
 
 import torch
 
+from torchmn.errors import TorchmnValueError
 from torchmn.functions._graph_utility import differentiable
 
 
@@ -47,7 +48,7 @@ def pseudo_connect(delegate_variable: Optional[torch.Tensor],
         >>> loss_fn(part2(z), y).backward()                # also runs part0's backward, via d
     """
     if not actual_variables:
-        raise ValueError("pseudo_connect: pass at least one actual variable after the delegate")
+        raise TorchmnValueError("pseudo_connect: pass at least one actual variable after the delegate")
     if delegate_variable is None:
         return actual_variables[0] if len(actual_variables) == 1 else tuple(actual_variables)
     out = _PseudoConnect.apply(delegate_variable, *actual_variables)

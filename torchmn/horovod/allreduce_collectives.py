@@ -169,7 +169,7 @@ def _start_allreduce(tensors: list[torch.Tensor], outputs: Optional[list[torch.T
     handles.check_name("allreduce", name)
     problem = _local_problem(tensors, what)
     layouts = None if problem else [layout(t) for t in tensors]
-    description = coordination.describe("allreduce", name, op, float(prescale), float(postscale), layouts, problem)
+    description = coordination.describe_call("allreduce", name, op, float(prescale), float(postscale), layouts, problem)
     descriptions = coordination.agree(comm, description, need_descriptions=True)
     _check_descriptions(descriptions, what, comm.rank)
     work, finish_all = _start_reduce(comm, tensors, op, float(prescale), float(postscale), outputs)

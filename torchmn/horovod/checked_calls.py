@@ -45,7 +45,7 @@ def agree_on(comm, kind: str, what: str, fields: tuple, problem: Optional[str]) 
         CollectiveMismatchError: the ranks called different collectives.
         HorovodInternalError: a rank has joined.
     """
-    descriptions = coordination.agree(comm, coordination.describe(kind, *fields, problem), need_descriptions=True)
+    descriptions = coordination.agree(comm, coordination.describe_call(kind, *fields, problem), need_descriptions=True)
     coordination.check_same_kind(descriptions, comm.rank)
     for r, d in enumerate(descriptions):
         if d[-1] is not None:

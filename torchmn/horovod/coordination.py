@@ -40,7 +40,7 @@ def register_mirror(kind: str, mirror: Callable) -> None:
     _mirrors[kind] = mirror
 
 
-def describe(kind: str, *fields) -> tuple:
+def describe_call(kind: str, *fields) -> tuple:
     """A call's description, as the ranks exchange it to check that they make the same call.
 
     Args:
@@ -52,7 +52,7 @@ def describe(kind: str, *fields) -> tuple:
 
     Example::
 
-        >>> describe("allgather", "features", ((4, 3), "float32"), None)
+        >>> describe_call("allgather", "features", ((4, 3), "float32"), None)
     """
     return (kind, socket.gethostname()) + fields
 
@@ -73,7 +73,7 @@ def agree(comm, description: tuple, need_descriptions: bool) -> Optional[list[tu
 
     Example::
 
-        >>> descriptions = agree(comm, describe("allgather", name, layout, None), need_descriptions=True)
+        >>> descriptions = agree(comm, describe_call("allgather", name, layout, None), need_descriptions=True)
     """
     if comm.size == 1:
         return [description] if need_descriptions else None
@@ -111,7 +111,7 @@ def check_same_kind(descriptions: list[tuple], rank: int) -> None:
 
     Example::
 
-        >>> check_same_kind(agree(comm, describe("broadcast", 0), need_descriptions=True), comm.rank)
+        >>> check_same_kind(agree(comm, describe_call("broadcast", 0), need_descriptions=True), comm.rank)
     """
     calls = [(r, d[0], d[1]) for r, d in enumerate(descriptions) if d[0] != JOINED]
     if len({kind for _, kind, _ in calls}) > 1:
@@ -150,7 +150,7 @@ def join(device: int = -1) -> int:
         return comm.rank
     waited = 0
     while True:
-        descriptions = agree(comm, describe(JOINED, waited), need_descriptions=True)
+        descriptions = agree(comm, describe_call(JOINED, waited), need_descriptions=True)
         waiting = [(r, d) for r, d in enumerate(descriptions) if d[0] != JOINED]
         if not waiting:
             newest = min(d[2] for d in descriptions)

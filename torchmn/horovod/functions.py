@@ -15,7 +15,7 @@ def _start(what: str, process_set) -> Any:
     """The communicator of a blocking collective, after the ones in flight and the join check."""
     comm = comm_of(process_set, what)
     handles.drain()
-    coordination.agree(comm, coordination.describe(what.replace("hvd.", "")), need_descriptions=False)
+    coordination.agree(comm, coordination.describe_call(what.replace("hvd.", "")), need_descriptions=False)
     return comm
 
 

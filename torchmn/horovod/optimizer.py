@@ -147,7 +147,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _start_sync(self) -> None:
         """Before this rank's gradients go out: tell a rank in ``hvd.join()`` to take part."""
         self._sync_started = time.time()
-        coordination.agree(self._comm, coordination.describe("optimizer", self._index), need_descriptions=False)
+        coordination.agree(self._comm, coordination.describe_call("optimizer", self._index), need_descriptions=False)
 
     def mirror(self) -> None:
         """This rank's part, while it is in ``hvd.join()``, in the others' averaging (they have

@@ -6,6 +6,7 @@ from typing import Any, Iterable, Iterator, Optional
 
 from torchmn.communicators.pickling import dumps
 from torchmn.communicators.errors import RemoteRankError
+from torchmn.errors import TorchmnTypeError, TorchmnValueError
 
 _BATCH, _STOP, _ERROR = 0, 1, 2
 
@@ -58,7 +59,7 @@ class MultiNodeIterator:
         # Every rank learns the length, and any problem, at the same time: none is left waiting.
         problem, self._length = comm.bcast_obj((problem, length) if is_master else None, root=rank_master)
         if problem:
-            raise ValueError(f"create_multi_node_iterator: {problem} (raised on rank {comm.rank})")
+            raise TorchmnValueError(f"create_multi_node_iterator: {problem} (raised on rank {comm.rank})")
 
     def __len__(self) -> int:
         """The number of batches in an epoch: the master's ``len(loader)``.
@@ -67,7 +68,7 @@ class MultiNodeIterator:
             TypeError: the master's loader has no ``len()`` (e.g. over an ``IterableDataset``).
         """
         if self._length is None:
-            raise TypeError(f"the loader on master rank {self.rank_master} has no len()")
+            raise TorchmnTypeError(f"the loader on master rank {self.rank_master} has no len()")
         return self._length
 
     def state_dict(self) -> dict:

@@ -7,12 +7,14 @@ from typing import Any
 
 import torch
 
+from torchmn.errors import TorchmnValueError
+
 
 def chunk(x: Any, m: int) -> list:
     """``x`` (a tensor, or a tuple of tensors cut alike) cut into ``m`` pieces along dimension 0."""
     if isinstance(x, torch.Tensor):
         if len(x) < m:
-            raise ValueError(f"Pipeline: a batch of {len(x)} cannot be cut into {m} micro-batches")
+            raise TorchmnValueError(f"Pipeline: a batch of {len(x)} cannot be cut into {m} micro-batches")
         return list(torch.tensor_split(x, m))
     parts = [chunk(t, m) for t in x]
     return [tuple(p[k] for p in parts) for k in range(m)]
@@ -33,10 +35,10 @@ def grads_of(x: Any) -> Any:
     return x.grad if x.grad is not None else torch.zeros_like(x)
 
 
-def nbytes(x: Any) -> int:
+def payload_bytes(x: Any) -> int:
     """Bytes of the tensors in ``x`` (a tensor or a tuple of them)."""
     if isinstance(x, tuple):
-        return sum(nbytes(t) for t in x)
+        return sum(payload_bytes(t) for t in x)
     return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
 
 

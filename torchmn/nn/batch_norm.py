@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from torchmn.communicators import CommunicatorBase
+from torchmn.errors import TorchmnValueError
 from torchmn.functions import allreduce
 from torchmn.nn._parallel_utility import agree_on_arguments
 
@@ -55,7 +56,7 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._NormBase):
 
     def _check_input_dim(self, x: torch.Tensor) -> None:
         if x.dim() < 2:
-            raise ValueError(f"expected an input of at least 2 dimensions (N, C, ...), got {x.dim()}")
+            raise TorchmnValueError(f"expected an input of at least 2 dimensions (N, C, ...), got {x.dim()}")
 
     def _agree_on_arguments(self) -> None:
         agree_on_arguments(self, self.comm, (self.num_features, self.eps, self.momentum, self.affine,
@@ -77,8 +78,8 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._NormBase):
         """
         self._check_input_dim(x)
         if x.shape[1] != self.num_features:
-            raise ValueError(f"{type(self).__name__}: expected {self.num_features} channels, got input of shape "
-                             f"{tuple(x.shape)}")
+            raise TorchmnValueError(f"{type(self).__name__}: expected {self.num_features} channels, got input of shape "
+                                    f"{tuple(x.shape)}")
         use_batch = self.training or not self.track_running_stats
         if not use_batch:
             return torch.nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
@@ -130,7 +131,7 @@ class MultiNodeBatchNorm1d(MultiNodeBatchNorm):
 
     def _check_input_dim(self, x: torch.Tensor) -> None:
         if x.dim() not in (2, 3):
-            raise ValueError(f"expected 2D or 3D input (got {x.dim()}D input)")
+            raise TorchmnValueError(f"expected 2D or 3D input (got {x.dim()}D input)")
 
 
 class MultiNodeBatchNorm2d(MultiNodeBatchNorm):
@@ -143,7 +144,7 @@ class MultiNodeBatchNorm2d(MultiNodeBatchNorm):
 
     def _check_input_dim(self, x: torch.Tensor) -> None:
         if x.dim() != 4:
-            raise ValueError(f"expected 4D input (got {x.dim()}D input)")
+            raise TorchmnValueError(f"expected 4D input (got {x.dim()}D input)")
 
 
 class MultiNodeBatchNorm3d(MultiNodeBatchNorm):
@@ -156,7 +157,7 @@ class MultiNodeBatchNorm3d(MultiNodeBatchNorm):
 
     def _check_input_dim(self, x: torch.Tensor) -> None:
         if x.dim() != 5:
-            raise ValueError(f"expected 5D input (got {x.dim()}D input)")
+            raise TorchmnValueError(f"expected 5D input (got {x.dim()}D input)")
 
 
 _REPLACEMENTS = {torch.nn.BatchNorm1d: MultiNodeBatchNorm1d, torch.nn.BatchNorm2d: MultiNodeBatchNorm2d,

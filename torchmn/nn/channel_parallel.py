@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from torchmn.communicators import CollectiveMismatchError, CommunicatorBase
+from torchmn.errors import TorchmnValueError
 from torchmn.functions import allgather
 from torchmn.nn._parallel_utility import (agree_on_arguments, copy_to_parallel, gather_from_parallel, offsets,
                                           scatter_to_parallel, split_sizes)
@@ -54,8 +55,8 @@ class ChannelParallelConv2d(torch.nn.Module):
                  grouped: bool = False):
         super().__init__()
         if groups != 1:
-            raise ValueError(f"ChannelParallelConv2d: groups={groups}; split a grouped convolution's channels "
-                             f"with grouped=True, or use SpatialParallelConv2d, which takes any groups")
+            raise TorchmnValueError(f"ChannelParallelConv2d: groups={groups}; split a grouped convolution's channels "
+                                    f"with grouped=True, or use SpatialParallelConv2d, which takes any groups")
         dense = torch.nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, 1, bias,
                                 padding_mode, device, dtype)
         self.comm = comm
@@ -67,8 +68,8 @@ class ChannelParallelConv2d(torch.nn.Module):
         self.out_sizes = split_sizes(out_channels, comm.size)
         self.in_sizes = split_sizes(in_channels, comm.size)
         if min(self.out_sizes) == 0 or (grouped or input_is_parallel) and min(self.in_sizes) == 0:
-            raise ValueError(f"ChannelParallelConv2d: {out_channels} output and {in_channels} input channels "
-                             f"cannot be split over {comm.size} ranks (each needs at least one)")
+            raise TorchmnValueError(f"ChannelParallelConv2d: {out_channels} output and {in_channels} input channels "
+                                    f"cannot be split over {comm.size} ranks (each needs at least one)")
         r = comm.rank
         out_lo, in_lo = offsets(self.out_sizes)[r], offsets(self.in_sizes)[r]
         weight = dense.weight.detach().narrow(0, out_lo, self.out_sizes[r])
@@ -99,8 +100,8 @@ class ChannelParallelConv2d(torch.nn.Module):
         comm = self.comm
         if self.input_is_parallel and self.grouped:
             if x.dim() != 4 or x.shape[1] != self.in_sizes[comm.rank]:
-                raise ValueError(f"ChannelParallelConv2d: rank {comm.rank} holds input channels of "
-                                 f"{self.in_sizes[comm.rank]}, but its input is {tuple(x.shape)}")
+                raise TorchmnValueError(f"ChannelParallelConv2d: rank {comm.rank} holds input channels of "
+                                        f"{self.in_sizes[comm.rank]}, but its input is {tuple(x.shape)}")
             full = x
         elif self.input_is_parallel:
             parts = allgather(comm, x)
@@ -159,9 +160,9 @@ class ChannelParallelConv2d(torch.nn.Module):
         """
         w = state_dict["weight"]
         if w.shape[:2] != (self.out_channels, self.in_channels) or w.shape[2:] != self.weight.shape[2:]:
-            raise ValueError(f"ChannelParallelConv2d: the dense weight must be "
-                             f"{(self.out_channels, self.in_channels) + tuple(self.weight.shape[2:])}, not "
-                             f"{tuple(w.shape)}")
+            raise TorchmnValueError(f"ChannelParallelConv2d: the dense weight must be "
+                                    f"{(self.out_channels, self.in_channels) + tuple(self.weight.shape[2:])}, not "
+                                    f"{tuple(w.shape)}")
         r = self.comm.rank
         mine = w.narrow(0, offsets(self.out_sizes)[r], self.out_sizes[r])
         if self.grouped:

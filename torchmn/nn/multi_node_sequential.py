@@ -7,6 +7,7 @@ from typing import Iterable, Optional, Union
 import torch
 
 from torchmn.communicators import CollectiveMismatchError, CommunicatorBase
+from torchmn.errors import TorchmnRuntimeError, TorchmnTypeError, TorchmnValueError
 from torchmn.functions import pseudo_connect, recv, send
 
 Ranks = Union[int, Iterable[int], None]
@@ -17,7 +18,7 @@ def _as_list(ranks: Ranks, what: str) -> Optional[list]:
         return None
     items = [ranks] if isinstance(ranks, int) else list(ranks)
     if not items or not all(isinstance(r, int) and not isinstance(r, bool) for r in items):
-        raise TypeError(f"add: {what} must be a rank, a list of ranks or None, not {ranks!r}")
+        raise TorchmnTypeError(f"add: {what} must be a rank, a list of ranks or None, not {ranks!r}")
     return items
 
 
@@ -78,8 +79,8 @@ class MultiNodeSequential(torch.nn.Module):
         """
         rank_in, rank_out = _as_list(rank_in, "rank_in"), _as_list(rank_out, "rank_out")
         if rank_out is None and any(out is None for _, out in self.routes):
-            raise ValueError("add: this rank already has a part whose output is the model's (rank_out=None); "
-                             "a rank returns one output")
+            raise TorchmnValueError("add: this rank already has a part whose output is the model's (rank_out=None); "
+                                    "a rank returns one output")
         self.parts.append(module)
         self.routes.append((rank_in, rank_out))
         self._checked = False
@@ -136,8 +137,8 @@ class MultiNodeSequential(torch.nn.Module):
                         x = _connect(delegate, x)
                     delegate = send(x, comm, target)
         if queue:
-            raise RuntimeError(f"rank {comm.rank}: {len(queue)} value(s) this rank sent to itself were never "
-                               f"received; give each rank_out={comm.rank} a later part with rank_in={comm.rank}")
+            raise TorchmnRuntimeError(f"rank {comm.rank}: {len(queue)} value(s) this rank sent to itself were never "
+                                      f"received; give each rank_out={comm.rank} a later part with rank_in={comm.rank}")
         if y is None:
             return delegate
         if delegate is y or (not isinstance(y, torch.Tensor) and delegate is _first_tensor(y)):

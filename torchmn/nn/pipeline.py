@@ -6,8 +6,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from torchmn.communicators import CommunicatorBase
+from torchmn.errors import TorchmnValueError
 from torchmn.functions.point_to_point import recv_tensors, send_tensors
-from torchmn.nn._pipeline_utility import ActivationMeter, chunk, differentiable_inputs, grads_of, nbytes
+from torchmn.nn._pipeline_utility import ActivationMeter, chunk, differentiable_inputs, grads_of, payload_bytes
 
 SCHEDULES = ("gpipe", "1f1b")
 _ACT, _GRAD = 0, 1  # tags: activations go down the pipeline, gradients up
@@ -53,9 +54,9 @@ class Pipeline(torch.nn.Module):
                  schedule: str = "1f1b", loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None):
         super().__init__()
         if schedule not in SCHEDULES:
-            raise ValueError(f"Pipeline: schedule must be one of {', '.join(SCHEDULES)}, not {schedule!r}")
+            raise TorchmnValueError(f"Pipeline: schedule must be one of {', '.join(SCHEDULES)}, not {schedule!r}")
         if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-            raise ValueError(f"Pipeline: micro_batches must be a positive integer, not {micro_batches!r}")
+            raise TorchmnValueError(f"Pipeline: micro_batches must be a positive integer, not {micro_batches!r}")
         self.stage = stage
         self.comm = comm
         self.micro_batches = micro_batches
@@ -86,9 +87,9 @@ class Pipeline(torch.nn.Module):
         """
         m = self.micro_batches
         if self.is_first and inputs is None:
-            raise ValueError("Pipeline.train_step: the first stage must pass the batch's inputs")
+            raise TorchmnValueError("Pipeline.train_step: the first stage must pass the batch's inputs")
         if self.is_last and (target is None or self.loss_fn is None):
-            raise ValueError("Pipeline.train_step: the last stage needs the targets and a loss_fn")
+            raise TorchmnValueError("Pipeline.train_step: the last stage needs the targets and a loss_fn")
         self._inputs = chunk(inputs, m) if self.is_first else None
         self._targets = chunk(target, m) if self.is_last else None
         if self.is_last:
@@ -130,7 +131,7 @@ class Pipeline(torch.nn.Module):
             out = self.stage(*(x if isinstance(x, tuple) else (x,)))
             if self.is_last:
                 out = self.loss_fn(out, self._targets[k]) * self._weights[k]
-        self.meter.hold(k, nbytes(x) + nbytes(out))
+        self.meter.hold(k, payload_bytes(x) + payload_bytes(out))
         self._held[k] = (x, out)
 
     def _send_output(self, k: int) -> None:

@@ -7,17 +7,19 @@ from typing import Optional, Sequence
 import torch
 
 from torchmn.communicators import CollectiveMismatchError, CommunicatorBase
+from torchmn.errors import TorchmnValueError
 from torchmn.functions import alltoall, pseudo_connect
 from torchmn.nn._parallel_utility import agree_on_arguments, offsets
 
 
 def _grid(split: str, size: int, grid: Optional[Sequence[int]]) -> tuple[int, int]:
     if split not in ("h", "hw"):
-        raise ValueError(f"SpatialParallelConv2d: split must be 'h' or 'hw', not {split!r}")
+        raise TorchmnValueError(f"SpatialParallelConv2d: split must be 'h' or 'hw', not {split!r}")
     if grid is not None:
         rows, cols = grid
         if rows * cols != size or (split == "h" and cols != 1):
-            raise ValueError(f"SpatialParallelConv2d: grid {tuple(grid)} does not fit {size} ranks with split={split!r}")
+            raise TorchmnValueError(
+                f"SpatialParallelConv2d: grid {tuple(grid)} does not fit {size} ranks with split={split!r}")
         return rows, cols
     if split == "h":
         return size, 1
@@ -45,7 +47,7 @@ class _Axis:
         span = dilation * (kernel - 1)
         out = (self.length + lo + hi - span - 1) // stride + 1
         if out < 1:
-            raise ValueError(f"SpatialParallelConv2d: an input of {self.length} rows gives no output row")
+            raise TorchmnValueError(f"SpatialParallelConv2d: an input of {self.length} rows gives no output row")
         # An output row belongs to the block holding the centre of its window (clamped into the
         # image): with padding="same" and stride 1, the output is split as the input is.
         owners = [bisect.bisect_right(self.starts, min(max(o * stride - lo + span // 2, 0), self.length - 1)) - 1
@@ -115,8 +117,8 @@ class SpatialParallelConv2d(torch.nn.Conv2d):
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
                          padding_mode, device, dtype)
         if padding_mode != "zeros":
-            raise ValueError(f"SpatialParallelConv2d: padding_mode={padding_mode!r}; only 'zeros' is taken (the "
-                             f"image's borders lie on other ranks than most of their neighbours)")
+            raise TorchmnValueError(f"SpatialParallelConv2d: padding_mode={padding_mode!r}; only 'zeros' is taken (the "
+                                    f"image's borders lie on other ranks than most of their neighbours)")
         self.comm, self.split = comm, split
         self.grid = _grid(split, comm.size, grid)
         self._arguments = (in_channels, out_channels, self.kernel_size, self.stride, self.padding, self.dilation,
@@ -142,7 +144,7 @@ class SpatialParallelConv2d(torch.nn.Conv2d):
             agree_on_arguments(self, comm, self._arguments)
             self._agreed = True
         if x.dim() != 4:
-            raise ValueError(f"SpatialParallelConv2d: expected (N, C, rows, columns), got {tuple(x.shape)}")
+            raise TorchmnValueError(f"SpatialParallelConv2d: expected (N, C, rows, columns), got {tuple(x.shape)}")
         rows, cols = self._axes(x)
         r = comm.rank
         i, j = divmod(r, self.grid[1])

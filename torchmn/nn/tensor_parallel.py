@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from torchmn.communicators import CommunicatorBase
+from torchmn.errors import TorchmnValueError
 from torchmn.nn._parallel_utility import (agree_on_arguments, copy_to_parallel, gather_from_parallel, offsets,
                                           reduce_from_parallel, scatter_to_parallel, split_sizes)
 
@@ -29,8 +30,8 @@ class _SlicedLinear(torch.nn.Module):
         n = dense.weight.shape[self.split_dim]
         self.sizes = split_sizes(n, comm.size)
         if min(self.sizes) == 0:
-            raise ValueError(f"{type(self).__name__}: {n} features cannot be split over {comm.size} ranks (each "
-                             f"needs at least one)")
+            raise TorchmnValueError(f"{type(self).__name__}: {n} features cannot be split over {comm.size} ranks (each "
+                                    f"needs at least one)")
         self.start = offsets(self.sizes)[comm.rank]
         self.weight = torch.nn.Parameter(self._mine(dense.weight.detach(), self.split_dim).clone())
         self.bias = None
@@ -77,8 +78,8 @@ class _SlicedLinear(torch.nn.Module):
         """
         dense = (self.out_features, self.in_features)
         if tuple(state_dict["weight"].shape) != dense:
-            raise ValueError(f"{type(self).__name__}: the dense weight must be {dense}, not "
-                             f"{tuple(state_dict['weight'].shape)}")
+            raise TorchmnValueError(f"{type(self).__name__}: the dense weight must be {dense}, not "
+                                    f"{tuple(state_dict['weight'].shape)}")
         self.weight.copy_(self._mine(state_dict["weight"], self.split_dim))
         if self.bias is not None:
             self.bias.copy_(self._bias_of(state_dict["bias"]))
@@ -184,7 +185,7 @@ class RowParallelLinear(_SlicedLinear):
         if not self.input_is_parallel:
             x = scatter_to_parallel(self.comm, x, -1)
         elif x.shape[-1] != self.weight.shape[1]:
-            raise ValueError(f"{type(self).__name__}: rank {self.comm.rank} holds {self.weight.shape[1]} of the "
-                             f"{self.in_features} input features, but its input has {x.shape[-1]}")
+            raise TorchmnValueError(f"{type(self).__name__}: rank {self.comm.rank} holds {self.weight.shape[1]} of the "
+                                    f"{self.in_features} input features, but its input has {x.shape[-1]}")
         y = reduce_from_parallel(self.comm, torch.nn.functional.linear(x, self.weight))
         return y if self.bias is None else y + self.bias

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
+from torchmn.errors import TorchmnValueError
 from torchmn.optimizers.node_memory import sum_scaled
 
 # The arguments torch.optim.adam._fused_adam gives the kernels; other torch versions may differ.
@@ -138,7 +139,7 @@ class SumAndStep:
     def __init__(self, optimizer: torch.optim.Optimizer, buckets: list, scale: float):
         self.kernel = kernel_for(optimizer)
         if self.kernel is None:
-            raise ValueError(f"SumAndStep: {type(optimizer).__name__} is not stepped by a known fused kernel")
+            raise TorchmnValueError(f"SumAndStep: {type(optimizer).__name__} is not stepped by a known fused kernel")
         self.optimizer, self.buckets, self.scale = optimizer, buckets, scale
         self.built_for: list = []   # the state tensors that self.calls cut into pieces
         self.calls: list = []

@@ -19,6 +19,7 @@ import torch
 from torch.autograd import Variable
 
 from torchmn.communicators import Communicator
+from torchmn.errors import TorchmnNotImplementedError, TorchmnRuntimeError, TorchmnTypeError, TorchmnValueError
 from torchmn.optimizers import join as joining
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # small, so communication starts early in backward
@@ -132,12 +133,12 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, *, compression: Optional[str],
                  backward_passes_per_step: int):
         if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"create_multi_node_optimizer wraps a torch.optim.Optimizer, not "
-                            f"{type(optimizer).__name__}")
+            raise TorchmnTypeError(f"create_multi_node_optimizer wraps a torch.optim.Optimizer, not "
+                                   f"{type(optimizer).__name__}")
         if compression not in COMPRESSION:
-            raise ValueError(f"compression must be one of None, 'fp16', 'bf16', not {compression!r}")
+            raise TorchmnValueError(f"compression must be one of None, 'fp16', 'bf16', not {compression!r}")
         if backward_passes_per_step < 1:
-            raise ValueError(f"backward_passes_per_step must be >= 1, not {backward_passes_per_step}")
+            raise TorchmnValueError(f"backward_passes_per_step must be >= 1, not {backward_passes_per_step}")
         # Deliberately no Optimizer.__init__: param_groups are the wrapped optimizer's own.
         self.wrapped = optimizer
         self.comm = comm
@@ -177,7 +178,7 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         everything = list(dict.fromkeys(p for g in self.wrapped.param_groups for p in g["params"]))
         params = [p for p in everything if p.requires_grad]
         if self.comm.backend == "nccl" and any(p.device.type != "cuda" for p in everything):
-            raise ValueError(
+            raise TorchmnValueError(
                 f"{describe_rank(self.comm)}: the communicator uses NCCL, which moves CUDA tensors only, but parameters "
                 f"of this optimizer are on the CPU: move the model to the GPU first (model.to(comm.device)), or "
                 f"create the communicator with backend='gloo' (or hide the GPUs: CUDA_VISIBLE_DEVICES='') to train "
@@ -190,8 +191,8 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.comm.check_same_layout(self._frozen_at_wrap, "create_multi_node_optimizer: the frozen parameters",
                                      0, "build the same model, and freeze the same parameters, on every rank")
         if self.wire_dtype is not None and any(p.is_complex() for p in params):
-            raise ValueError(f"compression={self.compression!r} with complex parameters: their gradients would "
-                             f"lose the imaginary part on the wire; use compression=None")
+            raise TorchmnValueError(f"compression={self.compression!r} with complex parameters: their gradients would "
+                                    f"lose the imaginary part on the wire; use compression=None")
         # Frozen ones too: a randomly initialised frozen layer would otherwise differ between ranks.
         self.comm.bcast_tensors([p.data for p in params + self._frozen_at_wrap], root=0)
         return params
@@ -271,12 +272,12 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     # ----------------------------------------------------------------------------- hooks
     def _on_grad(self, p: torch.nn.Parameter) -> None:
         if p.grad.layout is not torch.strided:
-            raise RuntimeError(
+            raise TorchmnRuntimeError(
                 f"{describe_rank(self.comm)}: the gradient of a parameter of shape "
                 f"{tuple(p.shape)} is {p.grad.layout} (nn.Embedding(sparse=True) or EmbeddingBag(sparse=True)); "
                 f"create_multi_node_optimizer averages dense gradients only: build the layer with sparse=False")
         if p.dtype is not self._dtypes[p]:
-            raise RuntimeError(
+            raise TorchmnRuntimeError(
                 f"{describe_rank(self.comm)}: a parameter of shape {tuple(p.shape)} is {p.dtype} now but was "
                 f"{self._dtypes[p]} when create_multi_node_optimizer wrapped the optimizer (model.double(), "
                 f".half() or .to(dtype) since?); its gradient buffers are of the old type. Convert the model "
@@ -338,21 +339,21 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             >>> self.check_step(closure)      # the first line of a subclass's step()
         """
         if closure is not None:
-            raise ValueError("multi-node optimizers do not support a closure: call backward, then step()")
+            raise TorchmnValueError("multi-node optimizers do not support a closure: call backward, then step()")
         if not self._check_backward_ended():
-            raise RuntimeError(
+            raise TorchmnRuntimeError(
                 f"{describe_rank(self.comm)}: step() after a backward() that raised before it ended: its gradients "
                 f"are partial and were only partly averaged over ranks. Call optimizer.zero_grad() and go "
                 f"on with the next batch (on every rank), as when skipping a batch")
         count = sum(len(g["params"]) for g in self.wrapped.param_groups)
         if count != self._param_count:
-            raise RuntimeError(
+            raise TorchmnRuntimeError(
                 f"{describe_rank(self.comm)}: the wrapped optimizer has {count} parameters now but had {self._param_count} when "
                 f"create_multi_node_optimizer wrapped it, so the new ones would not be averaged over ranks. "
                 f"Add parameter groups before wrapping.")
         for p in self._frozen_at_wrap:
             if p.requires_grad and p.grad is not None:
-                raise RuntimeError(
+                raise TorchmnRuntimeError(
                     f"{describe_rank(self.comm)}: a parameter of shape {tuple(p.shape)} has a gradient, but it was frozen "
                     f"(requires_grad=False) when create_multi_node_optimizer wrapped the optimizer, so its "
                     f"gradients are not averaged over ranks and the ranks' models would drift apart. Unfreeze "
@@ -401,7 +402,7 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         Raises:
             NotImplementedError: always; add groups to the torch optimizer before wrapping it.
         """
-        raise NotImplementedError("add a parameter group to the wrapped optimizer before wrapping it")
+        raise TorchmnNotImplementedError("add a parameter group to the wrapped optimizer before wrapping it")
 
     @property
     def param_groups(self):
@@ -424,9 +425,9 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def __reduce_ex__(self, protocol):
         # Also what copy.copy and copy.deepcopy would use; torch's Optimizer.__setstate__ would then
         # patch this class's step() for hooks it never set up, breaking every other instance.
-        raise TypeError(f"a {type(self).__name__} cannot be copied or pickled: it holds the communicator, "
-                        f"backward hooks and shared buffers. Save optimizer.state_dict() and load it into "
-                        f"a new one (create_multi_node_optimizer(...).load_state_dict(state)) instead")
+        raise TorchmnTypeError(f"a {type(self).__name__} cannot be copied or pickled: it holds the communicator, "
+                               f"backward hooks and shared buffers. Save optimizer.state_dict() and load it into "
+                               f"a new one (create_multi_node_optimizer(...).load_state_dict(state)) instead")
 
     def register_step_pre_hook(self, hook):
         """Call ``hook(optimizer, args, kwargs)`` before each update, as torch's does.

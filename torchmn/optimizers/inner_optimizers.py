@@ -7,6 +7,7 @@ import inspect
 
 import torch
 
+from torchmn.errors import TorchmnTypeError
 from torchmn.optimizers import fused_adam
 
 # Optimizers whose update is elementwise, so a flat slice of the parameters can be stepped alone.
@@ -29,12 +30,12 @@ def check_optimizer(optimizer) -> None:
         TypeError: LBFGS, or any optimizer not in :data:`ELEMENTWISE_OPTIMIZERS`.
     """
     if isinstance(optimizer, torch.optim.LBFGS):
-        raise TypeError("shard_state=True cannot wrap LBFGS: its update needs whole parameters and a "
-                        "closure, not a shard; use shard_state=False")
+        raise TorchmnTypeError("shard_state=True cannot wrap LBFGS: its update needs whole parameters and a "
+                               "closure, not a shard; use shard_state=False")
     if type(optimizer) not in ELEMENTWISE_OPTIMIZERS:
         names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-        raise TypeError(f"shard_state=True only wraps elementwise optimizers ({names}), not "
-                        f"{type(optimizer).__name__}: its update may need whole tensors; use shard_state=False")
+        raise TorchmnTypeError(f"shard_state=True only wraps elementwise optimizers ({names}), not "
+                               f"{type(optimizer).__name__}: its update may need whole tensors; use shard_state=False")
 
 
 # Not hyperparameters but the choice of kernel; the shard optimizers keep their own (build_inner).

@@ -18,6 +18,7 @@ from torchmn.communicators import Communicator
 from torchmn.communicators.ops import mean_divisors
 from torchmn.communicators.errors import CollectiveMismatchError
 from torchmn.communicators.shm import sum_into
+from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
 from torchmn.optimizers.gradient_sync import (GradientSyncOptimizer, copy_scaled, could_share_memory, describe_rank,
                                               make_buckets)
 from torchmn.optimizers.node_memory import open_bucket_arena, region_view
@@ -228,7 +229,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             bucket.pack(1.0 / self.contributors)
             return
         if self.double_buffering and self._step_sent:
-            raise RuntimeError(
+            raise TorchmnRuntimeError(
                 f"{describe_rank(self.comm)}: a second backward() before step() with double_buffering=True. Each "
                 f"backward's gradients go out when it ends and the next step() updates with them, so a "
                 f"second one would overwrite gradients still in flight. To accumulate gradients over several "
@@ -318,9 +319,9 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             >>> optimizer.step()
         """
         if self.double_buffering:
-            raise ValueError("clip_grad_norm_ with double_buffering=True: the update uses the previous "
-                             "step's averages, which step() swaps in after this call; use "
-                             "double_buffering=False to clip")
+            raise TorchmnValueError("clip_grad_norm_ with double_buffering=True: the update uses the previous "
+                                    "step's averages, which step() swaps in after this call; use "
+                                    "double_buffering=False to clip")
         return super().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
 
     def average_without_gradients(self) -> None:
@@ -338,8 +339,9 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             >>> optimizer.average_without_gradients()    # the others run backward() meanwhile
         """
         if self.double_buffering or self._sent:
-            raise RuntimeError(f"{describe_rank(self.comm)}: average_without_gradients() needs double_buffering=False "
-                               f"and no gradients sent since the last step()")
+            raise TorchmnRuntimeError(
+                f"{describe_rank(self.comm)}: average_without_gradients() needs double_buffering=False "
+                f"and no gradients sent since the last step()")
         self.zero_grad()
         self.synchronize()
         self._sent = False

@@ -24,6 +24,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from torchmn.communicators import Communicator
+from torchmn.errors import TorchmnAttributeError, TorchmnError, TorchmnRuntimeError
 from torchmn.optimizers import shard_state
 from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, describe_rank
 from torchmn.optimizers.inner_optimizers import build_inner, step_function
@@ -31,7 +32,7 @@ from torchmn.optimizers.node_memory import ARENA_POINTS, arena_layout, place_buc
 from torchmn.optimizers.sharded import ShardedMultiNodeOptimizer
 
 
-class NoNodeMemory(RuntimeError):
+class NoNodeMemory(TorchmnError, RuntimeError):
     """The ranks cannot share memory here (several nodes, GPU, a small ``/dev/shm``): the caller
     takes the replicated optimizer instead."""
 
@@ -269,7 +270,7 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
                     if name in views and value is views[name][1][i]:
                         value = views[name][0][i]
                     elif torch.is_tensor(value) and name not in shard_state.SCALAR_STATE:
-                        raise RuntimeError(
+                        raise TorchmnRuntimeError(
                             f"{describe_rank(self.comm)}: the optimizer state {name!r} of a parameter of shape "
                             f"{tuple(p.shape)} is not in the memory the node's ranks share (a hyperparameter "
                             f"changed since wrapping, which made new state), so this rank cannot read the "
@@ -332,7 +333,7 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
 
     @state.setter
     def state(self, value):
-        raise AttributeError("the optimizer state lives in memory the node's ranks share: use load_state_dict()")
+        raise TorchmnAttributeError("the optimizer state lives in memory the node's ranks share: use load_state_dict()")
 
 
 def _register(hooks: OrderedDict, hook) -> RemovableHandle:

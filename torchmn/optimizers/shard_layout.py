@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from torchmn.errors import TorchmnRuntimeError
 from torchmn.optimizers.gradient_sync import copy_scaled
 
 
@@ -205,7 +206,7 @@ class ShardBucket:
         """
         for p, g, version in zip(self.params, self.packed, self.versions):
             if p.grad is not g or (g is not None and g._version != version):
-                raise RuntimeError(
+                raise TorchmnRuntimeError(
                     f"rank {self.rank} on {socket.gethostname()}: the .grad of a parameter of shape "
                     f"{tuple(p.shape)} was changed between backward and step(). With shard_state=True the "
                     "gradients are averaged as backward leaves them (the other ranks already have theirs), "

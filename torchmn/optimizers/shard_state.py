@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from torchmn.communicators import Communicator
+from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
 from torchmn.optimizers.inner_optimizers import IMPLEMENTATION_FLAGS
 from torchmn.optimizers.shard_layout import ShardBucket
 
@@ -47,8 +48,8 @@ def gather_state_dict(comm: Communicator, param_groups: list[dict], buckets: lis
     """
     local_keys = [[list(b.optimizer.state.get(sp, {})) for sp in b.shard_params] for b in buckets]
     if comm.size > 1 and any(k != local_keys for k in comm.allgather_obj(local_keys)):
-        raise RuntimeError("state_dict: ranks hold different optimizer state layouts; every rank "
-                           "must have taken the same steps")
+        raise TorchmnRuntimeError("state_dict: ranks hold different optimizer state layouts; every rank "
+                                  "must have taken the same steps")
     index = indices(param_groups)
     pending = []
     state = {}
@@ -121,12 +122,12 @@ def load_state_dict(state_dict: dict, param_groups: list[dict], inner: dict) -> 
     saved_groups = state_dict["param_groups"]
     groups = param_groups
     if len(saved_groups) != len(groups):
-        raise ValueError(f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer "
-                         f"has {len(groups)}")
+        raise TorchmnValueError(f"loaded state dict has {len(saved_groups)} parameter groups, the optimizer "
+                                f"has {len(groups)}")
     for g, sg in zip(groups, saved_groups):
         if len(sg["params"]) != len(g["params"]):
-            raise ValueError(f"loaded state dict has a group of {len(sg['params'])} parameters where "
-                             f"the optimizer has {len(g['params'])}")
+            raise TorchmnValueError(f"loaded state dict has a group of {len(sg['params'])} parameters where "
+                                    f"the optimizer has {len(g['params'])}")
     saved_index = {}
     for g, sg in zip(groups, saved_groups):
         for p, i in zip(g["params"], sg["params"]):
@@ -170,8 +171,8 @@ def slice_of_state(b: ShardBucket, i: int, saved: dict) -> dict:
     for key, value in saved.items():
         if torch.is_tensor(value) and key not in SCALAR_STATE:
             if value.numel() != p.numel():
-                raise ValueError(f"loaded state {key!r} has {value.numel()} elements for a parameter of "
-                                 f"shape {tuple(p.shape)}")
+                raise TorchmnValueError(f"loaded state {key!r} has {value.numel()} elements for a parameter of "
+                                        f"shape {tuple(p.shape)}")
             mine[key] = torch.zeros(b.ks[i], dtype=value.dtype, device=b.flat.device)  # the padding: 0
             mine[key][:hi - lo].copy_(value.reshape(-1)[lo:hi])
         else:
@@ -225,14 +226,14 @@ def merge_parts(parts: list[dict], param_groups: list[dict]) -> dict:
     """
     sizes = {part["size"] for part in parts}
     if sizes != {len(parts)}:
-        raise ValueError(f"optimizer state: {len(parts)} parts, written by jobs of {sorted(sizes)} ranks; "
-                         f"a checkpoint needs the parts of every rank of one job")
+        raise TorchmnValueError(f"optimizer state: {len(parts)} parts, written by jobs of {sorted(sizes)} ranks; "
+                                f"a checkpoint needs the parts of every rank of one job")
     params = [p for group in param_groups for p in group["params"]]
     state = {}
     for index in sorted({i for part in parts for i in part["state"]}):
         if index >= len(params):
-            raise ValueError(f"optimizer state: the checkpoint has state for parameter {index}, the optimizer "
-                             f"has {len(params)} parameters")
+            raise TorchmnValueError(f"optimizer state: the checkpoint has state for parameter {index}, the optimizer "
+                                    f"has {len(params)} parameters")
         p = params[index]
         entry, covered = {}, 0
         for part in parts:
@@ -244,15 +245,17 @@ def merge_parts(parts: list[dict], param_groups: list[dict]) -> dict:
                     if key not in entry:
                         entry[key] = torch.zeros(p.numel(), dtype=value.dtype)
                     if hi > p.numel():
-                        raise ValueError(f"optimizer state {key!r} of parameter {index} reaches element {hi}; the "
-                                         f"parameter has shape {tuple(p.shape)}")
+                        raise TorchmnValueError(
+                            f"optimizer state {key!r} of parameter {index} reaches element {hi}; the "
+                            f"parameter has shape {tuple(p.shape)}")
                     entry[key][lo:hi].copy_(value.reshape(-1)[:hi - lo])
                 else:
                     entry.setdefault(key, value)
             covered += hi - lo
         if covered != p.numel():
-            raise ValueError(f"optimizer state of parameter {index} covers {covered} of its {p.numel()} elements "
-                             f"(shape {tuple(p.shape)}): the checkpoint is of another model")
+            raise TorchmnValueError(
+                f"optimizer state of parameter {index} covers {covered} of its {p.numel()} elements "
+                f"(shape {tuple(p.shape)}): the checkpoint is of another model")
         state[index] = {key: value.view(p.shape) if torch.is_tensor(value) and value.numel() == p.numel()
                         and key not in SCALAR_STATE else value for key, value in entry.items()}
     return {"state": state, "param_groups": parts[0]["param_groups"]}

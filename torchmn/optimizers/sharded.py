@@ -15,6 +15,7 @@ import torch
 
 from torchmn.communicators import Communicator
 from torchmn.communicators.ops import mean_divisors
+from torchmn.errors import TorchmnAttributeError, TorchmnNotImplementedError, TorchmnRuntimeError, TorchmnValueError
 from torchmn.optimizers import fused_adam, join as joining, shard_state
 from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, could_share_memory, make_buckets
 from torchmn.optimizers.inner_optimizers import IMPLEMENTATION_FLAGS, build_inner, check_optimizer, step_function
@@ -64,12 +65,12 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
                          backward_passes_per_step=backward_passes_per_step)
         check_optimizer(optimizer)
         if double_buffering:
-            raise ValueError("shard_state=True cannot be combined with double_buffering=True: the shard "
-                             "update needs this step's reduce-scattered gradients")
+            raise TorchmnValueError("shard_state=True cannot be combined with double_buffering=True: the shard "
+                                    "update needs this step's reduce-scattered gradients")
         if not zero_fill:
-            raise ValueError("shard_state=True needs zero_fill=True: one rank updates each slice of a "
-                             "parameter for all ranks, so a gradient missing on some ranks is summed as zeros "
-                             "(zero_fill=False would leave the ranks' models different)")
+            raise TorchmnValueError("shard_state=True needs zero_fill=True: one rank updates each slice of a "
+                                    "parameter for all ranks, so a gradient missing on some ranks is summed as zeros "
+                                    "(zero_fill=False would leave the ranks' models different)")
         owners = {}
         for gi, group in enumerate(optimizer.param_groups):
             for p in group["params"]:
@@ -222,9 +223,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         """
         # Global hooks (torch.optim.optimizer.register_optimizer_step_pre_hook) do not run for the
         # shard optimizers either: they are stepped without torch's hook wrapper (inner_optimizers.step_function).
-        raise NotImplementedError("step hooks with shard_state=True: each rank updates its shards with "
-                                  "optimizers of its own, so a hook would see neither the model's parameters "
-                                  "nor the whole update; call it around optimizer.step() instead")
+        raise TorchmnNotImplementedError("step hooks with shard_state=True: each rank updates its shards with "
+                                         "optimizers of its own, so a hook would see neither the model's parameters "
+                                         "nor the whole update; call it around optimizer.step() instead")
 
     register_step_post_hook = register_step_pre_hook
 
@@ -264,7 +265,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         """
         norm_type = float(norm_type)
         if norm_type <= 0:
-            raise ValueError(f"clip_grad_norm_: norm_type must be positive (2.0, inf, ...), not {norm_type}")
+            raise TorchmnValueError(f"clip_grad_norm_: norm_type must be positive (2.0, inf, ...), not {norm_type}")
         joining.refuse_inside(self, "optimizer.clip_grad_norm_ with shard_state=True",
                               "Wrap with shard_state=False, or the default on one node, whose clip_grad_norm_ "
                               "needs no collective")
@@ -289,8 +290,8 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         else:
             total = self.comm.allreduce(norms.pow(norm_type).sum()).pow(1.0 / norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
-            raise RuntimeError(f"rank {self.comm.rank}: the total norm of order {norm_type} of the averaged "
-                               "gradients is not finite, so they cannot be clipped (error_if_nonfinite=True)")
+            raise TorchmnRuntimeError(f"rank {self.comm.rank}: the total norm of order {norm_type} of the averaged "
+                                      "gradients is not finite, so they cannot be clipped (error_if_nonfinite=True)")
         # torch's own rule: scale by max_norm / (norm + 1e-6), never up.
         factor = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
@@ -418,7 +419,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
 
     @state.setter
     def state(self, value):
-        raise AttributeError("the sharded optimizer's state is per shard: use load_state_dict()")
+        raise TorchmnAttributeError("the sharded optimizer's state is per shard: use load_state_dict()")
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state tensors this rank keeps and updates: its shards (which the

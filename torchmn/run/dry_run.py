@@ -149,7 +149,7 @@ def _rank_section(job: Job, slot: Slot, launcher_env: Mapping[str, str], port: s
     return lines
 
 
-def describe(config: LaunchConfig, env: Optional[Mapping[str, str]] = None) -> str:
+def describe_plan(config: LaunchConfig, env: Optional[Mapping[str, str]] = None) -> str:
     """The plan of ``torchmn run`` for ``config``, as ``--dry-run`` prints it; nothing is started.
 
     Args:
@@ -167,7 +167,7 @@ def describe(config: LaunchConfig, env: Optional[Mapping[str, str]] = None) -> s
 
     Example::
 
-        >>> print(describe(LaunchConfig(["python", "train.py"], np=2)))   # doctest: +ELLIPSIS
+        >>> print(describe_plan(LaunchConfig(["python", "train.py"], np=2)))   # doctest: +ELLIPSIS
         torchmn run --dry-run: 2 ranks of `python train.py`; nothing was started...
     """
     launcher_env = dict(os.environ if env is None else env)
@@ -208,6 +208,6 @@ def dry_run(config: LaunchConfig, env: Optional[Mapping[str, str]] = None, out: 
         >>> dry_run(LaunchConfig(["python", "train.py"], np=2))   # doctest: +SKIP
         0
     """
-    text = describe(config, env)
+    text = describe_plan(config, env)
     (out or sys.stdout).write(text + "\n")
     return 0

@@ -73,7 +73,7 @@ def add_to(parser: argparse.ArgumentParser) -> None:
             group.add_argument(flag, action="store_const", const=True, **kwargs)
 
 
-def apply(args: argparse.Namespace) -> Tuple[List[str], Optional[str]]:
+def translate(args: argparse.Namespace) -> Tuple[List[str], Optional[str]]:
     """What horovodrun's flags on the command line mean here.
 
     Sets ``args.verbose``, ``args.network_interface`` and ``args.log_dir`` where a flag maps to them

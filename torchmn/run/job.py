@@ -60,7 +60,7 @@ class Job:
             self.hosts = hostfile.merge_local_aliases(hosts) if hosts else None
             placement = hostfile.assign_ranks(self.hosts, config.np) if hosts else [(self.host, config.np)]
         except (hostfile.HostsError, RemoteError) as e:
-            raise RunError(str(e))
+            raise RunError(str(e)) from e
         self.remote_hosts = [h for h, _ in placement if hosts and not network.is_local(h)]
         self.slots: List[Slot] = plan_slots(placement)
         self.master_addr = LOCAL_ADDR

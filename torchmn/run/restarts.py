@@ -14,6 +14,7 @@ import signal
 import time
 from typing import TYPE_CHECKING, AbstractSet, Callable, FrozenSet, List, Mapping, Optional
 
+from torchmn.errors import TorchmnValueError
 from torchmn.run.config import LaunchConfig, RunError
 from torchmn.run.processes.output import describe_exit, exit_code_of, extract_traceback
 
@@ -54,18 +55,18 @@ def parse_restart_on(text: str) -> FrozenSet[int]:
         if part.isdigit():
             code = int(part)
             if not 0 < code < 256:
-                raise ValueError(f"--restart-on: exit code {code} is outside 1-255 (0 is success; a rank "
-                                 f"killed by signal N ends with 128+N)")
+                raise TorchmnValueError(f"--restart-on: exit code {code} is outside 1-255 (0 is success; a rank "
+                                        f"killed by signal N ends with 128+N)")
             codes.add(code)
             continue
         name = part.upper() if part.upper().startswith("SIG") else "SIG" + part.upper()
         try:
             codes.add(128 + signal.Signals[name].value)
         except KeyError:
-            raise ValueError(f"--restart-on: {part!r} is neither an exit code nor a signal name; give "
-                             f"e.g. 1,137,SIGKILL") from None
+            raise TorchmnValueError(f"--restart-on: {part!r} is neither an exit code nor a signal name; give "
+                                    f"e.g. 1,137,SIGKILL") from None
     if not codes:
-        raise ValueError("--restart-on needs at least one exit code or signal name, e.g. 1,SIGKILL")
+        raise TorchmnValueError("--restart-on needs at least one exit code or signal name, e.g. 1,SIGKILL")
     return frozenset(codes)
 
 
@@ -93,7 +94,7 @@ def describe_codes(codes: AbstractSet[int]) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class Failure:
+class FailedStart:
     """How one start of the job failed: its first failed rank.
 
     Attributes:
@@ -127,7 +128,7 @@ class Failure:
                 f"{describe_exit(self.returncode)}{error}")
 
 
-def _failure_of(job: "Job", start: int, seconds: float) -> Optional[Failure]:
+def _failure_of(job: "Job", start: int, seconds: float) -> Optional[FailedStart]:
     """The rank failure that ended ``job``, or None when something else ended it (success, a stop,
     a rank that did not start in time, another node's failure)."""
     failed = job.first_failure
@@ -136,7 +137,7 @@ def _failure_of(job: "Job", start: int, seconds: float) -> Optional[Failure]:
     # torch.distributed prefixes a rank's traceback lines with "[rank1]: ": the rank is named already.
     lines = [_TORCH_PREFIX.sub("", line).strip() for line in extract_traceback(list(failed.output.tail))]
     lines = [line for line in lines if line]
-    return Failure(start, failed.slot.rank, failed.slot.host, failed.returncode, lines[-1] if lines else "", seconds)
+    return FailedStart(start, failed.slot.rank, failed.slot.host, failed.returncode, lines[-1] if lines else "", seconds)
 
 
 def _plural(n: int, word: str) -> str:
@@ -162,7 +163,7 @@ class Restarts:
         self.env = dict(env)
         self.make_job = make_job
         self.job: Optional["Job"] = None
-        self.failures: List[Failure] = []
+        self.failures: List[FailedStart] = []
         self.stop_signal: Optional[int] = None
         self.between_starts: "queue.SimpleQueue[int]" = queue.SimpleQueue()
         self.console = None
@@ -248,7 +249,7 @@ class Restarts:
                 f"the job instead: `#SBATCH --requeue`, and `scontrol requeue $SLURM_JOB_ID` when it fails "
                 f"(docs/launching/slurm.md), or run one torchmn run for all nodes with -H/--hostfile.")
 
-    def _may_restart(self, failure: Failure) -> bool:
+    def _may_restart(self, failure: FailedStart) -> bool:
         """Whether ``failure`` is followed by a restart; if not, say why (with --max-restarts)."""
         config = self.config
         if config.max_restarts == 0:
@@ -266,7 +267,7 @@ class Restarts:
             return False
         return True
 
-    def _wait(self, count: int, failure: Failure) -> bool:
+    def _wait(self, count: int, failure: FailedStart) -> bool:
         """Announce restart ``count`` and wait ``restart_delay``; False when a stop came meanwhile."""
         config = self.config
         self._say(f"torchmn run: restarting the job in {config.restart_delay:g} s (restart {count} of "

@@ -56,7 +56,7 @@ def _step_hosts(env: Mapping[str, str]) -> List[str]:
     try:
         return expand_hostlist(env[name])
     except ValueError as e:
-        raise RunError(f"{name}={env[name]!r} cannot be read: {e}.")
+        raise RunError(f"{name}={env[name]!r} cannot be read: {e}.") from e
 
 
 def slurm_step(env: Mapping[str, str]) -> Optional[SlurmStep]:
@@ -89,7 +89,7 @@ def slurm_step(env: Mapping[str, str]) -> Optional[SlurmStep]:
     try:
         seen = SlurmEnvironment.read(env)
     except (ValueError, RuntimeError) as e:
-        raise RunError(f"cannot read this Slurm step's variables: {e}")
+        raise RunError(f"cannot read this Slurm step's variables: {e}") from e
     if seen.size == 1:
         return None
     hosts = _step_hosts(env)
@@ -145,7 +145,7 @@ class SlurmTasks:
         try:
             self.token = step_token(os.environ if env is None else env, step.job_id, step.step_id)
         except TokenError as e:
-            raise RunError(f"Slurm task {step.task}: {e}")
+            raise RunError(f"Slurm task {step.task}: {e}") from e
 
     def plan(self, network_interface: Optional[str]) -> List[Slot]:
         """This node's share of the job's slots: ``np`` ranks on each of the step's nodes.
@@ -198,17 +198,17 @@ class SlurmTasks:
             self.voucher.serve()
             self.store = TCPStore(master_addr, master_port, is_master=False,
                                   timeout=datetime.timedelta(seconds=self.start_timeout))
-        except TokenError:
+        except TokenError as e:
             raise RunError(f"the rendezvous store of Slurm task 0 at {master_addr}:{master_port} refused the "
                            f"token of task {self.step.task}: the tasks of this step do not share one. Each "
                            f"task derives it from the key in its home directory, so the nodes need the same "
                            f"home; or export TORCHMN_JOB_TOKEN=$(python -c 'import secrets; "
-                           f"print(secrets.token_hex(32))') in the batch script, before srun.")
+                           f"print(secrets.token_hex(32))') in the batch script, before srun.") from e
         except (OSError, RuntimeError) as e:
             raise RunError(f"could not reach the rendezvous store of Slurm task 0 at "
                            f"{master_addr}:{master_port} within {self.start_timeout:g} s "
                            f"({_first_line(e)}). Check that task 0 started and that the port is open "
-                           f"between the nodes (set MASTER_PORT to use another), or raise --start-timeout.")
+                           f"between the nodes (set MASTER_PORT to use another), or raise --start-timeout.") from e
         return self.store
 
     def _listen_address(self, master_addr: str) -> str:
@@ -240,8 +240,8 @@ class SlurmTasks:
             if missing:
                 raise RunError(f"Slurm task(s) {', '.join(map(str, missing))} did not start torchmn run "
                                f"within {self.start_timeout:g} s (--start-timeout); every task of the step "
-                               f"must run it.")
-            raise RunError(f"lost the rendezvous store of Slurm task 0 while checking in ({_first_line(e)}).")
+                               f"must run it.") from e
+            raise RunError(f"lost the rendezvous store of Slurm task 0 while checking in ({_first_line(e)}).") from e
         if len(set(counts)) > 1:
             told = ", ".join(f"task {t} ({step.hosts[t]}) -np {n}" for t, n in enumerate(counts))
             raise RunError(f"the Slurm tasks disagree on the number of ranks per node: {told}. "

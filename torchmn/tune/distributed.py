@@ -15,6 +15,7 @@ import socket
 from typing import Callable, Optional, Sequence
 
 from torchmn.communicators import Communicator
+from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
 
 
 class DistributedTrial:
@@ -40,7 +41,8 @@ class DistributedTrial:
 
     def __init__(self, trial, comm: Communicator):
         if (trial is None) != (comm.rank != 0):
-            raise ValueError(f"rank {comm.rank}: DistributedTrial takes the trial on rank 0 and None on the others")
+            raise TorchmnValueError(
+                f"rank {comm.rank}: DistributedTrial takes the trial on rank 0 and None on the others")
         self._trial, self.comm = trial, comm
         self.number = comm.bcast_obj(trial.number if trial is not None else None)
 
@@ -97,7 +99,7 @@ class MultiNodeStudy:
 
     def __init__(self, study, comm: Communicator):
         if comm.rank == 0 and study is None:
-            raise ValueError("MultiNodeStudy needs the study on rank 0")
+            raise TorchmnValueError("MultiNodeStudy needs the study on rank 0")
         self.study, self.comm = study, comm
 
     def optimize(self, objective: Callable, n_trials: int, catch: tuple = ()) -> None:
@@ -152,8 +154,9 @@ class MultiNodeStudy:
                 if error is not None and not isinstance(error, catch):
                     raise error
                 r, o = uncaught[0]
-                raise RuntimeError(f"rank {self.comm.rank} on {socket.gethostname()}: trial {shared.number} failed on "
-                                   f"rank {r} ({o[2]}); the study stops on every rank (pass catch=... to go on)")
+                raise TorchmnRuntimeError(
+                    f"rank {self.comm.rank} on {socket.gethostname()}: trial {shared.number} failed on "
+                    f"rank {r} ({o[2]}); the study stops on every rank (pass catch=... to go on)")
 
     @property
     def trials(self) -> Optional[list]:

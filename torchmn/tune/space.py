@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from torchmn.errors import TorchmnValueError
+
 KINDS = ("int", "float", "log", "cat")
 
 
@@ -77,20 +79,21 @@ def parse_param(spec: str) -> Param:
     name, sep, rest = spec.partition("=")
     kind, _, values = rest.partition(":")
     if not sep or not name or kind not in KINDS or not values:
-        raise ValueError(f"--param {spec!r}: {usage}")
+        raise TorchmnValueError(f"--param {spec!r}: {usage}")
     if kind == "cat":
         choices = tuple(v for v in values.split(",") if v)
         if not choices:
-            raise ValueError(f"--param {spec!r}: no choices; {usage}")
+            raise TorchmnValueError(f"--param {spec!r}: no choices; {usage}")
         return Param(name, kind, choices=choices)
     parts = values.split(":")
     try:
         low, high = (int(p) for p in parts) if kind == "int" else (float(p) for p in parts)
     except ValueError:
-        raise ValueError(f"--param {spec!r}: LOW and HIGH must be {'whole ' if kind == 'int' else ''}numbers; "
-                         f"{usage}") from None
+        raise TorchmnValueError(f"--param {spec!r}: LOW and HIGH must be {'whole ' if kind == 'int' else ''}numbers; "
+                                f"{usage}") from None
     if low > high or (kind == "log" and low <= 0):
-        raise ValueError(f"--param {spec!r}: need LOW <= HIGH{' and LOW > 0 on a log scale' if kind == 'log' else ''}")
+        raise TorchmnValueError(
+            f"--param {spec!r}: need LOW <= HIGH{' and LOW > 0 on a log scale' if kind == 'log' else ''}")
     return Param(name, kind, low, high)
 
 
@@ -116,7 +119,7 @@ def default_space(cpus: int, ranks: int) -> list:
             Param("TORCHMN_BUCKET_CAP_MB", "cat", choices=("1", "4", "25", "100"))]
 
 
-def apply(params: list, values: dict, command: list, env: dict) -> tuple:
+def trial_command(params: list, values: dict, command: list, env: dict) -> tuple:
     """The command line and environment of a trial.
 
     Args:
@@ -131,7 +134,7 @@ def apply(params: list, values: dict, command: list, env: dict) -> tuple:
 
     Example::
 
-        >>> apply([parse_param("X=int:1:4")], {"X": 2}, ["python", "t.py"], {})
+        >>> trial_command([parse_param("X=int:1:4")], {"X": 2}, ["python", "t.py"], {})
         (['python', 't.py'], {'X': '2'})
     """
     argv, env = list(command), dict(env)

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from torchmn.errors import TorchmnError, TorchmnValueError
 from torchmn.tune import space as space_
 from torchmn.tune.trial_run import COMPLETE, PRUNED, run_trial
 
@@ -18,7 +19,7 @@ DEFAULT_STORAGE = "sqlite:///torchmn-tune.db"
 FAILURES_IN_A_ROW = 3
 
 
-class TuneError(RuntimeError):
+class TuneError(TorchmnError, RuntimeError):
     """``torchmn tune`` cannot go on (a storage it cannot open, a command that fails every time)."""
 
 
@@ -48,7 +49,7 @@ class Tuner:
                  storage: Optional[str] = None, study_name: Optional[str] = None,
                  trial_timeout: Optional[float] = None, log: Optional[str] = None):
         if not command:
-            raise ValueError("torchmn tune needs a command: torchmn tune [options] -- python train.py")
+            raise TorchmnValueError("torchmn tune needs a command: torchmn tune [options] -- python train.py")
         self.command, self.np = list(command), np
         cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         self.params = list(params) if params is not None else space_.default_space(cpus, np or 1)
@@ -115,7 +116,7 @@ class Tuner:
         while done < n_trials and (deadline is None or time.monotonic() < deadline):
             trial = study.ask()
             values = {p.name: p.suggest(trial) for p in self.params}
-            argv, env = space_.apply(self.params, values, self.launch + self.command, os.environ)
+            argv, env = space_.trial_command(self.params, values, self.launch + self.command, os.environ)
             outcome = run_trial(argv, env, trial, self.trial_timeout, self.log)
             trial.set_user_attr("wall_s", round(outcome.wall, 3))
             if outcome.state == COMPLETE:
@@ -150,7 +151,7 @@ class Tuner:
             best = study.best_trial
         except ValueError:
             return None
-        argv, env = space_.apply(self.params, best.params, self.command, {})
+        argv, env = space_.trial_command(self.params, best.params, self.command, {})
         launch = ["torchmn", "run", "-np", str(self.np)] if self.np is not None else []
         return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in launch + argv])
 

@@ -13,6 +13,7 @@ import torch
 
 from torchmn.communicators.shm.segment import (KINDS, Flags, align, chunk_bounds, close_mapping, map_segment,
                                                 segment_name)
+from torchmn.errors import TorchmnValueError
 
 
 class NodeArena:
@@ -35,7 +36,7 @@ class NodeArena:
     def __init__(self, buf: mmap.mmap, local_rank: int, local_size: int, shared_bytes: int, region_bytes: int,
                  pids: list[int], timeout: float, describe: Callable[[int], str], points: Sequence[str]):
         if not 0 < len(points) <= KINDS:
-            raise ValueError(f"an arena's barrier points must be 1 to {KINDS} names, not {len(points)}")
+            raise TorchmnValueError(f"an arena's barrier points must be 1 to {KINDS} names, not {len(points)}")
         self._points = tuple(points)
         self._buf = buf
         self.local_rank = local_rank

@@ -13,6 +13,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from torchmn.communicators.errors import CollectiveMismatchError, PeerLostError, RemoteRankError
+from torchmn.errors import TorchmnOSError
 
 SHM_DIR = "/dev/shm"
 ALIGN = 64  # chunk boundaries on cache lines, so ranks never write the same line
@@ -171,7 +172,7 @@ def map_segment(name: str, nbytes: int, local_rank: int, agree: Callable[[bool],
                 try:
                     os.posix_fallocate(fd, 0, nbytes)  # fail now, not with SIGBUS mid-collective
                 except OSError as e:
-                    raise OSError(e.errno, f"cannot reserve {nbytes >> 20} MiB of shared memory in "
+                    raise TorchmnOSError(e.errno, f"cannot reserve {nbytes >> 20} MiB of shared memory in "
                                            f"{SHM_DIR} ({e.strerror}); free space there, {remedy}") from e
             except OSError as e:
                 error = e

@@ -136,7 +136,7 @@ def prepare_log_dir(log_dir: str) -> None:
         os.makedirs(log_dir, exist_ok=True)
     except OSError as e:
         raise RunError(f"cannot create --log-dir {log_dir!r}: {e.strerror}. "
-                       f"Pass a directory you can write to.")
+                       f"Pass a directory you can write to.") from e
     if not os.access(log_dir, os.W_OK | os.X_OK):
         raise RunError(f"cannot write to --log-dir {log_dir!r}: permission denied. "
                        f"Pass a directory you can write to.")

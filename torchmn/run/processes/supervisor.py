@@ -214,7 +214,7 @@ class Supervisor:
                 log.close()
             code = 127 if e.errno == errno.ENOENT else 126
             raise RunError(f"rank {slot.rank} on host {slot.host} could not start {argv[0]!r}: "
-                           f"{e.strerror}. Check the command and its permissions.", exit_code=code)
+                           f"{e.strerror}. Check the command and its permissions.", exit_code=code) from e
         rank = Rank(slot, process, console, log, is_remote=is_remote)
         self.ranks.append(rank)
         threading.Thread(target=lambda: on_exit(rank, rank.process.wait()), daemon=True).start()

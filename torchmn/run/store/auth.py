@@ -24,6 +24,8 @@ import secrets
 import socket
 from typing import Mapping, Optional
 
+from torchmn.errors import TorchmnError
+
 # The variable that carries the token to every rank (and to what the rank starts).
 TOKEN_ENV = "TORCHMN_JOB_TOKEN"
 # Set on a remote rank's watcher: the first line of its stdin is the token (see token_line).
@@ -42,7 +44,7 @@ ACCEPTED = b"\x01"
 MIN_TOKEN_CHARS = 32
 
 
-class TokenError(OSError):
+class TokenError(TorchmnError, OSError):
     """The other side did not accept this process's token, or the greeting went wrong."""
 
 
@@ -284,7 +286,7 @@ def user_key(env: Mapping[str, str]) -> bytes:
     except FileNotFoundError:
         pass
     except OSError as e:
-        raise TokenError(f"cannot read the torchmn key {path} ({e.strerror}); fix its permissions, {fix}")
+        raise TokenError(f"cannot read the torchmn key {path} ({e.strerror}); fix its permissions, {fix}") from e
     try:
         os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
         mine = f"{path}.{socket.gethostname()}.{os.getpid()}"
@@ -300,7 +302,7 @@ def user_key(env: Mapping[str, str]) -> bytes:
         with open(path, "rb") as f:
             return f.read().strip()
     except OSError as e:
-        raise TokenError(f"cannot make the torchmn key {path} ({e.strerror}); make its directory writable, {fix}")
+        raise TokenError(f"cannot make the torchmn key {path} ({e.strerror}); make its directory writable, {fix}") from e
 
 
 def token_from(env: Mapping[str, str]) -> Optional[str]:

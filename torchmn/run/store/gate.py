@@ -375,16 +375,16 @@ class Gate:
         try:
             if events & selectors.EVENT_WRITE and voucher.out:
                 del voucher.out[:voucher.sock.send(voucher.out)]
-            if events & selectors.EVENT_READ:
-                chunk = voucher.sock.recv(65536)
-                if not chunk:
-                    raise ConnectionError("closed")
-                voucher.data += chunk
+            chunk = voucher.sock.recv(65536) if events & selectors.EVENT_READ else None
         except (BlockingIOError, InterruptedError):
-            pass
+            chunk = None
         except OSError:
             self._lose_voucher(voucher)
             return
+        if chunk == b"":  # the voucher closed its end
+            self._lose_voucher(voucher)
+            return
+        voucher.data += chunk or b""
         while b"\n" in voucher.data:
             line, voucher.data = voucher.data.split(b"\n", 1)
             words = line.decode(errors="replace").split(" ", 3)

@@ -137,7 +137,7 @@ def start_store(host: str, port: Optional[int], port_origin: Optional[str] = Non
                          master_listen_fd=listener.fileno())
     except (OSError, RuntimeError) as e:
         listener.close()
-        raise RunError(f"could not start the rendezvous store on 127.0.0.1: {e}")
+        raise RunError(f"could not start the rendezvous store on 127.0.0.1: {e}") from e
     store_port = listener.getsockname()[1]
     # The store's own client is connected by now; from here on only signed connections (the
     # gate's) reach that port, so no other program of this machine can skip the gate.
@@ -157,14 +157,14 @@ def start_store(host: str, port: Optional[int], port_origin: Optional[str] = Non
         if port and e.errno == errno.EADDRINUSE:
             if port_origin:
                 raise RunError(f"port {port} ({port_origin}) is already in use on this machine. "
-                               f"Choose another: set MASTER_PORT, or pass --master-port.")
+                               f"Choose another: set MASTER_PORT, or pass --master-port.") from e
             raise RunError(f"port {port} is already in use on this machine (--master-port {port}). "
-                           f"Pick another port, or leave --master-port out so torchmn picks a free one.")
+                           f"Pick another port, or leave --master-port out so torchmn picks a free one.") from e
         if e.errno == errno.EADDRNOTAVAIL:
             raise RunError(f"cannot listen for the ranks on {host}: it is not an address of this machine "
                            f"({socket.gethostname()}); name this machine's address or interface "
-                           f"(MASTER_ADDR, --network-interface)")
-        raise RunError(f"could not start the rendezvous store on {host}:{port or 0}: {e.strerror or e}")
+                           f"(MASTER_ADDR, --network-interface)") from e
+        raise RunError(f"could not start the rendezvous store on {host}:{port or 0}: {e.strerror or e}") from e
     return HostedStore(store, gate, host, key is not None)
 
 
