@@ -56,6 +56,28 @@ resources.watch_torch_threads()
 
 
 def __getattr__(name: str):
+    """Load a public name or subpackage of torchmn when it is first used (PEP 562).
+
+    ``import torchmn`` alone loads neither torch.distributed's set-up nor any subpackage; the
+    first ``torchmn.X`` imports the module that defines ``X`` and keeps the value in this module,
+    so that later lookups are plain attributes.
+
+    Args:
+        name: the attribute asked for.
+
+    Returns:
+        The object of that name (``create_communicator``, ``join``, ...), or the subpackage
+        ``torchmn.<name>``.
+
+    Raises:
+        AttributeError: ``name`` is neither a public name nor a subpackage of torchmn.
+
+    Example::
+
+        >>> import torchmn
+        >>> torchmn.create_communicator     # imports torchmn.communicators here   # doctest: +ELLIPSIS
+        <function create_communicator at 0x...>
+    """
     if name in _NAMES:
         value = getattr(importlib.import_module(_NAMES[name]), name)
     elif name in _SUBPACKAGES:
@@ -67,6 +89,17 @@ def __getattr__(name: str):
 
 
 def __dir__():
+    """The module's names for ``dir(torchmn)`` and tab completion, those not loaded yet included.
+
+    Returns:
+        The sorted names of the module's globals and of ``__all__``.
+
+    Example::
+
+        >>> import torchmn
+        >>> "create_communicator" in dir(torchmn)
+        True
+    """
     return sorted(set(globals()) | set(__all__))
 
 

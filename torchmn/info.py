@@ -323,8 +323,18 @@ def format_text(info: Mapping[str, Any]) -> str:
 def add_info(subparsers) -> None:
     """Register ``torchmn info`` on the ``torchmn`` command's subparsers.
 
+    The subcommand takes ``--json`` and calls ``run_info`` (its ``handler``).
+
     Args:
         subparsers: what ``argparse.ArgumentParser.add_subparsers`` returned.
+
+    Example::
+
+        >>> import argparse
+        >>> parser = argparse.ArgumentParser(prog="torchmn")
+        >>> add_info(parser.add_subparsers(dest="command"))
+        >>> parser.parse_args(["info", "--json"]).json
+        True
     """
     p = subparsers.add_parser(
         "info", allow_abbrev=False, help="what a rank started here would find: launcher, place, threads, GPUs",

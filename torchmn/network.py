@@ -27,8 +27,16 @@ class NetworkError(TorchmnError, ValueError):
 def local_addresses() -> set:
     """The IP addresses of this machine's interfaces.
 
+    Reads them with psutil, imported here rather than at the top of the module.
+
     Returns:
-        The addresses as strings (IPv6 ones without their ``%zone``).
+        The IPv4 and IPv6 addresses as strings (IPv6 ones without their ``%zone``), loopback ones
+        included.
+
+    Example::
+
+        >>> "127.0.0.1" in local_addresses()
+        True
     """
     import psutil
 

@@ -47,6 +47,11 @@ class LaunchEnvironment:
 
         Returns:
             ``source: rank R/N, local L/M, node K, rendezvous ADDR:PORT``.
+
+        Example::
+
+            >>> LaunchEnvironment(0, 2, 0, 2, 0, "127.0.0.1", 29500, "torchmn").describe()
+            'torchmn: rank 0/2, local 0/2, node 0, rendezvous 127.0.0.1:29500'
         """
         return (f"{self.source}: rank {self.rank}/{self.size}, local {self.local_rank}/{self.local_size}, "
                 f"node {self.node_rank}, rendezvous {self.master_addr}:{self.master_port}")
@@ -66,6 +71,15 @@ class Environment:
 
         Returns:
             True when the launcher's variables are there.
+
+        Raises:
+            NotImplementedError: on ``Environment`` itself; each launcher's class defines it.
+
+        Example::
+
+            >>> from torchmn.environments import TorchrunEnvironment
+            >>> TorchrunEnvironment.detect({"TORCHELASTIC_RUN_ID": "none", "RANK": "0"})
+            True
         """
         raise NotImplementedError
 
@@ -82,6 +96,15 @@ class Environment:
         Raises:
             ValueError: a variable is missing, malformed or does not fit the others.
             RuntimeError: the rendezvous address cannot be known.
+            NotImplementedError: on ``Environment`` itself; each launcher's class defines it.
+
+        Example::
+
+            >>> from torchmn.environments import TorchmnEnvironment
+            >>> TorchmnEnvironment.read({"TORCHMN_RANK": "0", "TORCHMN_SIZE": "4", "TORCHMN_LOCAL_RANK": "0",
+            ...                          "TORCHMN_LOCAL_SIZE": "2", "TORCHMN_NODE_RANK": "0",
+            ...                          "MASTER_ADDR": "node1", "MASTER_PORT": "29511"}).describe()
+            'torchmn: rank 0/4, local 0/2, node 0, rendezvous node1:29511'
         """
         raise NotImplementedError
 
@@ -93,6 +116,13 @@ def environ(env: Optional[Mapping[str, str]] = None) -> Mapping[str, str]:
         env: an environment, or None.
 
     Returns:
-        The environment to read.
+        The environment to read: ``env`` itself, or the live ``os.environ`` (not a copy).
+
+    Example::
+
+        >>> environ({"RANK": "1"})
+        {'RANK': '1'}
+        >>> environ() is os.environ
+        True
     """
     return os.environ if env is None else env

@@ -29,12 +29,51 @@ class EnvMethodEnvironment(Environment):
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
-        """True when ``RANK`` and ``WORLD_SIZE`` are set; see ``Environment.detect``."""
+        """Whether torch's ``env://`` variables are set: ``RANK`` and ``WORLD_SIZE`` both.
+
+        See ``Environment.detect``; ``detect_environment`` asks this class last, after every launcher.
+
+        Args:
+            env: the environment.
+
+        Returns:
+            True when both ``RANK`` and ``WORLD_SIZE`` are set (to anything; ``read`` checks them).
+
+        Example::
+
+            >>> EnvMethodEnvironment.detect({"RANK": "0", "WORLD_SIZE": "2"})
+            True
+            >>> EnvMethodEnvironment.detect({"RANK": "0"})
+            False
+        """
         return "RANK" in env and "WORLD_SIZE" in env
 
     @classmethod
     def read(cls, env: Mapping[str, str]) -> LaunchEnvironment:
-        """This process's place, from torch's ``env://`` variables; see ``Environment.read``."""
+        """This process's place, from torch's ``env://`` variables; see ``Environment.read``.
+
+        Without ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``, a loopback ``MASTER_ADDR`` (or none) makes
+        every rank local to this host (local rank = rank); any other address makes this rank alone
+        on its host (local rank 0 of 1). ``node_rank`` is None.
+
+        Args:
+            env: the environment.
+
+        Returns:
+            The place, with ``source`` ``"env"``; the port is ``MASTER_PORT``, else None.
+
+        Raises:
+            ValueError: ``RANK`` or ``WORLD_SIZE`` (or one of ``LOCAL_RANK`` / ``LOCAL_WORLD_SIZE``
+                where the other is set) is missing or not an integer, the values do not fit
+                together, or ``MASTER_PORT`` is not a port number.
+            RuntimeError: ``MASTER_ADDR`` is not set and the ranks span several hosts.
+
+        Example::
+
+            >>> EnvMethodEnvironment.read({"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "10.0.0.1",
+            ...                            "MASTER_PORT": "29500"}).describe()
+            'env: rank 3/4, local 0/1, node None, rendezvous 10.0.0.1:29500'
+        """
         fix = ("torch's env:// launch needs RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT on every process "
                "(LOCAL_RANK and LOCAL_WORLD_SIZE when several share a host); or start the job with torchrun "
                "or `torchmn run`")

@@ -81,13 +81,44 @@ class MPIEnvironment(Environment):
 
         Returns:
             ``openmpi job 2089418753`` and the like, or None without a job id.
+
+        Example::
+
+            >>> from torchmn.environments import OpenMPIEnvironment
+            >>> OpenMPIEnvironment.job_label({"OMPI_MCA_ess_base_jobid": "2089418753"})
+            'openmpi job 2089418753'
         """
         job = cls.job_id(env)
         return f"{cls.source} job {job}" if job else None
 
     @classmethod
     def read(cls, env: Mapping[str, str]) -> LaunchEnvironment:
-        """This process's place, from the launcher's variables; see ``Environment.read``."""
+        """This process's place, from the launcher's variables; see ``Environment.read``.
+
+        Args:
+            env: the environment: the four variables of ``names``, the job id's variables
+                (``job_id_names``), and optionally ``MASTER_ADDR`` and ``MASTER_PORT``.
+
+        Returns:
+            The place, with ``node_rank`` None. ``master_addr`` is ``MASTER_ADDR``, else 127.0.0.1
+            when every rank is on this node, else ``MPI_RENDEZVOUS`` where mpi4py is installed (its
+            port then ``MASTER_PORT`` or None). The port is otherwise ``MASTER_PORT``, else
+            ``text_port`` of the job id, else 29500.
+
+        Raises:
+            ValueError: one of the four variables is missing or not an integer, the values do not
+                fit together, or ``MASTER_PORT`` is not a port number.
+            RuntimeError: the ranks span several nodes, ``MASTER_ADDR`` is not set and mpi4py is
+                not installed (the message names both fixes).
+
+        Example::
+
+            >>> from torchmn.environments import OpenMPIEnvironment
+            >>> OpenMPIEnvironment.read({"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "2",
+            ...                          "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            ...                          "OMPI_MCA_ess_base_jobid": "2089418753"}).describe()
+            'openmpi: rank 1/2, local 1/2, node None, rendezvous 127.0.0.1:25854'
+        """
         job_id = cls.job_id(env)
         derived = text_port(job_id) if job_id is not None else DEFAULT_PORT
         spanning = MPI_RENDEZVOUS if mpi4py_installed() else None

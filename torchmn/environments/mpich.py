@@ -41,7 +41,25 @@ class MPICHEnvironment(MPIEnvironment):
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
-        """True with ``PMI_RANK`` and either ``MPI_LOCALRANKID`` or no srun step; see ``Environment.detect``."""
+        """Whether Hydra's ``mpiexec`` started this process; see ``Environment.detect``.
+
+        ``srun --mpi=pmi2`` sets ``PMI_RANK`` too, but not ``MPI_LOCALRANKID``; such a task is left
+        to ``SlurmEnvironment``.
+
+        Args:
+            env: the environment.
+
+        Returns:
+            True with ``PMI_RANK`` and either ``MPI_LOCALRANKID`` or no srun step
+            (``SlurmEnvironment.detect`` says no).
+
+        Example::
+
+            >>> MPICHEnvironment.detect({"PMI_RANK": "0", "MPI_LOCALRANKID": "0"})
+            True
+            >>> MPICHEnvironment.detect({"PMI_RANK": "0", "SLURM_PROCID": "0", "SLURM_STEP_ID": "0"})
+            False
+        """
         if "PMI_RANK" not in env:
             return False
         return "MPI_LOCALRANKID" in env or not SlurmEnvironment.detect(env)
@@ -56,6 +74,11 @@ class MPICHEnvironment(MPIEnvironment):
         Returns:
             ``PMI_JOBID`` or ``PMIX_NAMESPACE``, else the Hydra proxy's ``--control-port`` (see
             ``hydra_job``), else None.
+
+        Example::
+
+            >>> MPICHEnvironment.job_id({"PMI_JOBID": "7"})
+            '7'
         """
         job = super().job_id(env)
         return hydra_job() if job is None else job

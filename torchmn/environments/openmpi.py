@@ -37,5 +37,17 @@ class OpenMPIEnvironment(MPIEnvironment):
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
-        """True when ``OMPI_COMM_WORLD_RANK`` is set; see ``Environment.detect``."""
+        """Whether Open MPI's ``mpirun`` started this process; see ``Environment.detect``.
+
+        Args:
+            env: the environment.
+
+        Returns:
+            True when ``OMPI_COMM_WORLD_RANK`` is set, also inside a Slurm allocation.
+
+        Example::
+
+            >>> OpenMPIEnvironment.detect({"OMPI_COMM_WORLD_RANK": "0", "SLURM_PROCID": "0"})
+            True
+        """
         return "OMPI_COMM_WORLD_RANK" in env

@@ -147,12 +147,50 @@ class SlurmEnvironment(Environment):
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
-        """True with ``SLURM_PROCID`` and the step id of a real step; see ``Environment.detect``."""
+        """Whether ``srun`` started this process as a task of a step; see ``Environment.detect``.
+
+        Args:
+            env: the environment.
+
+        Returns:
+            True with ``SLURM_PROCID`` and the step id of a real step (``slurm_step_id`` not None);
+            False in a batch script, which has ``SLURM_PROCID`` but no step of its own.
+
+        Example::
+
+            >>> SlurmEnvironment.detect({"SLURM_PROCID": "0", "SLURM_JOB_ID": "42", "SLURM_STEP_ID": "3"})
+            True
+            >>> SlurmEnvironment.detect({"SLURM_PROCID": "0", "SLURM_JOB_ID": "42"})
+            False
+        """
         return "SLURM_PROCID" in env and slurm_step_id(env) is not None
 
     @classmethod
     def read(cls, env: Mapping[str, str]) -> LaunchEnvironment:
-        """This task's place, from srun's variables; see ``Environment.read``."""
+        """This task's place, from srun's variables; see ``Environment.read`` and the class's
+        description of where each value comes from.
+
+        Args:
+            env: the environment.
+
+        Returns:
+            The place, with ``source`` ``"slurm"`` and ``node_rank`` ``SLURM_NODEID``; the port is
+            ``MASTER_PORT``, else ``slurm_port(job id, step id)``, else 29500 without a job id.
+
+        Raises:
+            ValueError: a variable is missing or not an integer, the node list or tasks-per-node
+                list does not parse, this node has no entry in the tasks-per-node list, the values
+                do not fit together, or ``MASTER_PORT`` is not a port number.
+            RuntimeError: ``--distribution=arbitrary`` without ``MASTER_ADDR``, or no node list and
+                no ``MASTER_ADDR`` for ranks on several nodes.
+
+        Example::
+
+            >>> SlurmEnvironment.read({"SLURM_PROCID": "2", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0",
+            ...                        "SLURM_NODEID": "1", "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_ID": "0",
+            ...                        "SLURM_JOB_ID": "42", "SLURM_STEP_NODELIST": "n[1-2]"}).describe()
+            'slurm: rank 2/4, local 0/2, node 1, rendezvous n1:24074'
+        """
         fix = "srun sets it for every task; launch with `srun` rather than setting SLURM_* by hand"
         rank = read_int(env, "SLURM_PROCID", fix)
         size_name = first_present(env, ("SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_NPROCS"))
@@ -177,7 +215,13 @@ class SlurmEnvironment(Environment):
             env: the environment.
 
         Returns:
-            ``Slurm job 42 step 3`` and the like, or None without a job id.
+            ``Slurm job 42 step 3`` and the like (step 0 where no step id is set), or None without
+            a job id.
+
+        Example::
+
+            >>> SlurmEnvironment.job_label({"SLURM_JOB_ID": "42", "SLURM_STEP_ID": "3"})
+            'Slurm job 42 step 3'
         """
         job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
         return f"Slurm job {job} step {slurm_step_id(env) or 0}" if job else None

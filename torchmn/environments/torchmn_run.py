@@ -30,12 +30,47 @@ class TorchmnEnvironment(Environment):
 
     @staticmethod
     def detect(env: Mapping[str, str]) -> bool:
-        """True when ``TORCHMN_RANK`` is set; see ``Environment.detect``."""
+        """Whether ``torchmn run`` started this process; see ``Environment.detect``.
+
+        Args:
+            env: the environment.
+
+        Returns:
+            True when ``TORCHMN_RANK`` is set.
+
+        Example::
+
+            >>> TorchmnEnvironment.detect({"TORCHMN_RANK": "0"}), TorchmnEnvironment.detect({"RANK": "0"})
+            (True, False)
+        """
         return TORCHMN_RANK in env
 
     @classmethod
     def read(cls, env: Mapping[str, str]) -> LaunchEnvironment:
-        """This process's place, from ``torchmn run``'s variables; see ``Environment.read``."""
+        """This process's place, from ``torchmn run``'s variables; see ``Environment.read``.
+
+        Args:
+            env: the environment: ``TORCHMN_RANK``, ``TORCHMN_SIZE``, ``TORCHMN_LOCAL_RANK``,
+                ``TORCHMN_LOCAL_SIZE``, and optionally ``TORCHMN_NODE_RANK``, ``MASTER_ADDR``,
+                ``MASTER_PORT``.
+
+        Returns:
+            The place, with ``source`` ``"torchmn"``; ``node_rank`` is ``TORCHMN_NODE_RANK`` (None
+            when unset), the port is ``MASTER_PORT`` (None when unset).
+
+        Raises:
+            ValueError: one of the four variables is missing or not an integer,
+                ``TORCHMN_NODE_RANK`` is negative, the values do not fit together, or
+                ``MASTER_PORT`` is not a port number.
+            RuntimeError: ``MASTER_ADDR`` is not set and the ranks span several nodes.
+
+        Example::
+
+            >>> TorchmnEnvironment.read({"TORCHMN_RANK": "0", "TORCHMN_SIZE": "4", "TORCHMN_LOCAL_RANK": "0",
+            ...                          "TORCHMN_LOCAL_SIZE": "2", "TORCHMN_NODE_RANK": "0",
+            ...                          "MASTER_ADDR": "node1", "MASTER_PORT": "29511"}).describe()
+            'torchmn: rank 0/4, local 0/2, node 0, rendezvous node1:29511'
+        """
         return read_ranks(env, cls.source, (TORCHMN_RANK, TORCHMN_SIZE, TORCHMN_LOCAL_RANK, TORCHMN_LOCAL_SIZE),
                           "these are set by `torchmn run`; do not set them by hand",
                           "`torchmn run` always sets it; was the variable removed?", TORCHMN_NODE_RANK)

@@ -30,6 +30,19 @@ class RunError(TorchmnError):
     """
 
     def __init__(self, message: str, exit_code: int = 2):
+        """Keep the message and the exit code.
+
+        Args:
+            message: what is wrong and what to do about it.
+            exit_code: the code ``torchmn run`` exits with (2 by default; 127 for a command not
+                found, ...).
+
+        Example::
+
+            >>> raise RunError("no command given", exit_code=2)
+            Traceback (most recent call last):
+            torchmn.run.config.RunError: no command given
+        """
         super().__init__(message)
         self.exit_code = exit_code
 
@@ -89,6 +102,23 @@ class LaunchConfig:
     restart_delay: float = RESTART_DELAY
 
     def __post_init__(self) -> None:
+        """Check the options and normalise them in place (the dataclass's constructor calls it).
+
+        Drops a leading ``--`` from ``command``; makes ``command``, ``hosts`` and ``exports``
+        tuples and ``output_ranks`` and ``restart_on`` frozensets; fills ``start_timeout`` (with
+        ``START_TIMEOUT``) and ``ssh`` (with ``SshOptions()``) where they are None.
+
+        Raises:
+            RunError: ``np`` below 1, no command, a port outside 1-65535, a start timeout that is
+                not positive, a negative restart count, a negative or NaN restart delay, or a
+                ``restart_on`` that is empty or holds a code outside 1-255.
+
+        Example::
+
+            >>> config = LaunchConfig(["--", "python", "train.py"], np=2, output_ranks=[0])
+            >>> config.command, config.output_ranks, config.start_timeout
+            (('python', 'train.py'), frozenset({0}), 60.0)
+        """
         if self.np < 1:
             raise RunError(f"-np must be at least 1, got {self.np}.")
         command = tuple(self.command)

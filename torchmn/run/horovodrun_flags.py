@@ -57,8 +57,19 @@ LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 def add_to(parser: argparse.ArgumentParser) -> None:
     """Add horovodrun's flags to ``torchmn run``'s parser (hidden from its help but ``--log-level``).
 
+    Adds ``--log-level`` and ``--check-build`` / ``-cb`` with their help, and every flag of
+    ``FLAGS`` hidden, each stored as ``horovodrun_<flag>`` (its value, or True for a flag without
+    one; None when not given), for ``translate`` to read.
+
     Args:
         parser: the ``run`` subcommand's parser.
+
+    Example::
+
+        >>> parser = argparse.ArgumentParser(prog="torchmn run")
+        >>> add_to(parser)
+        >>> parser.parse_args(["--fusion-threshold-mb", "32"]).horovodrun_fusion_threshold_mb
+        '32'
     """
     group = parser.add_argument_group("horovodrun's flags")
     group.add_argument("--log-level", choices=LOG_LEVELS, type=str.upper, default=None,
@@ -84,7 +95,19 @@ def translate(args: argparse.Namespace) -> Tuple[List[str], Optional[str]]:
 
     Returns:
         ``(notes, refusal)``: a line for each flag accepted with a note, and the message refusing
-        the first flag that has no counterpart here (None when none does).
+        the first flag that has no counterpart here, or that was given together with ``torchmn
+        run``'s own option for the same setting (None when there is no such flag). Flags after a
+        refused one are not looked at.
+
+    Example::
+
+        >>> from torchmn.cli import build_parser
+        >>> args = build_parser().parse_args(["run", "-np", "2", "--fusion-threshold-mb", "32", "--autotune",
+        ...                                   "python", "train.py"])
+        >>> translate(args)
+        (['torchmn run: note: --autotune has no effect: torchmn has no autotuner for these settings'], None)
+        >>> args.exports
+        ['HOROVOD_FUSION_THRESHOLD_MB=32']
     """
     notes: List[str] = []
     if args.log_level in ("TRACE", "DEBUG", "INFO"):
@@ -109,8 +132,21 @@ def translate(args: argparse.Namespace) -> Tuple[List[str], Optional[str]]:
 def build_report() -> str:
     """What horovodrun's ``--check-build`` prints, for torchmn.horovod.
 
+    Imports torch (the only function of this module that does): it asks torch.distributed
+    whether NCCL is available.
+
     Returns:
-        A few lines: the frameworks, controllers and tensor operations available.
+        Lines naming the frameworks, controllers and tensor operations, each marked ``[X]`` where
+        torchmn.horovod has it: PyTorch, Gloo, and NCCL where torch has it; the others ``[ ]``.
+
+    Example::
+
+        >>> print(build_report())     # doctest: +ELLIPSIS
+        torchmn.horovod, on torch.distributed:
+        Available Frameworks:
+            [ ] TensorFlow
+            [X] PyTorch
+        ...
     """
     import torch.distributed as dist
 

@@ -2,7 +2,7 @@
 
 ``run(config)`` runs one job; ``Job`` puts the pieces together: the plan (``plan``), the processes
 (``supervisor``), their output (``output``), remote hosts (``ssh``) and the other tasks of a Slurm
-step (``slurm_tasks``). How the launcher supervises its ranks is in ``docs/design/launcher.md``.
+step (``slurm_step``). How the launcher supervises its ranks is in ``docs/design/launcher.md``.
 """
 from __future__ import annotations
 
@@ -50,6 +50,29 @@ class Job:
     """
 
     def __init__(self, config: LaunchConfig, env: Optional[Mapping[str, str]] = None):
+        """Plan the job without starting anything: parse the ``-x`` exports, place the ranks on the
+        hosts (or on this machine), refuse to run as one of several copies of another launcher,
+        join the other tasks of a multi-task Slurm step, and make the console and the supervisor.
+
+        Make it in the thread that will start the ranks (see ``Supervisor``).
+
+        Args:
+            config: what to run, and how.
+            env: the launcher's environment, which the ranks inherit (default: ``os.environ``);
+                it is copied.
+
+        Raises:
+            RunError: a ``-x`` cannot be forwarded, the hosts have fewer slots than ``-np``,
+                another launcher started this process as one of several, the Slurm step's
+                variables or token cannot be read, ``--network-interface`` is given in a
+                multi-task Slurm step, or ``--output-ranks`` names a rank the job does not have.
+
+        Example::
+
+            >>> job = Job(LaunchConfig(["python", "train.py"], np=2, hosts=[("localhost", 2)]))
+            >>> job.size, [slot.host for slot in job.slots], job.remote_hosts
+            (2, ['localhost', 'localhost'], [])
+        """
         self.config = config
         self.base_env = dict(os.environ if env is None else env)
         self.host = socket.gethostname()
@@ -66,7 +89,7 @@ class Job:
         self.master_addr = LOCAL_ADDR
         self.master_port = config.master_port
         refuse_outer_launcher(self.base_env)
-        # One task of a multi-node srun step: this node's share of one job (see slurm_tasks).
+        # One task of a multi-node srun step: this node's share of one job (see slurm_step).
         step = None if hosts else slurm_step(self.base_env)
         self.slurm = None if step is None else SlurmTasks(step, config.np, config.start_timeout, self.base_env)
         # The job's secret: only processes started with it (or that prove they know it) reach the
@@ -101,15 +124,37 @@ class Job:
     # -- starting ---------------------------------------------------------------------------------
 
     def is_remote(self, slot: Slot) -> bool:
-        """Whether ``slot``'s rank runs on another host (started over ssh, through the watcher)."""
+        """Whether ``slot``'s rank runs on another host (started over ssh, through the watcher).
+
+        Args:
+            slot: one of the job's slots (``job.slots``).
+
+        Returns:
+            True when the slot's host is one of ``remote_hosts``: a host given with ``-H`` or
+            ``--hostfile`` that is not a name of this machine.
+
+        Example::
+
+            >>> job = Job(LaunchConfig(["python", "train.py"], np=2))
+            >>> job.is_remote(job.slots[0])
+            False
+        """
         return slot.host in self.remote_hosts
 
     def check_command(self) -> None:
         """Check that the command can be found where it starts on this machine (with ``-x PATH=...``,
         on that PATH); ranks on other hosts have theirs checked by the watcher there.
 
+        Nothing is checked when every rank runs on another host.
+
         Raises:
             RunError: the command is not found (exit code 127).
+
+        Example::
+
+            >>> Job(LaunchConfig(["no-such-program"], np=1)).check_command()
+            Traceback (most recent call last):
+            torchmn.run.config.RunError: command not found: 'no-such-program' was not found on PATH ...
         """
         command = self.config.command
         if all(self.is_remote(slot) for slot in self.slots):
@@ -154,6 +199,11 @@ class Job:
 
         Raises:
             RunError: ``--network-interface`` names no interface with an address.
+
+        Example::
+
+            >>> Job(LaunchConfig(["python", "train.py"], np=2)).known_master_addr()
+            '127.0.0.1'
         """
         if self.slurm is not None:
             return self.master_addr
@@ -245,8 +295,18 @@ class Job:
     def start(self) -> None:
         """Check the command and the hosts, open the rendezvous store and start every rank.
 
+        In a multi-task Slurm step, task 0 opens the store and the other tasks connect to it; then
+        every task checks in. Otherwise the remote hosts are checked over ssh and this machine
+        hosts the store. The guardian starts when a rank runs on this machine.
+
         Raises:
             RunError: the job cannot start; ranks already started are left to ``teardown``.
+
+        Example::
+
+            >>> job = Job(LaunchConfig(["python", "train.py"], np=2))
+            >>> job.start()                                    # the ranks run from here on
+            >>> code = job.watch(); job.close()
         """
         config = self.config
         self.check_command()
@@ -297,9 +357,17 @@ class Job:
     def on_signal(self, signum: int, frame) -> None:
         """The launcher's handler of ``FORWARDED_SIGNALS`` and ``RELAYED_SIGNALS``; ``run`` installs it.
 
+        It only queues the signal, which ``watch`` (or ``teardown``) handles: a relayed signal is
+        passed on to the running ranks; any other stops the job, and a second one during teardown
+        kills what is left at once.
+
         Args:
             signum: the signal received.
             frame: unused.
+
+        Example::
+
+            >>> signal.signal(signal.SIGTERM, job.on_signal)   # doctest: +SKIP
         """
         # SimpleQueue.put is reentrant, so it is safe even when the signal interrupts a get().
         self.events.put(("relay" if signum in RELAYED_SIGNALS else "signal", signum))
@@ -321,8 +389,16 @@ class Job:
         """Stop every rank and everything it started: ``first_signal`` to each process group,
         SIGKILL to whatever is left after the grace period.
 
+        Exits already queued are handled first, as exits that came before the stop. While it
+        waits, a signal that comes after the one that stopped the job, or after a rank failed (a
+        second Ctrl-C), sends SIGKILL at once rather than waiting out the grace period.
+
         Args:
             first_signal: the signal the ranks get first (the one the launcher received, else SIGTERM).
+
+        Example::
+
+            >>> job.teardown(signal.SIGTERM)   # doctest: +SKIP
         """
         self.procs.remember_descendants()
         # Exits already queued happened before the stop: those ranks ended on their own.
@@ -362,9 +438,19 @@ class Job:
     def watch(self) -> int:
         """Wait for the job to end, then stop whatever is left and report.
 
+        Call it after ``start``. In a multi-task Slurm step it also reports this node's first
+        failed rank to the other tasks, and tells them this task has ended.
+
         Returns:
-            The launcher's exit code: 0, the first failed rank's, 128+N for signal N, 124 for a
-            rank that did not start in time, 1 when another node's rank failed.
+            The launcher's exit code: 0, the first failed rank's (128+N for a rank killed by signal
+            N), 128+N for signal N received by the launcher, 124 for a rank that did not start in
+            time, 1 when another node's rank failed.
+
+        Example::
+
+            >>> job = Job(LaunchConfig(["python", "-c", "raise SystemExit(3)"], np=2))
+            >>> job.start(); job.watch()   # doctest: +SKIP
+            3
         """
         last_scan = 0.0
         while self.procs.running() and not self._ending():
@@ -435,6 +521,11 @@ class Job:
 
         Raises:
             RunError: the job cannot start; any rank already started has been stopped.
+
+        Example::
+
+            >>> Job(LaunchConfig(["python", "-c", "pass"], np=2)).run_once()
+            0
         """
         try:
             try:
@@ -448,7 +539,20 @@ class Job:
             self.close()
 
     def close(self) -> None:
-        """Close the rendezvous store and let the guardian go; call once the job has ended."""
+        """Close the rendezvous store and let the guardian go; call once the job has ended.
+
+        In a multi-task Slurm step it also closes this task's part (see ``SlurmTasks.close``).
+        ``run_once`` calls it.
+
+        Example::
+
+            >>> job = Job(LaunchConfig(["python", "train.py"], np=2))
+            >>> try:
+            ...     job.start()
+            ...     code = job.watch()
+            ... finally:
+            ...     job.close()
+        """
         # Dropping the last reference shuts the store's server down and frees the port.
         self.store = None
         if self.slurm is not None:

@@ -110,7 +110,21 @@ def local_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str
         several_hosts: other hosts take part, so gloo is told which interface reaches them.
 
     Returns:
-        The environment, for ``subprocess.Popen``.
+        The environment, for ``subprocess.Popen``: ``base_env``, then the exports, the thread
+        budget's variables (``resources.launcher_thread_env``), the rank's place (``rank_env``),
+        ``PYTHONUNBUFFERED=1`` and ``JOB_ID``, each overriding the ones before; with several
+        hosts, also ``GLOO_SOCKET_IFNAME`` (the interface that holds ``master_addr``, where one
+        does) unless already set.
+
+    Raises:
+        ValueError: ``TORCHMN_NUM_THREADS`` is set but is not a positive integer.
+
+    Example::
+
+        >>> env = local_env(plan_slots([("localhost", 2)])[1], {"PATH": "/usr/bin"}, {"NCCL_DEBUG": "INFO"},
+        ...                 "127.0.0.1", 29500, "job-1", several_hosts=False)
+        >>> env["RANK"], env["LOCAL_WORLD_SIZE"], env["NCCL_DEBUG"], env["TORCHMN_JOB_ID"]
+        ('1', '2', 'INFO', 'job-1')
     """
     env = dict(base_env)
     env.update(exports)
@@ -138,7 +152,15 @@ def remote_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, st
         master_addr, master_port: where the rendezvous store listens.
 
     Returns:
-        The variables, for ``torchmn.run.remote.ssh.rank_command``.
+        The variables, for ``torchmn.run.remote.ssh.rank_command``: those ``forwarded_env``
+        forwards, the rank's place (``rank_env``) and ``PYTHONUNBUFFERED=1``.
+
+    Example::
+
+        >>> env = remote_env(plan_slots([("node1", 2), ("node2", 2)])[2], {"PATH": "/usr/bin", "HOME": "/root"},
+        ...                  {"NCCL_DEBUG": "INFO"}, "10.0.0.1", 29500)
+        >>> env["RANK"], env["GROUP_RANK"], env["MASTER_ADDR"], "HOME" in env
+        ('2', '1', '10.0.0.1', False)
     """
     env = forwarded_env(base_env, exports)
     env.update(rank_env(slot, master_addr, master_port))
@@ -151,13 +173,23 @@ def refuse_outer_launcher(env: Mapping[str, str]) -> None:
     job of its own, with its own rendezvous, and they would train apart without a word.
 
     Copies started by srun are handled by ``torchmn.run.slurm_step``; hand-set ``RANK`` and
-    ``WORLD_SIZE`` only bring a warning, since they may be a batch script's own.
+    ``WORLD_SIZE`` only bring a warning on stderr, since they may be a batch script's own. Variables
+    that cannot be read bring nothing: they are left to the job itself.
 
     Args:
         env: the launcher's environment.
 
     Raises:
-        RunError: another launcher started this process as one of several.
+        RunError: torchrun, Open MPI's mpirun or MPICH's mpiexec started this process as one of
+            more than one.
+
+    Example::
+
+        >>> refuse_outer_launcher({})              # no other launcher
+        >>> refuse_outer_launcher({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2",
+        ...                        "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+        Traceback (most recent call last):
+        torchmn.run.config.RunError: torchmn run was started as one of 2 openmpi processes, ...
     """
     kind = launcher_class(env)
     if kind in (None, SlurmEnvironment, TorchmnEnvironment):

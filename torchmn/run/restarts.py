@@ -1,6 +1,6 @@
 """``torchmn run --max-restarts K``: start a failed job again, up to K times.
 
-Each start is a whole new job (``runner.Job``): new ranks, a new rendezvous store, a new guardian,
+Each start is a whole new job (``torchmn.run.job.Job``): new ranks, a new rendezvous store, a new guardian,
 with ``TORCHMN_RESTART_COUNT`` telling the ranks which start they are (0, 1, ...). A stop asked for
 (SIGINT, SIGTERM, SIGHUP to the launcher) ends the job, never restarts it. Users' view:
 ``docs/launching/local.md``; design: ``docs/design/launcher.md``.
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 # Which start of the job a rank belongs to: 0 first, 1 after the first restart, ...
 TORCHMN_RESTART_COUNT = "TORCHMN_RESTART_COUNT"
-# Signals that stop the job (runner.FORWARDED_SIGNALS): a user's or a scheduler's stop, never a restart.
+# Signals that stop the job (torchmn.run.job.FORWARDED_SIGNALS): a user's or a scheduler's stop, never a restart.
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 _TORCH_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
 
@@ -122,6 +122,11 @@ class FailedStart:
 
         Returns:
             e.g. ``start 0 (ran 12.3 s): rank 1 (host n1) failed with exit code 3: ValueError: bad``.
+
+        Example::
+
+            >>> FailedStart(1, 0, "n1", -9, "", 40.2).describe()
+            'start 1 (ran 40.2 s): rank 0 (host n1) was killed by signal SIGKILL (exit code 137)'
         """
         error = f": {self.error}" if self.error else ""
         return (f"start {self.start} (ran {self.seconds:.1f} s): rank {self.rank} (host {self.host}) "
@@ -150,7 +155,7 @@ class Restarts:
     Args:
         config: the job's settings (``max_restarts``, ``restart_on``, ``restart_delay``).
         env: the launcher's environment; each start's ranks get it with ``TORCHMN_RESTART_COUNT``.
-        make_job: builds one start of the job from the config and its environment (``runner.Job``).
+        make_job: builds one start of the job from the config and its environment (``torchmn.run.job.Job``).
 
     Attributes:
         failures: how each failed start failed, in order.
@@ -159,6 +164,21 @@ class Restarts:
 
     def __init__(self, config: LaunchConfig, env: Mapping[str, str],
                  make_job: Callable[[LaunchConfig, Mapping[str, str]], "Job"]):
+        """Keep the settings; no job is made or started until ``run``.
+
+        Args:
+            config: the job's settings (``max_restarts``, ``restart_on``, ``restart_delay``).
+            env: the launcher's environment; it is copied, and each start's ranks get it with
+                ``TORCHMN_RESTART_COUNT``.
+            make_job: builds one start of the job from the config and its environment
+                (``torchmn.run.job.Job``).
+
+        Example::
+
+            >>> import os
+            >>> from torchmn.run.job import Job
+            >>> restarts = Restarts(LaunchConfig(["python", "train.py"], np=2, max_restarts=3), os.environ, Job)
+        """
         self.config = config
         self.env = dict(env)
         self.make_job = make_job
@@ -169,12 +189,20 @@ class Restarts:
         self.console = None
 
     def on_signal(self, signum: int, frame) -> None:
-        """The launcher's signal handler (``runner.run`` installs it): a stop is remembered, so that
-        it is never followed by a restart, and every signal goes to the running job, if any.
+        """The launcher's signal handler (``torchmn.run.job.run`` installs it): a stop is remembered,
+        so that it is never followed by a restart, and every signal goes to the running job, if any.
+
+        Between two starts, a signal is queued instead: a stop ends the wait for the restart, any
+        other signal is reported as having no rank to go to.
 
         Args:
             signum: the signal received.
             frame: passed on.
+
+        Example::
+
+            >>> for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1):   # doctest: +SKIP
+            ...     signal.signal(sig, restarts.on_signal)
         """
         if signum in STOP_SIGNALS and self.stop_signal is None:
             self.stop_signal = signum
@@ -187,12 +215,25 @@ class Restarts:
     def run(self) -> int:
         """Start the job, and again after each failure that may be restarted.
 
+        A start that fails is started again, after ``restart_delay`` seconds, while the failure's
+        exit code is one ``restart_on`` names (any, when None), fewer than ``max_restarts``
+        restarts have been made, and no stop signal came. What the restarts were for is reported
+        on the console when the job ends.
+
         Returns:
-            The exit code of the last start (see ``runner.Job.watch``), or 128+N when signal N
-            stopped the launcher while it waited to restart.
+            The exit code of the last start (see ``torchmn.run.job.Job.watch``), or 128+N when
+            signal N stopped the launcher while it waited to restart.
 
         Raises:
-            RunError: the job cannot run as asked (also: a restart that cannot start).
+            RunError: the job cannot run as asked (also: a restart that cannot start, its message
+                then naming the restart).
+
+        Example::
+
+            >>> import os
+            >>> from torchmn.run.job import Job
+            >>> config = LaunchConfig(["python", "train.py"], np=2, max_restarts=3, restart_on={137})
+            >>> code = Restarts(config, os.environ, Job).run()   # doctest: +SKIP
         """
         config = self.config
         count = 0
@@ -234,6 +275,13 @@ class Restarts:
         Raises:
             RunError: the job cannot run as asked; also ``--max-restarts`` in a Slurm step of
                 several ``torchmn run`` tasks.
+
+        Example::
+
+            >>> from torchmn.run.job import Job
+            >>> restarts = Restarts(LaunchConfig(["python", "train.py"], np=2), {"PATH": "/usr/bin"}, Job)
+            >>> restarts.make_start(1).base_env["TORCHMN_RESTART_COUNT"]
+            '1'
         """
         job = self.make_job(self.config, {**self.env, TORCHMN_RESTART_COUNT: str(count)})
         if count == 0:

@@ -135,6 +135,21 @@ class SlurmTasks:
     """
 
     def __init__(self, step: SlurmStep, np: int, start_timeout: float, env: Optional[Mapping[str, str]] = None):
+        """Keep this task's place and get the step's token; nothing is connected to yet.
+
+        Args:
+            step: this task's place (see ``slurm_step``).
+            np: ranks per node (``-np``), which every task must agree on.
+            start_timeout: how long to wait for the other tasks (``--start-timeout``).
+            env: the launcher's environment (default: ``os.environ``), for the step's token.
+
+        Raises:
+            RunError: the step's token can be neither read nor made.
+
+        Example::
+
+            >>> tasks = SlurmTasks(slurm_step(os.environ), np=4, start_timeout=60.0)   # doctest: +SKIP
+        """
         self.step = step
         self.np = np
         self.start_timeout = start_timeout
@@ -158,6 +173,12 @@ class SlurmTasks:
 
         Raises:
             RunError: ``--network-interface`` was given (the rendezvous is the step's first node).
+
+        Example::
+
+            >>> step = SlurmStep(task=1, tasks=2, hosts=("n1", "n2"), master_addr="n1", master_port=24074)
+            >>> [slot.rank for slot in SlurmTasks(step, 2, 60.0, {"TORCHMN_JOB_TOKEN": "ab" * 32}).plan(None)]
+            [2, 3]
         """
         if network_interface:
             raise RunError("--network-interface does not apply inside a multi-task Slurm step: the "
@@ -184,6 +205,12 @@ class SlurmTasks:
         Raises:
             RunError: the store cannot be started, or reached within the start timeout, or task 0
                 refused this task's token.
+
+        Example::
+
+            >>> store = tasks.open_store(step.master_addr, step.master_port, "MASTER_PORT")   # doctest: +SKIP
+            >>> store.port   # doctest: +SKIP
+            24074
         """
         if self.step.task == 0:
             self.hosted = start_store(self._listen_address(master_addr), master_port, port_origin=port_origin,
@@ -225,9 +252,16 @@ class SlurmTasks:
     def check_in(self) -> None:
         """Publish this task's -np and wait for every other task's; they must all agree.
 
+        Call it after ``open_store``.
+
         Raises:
             RunError: a task did not check in within the start timeout, the store was lost, or
                 the tasks disagree on -np.
+
+        Example::
+
+            >>> tasks.open_store(step.master_addr, step.master_port, "MASTER_PORT")   # doctest: +SKIP
+            >>> tasks.check_in()   # doctest: +SKIP
         """
         step = self.step
         keys = [f"{SLURM_KEY}np/{task}" for task in range(step.tasks)]
@@ -257,7 +291,13 @@ class SlurmTasks:
         """What a task's launcher reported as the job's first failed rank.
 
         Returns:
-            The report, or None when there is none (or the store is gone).
+            The report (``report_failure``'s description), or None when there is none (or the
+            store is gone).
+
+        Example::
+
+            >>> tasks.reported_failure()   # doctest: +SKIP
+            'rank 5 (host n2) failed with exit code 1'
         """
         try:
             if self.store.check([SLURM_KEY + "failed"]):
@@ -270,8 +310,14 @@ class SlurmTasks:
         """Report this node's first failed rank to the other tasks' launchers, which stop theirs;
         unless another task reported one first, which is then kept in ``reported``.
 
+        A store that is gone is ignored: the other tasks then see their ranks fail on their own.
+
         Args:
             description: the failed rank, its host and how it ended.
+
+        Example::
+
+            >>> tasks.report_failure("rank 5 (host n2) failed with exit code 1")   # doctest: +SKIP
         """
         self.reported = self.reported_failure()
         if self.reported is None:
@@ -284,8 +330,14 @@ class SlurmTasks:
         """Say this task is done. Task 0 keeps the store up until every task is (the other nodes'
         ranks may still use it while they shut down), for at most ``SLURM_DONE_WAIT`` seconds.
 
+        A store that is gone is ignored, and so is a wait that times out.
+
         Args:
             wait_for_others: task 0 waits (not when the launcher was signalled to stop).
+
+        Example::
+
+            >>> tasks.end_task(wait_for_others=True)   # doctest: +SKIP
         """
         keys = [f"{SLURM_KEY}done/{task}" for task in range(self.step.tasks)]
         try:
@@ -296,8 +348,15 @@ class SlurmTasks:
             pass
 
     def close(self) -> None:
-        """Drop this object's reference to the store (the last one shuts task 0's server down)
-        and close this node's voucher."""
+        """Let go of the store: drop this object's reference to it (the last one shuts task 0's
+        server down), close task 0's gate, and close this node's voucher on the other tasks.
+
+        Safe to call more than once.
+
+        Example::
+
+            >>> tasks.end_task(wait_for_others=True); tasks.close()   # doctest: +SKIP
+        """
         self.store = None
         if self.hosted is not None:
             self.hosted.close()

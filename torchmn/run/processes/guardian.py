@@ -19,12 +19,20 @@ DONE = b"done\n"
 def job_processes(variable: str, job_id: str) -> list:
     """The processes whose environment holds ``variable=job_id``.
 
+    Reads each process's ``/proc/PID/environ`` (Linux only): the environment it was started with.
+    A process whose environment this user may not read, or that ended meanwhile, is skipped.
+
     Args:
         variable: the variable's name (``TORCHMN_JOB_ID``).
         job_id: the job's value of it.
 
     Returns:
         psutil ``Process`` objects.
+
+    Example::
+
+        >>> [p.pid for p in job_processes("TORCHMN_JOB_ID", os.environ["TORCHMN_JOB_ID"])]   # doctest: +SKIP
+        [4121, 4122, 4130]
     """
     import psutil
 
@@ -43,9 +51,17 @@ def job_processes(variable: str, job_id: str) -> list:
 def stop(variable: str, job_id: str, grace: float) -> None:
     """SIGTERM to the job's processes, SIGKILL to those left after ``grace`` seconds.
 
+    Returns as soon as none of them runs: within ``grace`` seconds of the SIGTERM, else after at
+    most ten rounds of SIGKILL, 0.1 s apart, each to the job's processes found then (so that ones
+    started meanwhile go too).
+
     Args:
         variable, job_id: what marks the job's processes (see ``job_processes``).
         grace: seconds between SIGTERM and SIGKILL.
+
+    Example::
+
+        >>> stop("TORCHMN_JOB_ID", "node1-4120-1718000000000000000", grace=3.0)   # doctest: +SKIP
     """
     import psutil
 
@@ -85,11 +101,20 @@ def _running(process) -> bool:
 def main(argv: list) -> int:
     """Wait for stdin to close, then stop the job unless the launcher wrote ``DONE``.
 
+    Reads stdin (file descriptor 0) until it closes or fails: the launcher holds its write end,
+    so it closes when the launcher writes ``DONE`` and closes it, or when the launcher dies.
+
     Args:
         argv: ``VARIABLE JOB_ID GRACE`` (see ``stop``).
 
     Returns:
-        0.
+        0, whether or not it stopped anything.
+
+    Example::
+
+        >>> # as the launcher starts it (see torchmn.run.processes.supervisor.start_guardian):
+        >>> main(["TORCHMN_JOB_ID", "node1-4120-1718000000000000000", "3.0"])   # doctest: +SKIP
+        0
     """
     variable, job_id, grace = argv[0], argv[1], float(argv[2])
     received = b""

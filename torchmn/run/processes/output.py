@@ -98,7 +98,20 @@ def failure_summary(failed: "Rank", ranks: Sequence["Rank"], reported: Optional[
         reported: another node's failure, reported before this one (multi-task Slurm step).
 
     Returns:
-        The report, one line or more.
+        The report, one line or more: the failed rank, its host and how it ended, and how many
+        running ranks were stopped; the ranks that failed on their own later; ``reported``; a
+        note where exit code 255 may be ssh's own or SIGKILL the out-of-memory killer's; and the
+        rank's last traceback (else its last 20 stderr lines).
+
+    Example::
+
+        >>> print(failure_summary(job.first_failure, job.ranks, None))   # doctest: +SKIP
+        torchmn run: rank 1 (host node1) failed with exit code 1; stopped the other 1 running rank(s).
+        ----- rank 1 stderr -----
+        Traceback (most recent call last):
+          File "train.py", line 12, in <module>
+        ValueError: bad batch
+        ------------------------------
     """
     code = failed.returncode
     stopped = sum(1 for r in ranks if r.stopped_by_launcher)
@@ -131,6 +144,11 @@ def prepare_log_dir(log_dir: str) -> None:
 
     Raises:
         RunError: it cannot be created or written to.
+
+    Example::
+
+        >>> import tempfile
+        >>> prepare_log_dir(os.path.join(tempfile.mkdtemp(), "logs"))
     """
     try:
         os.makedirs(log_dir, exist_ok=True)
@@ -154,6 +172,12 @@ def open_log(path: Optional[str], rank: int) -> Optional[IO[bytes]]:
 
     Raises:
         RunError: the file cannot be written.
+
+    Example::
+
+        >>> open_log(None, 0) is None
+        True
+        >>> log = open_log("logs/rank.0.log", 0)   # doctest: +SKIP
     """
     try:
         return open(path, "wb") if path else None
@@ -196,6 +220,15 @@ class Console:
     """
 
     def __init__(self, output_ranks: Optional[AbstractSet[int]]):
+        """Make the console's lock; nothing is written yet.
+
+        Args:
+            output_ranks: the ranks whose lines are shown; None for all.
+
+        Example::
+
+            >>> console = Console({0})    # --output-ranks 0
+        """
         self.lock = threading.Lock()
         self.output_ranks = output_ranks
         self.lost: set = set()   # streams that failed: written no more
@@ -203,10 +236,18 @@ class Console:
     def write(self, rank: int, line: bytes, to_stderr: bool) -> None:
         """Show one line of a rank's output, with its ``[rank]`` prefix.
 
+        A line of a rank not in ``output_ranks`` is dropped, and so is every line to a stream that
+        failed once (a closed pipe, a full disk): the job goes on.
+
         Args:
             rank: the rank.
             line: the line, with its end (``\\n``, ``\\r\\n`` or ``\\r``).
             to_stderr: it came from the rank's stderr.
+
+        Example::
+
+            >>> Console(None).write(1, b"epoch 0: loss 0.25\\n", to_stderr=False)   # doctest: +SKIP
+            [1] epoch 0: loss 0.25
         """
         if self.output_ranks is not None and rank not in self.output_ranks:
             return
@@ -234,8 +275,15 @@ class Console:
     def message(self, text: str) -> None:
         """Show one of the launcher's own messages on stderr (after flushing stdout).
 
+        A newline is added when ``text`` does not end with one.
+
         Args:
             text: the message, one line or more.
+
+        Example::
+
+            >>> Console(None).message("torchmn run: received SIGINT; stopping the job")   # doctest: +SKIP
+            torchmn run: received SIGINT; stopping the job
         """
         with self.lock:
             for stream, data in ((sys.stdout, None), (sys.stderr, text if text.endswith("\n") else text + "\n")):
@@ -279,6 +327,21 @@ class RankOutput:
 
     def __init__(self, rank: int, stdout: IO[bytes], stderr: IO[bytes], console: Console,
                  log: Optional[IO[bytes]], wait_for_marker: bool = False):
+        """Start the two reader threads (daemons), one for each pipe.
+
+        Args:
+            rank: the rank, for the console prefix.
+            stdout, stderr: the rank's pipes, each closed once read to its end.
+            console: where lines are shown.
+            log: the rank's log file, or None; closed once the output has ended.
+            wait_for_marker: the rank is remote: it counts as started (``started``) once its
+                watcher prints ``STARTED_MARKER``, a line that is dropped.
+
+        Example::
+
+            >>> process = subprocess.Popen(["python", "train.py"], stdout=PIPE, stderr=PIPE)   # doctest: +SKIP
+            >>> output = RankOutput(0, process.stdout, process.stderr, Console(None), None)   # doctest: +SKIP
+        """
         self.rank = rank
         self.started = not wait_for_marker
         self.tail: Deque[str] = collections.deque(maxlen=TAIL_LINES)
@@ -326,8 +389,14 @@ class RankOutput:
         ``idle`` seconds of a reader waiting on a silent pipe: a process the rank left behind may
         hold its pipes open.
 
+        The log file is closed once both readers have ended.
+
         Args:
             idle: seconds of silence after which a reader is given up on.
+
+        Example::
+
+            >>> process.wait(); output.finish(idle=2.0)   # doctest: +SKIP
         """
         for reader in self.readers:
             join_unless_idle(reader, lambda reader=reader: self.waiting_since.get(reader.ident), idle)

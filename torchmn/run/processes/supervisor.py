@@ -31,8 +31,15 @@ def die_with_launcher() -> Optional[Callable[[], None]]:
     possible between fork and exec. The death signal follows the thread that started the child,
     so children must be started from the launcher's main thread.
 
+    The child exits at once (status 1) when the launcher has already died by the time it runs.
+
     Returns:
         The function, or None where Linux's ``prctl(PR_SET_PDEATHSIG)`` is not there.
+
+    Example::
+
+        >>> subprocess.Popen(["python", "train.py"], preexec_fn=die_with_launcher(),   # doctest: +SKIP
+        ...                  start_new_session=True)
     """
     call = prctl()
     if call is None:
@@ -50,13 +57,22 @@ def start_guardian(job_id: str, grace: float) -> Optional[subprocess.Popen]:
     """Start the process that ends the job's local processes if this launcher dies without ending
     them (see :mod:`torchmn.run.processes.guardian`).
 
+    The guardian runs ``python -m torchmn.run.processes.guardian TORCHMN_JOB_ID <job_id> <grace>``
+    in a session of its own, its stdout and stderr discarded.
+
     Args:
         job_id: the job's ``JOB_ID`` value, which every local rank and its children carry.
         grace: seconds between SIGTERM and SIGKILL.
 
     Returns:
-        The guardian, whose stdin the launcher holds; None where it could not start (the kernel's
-        death signal to each rank still applies).
+        The guardian, whose stdin the launcher holds; None where it could not start, or on a system
+        without Linux's ``prctl`` (the kernel's death signal to each rank still applies where there
+        is one).
+
+    Example::
+
+        >>> guardian_process = start_guardian("node1-4120-1718000000000000000", grace=3.0)   # doctest: +SKIP
+        >>> guardian_process.stdin.write(b"done\\n"); guardian_process.stdin.close()   # doctest: +SKIP
     """
     if prctl() is None:  # not Linux: no /proc to find the job's processes in
         return None
@@ -71,10 +87,18 @@ def start_guardian(job_id: str, grace: float) -> Optional[subprocess.Popen]:
 def tell_watcher(process: subprocess.Popen, sig: int, line: bytes = SIGNAL_LINE) -> None:
     """Have a remote rank's watcher send ``sig`` to the rank.
 
+    Writes ``line`` and the signal's number on the ssh client's stdin (``relay 10`` for SIGUSR1
+    relayed). Does nothing when the client has no stdin, and ignores a stdin that is already
+    closed or broken.
+
     Args:
         process: the rank's ssh client, whose stdin reaches the watcher.
         sig: the signal number.
         line: ``SIGNAL_LINE`` (the rank is being stopped) or ``RELAY_LINE`` (a notification).
+
+    Example::
+
+        >>> tell_watcher(rank.process, signal.SIGUSR1, RELAY_LINE)   # doctest: +SKIP
     """
     if process.stdin is not None:
         try:
@@ -87,8 +111,14 @@ def tell_watcher(process: subprocess.Popen, sig: int, line: bytes = SIGNAL_LINE)
 def close_stdin(process: subprocess.Popen) -> None:
     """Close a child's stdin, if it has one: for a remote rank, the watcher then stops the rank.
 
+    An error closing it is ignored.
+
     Args:
         process: the child.
+
+    Example::
+
+        >>> close_stdin(rank.process)   # doctest: +SKIP
     """
     if process.stdin is not None:
         try:
@@ -129,6 +159,21 @@ class Rank:
     """
 
     def __init__(self, slot: Slot, process: subprocess.Popen, console: Console, log, is_remote: bool = False):
+        """Keep the rank's process and start reading its output (see ``RankOutput``).
+
+        Args:
+            slot: the rank's place.
+            process: the process started, in a session of its own (its pid is its process group),
+                with its stdout and stderr piped.
+            console: where its output is shown.
+            log: its log file (binary, open for writing), or None.
+            is_remote: it runs on another host, through ssh and the watcher; it counts as started
+                only once the watcher says so.
+
+        Example::
+
+            >>> rank = Rank(slot, process, Console(None), None)   # doctest: +SKIP
+        """
         self.slot = slot
         self.process = process
         self.is_remote = is_remote
@@ -158,6 +203,19 @@ class Supervisor:
     """
 
     def __init__(self, job_id: str, grace: float):
+        """Start with no ranks; look up the death signal's ``preexec_fn`` (see ``die_with_launcher``).
+
+        Make it in the thread that starts the ranks: the kernel's death signal follows the thread
+        that started each child.
+
+        Args:
+            job_id: the job's ``JOB_ID`` value.
+            grace: seconds between the first signal and SIGKILL.
+
+        Example::
+
+            >>> procs = Supervisor("node1-4120-1718000000000000000", grace=3.0)
+        """
         self.job_id = job_id
         self.grace = grace
         self.ranks: List[Rank] = []
@@ -168,7 +226,17 @@ class Supervisor:
         self.own_children: Set[int] = set()
 
     def prepare(self) -> None:
-        """Get ready to start ranks; call once, before the first."""
+        """Get ready to start ranks; call once, before the first.
+
+        Makes this process a subreaper where Linux allows, so that processes a rank detaches and
+        leaves behind are adopted by the launcher (and found at teardown) rather than by init; and
+        notes the children this process already has, which are never reaped here.
+
+        Example::
+
+            >>> procs = Supervisor("node1-4120-1718000000000000000", grace=3.0)
+            >>> procs.prepare()
+        """
         # Processes a rank detached (setsid, a daemon) and left behind when it exited come to the
         # launcher instead of init, so that teardown finds them however fast their rank ended.
         self.adopts_orphans = become_subreaper()
@@ -177,7 +245,14 @@ class Supervisor:
         self.own_children = _children()
 
     def start_guardian(self) -> None:
-        """Start the guardian (see ``start_guardian``) for the ranks about to start here."""
+        """Start the guardian (see ``start_guardian``) for the ranks about to start here.
+
+        Sets ``guardian``, None where it could not start; ``close`` tells it the job ended.
+
+        Example::
+
+            >>> procs.prepare(); procs.start_guardian()   # doctest: +SKIP
+        """
         self.guardian = start_guardian(self.job_id, self.grace)
         if self.guardian is not None:
             self.own_children.add(self.guardian.pid)
@@ -200,7 +275,15 @@ class Supervisor:
             The rank, also added to ``ranks``.
 
         Raises:
-            RunError: the log file cannot be written, or the program cannot be started.
+            RunError: the log file cannot be written, or the program cannot be started (exit code
+                127 when it is not found, else 126).
+
+        Example::
+
+            >>> def on_exit(rank, code):
+            ...     print(rank.slot.rank, "exited with", code)
+            >>> rank = procs.start_rank(slot, ["python", "train.py"], env, False, None,  # doctest: +SKIP
+            ...                         Console(None), on_exit)
         """
         # Opened first: a log that cannot be written must not leave a started rank behind.
         log = open_log(log_path, slot.rank)
@@ -224,7 +307,13 @@ class Supervisor:
         """The ranks still running.
 
         Returns:
-            The ranks whose exit has not been handled yet.
+            The ranks whose exit has not been handled yet (``returncode`` still None), in rank
+            order.
+
+        Example::
+
+            >>> [rank.slot.rank for rank in procs.running()]   # doctest: +SKIP
+            [0, 2, 3]
         """
         return [r for r in self.ranks if r.returncode is None]
 
@@ -234,8 +323,16 @@ class Supervisor:
         Args:
             sig: the signal (SIGUSR1, SIGUSR2).
 
+        A local rank's process group gets the signal itself; a remote rank gets it through its
+        watcher, once the watcher has started.
+
         Returns:
             How many ranks are running.
+
+        Example::
+
+            >>> procs.relay(signal.SIGUSR1)   # doctest: +SKIP
+            4
         """
         for rank in self.running():
             if not rank.is_remote:
@@ -247,7 +344,15 @@ class Supervisor:
     def remember_descendants(self) -> None:
         """Note every process a rank started, so that teardown can find grandchildren that left the
         rank's process group (setsid, daemons). Called every 0.5 s and when teardown starts: such a
-        process is found only if it was seen while its rank was still alive."""
+        process is found only if it was seen while its rank was still alive.
+
+        As a subreaper, the launcher also notes the orphans it adopted that carry this job's
+        ``JOB_ID``, and reaps adopted orphans that have ended (never its own other children).
+
+        Example::
+
+            >>> procs.remember_descendants()   # doctest: +SKIP
+        """
         import psutil
 
         for rank in self.ranks:
@@ -280,6 +385,12 @@ class Supervisor:
 
         Returns:
             True while a rank, a member of a rank's process group, or a noted descendant runs.
+
+        Example::
+
+            >>> procs.stop(signal.SIGTERM)   # doctest: +SKIP
+            >>> while procs.anything_left():   # doctest: +SKIP
+            ...     time.sleep(0.05)
         """
         if self.running():
             return True
@@ -292,8 +403,15 @@ class Supervisor:
         """Send ``first_signal`` to every rank: to each local rank's process group, through the
         watcher to each remote rank. Ranks still running are marked ``stopped_by_launcher``.
 
+        A remote rank whose watcher has not started yet has only its ssh client, which gets
+        SIGTERM. Every remote rank's stdin is closed, which tells its watcher to stop the rank.
+
         Args:
             first_signal: the signal.
+
+        Example::
+
+            >>> procs.stop(signal.SIGINT)   # doctest: +SKIP
         """
         for rank in self.ranks:
             # An exit not handled yet may still have come before the stop (two ranks failing at once).
@@ -314,11 +432,23 @@ class Supervisor:
         Returns:
             The grace period in seconds, plus, with remote ranks, the watchers' own grace period
             and time for ssh to report back.
+
+        Example::
+
+            >>> Supervisor("node1-4120-1718000000000000000", grace=3.0).grace_after_stop()
+            3.0
         """
         return self.grace + (WATCHER_GRACE_SECONDS + 2.0 if any(r.is_remote for r in self.ranks) else 0.0)
 
     def kill_all(self) -> None:
-        """SIGKILL to every rank's process group and every noted descendant; wait for the ranks."""
+        """SIGKILL to every rank's process group and every noted descendant; wait for the ranks.
+
+        Notes the descendants once more first, and sets each rank's ``returncode``.
+
+        Example::
+
+            >>> procs.kill_all()   # doctest: +SKIP
+        """
         import psutil
 
         self.remember_descendants()
@@ -335,7 +465,15 @@ class Supervisor:
             close_stdin(rank.process)
 
     def close(self) -> None:
-        """Tell the guardian the ranks are done with, so that it exits doing nothing."""
+        """Tell the guardian the ranks are done with, so that it exits doing nothing.
+
+        Writes ``DONE`` and closes the guardian's stdin, then waits up to 5 s for it to exit.
+        Does nothing when no guardian runs.
+
+        Example::
+
+            >>> procs.kill_all(); procs.close()   # doctest: +SKIP
+        """
         if self.guardian is not None:
             try:
                 self.guardian.stdin.write(guardian.DONE)

@@ -159,10 +159,19 @@ def parse_hostfile(path: str) -> Hosts:
         path: the hostfile (``--hostfile``).
 
     Returns:
-        (host, slots) pairs.
+        (host, slots) pairs, a host named twice once with the slots of both.
 
     Raises:
-        HostsError: the file cannot be read or does not parse.
+        HostsError: the file cannot be read or does not parse (the error names the file and,
+            for a line that does not parse, the line).
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile("w", suffix=".hosts", delete=False) as f:
+        ...     _ = f.write("node1 slots=4\\nnode2 slots=4\\n")
+        >>> parse_hostfile(f.name)
+        [('node1', 4), ('node2', 4)]
     """
     try:
         with open(path) as f:

@@ -71,8 +71,16 @@ class SshOptions:
         Returns:
             The argument list, for ``subprocess.Popen``.
 
+        The command is split as a POSIX shell would split it; ``-i`` and ``-p`` follow it when an
+        identity file or a port is set, then the host and ``remote_command`` as one word.
+
         Raises:
             RemoteError: the ssh command is empty.
+
+        Example::
+
+            >>> SshOptions(command="ssh -q", port=2222, identity_file="~/.ssh/id_job").argv("node2", "hostname")
+            ['ssh', '-q', '-i', '~/.ssh/id_job', '-p', '2222', 'node2', 'hostname']
         """
         argv = shlex.split(self.command)
         if not argv:
@@ -207,7 +215,13 @@ def rank_command(cwd: str, python: str, env: Mapping[str, str], command: Sequenc
         command: the rank's program and arguments.
 
     Returns:
-        The shell line, for ``SshOptions.argv``.
+        The shell line, for ``SshOptions.argv``: ``cd CWD && exec env NAME=VALUE... PYTHON -m
+        torchmn.run.remote.watcher -- COMMAND...``, every word quoted.
+
+    Example::
+
+        >>> rank_command("/w", "/usr/bin/python3", {"TORCHMN_RANK": "2"}, ["python", "train.py"])
+        'cd /w && exec env TORCHMN_RANK=2 /usr/bin/python3 -m torchmn.run.remote.watcher -- python train.py'
     """
     return shell_command(cwd, env, [python, "-m", WATCHER_MODULE, "--", *command])
 
@@ -306,11 +320,20 @@ def check_hosts(hosts: Sequence[str], ssh: SshOptions, python: str, cwd: str, en
         hosts: the hosts to check.
         ssh, python, cwd, env, timeout, started, preexec_fn, stop: as for ``check_host``.
 
+    Runs up to 32 checks at a time, each on a thread of its own.
+
     Returns:
-        One ``HostCheck`` per host, in the order of ``hosts``.
+        One ``HostCheck`` per host, in the order of ``hosts``; an empty list for no hosts.
 
     Raises:
         RemoteError: the ssh command is empty.
+
+    Example::
+
+        >>> checks = check_hosts(["node2", "node3"], SshOptions(), sys.executable,  # doctest: +SKIP
+        ...                      os.getcwd(), {}, 30)
+        >>> [c.error for c in checks]  # doctest: +SKIP
+        [None, None]
     """
     if not hosts:
         return []
@@ -335,6 +358,17 @@ def check_hosts_or_stop(hosts: Sequence[str], ssh: SshOptions, python: str, cwd:
 
     Raises:
         RemoteError: the ssh command is empty.
+        BaseException: whatever ``poll`` raises (the launcher's ``RunError`` on Ctrl-C), passed on
+            once every ssh client has been killed.
+
+    Example::
+
+        >>> stopped = threading.Event()
+        >>> def poll():
+        ...     if stopped.is_set():
+        ...         raise KeyboardInterrupt
+        >>> checks = check_hosts_or_stop(["node2"], SshOptions(), sys.executable, os.getcwd(), {}, 30,  # doctest: +SKIP
+        ...                              poll=poll)
     """
     clients: list = []
     stop = threading.Event()

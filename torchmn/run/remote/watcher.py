@@ -306,8 +306,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Args:
         argv: the arguments (default: ``sys.argv[1:]``); a leading ``--`` is dropped.
 
+    Without a command it writes its usage to stderr and returns 2.
+
     Returns:
         The exit code: the rank's (see ``watch``), or 2 without a command.
+
+    Example::
+
+        >>> main(["--"])
+        2
+        >>> main(["--", "python", "train.py"])  # doctest: +SKIP
     """
     args = list(sys.argv[1:] if argv is None else argv)
     if args and args[0] == "--":

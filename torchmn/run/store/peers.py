@@ -46,7 +46,16 @@ class Peer:
         """Who it is, for a log line: "process 812 (nc) of user alice", or what is known.
 
         Returns:
-            The words.
+            The words: "not a connection of this machine" when not ``found``; the user alone when
+            the holding processes cannot be seen; else up to three processes (pid and name) and
+            their user.
+
+        Example::
+
+            >>> Peer().describe()
+            'not a connection of this machine'
+            >>> Peer(found=True, uid=0).describe()
+            'a process of user root (its files cannot be read from here)'
         """
         if not self.found:
             return "not a connection of this machine"

@@ -50,16 +50,34 @@ class Pipes:
     """
 
     def __init__(self, selector: selectors.BaseSelector):
+        """Start with no pairs.
+
+        Args:
+            selector: the loop's selector, which the pairs' sockets are registered with.
+
+        Example::
+
+            >>> pipes = Pipes(selectors.DefaultSelector())
+            >>> pipes.ends
+            set()
+        """
         self.selector = selector
         self.ends: Set[End] = set()
 
     def join(self, client: socket.socket, store: socket.socket, first: bytes = b"") -> None:
         """Join ``client`` to ``store``.
 
+        Both sockets are made non-blocking, without Nagle's delay; ``first`` goes to the store at
+        once, and the pair is registered with the selector. From then on ``ready`` moves the bytes.
+
         Args:
             client: the admitted client's socket.
             store: a new connection to the store.
             first: what the client sent before it was admitted, for the store.
+
+        Example::
+
+            >>> pipes.join(client_sock, store_sock, b"what the client sent first")  # doctest: +SKIP
         """
         for sock in (client, store):
             sock.setblocking(False)
@@ -76,9 +94,18 @@ class Pipes:
     def ready(self, end: End, events: int) -> None:
         """Handle what the selector found ready on ``end``'s socket.
 
+        Writes what waits for ``end``'s socket, then reads what it sent and passes it to the other
+        side. When either side closes or fails, both are closed.
+
         Args:
             end: the registered data.
             events: the ready events.
+
+        Example::
+
+            >>> for key, events in selector.select():  # doctest: +SKIP
+            ...     if isinstance(key.data, End):
+            ...         pipes.ready(key.data, events)
         """
         if events & selectors.EVENT_WRITE:
             self._flush(end)
@@ -158,7 +185,15 @@ class Pipes:
             self.ends.discard(side)
 
     def close_all(self) -> None:
-        """Close every pair's sockets (the loop is ending)."""
+        """Close every pair's sockets (the loop is ending).
+
+        The sockets are not unregistered from the selector, which the loop closes next; bytes not
+        yet written are dropped.
+
+        Example::
+
+            >>> pipes.close_all(); selector.close()  # doctest: +SKIP
+        """
         for end in list(self.ends):
             end.closed = True
             try:

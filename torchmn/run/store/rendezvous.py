@@ -78,6 +78,20 @@ class HostedStore:
     """
 
     def __init__(self, store, gate: Gate, address: str, signed: bool):
+        """Keep the store and its gate; the gate closes when this object does or is dropped.
+
+        Args:
+            store: the launcher's own client of the store (the ``TCPStore`` that hosts it).
+            gate: the gate, already serving.
+            address: where the gate listens.
+            signed: whether the kernel signs the store's own port (see ``sign``).
+
+        Example::
+
+            >>> hosted = start_store("127.0.0.1", None)
+            >>> hosted.address, hosted.port == hosted.gate.port
+            ('127.0.0.1', True)
+        """
         self.store = store
         self.gate = gate
         self.port = gate.port
@@ -87,7 +101,15 @@ class HostedStore:
         self._finalizer = weakref.finalize(self, gate.close)
 
     def close(self) -> None:
-        """Close the gate and every connection through it; the store goes with the last reference."""
+        """Close the gate and every connection through it; the store goes with the last reference.
+
+        Safe to call more than once.
+
+        Example::
+
+            >>> hosted = start_store("127.0.0.1", None)
+            >>> hosted.close()
+        """
         self._finalizer()
 
 
@@ -186,6 +208,12 @@ def address_for_hosts(checks: Sequence[HostCheck], remote_hosts: Sequence[str], 
         RunError: the only address found is a loopback address, which the other hosts would take
             for themselves (behind an ssh tunnel or ProxyJump, they log in from this machine's
             loopback).
+
+    Example::
+
+        >>> checks = check_hosts(["node2"], SshOptions(), sys.executable, os.getcwd(), {}, 30)  # doctest: +SKIP
+        >>> address_for_hosts(checks, ["node2"], None)  # doctest: +SKIP
+        '10.0.0.1'
     """
     local = network.local_addresses()
     seen = checks[0].client_address

@@ -39,6 +39,19 @@ class Voucher:
     """
 
     def __init__(self, sock: socket.socket, token: str, likely_pids: Callable[[], Sequence[int]] = tuple):
+        """Keep the connection; nothing is answered until ``serve``.
+
+        Args:
+            sock: connected to the gate, greeting done (``connect`` makes one).
+            token: the job's token.
+            likely_pids: processes to look at first (the watcher's rank).
+
+        Example::
+
+            >>> voucher = Voucher.connect(os.environ["MASTER_ADDR"], 29500, token, 10)  # doctest: +SKIP
+            >>> voucher.local_address  # doctest: +SKIP
+            '10.0.0.2'
+        """
         self.sock = sock
         self.token = token
         self.likely_pids = likely_pids
@@ -88,7 +101,16 @@ class Voucher:
         return cls(sock, token, likely_pids)
 
     def serve(self) -> None:
-        """Answer the gate's questions on a daemon thread until the connection closes."""
+        """Answer the gate's questions on a daemon thread until the connection closes.
+
+        Each question line gets ``answer``'s line back; the thread ends when the gate closes the
+        connection or it fails.
+
+        Example::
+
+            >>> voucher = Voucher.connect(os.environ["MASTER_ADDR"], 29500, token, 10)  # doctest: +SKIP
+            >>> voucher.serve()  # doctest: +SKIP
+        """
         self.thread = threading.Thread(target=self._answer, name="torchmn-voucher", daemon=True)
         self.thread.start()
 
@@ -137,7 +159,14 @@ class Voucher:
         return f"A {words[1]} {1 if member else 0} {who}\n".encode()
 
     def close(self) -> None:
-        """Close the connection; the gate then forgets this voucher."""
+        """Close the connection; the gate then forgets this voucher.
+
+        The serving thread, if any, ends as its read fails.
+
+        Example::
+
+            >>> voucher.close()  # doctest: +SKIP
+        """
         try:
             self.sock.shutdown(socket.SHUT_RDWR)
         except OSError:
