@@ -54,7 +54,12 @@ def rank_file(rank: int) -> str:
         rank: the rank.
 
     Returns:
-        ``rankNNNNN.pt``.
+        ``rankNNNNN.pt``: the rank, zero-padded to five digits.
+
+    Example::
+
+        >>> rank_file(3)
+        'rank00003.pt'
     """
     return f"rank{rank:05d}.pt"
 
@@ -63,7 +68,12 @@ def fsync_directory(directory: str) -> None:
     """Make renames and removals in ``directory`` durable (where the file system allows it).
 
     Args:
-        directory: the directory.
+        directory: the directory; one that cannot be opened or fsynced is left as it is.
+
+    Example::
+
+        >>> os.replace("ckpt/.shared.pt.1a2b3c4d.tmp", "ckpt/shared.pt")
+        >>> fsync_directory("ckpt")      # the rename survives a power cut
     """
     try:
         fd = os.open(directory, os.O_RDONLY)
@@ -84,7 +94,12 @@ def temporary_prefix(path: str) -> str:
         path: the final path.
 
     Returns:
-        ``.NAME.`` for a final name ``NAME``.
+        ``.NAME.`` for a final name ``NAME`` (the temporary files are ``.NAME.XXXXXXXX.tmp``).
+
+    Example::
+
+        >>> temporary_prefix("ckpt/step_00000040/shared.pt")
+        '.shared.pt.'
     """
     return "." + os.path.basename(path) + "."
 
@@ -151,6 +166,10 @@ def remove_temporaries(directory: str, matches: Callable[[str], bool]) -> None:
     Args:
         directory: where to look; one that does not exist is left alone.
         matches: takes a final file name, says whether its temporaries are to go.
+
+    Example::
+
+        >>> remove_temporaries(step_dir("ckpt", 40), lambda name: name.endswith(".pt"))
     """
     if not os.path.isdir(directory):
         return
@@ -171,6 +190,10 @@ def write_manifest(directory: str, step: int, manifest: dict) -> None:
         directory: the checkpoint directory.
         step: the step.
         manifest: what the step holds (JSON-serialisable): at least ``files``, ``{name: size}``.
+
+    Example::
+
+        >>> write_manifest("ckpt", 40, {"step": 40, "size": 2, "files": {"shared.pt": 1261}})
     """
     atomic_save(manifest, os.path.join(step_dir(directory, step), MANIFEST),
                 lambda m, f: f.write(json.dumps(m, indent=1, sort_keys=True).encode()))
@@ -185,6 +208,11 @@ def read_manifest(directory: str, step: int) -> Optional[dict]:
 
     Returns:
         The manifest, or None where it is missing or unreadable.
+
+    Example::
+
+        >>> read_manifest("ckpt", 40)["files"]
+        {'shared.pt': 1261}
     """
     try:
         with open(os.path.join(step_dir(directory, step), MANIFEST), "rb") as f:
@@ -200,7 +228,12 @@ def steps_on_disk(directory: str) -> list[int]:
         directory: the checkpoint directory; one that does not exist has none.
 
     Returns:
-        The steps.
+        The steps, read from the ``step_NNNNNNNN`` folder names.
+
+    Example::
+
+        >>> steps_on_disk("ckpt")
+        [40, 50]
     """
     if not os.path.isdir(directory):
         return []
@@ -218,7 +251,13 @@ def whole_files(directory: str, step: int, manifest: dict, names: list[str]) -> 
         names: the files this rank will read.
 
     Returns:
-        None if all are whole, else what is wrong (for the message).
+        None if all are whole, else what is wrong with the first file that is not (for the
+        message): not in the manifest, missing, or of another size.
+
+    Example::
+
+        >>> whole_files("ckpt", 40, read_manifest("ckpt", 40), ["shared.pt"])
+        'ckpt/step_00000040/shared.pt has 1024 bytes, the manifest says 1261'
     """
     sizes = manifest.get("files", {})
     for name in names:
@@ -241,6 +280,12 @@ def remove_step(directory: str, step: int) -> None:
     Args:
         directory: the checkpoint directory.
         step: the step.
+
+    Example::
+
+        >>> remove_step("ckpt", 40)
+        >>> read_manifest("ckpt", 40) is None
+        True
     """
     folder = step_dir(directory, step)
     try:
@@ -254,8 +299,14 @@ def remove_step(directory: str, step: int) -> None:
 def remove_folder(directory: str, step: int) -> None:
     """Remove ``step``'s folder and everything in it (an incomplete step that a new save replaces).
 
+    Errors are ignored: a folder already gone is no error, and a file that cannot be removed stays.
+
     Args:
         directory: the checkpoint directory.
         step: the step.
+
+    Example::
+
+        >>> remove_folder("ckpt", 50)
     """
     shutil.rmtree(step_dir(directory, step), ignore_errors=True)

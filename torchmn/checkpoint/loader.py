@@ -57,6 +57,25 @@ class ResumableLoader:
 
     def __init__(self, dataset: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, **loader_kwargs: Any):
+        """Keep the dataset and the options, at the start of epoch 0; no ``DataLoader`` is built yet.
+
+        Args:
+            dataset: a map-style dataset (this rank's part of the data).
+            batch_size: samples per batch; a positive integer.
+            shuffle: a new order each epoch (from ``seed`` and the epoch) rather than dataset order.
+            seed: the seed of the orders.
+            drop_last: leave out the last incomplete batch of an epoch.
+            **loader_kwargs: passed to each epoch's ``DataLoader``, except ``sampler``,
+                ``batch_sampler``, ``generator`` and ``persistent_workers``, which it sets itself.
+
+        Raises:
+            ValueError: ``loader_kwargs`` holds an argument it sets itself, or ``batch_size`` is
+                not a positive integer.
+
+        Example::
+
+            >>> loader = torchmn.checkpoint.ResumableLoader(train, batch_size=64, num_workers=2)
+        """
         taken = sorted({"sampler", "batch_sampler", "generator", "persistent_workers", "shuffle"} & set(loader_kwargs))
         if taken:
             raise TorchmnValueError(f"ResumableLoader sets {', '.join(taken)} itself (its order must come back on a "
@@ -73,7 +92,16 @@ class ResumableLoader:
         self.batches = 0
 
     def __len__(self) -> int:
-        """Batches in a whole epoch."""
+        """Batches in a whole epoch (not what is left of the epoch under way).
+
+        Returns:
+            ``len(dataset) / batch_size``, rounded up, or down with ``drop_last=True``.
+
+        Example::
+
+            >>> len(torchmn.checkpoint.ResumableLoader(list(range(10)), batch_size=4))
+            3
+        """
         n = len(self.dataset)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
@@ -83,8 +111,17 @@ class ResumableLoader:
     def __iter__(self) -> Iterator[Any]:
         """The epoch under way, from its next batch.
 
+        Each batch taken counts in :attr:`batches`; once the epoch is over, :attr:`epoch` goes
+        up by one and :attr:`batches` back to 0. A loop left early (``break``) leaves the
+        position after the last batch taken, and the next loop continues from there.
+
         Yields:
             Batches, as ``DataLoader`` makes them.
+
+        Example::
+
+            >>> for x, y in loader:
+            ...     train_one_step(x, y)
         """
         n = len(self.dataset)
         order = torch.randperm(n, generator=self._generator()) if self.shuffle else torch.arange(n)
@@ -102,7 +139,13 @@ class ResumableLoader:
         """The position.
 
         Returns:
-            ``{"epoch", "batches", "seed", "samples"}``.
+            ``{"epoch": epochs finished, "batches": batches taken in the epoch under way,
+            "seed": the seed, "samples": len(dataset)}``.
+
+        Example::
+
+            >>> loader.state_dict()
+            {'epoch': 2, 'batches': 17, 'seed': 0, 'samples': 50000}
         """
         return {"epoch": self.epoch, "batches": self.batches, "seed": self.seed, "samples": len(self.dataset)}
 
@@ -114,6 +157,12 @@ class ResumableLoader:
 
         Raises:
             ValueError: it was taken over a dataset of another size, or with another seed.
+
+        Example::
+
+            >>> loader.load_state_dict(saved)
+            >>> for x, y in loader:      # from the batch after the last one taken before the save
+            ...     ...
         """
         if state["samples"] != len(self.dataset) or state["seed"] != self.seed:
             raise TorchmnValueError(

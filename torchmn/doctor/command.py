@@ -20,7 +20,22 @@ EXIT_BAD_INPUT = 2
 
 
 def add_doctor(subparsers) -> None:
-    """Register ``torchmn doctor`` on the ``torchmn`` command's subparsers."""
+    """Register ``torchmn doctor`` on the ``torchmn`` command's subparsers.
+
+    Its options: ``--pid`` or ``--job`` (a running job), ``-np`` (run the command under
+    ``torchmn run``), ``--seconds``, ``--warmup``, ``--json``, and the command after ``--``; the
+    subcommand's ``handler`` is :func:`run_doctor`.
+
+    Args:
+        subparsers: what ``argparse.ArgumentParser.add_subparsers`` returned.
+
+    Example::
+
+        >>> parser = argparse.ArgumentParser(prog="torchmn")
+        >>> add_doctor(parser.add_subparsers())
+        >>> parser.parse_args(["doctor", "--pid", "1234"]).pid
+        1234
+    """
     p = subparsers.add_parser(
         "doctor", allow_abbrev=False, help="find out why a job is slow: threads vs CPUs, per rank",
         description="Sample a job's processes for a few seconds and say whether it is oversubscribed "
@@ -44,11 +59,29 @@ def add_doctor(subparsers) -> None:
 
 
 def run_doctor(args, parser) -> int:
-    """The handler of ``torchmn doctor``.
+    """The handler of ``torchmn doctor``: find the job's ranks, sample them, print the verdict.
+
+    A command given after ``--`` is started (under ``torchmn run -np N`` with ``-np``), left
+    ``--warmup`` seconds to get past its imports, sampled for ``--seconds``, then stopped with
+    every process it started; with ``--pid`` or ``--job`` the running processes are only
+    sampled. The findings go to stdout, as text or (``--json``) as JSON; a started command's own
+    output goes to stderr. Bad input is reported on stderr, not raised.
+
+    Args:
+        args: the parsed options (``pid``, ``job``, ``np``, ``seconds``, ``warmup``, ``json``,
+            ``command``).
+        parser: the subcommand's parser.
 
     Returns:
         :data:`EXIT_OVERSUBSCRIBED` where the job is oversubscribed, :data:`EXIT_BAD_INPUT` on bad
-        input, else 0.
+        input (conflicting options, a process or job that is not there, a command that ends
+        before it is sampled), else 0.
+
+    Example::
+
+        >>> from torchmn.cli import main
+        >>> main(["doctor", "-np", "2", "--", "python", "train.py"])   # doctest: +SKIP
+        0
     """
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if args.seconds <= 0 or args.warmup < 0:

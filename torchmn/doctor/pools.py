@@ -51,7 +51,14 @@ def probe(settings: dict, timeout: float = 60) -> Optional[dict]:
 
 
 def describe_pools(pools: Optional[dict]) -> str:
-    """Returns: the probe's result in words.
+    """The pools :func:`probe` found, in one line of words.
+
+    Args:
+        pools: what :func:`probe` returned, or None where it failed.
+
+    Returns:
+        ``"torch intra-op N, inter-op M"`` followed by each OpenMP/BLAS pool's API, library and
+        threads, or ``"unknown (the probe process failed)"`` where ``pools`` is empty or None.
 
     Example::
 

@@ -131,8 +131,14 @@ def _has_ancestor_in(proc: psutil.Process, pids: set, stop: int) -> bool:
 def process_tree(pid: int) -> psutil.Process:
     """The process ``pid``, for :func:`ranks_in_trees`.
 
+    Args:
+        pid: the process id of the job's launcher, or of a rank started on its own.
+
+    Returns:
+        The ``psutil.Process`` of ``pid``.
+
     Raises:
-        ProcessGone: it has ended, or never existed.
+        ProcessGone: it has ended (a zombie counts as ended), or never existed.
 
     Example::
 
@@ -150,6 +156,15 @@ def process_tree(pid: int) -> psutil.Process:
 def job_roots(job_id: str) -> list:
     """The topmost processes on this machine whose environment names job ``job_id``
     (``TORCHMN_JOB_ID``, Slurm's ``SLURM_JOB_ID``, or torchrun's ``TORCHELASTIC_RUN_ID``).
+
+    Only the environments this user may read are looked at (usually their own processes').
+
+    Args:
+        job_id: the job's id, as one of those variables holds it.
+
+    Returns:
+        The ``psutil.Process`` of each process of the job none of whose ancestors is of the job
+        too, for :func:`ranks_in_trees`.
 
     Raises:
         ProcessGone: no process of this job runs here.
@@ -178,7 +193,14 @@ def _parents(proc: psutil.Process) -> list:
 
 
 def affinity(pid: int) -> Optional[int]:
-    """Returns: how many CPUs process ``pid`` may run on, or None where that cannot be read.
+    """How many CPUs process ``pid`` may run on (its CPU affinity).
+
+    Args:
+        pid: the process id.
+
+    Returns:
+        The number of CPUs in its affinity mask, or None where that cannot be read (the process
+        has ended, or the platform has no affinity).
 
     Example::
 

@@ -42,7 +42,16 @@ class Diagnosis:
     seconds: float
 
     def to_json(self) -> dict:
-        """Returns: the diagnosis as plain data."""
+        """The diagnosis as plain data, for ``torchmn doctor --json``.
+
+        Returns:
+            A dict of the attributes by name (``dataclasses.asdict``): only dicts, lists,
+            strings, numbers and None, which ``json.dumps`` takes as they are.
+
+        Example::
+
+            >>> print(json.dumps(diagnose(ranks, samples, limits, 3.0).to_json(), indent=1))
+        """
         return dataclasses.asdict(self)
 
 

@@ -40,6 +40,13 @@ def kernel_for(optimizer: torch.optim.Optimizer) -> Optional[Callable]:
         torch's fused Adam or AdamW kernel, or None where calling it directly would not do what
         ``optimizer.step()`` does (not fused Adam or AdamW, capturable, differentiable, or this
         torch's kernels are not the known ones).
+
+    Example::
+
+        >>> kernel_for(torch.optim.Adam(shard_params, fused=True))
+        <built-in method _fused_adam_ of type object at 0x7f2dfa2cea40>
+        >>> kernel_for(torch.optim.Adam(shard_params)) is None     # not fused
+        True
     """
     group = optimizer.param_groups[0]
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or not group.get("fused") \
@@ -137,6 +144,23 @@ class SumAndStep:
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, buckets: list, scale: float):
+        """Keep what to sum and step; the pieces are planned at the first call that applies.
+
+        Args:
+            optimizer: the shard optimizer over the buckets' shard parameters; :func:`kernel_for`
+                must find its fused kernel.
+            buckets: the :class:`~torchmn.optimizers.shard_layout.ShardBucket` objects it steps,
+                placed in shared memory (each with its ``node``), of one dtype and device.
+            scale: the factor for this rank's own part of each sum (``1 / size``; the other
+                ranks' parts are scaled already); the caller may change ``.scale`` between steps.
+
+        Raises:
+            ValueError: :func:`kernel_for` finds no fused kernel for ``optimizer``.
+
+        Example::
+
+            >>> sum_and_step = SumAndStep(inner, buckets, 1.0 / comm.size)
+        """
         self.kernel = kernel_for(optimizer)
         if self.kernel is None:
             raise TorchmnValueError(f"SumAndStep: {type(optimizer).__name__} is not stepped by a known fused kernel")
@@ -196,6 +220,20 @@ class SumAndStep:
         return sums, (params, grads, moments, squares, maxima if maxima[0] is not None else [], steps)
 
     def __call__(self) -> bool:
+        """Sum this rank's slices of the node's gradients and update them, piece by piece, where
+        this step allows it.
+
+        Returns:
+            True where every shard was summed and updated (its step count advanced); False,
+            having done nothing, where this rank lacks a gradient, a shard has no state yet, or a
+            hyperparameter is a tensor: the caller then sums and steps the usual way.
+
+        Example::
+
+            >>> if not sum_and_step():
+            ...     for b in buckets: b.node.sum_shard_of_peers(sum_and_step.scale)
+            ...     buckets[0].step_shard()
+        """
         if not all(all(b.present) for b in self.buckets):
             return False
         hyper = _hyperparameters(self.optimizer.param_groups[0])

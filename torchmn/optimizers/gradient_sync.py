@@ -40,6 +40,12 @@ def make_buckets(params: list[torch.nn.Parameter], cap: int, build: Callable[[li
 
     Returns:
         The buckets, in the order they are sent.
+
+    Example::
+
+        >>> params = [torch.nn.Parameter(torch.zeros(1000)) for _ in range(4)]    # 4000 bytes each
+        >>> [len(run) for run in make_buckets(params, 8000, list, lambda a, b: a.dtype == b.dtype)]
+        [2, 2]
     """
     buckets, run, run_bytes = [], [], 0
     limit = min(cap, FIRST_BUCKET_BYTES) if cap else 0
@@ -100,6 +106,10 @@ def copy_scaled(out: torch.Tensor, src: torch.Tensor, scale: Optional[float]) ->
         out: the destination.
         src: the source, of ``out``'s shape.
         scale: the factor; None for a plain copy.
+
+    Example::
+
+        >>> copy_scaled(bucket_view, p.grad, 1.0 / comm.size)    # the gradient, divided on the way in
     """
     if scale is None:
         out.copy_(src)
@@ -132,6 +142,25 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, *, compression: Optional[str],
                  backward_passes_per_step: int):
+        """Check the options and share the wrapped optimizer's groups (for a subclass's
+        ``__init__``, which then builds its buckets). No communication.
+
+        The optimizer is numbered among those built on ``comm``, for :func:`torchmn.join`.
+
+        Args:
+            optimizer: the ``torch.optim.Optimizer`` to wrap.
+            comm: the communicator.
+            compression: ``None``, ``"none"``, ``"fp16"`` or ``"bf16"``: the dtype gradients travel in.
+            backward_passes_per_step: backward passes accumulated locally per averaging.
+
+        Raises:
+            TypeError: ``optimizer`` is not a ``torch.optim.Optimizer``.
+            ValueError: an unknown ``compression``, or ``backward_passes_per_step < 1``.
+
+        Example::
+
+            >>> super().__init__(optimizer, comm, compression=None, backward_passes_per_step=1)
+        """
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TorchmnTypeError(f"create_multi_node_optimizer wraps a torch.optim.Optimizer, not "
                                    f"{type(optimizer).__name__}")
@@ -298,7 +327,20 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     # ----------------------------------------------------------------------------- public
     def synchronize(self) -> None:
-        """Send this step's gradients now, if backward has not already (Horovod's name)."""
+        """Send this step's gradients now, if backward has not already (Horovod's name).
+
+        What happens to them once sent is the subclass's: the replicated optimizer waits for the
+        averages and puts them in ``.grad``; the sharded one takes them at ``step()``. Where it
+        sends, it is collective: every other rank must send too (at the end of its backward, or
+        by its own ``synchronize()``).
+
+        Example::
+
+            >>> with optimizer.no_sync():
+            ...     loss_fn(model(x), y).backward()     # nothing sent
+            >>> optimizer.synchronize()                 # sent now, as after a backward outside no_sync
+            >>> optimizer.step()
+        """
         if not self._sent:
             self._send_rest()
 
@@ -399,8 +441,17 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def add_param_group(self, param_group) -> None:
         """Not supported after wrapping: the gradient buckets are built for the parameters there were.
 
+        Args:
+            param_group: the group that would be added; not used.
+
         Raises:
             NotImplementedError: always; add groups to the torch optimizer before wrapping it.
+
+        Example::
+
+            >>> optimizer.add_param_group({"params": head.parameters()})
+            Traceback (most recent call last):
+            torchmn.errors.TorchmnNotImplementedError: add a parameter group to the wrapped optimizer before wrapping it
         """
         raise TorchmnNotImplementedError("add a parameter group to the wrapped optimizer before wrapping it")
 
@@ -423,6 +474,21 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self.wrapped.defaults = value
 
     def __reduce_ex__(self, protocol):
+        """Refuse to be pickled or copied (``pickle``, ``copy.copy`` and ``copy.deepcopy`` all ask here).
+
+        Args:
+            protocol: the pickle protocol asked for; not used.
+
+        Raises:
+            TypeError: always: the optimizer holds the communicator, backward hooks and shared
+                buffers; save ``state_dict()`` and load it into a new one instead.
+
+        Example::
+
+            >>> copy.deepcopy(optimizer)
+            Traceback (most recent call last):
+            torchmn.errors.TorchmnTypeError: a MultiNodeOptimizer cannot be copied or pickled: ...
+        """
         # Also what copy.copy and copy.deepcopy would use; torch's Optimizer.__setstate__ would then
         # patch this class's step() for hooks it never set up, breaking every other instance.
         raise TorchmnTypeError(f"a {type(self).__name__} cannot be copied or pickled: it holds the communicator, "
@@ -437,6 +503,11 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
         Returns:
             A handle whose ``remove()`` removes the hook.
+
+        Example::
+
+            >>> handle = optimizer.register_step_pre_hook(lambda opt, args, kwargs: print("stepping"))
+            >>> handle.remove()
         """
         return self.wrapped.register_step_pre_hook(hook)
 
@@ -448,14 +519,41 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
         Returns:
             A handle whose ``remove()`` removes the hook.
+
+        Example::
+
+            >>> handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: scheduler.step())
         """
         return self.wrapped.register_step_post_hook(hook)
 
     def __repr__(self) -> str:
+        """The class, the wrapped optimizer and the communicator.
+
+        Returns:
+            ``ClassName(<the wrapped optimizer's repr>, <the communicator's repr>)``.
+
+        Example::
+
+            >>> print(optimizer)
+            MultiNodeOptimizer(SGD (
+            Parameter Group 0
+                ...
+            ), <FlatCommunicator rank 0/2 intra 0/2 inter 0/1 gloo>)
+        """
         return f"{type(self).__name__}({self.wrapped!r}, {self.comm!r})"
 
     def remove_hooks(self) -> None:
-        """Detach from the parameters' gradient hooks (the wrapped optimizer keeps working alone)."""
+        """Detach from the parameters' gradient hooks (the wrapped optimizer keeps working alone).
+
+        Backward then no longer sends gradients through this optimizer. What to do before
+        unfreezing parameters: remove the hooks, then wrap the torch optimizer again.
+
+        Example::
+
+            >>> optimizer.remove_hooks()
+            >>> backbone.requires_grad_(True)                   # unfreeze
+            >>> optimizer = torchmn.create_multi_node_optimizer(optimizer.wrapped, comm)
+        """
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

@@ -27,7 +27,15 @@ def check_optimizer(optimizer) -> None:
         optimizer: the optimizer ``shard_state=True`` would wrap.
 
     Raises:
-        TypeError: LBFGS, or any optimizer not in :data:`ELEMENTWISE_OPTIMIZERS`.
+        TypeError: LBFGS, or any optimizer not in :data:`ELEMENTWISE_OPTIMIZERS` (a subclass of
+            one of them included: it may add cross-element math).
+
+    Example::
+
+        >>> check_optimizer(torch.optim.Adam(model.parameters()))      # elementwise: accepted
+        >>> check_optimizer(torch.optim.LBFGS(model.parameters()))
+        Traceback (most recent call last):
+        torchmn.errors.TorchmnTypeError: shard_state=True cannot wrap LBFGS: ...
     """
     if isinstance(optimizer, torch.optim.LBFGS):
         raise TorchmnTypeError("shard_state=True cannot wrap LBFGS: its update needs whole parameters and a "

@@ -130,11 +130,33 @@ class Join:
     """
 
     def __init__(self, comm):
+        """A context for ``comm``, not yet entered (:func:`join` makes it; no communication).
+
+        Args:
+            comm: the communicator the multi-node optimizers were built on.
+
+        Example::
+
+            >>> joined = Join(comm)          # what torchmn.join(comm) returns
+        """
         self.comm = comm
         self.steps_repeated = 0
         self._repeating: Optional[tuple] = None  # (optimizer, ranks with data) while this rank repeats a step
 
     def __enter__(self) -> "Join":
+        """Open the context on its communicator: from now on each averaging begins with the exchange.
+
+        Returns:
+            This context, for ``with torchmn.join(comm) as joined:``.
+
+        Raises:
+            JoinError: a context is open on this communicator already (one covers the whole loop).
+
+        Example::
+
+            >>> with torchmn.join(comm) as joined:
+            ...     train(my_batches)
+        """
         if self.comm in _open:
             raise JoinError(f"rank {self.comm.rank} on {socket.gethostname()}: torchmn.join is already open on "
                             f"this communicator; one context covers the whole loop")
@@ -142,6 +164,34 @@ class Join:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
+        """Where the loop ended normally, repeat the other ranks' steps with zero gradients until
+        every rank's loop has ended (collective); then close the context.
+
+        :attr:`steps_repeated` counts the steps repeated. Where the loop raised, nothing is
+        repeated: the context closes and the exception goes on.
+
+        Args:
+            exc_type: the type of the exception the loop raised, or None.
+            exc: the exception, or None.
+            tb: its traceback, or None.
+
+        Returns:
+            False: an exception from the loop is never swallowed (the other ranks then fail on
+            their own).
+
+        Raises:
+            CollectiveMismatchError: the ranks with data average different optimizers at one
+                step, or another rank made another collective where the exchange was.
+            JoinError: an optimizer the others average cannot be repeated (double buffering, or
+                this rank no longer has it).
+
+        Example::
+
+            >>> with torchmn.join(comm) as joined:     # __exit__ runs at the end of the block
+            ...     train(my_batches)
+            >>> joined.steps_repeated
+            3
+        """
         try:
             if exc_type is None:
                 self._repeat_until_all_ended()

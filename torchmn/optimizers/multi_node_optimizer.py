@@ -157,6 +157,39 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, *, double_buffering: bool,
                  zero_fill: bool, compression: Optional[str], bucket_cap_mb: Optional[float],
                  backward_passes_per_step: int):
+        """Wrap ``optimizer``: broadcast the parameters from rank 0, build the gradient buckets and
+        hook them to backward (collective; :func:`create_multi_node_optimizer` calls it).
+
+        Where every rank is on one node and the communicator can share memory there (the
+        hierarchical one, CPU gradients), without double buffering or compression, the buckets
+        go in memory the node's ranks share, if ``/dev/shm`` has room; else they are averaged
+        with allreduces.
+
+        Args:
+            optimizer: the ``torch.optim.Optimizer`` to wrap (built on every rank).
+            comm: the communicator.
+            double_buffering: update with the previous step's averages (ChainerMN's semantics).
+            zero_fill: count a gradient missing on some ranks as zeros (with False, such a
+                gradient raises :class:`~torchmn.CollectiveMismatchError`).
+            compression: ``None``, ``"fp16"`` or ``"bf16"``: the dtype gradients travel in.
+            bucket_cap_mb: MB of gradients per message (None: the communicator's).
+            backward_passes_per_step: backward passes accumulated locally per averaging.
+
+        Returns:
+            None: a constructor (the ``return`` statements inside belong to its local helper functions).
+
+        Raises:
+            TypeError: ``optimizer`` is not a torch optimizer.
+            ValueError: an unknown ``compression``, ``backward_passes_per_step < 1``, CPU
+                parameters under NCCL, or compression of complex parameters.
+            CollectiveMismatchError: the ranks' models differ in layout.
+
+        Example::
+
+            >>> optimizer = MultiNodeOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm,
+            ...                                double_buffering=False, zero_fill=True, compression=None,
+            ...                                bucket_cap_mb=None, backward_passes_per_step=1)
+        """
         super().__init__(optimizer, comm, compression=compression,
                          backward_passes_per_step=backward_passes_per_step)
         self.double_buffering = double_buffering
@@ -220,6 +253,8 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
 
     @property
     def buckets(self) -> list[_Bucket]:
+        """The gradient buckets this backward fills, in the order they are sent (with double
+        buffering, one of the two sets, alternating from step to step)."""
         return self._bucket_sets[self._current]
 
     def _send(self, bucket: _Bucket) -> None:
@@ -276,6 +311,11 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         Raises:
             ValueError: a closure was passed.
             RuntimeError: the last backward raised, or parameters were added or unfrozen since wrapping.
+
+        Example::
+
+            >>> loss_fn(model(x), y).backward()
+            >>> optimizer.step()
         """
         self.check_step(closure)
         self.synchronize()
@@ -348,7 +388,17 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         self.zero_grad()
 
     def state_dict(self):
-        """The wrapped optimizer's ``state_dict()``: the same on every rank, no communication."""
+        """The wrapped optimizer's ``state_dict()``: the same on every rank, no communication.
+
+        Returns:
+            ``{"state": ..., "param_groups": ...}`` as ``torch.optim.Optimizer.state_dict()``; it
+            loads into the plain torch optimizer too.
+
+        Example::
+
+            >>> if comm.rank == 0:
+            ...     torch.save({"model": model.state_dict(), "opt": optimizer.state_dict()}, path)
+        """
         return self.wrapped.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
@@ -356,6 +406,10 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
 
         Args:
             state_dict: the state, in torch's optimizer format.
+
+        Example::
+
+            >>> optimizer.load_state_dict(torch.load(path)["opt"])
         """
         self.wrapped.load_state_dict(state_dict)
 

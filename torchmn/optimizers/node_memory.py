@@ -58,7 +58,15 @@ def open_bucket_arena(comm: Communicator, nbytes: list[int]):
 
     Returns:
         ``(arena, offsets)``, or None where the ranks cannot share memory (several nodes, GPU, a
-        small ``/dev/shm``): the caller then takes the path through collectives.
+        small ``/dev/shm``): the caller then takes the path through collectives. ``offsets``
+        are the buffers' byte offsets, the same in the shared region and in every rank's
+        (:func:`arena_layout`).
+
+    Example::
+
+        >>> opened = open_bucket_arena(comm, [b.numel * b.params[0].element_size() for b in buckets])
+        >>> if opened is not None:
+        ...     arena, offsets = opened
     """
     offsets, total = arena_layout(nbytes)
     arena = comm.open_node_arena(shared_bytes=total, region_bytes=total, points=ARENA_POINTS)
@@ -75,7 +83,13 @@ def region_view(region: torch.Tensor, offset: int, numel: int, dtype: torch.dtyp
         dtype: its dtype.
 
     Returns:
-        ``numel`` elements of ``dtype`` at byte ``offset`` of ``region``.
+        ``numel`` elements of ``dtype`` at byte ``offset`` of ``region``: a view, writes go to
+        the region.
+
+    Example::
+
+        >>> region_view(arena.shared, 64, 10, torch.float32).shape      # 10 floats from byte 64
+        torch.Size([10])
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
     return region[offset:offset + numel * itemsize].view(dtype)
@@ -114,6 +128,10 @@ def sum_scaled(out: torch.Tensor, others: list[torch.Tensor], mine: Optional[tor
         mine: this rank's part, or None where it has none; it may be ``out`` itself (kept
             gradients, ``zero_grad(set_to_none=False)``, accumulate where the sum goes).
         scale: the factor for ``mine`` (the others' parts are scaled already).
+
+    Example::
+
+        >>> sum_scaled(out, [peer[lo:hi] for peer in others], p.grad.reshape(-1)[lo:hi], 1.0 / comm.size)
     """
     if mine is None:
         sum_into(out, others)
@@ -144,6 +162,23 @@ class NodeShards:
     """
 
     def __init__(self, bucket, region: torch.Tensor, peer_regions: list[torch.Tensor], own_index: int):
+        """Plan the bucket's copies and sums over the node's gradient buffers (no communication).
+
+        Args:
+            bucket: the :class:`~torchmn.optimizers.shard_layout.ShardBucket`.
+            region: this rank's gradient buffer (``bucket.region_numel`` elements: the flat
+                layout, then one flag per parameter).
+            peer_regions: every rank's gradient buffer, this rank's at ``own_index``.
+            own_index: this rank's place among them (its local rank).
+
+        Returns:
+            None: a constructor (the ``return`` statement inside belongs to its local helper function).
+
+        Example::
+
+            >>> regions = [region_view(r, offset, b.region_numel, b.dtype) for r in arena.regions]
+            >>> b.node = NodeShards(b, regions[arena.local_rank], regions, arena.local_rank)
+        """
         self.bucket = b = bucket
         r = b.rank
         self.flags = region[b.padded:]
@@ -179,6 +214,10 @@ class NodeShards:
 
         Args:
             scale: ``1 / size``, so that the sums are means.
+
+        Example::
+
+            >>> bucket.node.pack_for_peers(1.0 / comm.size)     # as backward hands the bucket over
         """
         b = self.bucket
         b.remember_grads()
@@ -204,8 +243,15 @@ class NodeShards:
         needs that), and the other ranks' next copies never have to take back lines this rank
         wrote (summing in place into another rank's copy instead measured slower).
 
+        Call it once every rank has packed (after the barrier that says so).
+
         Args:
             scale: ``1 / size``, for this rank's own part (the others' are scaled already).
+
+        Example::
+
+            >>> arena.barrier(STEP_AFTER_SENDS[1])            # every rank's gradients are in
+            >>> for b in buckets: b.node.sum_shard_of_peers(1.0 / comm.size)
         """
         self._sum_slices(scale, share=False)
         self.bucket.set_grads(self.mine_in_own, self._counts())
@@ -236,6 +282,12 @@ class NodeShards:
 
         Args:
             scale: ``1 / size``, for this rank's own part (the others' are scaled already).
+
+        Example::
+
+            >>> arena.barrier("backward done (gradients in)")
+            >>> for b in buckets: b.node.average_for_all(1.0 / comm.size)
+            >>> arena.barrier("averaged gradients ready")
         """
         self._sum_slices(scale, share=True)
         # Read here, between the barriers: a rank writes its flags again in its next backward.
@@ -243,7 +295,15 @@ class NodeShards:
 
     def point_grads_at_averages(self) -> None:
         """Make each parameter's ``.grad`` its average in this rank's buffer (None where no rank had
-        a gradient, so that the optimizer leaves it alone, as in one process)."""
+        a gradient, so that the optimizer leaves it alone, as in one process).
+
+        Call it after :meth:`average_for_all` and the barrier that follows it on every rank.
+
+        Example::
+
+            >>> arena.barrier("averaged gradients ready")
+            >>> for b in buckets: b.node.point_grads_at_averages()   # .grad holds the averages now
+        """
         counts = self.counts
         for i, (p, average) in enumerate(zip(self.bucket.params, self.averages)):
             g = None if counts is not None and not counts[i] else average
@@ -252,7 +312,15 @@ class NodeShards:
 
     def take_averages(self) -> None:
         """The shard parameters' gradients: this rank's slice of each ``.grad`` (the averages, or
-        what the script put there since: clipped in place, or replaced)."""
+        what the script put there since: clipped in place, or replaced).
+
+        A ``.grad`` clipped in place is taken where it is; one replaced since backward has its
+        slice copied into this rank's buffer; one set to None leaves the shard without a gradient.
+
+        Example::
+
+            >>> for b in buckets: b.node.take_averages()   # in step(), before the shards are updated
+        """
         b = self.bucket
         for p, sp, average, mine, (lo, hi) in zip(b.params, b.shard_params, self.averages, self.mine_in_own, b.slices):
             g = p.grad

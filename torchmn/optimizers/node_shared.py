@@ -95,6 +95,28 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, *, bucket_cap_mb=None,
                  backward_passes_per_step: int = 1):
+        """Wrap ``optimizer``: broadcast the parameters from rank 0, put them, the per-element
+        optimizer state and the gradient buffers in memory the node's ranks share, and hook the
+        buckets to backward (collective; :func:`~torchmn.create_multi_node_optimizer` calls it
+        where every rank is on one node with CPU parameters).
+
+        Args:
+            optimizer: an elementwise ``torch.optim.Optimizer`` to wrap (built on every rank).
+            comm: the communicator.
+            bucket_cap_mb: MB of gradients per bucket (None: the communicator's).
+            backward_passes_per_step: backward passes accumulated locally per averaging.
+
+        Raises:
+            NoNodeMemory: the ranks cannot share memory (``/dev/shm`` too small, say); nothing
+                is placed, and the caller builds the replicated optimizer instead.
+            TypeError: ``optimizer`` is not a torch optimizer, or not an elementwise one.
+            ValueError: ``backward_passes_per_step < 1``.
+            CollectiveMismatchError: the ranks' models differ in layout.
+
+        Example::
+
+            >>> optimizer = NodeSharedOptimizer(torch.optim.Adam(model.parameters()), comm)
+        """
         self._state_views = []  # per bucket: {name: (whole views, shard views)}, set in shared memory
         super().__init__(optimizer, comm, bucket_cap_mb=bucket_cap_mb,
                          backward_passes_per_step=backward_passes_per_step)
@@ -172,6 +194,9 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
 
         Args:
             closure: not supported (multi-node optimizers need backward before ``step()``).
+
+        Returns:
+            None, always (no closure, so no loss to return).
 
         Raises:
             ValueError: a closure was passed.

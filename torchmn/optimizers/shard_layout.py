@@ -31,6 +31,22 @@ class ShardBucket:
 
     def __init__(self, params: list[torch.nn.Parameter], group: int, rank: int, size: int,
                  wire_dtype: Optional[torch.dtype]):
+        """Lay out the slices of ``params``; no buffer is made yet (:meth:`place` makes them).
+
+        Args:
+            params: consecutive parameters of one group, dtype and device.
+            group: the index of their group in the wrapped optimizer.
+            rank: this rank.
+            size: the number of ranks the parameters are sliced over.
+            wire_dtype: the dtype gradients travel in (None: the parameters' own).
+
+        Example::
+
+            >>> b = ShardBucket([torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(3))],
+            ...                 group=0, rank=1, size=3, wire_dtype=None)
+            >>> b.ks, b.slices, b.padded          # slice lengths, rank 1's [lo, hi), flat elements
+            ([2, 1], [(2, 4), (1, 2)], 9)
+        """
         self.params = params
         self.group = group
         self.rank, self.size = rank, size
@@ -70,6 +86,11 @@ class ShardBucket:
             flat: ``padded`` elements, in shared memory on one node.
             fill: copy the parameters in; False where ``flat`` already holds them (another rank of
                 the node wrote them there).
+
+        Example::
+
+            >>> bucket.place()                  # a new flat buffer, the parameters copied in
+            >>> bucket.place_wire()
         """
         if flat is None:
             flat = torch.zeros(self.padded, dtype=self.dtype, device=self.device)
@@ -84,12 +105,19 @@ class ShardBucket:
 
     @property
     def region_numel(self) -> int:
-        """Returns: the elements of a rank's shared gradient buffer (the flat layout, then the flags)."""
+        """The elements of a rank's shared gradient buffer: the flat layout, then one flag per parameter."""
         return self.padded + len(self.params)
 
     # ----------------------------------------------------------------------------- through collectives
     def place_wire(self) -> None:
-        """Buffers for the reduce-scatter and all-gather through the communicator."""
+        """Buffers for the reduce-scatter and all-gather through the communicator.
+
+        Call it after :meth:`place` (the all-gather's buffers view the shard parameters).
+
+        Example::
+
+            >>> bucket.place(); bucket.place_wire()
+        """
         size, block = self.size, self.block
         # Padding must stay 0 on the wire; pack() zeroes what an all-gather may have left there.
         self.wire = torch.zeros(size * block, dtype=self.wire_dtype, device=self.device)
@@ -128,6 +156,11 @@ class ShardBucket:
         Returns:
             ``size * block`` elements: rank ``j``'s block holds slice ``j`` of every gradient (times
             ``scale``), then one flag per parameter saying whether this rank has its gradient.
+            A gradient this rank lacks is zeros; padding is zeros.
+
+        Example::
+
+            >>> work = comm.reduce_scatter_flat(bucket.pack(1.0 / comm.size), bucket.grad_shard, async_op=True)
         """
         self.remember_grads()
         for g, (rows, split, tail, pads) in zip(self.packed, self.wire_plan):
@@ -148,17 +181,39 @@ class ShardBucket:
         return self.wire
 
     def take_reduced(self) -> None:
-        """After the reduce-scatter: each shard parameter's gradient, or None where no rank had one."""
+        """After the reduce-scatter: each shard parameter's gradient, or None where no rank had one.
+
+        Example::
+
+            >>> work.wait()
+            >>> bucket.take_reduced()        # each shard parameter's .grad: this rank's slice of the average
+        """
         counts = None if all(self.present) else self.grad_shard[self.k:].tolist()
         self.set_grads(self.shard_grads, counts)
 
     def send_shards(self) -> torch.Tensor:
-        """Returns: this rank's updated shards, in its block's layout, for the all-gather."""
+        """This rank's updated shards, in its block's layout, for the all-gather.
+
+        Returns:
+            A ``block``-element buffer (made by :meth:`place_wire` where ``size > 1``): the shards
+            one after another, then zeros where the flags go.
+
+        Example::
+
+            >>> comm.allgather_flat(bucket.gathered, bucket.send_shards())
+            >>> bucket.take_gathered()
+        """
         torch.cat(self.shard_views, out=self.send[:self.k])
         return self.send
 
     def take_gathered(self) -> None:
-        """Every rank's shards, from the all-gather's buffer into the parameters."""
+        """Every rank's shards, from the all-gather's buffer into the parameters.
+
+        Example::
+
+            >>> comm.allgather_flat(bucket.gathered, bucket.send_shards())
+            >>> bucket.take_gathered()          # the model holds every rank's update now
+        """
         rows = self.gathered.view(self.size, self.block)
         with torch.no_grad():
             for off, k, at in zip(self.offsets, self.ks, self.block_offsets):
@@ -167,7 +222,13 @@ class ShardBucket:
     # ----------------------------------------------------------------------------- both
     def point_params(self) -> None:
         """Make the model's parameters views into the flat buffer (shared memory on one node, so
-        that one rank's update reaches every rank's model)."""
+        that one rank's update reaches every rank's model).
+
+        Example::
+
+            >>> bucket.place()
+            >>> bucket.point_params()           # p.data is now a view of bucket.flat, for each p
+        """
         for p, off in zip(self.params, self.offsets):
             p.data = self.flat[off:off + p.numel()].view_as(p)
 
@@ -178,6 +239,10 @@ class ShardBucket:
             grads: one tensor per shard parameter.
             counts: how many ranks had each gradient (None: all did); a gradient no rank had
                 becomes None, so that the optimizer leaves its parameter alone.
+
+        Example::
+
+            >>> bucket.set_grads(bucket.shard_grads, None)        # every rank had every gradient
         """
         for i, (sp, g) in enumerate(zip(self.shard_params, grads)):
             if counts is not None and not counts[i]:
@@ -186,13 +251,30 @@ class ShardBucket:
                 sp.grad = g
 
     def remember_grads(self) -> None:
-        """Note this step's gradients (``packed``) and which of them this rank has (``present``)."""
+        """Note this step's gradients (``packed``) and which of them this rank has (``present``).
+
+        Forgets the versions :meth:`note_versions` noted.
+
+        Example::
+
+            >>> bucket.remember_grads()
+            >>> bucket.present                  # the second parameter got no gradient
+            [True, False]
+        """
         self.packed = [p.grad for p in self.params]
         self.present = [g is not None for g in self.packed]  # which gradients this rank has
         self.versions = None
 
     def note_versions(self) -> None:
-        """Note the gradients' version counters, to tell an edit made before ``step()``."""
+        """Note the gradients' version counters, to tell an edit made before ``step()``.
+
+        Call it once backward is done with every gradient, after :meth:`remember_grads` (or
+        :meth:`pack`, which calls it).
+
+        Example::
+
+            >>> for b in buckets: b.note_versions()     # at the end of backward
+        """
         self.versions = [g._version if g is not None else None for g in self.packed]
 
     def check_grads_unchanged(self) -> None:
@@ -203,6 +285,14 @@ class ShardBucket:
 
         Raises:
             RuntimeError: a ``.grad`` was replaced or changed in place since backward.
+
+        Example::
+
+            >>> bucket.note_versions()
+            >>> model.weight.grad.mul_(0.5)
+            >>> bucket.check_grads_unchanged()
+            Traceback (most recent call last):
+            torchmn.errors.TorchmnRuntimeError: rank 0 on node1: the .grad of a parameter of shape (2, 2) was ...
         """
         for p, g, version in zip(self.params, self.packed, self.versions):
             if p.grad is not g or (g is not None and g._version != version):

@@ -22,7 +22,14 @@ def indices(param_groups: list[dict]) -> dict:
         param_groups: the optimizer's parameter groups.
 
     Returns:
-        ``{parameter: index}``.
+        ``{parameter: index}``: 0, 1, ... in group order; a parameter in several groups keeps its
+        first index.
+
+    Example::
+
+        >>> opt = torch.optim.SGD([{"params": [weight]}, {"params": [bias]}], lr=0.1)
+        >>> list(indices(opt.param_groups).values())
+        [0, 1]
     """
     index, n = {}, 0
     for group in param_groups:
@@ -45,6 +52,10 @@ def gather_state_dict(comm: Communicator, param_groups: list[dict], buckets: lis
 
     Raises:
         RuntimeError: the ranks hold different state layouts (they took different steps).
+
+    Example::
+
+        >>> sd = gather_state_dict(comm, optimizer.wrapped.param_groups, optimizer.buckets)   # every rank
     """
     local_keys = [[list(b.optimizer.state.get(sp, {})) for sp in b.shard_params] for b in buckets]
     if comm.size > 1 and any(k != local_keys for k in comm.allgather_obj(local_keys)):
@@ -118,6 +129,10 @@ def load_state_dict(state_dict: dict, param_groups: list[dict], inner: dict) -> 
 
     Raises:
         ValueError: the groups or a state entry do not fit the optimizer's parameters.
+
+    Example::
+
+        >>> load_state_dict(torch.load("opt.pt"), optimizer.wrapped.param_groups, optimizer.shard_groups)
     """
     saved_groups = state_dict["param_groups"]
     groups = param_groups
@@ -165,6 +180,12 @@ def slice_of_state(b: ShardBucket, i: int, saved: dict) -> dict:
 
     Raises:
         ValueError: a tensor entry does not have the parameter's number of elements.
+
+    Example::
+
+        >>> saved = {"step": torch.tensor(3.0), "exp_avg": torch.ones(4), "exp_avg_sq": torch.ones(4)}
+        >>> slice_of_state(bucket, 0, saved)["exp_avg"]      # rank 1 of 3: elements 2:4, k = 2
+        tensor([1., 1.])
     """
     p, (lo, hi) = b.params[i], b.slices[i]
     mine = {}
@@ -191,7 +212,14 @@ def local_part(comm: Communicator, param_groups: list[dict], buckets: list) -> d
 
     Returns:
         ``{"size", "param_groups", "state": {index: {key: value}}, "slices": {index: (lo, hi)}}``:
-        per-element tensors hold elements ``lo:hi`` of the flattened parameter.
+        per-element tensors hold elements ``lo:hi`` of the flattened parameter. Parameters
+        without state yet are left out.
+
+    Example::
+
+        >>> part = local_part(comm, optimizer.wrapped.param_groups, optimizer.buckets)
+        >>> part["size"], part["slices"][0]          # rank 1 of 2, a first parameter of 10 elements
+        (2, (5, 10))
     """
     index = indices(param_groups)
     state, slices = {}, {}
@@ -223,6 +251,11 @@ def merge_parts(parts: list[dict], param_groups: list[dict]) -> dict:
     Raises:
         ValueError: the parts are not one job's (their rank counts differ, a part is missing), or
             do not cover a parameter of this optimizer.
+
+    Example::
+
+        >>> whole = merge_parts([torch.load(f"opt_rank{r}.pt") for r in range(2)], optimizer.wrapped.param_groups)
+        >>> optimizer.load_state_dict(whole)
     """
     sizes = {part["size"] for part in parts}
     if sizes != {len(parts)}:

@@ -61,6 +61,37 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, *, zero_fill: bool = True,
                  compression: Optional[str] = None, bucket_cap_mb: Optional[float] = None,
                  backward_passes_per_step: int = 1, double_buffering: bool = False):
+        """Wrap ``optimizer``: broadcast the parameters from rank 0, cut them into shards, build
+        the shard optimizers and hook the buckets to backward (collective;
+        ``create_multi_node_optimizer(..., shard_state=True)`` calls it).
+
+        The model's parameters become views into flat buffers: in memory the node's ranks share
+        where every rank is on one node (a communicator that can share memory there), the
+        gradients are uncompressed CPU ones and ``/dev/shm`` has room; else this rank's own.
+
+        Args:
+            optimizer: an elementwise ``torch.optim.Optimizer`` to wrap (built on every rank).
+            comm: the communicator.
+            zero_fill: must be True (a gradient missing on some ranks is summed as zeros).
+            compression: ``None``, ``"fp16"`` or ``"bf16"``: the dtype gradients travel in.
+            bucket_cap_mb: MB of gradients per bucket (None: the communicator's).
+            backward_passes_per_step: backward passes accumulated locally per averaging.
+            double_buffering: must be False (the update needs this step's gradients).
+
+        Returns:
+            None: a constructor (the ``return`` statements inside belong to its local helper functions).
+
+        Raises:
+            TypeError: ``optimizer`` is not a torch optimizer, or not an elementwise one.
+            ValueError: an unknown ``compression``, ``backward_passes_per_step < 1``,
+                ``double_buffering=True``, ``zero_fill=False``, CPU parameters under NCCL, or
+                compression of complex parameters.
+            CollectiveMismatchError: the ranks' models differ in layout.
+
+        Example::
+
+            >>> optimizer = ShardedMultiNodeOptimizer(torch.optim.Adam(model.parameters()), comm)
+        """
         super().__init__(optimizer, comm, compression=compression,
                          backward_passes_per_step=backward_passes_per_step)
         check_optimizer(optimizer)
@@ -156,6 +187,17 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             b.note_versions()
 
     def sync_hyperparameters(self) -> None:
+        """Copy the wrapped optimizer's hyperparameters (``lr``, ``betas``, ...) into the shard
+        optimizers, which read their own copies; ``step()`` does it every time.
+
+        Every entry of each group but ``params``, ``fused`` and ``foreach`` (the shard
+        optimizers' choice of kernel stays theirs). No communication.
+
+        Example::
+
+            >>> optimizer.param_groups[0]["lr"] = 0.01      # what an LR scheduler does
+            >>> optimizer.sync_hyperparameters()            # the shards use it from now on
+        """
         # Schedulers and users change the outer groups; the shard optimizers read their own copies.
         for (group, _), buckets in self.shard_groups.items():
             inner = buckets[0].optimizer.param_groups[0]
@@ -169,6 +211,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
 
         Args:
             closure: not supported (multi-node optimizers need backward before ``step()``).
+
+        Returns:
+            None, always (no closure, so no loss to return).
 
         Raises:
             ValueError: a closure was passed.
@@ -218,8 +263,20 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     def register_step_pre_hook(self, hook):
         """Not supported with ``shard_state=True``: call the hook around ``optimizer.step()``.
 
+        ``register_step_post_hook`` is the same method, and refuses alike.
+
+        Args:
+            hook: the hook that would be registered; not used.
+
         Raises:
-            NotImplementedError: always.
+            NotImplementedError: always: each rank updates its shards with optimizers of its own,
+                so a hook would see neither the model's parameters nor the whole update.
+
+        Example::
+
+            >>> optimizer.register_step_pre_hook(lambda opt, args, kwargs: None)
+            Traceback (most recent call last):
+            torchmn.errors.TorchmnNotImplementedError: step hooks with shard_state=True: ...
         """
         # Global hooks (torch.optim.optimizer.register_optimizer_step_pre_hook) do not run for the
         # shard optimizers either: they are stepped without torch's hook wrapper (inner_optimizers.step_function).

@@ -21,6 +21,23 @@ __all__ = sorted(_NAMES)
 # Loaded when first used: ``torchmn run`` and ``torchmn tune`` load this package's command without
 # torch, which only the trials inside a job need.
 def __getattr__(name: str):
+    """Import ``name``'s module the first time ``name`` is used, and keep ``name`` here from then on.
+
+    Args:
+        name: the attribute asked for (``torchmn.tune.Tuner``, ``from torchmn.tune import Param``).
+
+    Returns:
+        The class or function of that name from its module (listed in ``__all__``).
+
+    Raises:
+        AttributeError: ``name`` is not one of this package's names.
+
+    Example::
+
+        >>> import torchmn.tune
+        >>> torchmn.tune.Tuner                 # imports torchmn.tune.study now
+        <class 'torchmn.tune.study.Tuner'>
+    """
     if name not in _NAMES:
         raise AttributeError(f"module 'torchmn.tune' has no attribute {name!r}")
     value = getattr(importlib.import_module(_NAMES[name]), name)
@@ -29,6 +46,16 @@ def __getattr__(name: str):
 
 
 def __dir__():
+    """The package's names, those not imported yet included (for ``dir()`` and completion).
+
+    Returns:
+        The sorted names of the module's globals and of ``__all__``.
+
+    Example::
+
+        >>> "MultiNodeStudy" in dir(torchmn.tune)
+        True
+    """
     return sorted(set(globals()) | set(__all__))
 
 

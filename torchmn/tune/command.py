@@ -9,7 +9,23 @@ import sys
 
 
 def add_tune(subparsers) -> None:
-    """Register ``torchmn tune`` on the ``torchmn`` command's subparsers."""
+    """Register ``torchmn tune`` on the ``torchmn`` command's subparsers.
+
+    Its options: ``-np``, ``--n-trials``, ``--timeout``, ``--trial-timeout``, ``--storage``,
+    ``--study-name``, ``--param`` (repeatable), ``--only-params``, ``--log``, ``--plot``, and the
+    command after ``--``; the subcommand's ``handler`` is :func:`run_tune`. Nothing here imports
+    torch or Optuna.
+
+    Args:
+        subparsers: what ``argparse.ArgumentParser.add_subparsers`` returned.
+
+    Example::
+
+        >>> parser = argparse.ArgumentParser(prog="torchmn")
+        >>> add_tune(parser.add_subparsers())
+        >>> parser.parse_args(["tune", "--param", "OMP_NUM_THREADS=int:1:4", "--", "python", "train.py"]).param
+        ['OMP_NUM_THREADS=int:1:4']
+    """
     p = subparsers.add_parser(
         "tune", allow_abbrev=False, help="search threads, DataLoader workers and bucket size with Optuna",
         description="Run COMMAND once per trial with settings Optuna suggests (torchmn's thread, inter-op, "
@@ -39,7 +55,31 @@ def add_tune(subparsers) -> None:
 
 
 def run_tune(args, parser) -> int:
-    """The handler of ``torchmn tune``. Returns: 0, or 2 when it cannot run or go on."""
+    """The handler of ``torchmn tune``: run the search, print its summary, write the plots.
+
+    The searched parameters are torchmn's own settings (:func:`~torchmn.tune.space.default_space`,
+    sized for this process's CPUs and ``-np``) unless ``--only-params``, then every ``--param``.
+    A SIGTERM ends the search as Ctrl-C does, stopping the running trial. Errors are reported on
+    stderr, not raised.
+
+    Args:
+        args: the parsed options (``np``, ``n_trials``, ``timeout``, ``trial_timeout``,
+            ``storage``, ``study_name``, ``param``, ``only_params``, ``log``, ``plot``,
+            ``command``).
+        parser: the subcommand's parser.
+
+    Returns:
+        0 once the search is done; 2 when it cannot run or go on: Optuna is not installed, no
+        command, ``--n-trials`` or ``-np`` below 1, a malformed ``--param``, ``--only-params``
+        without a ``--param``, or a :class:`~torchmn.tune.TuneError` (a storage it cannot open,
+        trials failing in a row).
+
+    Example::
+
+        >>> from torchmn.cli import main
+        >>> main(["tune", "-np", "2", "--n-trials", "10", "--", "python", "train.py"])   # doctest: +SKIP
+        0
+    """
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
         from torchmn.tune.space import default_space, parse_param

@@ -40,6 +40,20 @@ class DistributedTrial:
     """
 
     def __init__(self, trial, comm: Communicator):
+        """Share rank 0's trial with the other ranks (collective: its number is broadcast).
+
+        Args:
+            trial: the ``optuna.Trial`` on rank 0, None on the other ranks.
+            comm: the communicator whose ranks run the trial together.
+
+        Raises:
+            ValueError: a trial is missing on rank 0, or given on another rank.
+
+        Example::
+
+            >>> trial = study.ask() if comm.rank == 0 else None
+            >>> shared = torchmn.tune.DistributedTrial(trial, comm)
+        """
         if (trial is None) != (comm.rank != 0):
             raise TorchmnValueError(
                 f"rank {comm.rank}: DistributedTrial takes the trial on rank 0 and None on the others")
@@ -51,28 +65,104 @@ class DistributedTrial:
         return self.comm.bcast_obj(value)
 
     def suggest_float(self, name: str, low: float, high: float, *, step=None, log: bool = False) -> float:
-        """Returns: rank 0's ``optuna.Trial.suggest_float``, on every rank."""
+        """Suggest a float on rank 0 and give it to every rank (collective).
+
+        Args:
+            name: the parameter's name in the study.
+            low: the smallest value.
+            high: the largest value.
+            step: the spacing of the values (None: any value in the range).
+            log: search on a log scale.
+
+        Returns:
+            Rank 0's ``optuna.Trial.suggest_float(name, low, high, step=step, log=log)``, the same
+            on every rank (the other ranks' arguments are not used).
+
+        Example::
+
+            >>> lr = trial.suggest_float("lr", 1e-4, 1e-1, log=True)
+        """
         return self._from_rank0("suggest_float", name, low, high, step=step, log=log)
 
     def suggest_int(self, name: str, low: int, high: int, *, step: int = 1, log: bool = False) -> int:
-        """Returns: rank 0's ``optuna.Trial.suggest_int``, on every rank."""
+        """Suggest an integer on rank 0 and give it to every rank (collective).
+
+        Args:
+            name: the parameter's name in the study.
+            low: the smallest value.
+            high: the largest value (included).
+            step: the spacing of the values.
+            log: search on a log scale.
+
+        Returns:
+            Rank 0's ``optuna.Trial.suggest_int(name, low, high, step=step, log=log)``, the same on
+            every rank (the other ranks' arguments are not used).
+
+        Example::
+
+            >>> layers = trial.suggest_int("layers", 1, 4)
+        """
         return self._from_rank0("suggest_int", name, low, high, step=step, log=log)
 
     def suggest_categorical(self, name: str, choices: Sequence):
-        """Returns: rank 0's ``optuna.Trial.suggest_categorical``, on every rank."""
+        """Suggest one of ``choices`` on rank 0 and give it to every rank (collective).
+
+        Args:
+            name: the parameter's name in the study.
+            choices: the values to choose from (None, bools, numbers or strings, as Optuna takes).
+
+        Returns:
+            Rank 0's ``optuna.Trial.suggest_categorical(name, choices)``, the same on every rank.
+
+        Example::
+
+            >>> optimizer_name = trial.suggest_categorical("optimizer", ["sgd", "adam"])
+        """
         return self._from_rank0("suggest_categorical", name, choices)
 
     def report(self, value: float, step: int) -> None:
-        """Report an intermediate value (rank 0's is the one stored)."""
+        """Report an intermediate value to the pruner; only rank 0's call reaches the study.
+
+        No communication: the other ranks' calls do nothing, so the value rank 0 reports is the
+        one the pruner judges (report one that stands for every rank, their average say).
+
+        Args:
+            value: the objective's value so far (a validation loss, say).
+            step: the step it was reached at (an epoch).
+
+        Example::
+
+            >>> trial.report(val_loss, epoch)
+        """
         if self.comm.rank == 0:
             self._trial.report(value, step)
 
     def should_prune(self) -> bool:
-        """Returns: rank 0's pruner's decision, on every rank."""
+        """Whether to stop the trial now: rank 0's pruner decides, every rank learns it (collective).
+
+        Returns:
+            Rank 0's ``optuna.Trial.should_prune()``, the same on every rank.
+
+        Example::
+
+            >>> if trial.should_prune():
+            ...     raise optuna.TrialPruned()
+        """
         return bool(self._from_rank0("should_prune"))
 
     def set_user_attr(self, key: str, value) -> None:
-        """Set a user attribute (rank 0's call is the one stored)."""
+        """Set a user attribute of the trial; only rank 0's call reaches the study.
+
+        No communication: the other ranks' calls do nothing.
+
+        Args:
+            key: the attribute's name.
+            value: its value (JSON-serialisable, as Optuna's storages need).
+
+        Example::
+
+            >>> trial.set_user_attr("batch_size", 64)
+        """
         if self.comm.rank == 0:
             self._trial.set_user_attr(key, value)
 
@@ -98,6 +188,20 @@ class MultiNodeStudy:
     """
 
     def __init__(self, study, comm: Communicator):
+        """Keep the study and the communicator (no communication).
+
+        Args:
+            study: the ``optuna.Study`` on rank 0; on the other ranks theirs, loaded from the same
+                storage, or None.
+            comm: the communicator whose ranks run every trial together.
+
+        Raises:
+            ValueError: ``study`` is None on rank 0.
+
+        Example::
+
+            >>> multi = torchmn.tune.MultiNodeStudy(study if comm.rank == 0 else None, comm)
+        """
         if comm.rank == 0 and study is None:
             raise TorchmnValueError("MultiNodeStudy needs the study on rank 0")
         self.study, self.comm = study, comm

@@ -35,7 +35,15 @@ class Param:
     choices: tuple = ()
 
     def suggest(self, trial):
-        """Returns: this parameter's value for ``trial`` (an ``optuna.Trial``).
+        """Ask ``trial`` for this parameter's value, under the parameter's name.
+
+        Args:
+            trial: an ``optuna.Trial`` (or a :class:`~torchmn.tune.DistributedTrial`).
+
+        Returns:
+            An int in ``[low, high]`` for ``"int"``, a float in ``[low, high]`` for ``"float"``
+            and ``"log"`` (searched on a log scale for ``"log"``), one of ``choices`` for
+            ``"cat"`` (strings, from :func:`parse_param`).
 
         Example::
 
@@ -50,7 +58,8 @@ class Param:
 
     @property
     def is_argument(self) -> bool:
-        """Returns: whether it reaches the command as an argument (else as an environment variable)."""
+        """Whether it reaches the command as an argument (its name starts with ``--``), else as an
+        environment variable."""
         return self.name.startswith("--")
 
 

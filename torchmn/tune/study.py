@@ -48,6 +48,27 @@ class Tuner:
     def __init__(self, command: list, *, np: Optional[int] = None, params: Optional[list] = None,
                  storage: Optional[str] = None, study_name: Optional[str] = None,
                  trial_timeout: Optional[float] = None, log: Optional[str] = None):
+        """Settle the search space, the storage and the study's name; nothing is run or opened yet.
+
+        Args:
+            command: the command (``["python", "train.py"]``).
+            np: run each trial under ``torchmn run -np np`` (None: the command as it is).
+            params: the :class:`~torchmn.tune.space.Param` list (None: torchmn's own settings,
+                sized for the CPUs this process may use and ``np`` ranks).
+            storage: an Optuna storage URL (None: ``sqlite:///torchmn-tune.db``, in the working
+                directory).
+            study_name: the study's name (None: ``torchmn-tune-`` and a hash of the command, ``np``
+                and the parameters' names, so that running the same search again resumes it).
+            trial_timeout: seconds a trial may run; past it, it is stopped and pruned.
+            log: a pytorch-pfn-extras ``LogReport`` file the command writes (objective and progress).
+
+        Raises:
+            ValueError: ``command`` is empty.
+
+        Example::
+
+            >>> tuner = Tuner(["python", "train.py"], np=2, trial_timeout=600)
+        """
         if not command:
             raise TorchmnValueError("torchmn tune needs a command: torchmn tune [options] -- python train.py")
         self.command, self.np = list(command), np
@@ -61,6 +82,11 @@ class Tuner:
 
     def open(self):
         """The study, created or loaded; trials a killed search left running are marked failed.
+
+        Returns:
+            The ``optuna.Study`` named :attr:`study_name` in :attr:`storage`: minimizing, with a
+            ``MedianPruner`` that prunes nothing until three trials have finished, nor a trial
+            before its step 2 (the first steps' times are mostly start-up noise).
 
         Raises:
             TuneError: the storage cannot be opened.
@@ -140,7 +166,15 @@ class Tuner:
         return study
 
     def best_command(self, study) -> Optional[str]:
-        """Returns: the best trial's settings as one shell command line, or None where no trial completed.
+        """The best trial's settings as one shell command line, to run the command with them.
+
+        Args:
+            study: the study :meth:`optimize` returned.
+
+        Returns:
+            The environment parameters as ``NAME=value``, then ``torchmn run -np N`` where ``np``
+            was given, then the command with the argument parameters appended, shell-quoted; None
+            where no trial completed.
 
         Example::
 
@@ -156,7 +190,15 @@ class Tuner:
         return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in launch + argv])
 
     def summary(self, study) -> str:
-        """Returns: a table of the study's trials (settings, time, state) and the best command line.
+        """The study's trials as a table, and the best command line.
+
+        Args:
+            study: the study :meth:`optimize` returned.
+
+        Returns:
+            A Markdown table with a row per trial (number, state, time in seconds where it
+            completed, each parameter's value), a blank line, then ``best (T s): COMMAND`` (see
+            :meth:`best_command`) or ``no trial completed``.
 
         Example::
 
@@ -176,6 +218,13 @@ class Tuner:
     def plot(self, study, path: str) -> list:
         """Write the optimization history to ``path`` and, where Optuna can compute them, the
         parameter importances next to it (``<name>-importances<suffix>``), with matplotlib.
+
+        The importances are left out where Optuna cannot compute them (fewer than two completed
+        trials, or no parameter that varied).
+
+        Args:
+            study: the study :meth:`optimize` returned.
+            path: the file of the history; its suffix picks the format (``.png``, ``.pdf``, ...).
 
         Returns:
             The files written.
