@@ -61,6 +61,38 @@ class Communicator(CommunicatorBase):
                  obj_group: Optional[dist.ProcessGroup], backend: str, node_key: Any,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_BYTES, owns_world: bool = False,
                  group_ranks: Optional[Sequence[int]] = None, tag: Optional[str] = None):
+        """Set up a communicator over existing process groups and learn the topology (collective).
+
+        :func:`torchmn.create_communicator`, ``split`` and
+        :func:`~torchmn.communicators.registry.make_communicator` call it; scripts do not. With more
+        than one rank it exchanges every rank's node key, host and algorithm, so every rank of the
+        group must construct it together.
+
+        Args:
+            rank: this rank in the new communicator.
+            size: the number of ranks.
+            group: the ``torch.distributed`` group of its tensor collectives; None for a world of one
+                without ``torch.distributed``.
+            obj_group: the CPU (gloo) group of object collectives and control traffic (``group``
+                itself unless the backend is NCCL).
+            backend: ``"gloo"`` or ``"nccl"``.
+            node_key: what identifies this rank's node; ranks with equal keys share a node.
+            bucket_cap_bytes: how many bytes of gradients the fusing algorithms put in one message.
+            owns_world: :meth:`finalize` tears ``torch.distributed`` down (it set it up).
+            group_ranks: the process-group rank of each of its ranks, ``None`` for the same
+                numbers (``split(key=...)`` may order them otherwise).
+            tag: tells its calls apart in the job's store (see :mod:`.watch`); ``None`` names a new
+                world communicator.
+
+        Raises:
+            CollectiveMismatchError: the ranks asked for different algorithms (on every rank).
+
+        Example::
+
+            >>> solo = NaiveCommunicator(rank=0, size=1, group=None, obj_group=None, backend="gloo", node_key=0)
+            >>> solo.node_ranks
+            [[0]]
+        """
         # Collectives are numbered per communicator (see watch.py); the tag tells communicators apart.
         global _worlds
         if tag is None:
@@ -131,6 +163,17 @@ class Communicator(CommunicatorBase):
         return self._node_index[r]
 
     def __repr__(self) -> str:
+        """Who this rank is, for logs and the interactive prompt.
+
+        Returns:
+            The class, the rank among all ranks, among its node's and the node among all nodes, and
+            the backend.
+
+        Example::
+
+            >>> comm
+            <HierarchicalCommunicator rank 1/4 intra 1/2 inter 0/2 gloo>
+        """
         return (f"<{type(self).__name__} rank {self.rank}/{self.size} intra {self.intra_rank}/"
                 f"{self.intra_size} inter {self.inter_rank}/{self.inter_size} {self.backend}>")
 
@@ -159,9 +202,23 @@ class Communicator(CommunicatorBase):
         return None
 
     def exchange_headers(self, rows: list[list[int]], objects: bool = False) -> torch.Tensor:
-        """All ranks' header rows: a [size, len(rows), HEADER_LEN] int64 tensor. ``objects``: the
-        call moves no tensor data, so under NCCL its header goes through the CPU (gloo) group, as its
-        data does, instead of syncing with the GPU and queueing behind gradients in flight."""
+        """Every rank's call-check header rows, gathered over the process group.
+
+        Args:
+            rows: this rank's rows, each ``_wire.HEADER_LEN`` integers; every rank passes as many.
+            objects: the call moves no tensor data, so under NCCL its headers go through the CPU
+                (gloo) group, as its data does, instead of syncing with the GPU and queueing behind
+                gradients in flight.
+
+        Returns:
+            An int64 tensor ``[size, len(rows), HEADER_LEN]`` on the CPU, in this communicator's
+            rank order.
+
+        Example::
+
+            >>> comm.exchange_headers([[1] * 16]).shape       # 2 ranks
+            torch.Size([2, 1, 16])
+        """
         group, device = self.process_group, self._data_device
         if objects and self.backend == "nccl":
             group, device = self.object_group, torch.device("cpu")
@@ -419,7 +476,22 @@ class Communicator(CommunicatorBase):
         return out.to(x.device)
 
     def allreduce_copy(self, x: torch.Tensor, op: str) -> torch.Tensor:
-        """The reduction of contiguous ``x`` over ranks, as a new tensor (algorithms may do it faster)."""
+        """The reduction of contiguous ``x`` over ranks, as a new tensor (algorithms may do it faster).
+
+        Copies ``x`` into a new tensor (on huge pages where it is large) and reduces that in place
+        with :meth:`allreduce_flat`.
+
+        Args:
+            x: a contiguous tensor on this rank's data device.
+            op: ``"sum"``, ``"max"``, ``"min"`` or ``"prod"``.
+
+        Returns:
+            A new tensor holding the reduction; ``x`` is left as it is.
+
+        Example::
+
+            >>> total = comm.allreduce_copy(x.contiguous(), "sum")   # no call check: use allreduce
+        """
         out = empty_like_fast(x).copy_(x)
         self.allreduce_flat(out.view(-1), op=op)
         return out
@@ -730,10 +802,25 @@ class Communicator(CommunicatorBase):
 
     @classmethod
     def split_groups(cls, parent: "Communicator", members: list[int], local: bool = False) -> dict:
-        """Extra process groups a new communicator of ``members`` (parent ranks, in the new order)
-        needs, as constructor keyword arguments. ``local=False``: called on every rank of the world
-        for every color, in the same order; ``local=True``: by the members alone, which then create
-        their groups with ``use_local_synchronization=True``."""
+        """The extra process groups a new communicator of ``members`` needs, as constructor keyword
+        arguments; :meth:`split` calls it. This class needs none; an algorithm that holds more groups
+        (``hierarchical``) creates them here.
+
+        Args:
+            parent: the communicator being split.
+            members: the new communicator's ranks, as ranks of ``parent``, in the new order.
+            local: ``False``: called on every rank of the world for every color, in the same order;
+                ``True``: called by the members alone, which then create their groups with
+                ``use_local_synchronization=True``.
+
+        Returns:
+            Keyword arguments for the new communicator's constructor (empty here).
+
+        Example::
+
+            >>> type(comm).split_groups(comm, [0, 2], local=False)    # flat or naive
+            {}
+        """
         return {}
 
     def finalize(self) -> None:

@@ -81,6 +81,11 @@ class CommunicatorBase(abc.ABC):
 
         Returns:
             The index of its node, from 0 to ``inter_size - 1``.
+
+        Example::
+
+            >>> comm.node_of(comm.rank) == comm.inter_rank
+            True
         """
 
     @abc.abstractmethod
@@ -92,6 +97,10 @@ class CommunicatorBase(abc.ABC):
 
         Raises:
             ValueError: ``r`` is not an integer in ``[0, size)``.
+
+        Example::
+
+            >>> comm.check_rank(root, "root")    # before a collective that every rank sends to root
         """
 
     @abc.abstractmethod
@@ -125,6 +134,11 @@ class CommunicatorBase(abc.ABC):
         Raises:
             ValueError: ``source`` or ``tag`` is out of range.
             CollectiveTimeoutError: ``source`` did not send within the timeout.
+
+        Example::
+
+            >>> if comm.rank == 1:
+            ...     x = comm.recv(source=0)       # rank 0 called comm.send(torch.ones(3, 2), dest=1)
         """
 
     @abc.abstractmethod
@@ -289,6 +303,11 @@ class CommunicatorBase(abc.ABC):
         Raises:
             ValueError: ``dest`` or ``tag`` is out of range.
             TypeError: ``obj`` cannot be pickled (the receiver gets RemoteRankError).
+
+        Example::
+
+            >>> if comm.rank == 0:
+            ...     comm.send_obj({"epoch": 3, "best": 0.91}, dest=1)
         """
 
     @abc.abstractmethod
@@ -303,6 +322,11 @@ class CommunicatorBase(abc.ABC):
 
         Raises:
             RemoteRankError: the sender could not pickle it, or it cannot be unpickled here.
+
+        Example::
+
+            >>> if comm.rank == 1:
+            ...     state = comm.recv_obj(source=0)   # {'epoch': 3, 'best': 0.91}
         """
 
     @abc.abstractmethod
@@ -336,6 +360,10 @@ class CommunicatorBase(abc.ABC):
 
         Raises:
             RemoteRankError: a rank could not pickle its object (raised on root once all are in).
+
+        Example::
+
+            >>> losses = comm.gather_obj(local_loss)    # rank 0: [loss of rank 0, loss of rank 1, ...]
         """
 
     @abc.abstractmethod
@@ -368,6 +396,10 @@ class CommunicatorBase(abc.ABC):
 
         Raises:
             ValueError: root did not pass ``size`` objects (the others get RemoteRankError).
+
+        Example::
+
+            >>> mine = comm.scatter_obj([files[i::comm.size] for i in range(comm.size)] if comm.rank == 0 else None)
         """
 
     @abc.abstractmethod
@@ -387,7 +419,14 @@ class CommunicatorBase(abc.ABC):
 
     @abc.abstractmethod
     def barrier(self) -> None:
-        """Wait until every rank of this communicator gets here."""
+        """Wait until every rank of this communicator gets here.
+
+        Example::
+
+            >>> if comm.rank == 0:
+            ...     download_dataset()
+            >>> comm.barrier()       # the other ranks read the files only once rank 0 has written them
+        """
 
     @abc.abstractmethod
     def split(self, color: int, key: int = 0) -> "CommunicatorBase":
@@ -409,7 +448,14 @@ class CommunicatorBase(abc.ABC):
 
     @abc.abstractmethod
     def finalize(self) -> None:
-        """Tear down ``torch.distributed`` if this communicator set it up. Safe to call twice."""
+        """Tear down ``torch.distributed`` if this communicator set it up. Safe to call twice.
+
+        A finalized communicator refuses further collectives.
+
+        Example::
+
+            >>> comm.finalize()      # at the end of the script, on every rank
+        """
 
     @abc.abstractmethod
     def bcast_data(self, model: torch.nn.Module, root: int = 0) -> None:
@@ -431,9 +477,18 @@ class CommunicatorBase(abc.ABC):
     def bcast_tensors(self, tensors: list[torch.Tensor], root: int = 0) -> None:
         """Overwrite each tensor, in place, with root's, bit for bit (all ranks pass the same layout).
 
+        There is no call check: over tensors of another layout than root's it would hang or mix
+        data, so where the ranks' layouts may differ, check them first with :meth:`check_same_layout`.
+
         Args:
             tensors: this rank's tensors, in the same order, shapes and dtypes as root's.
             root: the rank whose values everyone gets.
+
+        Example::
+
+            >>> buffers = list(model.buffers())
+            >>> comm.check_same_layout(buffers, "the model's buffers")
+            >>> comm.bcast_tensors(buffers)      # every rank now holds rank 0's running statistics
         """
 
     @abc.abstractmethod
@@ -451,6 +506,10 @@ class CommunicatorBase(abc.ABC):
 
         Raises:
             CollectiveMismatchError: on every rank, naming the first difference.
+
+        Example::
+
+            >>> comm.check_same_layout(list(model.parameters()), "the model's parameters")
         """
 
     @abc.abstractmethod

@@ -42,6 +42,22 @@ class RankFailedError(PeerLostError):
     """
 
     def __init__(self, message: str, failure=None):
+        """The error with ``message``, holding the recorded ``failure``.
+
+        :func:`torchmn.communicators.failure.stopped_by` makes it for a collective a failed rank stopped.
+
+        Args:
+            message: the whole message (the failed rank, its host and error, and the call stopped).
+            failure: the :class:`~torchmn.communicators.failure.Failure` recorded, kept as
+                ``self.failure``; None where it is not known.
+
+        Example::
+
+            >>> lost = Failure(rank=1, host="node1", pid=4242, error="ValueError: boom")
+            >>> err = RankFailedError(f"allreduce stopped on rank 0 (node0): {lost}", failure=lost)
+            >>> err.failure.rank
+            1
+        """
         super().__init__(message)
         self.failure = failure
 

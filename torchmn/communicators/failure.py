@@ -82,6 +82,16 @@ class Failure:
     error: str
 
     def __str__(self) -> str:
+        """The failure in words, as the other ranks' :class:`RankFailedError` messages name it.
+
+        Returns:
+            Which rank ended, on which host, with which error, and where its traceback is.
+
+        Example::
+
+            >>> str(Failure(rank=1, host="node1", pid=4242, error="ValueError: boom"))
+            "rank 1 (node1) ended with an uncaught ValueError: boom (its traceback is in that rank's output)"
+        """
         return (f"rank {self.rank} ({self.host}) ended with an uncaught {self.error} (its traceback is in that "
                 f"rank's output)")
 

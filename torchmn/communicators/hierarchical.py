@@ -69,6 +69,33 @@ class HierarchicalCommunicator(FlatCommunicator):
     _segment = None  # until set-up has made one (set-up's own collectives run without it)
 
     def __init__(self, inter_group=_UNSET, rail_groups=_UNSET, **kwargs):
+        """Set up the communicator, then its groups across nodes and its node's shared memory (collective).
+
+        With one rank, or under NCCL, it is a flat communicator and sets up nothing more. Otherwise
+        a world communicator creates the group of the nodes' first ranks and the rails (local rank
+        ``i`` of every node) itself; a communicator made by ``split`` gets them from
+        :meth:`split_groups`. Then local rank 0 of each node creates a shared-memory segment that
+        the node's ranks map; where ``/dev/shm`` is too small for it, rank 0 warns
+        (``RuntimeWarning``) and the ranks of a node talk over TCP instead.
+
+        Args:
+            inter_group: the gloo group of the nodes' first ranks (None on one node); left out,
+                it is created here, which every rank of the world must then do together.
+            rail_groups: one gloo group per local rank, joining that local rank of every node
+                (None unless there are several nodes of equal rank counts); left out, as
+                ``inter_group``.
+            **kwargs: the arguments of :class:`~torchmn.communicators.communicator.Communicator`.
+
+        Raises:
+            OSError: ``/dev/shm`` could not hold the segment after all (on the rank that failed;
+                the others get RemoteRankError).
+
+        Example::
+
+            >>> comm = torchmn.create_communicator("hierarchical")    # builds it on every rank
+            >>> comm.may_share_node_memory()                           # one CPU node
+            True
+        """
         super().__init__(**kwargs)
         self._segment = None
         self._inter_group = None
@@ -227,6 +254,18 @@ class HierarchicalCommunicator(FlatCommunicator):
     @watch.collective
     def allgather_obj(self, obj):
         """Every rank's object, in rank order, on every rank (through shared memory on one node).
+
+        On one node, an object whose pickle fits a slot takes one round through the segment; a
+        larger one, or several nodes, take the ordinary way over ``torch.distributed``.
+
+        Args:
+            obj: this rank's picklable object.
+
+        Returns:
+            A list of ``size`` objects, copies (this rank's own included).
+
+        Raises:
+            TypeError: this rank's object cannot be pickled (the others get RemoteRankError).
 
         Example::
 

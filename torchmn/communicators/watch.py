@@ -44,6 +44,18 @@ class CallLog:
     """
 
     def __init__(self, tag: str):
+        """Start a log with no call made, none running, no hosts known, and not finalized.
+
+        Args:
+            tag: tells this communicator's calls apart from other communicators' in the store
+                (``"world1"``, and ``"world1.1.0"`` for a communicator split off it).
+
+        Example::
+
+            >>> log = CallLog("world1")
+            >>> log.calls, log.depth, log.closed
+            (0, 0, False)
+        """
         self.tag = tag
         self.calls = 0
         self.depth = 0
@@ -183,6 +195,13 @@ def timed_out(comm, seq: int, kind: str, error: BaseException) -> CollectiveTime
     Returns:
         A :class:`CollectiveTimeoutError` naming the missing ranks and, where the job's store knows,
         what they were doing instead.
+
+    Example::
+
+        >>> try:
+        ...     dist.all_reduce(flat, group=comm.process_group)
+        ... except RuntimeError as e:           # torch's "Timed out waiting ..." names nobody
+        ...     raise watch.timed_out(comm, comm.call_log.calls, "allreduce", e) from e
     """
     me = f"rank {comm.rank} ({_host(comm, comm.rank)})"
     head = f"{kind} (collective #{seq} of this communicator) failed on {me}"

@@ -26,12 +26,51 @@ class EmptyDataset(Dataset):
     """
 
     def __init__(self, n: int):
+        """A dataset of ``n`` empty tuples.
+
+        Args:
+            n: the number of items (anything ``int()`` takes).
+
+        Example::
+
+            >>> len(torchmn.datasets.empty.EmptyDataset(5))
+            5
+        """
         self._n = int(n)
 
     def __len__(self) -> int:
+        """The number of items.
+
+        Returns:
+            ``n``, as given.
+
+        Example::
+
+            >>> len(torchmn.create_empty_dataset(range(3)))
+            3
+        """
         return self._n
 
     def __getitem__(self, i: Any) -> Any:
+        """The item at ``i``, or a list of the items in a slice, as for a list of empty tuples.
+
+        Args:
+            i: an integer (negative ones count from the end; numpy and 0-d tensor integers too), or
+                a slice.
+
+        Returns:
+            ``()`` for an integer; for a slice, a list of as many ``()`` as it selects.
+
+        Raises:
+            TypeError: ``i`` is neither an integer nor a slice.
+            IndexError: ``i`` is out of range (which also ends Python's iteration over the dataset).
+
+        Example::
+
+            >>> empty = torchmn.datasets.empty.EmptyDataset(2)
+            >>> empty[-1], empty[0:2], empty[torch.tensor(1)]
+            ((), [(), ()], ())
+        """
         if isinstance(i, slice):  # ChainerMN's empty dataset is a list: slicing gives a list
             return [()] * len(range(*i.indices(self._n)))
         try:

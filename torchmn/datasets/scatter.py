@@ -79,14 +79,58 @@ class DatasetPart(Dataset):
     """
 
     def __init__(self, base: Any, indices: Sequence[int], positions: Optional[Sequence[int]] = None):
+        """A part whose item ``i`` is ``base[positions[i]]``, standing for root's ``dataset[indices[i]]``.
+
+        Args:
+            base: the dataset the items are read from: root's dataset, or the samples this rank
+                received.
+            indices: the positions of the part's items in root's dataset.
+            positions: where each item is in ``base``; ``None`` means ``indices`` (``base`` is then
+                the whole dataset).
+
+        Example::
+
+            >>> part = DatasetPart(range(10, 20), indices=[3, 4, 5])
+            >>> part[0], part.indices
+            (13, [3, 4, 5])
+        """
         self.base = base
         self.indices = list(indices)
         self._positions = self.indices if positions is None else list(positions)
 
     def __len__(self) -> int:
+        """The number of items in this rank's part.
+
+        Returns:
+            ``len(self.indices)``.
+
+        Example::
+
+            >>> len(DatasetPart(range(10, 20), indices=[3, 4, 5]))
+            3
+        """
         return len(self.indices)
 
     def __getitem__(self, i: Any) -> Any:
+        """The part's item ``i``, or a list of the items in a slice, as for a list.
+
+        Args:
+            i: an integer (negative ones count from the end; numpy and 0-d tensor integers too), or
+                a slice.
+
+        Returns:
+            The item, read from ``base``; for a slice, a list of items.
+
+        Raises:
+            TypeError: ``i`` is neither an integer nor a slice.
+            IndexError: ``i`` is out of range (which also ends Python's iteration over the part).
+
+        Example::
+
+            >>> part = DatasetPart(range(10, 20), indices=[3, 4, 5])
+            >>> part[-1], part[0:2]
+            (15, [13, 14])
+        """
         n = len(self.indices)
         if isinstance(i, slice):  # as for a list (and ChainerMN's SubDataset): a list of items
             return [self[j] for j in range(*i.indices(n))]

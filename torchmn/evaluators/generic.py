@@ -41,6 +41,20 @@ class GenericMultiNodeEvaluator(abc.ABC):
     """
 
     def __init__(self, comm, root: int = 0, broadcast: bool = False):
+        """An evaluator over ``comm``'s ranks that aggregates on ``root``. No communication.
+
+        Args:
+            comm: the communicator whose ranks evaluate.
+            root: the rank that aggregates.
+            broadcast: return the aggregate on every rank, not only on ``root``.
+
+        Raises:
+            ValueError: ``root`` is not a rank of ``comm``.
+
+        Example::
+
+            >>> auc = AUC(comm, root=0, broadcast=True)      # AUC: a subclass, as in the class example
+        """
         comm.check_rank(root, "root")
         self.comm = comm
         self.root = root
@@ -55,6 +69,12 @@ class GenericMultiNodeEvaluator(abc.ABC):
 
         Returns:
             This rank's local result, gathered to root for :meth:`aggregate`.
+
+        Example::
+
+            >>> def evaluate_local(self, model):                 # in a subclass
+            ...     with torch.no_grad():
+            ...         return [(model(x).sigmoid(), y) for x, y in local_loader]
         """
 
     @abc.abstractmethod
@@ -67,6 +87,12 @@ class GenericMultiNodeEvaluator(abc.ABC):
         Returns:
             The aggregate, which calling the evaluator returns on root (on every rank with
             ``broadcast=True``).
+
+        Example::
+
+            >>> def aggregate(self, results):                    # in a subclass
+            ...     pairs = [p for rank_pairs in results for p in rank_pairs]
+            ...     return roc_auc(torch.cat([s for s, _ in pairs]), torch.cat([y for _, y in pairs]))
         """
 
     def __call__(self, *args: Any, **kwargs: Any) -> Optional[Any]:
@@ -84,6 +110,10 @@ class GenericMultiNodeEvaluator(abc.ABC):
                 ``evaluate_local`` failed on another rank; with ``broadcast=True``, also on the
                 other ranks when ``evaluate_local`` or ``aggregate`` failed on root. The rank where
                 either failed raises that error itself, also when its result cannot be pickled.
+
+        Example::
+
+            >>> auc = AUC(comm)(model)        # a number on rank 0, None elsewhere
         """
         comm, root = self.comm, self.root
         try:

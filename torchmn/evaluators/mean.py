@@ -54,6 +54,16 @@ class MultiNodeEvaluator:
     """
 
     def __init__(self, fn: Callable[..., Any], comm):
+        """Keep ``fn`` and ``comm`` for the calls. No communication.
+
+        Args:
+            fn: the per-rank evaluation, returning ``(means, n)`` or a dict of means.
+            comm: the communicator whose ranks evaluate.
+
+        Example::
+
+            >>> evaluator = torchmn.evaluators.MultiNodeEvaluator(evaluate, comm)
+        """
         self.fn = fn
         self.comm = comm
 
@@ -72,6 +82,11 @@ class MultiNodeEvaluator:
             RuntimeError: ``fn`` failed, or returned such a result, on another rank; the rank where
                 it failed raises its own error.
             ValueError: the ranks that saw samples reported different metric names (every rank).
+
+        Example::
+
+            >>> evaluator = torchmn.create_multi_node_evaluator(evaluate, comm)
+            >>> evaluator(model)["accuracy"]      # evaluate(model) -> ({"accuracy": ...}, n); same on every rank
         """
         comm = self.comm
         try:

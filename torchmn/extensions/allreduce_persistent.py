@@ -33,6 +33,16 @@ class AllreducePersistent(extension.Extension):
     priority = extension.PRIORITY_WRITER + 1
 
     def __init__(self, model: torch.nn.Module, comm):
+        """Keep ``model`` and ``comm`` for the calls. No communication.
+
+        Args:
+            model: the module whose buffers are averaged.
+            comm: the communicator whose ranks hold copies of ``model``.
+
+        Example::
+
+            >>> sync_bn_stats = torchmn.extensions.AllreducePersistent(model, comm)
+        """
         self.model = model
         self.comm = comm
 
@@ -42,6 +52,10 @@ class AllreducePersistent(extension.Extension):
 
         Args:
             manager: the ``ExtensionsManager`` when run as an extension; not used.
+
+        Example::
+
+            >>> torchmn.extensions.AllreducePersistent(model, comm)()    # before saving the model
         """
         groups: dict[torch.device, list[torch.Tensor]] = {}
         seen = set()

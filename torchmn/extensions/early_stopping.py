@@ -42,6 +42,22 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
 
     def __init__(self, comm, monitor: str = "val/loss", patience: int = 3, mode: str = "auto",
                  max_trigger: Any = (100, "epoch"), check_trigger: Any = (1, "epoch"), verbose: bool = False):
+        """The trigger, with nothing observed yet. No communication; ppe's own message, with
+        ``verbose``, is printed on rank 0 only.
+
+        Args:
+            comm: the communicator whose ranks train together.
+            monitor: the observation key judged, e.g. ``"val/loss"``.
+            patience: how many checks without improvement stop training.
+            mode: ``"min"``, ``"max"`` or ``"auto"`` (``"max"`` when ``monitor`` names an accuracy).
+            max_trigger: stops training in any case (ppe's trigger forms, e.g. ``(100, "epoch")``).
+            check_trigger: the interval at whose end the mean is compared.
+            verbose: print, on rank 0, the operator chosen and when training stops.
+
+        Example::
+
+            >>> stop = torchmn.extensions.MultiNodeEarlyStoppingTrigger(comm, monitor="val/loss", patience=3)
+        """
         # ppe's constructor prints its choice of operator when verbose: on rank 0 only.
         super().__init__(check_trigger=check_trigger, monitor=monitor, patience=patience, mode=mode,
                          verbose=verbose and comm.rank == 0, max_trigger=max_trigger)
@@ -53,6 +69,20 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
         self._pending: Optional[dict] = None  # a check a snapshot was taken before (see state_dict)
 
     def __deepcopy__(self, memo: dict) -> "MultiNodeEarlyStoppingTrigger":
+        """A copy with counters of its own that shares this trigger's communicator.
+
+        Args:
+            memo: ``copy.deepcopy``'s table of the objects copied so far.
+
+        Returns:
+            The copy: every attribute deep-copied but ``comm``, which is the same object.
+
+        Example::
+
+            >>> twin = copy.deepcopy(stop)        # ppe's manager does this with its stop trigger
+            >>> twin.comm is stop.comm
+            True
+        """
         # The manager keeps a deep copy of its stop trigger; the copy must share the communicator
         # (process groups cannot be copied), while its counters stay its own.
         new = copy.copy(self)
@@ -63,6 +93,25 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
         return new
 
     def __call__(self, manager) -> bool:
+        """Take this iteration's observation of ``monitor``; at the end of an interval, decide.
+
+        The manager calls it every iteration, on every rank. When ``check_trigger`` fires, the
+        ranks' sums and counts are allreduced and the global mean is compared with the best so far,
+        so every rank gives the same answer. After a resume, the check the snapshot was taken ahead
+        of (see :meth:`state_dict`) is made first.
+
+        Args:
+            manager: the ``ExtensionsManager`` whose stop trigger this is.
+
+        Returns:
+            True to stop training: ``max_trigger`` fired, or ``patience`` checks in a row did not
+            improve on the best mean.
+
+        Example::
+
+            >>> while not stop(manager):          # what ppe's manager does with its stop_trigger
+            ...     ...
+        """
         pending, self._pending = self._pending, None
         self._checked = manager.iteration
         if pending is not None and pending["iteration"] != manager.iteration:
@@ -143,6 +192,11 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
 
         Args:
             state: a dict :meth:`state_dict` returned.
+
+        Example::
+
+            >>> state = stop.state_dict()       # saved with the run's snapshot
+            >>> stop.load_state_dict(state)     # multi_node_snapshot's autoload does this on resume
         """
         self.best = state["best"]
         self.count = state["count"]

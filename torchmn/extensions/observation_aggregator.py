@@ -73,6 +73,25 @@ class ObservationAggregator(extension.Extension):
     def __init__(self, comm, original_key: str, aggregated_key: Optional[str] = None, *,
                  comm_trigger: Any = (1, "iteration"),
                  aggregator: Optional[Callable[[Sequence[float]], Any]] = None):
+        """The extension, with nothing observed yet. No communication.
+
+        Args:
+            comm: the communicator whose ranks report ``original_key``.
+            original_key: the observation key to aggregate.
+            aggregated_key: the key to report the aggregate under; ``None`` for ``original_key``.
+            comm_trigger: when to aggregate (ppe's trigger forms), by default every iteration.
+            aggregator: turns the list of rank means into the reported value; ``None`` for
+                :func:`mean`.
+
+        Raises:
+            ValueError: ``aggregated_key`` is ``original_key`` (or ``None``) and ``comm_trigger``
+                does not fire every iteration.
+
+        Example::
+
+            >>> agg = torchmn.extensions.ObservationAggregator(comm, "main/loss", "main/loss/max",
+            ...                                                comm_trigger=(1, "epoch"), aggregator=max)
+        """
         self.comm = comm
         self.original_key = original_key
         self.aggregated_key = original_key if aggregated_key is None else aggregated_key
@@ -92,16 +111,29 @@ class ObservationAggregator(extension.Extension):
     def initialize(self, manager) -> None:
         """Make ``comm_trigger`` fire at the same iterations on every rank.
 
+        A trigger that is not a function of the iteration alone (ppe's ``TimeTrigger``) then fires
+        as rank 0 decides, broadcast at each of its calls; one of the iteration alone is kept as it
+        is. No communication here.
+
         Args:
             manager: the ``ExtensionsManager`` running this extension.
+
+        Example::
+
+            >>> manager.extend(agg)       # the manager calls agg.initialize(manager) as training starts
         """
-        self.comm_trigger = agreed(self.comm_trigger, self.comm)  # an allgather: every rank must join it
+        self.comm_trigger = agreed(self.comm_trigger, self.comm)  # fires alike on every rank: see agreed()
 
     def state_dict(self) -> dict:
         """This rank's observations of the open interval, and ``comm_trigger``'s state.
 
         Returns:
             A dict for :meth:`load_state_dict`.
+
+        Example::
+
+            >>> agg.state_dict()
+            {'values': [0.52, 0.49], 'comm_trigger': {}}
         """
         # This rank's observations of an interval still open, so that a resumed run reports the
         # same value for it as an uninterrupted one.
@@ -112,12 +144,29 @@ class ObservationAggregator(extension.Extension):
 
         Args:
             state: a dict :meth:`state_dict` returned.
+
+        Example::
+
+            >>> agg.load_state_dict(agg.state_dict())
         """
         self._values = list(state.get("values", []))
         if "comm_trigger" in state:
             self.comm_trigger.load_state_dict(state["comm_trigger"])
 
     def __call__(self, manager) -> None:
+        """Collect this iteration's observation; when ``comm_trigger`` fires, report the aggregate.
+
+        Collective when ``comm_trigger`` fires: every rank's mean over the interval is gathered
+        (one ``allgather_obj``), and ``aggregator`` of those of the ranks that observed the key is
+        reported under ``aggregated_key``.
+
+        Args:
+            manager: the ``ExtensionsManager`` running this extension.
+
+        Example::
+
+            >>> agg(manager)              # the manager does this every iteration
+        """
         observation = manager.observation
         if self.original_key in observation:
             self._values.append(to_float(observation[self.original_key], self.original_key))

@@ -265,6 +265,25 @@ class MultiNodeSnapshot(extension.Extension):
     def __init__(self, comm, filename: str = DEFAULT_FILENAME, savefun: Callable[[Any, Any], None] = torch.save,
                  target: Any = None, n_retains: int = -1, autoload: bool = False, out_dir: Optional[str] = None,
                  loadfun: Callable[[str], Any] = _default_load):
+        """The extension; a bad ``filename`` fails here, not at the first snapshot. No communication.
+
+        Args:
+            comm: the communicator whose ranks snapshot together.
+            filename: the file name pattern, with the fields ``{iteration}`` and ``{rank}``.
+            savefun: writes the state to an open binary file.
+            target: what to save; ``None`` for the manager.
+            n_retains: how many of this rank's newest snapshots to keep; ``<= 0`` keeps all.
+            autoload: resume from the newest common iteration when training starts.
+            out_dir: the snapshot directory; ``None`` for the manager's output directory.
+            loadfun: reads a snapshot file, for ``autoload``.
+
+        Raises:
+            ValueError: ``filename`` is not a valid pattern (see :func:`snapshot_path`).
+
+        Example::
+
+            >>> snap = torchmn.extensions.MultiNodeSnapshot(comm, "snap-{rank}-{iteration}.pt", n_retains=2)
+        """
         _pattern(filename, comm.rank)  # a bad name fails now, not at the first snapshot
         self.comm = comm
         self.filename = filename
@@ -282,8 +301,21 @@ class MultiNodeSnapshot(extension.Extension):
     def initialize(self, manager) -> None:
         """Agree on the trigger, remove leftover temporaries and, with ``autoload``, resume.
 
+        Collective: with ``autoload`` the ranks agree on the iteration to resume from
+        (:func:`resume_latest`), and ``resumed_from`` holds it afterwards.
+
         Args:
             manager: the ``ExtensionsManager`` running this extension.
+
+        Raises:
+            RuntimeError, RemoteRankError: with ``autoload``, loading the snapshot failed on some
+                rank, as :func:`resume_latest` raises them (every rank raises).
+
+        Example::
+
+            >>> manager.extend(snap)       # the manager calls snap.initialize(manager) as training starts
+            >>> snap.resumed_from           # after it, with autoload=True
+            3000
         """
         agree_on_own_trigger(self, manager, self.comm)
         # Here, not in resume_latest, which a job that only reads the snapshots may call while
@@ -294,6 +326,20 @@ class MultiNodeSnapshot(extension.Extension):
             self.resumed_from = resume_latest(target, self.comm, self._dir(manager), self.filename, self.loadfun)
 
     def __call__(self, manager) -> None:
+        """Save this rank's state of the current iteration, atomically, then drop older snapshots.
+
+        The file is ``filename`` with this iteration and rank, in ``out_dir``; with
+        ``n_retains > 0``, only the ``n_retains - 1`` newest older iterations of this rank are kept
+        beside it. Every rank writes its own file; saving a target whose state is collective (a
+        sharded optimizer's) takes every rank, which the trigger, firing alike on all, provides.
+
+        Args:
+            manager: the ``ExtensionsManager`` running this extension.
+
+        Example::
+
+            >>> snap(manager)              # the manager does this whenever the snapshot's trigger fires
+        """
         target = manager if self.target is None else self.target
         out_dir = self._dir(manager)
         atomic_save(_state_of(target), snapshot_path(out_dir, self.filename, manager.iteration, self.comm.rank),

@@ -39,6 +39,22 @@ from torchmn.horovod.timeline import start_timeline, stop_timeline
 
 
 def __getattr__(name):
+    """Answer for the names this module does not define, as Python asks for them.
+
+    ``hvd.elastic`` is imported where a script first uses it, as Horovod's subpackage is; torchmn
+    does not implement it, so that import raises, saying what to use instead.
+
+    Args:
+        name: the attribute asked for.
+
+    Raises:
+        ElasticImportError: ``name`` is ``"elastic"`` (an ``ImportError``).
+        AttributeError: any other name.
+
+    Example::
+
+        >>> hvd.elastic.run(train)       # ElasticImportError: torchmn.horovod does not implement hvd.elastic ...
+    """
     # hvd.elastic is imported where a script first uses it, as Horovod's subpackage is: importing it
     # raises ElasticImportError (an ImportError) saying what to use instead.
     if name == "elastic":

@@ -23,6 +23,11 @@ def layout(t: torch.Tensor) -> tuple:
 
     Returns:
         ``(shape, dtype name)`` of ``t``, e.g. ``((2, 3), "float32")``.
+
+    Example::
+
+        >>> layout(torch.zeros(2, 3))
+        ((2, 3), 'float32')
     """
     return tuple(t.shape), str(t.dtype).replace("torch.", "")
 
@@ -44,6 +49,11 @@ def agree_on(comm, kind: str, what: str, fields: tuple, problem: Optional[str]) 
         InvalidCallError: a rank rejected its own arguments.
         CollectiveMismatchError: the ranks called different collectives.
         HorovodInternalError: a rank has joined.
+
+    Example::
+
+        >>> descriptions = agree_on(comm, "broadcast", "hvd.broadcast", (name, root_rank, layout(tensor)), None)
+        >>> roots = [d[3] for d in descriptions]     # every rank's root_rank, in rank order
     """
     descriptions = coordination.agree(comm, coordination.describe_call(kind, *fields, problem), need_descriptions=True)
     coordination.check_same_kind(descriptions, comm.rank)
@@ -66,6 +76,11 @@ def mismatch(what: str, field: str, values: list, rank: int, fix: str) -> Collec
 
     Returns:
         The error (to raise) naming each rank's value and the ``fix``.
+
+    Example::
+
+        >>> print(mismatch("hvd.broadcast", "root ranks", [0, 1], 0, "Name one root_rank"))
+        hvd.broadcast: the ranks' root ranks differ: rank 0: 0; rank 1: 1. Name one root_rank; rank 0 stops
     """
     listing = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
     return CollectiveMismatchError(f"{what}: the ranks' {field} differ: {listing}. {fix}; rank {rank} stops")
@@ -84,6 +99,12 @@ def completed_handle(kind: str, name: Optional[str], result, nbytes: int, start:
 
     Returns:
         The handle, complete at once.
+
+    Example::
+
+        >>> handle = completed_handle("allgather", name, out, out.numel() * out.element_size(), start, process_set)
+        >>> hvd.synchronize(handle) is out
+        True
     """
     return handles.submit(kind, name, None, lambda: result, nbytes, process_set.process_set_id, start,
                           in_timeline=False)
@@ -98,6 +119,12 @@ def record_finished(kind: str, name: Optional[str], tensor, start: float, proces
         tensor: its input (for the bytes; anything else counts 0).
         start: when it began (``time.time()``).
         process_set: the ranks it ran on.
+
+    Example::
+
+        >>> start = time.time()
+        >>> out = comm.bcast(tensor, root=0)
+        >>> record_finished("broadcast", name, tensor, start, process_set)
     """
     nbytes = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
     timeline.record(kind, name or f"{kind}.noname", nbytes, start, time.time(),

@@ -67,6 +67,19 @@ class ProcessSet:
     """
 
     def __init__(self, ranks_or_comm: Sequence[int]):
+        """A set of the given ranks, not yet registered (no id, no communicator). No communication.
+
+        Args:
+            ranks_or_comm: the job's ranks that belong to the set, in any order (kept sorted).
+
+        Raises:
+            UnsupportedError: ``ranks_or_comm`` is not a list, tuple or range of ranks.
+
+        Example::
+
+            >>> hvd.ProcessSet(range(0, hvd.size(), 2)).ranks     # 4 ranks
+            [0, 2]
+        """
         if not isinstance(ranks_or_comm, (list, tuple, range)):
             raise UnsupportedError(f"ProcessSet(<{type(ranks_or_comm).__name__}>): torchmn.horovod takes a list "
                                    f"of ranks, not an mpi4py communicator")
@@ -129,12 +142,45 @@ class ProcessSet:
         return self.comm is not None
 
     def __eq__(self, other) -> bool:
+        """Whether ``other`` is a process set of the same ranks (registered or not).
+
+        Args:
+            other: any object.
+
+        Returns:
+            True for a :class:`ProcessSet` with the same ``ranks``.
+
+        Example::
+
+            >>> hvd.ProcessSet([2, 0]) == hvd.ProcessSet([0, 2])
+            True
+        """
         return isinstance(other, ProcessSet) and self.ranks == other.ranks
 
     def __hash__(self) -> int:
+        """A hash of the ranks, consistent with ``==``.
+
+        Returns:
+            ``hash(tuple(self.ranks))``.
+
+        Example::
+
+            >>> len({hvd.ProcessSet([0, 2]), hvd.ProcessSet([2, 0])})
+            1
+        """
         return hash(tuple(self.ranks))
 
     def __repr__(self) -> str:
+        """The set's id and ranks, as Horovod shows a process set.
+
+        Returns:
+            ``ProcessSet(process_set_id=<id>, ranks=<ranks>)``; the id is None until registered.
+
+        Example::
+
+            >>> hvd.ProcessSet([0, 2])
+            ProcessSet(process_set_id=None, ranks=[0, 2])
+        """
         return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
 
 

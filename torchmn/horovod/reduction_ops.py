@@ -63,6 +63,11 @@ def check_op(op: int, what: str) -> None:
 
     Raises:
         UnsupportedError: ``hvd.Adasum``, or a value that is not a Horovod op.
+
+    Example::
+
+        >>> check_op(hvd.Sum, "hvd.allreduce")          # passes
+        >>> check_op(hvd.Adasum, "hvd.allreduce")       # UnsupportedError: ... op=hvd.Adasum is not implemented ...
     """
     if op == Adasum:
         raise UnsupportedError(f"{what}: op=hvd.Adasum is not implemented in torchmn.horovod; use op=hvd.Average "
@@ -77,8 +82,15 @@ def scale(flat: torch.Tensor, factor: float) -> None:
     truncated toward zero).
 
     Args:
-        flat: the tensor.
+        flat: the tensor, changed in place.
         factor: the factor.
+
+    Example::
+
+        >>> x = torch.tensor([5, -5])
+        >>> scale(x, 0.5)
+        >>> x
+        tensor([ 2, -2])
     """
     if flat.is_floating_point():
         flat.mul_(factor)

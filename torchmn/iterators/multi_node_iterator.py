@@ -35,6 +35,21 @@ class MultiNodeIterator:
     """
 
     def __init__(self, loader: Optional[Iterable], comm, rank_master: int = 0):
+        """Learn the master's loader length on every rank (collective: one ``bcast_obj``).
+
+        Args:
+            loader: the iterable to read on ``rank_master``; other ranks may pass ``None``.
+            comm: the communicator whose ranks get the batches.
+            rank_master: the rank that reads ``loader``.
+
+        Raises:
+            ValueError: ``rank_master`` is not a rank of ``comm``; or, on every rank, the master
+                passed ``loader=None`` or ``len()`` of its loader failed.
+
+        Example::
+
+            >>> it = torchmn.iterators.MultiNodeIterator(loader if comm.rank == 0 else None, comm)
+        """
         comm.check_rank(rank_master, "rank_master")
         self.comm = comm
         self.rank_master = rank_master
@@ -62,10 +77,18 @@ class MultiNodeIterator:
             raise TorchmnValueError(f"create_multi_node_iterator: {problem} (raised on rank {comm.rank})")
 
     def __len__(self) -> int:
-        """The number of batches in an epoch: the master's ``len(loader)``.
+        """The number of batches in an epoch: the master's ``len(loader)``. No communication.
+
+        Returns:
+            The master's ``len(loader)``, the same on every rank.
 
         Raises:
             TypeError: the master's loader has no ``len()`` (e.g. over an ``IterableDataset``).
+
+        Example::
+
+            >>> len(it)                # on every rank, also where loader was None
+            100
         """
         if self._length is None:
             raise TorchmnTypeError(f"the loader on master rank {self.rank_master} has no len()")
@@ -122,6 +145,11 @@ class MultiNodeIterator:
         Raises:
             RemoteRankError: on every rank but the master, when the master's loader (or pickling
                 a batch) failed; the master raises that error itself.
+
+        Example::
+
+            >>> for x, y in it:        # the same batches on every rank
+            ...     loss = loss_fn(model(x.to(comm.device)), y.to(comm.device))
         """
         comm, master = self.comm, self.rank_master
         source = None

@@ -50,6 +50,23 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._NormBase):
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
                  track_running_stats: bool = True, device=None, dtype=None, *, comm: CommunicatorBase):
+        """The layer, with BatchNorm's parameters and buffers. No communication: the ranks check
+        that they built it alike at the first forward in training.
+
+        Args:
+            num_features: channels ``C`` of an input ``(N, C, ...)``.
+            eps: added to the variance, for numerical stability.
+            momentum: the weight of a batch's statistics in the running ones; None for the
+                cumulative average.
+            affine: learn a scale and a shift per channel.
+            track_running_stats: keep running statistics, used in eval mode.
+            device, dtype: of the parameters and buffers, as ``torch.nn.BatchNorm2d``'s.
+            comm: the ranks whose batches make the global one.
+
+        Example::
+
+            >>> bn = torchmn.nn.MultiNodeBatchNorm(64, momentum=None, comm=comm)
+        """
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         self.comm = comm
         self._agreed = False
@@ -75,6 +92,12 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._NormBase):
         Raises:
             ValueError: an input of another number of dimensions or channels.
             CollectiveMismatchError: the ranks' layers or channel counts differ.
+
+        Example::
+
+            >>> bn = torchmn.nn.MultiNodeBatchNorm2d(3, comm=comm)
+            >>> bn(torch.randn(8 if comm.rank == 0 else 5, 3, 32, 32)).shape   # rank 0
+            torch.Size([8, 3, 32, 32])
         """
         self._check_input_dim(x)
         if x.shape[1] != self.num_features:

@@ -53,6 +53,15 @@ class MultiNodeSequential(torch.nn.Module):
     """
 
     def __init__(self, comm: CommunicatorBase):
+        """A model with no part yet; each rank then adds its own with :meth:`add`. No communication.
+
+        Args:
+            comm: the communicator whose ranks hold the parts.
+
+        Example::
+
+            >>> model = torchmn.nn.MultiNodeSequential(comm)
+        """
         super().__init__()
         self.comm = comm
         self.parts = torch.nn.ModuleList()
@@ -76,6 +85,11 @@ class MultiNodeSequential(torch.nn.Module):
         Raises:
             TypeError: a rank that is not an integer.
             ValueError: a second part with ``rank_out=None`` on this rank.
+
+        Example::
+
+            >>> if comm.rank == 1:                # a middle stage: from rank 0, to rank 2
+            ...     model.add(torch.nn.Linear(100, 100), rank_in=0, rank_out=2)
         """
         rank_in, rank_out = _as_list(rank_in, "rank_in"), _as_list(rank_out, "rank_out")
         if rank_out is None and any(out is None for _, out in self.routes):
@@ -99,6 +113,11 @@ class MultiNodeSequential(torch.nn.Module):
         Raises:
             CollectiveMismatchError: (first call) the ranks' sends and receives do not pair up.
             RuntimeError: data this rank sent to itself was never received by one of its parts.
+
+        Example::
+
+            >>> out = model(x if comm.rank == 0 else None)
+            >>> (loss_fn(out, y) if comm.rank == comm.size - 1 else out).backward()   # out: a delegate elsewhere
         """
         if not self._checked:
             self._check_topology()

@@ -52,6 +52,25 @@ class Pipeline(torch.nn.Module):
 
     def __init__(self, stage: torch.nn.Module, comm: CommunicatorBase, micro_batches: int = 1,
                  schedule: str = "1f1b", loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None):
+        """This rank's stage ``comm.rank`` of ``comm.size``. No communication.
+
+        Args:
+            stage: this rank's part of the model.
+            comm: the pipeline's communicator; its ranks are the stages, in order.
+            micro_batches: how many pieces each batch is cut into (along the first dimension).
+            schedule: ``"gpipe"`` or ``"1f1b"``.
+            loss_fn: ``loss_fn(output, target)`` on the last stage; the other stages may leave it out.
+
+        Raises:
+            ValueError: an unknown schedule, or ``micro_batches`` not a positive integer.
+
+        Example::
+
+            >>> pipe = torchmn.nn.Pipeline(stages[comm.rank], comm, micro_batches=8, schedule="gpipe",
+            ...                            loss_fn=torch.nn.functional.cross_entropy)
+            >>> pipe.is_first, pipe.is_last       # rank 0 of 4
+            (True, False)
+        """
         super().__init__()
         if schedule not in SCHEDULES:
             raise TorchmnValueError(f"Pipeline: schedule must be one of {', '.join(SCHEDULES)}, not {schedule!r}")
@@ -68,8 +87,8 @@ class Pipeline(torch.nn.Module):
 
     @property
     def peak_activation_bytes(self) -> int:
-        """Returns: the most bytes of activations this stage held for backward at once, over every step
-        so far (the tensors saved for backward, parameters excluded, plus the stage's inputs and outputs)."""
+        """The most bytes of activations this stage held for backward at once, over every step so far:
+        the tensors saved for backward, parameters excluded, plus the stage's inputs and outputs."""
         return self.meter.peak
 
     def train_step(self, inputs: Any = None, target: Any = None) -> Optional[torch.Tensor]:
@@ -84,6 +103,12 @@ class Pipeline(torch.nn.Module):
 
         Raises:
             ValueError: inputs missing on the first stage, or targets or ``loss_fn`` on the last.
+
+        Example::
+
+            >>> optimizer.zero_grad()
+            >>> loss = pipe.train_step(x if pipe.is_first else None, target=y if pipe.is_last else None)
+            >>> optimizer.step()                  # loss: a tensor on the last stage, None elsewhere
         """
         m = self.micro_batches
         if self.is_first and inputs is None:
@@ -164,6 +189,10 @@ class Pipeline(torch.nn.Module):
 
         Returns:
             The last stage's output on the last stage; None elsewhere.
+
+        Example::
+
+            >>> logits = pipe(x if pipe.is_first else None)     # the last stage's output there, else None
         """
         with torch.no_grad():
             x = inputs if self.is_first else recv_tensors(self.comm, self.index - 1, _ACT)

@@ -35,6 +35,26 @@ class NodeArena:
 
     def __init__(self, buf: mmap.mmap, local_rank: int, local_size: int, shared_bytes: int, region_bytes: int,
                  pids: list[int], timeout: float, describe: Callable[[int], str], points: Sequence[str]):
+        """Lay the arena out over a mapped segment: the flags, the shared region, then each rank's.
+
+        :meth:`open` rounds the sizes up to multiples of 64, maps the segment and calls it.
+
+        Args:
+            buf: the mapping, at least :meth:`size_for` bytes.
+            local_rank, local_size: this rank among the node's ranks.
+            shared_bytes: the bytes of the region every rank reads and writes.
+            region_bytes: the bytes of each rank's own region.
+            pids, timeout, describe: as for :meth:`open`.
+            points: the names of the points where the ranks meet (:meth:`barrier`).
+
+        Raises:
+            ValueError: ``points`` is empty or holds more than 16 names.
+
+        Example::
+
+            >>> arena = NodeArena(buf, r, 2, 4096, 4096, pids, 600.0, lambda i: f"local rank {i}",
+            ...                   points=("written", "summed"))
+        """
         if not 0 < len(points) <= KINDS:
             raise TorchmnValueError(f"an arena's barrier points must be 1 to {KINDS} names, not {len(points)}")
         self._points = tuple(points)
@@ -54,7 +74,21 @@ class NodeArena:
 
     @staticmethod
     def size_for(local_size: int, shared_bytes: int, region_bytes: int) -> int:
-        """Returns: the bytes of /dev/shm an arena of these sizes takes."""
+        """The bytes of /dev/shm an arena of these sizes takes.
+
+        Args:
+            local_size: the number of ranks of the node.
+            shared_bytes: the bytes of the shared region.
+            region_bytes: the bytes of each rank's own region.
+
+        Returns:
+            The flags' bytes plus both regions' sizes, each rounded up to a multiple of 64.
+
+        Example::
+
+            >>> NodeArena.size_for(2, shared_bytes=4096, region_bytes=4096)
+            12352
+        """
         return Flags.nbytes(1, local_size) + align(shared_bytes) + local_size * align(region_bytes)
 
     @classmethod
@@ -75,6 +109,12 @@ class NodeArena:
 
         Raises:
             OSError: /dev/shm has no room (on the rank that failed; the others get RemoteRankError).
+
+        Example::
+
+            >>> tag, pids = comm.bcast_obj(new_job_tag()), comm.allgather_obj(os.getpid())
+            >>> arena = NodeArena.open(tag, 0, comm.intra_rank, comm.intra_size, pids, comm.allgather_obj,
+            ...                        shared_bytes=1 << 20, region_bytes=1 << 20, points=("written", "summed"))
         """
         nbytes = cls.size_for(local_size, shared_bytes, region_bytes)
         shared_bytes, region_bytes = align(shared_bytes), align(region_bytes)
@@ -85,8 +125,17 @@ class NodeArena:
     def my_chunk(self, n: int, itemsize: int) -> tuple[int, int]:
         """This rank's share of ``n`` elements when the node's ranks split work on them.
 
+        Args:
+            n: the number of elements.
+            itemsize: the bytes of one element.
+
         Returns:
             ``(lo, hi)``, cut on cache lines so that no two ranks write the same line.
+
+        Example::
+
+            >>> arena.my_chunk(1000, 4)        # float32, local rank 1 of 2
+            (512, 1000)
         """
         return chunk_bounds(n, itemsize, self.local_rank, self.local_size)
 
@@ -99,12 +148,24 @@ class NodeArena:
         Raises:
             CollectiveMismatchError: ranks reached the same barrier number at different points.
             PeerLostError: a rank of the node exited, or did not come within the timeout.
+
+        Example::
+
+            >>> arena.regions[arena.local_rank].copy_(grads_as_bytes)
+            >>> arena.barrier("written")       # now every rank may read every region
         """
         self._seq += 1
         self._flags.arrive_and_wait(0, self._seq, self._points.index(what), self._points)
 
     def close(self) -> None:
-        """Unmap the arena (memory a tensor still views is released with the process)."""
+        """Unmap the arena (memory a tensor still views is released with the process).
+
+        Its ``shared`` and ``regions`` tensors are dropped; the arena cannot be used afterwards.
+
+        Example::
+
+            >>> arena.close()
+        """
         self.shared = None
         self.regions = []
         self._flags = None

@@ -34,6 +34,10 @@ def new_job_tag() -> str:
 
     Returns:
         16 hex digits.
+
+    Example::
+
+        >>> tag = comm.bcast_obj(new_job_tag())    # one rank's tag, the same on every rank
     """
     return uuid.uuid4().hex[:16]
 
@@ -60,6 +64,20 @@ class NodeSegment:
 
     def __init__(self, buf: mmap.mmap, local_rank: int, local_size: int, slot_bytes: int,
                  pids: list[int], timeout: float, describe: Callable[[int], str]):
+        """Lay the segment out over a mapping: the flags, one slot per rank, then the result area.
+
+        :meth:`open` maps the segment and calls it.
+
+        Args:
+            buf: the mapping, at least :meth:`size_for` bytes.
+            local_rank, local_size: this rank among the node's ranks.
+            slot_bytes: the bytes of each slot and of the result area (a multiple of 64).
+            pids, timeout, describe: as for :meth:`open`.
+
+        Example::
+
+            >>> seg = NodeSegment(buf, r, 2, 1 << 20, pids, 600.0, lambda i: f"local rank {i}")
+        """
         self._buf = buf
         self.local_rank = local_rank
         self.local_size = local_size
@@ -76,7 +94,20 @@ class NodeSegment:
     # ----------------------------------------------------------------------------- set-up
     @staticmethod
     def size_for(local_size: int, slot_bytes: int) -> int:
-        """Returns: the bytes of /dev/shm a segment with these slots takes."""
+        """The bytes of /dev/shm a segment with these slots takes.
+
+        Args:
+            local_size: the number of ranks of the node.
+            slot_bytes: the bytes of each rank's slot.
+
+        Returns:
+            The flags' bytes plus ``local_size + 1`` slots (the last is the result area).
+
+        Example::
+
+            >>> NodeSegment.size_for(2, 1 << 20)
+            3145792
+        """
         return Flags.nbytes(PHASES, local_size) + (local_size + 1) * slot_bytes
 
     @classmethod
@@ -102,6 +133,11 @@ class NodeSegment:
 
         Raises:
             OSError: /dev/shm has no room (on the rank that failed; the others get RemoteRankError).
+
+        Example::
+
+            >>> tag, pids = comm.bcast_obj(new_job_tag()), comm.allgather_obj(os.getpid())
+            >>> seg = NodeSegment.open(tag, 0, comm.intra_rank, comm.intra_size, pids, comm.allgather_obj)
         """
         if slot_bytes is None:
             slot_bytes = requested_slot_bytes()
@@ -131,6 +167,10 @@ class NodeSegment:
 
         Returns:
             ``out``.
+
+        Example::
+
+            >>> seg.allreduce_(flat, "max")                 # flat now holds the node's maximum
         """
         reduce = REDUCE[op]
         out = flat if out is None else out
@@ -157,7 +197,16 @@ class NodeSegment:
         return out
 
     def reduce_scatter(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
-        """Sum ``flat`` (local_size * k elements) over the node; local rank r gets chunk r in ``shard``."""
+        """Sum ``flat`` (local_size * k elements) over the node; local rank r gets chunk r in ``shard``.
+
+        Args:
+            flat: this rank's contiguous CPU tensor of ``local_size * k`` elements.
+            shard: ``k`` elements, overwritten with elements ``[r*k, (r+1)*k)`` of the sum.
+
+        Example::
+
+            >>> seg.reduce_scatter(grads, my_shard)           # grads: local_size * k elements, my_shard: k
+        """
         k = shard.numel()
         item = flat.element_size()
         per_piece = max(1, self.slot_bytes // (item * self.local_size))
@@ -175,7 +224,16 @@ class NodeSegment:
             self._arrive_and_wait(1, _REDUCE_SCATTER)
 
     def allgather(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
-        """Every local rank's ``shard`` (k elements) into ``flat`` (local_size * k), in rank order."""
+        """Every local rank's ``shard`` (k elements) into ``flat`` (local_size * k), in rank order.
+
+        Args:
+            flat: ``local_size * k`` elements, overwritten; local rank r's shard lands at ``[r*k, (r+1)*k)``.
+            shard: this rank's ``k`` elements.
+
+        Example::
+
+            >>> seg.allgather(params, my_shard)               # params: local_size * k elements
+        """
         k = shard.numel()
         item = flat.element_size()
         per_piece = max(1, self.slot_bytes // item)
@@ -189,7 +247,17 @@ class NodeSegment:
             self._arrive_and_wait(1, _ALLGATHER)
 
     def broadcast_(self, flat: torch.Tensor, root: int = 0) -> None:
-        """Local rank ``root``'s ``flat`` into every local rank's ``flat``."""
+        """Local rank ``root``'s ``flat`` into every local rank's ``flat``.
+
+        Args:
+            flat: a contiguous 1-D CPU tensor of the same length and dtype on every rank;
+                overwritten except on root.
+            root: the local rank whose tensor everyone gets.
+
+        Example::
+
+            >>> seg.broadcast_(flat, root=0)
+        """
         item = flat.element_size()
         per_piece = self.slot_bytes // item
         for start in range(0, flat.numel(), per_piece):
@@ -212,6 +280,12 @@ class NodeSegment:
         Returns:
             Copies of every rank's buffer; ``None`` on every rank if one rank's does not fit a slot
             (the caller then takes another path, on every rank alike).
+
+        Example::
+
+            >>> parts = seg.allgather_bytes(torch.frombuffer(bytearray(b"ready"), dtype=torch.uint8))
+            >>> [bytes(p.numpy()) for p in parts]                 # 2 local ranks
+            [b'ready', b'ready']
         """
         n = data.numel()
         self._seq += 1
@@ -228,7 +302,12 @@ class NodeSegment:
         return out
 
     def close(self) -> None:
-        """Unmap the segment."""
+        """Unmap the segment; it cannot be used afterwards.
+
+        Example::
+
+            >>> seg.close()
+        """
         self._slots = []
         self._result = None
         self._flags = None
@@ -242,6 +321,13 @@ def sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
     Args:
         out: where the sum goes.
         parts: tensors of ``out``'s shape, one per rank.
+
+    Example::
+
+        >>> out = torch.empty(3)
+        >>> sum_into(out, [torch.ones(3), torch.full((3,), 2.0)])
+        >>> out
+        tensor([3., 3., 3.])
     """
     if len(parts) == 1:
         out.copy_(parts[0])
@@ -255,16 +341,35 @@ MIN_SLOT_BYTES = 256 << 10  # below this, TCP is as good as shared memory in pie
 
 
 def requested_slot_bytes() -> int:
-    """Returns: the slot size ``TORCHMN_SHM_SLOT_MB`` asks for (default 16 MB), in bytes."""
+    """The slot size asked for, from ``TORCHMN_SHM_SLOT_MB`` (default 16 MB).
+
+    Returns:
+        The slot size, in bytes.
+
+    Example::
+
+        >>> requested_slot_bytes()          # TORCHMN_SHM_SLOT_MB not set
+        16777216
+    """
     return int(float(os.environ.get("TORCHMN_SHM_SLOT_MB", DEFAULT_SLOT_MB)) * 1024 * 1024)
 
 
 def fitting_slot_bytes(local_size: int, free: int) -> int:
     """The slot size for a segment of ``local_size`` ranks when /dev/shm has ``free`` bytes.
 
+    Args:
+        local_size: the number of ranks of the node.
+        free: the bytes free in /dev/shm (:func:`free_bytes`).
+
     Returns:
-        The requested size, or the largest that takes at most half of ``free``; 0 where shared
-        memory is too small to be worth it.
+        The requested size (:func:`requested_slot_bytes`) where it fits, else the largest with
+        which the segment takes at most half of ``free``; 0 where that is under 256 KiB, too small
+        to be worth it.
+
+    Example::
+
+        >>> fitting_slot_bytes(4, 1 << 30), fitting_slot_bytes(4, 64 << 20), fitting_slot_bytes(4, 1 << 20)
+        (16777216, 6710848, 0)
     """
     want = requested_slot_bytes()
     spare = fits_in(free) - Flags.nbytes(PHASES, local_size)
@@ -275,12 +380,33 @@ def fitting_slot_bytes(local_size: int, free: int) -> int:
 
 
 def fits_in(free: int) -> int:
-    """Returns: how much of ``free`` bytes of /dev/shm torchmn takes at most (half: the rest is others')."""
+    """How much of /dev/shm torchmn takes at most (half: the rest is others').
+
+    Args:
+        free: the bytes free in /dev/shm.
+
+    Returns:
+        ``free // 2``.
+
+    Example::
+
+        >>> fits_in(64 << 20)               # Docker's default /dev/shm
+        33554432
+    """
     return free // 2
 
 
 def free_bytes() -> int:
-    """Returns: the bytes free in /dev/shm (0 if there is none)."""
+    """The bytes free in /dev/shm, for an unprivileged process.
+
+    Returns:
+        The bytes available; 0 where there is no /dev/shm.
+
+    Example::
+
+        >>> free_bytes() >> 20              # MiB
+        31744
+    """
     try:
         st = os.statvfs(SHM_DIR)
     except OSError:

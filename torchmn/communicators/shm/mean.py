@@ -52,6 +52,17 @@ class NodeMean:
     """
 
     def __init__(self, arena: NodeArena, capacity: int):
+        """Keep ``arena`` for means of tensors of up to ``capacity`` bytes; :meth:`open` makes both.
+
+        Args:
+            arena: an arena opened with this module's ``POINTS``, whose shared region and each
+                rank's region hold ``capacity`` bytes.
+            capacity: the bytes (:meth:`nbytes`) of the largest list of tensors it takes.
+
+        Example::
+
+            >>> node_mean = NodeMean(comm.open_node_arena(nbytes, nbytes, points=POINTS), nbytes)
+        """
         self.arena = arena
         self.capacity = capacity
         self._plan_key = None
@@ -66,7 +77,19 @@ class NodeMean:
 
     @classmethod
     def nbytes(cls, tensors: list[torch.Tensor]) -> int:
-        """Returns: the bytes a region needs for ``tensors`` (one run per dtype, each cache-line aligned)."""
+        """The bytes a region needs for ``tensors``: one run per dtype, each cache-line aligned.
+
+        Args:
+            tensors: the tensors whose means will be taken.
+
+        Returns:
+            The sum over dtypes of their bytes, each rounded up to a multiple of 64.
+
+        Example::
+
+            >>> NodeMean.nbytes([torch.zeros(10), torch.zeros(3, dtype=torch.float64)])
+            128
+        """
         return sum(align(sum(tensors[i].numel() * tensors[i].element_size() for i in idx))
                    for idx in cls._groups(tensors).values())
 
@@ -81,6 +104,11 @@ class NodeMean:
         Returns:
             The NodeMean, or None on every rank where the arena cannot be had (several nodes,
             GPU, too little /dev/shm).
+
+        Example::
+
+            >>> grads = [p.grad for p in model.parameters()]
+            >>> node_mean = NodeMean.open(comm, NodeMean.nbytes(grads))   # comm: hierarchical, one node
         """
         arena = comm.open_node_arena(nbytes, nbytes, points=POINTS)
         return cls(arena, nbytes) if arena is not None else None
@@ -99,8 +127,19 @@ class NodeMean:
     def mean_(self, tensors: list[torch.Tensor]) -> None:
         """Replace each (contiguous CPU) tensor by its mean over the node's ranks.
 
+        Sums go in rank order, so every rank gets the same bits; float16 and bfloat16 values are
+        divided before they are summed, so that the sum cannot overflow.
+
         Args:
             tensors: this rank's tensors, of the layout every rank passes, within the capacity.
+
+        Raises:
+            CollectiveMismatchError: a rank reached one of the barriers from another point.
+            PeerLostError: a rank of the node exited, or did not come within the timeout.
+
+        Example::
+
+            >>> node_mean.mean_([p.grad for p in model.parameters()])
         """
         arena = self.arena
         plan = self._plan_for(tensors)
@@ -127,5 +166,10 @@ class NodeMean:
                 tensors[i].view(-1).copy_(result)
 
     def close(self) -> None:
-        """Unmap the arena."""
+        """Unmap the arena; the NodeMean cannot be used afterwards.
+
+        Example::
+
+            >>> node_mean.close()
+        """
         self.arena.close()

@@ -38,6 +38,15 @@ _madvise_fn = _madvise()
 def empty_like_fast(x: torch.Tensor) -> torch.Tensor:
     """``torch.empty_like(x)`` (contiguous), backed by huge pages where it is large and on the CPU.
 
+    From 32 MB up on Linux, the kernel is asked (``madvise``) for transparent huge pages over the
+    new tensor; a kernel without them ignores the advice. Elsewhere it is a plain empty tensor.
+
+    Args:
+        x: the tensor whose shape, dtype and device the new one takes.
+
+    Returns:
+        A new, uninitialized, contiguous tensor of ``x``'s shape, dtype and device.
+
     Example::
 
         >>> out = empty_like_fast(x).copy_(x)   # x of 64 MB: faulted in 2 MB at a time

@@ -26,6 +26,22 @@ _live_flags: "weakref.WeakSet[Flags]" = weakref.WeakSet()  # every Flags of this
 
 
 def segment_name(job_tag: str, node: int, creator_pid: int) -> str:
+    """The name in /dev/shm of a node's segment while its job sets it up.
+
+    Args:
+        job_tag: the job's tag (:func:`~torchmn.communicators.shm.new_job_tag`; an arena adds
+            ``"arena"``).
+        node: the node's index.
+        creator_pid: the process id of the local rank that creates it (local rank 0).
+
+    Returns:
+        ``torchmn-<job_tag>-node<node>-pid<creator_pid>``.
+
+    Example::
+
+        >>> segment_name("3f2a9c1e5b7d4a60", 0, 4242)
+        'torchmn-3f2a9c1e5b7d4a60-node0-pid4242'
+    """
     # The creator's pid in the name lets a later job tell a segment left by a killed one.
     return f"torchmn-{job_tag}-node{node}-pid{creator_pid}"
 
@@ -37,7 +53,19 @@ STALE_AFTER_S = 60.0
 
 
 def remove_stale_segments() -> list[str]:
-    """Delete the segments of jobs killed while they set up shared memory; returns their names."""
+    """Delete the segments of jobs killed while they set up shared memory.
+
+    A segment counts as left behind when the process that created it is gone and it is older than
+    ``STALE_AFTER_S`` seconds; others (a job setting up now, another PID namespace) are left alone.
+
+    Returns:
+        The names of the segments deleted, in /dev/shm.
+
+    Example::
+
+        >>> remove_stale_segments()          # local rank 0 does this before creating a segment
+        ['torchmn-3f2a9c1e5b7d4a60-node0-pid4242']
+    """
     removed = []
     now = time.time()
     for name in leftover_segments():
@@ -54,7 +82,19 @@ def remove_stale_segments() -> list[str]:
 
 
 def leftover_segments(job_tag: Optional[str] = None) -> list[str]:
-    """Names in /dev/shm that look like torchmn's (for tests and `torchmn doctor`)."""
+    """Names in /dev/shm that look like torchmn's segments (tests check that none is left behind).
+
+    Args:
+        job_tag: only the segments of this job; ``None`` for every job's.
+
+    Returns:
+        The names, sorted; empty where there is no /dev/shm.
+
+    Example::
+
+        >>> leftover_segments()              # every segment is unlinked once mapped
+        []
+    """
     prefix = "torchmn-" + (job_tag or "")
     try:
         return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
@@ -68,6 +108,22 @@ class Flags:
 
     def __init__(self, buf: mmap.mmap, phases: int, local_rank: int, local_size: int, pids: list[int],
                  timeout: float, describe: Callable[[int], str]):
+        """View the flag rows at the start of ``buf``, and register them for :func:`mark_failed`.
+
+        Args:
+            buf: the mapped segment; the flags are its first ``phases * local_size`` int64 words.
+            phases: how many rows (phases of a call) there are.
+            local_rank: this rank's column.
+            local_size: the number of columns, one per rank of the node.
+            pids: the node's ranks' process ids, to tell a dead peer from a slow one.
+            timeout: seconds :meth:`arrive_and_wait` waits for the other ranks.
+            describe: names local rank ``r`` in errors.
+
+        Example::
+
+            >>> flags = Flags(buf, phases=2, local_rank=r, local_size=2, pids=pids, timeout=600.0,
+            ...               describe=lambda i: f"local rank {i}")
+        """
         self._rows = np.frombuffer(buf, dtype=np.int64, count=phases * local_size).reshape(phases, local_size)
         # The same words as plain Python ints: the wait loop reads them without numpy's per-call
         # cost, which matters run cold between backward and forward (twice a sharded step).
@@ -81,12 +137,45 @@ class Flags:
 
     @staticmethod
     def nbytes(phases: int, local_size: int) -> int:
+        """The bytes the flags take at the start of a segment, up to a cache line.
+
+        Args:
+            phases: how many rows there are.
+            local_size: the number of ranks of the node.
+
+        Returns:
+            ``phases * local_size`` 8-byte words, rounded up to a multiple of 64.
+
+        Example::
+
+            >>> Flags.nbytes(2, 4)
+            64
+        """
         return align(phases * local_size * 8)
 
     def arrive_and_wait(self, phase: int, seq: int, kind: int = 0, kinds: tuple = ()) -> None:
-        """Arrive at call ``seq`` and wait for every rank to reach it. ``kind`` (an index into
-        ``kinds``, the names of the calls) travels in the same word as ``seq``, so ranks that reach
-        call ``seq`` from different places in their code raise instead of pairing silently."""
+        """Arrive at call ``seq`` and wait for every rank to reach it.
+
+        ``kind`` travels in the same word as ``seq``, so ranks that reach call ``seq`` from
+        different places in their code raise instead of pairing silently. The wait spins, then
+        yields the core, then sleeps briefly, so that more ranks than cores still make progress.
+
+        Args:
+            phase: the row to arrive in.
+            seq: the call's number; the callers count their calls up from 1.
+            kind: the kind of call, an index into ``kinds``.
+            kinds: the names of the kinds of call, for the message; empty: ranks at the same call
+                are not compared.
+
+        Raises:
+            CollectiveMismatchError: a rank is at call ``seq`` with another kind of call.
+            PeerLostError: a rank of the node ended with an error, exited, or did not arrive within
+                the timeout.
+
+        Example::
+
+            >>> flags.arrive_and_wait(0, seq, kind=1, kinds=("an allreduce", "a broadcast"))
+        """
         fence()  # this rank's data writes before its flag
         mark = seq * KINDS + kind
         lowest = seq * KINDS
@@ -130,7 +219,15 @@ class Flags:
                 f"rank alike, e.g. from comm.allreduce of a flag")
 
     def mark_failed(self) -> None:
-        """Tell the node's other ranks, waiting now or later, that this rank will not come."""
+        """Tell the node's other ranks, waiting now or later, that this rank will not come.
+
+        Writes ``FAILED`` into this rank's column of every row: a peer waiting on it raises
+        PeerLostError ("ended with an error") at its next look, without waiting for the process to go.
+
+        Example::
+
+            >>> flags.mark_failed()
+        """
         for phase in range(self._rows.shape[0]):
             self._words[phase * self.local_size + self.local_rank] = FAILED
 
@@ -149,7 +246,12 @@ class Flags:
 
 
 def mark_failed() -> None:
-    """Mark this rank failed in every shared-memory segment it has open (see ``FAILED``)."""
+    """Mark this rank failed in every shared-memory segment it has open (see ``FAILED``).
+
+    Example::
+
+        >>> segment.mark_failed()    # the exception hook does this as this rank breaks off
+    """
     for flags in list(_live_flags):
         flags.mark_failed()
 
@@ -158,9 +260,31 @@ def map_segment(name: str, nbytes: int, local_rank: int, agree: Callable[[bool],
                  remedy: str) -> mmap.mmap:
     """Local rank 0 creates /dev/shm/NAME, every local rank maps it, then the name is unlinked.
 
-    ``agree(ok)`` is every rank's ``ok``, collectively: after creating and after mapping, the ranks
-    tell each other whether that worked, so that a failure on one rank raises on all of them
-    instead of leaving the others with a segment their peer never attached to."""
+    Collective on the node's ranks. After creating and after mapping, the ranks tell each other
+    through ``agree`` whether that worked, so that a failure on one rank raises on all of them
+    instead of leaving the others with a segment their peer never attached to. Local rank 0 first
+    deletes the segments that killed jobs left behind (:func:`remove_stale_segments`), and reserves the
+    memory at once, so that a full /dev/shm fails here rather than with SIGBUS mid-collective.
+
+    Args:
+        name: the segment's name (:func:`segment_name`).
+        nbytes: its size.
+        local_rank: this rank among the node's ranks.
+        agree: a collective that returns every rank's value (``comm.allgather_obj``).
+        remedy: what to do where /dev/shm has no room, for the message.
+
+    Returns:
+        The mapping, ``nbytes`` long, the same memory on every rank of the node.
+
+    Raises:
+        OSError: creating or mapping the segment failed on this rank.
+        RemoteRankError: it failed on another rank.
+
+    Example::
+
+        >>> buf = map_segment(segment_name(tag, 0, pids[0]), 1 << 20, local_rank, comm.allgather_obj,
+        ...                   "set TORCHMN_SHM_SLOT_MB lower")
+    """
     path = os.path.join(SHM_DIR, name)
     fd = -1
     try:
@@ -195,7 +319,21 @@ def map_segment(name: str, nbytes: int, local_rank: int, agree: Callable[[bool],
 
 
 def all_succeeded(agree: Callable[[bool], list], error: Optional[BaseException], what: str) -> None:
-    """Raise this rank's own ``error``, or, if another rank had one, an error naming it."""
+    """Raise this rank's own ``error``, or, if another rank had one, an error naming it (collective).
+
+    Args:
+        agree: a collective that returns every rank's value (``comm.allgather_obj``).
+        error: what this step raised on this rank, or None.
+        what: the step, for the message (``"creating /dev/shm/..."``).
+
+    Raises:
+        OSError: this rank's own ``error``, raised as it is (creating or mapping a segment fails with one).
+        RemoteRankError: this rank succeeded, another did not.
+
+    Example::
+
+        >>> all_succeeded(comm.allgather_obj, error, f"mapping {path}")
+    """
     oks = agree(error is None)
     if error is not None:
         raise error
@@ -206,6 +344,15 @@ def all_succeeded(agree: Callable[[bool], list], error: Optional[BaseException],
 
 
 def close_mapping(buf: mmap.mmap) -> None:
+    """Unmap a segment, unless a tensor still views it.
+
+    Args:
+        buf: the mapping.
+
+    Example::
+
+        >>> close_mapping(buf)       # after dropping the tensors over it
+    """
     # A tensor may still view the mapping; then it is released with the process.
     with contextlib.suppress(BufferError):
         buf.close()
@@ -220,6 +367,11 @@ def fence() -> None:
     The flags and the data are plain memory: on x86 stores are seen in order anyway, but on Arm
     a flag could become visible before the data it announces. Taking and releasing a lock is an
     acquire and a release operation (pthread atomics), which orders them on every CPU; ~50 ns.
+
+    Example::
+
+        >>> slot.copy_(piece)
+        >>> fence()                  # the data is visible before the flag written after it
     """
     with _FENCE:
         pass
@@ -227,16 +379,58 @@ def fence() -> None:
 
 def chunk_bounds(n: int, itemsize: int, r: int, parts: int) -> tuple[int, int]:
     """Part r of n elements split in ``parts``, cut on cache-line boundaries (ranks never write
-    the same line)."""
+    the same line).
+
+    Args:
+        n: the number of elements.
+        itemsize: the bytes of one element.
+        r: the part wanted, from 0 to ``parts - 1``.
+        parts: how many parts (the node's ranks).
+
+    Returns:
+        ``(lo, hi)``, the part's elements; empty (``lo == hi``) for the last parts where ``n`` is small.
+
+    Example::
+
+        >>> chunk_bounds(1000, 4, 1, 4), chunk_bounds(1000, 4, 3, 4)
+        ((256, 512), (768, 1000))
+    """
     per = align(-(-n // parts) * itemsize) // itemsize
     return min(n, r * per), min(n, (r + 1) * per)
 
 
 def align(n: int) -> int:
+    """Round a byte count up to a whole number of cache lines.
+
+    Args:
+        n: the bytes.
+
+    Returns:
+        The least multiple of ``ALIGN`` (64) that is at least ``n``.
+
+    Example::
+
+        >>> align(100), align(128)
+        (128, 128)
+    """
     return -(-n // ALIGN) * ALIGN
 
 
 def alive(pid: int) -> bool:
+    """Whether the process ``pid`` is still running, to tell a dead peer from a slow one.
+
+    Args:
+        pid: a process id on this machine.
+
+    Returns:
+        False where there is no such process or it is a zombie; True otherwise, also for another
+        user's process and where /proc cannot be read.
+
+    Example::
+
+        >>> alive(os.getpid())
+        True
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -251,6 +445,15 @@ def alive(pid: int) -> bool:
 
 
 def unlink(path: str) -> None:
+    """Remove a file, where it is still there.
+
+    Args:
+        path: the file (a segment in /dev/shm).
+
+    Example::
+
+        >>> unlink(os.path.join(SHM_DIR, name))     # a second call does nothing
+    """
     try:
         os.unlink(path)
     except FileNotFoundError:
