@@ -204,6 +204,16 @@ def _documented_in_a_base(cls: ast.ClassDef, method: str, classes: dict, seen: t
     return False
 
 
+def _own_nodes(fn):
+    """The nodes of ``fn``'s body, without those of the functions and classes defined inside it."""
+    stack = list(fn.body)
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            stack.extend(ast.iter_child_nodes(node))
+
+
 def _docstring_gaps(fn, is_property: bool) -> list:
     doc = ast.get_docstring(fn)
     if not doc:
@@ -213,7 +223,7 @@ def _docstring_gaps(fn, is_property: bool) -> list:
     if fn.returns is not None:
         returns = ast.unparse(fn.returns) != "None"
     else:
-        returns = any(isinstance(n, ast.Return) and n.value is not None for n in ast.walk(fn))
+        returns = any(isinstance(n, ast.Return) and n.value is not None for n in _own_nodes(fn))
     gaps = []
     if doc.lstrip().startswith("Returns:"):
         gaps.append("a one-line 'Returns:' instead of a summary")

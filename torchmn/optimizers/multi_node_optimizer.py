@@ -175,9 +175,6 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             bucket_cap_mb: MB of gradients per message (None: the communicator's).
             backward_passes_per_step: backward passes accumulated locally per averaging.
 
-        Returns:
-            None: a constructor (the ``return`` statements inside belong to its local helper functions).
-
         Raises:
             TypeError: ``optimizer`` is not a torch optimizer.
             ValueError: an unknown ``compression``, ``backward_passes_per_step < 1``, CPU

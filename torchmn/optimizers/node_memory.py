@@ -171,9 +171,6 @@ class NodeShards:
             peer_regions: every rank's gradient buffer, this rank's at ``own_index``.
             own_index: this rank's place among them (its local rank).
 
-        Returns:
-            None: a constructor (the ``return`` statement inside belongs to its local helper function).
-
         Example::
 
             >>> regions = [region_view(r, offset, b.region_numel, b.dtype) for r in arena.regions]

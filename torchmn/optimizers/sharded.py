@@ -78,9 +78,6 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             backward_passes_per_step: backward passes accumulated locally per averaging.
             double_buffering: must be False (the update needs this step's gradients).
 
-        Returns:
-            None: a constructor (the ``return`` statements inside belong to its local helper functions).
-
         Raises:
             TypeError: ``optimizer`` is not a torch optimizer, or not an elementwise one.
             ValueError: an unknown ``compression``, ``backward_passes_per_step < 1``,
