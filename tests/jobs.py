@@ -62,7 +62,9 @@ def run_one_process(script: str | Path, args: list[str], timeout: float = 120) -
 _check_jobs: dict = {}
 
 
-def _job_key(item):
+def job_key(item):
+    """The check job a test's check runs in: ``(family, configuration)``, or None for a test that is
+    not a check (see above)."""
     mark = item.get_closest_marker("check_job")
     params = getattr(getattr(item, "callspec", None), "params", {})
     if mark is None or "check" not in params:
@@ -79,11 +81,11 @@ def check_job_output(request, run) -> subprocess.CompletedProcess:
     it is called once per group and session. An exception it raises (a timeout) fails every test
     of the group.
     """
-    key = _job_key(request.node)
+    key = job_key(request.node)
     assert key is not None, "a check test needs @pytest.mark.check_job(...) and a `check` parameter"
     if key not in _check_jobs:
         checks = list(dict.fromkeys(item.callspec.params["check"] for item in request.session.items
-                                    if _job_key(item) == key))
+                                    if job_key(item) == key))
         try:
             _check_jobs[key] = run(checks)
         except Exception as e:  # noqa: BLE001 (the job's own failure, reported by each of its tests)

@@ -264,8 +264,8 @@ print("AGAIN OK", flush=True)
 @pytest.mark.parametrize("launcher", ["torchmn", "torchrun"])
 def test_a_new_world_after_finalize(launcher, tmp_path):
     """finalize(), then create_communicator() again, as the error on a finalized communicator advises:
-    under a launcher that hosts the store, the new world used to meet the old one's keys there and
-    hang in two runs of three."""
+    under a launcher that hosts the store, the new world must not meet the first one's keys there
+    (which would hang it)."""
     script = tmp_path / "again.py"
     script.write_text(AGAIN)
     out = run_job(script, [], np=2, launcher=launcher, timeout=90).stdout

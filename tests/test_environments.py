@@ -177,6 +177,7 @@ def test_mpi_multi_node_without_mpi4py_needs_master_addr(monkeypatch):
         detect_environment(env)
 
 
+@pytest.mark.cluster  # mpi4py built against each MPI (.ci/run builds both)
 @pytest.mark.parametrize("mpi", ["openmpi", "mpich"])
 def test_mpi_multi_node_with_mpi4py_leaves_the_address_to_mpi(mpi, monkeypatch):
     """Detection only finds mpi4py (importing mpi4py.MPI would initialise MPI): rank 0 sends its

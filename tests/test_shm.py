@@ -116,11 +116,12 @@ def test_two_jobs_at_once_do_not_interfere():
 
 
 def in_small_dev_shm(size_mb, np, check, env):
-    """Run CHECK on np ranks in a mount namespace whose /dev/shm is a SIZE_MB tmpfs (root only,
-    like the MPI and Slurm tests)."""
+    """Run CHECK on np ranks in a mount namespace whose /dev/shm is a SIZE_MB tmpfs. The namespace is
+    a user namespace's own, so that no root is needed (unprivileged user namespaces, Debian's default)."""
     argv = launcher_argv("torchmn", np) + [sys.executable, str(CHECKS), check]
     script = f"mount -t tmpfs -o size={size_mb}m tmpfs /dev/shm && exec " + " ".join(f"'{a}'" for a in argv)
-    proc = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private",
+                           "sh", "-c", script],
                           env=clean_env(env), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"PASS {check}" in proc.stdout

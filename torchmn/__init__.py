@@ -20,10 +20,9 @@ script calls afterwards wins over the per-rank thread budget (``torchmn.resource
 """
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
-from torchmn import resources
+from torchmn import lazy_names, resources
 from torchmn.errors import TorchmnError
 
 __version__ = "0.1.0"
@@ -50,57 +49,10 @@ _NAMES = {
 _SUBPACKAGES = ("checkpoint", "communicators", "datasets", "environments", "evaluators", "functions",
                 "iterators", "nn", "optimizers", "tune")
 
-__all__ = sorted([*_NAMES, *_SUBPACKAGES, "TorchmnError", "__version__"])
+__getattr__, __dir__, __all__ = lazy_names.attach(__name__, _NAMES, _SUBPACKAGES)
+__all__ += ["TorchmnError", "__version__"]
 
 resources.watch_torch_threads()
-
-
-def __getattr__(name: str):
-    """Load a public name or subpackage of torchmn when it is first used (PEP 562).
-
-    ``import torchmn`` alone loads neither torch.distributed's set-up nor any subpackage; the
-    first ``torchmn.X`` imports the module that defines ``X`` and keeps the value in this module,
-    so that later lookups are plain attributes.
-
-    Args:
-        name: the attribute asked for.
-
-    Returns:
-        The object of that name (``create_communicator``, ``join``, ...), or the subpackage
-        ``torchmn.<name>``.
-
-    Raises:
-        AttributeError: ``name`` is neither a public name nor a subpackage of torchmn.
-
-    Example::
-
-        >>> import torchmn
-        >>> torchmn.create_communicator     # imports torchmn.communicators here   # doctest: +ELLIPSIS
-        <function create_communicator at 0x...>
-    """
-    if name in _NAMES:
-        value = getattr(importlib.import_module(_NAMES[name]), name)
-    elif name in _SUBPACKAGES:
-        value = importlib.import_module(f"torchmn.{name}")
-    else:
-        raise AttributeError(f"module 'torchmn' has no attribute {name!r}")
-    globals()[name] = value  # the next lookup is a plain attribute
-    return value
-
-
-def __dir__():
-    """The module's names for ``dir(torchmn)`` and tab completion, those not loaded yet included.
-
-    Returns:
-        The sorted names of the module's globals and of ``__all__``.
-
-    Example::
-
-        >>> import torchmn
-        >>> "create_communicator" in dir(torchmn)
-        True
-    """
-    return sorted(set(globals()) | set(__all__))
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see

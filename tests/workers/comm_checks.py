@@ -447,7 +447,7 @@ def check_mismatch(comm):
         assert comm.rank != 1 and "rank 1" in str(e), e
     else:
         raise AssertionError("no error for a bad argument")
-    # Arguments only one rank gets wrong, which used to leave the others waiting for the timeout:
+    # Arguments only one rank gets wrong, which must not leave the others waiting for the timeout:
     # a root that is no rank, a tensor the wire cannot describe, an object that cannot be pickled.
     bad_calls = [
         ("bad root", lambda bad: comm.bcast(torch.ones(1), root=comm.size if bad else 0)),

@@ -259,7 +259,7 @@ def check_generic_evaluator(comm):
         e = expect_raise(lambda: Gather(comm, fail_rank=fail, broadcast=True)(comm.size), ValueError, RemoteRankError)
         assert "local evaluation broke" in str(e), e
     # A result rank 1 cannot pickle fails like evaluate_local itself: on every rank, at once (a third
-    # rank used to wait in gather_obj for the timeout).
+    # rank must not wait in gather_obj for the timeout).
     class Unpicklable(Gather):
         def evaluate_local(self, step):
             return (lambda: 0) if self.comm.rank == 1 else super().evaluate_local(step)
@@ -555,7 +555,7 @@ class _SkewedTrigger(ppe.training.trigger.Trigger):
 
 def _check_snapshot_trigger_that_differs_between_ranks(comm, tmp):
     """Every rank snapshots when rank 0's trigger fires, also where the snapshot is collective (a
-    sharded optimizer's state_dict), which used to wait for ranks that never came."""
+    sharded optimizer's state_dict), so that no rank waits for ranks that never come."""
     out = os.path.join(tmp, "skewed")
     model = torch.nn.Linear(2, 1)
     optimizer = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters()), comm, shard_state=True)

@@ -10,7 +10,7 @@ without ``--kill-on-bad-exit``, ranks started by hand), that adds up to many sec
 So :func:`torchmn.create_communicator` installs an exception hook (:func:`install`) that, on the
 rank whose exception nobody caught:
 
-1. prints the traceback as before (through the hook it replaced: torch's prefixes ``[rankN]:``);
+1. prints the traceback, through the hook it replaced (torch's, which prefixes ``[rankN]:``);
 2. records which rank failed, on which host, with which error, in the job's rendezvous store
    (the first failure wins: a second one only prints its own traceback);
 3. *breaks off*: marks its shared-memory flags failed, and closes its gloo connections: it
@@ -30,7 +30,7 @@ read the record, for a few seconds at most.
 
 Only the gloo backend breaks off: destroying an NCCL group with work in flight can hang. The handle
 of an asynchronous collective that the script still holds keeps its group's connections open until
-the process ends (the ranks waiting for this one then learn it a second or so later, as before).
+the process ends (the ranks waiting for this one then learn it a second or so later, when it exits).
 """
 from __future__ import annotations
 
@@ -102,7 +102,7 @@ def install() -> None:
     Called by :func:`torchmn.create_communicator` for a world of more than one rank; installing
     again does nothing. The hook does its part only while a process group is up, for exceptions
     (not KeyboardInterrupt, which every rank gets alike) and outside an interactive session (where
-    the interpreter calls it for every error); otherwise it only prints, as before.
+    the interpreter calls it for every error); otherwise it only prints, as the hook it replaced does.
 
     Example::
 

@@ -16,55 +16,14 @@ Example::
 """
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
 
+from torchmn import lazy_names
+
 _NAMES = {"LaunchConfig": "torchmn.run.config", "RunError": "torchmn.run.config", "run": "torchmn.run.job"}
-__all__ = sorted(_NAMES)
-
-
 # Loaded when first used: the remote watcher and the guardian run modules of this package, and
 # need none of the launcher's.
-def __getattr__(name: str):
-    """Load ``LaunchConfig``, ``RunError`` or ``run`` when it is first used (PEP 562).
-
-    The value is kept in this module, so that later lookups are plain attributes.
-
-    Args:
-        name: the attribute asked for.
-
-    Returns:
-        The object of that name, from ``torchmn.run.config`` or ``torchmn.run.job``.
-
-    Raises:
-        AttributeError: ``name`` is not one of the three.
-
-    Example::
-
-        >>> import torchmn.run
-        >>> torchmn.run.LaunchConfig(["python", "train.py"], np=2).np
-        2
-    """
-    if name not in _NAMES:
-        raise AttributeError(f"module 'torchmn.run' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_NAMES[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    """The module's names for ``dir(torchmn.run)``, the three loaded on first use included.
-
-    Returns:
-        The sorted names of the module's globals and of ``__all__``.
-
-    Example::
-
-        >>> import torchmn.run
-        >>> "run" in dir(torchmn.run)
-        True
-    """
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__, __all__ = lazy_names.attach(__name__, _NAMES)
 
 
 if TYPE_CHECKING:

@@ -27,8 +27,8 @@ FLAGS: Dict[str, Tuple[bool, str, str]] = {
     "--hierarchical-allreduce": (False, "note", "torchmn's default on CPU already reduces inside each node first "
                                                 "(shared memory), then between nodes"),
     "--hierarchical-allgather": (False, "note", "torchmn's allgather is one collective"),
-    "--autotune": (False, "note", "torchmn has no autotuner for these settings"),
-    "--autotune-log-file": (True, "note", "torchmn has no autotuner"),
+    "--autotune": (False, "note", "torchmn's search for such settings is `torchmn tune -np N -- COMMAND`"),
+    "--autotune-log-file": (True, "note", "`torchmn tune --storage URL` keeps its trials"),
     "--no-stall-check": (False, "note", "torchmn names the ranks missing from a collective at its timeout "
                                         "(TORCHMN_TIMEOUT, or --gloo-timeout-seconds)"),
     "--stall-check-warning-time-seconds": (True, "note", "see --no-stall-check"),
@@ -105,7 +105,7 @@ def translate(args: argparse.Namespace) -> Tuple[List[str], Optional[str]]:
         >>> args = build_parser().parse_args(["run", "-np", "2", "--fusion-threshold-mb", "32", "--autotune",
         ...                                   "python", "train.py"])
         >>> translate(args)
-        (['torchmn run: note: --autotune has no effect: torchmn has no autotuner for these settings'], None)
+        (['torchmn run: note: --autotune has no effect: torchmn's search for such settings is `torchmn tune -np N -- COMMAND`'], None)
         >>> args.exports
         ['HOROVOD_FUSION_THRESHOLD_MB=32']
     """

@@ -9,54 +9,16 @@ Example::
 """
 from __future__ import annotations
 
-import importlib
 from typing import TYPE_CHECKING
+
+from torchmn import lazy_names
 
 _NAMES = {"DistributedTrial": "torchmn.tune.distributed", "MultiNodeStudy": "torchmn.tune.distributed",
           "Param": "torchmn.tune.space", "default_space": "torchmn.tune.space", "parse_param": "torchmn.tune.space",
           "TuneError": "torchmn.tune.study", "Tuner": "torchmn.tune.study"}
-__all__ = sorted(_NAMES)
-
-
 # Loaded when first used: ``torchmn run`` and ``torchmn tune`` load this package's command without
 # torch, which only the trials inside a job need.
-def __getattr__(name: str):
-    """Import ``name``'s module the first time ``name`` is used, and keep ``name`` here from then on.
-
-    Args:
-        name: the attribute asked for (``torchmn.tune.Tuner``, ``from torchmn.tune import Param``).
-
-    Returns:
-        The class or function of that name from its module (listed in ``__all__``).
-
-    Raises:
-        AttributeError: ``name`` is not one of this package's names.
-
-    Example::
-
-        >>> import torchmn.tune
-        >>> torchmn.tune.Tuner                 # imports torchmn.tune.study now
-        <class 'torchmn.tune.study.Tuner'>
-    """
-    if name not in _NAMES:
-        raise AttributeError(f"module 'torchmn.tune' has no attribute {name!r}")
-    value = getattr(importlib.import_module(_NAMES[name]), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    """The package's names, those not imported yet included (for ``dir()`` and completion).
-
-    Returns:
-        The sorted names of the module's globals and of ``__all__``.
-
-    Example::
-
-        >>> "MultiNodeStudy" in dir(torchmn.tune)
-        True
-    """
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__, __all__ = lazy_names.attach(__name__, _NAMES)
 
 
 if TYPE_CHECKING:
