@@ -239,7 +239,8 @@ def _docstring_gaps(fn, is_property: bool) -> list:
 def test_public_docstrings_have_google_sections():
     """Every public function and method of a public module says what it does in a summary line,
     with ``Args:`` where it takes arguments, ``Returns:`` where it returns something, and an
-    ``Example::``; a method that overrides a documented torchmn base method shares its docs."""
+    ``Example::``; a method that overrides a documented torchmn base method shares its docs, and a
+    constructor is documented by its class's ``Args:`` (Python's other dunder methods need none)."""
     modules = list(_modules())
     classes: dict = {}
     for _, tree in modules:
@@ -258,9 +259,12 @@ def test_public_docstrings_have_google_sections():
                 continue
             if not ast.get_docstring(node):
                 found.append(f"{rel}:{node.lineno} class {node.name}: no docstring")
+            class_doc = ast.get_docstring(node) or ""
             for method in node.body:
                 if not isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) or _private(method.name):
                     continue
+                if method.name.startswith("__") and (method.name != "__init__" or "Args:" in class_doc):
+                    continue  # Python's protocols; a constructor the class's own Args document
                 decorators = {ast.unparse(d) for d in method.decorator_list}
                 if any(d.endswith(".setter") for d in decorators):
                     continue  # documented by its getter

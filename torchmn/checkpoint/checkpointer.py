@@ -138,29 +138,6 @@ class Checkpointer:
     """
 
     def __init__(self, directory: str, comm, *, keep: int = 3, **objects: Any):
-        """Check, on every rank together, that the directory is one they all can write and see.
-
-        Collective: rank 0 creates the directory and a probe file in it, and every other rank
-        checks that it sees the probe and can create files beside it.
-
-        Args:
-            directory: the checkpoint directory; created if needed.
-            comm: the communicator whose ranks checkpoint together.
-            keep: how many complete steps to keep (the newest); an integer, at least 1.
-            **objects: what to save and load, by name: objects with ``state_dict()`` and
-                ``load_state_dict()``.
-
-        Raises:
-            ValueError: ``keep`` is not an integer of at least 1, or an object lacks
-                ``state_dict``/``load_state_dict`` (a plain ``DataLoader``: use
-                :class:`~torchmn.checkpoint.ResumableLoader`).
-            CheckpointError: on every rank, when the directory cannot be created or written on
-                some rank, or some rank does not see rank 0's files in it.
-
-        Example::
-
-            >>> ckpt = torchmn.checkpoint.Checkpointer("/shared/ckpt", comm, model=model, optimizer=optimizer)
-        """
         if int(keep) != keep or keep < 1:
             raise TorchmnValueError(f"Checkpointer: keep={keep!r}; keep at least 1 complete step (2 or more lets "
                                     f"a bad checkpoint be skipped by hand)")

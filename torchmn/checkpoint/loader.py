@@ -57,25 +57,6 @@ class ResumableLoader:
 
     def __init__(self, dataset: Any, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, **loader_kwargs: Any):
-        """Keep the dataset and the options, at the start of epoch 0; no ``DataLoader`` is built yet.
-
-        Args:
-            dataset: a map-style dataset (this rank's part of the data).
-            batch_size: samples per batch; a positive integer.
-            shuffle: a new order each epoch (from ``seed`` and the epoch) rather than dataset order.
-            seed: the seed of the orders.
-            drop_last: leave out the last incomplete batch of an epoch.
-            **loader_kwargs: passed to each epoch's ``DataLoader``, except ``sampler``,
-                ``batch_sampler``, ``generator`` and ``persistent_workers``, which it sets itself.
-
-        Raises:
-            ValueError: ``loader_kwargs`` holds an argument it sets itself, or ``batch_size`` is
-                not a positive integer.
-
-        Example::
-
-            >>> loader = torchmn.checkpoint.ResumableLoader(train, batch_size=64, num_workers=2)
-        """
         taken = sorted({"sampler", "batch_sampler", "generator", "persistent_workers", "shuffle"} & set(loader_kwargs))
         if taken:
             raise TorchmnValueError(f"ResumableLoader sets {', '.join(taken)} itself (its order must come back on a "

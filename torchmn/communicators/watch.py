@@ -44,18 +44,6 @@ class CallLog:
     """
 
     def __init__(self, tag: str):
-        """Start a log with no call made, none running, no hosts known, and not finalized.
-
-        Args:
-            tag: tells this communicator's calls apart from other communicators' in the store
-                (``"world1"``, and ``"world1.1.0"`` for a communicator split off it).
-
-        Example::
-
-            >>> log = CallLog("world1")
-            >>> log.calls, log.depth, log.closed
-            (0, 0, False)
-        """
         self.tag = tag
         self.calls = 0
         self.depth = 0

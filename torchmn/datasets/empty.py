@@ -26,16 +26,6 @@ class EmptyDataset(Dataset):
     """
 
     def __init__(self, n: int):
-        """A dataset of ``n`` empty tuples.
-
-        Args:
-            n: the number of items (anything ``int()`` takes).
-
-        Example::
-
-            >>> len(torchmn.datasets.empty.EmptyDataset(5))
-            5
-        """
         self._n = int(n)
 
     def __len__(self) -> int:

@@ -79,21 +79,6 @@ class DatasetPart(Dataset):
     """
 
     def __init__(self, base: Any, indices: Sequence[int], positions: Optional[Sequence[int]] = None):
-        """A part whose item ``i`` is ``base[positions[i]]``, standing for root's ``dataset[indices[i]]``.
-
-        Args:
-            base: the dataset the items are read from: root's dataset, or the samples this rank
-                received.
-            indices: the positions of the part's items in root's dataset.
-            positions: where each item is in ``base``; ``None`` means ``indices`` (``base`` is then
-                the whole dataset).
-
-        Example::
-
-            >>> part = DatasetPart(range(10, 20), indices=[3, 4, 5])
-            >>> part[0], part.indices
-            (13, [3, 4, 5])
-        """
         self.base = base
         self.indices = list(indices)
         self._positions = self.indices if positions is None else list(positions)

@@ -41,20 +41,6 @@ class GenericMultiNodeEvaluator(abc.ABC):
     """
 
     def __init__(self, comm, root: int = 0, broadcast: bool = False):
-        """An evaluator over ``comm``'s ranks that aggregates on ``root``. No communication.
-
-        Args:
-            comm: the communicator whose ranks evaluate.
-            root: the rank that aggregates.
-            broadcast: return the aggregate on every rank, not only on ``root``.
-
-        Raises:
-            ValueError: ``root`` is not a rank of ``comm``.
-
-        Example::
-
-            >>> auc = AUC(comm, root=0, broadcast=True)      # AUC: a subclass, as in the class example
-        """
         comm.check_rank(root, "root")
         self.comm = comm
         self.root = root

@@ -54,16 +54,6 @@ class MultiNodeEvaluator:
     """
 
     def __init__(self, fn: Callable[..., Any], comm):
-        """Keep ``fn`` and ``comm`` for the calls. No communication.
-
-        Args:
-            fn: the per-rank evaluation, returning ``(means, n)`` or a dict of means.
-            comm: the communicator whose ranks evaluate.
-
-        Example::
-
-            >>> evaluator = torchmn.evaluators.MultiNodeEvaluator(evaluate, comm)
-        """
         self.fn = fn
         self.comm = comm
 

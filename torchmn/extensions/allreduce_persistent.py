@@ -33,16 +33,6 @@ class AllreducePersistent(extension.Extension):
     priority = extension.PRIORITY_WRITER + 1
 
     def __init__(self, model: torch.nn.Module, comm):
-        """Keep ``model`` and ``comm`` for the calls. No communication.
-
-        Args:
-            model: the module whose buffers are averaged.
-            comm: the communicator whose ranks hold copies of ``model``.
-
-        Example::
-
-            >>> sync_bn_stats = torchmn.extensions.AllreducePersistent(model, comm)
-        """
         self.model = model
         self.comm = comm
 

@@ -42,22 +42,6 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
 
     def __init__(self, comm, monitor: str = "val/loss", patience: int = 3, mode: str = "auto",
                  max_trigger: Any = (100, "epoch"), check_trigger: Any = (1, "epoch"), verbose: bool = False):
-        """The trigger, with nothing observed yet. No communication; ppe's own message, with
-        ``verbose``, is printed on rank 0 only.
-
-        Args:
-            comm: the communicator whose ranks train together.
-            monitor: the observation key judged, e.g. ``"val/loss"``.
-            patience: how many checks without improvement stop training.
-            mode: ``"min"``, ``"max"`` or ``"auto"`` (``"max"`` when ``monitor`` names an accuracy).
-            max_trigger: stops training in any case (ppe's trigger forms, e.g. ``(100, "epoch")``).
-            check_trigger: the interval at whose end the mean is compared.
-            verbose: print, on rank 0, the operator chosen and when training stops.
-
-        Example::
-
-            >>> stop = torchmn.extensions.MultiNodeEarlyStoppingTrigger(comm, monitor="val/loss", patience=3)
-        """
         # ppe's constructor prints its choice of operator when verbose: on rank 0 only.
         super().__init__(check_trigger=check_trigger, monitor=monitor, patience=patience, mode=mode,
                          verbose=verbose and comm.rank == 0, max_trigger=max_trigger)

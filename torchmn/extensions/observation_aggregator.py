@@ -73,25 +73,6 @@ class ObservationAggregator(extension.Extension):
     def __init__(self, comm, original_key: str, aggregated_key: Optional[str] = None, *,
                  comm_trigger: Any = (1, "iteration"),
                  aggregator: Optional[Callable[[Sequence[float]], Any]] = None):
-        """The extension, with nothing observed yet. No communication.
-
-        Args:
-            comm: the communicator whose ranks report ``original_key``.
-            original_key: the observation key to aggregate.
-            aggregated_key: the key to report the aggregate under; ``None`` for ``original_key``.
-            comm_trigger: when to aggregate (ppe's trigger forms), by default every iteration.
-            aggregator: turns the list of rank means into the reported value; ``None`` for
-                :func:`mean`.
-
-        Raises:
-            ValueError: ``aggregated_key`` is ``original_key`` (or ``None``) and ``comm_trigger``
-                does not fire every iteration.
-
-        Example::
-
-            >>> agg = torchmn.extensions.ObservationAggregator(comm, "main/loss", "main/loss/max",
-            ...                                                comm_trigger=(1, "epoch"), aggregator=max)
-        """
         self.comm = comm
         self.original_key = original_key
         self.aggregated_key = original_key if aggregated_key is None else aggregated_key

@@ -265,25 +265,6 @@ class MultiNodeSnapshot(extension.Extension):
     def __init__(self, comm, filename: str = DEFAULT_FILENAME, savefun: Callable[[Any, Any], None] = torch.save,
                  target: Any = None, n_retains: int = -1, autoload: bool = False, out_dir: Optional[str] = None,
                  loadfun: Callable[[str], Any] = _default_load):
-        """The extension; a bad ``filename`` fails here, not at the first snapshot. No communication.
-
-        Args:
-            comm: the communicator whose ranks snapshot together.
-            filename: the file name pattern, with the fields ``{iteration}`` and ``{rank}``.
-            savefun: writes the state to an open binary file.
-            target: what to save; ``None`` for the manager.
-            n_retains: how many of this rank's newest snapshots to keep; ``<= 0`` keeps all.
-            autoload: resume from the newest common iteration when training starts.
-            out_dir: the snapshot directory; ``None`` for the manager's output directory.
-            loadfun: reads a snapshot file, for ``autoload``.
-
-        Raises:
-            ValueError: ``filename`` is not a valid pattern (see :func:`snapshot_path`).
-
-        Example::
-
-            >>> snap = torchmn.extensions.MultiNodeSnapshot(comm, "snap-{rank}-{iteration}.pt", n_retains=2)
-        """
         _pattern(filename, comm.rank)  # a bad name fails now, not at the first snapshot
         self.comm = comm
         self.filename = filename

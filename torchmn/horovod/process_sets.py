@@ -67,19 +67,6 @@ class ProcessSet:
     """
 
     def __init__(self, ranks_or_comm: Sequence[int]):
-        """A set of the given ranks, not yet registered (no id, no communicator). No communication.
-
-        Args:
-            ranks_or_comm: the job's ranks that belong to the set, in any order (kept sorted).
-
-        Raises:
-            UnsupportedError: ``ranks_or_comm`` is not a list, tuple or range of ranks.
-
-        Example::
-
-            >>> hvd.ProcessSet(range(0, hvd.size(), 2)).ranks     # 4 ranks
-            [0, 2]
-        """
         if not isinstance(ranks_or_comm, (list, tuple, range)):
             raise UnsupportedError(f"ProcessSet(<{type(ranks_or_comm).__name__}>): torchmn.horovod takes a list "
                                    f"of ranks, not an mpi4py communicator")

@@ -35,21 +35,6 @@ class MultiNodeIterator:
     """
 
     def __init__(self, loader: Optional[Iterable], comm, rank_master: int = 0):
-        """Learn the master's loader length on every rank (collective: one ``bcast_obj``).
-
-        Args:
-            loader: the iterable to read on ``rank_master``; other ranks may pass ``None``.
-            comm: the communicator whose ranks get the batches.
-            rank_master: the rank that reads ``loader``.
-
-        Raises:
-            ValueError: ``rank_master`` is not a rank of ``comm``; or, on every rank, the master
-                passed ``loader=None`` or ``len()`` of its loader failed.
-
-        Example::
-
-            >>> it = torchmn.iterators.MultiNodeIterator(loader if comm.rank == 0 else None, comm)
-        """
         comm.check_rank(rank_master, "rank_master")
         self.comm = comm
         self.rank_master = rank_master

@@ -50,23 +50,6 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._NormBase):
 
     def __init__(self, num_features: int, eps: float = 1e-5, momentum: Optional[float] = 0.1, affine: bool = True,
                  track_running_stats: bool = True, device=None, dtype=None, *, comm: CommunicatorBase):
-        """The layer, with BatchNorm's parameters and buffers. No communication: the ranks check
-        that they built it alike at the first forward in training.
-
-        Args:
-            num_features: channels ``C`` of an input ``(N, C, ...)``.
-            eps: added to the variance, for numerical stability.
-            momentum: the weight of a batch's statistics in the running ones; None for the
-                cumulative average.
-            affine: learn a scale and a shift per channel.
-            track_running_stats: keep running statistics, used in eval mode.
-            device, dtype: of the parameters and buffers, as ``torch.nn.BatchNorm2d``'s.
-            comm: the ranks whose batches make the global one.
-
-        Example::
-
-            >>> bn = torchmn.nn.MultiNodeBatchNorm(64, momentum=None, comm=comm)
-        """
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         self.comm = comm
         self._agreed = False

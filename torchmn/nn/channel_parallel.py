@@ -53,33 +53,6 @@ class ChannelParallelConv2d(torch.nn.Module):
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
                  comm: CommunicatorBase, input_is_parallel: bool = False, gather_output: bool = True,
                  grouped: bool = False):
-        """This rank's slice of a new dense ``torch.nn.Conv2d``: its output channels (and, with
-        ``grouped``, its input channels) of the weight and bias. No communication: the ranks check
-        that they built it alike at the first forward.
-
-        The dense layer is initialized on each rank by torch's own rule: seed every rank alike
-        (or load a dense state with :meth:`load_dense_state_dict`) for the slices to come from one
-        dense layer.
-
-        Args:
-            in_channels, out_channels, kernel_size, stride, padding, dilation, bias, padding_mode,
-                device, dtype: as ``torch.nn.Conv2d``'s.
-            groups: must be 1 (see ``grouped``).
-            comm: the ranks the output channels are split over.
-            input_is_parallel: the input is this rank's slice of the input channels.
-            gather_output: return the whole output, not this rank's slice.
-            grouped: ChainerMN's block-diagonal variant.
-
-        Raises:
-            ValueError: ``groups`` other than 1, or fewer channels than ranks.
-
-        Example::
-
-            >>> torch.manual_seed(0)                 # the same dense layer on every rank
-            >>> conv = torchmn.nn.ChannelParallelConv2d(3, 64, 3, padding=1, comm=comm)
-            >>> conv.weight.shape                    # 4 ranks
-            torch.Size([16, 3, 3, 3])
-        """
         super().__init__()
         if groups != 1:
             raise TorchmnValueError(f"ChannelParallelConv2d: groups={groups}; split a grouped convolution's channels "

@@ -53,15 +53,6 @@ class MultiNodeSequential(torch.nn.Module):
     """
 
     def __init__(self, comm: CommunicatorBase):
-        """A model with no part yet; each rank then adds its own with :meth:`add`. No communication.
-
-        Args:
-            comm: the communicator whose ranks hold the parts.
-
-        Example::
-
-            >>> model = torchmn.nn.MultiNodeSequential(comm)
-        """
         super().__init__()
         self.comm = comm
         self.parts = torch.nn.ModuleList()

@@ -52,25 +52,6 @@ class Pipeline(torch.nn.Module):
 
     def __init__(self, stage: torch.nn.Module, comm: CommunicatorBase, micro_batches: int = 1,
                  schedule: str = "1f1b", loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None):
-        """This rank's stage ``comm.rank`` of ``comm.size``. No communication.
-
-        Args:
-            stage: this rank's part of the model.
-            comm: the pipeline's communicator; its ranks are the stages, in order.
-            micro_batches: how many pieces each batch is cut into (along the first dimension).
-            schedule: ``"gpipe"`` or ``"1f1b"``.
-            loss_fn: ``loss_fn(output, target)`` on the last stage; the other stages may leave it out.
-
-        Raises:
-            ValueError: an unknown schedule, or ``micro_batches`` not a positive integer.
-
-        Example::
-
-            >>> pipe = torchmn.nn.Pipeline(stages[comm.rank], comm, micro_batches=8, schedule="gpipe",
-            ...                            loss_fn=torch.nn.functional.cross_entropy)
-            >>> pipe.is_first, pipe.is_last       # rank 0 of 4
-            (True, False)
-        """
         super().__init__()
         if schedule not in SCHEDULES:
             raise TorchmnValueError(f"Pipeline: schedule must be one of {', '.join(SCHEDULES)}, not {schedule!r}")

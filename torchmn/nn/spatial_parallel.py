@@ -114,27 +114,6 @@ class SpatialParallelConv2d(torch.nn.Conv2d):
     def __init__(self, in_channels: int, out_channels: int, kernel_size, stride=1, padding=0, dilation=1,
                  groups: int = 1, bias: bool = True, padding_mode: str = "zeros", device=None, dtype=None, *,
                  comm: CommunicatorBase, split: str = "h", grid: Optional[Sequence[int]] = None):
-        """A ``torch.nn.Conv2d`` with the whole weight, and this rank's place in the grid of blocks.
-        No communication: the ranks check that they built it alike at the first forward.
-
-        Args:
-            in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, device,
-                dtype: as ``torch.nn.Conv2d``'s.
-            padding_mode: must be ``"zeros"`` (the image's borders lie on other ranks than most of
-                their neighbours).
-            comm: the ranks the image is split over, in block order.
-            split: ``"h"`` (blocks of rows) or ``"hw"`` (blocks of rows and columns).
-            grid: for ``"hw"``, (block rows, block columns); ``None`` for the squarest grid.
-
-        Raises:
-            ValueError: another ``padding_mode``, an unknown ``split``, or a ``grid`` that does not fit.
-
-        Example::
-
-            >>> conv = torchmn.nn.SpatialParallelConv2d(3, 16, 3, padding="same", comm=comm, split="hw")
-            >>> conv.grid                         # 6 ranks
-            (3, 2)
-        """
         super().__init__(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias,
                          padding_mode, device, dtype)
         if padding_mode != "zeros":

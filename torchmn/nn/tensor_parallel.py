@@ -115,26 +115,6 @@ class ColumnParallelLinear(_SlicedLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  comm: CommunicatorBase, gather_output: bool = True):
-        """This rank's rows of a new dense ``torch.nn.Linear``'s weight, and its slice of the bias.
-        No communication: the ranks check that they built it alike at the first forward.
-
-        The dense layer is initialized by torch's rule with this rank's random state: seeded alike
-        on every rank, the slices make up the layer one process would build.
-
-        Args:
-            in_features, out_features, bias, device, dtype: as ``torch.nn.Linear``'s.
-            comm: the ranks the layer is split over.
-            gather_output: return the whole output (an all-gather), not this rank's slice.
-
-        Raises:
-            ValueError: fewer output features than ranks.
-
-        Example::
-
-            >>> up = torchmn.nn.ColumnParallelLinear(512, 2048, comm=comm, gather_output=False)
-            >>> up.weight.shape                   # 4 ranks
-            torch.Size([512, 512])
-        """
         super().__init__(in_features, out_features, bias, device, dtype, comm)
         self.gather_output = gather_output
         self._arguments += (gather_output,)
@@ -192,27 +172,6 @@ class RowParallelLinear(_SlicedLinear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  comm: CommunicatorBase, input_is_parallel: bool = False):
-        """This rank's columns of a new dense ``torch.nn.Linear``'s weight, and the whole bias.
-        No communication: the ranks check that they built it alike at the first forward.
-
-        The dense layer is initialized by torch's rule with this rank's random state: seeded alike
-        on every rank, the slices make up the layer one process would build.
-
-        Args:
-            in_features, out_features, bias, device, dtype: as ``torch.nn.Linear``'s.
-            comm: the ranks the layer is split over.
-            input_is_parallel: the input is already this rank's slice of features; otherwise the
-                whole input, which every rank cuts its slice from.
-
-        Raises:
-            ValueError: fewer input features than ranks.
-
-        Example::
-
-            >>> down = torchmn.nn.RowParallelLinear(2048, 512, comm=comm, input_is_parallel=True)
-            >>> down.weight.shape                 # 4 ranks
-            torch.Size([512, 512])
-        """
         super().__init__(in_features, out_features, bias, device, dtype, comm)
         self.input_is_parallel = input_is_parallel
         self._arguments += (input_is_parallel,)

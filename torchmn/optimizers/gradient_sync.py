@@ -140,6 +140,10 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     bucket of the step is out), and starts its ``step()`` with :meth:`check_step`.
     """
 
+    # Whether updates use the previous step's averages (ChainerMN's double buffering); only the
+    # replicated optimizer offers it.
+    double_buffering = False
+
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, *, compression: Optional[str],
                  backward_passes_per_step: int):
         """Check the options and share the wrapped optimizer's groups (for a subclass's
@@ -231,7 +235,10 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """Clip the averaged gradients by their norm over the whole model; returns that norm.
 
         ``torch.nn.utils.clip_grad_norm_`` over the wrapped optimizer's parameters, once this
-        step's gradients are averaged into ``.grad`` (sent first if backward has not).
+        step's gradients are averaged into ``.grad`` (sent first if backward has not); the same
+        call as with ``shard_state=True``, so a script can switch. With ``zero_fill=False`` a
+        parameter left without a gradient on some ranks counts only where it has one, so ranks can
+        clip by different factors: keep the default ``zero_fill=True``.
 
         Args:
             max_norm: the largest total norm the gradients may have.
@@ -242,12 +249,19 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         Returns:
             The total norm of the averaged gradients, before clipping.
 
+        Raises:
+            ValueError: with ``double_buffering=True`` (the update uses the previous step's averages).
+
         Example::
 
             >>> loss_fn(model(x), y).backward()
             >>> norm = optimizer.clip_grad_norm_(1.0)
             >>> optimizer.step()
         """
+        if self.double_buffering:
+            raise TorchmnValueError("clip_grad_norm_ with double_buffering=True: the update uses the previous "
+                                    "step's averages, which step() swaps in after this call; use "
+                                    "double_buffering=False to clip")
         self.synchronize()
         params = [p for g in self.wrapped.param_groups for p in g["params"]]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)

@@ -328,39 +328,6 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         self._finish(self._in_flight.pop(0))
         return self.wrapped.step()
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                        foreach: Optional[bool] = None) -> torch.Tensor:
-        """Clip the averaged gradients by their norm over the whole model; returns that norm.
-
-        ``torch.nn.utils.clip_grad_norm_`` over the wrapped optimizer's parameters, once the
-        averages are in; the same call as with ``shard_state=True``, so a script can switch. With
-        ``zero_fill=False`` a parameter left without a gradient on some ranks counts only where it
-        has one, so ranks can clip by different factors: keep the default ``zero_fill=True``.
-
-        Args:
-            max_norm: the largest total norm the gradients may have.
-            norm_type: the norm's order (``2.0``, ``float("inf")``, ...).
-            error_if_nonfinite: raise where the total norm is NaN or infinite.
-            foreach: as ``torch.nn.utils.clip_grad_norm_``'s.
-
-        Returns:
-            The total norm of the averaged gradients, before clipping.
-
-        Raises:
-            ValueError: with ``double_buffering=True`` (the update uses the previous step's averages).
-
-        Example::
-
-            >>> loss_fn(model(x), y).backward()
-            >>> norm = optimizer.clip_grad_norm_(1.0)
-            >>> optimizer.step()
-        """
-        if self.double_buffering:
-            raise TorchmnValueError("clip_grad_norm_ with double_buffering=True: the update uses the previous "
-                                    "step's averages, which step() swaps in after this call; use "
-                                    "double_buffering=False to clip")
-        return super().clip_grad_norm_(max_norm, norm_type, error_if_nonfinite, foreach)
-
     def average_without_gradients(self) -> None:
         """Take part in the other ranks' gradient averaging with zeros, and update nothing.
 

@@ -162,20 +162,6 @@ class NodeShards:
     """
 
     def __init__(self, bucket, region: torch.Tensor, peer_regions: list[torch.Tensor], own_index: int):
-        """Plan the bucket's copies and sums over the node's gradient buffers (no communication).
-
-        Args:
-            bucket: the :class:`~torchmn.optimizers.shard_layout.ShardBucket`.
-            region: this rank's gradient buffer (``bucket.region_numel`` elements: the flat
-                layout, then one flag per parameter).
-            peer_regions: every rank's gradient buffer, this rank's at ``own_index``.
-            own_index: this rank's place among them (its local rank).
-
-        Example::
-
-            >>> regions = [region_view(r, offset, b.region_numel, b.dtype) for r in arena.regions]
-            >>> b.node = NodeShards(b, regions[arena.local_rank], regions, arena.local_rank)
-        """
         self.bucket = b = bucket
         r = b.rank
         self.flags = region[b.padded:]

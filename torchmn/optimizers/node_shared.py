@@ -257,28 +257,8 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
         """
         return _register(self._post_hooks, hook)
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-                        foreach=None) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` over the averaged gradients (no communication: every
-        rank holds them all), after sending them if backward has not.
-
-        Args:
-            max_norm: the largest total norm the gradients may have.
-            norm_type: the norm's order (``2.0``, ``float("inf")``, ...).
-            error_if_nonfinite: raise where the total norm is NaN or infinite.
-            foreach: as ``torch.nn.utils.clip_grad_norm_``'s.
-
-        Returns:
-            The total norm of the averaged gradients, before clipping.
-
-        Example::
-
-            >>> loss_fn(model(x), y).backward()
-            >>> norm = optimizer.clip_grad_norm_(1.0)
-            >>> optimizer.step()
-        """
-        # Every rank holds the whole averaged gradient, as the replicated optimizer does.
-        return GradientSyncOptimizer.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite, foreach)
+    # Every rank holds the whole averaged gradient, as the replicated optimizer does: no communication.
+    clip_grad_norm_ = GradientSyncOptimizer.clip_grad_norm_
 
     def _entries(self, copy: bool) -> dict:
         """``{parameter: its whole state}``: per-element entries from shared memory, the rest

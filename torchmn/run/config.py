@@ -30,19 +30,6 @@ class RunError(TorchmnError):
     """
 
     def __init__(self, message: str, exit_code: int = 2):
-        """Keep the message and the exit code.
-
-        Args:
-            message: what is wrong and what to do about it.
-            exit_code: the code ``torchmn run`` exits with (2 by default; 127 for a command not
-                found, ...).
-
-        Example::
-
-            >>> raise RunError("no command given", exit_code=2)
-            Traceback (most recent call last):
-            torchmn.run.config.RunError: no command given
-        """
         super().__init__(message)
         self.exit_code = exit_code
 

@@ -50,29 +50,6 @@ class Job:
     """
 
     def __init__(self, config: LaunchConfig, env: Optional[Mapping[str, str]] = None):
-        """Plan the job without starting anything: parse the ``-x`` exports, place the ranks on the
-        hosts (or on this machine), refuse to run as one of several copies of another launcher,
-        join the other tasks of a multi-task Slurm step, and make the console and the supervisor.
-
-        Make it in the thread that will start the ranks (see ``Supervisor``).
-
-        Args:
-            config: what to run, and how.
-            env: the launcher's environment, which the ranks inherit (default: ``os.environ``);
-                it is copied.
-
-        Raises:
-            RunError: a ``-x`` cannot be forwarded, the hosts have fewer slots than ``-np``,
-                another launcher started this process as one of several, the Slurm step's
-                variables or token cannot be read, ``--network-interface`` is given in a
-                multi-task Slurm step, or ``--output-ranks`` names a rank the job does not have.
-
-        Example::
-
-            >>> job = Job(LaunchConfig(["python", "train.py"], np=2, hosts=[("localhost", 2)]))
-            >>> job.size, [slot.host for slot in job.slots], job.remote_hosts
-            (2, ['localhost', 'localhost'], [])
-        """
         self.config = config
         self.base_env = dict(os.environ if env is None else env)
         self.host = socket.gethostname()

@@ -164,21 +164,6 @@ class Restarts:
 
     def __init__(self, config: LaunchConfig, env: Mapping[str, str],
                  make_job: Callable[[LaunchConfig, Mapping[str, str]], "Job"]):
-        """Keep the settings; no job is made or started until ``run``.
-
-        Args:
-            config: the job's settings (``max_restarts``, ``restart_on``, ``restart_delay``).
-            env: the launcher's environment; it is copied, and each start's ranks get it with
-                ``TORCHMN_RESTART_COUNT``.
-            make_job: builds one start of the job from the config and its environment
-                (``torchmn.run.job.Job``).
-
-        Example::
-
-            >>> import os
-            >>> from torchmn.run.job import Job
-            >>> restarts = Restarts(LaunchConfig(["python", "train.py"], np=2, max_restarts=3), os.environ, Job)
-        """
         self.config = config
         self.env = dict(env)
         self.make_job = make_job

@@ -135,21 +135,6 @@ class SlurmTasks:
     """
 
     def __init__(self, step: SlurmStep, np: int, start_timeout: float, env: Optional[Mapping[str, str]] = None):
-        """Keep this task's place and get the step's token; nothing is connected to yet.
-
-        Args:
-            step: this task's place (see ``slurm_step``).
-            np: ranks per node (``-np``), which every task must agree on.
-            start_timeout: how long to wait for the other tasks (``--start-timeout``).
-            env: the launcher's environment (default: ``os.environ``), for the step's token.
-
-        Raises:
-            RunError: the step's token can be neither read nor made.
-
-        Example::
-
-            >>> tasks = SlurmTasks(slurm_step(os.environ), np=4, start_timeout=60.0)   # doctest: +SKIP
-        """
         self.step = step
         self.np = np
         self.start_timeout = start_timeout

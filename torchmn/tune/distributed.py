@@ -27,6 +27,9 @@ class DistributedTrial:
         trial: the trial on rank 0, None on the other ranks.
         comm: the communicator.
 
+    Raises:
+        ValueError: a trial is missing on rank 0, or given on another rank.
+
     Example::
 
         >>> def objective(trial):                      # a DistributedTrial on every rank
@@ -40,20 +43,6 @@ class DistributedTrial:
     """
 
     def __init__(self, trial, comm: Communicator):
-        """Share rank 0's trial with the other ranks (collective: its number is broadcast).
-
-        Args:
-            trial: the ``optuna.Trial`` on rank 0, None on the other ranks.
-            comm: the communicator whose ranks run the trial together.
-
-        Raises:
-            ValueError: a trial is missing on rank 0, or given on another rank.
-
-        Example::
-
-            >>> trial = study.ask() if comm.rank == 0 else None
-            >>> shared = torchmn.tune.DistributedTrial(trial, comm)
-        """
         if (trial is None) != (comm.rank != 0):
             raise TorchmnValueError(
                 f"rank {comm.rank}: DistributedTrial takes the trial on rank 0 and None on the others")
@@ -180,6 +169,9 @@ class MultiNodeStudy:
             or None).
         comm: the communicator.
 
+    Raises:
+        ValueError: ``study`` is None on rank 0.
+
     Example::
 
         >>> study = optuna.create_study(storage=url, study_name="mnist", load_if_exists=True) \\
@@ -188,20 +180,6 @@ class MultiNodeStudy:
     """
 
     def __init__(self, study, comm: Communicator):
-        """Keep the study and the communicator (no communication).
-
-        Args:
-            study: the ``optuna.Study`` on rank 0; on the other ranks theirs, loaded from the same
-                storage, or None.
-            comm: the communicator whose ranks run every trial together.
-
-        Raises:
-            ValueError: ``study`` is None on rank 0.
-
-        Example::
-
-            >>> multi = torchmn.tune.MultiNodeStudy(study if comm.rank == 0 else None, comm)
-        """
         if comm.rank == 0 and study is None:
             raise TorchmnValueError("MultiNodeStudy needs the study on rank 0")
         self.study, self.comm = study, comm

@@ -37,6 +37,9 @@ class Tuner:
         trial_timeout: seconds a trial may run; past it, it is stopped and pruned.
         log: a pytorch-pfn-extras ``LogReport`` file the command writes (objective and progress).
 
+    Raises:
+        ValueError: ``command`` is empty.
+
     Example::
 
         >>> tuner = Tuner(["python", "train.py"], np=2,
@@ -48,27 +51,6 @@ class Tuner:
     def __init__(self, command: list, *, np: Optional[int] = None, params: Optional[list] = None,
                  storage: Optional[str] = None, study_name: Optional[str] = None,
                  trial_timeout: Optional[float] = None, log: Optional[str] = None):
-        """Settle the search space, the storage and the study's name; nothing is run or opened yet.
-
-        Args:
-            command: the command (``["python", "train.py"]``).
-            np: run each trial under ``torchmn run -np np`` (None: the command as it is).
-            params: the :class:`~torchmn.tune.space.Param` list (None: torchmn's own settings,
-                sized for the CPUs this process may use and ``np`` ranks).
-            storage: an Optuna storage URL (None: ``sqlite:///torchmn-tune.db``, in the working
-                directory).
-            study_name: the study's name (None: ``torchmn-tune-`` and a hash of the command, ``np``
-                and the parameters' names, so that running the same search again resumes it).
-            trial_timeout: seconds a trial may run; past it, it is stopped and pruned.
-            log: a pytorch-pfn-extras ``LogReport`` file the command writes (objective and progress).
-
-        Raises:
-            ValueError: ``command`` is empty.
-
-        Example::
-
-            >>> tuner = Tuner(["python", "train.py"], np=2, trial_timeout=600)
-        """
         if not command:
             raise TorchmnValueError("torchmn tune needs a command: torchmn tune [options] -- python train.py")
         self.command, self.np = list(command), np

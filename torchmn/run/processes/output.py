@@ -220,15 +220,6 @@ class Console:
     """
 
     def __init__(self, output_ranks: Optional[AbstractSet[int]]):
-        """Make the console's lock; nothing is written yet.
-
-        Args:
-            output_ranks: the ranks whose lines are shown; None for all.
-
-        Example::
-
-            >>> console = Console({0})    # --output-ranks 0
-        """
         self.lock = threading.Lock()
         self.output_ranks = output_ranks
         self.lost: set = set()   # streams that failed: written no more
@@ -327,21 +318,6 @@ class RankOutput:
 
     def __init__(self, rank: int, stdout: IO[bytes], stderr: IO[bytes], console: Console,
                  log: Optional[IO[bytes]], wait_for_marker: bool = False):
-        """Start the two reader threads (daemons), one for each pipe.
-
-        Args:
-            rank: the rank, for the console prefix.
-            stdout, stderr: the rank's pipes, each closed once read to its end.
-            console: where lines are shown.
-            log: the rank's log file, or None; closed once the output has ended.
-            wait_for_marker: the rank is remote: it counts as started (``started``) once its
-                watcher prints ``STARTED_MARKER``, a line that is dropped.
-
-        Example::
-
-            >>> process = subprocess.Popen(["python", "train.py"], stdout=PIPE, stderr=PIPE)   # doctest: +SKIP
-            >>> output = RankOutput(0, process.stdout, process.stderr, Console(None), None)   # doctest: +SKIP
-        """
         self.rank = rank
         self.started = not wait_for_marker
         self.tail: Deque[str] = collections.deque(maxlen=TAIL_LINES)

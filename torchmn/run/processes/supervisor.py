@@ -203,19 +203,6 @@ class Supervisor:
     """
 
     def __init__(self, job_id: str, grace: float):
-        """Start with no ranks; look up the death signal's ``preexec_fn`` (see ``die_with_launcher``).
-
-        Make it in the thread that starts the ranks: the kernel's death signal follows the thread
-        that started each child.
-
-        Args:
-            job_id: the job's ``JOB_ID`` value.
-            grace: seconds between the first signal and SIGKILL.
-
-        Example::
-
-            >>> procs = Supervisor("node1-4120-1718000000000000000", grace=3.0)
-        """
         self.job_id = job_id
         self.grace = grace
         self.ranks: List[Rank] = []

@@ -133,27 +133,6 @@ class Gate:
 
     def __init__(self, address: str, port: int, token: str, connect_store: Callable[[], socket.socket],
                  log: Callable[[str], None], likely_pids: Callable[[], Sequence[int]] = tuple):
-        """Listen on ``address:port`` and start serving: one thread (a daemon) runs the selector
-        loop, a pool of up to 8 threads works out who each ``TCPStore`` client is.
-
-        Args:
-            address: the job's address: 127.0.0.1 for a job on one machine, else the address the
-                other hosts reach this one on.
-            port: the port (``--master-port``), 0 for one the OS picks.
-            token: the job's token.
-            connect_store: opens a new connection to the real store, once per admitted client.
-            log: where the gate's lines go (the launcher's console).
-            likely_pids: the job's ranks here, looked at first to identify a client.
-
-        Raises:
-            OSError: the gate cannot listen there (the address is not this machine's, or the port
-                is taken).
-
-        Example::
-
-            >>> gate = Gate("127.0.0.1", 0, token, connect_to_store, print)  # doctest: +SKIP
-            >>> os.environ["MASTER_PORT"] = str(gate.port)  # doctest: +SKIP
-        """
         self.listener = listen(address, port)
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]

@@ -50,17 +50,6 @@ class Pipes:
     """
 
     def __init__(self, selector: selectors.BaseSelector):
-        """Start with no pairs.
-
-        Args:
-            selector: the loop's selector, which the pairs' sockets are registered with.
-
-        Example::
-
-            >>> pipes = Pipes(selectors.DefaultSelector())
-            >>> pipes.ends
-            set()
-        """
         self.selector = selector
         self.ends: Set[End] = set()
 

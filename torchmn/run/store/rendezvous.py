@@ -78,20 +78,6 @@ class HostedStore:
     """
 
     def __init__(self, store, gate: Gate, address: str, signed: bool):
-        """Keep the store and its gate; the gate closes when this object does or is dropped.
-
-        Args:
-            store: the launcher's own client of the store (the ``TCPStore`` that hosts it).
-            gate: the gate, already serving.
-            address: where the gate listens.
-            signed: whether the kernel signs the store's own port (see ``sign``).
-
-        Example::
-
-            >>> hosted = start_store("127.0.0.1", None)
-            >>> hosted.address, hosted.port == hosted.gate.port
-            ('127.0.0.1', True)
-        """
         self.store = store
         self.gate = gate
         self.port = gate.port

@@ -39,19 +39,6 @@ class Voucher:
     """
 
     def __init__(self, sock: socket.socket, token: str, likely_pids: Callable[[], Sequence[int]] = tuple):
-        """Keep the connection; nothing is answered until ``serve``.
-
-        Args:
-            sock: connected to the gate, greeting done (``connect`` makes one).
-            token: the job's token.
-            likely_pids: processes to look at first (the watcher's rank).
-
-        Example::
-
-            >>> voucher = Voucher.connect(os.environ["MASTER_ADDR"], 29500, token, 10)  # doctest: +SKIP
-            >>> voucher.local_address  # doctest: +SKIP
-            '10.0.0.2'
-        """
         self.sock = sock
         self.token = token
         self.likely_pids = likely_pids
