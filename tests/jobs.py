@@ -1,10 +1,14 @@
 """Running real multi-process jobs from tests: every job has a hard timeout, so a hang fails fast."""
 from __future__ import annotations
 
+import atexit
+import json
 import os
 import re
+import select
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -24,6 +28,45 @@ def clean_env(extra: dict | None = None) -> dict:
     return env
 
 
+class _RankForks:
+    """The session's ``rank_forks.py`` process (see there), started at its first job."""
+
+    def __init__(self):
+        self.proc = None
+
+    def run(self, script, args, np, env, cwd, timeout) -> subprocess.CompletedProcess:
+        if self.proc is None or self.proc.poll() is not None:
+            self.proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "rank_forks.py")], cwd=REPO,
+                                         env=clean_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            atexit.register(self.proc.kill)
+        with tempfile.TemporaryDirectory(prefix="torchmn-test-job-") as out:
+            job = {"script": str(script), "args": [str(a) for a in args], "np": np, "env": env,
+                   "cwd": str(cwd), "timeout": timeout, "out": out}
+            self.proc.stdin.write(json.dumps(job) + "\n")
+            self.proc.stdin.flush()
+            # The server stops the job at its timeout; this one only guards against the server itself hanging.
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout + 30)
+            if not ready:
+                self.proc.kill()
+                self.proc = None
+                raise subprocess.TimeoutExpired(f"{script} {args}", timeout)
+            answer = json.loads(self.proc.stdout.readline())
+            outputs = {}
+            for suffix in ("out", "err"):
+                outputs[suffix] = "".join(
+                    "".join(f"[{r}] {line}" for line in Path(out, f"{r}.{suffix}").read_text().splitlines(True))
+                    if np is not None else Path(out, f"{r}.{suffix}").read_text()
+                    for r in range(len(answer["codes"])))
+        if answer["timed_out"]:
+            raise subprocess.TimeoutExpired(f"{script} {args}", timeout, outputs["out"], outputs["err"])
+        failed = [c for c in answer["codes"] if c != 0]
+        return subprocess.CompletedProcess([str(script), *args], failed[0] if failed else 0, outputs["out"],
+                                           outputs["err"])
+
+
+_rank_forks = _RankForks()
+
+
 def launcher_argv(launcher: str, np: int) -> list[str]:
     if launcher == "torchmn":
         return [sys.executable, "-m", "torchmn", "run", "-np", str(np)]
@@ -33,14 +76,24 @@ def launcher_argv(launcher: str, np: int) -> list[str]:
     raise ValueError(launcher)
 
 
-def run_job(script: str | Path, args: list[str], *, np: int = 2, launcher: str = "torchmn",
+def run_job(script: str | Path, args: list[str], *, np: int = 2, launcher: str = "forked",
             timeout: float = 120, env: dict | None = None, cwd: str | Path | None = None,
             check: bool = True) -> subprocess.CompletedProcess:
-    """Run ``python script args`` on ``np`` ranks under ``launcher``; fail the test on error or timeout."""
-    argv = launcher_argv(launcher, np)
-    argv += ([sys.executable] if launcher == "torchmn" else []) + [str(script)] + list(args)
-    proc = subprocess.run(argv, cwd=cwd or REPO, env=clean_env(env), capture_output=True, text=True,
-                          timeout=timeout)
+    """Run ``python script args`` on ``np`` ranks; fail the test on error or timeout.
+
+    ``launcher``: ``"forked"`` (ranks forked from the session's process that has torch imported
+    already, with torch's ``env://`` variables: see ``rank_forks.py``), ``"torchmn"`` (``torchmn
+    run``) or ``"torchrun"``. Each rank's output lines start with ``[rank] `` under ``forked`` and
+    ``torchmn``.
+    """
+    if launcher == "forked":
+        argv = [str(script), *map(str, args)]
+        proc = _rank_forks.run(script, args, np, clean_env(env), cwd or REPO, timeout)
+    else:
+        argv = launcher_argv(launcher, np)
+        argv += ([sys.executable] if launcher == "torchmn" else []) + [str(script)] + list(args)
+        proc = subprocess.run(argv, cwd=cwd or REPO, env=clean_env(env), capture_output=True, text=True,
+                              timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"job failed with exit code {proc.returncode}: {' '.join(argv)}\n"
                              f"--- stdout ---\n{proc.stdout[-6000:]}\n--- stderr ---\n{proc.stderr[-6000:]}")
@@ -48,9 +101,9 @@ def run_job(script: str | Path, args: list[str], *, np: int = 2, launcher: str =
 
 
 def run_one_process(script: str | Path, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run ``python script args`` as a plain process (a world of one), without failing on its exit code."""
-    return subprocess.run([sys.executable, str(script), *args], cwd=REPO, env=clean_env(), capture_output=True,
-                          text=True, timeout=timeout)
+    """Run ``python script args`` as a plain process (a world of one, forked as ``run_job``'s ranks
+    are), without failing on its exit code."""
+    return _rank_forks.run(script, args, None, clean_env(), REPO, timeout)
 
 
 # ----------------------------------------------------------------------------- one test id per check

@@ -96,13 +96,13 @@ def test_bad_timeout_is_refused_before_anything_starts(timeout, error):
 
 
 def test_torchmn_timeout_variable_is_checked(monkeypatch):
-    from torchmn.communicators import _setup
+    from torchmn.communicators import world
     for bad in ("abc", "5s", "0", "-3", "inf"):
         monkeypatch.setenv("TORCHMN_TIMEOUT", bad)
         with pytest.raises(ValueError, match=f"TORCHMN_TIMEOUT='{bad}' is not a positive number of seconds"):
-            _setup.default_timeout()
+            world.default_timeout()
     monkeypatch.setenv("TORCHMN_TIMEOUT", "7.5")
-    assert _setup.default_timeout() == datetime.timedelta(seconds=7.5)
+    assert world.default_timeout() == datetime.timedelta(seconds=7.5)
 
 
 def test_tcp_init_method_under_a_launcher(tmp_path):
@@ -219,7 +219,7 @@ def test_a_finalized_communicator_refuses_collectives():
 def test_ranks_asking_for_different_algorithms_are_told_at_once(tmp_path):
     script = tmp_path / "job.py"
     script.write_text("import sys, torchmn\n"
-                      "name = sys.argv[1 + int(__import__('os').environ['TORCHMN_RANK'])]\n"
+                      "name = sys.argv[1 + int(__import__('os').environ['RANK'])]\n"
                       "try:\n"
                       "    torchmn.create_communicator(name, timeout=30)\n"
                       "except torchmn.CollectiveMismatchError as e:\n"

@@ -13,7 +13,7 @@ from workers.data_jobs import data_check_output
 from torchmn.communicators import make_communicator
 from torchmn.datasets import (DatasetPart, SharedDataset, create_empty_dataset, is_shared, scatter_dataset,
                               scatter_index)
-from torchmn.datasets.scatter import _bounds
+from torchmn.datasets.scatter import index_range
 
 CHECKS = ["scatter", "scatter_chunks", "scatter_errors", "scatter_index"]
 
@@ -31,7 +31,7 @@ def test_across_ranks(np, check, request):
 
 def ranges_of(n, size, **kw):
     """Every rank's scatter_index range, as the rule gives them (no ranks needed)."""
-    return [_bounds(n, size, r, **kw) for r in range(size)]
+    return [index_range(n, size, r, **kw) for r in range(size)]
 
 
 def test_scatter_index_uneven_three_ranks():

@@ -38,7 +38,7 @@ def test_horovod_process_sets(check, request):
 INIT_WITH_RANKS = """
 import torch, torchmn.horovod as hvd
 hvd.init(comm=[0, 2])
-world = int(__import__("os").environ["TORCHMN_RANK"])
+world = int(__import__("os").environ["RANK"])
 if world in (0, 2):
     assert (hvd.rank(), hvd.size()) == ({0: 0, 2: 1}[world], 2), (hvd.rank(), hvd.size())
     assert hvd.allreduce(torch.tensor([float(world)]), op=hvd.Sum).item() == 2.0

@@ -13,8 +13,8 @@ from torchmn import resources
 def cpus(monkeypatch):
     """Pretend the machine gives this process N CPUs and has no cgroup quota."""
     def set_cpus(n, quota=None):
-        monkeypatch.setattr(resources, "_affinity_count", lambda: n)
-        monkeypatch.setattr(resources, "_cgroup_cpu_limit", lambda: quota)
+        monkeypatch.setattr(resources, "affinity_cpu_count", lambda: n)
+        monkeypatch.setattr(resources, "cgroup_cpu_limit", lambda: quota)
     return set_cpus
 
 
@@ -59,11 +59,11 @@ def test_launcher_env_leaves_user_settings_alone(cpus):
 def test_srun_tasks_keep_their_own_cpus(cpus):
     cpus(4)
     srun = {"SLURM_STEP_ID": "0", "SLURM_LOCALID": "1", "SLURM_CPUS_PER_TASK": "4"}
-    assert resources._ranks_sharing_cpus(4, srun) == 1
+    assert resources.ranks_sharing_cpus(4, srun) == 1
     # torchmn run inside a batch script: its ranks share the script's CPUs.
-    assert resources._ranks_sharing_cpus(4, {**srun, "TORCHMN_RANK": "1"}) == 4
-    assert resources._ranks_sharing_cpus(4, {"SLURM_CPUS_PER_TASK": "4"}) == 4
-    assert resources._ranks_sharing_cpus(4, {**srun, "SLURM_STEP_ID": "batch"}) == 4
+    assert resources.ranks_sharing_cpus(4, {**srun, "TORCHMN_RANK": "1"}) == 4
+    assert resources.ranks_sharing_cpus(4, {"SLURM_CPUS_PER_TASK": "4"}) == 4
+    assert resources.ranks_sharing_cpus(4, {**srun, "SLURM_STEP_ID": "batch"}) == 4
 
 
 def test_dataloader_workers_leave_one_cpu_for_the_rank(cpus):
@@ -74,10 +74,10 @@ def test_dataloader_workers_leave_one_cpu_for_the_rank(cpus):
 
 
 def cgroup_limit(root, proc_cgroup_lines):
-    """_cgroup_cpu_limit for a fake cgroup tree under ``root`` and a fake /proc/self/cgroup."""
+    """cgroup_cpu_limit for a fake cgroup tree under ``root`` and a fake /proc/self/cgroup."""
     proc = root / "proc-self-cgroup"
     proc.write_text(proc_cgroup_lines)
-    return resources._cgroup_cpu_limit(root=str(root), proc_cgroup=str(proc))
+    return resources.cgroup_cpu_limit(root=str(root), proc_cgroup=str(proc))
 
 
 def write_v1_quotas(quotas):
@@ -121,10 +121,10 @@ def test_slurm_cpus_per_task_counts_per_task(cpus):
     assert resources.cpu_count_available({**batch, "SLURM_STEP_ID": "4294967291"}) == 8  # the batch step's id
     # The same, run by mpirun (whose ranks may carry the step id of its srun-started daemons).
     mpi = {**batch, "SLURM_STEP_ID": "0", "OMPI_COMM_WORLD_RANK": "1"}
-    assert resources.thread_budget(resources._ranks_sharing_cpus(4, mpi), mpi) == 2
+    assert resources.thread_budget(resources.ranks_sharing_cpus(4, mpi), mpi) == 2
     # `srun -n 4 -c 2 python train.py`: each task its own 2 CPUs.
     task = {**batch, "SLURM_STEP_ID": "0"}
-    assert resources.cpu_count_available(task) == 2 and resources._ranks_sharing_cpus(4, task) == 1
+    assert resources.cpu_count_available(task) == 2 and resources.ranks_sharing_cpus(4, task) == 1
     cpus(8, quota=3)
     assert resources.cpu_count_available(batch) == 3
 

@@ -70,7 +70,7 @@ SETUP_FAILS = """
 import os, sys, torchmn
 from torchmn.communicators import shm
 victim = int(sys.argv[1])
-if int(os.environ["TORCHMN_RANK"]) == victim:
+if int(os.environ["RANK"]) == victim:
     real_open = os.open
     def failing_open(path, flags, *args):
         if str(path).startswith(shm.SHM_DIR):

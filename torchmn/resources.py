@@ -63,21 +63,38 @@ def _positive_int(value: Optional[str]) -> Optional[int]:
     return number if number > 0 else None
 
 
-def _affinity_count() -> int:
+def affinity_cpu_count() -> int:
+    """The CPUs this process may run on (its affinity mask), or all the machine's where there is none.
+
+    Returns:
+        A positive count of CPUs.
+
+    Example::
+
+        >>> affinity_cpu_count() <= os.cpu_count()
+        True
+    """
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
 
 
-def _cgroup_cpu_limit(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> Optional[int]:
+def cgroup_cpu_limit(root: str = "/sys/fs/cgroup", proc_cgroup: str = "/proc/self/cgroup") -> Optional[int]:
     """CPUs allowed by a cgroup CPU quota (containers, Kubernetes limits), rounded up; None if unlimited.
 
     Reads cgroup v2 ``cpu.max`` for this process's cgroup and its ancestors (the tightest wins), and
     falls back to cgroup v1 ``cpu.cfs_quota_us``/``cpu.cfs_period_us``.
 
+    Args:
+        root: where the cgroup file system is mounted.
+        proc_cgroup: the file naming this process's cgroups.
+
+    Returns:
+        The quota in whole CPUs (at least 1), or None where no quota applies.
+
     Example::
 
-        >>> _cgroup_cpu_limit(root="/nonexistent") is None
+        >>> cgroup_cpu_limit(root="/nonexistent") is None
         True
     """
     limits = []
@@ -159,7 +176,7 @@ def cpu_limits(env: Optional[Mapping[str, str]] = None, affinity: Optional[int] 
     slurm = _positive_int(env.get("SLURM_CPUS_PER_TASK")) if _srun_task(env) else None
     if slurm is None:
         slurm = _positive_int(env.get("SLURM_CPUS_ON_NODE"))
-    return {"affinity": affinity or _affinity_count(), "cgroup": _cgroup_cpu_limit(), "slurm": slurm}
+    return {"affinity": affinity or affinity_cpu_count(), "cgroup": cgroup_cpu_limit(), "slurm": slurm}
 
 
 def cpu_count_available(env: Optional[Mapping[str, str]] = None) -> int:
@@ -351,12 +368,26 @@ def launcher_thread_env(local_size: int, env: Optional[Mapping[str, str]] = None
     return added
 
 
-def _ranks_sharing_cpus(local_size: int, env: Mapping[str, str]) -> int:
+def ranks_sharing_cpus(local_size: int, env: Mapping[str, str]) -> int:
     """How many ranks share the CPUs counted by cpu_count_available.
 
     A task that srun started with ``--cpus-per-task`` has its own CPUs (SLURM_CPUS_PER_TASK is per
     task), so dividing by the ranks on the node again would starve it. Everywhere else (torchmn run,
     torchrun, mpirun, also inside a Slurm batch script) the ranks of a node share one allocation.
+
+    Args:
+        local_size: the ranks on this node.
+        env: the rank's environment variables.
+
+    Returns:
+        1 for an srun task with CPUs of its own, else ``local_size`` (at least 1).
+
+    Example::
+
+        >>> ranks_sharing_cpus(4, {"SLURM_STEP_ID": "0", "SLURM_CPUS_PER_TASK": "4"})
+        1
+        >>> ranks_sharing_cpus(4, {})
+        4
     """
     if _srun_task(env) and _positive_int(env.get("SLURM_CPUS_PER_TASK")) is not None:
         return 1
@@ -415,7 +446,7 @@ def apply_thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None
     if omp is not None and omp != chosen:
         return None
     chosen = _scripts_torch_threads() or chosen
-    threads = chosen or thread_budget(_ranks_sharing_cpus(local_size, env), env)
+    threads = chosen or thread_budget(ranks_sharing_cpus(local_size, env), env)
     # What torchmn run set is torchmn's to replace; what the user set stays.
     theirs = set(env.get(TORCHMN_THREAD_VARIABLES, "").split(","))
     user_set = {name for name in THREAD_VARIABLES if _set_by_user(env, name) and name not in theirs}
@@ -455,7 +486,7 @@ def dataloader_workers_budget(local_size: int, env: Optional[Mapping[str, str]] 
             raise TorchmnValueError(f"{TORCHMN_NUM_WORKERS} must be a whole number >= 0, not {workers!r}")
         return int(workers)
     threads = requested_threads(env) or _positive_int(env.get("OMP_NUM_THREADS")) \
-        or thread_budget(_ranks_sharing_cpus(local_size, env), env)
+        or thread_budget(ranks_sharing_cpus(local_size, env), env)
     return max(0, threads - 1)
 
 

@@ -275,7 +275,7 @@ def check_objects(comm):
     assert comm.bcast_obj({"root": r} if r == 0 else None) == {"root": 0}
     assert comm.allgather_obj(("r", r)) == [("r", k) for k in range(n)]
     # One rank's object larger than a shared-memory slot: every rank takes the large-object path.
-    segment = getattr(comm, "_segment", None)
+    segment = getattr(comm, "segment", None)
     big = b"x" * ((segment.slot_bytes if segment is not None else 1 << 20) + 1)
     assert comm.allgather_obj(big if r == n - 1 else r) == [*range(n - 1), big]
     g = comm.gather_obj([r] * r, root=n - 1)

@@ -122,7 +122,7 @@ def check_shared_memory_where_possible(comm):
     opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, shard_state=True)
     assert (opt.arena is not None) == expected, (comm.name, comm.inter_size, opt.arena)
     if comm.name == "hierarchical" and comm.inter_size > 1 and len(set(map(len, comm.node_ranks))) == 1:
-        assert comm._rails is not None, "several equal nodes: reduce-scatter should go over rails"
+        assert comm.rail_group is not None, "several equal nodes: reduce-scatter should go over rails"
     comm.barrier()
     if comm.rank == 0:
         with torch.no_grad():
@@ -158,7 +158,7 @@ def check_kernel_choice(comm):
     for cls, kw, piecewise in ((torch.optim.AdamW, {}, True), (torch.optim.Adam, {"foreach": True}, False),
                                (torch.optim.SGD, {"lr": 0.1}, False)):
         opt = torchmn.create_multi_node_optimizer(cls(make_model().parameters(), **kw), comm, shard_state=True)
-        assert bool(opt._sum_and_step) == (piecewise and opt.arena is not None), (cls, kw, opt._sum_and_step)
+        assert bool(opt.fused_sum_and_step) == (piecewise and opt.arena is not None), (cls, kw, opt.fused_sum_and_step)
         opt.remove_hooks()
 
 
@@ -170,9 +170,9 @@ def check_piecewise_update_is_exact(comm):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(*shape, dtype=dtype)) for shape in ((31,), (5, 7), (300_001,))]
         opt = torchmn.create_multi_node_optimizer(cls(params, lr=0.01, **kw), comm, shard_state=True)
-        used = bool(opt._sum_and_step)
+        used = bool(opt.fused_sum_and_step)
         if not piecewise:
-            opt._sum_and_step.clear()
+            opt.fused_sum_and_step.clear()
         for step in range(4):
             opt.zero_grad()
             g = torch.Generator().manual_seed(100 * step + comm.rank)

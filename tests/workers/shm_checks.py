@@ -27,10 +27,10 @@ def values(n, dtype, rank):
 
 
 def check_same_as_gloo(comm):
-    assert comm.name == "hierarchical" and comm._segment is not None
+    assert comm.name == "hierarchical" and comm.segment is not None
     world = dist.group.WORLD
     # With tiny slots (TORCHMN_SHM_SLOT_MB) every tensor goes in many pieces: fewer sizes suffice.
-    sizes = SIZES if comm._segment.slot_bytes >= 1 << 20 else (7, 4099, 65_537)
+    sizes = SIZES if comm.segment.slot_bytes >= 1 << 20 else (7, 4099, 65_537)
     for dtype in DTYPES:
         for n in sizes:
             x = values(n, dtype, comm.rank)
@@ -145,10 +145,10 @@ def check_segment_fits_dev_shm(comm):
     or, when even those do not fit, no shared memory at all and the same results over TCP."""
     expect = os.environ["EXPECT_SEGMENT"]
     if expect == "smaller":
-        assert comm._segment is not None and comm._segment.slot_bytes < 16 << 20, comm._segment
+        assert comm.segment is not None and comm.segment.slot_bytes < 16 << 20, comm.segment
         check_same_as_gloo(comm)
     else:
-        assert comm._segment is None
+        assert comm.segment is None
         assert torch.equal(comm.allreduce(torch.arange(5.0)), torch.arange(5.0) * comm.size)
 
 if __name__ == "__main__":

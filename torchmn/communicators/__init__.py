@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from torchmn import resources
 from torchmn.communicators import failure
-from torchmn.communicators._setup import adopt_world, default_backend, init_world
+from torchmn.communicators.world import adopt_world, default_backend, init_world
 from torchmn.communicators.communicator import Communicator
 from torchmn.communicators.communicator_base import CommunicatorBase
 from torchmn.communicators.errors import (CollectiveMismatchError, CollectiveTimeoutError, PeerLostError,

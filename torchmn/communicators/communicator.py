@@ -25,7 +25,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from torchmn.communicators import _call_check, _setup, _wire, failure, watch
+from torchmn.communicators import _call_check, _wire, failure, watch, world
 from torchmn.communicators._async_utility import Completed
 from torchmn.communicators._gloo_utility import reduce_scatter_single
 from torchmn.communicators._group_utility import match_group_counts, torch_group_count
@@ -116,7 +116,7 @@ class Communicator(CommunicatorBase):
         self._data_device = torch.device("cpu")  # until the topology tells which GPU (NCCL)
         self._set_topology(node_key)
         if backend == "nccl":
-            # The GPU set-up chose (_setup.init_world): a launcher that shows each rank only its
+            # The GPU set-up chose (world.init_world): a launcher that shows each rank only its
             # own GPUs (Slurm's --gpus-per-task, CUDA_VISIBLE_DEVICES) numbers them from 0 again.
             self.device = torch.device("cuda", self.intra_rank % max(1, torch.cuda.device_count()))
         else:
@@ -828,7 +828,7 @@ class Communicator(CommunicatorBase):
             return
         self.call_log.closed = True
         if self._owns_world:
-            _setup.shutdown_world()
+            world.shutdown_world()
 
     def drop_process_groups(self) -> None:
         """Finalize this communicator and let go of its process groups at once.

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from torchmn.communicators import _call_check, _wire, shm, watch
 from torchmn.communicators._async_utility import AndThen, Completed, finish
 from torchmn.communicators._gloo_utility import reduce_scatter_single
-from torchmn.communicators._setup import collective_timeout_s
 from torchmn.communicators._torch_compat import all_gather_single
 from torchmn.communicators.flat import FlatCommunicator
 from torchmn.communicators.ops import OPS
 from torchmn.communicators.pickling import pickle_for_call, unpickle_from
+from torchmn.communicators.world import collective_timeout_s
 
 
 _UNSET = object()
@@ -59,6 +59,12 @@ def _new_rail_groups(nodes: list[list[int]], local: bool = False):
 class HierarchicalCommunicator(FlatCommunicator):
     """Shared memory inside a node, one rank per node across nodes.
 
+    Attributes:
+        segment: the node's shared-memory segment (:class:`~torchmn.communicators.shm.NodeSegment`),
+            None where there is none (one rank, NCCL, or ``/dev/shm`` too small).
+        rail_group: the gloo group joining this local rank of every node; None unless there are
+            several nodes of equal rank counts.
+
     Example::
 
         >>> comm = torchmn.create_communicator("hierarchical")
@@ -66,7 +72,7 @@ class HierarchicalCommunicator(FlatCommunicator):
     """
 
     name = "hierarchical"
-    _segment = None  # until set-up has made one (set-up's own collectives run without it)
+    segment = None  # until set-up has made one (set-up's own collectives run without it)
 
     def __init__(self, inter_group=_UNSET, rail_groups=_UNSET, **kwargs):
         """Set up the communicator, then its groups across nodes and its node's shared memory (collective).
@@ -97,9 +103,9 @@ class HierarchicalCommunicator(FlatCommunicator):
             True
         """
         super().__init__(**kwargs)
-        self._segment = None
+        self.segment = None
         self._inter_group = None
-        self._rails = None
+        self.rail_group = None
         self._node_mean = None          # the arena mean_tensors keeps between calls
         self._node_mean_refused = 0     # bytes for which no arena could be had (not asked again)
         if self.size == 1 or self.backend == "nccl":
@@ -113,7 +119,7 @@ class HierarchicalCommunicator(FlatCommunicator):
             # Rail i holds local rank i of every node, in the group's own order (by world rank).
             rails = [sorted((node[i] for node in self.node_ranks), key=self.world_rank)
                      for i in range(self.intra_size)]
-            self._rails = rail_groups[self.intra_rank]
+            self.rail_group = rail_groups[self.intra_rank]
             self._rail_order = torch.tensor([r for rail in rails for r in rail])
         # One exchange for what setting up shared memory needs: rank 0's segment tag, every rank's
         # pid (to tell a dead peer) and the space free in its /dev/shm.
@@ -134,7 +140,7 @@ class HierarchicalCommunicator(FlatCommunicator):
                               f"collectives; ranks of a node talk over TCP instead (slower). Give it more "
                               f"room (docker run --shm-size=1g, or a larger tmpfs).", RuntimeWarning, stacklevel=3)
             return
-        self._segment = shm.NodeSegment.open(tag, slot_bytes=slot, **self._shm_args)
+        self.segment = shm.NodeSegment.open(tag, slot_bytes=slot, **self._shm_args)
 
     @classmethod
     def split_groups(cls, parent, members: list[int], local: bool = False) -> dict:
@@ -152,20 +158,20 @@ class HierarchicalCommunicator(FlatCommunicator):
         return self.inter_size == 1
 
     def _shm_ok(self, t: torch.Tensor) -> bool:
-        return self._segment is not None and t.device.type == "cpu" and t.is_contiguous()
+        return self.segment is not None and t.device.type == "cpu" and t.is_contiguous()
 
     @watch.collective
     def allreduce_flat(self, flat: torch.Tensor, async_op: bool = False, op: str = "sum"):
         if not self._shm_ok(flat):
             return super().allreduce_flat(flat, async_op=async_op, op=op)
-        self._segment.allreduce_(flat, op)
+        self.segment.allreduce_(flat, op)
         if self._single_node:
             return Completed()
         # The node sum is ready now; the network allreduce of the nodes' first ranks runs in the
         # background (backward goes on), and wait() shares its result inside the node.
         work = dist.all_reduce(flat, op=OPS[op], group=self._inter_group, async_op=True) \
             if self.intra_rank == 0 else None
-        return finish(AndThen(work, lambda: self._segment.broadcast_(flat, root=0)), async_op)
+        return finish(AndThen(work, lambda: self.segment.broadcast_(flat, root=0)), async_op)
 
     def _across_nodes(self, flat: torch.Tensor, op: str) -> None:
         """Node sums to the global result: the nodes' first ranks allreduce, then share it locally."""
@@ -173,23 +179,23 @@ class HierarchicalCommunicator(FlatCommunicator):
             return
         if self.intra_rank == 0:
             dist.all_reduce(flat, op=OPS[op], group=self._inter_group)
-        self._segment.broadcast_(flat, root=0)
+        self.segment.broadcast_(flat, root=0)
 
     def allreduce_copy(self, x: torch.Tensor, op: str) -> torch.Tensor:
         if not self._shm_ok(x):
             return super().allreduce_copy(x, op)
         # Straight from x into shared memory and from there into the result: no staging copy.
         out = shm.empty_like_fast(x)
-        self._segment.allreduce_(x.view(-1), op, out=out.view(-1))
+        self.segment.allreduce_(x.view(-1), op, out=out.view(-1))
         self._across_nodes(out.view(-1), op)
         return out
 
     @watch.collective
     def reduce_scatter_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         if self._shm_ok(flat) and self._single_node:
-            self._segment.reduce_scatter(flat, shard)
+            self.segment.reduce_scatter(flat, shard)
             return Completed()
-        if not (self._shm_ok(flat) and self._rails is not None):
+        if not (self._shm_ok(flat) and self.rail_group is not None):
             return super().reduce_scatter_flat(flat, shard, async_op=async_op)
         # Several nodes: local rank i first sums, through shared memory, the shards of every rank
         # on its rail (local rank i of each node); the rail then reduce-scatters those node sums
@@ -197,32 +203,32 @@ class HierarchicalCommunicator(FlatCommunicator):
         k = shard.numel()
         by_rail = flat.view(self.size, k).index_select(0, self._rail_order).view(-1)
         node_sums = torch.empty(self.inter_size * k, dtype=flat.dtype)
-        self._segment.reduce_scatter(by_rail, node_sums)
-        work = reduce_scatter_single(shard, node_sums, self._rails, async_op=True)
+        self.segment.reduce_scatter(by_rail, node_sums)
+        work = reduce_scatter_single(shard, node_sums, self.rail_group, async_op=True)
         return finish(AndThen(work, keep=(node_sums,)), async_op)
 
     @watch.collective
     def allgather_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
         if self._shm_ok(flat) and self._single_node:
-            self._segment.allgather(flat, shard)
+            self.segment.allgather(flat, shard)
             return Completed()
-        if not (self._shm_ok(flat) and self._rails is not None):
+        if not (self._shm_ok(flat) and self.rail_group is not None):
             return super().allgather_flat(flat, shard, async_op=async_op)
         # The mirror image: the rail gathers its shards over the network, then the node's ranks
         # gather their rails' results through shared memory.
         k = shard.numel()
         rail = torch.empty(self.inter_size * k, dtype=flat.dtype)
         sent = shard.contiguous()
-        work = all_gather_single(rail, sent, group=self._rails, async_op=True)
+        work = all_gather_single(rail, sent, group=self.rail_group, async_op=True)
 
         def inside_the_node():
             by_rail = torch.empty(self.size * k, dtype=flat.dtype)
-            self._segment.allgather(by_rail, rail)
+            self.segment.allgather(by_rail, rail)
             flat.view(self.size, k).index_copy_(0, self._rail_order, by_rail.view(self.size, k))
         return finish(AndThen(work, inside_the_node, keep=(sent,)), async_op)
 
     def may_share_node_memory(self) -> bool:
-        return self._segment is not None and self._single_node
+        return self.segment is not None and self._single_node
 
     def open_node_arena(self, shared_bytes: int, region_bytes: int, points: Sequence[str]):
         if not self.may_share_node_memory():
@@ -238,10 +244,10 @@ class HierarchicalCommunicator(FlatCommunicator):
     def exchange_headers(self, rows: list[list[int]], objects: bool = False) -> torch.Tensor:
         # The call check of every collective: through shared memory too, so small collectives
         # do not pay a TCP round trip before their data moves.
-        if self._segment is None or not self._single_node or self.device.type != "cpu":
+        if self.segment is None or not self._single_node or self.device.type != "cpu":
             return super().exchange_headers(rows, objects)
         mine = torch.tensor(rows, dtype=torch.int64)
-        parts = self._segment.allgather_bytes(mine.reshape(-1).view(torch.uint8))
+        parts = self.segment.allgather_bytes(mine.reshape(-1).view(torch.uint8))
         if parts is None:  # a call of thousands of tensors: more rows than a slot holds
             return super().exchange_headers(rows, objects)
         if any(p.numel() != mine.numel() * 8 for p in parts):
@@ -271,7 +277,7 @@ class HierarchicalCommunicator(FlatCommunicator):
 
             >>> hosts = comm.allgather_obj(socket.gethostname())
         """
-        if self._segment is None or not self._single_node:
+        if self.segment is None or not self._single_node:
             return super().allgather_obj(obj)
         # Small objects (metrics, losses, flags) in one round through the segment, not two TCP
         # collectives; larger ones, on every rank alike, the ordinary way. Each starts with a call
@@ -279,7 +285,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         buf, err = pickle_for_call(obj, "allgather_obj", self.rank, self.host)
         head = torch.tensor(_call_check.obj_header(buf.numel()) if err is None else _call_check.invalid_rows(1)[0],
                             dtype=torch.int64).view(torch.uint8)
-        parts = self._segment.allgather_bytes(head if err is not None else torch.cat([head, buf]))
+        parts = self.segment.allgather_bytes(head if err is not None else torch.cat([head, buf]))
         if parts is None:
             return super().allgather_obj(obj)
         _call_check.check_headers("allgather_obj", torch.stack([_first_row(p) for p in parts]).unsqueeze(1), err,
@@ -288,7 +294,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         return [unpickle_from(p[_ROW_BYTES:], "allgather_obj", r, self.rank, self.host) for r, p in enumerate(parts)]
 
     def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
-        if self.size > 1 and tensors and self._segment is not None and self._single_node and \
+        if self.size > 1 and tensors and self.segment is not None and self._single_node and \
                 all(t.device.type == "cpu" and t.is_contiguous() and t.is_floating_point() for t in tensors):
             nbytes = shm.NodeMean.nbytes(tensors)
             if self._node_mean is None or self._node_mean.capacity < nbytes:
@@ -310,12 +316,12 @@ class HierarchicalCommunicator(FlatCommunicator):
         if self._node_mean is not None:
             self._node_mean.close()
             self._node_mean = None
-        if self._segment is not None:
-            self._segment.close()
-            self._segment = None
+        if self.segment is not None:
+            self.segment.close()
+            self.segment = None
         super().finalize()
 
     def drop_process_groups(self) -> None:
         # The shared-memory segment stays: peers marked failed in it (failure.py) still read it.
         super().drop_process_groups()
-        self._inter_group = self._rails = None
+        self._inter_group = self.rail_group = None

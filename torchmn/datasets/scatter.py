@@ -126,7 +126,26 @@ class DatasetPart(Dataset):
         return self.base[self._positions[j]]
 
 
-def _bounds(n_total: int, size: int, rank: int, force_equal_length: bool) -> tuple[int, int]:
+def index_range(n_total: int, size: int, rank: int, force_equal_length: bool) -> tuple[int, int]:
+    """Rank ``rank``'s share of ``range(n_total)`` among ``size`` ranks, by :func:`scatter_index`'s
+    rule, computed locally (no communication).
+
+    Args:
+        n_total: the number of indices to split.
+        size: the number of ranks.
+        rank: the rank whose range is wanted.
+        force_equal_length: equal-length, possibly overlapping ranges, or disjoint ones.
+
+    Returns:
+        ``(begin, end)``: the rank's half-open range of indices.
+
+    Example::
+
+        >>> [index_range(10, 3, r, False) for r in range(3)]
+        [(0, 4), (4, 7), (7, 10)]
+        >>> [index_range(10, 3, r, True) for r in range(3)]
+        [(0, 4), (3, 7), (6, 10)]
+    """
     if force_equal_length:
         n_sub = -(-n_total // size)  # ceil
         begin = n_total * rank // size
@@ -181,7 +200,7 @@ def scatter_index(n_total: Optional[int], comm, root: int = 0, *, force_equal_le
         problem, n_total = comm.bcast_obj((problem, n_total) if comm.rank == root else None, root=root)
     if problem:
         raise TorchmnValueError(f"scatter_index: {problem} (raised on rank {comm.rank})")
-    return _bounds(n_total, comm.size, comm.rank, force_equal_length)
+    return index_range(n_total, comm.size, comm.rank, force_equal_length)
 
 
 def _claim(dataset: Any, comm, root: int) -> dict:
@@ -333,7 +352,7 @@ def scatter_dataset(dataset: Any, comm, root: int = 0, shuffle: bool = False, se
                                     f"files lazily (raised on rank {comm.rank})")
         if comm.rank != root:
             dataset, order = pickle.loads(blob)
-        b, e = _bounds(n, comm.size, comm.rank, force_equal_length)
+        b, e = index_range(n, comm.size, comm.rank, force_equal_length)
         return DatasetPart(dataset, order[b:e].tolist())
 
     part, error = None, None
@@ -357,7 +376,7 @@ def _send_parts(comm, dataset: Any, n: int, shuffle: bool, seed: Optional[int], 
                 root: int, max_buf_len: int) -> DatasetPart:
     """Root: stream every other rank its part, in rank order; return root's own part."""
     order = _order(n, shuffle, seed)
-    parts = [order[slice(*_bounds(n, comm.size, r, force_equal_length))].tolist() for r in range(comm.size)]
+    parts = [order[slice(*index_range(n, comm.size, r, force_equal_length))].tolist() for r in range(comm.size)]
     pending = [r for r in range(comm.size) if r != root]
     for k, r in enumerate(pending):
         try:

@@ -18,7 +18,7 @@ from torchmn.communicators import Communicator
 from torchmn.communicators.ops import mean_divisors
 from torchmn.communicators.errors import CollectiveMismatchError
 from torchmn.communicators.shm import sum_into
-from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
+from torchmn.errors import TorchmnRuntimeError
 from torchmn.optimizers.gradient_sync import (GradientSyncOptimizer, copy_scaled, could_share_memory, describe_rank,
                                               make_buckets)
 from torchmn.optimizers.node_memory import open_bucket_arena, region_view

@@ -49,6 +49,12 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
     (``model.load_state_dict``): an in-place change that is not idempotent, made on every rank
     (``p.mul_(0.99)``, ``p.add_(noise)``), would be applied once per rank on the shared copy.
 
+    Attributes:
+        fused_sum_and_step: per key of ``shard_groups``, the :class:`fused_adam.SumAndStep` that
+            sums and updates that group's shards piece by piece; empty unless the ranks share node
+            memory and the inner optimizer runs torch's fused Adam/AdamW kernel (a group left out
+            is summed whole, then updated).
+
     Example::
 
         >>> opt = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters()), comm,
@@ -130,7 +136,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             b.point_params()
             kind = (b.dtype, b.device) if self.arena is not None else i
             self.shard_groups.setdefault((b.group, kind), []).append(b)
-        self._sum_and_step = {}  # per inner optimizer on one node, where its fused kernel allows
+        self.fused_sum_and_step = {}  # per inner optimizer on one node, where its fused kernel allows
         for key, buckets in self.shard_groups.items():
             inner = build_inner(type(optimizer), [sp for b in buckets for sp in b.shard_params],
                                 optimizer.param_groups[key[0]])
@@ -138,7 +144,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             for b in buckets:
                 b.optimizer, b.step_shard = inner, step
             if self.arena is not None and fused_adam.kernel_for(inner) is not None:
-                self._sum_and_step[key] = fused_adam.SumAndStep(inner, buckets, 1.0 / comm.size)
+                self.fused_sum_and_step[key] = fused_adam.SumAndStep(inner, buckets, 1.0 / comm.size)
         self.attach_hooks(params, self.buckets)
 
     def _place_in_shared_memory(self):
@@ -378,7 +384,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         self._gradients_in()
         scale = 1.0 / self.contributors
         for key, buckets in self.shard_groups.items():
-            sum_and_step = self._sum_and_step.get(key)
+            sum_and_step = self.fused_sum_and_step.get(key)
             if sum_and_step is not None:
                 sum_and_step.scale = scale  # fewer ranks than size inside torchmn.join
             if sum_and_step is None or not sum_and_step():

@@ -24,7 +24,20 @@ _worlds = 0  # default process groups this process set up (a world again after f
 
 
 def default_timeout() -> datetime.timedelta:
-    """``TORCHMN_TIMEOUT`` (seconds), else 600 s."""
+    """How long a collective waits for the other ranks: ``TORCHMN_TIMEOUT`` (seconds), else 600 s.
+
+    Returns:
+        The timeout as a ``datetime.timedelta``.
+
+    Raises:
+        ValueError: ``TORCHMN_TIMEOUT`` is not a positive, finite number.
+
+    Example::
+
+        >>> os.environ["TORCHMN_TIMEOUT"] = "30"
+        >>> default_timeout()
+        datetime.timedelta(seconds=30)
+    """
     value = os.environ.get("TORCHMN_TIMEOUT")
     if value is None:
         return datetime.timedelta(seconds=600)
@@ -39,14 +52,31 @@ def default_timeout() -> datetime.timedelta:
 
 
 def collective_timeout_s() -> float:
-    """Seconds a collective may wait for the other ranks (also inside shared memory)."""
+    """Seconds a collective may wait for the other ranks (also inside shared memory).
+
+    Returns:
+        The world's timeout once it is set up or adopted, else :func:`default_timeout`'s.
+
+    Example::
+
+        >>> deadline = time.monotonic() + collective_timeout_s()
+    """
     return (_timeout or default_timeout()).total_seconds()
 
 
 def adopt_world(timeout: Optional[datetime.timedelta]) -> None:
     """For a default process group that already exists (the script's own, or an earlier
     communicator's): collectives, shared-memory ones included, wait for ``timeout`` when given
-    (applied to the group too), else for the group's own timeout."""
+    (applied to the group too), else for the group's own timeout.
+
+    Args:
+        timeout: how long collectives wait; None keeps the group's own.
+
+    Example::
+
+        >>> dist.init_process_group("gloo")  # the script's own world
+        >>> adopt_world(None)
+    """
     global _timeout
     group = dist.group.WORLD
     if timeout is not None:
@@ -62,6 +92,16 @@ def adopt_world(timeout: Optional[datetime.timedelta]) -> None:
 
 
 def default_backend() -> str:
+    """The backend a communicator uses when none is named: NCCL where CUDA is available, else gloo.
+
+    Returns:
+        ``"nccl"`` or ``"gloo"``.
+
+    Example::
+
+        >>> default_backend()  # on a machine without GPUs
+        'gloo'
+    """
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
@@ -71,6 +111,22 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
 
     The teardown matters: a gloo process that exits with its group alive sometimes aborts at
     exit (``terminate called without an active exception``), failing jobs that succeeded.
+
+    Args:
+        env: the launch environment detected for this rank.
+        backend: ``"gloo"`` or ``"nccl"``.
+        timeout: how long collectives wait; None for :func:`default_timeout`.
+        init_method: a ``torch.distributed`` init method; None to meet where the launcher says.
+
+    Raises:
+        RuntimeError: the rendezvous failed (naming the ranks that never arrived where known), no
+            rendezvous port is known, its host does not resolve, or a ``file://`` rendezvous file
+            is left over from an earlier job.
+        ValueError: a bad ``TORCHMN_TIMEOUT``.
+
+    Example::
+
+        >>> init_world(detect_environment(), default_backend(), None, None)
     """
     global _timeout, _worlds
     _timeout = timeout or default_timeout()
@@ -292,6 +348,11 @@ def shutdown_world() -> None:
     asks for the GIL while the interpreter is finalizing aborts the whole process ("terminate
     called without an active exception", seen in about 1 of 20 two-rank jobs). Sleeping releases
     the GIL and lets those threads finish first.
+
+    Example::
+
+        >>> init_world(detect_environment(), "gloo", None, None)
+        >>> shutdown_world()
     """
     if dist.is_initialized():
         time.sleep(0.2)  # generous: on a loaded machine that thread may wait for a core
