@@ -6,6 +6,7 @@ import json
 import os
 import re
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,40 +29,77 @@ def clean_env(extra: dict | None = None) -> dict:
     return env
 
 
+class ForkedJob:
+    """A job whose ranks ``rank_forks.py`` forked (see there): their PIDs, their output so far,
+    and ``wait()`` for the end."""
+
+    def __init__(self, server: subprocess.Popen, argv: list, np, timeout: float):
+        self.server, self.argv, self.np, self.timeout = server, argv, np, timeout
+        self.out = tempfile.mkdtemp(prefix="torchmn-test-job-")
+        self.pids = None
+        self.done = False
+
+    def answer(self, wait: float) -> dict:
+        ready, _, _ = select.select([self.server.stdout], [], [], wait)
+        line = self.server.stdout.readline() if ready else ""
+        if not line:
+            self.server.kill()  # the server hangs or died: the next job starts another
+            self.done = True
+            raise subprocess.TimeoutExpired(self.argv, self.timeout)
+        return json.loads(line)
+
+    def output(self, kind: str = "out") -> str:
+        """The ranks' stdout (``"out"``) or stderr (``"err"``) so far, each line after ``[rank] ``
+        (for a world of one without it)."""
+        texts = []
+        for r in range(len(self.pids)):
+            path = Path(self.out, f"{r}.{kind}")
+            text = path.read_text() if path.exists() else ""
+            texts.append(text if self.np is None else "".join(f"[{r}] {line}" for line in text.splitlines(True)))
+        return "".join(texts)
+
+    def wait(self) -> subprocess.CompletedProcess:
+        """Wait for every rank to end; the job's exit code is the first failed rank's, else 0.
+
+        Raises:
+            subprocess.TimeoutExpired: the job outlived its timeout (its ranks are killed).
+        """
+        # The server stops the job at its timeout; this one only guards against the server hanging.
+        answer = self.answer(self.timeout + 30)
+        self.done = True
+        out, err = self.output("out"), self.output("err")
+        shutil.rmtree(self.out, ignore_errors=True)
+        if answer["timed_out"]:
+            raise subprocess.TimeoutExpired(self.argv, self.timeout, out, err)
+        failed = [c for c in answer["codes"] if c != 0]
+        return subprocess.CompletedProcess(self.argv, failed[0] if failed else 0, out, err)
+
+
 class _RankForks:
-    """The session's ``rank_forks.py`` process (see there), started at its first job."""
+    """The session's ``rank_forks.py`` process, started at its first job; one job at a time."""
 
     def __init__(self):
         self.proc = None
+        self.job = None
 
-    def run(self, script, args, np, env, cwd, timeout) -> subprocess.CompletedProcess:
+    def start(self, script, args, np, env, cwd, timeout) -> ForkedJob:
+        if self.job is not None and not self.job.done:
+            try:  # a test that failed before waiting for its job: its answer is still due
+                self.job.wait()
+            except subprocess.TimeoutExpired:
+                pass
         if self.proc is None or self.proc.poll() is not None:
             self.proc = subprocess.Popen([sys.executable, str(Path(__file__).parent / "rank_forks.py")], cwd=REPO,
                                          env=clean_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
             atexit.register(self.proc.kill)
-        with tempfile.TemporaryDirectory(prefix="torchmn-test-job-") as out:
-            job = {"script": str(script), "args": [str(a) for a in args], "np": np, "env": env,
-                   "cwd": str(cwd), "timeout": timeout, "out": out}
-            self.proc.stdin.write(json.dumps(job) + "\n")
-            self.proc.stdin.flush()
-            # The server stops the job at its timeout; this one only guards against the server itself hanging.
-            ready, _, _ = select.select([self.proc.stdout], [], [], timeout + 30)
-            if not ready:
-                self.proc.kill()
-                self.proc = None
-                raise subprocess.TimeoutExpired(f"{script} {args}", timeout)
-            answer = json.loads(self.proc.stdout.readline())
-            outputs = {}
-            for suffix in ("out", "err"):
-                outputs[suffix] = "".join(
-                    "".join(f"[{r}] {line}" for line in Path(out, f"{r}.{suffix}").read_text().splitlines(True))
-                    if np is not None else Path(out, f"{r}.{suffix}").read_text()
-                    for r in range(len(answer["codes"])))
-        if answer["timed_out"]:
-            raise subprocess.TimeoutExpired(f"{script} {args}", timeout, outputs["out"], outputs["err"])
-        failed = [c for c in answer["codes"] if c != 0]
-        return subprocess.CompletedProcess([str(script), *args], failed[0] if failed else 0, outputs["out"],
-                                           outputs["err"])
+        argv = [str(script), *map(str, args)]
+        job = ForkedJob(self.proc, argv, np, timeout)
+        self.proc.stdin.write(json.dumps({"script": str(script), "args": argv[1:], "np": np, "env": env,
+                                          "cwd": str(cwd), "timeout": timeout, "out": job.out}) + "\n")
+        self.proc.stdin.flush()
+        job.pids = job.answer(60)["pids"]
+        self.job = job
+        return job
 
 
 _rank_forks = _RankForks()
@@ -87,8 +125,8 @@ def run_job(script: str | Path, args: list[str], *, np: int = 2, launcher: str =
     ``torchmn``.
     """
     if launcher == "forked":
-        argv = [str(script), *map(str, args)]
-        proc = _rank_forks.run(script, args, np, clean_env(env), cwd or REPO, timeout)
+        proc = start_forked_job(script, args, np=np, env=env, cwd=cwd, timeout=timeout).wait()
+        argv = proc.args
     else:
         argv = launcher_argv(launcher, np)
         argv += ([sys.executable] if launcher == "torchmn" else []) + [str(script)] + list(args)
@@ -103,7 +141,14 @@ def run_job(script: str | Path, args: list[str], *, np: int = 2, launcher: str =
 def run_one_process(script: str | Path, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``python script args`` as a plain process (a world of one, forked as ``run_job``'s ranks
     are), without failing on its exit code."""
-    return _rank_forks.run(script, args, None, clean_env(), REPO, timeout)
+    return _rank_forks.start(script, args, None, clean_env(), REPO, timeout).wait()
+
+
+def start_forked_job(script: str | Path, args: list[str], *, np: int | None = 2, timeout: float = 120,
+                     env: dict | None = None, cwd: str | Path | None = None) -> ForkedJob:
+    """Fork ``np`` ranks running ``python script args`` (None: a world of one) and return at once;
+    ``run_job(launcher="forked")`` is ``start_forked_job(...).wait()``. One job at a time."""
+    return _rank_forks.start(script, args, np, clean_env(env), cwd or REPO, timeout)
 
 
 # ----------------------------------------------------------------------------- one test id per check

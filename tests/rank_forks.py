@@ -8,9 +8,10 @@ the worker script as ``__main__``. The launchers themselves (``torchmn run``, to
 mpirun) are tested by jobs they really start.
 
 Protocol, one JSON line per job on stdin: ``{"script", "args", "np", "env", "cwd", "timeout",
-"out"}``; the answer is one JSON line on stdout: ``{"codes": [exit code per rank], "timed_out"}``.
+"out"}``; the answers are JSON lines on stdout: ``{"pids": [pid per rank]}`` once the ranks are
+forked, then ``{"codes": [exit code per rank], "timed_out"}`` once they have all ended.
 Rank ``r`` writes its stdout and stderr to ``{out}/{r}.out`` and ``{out}/{r}.err``. As under
-``torchmn run``, a rank that fails stops the others (after a grace period for their own errors).
+``torchmn run``, a rank that fails stops the others (SIGTERM, then SIGKILL after a grace period).
 
     python tests/rank_forks.py          (started by tests/jobs.py, one per pytest session)
 """
@@ -30,7 +31,7 @@ import torchmn  # noqa: F401
 import torchmn.communicators  # noqa: F401
 import torchmn.optimizers  # noqa: F401
 
-GRACE_S = 5.0  # how long the other ranks may still run after one failed (to print their own error)
+GRACE_S = 3.0  # between SIGTERM and SIGKILL to the other ranks once one failed, as torchmn run's default
 
 
 def free_port() -> int:
@@ -85,6 +86,16 @@ def rank_main(job: dict, rank: int) -> None:
             os._exit(code)
 
 
+def signal_ranks(pids: list, codes: list, signum: int) -> None:
+    """Send ``signum`` to the process group of every rank still running."""
+    for r, pid in enumerate(pids):
+        if codes[r] is None:
+            try:
+                os.killpg(pid, signum)
+            except ProcessLookupError:
+                pass
+
+
 def run(job: dict) -> dict:
     """Fork the job's ranks, wait for them (stopping them all when one fails or time runs out)."""
     job["port"] = free_port()
@@ -99,9 +110,11 @@ def run(job: dict) -> dict:
         except OSError:
             pass  # the child already exec'd or exited
         pids.append(pid)
+    sys.stdout.write(json.dumps({"pids": pids}) + "\n")
+    sys.stdout.flush()
     codes = [None] * ranks
     deadline = time.monotonic() + job["timeout"]
-    stop_at = None
+    kill_at = None
     timed_out = False
     while None in codes:
         for r, pid in enumerate(pids):
@@ -109,18 +122,13 @@ def run(job: dict) -> dict:
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if done:
                     codes[r] = os.waitstatus_to_exitcode(status)
-                    if codes[r] != 0 and stop_at is None:
-                        stop_at = time.monotonic() + GRACE_S
-        now = time.monotonic()
-        if now > deadline:
+                    if codes[r] != 0 and kill_at is None:
+                        kill_at = time.monotonic() + GRACE_S
+                        signal_ranks(pids, codes, signal.SIGTERM)
+        if time.monotonic() > deadline:
             timed_out = True
-        if timed_out or (stop_at is not None and now > stop_at):
-            for r, pid in enumerate(pids):
-                if codes[r] is None:
-                    try:
-                        os.killpg(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+        if timed_out or (kill_at is not None and time.monotonic() > kill_at):
+            signal_ranks(pids, codes, signal.SIGKILL)
             for r, pid in enumerate(pids):
                 if codes[r] is None:
                     codes[r] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])

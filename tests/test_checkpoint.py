@@ -5,15 +5,12 @@ import os
 import random
 import re
 import signal
-import subprocess
-import sys
 import time
 
-import psutil
 import pytest
 import torch
 
-from jobs import WORKERS, assert_check_passed, check_job_output, clean_env, launcher_argv, run_job, run_one_process
+from jobs import WORKERS, assert_check_passed, check_job_output, run_job, run_one_process, start_forked_job
 
 TRAIN = WORKERS / "checkpoint_train.py"
 CHECKS = WORKERS / "checkpoint_checks.py"
@@ -61,19 +58,6 @@ def test_checkpoint_loads_on_another_rank_count(tmp_path):
     assert_check_passed(proc, "loads_on_another_rank_count")
 
 
-def rank_processes(launcher: subprocess.Popen) -> list:
-    """The launcher's ranks: its topmost descendants with a RANK in their environment."""
-    with_rank = set()
-    for p in psutil.Process(launcher.pid).children(recursive=True):
-        try:
-            if "RANK" in p.environ():
-                with_rank.add(p)
-        except psutil.Error:
-            continue
-    pids = {p.pid for p in with_rank}
-    return [p for p in with_rank if p.ppid() not in pids]
-
-
 def newest_step(directory) -> int:
     """The newest step with a folder in a checkpoint directory (written completely or not), or -1."""
     steps = [int(p.name[5:]) for p in directory.glob("step_*") if p.name[5:].isdigit()]
@@ -92,41 +76,34 @@ def test_checkpoint_survives_20_kills_of_a_random_rank(tmp_path):
     run_job(TRAIN, ["--dir", str(tmp_path / "ref"), "--out", str(tmp_path / "ref.pt"), "--steps", "400",
                     "--every", "400"], timeout=180)
     chance = random.Random(int(os.environ.get("TORCHMN_TEST_SEED", "0")))
-    argv = launcher_argv("torchmn", 2) + [sys.executable, str(TRAIN), "--dir", str(tmp_path / "ck"),
-                                          "--out", str(tmp_path / "out.pt"), *args]
     resumed_from, kills, torn = [], 0, 0
     while kills < 20:
-        job = subprocess.Popen(argv, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        job = start_forked_job(TRAIN, ["--dir", str(tmp_path / "ck"), "--out", str(tmp_path / "out.pt"), *args],
+                               np=2, timeout=120)
         try:
-            started = 0
-            for line in job.stdout:
-                m = re.search(r"starting at step (\d+)", line)
-                if m:
-                    started += 1
-                    resumed_from.append(int(m.group(1)))
-                    if started == 2:
-                        break
-                assert "differ from those saved" not in line, line
+            deadline = time.monotonic() + 60
+            while len(starts := re.findall(r"starting at step (\d+)", job.output())) < 2:
+                assert time.monotonic() < deadline, job.output("err")
+                time.sleep(0.01)
+            resumed_from.append(int(starts[0]))
             # A random number of checkpoints later (so that the kills keep pace with the training
             # on a machine of any speed), at a random moment within a step.
             target = resumed_from[-1] + chance.randint(1, 15)
             deadline = time.monotonic() + 60
-            while newest_step(tmp_path / "ck") < target and job.poll() is None and time.monotonic() < deadline:
+            while newest_step(tmp_path / "ck") < target and time.monotonic() < deadline:
                 time.sleep(0.002)
             time.sleep(chance.uniform(0.0, 0.03))
-            ranks = rank_processes(job)
-            assert ranks, "the job ended before it was killed: give it more steps"
-            chance.choice(ranks).send_signal(signal.SIGKILL)
+            try:
+                os.kill(chance.choice(job.pids), signal.SIGKILL)
+            except ProcessLookupError:
+                pytest.fail("the job ended before it was killed: give it more steps")
             kills += 1
-            rest = job.communicate(timeout=60)[0]
-            assert "differ from those saved" not in rest, rest
-            assert job.returncode != 0
-            steps = sorted((tmp_path / "ck").glob("step_*"))
-            torn += bool(steps) and not (steps[-1] / "COMPLETE").exists()
         finally:
-            if job.poll() is None:
-                job.kill()
-                job.wait()
+            ended = job.wait()
+        assert "differ from those saved" not in ended.stdout + ended.stderr, ended.stdout + ended.stderr
+        assert ended.returncode != 0, "the job ended before it was killed: give it more steps"
+        steps = sorted((tmp_path / "ck").glob("step_*"))
+        torn += bool(steps) and not (steps[-1] / "COMPLETE").exists()
     assert resumed_from == sorted(resumed_from), resumed_from
     assert torn >= 3, f"only {torn} of the 20 kills interrupted a checkpoint being written"
     final = run_job(TRAIN, ["--dir", str(tmp_path / "ck"), "--out", str(tmp_path / "out.pt"), *args], timeout=180)

@@ -183,10 +183,11 @@ def test_stale_file_rendezvous_is_refused(tmp_path):
 
 @pytest.mark.parametrize("name,where", [("flat", "collective"), ("naive", "optimizer"),
                                         ("hierarchical", "collective"), ("hierarchical", "optimizer")])
-def test_a_rank_that_stops_calling_collectives_is_named(name, where):
+def test_a_rank_that_stops_calling_collectives_is_named(name, where, tmp_path):
     """Within the timeout, the waiting ranks raise an error naming the rank that never came
     (through torch.distributed: from the rendezvous store; inside a node: from shared memory)."""
-    out = run_job(WORKERS / "hang_jobs.py", [name, where], np=3, timeout=60).stdout
+    out = run_job(WORKERS / "hang_jobs.py", [name, where], np=3, timeout=60,
+                  env={"HANG_DONE_DIR": str(tmp_path)}).stdout
     named = [line for line in out.splitlines() if "NAMED" in line]
     assert len(named) == 2, out  # ranks 0 and 2
     for line in named:

@@ -2,8 +2,11 @@
 
 Usage: python hang_jobs.py COMMUNICATOR {collective,optimizer,kinds} [SLEEPER]
 Rank SLEEPER (default 1) skips one call and sleeps; the others print "NAMED <error>" when the
-timeout (5 s, which also bounds start-up skew) hits.
+timeout (5 s, which also bounds start-up skew) hits. With HANG_DONE_DIR set (a folder every rank
+sees), each other rank leaves a file there once it has printed, and the sleeper stops sleeping
+when all have.
 """
+import os
 import sys
 import time
 
@@ -19,7 +22,10 @@ model = torch.nn.Linear(4, 2)
 opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm)
 try:
     if comm.rank == sleeper:
-        time.sleep(12)  # "still computing": longer than the timeout plus the others' grace period
+        # "still computing": longer than the timeout plus the others' grace period
+        done_dir, until = os.environ.get("HANG_DONE_DIR"), time.monotonic() + 12
+        while time.monotonic() < until and not (done_dir and len(os.listdir(done_dir)) == comm.size - 1):
+            time.sleep(0.05)
     elif where == "collective":
         comm.allreduce(torch.ones(3))
     elif where == "kinds":  # rank 0 waits in a barrier (over TCP), the others in an allreduce
@@ -29,3 +35,6 @@ try:
         opt.step()
 except torchmn.CollectiveTimeoutError as e:
     print(f"NAMED {e}", flush=True)
+finally:
+    if os.environ.get("HANG_DONE_DIR") and comm.rank != sleeper:
+        open(os.path.join(os.environ["HANG_DONE_DIR"], str(comm.rank)), "w").close()
