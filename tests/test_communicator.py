@@ -273,9 +273,11 @@ def test_a_new_world_after_finalize(launcher, tmp_path):
     assert out.count("AGAIN OK") == 2, out
 
 
-def test_a_second_world_names_the_rank_that_never_came(tmp_path):
+@pytest.mark.parametrize("launcher", ["torchmn", "forked"])
+def test_a_second_world_names_the_rank_that_never_came(launcher, tmp_path):
     """After finalize(), rank 1 leaves and rank 0 sets up a world again: its error names rank 1 only
-    (the first world's arrivals in the launcher's store must not count, nor hide rank 0's own)."""
+    (the first world's keys and arrivals in the job's store, the launcher's or rank 0's own, must not
+    count, nor hide rank 0's own)."""
     script = tmp_path / "second.py"
     script.write_text("import sys, torchmn\n"
                       "comm = torchmn.create_communicator(timeout=5)\n"
@@ -287,7 +289,7 @@ def test_a_second_world_names_the_rank_that_never_came(tmp_path):
                       "    torchmn.create_communicator(timeout=5)\n"
                       "except RuntimeError as e:\n"
                       "    print('RAISED', e, flush=True)\n")
-    out = run_job(script, [], np=2, timeout=60).stdout
+    out = run_job(script, [], np=2, launcher=launcher, timeout=60).stdout
     assert "Rank(s) 1 never reached create_communicator" in out, out
 
 

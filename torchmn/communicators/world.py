@@ -156,6 +156,9 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr  # IPv6
             init_method = f"tcp://{host}:{env.master_port}"
             store = arrivals = _job_store(env, _timeout)
+            # Rank 0's store server outlives a world in this process (multi_tenant): a world set up
+            # again after finalize() would meet the first one's addresses, and pair with ranks gone.
+            store = dist.PrefixStore(f"torchmn/world{_worlds}/", store)
     if init_method.startswith("file://"):
         _refuse_stale_file(init_method[len("file://"):], env)
     if backend == "nccl":
