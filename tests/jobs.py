@@ -141,7 +141,7 @@ def run_job(script: str | Path, args: list[str], *, np: int = 2, launcher: str =
 def run_one_process(script: str | Path, args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
     """Run ``python script args`` as a plain process (a world of one, forked as ``run_job``'s ranks
     are), without failing on its exit code."""
-    return _rank_forks.start(script, args, None, clean_env(), REPO, timeout).wait()
+    return start_forked_job(script, args, np=None, timeout=timeout).wait()
 
 
 def start_forked_job(script: str | Path, args: list[str], *, np: int | None = 2, timeout: float = 120,

@@ -30,8 +30,7 @@ import torch  # noqa: F401  (imported here once, for every rank forked below)
 import torchmn  # noqa: F401
 import torchmn.communicators  # noqa: F401
 import torchmn.optimizers  # noqa: F401
-
-GRACE_S = 3.0  # between SIGTERM and SIGKILL to the other ranks once one failed, as torchmn run's default
+from torchmn.run.config import GRACE_SECONDS  # between SIGTERM and SIGKILL, as under torchmn run
 
 
 def free_port() -> int:
@@ -123,7 +122,7 @@ def run(job: dict) -> dict:
                 if done:
                     codes[r] = os.waitstatus_to_exitcode(status)
                     if codes[r] != 0 and kill_at is None:
-                        kill_at = time.monotonic() + GRACE_S
+                        kill_at = time.monotonic() + GRACE_SECONDS
                         signal_ranks(pids, codes, signal.SIGTERM)
         if time.monotonic() > deadline:
             timed_out = True
