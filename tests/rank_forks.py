@@ -1,7 +1,7 @@
 """A process that imports torch and torchmn once, then forks the ranks of test jobs.
 
 Each rank of a job started from scratch spends some 2.5 CPU-seconds importing torch before it does
-anything; the checks of this suite run well over a hundred such jobs. Forked from this process, a
+anything, and as much again on torch._dynamo when it builds an optimizer; the checks of this suite run well over a hundred such jobs. Forked from this process, a
 rank starts in milliseconds and is otherwise what a launcher starts: a process of its own with the
 job's environment (torch's ``env://`` variables), its own gloo sockets and shared memory, running
 the worker script as ``__main__``. The launchers themselves (``torchmn run``, torchrun, srun,
@@ -26,6 +26,8 @@ import time
 import traceback
 
 import torch  # noqa: F401  (imported here once, for every rank forked below)
+# Building any torch optimizer imports torch._dynamo (some 2.5 CPU-seconds more per rank): once here too.
+import torch._dynamo  # noqa: F401
 
 import torchmn  # noqa: F401
 import torchmn.communicators  # noqa: F401

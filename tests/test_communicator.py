@@ -22,8 +22,8 @@ GRADIENT_CHECKS = ("mean_grad", "bcast_data", "flat_in_flight", "split", "nested
 
 @pytest.mark.check_job("comm")
 @pytest.mark.parametrize("check", CHECKS_ALL)
-@pytest.mark.parametrize("launcher", ["torchmn", "torchrun"])
-@pytest.mark.parametrize("np", [2, 4])
+# Each launcher at 2 ranks; 4 ranks (oversubscribed) forked, as the launchers' start costs seconds a rank.
+@pytest.mark.parametrize("np, launcher", [(2, "torchmn"), (2, "torchrun"), (4, "forked")])
 def test_all_collectives(launcher, np, check, request):
     proc = check_job_output(request, lambda checks: run_job(CHECKS, checks, np=np, launcher=launcher, timeout=150,
                                                             check=False))

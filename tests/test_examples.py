@@ -1,4 +1,10 @@
-"""The MNIST examples, end to end on a small subset: single process, 2 ranks, the ppe loop, --data-dir."""
+"""The examples, end to end on small data: single process, 2 ranks, the ppe loop, --data-dir, model
+parallelism, the Horovod idiom, tuning.
+
+The README's main job runs under ``torchmn run`` as the README gives it, and so do the tests of a
+launcher's part (SIGTERM to ``torchmn run``, horovodrun's flags); the others fork their ranks
+(``jobs.run_job``), which starts them in milliseconds instead of seconds of importing torch.
+"""
 import gzip
 import importlib.util
 import json
@@ -10,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from jobs import REPO, clean_env, run_job
+from jobs import REPO, clean_env, run_job, run_one_process
 
 # The examples' own dependencies (the "examples" extra): missing ones fail the tests, not skip them.
 import mlxtend  # noqa: E402,F401
@@ -33,8 +39,7 @@ def load_data_module():
 
 def run_single(args):
     """Run the single-process script; fail with its output if it fails."""
-    proc = subprocess.run([sys.executable, str(MNIST / "train_mnist_single.py"), *args], cwd=REPO,
-                          env=clean_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    proc = run_one_process(MNIST / "train_mnist_single.py", args, timeout=JOB_TIMEOUT)
     assert proc.returncode == 0, f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-4000:]}"
     return proc
 
@@ -109,8 +114,7 @@ def test_two_ranks_resume_from_checkpoint(tmp_path):
 @pytest.mark.timeout(JOB_TIMEOUT + 20)
 def test_ppe_two_ranks(tmp_path):
     out = tmp_path / "ppe"
-    run_job(MNIST / "train_mnist_ppe.py", [*SMALL, "--out", str(out)], np=2, launcher="torchmn",
-            timeout=JOB_TIMEOUT)
+    run_job(MNIST / "train_mnist_ppe.py", [*SMALL, "--out", str(out)], np=2, timeout=JOB_TIMEOUT)
     log = json.loads((out / "log").read_text())
     assert [entry["epoch"] for entry in log] == [1, 2]
     for entry in log:
@@ -170,8 +174,8 @@ def test_data_dir_files(idx_dir):
 def test_ppe_batchnorm_part_smaller_than_a_batch(tmp_path):
     """--batchnorm drops incomplete batches; a part with none left is a clear error, not ppe's."""
     proc = run_job(MNIST / "train_mnist_ppe.py", ["--n-train", "101", "--epochs", "1", "--batchnorm", "--out",
-                                                  str(tmp_path / "ppe")], np=2, launcher="torchmn",
-                   timeout=JOB_TIMEOUT, check=False)
+                                                  str(tmp_path / "ppe")], np=2, timeout=JOB_TIMEOUT,
+                   check=False)
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "51 samples, fewer than --batch-size 100" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
 
@@ -184,6 +188,9 @@ def test_data_dir_end_to_end(idx_dir, tmp_path):
     assert 0 <= log[0]["validation/main/accuracy"] <= 1
 
 
+PREEMPTIBLE = REPO / "examples" / "slurm" / "train_preemptible.py"
+
+
 def test_preemptible_checkpoints_on_sigterm_and_resumes(tmp_path):
     """SIGTERM (Slurm's preemption, scancel) to `torchmn run`: the ranks save the checkpoint before they
     stop, and the next run resumes from it to the same weights as an uninterrupted run. A second run
@@ -191,11 +198,15 @@ def test_preemptible_checkpoints_on_sigterm_and_resumes(tmp_path):
     import signal
     import time
 
-    script = [sys.executable, "-m", "torchmn", "run", "-np", "2", sys.executable,
-              str(REPO / "examples" / "slurm" / "train_preemptible.py"), "--steps", "200", "--print-every", "10"]
+    script = [sys.executable, "-m", "torchmn", "run", "-np", "2", sys.executable, str(PREEMPTIBLE), "--steps", "200",
+              "--print-every", "10"]
 
     def checkpoint(name):
         return ["--checkpoint", str(tmp_path / name), "--out", str(tmp_path / f"{name}.pt")]
+
+    def run(args):  # the runs after the first are the script's part alone: forked ranks
+        return run_job(PREEMPTIBLE, ["--steps", "200", "--print-every", "10", *args], np=2, timeout=JOB_TIMEOUT,
+                       check=False)
 
     first = subprocess.Popen(script + ["--sleep", "0.02", *checkpoint("cut")], cwd=REPO,
                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
@@ -212,17 +223,14 @@ def test_preemptible_checkpoints_on_sigterm_and_resumes(tmp_path):
             first.wait()
     assert "signal received (SIGTERM): checkpoint saved at step" in seen, seen
     assert not (tmp_path / "cut.pt").exists(), seen  # stopped before the end
-    resumed = subprocess.run(script + checkpoint("cut"), cwd=REPO, env=clean_env(),
-                             capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    resumed = run(checkpoint("cut"))
     assert "resumed from step" in resumed.stdout and "done: 200 steps" in resumed.stdout, resumed.stdout + resumed.stderr
-    whole = subprocess.run(script + checkpoint("whole"), cwd=REPO, env=clean_env(),
-                           capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    whole = run(checkpoint("whole"))
     assert whole.returncode == 0, whole.stderr
     cut, full = torch.load(tmp_path / "cut.pt"), torch.load(tmp_path / "whole.pt")
     assert all(torch.equal(cut[k], full[k]) for k in full), (cut, full)
     weights = (tmp_path / "whole.pt").read_bytes()
-    fewer = subprocess.run(script[:-4] + ["--steps", "100", *checkpoint("whole")], cwd=REPO,
-                           env=clean_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
+    fewer = run(["--steps", "100", *checkpoint("whole")])
     assert "nothing to do: the checkpoint is at step 200, --steps is 100" in fewer.stdout, fewer.stdout
     assert (tmp_path / "whole.pt").read_bytes() == weights
     assert (tmp_path / "whole" / "step_00000200" / "COMPLETE").exists()  # the newest step is still 200
@@ -238,7 +246,7 @@ def _accuracies(out):
 @pytest.mark.timeout(300)
 def test_pipeline_example_reaches_one_process_accuracy():
     """2 stages, 4 micro-batches, 4,000 training images: one process reaches about 0.95 (0.94 in 10 epochs)."""
-    proc = run_job(PIPELINE, ["--epochs", "10"], np=2, launcher="torchmn", timeout=240)
+    proc = run_job(PIPELINE, ["--epochs", "10"], np=2, timeout=240)
     accuracies = _accuracies(proc.stdout)
     assert len(accuracies) == 10 and accuracies[-1] >= 0.93, proc.stdout[-2000:]
     assert "peak activation memory of stage 1" in proc.stdout
@@ -246,8 +254,7 @@ def test_pipeline_example_reaches_one_process_accuracy():
 
 def test_pipeline_example_with_data_parallel_replicas():
     """4 ranks: 2 stages x 2 replicas, each stage's replicas averaging their gradients."""
-    proc = run_job(PIPELINE, ["--n-train", "800", "--epochs", "3", "--schedule", "gpipe"], np=4,
-                   launcher="torchmn", timeout=JOB_TIMEOUT)
+    proc = run_job(PIPELINE, ["--n-train", "800", "--epochs", "3", "--schedule", "gpipe"], np=4, timeout=JOB_TIMEOUT)
     accuracies = _accuracies(proc.stdout)
     assert len(accuracies) == 3 and accuracies[-1] >= 0.7, proc.stdout[-2000:]
     assert "2 replica(s)" in proc.stdout
@@ -257,8 +264,7 @@ def test_pipeline_example_with_data_parallel_replicas():
 def test_spatial_cnn_example_reaches_one_process_accuracy():
     """Every image split by rows over 2 ranks (spatial convolutions, multi-node BatchNorm): about 0.96,
     as one process."""
-    proc = run_job(REPO / "examples" / "model_parallel" / "spatial_cnn.py", [], np=2, launcher="torchmn",
-                   timeout=280)
+    proc = run_job(REPO / "examples" / "model_parallel" / "spatial_cnn.py", [], np=2, timeout=280)
     accuracies = _accuracies(proc.stdout)
     assert len(accuracies) == 6 and accuracies[-1] >= 0.95, proc.stdout[-2000:]
 
@@ -271,8 +277,7 @@ def test_horovod_example_runs_under_horovodrun_flags_to_one_process_accuracy(tmp
     """The Horovod-idiom script, as `horovodrun -np 2 -H localhost:2 python ...` would start it: the
     accuracy of one process (about 0.94), checkpoints on rank 0 only, and a resumed run that goes on
     from the newest one (broadcast_parameters and broadcast_optimizer_state after rank 0 loads it)."""
-    one = subprocess.run([sys.executable, str(HOROVOD_MNIST)], cwd=REPO, env=clean_env(), capture_output=True,
-                         text=True, timeout=JOB_TIMEOUT)
+    one = run_one_process(HOROVOD_MNIST, [], timeout=JOB_TIMEOUT)
     assert one.returncode == 0, one.stderr
     argv = [sys.executable, "-m", "torchmn", "run", "-np", "2", "-H", "localhost:2", sys.executable,
             str(HOROVOD_MNIST), "--fp16-allreduce", "--checkpoint-dir", str(tmp_path)]
@@ -283,8 +288,8 @@ def test_horovod_example_runs_under_horovodrun_flags_to_one_process_accuracy(tmp
     assert both[-1] >= 0.92 and both[-1] >= single[-1] - 0.02, (single, both)
     assert all(line.startswith("[0] ") for line in two.stdout.splitlines() if "val accuracy" in line)
     assert sorted(os.listdir(tmp_path)) == sorted(f"checkpoint-{e}.pt" for e in range(1, 11))
-    resumed = subprocess.run(argv + ["--epochs", "11"], cwd=REPO, env=clean_env(), capture_output=True, text=True,
-                             timeout=JOB_TIMEOUT)
+    resumed = run_job(HOROVOD_MNIST, ["--fp16-allreduce", "--checkpoint-dir", str(tmp_path), "--epochs", "11"], np=2,
+                      timeout=JOB_TIMEOUT, check=False)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     epochs = [line.split()[2] for line in resumed.stdout.splitlines() if "val accuracy" in line]
     assert epochs == ["11"] and _accuracies(resumed.stdout)[-1] >= 0.92, resumed.stdout
@@ -294,8 +299,7 @@ def test_tune_example_two_ranks_per_trial(tmp_path):
     """examples/tune/tune_mnist.py: 2 ranks run each trial; the study (a sqlite file) resumes."""
     storage = f"sqlite:///{tmp_path / 'study.db'}"
     args = ["--n-train", "400", "--epochs", "1", "--n-trials", "2", "--storage", storage]
-    first = run_job(REPO / "examples" / "tune" / "tune_mnist.py", args, np=2, launcher="torchmn",
-                    timeout=JOB_TIMEOUT)
+    first = run_job(REPO / "examples" / "tune" / "tune_mnist.py", args, np=2, timeout=JOB_TIMEOUT)
     assert first.stdout.count("complete accuracy") == 2 and "best: accuracy" in first.stdout, first.stdout
-    again = run_job(REPO / "examples" / "tune" / "tune_mnist.py", args, np=2, launcher="torchmn", timeout=JOB_TIMEOUT)
+    again = run_job(REPO / "examples" / "tune" / "tune_mnist.py", args, np=2, timeout=JOB_TIMEOUT)
     assert again.stdout.count("complete accuracy") == 4, again.stdout
