@@ -15,7 +15,9 @@ ALL = ("allreduce_ops_and_dtypes", "allreduce_inplace", "allreduce_prescale_post
        "reducescatter", "grouped_ops", "sparse_allreduce", "objects_and_barrier", "topology_queries",
        "timeline", "join_one_rank_early", "optimizer_averages", "optimizer_backward_passes_per_step",
        "optimizer_fp16_compression", "optimizer_synchronize_clip", "optimizer_sparse_as_dense", "optimizer_misuse_refused",
-       "broadcast_optimizer_state_after_reload", "broadcast_optimizer_state_every_optimizer", "sync_batch_norm")
+       "optimizer_sparse_gradients", "optimizer_parameter_names", "broadcast_optimizer_state_after_reload",
+       "broadcast_optimizer_state_every_optimizer", "broadcast_optimizer_state_without_gradients",
+       "join_refuses_what_it_cannot_mirror", "sync_batch_norm")
 
 
 @pytest.mark.check_job("horovod")
@@ -28,7 +30,7 @@ def test_horovod(np, check, request):
 
 
 @pytest.mark.check_job("horovod-sets")
-@pytest.mark.parametrize("check", ["process_set_of_two"])
+@pytest.mark.parametrize("check", ["process_set_of_two", "optimizer_outside_its_process_set"])
 def test_horovod_process_sets(check, request):
     proc = check_job_output(request, lambda checks: run_job(CHECKS, checks, np=3, timeout=120, check=False,
                                                             env={"TORCHMN_TIMEOUT": "60"}))

@@ -51,7 +51,7 @@ def check_allreduce_ops_and_dtypes():
         if op == hvd.Sum:
             want = wide.sum(0)
         elif op == hvd.Average:
-            want = wide.sum(0) / size if dtype.is_floating_point else torch.div(wide.sum(0), size, rounding_mode="floor")
+            want = wide.sum(0) / size if dtype.is_floating_point else torch.div(wide.sum(0), size, rounding_mode="trunc")
         elif op == hvd.Min:
             want = wide.min(0).values
         elif op == hvd.Max:
@@ -188,7 +188,14 @@ def check_allgather_grad():
         x = torch.full([sizes[rank]] + [17] * (dim - 1), float(rank), dtype=torch.float64, requires_grad=True)
         grad_ys = torch.cat([torch.ones([n] + [17] * (dim - 1), dtype=torch.float64) * r for r, n in enumerate(sizes)])
         hvd.allgather(x).backward(grad_ys)
-        expect(torch.all(x.grad == rank * size), f"allgather gradient: {x.grad.flatten()[0]} (Horovod: rank * size)")
+        # Horovod 0.28 averages the ranks' output gradients (they are alike here), then slices.
+        expect(torch.all(x.grad == rank), f"allgather gradient: {x.grad.flatten()[0]} (Horovod: the average, {rank})")
+        y = x.detach().clone().requires_grad_()
+        z = torch.full([2] + [17] * (dim - 1), float(rank), dtype=torch.float64, requires_grad=True)
+        got_y, got_z = hvd.grouped_allgather([y, z])
+        (got_y * grad_ys).sum().add_((got_z * 3.0).sum()).backward()
+        expect(torch.all(y.grad == rank) and torch.all(z.grad == 3.0),
+               f"grouped_allgather gradients: {y.grad.flatten()[0]}, {z.grad.flatten()[0]} (Horovod: {rank}, 3)")
 
 
 def check_broadcast_every_root():
@@ -211,7 +218,7 @@ def check_broadcast_grad():
     for dim, root in itertools.product(DIMS, range(size)):
         x = torch.full([17] * dim, float(rank), dtype=torch.float64, requires_grad=True)
         hvd.broadcast(x, root).backward(torch.ones([17] * dim, dtype=torch.float64))
-        want = size if rank == root else 0
+        want = 1 if rank == root else 0  # Horovod 0.28: the ranks' average on the root, zero elsewhere
         expect(torch.all(x.grad == want), f"broadcast gradient from {root}: {x.grad.flatten()[0]}")
 
 
@@ -249,7 +256,7 @@ def check_reducescatter():
         start = sum(counts[:rank])
         want = total[start:start + counts[rank]]
         if op == hvd.Average:
-            want = want / size if dtype.is_floating_point else torch.div(want, size, rounding_mode="floor")
+            want = want / size if dtype.is_floating_point else torch.div(want, size, rounding_mode="trunc")
         got = hvd.reducescatter(inputs[rank], op=op)
         expect(got.shape == (counts[rank], 3) and got.dtype == dtype, f"reducescatter shape {tuple(got.shape)}")
         expect((got.to(torch.float64) - want).abs().max() <= (0.5 if dtype == torch.float16 else 1e-9),
@@ -275,7 +282,7 @@ def check_grouped_ops():
 
 def check_sparse_allreduce():
     size, rank = hvd.size(), hvd.rank()
-    t = torch.sparse_coo_tensor([[rank, 0]], [1.0, 2.0], (size + 1,))
+    t = torch.sparse_coo_tensor([[rank, 0]], [1.0, 2.0], (size + 1,), check_invariants=True)
     got = hvd.synchronize(hvd.sparse_allreduce_async(t, name="sparse", op=hvd.Sum)).coalesce().to_dense()
     want = torch.zeros(size + 1)
     for r in range(size):
@@ -318,6 +325,46 @@ def check_process_set_of_two():
     expect(hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == size, "the global set afterwards")
     expect(hvd.remove_process_set(pair) and not hvd.remove_process_set(pair), "remove_process_set")
     expect_raises(ValueError, lambda: hvd.allreduce(torch.ones(1), process_set=pair), "has not been registered")
+
+
+def check_optimizer_outside_its_process_set():
+    """A DistributedOptimizer of a set this rank is not in: the members average among themselves,
+    the others update alone (Horovod's behaviour), and neither waits for the other."""
+    size, rank = hvd.size(), hvd.rank()
+    evens = hvd.add_process_set([r for r in range(size) if r % 2 == 0])
+    model = _mlp()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters(), process_set=evens)
+    reference = _mlp()
+    members = [r for r in range(size) if r % 2 == 0] if rank % 2 == 0 else [rank]
+    grads = [sum(gs) / len(members) for gs in zip(*[_grads(reference, r, 0) for r in members])]
+    with torch.no_grad():
+        for p, g in zip(reference.parameters(), grads):
+            p -= 0.1 * g
+    opt.zero_grad()
+    x, y = _batch(rank, 0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    for p, q in zip(model.parameters(), reference.parameters()):
+        expect(torch.allclose(p, q, atol=1e-12), f"rank {rank} ({'member' if rank % 2 == 0 else 'outside'}): step")
+    hvd.barrier()
+    expect(hvd.remove_process_set(evens), "remove_process_set")
+
+
+def check_join_refuses_what_it_cannot_mirror():
+    """With a rank joined, the others' allgather and broadcast raise on them (Horovod: "not
+    supported with Join"); the joined rank goes on waiting, and every rank's join() returns alike."""
+    size, rank = hvd.size(), hvd.rank()
+    if rank == 0:
+        last = hvd.join()
+    else:
+        expect_raises(RuntimeError, lambda: hvd.allgather(torch.ones(2, 3)), "join")
+        expect_raises(RuntimeError, lambda: hvd.broadcast(torch.ones(2), 1), "join")
+        s = hvd.allreduce(torch.ones(2), op=hvd.Sum)
+        expect(torch.all(s == size - 1), f"an allreduce still counts the joined rank as zeros: {s}")
+        last = hvd.join()
+    every = hvd.allgather_object(last)
+    expect(len(set(every)) == 1 and every[0] != 0, f"join() returns one rank, not the first to join: {every}")
 
 
 def check_timeline():
@@ -485,9 +532,76 @@ def check_optimizer_sparse_as_dense():
     torch.manual_seed(0)
     start = torch.nn.Embedding(10, 3).double().weight.detach()
     expect(torch.allclose(dense, start - 0.5 * (counts / size).view(-1, 1)), "the averaged update")
-    emb = torch.nn.Embedding(10, 3, sparse=True)
-    hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.5))
-    expect_raises(RuntimeError, lambda: emb(torch.tensor([0])).sum().backward(), "sparse_as_dense=True")
+
+
+def check_optimizer_sparse_gradients():
+    """Without sparse_as_dense, a sparse gradient is averaged as Horovod averages it (every rank's
+    rows gathered) and stays sparse for the update; accumulated passes add up; op=Sum sums."""
+    size, rank = hvd.size(), hvd.rank()
+
+    def run(sparse, passes=1, op=hvd.Average):
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 3, sparse=sparse).double()
+        lin = torch.nn.Linear(3, 1).double()
+        params = list(emb.parameters()) + list(lin.parameters())
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.5), backward_passes_per_step=passes, op=op)
+        seen = []
+        for k in range(passes):
+            lin(emb(torch.tensor([rank, rank + 1 + k]))).sum().backward()
+        opt.synchronize()
+        seen.append(emb.weight.grad.is_sparse)
+        with opt.skip_synchronize():
+            opt.step()
+        return emb.weight.detach(), lin.weight.detach(), seen
+    for passes, op in ((1, hvd.Average), (2, hvd.Average), (1, hvd.Sum)):
+        sparse_w, sparse_lin, seen = run(True, passes, op)
+        dense_w, dense_lin, _ = run(False, passes, op)
+        expect(seen == [True], f"the averaged gradient stays sparse ({passes} passes, {op})")
+        expect(torch.allclose(sparse_w, dense_w, atol=1e-12) and torch.allclose(sparse_lin, dense_lin, atol=1e-12),
+               f"sparse gradients averaged as the dense layer's ({passes} passes, {op}): {sparse_w - dense_w}")
+
+
+def check_optimizer_parameter_names():
+    """Horovod's own attribute: _parameter_names, each parameter's name, the same on every rank."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    groups = [{"params": model[0].parameters()}, {"params": model[1].parameters()}]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(groups, lr=0.1))
+    names = opt._parameter_names
+    expect(sorted(names.values()) == ["allreduce.noname.0.0", "allreduce.noname.0.1", "allreduce.noname.1.0",
+                                      "allreduce.noname.1.1"], f"default names: {names}")
+    expect(all(names[p] == f"allreduce.noname.{i}.{j}" for i, g in enumerate(opt.param_groups)
+               for j, p in enumerate(g["params"])), "a name per parameter, by group and place")
+    every = hvd.allgather_object(sorted(names.values()))
+    expect(all(n == every[0] for n in every), "the same names on every rank")
+    named = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                     named_parameters=model.named_parameters())
+    expect(named._parameter_names == {p: n for n, p in model.named_parameters()}, "names from named_parameters")
+
+
+def check_broadcast_optimizer_state_without_gradients():
+    """A new optimizer's state is made as Horovod makes it (a zero gradient for each trainable
+    parameter, none for a frozen one), so a script may broadcast those gradients next."""
+    class Indexing(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Parameter(torch.tensor([1, 3], dtype=torch.int32), requires_grad=False)
+            self.b = torch.nn.Parameter(torch.rand(4))
+
+        def forward(self, x):
+            return torch.index_select(self.b, 0, self.a.long()) * x
+    model = Indexing()
+    opt = torch.optim.SGD(model.parameters(), lr=0.001, weight_decay=1e-6, momentum=0.9, nesterov=True)
+    opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    grad = opt.param_groups[0]["params"][1].grad
+    expect(opt.param_groups[0]["params"][0].grad is None, "a frozen parameter gets no gradient")
+    expect(grad is not None and torch.equal(hvd.broadcast(grad, root_rank=0), grad), "a zero gradient to broadcast")
+    expect("momentum_buffer" in opt.state[model.b], f"SGD's state made: {opt.state[model.b]}")
+    model(torch.ones(2)).sum().backward()
+    opt.step()
+    every = hvd.allgather(model.b.detach().view(1, -1))
+    expect(all(torch.equal(row, every[0]) for row in every), "the ranks train on alike afterwards")
 
 
 def check_optimizer_misuse_refused():
@@ -525,8 +639,10 @@ def check_broadcast_optimizer_state_after_reload():
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
     hvd.barrier()
     model, opt = create(0.5 + rank)          # a fresh optimizer, other hyper-parameters on each rank
-    hvd.broadcast_optimizer_state(opt, root_rank=0)   # before any step: root's empty state
-    expect(opt.param_groups[0]["lr"] == 0.5 and not opt.state_dict()["state"], "before the first step")
+    hvd.broadcast_optimizer_state(opt, root_rank=0)   # before any step: root's state, made as Horovod makes it
+    fresh = opt.state_dict()["state"]
+    expect(opt.param_groups[0]["lr"] == 0.5 and len(fresh) == 4 and all(int(st["step"]) == 1 for st in fresh.values()),
+           f"before the first step: root's hyper-parameters and a state made by one zero-gradient step: {fresh}")
     if rank == 0:
         saved = torch.load(path)
         model.load_state_dict(saved["model"])

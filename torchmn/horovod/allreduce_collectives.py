@@ -116,13 +116,14 @@ def _start_reduce(comm, tensors: list[torch.Tensor], op: int, prescale: float, p
     def finish():
         results = [None] * len(tensors)
         for flat, members in buffers.values():
-            if op == Average:
-                if flat.is_floating_point():
+            if op == Average and not flat.is_floating_point():
+                # Horovod's core: integers scaled once by postscale / size in float64, truncated
+                scale(flat, postscale / comm.size)
+            else:
+                if op == Average:
                     flat.div_(comm.size)
-                else:
-                    flat.floor_divide_(comm.size)  # Horovod's integer average
-            if postscale != 1.0:
-                scale(flat, postscale)
+                if postscale != 1.0:
+                    scale(flat, postscale)
             offset = 0
             for i in members:
                 t = tensors[i]

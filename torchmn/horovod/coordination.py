@@ -136,7 +136,6 @@ def join(device: int = -1) -> int:
 
     Raises:
         InvalidCallError: before ``hvd.init()``.
-        HorovodInternalError: another rank made a collective a joined rank cannot take part in.
 
     Example::
 
@@ -157,10 +156,8 @@ def join(device: int = -1) -> int:
             return max(r for r, d in enumerate(descriptions) if d[2] == newest)
         kinds = {d[0] for _, d in waiting}
         kind = next(iter(kinds))
-        if len(kinds) > 1 or kind not in _mirrors:
-            raise HorovodInternalError(
-                f"rank {comm.rank} has joined, and rank(s) {[r for r, _ in waiting]} called "
-                f"{sorted('hvd.' + k for k in kinds)}: a joined rank takes part only in allreduces and "
-                f"DistributedOptimizer steps. Call other collectives before join(), on every rank")
-        _mirrors[kind](waiting[0][1], comm)
-        waited += 1
+        if len(kinds) == 1 and kind in _mirrors:
+            _mirrors[kind](waiting[0][1], comm)
+            waited += 1
+        # Otherwise the others raise (agree() saw this rank joined), as under Horovod, and this rank
+        # goes on waiting for them: their next call is join() or another collective.

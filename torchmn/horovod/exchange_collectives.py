@@ -7,10 +7,11 @@ that shapes, dtypes, ops or roots that differ between ranks raise on every rank,
 and shapes, where Horovod would hang or abort. They run on the communicator's checked collectives
 and complete before they return: their ``_async`` forms return a handle that is ready at once.
 
-Gradients follow Horovod's conventions: an allgather's is the sum over ranks of the output
-gradients, sliced; a broadcast's is that sum on the root and zero elsewhere; an alltoall's goes
-back to its senders; a reducescatter's is the gathered gradients, times the ranks for ``Sum``. The
-sums are allreduces (:mod:`~torchmn.horovod.allreduce_collectives`, the module below this one).
+Gradients follow Horovod's conventions (0.28): an allgather's is the average over ranks of the
+output gradients, sliced to this rank's rows; a broadcast's is that average on the root and zero
+elsewhere; an alltoall's goes back to its senders; a reducescatter's is the gathered gradients,
+times the ranks for ``Sum``. The averages are allreduces
+(:mod:`~torchmn.horovod.allreduce_collectives`, the module below this one).
 """
 from __future__ import annotations
 
@@ -57,10 +58,10 @@ class _Allgather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        summed = allreduce(grad.contiguous(), op=Sum, process_set=ctx.process_set)
+        averaged = allreduce(grad.contiguous(), op=Average, process_set=ctx.process_set)
         r = comm_of(ctx.process_set, "hvd.allgather (backward)").rank
         offset = sum(ctx.firsts[:r])
-        return None, None, summed.narrow(0, offset, ctx.firsts[r])
+        return None, None, averaged.narrow(0, offset, ctx.firsts[r])
 
 
 def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor:
@@ -181,11 +182,11 @@ class _Broadcast(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        summed = allreduce(grad.contiguous(), op=Sum, process_set=ctx.process_set)
+        averaged = allreduce(grad.contiguous(), op=Average, process_set=ctx.process_set)
         ranks = (global_process_set if ctx.process_set is None else ctx.process_set).ranks
         if comm_of(ctx.process_set, "hvd.broadcast (backward)").rank != ranks.index(ctx.root_rank):
-            summed = summed * 0
-        return None, None, None, summed
+            averaged = averaged * 0
+        return None, None, None, averaged
 
 
 def broadcast(tensor, root_rank, name=None, process_set=global_process_set) -> torch.Tensor:
@@ -420,10 +421,13 @@ def _reducescatter(tensor, op, name, process_set, prescale, postscale, what: str
     shard = torch.empty((most,) + tuple(tensor.shape[1:]), dtype=wire, device=comm.device)
     comm.reduce_scatter_flat(padded.view(-1), shard.view(-1), async_op=True).wait()
     out = shard[:counts[comm.rank]]
-    if op == Average:
-        out = out.div_(comm.size) if out.is_floating_point() else out.floor_divide_(comm.size)
-    if postscale != 1.0:
-        scale(out, postscale)
+    if op == Average and not out.is_floating_point():
+        scale(out, postscale / comm.size)  # Horovod's core: once, in float64, truncated
+    else:
+        if op == Average:
+            out.div_(comm.size)
+        if postscale != 1.0:
+            scale(out, postscale)
     record_finished("reducescatter", name, tensor, began, process_set)
     return out.to(tensor.device, tensor.dtype)
 
@@ -576,5 +580,5 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
         i = handles.synchronize(indices)
         if op == Average:
             v = v / size
-        return torch.sparse_coo_tensor(i.transpose(0, 1), v, t.size())
+        return torch.sparse_coo_tensor(i.transpose(0, 1), v, t.size(), check_invariants=False)
     return result

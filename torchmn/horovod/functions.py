@@ -9,6 +9,7 @@ import torch
 from torchmn.horovod import coordination, handles
 from torchmn.horovod.errors import InvalidCallError
 from torchmn.horovod.process_sets import comm_of, global_process_set
+from torchmn.optimizers.gradient_sync import GradientSyncOptimizer
 
 
 def _start(what: str, process_set) -> Any:
@@ -68,14 +69,16 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
                               process_set=global_process_set) -> None:
     """Make every rank's optimizer state and hyper-parameters root's.
 
-    Works for any torch optimizer (and a :class:`DistributedOptimizer`), before the first step
-    too (then root's empty state is what every rank gets), with tensor state, scalar state and
-    hyper-parameters such as ``lr`` and ``betas``.
+    Works for any torch optimizer (and a :class:`DistributedOptimizer`), with tensor state, scalar
+    state and hyper-parameters such as ``lr`` and ``betas``. A new optimizer's empty state is first
+    created as Horovod creates it: each trainable parameter gets a zero gradient (sparse for
+    ``torch.optim.SparseAdam``, and for SGD on ``model``'s sparse embeddings) and one update is
+    made with them on every rank, without averaging; the zero gradients stay in ``.grad``.
 
     Args:
         optimizer: this rank's optimizer, over the same parameters as root's.
         root_rank: the rank whose state everyone gets.
-        model: accepted for Horovod's signature.
+        model: the model, to find its sparse embeddings (as Horovod's).
         process_set: the ranks taking part.
 
     Raises:
@@ -92,9 +95,30 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
         raise InvalidCallError("cannot broadcast torch.optim.LBFGS state")
     root = _root_index(root_rank, process_set, "broadcast_optimizer_state")
     comm = _start("hvd.broadcast_optimizer_state", process_set)
+    if not optimizer.state_dict()["state"]:
+        _create_state(optimizer, model)
     state = comm.bcast_obj(optimizer.state_dict() if comm.rank == root else None, root=root)
     if comm.rank != root:
         optimizer.load_state_dict(state)
+
+
+def _create_state(optimizer: torch.optim.Optimizer, model) -> None:
+    """Give a new optimizer its state, as Horovod does: one update with zero gradients, on this rank alone."""
+    sparse = {id(p) for m in (model.modules() if model is not None else ())
+              if isinstance(m, torch.nn.Embedding) and m.sparse for p in m.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam) or (isinstance(optimizer, torch.optim.SGD)
+                                                                    and id(p) in sparse):
+                    p.grad = p.grad.to_sparse()
+    if hasattr(optimizer, "step_without_averaging"):      # hvd.DistributedOptimizer
+        optimizer.step_without_averaging()
+    elif isinstance(optimizer, GradientSyncOptimizer):    # torchmn's own multi-node optimizers
+        optimizer.wrapped.step()
+    else:
+        optimizer.step()
 
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,

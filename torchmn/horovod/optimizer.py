@@ -3,8 +3,10 @@
 The averaging is :func:`torchmn.create_multi_node_optimizer`'s (buckets sent while backward
 runs, shared memory between the ranks of a node); this wrapper adds Horovod's interface: its
 argument names, ``synchronize()`` / ``skip_synchronize()``, ``op=hvd.Sum``, its errors for misuse,
-and its part in ``hvd.join``. The object is an instance of the wrapped optimizer's class, as
-Horovod's is, so ``isinstance(opt, torch.optim.SGD)`` still holds.
+its part in ``hvd.join``, sparse gradients averaged as Horovod averages them (every rank's rows
+gathered), and a rank outside the optimizer's process set updating alone. The object is an
+instance of the wrapped optimizer's class, as Horovod's is, so ``isinstance(opt, torch.optim.SGD)``
+still holds.
 """
 from __future__ import annotations
 
@@ -22,9 +24,11 @@ from torch.autograd import Variable
 import torchmn
 from torchmn.horovod import coordination, timeline
 from torchmn.horovod.compression import Compression, Compressor
-from torchmn.horovod.errors import (HorovodInternalError, InvalidCallError, NotPicklableError, SparseGradientError,
+from torchmn.horovod.errors import (HorovodInternalError, InvalidCallError, NotPicklableError,
                                     TooManyBackwardPassesError, UnsupportedError)
-from torchmn.horovod.process_sets import comm_of, global_process_set
+from torchmn.horovod.exchange_collectives import sparse_allreduce_async
+from torchmn.horovod.handles import synchronize as synchronize_handle
+from torchmn.horovod.process_sets import comm_of, global_process_set, require_comm
 from torchmn.horovod.reduction_ops import OP_NAMES, Adasum, Average, Sum
 
 _optimizers: list = []   # weak references, in creation order (the same on every rank): join() mirrors them
@@ -57,9 +61,19 @@ def _fusion_threshold_mb() -> float | None:
     return None
 
 
-def _check_names(optimizer: torch.optim.Optimizer, named_parameters) -> None:
-    """Horovod's checks of ``named_parameters``."""
+def _parameter_names(optimizer: torch.optim.Optimizer, named_parameters) -> dict:
+    """Each parameter's name, as Horovod keeps it in ``_parameter_names``: from
+    ``named_parameters`` (checked as Horovod checks it), else ``allreduce.noname.<group>.<index>``."""
+    if named_parameters is None:
+        return {p: f"allreduce.noname.{i}.{j}" for i, group in enumerate(optimizer.param_groups)
+                for j, p in enumerate(group["params"])}
     named = list(named_parameters)
+    _check_names(optimizer, named)
+    return {p: name for name, p in sorted(named, key=lambda item: item[0])}
+
+
+def _check_names(optimizer: torch.optim.Optimizer, named: list) -> None:
+    """Horovod's checks of ``named_parameters``."""
     if named and not (isinstance(named[0], tuple) and len(named[0]) == 2 and isinstance(named[0][1], torch.Tensor)):
         raise InvalidCallError("named_parameters should be a sequence of tuples (name, parameter), usually produced by "
                                "model.named_parameters().")
@@ -80,8 +94,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer, named_parameters, compression, backward_passes_per_step, op,
                  gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set):
         # Deliberately no Optimizer.__init__: param_groups and state are the wrapped optimizer's.
-        if named_parameters is not None:
-            _check_names(optimizer, named_parameters)
+        # Horovod's own attribute name: scripts and Horovod's tests read it.
+        self._parameter_names = _parameter_names(optimizer, named_parameters)
         if op == Adasum:
             raise UnsupportedError("hvd.DistributedOptimizer: op=hvd.Adasum is not implemented in torchmn.horovod; "
                                    "use op=hvd.Average (the default) or hvd.Sum")
@@ -94,7 +108,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             raise InvalidCallError("groups should be a non-negative integer or a list of list of torch.Tensor.")
         if not isinstance(num_groups, int) or num_groups < 0:
             raise InvalidCallError(f"num_groups must be a non-negative integer, not {num_groups!r}")
-        self._comm = comm_of(process_set, "hvd.DistributedOptimizer")
+        self.process_set = global_process_set if process_set is None else process_set
         self.op = op
         self.backward_passes_per_step = backward_passes_per_step
         self.sparse_as_dense = sparse_as_dense
@@ -107,25 +121,28 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._user_synchronized = False    # the script called synchronize() itself
         self._skip_synchronize = False
         self._sync_started = None
-        # Before the multi-node optimizer's hooks, so that they run first for each gradient.
-        self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
-        self._inner = torchmn.create_multi_node_optimizer(optimizer, self._comm, compression=_wire_name(compression),
-                                                          backward_passes_per_step=backward_passes_per_step,
-                                                          bucket_cap_mb=_fusion_threshold_mb(),
-                                                          # Horovod's: every rank updates the whole model
-                                                          # (join() ranks sit out steps).
-                                                          shard_state=False)
+        self._sparse_grads: dict = {}      # parameter -> this step's sparse gradient, averaged apart
+        _wire_name(compression)            # an unsupported compressor is refused on every rank
+        require_comm()  # before hvd.init(), Horovod's message first
+        if process_set is not None and not process_set.included():
+            # As Horovod's: a rank outside the set neither averages nor waits; it updates alone.
+            self._comm, self._hooks, self._inner = None, [], optimizer
+        else:
+            self._comm = comm_of(process_set, "hvd.DistributedOptimizer")
+            # Before the multi-node optimizer's hooks, so that they run first for each gradient.
+            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+            self._inner = torchmn.create_multi_node_optimizer(
+                optimizer, self._comm, compression=_wire_name(compression),
+                backward_passes_per_step=backward_passes_per_step, bucket_cap_mb=_fusion_threshold_mb(),
+                # Horovod's: every rank updates the whole model (join() ranks sit out steps).
+                shard_state=False)
         self._index = len(_optimizers)
         _optimizers.append(weakref.ref(self))
 
     # ----------------------------------------------------------------------------- backward
     def _on_grad(self, p: torch.Tensor) -> None:
-        if p.grad is not None and p.grad.layout is not torch.strided:
-            if not self.sparse_as_dense:
-                raise SparseGradientError(f"hvd.DistributedOptimizer: a parameter of shape {tuple(p.shape)} has a "
-                                          f"sparse gradient (nn.Embedding(sparse=True)); pass sparse_as_dense=True "
-                                          f"to average it as a dense one")
-            p.grad = p.grad.to_dense()
+        if p.grad is not None and (p.grad.layout is not torch.strided or p in self._sparse_grads):
+            self._set_aside_sparse(p)
         if self._in_pass:
             return
         if self._passes_since_step >= self.backward_passes_per_step:
@@ -135,6 +152,18 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Variable._execution_engine.queue_callback(self._on_backward_end)
         if self._pass_syncs:
             self._start_sync()
+
+    def _set_aside_sparse(self, p: torch.Tensor) -> None:
+        """A sparse gradient (``nn.Embedding(sparse=True)``): dense with ``sparse_as_dense``; else kept
+        apart for Horovod's sparse averaging at synchronize, the buckets (dense) getting zeros for it.
+        Passes accumulated locally add up here: autograd adds each new sparse gradient to those zeros."""
+        if self.sparse_as_dense:
+            p.grad = p.grad.to_dense()
+            return
+        kept = self._sparse_grads.get(p)
+        grad = p.grad if p.grad.layout is not torch.strided else p.grad.to_sparse(kept.sparse_dim())
+        self._sparse_grads[p] = grad if kept is None else (kept + grad).coalesce()
+        p.grad = torch.zeros_like(p)
 
     def _on_backward_end(self) -> None:
         self._in_pass = False
@@ -157,7 +186,23 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
             >>> optimizer.mirror()          # on a joined rank, while the others run step()
         """
-        self._inner.average_without_gradients()
+        if self._comm is not None:
+            self._inner.average_without_gradients()
+
+    def step_without_averaging(self):
+        """Update with this rank's gradients as they are, averaging nothing (what
+        ``hvd.broadcast_optimizer_state`` uses to create a new optimizer's state, as Horovod does).
+
+        Returns:
+            What the wrapped optimizer's ``step()`` returns.
+
+        Example::
+
+            >>> for p in model.parameters():
+            ...     p.grad = torch.zeros_like(p)
+            >>> optimizer.step_without_averaging()
+        """
+        return self._inner.wrapped.step() if self._comm is not None else self._inner.step()
 
     # ----------------------------------------------------------------------------- Horovod's interface
     def synchronize(self) -> None:
@@ -180,9 +225,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
     def _synchronize(self) -> None:
         if self._synchronized:
             return
+        if self._comm is None:  # outside the optimizer's process set: nothing to average
+            self._synchronized = True
+            return
         if not self._sent_by_backward:
             self._start_sync()
         self._inner.synchronize()
+        # Sparse gradients, in parameter order (the same on every rank): every rank's rows gathered.
+        for p in [p for p in self._params if p in self._sparse_grads]:
+            handle = sparse_allreduce_async(self._sparse_grads.pop(p), name=self._parameter_names.get(p),
+                                            op=Average, process_set=self.process_set)
+            p.grad = synchronize_handle(handle)
         if self.op == Sum and self._comm.size > 1:
             for p in self._params:
                 if p.grad is not None:
@@ -414,19 +467,20 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         op: ``hvd.Average`` (default) or ``hvd.Sum``.
         gradient_predivide_factor: accepted with ``op=hvd.Average`` only.
         num_groups, groups: accepted (see above).
-        sparse_as_dense: turn sparse gradients (``nn.Embedding(sparse=True)``) dense.
-        process_set: the ranks that average together.
+        sparse_as_dense: turn sparse gradients (``nn.Embedding(sparse=True)``) dense and average them
+            with the others; without it they are averaged as Horovod does, by gathering every
+            rank's rows (the parameter's gradient stays sparse for the update).
+        process_set: the ranks that average together; a rank outside it updates alone.
 
     Returns:
         The wrapped optimizer, an instance of ``optimizer``'s class.
 
     Raises:
         InvalidCallError: duplicate or missing ``named_parameters``; ``gradient_predivide_factor`` with
-            ``op=hvd.Sum``; a rank outside ``process_set``.
+            ``op=hvd.Sum``; ``process_set`` not registered; before ``hvd.init()``.
         UnsupportedError: ``op=hvd.Adasum`` or another op; a custom compressor.
         TooManyBackwardPassesError: (in backward) more backward passes than ``backward_passes_per_step``
             before ``step()``.
-        SparseGradientError: (in backward) a sparse gradient without ``sparse_as_dense=True``.
 
     Example::
 
