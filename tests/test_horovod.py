@@ -10,7 +10,7 @@ from jobs import REPO, WORKERS, assert_check_passed, check_job_output, clean_env
 
 CHECKS = WORKERS / "horovod_checks.py"
 ALL = ("allreduce_ops_and_dtypes", "allreduce_inplace", "allreduce_prescale_postscale", "allreduce_async_many",
-       "poll", "grouped_allreduce", "allreduce_grad", "mismatched_shapes_raise", "unsupported_refused",
+       "poll", "async_ops_are_in_flight", "duplicate_name_refused", "grouped_allreduce", "allreduce_grad", "mismatched_shapes_raise", "unsupported_refused",
        "allgather_uneven", "allgather_grad", "broadcast_every_root", "broadcast_grad", "alltoall_uneven",
        "reducescatter", "grouped_ops", "sparse_allreduce", "objects_and_barrier", "topology_queries",
        "timeline", "join_one_rank_early", "optimizer_averages", "optimizer_backward_passes_per_step",
@@ -110,9 +110,8 @@ caught("unknown handle", ValueError, lambda: hvd.synchronize(12345))
 caught("pickled optimizer", TypeError, lambda: pickle.dumps(opt))
 model(torch.ones(1, 2)).sum().backward()
 caught("second backward", AssertionError, lambda: model(torch.ones(1, 2)).sum().backward())
-emb = torch.nn.Embedding(3, 2, sparse=True)
-hvd.DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1))
-caught("sparse gradient", RuntimeError, lambda: emb(torch.tensor([0])).sum().backward())
+caught("duplicate name", ValueError,
+       lambda: [hvd.allreduce_async(torch.ones(1), name="twice") for _ in range(2)])
 """
 
 
@@ -121,4 +120,54 @@ def test_horovod_errors_are_torchmn_errors_with_horovods_builtin_base():
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [f"{what} True" for what in (
         "before init", "mpi4py communicator", "elastic", "adasum", "unknown handle", "pickled optimizer",
-        "second backward", "sparse gradient")], proc.stdout
+        "second backward", "duplicate name")], proc.stdout
+
+
+UPSTREAM_STYLE = '''
+import os, sys, unittest
+import torch
+import horovod.torch as hvd
+sys.path.append(os.path.join(os.path.dirname(__file__), os.pardir, 'utils'))
+from common import mpi_env_rank_and_size, skip_or_fail_gpu_test, temppath
+
+
+class TorchTests(unittest.TestCase):
+    def tearDown(self):
+        if hvd.is_initialized() and int(os.getenv('HOROVOD_RANK', -1)) != -1:
+            hvd.barrier()
+            hvd.shutdown()
+
+    def test_rank_and_allreduce(self):
+        mpi_rank, mpi_size = mpi_env_rank_and_size()
+        hvd.init()
+        assert (mpi_rank, mpi_size) == (hvd.rank(), hvd.size())
+        with temppath() as path:
+            assert not os.path.exists(path)
+        assert hvd.allreduce(torch.ones(3), op=hvd.Sum).tolist() == [hvd.size()] * 3
+
+    def test_gpu_required(self):
+        skip_or_fail_gpu_test(self, "No GPUs available")
+
+    def test_rank_1_fails(self):
+        hvd.init()
+        assert hvd.rank() != 1, "rank 1 fails on purpose"
+'''
+
+
+def test_upstream_runner_reports_each_test(tmp_path):
+    """tests/horovod_upstream.py runs a file written as Horovod's test_torch.py, each test in its own
+    torchmn run job, and reports pass, skip (with the reason) and fail (with the rank and error)."""
+    path = tmp_path / "parallel" / "test_torch.py"
+    path.parent.mkdir()
+    path.write_text(UPSTREAM_STYLE)
+    proc = subprocess.run([sys.executable, str(REPO / "tests" / "horovod_upstream.py"), str(path), "--np", "2",
+                           "--parallel", "2", "--timeout", "100"], cwd=REPO, env=clean_env(), capture_output=True,
+                          text=True, timeout=300)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert any(line.split()[:2] == ["TorchTests.test_rank_and_allreduce", "pass"] for line in lines), proc.stdout
+    assert any(line.split()[:2] == ["TorchTests.test_gpu_required", "skip"] and "No GPUs available" in line
+               for line in lines), proc.stdout
+    assert any(line.split()[:2] == ["TorchTests.test_rank_1_fails", "fail"] and "rank 1: AssertionError: rank 1 fails"
+               in line for line in lines), proc.stdout
+    assert lines[-1] == "1 passed, 1 skipped, 1 failed (3 tests, 2 ranks each)", proc.stdout

@@ -117,6 +117,63 @@ def check_poll():
     expect_raises(ValueError, lambda: hvd.poll(h), "not a collective in flight")
 
 
+def _every_async_op(rank, size, name=None):
+    """Start one collective of each asynchronous kind; returns (kind, handle, check of its result)."""
+    x = torch.full((size * 2, 3), float(rank))
+    summed = sum(range(size))
+    ops = [("allreduce", hvd.allreduce_async(x, op=hvd.Sum, name=name and f"{name}.allreduce"),
+            lambda got: torch.all(got == summed)),
+           ("allgather", hvd.allgather_async(x, name=name and f"{name}.allgather"),
+            lambda got: got.shape == (size * size * 2, 3) and torch.all(got[::size * 2, 0] == torch.arange(size))),
+           ("broadcast", hvd.broadcast_async(x, size - 1, name=name and f"{name}.broadcast"),
+            lambda got: torch.all(got == size - 1)),
+           ("alltoall", hvd.alltoall_async(x, name=name and f"{name}.alltoall"),
+            lambda got: torch.equal(got[:, 0], torch.arange(size).repeat_interleave(2).float())),
+           ("reducescatter", hvd.reducescatter_async(x, op=hvd.Sum, name=name and f"{name}.reducescatter"),
+            lambda got: got.shape == (2, 3) and torch.all(got == summed))]
+    return ops
+
+
+def check_async_ops_are_in_flight():
+    """Every *_async collective returns at once, its handle polling False until the others take
+    part (the other ranks start theirs 0.3 s later), then synchronizes to the right result."""
+    size, rank = hvd.size(), hvd.rank()
+    if rank != 0:
+        time.sleep(0.3)
+    started = time.time()
+    ops = _every_async_op(rank, size)
+    if rank == 0:
+        expect(time.time() - started < 0.2, f"the *_async calls returned after {time.time() - started:.2f} s")
+        polled = {kind: hvd.poll(h) for kind, h, _ in ops}
+        expect(not any(polled.values()), f"a handle polled True before the other ranks took part: {polled}")
+    for kind, h, good in ops:
+        expect(good(hvd.synchronize(h)), f"{kind}_async result")
+
+
+def check_duplicate_name_refused():
+    """As Horovod's test: rank 0 alone starts named collectives, and starting another of the same
+    name is refused (ValueError) instead of blocking; after a barrier, the others do the same."""
+    size, rank = hvd.size(), hvd.rank()
+    mine = []
+    if rank == 0:
+        mine = _every_async_op(rank, size, name="duplicate")
+        for kind, _, _ in mine:
+            start = {"allreduce": lambda: hvd.allreduce_async(torch.ones(1), name="duplicate.allreduce"),
+                     "allgather": lambda: hvd.allgather_async(torch.ones(1), name="duplicate.allgather"),
+                     "broadcast": lambda: hvd.broadcast_async(torch.ones(1), 0, name="duplicate.broadcast"),
+                     "alltoall": lambda: hvd.alltoall_async(torch.ones(size), name="duplicate.alltoall"),
+                     "reducescatter": lambda: hvd.reducescatter_async(torch.ones(size), name="duplicate.reducescatter")}
+            expect_raises(ValueError, start[kind], "same name as another tensor that is currently being processed")
+    hvd.barrier()
+    if rank != 0:
+        mine = _every_async_op(rank, size, name="duplicate")
+        expect_raises(ValueError, lambda: hvd.allreduce_async(torch.ones(1), name="duplicate.allreduce"),
+                      "currently being processed")
+    for kind, h, good in mine:
+        expect(good(hvd.synchronize(h)), f"{kind}_async result after the refusals")
+    hvd.barrier()
+
+
 def check_grouped_allreduce():
     size, rank = hvd.size(), hvd.rank()
     tensors = [rank_tensor(rank, d, dt) for d, dt in [(1, torch.float32), (2, torch.int64), (3, torch.float64),

@@ -1,11 +1,12 @@
 """``hvd.allreduce`` and its forms: asynchronous, in place, grouped, differentiable.
 
-Every form checks, on every rank, that the ranks that have not joined reduce tensors of the same
-shapes and dtypes with the same op and factors (where Horovod would hang or abort, the error names
-the ranks and shapes), then starts one communicator ``allreduce_flat`` per dtype of the call (a
-grouped call is fused). The call is really in flight until its handle completes, when the local
-part runs (Average's division, the scale factors, the copy out). A rank in ``hvd.join()`` takes
-part with zeros.
+Every form runs on the background thread (:mod:`~torchmn.horovod.background`), on the process
+set's tensor communicator: it checks, on every rank, that the ranks that have not joined reduce
+tensors of the same shapes and dtypes with the same op and factors (where Horovod would hang or
+abort, the error names the ranks and shapes), then runs one communicator ``allreduce_flat`` per
+dtype of the call (a grouped call is fused) and the local part (Average's division, the scale
+factors, the copy out). The ``_async`` forms return while it is in flight. A rank in ``hvd.join()``
+takes part with zeros.
 
 An allreduce's gradient is the allreduce of the output gradients with the same op and factors.
 The other collectives, which may use an allreduce for their gradients, are in
@@ -22,7 +23,7 @@ from torchmn.horovod import coordination, handles
 from torchmn.horovod.checked_calls import layout
 from torchmn.horovod.compression import Compression
 from torchmn.horovod.errors import InvalidCallError
-from torchmn.horovod.process_sets import comm_of, global_process_set
+from torchmn.horovod.process_sets import global_process_set, tensor_comm_of
 from torchmn.horovod.reduction_ops import (OP_NAMES, REDUCE, WIDER, Average, check_op,
                                            handle_average_backwards_compatibility, scale)
 
@@ -74,23 +75,9 @@ def _check_descriptions(descriptions: list[tuple], what: str, rank: int) -> None
                 f"and dtype with the same op (Horovod would hang or abort here); rank {rank} stops")
 
 
-class _Works:
-    """The network parts of one call (one per dtype), waited as one."""
-
-    def __init__(self, works):
-        self.works = works
-
-    def wait(self) -> None:
-        for w in self.works:
-            w.wait()
-
-    def network_done(self) -> bool:
-        return all(handles.work_done(w) for w in self.works)
-
-
-def _start_reduce(comm, tensors: list[torch.Tensor], op: int, prescale: float, postscale: float,
-                  outputs: Optional[list[torch.Tensor]]):
-    """Start reducing ``tensors`` over ``comm``.
+def _reduce(comm, tensors: list[torch.Tensor], op: int, prescale: float, postscale: float,
+            outputs: Optional[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Reduce ``tensors`` over ``comm``.
 
     Args:
         comm: the communicator; ``tensors``: this rank's tensors; ``op``: a Horovod op.
@@ -98,8 +85,7 @@ def _start_reduce(comm, tensors: list[torch.Tensor], op: int, prescale: float, p
         outputs: tensors to write the results into (in-place forms), or None for new ones.
 
     Returns:
-        ``(work, finish)``: the network part in flight, and a function that returns the results
-        (``outputs`` filled in, or new tensors) once it is done.
+        The results: ``outputs`` filled in, or new tensors.
     """
     groups: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -112,6 +98,9 @@ def _start_reduce(comm, tensors: list[torch.Tensor], op: int, prescale: float, p
             scale(flat, prescale)
         works.append(comm.allreduce_flat(flat, async_op=True, op=REDUCE[op]))
         buffers[dtype] = (flat, members)
+
+    for w in works:
+        w.wait()
 
     def finish():
         results = [None] * len(tensors)
@@ -135,7 +124,8 @@ def _start_reduce(comm, tensors: list[torch.Tensor], op: int, prescale: float, p
                 else:
                     results[i] = part.to(t.device, t.dtype)
         return results
-    return _Works(works), finish
+    with torch.no_grad():  # grad mode is the background thread's own: off for in-place outputs
+        return finish()
 
 
 def _mirror_allreduce(description: tuple, comm) -> None:
@@ -145,9 +135,7 @@ def _mirror_allreduce(description: tuple, comm) -> None:
         raise InvalidCallError(f"hvd.allreduce: rank {comm.rank} has joined; another rank ({host}) rejected its "
                                f"arguments: {problem}")
     zeros = [torch.zeros(shape, dtype=getattr(torch, dtype)) for shape, dtype in layouts]
-    work, finish = _start_reduce(comm, zeros, op, prescale, postscale, None)
-    work.wait()
-    finish()
+    _reduce(comm, zeros, op, prescale, postscale, None)
 
 
 coordination.register_mirror("allreduce", _mirror_allreduce)
@@ -155,28 +143,29 @@ coordination.register_mirror("allreduce", _mirror_allreduce)
 
 def _start_allreduce(tensors: list[torch.Tensor], outputs: Optional[list[torch.Tensor]], name: Optional[str],
                      op: int, prescale: float, postscale: float, process_set, what: str, grouped: bool = True) -> int:
-    """Check, agree and start a (grouped) allreduce: what every allreduce form calls.
+    """Start a (grouped) allreduce on the background thread: what every allreduce form calls.
 
     Args:
-        tensors, outputs: as :func:`_start_reduce`; ``name``, ``op``, ``prescale``, ``postscale``,
+        tensors, outputs: as :func:`_reduce`; ``name``, ``op``, ``prescale``, ``postscale``,
             ``process_set``: the call's arguments; ``what``: the call, for messages.
         grouped: the handle's result is the list of results (else the one result).
 
     Returns:
         The handle.
     """
-    comm = comm_of(process_set, what)
+    comm = tensor_comm_of(process_set, what)
     check_op(op, what)
-    handles.check_name("allreduce", name)
     problem = _local_problem(tensors, what)
     layouts = None if problem else [layout(t) for t in tensors]
     description = coordination.describe_call("allreduce", name, op, float(prescale), float(postscale), layouts, problem)
-    descriptions = coordination.agree(comm, description, need_descriptions=True)
-    _check_descriptions(descriptions, what, comm.rank)
-    work, finish_all = _start_reduce(comm, tensors, op, float(prescale), float(postscale), outputs)
-    finish = finish_all if grouped else (lambda: finish_all()[0])
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return handles.submit("allreduce", name, work, finish, nbytes, process_set.process_set_id)
+
+    def work():
+        descriptions = coordination.agree(comm, description, need_descriptions=True)
+        _check_descriptions(descriptions, what, comm.rank)
+        results = _reduce(comm, tensors, op, float(prescale), float(postscale), outputs)
+        return results if grouped else results[0]
+    nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+    return handles.submit("allreduce", name, work, nbytes, process_set.process_set_id)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,

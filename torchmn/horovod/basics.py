@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 import torchmn
-from torchmn.horovod import handles, timeline
+from torchmn.horovod import background, handles, timeline
 from torchmn.horovod.errors import InvalidCallError, UnsupportedError
 from torchmn.horovod.process_sets import add_process_set, forget_all, job, register_global, require_comm
 
@@ -86,6 +86,7 @@ def shutdown() -> None:
         return
     handles.drain()
     handles.forget()
+    background.stop()
     if timeline.recording():
         timeline.stop_timeline()
     forget_all()

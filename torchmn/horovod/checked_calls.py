@@ -1,17 +1,15 @@
 """What the tensor collectives share about a call: the layout the ranks exchange to check it,
-agreeing on it (so that a rank's bad arguments raise on every rank), the error naming what the
-ranks' calls differ in, and, for a collective that completes before it returns, its timeline entry
-and its handle (ready at once).
+agreeing on it (so that a rank's bad arguments raise on every rank), and the error naming what the
+ranks' calls differ in.
 """
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
 
 from torchmn.communicators import CollectiveMismatchError
-from torchmn.horovod import coordination, handles, timeline
+from torchmn.horovod import coordination
 from torchmn.horovod.errors import InvalidCallError
 
 
@@ -84,48 +82,3 @@ def mismatch(what: str, field: str, values: list, rank: int, fix: str) -> Collec
     """
     listing = "; ".join(f"rank {r}: {v}" for r, v in enumerate(values))
     return CollectiveMismatchError(f"{what}: the ranks' {field} differ: {listing}. {fix}; rank {rank} stops")
-
-
-def completed_handle(kind: str, name: Optional[str], result, nbytes: int, start: float, process_set) -> int:
-    """The handle of a collective that has run already (and recorded itself in the timeline).
-
-    Args:
-        kind: the collective.
-        name: its name, or None.
-        result: what the handle's ``synchronize`` returns.
-        nbytes: the bytes it moved.
-        start: when it began (``time.time()``).
-        process_set: the ranks it ran on.
-
-    Returns:
-        The handle, complete at once.
-
-    Example::
-
-        >>> handle = completed_handle("allgather", name, out, out.numel() * out.element_size(), start, process_set)
-        >>> hvd.synchronize(handle) is out
-        True
-    """
-    return handles.submit(kind, name, None, lambda: result, nbytes, process_set.process_set_id, start,
-                          in_timeline=False)
-
-
-def record_finished(kind: str, name: Optional[str], tensor, start: float, process_set) -> None:
-    """Add a collective that began at ``start`` and has just ended to the timeline.
-
-    Args:
-        kind: the collective.
-        name: its name, or None (``<kind>.noname`` in the timeline).
-        tensor: its input (for the bytes; anything else counts 0).
-        start: when it began (``time.time()``).
-        process_set: the ranks it ran on.
-
-    Example::
-
-        >>> start = time.time()
-        >>> out = comm.bcast(tensor, root=0)
-        >>> record_finished("broadcast", name, tensor, start, process_set)
-    """
-    nbytes = tensor.numel() * tensor.element_size() if isinstance(tensor, torch.Tensor) else 0
-    timeline.record(kind, name or f"{kind}.noname", nbytes, start, time.time(),
-                    getattr(process_set, "process_set_id", 0))

@@ -6,7 +6,9 @@ process set starts with a one-number sum in which a joined rank counts 1; while 
 joined) the collective goes on, and where it also needs every rank's arguments (allreduce checks
 shapes) the ranks exchange descriptions of their calls. A joined rank waits inside ``join()``
 taking part in those exchanges, and mirrors each allreduce with zeros of the shapes the others
-describe (the collectives and the optimizer register how, with :func:`register_mirror`).
+describe (the collectives and the optimizer register how, with :func:`register_mirror`). It
+waits on both of the global set's communicators at once: the tensor collectives' one on the
+background thread, the main thread's one (``DistributedOptimizer`` steps, barriers) in ``join()``.
 """
 from __future__ import annotations
 
@@ -16,9 +18,9 @@ from typing import Callable, Optional
 import torch
 
 from torchmn.communicators import CollectiveMismatchError
-from torchmn.horovod import handles
+from torchmn.horovod import background
 from torchmn.horovod.errors import HorovodInternalError
-from torchmn.horovod.process_sets import job, require_comm
+from torchmn.horovod.process_sets import global_process_set, job, require_comm
 
 # kind -> function(description, comm) that takes part in that collective with zeros
 _mirrors: dict[str, Callable] = {}
@@ -77,7 +79,7 @@ def agree(comm, description: tuple, need_descriptions: bool) -> Optional[list[tu
     """
     if comm.size == 1:
         return [description] if need_descriptions else None
-    if comm is job.comm:
+    if comm is job.comm or comm is global_process_set.tensor_comm:
         flag = torch.zeros(1, dtype=torch.int64, device=comm.device)
         if description[0] == JOINED:
             flag += 1
@@ -144,20 +146,29 @@ def join(device: int = -1) -> int:
         >>> hvd.join()
     """
     comm = require_comm()
-    handles.drain()
     if comm.size == 1:
         return comm.rank
-    waited = 0
+    tensor_side = background.start(lambda: _wait_joined(global_process_set.tensor_comm))
+    mirrored = _wait_joined(comm)
+    mirrored += tensor_side.wait()
+    # The rank that joined last took part in the fewest collectives as a joined rank.
+    counts = comm.allgather_obj(mirrored)
+    return max(r for r, n in enumerate(counts) if n == min(counts))
+
+
+def _wait_joined(comm) -> int:
+    """Take part, as a joined rank, in the collectives of ``comm`` until every rank has joined;
+    return how many this rank mirrored with zeros."""
+    mirrored = 0
     while True:
-        descriptions = agree(comm, describe_call(JOINED, waited), need_descriptions=True)
+        descriptions = agree(comm, describe_call(JOINED), need_descriptions=True)
         waiting = [(r, d) for r, d in enumerate(descriptions) if d[0] != JOINED]
         if not waiting:
-            newest = min(d[2] for d in descriptions)
-            return max(r for r, d in enumerate(descriptions) if d[2] == newest)
+            return mirrored
         kinds = {d[0] for _, d in waiting}
         kind = next(iter(kinds))
         if len(kinds) == 1 and kind in _mirrors:
             _mirrors[kind](waiting[0][1], comm)
-            waited += 1
+            mirrored += 1
         # Otherwise the others raise (agree() saw this rank joined), as under Horovod, and this rank
         # goes on waiting for them: their next call is join() or another collective.

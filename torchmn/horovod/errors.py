@@ -59,15 +59,6 @@ class TooManyBackwardPassesError(TorchmnError, AssertionError):
     """
 
 
-class SparseGradientError(TorchmnError, RuntimeError):
-    """A ``DistributedOptimizer`` met a sparse gradient without ``sparse_as_dense=True``.
-
-    Example::
-
-        >>> opt = hvd.DistributedOptimizer(opt, sparse_as_dense=True)   # avoids it
-    """
-
-
 class NotPicklableError(TorchmnError, TypeError):
     """A ``DistributedOptimizer`` was copied or pickled (its ``state_dict()`` is what to save).
 

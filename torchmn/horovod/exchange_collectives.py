@@ -2,10 +2,11 @@
 ``reducescatter``, with their asynchronous, in-place, grouped and differentiable forms, and
 ``sparse_allreduce_async``, which gathers every rank's indices and values.
 
-Each checks on every rank that the ranks' calls agree (:mod:`~torchmn.horovod.checked_calls`), so
-that shapes, dtypes, ops or roots that differ between ranks raise on every rank, naming the ranks
-and shapes, where Horovod would hang or abort. They run on the communicator's checked collectives
-and complete before they return: their ``_async`` forms return a handle that is ready at once.
+Each runs on the background thread (:mod:`~torchmn.horovod.background`), on the process set's
+tensor communicator, and checks on every rank that the ranks' calls agree
+(:mod:`~torchmn.horovod.checked_calls`), so that shapes, dtypes, ops or roots that differ between
+ranks raise on every rank, naming the ranks and shapes, where Horovod would hang or abort. The
+``_async`` forms return a handle while the collective is in flight; the others wait for it.
 
 Gradients follow Horovod's conventions (0.28): an allgather's is the average over ranks of the
 output gradients, sliced to this rank's rows; a broadcast's is that average on the root and zero
@@ -15,24 +16,35 @@ times the ranks for ``Sum``. The averages are allreduces
 """
 from __future__ import annotations
 
-import time
 from typing import Optional
 
 import torch
 
 from torchmn.horovod import handles
 from torchmn.horovod.allreduce_collectives import allreduce
-from torchmn.horovod.checked_calls import agree_on, completed_handle, layout, mismatch, record_finished
+from torchmn.horovod.checked_calls import agree_on, layout, mismatch
 from torchmn.horovod.errors import UnsupportedError
-from torchmn.horovod.process_sets import comm_of, global_process_set
+from torchmn.horovod.process_sets import comm_of, global_process_set, tensor_comm_of
 from torchmn.horovod.reduction_ops import OP_NAMES, WIDER, Average, Sum, check_op, scale
 
 # ----------------------------------------------------------------------------- allgather
-def _allgather(tensor: torch.Tensor, name: Optional[str], process_set, what: str):
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+def _start_allgather(tensors: list, name: Optional[str], process_set, what: str, finish) -> int:
+    """Start gathering each tensor on the background thread; the handle's result is ``finish`` of
+    the list of ``(gathered, first dimension of each rank)`` pairs."""
+    comm = tensor_comm_of(process_set, what)
+
+    def work():
+        return finish([_allgather(comm, t, f"{name}.{i}" if name and len(tensors) > 1 else name, what)
+                       for i, t in enumerate(tensors)])
+    return handles.submit("allgather", name, work, _nbytes(tensors), process_set.process_set_id)
+
+
+def _allgather(comm, tensor: torch.Tensor, name: Optional[str], what: str):
     """The concatenation over ranks of ``tensor`` along dim 0, and every rank's first dimension."""
-    start = time.time()
-    comm = comm_of(process_set, what)
-    handles.check_name("allgather", name)
     problem = None if isinstance(tensor, torch.Tensor) else f"{what} takes a tensor, not {type(tensor).__name__}"
     shape_dtype = layout(tensor) if problem is None else None
     descriptions = agree_on(comm, "allgather", what, (name, shape_dtype), problem)
@@ -45,14 +57,14 @@ def _allgather(tensor: torch.Tensor, name: Optional[str], process_set, what: str
                         "Only the first dimension may differ between ranks")
     x = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
     parts = comm.allgather(x.to(comm.device))
-    record_finished("allgather", name, tensor, start, process_set)
     return torch.cat(parts).to(tensor.device), [p.shape[0] for p in parts]
 
 
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, process_set, tensor):
-        out, firsts = _allgather(tensor, name, process_set, "hvd.allgather")
+        out, firsts = handles.synchronize(_start_allgather([tensor], name, process_set, "hvd.allgather",
+                                                           lambda parts: parts[0]))
         ctx.process_set, ctx.firsts = process_set, firsts
         return out
 
@@ -87,7 +99,7 @@ def allgather(tensor, name=None, process_set=global_process_set) -> torch.Tensor
 
 
 def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
-    """:func:`allgather`, returning a handle (complete at once).
+    """Start :func:`allgather`; returns a handle at once.
 
     Args:
         tensor, name, process_set: as :func:`allgather`.
@@ -102,9 +114,7 @@ def allgather_async(tensor, name=None, process_set=global_process_set) -> int:
 
         >>> hvd.synchronize(hvd.allgather_async(x))
     """
-    start = time.time()
-    out, _ = _allgather(tensor, name, process_set, "hvd.allgather_async")
-    return completed_handle("allgather", name, out, out.numel() * out.element_size(), start, process_set)
+    return _start_allgather([tensor], name, process_set, "hvd.allgather_async", lambda parts: parts[0][0])
 
 
 def grouped_allgather(tensors, name=None, process_set=global_process_set) -> list:
@@ -127,7 +137,7 @@ def grouped_allgather(tensors, name=None, process_set=global_process_set) -> lis
 
 
 def grouped_allgather_async(tensors, name=None, process_set=global_process_set) -> int:
-    """:func:`grouped_allgather`, returning a handle (complete at once).
+    """Start :func:`grouped_allgather`; returns a handle at once.
 
     Args:
         tensors, name, process_set: as :func:`grouped_allgather`.
@@ -142,19 +152,27 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set) 
 
         >>> a, b = hvd.synchronize(hvd.grouped_allgather_async([a, b]))
     """
-    start = time.time()
-    outs = [_allgather(t, f"{name}.{i}" if name else None, process_set, "hvd.grouped_allgather_async")[0]
-            for i, t in enumerate(tensors)]
-    nbytes = sum(o.numel() * o.element_size() for o in outs)
-    return completed_handle("allgather", name, outs, nbytes, start, process_set)
+    return _start_allgather(list(tensors), name, process_set, "hvd.grouped_allgather_async",
+                            lambda parts: [out for out, _ in parts])
 
 
 # ----------------------------------------------------------------------------- broadcast
-def _broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str], process_set, what: str) -> torch.Tensor:
-    start = time.time()
-    comm = comm_of(process_set, what)
-    handles.check_name("broadcast", name)
+def _start_broadcast(tensor, root_rank: int, name: Optional[str], process_set, what: str, into=None) -> int:
+    """Start broadcasting root's ``tensor`` on the background thread; the handle's result is a new
+    tensor, or ``into`` with root's values copied in."""
+    comm = tensor_comm_of(process_set, what)
     ranks = (global_process_set if process_set is None else process_set).ranks
+
+    def work():
+        out = _broadcast(comm, ranks, tensor, root_rank, name, what)
+        if into is None:
+            return out
+        with torch.no_grad():  # grad mode is the background thread's own
+            return into.copy_(out)
+    return handles.submit("broadcast", name, work, _nbytes([tensor]), process_set.process_set_id)
+
+
+def _broadcast(comm, ranks: list, tensor: torch.Tensor, root_rank: int, name: Optional[str], what: str):
     problem = None
     if not isinstance(tensor, torch.Tensor):
         problem = f"{what} takes a tensor, not {type(tensor).__name__}"
@@ -169,16 +187,14 @@ def _broadcast(tensor: torch.Tensor, root_rank: int, name: Optional[str], proces
     if len(set(layouts)) > 1:
         raise mismatch(what, "tensors' shapes and dtypes", layouts, comm.rank,
                         "Every rank must pass a tensor of the root's shape and dtype")
-    out = comm.bcast(tensor.detach().to(comm.device), root=ranks.index(root_rank)).to(tensor.device)
-    record_finished("broadcast", name, tensor, start, process_set)
-    return out
+    return comm.bcast(tensor.detach().to(comm.device), root=ranks.index(root_rank)).to(tensor.device)
 
 
 class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, root_rank, name, process_set, tensor):
         ctx.root_rank, ctx.process_set = root_rank, process_set
-        return _broadcast(tensor, root_rank, name, process_set, "hvd.broadcast")
+        return handles.synchronize(_start_broadcast(tensor, root_rank, name, process_set, "hvd.broadcast"))
 
     @staticmethod
     def backward(ctx, grad):
@@ -229,12 +245,11 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> 
 
         >>> hvd.broadcast_(p.data, root_rank=0)
     """
-    with torch.no_grad():
-        return tensor.copy_(_broadcast(tensor, root_rank, name, process_set, "hvd.broadcast_"))
+    return handles.synchronize(_start_broadcast(tensor, root_rank, name, process_set, "hvd.broadcast_", into=tensor))
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
-    """:func:`broadcast`, returning a handle (complete at once).
+    """Start :func:`broadcast`; returns a handle at once.
 
     Args:
         tensor, root_rank, name, process_set: as :func:`broadcast`.
@@ -249,13 +264,11 @@ def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set
 
         >>> w = hvd.synchronize(hvd.broadcast_async(w, 0))
     """
-    start = time.time()
-    out = _broadcast(tensor, root_rank, name, process_set, "hvd.broadcast_async")
-    return completed_handle("broadcast", name, out, out.numel() * out.element_size(), start, process_set)
+    return _start_broadcast(tensor, root_rank, name, process_set, "hvd.broadcast_async")
 
 
 def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_set) -> int:
-    """:func:`broadcast_`, returning a handle (complete at once).
+    """Start :func:`broadcast_`; returns a handle at once.
 
     Args:
         tensor, root_rank, name, process_set: as :func:`broadcast`.
@@ -270,10 +283,7 @@ def broadcast_async_(tensor, root_rank, name=None, process_set=global_process_se
 
         >>> hvd.synchronize(hvd.broadcast_async_(w, 0))
     """
-    start = time.time()
-    with torch.no_grad():
-        tensor.copy_(_broadcast(tensor, root_rank, name, process_set, "hvd.broadcast_async_"))
-    return completed_handle("broadcast", name, tensor, tensor.numel() * tensor.element_size(), start, process_set)
+    return _start_broadcast(tensor, root_rank, name, process_set, "hvd.broadcast_async_", into=tensor)
 
 
 # ----------------------------------------------------------------------------- alltoall
@@ -302,10 +312,14 @@ def _split_sizes(tensor, splits, size: int) -> tuple[Optional[list[int]], Option
     return splits, None
 
 
-def _alltoall(tensor, splits, name, process_set, what: str):
-    start = time.time()
-    comm = comm_of(process_set, what)
-    handles.check_name("alltoall", name)
+def _start_alltoall(tensor, splits, name, process_set, what: str, finish) -> int:
+    """Start an alltoall on the background thread; the handle's result is ``finish((rows, received))``."""
+    comm = tensor_comm_of(process_set, what)
+    return handles.submit("alltoall", name, lambda: finish(_alltoall(comm, tensor, splits, name, what)),
+                          _nbytes([tensor]), process_set.process_set_id)
+
+
+def _alltoall(comm, tensor, splits, name, what: str):
     sizes, problem = _split_sizes(tensor, splits, comm.size)
     trailing = None if problem else (tuple(tensor.shape[1:]), layout(tensor)[1])
     descriptions = agree_on(comm, "alltoall", what, (name, trailing), problem)
@@ -314,21 +328,22 @@ def _alltoall(tensor, splits, name, process_set, what: str):
                         "Only the first dimension may differ between ranks")
     got = comm.alltoall(list(tensor.detach().to(comm.device).split(sizes)))
     received = torch.tensor([g.shape[0] for g in got], dtype=torch.int32)
-    record_finished("alltoall", name, tensor, start, process_set)
     return torch.cat(got).to(tensor.device), received
 
 
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, splits, name, process_set, tensor):
-        out, received = _alltoall(tensor, splits, name, process_set, "hvd.alltoall")
+        out, received = handles.synchronize(_start_alltoall(tensor, splits, name, process_set, "hvd.alltoall",
+                                                            lambda result: result))
         ctx.received, ctx.process_set = received, process_set
         ctx.mark_non_differentiable(received)
         return out, received
 
     @staticmethod
     def backward(ctx, grad, _):
-        back, _ = _alltoall(grad.contiguous(), ctx.received, None, ctx.process_set, "hvd.alltoall (backward)")
+        back, _ = handles.synchronize(_start_alltoall(grad.contiguous(), ctx.received, None, ctx.process_set,
+                                                      "hvd.alltoall (backward)", lambda result: result))
         return None, None, None, back
 
 
@@ -359,7 +374,7 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
-    """:func:`alltoall`, returning a handle (complete at once; ``synchronize`` returns what it returns).
+    """Start :func:`alltoall`; returns a handle at once (``synchronize`` returns what it returns).
 
     Args:
         tensor, splits, name, process_set: as :func:`alltoall`.
@@ -374,10 +389,8 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
 
         >>> out = hvd.synchronize(hvd.alltoall_async(x))
     """
-    start = time.time()
-    out, received = _alltoall(tensor, splits, name, process_set, "hvd.alltoall_async")
-    result = (out, received) if splits is not None else out
-    return completed_handle("alltoall", name, result, out.numel() * out.element_size(), start, process_set)
+    return _start_alltoall(tensor, splits, name, process_set, "hvd.alltoall_async",
+                           lambda result: result if splits is not None else result[0])
 
 
 # ----------------------------------------------------------------------------- reducescatter
@@ -387,14 +400,23 @@ def _rows_per_rank(rows: int, size: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(size)]
 
 
-def _reducescatter(tensor, op, name, process_set, prescale, postscale, what: str) -> torch.Tensor:
-    began = time.time()
-    comm = comm_of(process_set, what)
+def _start_reducescatter(tensors: list, op, name, process_set, prescale, postscale, what: str, grouped: bool) -> int:
+    """Start reducing and scattering each tensor on the background thread; the handle's result is
+    this rank's rows of each (of the one where not ``grouped``)."""
+    comm = tensor_comm_of(process_set, what)
     if op not in (Average, Sum):
         check_op(op, what)
         raise UnsupportedError(f"{what}: op={OP_NAMES.get(op, op)} is not supported; reducescatter takes "
                                f"hvd.Average (the default) or hvd.Sum")
-    handles.check_name("reducescatter", name)
+
+    def work():
+        outs = [_reducescatter(comm, t, op, f"{name}.{i}" if name and grouped else name, prescale, postscale, what)
+                for i, t in enumerate(tensors)]
+        return outs if grouped else outs[0]
+    return handles.submit("reducescatter", name, work, _nbytes(tensors), process_set.process_set_id)
+
+
+def _reducescatter(comm, tensor, op, name, prescale, postscale, what: str) -> torch.Tensor:
     problem = None
     if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
         problem = f"{what} takes a tensor of at least one dimension"
@@ -428,7 +450,6 @@ def _reducescatter(tensor, op, name, process_set, prescale, postscale, what: str
             out.div_(comm.size)
         if postscale != 1.0:
             scale(out, postscale)
-    record_finished("reducescatter", name, tensor, began, process_set)
     return out.to(tensor.device, tensor.dtype)
 
 
@@ -436,7 +457,8 @@ class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, name, process_set, prescale, postscale, tensor):
         ctx.op, ctx.process_set = op, process_set
-        return _reducescatter(tensor, op, name, process_set, prescale, postscale, "hvd.reducescatter")
+        return handles.synchronize(_start_reducescatter([tensor], op, name, process_set, prescale, postscale,
+                                                        "hvd.reducescatter", grouped=False))
 
     @staticmethod
     def backward(ctx, grad):
@@ -477,7 +499,7 @@ def reducescatter(tensor, op=Average, name=None, process_set=global_process_set,
 
 def reducescatter_async(tensor, op=Average, name=None, process_set=global_process_set, prescale_factor=1.0,
                         postscale_factor=1.0) -> int:
-    """:func:`reducescatter`, returning a handle (complete at once).
+    """Start :func:`reducescatter`; returns a handle at once.
 
     Args:
         tensor, op, name, process_set, prescale_factor, postscale_factor: as :func:`reducescatter`.
@@ -492,9 +514,8 @@ def reducescatter_async(tensor, op=Average, name=None, process_set=global_proces
 
         >>> mine = hvd.synchronize(hvd.reducescatter_async(x, op=hvd.Sum))
     """
-    start = time.time()
-    out = _reducescatter(tensor, op, name, process_set, prescale_factor, postscale_factor, "hvd.reducescatter_async")
-    return completed_handle("reducescatter", name, out, tensor.numel() * tensor.element_size(), start, process_set)
+    return _start_reducescatter([tensor], op, name, process_set, prescale_factor, postscale_factor,
+                                "hvd.reducescatter_async", grouped=False)
 
 
 def grouped_reducescatter(tensors, op=Average, name=None, process_set=global_process_set, prescale_factor=1.0,
@@ -521,7 +542,7 @@ def grouped_reducescatter(tensors, op=Average, name=None, process_set=global_pro
 
 def grouped_reducescatter_async(tensors, op=Average, name=None, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> int:
-    """:func:`grouped_reducescatter`, returning a handle (complete at once).
+    """Start :func:`grouped_reducescatter`; returns a handle at once.
 
     Args:
         tensors, op, name, process_set, prescale_factor, postscale_factor: as
@@ -537,11 +558,8 @@ def grouped_reducescatter_async(tensors, op=Average, name=None, process_set=glob
 
         >>> a, b = hvd.synchronize(hvd.grouped_reducescatter_async([a, b]))
     """
-    start = time.time()
-    outs = [_reducescatter(t, op, f"{name}.{i}" if name else None, process_set, prescale_factor, postscale_factor,
-                           "hvd.grouped_reducescatter_async") for i, t in enumerate(tensors)]
-    nbytes = sum(t.numel() * t.element_size() for t in tensors)
-    return completed_handle("reducescatter", name, outs, nbytes, start, process_set)
+    return _start_reducescatter(list(tensors), op, name, process_set, prescale_factor, postscale_factor,
+                                "hvd.grouped_reducescatter_async", grouped=True)
 
 
 # ----------------------------------------------------------------------------- sparse allreduce

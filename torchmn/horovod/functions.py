@@ -6,16 +6,17 @@ from typing import Any, Optional
 
 import torch
 
-from torchmn.horovod import coordination, handles
+from torchmn.horovod import coordination
 from torchmn.horovod.errors import InvalidCallError
 from torchmn.horovod.process_sets import comm_of, global_process_set
 from torchmn.optimizers.gradient_sync import GradientSyncOptimizer
 
 
 def _start(what: str, process_set) -> Any:
-    """The communicator of a blocking collective, after the ones in flight and the join check."""
+    """The communicator of a blocking collective, after the join check. The tensor collectives in
+    flight run on a communicator of their own (:mod:`~torchmn.horovod.background`), so this one
+    need not wait for them."""
     comm = comm_of(process_set, what)
-    handles.drain()
     coordination.agree(comm, coordination.describe_call(what.replace("hvd.", "")), need_descriptions=False)
     return comm
 

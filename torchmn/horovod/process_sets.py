@@ -72,7 +72,8 @@ class ProcessSet:
                                    f"of ranks, not an mpi4py communicator")
         self.ranks = sorted(int(r) for r in ranks_or_comm)
         self.process_set_id: Optional[int] = None
-        self.comm = None  # this rank's communicator of the set, where it belongs to it
+        self.comm = None         # this rank's communicator of the set, where it belongs to it
+        self.tensor_comm = None  # ... and the one its tensor collectives run on (background thread)
 
     def _require_registered(self) -> None:
         if self.process_set_id is None or _registered.get(self.process_set_id) is not self:
@@ -188,8 +189,15 @@ def register_global(comm) -> None:
     """
     global_process_set.ranks = list(range(comm.size))
     global_process_set.comm = comm
+    global_process_set.tensor_comm = _tensor_comm(comm)
     _registered.clear()
     _registered[0] = global_process_set
+
+
+def _tensor_comm(comm):
+    """A communicator of ``comm``'s ranks for the background thread alone (a collective on ``comm``):
+    its collectives never meet the main thread's on the wire."""
+    return comm.split(color=0, key=comm.rank) if comm.size > 1 else comm
 
 
 def forget_all() -> None:
@@ -203,7 +211,7 @@ def forget_all() -> None:
     for ps in _registered.values():
         if ps is not global_process_set:
             ps.process_set_id = None
-        ps.comm = None
+        ps.comm = ps.tensor_comm = None
     _registered.clear()
 
 
@@ -237,6 +245,7 @@ def add_process_set(process_set) -> ProcessSet:
     inside = world.rank in ps.ranks
     sub = world.split(color=0 if inside else 1, key=world.rank)
     ps.comm = sub if inside else None
+    ps.tensor_comm = _tensor_comm(sub) if inside else None
     ps.process_set_id = max(_registered) + 1
     _registered[ps.process_set_id] = ps
     return ps
@@ -263,7 +272,7 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     del _registered[process_set.process_set_id]
     process_set.process_set_id = None
-    process_set.comm = None
+    process_set.comm = process_set.tensor_comm = None
     return True
 
 
@@ -291,3 +300,25 @@ def comm_of(process_set: Optional[ProcessSet], op_name: str):
     if ps.comm is None:
         raise InvalidCallError(f"{op_name}: Rank {job.comm.rank} is not a member of the provided process set.")
     return ps.comm
+
+
+def tensor_comm_of(process_set: Optional[ProcessSet], op_name: str):
+    """The communicator a tensor collective runs on for ``process_set``, on the background thread
+    (:mod:`~torchmn.horovod.background`), checked as :func:`comm_of` checks it.
+
+    Args:
+        process_set: the call's ``process_set=`` (None: the global one).
+        op_name: the call, for the messages.
+
+    Returns:
+        This rank's tensor communicator of the set.
+
+    Raises:
+        InvalidCallError: before ``hvd.init()``; the set is not registered; this rank is not in it.
+
+    Example::
+
+        >>> comm = tensor_comm_of(process_set, "hvd.allgather")
+    """
+    comm_of(process_set, op_name)
+    return (global_process_set if process_set is None else process_set).tensor_comm
