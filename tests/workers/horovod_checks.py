@@ -594,7 +594,7 @@ def check_optimizer_sparse_as_dense():
 def check_optimizer_sparse_gradients():
     """Without sparse_as_dense, a sparse gradient is averaged as Horovod averages it (every rank's
     rows gathered) and stays sparse for the update; accumulated passes add up; op=Sum sums."""
-    size, rank = hvd.size(), hvd.rank()
+    rank = hvd.rank()
 
     def run(sparse, passes=1, op=hvd.Average):
         torch.manual_seed(0)
