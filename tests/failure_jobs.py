@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from jobs import REPO, clean_env
+from jobs import REPO, clean_env, start_forked_job
 
 SCRIPT = Path(__file__).resolve().parent / "scripts" / "fail_in_collective.py"
 # From rank 1's raise to the end of the job: 1 to 3 s on a quiet machine; generous for a loaded one.
@@ -41,23 +41,13 @@ def run_failing(argv: list, out: Path, env: dict | None = None, timeout: float =
 
 def run_by_hand(mode: str, out: Path, np: int = 4, timeout: float = 120) -> tuple:
     """Start ``np`` ranks as plain processes with torch's env:// variables, as a batch script
-    without a launcher would: nobody stops the others when one fails. Returns (outputs by rank,
-    exit codes by rank, seconds from the raise until the last rank ended)."""
-    with socket.socket() as probe:  # a free port for rank 0's store
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = clean_env({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                     "WORLD_SIZE": str(np), "LOCAL_WORLD_SIZE": str(np)})
-    procs = [subprocess.Popen(failing_argv(mode, out), cwd=REPO, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(np)]
-    try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return outputs, [p.returncode for p in procs], seconds_since_raise(out, "".join(outputs))
+    without a launcher would: nobody stops the others when one fails (they are forked, see
+    ``rank_forks.py``, with ``stop_on_failure=False``). Returns (outputs by rank, exit codes by
+    rank, seconds from the raise until the last rank ended)."""
+    job = start_forked_job(SCRIPT, [mode, str(out)], np=np, timeout=timeout, stop_on_failure=False)
+    proc = job.wait()
+    outputs = job.rank_outputs
+    return outputs, job.codes, seconds_since_raise(out, proc.stdout + proc.stderr)
 
 
 def assert_failure_shown_once(output: str, seconds: float, others_named: set | None = None,

@@ -60,6 +60,8 @@ class ForkedJob:
 
     def wait(self) -> subprocess.CompletedProcess:
         """Wait for every rank to end; the job's exit code is the first failed rank's, else 0.
+        Each rank's own exit code and output (stdout, then stderr) stay in ``codes`` and
+        ``rank_outputs``.
 
         Raises:
             subprocess.TimeoutExpired: the job outlived its timeout (its ranks are killed).
@@ -68,6 +70,10 @@ class ForkedJob:
         answer = self.answer(self.timeout + 30)
         self.done = True
         out, err = self.output("out"), self.output("err")
+        self.codes = answer["codes"]
+        self.rank_outputs = ["".join(Path(self.out, f"{r}.{kind}").read_text()
+                                     for kind in ("out", "err") if Path(self.out, f"{r}.{kind}").exists())
+                             for r in range(len(self.pids))]
         shutil.rmtree(self.out, ignore_errors=True)
         if answer["timed_out"]:
             raise subprocess.TimeoutExpired(self.argv, self.timeout, out, err)
@@ -82,7 +88,7 @@ class _RankForks:
         self.proc = None
         self.job = None
 
-    def start(self, script, args, np, env, cwd, timeout) -> ForkedJob:
+    def start(self, script, args, np, env, cwd, timeout, stop_on_failure=True) -> ForkedJob:
         if self.job is not None and not self.job.done:
             try:  # a test that failed before waiting for its job: its answer is still due
                 self.job.wait()
@@ -95,7 +101,8 @@ class _RankForks:
         argv = [str(script), *map(str, args)]
         job = ForkedJob(self.proc, argv, np, timeout)
         self.proc.stdin.write(json.dumps({"script": str(script), "args": argv[1:], "np": np, "env": env,
-                                          "cwd": str(cwd), "timeout": timeout, "out": job.out}) + "\n")
+                                          "cwd": str(cwd), "timeout": timeout, "out": job.out,
+                                          "stop_on_failure": stop_on_failure}) + "\n")
         self.proc.stdin.flush()
         job.pids = job.answer(60)["pids"]
         self.job = job
@@ -145,10 +152,13 @@ def run_one_process(script: str | Path, args: list[str], timeout: float = 120) -
 
 
 def start_forked_job(script: str | Path, args: list[str], *, np: int | None = 2, timeout: float = 120,
-                     env: dict | None = None, cwd: str | Path | None = None) -> ForkedJob:
+                     env: dict | None = None, cwd: str | Path | None = None,
+                     stop_on_failure: bool = True) -> ForkedJob:
     """Fork ``np`` ranks running ``python script args`` (None: a world of one) and return at once;
-    ``run_job(launcher="forked")`` is ``start_forked_job(...).wait()``. One job at a time."""
-    return _rank_forks.start(script, args, np, clean_env(env), cwd or REPO, timeout)
+    ``run_job(launcher="forked")`` is ``start_forked_job(...).wait()``. One job at a time.
+    ``stop_on_failure=False``: a failed rank does not stop the others (ranks started by hand,
+    with no launcher watching them)."""
+    return _rank_forks.start(script, args, np, clean_env(env), cwd or REPO, timeout, stop_on_failure)
 
 
 # ----------------------------------------------------------------------------- one test id per check

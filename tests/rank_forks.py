@@ -8,10 +8,11 @@ the worker script as ``__main__``. The launchers themselves (``torchmn run``, to
 mpirun) are tested by jobs they really start.
 
 Protocol, one JSON line per job on stdin: ``{"script", "args", "np", "env", "cwd", "timeout",
-"out"}``; the answers are JSON lines on stdout: ``{"pids": [pid per rank]}`` once the ranks are
+"out", "stop_on_failure"}``; the answers are JSON lines on stdout: ``{"pids": [pid per rank]}`` once the ranks are
 forked, then ``{"codes": [exit code per rank], "timed_out"}`` once they have all ended.
 Rank ``r`` writes its stdout and stderr to ``{out}/{r}.out`` and ``{out}/{r}.err``. As under
-``torchmn run``, a rank that fails stops the others (SIGTERM, then SIGKILL after a grace period).
+``torchmn run``, a rank that fails stops the others (SIGTERM, then SIGKILL after a grace period),
+unless ``stop_on_failure`` is false (ranks started by hand: nobody stops the others).
 
     python tests/rank_forks.py          (started by tests/jobs.py, one per pytest session)
 """
@@ -72,8 +73,8 @@ def rank_main(job: dict, rank: int) -> None:
             code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
             if not isinstance(e.code, (int, type(None))):
                 print(e.code, file=sys.stderr)
-        except BaseException:  # noqa: BLE001 (reported as Python would, and the rank fails)
-            traceback.print_exc()
+        except BaseException:  # noqa: BLE001 (an uncaught exception: sys.excepthook, as Python calls it)
+            sys.excepthook(*sys.exc_info())
             code = 1
         atexit._run_exitfuncs()
     except BaseException:  # noqa: BLE001
@@ -123,7 +124,7 @@ def run(job: dict) -> dict:
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if done:
                     codes[r] = os.waitstatus_to_exitcode(status)
-                    if codes[r] != 0 and kill_at is None:
+                    if codes[r] != 0 and kill_at is None and job.get("stop_on_failure", True):
                         kill_at = time.monotonic() + GRACE_SECONDS
                         signal_ranks(pids, codes, signal.SIGTERM)
         if time.monotonic() > deadline:
