@@ -4,7 +4,6 @@ started it."""
 from __future__ import annotations
 
 import re
-import socket
 import subprocess
 import sys
 import time
