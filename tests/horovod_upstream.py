@@ -22,6 +22,7 @@ import importlib.util
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -115,7 +116,8 @@ def run_one(path: str, test: str, out: str) -> int:
     except BaseException:  # noqa: BLE001 (the file itself did not load: reported as the test's failure)
         text = traceback.format_exc()
         outcome = {"outcome": "fail", "reason": text.strip().splitlines()[-1], "traceback": text}
-    Path(out, f"{rank}.json").write_text(json.dumps(outcome))
+    Path(out, f"{rank}.json.tmp").write_text(json.dumps(outcome))
+    os.replace(Path(out, f"{rank}.json.tmp"), Path(out, f"{rank}.json"))  # whole, or not there
     sys.stdout.flush()
     return 1 if outcome["outcome"] == "fail" else 0
 
@@ -138,20 +140,25 @@ def run_test(path: str, test: str, np: int, timeout: float) -> dict:
     env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                TORCHMN_TIMEOUT=os.environ.get("TORCHMN_TIMEOUT", "30"))
     argv = [sys.executable, "-m", "torchmn", "run", "-np", str(np), sys.executable, __file__, "--one", path, test, out]
+    # A session of its own, so that a job past its timeout is stopped with every rank it started.
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
-        proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
-        code, tail = proc.returncode, (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+        output, _ = proc.communicate(timeout=timeout)
+        code, tail = proc.returncode, output.strip().splitlines()[-3:]
     except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
         code, tail = None, [f"the job did not end within {timeout:.0f} s"]
     ranks = {int(p.stem): json.loads(p.read_text()) for p in Path(out).glob("*.json")}
     shutil.rmtree(out, ignore_errors=True)
     failed = sorted(r for r, o in ranks.items() if o["outcome"] == "fail")
     if failed:
         return {"outcome": "fail", "reason": f"rank {failed[0]}: {ranks[failed[0]]['reason']}"}
-    if len(ranks) < np:
+    if len(ranks) < np or code != 0:
         missing = sorted(set(range(np)) - set(ranks))
-        return {"outcome": "fail", "reason": f"rank(s) {missing} gave no result (exit code {code}): "
-                                             f"{' | '.join(tail)}"}
+        what = f"rank(s) {missing} gave no result" if missing else "every rank passed, but the job did not end well"
+        return {"outcome": "fail", "reason": f"{what} (exit code {code}): {' | '.join(tail)}"}
     skipped = [o for o in ranks.values() if o["outcome"] == "skip"]
     if skipped:
         return {"outcome": "skip", "reason": skipped[0]["reason"]}

@@ -165,13 +165,19 @@ def check_duplicate_name_refused():
                      "reducescatter": lambda: hvd.reducescatter_async(torch.ones(size), name="duplicate.reducescatter")}
             expect_raises(ValueError, start[kind], "same name as another tensor that is currently being processed")
     hvd.barrier()
+    later = None
     if rank != 0:
         mine = _every_async_op(rank, size, name="duplicate")
-        expect_raises(ValueError, lambda: hvd.allreduce_async(torch.ones(1), name="duplicate.allreduce"),
+        # Rank 0 starts this one only after the next barrier: it is surely in flight here.
+        later = hvd.allreduce_async(torch.ones(1), op=hvd.Sum, name="duplicate.later")
+        expect_raises(ValueError, lambda: hvd.allreduce_async(torch.ones(1), name="duplicate.later"),
                       "currently being processed")
     for kind, h, good in mine:
         expect(good(hvd.synchronize(h)), f"{kind}_async result after the refusals")
     hvd.barrier()
+    if rank == 0:
+        later = hvd.allreduce_async(torch.ones(1), op=hvd.Sum, name="duplicate.later")
+    expect(hvd.synchronize(later).item() == size, "the collective the others waited for")
 
 
 def check_grouped_allreduce():

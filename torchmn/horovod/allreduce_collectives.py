@@ -132,8 +132,7 @@ def _mirror_allreduce(description: tuple, comm) -> None:
     """A joined rank's part in an allreduce: zeros of the shapes the others reduce."""
     _, host, _, op, prescale, postscale, layouts, problem = description
     if problem is not None:
-        raise InvalidCallError(f"hvd.allreduce: rank {comm.rank} has joined; another rank ({host}) rejected its "
-                               f"arguments: {problem}")
+        return  # that rank rejected its own arguments: the ranks that called raise, this one goes on waiting
     zeros = [torch.zeros(shape, dtype=getattr(torch, dtype)) for shape, dtype in layouts]
     _reduce(comm, zeros, op, prescale, postscale, None)
 
@@ -165,7 +164,7 @@ def _start_allreduce(tensors: list[torch.Tensor], outputs: Optional[list[torch.T
         results = _reduce(comm, tensors, op, float(prescale), float(postscale), outputs)
         return results if grouped else results[0]
     nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-    return handles.submit("allreduce", name, work, nbytes, process_set.process_set_id)
+    return handles.submit("allreduce", name, comm, work, nbytes, process_set.process_set_id)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,

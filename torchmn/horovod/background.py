@@ -2,18 +2,20 @@
 
 Horovod runs every collective on a thread of its own: an ``*_async`` call returns at once, its
 handle polls False while the collective is in flight, and a rank may start a collective that the
-others will only start later (after a barrier, say) without blocking. Here one daemon thread per
-process runs the tensor collectives (allreduce, allgather, broadcast, alltoall, reducescatter,
-their grouped forms, and a joined rank's part in them) in the order the script started them, on
-communicators of their own (one per process set, see :mod:`~torchmn.horovod.process_sets`), so
-the main thread's own collectives (barrier, object collectives, ``DistributedOptimizer`` steps) can
-never meet them out of order on the wire. The collectives of one communicator run in one order on
-every rank, which is also what keeps a node's shared-memory steps matched.
+others will only start later (after a barrier, say) without blocking. Here each process set's
+tensor collectives (allreduce, allgather, broadcast, alltoall, reducescatter, their grouped forms,
+and a joined rank's part in them) run on a daemon thread of that set, in the order the script
+started them, over the set's own communicator (see :mod:`~torchmn.horovod.process_sets`), so the
+main thread's collectives (barrier, object collectives, ``DistributedOptimizer`` steps) never meet
+them out of order on the wire, and one set's collectives never wait behind another's. The
+collectives of one communicator run in one order on every rank, which is also what keeps a node's
+shared-memory steps matched.
 """
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Callable, Optional
 
 
@@ -34,6 +36,7 @@ class Job:
         self.done = threading.Event()
         self.result: Any = None
         self.error: Optional[BaseException] = None
+        self.finished: Optional[float] = None   # time.time() when it had run
 
     def run(self) -> None:
         """Run the work on this thread (the background thread calls it); keep its result or error.
@@ -50,6 +53,7 @@ class Job:
             self.error = e
         finally:
             self.work = None
+            self.finished = time.time()
             self.done.set()
 
     def wait(self) -> Any:
@@ -71,23 +75,30 @@ class Job:
         return self.result
 
 
-_queue: "queue.SimpleQueue[Optional[Job]]" = queue.SimpleQueue()
-_thread: Optional[threading.Thread] = None
-_STOP = None
+class _Worker:
+    """A daemon thread and the queue of jobs it runs in order."""
+
+    def __init__(self, name: str):
+        self.queue: "queue.SimpleQueue[Optional[Job]]" = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self.loop, name=name, daemon=True)
+        self.thread.start()
+
+    def loop(self) -> None:
+        while True:
+            job = self.queue.get()
+            if job is None:
+                return
+            job.run()
 
 
-def _loop() -> None:
-    while True:
-        job = _queue.get()
-        if job is _STOP:
-            return
-        job.run()
+_workers: dict = {}   # id of a communicator -> (communicator, its _Worker)
 
 
-def start(work: Callable[[], Any]) -> Job:
-    """Run ``work()`` on the background thread, after the work started before it.
+def start(comm, work: Callable[[], Any]) -> Job:
+    """Run ``work()`` on ``comm``'s background thread, after the work started there before it.
 
     Args:
+        comm: the tensor communicator the work's collectives run on (one thread each).
         work: the collective, start to end (its agreement, its network part and its local part).
 
     Returns:
@@ -95,27 +106,28 @@ def start(work: Callable[[], Any]) -> Job:
 
     Example::
 
-        >>> job = start(lambda: tensor_comm.allgather(x))
+        >>> job = start(tensor_comm, lambda: tensor_comm.allgather(x))
         >>> parts = job.wait()
     """
-    global _thread
-    if _thread is None or not _thread.is_alive():
-        _thread = threading.Thread(target=_loop, name="torchmn.horovod background", daemon=True)
-        _thread.start()
+    entry = _workers.get(id(comm))
+    if entry is None or entry[0] is not comm or not entry[1].thread.is_alive():
+        entry = (comm, _Worker(f"torchmn.horovod background {len(_workers)}"))
+        _workers[id(comm)] = entry
     job = Job(work)
-    _queue.put(job)
+    entry[1].queue.put(job)
     return job
 
 
 def stop() -> None:
-    """Let the background thread finish the work it has, then end it (``hvd.shutdown`` calls this).
+    """Let the background threads finish the work they have, then end them (``hvd.shutdown``
+    calls this).
 
     Example::
 
         >>> stop()
     """
-    global _thread
-    if _thread is not None and _thread.is_alive():
-        _queue.put(_STOP)
-        _thread.join()
-    _thread = None
+    for _, worker in _workers.values():
+        if worker.thread.is_alive():
+            worker.queue.put(None)
+            worker.thread.join()
+    _workers.clear()

@@ -138,6 +138,7 @@ def join(device: int = -1) -> int:
 
     Raises:
         InvalidCallError: before ``hvd.init()``.
+        HorovodInternalError: another rank stepped a ``DistributedOptimizer`` this rank does not have.
 
     Example::
 
@@ -148,7 +149,8 @@ def join(device: int = -1) -> int:
     comm = require_comm()
     if comm.size == 1:
         return comm.rank
-    tensor_side = background.start(lambda: _wait_joined(global_process_set.tensor_comm))
+    tensor_comm = global_process_set.tensor_comm
+    tensor_side = background.start(tensor_comm, lambda: _wait_joined(tensor_comm))
     mirrored = _wait_joined(comm)
     mirrored += tensor_side.wait()
     # The rank that joined last took part in the fewest collectives as a joined rank.

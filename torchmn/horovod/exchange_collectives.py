@@ -40,7 +40,7 @@ def _start_allgather(tensors: list, name: Optional[str], process_set, what: str,
     def work():
         return finish([_allgather(comm, t, f"{name}.{i}" if name and len(tensors) > 1 else name, what)
                        for i, t in enumerate(tensors)])
-    return handles.submit("allgather", name, work, _nbytes(tensors), process_set.process_set_id)
+    return handles.submit("allgather", name, comm, work, _nbytes(tensors), process_set.process_set_id)
 
 
 def _allgather(comm, tensor: torch.Tensor, name: Optional[str], what: str):
@@ -169,7 +169,7 @@ def _start_broadcast(tensor, root_rank: int, name: Optional[str], process_set, w
             return out
         with torch.no_grad():  # grad mode is the background thread's own
             return into.copy_(out)
-    return handles.submit("broadcast", name, work, _nbytes([tensor]), process_set.process_set_id)
+    return handles.submit("broadcast", name, comm, work, _nbytes([tensor]), process_set.process_set_id)
 
 
 def _broadcast(comm, ranks: list, tensor: torch.Tensor, root_rank: int, name: Optional[str], what: str):
@@ -315,7 +315,7 @@ def _split_sizes(tensor, splits, size: int) -> tuple[Optional[list[int]], Option
 def _start_alltoall(tensor, splits, name, process_set, what: str, finish) -> int:
     """Start an alltoall on the background thread; the handle's result is ``finish((rows, received))``."""
     comm = tensor_comm_of(process_set, what)
-    return handles.submit("alltoall", name, lambda: finish(_alltoall(comm, tensor, splits, name, what)),
+    return handles.submit("alltoall", name, comm, lambda: finish(_alltoall(comm, tensor, splits, name, what)),
                           _nbytes([tensor]), process_set.process_set_id)
 
 
@@ -413,7 +413,7 @@ def _start_reducescatter(tensors: list, op, name, process_set, prescale, postsca
         outs = [_reducescatter(comm, t, op, f"{name}.{i}" if name and grouped else name, prescale, postscale, what)
                 for i, t in enumerate(tensors)]
         return outs if grouped else outs[0]
-    return handles.submit("reducescatter", name, work, _nbytes(tensors), process_set.process_set_id)
+    return handles.submit("reducescatter", name, comm, work, _nbytes(tensors), process_set.process_set_id)
 
 
 def _reducescatter(comm, tensor, op, name, prescale, postscale, what: str) -> torch.Tensor:
@@ -588,14 +588,16 @@ def sparse_allreduce_async(tensor, name, op, process_set=global_process_set):
         raise UnsupportedError(f"hvd.sparse_allreduce_async: op={OP_NAMES.get(op, op)} is not supported; use "
                                f"hvd.Average or hvd.Sum")
     t = tensor.coalesce() if not tensor.is_coalesced() else tensor
-    indices = allgather_async(t.indices().transpose(0, 1).contiguous(), name=f"{name}.indices",
+    indices = allgather_async(t.indices().transpose(0, 1).contiguous(), name=name and f"{name}.indices",
                               process_set=process_set)
-    values = allgather_async(t.values(), name=f"{name}.values", process_set=process_set)
+    values = allgather_async(t.values(), name=name and f"{name}.values", process_set=process_set)
     size = comm_of(process_set, "hvd.sparse_allreduce_async").size
 
     def result():
-        v = handles.synchronize(values)
-        i = handles.synchronize(indices)
+        try:
+            i = handles.synchronize(indices)
+        finally:
+            v = handles.synchronize(values)
         if op == Average:
             v = v / size
         return torch.sparse_coo_tensor(i.transpose(0, 1), v, t.size(), check_invariants=False)

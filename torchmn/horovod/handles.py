@@ -11,6 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
+import torch
+
 from torchmn.horovod import background, timeline
 from torchmn.horovod.errors import InvalidCallError
 
@@ -27,7 +29,7 @@ class _Pending:
     def complete(self) -> Any:
         result = self.job.wait()
         if self.in_timeline:
-            timeline.record(self.kind, self.name, self.nbytes, self.start, time.time(), self.process_set_id)
+            timeline.record(self.kind, self.name, self.nbytes, self.start, self.job.finished, self.process_set_id)
         return result
 
 
@@ -72,15 +74,33 @@ def check_name(kind: str, name: Optional[str]) -> None:
                          f"tensor name.")
 
 
-def submit(kind: str, name: Optional[str], work: Callable[[], Any], nbytes: int, process_set_id: int = 0,
+def _as_started(work: Callable[[], Any]) -> Callable[[], Any]:
+    """``work`` to run on another thread as if it ran here: in this thread's grad and inference
+    modes (thread-local in torch), after the GPU work queued so far on this thread's stream."""
+    grad, inference = torch.is_grad_enabled(), torch.is_inference_mode_enabled()
+    queued = None
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        queued = torch.cuda.Event()
+        queued.record()
+
+    def run():
+        if queued is not None:
+            queued.wait()
+        with torch.inference_mode(inference), torch.set_grad_enabled(grad):
+            return work()
+    return run
+
+
+def submit(kind: str, name: Optional[str], comm, work: Callable[[], Any], nbytes: int, process_set_id: int = 0,
            in_timeline: bool = True) -> int:
-    """Start a collective on the background thread and give it a handle.
+    """Start a collective on its communicator's background thread and give it a handle.
 
     Args:
         kind: the collective (``"allreduce"``, ...).
         name: its ``name=`` (None: named ``<kind>.noname.<handle>`` in the timeline).
-        work: the collective start to end, run on the background thread; returns what
-            ``synchronize`` returns.
+        comm: the tensor communicator it runs on (one background thread each).
+        work: the collective start to end, run on the background thread (in this thread's grad
+            and inference modes); returns what ``synchronize`` returns.
         nbytes: the bytes it carries, for the timeline.
         process_set_id: the set it runs on, for the timeline.
         in_timeline: add it to the timeline when it is synchronized (False for one that records
@@ -94,13 +114,13 @@ def submit(kind: str, name: Optional[str], work: Callable[[], Any], nbytes: int,
 
     Example::
 
-        >>> handle = submit("allgather", None, lambda: torch.cat(comm.allgather(x)), x.numel() * x.element_size())
+        >>> handle = submit("allgather", None, comm, lambda: torch.cat(comm.allgather(x)), x.numel() * x.element_size())
     """
     check_name(kind, name)
     handle = _next_handle[0]
     _next_handle[0] += 1
-    _pending[handle] = _Pending(kind, name or f"{kind}.noname.{handle}", background.start(work), nbytes,
-                                process_set_id, in_timeline)
+    _pending[handle] = _Pending(kind, name or f"{kind}.noname.{handle}", background.start(comm, _as_started(work)),
+                                nbytes, process_set_id, in_timeline)
     return handle
 
 

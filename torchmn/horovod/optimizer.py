@@ -122,6 +122,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._skip_synchronize = False
         self._sync_started = None
         self._sparse_grads: dict = {}      # parameter -> this step's sparse gradient, averaged apart
+        self._sparse_dims: dict = {}       # parameter -> sparse_dim, for every parameter ever seen sparse here
         _wire_name(compression)            # an unsupported compressor is refused on every rank
         require_comm()  # before hvd.init(), Horovod's message first
         if process_set is not None and not process_set.included():
@@ -163,6 +164,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         kept = self._sparse_grads.get(p)
         grad = p.grad if p.grad.layout is not torch.strided else p.grad.to_sparse(kept.sparse_dim())
         self._sparse_grads[p] = grad if kept is None else (kept + grad).coalesce()
+        self._sparse_dims[p] = grad.sparse_dim()
         p.grad = torch.zeros_like(p)
 
     def _on_backward_end(self) -> None:
@@ -231,10 +233,17 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         if not self._sent_by_backward:
             self._start_sync()
         self._inner.synchronize()
-        # Sparse gradients, in parameter order (the same on every rank): every rank's rows gathered.
-        for p in [p for p in self._params if p in self._sparse_grads]:
-            handle = sparse_allreduce_async(self._sparse_grads.pop(p), name=self._parameter_names.get(p),
-                                            op=Average, process_set=self.process_set)
+        # Sparse gradients, in parameter order: every rank's rows gathered. A parameter once seen
+        # sparse here takes part with no rows in a step that left it without a gradient here, so
+        # that the ranks gather the same parameters.
+        for p in [p for p in self._params if p in self._sparse_dims]:
+            grad = self._sparse_grads.pop(p, None)
+            if grad is None:
+                dims = self._sparse_dims[p]
+                grad = torch.sparse_coo_tensor(torch.empty((dims, 0), dtype=torch.int64),
+                                               torch.empty((0,) + tuple(p.shape[dims:]), dtype=p.dtype), p.shape)
+            handle = sparse_allreduce_async(grad, name=self._parameter_names.get(p), op=Average,
+                                            process_set=self.process_set)
             p.grad = synchronize_handle(handle)
         if self.op == Sum and self._comm.size > 1:
             for p in self._params:
