@@ -317,9 +317,10 @@ def test_log_file_that_cannot_be_written_starts_no_rank(tmp_path, capsys):
     (log_dir / "rank.1.log").mkdir(parents=True)
     pid_dir = tmp_path / "pids"
     pid_dir.mkdir()
+    # The pid file appears whole or not at all: the launcher may stop a rank between the two.
     code = main(["run", "-np", "2", "--log-dir", str(log_dir), sys.executable, "-c",
-                 f"import os, time; open(os.path.join({str(pid_dir)!r}, os.environ['RANK'] + '.pid'), 'w')"
-                 f".write(str(os.getpid())); time.sleep(60)"])
+                 f"import os, time; path = os.path.join({str(pid_dir)!r}, os.environ['RANK'] + '.pid'); "
+                 f"open(path + '.tmp', 'w').write(str(os.getpid())); os.replace(path + '.tmp', path); time.sleep(60)"])
     assert code == 2
     assert "cannot write rank 1's log file" in capsys.readouterr().err
     assert_all_gone(pids_in(pid_dir))
