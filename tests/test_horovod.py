@@ -171,3 +171,32 @@ def test_upstream_runner_reports_each_test(tmp_path):
     assert any(line.split()[:2] == ["TorchTests.test_rank_1_fails", "fail"] and "rank 1: AssertionError: rank 1 fails"
                in line for line in lines), proc.stdout
     assert lines[-1] == "1 passed, 1 skipped, 1 failed (3 tests, 2 ranks each)", proc.stdout
+
+
+LONELY = """
+import sys, time, torch, torchmn, torchmn.horovod as hvd
+hvd.init()
+if hvd.rank() == 0:
+    h = hvd.allgather_async(torch.ones(2), name="lonely")
+    started = time.monotonic()
+    try:
+        hvd.synchronize(h)
+    except torchmn.CollectiveTimeoutError as e:
+        print(f"NAMED after {time.monotonic() - started:.0f} s: {e}", flush=True)
+else:
+    time.sleep(6)   # never starts it
+hvd.shutdown()
+print("ENDED", flush=True)
+"""
+
+
+def test_a_rank_that_never_starts_a_background_collective_is_named(tmp_path):
+    """A tensor collective runs on a background thread, and its error comes back to the caller:
+    after TORCHMN_TIMEOUT, synchronize() names the rank that never started it, and both ranks end."""
+    script = tmp_path / "lonely.py"
+    script.write_text(LONELY)
+    proc = run_job(script, [], np=2, timeout=60, check=False, env={"TORCHMN_TIMEOUT": "3"})
+    assert proc.returncode == 0 and proc.stdout.count("ENDED") == 2, proc.stdout + proc.stderr
+    named = [line for line in proc.stdout.splitlines() if "NAMED" in line]
+    assert len(named) == 1 and "rank 1 (" in named[0] and "never called it within the timeout" in named[0], proc.stdout
+    assert int(named[0].split("after ")[1].split(" s")[0]) < 10, named[0]
