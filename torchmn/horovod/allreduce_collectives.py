@@ -141,13 +141,15 @@ coordination.register_mirror("allreduce", _mirror_allreduce)
 
 
 def _start_allreduce(tensors: list[torch.Tensor], outputs: Optional[list[torch.Tensor]], name: Optional[str],
-                     op: int, prescale: float, postscale: float, process_set, what: str, grouped: bool = True) -> int:
+                     op: int, prescale: float, postscale: float, process_set, what: str, grouped: bool = True,
+                     wait: bool = False):
     """Start a (grouped) allreduce on the background thread: what every allreduce form calls.
 
     Args:
         tensors, outputs: as :func:`_reduce`; ``name``, ``op``, ``prescale``, ``postscale``,
             ``process_set``: the call's arguments; ``what``: the call, for messages.
         grouped: the handle's result is the list of results (else the one result).
+        wait: run it now and return its result instead of a handle (``handles.run_now``).
 
     Returns:
         The handle.
@@ -164,7 +166,8 @@ def _start_allreduce(tensors: list[torch.Tensor], outputs: Optional[list[torch.T
         results = _reduce(comm, tensors, op, float(prescale), float(postscale), outputs)
         return results if grouped else results[0]
     nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-    return handles.submit("allreduce", name, comm, work, nbytes, process_set.process_set_id)
+    return (handles.run_now if wait else handles.submit)("allreduce", name, comm, work, nbytes,
+                                                         process_set.process_set_id)
 
 
 def allreduce_async(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0,
@@ -227,15 +230,14 @@ class _Allreduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, op, prescale, postscale, process_set, *tensors):
         ctx.args = (op, prescale, postscale, process_set)
-        handle = _start_allreduce(list(tensors), None, name, op, prescale, postscale, process_set, "hvd.allreduce")
-        return tuple(handles.synchronize(handle))
+        return tuple(_start_allreduce(list(tensors), None, name, op, prescale, postscale, process_set, "hvd.allreduce",
+                                      wait=True))
 
     @staticmethod
     def backward(ctx, *grads):
         op, prescale, postscale, process_set = ctx.args
-        handle = _start_allreduce([g.contiguous() for g in grads], None, None, op, prescale, postscale, process_set,
-                                  "hvd.allreduce (backward)")
-        return (None,) * 5 + tuple(handles.synchronize(handle))
+        return (None,) * 5 + tuple(_start_allreduce([g.contiguous() for g in grads], None, None, op, prescale,
+                                                    postscale, process_set, "hvd.allreduce (backward)", wait=True))
 
 
 def allreduce(tensor, average=None, name=None, compression=Compression.none, op=None, prescale_factor=1.0,
@@ -280,8 +282,9 @@ def allreduce_(tensor, average=None, name=None, op=None, prescale_factor=1.0, po
 
         >>> hvd.allreduce_(metric, op=hvd.Sum)
     """
-    return handles.synchronize(allreduce_async_(tensor, average, name, op, prescale_factor, postscale_factor,
-                                                process_set))
+    op = handle_average_backwards_compatibility(op, average)
+    return _start_allreduce([tensor], [tensor], name, op, prescale_factor, postscale_factor, process_set,
+                            "hvd.allreduce_", grouped=False, wait=True)
 
 
 def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_factor=1.0,
@@ -374,5 +377,6 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
 
         >>> hvd.grouped_allreduce_([a, b], op=hvd.Sum)
     """
-    return handles.synchronize(grouped_allreduce_async_(tensors, average, name, op, prescale_factor,
-                                                        postscale_factor, process_set))
+    op = handle_average_backwards_compatibility(op, average)
+    return _start_allreduce(tensors, tensors, name, op, prescale_factor, postscale_factor, process_set,
+                            "hvd.grouped_allreduce_", wait=True)

@@ -80,18 +80,65 @@ class _Worker:
 
     def __init__(self, name: str):
         self.queue: "queue.SimpleQueue[Optional[Job]]" = queue.SimpleQueue()
+        self.running = threading.Lock()   # held while a job of this communicator runs, there or in run_here
+        self.counting = threading.Lock()
+        self.queued = 0                   # jobs put in the queue and not yet run
         self.thread = threading.Thread(target=self.loop, name=name, daemon=True)
         self.thread.start()
+
+    def put(self, job: Job) -> None:
+        with self.counting:
+            self.queued += 1
+        self.queue.put(job)
 
     def loop(self) -> None:
         while True:
             job = self.queue.get()
             if job is None:
                 return
-            job.run()
+            with self.running:
+                job.run()
+                with self.counting:
+                    self.queued -= 1
 
 
 _workers: dict = {}   # id of a communicator -> (communicator, its _Worker)
+
+
+def _worker(comm) -> _Worker:
+    entry = _workers.get(id(comm))
+    if entry is None or entry[0] is not comm or not entry[1].thread.is_alive():
+        entry = (comm, _Worker(f"torchmn.horovod background {len(_workers)}"))
+        _workers[id(comm)] = entry
+    return entry[1]
+
+
+def run_here(comm, work: Callable[[], Any]) -> Any:
+    """Run ``work()`` now and return its result, in order with the work started on ``comm``'s
+    background thread: on this thread when nothing is queued there (a blocking collective then
+    costs no hand-off between threads), else there, after the rest.
+
+    Args:
+        comm: the tensor communicator the work's collectives run on.
+        work: the collective, start to end.
+
+    Returns:
+        What ``work`` returned.
+
+    Raises:
+        BaseException: whatever ``work`` raised.
+
+    Example::
+
+        >>> parts = run_here(tensor_comm, lambda: tensor_comm.allgather(x))
+    """
+    worker = _worker(comm)
+    with worker.running:
+        with worker.counting:
+            idle = worker.queued == 0
+        if idle:
+            return work()
+    return start(comm, work).wait()
 
 
 def start(comm, work: Callable[[], Any]) -> Job:
@@ -109,12 +156,8 @@ def start(comm, work: Callable[[], Any]) -> Job:
         >>> job = start(tensor_comm, lambda: tensor_comm.allgather(x))
         >>> parts = job.wait()
     """
-    entry = _workers.get(id(comm))
-    if entry is None or entry[0] is not comm or not entry[1].thread.is_alive():
-        entry = (comm, _Worker(f"torchmn.horovod background {len(_workers)}"))
-        _workers[id(comm)] = entry
     job = Job(work)
-    entry[1].queue.put(job)
+    _worker(comm).put(job)
     return job
 
 

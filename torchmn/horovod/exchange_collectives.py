@@ -32,7 +32,7 @@ def _nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
-def _start_allgather(tensors: list, name: Optional[str], process_set, what: str, finish) -> int:
+def _start_allgather(tensors: list, name: Optional[str], process_set, what: str, finish, wait: bool = False):
     """Start gathering each tensor on the background thread; the handle's result is ``finish`` of
     the list of ``(gathered, first dimension of each rank)`` pairs."""
     comm = tensor_comm_of(process_set, what)
@@ -40,7 +40,8 @@ def _start_allgather(tensors: list, name: Optional[str], process_set, what: str,
     def work():
         return finish([_allgather(comm, t, f"{name}.{i}" if name and len(tensors) > 1 else name, what)
                        for i, t in enumerate(tensors)])
-    return handles.submit("allgather", name, comm, work, _nbytes(tensors), process_set.process_set_id)
+    return (handles.run_now if wait else handles.submit)("allgather", name, comm, work, _nbytes(tensors),
+                                                         process_set.process_set_id)
 
 
 def _allgather(comm, tensor: torch.Tensor, name: Optional[str], what: str):
@@ -63,8 +64,7 @@ def _allgather(comm, tensor: torch.Tensor, name: Optional[str], what: str):
 class _Allgather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, name, process_set, tensor):
-        out, firsts = handles.synchronize(_start_allgather([tensor], name, process_set, "hvd.allgather",
-                                                           lambda parts: parts[0]))
+        out, firsts = _start_allgather([tensor], name, process_set, "hvd.allgather", lambda parts: parts[0], wait=True)
         ctx.process_set, ctx.firsts = process_set, firsts
         return out
 
@@ -157,7 +157,8 @@ def grouped_allgather_async(tensors, name=None, process_set=global_process_set) 
 
 
 # ----------------------------------------------------------------------------- broadcast
-def _start_broadcast(tensor, root_rank: int, name: Optional[str], process_set, what: str, into=None) -> int:
+def _start_broadcast(tensor, root_rank: int, name: Optional[str], process_set, what: str, into=None,
+                     wait: bool = False):
     """Start broadcasting root's ``tensor`` on the background thread; the handle's result is a new
     tensor, or ``into`` with root's values copied in."""
     comm = tensor_comm_of(process_set, what)
@@ -169,7 +170,8 @@ def _start_broadcast(tensor, root_rank: int, name: Optional[str], process_set, w
             return out
         with torch.no_grad():  # grad mode is the background thread's own
             return into.copy_(out)
-    return handles.submit("broadcast", name, comm, work, _nbytes([tensor]), process_set.process_set_id)
+    return (handles.run_now if wait else handles.submit)("broadcast", name, comm, work, _nbytes([tensor]),
+                                                         process_set.process_set_id)
 
 
 def _broadcast(comm, ranks: list, tensor: torch.Tensor, root_rank: int, name: Optional[str], what: str):
@@ -194,7 +196,7 @@ class _Broadcast(torch.autograd.Function):
     @staticmethod
     def forward(ctx, root_rank, name, process_set, tensor):
         ctx.root_rank, ctx.process_set = root_rank, process_set
-        return handles.synchronize(_start_broadcast(tensor, root_rank, name, process_set, "hvd.broadcast"))
+        return _start_broadcast(tensor, root_rank, name, process_set, "hvd.broadcast", wait=True)
 
     @staticmethod
     def backward(ctx, grad):
@@ -245,7 +247,7 @@ def broadcast_(tensor, root_rank, name=None, process_set=global_process_set) -> 
 
         >>> hvd.broadcast_(p.data, root_rank=0)
     """
-    return handles.synchronize(_start_broadcast(tensor, root_rank, name, process_set, "hvd.broadcast_", into=tensor))
+    return _start_broadcast(tensor, root_rank, name, process_set, "hvd.broadcast_", into=tensor, wait=True)
 
 
 def broadcast_async(tensor, root_rank, name=None, process_set=global_process_set) -> int:
@@ -312,11 +314,12 @@ def _split_sizes(tensor, splits, size: int) -> tuple[Optional[list[int]], Option
     return splits, None
 
 
-def _start_alltoall(tensor, splits, name, process_set, what: str, finish) -> int:
+def _start_alltoall(tensor, splits, name, process_set, what: str, finish, wait: bool = False):
     """Start an alltoall on the background thread; the handle's result is ``finish((rows, received))``."""
     comm = tensor_comm_of(process_set, what)
-    return handles.submit("alltoall", name, comm, lambda: finish(_alltoall(comm, tensor, splits, name, what)),
-                          _nbytes([tensor]), process_set.process_set_id)
+    return (handles.run_now if wait else handles.submit)(
+        "alltoall", name, comm, lambda: finish(_alltoall(comm, tensor, splits, name, what)), _nbytes([tensor]),
+        process_set.process_set_id)
 
 
 def _alltoall(comm, tensor, splits, name, what: str):
@@ -334,16 +337,16 @@ def _alltoall(comm, tensor, splits, name, what: str):
 class _Alltoall(torch.autograd.Function):
     @staticmethod
     def forward(ctx, splits, name, process_set, tensor):
-        out, received = handles.synchronize(_start_alltoall(tensor, splits, name, process_set, "hvd.alltoall",
-                                                            lambda result: result))
+        out, received = _start_alltoall(tensor, splits, name, process_set, "hvd.alltoall", lambda result: result,
+                                        wait=True)
         ctx.received, ctx.process_set = received, process_set
         ctx.mark_non_differentiable(received)
         return out, received
 
     @staticmethod
     def backward(ctx, grad, _):
-        back, _ = handles.synchronize(_start_alltoall(grad.contiguous(), ctx.received, None, ctx.process_set,
-                                                      "hvd.alltoall (backward)", lambda result: result))
+        back, _ = _start_alltoall(grad.contiguous(), ctx.received, None, ctx.process_set, "hvd.alltoall (backward)",
+                                  lambda result: result, wait=True)
         return None, None, None, back
 
 
@@ -400,7 +403,8 @@ def _rows_per_rank(rows: int, size: int) -> list[int]:
     return [base + (1 if r < extra else 0) for r in range(size)]
 
 
-def _start_reducescatter(tensors: list, op, name, process_set, prescale, postscale, what: str, grouped: bool) -> int:
+def _start_reducescatter(tensors: list, op, name, process_set, prescale, postscale, what: str, grouped: bool,
+                         wait: bool = False):
     """Start reducing and scattering each tensor on the background thread; the handle's result is
     this rank's rows of each (of the one where not ``grouped``)."""
     comm = tensor_comm_of(process_set, what)
@@ -413,7 +417,8 @@ def _start_reducescatter(tensors: list, op, name, process_set, prescale, postsca
         outs = [_reducescatter(comm, t, op, f"{name}.{i}" if name and grouped else name, prescale, postscale, what)
                 for i, t in enumerate(tensors)]
         return outs if grouped else outs[0]
-    return handles.submit("reducescatter", name, comm, work, _nbytes(tensors), process_set.process_set_id)
+    return (handles.run_now if wait else handles.submit)("reducescatter", name, comm, work, _nbytes(tensors),
+                                                         process_set.process_set_id)
 
 
 def _reducescatter(comm, tensor, op, name, prescale, postscale, what: str) -> torch.Tensor:
@@ -457,8 +462,8 @@ class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, name, process_set, prescale, postscale, tensor):
         ctx.op, ctx.process_set = op, process_set
-        return handles.synchronize(_start_reducescatter([tensor], op, name, process_set, prescale, postscale,
-                                                        "hvd.reducescatter", grouped=False))
+        return _start_reducescatter([tensor], op, name, process_set, prescale, postscale, "hvd.reducescatter",
+                                    grouped=False, wait=True)
 
     @staticmethod
     def backward(ctx, grad):

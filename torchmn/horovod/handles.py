@@ -124,6 +124,32 @@ def submit(kind: str, name: Optional[str], comm, work: Callable[[], Any], nbytes
     return handle
 
 
+def run_now(kind: str, name: Optional[str], comm, work: Callable[[], Any], nbytes: int,
+            process_set_id: int = 0) -> Any:
+    """Run a blocking collective and return its output: :func:`submit` then :func:`synchronize`,
+    but on the calling thread when no collective of ``comm`` waits before it.
+
+    Args:
+        kind, name, comm, work, nbytes, process_set_id: as :func:`submit`.
+
+    Returns:
+        What ``work`` returns.
+
+    Raises:
+        InvalidCallError: another collective of this ``name`` is still in flight (Horovod's message).
+        Exception: the collective's own error.
+
+    Example::
+
+        >>> parts = run_now("allgather", None, comm, lambda: comm.allgather(x), x.numel() * x.element_size())
+    """
+    check_name(kind, name)
+    start = time.time()
+    result = background.run_here(comm, _as_started(work))
+    timeline.record(kind, name or f"{kind}.noname", nbytes, start, time.time(), process_set_id)
+    return result
+
+
 def synchronize(handle) -> Any:
     """Wait for an asynchronous collective and return its output.
 
