@@ -20,7 +20,7 @@ import torch
 
 from torchmn.communicators import CollectiveMismatchError
 from torchmn.horovod import coordination, handles
-from torchmn.horovod.checked_calls import layout
+from torchmn.horovod.checked_calls import layout, nbytes
 from torchmn.horovod.compression import Compression
 from torchmn.horovod.errors import InvalidCallError
 from torchmn.horovod.process_sets import global_process_set, tensor_comm_of
@@ -165,8 +165,7 @@ def _start_allreduce(tensors: list[torch.Tensor], outputs: Optional[list[torch.T
         _check_descriptions(descriptions, what, comm.rank)
         results = _reduce(comm, tensors, op, float(prescale), float(postscale), outputs)
         return results if grouped else results[0]
-    nbytes = sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-    return (handles.run_now if wait else handles.submit)("allreduce", name, comm, work, nbytes,
+    return (handles.run_now if wait else handles.submit)("allreduce", name, comm, work, nbytes(tensors),
                                                          process_set.process_set_id)
 
 

@@ -1,4 +1,4 @@
-"""The Horovod layer's background thread, where its tensor collectives run.
+"""The Horovod layer's background threads, where its tensor collectives run.
 
 Horovod runs every collective on a thread of its own: an ``*_async`` call returns at once, its
 handle polls False while the collective is in flight, and a rank may start a collective that the
@@ -27,7 +27,7 @@ class Job:
 
     Example::
 
-        >>> job = start(lambda: comm.allgather_obj(1))
+        >>> job = start(tensor_comm, lambda: tensor_comm.allgather_obj(1))
         >>> job.done.is_set()            # False while it waits for the other ranks
     """
 
@@ -67,7 +67,7 @@ class Job:
 
         Example::
 
-            >>> start(lambda: comm.allgather_obj(1)).wait()
+            >>> start(tensor_comm, lambda: tensor_comm.allgather_obj(1)).wait()
         """
         self.done.wait()
         if self.error is not None:

@@ -30,6 +30,23 @@ def layout(t: torch.Tensor) -> tuple:
     return tuple(t.shape), str(t.dtype).replace("torch.", "")
 
 
+def nbytes(tensors) -> int:
+    """The bytes a call's tensors hold, for the timeline (anything but a tensor counts 0).
+
+    Args:
+        tensors: the call's tensors.
+
+    Returns:
+        The sum of their sizes in bytes.
+
+    Example::
+
+        >>> nbytes([torch.zeros(4), torch.zeros(2, dtype=torch.float64)])
+        32
+    """
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
 def agree_on(comm, kind: str, what: str, fields: tuple, problem: Optional[str]) -> list[tuple]:
     """Exchange every rank's call; raise on every rank alike if one rank's own arguments were bad.
 

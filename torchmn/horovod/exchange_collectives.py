@@ -22,16 +22,12 @@ import torch
 
 from torchmn.horovod import handles
 from torchmn.horovod.allreduce_collectives import allreduce
-from torchmn.horovod.checked_calls import agree_on, layout, mismatch
+from torchmn.horovod.checked_calls import agree_on, layout, mismatch, nbytes
 from torchmn.horovod.errors import UnsupportedError
 from torchmn.horovod.process_sets import comm_of, global_process_set, tensor_comm_of
 from torchmn.horovod.reduction_ops import OP_NAMES, WIDER, Average, Sum, check_op, scale
 
 # ----------------------------------------------------------------------------- allgather
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
 def _start_allgather(tensors: list, name: Optional[str], process_set, what: str, finish, wait: bool = False):
     """Start gathering each tensor on the background thread; the handle's result is ``finish`` of
     the list of ``(gathered, first dimension of each rank)`` pairs."""
@@ -40,7 +36,7 @@ def _start_allgather(tensors: list, name: Optional[str], process_set, what: str,
     def work():
         return finish([_allgather(comm, t, f"{name}.{i}" if name and len(tensors) > 1 else name, what)
                        for i, t in enumerate(tensors)])
-    return (handles.run_now if wait else handles.submit)("allgather", name, comm, work, _nbytes(tensors),
+    return (handles.run_now if wait else handles.submit)("allgather", name, comm, work, nbytes(tensors),
                                                          process_set.process_set_id)
 
 
@@ -170,7 +166,7 @@ def _start_broadcast(tensor, root_rank: int, name: Optional[str], process_set, w
             return out
         with torch.no_grad():  # grad mode is the background thread's own
             return into.copy_(out)
-    return (handles.run_now if wait else handles.submit)("broadcast", name, comm, work, _nbytes([tensor]),
+    return (handles.run_now if wait else handles.submit)("broadcast", name, comm, work, nbytes([tensor]),
                                                          process_set.process_set_id)
 
 
@@ -318,7 +314,7 @@ def _start_alltoall(tensor, splits, name, process_set, what: str, finish, wait: 
     """Start an alltoall on the background thread; the handle's result is ``finish((rows, received))``."""
     comm = tensor_comm_of(process_set, what)
     return (handles.run_now if wait else handles.submit)(
-        "alltoall", name, comm, lambda: finish(_alltoall(comm, tensor, splits, name, what)), _nbytes([tensor]),
+        "alltoall", name, comm, lambda: finish(_alltoall(comm, tensor, splits, name, what)), nbytes([tensor]),
         process_set.process_set_id)
 
 
@@ -417,7 +413,7 @@ def _start_reducescatter(tensors: list, op, name, process_set, prescale, postsca
         outs = [_reducescatter(comm, t, op, f"{name}.{i}" if name and grouped else name, prescale, postscale, what)
                 for i, t in enumerate(tensors)]
         return outs if grouped else outs[0]
-    return (handles.run_now if wait else handles.submit)("reducescatter", name, comm, work, _nbytes(tensors),
+    return (handles.run_now if wait else handles.submit)("reducescatter", name, comm, work, nbytes(tensors),
                                                          process_set.process_set_id)
 
 
