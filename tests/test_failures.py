@@ -69,7 +69,8 @@ def test_exception_in_a_collective_ends_ranks_started_by_hand(tmp_path):
 
 def test_other_ranks_can_catch_the_named_error(tmp_path):
     """The error the others get is a CollectiveTimeoutError (a RankFailedError) naming rank 1, and
-    comes at once, not after the collective timeout or the grace period for slow ranks."""
+    comes at once, not after the collective timeout or the grace period for slow ranks; also to
+    rank 3, which comes late, after rank 0 (the store's host) has caught the error and is ending."""
     outputs, codes, _ = run_by_hand("catch", tmp_path)
     assert codes == [0, 1, 0, 0], outputs
     for rank in (0, 2, 3):

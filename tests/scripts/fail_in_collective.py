@@ -6,6 +6,8 @@ Usage: fail_in_collective.py MODE OUT_DIR
   optimizer  the same, the others waiting in the multi-node optimizer's gradient averaging.
   catch      like raise, but the others catch torchmn.CollectiveTimeoutError and print
              "CAUGHT <class> failed_rank=<r> after=<seconds since the raise>", then exit 0.
+             Rank 3 comes to its next collective 1.5 s late, when rank 0 (which hosts the store
+             where the ranks are started by hand) has caught the error and is ending.
   kill       rank 1 writes its pid to OUT_DIR/pid, and every rank loops on allreduces until the
              test kills rank 1.
 """
@@ -19,8 +21,9 @@ import torchmn
 
 mode, out = sys.argv[1], sys.argv[2]
 comm = torchmn.create_communicator()
-model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
-optimizer = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), comm)
+if mode == "optimizer":  # only here: building a torch optimizer imports torch._dynamo (seconds of CPU)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    optimizer = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), comm)
 x = torch.ones(1000)
 
 
@@ -50,6 +53,8 @@ if comm.rank == 1 and mode != "kill":
     raise ValueError("boom from rank 1")
 if comm.rank == 1:
     write("pid", str(os.getpid()))
+if comm.rank == 3 and mode == "catch":
+    time.sleep(1.5)
 try:
     while True:
         work()

@@ -23,10 +23,11 @@ raises :class:`RankFailedError` naming the failed rank, without the grace period
 that error (or any lost-peer error while another rank's failure is recorded: an optimizer's
 shared-memory barrier, a plain torch.distributed call) prints one line instead of a traceback and
 breaks off in turn: the ranks waiting for this one learn it the same way, in hops of milliseconds.
+A rank that reads the record counts itself as informed.
 Under torchmn run, torchrun and Open MPI's mpirun it then waits a moment for the failed rank to
 exit first: those launchers name the first rank to exit with an error as the job's cause, and stop
 the others meanwhile. Where rank 0 hosts the store (Slurm, MPI), it stays until the others have
-read the record, for a few seconds at most.
+read the record, for a few seconds at most, also where it caught the error and ends normally.
 
 Only the gloo backend breaks off: destroying an NCCL group with work in flight can hang. The handle
 of an asynchronous collective that the script still holds keeps its group's connections open until
@@ -34,6 +35,7 @@ the process ends (the ranks waiting for this one then learn it a second or so la
 """
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import gc
 import json
@@ -55,9 +57,9 @@ RECORD_KEY = "torchmn/failure/first"
 _COUNT_KEY = "torchmn/failure/count"
 _INFORMED_KEY = "torchmn/failure/informed"  # how many other ranks have read the record
 # How long a rank stopped by another's failure waits for that rank to exit first: on the same host
-# until its process is gone, at most this long; from another host, whose processes it cannot see,
-# this long.
-SAME_HOST_WAIT_S = 3.0
+# until its process is gone, at most this long (a loaded machine takes seconds to tear down an
+# interpreter with torch loaded); from another host, whose processes it cannot see, this long.
+SAME_HOST_WAIT_S = 10.0
 OTHER_HOST_WAIT_S = 1.0
 # How long rank 0, where it hosts the job's store (Slurm, MPI, tcp://), stays for the others to
 # read the record once its failure, or the failure it learned of, has been handled.
@@ -69,6 +71,8 @@ NAME_THE_FIRST_EXIT = ("torchmn", "torchrun", "openmpi")
 _previous = None  # the hook this one replaced, which prints tracebacks
 _communicators: "weakref.WeakSet" = weakref.WeakSet()  # this process's communicators (track, release_groups)
 _store = None  # kept once used: a rank that hosts the store must serve the record after breaking off
+_informed_of: Optional[tuple] = None  # (this rank, world size) once this rank has read another's failure
+_served = False  # this process has waited for the others to read the record
 
 
 @dataclasses.dataclass
@@ -114,6 +118,7 @@ def install() -> None:
         return  # also when torch's hook now wraps ours (a world set up again after finalize)
     _previous = sys.excepthook
     sys.excepthook = _excepthook
+    atexit.register(_serve_at_exit)
 
 
 def track(comm) -> None:
@@ -150,6 +155,9 @@ def release_groups() -> None:
 def recorded() -> Optional[Failure]:
     """The job's first failure recorded by a rank's hook, if any.
 
+    A rank that finds another rank's failure counts itself, once, among those informed of it: rank 0,
+    where it hosts the store, stays for them before it exits (also when it caught the error).
+
     Returns:
         The :class:`Failure`, or None when none is recorded, no process group is up, or the store
         cannot be reached (it may have gone with the rank that hosted it).
@@ -163,9 +171,11 @@ def recorded() -> Optional[Failure]:
         store = _store or dist.distributed_c10d._get_default_store()
         if not store.check([RECORD_KEY]):
             return None
-        return Failure(**json.loads(store.get(RECORD_KEY).decode()))
+        failed = Failure(**json.loads(store.get(RECORD_KEY).decode()))
     except Exception:  # noqa: BLE001 (no world, a store gone, a foreign value: nothing is known)
         return None
+    _store_call(lambda _: _count_informed(store, failed))  # what was read stands if counting fails
+    return failed
 
 
 def stopped_by(failure: Failure, what: str, me: str) -> RankFailedError:
@@ -206,10 +216,10 @@ def _excepthook(exc_type, exc, tb) -> None:
             exc = stopped_by(cause, what, f"rank {rank} ({socket.gethostname()})")
         sys.stderr.write(f"[rank{rank}]: {type(exc).__name__}: {exc}\n")
         sys.stderr.flush()
-        _store_call(lambda store: store.add(_INFORMED_KEY, 1))
+        _store_call(lambda store: _count_informed(store, cause))
     _break_off(raised)
-    if rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        _serve_the_record(size)  # this process hosts the job's store: the others still read it
+    if _hosts_the_store(rank):
+        _serve_the_record(size)  # the others still read the record
     if cause is not None:
         _let_it_exit_first(cause)
 
@@ -245,9 +255,32 @@ def _store_call(call) -> Optional[object]:
         return None
 
 
+def _count_informed(store, failed: Failure) -> None:
+    """Count this rank, once, among the ranks that have read ``failed`` (not the failed rank itself)."""
+    global _store, _informed_of
+    if _informed_of is not None or failed.rank == dist.get_rank():
+        return
+    _informed_of = (dist.get_rank(), dist.get_world_size())
+    _store = store  # kept: rank 0 may still have to serve the record after its groups are gone
+    store.add(_INFORMED_KEY, 1)
+
+
+def _hosts_the_store(rank: int) -> bool:
+    """Whether this process hosts the job's store: rank 0, unless a launcher's agent hosts it."""
+    return rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+
+
+def _serve_at_exit() -> None:
+    """At a normal exit of rank 0 that caught another rank's failure: serve the record first."""
+    if _informed_of is not None and not _served and _hosts_the_store(_informed_of[0]):
+        _serve_the_record(_informed_of[1])
+
+
 def _serve_the_record(size: int) -> None:
     """Keep this process, and the store it hosts, until every other rank has read the record (each
-    counts itself in the hook), at most STORE_HOST_WAIT_S: a rank still computing learns later."""
+    counts itself as it reads it), at most STORE_HOST_WAIT_S: a rank still computing learns later."""
+    global _served
+    _served = True
     deadline = time.monotonic() + STORE_HOST_WAIT_S
     while time.monotonic() < deadline:
         informed = _store_call(lambda store: store.add(_INFORMED_KEY, 0))
