@@ -243,12 +243,13 @@ def _accuracies(out):
     return [float(line.split("val accuracy")[1].split()[0]) for line in out.splitlines() if "val accuracy" in line]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(JOB_TIMEOUT + 20)
 def test_pipeline_example_reaches_one_process_accuracy():
-    """2 stages, 4 micro-batches, 4,000 training images: one process reaches about 0.95 (0.94 in 10 epochs)."""
-    proc = run_job(PIPELINE, ["--epochs", "10"], np=2, timeout=240)
+    """2 stages, 4 micro-batches, 4,000 training images: 4 epochs reach what one process does in 4
+    (about 0.93; 0.94-0.95 after 10)."""
+    proc = run_job(PIPELINE, ["--epochs", "4"], np=2, timeout=JOB_TIMEOUT)
     accuracies = _accuracies(proc.stdout)
-    assert len(accuracies) == 10 and accuracies[-1] >= 0.93, proc.stdout[-2000:]
+    assert len(accuracies) == 4 and accuracies[-1] >= 0.92, proc.stdout[-2000:]
     assert "peak activation memory of stage 1" in proc.stdout
 
 
@@ -260,13 +261,14 @@ def test_pipeline_example_with_data_parallel_replicas():
     assert "2 replica(s)" in proc.stdout
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(JOB_TIMEOUT + 20)
 def test_spatial_cnn_example_reaches_one_process_accuracy():
-    """Every image split by rows over 2 ranks (spatial convolutions, multi-node BatchNorm): about 0.96,
-    as one process."""
-    proc = run_job(REPO / "examples" / "model_parallel" / "spatial_cnn.py", [], np=2, timeout=280)
+    """Every image split by rows over 2 ranks (spatial convolutions, multi-node BatchNorm): about 0.95
+    after 3 epochs, as one process (0.96 after the default 6)."""
+    proc = run_job(REPO / "examples" / "model_parallel" / "spatial_cnn.py", ["--epochs", "3"], np=2,
+                   timeout=JOB_TIMEOUT)
     accuracies = _accuracies(proc.stdout)
-    assert len(accuracies) == 6 and accuracies[-1] >= 0.95, proc.stdout[-2000:]
+    assert len(accuracies) == 3 and accuracies[-1] >= 0.945, proc.stdout[-2000:]
 
 
 HOROVOD_MNIST = REPO / "examples" / "horovod" / "pytorch_mnist.py"
@@ -275,24 +277,24 @@ HOROVOD_MNIST = REPO / "examples" / "horovod" / "pytorch_mnist.py"
 @pytest.mark.timeout(300)
 def test_horovod_example_runs_under_horovodrun_flags_to_one_process_accuracy(tmp_path):
     """The Horovod-idiom script, as `horovodrun -np 2 -H localhost:2 python ...` would start it: the
-    accuracy of one process (about 0.94), checkpoints on rank 0 only, and a resumed run that goes on
+    accuracy of one process in 4 epochs (about 0.93; 0.94 after the default 10), checkpoints on rank 0 only, and a resumed run that goes on
     from the newest one (broadcast_parameters and broadcast_optimizer_state after rank 0 loads it)."""
-    one = run_one_process(HOROVOD_MNIST, [], timeout=JOB_TIMEOUT)
+    one = run_one_process(HOROVOD_MNIST, ["--epochs", "4"], timeout=JOB_TIMEOUT)
     assert one.returncode == 0, one.stderr
     argv = [sys.executable, "-m", "torchmn", "run", "-np", "2", "-H", "localhost:2", sys.executable,
-            str(HOROVOD_MNIST), "--fp16-allreduce", "--checkpoint-dir", str(tmp_path)]
+            str(HOROVOD_MNIST), "--epochs", "4", "--fp16-allreduce", "--checkpoint-dir", str(tmp_path)]
     two = subprocess.run(argv, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=JOB_TIMEOUT)
     assert two.returncode == 0, two.stderr[-3000:]
     single, both = _accuracies(one.stdout), _accuracies(two.stdout)
-    assert len(single) == len(both) == 10, two.stdout
-    assert both[-1] >= 0.92 and both[-1] >= single[-1] - 0.02, (single, both)
+    assert len(single) == len(both) == 4, two.stdout
+    assert both[-1] >= 0.9 and both[-1] >= single[-1] - 0.02, (single, both)
     assert all(line.startswith("[0] ") for line in two.stdout.splitlines() if "val accuracy" in line)
-    assert sorted(os.listdir(tmp_path)) == sorted(f"checkpoint-{e}.pt" for e in range(1, 11))
-    resumed = run_job(HOROVOD_MNIST, ["--fp16-allreduce", "--checkpoint-dir", str(tmp_path), "--epochs", "11"], np=2,
+    assert sorted(os.listdir(tmp_path)) == sorted(f"checkpoint-{e}.pt" for e in range(1, 5))
+    resumed = run_job(HOROVOD_MNIST, ["--fp16-allreduce", "--checkpoint-dir", str(tmp_path), "--epochs", "5"], np=2,
                       timeout=JOB_TIMEOUT, check=False)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     epochs = [line.split()[2] for line in resumed.stdout.splitlines() if "val accuracy" in line]
-    assert epochs == ["11"] and _accuracies(resumed.stdout)[-1] >= 0.92, resumed.stdout
+    assert epochs == ["5"] and _accuracies(resumed.stdout)[-1] >= 0.9, resumed.stdout
 
 
 def test_tune_example_two_ranks_per_trial(tmp_path):

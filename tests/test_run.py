@@ -118,7 +118,7 @@ def test_master_port_is_used_and_port_in_use_is_named(capsys):
 def test_failing_rank_stops_the_job_and_is_reported(tmp_path):
     start = time.monotonic()
     result = torchmn_run("-np", "4", sys.executable, script("run_misbehave.py"), "raise", str(tmp_path), "2")
-    assert time.monotonic() - start < 15
+    assert time.monotonic() - start < 60  # stopped: the other ranks sleep 600 s
     assert result.returncode == 1
     assert "torchmn run: rank 2 (host " + socket.gethostname() + ") failed with exit code 1" in result.stderr
     summary = result.stderr.split("torchmn run: rank 2", 1)[1]

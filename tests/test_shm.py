@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jobs import WORKERS, clean_env, launcher_argv, run_job
+from jobs import WORKERS, clean_env, launcher_argv, run_job, start_forked_job
 from torchmn.communicators.shm import SHM_DIR, leftover_segments
 
 CHECKS = WORKERS / "shm_checks.py"
@@ -48,11 +48,11 @@ def test_segment_of_a_job_killed_during_setup_is_removed_by_the_next():
 
 
 def test_lost_peer_is_named_not_waited_for(tmp_path):
-    # Under torchrun rather than torchmn run: nobody tears the job down for us, so the surviving
+    # No launcher tears the job down for us (the ranks are started as by hand), so the surviving
     # rank must notice by itself that its peer is gone.
     before = set(leftover_segments())
     t0 = time.monotonic()
-    proc = run_job(CHECKS, ["peer_lost"], np=2, launcher="torchrun", timeout=60, check=False)
+    proc = start_forked_job(CHECKS, ["peer_lost"], np=2, timeout=60, stop_on_failure=False).wait()
     assert time.monotonic() - t0 < 45
     assert "PEER LOST" in proc.stdout and "rank 1" in proc.stdout and "exited" in proc.stdout, proc.stdout
     assert set(leftover_segments()) <= before
