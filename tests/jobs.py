@@ -82,7 +82,8 @@ class ForkedJob:
 
 
 class _RankForks:
-    """The session's ``rank_forks.py`` process, started at its first job; one job at a time."""
+    """This pytest process's ``rank_forks.py`` process (one per xdist worker), started at its first job; one
+    job at a time."""
 
     def __init__(self):
         self.proc = None

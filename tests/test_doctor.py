@@ -22,7 +22,9 @@ def doctor(args, env=None, timeout=90):
 
 
 def diagnosis(args, env=None):
-    proc = doctor(["--json", "--warmup", "4", "--seconds", "3", *args], env)
+    # The warm-up must cover the ranks' start (import torch, DataLoader workers), which takes several
+    # times longer while the other pytest workers load the machine.
+    proc = doctor(["--json", "--warmup", "10", "--seconds", "3", *args], env)
     assert proc.stdout.strip(), proc.stderr[-3000:]
     return proc.returncode, json.loads(proc.stdout)
 
