@@ -211,7 +211,7 @@ def test_sigterm_while_waiting_to_restart_stops_without_restarting(tmp_path):
             launcher.kill()
             launcher.wait()
     assert launcher.returncode == 128 + signal.SIGTERM, err
-    assert took < 5, took
+    assert took < 20, took  # not the 60 s restart delay
     assert out.count("start") == 1, out
     assert ("torchmn run: received SIGTERM while waiting to restart; stopped (restart 1 of 2 did not start)."
             in err), err
