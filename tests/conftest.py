@@ -7,7 +7,8 @@ need something else of the kind (mpi4py built against an MPI).
 
 The suite runs on pytest-xdist workers (``-n auto --dist loadgroup`` in pyproject.toml; ``-n0`` runs
 it in this process). ``auto`` is twice the usable cores, at most 8: most tests wait on processes they
-started (their ranks, a launcher, a timeout) more than they compute. Tests that share one thing a worker can hold only once run on one worker, in one ``xdist_group``:
+started (their ranks, a launcher, a timeout) more than they compute. Tests that share one thing a
+worker can hold only once run on one worker, in one ``xdist_group``:
 
 - the Slurm cluster and the network-namespace hosts (one Slurm per machine: its daemons listen on
   fixed ports; the hosts' subnets are picked from what is free when they start);

@@ -14,7 +14,7 @@ Rank ``r`` writes its stdout and stderr to ``{out}/{r}.out`` and ``{out}/{r}.err
 ``torchmn run``, a rank that fails stops the others (SIGTERM, then SIGKILL after a grace period),
 unless ``stop_on_failure`` is false (ranks started by hand: nobody stops the others).
 
-    python tests/rank_forks.py          (started by tests/jobs.py, one per pytest process: each xdist worker has its own)
+    python tests/rank_forks.py          (started by tests/jobs.py: one per pytest process, so per xdist worker)
 """
 import atexit
 import json

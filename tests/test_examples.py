@@ -277,8 +277,9 @@ HOROVOD_MNIST = REPO / "examples" / "horovod" / "pytorch_mnist.py"
 @pytest.mark.timeout(300)
 def test_horovod_example_runs_under_horovodrun_flags_to_one_process_accuracy(tmp_path):
     """The Horovod-idiom script, as `horovodrun -np 2 -H localhost:2 python ...` would start it: the
-    accuracy of one process in 4 epochs (about 0.93; 0.94 after the default 10), checkpoints on rank 0 only, and a resumed run that goes on
-    from the newest one (broadcast_parameters and broadcast_optimizer_state after rank 0 loads it)."""
+    accuracy of one process in 4 epochs (about 0.93; 0.94 after the default 10), checkpoints on rank 0
+    only, and a resumed run that goes on from the newest one (broadcast_parameters and
+    broadcast_optimizer_state after rank 0 loads it)."""
     one = run_one_process(HOROVOD_MNIST, ["--epochs", "4"], timeout=JOB_TIMEOUT)
     assert one.returncode == 0, one.stderr
     argv = [sys.executable, "-m", "torchmn", "run", "-np", "2", "-H", "localhost:2", sys.executable,

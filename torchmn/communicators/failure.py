@@ -174,7 +174,7 @@ def recorded() -> Optional[Failure]:
         failed = Failure(**json.loads(store.get(RECORD_KEY).decode()))
     except Exception:  # noqa: BLE001 (no world, a store gone, a foreign value: nothing is known)
         return None
-    _store_call(lambda _: _count_informed(store, failed))  # what was read stands if counting fails
+    _store_call(lambda store: _count_informed(store, failed))  # what was read stands if counting fails
     return failed
 
 
@@ -256,12 +256,12 @@ def _store_call(call) -> Optional[object]:
 
 
 def _count_informed(store, failed: Failure) -> None:
-    """Count this rank, once, among the ranks that have read ``failed`` (not the failed rank itself)."""
-    global _store, _informed_of
+    """Count this rank, once, among the ranks that have read ``failed`` (not the failed rank itself).
+    Called through :func:`_store_call`, which keeps the store for rank 0 to serve the record at exit."""
+    global _informed_of
     if _informed_of is not None or failed.rank == dist.get_rank():
         return
     _informed_of = (dist.get_rank(), dist.get_world_size())
-    _store = store  # kept: rank 0 may still have to serve the record after its groups are gone
     store.add(_INFORMED_KEY, 1)
 
 
