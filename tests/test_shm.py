@@ -13,6 +13,12 @@ from torchmn.communicators.shm import SHM_DIR, leftover_segments
 CHECKS = WORKERS / "shm_checks.py"
 
 
+def segments_of(job) -> list[str]:
+    """The segments in /dev/shm that ``job``'s ranks created (a segment's name ends in its creator's
+    pid): other tests' jobs, running at the same time on other pytest workers, have their own."""
+    return [name for name in leftover_segments() if any(name.endswith(f"-pid{pid}") for pid in job.pids)]
+
+
 @pytest.mark.parametrize("np", [2, 3])
 @pytest.mark.parametrize("slot_mb", ["16", "0.01"])  # 0.01 MB slots: every large tensor goes in pieces
 def test_same_results_as_gloo(np, slot_mb):
@@ -21,10 +27,10 @@ def test_same_results_as_gloo(np, slot_mb):
 
 
 def test_killed_rank_leaves_no_segment():
-    before = set(leftover_segments())
-    proc = run_job(CHECKS, ["die"], np=2, timeout=60, check=False)
+    job = start_forked_job(CHECKS, ["die"], np=2, timeout=60)
+    proc = job.wait()
     assert proc.returncode != 0
-    assert set(leftover_segments()) <= before, leftover_segments()
+    assert not segments_of(job), segments_of(job)
 
 
 def test_segment_of_a_job_killed_during_setup_is_removed_by_the_next():
@@ -50,12 +56,12 @@ def test_segment_of_a_job_killed_during_setup_is_removed_by_the_next():
 def test_lost_peer_is_named_not_waited_for(tmp_path):
     # No launcher tears the job down for us (the ranks are started as by hand), so the surviving
     # rank must notice by itself that its peer is gone.
-    before = set(leftover_segments())
     t0 = time.monotonic()
-    proc = start_forked_job(CHECKS, ["peer_lost"], np=2, timeout=60, stop_on_failure=False).wait()
+    job = start_forked_job(CHECKS, ["peer_lost"], np=2, timeout=60, stop_on_failure=False)
+    proc = job.wait()
     assert time.monotonic() - t0 < 45
     assert "PEER LOST" in proc.stdout and "rank 1" in proc.stdout and "exited" in proc.stdout, proc.stdout
-    assert set(leftover_segments()) <= before
+    assert not segments_of(job), segments_of(job)
 
 
 def test_different_calls_on_two_ranks_raise_at_once():
@@ -91,10 +97,13 @@ def test_shared_memory_set_up_failing_on_one_rank_fails_on_all(tmp_path, victim)
     script = tmp_path / "job.py"
     script.write_text(SETUP_FAILS)
     start = time.monotonic()
-    out = run_job(script, [str(victim)], np=2, timeout=60).stdout
+    job = start_forked_job(script, [str(victim)], np=2, timeout=60)
+    proc = job.wait()
+    out = proc.stdout
+    assert proc.returncode == 0, out + proc.stderr
     assert "RAISED OSError: [Errno 28] injected" in out and "RAISED RemoteRankError" in out, out
     assert f"failed on rank(s) {victim}" in out, out
-    assert time.monotonic() - start < 25 and not leftover_segments(), out
+    assert time.monotonic() - start < 25 and not segments_of(job), out
 
 
 def test_two_jobs_at_once_do_not_interfere():
