@@ -158,7 +158,9 @@ def test_timeout_applies_to_a_process_group_the_script_made(tmp_path):
         "os._exit(0)\n")
     out = run_job(script, [], np=2, timeout=60).stdout
     match = re.search(r"RAISED after (\d+) s", out)
-    assert match and int(match.group(1)) < 10, out
+    # 3 s, then up to watch.GRACE_S for the other rank to say where it is (6 s on an idle machine,
+    # 10 s under four test workers on 2 cores): far from the group's own 60 s either way.
+    assert match and int(match.group(1)) < 30, out
 
 
 def test_stale_file_rendezvous_is_refused(tmp_path):
