@@ -309,6 +309,13 @@ class Job:
         for slot in self.slots:
             log_path = os.path.join(config.log_dir, f"rank.{slot.rank}.log") if config.log_dir else None
             self._start_rank(slot, port, log_path)
+        if self.slurm is None:
+            # The store starts while the ranks import torch, not when the first reaches it; ranks on
+            # other hosts cannot be watched doing so.
+            if any(self.is_remote(slot) for slot in self.slots):
+                self.store.open_in_background()
+            else:
+                self.store.open_when_torch_loads(self._local_pids)
 
     def _local_pids(self) -> List[int]:
         """The ranks started on this machine: the store's gate looks at them first."""

@@ -7,6 +7,7 @@ import secrets
 import socket
 import struct
 import sys
+import threading
 import weakref
 from typing import Callable, Optional, Sequence
 
@@ -45,49 +46,129 @@ def sign(sock: socket.socket, key: bytes) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, TCP_MD5SIG_EXT, option)
 
 
-def _store_connector(port: int, key: Optional[bytes]) -> Callable[[], socket.socket]:
-    """How the gate opens a connection to the store: from 127.0.0.1, signed with ``key``."""
-    def connect() -> socket.socket:
+class _TorchStore:
+    """torch's ``TCPStore`` on 127.0.0.1, started on first use, and the way to it through the
+    kernel's signature check. The gate and the thread that starts it early hold this, not the
+    ``HostedStore``, so that dropping the ``HostedStore`` still closes everything."""
+
+    def __init__(self, log: Callable[[str], None]):
+        self.log = log
+        self.lock = threading.Lock()
+        self.closed = threading.Event()
+        self.store = None
+        self.port = 0
+        self.key: Optional[bytes] = None
+
+    def open(self):
+        with self.lock:
+            if self.closed.is_set():
+                raise RunError("the rendezvous store is closed: the job has ended")
+            if self.store is None:
+                self.store, self.port, self.key = _start_tcp_store(self.log)
+            return self.store
+
+    def connect(self) -> socket.socket:
+        self.open()
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
-            if key is not None:
-                sign(sock, key)
+            if self.key is not None:
+                sign(sock, self.key)
             sock.settimeout(10)
-            sock.connect(("127.0.0.1", port))
+            sock.connect(("127.0.0.1", self.port))
         except OSError:
             sock.close()
             raise
         return sock
-    return connect
+
+    def open_when_torch_loads(self, pids: Optional[Callable[[], Sequence[int]]]) -> None:
+        """On this thread: open once one of ``pids`` loads torch (None: at once), unless closed first."""
+        pause = 0.05
+        while not self.closed.is_set():
+            try:
+                loaded = pids is None or any(_loads_torch(pid) for pid in pids())
+            except Exception:  # noqa: BLE001 - a hint only: the first client starts the store anyway
+                return
+            if loaded:
+                try:
+                    self.open()
+                except RunError as e:  # the first client is refused with it too, in the gate's words
+                    if not self.closed.is_set():
+                        self.log(f"torchmn run: {e}")
+                return
+            # Ranks load torch within a second of starting; a job that does not is looked at less often.
+            self.closed.wait(pause)
+            pause = min(1.0, pause * 1.2)
+
+    def close(self) -> None:
+        with self.lock:
+            self.closed.set()
+            self.store = None  # the server stops, and frees its port, with the last reference
 
 
 class HostedStore:
     """The job's rendezvous store as the launcher hosts it: torch's ``TCPStore`` on 127.0.0.1,
     reachable only through the gate (``torchmn.run.store.gate``) on the job's address.
 
+    The ``TCPStore`` starts when it is first needed, as starting it means importing torch (about
+    2 CPU-seconds): when the first client passes the gate, when ``open_when_torch_loads`` sees a
+    rank of this machine load torch, or when ``store`` is read. A job whose ranks never use torch
+    (``torchmn run -np 4 hostname``) starts at once. ``start_store`` makes one.
+
     Args:
-        store: the launcher's own client of the store (the ``TCPStore`` that hosts it).
-        gate: the gate.
+        gate: the gate, whose way to the store is ``torch_store.connect``.
+        torch_store: the ``TCPStore`` to be.
         address: where the gate listens.
 
     Attributes:
-        store: as given.
         port: the gate's port, which the ranks are told (``MASTER_PORT``).
         address: as given.
-        signed: whether the kernel signs the store's own port (see ``sign``).
     """
 
-    def __init__(self, store, gate: Gate, address: str, signed: bool):
-        self.store = store
-        self.gate = gate
+    def __init__(self, gate: Gate, torch_store: _TorchStore, address: str):
         self.port = gate.port
         self.address = address
-        self.signed = signed
+        self._torch_store = torch_store
         # Dropping the last reference closes the gate, as it closes the store.
-        self._finalizer = weakref.finalize(self, gate.close)
+        self._finalizer = weakref.finalize(self, _close, gate, torch_store)
+
+    @property
+    def store(self):
+        """The launcher's own client of the store (the ``TCPStore`` that hosts it), started now if
+        it was not yet.
+
+        Raises:
+            RunError: the store cannot start.
+        """
+        return self._torch_store.open()
+
+    def open_when_torch_loads(self, pids: Callable[[], Sequence[int]]) -> None:
+        """Start the store, on a thread of its own, as soon as one of ``pids`` (this machine's ranks)
+        or a process below them loads torch: its import then overlaps the ranks' own, instead of
+        starting when the first rank reaches the gate.
+
+        Args:
+            pids: the ranks' processes here, asked again and again (they may not all run yet).
+
+        Example::
+
+            >>> hosted.open_when_torch_loads(lambda: [rank.pid for rank in ranks])  # doctest: +SKIP
+        """
+        threading.Thread(target=self._torch_store.open_when_torch_loads, args=(pids,),
+                         name="torchmn-store-start", daemon=True).start()
+
+    def open_in_background(self) -> None:
+        """Start the store now, on a thread of its own: for ranks on other hosts, whose imports this
+        machine cannot see.
+
+        Example::
+
+            >>> hosted.open_in_background()  # doctest: +SKIP
+        """
+        threading.Thread(target=self._torch_store.open_when_torch_loads, args=(None,),
+                         name="torchmn-store-start", daemon=True).start()
 
     def close(self) -> None:
-        """Close the gate and every connection through it; the store goes with the last reference.
+        """Close the gate and every connection through it, and the store.
 
         Safe to call more than once.
 
@@ -99,42 +180,35 @@ class HostedStore:
         self._finalizer()
 
 
-def _stderr(text: str) -> None:
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
+def _close(gate: Gate, torch_store: _TorchStore) -> None:
+    gate.close()
+    torch_store.close()
 
 
-def start_store(host: str, port: Optional[int], port_origin: Optional[str] = None, token: Optional[str] = None,
-                log: Optional[Callable[[str], None]] = None,
-                likely_pids: Callable[[], Sequence[int]] = tuple) -> HostedStore:
-    """Host the rendezvous store, as torchrun does (every rank is a client of it), for the job
-    members alone: the ``TCPStore`` listens on 127.0.0.1 only, on a port the kernel keeps for the
-    gate (``sign``), and the gate listens on ``host``, never on every interface.
+def _loads_torch(pid: int) -> bool:
+    """Whether ``pid`` or a process below it has torch's library mapped."""
+    import psutil
 
-    Args:
-        host: the job's address: 127.0.0.1 on one machine, else the address the other hosts
-            reach this one on (``--network-interface``'s, or ``address_for_hosts``).
-        port: the gate's port; None lets the OS pick a free one, so there is no race for it.
-        port_origin: where a given port came from, for the error when it is taken (default:
-            ``--master-port``).
-        token: the job's token (default: a new one).
-        log: where refused connections are reported (default: stderr).
-        likely_pids: the job's processes on this machine, looked at first to identify a client.
+    try:
+        root = psutil.Process(pid)
+        family = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return False
+    for process in family:
+        try:
+            with open(f"/proc/{process.pid}/maps", "rb") as maps:
+                if b"libtorch" in maps.read():
+                    return True
+        except OSError:
+            continue
+    return False
 
-    Returns:
-        The store; dropping the last reference closes it.
 
-    Raises:
-        RunError: the port is taken, ``host`` is not this machine's, or the store cannot start.
-
-    Example::
-
-        >>> hosted = start_store("127.0.0.1", None); hosted.port > 0
-        True
-    """
+def _start_tcp_store(log: Callable[[str], None]):
+    """torch's ``TCPStore`` on 127.0.0.1, on a port only connections signed with the returned key
+    reach (None where the kernel cannot sign): (store, port, key)."""
     from torch.distributed import TCPStore
 
-    log = log or _stderr
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.bind(("127.0.0.1", 0))
@@ -158,9 +232,47 @@ def start_store(host: str, port: Optional[int], port_origin: Optional[str] = Non
             f"CONFIG_TCP_MD5SIG), so other users of this machine can reach the rendezvous store on "
             f"127.0.0.1:{store_port} without the job's token; see docs/security.md")
     listener.detach()  # the store owns the socket now, and closes it
+    return store, store_port, key
+
+
+def _stderr(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
+def start_store(host: str, port: Optional[int], port_origin: Optional[str] = None, token: Optional[str] = None,
+                log: Optional[Callable[[str], None]] = None,
+                likely_pids: Callable[[], Sequence[int]] = tuple) -> HostedStore:
+    """Host the rendezvous store, as torchrun does (every rank is a client of it), for the job
+    members alone: the ``TCPStore`` listens on 127.0.0.1 only, on a port the kernel keeps for the
+    gate (``sign``), and the gate listens on ``host``, never on every interface. The gate listens
+    from now on; the ``TCPStore`` starts when first needed (see ``HostedStore``).
+
+    Args:
+        host: the job's address: 127.0.0.1 on one machine, else the address the other hosts
+            reach this one on (``--network-interface``'s, or ``address_for_hosts``).
+        port: the gate's port; None lets the OS pick a free one, so there is no race for it.
+        port_origin: where a given port came from, for the error when it is taken (default:
+            ``--master-port``).
+        token: the job's token (default: a new one).
+        log: where refused connections are reported (default: stderr).
+        likely_pids: the job's processes on this machine, looked at first to identify a client.
+
+    Returns:
+        The store; dropping the last reference closes it.
+
+    Raises:
+        RunError: the port is taken, or ``host`` is not this machine's.
+
+    Example::
+
+        >>> hosted = start_store("127.0.0.1", None); hosted.port > 0
+        True
+    """
+    log = log or _stderr
+    torch_store = _TorchStore(log)
     try:
-        gate = Gate(host, port or 0, token or auth.new_token(), _store_connector(store_port, key), log,
-                    likely_pids)
+        gate = Gate(host, port or 0, token or auth.new_token(), torch_store.connect, log, likely_pids)
     except OSError as e:
         if port and e.errno == errno.EADDRINUSE:
             if port_origin:
@@ -173,7 +285,7 @@ def start_store(host: str, port: Optional[int], port_origin: Optional[str] = Non
                            f"({socket.gethostname()}); name this machine's address or interface "
                            f"(MASTER_ADDR, --network-interface)") from e
         raise RunError(f"could not start the rendezvous store on {host}:{port or 0}: {e.strerror or e}") from e
-    return HostedStore(store, gate, host, key is not None)
+    return HostedStore(gate, torch_store, host)
 
 
 def address_for_hosts(checks: Sequence[HostCheck], remote_hosts: Sequence[str], ssh_port: Optional[int]) -> str:
