@@ -176,15 +176,27 @@ def _shm(local_size: int, torch) -> Dict[str, Any]:
         return out
     from torchmn.communicators import shm
 
-    try:
-        slot = shm.requested_slot_bytes()
-    except ValueError:
-        raise InfoError(f"TORCHMN_SHM_SLOT_MB={os.environ.get('TORCHMN_SHM_SLOT_MB')!r} is not a number of MB; "
-                        f"set it to the slot size each rank gets in shared memory (default 16), or unset it") from None
+    slot = shm.requested_slot_bytes()  # checked by _check_settings
     segment = shm.NodeSegment.size_for(local_size, slot)
     out.update({"slot_bytes": slot, "segment_bytes": segment, "usable_bytes": shm.fits_in(usage.free),
                 "fitting_slot_bytes": shm.fitting_slot_bytes(local_size, usage.free)})
     return out
+
+
+def _check_settings(env: Mapping[str, str]) -> None:
+    """Refuse a malformed TORCHMN_NUM_THREADS or TORCHMN_SHM_SLOT_MB before torch is imported, so
+    that the error comes at once."""
+    try:
+        resources.requested_threads(env)
+    except ValueError as e:
+        raise InfoError(str(e)) from None
+    slot_mb = env.get("TORCHMN_SHM_SLOT_MB")
+    try:
+        if slot_mb is not None:
+            float(slot_mb)
+    except ValueError:
+        raise InfoError(f"TORCHMN_SHM_SLOT_MB={slot_mb!r} is not a number of MB; set it to the slot size each "
+                        f"rank gets in shared memory (default 16), or unset it") from None
 
 
 def _mpi4py() -> Dict[str, Any]:
@@ -222,6 +234,7 @@ def collect(env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
     """
     env = dict(os.environ if env is None else env)
     launcher = _launcher(env)
+    _check_settings(env)
     torch = _torch()
     return {
         "versions": {"torchmn": __version__, "torch": package_version("torch"),
