@@ -124,10 +124,16 @@ def test_two_jobs_at_once_do_not_interfere():
         assert job.returncode == 0 and "PASS busy" in out, out
 
 
+# Inside the namespace: fork the ranks as run_job does (from one process that imports torch once).
+IN_NAMESPACE = ("import sys; sys.path.insert(0, sys.argv[1]); from jobs import run_job; "
+                "proc = run_job(sys.argv[2], [sys.argv[3]], np=int(sys.argv[4]), timeout=100, check=False); "
+                "sys.stdout.write(proc.stdout); sys.stderr.write(proc.stderr); sys.exit(proc.returncode)")
+
+
 def in_small_dev_shm(size_mb, np, check, env):
     """Run CHECK on np ranks in a mount namespace whose /dev/shm is a SIZE_MB tmpfs. The namespace is
     a user namespace's own, so that no root is needed (unprivileged user namespaces, Debian's default)."""
-    argv = launcher_argv("torchmn", np) + [sys.executable, str(CHECKS), check]
+    argv = [sys.executable, "-c", IN_NAMESPACE, str(Path(__file__).parent), str(CHECKS), check, str(np)]
     script = f"mount -t tmpfs -o size={size_mb}m tmpfs /dev/shm && exec " + " ".join(f"'{a}'" for a in argv)
     proc = subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "--propagation", "private",
                            "sh", "-c", script],
