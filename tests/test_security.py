@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -363,7 +364,11 @@ def test_slurm_task_with_another_token_is_refused(tmp_path):
     assert code1 == 2, out1 + err1
     assert "refused the token of task 1: the tasks of this step do not share one" in err1, err1
     assert "export TORCHMN_JOB_TOKEN=" in err1, err1
+    # Task 0 still waits for task 1 to check in (--start-timeout 20): SIGTERM (scancel's) ends it at once.
     first.terminate()
+    stopped = time.monotonic()
     (code0, out0, err0), = _finish([first])
+    assert time.monotonic() - stopped < 10 and code0 == 128 + signal.SIGTERM, (code0, err0)
+    assert "received SIGTERM while waiting for the other Slurm tasks" in err0, err0
     assert "presented a wrong token" in err0, err0
     assert "RANK" not in out0 + out1

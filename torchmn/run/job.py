@@ -191,13 +191,13 @@ class Job:
                 raise RunError(str(e)) from e
         return None if self.remote_hosts else LOCAL_ADDR
 
-    def _raise_on_signal(self) -> None:
-        """Ctrl-C (or SIGTERM) while hosts are checked: stop the launcher now."""
+    def _raise_on_signal(self, doing: str = "checking the hosts") -> None:
+        """Ctrl-C (or SIGTERM, scancel's) before any rank started: stop the launcher now."""
         try:
             event = self.events.get_nowait()  # nothing else can be queued before ranks start
         except queue.Empty:
             return
-        raise RunError(f"received {signal.Signals(event[1]).name} while checking the hosts; stopped",
+        raise RunError(f"received {signal.Signals(event[1]).name} while {doing}; stopped",
                        exit_code=128 + event[1])
 
     def rank_environment(self, slot: Slot, port: Union[int, str]) -> Dict[str, str]:
@@ -295,7 +295,7 @@ class Job:
                       else "derived from the Slurm job and step ids")
             self.store = self.slurm.open_store(self.master_addr, self.master_port, origin, self.console.message,
                                                self._local_pids)
-            self.slurm.check_in()
+            self.slurm.check_in(lambda: self._raise_on_signal("waiting for the other Slurm tasks"))
         else:
             self._check_hosts()
             self.store = start_store(self.master_addr, self.master_port, token=self.token, log=self.console.message,

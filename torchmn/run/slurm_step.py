@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import time
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 from torchmn import network
@@ -234,10 +235,14 @@ class SlurmTasks:
                 return routed
         return master_addr
 
-    def check_in(self) -> None:
+    def check_in(self, interrupted: Callable[[], None] = lambda: None) -> None:
         """Publish this task's -np and wait for every other task's; they must all agree.
 
         Call it after ``open_store``.
+
+        Args:
+            interrupted: called again and again while waiting; it raises to stop the wait (the
+                launcher's, when a signal came).
 
         Raises:
             RunError: a task did not check in within the start timeout, the store was lost, or
@@ -252,14 +257,19 @@ class SlurmTasks:
         keys = [f"{SLURM_KEY}np/{task}" for task in range(step.tasks)]
         try:
             self.store.set(keys[step.task], str(self.np))
-            self.store.wait(keys, datetime.timedelta(seconds=self.start_timeout))
-            counts = [int(self.store.get(key)) for key in keys]
-        except RuntimeError as e:
+            # Polled, not store.wait(): a signal (scancel's SIGTERM) is handled between two looks,
+            # while torch's wait would hold it for the whole start timeout.
+            deadline = time.monotonic() + self.start_timeout
+            while not self.store.check(keys) and time.monotonic() < deadline:
+                interrupted()
+                time.sleep(0.1)
             missing = self._missing(keys)
             if missing:
                 raise RunError(f"Slurm task(s) {', '.join(map(str, missing))} did not start torchmn run "
                                f"within {self.start_timeout:g} s (--start-timeout); every task of the step "
-                               f"must run it.") from e
+                               f"must run it.")
+            counts = [int(self.store.get(key)) for key in keys]
+        except RuntimeError as e:
             raise RunError(f"lost the rendezvous store of Slurm task 0 while checking in ({_first_line(e)}).") from e
         if len(set(counts)) > 1:
             told = ", ".join(f"task {t} ({step.hosts[t]}) -np {n}" for t, n in enumerate(counts))
