@@ -74,6 +74,7 @@ def check_another_model_is_named(comm, root):
     Checkpointer(directory, comm, model=small_model(8)).save(1)
     comm.allgather_obj(None)
     before = listing(directory)
+    comm.allgather_obj(None)  # every rank has listed before rank 0 puts its probe file there
     wider = small_model(16)
     kept = wider[0].weight.clone()
     expect_error(Checkpointer(directory, comm, model=wider).load_latest,
@@ -91,6 +92,7 @@ def check_newer_step_of_another_run_is_not_overwritten(comm, root):
     Checkpointer(directory, comm, model=small_model()).save(50)
     comm.allgather_obj(None)
     before = listing(directory)
+    comm.allgather_obj(None)  # every rank has listed before rank 0 puts its probe file there
     fresh = Checkpointer(directory, comm, model=small_model())
     expect_error(lambda: fresh.save(10), "complete checkpoint of step 50", "load_latest()", "nothing was overwritten")
     assert listing(directory) == before
