@@ -1,4 +1,5 @@
-"""Time the MNIST MLP with Adam: one process, DDP, DDP with ZeroRedundancyOptimizer, torchmn's
+"""Time the MNIST MLP with Adam: one process, DDP, DDP with ZeroRedundancyOptimizer, DDP with
+torchmn's communication hook, torchmn's
 default, torchmn with every rank updating the whole model (shard_state=False) and with
 shard_state=True, and the Horovod idiom through torchmn.horovod.
 
@@ -20,6 +21,7 @@ DDP and DDP + ZeroRedundancyOptimizer each run twice, with torch's default Adam 
     python bench/bench_zero.py --variants torchmn-zero torchmn-zero-gloo   # shared memory vs gloo
     python bench/bench_zero.py --variants single-2t ddp horovod            # a Horovod script vs DDP
     python bench/bench_zero.py --variants ddp-fused ddp-zero-fused torchmn torchmn-zero   # fused peers
+    python bench/bench_zero.py --variants single-2t ddp ddp-hook ddp-no-averaging   # DDP with torchmn's hook
 """
 from __future__ import annotations
 
@@ -49,6 +51,12 @@ VARIANTS = {
     # torch's ZeRO stage 1, as torch documents it: DDP + ZeroRedundancyOptimizer(optimizer_class=Adam).
     "ddp-zero": ("torchrun", 2, 1, "ddp-zero"),
     "ddp-zero-fused": ("torchrun", 2, 1, "ddp-zero-fused"),
+    # A DDP script given torchmn's communication hook (torchmn.ddp_comm_hook): DDP's buckets summed in
+    # shared memory instead of gloo; the rest of the script, and torchrun, unchanged.
+    "ddp-hook": ("torchrun", 2, 1, "ddp-hook"),
+    # DDP with a hook that does not communicate (each rank keeps its own gradients; the loss is not
+    # the others'): what DDP's compute and update cost alone, the floor of any communication hook.
+    "ddp-no-averaging": ("torchrun", 2, 1, "ddp-no-averaging"),
     # The default: on one node the ranks share the parameters and the optimizer state and split the update.
     "torchmn": ("torchmn", 2, 1, "torchmn"),
     # shard_state=False: every rank updates the whole model.
@@ -64,7 +72,8 @@ VARIANTS = {
 # unset: one parameter at a time, several elementwise passes each); "fused" is torch's fused Adam
 # kernel (one pass), which torchmn's shards use where the user left the choice to torch.
 ADAM_UPDATE = {"single-2t": "for-loop", "single-1t": "for-loop", "single-2t-fused": "fused", "ddp": "for-loop",
-               "ddp-fused": "fused", "ddp-zero": "for-loop", "ddp-zero-fused": "fused", "torchmn": "fused",
+               "ddp-fused": "fused", "ddp-zero": "for-loop", "ddp-zero-fused": "fused", "ddp-hook": "for-loop", "ddp-no-averaging": "for-loop",
+               "torchmn": "fused",
                "torchmn-replicated": "for-loop", "torchmn-zero": "fused", "torchmn-zero-gloo": "fused",
                "horovod": "for-loop"}
 FUSED_MODES = ("single-fused", "ddp-fused", "ddp-zero-fused")
@@ -123,6 +132,12 @@ def worker(mode: str, args) -> None:
         dist.init_process_group("gloo")
         rank, size = dist.get_rank(), dist.get_world_size()
         model = torch.nn.parallel.DistributedDataParallel(model)
+        if mode == "ddp-hook":
+            import torchmn
+            comm = torchmn.create_communicator()
+            model.register_comm_hook(None, torchmn.ddp_comm_hook(comm))
+        elif mode == "ddp-no-averaging":
+            model.register_comm_hook(None, _keep_own_gradients)
         if mode.startswith("ddp-zero"):
             from torch.distributed.optim import ZeroRedundancyOptimizer
             # In place of the plain Adam above (which has no state yet), as torch documents it.
@@ -171,6 +186,14 @@ def worker(mode: str, args) -> None:
         import torch.distributed as dist
         time.sleep(0.05)  # let gloo's threads drop their last work first (see torchmn's shutdown_world)
         dist.destroy_process_group()
+
+
+def _keep_own_gradients(state, bucket):
+    import torch
+
+    future = torch.futures.Future()
+    future.set_result(bucket.buffer())
+    return future
 
 
 def _dist_gather(obj):

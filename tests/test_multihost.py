@@ -319,6 +319,18 @@ def test_sharded_optimizer_on_two_hosts(cluster, check, request):
     assert_check_passed(proc, check)
 
 
+DDP_HOOK_CHECKS = ("equals_ddps_own_averaging", "find_unused_parameters", "no_sync", "fp16_and_bf16_compression")
+
+
+@pytest.mark.check_job("two-hosts-ddp-hook")
+@pytest.mark.parametrize("check", DDP_HOOK_CHECKS)
+def test_ddp_comm_hook_on_two_hosts(cluster, check, request):
+    """DDP averaging through torchmn.ddp_comm_hook across 2 hosts x 2 ranks: each bucket summed in
+    shared memory inside each host, then between the hosts; DDP's own averaging in the same job."""
+    proc = check_job_output(request, lambda checks: _two_host_job(cluster, "ddp_checks.py", checks))
+    assert_check_passed(proc, check)
+
+
 def test_rank_missing_on_the_other_host_is_named(cluster):
     """Across nodes: host 2's first rank never joins the optimizer's averaging. Rank 0,
     whose network allreduce with it runs in the background during backward, names it when the

@@ -44,6 +44,7 @@ _NAMES = {
     "ShardedMultiNodeOptimizer": "torchmn.optimizers",
     "create_multi_node_optimizer": "torchmn.optimizers",
     "join": "torchmn.optimizers.join",  # uneven data: with torchmn.join(comm): ...
+    "ddp_comm_hook": "torchmn.ddp",  # DistributedDataParallel averaging through torchmn
 }
 # Subpackages reachable as attributes after a bare ``import torchmn``.
 _SUBPACKAGES = ("checkpoint", "communicators", "datasets", "environments", "evaluators", "functions",
@@ -64,4 +65,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from torchmn.evaluators import GenericMultiNodeEvaluator, create_multi_node_evaluator
     from torchmn.iterators import create_multi_node_iterator
     from torchmn.optimizers import MultiNodeOptimizer, ShardedMultiNodeOptimizer, create_multi_node_optimizer
+    from torchmn.ddp import ddp_comm_hook
     from torchmn.optimizers.join import join

@@ -1,0 +1,102 @@
+"""A DistributedDataParallel communication hook that averages DDP's gradient buckets through torchmn.
+
+A DDP script keeps its model, optimizer and loop; one line hands the averaging to torchmn, which on
+one node sums the buckets in shared memory instead of gloo's TCP loopback, and across nodes sums
+inside each node first, then once per node over the network (the hierarchical communicator)::
+
+    comm = torchmn.create_communicator()          # after, or instead of, init_process_group
+    model = DistributedDataParallel(net)
+    model.register_comm_hook(None, torchmn.ddp_comm_hook(comm))
+
+DDP calls the hook once per bucket, in bucket order, on every rank, so torchmn's collectives meet.
+The sum of a bucket inside a node is done when the hook returns; the part across nodes of one bucket
+runs while backward computes the next, and the last bucket's is waited for before DDP's own end of
+backward, which needs every bucket's result.
+"""
+# No ``from __future__ import annotations``: DDP compares the hook's annotations with the real types.
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from torchmn.errors import TorchmnValueError
+
+# The dtypes gradients travel in, by the name the optimizers take as ``compression``.
+WIRE_DTYPES = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def ddp_comm_hook(comm, compression: Optional[str] = None) -> Callable:
+    """A communication hook for ``DistributedDataParallel.register_comm_hook``: DDP's buckets are
+    averaged over ``comm``'s ranks through torchmn (shared memory inside a node).
+
+    Args:
+        comm: the communicator (``torchmn.create_communicator()``), over the same ranks as the DDP
+            model's process group (the default group).
+        compression: ``None``, ``"fp16"`` or ``"bf16"``: the dtype floating-point buckets travel
+            in (each rank divides by the number of ranks first, so that a half-precision sum does
+            not overflow); the result is cast back to the gradients' dtype.
+
+    Returns:
+        The hook, called by DDP as ``hook(state, bucket)``; register it with ``None`` as the state.
+
+    Raises:
+        ValueError: an unknown ``compression``. On the first bucket, on every rank: a communicator
+            whose number of ranks is not the default process group's (DDP averages over that group).
+
+    Example::
+
+        >>> comm = torchmn.create_communicator()
+        >>> model = torch.nn.parallel.DistributedDataParallel(net)
+        >>> model.register_comm_hook(None, torchmn.ddp_comm_hook(comm, compression="bf16"))
+    """
+    if compression not in WIRE_DTYPES:
+        raise TorchmnValueError(f"compression must be one of None, 'fp16', 'bf16', not {compression!r}")
+    averager = _BucketAverager(comm, WIRE_DTYPES[compression])
+
+    # A function, with the names and annotations DDP checks (register_comm_hook).
+    def torchmn_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        return averager.average(bucket)
+    return torchmn_hook
+
+
+class _BucketAverager:
+    """What the hook keeps between buckets: the one whose part across nodes is still in flight."""
+
+    def __init__(self, comm, wire_dtype: Optional[torch.dtype]):
+        self.comm = comm
+        self.wire_dtype = wire_dtype
+        self.checked = False
+        self.pending: Optional[tuple] = None  # (handle, future, wire, buffer) of the previous bucket
+
+    def average(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        if not self.checked:
+            self._check()
+        buffer = bucket.buffer()
+        wire = buffer
+        if self.wire_dtype is not None and buffer.is_floating_point() and buffer.dtype != self.wire_dtype:
+            wire = buffer.to(self.wire_dtype)
+        wire.div_(self.comm.size)  # before the sum, as DDP's own hooks do: a half-precision sum stays in range
+        handle = self.comm.allreduce_flat(wire, async_op=True)
+        future: torch.futures.Future = torch.futures.Future()
+        previous, self.pending = self.pending, (handle, future, wire, buffer)
+        if previous is not None:
+            _finish(*previous)
+        if bucket.is_last():
+            pending, self.pending = self.pending, None
+            _finish(*pending)
+        return future
+
+    def _check(self) -> None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if self.comm.size != world:
+            raise TorchmnValueError(
+                f"torchmn.ddp_comm_hook on rank {self.comm.rank} ({self.comm.host}): the communicator has "
+                f"{self.comm.size} ranks but the default process group, which DDP averages over, has {world}. "
+                f"Create the communicator over the same ranks (torchmn.create_communicator() after "
+                f"init_process_group), not over a subgroup.")
+        self.checked = True
+
+
+def _finish(handle, future: torch.futures.Future, wire: torch.Tensor, buffer: torch.Tensor) -> None:
+    handle.wait()
+    future.set_result(wire if wire is buffer else buffer.copy_(wire))
