@@ -11,6 +11,7 @@ import torch
 
 import torchmn
 from jobs import WORKERS, assert_check_passed, check_job_output, clean_env, run_job
+from torchmn.communicators.registry import resolve
 
 CHECKS = WORKERS / "comm_checks.py"
 
@@ -34,7 +35,7 @@ def test_all_collectives(launcher, np, check, request):
 
 @pytest.mark.check_job("comm-algorithm", np=3)
 @pytest.mark.parametrize("check", GRADIENT_CHECKS)
-@pytest.mark.parametrize("name", ["naive", "flat"])
+@pytest.mark.parametrize("name", ["naive", "flat", "two_dimensional"])  # ChainerMN's name for hierarchical
 def test_gradient_algorithms(name, check, request):
     proc = check_job_output(request, lambda checks: run_job(CHECKS, ["--name", name, *checks], np=3, timeout=90,
                                                             check=False))
@@ -86,6 +87,48 @@ def test_unknown_name_is_refused():
     proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True,
                           timeout=60)
     assert "unknown communicator 'fastest'" in proc.stdout and "flat" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("name, nearest", [("two_dimensional", "hierarchical"), ("single_node", "hierarchical"),
+                                           ("non_cuda_aware", "hierarchical")])
+def test_chainermn_names_are_the_nearest_algorithm(name, nearest):
+    assert resolve(name, "gloo", 4).name == nearest
+    assert resolve("pure_nccl", "nccl", 4).name == "flat"
+
+
+def test_pure_nccl_without_gpus_is_refused_with_the_fix():
+    code = "import torchmn\ntry:\n    torchmn.create_communicator('pure_nccl')\nexcept ValueError as e:\n    print(e)"
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert "'pure_nccl' averages through NCCL, which needs a GPU per rank" in proc.stdout, proc.stdout + proc.stderr
+    assert "this job's backend is gloo" in proc.stdout and "create_communicator() ('auto'" in proc.stdout
+
+
+ALLREDUCE_GRAD_DTYPE = """
+import numpy, torch, torchmn
+for dtype, expected in [("float16", "fp16"), (torch.float16, "fp16"), (numpy.float16, "fp16"), (numpy.dtype("float16"), "fp16"),
+                        ("bfloat16", "bf16"), (torch.bfloat16, "bf16"), (None, None), ("float32", None), (numpy.float32, None)]:
+    comm = torchmn.create_communicator(allreduce_grad_dtype=dtype)
+    assert comm.compression == expected, (dtype, comm.compression)
+model = torch.nn.Linear(3, 2)
+opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                          torchmn.create_communicator(allreduce_grad_dtype="float16"))
+print("OPTIMIZER", type(opt).__name__, opt.compression)
+try:
+    torchmn.create_communicator(allreduce_grad_dtype="int8")
+except ValueError as e:
+    print("REFUSED", e)
+"""
+
+
+def test_allreduce_grad_dtype_is_the_optimizers_default_compression():
+    """ChainerMN's create_communicator(allreduce_grad_dtype=...) in its spellings; an optimizer built
+    on that communicator compresses by default; a dtype gradients cannot travel in is refused."""
+    proc = subprocess.run([sys.executable, "-c", ALLREDUCE_GRAD_DTYPE], env=clean_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "OPTIMIZER MultiNodeOptimizer fp16" in proc.stdout, proc.stdout
+    assert "REFUSED allreduce_grad_dtype='int8': gradients can travel as float16 or bfloat16" in proc.stdout
 
 
 @pytest.mark.parametrize("timeout, error", [("5", TypeError), (0, ValueError), (datetime.timedelta(0), ValueError),

@@ -34,7 +34,8 @@ def ddp_comm_hook(comm, compression: Optional[str] = None) -> Callable:
             model's process group (the default group).
         compression: ``None``, ``"fp16"`` or ``"bf16"``: the dtype floating-point buckets travel
             in (each rank divides by the number of ranks first, so that a half-precision sum does
-            not overflow); the result is cast back to the gradients' dtype.
+            not overflow); the result is cast back to the gradients' dtype. Default: the
+            communicator's ``compression`` (``allreduce_grad_dtype``); ``"none"``: uncompressed.
 
     Returns:
         The hook, called by DDP as ``hook(state, bucket)``; register it with ``None`` as the state.
@@ -49,6 +50,8 @@ def ddp_comm_hook(comm, compression: Optional[str] = None) -> Callable:
         >>> model = torch.nn.parallel.DistributedDataParallel(net)
         >>> model.register_comm_hook(None, torchmn.ddp_comm_hook(comm, compression="bf16"))
     """
+    if compression is None:
+        compression = getattr(comm, "compression", None)
     if compression not in WIRE_DTYPES:
         raise TorchmnValueError(f"compression must be one of None, 'fp16', 'bf16', not {compression!r}")
     averager = _BucketAverager(comm, WIRE_DTYPES[compression])

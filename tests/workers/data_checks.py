@@ -236,6 +236,28 @@ def check_evaluator(comm):
     assert "same metrics" in str(e), e
 
 
+def check_evaluator_object(comm):
+    """An evaluator object, as ChainerMN's create_multi_node_evaluator took: pytorch-pfn-extras'
+    Evaluator extension, whose evaluate() and __call__ then give the mean over the ranks."""
+    import pytorch_pfn_extras as ppe
+    from pytorch_pfn_extras.training.extensions import Evaluator
+
+    data = torch.arange(8.0, dtype=torch.float64).view(8, 1) + 100 * comm.rank  # rank r: mean 3.5 + 100 r
+
+    def eval_func(x):
+        ppe.reporting.report({"val/x": x.mean().item()})
+
+    evaluator = Evaluator(torch.utils.data.DataLoader(data, batch_size=4), torch.nn.Linear(1, 1),
+                          eval_func=eval_func, progress_bar=False)
+    assert create_multi_node_evaluator(evaluator, comm) is evaluator
+    expected = 3.5 + 100 * (comm.size - 1) / 2
+    observed = {}
+    with ppe.reporting.Reporter().scope(observed):
+        assert evaluator.evaluate() == {"val/x": expected}
+        evaluator()  # as the manager calls it: reports the mean over the ranks
+    assert observed == {"val/x": expected}, observed
+
+
 class Gather(GenericMultiNodeEvaluator):
     def __init__(self, comm, fail_rank=None, **kwargs):
         super().__init__(comm, **kwargs)
@@ -574,6 +596,7 @@ CHECKS = {
     "scatter_errors": check_scatter_errors,
     "scatter_index": check_scatter_index,
     "evaluator": check_evaluator,
+    "evaluator_object": check_evaluator_object,
     "generic_evaluator": check_generic_evaluator,
     "iterator": check_iterator,
     "early_stopping": check_early_stopping,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -32,7 +32,8 @@ from torchmn.errors import TorchmnTypeError, TorchmnValueError
 def create_communicator(name: str = "auto", backend: Optional[str] = None,
                         timeout: Union[datetime.timedelta, float, None] = None,
                         init_method: Optional[str] = None,
-                        bucket_cap_mb: Optional[float] = None) -> Communicator:
+                        bucket_cap_mb: Optional[float] = None,
+                        allreduce_grad_dtype: Any = None) -> Communicator:
     """The communicator for this job, setting up ``torch.distributed`` if nobody has yet.
 
     Detects how the job was launched (``torchmn run``, torchrun, Slurm, Open MPI, MPICH, or a plain
@@ -41,7 +42,9 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
 
     Args:
         name: the gradient-averaging algorithm: ``"auto"`` (the fastest correct one for the
-            topology), ``"naive"``, ``"flat"`` or ``"hierarchical"``.
+            topology), ``"naive"``, ``"flat"`` or ``"hierarchical"``; ChainerMN's ``"pure_nccl"``
+            (``flat`` over NCCL), ``"two_dimensional"``, ``"single_node"`` and
+            ``"non_cuda_aware"`` (``hierarchical``) are taken as the nearest of these.
         backend: ``"gloo"`` or ``"nccl"``; default NCCL where CUDA is available, else gloo.
         timeout: how long a collective waits for the other ranks before raising
             :class:`CollectiveTimeoutError` (a ``datetime.timedelta`` or seconds; default
@@ -50,12 +53,17 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
             ``tcp://host:port``, ``file:///shared/path``); default: from the launcher.
         bucket_cap_mb: how many MB of gradients go in one message (default ``TORCHMN_BUCKET_CAP_MB``,
             else 25).
+        allreduce_grad_dtype: ChainerMN's name for compressed gradients: ``"float16"`` (or
+            ``torch.float16``, ``numpy.float16``) or ``"bfloat16"`` makes ``compression="fp16"``
+            (``"bf16"``) the default of the optimizers and DDP hooks built on this communicator
+            (``comm.compression``); None or float32: uncompressed.
 
     Returns:
         The :class:`Communicator` of this rank.
 
     Raises:
-        ValueError: an unknown ``name``, a bad ``timeout``, or malformed launcher variables.
+        ValueError: an unknown ``name`` (or ``"pure_nccl"`` without NCCL), a bad ``timeout``, or
+            malformed launcher variables.
         RuntimeError: the rendezvous cannot be reached or set up (the message names the ranks
             that never arrived, or what to check).
         CollectiveMismatchError: the ranks asked for different algorithms.
@@ -67,7 +75,8 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
         >>> comm.rank, comm.size, comm.intra_rank, comm.inter_size
         (0, 1, 0, 1)
     """
-    resolve(name)  # an unknown name fails before anything starts
+    resolve(name, backend or default_backend())  # an unknown name fails before anything starts
+    compression = _compression_named_by(allreduce_grad_dtype)
     timeout = _as_timedelta(timeout)
     try:
         env = detect_environment()
@@ -106,6 +115,7 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
     cls = resolve(name, backend, size)
     comm = cls(rank=rank, size=size, group=group, obj_group=obj_group, backend=backend,
                node_key=node_key, owns_world=owns, **kwargs)
+    comm.compression = compression
     if not locality_known:
         resources.apply_thread_budget(comm.intra_size)
         if backend == "nccl" and owns:  # no NCCL collective has run yet: the topology travels through gloo
@@ -114,6 +124,19 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
         # An uncaught exception on this rank then ends the others at once, not at their timeout.
         failure.install()
     return comm
+
+
+def _compression_named_by(dtype: Any) -> Optional[str]:
+    """The optimizers' ``compression`` that ChainerMN's ``allreduce_grad_dtype`` names."""
+    name = str(getattr(dtype, "__name__", dtype)).replace("torch.", "").lower()  # numpy.float16 is a type
+    if dtype is None or name == "float32":
+        return None
+    if name in ("float16", "half", "fp16"):
+        return "fp16"
+    if name in ("bfloat16", "bf16"):
+        return "bf16"
+    raise TorchmnValueError(f"allreduce_grad_dtype={dtype!r}: gradients can travel as float16 or bfloat16 "
+                            f"(or float32, uncompressed); pass one of those, or compression= to the optimizer")
 
 
 def _as_timedelta(timeout) -> Optional[datetime.timedelta]:

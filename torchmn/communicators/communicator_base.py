@@ -33,6 +33,9 @@ class CommunicatorBase(abc.ABC):
             group as ``process_group`` unless the backend is NCCL.
         node_key: what identifies this rank's node (the launcher's node number, else the hostname).
         node_ranks: the ranks of each node, ``node_ranks[inter_rank]`` being this node's.
+        compression: the ``compression`` (``None``, ``"fp16"``, ``"bf16"``) that optimizers and DDP
+            hooks built on this communicator use when given none (``create_communicator``'s
+            ``allreduce_grad_dtype``, ChainerMN's name for it).
 
     Tensor and object collectives check, on every rank, that all ranks made the same call, and
     raise :class:`~torchmn.CollectiveMismatchError` on every rank where they did not. A rank that
@@ -44,6 +47,8 @@ class CommunicatorBase(abc.ABC):
         >>> comm.rank, comm.size, comm.intra_rank, comm.inter_size
         (0, 1, 0, 1)
     """
+
+    compression: Optional[str] = None
 
     @property
     @abc.abstractmethod

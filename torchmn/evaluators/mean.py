@@ -107,8 +107,14 @@ class MultiNodeEvaluator:
         return {k: sum(metrics[k] * n for _, metrics, n in counted) / total for k in keys}
 
 
-def create_multi_node_evaluator(fn: Callable[..., Any], comm) -> MultiNodeEvaluator:
+def create_multi_node_evaluator(fn: Any, comm) -> Any:
     """Wrap ``fn`` so that it returns, on every rank, the exact global means of its metrics.
+
+    ``fn`` may also be an evaluator object with an ``evaluate()`` method, as ChainerMN's took
+    (pytorch-pfn-extras' ``Evaluator`` extension, say): its ``evaluate`` is replaced, on this
+    object, by one that returns the means over the ranks, and the object itself is returned, so
+    that it goes to ``manager.extend(...)`` as before. Its ``evaluate()`` returns a dict of means,
+    which counts as one sample per rank: the plain mean over ranks, as ChainerMN's gave.
 
     ``fn(*args, **kwargs)`` runs on each rank over that rank's shard and returns
     ``(means, n)``: a dict of metric means over the ``n`` samples it saw. The wrapper returns,
@@ -120,12 +126,13 @@ def create_multi_node_evaluator(fn: Callable[..., Any], comm) -> MultiNodeEvalua
     numbers or one-element tensors. Every rank must call the wrapper together.
 
     Args:
-        fn: the per-rank evaluation, returning ``(means, n)`` or a dict of means.
+        fn: the per-rank evaluation, returning ``(means, n)`` or a dict of means; or an
+            evaluator object with an ``evaluate()`` method.
         comm: the communicator whose ranks evaluate.
 
     Returns:
         A :class:`MultiNodeEvaluator`; calling it with ``fn``'s arguments returns
-        ``{metric: global mean}`` on every rank.
+        ``{metric: global mean}`` on every rank. For an evaluator object, the object.
 
     Example::
 
@@ -134,5 +141,11 @@ def create_multi_node_evaluator(fn: Callable[..., Any], comm) -> MultiNodeEvalua
         ...     return {"loss": sum(losses) / len(losses)}, len(losses)
         >>> metrics = torchmn.create_multi_node_evaluator(evaluate, comm)()
         >>> metrics["loss"]    # the same number on every rank
+        >>> evaluator = ppe.training.extensions.Evaluator(val_loader, model)
+        >>> manager.extend(torchmn.create_multi_node_evaluator(evaluator, comm))   # means over ranks
     """
+    evaluate = getattr(fn, "evaluate", None)
+    if callable(evaluate) and not isinstance(fn, MultiNodeEvaluator):
+        fn.evaluate = MultiNodeEvaluator(evaluate, comm)
+        return fn
     return MultiNodeEvaluator(fn, comm)

@@ -422,7 +422,9 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
         double_buffering: update with the previous step's averages (ChainerMN's semantics).
         zero_fill: count a gradient missing on some ranks as zeros (with False, such a gradient
             raises :class:`~torchmn.CollectiveMismatchError`).
-        compression: ``None``, ``"fp16"`` or ``"bf16"``: the dtype gradients travel in.
+        compression: ``None``, ``"fp16"`` or ``"bf16"``: the dtype gradients travel in (default:
+            the communicator's ``compression``, None unless ``create_communicator`` was given
+            ``allreduce_grad_dtype``; ``"none"`` sends them uncompressed regardless).
         bucket_cap_mb: MB of gradients per message (default: the communicator's).
         backward_passes_per_step: backward passes accumulated locally per averaging.
         shard_state: None (default): split the update over the ranks where they share a node
@@ -446,6 +448,8 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
         >>> loss_fn(model(x), y).backward()
         >>> optimizer.step()
     """
+    if compression is None:
+        compression = getattr(comm, "compression", None)
     if shard_state is None and _can_split_on_node(optimizer, comm, double_buffering, zero_fill, compression):
         from torchmn.optimizers.node_shared import NoNodeMemory, NodeSharedOptimizer
         try:
