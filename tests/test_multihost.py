@@ -331,6 +331,18 @@ def test_ddp_comm_hook_on_two_hosts(cluster, check, request):
     assert_check_passed(proc, check)
 
 
+LIGHTNING_CHECKS = ("matches_lightnings_ddp", "collectives_go_through_the_communicator")
+
+
+@pytest.mark.check_job("two-hosts-lightning")
+@pytest.mark.parametrize("check", LIGHTNING_CHECKS)
+def test_lightning_strategy_on_two_hosts(cluster, check, request):
+    """TorchmnStrategy across 2 hosts x 2 ranks (Trainer(devices=2, num_nodes=2)): the hierarchical
+    path under Lightning, against Lightning's DDPStrategy in the same job."""
+    proc = check_job_output(request, lambda checks: _two_host_job(cluster, "lightning_checks.py", checks))
+    assert_check_passed(proc, check)
+
+
 def test_rank_missing_on_the_other_host_is_named(cluster):
     """Across nodes: host 2's first rank never joins the optimizer's averaging. Rank 0,
     whose network allreduce with it runs in the background during backward, names it when the

@@ -1,0 +1,123 @@
+"""torchmn.lightning checks, run on every rank of a real job (see tests/test_lightning.py).
+
+A float64 LightningModule is trained twice in the same processes, by Lightning's own DDPStrategy
+and by TorchmnStrategy, from the same initial weights on the same batches: the losses of every
+step and the final parameters must agree.
+
+Usage: python lightning_checks.py CHECK [CHECK ...]
+"""
+import argparse
+import os
+import warnings
+
+import lightning
+import torch
+
+from torchmn.lightning import TorchmnEnvironment, TorchmnStrategy
+
+warnings.filterwarnings("ignore")  # Lightning's advice about workers and logging is not under test
+RANK = int(os.environ["RANK"])
+SIZE = int(os.environ["WORLD_SIZE"])
+LOCAL = int(os.environ.get("LOCAL_WORLD_SIZE", SIZE))  # ranks per node, as the launcher started them
+NODES = SIZE // LOCAL
+
+
+class Net(lightning.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3)).double()
+        self.losses = []
+        self.seen = {}
+
+    def training_step(self, batch, index):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.net(x), y)
+        self.log("loss", loss, sync_dist=True)  # Lightning's reduce: the mean over the ranks
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, index):
+        self.losses.append(outputs["loss"].detach().clone())
+
+    def on_train_start(self):
+        strategy = self.trainer.strategy
+        mine = torch.tensor([float(RANK)], dtype=torch.float64)
+        self.seen = {"sum": strategy.reduce(mine, reduce_op="sum").item(),
+                     "mean": strategy.reduce(mine, reduce_op="mean").item(),
+                     "max": strategy.reduce(mine, reduce_op="max").item(),
+                     "gathered": strategy.all_gather(mine).view(-1).tolist(),
+                     "broadcast": strategy.broadcast(f"from {RANK}", src=SIZE - 1)}
+        strategy.barrier()
+        self.seen["comm_hook"] = strategy.model._get_ddp_logging_data().get("comm_hook", "")
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.3)
+
+
+def loader():
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(48, 6, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (48,), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=4)
+
+
+def fit(strategy):
+    model = Net()
+    trainer = lightning.Trainer(strategy=strategy, accelerator="cpu", devices=LOCAL, num_nodes=NODES, max_epochs=2,
+                                logger=False,
+                                enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(model, loader())
+    return model, trainer
+
+
+def check_matches_lightnings_ddp():
+    # Lightning's DDP strategy, told the ranks' places as TorchmnStrategy is (Lightning's own
+    # environment for plain env:// variables removes WORLD_SIZE from os.environ at its teardown).
+    reference, _ = fit(lightning.pytorch.strategies.DDPStrategy(cluster_environment=TorchmnEnvironment()))
+    model, trainer = fit(TorchmnStrategy())
+    assert isinstance(trainer.strategy.cluster_environment, TorchmnEnvironment)
+    assert len(model.losses) == len(reference.losses) == 2 * 48 // 4 // SIZE
+    for step, (a, b) in enumerate(zip(reference.losses, model.losses)):
+        assert torch.allclose(a, b, rtol=1e-12, atol=1e-12), (step, a.item(), b.item())
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert torch.allclose(p, q, rtol=1e-12, atol=1e-12), (p - q).abs().max()
+    # The logged loss was reduced through the communicator: the mean of the ranks' last losses.
+    last = torch.stack(torchmn_gather(model.losses[-1])).mean()
+    assert torch.allclose(trainer.callback_metrics["loss"].double(), last, rtol=1e-12), trainer.callback_metrics
+
+
+def torchmn_gather(t):
+    out = [torch.zeros_like(t) for _ in range(SIZE)]
+    torch.distributed.all_gather(out, t)
+    return out
+
+
+def check_collectives_go_through_the_communicator():
+    model, trainer = fit(TorchmnStrategy())
+    expected = {"sum": float(sum(range(SIZE))), "mean": sum(range(SIZE)) / SIZE, "max": float(SIZE - 1),
+                "gathered": [float(r) for r in range(SIZE)], "broadcast": f"from {SIZE - 1}"}
+    assert "torchmn_hook" in model.seen.pop("comm_hook"), "DDP does not average through torchmn's hook"
+    assert model.seen == expected, model.seen
+    assert trainer.strategy.comm is None  # finalized at teardown
+
+
+def check_devices_that_differ_from_the_launcher_are_refused():
+    trainer = lightning.Trainer(strategy=TorchmnStrategy(), accelerator="cpu", devices=LOCAL + 1, num_nodes=NODES,
+                                logger=False, enable_progress_bar=False, enable_checkpointing=False)
+    try:
+        trainer.fit(Net(), loader())  # checked before any rank connects: every rank raises on its own
+    except ValueError as e:
+        message = str(e)
+    else:
+        raise AssertionError("expected ValueError")
+    assert f"Trainer(devices={LOCAL + 1}, num_nodes={NODES}) on rank {RANK}" in message, message
+    assert f"started {LOCAL} rank(s) on this node" in message and f"Pass devices={LOCAL}" in message, message
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("checks", nargs="+")
+    for name in parser.parse_args().checks:
+        globals()[f"check_{name}"]()
+        if RANK == 0:
+            print(f"PASS {name}", flush=True)

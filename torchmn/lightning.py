@@ -1,0 +1,348 @@
+"""Lightning on torchmn: a cluster environment that knows every launcher torchmn does, and a strategy
+that trains with torchmn's averaging and collectives.
+
+A Lightning script keeps its ``LightningModule`` and ``Trainer``; only the strategy changes, and the
+job starts under ``torchmn run``, torchrun, ``srun`` or ``mpirun`` like any torchmn job::
+
+    trainer = lightning.Trainer(strategy=torchmn.lightning.TorchmnStrategy(), accelerator="cpu", devices=2)
+    trainer.fit(model, loader)                   # torchmn run -np 2 python train.py
+
+``TorchmnStrategy`` is Lightning's DDP strategy with torchmn underneath: the world is set up by
+``torchmn.create_communicator`` (which reads Slurm, Open MPI, MPICH, torchrun and ``torchmn run``),
+DDP averages its buckets through ``torchmn.ddp_comm_hook`` (shared memory inside a node), and
+Lightning's ``reduce``, ``all_gather``, ``barrier`` and ``broadcast`` go through the communicator.
+Needs the ``lightning`` package (``pip install torchmn[lightning]``).
+"""
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+import torch
+from torch.distributed import ReduceOp
+
+try:
+    from lightning.fabric.plugins.environments import ClusterEnvironment
+    from lightning.fabric.utilities.seed import reset_seed
+    from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.utilities import rank_zero_only
+except ImportError as e:  # pragma: no cover - the dev install has it
+    raise ImportError(f"torchmn.lightning needs the lightning package ({e}); install it with "
+                      f"pip install 'torchmn[lightning]'") from e
+
+import torchmn
+from torchmn.ddp import ddp_comm_hook
+from torchmn.environments import detect_environment
+from torchmn.errors import TorchmnValueError
+
+__all__ = ["TorchmnEnvironment", "TorchmnStrategy"]
+
+
+class TorchmnEnvironment(ClusterEnvironment):
+    """Lightning's view of the job as torchmn detects it (``torchmn run``, torchrun, Slurm, Open MPI,
+    MPICH): the launcher started every process, and says each one's place.
+
+    Raises:
+        ValueError: (``validate_settings``) the ``Trainer``'s ``devices`` or ``num_nodes`` differ from
+            what the launcher started.
+
+    Example::
+
+        >>> trainer = lightning.Trainer(plugins=[TorchmnEnvironment()], strategy="ddp", devices=2)
+    """
+
+    def __init__(self) -> None:
+        """Read the launcher's variables now (nothing is connected or changed).
+
+        Example::
+
+            >>> TorchmnEnvironment().world_size()      # under torchmn run -np 2
+            2
+        """
+        super().__init__()
+        self._env = detect_environment()
+
+    @property
+    def creates_processes_externally(self) -> bool:
+        """True: the launcher started every rank; Lightning starts none."""
+        return True
+
+    @property
+    def main_address(self) -> str:
+        """The rendezvous address the launcher gave."""
+        return self._env.master_addr
+
+    @property
+    def main_port(self) -> int:
+        """The rendezvous port the launcher gave (0 under MPI, where torchmn derives it)."""
+        return self._env.master_port or 0
+
+    @staticmethod
+    def detect() -> bool:
+        """Whether a launcher torchmn knows started this process.
+
+        Returns:
+            True under ``torchmn run``, torchrun, Slurm, Open MPI or MPICH; False for a plain
+            ``python script.py``.
+
+        Example::
+
+            >>> TorchmnEnvironment.detect()       # python script.py
+            False
+        """
+        try:
+            return detect_environment().source != "single"
+        except (ValueError, RuntimeError):
+            return False
+
+    def world_size(self) -> int:
+        """The number of ranks.
+
+        Returns:
+            The launcher's world size.
+
+        Example::
+
+            >>> env.world_size()
+            4
+        """
+        return self._env.size
+
+    def set_world_size(self, size: int) -> None:
+        """Ignored: the launcher's number stands (``validate_settings`` compared the Trainer's with it).
+
+        Args:
+            size: what Lightning computed from ``devices`` and ``num_nodes``.
+
+        Example::
+
+            >>> env.set_world_size(4)
+        """
+
+    def global_rank(self) -> int:
+        """This rank.
+
+        Returns:
+            The launcher's rank of this process.
+
+        Example::
+
+            >>> env.global_rank()
+            0
+        """
+        return self._env.rank
+
+    def set_global_rank(self, rank: int) -> None:
+        """Keep the launcher's rank (Lightning's own computation is ignored) for ``rank_zero_only``.
+
+        Args:
+            rank: what Lightning computed.
+
+        Example::
+
+            >>> env.set_global_rank(0)
+        """
+        rank_zero_only.rank = self._env.rank
+
+    def local_rank(self) -> int:
+        """This rank's index on its node.
+
+        Returns:
+            The launcher's local rank.
+
+        Example::
+
+            >>> env.local_rank()
+            1
+        """
+        return self._env.local_rank
+
+    def node_rank(self) -> int:
+        """This rank's node.
+
+        Returns:
+            The launcher's node index; under MPI, which names no nodes, ``rank // local size``
+            (ranks fill the nodes in order).
+
+        Example::
+
+            >>> env.node_rank()
+            0
+        """
+        if self._env.node_rank is not None:
+            return self._env.node_rank
+        return self._env.rank // max(1, self._env.local_size)
+
+    def validate_settings(self, num_devices: int, num_nodes: int) -> None:
+        """Refuse a ``Trainer`` whose ``devices`` and ``num_nodes`` are not what the launcher started.
+
+        Args:
+            num_devices: the ``Trainer``'s ``devices`` (ranks per node).
+            num_nodes: the ``Trainer``'s ``num_nodes``.
+
+        Raises:
+            ValueError: on every rank, with the numbers to pass or the launcher to use.
+
+        Example::
+
+            >>> env.validate_settings(num_devices=2, num_nodes=1)      # under torchmn run -np 2
+        """
+        env = self._env
+        if env.source == "single":
+            if num_devices * num_nodes > 1:
+                raise TorchmnValueError(
+                    f"Trainer(devices={num_devices}, num_nodes={num_nodes}) with TorchmnStrategy, but this process was "
+                    f"started alone (python script.py). Start the ranks with a launcher: torchmn run -np "
+                    f"{num_devices * num_nodes} python script.py (or torchrun, srun, mpirun).")
+            return
+        if num_devices != env.local_size or num_nodes * num_devices != env.size:
+            raise TorchmnValueError(
+                f"Trainer(devices={num_devices}, num_nodes={num_nodes}) on rank {env.rank}, but the launcher "
+                f"({env.source}) started {env.local_size} rank(s) on this node and {env.size} in all. Pass "
+                f"devices={env.local_size} and num_nodes={max(1, env.size // max(1, env.local_size))}, or start "
+                f"{num_devices} rank(s) per node.")
+
+
+class TorchmnStrategy(DDPStrategy):
+    """Lightning's DDP strategy with torchmn underneath: the world set up by
+    ``torchmn.create_communicator``, DDP's buckets averaged by ``torchmn.ddp_comm_hook`` and
+    Lightning's collectives through the communicator (``self.comm``).
+
+    Args:
+        communicator: the algorithm's name for ``torchmn.create_communicator`` (default ``"auto"``).
+        compression: ``None``, ``"fp16"`` or ``"bf16"``: the dtype DDP's buckets travel in.
+        **kwargs: Lightning's ``DDPStrategy`` arguments (``find_unused_parameters``, ``timeout``,
+            ``process_group_backend``, ...), except ``ddp_comm_hook``, which is torchmn's.
+
+    Raises:
+        ValueError: ``ddp_comm_hook`` among ``kwargs``.
+
+    Example::
+
+        >>> trainer = lightning.Trainer(strategy=TorchmnStrategy(), accelerator="cpu", devices=2)
+        >>> trainer.fit(model, loader)          # under torchmn run -np 2, torchrun, srun or mpirun
+    """
+
+    strategy_name = "torchmn"
+
+    def __init__(self, communicator: str = "auto", compression: Optional[str] = None, **kwargs: Any) -> None:
+        if "ddp_comm_hook" in kwargs:
+            raise TorchmnValueError("TorchmnStrategy averages with torchmn's own DDP hook; pass compression= instead "
+                                    "of ddp_comm_hook=, or use Lightning's DDPStrategy for another hook")
+        kwargs.setdefault("cluster_environment", TorchmnEnvironment())
+        self._collective_timeout = kwargs.get("timeout")  # None: torchmn's (TORCHMN_TIMEOUT, else 600 s)
+        super().__init__(**kwargs)
+        self._communicator = communicator
+        self._compression = compression
+        self.comm = None
+
+    def setup_distributed(self) -> None:
+        """Set up the world through torchmn (any launcher it knows), and keep its communicator.
+
+        Example::
+
+            >>> strategy.setup_distributed(); strategy.comm.size      # Lightning calls it
+            2
+        """
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._get_process_group_backend()
+        self.comm = torchmn.create_communicator(self._communicator, backend=self._process_group_backend,
+                                                timeout=self._collective_timeout)
+
+    def _register_ddp_hooks(self) -> None:
+        self.model.register_comm_hook(None, ddp_comm_hook(self.comm, compression=self._compression))
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Wait for every rank, through the communicator.
+
+        Args:
+            *args, **kwargs: Lightning's (a name), unused.
+
+        Example::
+
+            >>> trainer.strategy.barrier()
+        """
+        if self.comm is not None:
+            self.comm.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank, through the communicator.
+
+        Args:
+            obj: any picklable object (only ``src``'s is used).
+            src: the rank it comes from.
+
+        Returns:
+            ``src``'s object.
+
+        Example::
+
+            >>> trainer.strategy.broadcast(path, src=0)
+        """
+        return obj if self.comm is None else self.comm.bcast_obj(obj, root=src)
+
+    def reduce(self, tensor: Any, group: Optional[Any] = None,
+               reduce_op: Optional[Union[ReduceOp, str]] = "mean") -> Any:
+        """Lightning's reduction (``self.log(..., sync_dist=True)``, ...) through the communicator.
+
+        Args:
+            tensor: the value; anything but a tensor is returned as it is.
+            group: a process group other than the world goes through Lightning's own path.
+            reduce_op: ``"mean"`` (``"avg"``, None), ``"sum"``, ``"max"`` or ``"min"`` (or ``ReduceOp``).
+
+        Returns:
+            The reduced tensor, the same on every rank.
+
+        Example::
+
+            >>> trainer.strategy.reduce(torch.tensor(float(rank)), reduce_op="sum")
+        """
+        op = _op_name(reduce_op)
+        if not isinstance(tensor, torch.Tensor) or self.comm is None or group is not None or op is None:
+            return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        if op == "mean":
+            total = self.comm.allreduce(tensor if tensor.is_floating_point() else tensor.double(), "sum")
+            return total / self.comm.size
+        return self.comm.allreduce(tensor, op)
+
+    def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
+        """Every rank's ``tensor``, stacked in rank order, through the communicator.
+
+        Args:
+            tensor: this rank's tensor (the same shape on every rank).
+            group: a process group other than the world goes through Lightning's own path.
+            sync_grads: whether gradients flow back (Lightning's own path).
+
+        Returns:
+            A tensor of shape ``(world_size, *tensor.shape)``.
+
+        Example::
+
+            >>> trainer.strategy.all_gather(torch.tensor([1.0])).shape     # 2 ranks
+            torch.Size([2, 1])
+        """
+        if self.comm is None or group is not None or sync_grads:
+            return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+        return torch.stack(self.comm.allgather(tensor.contiguous()))
+
+    def teardown(self) -> None:
+        """Lightning's teardown, then the communicator's ``finalize``.
+
+        Example::
+
+            >>> trainer.strategy.teardown()      # Lightning calls it at the end of fit
+        """
+        super().teardown()
+        if self.comm is not None:
+            self.comm.finalize()
+            self.comm = None
+
+
+def _op_name(reduce_op: Optional[Union[ReduceOp, str]]) -> Optional[str]:
+    """``"mean"``, ``"sum"``, ``"max"`` or ``"min"``; None for what only torch's path does (product, ...)."""
+    if reduce_op is None:
+        return "mean"
+    if isinstance(reduce_op, str):
+        name = reduce_op.lower()
+        return {"avg": "mean", "mean": "mean", "sum": "sum", "max": "max", "min": "min"}.get(name)
+    return {ReduceOp.SUM: "sum", ReduceOp.MAX: "max", ReduceOp.MIN: "min", ReduceOp.AVG: "mean"}.get(reduce_op)
