@@ -14,6 +14,7 @@ runs while backward computes the next, and the last bucket's is waited for befor
 backward, which needs every bucket's result.
 """
 # No ``from __future__ import annotations``: DDP compares the hook's annotations with the real types.
+import gc
 from typing import Callable, Optional
 
 import torch
@@ -42,7 +43,7 @@ def ddp_comm_hook(comm, compression: Optional[str] = None) -> Callable:
 
     Raises:
         ValueError: an unknown ``compression``. On the first bucket, on every rank: a communicator
-            whose number of ranks is not the default process group's (DDP averages over that group).
+            over other ranks than the DDP model's process group, which DDP averages over.
 
     Example::
 
@@ -58,6 +59,8 @@ def ddp_comm_hook(comm, compression: Optional[str] = None) -> Callable:
 
     # A function, with the names and annotations DDP checks (register_comm_hook).
     def torchmn_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        if not averager.checked:
+            averager.check(_ddp_process_group(torchmn_hook))
         return averager.average(bucket)
     return torchmn_hook
 
@@ -72,8 +75,6 @@ class _BucketAverager:
         self.pending: Optional[tuple] = None  # (handle, future, wire, buffer) of the previous bucket
 
     def average(self, bucket: dist.GradBucket) -> torch.futures.Future:
-        if not self.checked:
-            self._check()
         buffer = bucket.buffer()
         wire = buffer
         if self.wire_dtype is not None and buffer.is_floating_point() and buffer.dtype != self.wire_dtype:
@@ -89,15 +90,51 @@ class _BucketAverager:
             _finish(*pending)
         return future
 
-    def _check(self) -> None:
-        world = dist.get_world_size() if dist.is_initialized() else 1
-        if self.comm.size != world:
-            raise TorchmnValueError(
-                f"torchmn.ddp_comm_hook on rank {self.comm.rank} ({self.comm.host}): the communicator has "
-                f"{self.comm.size} ranks but the default process group, which DDP averages over, has {world}. "
-                f"Create the communicator over the same ranks (torchmn.create_communicator() after "
-                f"init_process_group), not over a subgroup.")
+    def check(self, ddp_group) -> None:
+        """Refuse, on the first bucket, a communicator over other ranks than DDP's process group
+        (``ddp_group``; None where it could not be found: then the default group)."""
+        comm = self.comm
+        rank = dist.get_rank() if dist.is_initialized() else comm.rank  # in the job, not in a split communicator
+        where = f"torchmn.ddp_comm_hook on rank {rank} ({comm.host})"
+        if ddp_group is None:
+            world = dist.get_world_size() if dist.is_initialized() else 1
+            if comm.size != world:
+                raise TorchmnValueError(
+                    f"{where}: the communicator has {comm.size} ranks but the default process group, which DDP "
+                    f"averages over, has {world}. Create the communicator over the same ranks "
+                    f"(torchmn.create_communicator() after init_process_group), not over a subgroup.")
+        else:
+            ddp_ranks = sorted(dist.get_process_group_ranks(ddp_group))
+            comm_ranks = sorted(comm.world_rank(r) for r in range(comm.size))
+            if ddp_ranks != comm_ranks:
+                raise TorchmnValueError(
+                    f"{where}: the DDP model averages over ranks {ddp_ranks} (its process_group), but the "
+                    f"communicator spans ranks {comm_ranks}. Give the hook a communicator of the same ranks "
+                    f"(comm.split(color, key) to the model's group), or build DDP over the communicator's ranks.")
         self.checked = True
+
+
+def _ddp_process_group(hook: Callable):
+    """The process group of the DDP model ``hook`` is registered on, found through DDP's own list of
+    its hooks (``register_comm_hook`` keeps ``(hook, state)`` there); None where it is not found.
+    Looked up once, on the first bucket: the hook is not handed the model."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    for pair in gc.get_referrers(hook):
+        if not (isinstance(pair, tuple) and pair and pair[0] is hook):
+            continue
+        for hooks in gc.get_referrers(pair):
+            if not isinstance(hooks, list):
+                continue
+            for owner in gc.get_referrers(hooks):
+                # The model itself, or its attribute dict where Python made one.
+                owners = [owner] if isinstance(owner, DistributedDataParallel) else \
+                    [o for o in gc.get_referrers(owner) if isinstance(o, DistributedDataParallel)] \
+                    if isinstance(owner, dict) else []
+                for model in owners:
+                    if getattr(model, "_comm_hooks", None) is hooks:
+                        return model.process_group
+    return None
 
 
 def _finish(handle, future: torch.futures.Future, wire: torch.Tensor, buffer: torch.Tensor) -> None:

@@ -122,16 +122,34 @@ def check_bad_compression_refused(comm):
 
 def check_communicator_of_another_size_refused(comm):
     """A communicator over a subgroup (one rank each) while DDP averages over the whole world: the
-    first backward raises on every rank, naming both sizes and the fix."""
+    first backward raises on every rank, naming both sets of ranks and the fix."""
     alone = comm.split(color=comm.rank)
     torch.manual_seed(0)
     model = DDP(Net().double(), bucket_cap_mb=BUCKET_MB)
     model.register_comm_hook(None, torchmn.ddp_comm_hook(alone))
     x, y = batch(comm.rank, 0)
     e = expect(TorchmnValueError, lambda: torch.nn.functional.cross_entropy(model(x), y).backward())
-    assert f"has 1 ranks but the default process group, which DDP averages over, has {comm.size}" in str(e), e
-    assert f"on rank 0 ({comm.host})" in str(e), e
+    everyone = list(range(comm.size))
+    assert f"averages over ranks {everyone} (its process_group), but the communicator spans ranks [{comm.rank}]" \
+        in str(e), e
+    assert f"on rank {comm.rank} ({comm.host})" in str(e), e
     alone.finalize()
+    dist.barrier()
+
+
+def check_ddp_over_other_ranks_refused(comm):
+    """DDP over a group of one rank each (its process_group), the hook given the whole world: the
+    first backward raises on every rank, naming both sets of ranks and the fix."""
+    singles = [dist.new_group([r]) for r in range(comm.size)]  # every rank takes part in creating each
+    torch.manual_seed(0)
+    model = DDP(Net().double(), bucket_cap_mb=BUCKET_MB, process_group=singles[comm.rank])
+    model.register_comm_hook(None, torchmn.ddp_comm_hook(comm))
+    x, y = batch(comm.rank, 0)
+    e = expect(TorchmnValueError, lambda: torch.nn.functional.cross_entropy(model(x), y).backward())
+    everyone = list(range(comm.size))
+    assert f"averages over ranks [{comm.rank}] (its process_group), but the communicator spans ranks {everyone}" \
+        in str(e), e
+    assert "comm.split" in str(e), e
     dist.barrier()
 
 
