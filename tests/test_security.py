@@ -372,3 +372,20 @@ def test_slurm_task_with_another_token_is_refused(tmp_path):
     assert "received SIGTERM while waiting for the other Slurm tasks" in err0, err0
     assert "presented a wrong token" in err0, err0
     assert "RANK" not in out0 + out1
+
+
+@pytest.mark.parametrize("spoil, words", [
+    (lambda key: key.write_bytes(b""), "holds 0 characters, fewer than"),
+    (lambda key: key.chmod(0o644), "can be read by others (mode 644); run chmod 600"),
+    (lambda key: os.chown(key, os.getuid() + 4242, -1), "belongs to user id"),
+], ids=["empty", "readable_by_others", "another_owner"])
+def test_a_spoiled_slurm_key_file_is_refused(tmp_path, spoil, words):
+    """The key that Slurm tasks derive their token from: a file anyone could guess (empty), read
+    (mode 644) or write (another user's) is refused with the fix, not used."""
+    env = {"HOME": str(tmp_path)}
+    auth.user_key(env)  # made once, mode 600
+    key = tmp_path / ".config" / "torchmn" / "job-key"
+    spoil(key)
+    with pytest.raises(auth.TokenError) as refused:
+        auth.user_key(env)
+    assert words in str(refused.value) and f"remove {key}" in str(refused.value), refused.value

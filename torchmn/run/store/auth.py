@@ -279,12 +279,11 @@ def user_key(env: Mapping[str, str]) -> bytes:
     fix = (f"or export {TOKEN_ENV}=$(python -c 'import secrets; print(secrets.token_hex(32))') before srun "
            f"so that every task gets the same token")
     try:
-        with open(path, "rb") as f:
-            key = f.read().strip()
-        if len(key) >= MIN_TOKEN_CHARS:
-            return key
+        return _read_key(path, fix)
     except FileNotFoundError:
         pass
+    except TokenError:
+        raise  # an OSError too, but already the answer
     except OSError as e:
         raise TokenError(f"cannot read the torchmn key {path} ({e.strerror}); fix its permissions, {fix}") from e
     try:
@@ -299,10 +298,31 @@ def user_key(env: Mapping[str, str]) -> bytes:
             pass  # another node's won; read it
         finally:
             os.unlink(mine)
-        with open(path, "rb") as f:
-            return f.read().strip()
+        return _read_key(path, fix)
+    except TokenError:
+        raise
     except OSError as e:
         raise TokenError(f"cannot make the torchmn key {path} ({e.strerror}); make its directory writable, {fix}") from e
+
+
+def _read_key(path: str, fix: str) -> bytes:
+    """The key in ``path``, read and checked through one open file: at least MIN_TOKEN_CHARS long,
+    owned by this user and readable by no one else; else TokenError (a key anyone can read or guess
+    would let anyone compute every step's token)."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        key = f.read().strip()
+    remedy = f"remove {path} (torchmn makes a new one) on every node that shares it, {fix}"
+    if len(key) < MIN_TOKEN_CHARS:
+        raise TokenError(f"the torchmn key {path} holds {len(key)} characters, fewer than {MIN_TOKEN_CHARS}, so "
+                         f"the step tokens made from it could be guessed; {remedy}")
+    if st.st_uid != os.getuid():
+        raise TokenError(f"the torchmn key {path} belongs to user id {st.st_uid}, not to this user "
+                         f"({os.getuid()}), who could then be impersonated by its owner; {remedy}")
+    if st.st_mode & 0o077:
+        raise TokenError(f"the torchmn key {path} can be read by others (mode {st.st_mode & 0o777:o}); run "
+                         f"chmod 600 {path}, or {remedy}")
+    return key
 
 
 def token_from(env: Mapping[str, str]) -> Optional[str]:
