@@ -633,3 +633,31 @@ def test_loopback_rendezvous_address_is_never_handed_to_other_hosts():
     assert _is_loopback("127.0.0.1") and _is_loopback("127.0.1.1") and _is_loopback("localhost")
     assert _is_loopback("::1")
     assert not _is_loopback("10.1.2.3") and not _is_loopback("no-such-host.invalid")
+
+
+def test_default_ssh_trusts_a_new_host_but_never_a_changed_host_key(cluster, tmp_path):
+    """torchmn run's default ssh client: a host seen for the first time is remembered
+    (accept-new), a host whose key differs from the remembered one is refused, as an impostor at
+    that address would otherwise receive the job's token."""
+    from cluster.netns import SSH_PORT
+
+    addr = cluster.address("h1")
+    known = tmp_path / "known_hosts"
+    ssh_command = ssh.DEFAULT_SSH_COMMAND + f" -F /dev/null -o UserKnownHostsFile={known} -o LogLevel=ERROR"
+    argv = [sys.executable, "-m", "torchmn", "run", "--ssh-command", ssh_command, "--ssh-identity-file", cluster.key,
+            "--ssh-port", str(SSH_PORT), "-np", "1", "-H", f"{addr}:1", sys.executable, "-c", "print('started')"]
+
+    def run():
+        return subprocess.run(argv, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
+
+    known.write_text("")
+    first = run()
+    assert first.returncode == 0 and "started" in first.stdout, first.stderr
+    assert addr in known.read_text()  # remembered
+    subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(tmp_path / "impostor")], check=True)
+    impostor = (tmp_path / "impostor.pub").read_text().split()[:2]
+    remembered = known.read_text().splitlines()
+    known.write_text("".join(f"{line.split()[0]} {' '.join(impostor)}\n" for line in remembered))
+    changed = run()
+    assert changed.returncode != 0 and "started" not in changed.stdout, changed.stdout + changed.stderr
+    assert f"host {addr}" in changed.stderr and "Host key verification failed" in changed.stderr, changed.stderr

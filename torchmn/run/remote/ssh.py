@@ -6,7 +6,7 @@ check that a host can run ranks at all (``check_hosts``), made before any rank s
 
 Example (what the launcher runs for rank 2 on host ``node2``)::
 
-    ssh -o BatchMode=yes -o StrictHostKeyChecking=no -o ConnectTimeout=10 node2 \\
+    ssh -o BatchMode=yes -o StrictHostKeyChecking=accept-new -o ConnectTimeout=10 node2 \\
         "cd /home/me/proj && exec env PATH=... TORCHMN_RANK=2 ... /usr/bin/python3 \\
          -c 'import importlib.util as u, runpy, ...' -- python train.py"
 """
@@ -25,7 +25,7 @@ from torchmn.run.processes.groups import signal_group
 from torchmn.run.remote.protocol import WATCHER_MODULE
 from torchmn.run.store.auth import TOKEN_ENV, TOKEN_ON_STDIN
 
-DEFAULT_SSH_COMMAND = "ssh -o BatchMode=yes -o StrictHostKeyChecking=no -o ConnectTimeout=10"
+DEFAULT_SSH_COMMAND = "ssh -o BatchMode=yes -o StrictHostKeyChecking=accept-new -o ConnectTimeout=10"
 
 # Variables forwarded from the launcher to every remote rank, when set, like ``mpirun -x NAME``.
 FORWARDED_NAMES = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "CONDA_PREFIX",
