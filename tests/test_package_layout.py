@@ -12,6 +12,8 @@ still makes one).
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "torchmn"
 # A cohesive module of this size reads fine (ChainerMN's communicator base, torch's run.py); past it,
 # a module holds more than one concern.
@@ -273,3 +275,28 @@ def test_public_docstrings_have_google_sections():
                 found += [f"{rel}:{method.lineno} {node.name}.{method.name}: {gap}"
                           for gap in _docstring_gaps(method, "property" in decorators)]
     assert not found, f"{len(found)} public docstrings without their sections:\n  " + "\n  ".join(found)
+
+
+# The public calls that unpickle what other ranks send: pickle runs the sender's code.
+UNPICKLING = [("communicators/communicator_base.py", "CommunicatorBase." + name)
+              for name in ("send_obj", "recv_obj", "bcast_obj", "gather_obj", "allgather_obj", "scatter_obj",
+                           "allreduce_obj")] + [
+    ("datasets/scatter.py", "scatter_dataset"), ("iterators/multi_node_iterator.py", "create_multi_node_iterator"),
+    ("horovod/functions.py", "broadcast_object"), ("horovod/functions.py", "allgather_object"),
+    ("horovod/functions.py", "broadcast_optimizer_state")]
+
+
+@pytest.mark.parametrize("path, qualname", UNPICKLING, ids=[q for _, q in UNPICKLING])
+def test_calls_that_unpickle_peers_data_say_so(path, qualname):
+    """As torch's *_object collectives' docstrings do: the reader learns that a peer's data is unpickled."""
+    tree = ast.parse((PACKAGE / path).read_text())
+    scopes = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef):
+                    scopes[f"{node.name}.{item.name}"] = item
+        elif isinstance(node, ast.FunctionDef):
+            scopes.setdefault(node.name, node)
+    doc = ast.get_docstring(scopes[qualname]) or ""
+    assert "unpickle" in doc.lower() and "trust" in doc, f"{path}: {qualname} does not say it unpickles peers' data"

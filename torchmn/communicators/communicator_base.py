@@ -300,6 +300,8 @@ class CommunicatorBase(abc.ABC):
     def send_obj(self, obj: Any, dest: int, tag: int = 0) -> None:
         """Send a picklable object to rank ``dest``, which calls :meth:`recv_obj`.
 
+        The receiver unpickles it (see :meth:`recv_obj`): send only to processes that trust this one.
+
         Args:
             obj: the object (tensor views travel as what they show, not their whole storage).
             dest: the receiving rank.
@@ -318,6 +320,9 @@ class CommunicatorBase(abc.ABC):
     @abc.abstractmethod
     def recv_obj(self, source: int, tag: int = 0) -> Any:
         """Receive the object rank ``source`` sent with :meth:`send_obj`.
+
+        Unpickles what the other ranks send, as torch's ``*_object`` collectives do: use it only among
+        processes you trust (under ``torchmn run`` only the job's own reach its store; see ``docs/security.md``).
 
         Args:
             source: the sending rank; ``tag``: the sender's tag.
@@ -338,6 +343,9 @@ class CommunicatorBase(abc.ABC):
     def bcast_obj(self, obj: Any, root: int = 0) -> Any:
         """Root's picklable object on every rank. Sent in chunks, so objects over 2 GiB work.
 
+        Unpickles what the other ranks send, as torch's ``*_object`` collectives do: use it only among
+        processes you trust (under ``torchmn run`` only the job's own reach its store; see ``docs/security.md``).
+
         Args:
             obj: root's object; ignored elsewhere.
             root: the sending rank.
@@ -357,6 +365,9 @@ class CommunicatorBase(abc.ABC):
     def gather_obj(self, obj: Any, root: int = 0) -> Optional[list[Any]]:
         """Every rank's object, in rank order, on ``root``; ``None`` elsewhere.
 
+        Unpickles what the other ranks send, as torch's ``*_object`` collectives do: use it only among
+        processes you trust (under ``torchmn run`` only the job's own reach its store; see ``docs/security.md``).
+
         Args:
             obj: this rank's object; ``root``: the receiving rank.
 
@@ -374,6 +385,9 @@ class CommunicatorBase(abc.ABC):
     @abc.abstractmethod
     def allgather_obj(self, obj: Any) -> list[Any]:
         """Every rank's object, in rank order, on every rank.
+
+        Unpickles what the other ranks send, as torch's ``*_object`` collectives do: use it only among
+        processes you trust (under ``torchmn run`` only the job's own reach its store; see ``docs/security.md``).
 
         Args:
             obj: this rank's object.
@@ -393,6 +407,9 @@ class CommunicatorBase(abc.ABC):
     def scatter_obj(self, objs: Optional[Sequence[Any]], root: int = 0) -> Any:
         """Rank ``i`` receives ``objs[i]`` from root; other ranks pass ``None``.
 
+        Unpickles what the other ranks send, as torch's ``*_object`` collectives do: use it only among
+        processes you trust (under ``torchmn run`` only the job's own reach its store; see ``docs/security.md``).
+
         Args:
             objs: on root, ``size`` objects; ``None`` elsewhere. ``root``: the sending rank.
 
@@ -410,6 +427,9 @@ class CommunicatorBase(abc.ABC):
     @abc.abstractmethod
     def allreduce_obj(self, obj: Any) -> Any:
         """The sum (by ``+``) of every rank's object, on every rank.
+
+        Unpickles what the other ranks send, as torch's ``*_object`` collectives do: use it only among
+        processes you trust (under ``torchmn run`` only the job's own reach its store; see ``docs/security.md``).
 
         Args:
             obj: this rank's object (a number, a list, a Counter, ...).

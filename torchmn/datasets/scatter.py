@@ -298,6 +298,9 @@ def scatter_dataset(dataset: Any, comm, root: int = 0, shuffle: bool = False, se
     the dataset is a :class:`SharedDataset` (or sets ``__torchmn_shared__ = True``): then only
     the dataset object and the order are broadcast and each rank reads its own samples.
 
+    Unpickles what the other ranks send, as torch's ``*_object`` collectives do: use it only among
+    processes you trust (under ``torchmn run`` only the job's own reach its store; see ``docs/security.md``).
+
     Args:
         dataset: the dataset to split, on root (anything with ``len()`` and integer indexing);
             ``None`` on every other rank.

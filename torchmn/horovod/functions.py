@@ -76,6 +76,9 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, 
     ``torch.optim.SparseAdam``, and for SGD on ``model``'s sparse embeddings) and one update is
     made with them on every rank, without averaging; the zero gradients stay in ``.grad``.
 
+    Unpickles what the other ranks send, as torch's ``*_object`` collectives do: use it only among
+    processes you trust (under ``torchmn run`` only the job's own reach its store; see ``docs/security.md``).
+
     Args:
         optimizer: this rank's optimizer, over the same parameters as root's.
         root_rank: the rank whose state everyone gets.
@@ -126,6 +129,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set=global_process_set) -> Any:
     """Root's ``obj`` (any picklable object) on every rank.
 
+    Unpickles what the other ranks send, as torch's ``*_object`` collectives do: use it only among
+    processes you trust (under ``torchmn run`` only the job's own reach its store; see ``docs/security.md``).
+
     Args:
         obj: root's object (ignored elsewhere).
         root_rank: the rank whose object everyone gets.
@@ -149,6 +155,9 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set=global_process_set) -> list:
     """Every rank's ``obj`` (any picklable object), in rank order.
+
+    Unpickles what the other ranks send, as torch's ``*_object`` collectives do: use it only among
+    processes you trust (under ``torchmn run`` only the job's own reach its store; see ``docs/security.md``).
 
     Args:
         obj: this rank's object.

@@ -191,6 +191,9 @@ def create_multi_node_iterator(loader: Optional[Iterable], comm, rank_master: in
     after the same batch. If the master's loader raises, the master raises that error and the
     other ranks raise :class:`~torchmn.communicators.errors.RemoteRankError`.
 
+    Unpickles what the other ranks send, as torch's ``*_object`` collectives do: use it only among
+    processes you trust (under ``torchmn run`` only the job's own reach its store; see ``docs/security.md``).
+
     Args:
         loader: the iterable to read (a ``DataLoader``, or any iterable of picklable batches) on
             ``rank_master``; other ranks may pass ``None``.
