@@ -124,11 +124,7 @@ def check_communicator_of_another_size_refused(comm):
     """A communicator over a subgroup (one rank each) while DDP averages over the whole world: the
     first backward raises on every rank, naming both sets of ranks and the fix."""
     alone = comm.split(color=comm.rank)
-    torch.manual_seed(0)
-    model = DDP(Net().double(), bucket_cap_mb=BUCKET_MB)
-    model.register_comm_hook(None, torchmn.ddp_comm_hook(alone))
-    x, y = batch(comm.rank, 0)
-    e = expect(TorchmnValueError, lambda: torch.nn.functional.cross_entropy(model(x), y).backward())
+    e = first_backward_refused(comm, alone, process_group=None)
     everyone = list(range(comm.size))
     assert f"averages over ranks {everyone} (its process_group), but the communicator spans ranks [{comm.rank}]" \
         in str(e), e
@@ -137,15 +133,20 @@ def check_communicator_of_another_size_refused(comm):
     dist.barrier()
 
 
+def first_backward_refused(comm, hook_comm, process_group):
+    """DDP over ``process_group`` with the hook over ``hook_comm``: the error of its first backward."""
+    torch.manual_seed(0)
+    model = DDP(Net().double(), bucket_cap_mb=BUCKET_MB, process_group=process_group)
+    model.register_comm_hook(None, torchmn.ddp_comm_hook(hook_comm))
+    x, y = batch(comm.rank, 0)
+    return expect(TorchmnValueError, lambda: torch.nn.functional.cross_entropy(model(x), y).backward())
+
+
 def check_ddp_over_other_ranks_refused(comm):
     """DDP over a group of one rank each (its process_group), the hook given the whole world: the
     first backward raises on every rank, naming both sets of ranks and the fix."""
     singles = [dist.new_group([r]) for r in range(comm.size)]  # every rank takes part in creating each
-    torch.manual_seed(0)
-    model = DDP(Net().double(), bucket_cap_mb=BUCKET_MB, process_group=singles[comm.rank])
-    model.register_comm_hook(None, torchmn.ddp_comm_hook(comm))
-    x, y = batch(comm.rank, 0)
-    e = expect(TorchmnValueError, lambda: torch.nn.functional.cross_entropy(model(x), y).backward())
+    e = first_backward_refused(comm, comm, process_group=singles[comm.rank])
     everyone = list(range(comm.size))
     assert f"averages over ranks [{comm.rank}] (its process_group), but the communicator spans ranks {everyone}" \
         in str(e), e
