@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from cluster.netns import NetnsCluster
 from jobs import REPO, clean_env
+from torchmn import network
 from torchmn.run.store import auth
 from torchmn.run.store.voucher import Voucher
 
@@ -389,3 +390,36 @@ def test_a_spoiled_slurm_key_file_is_refused(tmp_path, spoil, words):
     with pytest.raises(auth.TokenError) as refused:
         auth.user_key(env)
     assert words in str(refused.value) and f"remove {key}" in str(refused.value), refused.value
+
+
+LISTENERS = """
+import psutil, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+x = torch.ones(1)
+dist.all_reduce(x)
+me = psutil.Process()
+print("LISTENING", sorted({c.laddr.ip for p in [me, *me.children(recursive=True)] for c in p.net_connections("tcp")
+                           if c.status == psutil.CONN_LISTEN}), flush=True)
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_a_one_machine_job_listens_on_loopback_only(tmp_path):
+    """Under a host name that resolves to a network address (as on many machines), gloo would listen
+    there, reachable from the network, with no authentication of its pair set-up: the ranks of a
+    one-machine job listen on loopback alone. Run in a user namespace with its own host name and
+    /etc/hosts, so that no root is needed and the machine's own are untouched."""
+    address = next((a for a in network.local_addresses() if not network.is_loopback(a) and ":" not in a), None)
+    assert address, "this test needs a non-loopback IPv4 address on the machine"
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"127.0.0.1 localhost\n{address} torchmn-test-host\n")
+    script = tmp_path / "listeners.py"
+    script.write_text(LISTENERS)
+    argv = [sys.executable, "-m", "torchmn", "run", "-np", "2", sys.executable, str(script)]
+    inner = f"hostname torchmn-test-host && mount --bind {hosts} /etc/hosts && exec {shlex.join(argv)}"
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--uts", "--mount", "--propagation", "private",
+                           "sh", "-c", inner], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if "LISTENING" in line]
+    assert len(lines) == 2 and all(line.endswith("LISTENING ['127.0.0.1']") for line in lines), proc.stdout

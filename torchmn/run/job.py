@@ -225,8 +225,9 @@ class Job:
             env = remote_env(slot, self.base_env, self.exports, self.master_addr, port)
             env[auth.TOKEN_ON_STDIN] = "1"  # the token itself goes through stdin (see _start_rank)
             return env
+        one_machine = not self.remote_hosts and (self.slurm is None or self.slurm.step.tasks == 1)
         env = local_env(slot, self.base_env, self.exports, self.master_addr, port, self.job_id,
-                        several_hosts=bool(self.remote_hosts))
+                        several_hosts=bool(self.remote_hosts), one_machine=one_machine)
         env[auth.TOKEN_ENV] = self.token
         return env
 

@@ -98,7 +98,8 @@ def rank_env(slot: Slot, master_addr: str, master_port: Union[int, str]) -> Dict
 
 
 def local_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str], master_addr: str,
-              master_port: Union[int, str], job_id: str, several_hosts: bool) -> Dict[str, str]:
+              master_port: Union[int, str], job_id: str, several_hosts: bool,
+              one_machine: bool = False) -> Dict[str, str]:
     """The whole environment of a rank on this machine.
 
     Args:
@@ -108,13 +109,16 @@ def local_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str
         master_addr, master_port: where the rendezvous store listens.
         job_id: the value of ``JOB_ID``, by which teardown finds what the rank started.
         several_hosts: other hosts take part, so gloo is told which interface reaches them.
+        one_machine: every rank of the job runs on this machine, so gloo and NCCL's sockets listen
+            on loopback only, where nothing on the network reaches them.
 
     Returns:
         The environment, for ``subprocess.Popen``: ``base_env``, then the exports, the thread
         budget's variables (``resources.launcher_thread_env``), the rank's place (``rank_env``),
         ``PYTHONUNBUFFERED=1`` and ``JOB_ID``, each overriding the ones before; with several
         hosts, also ``GLOO_SOCKET_IFNAME`` (the interface that holds ``master_addr``, where one
-        does) unless already set.
+        does) unless already set; on one machine, ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``
+        the loopback interface unless already set.
 
     Raises:
         ValueError: ``TORCHMN_NUM_THREADS`` is set but is not a positive integer.
@@ -137,6 +141,13 @@ def local_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str
         interface = network.interface_of(master_addr)
         if interface:
             env["GLOO_SOCKET_IFNAME"] = interface
+    elif one_machine:
+        # gloo would otherwise listen on the address of this machine's hostname, which may be one
+        # the network reaches, and its pair set-up authenticates nobody.
+        loopback = network.interface_of("127.0.0.1")
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            if loopback and name not in env:
+                env[name] = loopback
     return env
 
 
