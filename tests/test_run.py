@@ -377,9 +377,11 @@ def test_command_on_the_exported_path_is_found(tmp_path):
 def test_orphans_that_end_are_reaped():
     """The launcher adopts what ranks leave running (it is their subreaper); those that end must not
     stay zombies for the whole job."""
-    code = ("import os, time, psutil\n"
+    code = ("import os, subprocess, time, psutil\n"
             "for _ in range(20):\n"
             "    os.system('sleep 0.1 &')\n"
+            # An orphan the launcher saw while its parent still ran (it notes descendants every 0.5 s).
+            "subprocess.run(['sh', '-c', 'sleep 1 & sleep 0.8'])\n"
             "time.sleep(2.5)\n"
             "launcher = psutil.Process(os.getppid())\n"
             "print('ZOMBIES', sum(c.status() == psutil.STATUS_ZOMBIE for c in launcher.children()))\n")

@@ -354,15 +354,18 @@ class Supervisor:
         if self.adopts_orphans:
             ranks = {rank.process.pid for rank in self.ranks}
             try:
-                adopted = [c for c in psutil.Process().children() if c.pid not in ranks and c.pid not in self.descendants]
+                adopted = [c for c in psutil.Process().children() if c.pid not in ranks]
             except psutil.Error:
                 adopted = []
             for child in adopted:
                 try:  # only this job's: the launcher may run inside a process with children of its own
                     if child.status() == psutil.STATUS_ZOMBIE:
                         if child.pid not in self.own_children:
-                            os.waitpid(child.pid, os.WNOHANG)  # an orphan that ended: as init would, reap it
-                    elif child.environ().get(JOB_ID) == self.job_id:
+                            # An orphan that ended: as init would, reap it, also one noted above while
+                            # its parent still ran.
+                            os.waitpid(child.pid, os.WNOHANG)
+                            self.descendants.pop(child.pid, None)
+                    elif child.pid not in self.descendants and child.environ().get(JOB_ID) == self.job_id:
                         self.descendants[child.pid] = child
                 except (psutil.Error, ChildProcessError):
                     continue
