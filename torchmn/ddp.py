@@ -21,9 +21,7 @@ import torch
 import torch.distributed as dist
 
 from torchmn.errors import TorchmnValueError
-
-# The dtypes gradients travel in, by the name the optimizers take as ``compression``.
-WIRE_DTYPES = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+from torchmn.optimizers.gradient_sync import COMPRESSION  # the dtypes gradients travel in, by name
 
 
 def ddp_comm_hook(comm, compression: Optional[str] = None) -> Callable:
@@ -53,9 +51,9 @@ def ddp_comm_hook(comm, compression: Optional[str] = None) -> Callable:
     """
     if compression is None:
         compression = getattr(comm, "compression", None)
-    if compression not in WIRE_DTYPES:
+    if compression not in COMPRESSION:
         raise TorchmnValueError(f"compression must be one of None, 'fp16', 'bf16', not {compression!r}")
-    averager = _BucketAverager(comm, WIRE_DTYPES[compression])
+    averager = _BucketAverager(comm, COMPRESSION[compression])
 
     # A function, with the names and annotations DDP checks (register_comm_hook).
     def torchmn_hook(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -188,15 +188,9 @@ def _check_settings(env: Mapping[str, str]) -> None:
     that the error comes at once."""
     try:
         resources.requested_threads(env)
+        resources.shm_slot_mb_requested(env)
     except ValueError as e:
         raise InfoError(str(e)) from None
-    slot_mb = env.get("TORCHMN_SHM_SLOT_MB")
-    try:
-        if slot_mb is not None:
-            float(slot_mb)
-    except ValueError:
-        raise InfoError(f"TORCHMN_SHM_SLOT_MB={slot_mb!r} is not a number of MB; set it to the slot size each "
-                        f"rank gets in shared memory (default 16), or unset it") from None
 
 
 def _mpi4py() -> Dict[str, Any]:

@@ -24,6 +24,7 @@ TORCHMN_NUM_THREADS = "TORCHMN_NUM_THREADS"
 TORCHMN_INTEROP_THREADS = "TORCHMN_INTEROP_THREADS"     # torch's inter-op pool, applied with the budget
 TORCHMN_NUM_WORKERS = "TORCHMN_NUM_WORKERS"             # what dataloader_workers_budget() returns
 TORCHMN_BUCKET_CAP_MB = "TORCHMN_BUCKET_CAP_MB"         # create_communicator's default bucket_cap_mb
+TORCHMN_SHM_SLOT_MB = "TORCHMN_SHM_SLOT_MB"             # each rank's slot in the node's shared memory
 # Which of THREAD_VARIABLES torchmn run set (comma-separated), so that a rank can tell them from the user's.
 TORCHMN_THREAD_VARIABLES = "TORCHMN_THREAD_VARIABLES"
 
@@ -534,3 +535,32 @@ def bucket_cap_mb_requested(env: Optional[Mapping[str, str]] = None) -> Optional
     if not mb >= 0:
         raise TorchmnValueError(f"{TORCHMN_BUCKET_CAP_MB} must be a number of MB >= 0, not {value!r}")
     return mb
+
+
+def shm_slot_mb_requested(env: Optional[Mapping[str, str]] = None) -> Optional[float]:
+    """``TORCHMN_SHM_SLOT_MB``, each rank's slot in the node's shared memory, or None.
+
+    Read here, without torch, so that ``torchmn info`` refuses a malformed value at once.
+
+    Args:
+        env: the environment (default: ``os.environ``).
+
+    Returns:
+        The MB, or None where it is not set.
+
+    Raises:
+        ValueError: it is not a number.
+
+    Example::
+
+        >>> shm_slot_mb_requested({"TORCHMN_SHM_SLOT_MB": "0.5"}), shm_slot_mb_requested({})
+        (0.5, None)
+    """
+    value = _environ(env).get(TORCHMN_SHM_SLOT_MB)
+    if value is None:
+        return None
+    try:
+        return float(value)
+    except ValueError:
+        raise TorchmnValueError(f"{TORCHMN_SHM_SLOT_MB}={value!r} is not a number of MB; set it to the slot size "
+                                f"each rank gets in shared memory (default 16), or unset it") from None

@@ -16,6 +16,7 @@ from typing import Callable, Optional
 
 import torch
 
+from torchmn import resources
 from torchmn.communicators.shm.segment import (ALIGN, SHM_DIR, Flags, align, chunk_bounds, close_mapping,
                                                 map_segment, segment_name)
 
@@ -346,12 +347,16 @@ def requested_slot_bytes() -> int:
     Returns:
         The slot size, in bytes.
 
+    Raises:
+        ValueError: ``TORCHMN_SHM_SLOT_MB`` is not a number (``resources.shm_slot_mb_requested``).
+
     Example::
 
         >>> requested_slot_bytes()          # TORCHMN_SHM_SLOT_MB not set
         16777216
     """
-    return int(float(os.environ.get("TORCHMN_SHM_SLOT_MB", DEFAULT_SLOT_MB)) * 1024 * 1024)
+    mb = resources.shm_slot_mb_requested()
+    return int((DEFAULT_SLOT_MB if mb is None else mb) * 1024 * 1024)
 
 
 def fitting_slot_bytes(local_size: int, free: int) -> int:
