@@ -82,11 +82,11 @@ def check_matches_lightnings_ddp():
     for p, q in zip(reference.parameters(), model.parameters()):
         assert torch.allclose(p, q, rtol=1e-12, atol=1e-12), (p - q).abs().max()
     # The logged loss was reduced through the communicator: the mean of the ranks' last losses.
-    last = torch.stack(torchmn_gather(model.losses[-1])).mean()
+    last = torch.stack(gathered_from_every_rank(model.losses[-1])).mean()
     assert torch.allclose(trainer.callback_metrics["loss"].double(), last, rtol=1e-12), trainer.callback_metrics
 
 
-def torchmn_gather(t):
+def gathered_from_every_rank(t):
     out = [torch.zeros_like(t) for _ in range(SIZE)]
     torch.distributed.all_gather(out, t)
     return out
