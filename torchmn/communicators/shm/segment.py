@@ -22,6 +22,7 @@ KINDS = 16  # a flag word is seq * KINDS + the kind of call (see Flags.arrive_an
 # every call number, so its peers keep waiting until their next look, which then tells them at
 # once, instead of when its process is gone (module teardown takes a second or more with torch).
 FAILED = -1
+LOOK_EVERY_S = 0.02  # how often a waiting rank looks whether its peers are alive and its timeout has passed
 _live_flags: "weakref.WeakSet[Flags]" = weakref.WeakSet()  # every Flags of this process, for mark_failed
 
 
@@ -182,7 +183,7 @@ class Flags:
         first = phase * self.local_size
         self._words[first + self.local_rank] = mark
         row = self._words[first:first + self.local_size]  # a live view of the phase's flags
-        deadline = None
+        deadline = next_look = None
         spins = 0
         while min(row) < lowest:
             spins += 1
@@ -192,11 +193,18 @@ class Flags:
             # machine), spinning would starve the very peer we wait for.
             if spins < 2048:
                 os.sched_yield()
+                if spins % 256:
+                    continue
             else:
                 time.sleep(5e-5)
-            if spins % 1024 == 0:
-                now = time.monotonic()
-                deadline = deadline or now + self._timeout
+            # Looks go by the clock, not by a count of sleeps: on a busy machine a 50 us sleep can
+            # last milliseconds, and the timeout must still fire when it says, since ranks waiting
+            # over TCP meanwhile give the others only watch.GRACE_S to say where they are.
+            now = time.monotonic()
+            if next_look is None:
+                deadline, next_look = now + self._timeout, now + LOOK_EVERY_S
+            elif now >= next_look:
+                next_look = now + LOOK_EVERY_S
                 self._check_peers(phase, seq, now > deadline)
         fence()  # the others' flags before their data
         if kinds:
