@@ -186,13 +186,29 @@ def test_process_started_with_another_token_is_refused(job):
     job.still_works()
 
 
-def test_wrong_token_greeting_is_refused_right_one_accepted(job):
-    with pytest.raises(auth.TokenError):
-        Voucher.connect(job.info["addr"], job.info["port"], auth.new_token(), seconds=5)
+def test_a_client_proving_a_wrong_token_is_refused(job):
+    """A client that greets, takes the gate's proof and answers with a wrong proof of its own."""
+    with socket.create_connection((job.info["addr"], job.info["port"]), timeout=5) as sock:
+        sock.sendall(auth.GREETING + os.urandom(auth.NONCE_SIZE))
+        answer = b""
+        while len(answer) < auth.NONCE_SIZE + auth.PROOF_SIZE:
+            answer += sock.recv(64)
+        sock.sendall(os.urandom(auth.PROOF_SIZE))
+        assert sock.recv(1) == b"", "the gate should close the connection"
     job.wait_for("the line about a wrong token", lambda: any("presented a wrong token" in line
                                                              for line in job.refusals()))
     voucher = Voucher.connect(job.info["addr"], job.info["port"], job.info["token"], seconds=5)
     voucher.close()
+    job.still_works()
+
+
+def test_a_client_with_another_token_refuses_the_gate(job):
+    """The greeting is mutual: the gate proves the token first, and a client holding another token
+    stops there, before it proves anything."""
+    with pytest.raises(auth.ImpostorError, match="did not prove it knows the job's token"):
+        Voucher.connect(job.info["addr"], job.info["port"], auth.new_token(), seconds=5)
+    job.wait_for("the line about the client that left", lambda: any(
+        "left after the gate proved the job's token" in line for line in job.refusals()))
     job.still_works()
 
 
@@ -363,16 +379,57 @@ def test_slurm_task_with_another_token_is_refused(tmp_path):
     second = _slurm_task(1, port, tmp_path / "b", token=auth.new_token())
     (code1, out1, err1), = _finish([second])
     assert code1 == 2, out1 + err1
-    assert "refused the token of task 1: the tasks of this step do not share one" in err1, err1
-    assert "export TORCHMN_JOB_TOKEN=" in err1, err1
+    assert "did not prove it knows the step's token, so this task did not check in" in err1, err1
+    assert "the tasks of this step do not share a token" in err1 and "export TORCHMN_JOB_TOKEN=" in err1, err1
     # Task 0 still waits for task 1 to check in (--start-timeout 20): SIGTERM (scancel's) ends it at once.
     first.terminate()
     stopped = time.monotonic()
     (code0, out0, err0), = _finish([first])
     assert time.monotonic() - stopped < 10 and code0 == 128 + signal.SIGTERM, (code0, err0)
     assert "received SIGTERM while waiting for the other Slurm tasks" in err0, err0
-    assert "presented a wrong token" in err0, err0
+    assert "left after the gate proved the job's token" in err0, err0
     assert "RANK" not in out0 + out1
+
+
+IMPOSTOR = """
+import os, socket, sys
+listener = socket.create_server(("127.0.0.1", int(sys.argv[1])))
+print("LISTENING", flush=True)
+sock, _ = listener.accept()
+sock.settimeout(10)
+got = sock.recv(4096)
+sock.sendall(os.urandom(64))  # a nonce and a proof, as a gate would send, made up
+try:
+    while True:
+        more = sock.recv(4096)
+        if not more:
+            break
+        got += more
+except OSError:
+    pass
+print("GOT", len(got), flush=True)
+"""
+
+
+def test_a_slurm_task_refuses_a_store_that_cannot_prove_the_token(tmp_path):
+    """Another user who binds the step's port on node 0 first (it is a function of public job and
+    step ids) receives the other tasks' greetings: they check its proof, refuse it, name it, start
+    no rank and send it nothing but a nonce."""
+    port = _free_port()
+    impostor = subprocess.Popen([sys.executable, "-c", IMPOSTOR, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert impostor.stdout.readline().strip() == "LISTENING"
+        (code, out, err), = _finish([_slurm_task(1, port, tmp_path)])
+        seen, _ = impostor.communicate(timeout=30)
+    finally:
+        if impostor.poll() is None:
+            impostor.kill()
+    assert code == 2, out + err
+    assert f"the process listening on localhost:{port}, where this step's task 0 hosts its rendezvous store, " \
+           f"did not prove it knows the step's token" in err, err
+    assert "another program (perhaps another user's) holds the port" in err, err
+    assert "RANK" not in out, out
+    assert f"GOT {len(auth.GREETING) + auth.NONCE_SIZE}" in seen, seen
 
 
 @pytest.mark.parametrize("spoil, words", [

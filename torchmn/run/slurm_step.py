@@ -18,7 +18,7 @@ from torchmn.environments.detect import launcher_class
 from torchmn.environments.hostlist import expand_hostlist
 from torchmn.run.config import RunError
 from torchmn.run.plan import Slot, plan_slots
-from torchmn.run.store.auth import TokenError, step_token
+from torchmn.run.store.auth import ImpostorError, TokenError, step_token
 from torchmn.run.store.rendezvous import HostedStore, start_store
 from torchmn.run.store.voucher import Voucher
 
@@ -211,6 +211,15 @@ class SlurmTasks:
             self.voucher.serve()
             self.store = TCPStore(master_addr, master_port, is_master=False,
                                   timeout=datetime.timedelta(seconds=self.start_timeout))
+        except ImpostorError as e:
+            raise RunError(f"Slurm task {self.step.task}: the process listening on {master_addr}:{master_port}, "
+                           f"where this step's task 0 hosts its rendezvous store, did not prove it knows the "
+                           f"step's token, so this task did not check in and started no rank. Either another "
+                           f"program (perhaps another user's) holds the port on {master_addr}: run the step "
+                           f"again with another MASTER_PORT exported; or the tasks of this step do not share "
+                           f"a token: each derives it from the key in its home directory, so the nodes need "
+                           f"the same home, or export TORCHMN_JOB_TOKEN=$(python -c 'import secrets; "
+                           f"print(secrets.token_hex(32))') in the batch script, before srun.") from e
         except TokenError as e:
             raise RunError(f"the rendezvous store of Slurm task 0 at {master_addr}:{master_port} refused the "
                            f"token of task {self.step.task}: the tasks of this step do not share one. Each "

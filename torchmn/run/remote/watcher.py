@@ -24,7 +24,7 @@ from torchmn import network, resources
 from torchmn.run.processes.groups import become_subreaper, group_alive, signal_group
 from torchmn.run.processes.output import join_unless_idle
 from torchmn.run.remote.protocol import RELAY_LINE, SIGNAL_LINE, STARTED_MARKER, WATCHER_GRACE_SECONDS
-from torchmn.run.store.auth import TOKEN_ENV, TOKEN_ON_STDIN, TokenError, read_token_line
+from torchmn.run.store.auth import TOKEN_ENV, TOKEN_ON_STDIN, ImpostorError, TokenError, read_token_line
 from torchmn.run.store.voucher import Voucher
 
 
@@ -156,6 +156,11 @@ def _prepare_env(env: Dict[str, str], token: Optional[str],
             else:
                 with _reach_store(addr, int(port), seconds) as connection:
                     local_address = connection.getsockname()[0]
+        except ImpostorError:
+            return (f"rank {rank} on host {host}: the process listening on {addr}:{port} did not prove it "
+                    f"knows this job's token, so it is not this job's launcher (another program, perhaps "
+                    f"another user's, holds the port) and the rank was not started. Start the job again "
+                    f"with another --master-port."), None
         except TokenError:
             return (f"rank {rank} on host {host}: the rendezvous store at {addr}:{port} refused this job's "
                     f"token; another program may have taken the launcher's port. Start the job again."), None

@@ -6,11 +6,17 @@ The rendezvous store admits a connection from a process started with the token, 
 launcher or watcher of the job that proves it knows the token with this module's greeting:
 
 1. the client sends ``GREETING`` (a first byte no ``TCPStore`` request starts with, then
-   ``torchmn`` and a kind byte);
-2. the server answers with a random challenge of ``CHALLENGE_SIZE`` bytes;
-3. the client answers ``proof(token, challenge, kind)``, an HMAC, so that the token itself never
-   crosses the network and a recorded answer is worth nothing for the next challenge;
-4. the server sends ``ACCEPTED`` and keeps the connection, or closes it.
+   ``torchmn`` and a kind byte) and a random nonce of ``NONCE_SIZE`` bytes;
+2. the server answers with a nonce of its own and ``proof(token, SERVER, both nonces)``;
+3. the client checks that proof first, and closes the connection when it is wrong: a process
+   that holds the job's port without the token (another user's, who bound it first) learns
+   nothing and is told nothing;
+4. the client answers ``proof(token, CLIENT, both nonces)``;
+5. the server sends ``ACCEPTED`` and keeps the connection, or closes it.
+
+The proofs are HMACs, so the token never crosses the network; both sides' nonces make a
+recorded proof worth nothing in the next greeting, and the role in each makes one side's proof
+useless as the other's.
 
 Standard library only: the watcher loads this module on hosts where torch must not be imported.
 The trust model is in ``docs/security.md``.
@@ -36,8 +42,10 @@ TOKEN_ON_STDIN = "TORCHMN_JOB_TOKEN_ON_STDIN"
 GREETING_BYTE = b"\xff"
 VOUCHER = b"V"  # the kind of connection: a watcher or launcher that vouches for its host's processes
 GREETING = GREETING_BYTE + b"torchmn" + VOUCHER
-CHALLENGE_SIZE = 32
+NONCE_SIZE = 32
 PROOF_SIZE = 32
+SERVER = b"server"  # the roles a proof is made for
+CLIENT = b"client"
 ACCEPTED = b"\x01"
 
 # Shortest token taken from the environment (a Slurm step's, see step_token): 128 bits in hex.
@@ -46,6 +54,11 @@ MIN_TOKEN_CHARS = 32
 
 class TokenError(TorchmnError, OSError):
     """The other side did not accept this process's token, or the greeting went wrong."""
+
+
+class ImpostorError(TokenError):
+    """The server did not prove that it knows the job's token: not the job's gate (a process that
+    holds the port without the token), or a gate of a job with another token."""
 
 
 def new_token() -> str:
@@ -62,45 +75,46 @@ def new_token() -> str:
     return secrets.token_hex(32)
 
 
-def proof(token: str, challenge: bytes, kind: bytes = VOUCHER) -> bytes:
-    """What a client answers to the server's challenge: HMAC-SHA256 of the challenge and the kind
-    of connection, keyed with the token.
+def proof(token: str, role: bytes, nonces: bytes) -> bytes:
+    """One side's proof in the greeting: HMAC-SHA256 of its role and both nonces, keyed with the token.
 
     Args:
         token: the job's token.
-        challenge: the server's random bytes.
-        kind: the kind of connection (``VOUCHER``).
+        role: ``SERVER`` or ``CLIENT``.
+        nonces: the client's nonce followed by the server's.
 
     Returns:
         ``PROOF_SIZE`` bytes.
 
     Example::
 
-        >>> len(proof("ab" * 32, bytes(CHALLENGE_SIZE)))
+        >>> len(proof("ab" * 32, CLIENT, bytes(2 * NONCE_SIZE)))
         32
     """
-    return hmac.new(token.encode(), b"torchmn rendezvous " + kind + challenge, hashlib.sha256).digest()
+    return hmac.new(token.encode(), b"torchmn rendezvous " + VOUCHER + role + nonces, hashlib.sha256).digest()
 
 
-def proof_matches(token: str, challenge: bytes, answer: bytes, kind: bytes = VOUCHER) -> bool:
+def proof_matches(token: str, role: bytes, nonces: bytes, answer: bytes) -> bool:
     """Whether ``answer`` is the right proof, compared in constant time (``hmac.compare_digest``).
 
     Args:
         token: the job's token.
-        challenge: the challenge that was sent.
-        answer: what the client sent back.
-        kind: the kind of connection.
+        role: the role the proof is for (``SERVER``, ``CLIENT``).
+        nonces: the client's nonce followed by the server's.
+        answer: what the other side sent.
 
     Returns:
-        True when the client knows the token.
+        True when the other side knows the token.
 
     Example::
 
-        >>> token, challenge = new_token(), os.urandom(CHALLENGE_SIZE)
-        >>> proof_matches(token, challenge, proof(token, challenge)), proof_matches(token, challenge, bytes(32))
+        >>> token, nonces = new_token(), os.urandom(2 * NONCE_SIZE)
+        >>> proof_matches(token, CLIENT, nonces, proof(token, CLIENT, nonces)), proof_matches(token, CLIENT, nonces, bytes(32))
         (True, False)
+        >>> proof_matches(token, CLIENT, nonces, proof(token, SERVER, nonces))  # one side's proof is no use as the other's
+        False
     """
-    return hmac.compare_digest(proof(token, challenge, kind), answer)
+    return hmac.compare_digest(proof(token, role, nonces), answer)
 
 
 def _read_exactly(sock: socket.socket, size: int) -> bytes:
@@ -121,16 +135,27 @@ def greet(sock: socket.socket, token: str) -> None:
         token: the job's token.
 
     Raises:
-        TokenError: the server closed the connection, which it does when the token is wrong.
+        ImpostorError: the server did not prove that it knows the token; nothing was sent to it
+            but a nonce.
+        TokenError: the server closed the connection, which it does when this token is wrong.
         OSError: the connection failed.
 
     Example::
 
         >>> greet(socket.create_connection((addr, port), timeout=10), os.environ[TOKEN_ENV])  # doctest: +SKIP
     """
-    sock.sendall(GREETING)
-    challenge = _read_exactly(sock, CHALLENGE_SIZE)
-    sock.sendall(proof(token, challenge))
+    mine = os.urandom(NONCE_SIZE)
+    sock.sendall(GREETING + mine)
+    try:
+        theirs = _read_exactly(sock, NONCE_SIZE)
+        server_proof = _read_exactly(sock, PROOF_SIZE)
+    except TokenError as e:
+        raise ImpostorError("the other side closed the connection instead of proving it knows the job's "
+                            "token") from e
+    nonces = mine + theirs
+    if not proof_matches(token, SERVER, nonces, server_proof):
+        raise ImpostorError("the other side did not prove it knows the job's token")
+    sock.sendall(proof(token, CLIENT, nonces))
     try:
         answer = _read_exactly(sock, len(ACCEPTED))
     except TokenError:

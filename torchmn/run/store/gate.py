@@ -84,7 +84,7 @@ class _Newcomer:
     address: Tuple[str, int]
     deadline: float
     data: bytes = b""
-    challenge: Optional[bytes] = None
+    nonces: Optional[bytes] = None  # the client's and the gate's, once the client greeted
 
 
 @dataclasses.dataclass(eq=False)
@@ -140,7 +140,7 @@ class Gate:
         self.connect_store = connect_store
         self.log = log
         self.likely_pids = likely_pids
-        self.refused: set = set()  # (address, who) already in the log
+        self.refused: set = set()  # (address, who, why) already in the log
         self.vouchers: Dict[str, List[_Voucher]] = {}
         self.lock = threading.Lock()
         self.questions = itertools.count()
@@ -240,30 +240,36 @@ class Gate:
         except OSError:
             chunk = b""
         if not chunk:
-            self._drop(newcomer)
+            if newcomer.nonces is None:
+                self._drop(newcomer)  # a port check
+            else:
+                self._refuse(newcomer, "it left after the gate proved the job's token, without proving it "
+                             "in turn (a launcher of another job, or a Slurm task whose token differs)")
             return
         newcomer.data += chunk
-        if newcomer.challenge is None and not newcomer.data.startswith(auth.GREETING_BYTE):
+        if newcomer.nonces is None and not newcomer.data.startswith(auth.GREETING_BYTE):
             # A TCPStore client: working out who it is reads /proc or asks a voucher.
             self._forget(newcomer)
             self.workers.submit(self._admit, newcomer)
             return
-        if newcomer.challenge is None:
-            if len(newcomer.data) < len(auth.GREETING):
-                return
-            if newcomer.data[:len(auth.GREETING)] != auth.GREETING:
+        if newcomer.nonces is None:
+            opening = len(auth.GREETING) + auth.NONCE_SIZE
+            if newcomer.data[:len(auth.GREETING)] != auth.GREETING[:len(newcomer.data)]:
                 self._refuse(newcomer, "it sent an unknown greeting")
                 return
-            newcomer.data = newcomer.data[len(auth.GREETING):]
-            newcomer.challenge = os.urandom(auth.CHALLENGE_SIZE)
-            try:
-                newcomer.sock.send(newcomer.challenge)  # 32 bytes into an empty buffer: sent whole
+            if len(newcomer.data) < opening:
+                return
+            newcomer.nonces = newcomer.data[len(auth.GREETING):opening] + os.urandom(auth.NONCE_SIZE)
+            newcomer.data = newcomer.data[opening:]
+            try:  # 64 bytes into an empty buffer: sent whole
+                newcomer.sock.send(newcomer.nonces[auth.NONCE_SIZE:] + auth.proof(self.token, auth.SERVER,
+                                                                                  newcomer.nonces))
             except OSError:
                 self._drop(newcomer)
                 return
         if len(newcomer.data) < auth.PROOF_SIZE:
             return
-        if not auth.proof_matches(self.token, newcomer.challenge, newcomer.data[:auth.PROOF_SIZE]):
+        if not auth.proof_matches(self.token, auth.CLIENT, newcomer.nonces, newcomer.data[:auth.PROOF_SIZE]):
             self._refuse(newcomer, "it presented a wrong token (another job's, or a guess)")
             return
         self._forget(newcomer)
@@ -292,11 +298,11 @@ class Gate:
 
     def _log_refusal(self, address: Tuple[str, int], who: str, why: str) -> None:
         # A TCPStore client that is refused tries again until its timeout: one line per process
-        # (or per address, where the process is not known), not one per try.
+        # (or per address and reason, where the process is not known), not one per try.
         with self.lock:
-            if (address[0], who) in self.refused:
+            if (address[0], who, why) in self.refused:
                 return
-            self.refused.add((address[0], who))
+            self.refused.add((address[0], who, why))
             count = len(self.refused)
         if count > MAX_LOGGED_REFUSALS:
             return

@@ -61,6 +61,8 @@ class Voucher:
             The voucher, not yet answering (see ``serve``).
 
         Raises:
+            auth.ImpostorError: what listens there did not prove it knows the token (not this job's
+                gate); it was sent nothing but a nonce.
             auth.TokenError: the gate refused the token.
             OSError: nothing could be reached within ``seconds``.
 
