@@ -28,7 +28,7 @@ import torch.distributed as dist
 from cluster.netns import NetnsCluster
 from jobs import REPO, clean_env
 from torchmn import network
-from torchmn.run.store import auth
+from torchmn.run.store import auth, rendezvous
 from torchmn.run.store.voucher import Voucher
 
 PROBE_JOB = str(REPO / "tests" / "scripts" / "store_probe_job.py")
@@ -320,6 +320,78 @@ def test_strangers_on_other_hosts_are_refused(cluster, tmp_path):
     finally:
         code = remote.stop()
     assert code == 0, remote.output()
+
+
+# -- the store's own port ---------------------------------------------------------------------
+
+SNATCH = str(REPO / "tests" / "scripts" / "snatch_ports.py")
+
+
+def _store_connections_not_ours(store_port):
+    ours = {c.laddr.port for c in psutil.Process().net_connections("tcp") if c.raddr and c.raddr.port == store_port}
+    return [c for c in psutil.net_connections("tcp") if c.laddr.port == store_port and c.raddr
+            and c.raddr.port not in ours and c.status == psutil.CONN_ESTABLISHED]
+
+
+def test_a_stranger_who_connects_before_the_store_port_is_signed_is_cut_off():
+    """torch's TCPStore connects its own client, unsigned, as it starts, so its port is signed just
+    after it listens; another user watching for new ports can connect in between (here: in about
+    one try of three). Every such connection is shut down before the store is used, and the launcher
+    says so."""
+    snatcher = subprocess.Popen([sys.executable, SNATCH, "120"], stdout=subprocess.PIPE, text=True)
+    lines, tries = [], 0
+    try:
+        assert snatcher.stdout.readline().strip() == "READY"
+        while tries < 60 and len(lines) < 3:
+            tries += 1
+            hosted = rendezvous.start_store("127.0.0.1", None, log=lines.append)
+            try:
+                port = hosted.store.port
+                time.sleep(0.02)
+                assert not _store_connections_not_ours(port), (tries, lines)
+                hosted.store.set("still/works", "yes")
+                assert hosted.store.get("still/works") == b"yes"
+            finally:
+                hosted.close()
+    finally:
+        snatcher.kill()
+        snatcher.wait()
+    assert lines, f"the snatcher never got in within {tries} tries: nothing was checked"
+    assert all("cut off connections to the rendezvous store's port on 127.0.0.1 made before the kernel "
+               "closed it to all but the gate: from 127.0.0.1:" in line for line in lines), lines
+    assert f"(python) of user {psutil.Process().username()}" in lines[0], lines
+
+
+UNSIGNED_LAUNCHER = """
+import errno, sys
+import torchmn.run.store.rendezvous as rendezvous
+from torchmn.cli import main
+
+def no_signatures(sock, key):  # what a kernel without CONFIG_TCP_MD5SIG answers
+    raise OSError(errno.ENOPROTOOPT, "Protocol not available")
+
+rendezvous.sign = no_signatures
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_kernel_without_tcp_signatures_is_refused_unless_allowed():
+    """Closed by default: without TCP MD5 signatures the store's own port would be open to every
+    local user, so the launcher refuses before any rank starts, with the reason and the opt-in;
+    with --allow-unsigned-store it warns and runs."""
+    argv = [sys.executable, "-c", UNSIGNED_LAUNCHER, "run", "-np", "2"]
+    refused = subprocess.run(argv + [sys.executable, ALLREDUCE], cwd=REPO, env=clean_env(), capture_output=True,
+                             text=True, timeout=120)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "this kernel cannot sign TCP connections (Protocol not available; Linux's CONFIG_TCP_MD5SIG)" \
+        in refused.stderr and "pass --allow-unsigned-store" in refused.stderr, refused.stderr
+    assert "allreduce ok" not in refused.stdout, refused.stdout
+    allowed = subprocess.run(argv + ["--allow-unsigned-store", sys.executable, ALLREDUCE], cwd=REPO,
+                             env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert allowed.returncode == 0, allowed.stdout + allowed.stderr
+    assert "as --allow-unsigned-store asked, the rendezvous store's own port on 127.0.0.1 is open" \
+        in allowed.stderr, allowed.stderr
+    assert allowed.stdout.count("allreduce ok") == 2, allowed.stdout
 
 
 # -- the tasks of a Slurm step ------------------------------------------------------------------

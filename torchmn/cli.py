@@ -80,6 +80,10 @@ def _add_run(subparsers) -> None:
     p.add_argument("--start-timeout", type=float, default=None, metavar="SECONDS",
                    help="how long checking the hosts, and starting each remote rank, may take "
                         "(default 60)")
+    p.add_argument("--allow-unsigned-store", action="store_true",
+                   help="on a kernel without TCP MD5 signatures (CONFIG_TCP_MD5SIG), start anyway, with the "
+                        "rendezvous store's own port open to every program of this machine, which could take "
+                        "over the job: only where no other user runs programs (see docs/security.md)")
     p.add_argument("--verbose", "-v", action="store_true", help="print what the launcher does")
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan (hosts and slots; each rank's place, command line and variables, "
@@ -163,7 +167,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                               output_ranks=args.output_ranks, start_timeout=args.start_timeout,
                               verbose=args.verbose, hosts=hosts, ssh=ssh, exports=args.exports,
                               network_interface=args.network_interface, max_restarts=args.max_restarts,
-                              restart_on=args.restart_on,
+                              restart_on=args.restart_on, allow_unsigned_store=args.allow_unsigned_store,
                               restart_delay=_default_restart_delay() if args.restart_delay is None
                               else args.restart_delay)
         if args.max_restarts == 0 and (args.restart_on is not None or args.restart_delay is not None):

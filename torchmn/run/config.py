@@ -58,6 +58,9 @@ class LaunchConfig:
         restart_on: the exit codes that restart it, a signal N as 128+N (``--restart-on``, see
             ``torchmn.run.restarts.parse_restart_on``); None: any failure of a rank.
         restart_delay: seconds between a failure and the restart (``--restart-delay``).
+        allow_unsigned_store: on a kernel that cannot sign TCP connections, start anyway, with the
+            rendezvous store's own port open to every program of the machine
+            (``--allow-unsigned-store``; see ``torchmn.run.store.rendezvous.start_store``).
 
     Raises:
         RunError: ``np`` below 1, no command, a port outside 1-65535, a start timeout that is
@@ -87,6 +90,7 @@ class LaunchConfig:
     max_restarts: int = 0
     restart_on: Optional[AbstractSet[int]] = None
     restart_delay: float = RESTART_DELAY
+    allow_unsigned_store: bool = False
 
     def __post_init__(self) -> None:
         """Check the options and normalise them in place (the dataclass's constructor calls it).

@@ -30,6 +30,7 @@ from torchmn.run.job import Job
 from torchmn.run.plan import JOB_ID, Slot
 from torchmn.run.restarts import TORCHMN_RESTART_COUNT, Restarts
 from torchmn.run.store.auth import TOKEN_ENV, TOKEN_ON_STDIN
+from torchmn.run.store.rendezvous import check_signing
 
 SECRET = "<secret>"
 AT_START = "<chosen at start>"
@@ -107,6 +108,11 @@ def _rendezvous_section(job: Job, known_addr: Optional[str]) -> List[str]:
              f"job's token, {SECRET})",
              f"  MASTER_ADDR={addr}",
              f"  MASTER_PORT={port}"]
+    if job.slurm is None or job.slurm.step.task == 0:
+        warning = check_signing(config.allow_unsigned_store)
+        lines.append("  the store's own port on 127.0.0.1: " + (
+            "closed to all but the gate (TCP MD5 signatures)" if warning is None else
+            "OPEN to every program of this machine (no TCP MD5 signatures in this kernel; --allow-unsigned-store)"))
     if config.max_restarts:
         lines.append(f"restarts: up to {config.max_restarts} after a failed rank, each a new job; this is start 0 "
                      f"({TORCHMN_RESTART_COUNT}=0)")

@@ -295,12 +295,12 @@ class Job:
             origin = ("MASTER_PORT" if self.base_env.get("MASTER_PORT")
                       else "derived from the Slurm job and step ids")
             self.store = self.slurm.open_store(self.master_addr, self.master_port, origin, self.console.message,
-                                               self._local_pids)
+                                               self._local_pids, allow_unsigned=config.allow_unsigned_store)
             self.slurm.check_in(lambda: self._raise_on_signal("waiting for the other Slurm tasks"))
         else:
             self._check_hosts()
             self.store = start_store(self.master_addr, self.master_port, token=self.token, log=self.console.message,
-                                     likely_pids=self._local_pids)
+                                     likely_pids=self._local_pids, allow_unsigned=config.allow_unsigned_store)
         port = self.store.port
         if config.verbose:
             self._describe(port)

@@ -173,7 +173,8 @@ class SlurmTasks:
         return [slot for slot in everyone if slot.node_rank == self.step.task]
 
     def open_store(self, master_addr: str, master_port: int, port_origin: str,
-                   log: Optional[Callable[[str], None]] = None, likely_pids: Callable[[], Sequence[int]] = tuple):
+                   log: Optional[Callable[[str], None]] = None, likely_pids: Callable[[], Sequence[int]] = tuple,
+                   allow_unsigned: bool = False):
         """Task 0 hosts the store, behind its gate on the step's first node; the other tasks
         connect to it as clients, each after it connected as its node's voucher (see
         ``torchmn.run.store.voucher``), which answers for the node's ranks and for this launcher.
@@ -183,6 +184,8 @@ class SlurmTasks:
             port_origin: where the port came from, for the error when it is taken.
             log: where task 0's gate reports refused connections.
             likely_pids: this node's ranks, looked at first to identify a client.
+            allow_unsigned: task 0 starts on a kernel that cannot sign TCP connections (see
+                ``torchmn.run.store.rendezvous.start_store``).
 
         Returns:
             Task 0: the ``HostedStore``; the other tasks: their ``TCPStore`` client. Either way
@@ -200,7 +203,8 @@ class SlurmTasks:
         """
         if self.step.task == 0:
             self.hosted = start_store(self._listen_address(master_addr), master_port, port_origin=port_origin,
-                                      token=self.token, log=log, likely_pids=likely_pids)
+                                      token=self.token, log=log, likely_pids=likely_pids,
+                                      allow_unsigned=allow_unsigned)
             self.store = self.hosted.store
             return self.hosted
         from torch.distributed import TCPStore

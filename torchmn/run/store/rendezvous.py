@@ -3,13 +3,15 @@ it is reached on. Who may pass the gate is in ``torchmn.run.store.gate`` and ``d
 from __future__ import annotations
 
 import errno
+import os
 import secrets
 import socket
 import struct
 import sys
 import threading
+import time
 import weakref
-from typing import Callable, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from torchmn import network
 from torchmn.run.config import RunError
@@ -51,8 +53,9 @@ class _TorchStore:
     kernel's signature check. The gate and the thread that starts it early hold this, not the
     ``HostedStore``, so that dropping the ``HostedStore`` still closes everything."""
 
-    def __init__(self, log: Callable[[str], None]):
+    def __init__(self, log: Callable[[str], None], signed: bool):
         self.log = log
+        self.signed = signed
         self.lock = threading.Lock()
         self.closed = threading.Event()
         self.store = None
@@ -64,7 +67,7 @@ class _TorchStore:
             if self.closed.is_set():
                 raise RunError("the rendezvous store is closed: the job has ended")
             if self.store is None:
-                self.store, self.port, self.key = _start_tcp_store(self.log)
+                self.store, self.port, self.key = _start_tcp_store(self.signed, self.log)
             return self.store
 
     def connect(self) -> socket.socket:
@@ -204,9 +207,43 @@ def _loads_torch(pid: int) -> bool:
     return False
 
 
-def _start_tcp_store(log: Callable[[str], None]):
+# How many times a new store is made when strangers who connected to the one before, in the
+# moment before its port was signed, managed to write into it; each try takes milliseconds.
+STORE_TRIES = 5
+# How long the strangers' connections may take to be accepted by the store, and then closed.
+CUT_OFF_SECONDS = 2.0
+
+
+def _start_tcp_store(signed: bool, log: Callable[[str], None]):
     """torch's ``TCPStore`` on 127.0.0.1, on a port only connections signed with the returned key
-    reach (None where the kernel cannot sign): (store, port, key)."""
+    reach (when ``signed``; else the key is None): (store, port, key).
+
+    The ``TCPStore`` connects its own client to its port, unsigned, as it starts, so the port can be
+    signed only afterwards, and another program of this machine that watches for new listening
+    ports may connect in between. Such connections are shut down, and the store is used only once
+    they are closed and it holds nothing (it then is as new); otherwise it is dropped before anyone
+    of the job used it, and a new one made."""
+    strangers: List[str] = []
+    for _ in range(STORE_TRIES if signed else 1):
+        store, store_port, key = _new_tcp_store(signed)
+        if key is None:
+            return store, store_port, key
+        strangers, closed = _cut_off_strangers(store_port)
+        if not strangers:
+            return store, store_port, key
+        log(f"torchmn run: cut off connections to the rendezvous store's port on 127.0.0.1 made before the "
+            f"kernel closed it to all but the gate: {'; '.join(strangers)}")
+        if closed and store.num_keys() == 0:
+            return store, store_port, key
+        del store  # the server stops, and its connections close, with the last reference
+    raise RunError(f"another program of this machine connected to the rendezvous store's port on 127.0.0.1 "
+                   f"each of {STORE_TRIES} times, in the moment between the store starting and the kernel "
+                   f"closing its port to all but the gate, and wrote into it: {'; '.join(strangers)}. It "
+                   f"watches for new ports to take over jobs; stop it (or have the machine's administrator "
+                   f"stop it) and start the job again.")
+
+
+def _new_tcp_store(signed: bool):
     from torch.distributed import TCPStore
 
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -221,18 +258,101 @@ def _start_tcp_store(log: Callable[[str], None]):
         listener.close()
         raise RunError(f"could not start the rendezvous store on 127.0.0.1: {e}") from e
     store_port = listener.getsockname()[1]
-    # The store's own client is connected by now; from here on only signed connections (the
-    # gate's) reach that port, so no other program of this machine can skip the gate.
-    key: Optional[bytes] = secrets.token_bytes(32)
+    key = secrets.token_bytes(32) if signed else None
     try:
-        sign(listener, key)
-    except OSError as e:
-        key = None
-        log(f"torchmn run: warning: this kernel cannot sign TCP connections ({e.strerror}; Linux's "
-            f"CONFIG_TCP_MD5SIG), so other users of this machine can reach the rendezvous store on "
-            f"127.0.0.1:{store_port} without the job's token; see docs/security.md")
-    listener.detach()  # the store owns the socket now, and closes it
+        if key is not None:
+            # The store's own client is connected by now; from here on only signed connections
+            # (the gate's) reach that port.
+            sign(listener, key)
+    finally:
+        listener.detach()  # the store owns the socket now, and closes it
     return store, store_port, key
+
+
+def _cut_off_strangers(store_port: int) -> Tuple[List[str], bool]:
+    """Shut down the connections to ``store_port`` (on 127.0.0.1) that this process did not make, from
+    the store's side (its sockets are this process's), and wait for the store to close them.
+
+    Connections still in the handshake are no concern: the port is signed by now, so they never
+    complete. Returns the strangers, described, and whether all were closed in time."""
+    import psutil
+
+    deadline = time.monotonic() + CUT_OFF_SECONDS
+    described: Dict[int, str] = {}
+    while True:
+        mine = psutil.Process().net_connections("tcp")
+        ours = {c.laddr.port for c in mine if c.raddr and c.raddr.port == store_port}
+        served = {c.raddr.port: c.fd for c in mine if c.laddr.port == store_port and c.raddr}
+        everyone = psutil.net_connections("tcp")
+        pids = {c.laddr.port: c.pid for c in everyone if c.raddr and c.raddr.port == store_port}
+        strangers = {c.raddr.port for c in everyone if c.laddr.port == store_port and c.raddr
+                     and c.raddr.port not in ours and c.status in _OPEN}
+        for port in strangers:
+            described.setdefault(port, f"from 127.0.0.1:{port} ({_describe_pid(pids.get(port))})")
+        if not strangers:
+            return list(described.values()), True
+        for port in strangers & served.keys():
+            try:
+                with socket.socket(fileno=os.dup(served[port])) as server_side:
+                    server_side.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass  # closed meanwhile
+        if time.monotonic() > deadline:
+            return list(described.values()), False
+        time.sleep(0.01)
+
+
+_OPEN = ("ESTABLISHED", "CLOSE_WAIT")  # psutil's names: states in which the store may still read requests
+
+
+def _describe_pid(pid: Optional[int]) -> str:
+    import psutil
+
+    if pid is None:
+        return "a process of another user, whom only root can name"
+    try:
+        process = psutil.Process(pid)
+        return f"process {pid} ({process.name()}) of user {process.username()}"
+    except psutil.Error:
+        return f"process {pid}"
+
+
+def check_signing(allow_unsigned: bool) -> Optional[str]:
+    """Whether this kernel can sign TCP connections (``sign``), which closes the store's own port to
+    all but the gate; where it cannot, refuse unless ``allow_unsigned``.
+
+    Args:
+        allow_unsigned: go on without signatures (``--allow-unsigned-store``).
+
+    Returns:
+        None when the kernel signs; else the warning to show, as ``allow_unsigned`` asked.
+
+    Raises:
+        RunError: the kernel cannot sign and ``allow_unsigned`` is False; the message says why that
+            matters and what to do.
+
+    Example::
+
+        >>> check_signing(allow_unsigned=False) is None   # a kernel with CONFIG_TCP_MD5SIG
+        True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            sign(probe, secrets.token_bytes(32))
+            return None
+        except OSError as e:
+            why = e.strerror or str(e)
+    if not allow_unsigned:
+        raise RunError(f"this kernel cannot sign TCP connections ({why}; Linux's CONFIG_TCP_MD5SIG), which is "
+                       f"how torchmn keeps the rendezvous store's own port on 127.0.0.1 closed to all but its "
+                       f"gate: without it, any user of this machine could reach the store without the job's "
+                       f"token and take over the job. Run on a kernel with CONFIG_TCP_MD5SIG (the common "
+                       f"distributions' kernels have it), or, where no other user can run programs on this "
+                       f"machine (a container or VM of your own), pass --allow-unsigned-store; see "
+                       f"docs/security.md.")
+    return (f"torchmn run: warning: this kernel cannot sign TCP connections ({why}); as --allow-unsigned-store "
+            f"asked, the rendezvous store's own port on 127.0.0.1 is open to every program of this machine, "
+            f"which can take over the job; see docs/security.md")
 
 
 def _stderr(text: str) -> None:
@@ -242,7 +362,7 @@ def _stderr(text: str) -> None:
 
 def start_store(host: str, port: Optional[int], port_origin: Optional[str] = None, token: Optional[str] = None,
                 log: Optional[Callable[[str], None]] = None,
-                likely_pids: Callable[[], Sequence[int]] = tuple) -> HostedStore:
+                likely_pids: Callable[[], Sequence[int]] = tuple, allow_unsigned: bool = False) -> HostedStore:
     """Host the rendezvous store, as torchrun does (every rank is a client of it), for the job
     members alone: the ``TCPStore`` listens on 127.0.0.1 only, on a port the kernel keeps for the
     gate (``sign``), and the gate listens on ``host``, never on every interface. The gate listens
@@ -257,12 +377,16 @@ def start_store(host: str, port: Optional[int], port_origin: Optional[str] = Non
         token: the job's token (default: a new one).
         log: where refused connections are reported (default: stderr).
         likely_pids: the job's processes on this machine, looked at first to identify a client.
+        allow_unsigned: on a kernel that cannot sign TCP connections, go on with the store's own
+            port open to every program of this machine (``--allow-unsigned-store``), instead of
+            refusing.
 
     Returns:
         The store; dropping the last reference closes it.
 
     Raises:
-        RunError: the port is taken, or ``host`` is not this machine's.
+        RunError: the port is taken, ``host`` is not this machine's, or the kernel cannot sign TCP
+            connections and ``allow_unsigned`` is False.
 
     Example::
 
@@ -270,7 +394,10 @@ def start_store(host: str, port: Optional[int], port_origin: Optional[str] = Non
         True
     """
     log = log or _stderr
-    torch_store = _TorchStore(log)
+    unsigned = check_signing(allow_unsigned)
+    if unsigned is not None:
+        log(unsigned)
+    torch_store = _TorchStore(log, signed=unsigned is None)
     try:
         gate = Gate(host, port or 0, token or auth.new_token(), torch_store.connect, log, likely_pids)
     except OSError as e:
