@@ -394,6 +394,44 @@ def test_a_kernel_without_tcp_signatures_is_refused_unless_allowed():
     assert allowed.stdout.count("allreduce ok") == 2, allowed.stdout
 
 
+PID_REUSE = """
+import os, signal, sys, time
+from torchmn.run.store.peers import ProcessDir
+
+token = "f" * 64
+
+def child(token=None):
+    pid = os.fork()
+    if pid == 0:
+        env = {"TORCHMN_JOB_TOKEN": token} if token else {}
+        os.execve(sys.executable, [sys.executable, "-c", "import time; time.sleep(60)"], env)
+    return pid
+
+stranger = child()
+process = ProcessDir(stranger)  # the gate found a stranger holding the connection
+os.kill(stranger, signal.SIGKILL)
+os.waitpid(stranger, 0)
+with open("/proc/sys/kernel/ns_last_pid", "w") as f:  # the next process gets the stranger's pid
+    f.write(str(stranger - 1))
+member = child(token)
+time.sleep(0.5)  # let it exec, so that its environment holds the token
+print("SAME PID", member == stranger, "ADMITTED", process.started_with(token), flush=True)
+os.kill(member, signal.SIGKILL)
+"""
+
+
+def test_a_reused_pid_is_not_taken_for_the_process_that_held_the_connection():
+    """The gate reads a client's file descriptors and then its environment: if the client's process
+    ends in between and its pid goes to a rank of the job (started with the token), the second read
+    must not admit the stranger's connection. Forced in a PID namespace of its own, where the next
+    pid can be chosen."""
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc",
+                           sys.executable, "-c", PID_REUSE], cwd=REPO, env=clean_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SAME PID True ADMITTED False" in proc.stdout, proc.stdout
+
+
 # -- the tasks of a Slurm step ------------------------------------------------------------------
 
 def _free_port():

@@ -4,10 +4,12 @@ A ``TCPStore`` client cannot present a secret (torch has no hook for one), but o
 kernel tells who it is: sock_diag (as ``ss`` asks it; else ``/proc/net/tcp*``) maps the
 connection to its socket's inode and owner, ``/proc/PID/fd`` maps the inode to the processes
 that hold it, and ``/proc/PID/environ`` holds the environment each was started with. A process started with the
-job's token (a rank, or anything a rank started) belongs to the job. Reading another user's
-``/proc/PID/fd`` or ``environ`` needs that user's rights or root's, so a process of another user
-cannot be vouched for by a launcher that does not run as root, and is refused either way unless
-it was started with the token.
+job's token (a rank, or anything a rank started) belongs to the job. Both are read through one
+open ``/proc/PID`` directory, which stays bound to that process: if it ends in between and its
+pid goes to another process, the second read fails instead of reading the newcomer's. Reading
+another user's ``/proc/PID/fd`` or ``environ`` needs that user's rights or root's, so a process of
+another user cannot be vouched for by a launcher that does not run as root, and is refused either
+way unless it was started with the token.
 
 Standard library only: the watcher loads this module on hosts where torch must not be imported.
 """
@@ -177,21 +179,92 @@ def socket_of(local: Address, remote: Address) -> Optional[Tuple[int, int]]:
         return _read_tables(local, remote)
 
 
-def _holds(pid: int, target: str) -> bool:
-    try:
-        names = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
-        return False
-    for name in names:
+class ProcessDir:
+    """One process's ``/proc/PID`` directory, held open: every read through it is of that process,
+    even once its pid is reused (the reads then fail).
+
+    Args:
+        pid: the process.
+
+    Raises:
+        OSError: the process is gone, or ``/proc/PID`` cannot be opened.
+
+    Example::
+
+        >>> with ProcessDir(os.getpid()) as me:
+        ...     me.started_with("no such token")
+        False
+    """
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.fd = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+
+    def __enter__(self) -> "ProcessDir":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the directory. Safe to call more than once."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def holds(self, target: str) -> bool:
+        """Whether one of the process's file descriptors is ``target`` (as ``readlink`` shows it,
+        e.g. ``socket:[1234]``); False where they cannot be read.
+
+        Example::
+
+            >>> with ProcessDir(os.getpid()) as me:
+            ...     me.holds("socket:[0]")
+            False
+        """
         try:
-            if os.readlink(f"/proc/{pid}/fd/{name}") == target:
-                return True
+            fds = os.open("fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=self.fd)
         except OSError:
-            continue
-    return False
+            return False
+        try:
+            for name in os.listdir(fds):
+                try:
+                    if os.readlink(name, dir_fd=fds) == target:
+                        return True
+                except OSError:
+                    continue
+            return False
+        except OSError:
+            return False
+        finally:
+            os.close(fds)
+
+    def started_with(self, token: str) -> bool:
+        """Whether the process was started with ``TORCHMN_JOB_TOKEN`` equal to ``token``; False where
+        its environment cannot be read.
+
+        Example::
+
+            >>> with ProcessDir(os.getpid()) as me:
+            ...     me.started_with("no such token")
+            False
+        """
+        try:
+            fd = os.open("environ", os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.fd)
+        except OSError:
+            return False
+        try:
+            with os.fdopen(fd, "rb") as f:
+                environ = f.read()
+        except OSError:
+            return False
+        prefix = TOKEN_ENV.encode() + b"="
+        want = token.encode()
+        return any(hmac.compare_digest(item[len(prefix):], want)
+                   for item in environ.split(b"\0") if item.startswith(prefix))
 
 
-def holders(inode: int, uid: Optional[int], first: Iterable[int] = ()) -> Iterator[int]:
+def holders(inode: int, uid: Optional[int], first: Iterable[int] = ()) -> Iterator[ProcessDir]:
     """The processes that hold socket ``inode``, looking at ``first`` before the others and only
     at processes of user ``uid``, which a socket's owner nearly always is.
 
@@ -201,59 +274,44 @@ def holders(inode: int, uid: Optional[int], first: Iterable[int] = ()) -> Iterat
         first: likely holders (the job's ranks), looked at first.
 
     Yields:
-        Process ids.
+        Each holder's ``ProcessDir``, open until the next one is asked for (so that what is read
+        of it next is of the same process).
 
     Example::
 
-        >>> list(holders(1, None, first=[os.getpid()]))
+        >>> [p.pid for p in holders(1, None, first=[os.getpid()])]
         []
     """
     target = f"socket:[{inode}]"
     seen = set()
-    for pid in first:
-        seen.add(pid)
-        if _holds(pid, target):
-            yield pid
-    try:
-        entries = list(os.scandir("/proc"))
-    except OSError:
-        return
-    for entry in entries:
-        if not entry.name.isdigit() or int(entry.name) in seen:
-            continue
+
+    def candidates() -> Iterator[int]:
+        yield from first
         try:
-            if uid is not None and entry.stat().st_uid != uid:
-                continue
+            entries = list(os.scandir("/proc"))
         except OSError:
-            continue
-        if _holds(int(entry.name), target):
+            return
+        for entry in entries:
+            if not entry.name.isdigit():
+                continue
+            try:
+                if uid is not None and entry.stat().st_uid != uid:
+                    continue
+            except OSError:
+                continue
             yield int(entry.name)
 
-
-def started_with(pid: int, token: str) -> bool:
-    """Whether process ``pid`` was started with ``TORCHMN_JOB_TOKEN`` equal to ``token``.
-
-    Args:
-        pid: the process.
-        token: the job's token.
-
-    Returns:
-        The answer; False where the environment cannot be read.
-
-    Example::
-
-        >>> started_with(os.getpid(), "no such token")
-        False
-    """
-    try:
-        with open(f"/proc/{pid}/environ", "rb") as f:
-            environ = f.read()
-    except OSError:
-        return False
-    prefix = TOKEN_ENV.encode() + b"="
-    want = token.encode()
-    return any(hmac.compare_digest(item[len(prefix):], want)
-               for item in environ.split(b"\0") if item.startswith(prefix))
+    for pid in candidates():
+        if pid in seen:
+            continue
+        seen.add(pid)
+        try:
+            process = ProcessDir(pid)
+        except OSError:
+            continue
+        with process:
+            if process.holds(target):
+                yield process
 
 
 def identify(local: Address, remote: Address, token: str, first: Sequence[int] = (),
@@ -282,8 +340,8 @@ def identify(local: Address, remote: Address, token: str, first: Sequence[int] =
         return Peer()
     inode, uid = found
     pids = []
-    for pid in holders(inode, uid, first=list(own_pids) + list(first)):
-        pids.append(pid)
-        if pid in own_pids or started_with(pid, token):
+    for process in holders(inode, uid, first=list(own_pids) + list(first)):
+        pids.append(process.pid)
+        if process.pid in own_pids or process.started_with(token):
             return Peer(True, uid, tuple(pids), True)
     return Peer(True, uid, tuple(pids), False)
