@@ -394,6 +394,83 @@ def test_a_kernel_without_tcp_signatures_is_refused_unless_allowed():
     assert allowed.stdout.count("allreduce ok") == 2, allowed.stdout
 
 
+STORE_ROUNDS = """
+import datetime, os, sys, time
+from torch.distributed import TCPStore
+
+rank, go = int(os.environ["RANK"]), sys.argv[1]
+
+def meet(round):
+    started = time.monotonic()
+    store = TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                     timeout=datetime.timedelta(seconds=60))
+    store.set(f"{round}/{rank}", "here")
+    store.wait([f"{round}/{1 - rank}"])
+    return time.monotonic() - started
+
+print("BEFORE", meet("before"), flush=True)
+while not os.path.exists(go):
+    time.sleep(0.02)
+print("UNDER ATTACK", meet("attacked"), flush=True)
+"""
+
+HOARDER = """
+import os, socket, sys, time
+os.setgroups([]); os.setgid(65534); os.setuid(65534)  # another user: nobody
+port, count = int(sys.argv[1]), int(sys.argv[2])
+held = []
+for _ in range(count):
+    sock = socket.socket()
+    sock.setblocking(False)
+    try:
+        sock.connect(("127.0.0.1", port))
+    except BlockingIOError:
+        pass
+    held.append(sock)
+if len(sys.argv) > 3:  # a first byte of a greeting, and nothing more
+    time.sleep(0.5)
+    for sock in held:
+        try:
+            sock.send(b"\\xff")
+        except OSError:
+            pass
+print("HOARDING", len(held), flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("greeting", [False, True], ids=["idle", "half_greeting"])
+def test_hundreds_of_idle_connections_do_not_delay_the_job(tmp_path, greeting):
+    """Another user opens 600 connections to the gate and sends nothing (or the first byte of a
+    greeting), with the launcher's soft file limit at 256: the job's ranks still meet at the store
+    within 2 s of their time without the crowd."""
+    go = tmp_path / "go"
+    script = tmp_path / "rounds.py"
+    script.write_text(STORE_ROUNDS)
+    port = _free_port()
+    launcher = subprocess.Popen(["prlimit", "--nofile=256:", sys.executable, "-m", "torchmn", "run", "-np", "2",
+                                 "--master-port", str(port), sys.executable, str(script), str(go)],
+                                cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    hoarder = None
+    try:
+        before = [launcher.stdout.readline() for _ in range(2)]
+        assert all("BEFORE" in line for line in before), before
+        hoarder = subprocess.Popen([sys.executable, "-c", HOARDER, str(port), "600"] + (["greet"] if greeting else []),
+                                   stdout=subprocess.PIPE, text=True)
+        assert hoarder.stdout.readline().startswith("HOARDING 600")
+        go.touch()
+        out, err = launcher.communicate(timeout=90)
+    finally:
+        for proc in (launcher, hoarder):
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert launcher.returncode == 0, out + err
+    baseline = max(float(line.split()[-1]) for line in before)
+    attacked = [float(line.split()[-1]) for line in out.splitlines() if "UNDER ATTACK" in line]
+    assert len(attacked) == 2 and max(attacked) < baseline + 2.0, (baseline, attacked, err[-2000:])
+
+
 PID_REUSE = """
 import os, signal, sys, time
 from torchmn.run.store.peers import ProcessDir

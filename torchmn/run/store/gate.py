@@ -17,14 +17,25 @@ reads the first byte:
 Anything else is closed, with one line in the launcher's output saying who and why. All sockets
 are served by one thread (``selectors``); working out who a client is, which reads ``/proc``
 or waits for a voucher's answer, runs on a small pool of threads meanwhile.
+
+The door cannot be jammed by a crowd of connections that say nothing: a connection must send its
+first byte within ``FIRST_BYTE_SECONDS`` and finish its greeting within ``GREETING_SECONDS``; the
+connections not yet admitted are capped per source (a user of this machine, or another host's
+address) and in all, the oldest of the largest source making room; a local connection of another
+user is refused at once where this launcher could not look into its processes anyway; and the
+launcher's soft limit of open files is raised to the hard one, with accepting paused briefly,
+never spun on, if even that runs out.
 """
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
+import errno
 import itertools
 import os
 import queue
+import resource
 import selectors
 import socket
 import threading
@@ -32,11 +43,18 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from torchmn.run.store import auth
-from torchmn.run.store.peers import identify
+from torchmn.run.store.peers import identify, socket_of
 from torchmn.run.store.pipes import End, Pipes
 
-# Seconds a new connection has to send its first byte, or to finish its greeting.
+# Seconds a new connection has to send its first byte (a TCPStore client sends it as it
+# connects), and to finish its greeting.
+FIRST_BYTE_SECONDS = 3.0
 GREETING_SECONDS = 10.0
+# Connections not yet admitted (greeting, or being identified): per source, and in all.
+MAX_PENDING_PER_SOURCE = 64
+MAX_PENDING = 1024
+# How long accepting pauses when the launcher is out of file descriptors.
+ACCEPT_PAUSE_SECONDS = 0.1
 # Seconds to wait for a voucher's answer about one of its host's connections.
 VOUCH_SECONDS = 10.0
 # Refusals written to the log; past this many, one line says the rest are not shown.
@@ -76,6 +94,28 @@ def listen(address: str, port: int) -> socket.socket:
     return sock
 
 
+def raise_file_limit() -> int:
+    """Raise this process's soft limit of open files to its hard limit, as servers do, so that a
+    crowd of connections cannot run the gate out of file descriptors at the usual soft limit of 1024.
+
+    Returns:
+        The soft limit now.
+
+    Example::
+
+        >>> raise_file_limit() == resource.getrlimit(resource.RLIMIT_NOFILE)[1]   # doctest: +SKIP
+        True
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            return hard
+        except (ValueError, OSError):
+            return soft
+    return soft
+
+
 @dataclasses.dataclass(eq=False)
 class _Newcomer:
     """A connection whose first bytes have not told yet what it is."""
@@ -83,8 +123,10 @@ class _Newcomer:
     sock: socket.socket
     address: Tuple[str, int]
     deadline: float
+    source: tuple = ()  # whose it is, for the caps: ("user", uid) here, ("host", address) elsewhere
     data: bytes = b""
     nonces: Optional[bytes] = None  # the client's and the gate's, once the client greeted
+    counted: bool = True  # still among the pending
 
 
 @dataclasses.dataclass(eq=False)
@@ -133,6 +175,7 @@ class Gate:
 
     def __init__(self, address: str, port: int, token: str, connect_store: Callable[[], socket.socket],
                  log: Callable[[str], None], likely_pids: Callable[[], Sequence[int]] = tuple):
+        raise_file_limit()
         self.listener = listen(address, port)
         self.listener.setblocking(False)
         self.port = self.listener.getsockname()[1]
@@ -148,6 +191,8 @@ class Gate:
         self.selector = selectors.DefaultSelector()
         self.pipes = Pipes(self.selector)
         self.newcomers: Dict[socket.socket, _Newcomer] = {}
+        self.pending: "collections.Counter[tuple]" = collections.Counter()  # by source, under lock
+        self.accept_paused_until = 0.0
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
@@ -171,8 +216,12 @@ class Gate:
     def _serve(self) -> None:
         try:
             while not self.closing:
-                timeout = 0.5 if self.newcomers else None
-                for key, events in self.selector.select(timeout):
+                timeout = 0.5 if self.newcomers or self.accept_paused_until else None
+                if self.accept_paused_until and time.monotonic() >= self.accept_paused_until:
+                    self.accept_paused_until = 0.0
+                    self.selector.register(self.listener, selectors.EVENT_READ, "listener")
+                for key, events in self.selector.select(
+                        timeout if not self.accept_paused_until else ACCEPT_PAUSE_SECONDS):
                     self._safely(self._ready, key.data, key.fileobj, events, sock=key.fileobj)
                 while True:
                     try:
@@ -182,8 +231,9 @@ class Gate:
                     self._safely(call)
                 now = time.monotonic()
                 for newcomer in [n for n in self.newcomers.values() if n.deadline < now]:
-                    what = "finished no greeting" if newcomer.data else "sent nothing"
-                    self._refuse(newcomer, f"it {what} within {GREETING_SECONDS:g} s")
+                    what = (f"finished no greeting within {GREETING_SECONDS:g} s" if newcomer.data
+                            else f"sent nothing within {FIRST_BYTE_SECONDS:g} s")
+                    self._refuse(newcomer, f"it {what}")
         finally:
             self._close_all()
 
@@ -223,12 +273,76 @@ class Gate:
                 sock, address = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
-            except OSError:
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
+                    self._pause_accepting(e)
                 return
             sock.setblocking(False)
-            newcomer = _Newcomer(sock, address[:2], time.monotonic() + GREETING_SECONDS)
-            self.newcomers[sock] = newcomer
-            self.selector.register(sock, selectors.EVENT_READ, newcomer)
+            newcomer = _Newcomer(sock, address[:2], time.monotonic() + FIRST_BYTE_SECONDS)
+            if self._admit_to_pending(newcomer):
+                self.newcomers[sock] = newcomer
+                self.selector.register(sock, selectors.EVENT_READ, newcomer)
+
+    def _pause_accepting(self, error: OSError) -> None:
+        """Out of file descriptors: the waiting connection stays in the kernel's queue, and the
+        listener, still readable, would wake the loop at once, again and again; look away for a moment."""
+        if not self.accept_paused_until:
+            self.log(f"torchmn run: the rendezvous store's gate is out of file descriptors ({error.strerror}); "
+                     f"new connections wait until others close (raise the hard limit, ulimit -Hn)")
+        self.selector.unregister(self.listener)
+        self.accept_paused_until = time.monotonic() + ACCEPT_PAUSE_SECONDS
+
+    def _admit_to_pending(self, newcomer: _Newcomer) -> bool:
+        """Count a new connection among the pending, or refuse it (see the module's docstring)."""
+        found = None
+        try:
+            found = socket_of(newcomer.address, newcomer.sock.getsockname()[:2])
+        except (OSError, ValueError):
+            pass
+        if found is not None:
+            uid = found[1]
+            newcomer.source = ("user", uid)
+            if uid != os.getuid() and os.geteuid() != 0:
+                # Not root: this launcher cannot read that user's /proc, so it could never admit it.
+                newcomer.counted = False
+                self._refuse(newcomer, f"it belongs to another user (uid {uid}), whose processes this launcher "
+                             f"(uid {os.getuid()}) cannot look into; the job's processes are its own")
+                return False
+        else:
+            newcomer.source = ("host", newcomer.address[0])
+        with self.lock:
+            if self.pending[newcomer.source] >= MAX_PENDING_PER_SOURCE:
+                crowded = True
+            else:
+                crowded = False
+                self.pending[newcomer.source] += 1
+                total = sum(self.pending.values())
+        if crowded:
+            newcomer.counted = False
+            self._refuse(newcomer, f"{MAX_PENDING_PER_SOURCE} connections from the same "
+                         f"{'user' if found else 'host'} are already waiting to be admitted")
+            return False
+        if total > MAX_PENDING:
+            self._make_room()
+        return True
+
+    def _make_room(self) -> None:
+        """Over MAX_PENDING in all: close the oldest connection still greeting of the largest source."""
+        with self.lock:
+            largest = self.pending.most_common(1)[0][0]
+        oldest = next((n for n in self.newcomers.values() if n.source == largest), None)
+        if oldest is not None:
+            self._refuse(oldest, f"more than {MAX_PENDING} connections were waiting to be admitted, most of "
+                         f"them from its {largest[0]}")
+
+    def _settled(self, newcomer: _Newcomer) -> None:
+        """``newcomer`` is no longer pending: admitted, made a voucher, or closed."""
+        with self.lock:
+            if newcomer.counted:
+                newcomer.counted = False
+                self.pending[newcomer.source] -= 1
+                if self.pending[newcomer.source] <= 0:
+                    del self.pending[newcomer.source]
 
     # -- greeting ---------------------------------------------------------------------------------
 
@@ -246,6 +360,8 @@ class Gate:
                 self._refuse(newcomer, "it left after the gate proved the job's token, without proving it "
                              "in turn (a launcher of another job, or a Slurm task whose token differs)")
             return
+        if not newcomer.data:
+            newcomer.deadline += GREETING_SECONDS - FIRST_BYTE_SECONDS
         newcomer.data += chunk
         if newcomer.nonces is None and not newcomer.data.startswith(auth.GREETING_BYTE):
             # A TCPStore client: working out who it is reads /proc or asks a voucher.
@@ -273,6 +389,7 @@ class Gate:
             self._refuse(newcomer, "it presented a wrong token (another job's, or a guess)")
             return
         self._forget(newcomer)
+        self._settled(newcomer)
         voucher = _Voucher(newcomer.sock, newcomer.address, data=newcomer.data[auth.PROOF_SIZE:])
         voucher.out += auth.ACCEPTED
         with self.lock:
@@ -289,10 +406,12 @@ class Gate:
     def _drop(self, newcomer: _Newcomer) -> None:
         """A connection closed before it said anything: a port check, nothing to log."""
         self._forget(newcomer)
+        self._settled(newcomer)
         newcomer.sock.close()
 
     def _refuse(self, newcomer: _Newcomer, why: str, who: str = "") -> None:
         self._forget(newcomer)
+        self._settled(newcomer)
         newcomer.sock.close()
         self._log_refusal(newcomer.address, who, why)
 
@@ -326,15 +445,18 @@ class Gate:
                 member, words = self._ask_voucher(newcomer.address, gate_end)
                 who = who or words
             if not member:
+                self._settled(newcomer)
                 newcomer.sock.close()
                 self._log_refusal(newcomer.address, who, "it was not started with this job's token "
                                   "(TORCHMN_JOB_TOKEN) and presented none")
                 return
             store = self.connect_store()
         except Exception as e:  # noqa: BLE001 - whatever fails, the client must not hang half-admitted
+            self._settled(newcomer)
             newcomer.sock.close()
             self._log_refusal(newcomer.address, "", f"could not be joined to the store ({e})")
             return
+        self._settled(newcomer)
         self._in_loop(lambda: self._join(newcomer, store))
 
     def _likely(self) -> List[int]:
