@@ -412,7 +412,7 @@ def test_a_rank_whose_rank_0_never_came_says_so():
                             timeout=60)
     assert result.returncode != 0
     assert (f"rank 1 of Slurm job 77 step 0 on {os.uname().nodename}: rank 0 never opened the rendezvous "
-            f"store at localhost:{port} within 3 s. Check rank 0's output") in result.stderr, result.stderr
+            f"store at 127.0.0.1:{port} within 3 s. Check rank 0's output") in result.stderr, result.stderr
 
 
 def _by_hand(code, envs, timeout=90):

@@ -187,3 +187,12 @@ def test_exception_in_a_collective_ends_the_mpi_job(mpi, tmp_path):
         assert_failure_shown_once(output, seconds)
     else:
         assert_failure_shown_once(output, seconds, others_named={0, 2, 3})
+
+
+@pytest.mark.parametrize("mpi", list(MPIS))
+def test_a_one_machine_job_listens_on_loopback_only(mpi):
+    """Every rank on this machine: the store and gloo listen on loopback alone, where nothing on the
+    network reaches them (gloo's pair set-up has no authentication)."""
+    out = run_mpi(mpi, 2, [sys.executable, str(REPO / "tests" / "scripts" / "listening_ports.py")]).stdout
+    listening = dict(re.findall(r"LISTENING (\d) (\[[^]]*\])", out))
+    assert listening == {"0": "['127.0.0.1']", "1": "['127.0.0.1']"}, out

@@ -667,3 +667,20 @@ def test_a_one_machine_job_listens_on_loopback_only(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if "LISTENING" in line]
     assert len(lines) == 2 and all(line.endswith("LISTENING ['127.0.0.1']") for line in lines), proc.stdout
+
+
+def test_a_one_machine_torchrun_job_listens_on_loopback_only(tmp_path):
+    """The same under torchrun, which sets no interface: torchmn's communicator keeps gloo to
+    loopback when every rank is on this machine (torchrun's own store is torchrun's)."""
+    address = next((a for a in network.local_addresses() if not network.is_loopback(a) and ":" not in a), None)
+    assert address, "this test needs a non-loopback IPv4 address on the machine"
+    hosts = tmp_path / "hosts"
+    hosts.write_text(f"127.0.0.1 localhost\n{address} torchmn-test-host\n")
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+            str(REPO / "tests" / "scripts" / "listening_ports.py")]
+    inner = f"hostname torchmn-test-host && mount --bind {hosts} /etc/hosts && exec {shlex.join(argv)}"
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--uts", "--mount", "--propagation", "private",
+                           "sh", "-c", inner], env=clean_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("LISTENING")]
+    assert len(lines) == 2 and all(line.endswith("['127.0.0.1']") for line in lines), proc.stdout

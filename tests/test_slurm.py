@@ -148,6 +148,16 @@ def test_srun_one_node_task_per_rank(slurm):
         assert int(row["threads"]) == threads, (row, threads)
 
 
+def test_srun_one_node_job_listens_on_loopback_only(slurm):
+    """`srun -N 1 -n 2`: every rank on one node, so rank 0's store and gloo listen on loopback alone
+    (the node's host name resolves to its network address, where gloo would otherwise listen)."""
+    script = str(REPO / "tests" / "scripts" / "listening_ports.py")
+    proc = slurm.run(["srun", "-N", "1", "-n", "2", PY, script],
+                     env=job_env(MASTER_PORT=str(21000 + os.getpid() % 10000)), timeout=90)
+    listening = dict(re.findall(r"LISTENING (\d) (\[[^]]*\])", proc.stdout))
+    assert listening == {"0": "['127.0.0.1']", "1": "['127.0.0.1']"}, proc.stdout + proc.stderr
+
+
 def test_srun_two_nodes(slurm):
     """`srun -N 2 --ntasks-per-node 2`: 2 nodes x 2 ranks, rendezvous on n1, port from the ids."""
     proc = slurm.run(["srun", "-N", "2", "--ntasks-per-node", "2", PY, "-c", PROBE, "topology", "mean_grad", "arange"],

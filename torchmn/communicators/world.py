@@ -14,9 +14,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from torchmn import network
 from torchmn.environments import LaunchEnvironment, mpi_rendezvous
 from torchmn.environments import job_label
 from torchmn.environments.mpi import MPI_RENDEZVOUS
+from torchmn.environments.variables import LOCALHOST
 from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
 
 _timeout: Optional[datetime.timedelta] = None  # the world's, once set up or adopted
@@ -132,6 +134,9 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
     _timeout = timeout or default_timeout()
     _worlds += 1
     store = arrivals = None
+    one_machine = env.size > 1 and env.local_size == env.size
+    if one_machine and init_method is None:
+        keep_to_loopback()
     if init_method is None:
         if env.source in ("torchmn", "torchrun"):
             # Their launcher hosts the store (TORCHELASTIC_USE_AGENT_STORE) and set MASTER_*.
@@ -152,10 +157,13 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             if env.master_port is None:
                 raise TorchmnRuntimeError(f"{env.source}: no rendezvous port known for {env.size} ranks; "
                                           f"export MASTER_PORT (and MASTER_ADDR) on every rank")
-            _check_resolves(env)
-            host = f"[{env.master_addr}]" if ":" in env.master_addr else env.master_addr  # IPv6
+            # Every rank here and no address asked for: the store listens on loopback alone.
+            address = LOCALHOST if one_machine and not os.environ.get("MASTER_ADDR") else env.master_addr
+            if address != LOCALHOST:
+                _check_resolves(env)
+            host = f"[{address}]" if ":" in address else address  # IPv6
             init_method = f"tcp://{host}:{env.master_port}"
-            store = arrivals = _job_store(env, _timeout)
+            store = arrivals = _job_store(env, address, _timeout)
             # Rank 0's store server outlives a world in this process (multi_tenant): a world set up
             # again after finalize() would meet the first one's addresses, and pair with ranks gone.
             store = dist.PrefixStore(f"torchmn/world{_worlds}/", store)
@@ -219,17 +227,54 @@ def _launchers_store(timeout: datetime.timedelta) -> Optional["dist.TCPStore"]:
         return None
 
 
-def _job_store(env: LaunchEnvironment, timeout: datetime.timedelta) -> "dist.TCPStore":
+def keep_to_loopback() -> None:
+    """Have gloo and NCCL's socket transport use the loopback interface, unless
+    ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` are set: for a job whose ranks are all on this
+    machine, which needs no network. Otherwise gloo listens on the address of the machine's host
+    name, reachable from the network, and its pair set-up has no authentication.
+
+    Example::
+
+        >>> keep_to_loopback(); os.environ["GLOO_SOCKET_IFNAME"]   # doctest: +SKIP
+        'lo'
+    """
+    loopback = network.interface_of(LOCALHOST)
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if loopback and name not in os.environ:
+            os.environ[name] = loopback
+
+
+def _loopback_listener(port: int) -> Optional[int]:
+    """A listening socket on 127.0.0.1:``port`` for rank 0's store, as a file descriptor that the
+    store takes over (torch's own would listen on every interface); None where the port is taken
+    here already (a world set up again in this process reuses its store: multi_tenant)."""
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((LOCALHOST, port))
+        listener.listen(1024)
+    except OSError:
+        listener.close()
+        return None
+    return listener.detach()
+
+
+def _job_store(env: LaunchEnvironment, address: str, timeout: datetime.timedelta) -> "dist.TCPStore":
     """The rendezvous store at a port derived from the launcher's job id (Slurm, MPI), hosted by
-    rank 0, which writes which job it is. Two jobs can derive the same port; the second's rank 0
-    then cannot listen on it, and its other ranks would join the first job's store and wait there
-    for the whole timeout: they compare the job instead, and stop at once."""
+    rank 0, which writes which job it is, at ``address`` (127.0.0.1: listening there alone). Two
+    jobs can derive the same port; the second's rank 0 then cannot listen on it, and its other
+    ranks would join the first job's store and wait there for the whole timeout: they compare the
+    job instead, and stop at once."""
     # Words that differ between two jobs of one launcher, as far as it tells.
     job = job_label(os.environ, env.source) or f"a job of {env.size} ranks ({env.source})"
+    hosting = env.rank == 0
+    listen_fd = _loopback_listener(env.master_port) if hosting and address == LOCALHOST else None
     try:
-        store = dist.TCPStore(env.master_addr, env.master_port, env.size, env.rank == 0, timeout=timeout,
-                              wait_for_workers=False, multi_tenant=True)
+        store = dist.TCPStore(address, env.master_port, env.size, hosting, timeout=timeout,
+                              wait_for_workers=False, multi_tenant=True, master_listen_fd=listen_fd)
     except RuntimeError as e:
+        if listen_fd is not None:
+            os.close(listen_fd)
         if env.rank == 0 and "in use" in str(e).lower():
             raise TorchmnRuntimeError(
                 f"rank 0 of {job} on {socket.gethostname()}: the rendezvous port {env.master_port} "
@@ -239,9 +284,9 @@ def _job_store(env: LaunchEnvironment, timeout: datetime.timedelta) -> "dist.TCP
             raise TorchmnRuntimeError(f"rank 0 of {job} on {socket.gethostname()}: could not open the rendezvous store "
                                       f"on port {env.master_port}: {e}") from e
         raise TorchmnRuntimeError(f"rank {env.rank} of {job} on {socket.gethostname()}: rank 0 never opened the "
-                                  f"rendezvous store at {env.master_addr}:{env.master_port} within "
+                                  f"rendezvous store at {address}:{env.master_port} within "
                                   f"{timeout.total_seconds():.0f} s. Check rank 0's output: did it start, or fail before "
-                                  f"create_communicator? Is {env.master_addr} its host, reachable from here? (torch: "
+                                  f"create_communicator? Is {address} its host, reachable from here? (torch: "
                                   f"{str(e).splitlines()[0]})") from None
     if env.rank == 0:
         store.set(_JOB_KEY, job)
@@ -250,13 +295,13 @@ def _job_store(env: LaunchEnvironment, timeout: datetime.timedelta) -> "dist.TCP
         store.wait([_JOB_KEY])
     except RuntimeError as e:
         raise TorchmnRuntimeError(
-            f"rank {env.rank} of {job}: the rendezvous store at {env.master_addr}:{env.master_port} "
+            f"rank {env.rank} of {job}: the rendezvous store at {address}:{env.master_port} "
             f"never said which job it serves ({e}); if rank 0 did start, the port belongs to "
             f"another program: export MASTER_PORT=<a free port> on every rank") from None
     owner = store.get(_JOB_KEY).decode()
     if owner != job:
         raise TorchmnRuntimeError(
-            f"rank {env.rank} of {job}: the rendezvous store at {env.master_addr}:{env.master_port} "
+            f"rank {env.rank} of {job}: the rendezvous store at {address}:{env.master_port} "
             f"belongs to {owner} (the two jobs derived the same port); export "
             f"MASTER_PORT=<a free port> on every rank")
     return _mark_arrival(store, env.rank)
