@@ -28,8 +28,7 @@ import torch.distributed as dist
 from cluster.netns import NetnsCluster
 from jobs import REPO, clean_env
 from torchmn import network
-from torchmn.run.store import auth, rendezvous
-from torchmn.run.store.voucher import Voucher
+from torchmn.run.store import auth, relay, rendezvous
 
 PROBE_JOB = str(REPO / "tests" / "scripts" / "store_probe_job.py")
 ALLREDUCE = str(REPO / "tests" / "scripts" / "run_allreduce.py")
@@ -197,8 +196,7 @@ def test_a_client_proving_a_wrong_token_is_refused(job):
         assert sock.recv(1) == b"", "the gate should close the connection"
     job.wait_for("the line about a wrong token", lambda: any("presented a wrong token" in line
                                                              for line in job.refusals()))
-    voucher = Voucher.connect(job.info["addr"], job.info["port"], job.info["token"], seconds=5)
-    voucher.close()
+    relay.connect(job.info["addr"], job.info["port"], job.info["token"], seconds=5).close()
     job.still_works()
 
 
@@ -206,7 +204,7 @@ def test_a_client_with_another_token_refuses_the_gate(job):
     """The greeting is mutual: the gate proves the token first, and a client holding another token
     stops there, before it proves anything."""
     with pytest.raises(auth.ImpostorError, match="did not prove it knows the job's token"):
-        Voucher.connect(job.info["addr"], job.info["port"], auth.new_token(), seconds=5)
+        relay.connect(job.info["addr"], job.info["port"], auth.new_token(), seconds=5)
     job.wait_for("the line about the client that left", lambda: any(
         "left after the gate proved the job's token" in line for line in job.refusals()))
     job.still_works()
@@ -283,9 +281,9 @@ def _hosts(cluster, *entries):
     return ",".join(f"{cluster.address(name)}:{slots}" for name, slots in entries)
 
 
-def test_plain_script_on_other_hosts_is_vouched_for(cluster):
-    """Ranks on two other hosts, set up by plain init_process_group (env://): each host's watcher
-    answers for its rank, so the gate admits them."""
+def test_plain_script_on_other_hosts_comes_through_the_relay(cluster):
+    """Ranks on two other hosts, set up by plain init_process_group (env://): each reaches the store
+    through its host's relay (MASTER_ADDR is that host's loopback), which the gate admits."""
     argv = [sys.executable, "-m", "torchmn", "run", *cluster.launcher_options(), "-np", "2",
             "-H", _hosts(cluster, ("h1", 1), ("h2", 1)), sys.executable, ALLREDUCE]
     proc = subprocess.run(argv, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=120)
@@ -303,19 +301,27 @@ def _connect_from(cluster, host, address, port):
 
 
 def test_strangers_on_other_hosts_are_refused(cluster, tmp_path):
-    """A raw client on the host of a rank (its watcher says it is no process of the job) and on a
-    host without ranks (nobody answers for it): both are closed, and the launcher names them."""
+    """A raw client on the host of a rank and on a host without ranks, straight to the job's gate:
+    both are closed, since from another host only a relay (which proves the token) gets in; and one
+    on the rank's host at that host's relay is closed by the relay. Each is named."""
     remote = ProbedJob(tmp_path, np=1,
-                       launcher_args=[*cluster.launcher_options(), "-H", _hosts(cluster, ("h1", 1))])
+                       launcher_args=["-v", *cluster.launcher_options(), "-H", _hosts(cluster, ("h1", 1))])
     try:
-        addr, port = remote.info["addr"], remote.info["port"]
-        assert addr == cluster.gateway, remote.info
-        for host, why in (("h1", "on that host: process"), ("h2", "no launcher or watcher of this job runs")):
+        assert (remote.info["addr"], remote.info["port"] > 0) == ("127.0.0.1", True), remote.info  # the relay
+        told = next(re.search(r"rendezvous (\S+):(\d+),", line) for line in remote.err if "rendezvous" in line)
+        addr, port = told.group(1), int(told.group(2))
+        assert addr == cluster.gateway, remote.err
+        for host in ("h1", "h2"):
             proc = _connect_from(cluster, host, addr, port)
             assert "GOT b''" in proc.stdout, proc.stdout + proc.stderr
-            local_port = proc.stdout.split()[1]
-            pattern = f"{REFUSED} {cluster.address(host)}:{local_port} ("
-            remote.wait_for(f"the line about {host}", lambda: any(pattern in x and why in x for x in remote.err))
+            pattern = f"{REFUSED} {cluster.address(host)}:{proc.stdout.split()[1]} (another host): it did not " \
+                      f"come through that host's relay"
+            remote.wait_for(f"the line about {host}", lambda: any(pattern in x for x in remote.err))
+        proc = _connect_from(cluster, "h1", "127.0.0.1", remote.info["port"])
+        assert "GOT b''" in proc.stdout, proc.stdout + proc.stderr
+        pattern = re.compile(rf"{REFUSED} 127\.0\.0\.1:{proc.stdout.split()[1]} \(process \d+ \(python\).*"
+                             rf"not started with this job's token.*\(at the relay on ")
+        remote.wait_for("the relay's line", lambda: any(pattern.search(x) for x in remote.err))
         remote.still_works()
     finally:
         code = remote.stop()

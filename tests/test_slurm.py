@@ -200,7 +200,8 @@ def test_torchmn_run_inside_srun(slurm):
 
 def test_torchmn_run_one_task_per_node(slurm):
     """`srun -N 2 --ntasks-per-node 1 torchmn run -np 2`: one job of 4 ranks, 2 per node, with
-    global ranks, rendezvous on n1 at the step's port, and each node's 2 CPUs split between its ranks."""
+    global ranks, rendezvous on n1 at the step's port (the second node's ranks reach it through
+    their node's relay on loopback), and each node's 2 CPUs split between its ranks."""
     start = time.monotonic()
     proc = slurm.run(["srun", "-N", "2", "--ntasks-per-node", "1", "-c", "2", PY, "-m", "torchmn", "run",
                       "-np", "2", PY, "-c", PROBE, "topology", "collectives", "objects"],
@@ -215,9 +216,12 @@ def test_torchmn_run_one_task_per_node(slurm):
     assert all(re.search(rf"^\[{r}\] PROBE rank={r} ", out, re.M) for r in range(4)), out
     job, step = int(rows[0]["job"]), int(rows[0]["step"])
     threads = max(1, resources.cpu_count_available(SRUN_TASK_WITH_2_CPUS) // 2)
-    for row in rows.values():
-        assert (row["source"], row["addr"]) == ("torchmn", "n1"), row
-        assert int(row["port"]) == slurm_port(job, step), row
+    for rank, row in rows.items():
+        if row["node"] == "0":
+            assert (row["source"], row["addr"], int(row["port"])) == ("torchmn", "n1", slurm_port(job, step)), row
+        else:
+            assert (row["source"], row["addr"]) == ("torchmn", "127.0.0.1"), row
+            assert int(row["port"]) != slurm_port(job, step), row
         assert int(row["threads"]) == threads, (row, threads)
     print(f"one task per node: {time.monotonic() - start:.1f} s")
 

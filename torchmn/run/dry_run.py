@@ -151,7 +151,9 @@ def _rank_section(job: Job, slot: Slot, launcher_env: Mapping[str, str], port: s
         lines.append(f"  added on {slot.host} by the watcher that runs the rank: {TOKEN_ENV}={SECRET} (read from "
                      f"its stdin, never on a command line); the thread budget (OMP_NUM_THREADS etc.: {slot.host}'s "
                      f"CPUs divided among its {slot.local_size} rank(s), unless OMP_NUM_THREADS is set); "
-                     f"GLOO_SOCKET_IFNAME (the interface that reaches the launcher), unless set")
+                     f"GLOO_SOCKET_IFNAME (the interface that reaches the launcher), unless set; and "
+                     f"MASTER_ADDR=127.0.0.1 MASTER_PORT=<chosen at start>, the watcher's relay to the store on "
+                     f"{slot.host}'s loopback, in place of the ones above (which the relay connects to)")
     return lines
 
 

@@ -226,7 +226,9 @@ class Job:
             env[auth.TOKEN_ON_STDIN] = "1"  # the token itself goes through stdin (see _start_rank)
             return env
         one_machine = not self.remote_hosts and (self.slurm is None or self.slurm.step.tasks == 1)
-        env = local_env(slot, self.base_env, self.exports, self.master_addr, port, self.job_id,
+        # On a Slurm node but the first, the ranks reach the store through this node's relay.
+        address = self.slurm.ranks_address(self.master_addr) if self.slurm is not None else self.master_addr
+        env = local_env(slot, self.base_env, self.exports, address, port, self.job_id,
                         several_hosts=bool(self.remote_hosts), one_machine=one_machine)
         env[auth.TOKEN_ENV] = self.token
         return env
@@ -329,8 +331,11 @@ class Job:
         slurm = self.slurm.step if self.slurm else None
         ranks = (f"ranks {self.slots[0].rank}-{self.slots[-1].rank} of {self.size} "
                  f"(Slurm task {slurm.task} of {slurm.tasks})" if slurm else f"{self.config.np} ranks")
+        where = f"{self.master_addr}:{port}"
+        if self.slurm is not None and self.slurm.relay is not None:
+            where = f"{self.master_addr}:{self.master_port}, through this node's relay on 127.0.0.1:{port}"
         self.console.message(
-            f"torchmn run: {ranks} on {placed}, rendezvous {self.master_addr}:{port}, "
+            f"torchmn run: {ranks} on {placed}, rendezvous {where}, "
             f"threads per rank: {threads or 'set by user (OMP_NUM_THREADS)'}"
             f"{' (on this machine)' if self.remote_hosts else ''}, command: {' '.join(self.config.command)}")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import sys
 import time
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
@@ -20,7 +21,7 @@ from torchmn.run.config import RunError
 from torchmn.run.plan import Slot, plan_slots
 from torchmn.run.store.auth import ImpostorError, TokenError, step_token
 from torchmn.run.store.rendezvous import HostedStore, start_store
-from torchmn.run.store.voucher import Voucher
+from torchmn.run.store.relay import LOCAL_ADDR, Relay
 
 # Store keys the launchers of one Slurm step share (the ranks' own keys have no such prefix).
 SLURM_KEY = "torchmn/launcher/"
@@ -113,6 +114,11 @@ def slurm_step(env: Mapping[str, str]) -> Optional[SlurmStep]:
                      env.get("SLURM_JOB_ID", ""), env.get("SLURM_STEP_ID", ""))
 
 
+def _stderr(text: str) -> None:
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
+
+
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
@@ -141,7 +147,7 @@ class SlurmTasks:
         self.start_timeout = start_timeout
         self.store = None
         self.hosted: Optional[HostedStore] = None
-        self.voucher: Optional[Voucher] = None
+        self.relay: Optional[Relay] = None
         self.reported: Optional[str] = None
         try:
             self.token = step_token(os.environ if env is None else env, step.job_id, step.step_id)
@@ -175,21 +181,21 @@ class SlurmTasks:
     def open_store(self, master_addr: str, master_port: int, port_origin: str,
                    log: Optional[Callable[[str], None]] = None, likely_pids: Callable[[], Sequence[int]] = tuple,
                    allow_unsigned: bool = False):
-        """Task 0 hosts the store, behind its gate on the step's first node; the other tasks
-        connect to it as clients, each after it connected as its node's voucher (see
-        ``torchmn.run.store.voucher``), which answers for the node's ranks and for this launcher.
+        """Task 0 hosts the store, behind its gate on the step's first node; each other task opens
+        its node's relay to it (see ``torchmn.run.store.relay``), through which its ranks and this
+        launcher reach the store as clients.
 
         Args:
             master_addr, master_port: where task 0 hosts it.
             port_origin: where the port came from, for the error when it is taken.
-            log: where task 0's gate reports refused connections.
+            log: where the gate (task 0's, or this node's relay) reports refused connections.
             likely_pids: this node's ranks, looked at first to identify a client.
             allow_unsigned: task 0 starts on a kernel that cannot sign TCP connections (see
                 ``torchmn.run.store.rendezvous.start_store``).
 
         Returns:
-            Task 0: the ``HostedStore``; the other tasks: their ``TCPStore`` client. Either way
-            ``port`` is the port the ranks are told.
+            Task 0: the ``HostedStore``; the other tasks: their ``TCPStore`` client, through the
+            relay. Either way ``port`` is the port this node's ranks are told (see ``ranks_address``).
 
         Raises:
             RunError: the store cannot be started, or reached within the start timeout, or task 0
@@ -210,10 +216,9 @@ class SlurmTasks:
         from torch.distributed import TCPStore
 
         try:
-            self.voucher = Voucher.connect(master_addr, master_port, self.token, self.start_timeout,
-                                           likely_pids=likely_pids)
-            self.voucher.serve()
-            self.store = TCPStore(master_addr, master_port, is_master=False,
+            self.relay = Relay(master_addr, master_port, self.token, self.start_timeout, log or _stderr,
+                               likely_pids=likely_pids)
+            self.store = TCPStore(LOCAL_ADDR, self.relay.port, is_master=False,
                                   timeout=datetime.timedelta(seconds=self.start_timeout))
         except ImpostorError as e:
             raise RunError(f"Slurm task {self.step.task}: the process listening on {master_addr}:{master_port}, "
@@ -236,6 +241,23 @@ class SlurmTasks:
                            f"({_first_line(e)}). Check that task 0 started and that the port is open "
                            f"between the nodes (set MASTER_PORT to use another), or raise --start-timeout.") from e
         return self.store
+
+    def ranks_address(self, master_addr: str) -> str:
+        """Where this node's ranks reach the store (their ``MASTER_ADDR``): task 0's address on its
+        node, this node's relay (127.0.0.1) on the others. Call it after ``open_store``.
+
+        Args:
+            master_addr: where task 0 hosts the store.
+
+        Returns:
+            The address.
+
+        Example::
+
+            >>> tasks.ranks_address(step.master_addr)   # doctest: +SKIP
+            '127.0.0.1'
+        """
+        return LOCAL_ADDR if self.relay is not None else master_addr
 
     def _listen_address(self, master_addr: str) -> str:
         """Where task 0's gate listens: ``master_addr``, unless that name is a loopback address
@@ -357,7 +379,7 @@ class SlurmTasks:
 
     def close(self) -> None:
         """Let go of the store: drop this object's reference to it (the last one shuts task 0's
-        server down), close task 0's gate, and close this node's voucher on the other tasks.
+        server down), close task 0's gate, and close this node's relay on the other tasks.
 
         Safe to call more than once.
 
@@ -369,6 +391,6 @@ class SlurmTasks:
         if self.hosted is not None:
             self.hosted.close()
             self.hosted = None
-        if self.voucher is not None:
-            self.voucher.close()
-            self.voucher = None
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None

@@ -1,11 +1,11 @@
 """The watcher: the process that runs one remote rank, on the remote host, for ``torchmn run -H``.
 
 The launcher's ssh client starts it there (``python -m torchmn.run.remote.watcher``, see
-``torchmn.run.remote.ssh``); it reads the job's token from its stdin, connects to the rendezvous
-store's gate as this host's voucher (which checks that the store is reachable, see
-``torchmn.run.store.voucher``), gives the rank the token, its thread budget and gloo's interface,
-runs the rank, relays its output, and stops everything the rank started when the rank exits or
-the launcher goes away. The protocol between
+``torchmn.run.remote.ssh``); it reads the job's token from its stdin, opens this host's relay to
+the rendezvous store's gate (which checks that the store is reachable, see
+``torchmn.run.store.relay``) and points the rank at it, gives the rank the token, its thread
+budget and gloo's interface, runs the rank, passes its output on, and stops everything the rank
+started when the rank exits or the launcher goes away. The protocol between
 launcher and watcher is in ``protocol.py`` and ``docs/design/launcher.md``. It never imports torch:
 nothing it imports does.
 """
@@ -25,12 +25,20 @@ from torchmn.run.processes.groups import become_subreaper, group_alive, signal_g
 from torchmn.run.processes.output import join_unless_idle
 from torchmn.run.remote.protocol import RELAY_LINE, SIGNAL_LINE, STARTED_MARKER, WATCHER_GRACE_SECONDS
 from torchmn.run.store.auth import TOKEN_ENV, TOKEN_ON_STDIN, ImpostorError, TokenError, read_token_line
-from torchmn.run.store.voucher import Voucher
+from torchmn.run.store.relay import LOCAL_ADDR, Relay
 
 
 def _say(text: str) -> None:
     try:
         sys.stderr.write(f"torchmn: {text}\n")
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+
+
+def _write_line(text: str) -> None:
+    try:
+        sys.stderr.write(text + "\n")
         sys.stderr.flush()
     except (OSError, ValueError):
         pass
@@ -114,7 +122,7 @@ def _reap_children() -> None:
             return
 
 
-def _relay(source: int, target: int, waiting_since: Dict[int, Optional[float]]) -> None:
+def _copy_output(source: int, target: int, waiting_since: Dict[int, Optional[float]]) -> None:
     """Copy the rank's output from the pipe ``source`` to this process's ``target`` (the ssh
     channel), raw bytes as they come. The rank gets a pipe rather than the channel itself so that a
     process it detached cannot keep the channel, and so the ssh session, open after the watcher
@@ -140,19 +148,20 @@ def _relay(source: int, target: int, waiting_since: Dict[int, Optional[float]]) 
 
 
 def _prepare_env(env: Dict[str, str], token: Optional[str],
-                 rank_pids: List[int]) -> Tuple[Optional[str], Optional[Voucher]]:
+                 rank_pids: List[int]) -> Tuple[Optional[str], Optional[Relay]]:
     """Check the store is reachable, choose gloo's interface and add the thread budget. With the
-    job's token, the check is this host's voucher (see ``torchmn.run.store.voucher``), kept open
-    while the rank runs. Returns an error message or None, and the voucher."""
+    job's token, the check is opening this host's relay (see ``torchmn.run.store.relay``), which
+    the rank is then pointed at (``MASTER_ADDR``, ``MASTER_PORT``). Returns an error message or
+    None, and the relay."""
     rank, host = env.get("TORCHMN_RANK", "?"), env.get("TORCHMN_HOST", socket.gethostname())
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
-    voucher = None
+    relay = None
     if addr and port:
         seconds = float(env.get("TORCHMN_STORE_CHECK_SECONDS", "10"))
         try:
             if token:
-                voucher = Voucher.connect(addr, int(port), token, seconds, likely_pids=lambda: rank_pids)
-                local_address = voucher.local_address
+                relay = Relay(addr, int(port), token, seconds, _write_line, likely_pids=lambda: rank_pids)
+                local_address = relay.local_address
             else:
                 with _reach_store(addr, int(port), seconds) as connection:
                     local_address = connection.getsockname()[0]
@@ -169,13 +178,15 @@ def _prepare_env(env: Dict[str, str], token: Optional[str],
                     f"({e.strerror or e}). The launcher machine must accept connections from every "
                     f"host: pick its address with `torchmn run --network-interface IFACE`, or open "
                     f"the port range in the firewall."), None
+        if relay is not None:
+            env["MASTER_ADDR"], env["MASTER_PORT"] = LOCAL_ADDR, str(relay.port)
         if "GLOO_SOCKET_IFNAME" not in env:
             interface = network.interface_of(local_address)
             if interface:
                 env["GLOO_SOCKET_IFNAME"] = interface
     local_size = int(env.get("TORCHMN_LOCAL_SIZE", "1"))
     env.update(resources.launcher_thread_env(local_size, env))
-    return None, voucher
+    return None, relay
 
 
 def _job_token(env: Dict[str, str]) -> Tuple[Optional[str], Optional[str]]:
@@ -212,7 +223,7 @@ def watch(command: Sequence[str], grace: float = WATCHER_GRACE_SECONDS) -> int:
     token, error = _job_token(env)
     rank_pids: List[int] = []
     if error is None:
-        error, voucher = _prepare_env(env, token, rank_pids)
+        error, relay = _prepare_env(env, token, rank_pids)
     if error:
         _say(error)
         return 1
@@ -226,8 +237,6 @@ def watch(command: Sequence[str], grace: float = WATCHER_GRACE_SECONDS) -> int:
              f"{e.strerror}. Check that it is installed there and on the forwarded PATH.")
         return 127 if isinstance(e, FileNotFoundError) else 126
     rank_pids.append(process.pid)
-    if voucher is not None:
-        voucher.serve()
     try:
         sys.stdout.write(STARTED_MARKER + "\n")
         sys.stdout.flush()
@@ -235,10 +244,10 @@ def watch(command: Sequence[str], grace: float = WATCHER_GRACE_SECONDS) -> int:
         pass
     # Started after the marker, so that the marker is alone on its line whatever the rank prints.
     waiting_since: Dict[int, Optional[float]] = {}
-    relays = [(pipe.fileno(), threading.Thread(target=_relay, args=(pipe.fileno(), fd, waiting_since), daemon=True))
+    copiers = [(pipe.fileno(), threading.Thread(target=_copy_output, args=(pipe.fileno(), fd, waiting_since), daemon=True))
               for pipe, fd in ((process.stdout, 1), (process.stderr, 2))]
-    for _, relay in relays:
-        relay.start()
+    for _, copier in copiers:
+        copier.start()
     stop_lock = threading.Lock()
     torn_down = threading.Event()  # by the launcher (stdin closed), not by the rank's own exit
 
@@ -288,12 +297,14 @@ def watch(command: Sequence[str], grace: float = WATCHER_GRACE_SECONDS) -> int:
     returncode = process.wait()
     # Whatever the rank left running, in its process group or detached, goes with it.
     stop()
+    if relay is not None:
+        relay.close()
     _reap_children()
     # The pipes reach EOF once nothing holds them any more. The rest of the output goes out however
     # slowly the launcher's console reads it; only a pipe that something we could not stop holds
     # open, silent for 2 s, is given up on.
-    for source, relay in relays:
-        join_unless_idle(relay, lambda source=source: waiting_since.get(source), 2.0)
+    for source, copier in copiers:
+        join_unless_idle(copier, lambda source=source: waiting_since.get(source), 2.0)
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name

@@ -2,8 +2,9 @@
 
 The launcher hands the token to its ranks in ``TORCHMN_JOB_TOKEN`` (to remote ranks through the
 watcher's stdin, never on a command line, where every user of the host could read it in ``ps``).
-The rendezvous store admits a connection from a process started with the token, or from a
-launcher or watcher of the job that proves it knows the token with this module's greeting:
+The rendezvous store admits a connection from a process of its host started with the token, or
+from another host's relay (``torchmn.run.store.relay``) that proves it knows the token with this
+module's greeting:
 
 1. the client sends ``GREETING`` (a first byte no ``TCPStore`` request starts with, then
    ``torchmn`` and a kind byte) and a random nonce of ``NONCE_SIZE`` bytes;
@@ -40,8 +41,8 @@ TOKEN_ON_STDIN = "TORCHMN_JOB_TOKEN_ON_STDIN"
 # 0xff is no TCPStore request type, so the store's server tells a greeting from a plain
 # TCPStore client by the first byte alone (a plain client speaks first and then waits).
 GREETING_BYTE = b"\xff"
-VOUCHER = b"V"  # the kind of connection: a watcher or launcher that vouches for its host's processes
-GREETING = GREETING_BYTE + b"torchmn" + VOUCHER
+RELAY = b"R"  # the kind of connection: another host's relay, passing on one of its host's clients
+GREETING = GREETING_BYTE + b"torchmn" + RELAY
 NONCE_SIZE = 32
 PROOF_SIZE = 32
 SERVER = b"server"  # the roles a proof is made for
@@ -91,7 +92,7 @@ def proof(token: str, role: bytes, nonces: bytes) -> bytes:
         >>> len(proof("ab" * 32, CLIENT, bytes(2 * NONCE_SIZE)))
         32
     """
-    return hmac.new(token.encode(), b"torchmn rendezvous " + VOUCHER + role + nonces, hashlib.sha256).digest()
+    return hmac.new(token.encode(), b"torchmn rendezvous " + RELAY + role + nonces, hashlib.sha256).digest()
 
 
 def proof_matches(token: str, role: bytes, nonces: bytes, answer: bytes) -> bool:

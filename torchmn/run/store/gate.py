@@ -5,18 +5,21 @@ on a port only the gate can connect to (``torchmn.run.store.rendezvous``), and t
 where the ranks were told (``MASTER_ADDR:MASTER_PORT``). For each connection it
 reads the first byte:
 
-- a greeting (``torchmn.run.store.auth``): a launcher or watcher of the job proves it knows the token
-  and stays connected as a *voucher* for the processes of its host;
-- anything else is a ``TCPStore`` client (a rank's, torch's own ``env://``, or the script's).
-  It is admitted when it belongs to the job: on this machine, when the process that holds the
-  connection was started with the job's token (``torchmn.run.store.peers``); from another host,
-  when a voucher connected from that host's address says so, having looked the same way there.
-  An admitted client is joined to a new connection to the real store, and the gate passes bytes
-  both ways until either side closes (``torchmn.run.store.pipes``).
+- a greeting (``torchmn.run.store.auth``): another host's relay (``torchmn.run.store.relay``)
+  proves it knows the token, and passes on one client of its host, which it admitted by the same
+  rule as below;
+- anything else is a ``TCPStore`` client (a rank's, torch's own ``env://``, or the script's). It
+  is admitted when the process that holds the connection, on this machine, was started with the
+  job's token (``torchmn.run.store.peers``); a client on another host never is, as the job's
+  processes there reach the store through their host's relay.
+
+An admitted client is joined to a new connection to the real store, and the gate passes bytes
+both ways until either side closes (``torchmn.run.store.pipes``). A relay is the same gate on its
+own host's 127.0.0.1, whose way to the store is a greeted connection to the job's gate.
 
 Anything else is closed, with one line in the launcher's output saying who and why. All sockets
-are served by one thread (``selectors``); working out who a client is, which reads ``/proc``
-or waits for a voucher's answer, runs on a small pool of threads meanwhile.
+are served by one thread (``selectors``); working out who a client is, which reads ``/proc``,
+and opening its way to the store, run on a small pool of threads meanwhile.
 
 The door cannot be jammed by a crowd of connections that say nothing: a connection must send its
 first byte within ``FIRST_BYTE_SECONDS`` and finish its greeting within ``GREETING_SECONDS``; the
@@ -32,7 +35,6 @@ import collections
 import concurrent.futures
 import dataclasses
 import errno
-import itertools
 import os
 import queue
 import resource
@@ -55,8 +57,6 @@ MAX_PENDING_PER_SOURCE = 64
 MAX_PENDING = 1024
 # How long accepting pauses when the launcher is out of file descriptors.
 ACCEPT_PAUSE_SECONDS = 0.1
-# Seconds to wait for a voucher's answer about one of its host's connections.
-VOUCH_SECONDS = 10.0
 # Refusals written to the log; past this many, one line says the rest are not shown.
 MAX_LOGGED_REFUSALS = 20
 
@@ -129,35 +129,17 @@ class _Newcomer:
     counted: bool = True  # still among the pending
 
 
-@dataclasses.dataclass(eq=False)
-class _Voucher:
-    """A launcher or watcher of the job on another host (or this one), which answers for its host."""
-
-    sock: socket.socket
-    address: Tuple[str, int]
-    data: bytes = b""
-    out: bytearray = dataclasses.field(default_factory=bytearray)
-    asked: Dict[int, "_Question"] = dataclasses.field(default_factory=dict)
-
-
-@dataclasses.dataclass(eq=False)
-class _Question:
-    done: threading.Event = dataclasses.field(default_factory=threading.Event)
-    answered: bool = False
-    member: bool = False
-    words: str = ""
-
-
 class Gate:
     """Serve the rendezvous store's door on ``address:port`` for the job whose token is ``token``.
 
     Args:
-        address: the job's address: 127.0.0.1 for a job on one machine, else the address the
-            other hosts reach this one on.
+        address: the job's address: 127.0.0.1 for a job on one machine (and for a relay), else the
+            address the other hosts reach this one on.
         port: the port (``--master-port``), 0 for one the OS picks.
         token: the job's token.
         connect_store: opens a new connection to the real store (see
-            ``torchmn.run.store.rendezvous``, which alone can reach its port).
+            ``torchmn.run.store.rendezvous``, which alone can reach its port), or, for a relay, a
+            greeted connection to the job's gate (``torchmn.run.store.relay.connect``).
         log: where the gate's lines go (the launcher's console).
         likely_pids: the job's ranks here, looked at first to identify a client.
 
@@ -184,9 +166,7 @@ class Gate:
         self.log = log
         self.likely_pids = likely_pids
         self.refused: set = set()  # (address, who, why) already in the log
-        self.vouchers: Dict[str, List[_Voucher]] = {}
         self.lock = threading.Lock()
-        self.questions = itertools.count()
         self.calls: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self.selector = selectors.DefaultSelector()
         self.pipes = Pipes(self.selector)
@@ -264,8 +244,6 @@ class Gate:
                 pass
         elif isinstance(data, _Newcomer):
             self._greeting(data)
-        elif isinstance(data, _Voucher):
-            self._from_voucher(data, events)
 
     def _accept(self) -> None:
         for _ in range(64):
@@ -336,7 +314,7 @@ class Gate:
                          f"them from its {largest[0]}")
 
     def _settled(self, newcomer: _Newcomer) -> None:
-        """``newcomer`` is no longer pending: admitted, made a voucher, or closed."""
+        """``newcomer`` is no longer pending: joined to the store, or closed."""
         with self.lock:
             if newcomer.counted:
                 newcomer.counted = False
@@ -364,7 +342,7 @@ class Gate:
             newcomer.deadline += GREETING_SECONDS - FIRST_BYTE_SECONDS
         newcomer.data += chunk
         if newcomer.nonces is None and not newcomer.data.startswith(auth.GREETING_BYTE):
-            # A TCPStore client: working out who it is reads /proc or asks a voucher.
+            # A TCPStore client: working out who it is reads /proc.
             self._forget(newcomer)
             self.workers.submit(self._admit, newcomer)
             return
@@ -389,12 +367,14 @@ class Gate:
             self._refuse(newcomer, "it presented a wrong token (another job's, or a guess)")
             return
         self._forget(newcomer)
-        self._settled(newcomer)
-        voucher = _Voucher(newcomer.sock, newcomer.address, data=newcomer.data[auth.PROOF_SIZE:])
-        voucher.out += auth.ACCEPTED
-        with self.lock:
-            self.vouchers.setdefault(voucher.address[0], []).append(voucher)
-        self.selector.register(voucher.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, voucher)
+        newcomer.data = newcomer.data[auth.PROOF_SIZE:]  # the relayed client's first bytes, if already sent
+        try:
+            newcomer.sock.send(auth.ACCEPTED)  # one byte into an empty buffer: sent whole
+        except OSError:
+            self._settled(newcomer)
+            newcomer.sock.close()
+            return
+        self.workers.submit(self._open_the_way, newcomer)
 
     def _forget(self, newcomer: _Newcomer) -> None:
         self.newcomers.pop(newcomer.sock, None)
@@ -437,19 +417,27 @@ class Gate:
     def _admit(self, newcomer: _Newcomer) -> None:
         try:
             gate_end = newcomer.sock.getsockname()[:2]
-            peer = identify(newcomer.address, gate_end, self.token, first=self._likely())
-            member, who = peer.member, (peer.describe() if peer.found else "")
-            if not member:
-                # Another host's client, or on this one a launcher of the job without the token in
-                # its environment (a Slurm task's): a voucher connected from there answers for it.
-                member, words = self._ask_voucher(newcomer.address, gate_end)
-                who = who or words
-            if not member:
-                self._settled(newcomer)
-                newcomer.sock.close()
-                self._log_refusal(newcomer.address, who, "it was not started with this job's token "
+            peer = identify(newcomer.address, gate_end, self.token, first=self._likely(), own_pids=(os.getpid(),))
+        except Exception as e:  # noqa: BLE001 - whatever fails, the client must not hang half-admitted
+            self._settled(newcomer)
+            newcomer.sock.close()
+            self._log_refusal(newcomer.address, "", f"could not be identified ({e})")
+            return
+        if not peer.member:
+            self._settled(newcomer)
+            newcomer.sock.close()
+            if peer.found:
+                self._log_refusal(newcomer.address, peer.describe(), "it was not started with this job's token "
                                   "(TORCHMN_JOB_TOKEN) and presented none")
-                return
+            else:
+                self._log_refusal(newcomer.address, "another host", "it did not come through that host's relay "
+                                  "(a watcher or Slurm task of the job), the only way in from another host")
+            return
+        self._open_the_way(newcomer)
+
+    def _open_the_way(self, newcomer: _Newcomer) -> None:
+        """Join an admitted client to a new connection to the store (on a worker thread)."""
+        try:
             store = self.connect_store()
         except Exception as e:  # noqa: BLE001 - whatever fails, the client must not hang half-admitted
             self._settled(newcomer)
@@ -464,82 +452,6 @@ class Gate:
             return list(self.likely_pids())
         except Exception:  # noqa: BLE001 - a hint only
             return []
-
-    def _ask_voucher(self, address: Tuple[str, int], gate_end: Tuple[str, int]) -> Tuple[bool, str]:
-        with self.lock:
-            vouchers = list(self.vouchers.get(address[0], ()))
-        if not vouchers:
-            return False, "no launcher or watcher of this job runs on that host"
-        # Every voucher of a host sees the same /proc: the first that answers decides. One that
-        # does not (its rank just ended, and its connection with it) hands over to the next.
-        for voucher in vouchers:
-            number = next(self.questions)
-            question = _Question()
-            line = f"Q {number} {address[0]} {address[1]} {gate_end[0]} {gate_end[1]}\n".encode()
-
-            def ask(voucher=voucher, number=number, question=question, line=line) -> None:
-                if voucher.sock.fileno() < 0:
-                    question.done.set()
-                    return
-                voucher.asked[number] = question
-                voucher.out += line
-                self._voucher_events(voucher)
-            self._in_loop(ask)
-            question.done.wait(VOUCH_SECONDS)
-            if question.answered:
-                return question.member, (f"on that host: {question.words}" if question.words else "")
-        return False, f"no watcher of that host answered within {VOUCH_SECONDS:g} s"
-
-    # -- vouchers ---------------------------------------------------------------------------------
-
-    def _voucher_events(self, voucher: _Voucher) -> None:
-        events = selectors.EVENT_READ | (selectors.EVENT_WRITE if voucher.out else 0)
-        try:
-            self.selector.modify(voucher.sock, events, voucher)
-        except (KeyError, ValueError):
-            pass
-
-    def _from_voucher(self, voucher: _Voucher, events: int) -> None:
-        try:
-            if events & selectors.EVENT_WRITE and voucher.out:
-                del voucher.out[:voucher.sock.send(voucher.out)]
-            chunk = voucher.sock.recv(65536) if events & selectors.EVENT_READ else None
-        except (BlockingIOError, InterruptedError):
-            chunk = None
-        except OSError:
-            self._lose_voucher(voucher)
-            return
-        if chunk == b"":  # the voucher closed its end
-            self._lose_voucher(voucher)
-            return
-        voucher.data += chunk or b""
-        while b"\n" in voucher.data:
-            line, voucher.data = voucher.data.split(b"\n", 1)
-            words = line.decode(errors="replace").split(" ", 3)
-            if len(words) >= 3 and words[0] == "A" and words[1].isdigit():
-                question = voucher.asked.pop(int(words[1]), None)
-                if question is not None:
-                    question.answered = True
-                    question.member = words[2] == "1"
-                    question.words = words[3] if len(words) > 3 else ""
-                    question.done.set()
-        self._voucher_events(voucher)
-
-    def _lose_voucher(self, voucher: _Voucher) -> None:
-        with self.lock:
-            same = self.vouchers.get(voucher.address[0], [])
-            if voucher in same:
-                same.remove(voucher)
-            if not same:
-                self.vouchers.pop(voucher.address[0], None)
-        try:
-            self.selector.unregister(voucher.sock)
-        except (KeyError, ValueError):
-            pass
-        voucher.sock.close()
-        for question in voucher.asked.values():
-            question.done.set()
-        voucher.asked.clear()
 
     def _join(self, newcomer: _Newcomer, store: socket.socket) -> None:
         if self.closing:
@@ -587,10 +499,5 @@ class Gate:
                 self.calls.get_nowait()()  # joins still queued: they see closing and close their sockets
             except queue.Empty:
                 break
-            except Exception:  # noqa: BLE001 - a question to a voucher now closed: its asker gives up
+            except Exception:  # noqa: BLE001 - whatever it was, the gate is closing
                 continue
-        with self.lock:
-            vouchers = [v for same in self.vouchers.values() for v in same]
-        for voucher in vouchers:
-            for question in voucher.asked.values():
-                question.done.set()

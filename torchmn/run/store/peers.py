@@ -207,14 +207,25 @@ class ProcessDir:
         self.close()
 
     def close(self) -> None:
-        """Close the directory. Safe to call more than once."""
+        """Close the directory. Safe to call more than once.
+
+        Example::
+
+            >>> ProcessDir(os.getpid()).close()
+        """
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
 
     def holds(self, target: str) -> bool:
-        """Whether one of the process's file descriptors is ``target`` (as ``readlink`` shows it,
-        e.g. ``socket:[1234]``); False where they cannot be read.
+        """Whether one of the process's file descriptors is ``target``.
+
+        Args:
+            target: the descriptor as ``readlink`` shows it, e.g. ``socket:[1234]``.
+
+        Returns:
+            The answer; False where the descriptors cannot be read (another user's, or the
+            process is gone).
 
         Example::
 
@@ -240,8 +251,14 @@ class ProcessDir:
             os.close(fds)
 
     def started_with(self, token: str) -> bool:
-        """Whether the process was started with ``TORCHMN_JOB_TOKEN`` equal to ``token``; False where
-        its environment cannot be read.
+        """Whether the process was started with ``TORCHMN_JOB_TOKEN`` equal to ``token``.
+
+        Args:
+            token: the job's token.
+
+        Returns:
+            The answer; False where the environment cannot be read (another user's, or the
+            process is gone).
 
         Example::
 

@@ -1,0 +1,112 @@
+"""A host's door to the job's rendezvous store, on another host than the one that hosts it.
+
+The store's gate (``torchmn.run.store.gate``) can tell who holds a connection only on its own
+host, where it reads ``/proc``. So each remote rank's watcher, and each Slurm task but the first,
+runs a relay: the same gate, on its own host's 127.0.0.1, where it admits that host's processes of
+the job by the same rule; each one it admits is passed on to the job's gate over a connection of
+its own, opened with the mutual greeting of ``torchmn.run.store.auth``, which the job's gate admits
+because it proves the token. The ranks there are told the relay's address (``MASTER_ADDR`` =
+127.0.0.1, ``MASTER_PORT`` = the relay's port), so the job's gate trusts no source address: a
+connection from another host that does not greet is refused.
+
+Opening the relay also checks, once, that the job's gate is reachable from this host and knows
+the token, and tells which of the host's addresses reaches it (for ``GLOO_SOCKET_IFNAME``).
+Standard library only: the watcher loads this module on hosts where torch must not be imported.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from typing import Callable, Sequence
+
+from torchmn.run.store import auth
+from torchmn.run.store.gate import Gate
+
+LOCAL_ADDR = "127.0.0.1"
+# Seconds a connection to the job's gate, greeting included, may take once the relay is open.
+CONNECT_SECONDS = 10.0
+
+
+def connect(address: str, port: int, token: str, seconds: float) -> socket.socket:
+    """A connection to the job's gate at ``address:port``, greeted (see ``torchmn.run.store.auth``),
+    retrying for ``seconds`` while nothing listens there yet (another node's launcher may start later).
+
+    Args:
+        address, port: the job's gate.
+        token: the job's token.
+        seconds: how long to keep trying to connect.
+
+    Returns:
+        The connection, blocking and without a timeout, ready to carry a ``TCPStore`` client's bytes.
+
+    Raises:
+        auth.ImpostorError: what listens there did not prove it knows the token (not this job's
+            gate); it was sent nothing but a nonce.
+        auth.TokenError: the gate refused the token.
+        OSError: nothing could be reached within ``seconds``.
+
+    Example::
+
+        >>> sock = connect(os.environ["MASTER_ADDR"], 29500, token, 10)  # doctest: +SKIP
+    """
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            sock = socket.create_connection((address, port), timeout=5)
+            break
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise
+            time.sleep(0.5)
+    try:
+        sock.settimeout(max(5.0, deadline - time.monotonic()))
+        auth.greet(sock, token)
+        sock.settimeout(None)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+class Relay:
+    """This host's relay to the job's gate at ``address:port``; see the module's docstring.
+
+    Args:
+        address, port: the job's gate (the launcher's ``MASTER_ADDR`` and ``MASTER_PORT``).
+        token: the job's token.
+        seconds: how long the first connection may take to reach the gate (the job's gate may
+            start later than this host's launcher).
+        log: where refused connections are reported.
+        likely_pids: this host's ranks, looked at first to identify a client.
+
+    Attributes:
+        port: the relay's port on 127.0.0.1, which this host's ranks are told.
+        local_address: this host's address that reaches the job's gate.
+
+    Raises:
+        auth.ImpostorError, auth.TokenError, OSError: as ``connect``; nothing listens then.
+
+    Example::
+
+        >>> relay = Relay(os.environ["MASTER_ADDR"], 29500, token, 60, print)  # doctest: +SKIP
+        >>> env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(relay.port))  # doctest: +SKIP
+    """
+
+    def __init__(self, address: str, port: int, token: str, seconds: float, log: Callable[[str], None],
+                 likely_pids: Callable[[], Sequence[int]] = tuple):
+        with connect(address, port, token, seconds) as check:
+            self.local_address = check.getsockname()[0]
+        host = socket.gethostname()
+        self.gate = Gate(LOCAL_ADDR, 0, token, lambda: connect(address, port, token, CONNECT_SECONDS),
+                         lambda line: log(f"{line} (at the relay on {host})"), likely_pids)
+        self.port = self.gate.port
+
+    def close(self) -> None:
+        """Stop relaying: close the relay's door and every connection through it. Safe to call
+        more than once.
+
+        Example::
+
+            >>> relay.close()  # doctest: +SKIP
+        """
+        self.gate.close()
