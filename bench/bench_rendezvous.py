@@ -17,6 +17,10 @@ load of the machine falls on both alike. PROBE times, in every rank:
 
 and the launcher's wall time for the whole job. The table shows the median over repeats of the
 slowest rank (set-up waits for the slowest one anyway).
+
+With ``--other-host`` (root, for network namespaces) the ranks run on an emulated host of their
+own (``tests/cluster/netns.py``) and reach the launcher's store over a bridge, through that host's
+relay.
 """
 from __future__ import annotations
 
@@ -56,12 +60,12 @@ print(f"TIMES setup={t2 - t1:.4f} split={t3 - t2:.4f} store={t4 - t3:.4f}", flus
 FIELDS = ("setup", "split", "store")
 
 
-def run_once(checkout: Path, np: int) -> dict:
+def run_once(checkout: Path, np: int, where: list) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHMN_", "MASTER_"))}
     env["PYTHONPATH"] = str(checkout) + os.pathsep + env.get("PYTHONPATH", "")
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "torchmn", "run", "-np", str(np), sys.executable, "-c", PROBE],
-                          cwd=checkout, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-m", "torchmn", "run", "-np", str(np), *where, sys.executable, "-c",
+                           PROBE], cwd=checkout, env=env, capture_output=True, text=True, timeout=300)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         raise SystemExit(f"job failed ({checkout}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -78,15 +82,31 @@ def main() -> None:
     parser.add_argument("--baseline", type=Path, help="a checkout to compare with (without the gate)")
     parser.add_argument("--np", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--other-host", action="store_true",
+                        help="run the ranks on an emulated host of their own (needs root)")
+    parser.add_argument("--baseline-name", default="baseline (store alone)", help="the baseline's row")
     args = parser.parse_args()
-    checkouts = {"this checkout (gate)": REPO}
+    checkouts = {"this checkout": REPO}
     if args.baseline:
-        checkouts["baseline (store alone)"] = args.baseline
+        checkouts[args.baseline_name] = args.baseline
     results = {name: [] for name in checkouts}
-    for _ in range(args.repeats):
-        for name, checkout in checkouts.items():
-            results[name].append(run_once(checkout, args.np))
-    print(f"torchmn run -np {args.np}, median of {args.repeats} (slowest rank), seconds")
+    cluster, where = None, []
+    if args.other_host:
+        sys.path.insert(0, str(REPO / "tests"))
+        from cluster.netns import NetnsCluster
+
+        cluster = NetnsCluster(["h1"])
+        cluster.start()
+        where = [*cluster.launcher_options(), "-H", f"{cluster.address('h1')}:{args.np}"]
+    try:
+        for _ in range(args.repeats):
+            for name, checkout in checkouts.items():
+                results[name].append(run_once(checkout, args.np, where))
+    finally:
+        if cluster is not None:
+            cluster.stop()
+    print(f"torchmn run -np {args.np}{' on another host' if cluster else ''}, median of {args.repeats} "
+          f"(slowest rank), seconds")
     print(f"{'':24} {'create_communicator':>20} {'split':>8} {'2000 store requests':>20} {'whole job':>10}")
     for name, rows in results.items():
         median = {k: statistics.median(r[k] for r in rows) for k in (*FIELDS, "job")}

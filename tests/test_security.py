@@ -328,6 +328,42 @@ def test_strangers_on_other_hosts_are_refused(cluster, tmp_path):
     assert code == 0, remote.output()
 
 
+NO_ANSWER = """
+import socket, sys
+s = socket.socket()
+s.settimeout(3)
+try:
+    s.connect((sys.argv[1], int(sys.argv[2])))
+    print("CONNECTED")
+except socket.timeout:
+    print("NO ANSWER")
+"""
+
+
+def test_other_hosts_reach_the_store_port_only_signed(cluster, tmp_path):
+    """Other hosts' relays reach the store straight, on a port whose every TCP segment the kernel
+    signs with a key made from the token: the gate tells a greeted relay where it is, a stranger on
+    another host gets no answer there at all, and a connection signed with the key gets in."""
+    remote = ProbedJob(tmp_path, np=1,
+                       launcher_args=["-v", *cluster.launcher_options(), "-H", _hosts(cluster, ("h1", 1))])
+    try:
+        told = next(re.search(r"rendezvous (\S+):(\d+),", line) for line in remote.err if "rendezvous" in line)
+        addr, port, token = told.group(1), int(told.group(2)), remote.info["token"]
+        with relay.connect(addr, port, token, 10, kind=auth.WHERE) as asked:
+            asked.settimeout(30)
+            store_port = int.from_bytes(auth.read_exactly(asked, 2), "big")
+        assert store_port not in (0, port), store_port
+        stranger = subprocess.run(cluster.ssh_argv("h2") + [shlex.join([sys.executable, "-c", NO_ANSWER, addr,
+                                                                         str(store_port)])],
+                                  capture_output=True, text=True, timeout=60)
+        assert stranger.stdout.strip() == "NO ANSWER", stranger.stdout + stranger.stderr
+        relay.connect_signed(addr, store_port, auth.store_key(token)).close()
+        remote.still_works()
+    finally:
+        code = remote.stop()
+    assert code == 0, remote.output()
+
+
 # -- the store's own port ---------------------------------------------------------------------
 
 SNATCH = str(REPO / "tests" / "scripts" / "snatch_ports.py")

@@ -7,7 +7,8 @@ import psutil
 
 
 def listening():
-    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    return {(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN}
 
 
 inherited = listening()

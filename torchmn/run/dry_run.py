@@ -110,9 +110,10 @@ def _rendezvous_section(job: Job, known_addr: Optional[str]) -> List[str]:
              f"  MASTER_PORT={port}"]
     if job.slurm is None or job.slurm.step.task == 0:
         warning = check_signing(config.allow_unsigned_store)
-        lines.append("  the store's own port on 127.0.0.1: " + (
-            "closed to all but the gate (TCP MD5 signatures)" if warning is None else
-            "OPEN to every program of this machine (no TCP MD5 signatures in this kernel; --allow-unsigned-store)"))
+        lines.append("  the store's own port: " + (
+            "closed to all but the gate and other hosts' relays (TCP MD5 signatures)" if warning is None else
+            "on 127.0.0.1, OPEN to every program of this machine (no TCP MD5 signatures in this kernel; "
+            "--allow-unsigned-store)"))
     if config.max_restarts:
         lines.append(f"restarts: up to {config.max_restarts} after a failed rank, each a new job; this is start 0 "
                      f"({TORCHMN_RESTART_COUNT}=0)")

@@ -244,7 +244,8 @@ def watch(command: Sequence[str], grace: float = WATCHER_GRACE_SECONDS) -> int:
         pass
     # Started after the marker, so that the marker is alone on its line whatever the rank prints.
     waiting_since: Dict[int, Optional[float]] = {}
-    copiers = [(pipe.fileno(), threading.Thread(target=_copy_output, args=(pipe.fileno(), fd, waiting_since), daemon=True))
+    copiers = [(pipe.fileno(), threading.Thread(target=_copy_output, args=(pipe.fileno(), fd, waiting_since),
+                                                daemon=True))
               for pipe, fd in ((process.stdout, 1), (process.stderr, 2))]
     for _, copier in copiers:
         copier.start()

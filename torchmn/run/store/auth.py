@@ -6,14 +6,15 @@ The rendezvous store admits a connection from a process of its host started with
 from another host's relay (``torchmn.run.store.relay``) that proves it knows the token with this
 module's greeting:
 
-1. the client sends ``GREETING`` (a first byte no ``TCPStore`` request starts with, then
-   ``torchmn`` and a kind byte) and a random nonce of ``NONCE_SIZE`` bytes;
+1. the client sends ``GREETING_PREFIX`` (a first byte no ``TCPStore`` request starts with, then
+   ``torchmn``), a kind byte (``KINDS``) and a random nonce of ``NONCE_SIZE`` bytes;
 2. the server answers with a nonce of its own and ``proof(token, SERVER, both nonces)``;
 3. the client checks that proof first, and closes the connection when it is wrong: a process
    that holds the job's port without the token (another user's, who bound it first) learns
    nothing and is told nothing;
 4. the client answers ``proof(token, CLIENT, both nonces)``;
-5. the server sends ``ACCEPTED`` and keeps the connection, or closes it.
+5. the server sends ``ACCEPTED`` and keeps the connection, or closes it. Each proof covers the
+   kind too, so one kind's greeting cannot be turned into another's.
 
 The proofs are HMACs, so the token never crosses the network; both sides' nonces make a
 recorded proof worth nothing in the next greeting, and the role in each makes one side's proof
@@ -41,8 +42,13 @@ TOKEN_ON_STDIN = "TORCHMN_JOB_TOKEN_ON_STDIN"
 # 0xff is no TCPStore request type, so the store's server tells a greeting from a plain
 # TCPStore client by the first byte alone (a plain client speaks first and then waits).
 GREETING_BYTE = b"\xff"
-RELAY = b"R"  # the kind of connection: another host's relay, passing on one of its host's clients
-GREETING = GREETING_BYTE + b"torchmn" + RELAY
+GREETING_PREFIX = GREETING_BYTE + b"torchmn"
+# The kinds of greeted connection: another host's relay passing on one of its host's clients, or
+# asking where the store takes signed connections directly (see torchmn.run.store.relay).
+RELAY = b"R"
+WHERE = b"W"
+KINDS = (RELAY, WHERE)
+GREETING = GREETING_PREFIX + RELAY
 NONCE_SIZE = 32
 PROOF_SIZE = 32
 SERVER = b"server"  # the roles a proof is made for
@@ -76,13 +82,33 @@ def new_token() -> str:
     return secrets.token_hex(32)
 
 
-def proof(token: str, role: bytes, nonces: bytes) -> bytes:
-    """One side's proof in the greeting: HMAC-SHA256 of its role and both nonces, keyed with the token.
+def store_key(token: str) -> bytes:
+    """The key with which the kernel signs every TCP segment between the store and those who may
+    reach it directly (``torchmn.run.store.rendezvous.sign``): the gate, and other hosts' relays.
+
+    Args:
+        token: the job's token.
+
+    Returns:
+        32 bytes, the same wherever the token is known.
+
+    Example::
+
+        >>> len(store_key("ab" * 32))
+        32
+    """
+    return hmac.new(token.encode(), b"torchmn store signatures", hashlib.sha256).digest()
+
+
+def proof(token: str, role: bytes, nonces: bytes, kind: bytes = RELAY) -> bytes:
+    """One side's proof in the greeting: HMAC-SHA256 of the kind, its role and both nonces, keyed
+    with the token.
 
     Args:
         token: the job's token.
         role: ``SERVER`` or ``CLIENT``.
         nonces: the client's nonce followed by the server's.
+        kind: the kind of connection (``KINDS``).
 
     Returns:
         ``PROOF_SIZE`` bytes.
@@ -92,10 +118,10 @@ def proof(token: str, role: bytes, nonces: bytes) -> bytes:
         >>> len(proof("ab" * 32, CLIENT, bytes(2 * NONCE_SIZE)))
         32
     """
-    return hmac.new(token.encode(), b"torchmn rendezvous " + RELAY + role + nonces, hashlib.sha256).digest()
+    return hmac.new(token.encode(), b"torchmn rendezvous " + kind + role + nonces, hashlib.sha256).digest()
 
 
-def proof_matches(token: str, role: bytes, nonces: bytes, answer: bytes) -> bool:
+def proof_matches(token: str, role: bytes, nonces: bytes, answer: bytes, kind: bytes = RELAY) -> bool:
     """Whether ``answer`` is the right proof, compared in constant time (``hmac.compare_digest``).
 
     Args:
@@ -103,6 +129,7 @@ def proof_matches(token: str, role: bytes, nonces: bytes, answer: bytes) -> bool
         role: the role the proof is for (``SERVER``, ``CLIENT``).
         nonces: the client's nonce followed by the server's.
         answer: what the other side sent.
+        kind: the kind of connection.
 
     Returns:
         True when the other side knows the token.
@@ -110,15 +137,34 @@ def proof_matches(token: str, role: bytes, nonces: bytes, answer: bytes) -> bool
     Example::
 
         >>> token, nonces = new_token(), os.urandom(2 * NONCE_SIZE)
-        >>> proof_matches(token, CLIENT, nonces, proof(token, CLIENT, nonces)), proof_matches(token, CLIENT, nonces, bytes(32))
+        >>> right = proof(token, CLIENT, nonces)
+        >>> proof_matches(token, CLIENT, nonces, right), proof_matches(token, CLIENT, nonces, bytes(32))
         (True, False)
-        >>> proof_matches(token, CLIENT, nonces, proof(token, SERVER, nonces))  # one side's proof is no use as the other's
+        >>> proof_matches(token, CLIENT, nonces, proof(token, SERVER, nonces))  # no use as the other side's
         False
     """
-    return hmac.compare_digest(proof(token, role, nonces), answer)
+    return hmac.compare_digest(proof(token, role, nonces, kind), answer)
 
 
-def _read_exactly(sock: socket.socket, size: int) -> bytes:
+def read_exactly(sock: socket.socket, size: int) -> bytes:
+    """Read ``size`` bytes from ``sock``.
+
+    Args:
+        sock: a connected, blocking socket.
+        size: how many bytes.
+
+    Returns:
+        The bytes.
+
+    Raises:
+        TokenError: the connection closed first.
+        OSError: reading failed (a timeout, say).
+
+    Example::
+
+        >>> a, b = socket.socketpair(); _ = a.send(b"abc"); read_exactly(b, 3)
+        b'abc'
+    """
     data = b""
     while len(data) < size:
         chunk = sock.recv(size - len(data))
@@ -128,12 +174,13 @@ def _read_exactly(sock: socket.socket, size: int) -> bytes:
     return data
 
 
-def greet(sock: socket.socket, token: str) -> None:
+def greet(sock: socket.socket, token: str, kind: bytes = RELAY) -> None:
     """The client's side of the greeting, on a connected socket (see the module's docstring).
 
     Args:
         sock: connected to the rendezvous store's address; it should have a timeout.
         token: the job's token.
+        kind: the kind of connection (``KINDS``).
 
     Raises:
         ImpostorError: the server did not prove that it knows the token; nothing was sent to it
@@ -146,19 +193,19 @@ def greet(sock: socket.socket, token: str) -> None:
         >>> greet(socket.create_connection((addr, port), timeout=10), os.environ[TOKEN_ENV])  # doctest: +SKIP
     """
     mine = os.urandom(NONCE_SIZE)
-    sock.sendall(GREETING + mine)
+    sock.sendall(GREETING_PREFIX + kind + mine)
     try:
-        theirs = _read_exactly(sock, NONCE_SIZE)
-        server_proof = _read_exactly(sock, PROOF_SIZE)
+        theirs = read_exactly(sock, NONCE_SIZE)
+        server_proof = read_exactly(sock, PROOF_SIZE)
     except TokenError as e:
         raise ImpostorError("the other side closed the connection instead of proving it knows the job's "
                             "token") from e
     nonces = mine + theirs
-    if not proof_matches(token, SERVER, nonces, server_proof):
+    if not proof_matches(token, SERVER, nonces, server_proof, kind):
         raise ImpostorError("the other side did not prove it knows the job's token")
-    sock.sendall(proof(token, CLIENT, nonces))
+    sock.sendall(proof(token, CLIENT, nonces, kind))
     try:
-        answer = _read_exactly(sock, len(ACCEPTED))
+        answer = read_exactly(sock, len(ACCEPTED))
     except TokenError:
         answer = b""
     if answer != ACCEPTED:

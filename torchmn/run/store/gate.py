@@ -126,6 +126,7 @@ class _Newcomer:
     source: tuple = ()  # whose it is, for the caps: ("user", uid) here, ("host", address) elsewhere
     data: bytes = b""
     nonces: Optional[bytes] = None  # the client's and the gate's, once the client greeted
+    kind: bytes = auth.RELAY  # of greeting (auth.KINDS)
     counted: bool = True  # still among the pending
 
 
@@ -142,6 +143,9 @@ class Gate:
             greeted connection to the job's gate (``torchmn.run.store.relay.connect``).
         log: where the gate's lines go (the launcher's console).
         likely_pids: the job's ranks here, looked at first to identify a client.
+        direct_port: where the store takes connections signed with ``rendezvous.store_key(token)``
+            from other hosts' relays (0: nowhere; they come through the gate), told to a relay
+            that asks (``auth.WHERE``).
 
     Attributes:
         port: the port the gate listens on.
@@ -156,7 +160,8 @@ class Gate:
     """
 
     def __init__(self, address: str, port: int, token: str, connect_store: Callable[[], socket.socket],
-                 log: Callable[[str], None], likely_pids: Callable[[], Sequence[int]] = tuple):
+                 log: Callable[[str], None], likely_pids: Callable[[], Sequence[int]] = tuple,
+                 direct_port: Callable[[], int] = lambda: 0):
         raise_file_limit()
         self.listener = listen(address, port)
         self.listener.setblocking(False)
@@ -165,6 +170,7 @@ class Gate:
         self.connect_store = connect_store
         self.log = log
         self.likely_pids = likely_pids
+        self.direct_port = direct_port
         self.refused: set = set()  # (address, who, why) already in the log
         self.lock = threading.Lock()
         self.calls: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
@@ -347,27 +353,34 @@ class Gate:
             self.workers.submit(self._admit, newcomer)
             return
         if newcomer.nonces is None:
-            opening = len(auth.GREETING) + auth.NONCE_SIZE
-            if newcomer.data[:len(auth.GREETING)] != auth.GREETING[:len(newcomer.data)]:
+            prefix = auth.GREETING_PREFIX
+            opening = len(prefix) + 1 + auth.NONCE_SIZE
+            if newcomer.data[:len(prefix)] != prefix[:len(newcomer.data)] or (
+                    len(newcomer.data) > len(prefix) and newcomer.data[len(prefix):len(prefix) + 1] not in auth.KINDS):
                 self._refuse(newcomer, "it sent an unknown greeting")
                 return
             if len(newcomer.data) < opening:
                 return
-            newcomer.nonces = newcomer.data[len(auth.GREETING):opening] + os.urandom(auth.NONCE_SIZE)
+            newcomer.kind = newcomer.data[len(prefix):len(prefix) + 1]
+            newcomer.nonces = newcomer.data[len(prefix) + 1:opening] + os.urandom(auth.NONCE_SIZE)
             newcomer.data = newcomer.data[opening:]
             try:  # 64 bytes into an empty buffer: sent whole
                 newcomer.sock.send(newcomer.nonces[auth.NONCE_SIZE:] + auth.proof(self.token, auth.SERVER,
-                                                                                  newcomer.nonces))
+                                                                                  newcomer.nonces, newcomer.kind))
             except OSError:
                 self._drop(newcomer)
                 return
         if len(newcomer.data) < auth.PROOF_SIZE:
             return
-        if not auth.proof_matches(self.token, auth.CLIENT, newcomer.nonces, newcomer.data[:auth.PROOF_SIZE]):
+        if not auth.proof_matches(self.token, auth.CLIENT, newcomer.nonces, newcomer.data[:auth.PROOF_SIZE],
+                                  newcomer.kind):
             self._refuse(newcomer, "it presented a wrong token (another job's, or a guess)")
             return
         self._forget(newcomer)
         newcomer.data = newcomer.data[auth.PROOF_SIZE:]  # the relayed client's first bytes, if already sent
+        if newcomer.kind == auth.WHERE:
+            self.workers.submit(self._tell_where, newcomer)
+            return
         try:
             newcomer.sock.send(auth.ACCEPTED)  # one byte into an empty buffer: sent whole
         except OSError:
@@ -375,6 +388,26 @@ class Gate:
             newcomer.sock.close()
             return
         self.workers.submit(self._open_the_way, newcomer)
+
+    def _tell_where(self, newcomer: _Newcomer) -> None:
+        """Answer a relay that asked where the store takes signed connections directly (on a worker
+        thread: the store may have to start first), and close."""
+        try:
+            port = self.direct_port()
+        except Exception as e:  # noqa: BLE001 - the relay then goes through the gate, which says why
+            self.log(f"torchmn run: the rendezvous store could not be opened for another host's relay: {e}")
+            port = 0
+        self._settled(newcomer)
+
+        def answer() -> None:
+            try:
+                newcomer.sock.setblocking(True)
+                newcomer.sock.settimeout(5)
+                newcomer.sock.sendall(auth.ACCEPTED + port.to_bytes(2, "big"))
+            except OSError:
+                pass
+            newcomer.sock.close()
+        self._in_loop(answer)
 
     def _forget(self, newcomer: _Newcomer) -> None:
         self.newcomers.pop(newcomer.sock, None)

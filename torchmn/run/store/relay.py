@@ -3,31 +3,38 @@
 The store's gate (``torchmn.run.store.gate``) can tell who holds a connection only on its own
 host, where it reads ``/proc``. So each remote rank's watcher, and each Slurm task but the first,
 runs a relay: the same gate, on its own host's 127.0.0.1, where it admits that host's processes of
-the job by the same rule; each one it admits is passed on to the job's gate over a connection of
-its own, opened with the mutual greeting of ``torchmn.run.store.auth``, which the job's gate admits
-because it proves the token. The ranks there are told the relay's address (``MASTER_ADDR`` =
+the job by the same rule. The ranks there are told the relay's address (``MASTER_ADDR`` =
 127.0.0.1, ``MASTER_PORT`` = the relay's port), so the job's gate trusts no source address: a
-connection from another host that does not greet is refused.
+connection from another host that does not prove the token is refused.
 
-Opening the relay also checks, once, that the job's gate is reachable from this host and knows
-the token, and tells which of the host's addresses reaches it (for ``GLOO_SOCKET_IFNAME``).
+Each client the relay admits is passed on over a connection of its own: straight to the store,
+whose port takes only connections every TCP segment of which the kernel signs with a key made
+from the token (``auth.store_key``; TCP MD5 signatures, which also keep anyone on the path from
+injecting into the connection); or, where the store cannot take those (a kernel without
+signatures on either side), to the job's gate, opened with the mutual greeting of
+``torchmn.run.store.auth``. Opening the relay asks the gate, over a greeted connection, where the
+store is; that also checks, once, that the job's gate is reachable from this host and knows the
+token, and tells which of the host's addresses reaches it (for ``GLOO_SOCKET_IFNAME``).
+
 Standard library only: the watcher loads this module on hosts where torch must not be imported.
 """
 from __future__ import annotations
 
+import functools
 import socket
 import time
 from typing import Callable, Sequence
 
 from torchmn.run.store import auth
 from torchmn.run.store.gate import Gate
+from torchmn.run.store.rendezvous import sign
 
 LOCAL_ADDR = "127.0.0.1"
 # Seconds a connection to the job's gate, greeting included, may take once the relay is open.
 CONNECT_SECONDS = 10.0
 
 
-def connect(address: str, port: int, token: str, seconds: float) -> socket.socket:
+def connect(address: str, port: int, token: str, seconds: float, kind: bytes = auth.RELAY) -> socket.socket:
     """A connection to the job's gate at ``address:port``, greeted (see ``torchmn.run.store.auth``),
     retrying for ``seconds`` while nothing listens there yet (another node's launcher may start later).
 
@@ -35,6 +42,9 @@ def connect(address: str, port: int, token: str, seconds: float) -> socket.socke
         address, port: the job's gate.
         token: the job's token.
         seconds: how long to keep trying to connect.
+        kind: the kind of greeting: ``auth.RELAY`` (the connection then carries a client's
+            bytes to the store) or ``auth.WHERE`` (the gate then says where the store takes
+            signed connections directly, see ``Relay``).
 
     Returns:
         The connection, blocking and without a timeout, ready to carry a ``TCPStore`` client's bytes.
@@ -60,7 +70,7 @@ def connect(address: str, port: int, token: str, seconds: float) -> socket.socke
             time.sleep(0.5)
     try:
         sock.settimeout(max(5.0, deadline - time.monotonic()))
-        auth.greet(sock, token)
+        auth.greet(sock, token, kind)
         sock.settimeout(None)
     except OSError:
         sock.close()
@@ -68,8 +78,55 @@ def connect(address: str, port: int, token: str, seconds: float) -> socket.socke
     return sock
 
 
+def connect_signed(address: str, port: int, key: bytes) -> socket.socket:
+    """A connection straight to the job's store, every TCP segment of it signed with ``key`` by the
+    kernel (``auth.store_key``): the store's port takes no other.
+
+    Args:
+        address: the store's host.
+        port: the store's port, as the gate told (``auth.WHERE``).
+        key: the job's store key.
+
+    Returns:
+        The connection.
+
+    Raises:
+        OSError: it could not be made (no signatures in this kernel, or no answer within 10 s:
+            a SYN without the right signature gets none).
+
+    Example::
+
+        >>> sock = connect_signed("10.0.0.1", 41234, auth.store_key(token))  # doctest: +SKIP
+    """
+    ipv4 = socket.getaddrinfo(address, port, socket.AF_INET, socket.SOCK_STREAM)[0][4]
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sign(sock, key)
+        sock.settimeout(CONNECT_SECONDS)
+        sock.connect(ipv4)
+        sock.settimeout(None)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
+def _kernel_signs() -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            sign(probe, bytes(32))
+            return True
+        except OSError:
+            return False
+
+
 class Relay:
     """This host's relay to the job's gate at ``address:port``; see the module's docstring.
+
+    Each admitted client is passed on over a connection of its own: straight to the store, signed
+    by the kernel with the job's store key, where the gate says the store takes those (and this
+    kernel can sign); else to the gate, greeted. The first way crosses one relaying process (this
+    one) instead of two.
 
     Args:
         address, port: the job's gate (the launcher's ``MASTER_ADDR`` and ``MASTER_PORT``).
@@ -82,6 +139,7 @@ class Relay:
     Attributes:
         port: the relay's port on 127.0.0.1, which this host's ranks are told.
         local_address: this host's address that reaches the job's gate.
+        direct: whether clients go straight to the store (else through the gate).
 
     Raises:
         auth.ImpostorError, auth.TokenError, OSError: as ``connect``; nothing listens then.
@@ -94,11 +152,19 @@ class Relay:
 
     def __init__(self, address: str, port: int, token: str, seconds: float, log: Callable[[str], None],
                  likely_pids: Callable[[], Sequence[int]] = tuple):
-        with connect(address, port, token, seconds) as check:
+        with connect(address, port, token, seconds, kind=auth.WHERE) as check:
             self.local_address = check.getsockname()[0]
+            check.settimeout(max(5.0, seconds))  # the store may have to start first
+            store_port = int.from_bytes(auth.read_exactly(check, 2), "big")
+        self.direct = bool(store_port) and _kernel_signs()
+        if self.direct:
+            key = auth.store_key(token)
+            way = functools.partial(connect_signed, address, store_port, key)
+        else:
+            way = functools.partial(connect, address, port, token, CONNECT_SECONDS)
         host = socket.gethostname()
-        self.gate = Gate(LOCAL_ADDR, 0, token, lambda: connect(address, port, token, CONNECT_SECONDS),
-                         lambda line: log(f"{line} (at the relay on {host})"), likely_pids)
+        self.gate = Gate(LOCAL_ADDR, 0, token, way, lambda line: log(f"{line} (at the relay on {host})"),
+                         likely_pids)
         self.port = self.gate.port
 
     def close(self) -> None:

@@ -53,21 +53,21 @@ class _TorchStore:
     kernel's signature check. The gate and the thread that starts it early hold this, not the
     ``HostedStore``, so that dropping the ``HostedStore`` still closes everything."""
 
-    def __init__(self, log: Callable[[str], None], signed: bool):
+    def __init__(self, log: Callable[[str], None], address: str, key: Optional[bytes]):
         self.log = log
-        self.signed = signed
+        self.address = address
+        self.key = key
         self.lock = threading.Lock()
         self.closed = threading.Event()
         self.store = None
         self.port = 0
-        self.key: Optional[bytes] = None
 
     def open(self):
         with self.lock:
             if self.closed.is_set():
                 raise RunError("the rendezvous store is closed: the job has ended")
             if self.store is None:
-                self.store, self.port, self.key = _start_tcp_store(self.signed, self.log)
+                self.store, self.port = _start_tcp_store(self.address, self.key, self.log)
             return self.store
 
     def connect(self) -> socket.socket:
@@ -77,11 +77,19 @@ class _TorchStore:
             if self.key is not None:
                 sign(sock, self.key)
             sock.settimeout(10)
-            sock.connect(("127.0.0.1", self.port))
+            sock.connect((self.address, self.port))
         except OSError:
             sock.close()
             raise
         return sock
+
+    def direct_port(self) -> int:
+        """Where other hosts' relays reach the store with signed connections; 0 where they cannot
+        (no signatures, or a store on loopback, as for a job on one machine)."""
+        if self.key is None or network.is_loopback(self.address):
+            return 0
+        self.open()
+        return self.port
 
     def open_when_torch_loads(self, pids: Optional[Callable[[], Sequence[int]]]) -> None:
         """On this thread: open once one of ``pids`` loads torch (None: at once), unless closed first."""
@@ -214,59 +222,58 @@ STORE_TRIES = 5
 CUT_OFF_SECONDS = 2.0
 
 
-def _start_tcp_store(signed: bool, log: Callable[[str], None]):
-    """torch's ``TCPStore`` on 127.0.0.1, on a port only connections signed with the returned key
-    reach (when ``signed``; else the key is None): (store, port, key).
+def _start_tcp_store(address: str, key: Optional[bytes], log: Callable[[str], None]):
+    """torch's ``TCPStore`` on ``address`` (an IPv4 address), on a port only connections signed
+    with ``key`` reach (where ``key`` is None: any connection): (store, port).
 
     The ``TCPStore`` connects its own client to its port, unsigned, as it starts, so the port can be
-    signed only afterwards, and another program of this machine that watches for new listening
-    ports may connect in between. Such connections are shut down, and the store is used only once
-    they are closed and it holds nothing (it then is as new); otherwise it is dropped before anyone
-    of the job used it, and a new one made."""
+    signed only afterwards, and another program that watches for new listening ports may connect in
+    between. Such connections are shut down, and the store is used only once they are closed and
+    it holds nothing (it then is as new); otherwise it is dropped before anyone of the job used
+    it, and a new one made."""
     strangers: List[str] = []
-    for _ in range(STORE_TRIES if signed else 1):
-        store, store_port, key = _new_tcp_store(signed)
+    for _ in range(STORE_TRIES if key is not None else 1):
+        store, store_port = _new_tcp_store(address, key)
         if key is None:
-            return store, store_port, key
+            return store, store_port
         strangers, closed = _cut_off_strangers(store_port)
         if not strangers:
-            return store, store_port, key
-        log(f"torchmn run: cut off connections to the rendezvous store's port on 127.0.0.1 made before the "
+            return store, store_port
+        log(f"torchmn run: cut off connections to the rendezvous store's port on {address} made before the "
             f"kernel closed it to all but the gate: {'; '.join(strangers)}")
         if closed and store.num_keys() == 0:
-            return store, store_port, key
+            return store, store_port
         del store  # the server stops, and its connections close, with the last reference
-    raise RunError(f"another program of this machine connected to the rendezvous store's port on 127.0.0.1 "
-                   f"each of {STORE_TRIES} times, in the moment between the store starting and the kernel "
-                   f"closing its port to all but the gate, and wrote into it: {'; '.join(strangers)}. It "
-                   f"watches for new ports to take over jobs; stop it (or have the machine's administrator "
-                   f"stop it) and start the job again.")
+    raise RunError(f"another program connected to the rendezvous store's port on {address} each of "
+                   f"{STORE_TRIES} times, in the moment between the store starting and the kernel closing its "
+                   f"port to all but the gate, and wrote into it: {'; '.join(strangers)}. It watches for new "
+                   f"ports to take over jobs; stop it (or have the machine's administrator stop it) and "
+                   f"start the job again.")
 
 
-def _new_tcp_store(signed: bool):
+def _new_tcp_store(address: str, key: Optional[bytes]):
     from torch.distributed import TCPStore
 
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        listener.bind(("127.0.0.1", 0))
+        listener.bind((address, 0))
         listener.listen(1024)
         # Given a listening socket, the store listens on it alone; by itself it would listen on
         # every interface.
-        store = TCPStore("127.0.0.1", listener.getsockname()[1], is_master=True, wait_for_workers=False,
+        store = TCPStore(address, listener.getsockname()[1], is_master=True, wait_for_workers=False,
                          master_listen_fd=listener.fileno())
     except (OSError, RuntimeError) as e:
         listener.close()
-        raise RunError(f"could not start the rendezvous store on 127.0.0.1: {e}") from e
+        raise RunError(f"could not start the rendezvous store on {address}: {e}") from e
     store_port = listener.getsockname()[1]
-    key = secrets.token_bytes(32) if signed else None
     try:
         if key is not None:
             # The store's own client is connected by now; from here on only signed connections
-            # (the gate's) reach that port.
+            # (the gate's, and other hosts' relays') reach that port.
             sign(listener, key)
     finally:
         listener.detach()  # the store owns the socket now, and closes it
-    return store, store_port, key
+    return store, store_port
 
 
 def _cut_off_strangers(store_port: int) -> Tuple[List[str], bool]:
@@ -344,7 +351,7 @@ def check_signing(allow_unsigned: bool) -> Optional[str]:
             why = e.strerror or str(e)
     if not allow_unsigned:
         raise RunError(f"this kernel cannot sign TCP connections ({why}; Linux's CONFIG_TCP_MD5SIG), which is "
-                       f"how torchmn keeps the rendezvous store's own port on 127.0.0.1 closed to all but its "
+                       f"how torchmn keeps the rendezvous store's own port closed to all but its "
                        f"gate: without it, any user of this machine could reach the store without the job's "
                        f"token and take over the job. Run on a kernel with CONFIG_TCP_MD5SIG (the common "
                        f"distributions' kernels have it), or, where no other user can run programs on this "
@@ -397,9 +404,14 @@ def start_store(host: str, port: Optional[int], port_origin: Optional[str] = Non
     unsigned = check_signing(allow_unsigned)
     if unsigned is not None:
         log(unsigned)
-    torch_store = _TorchStore(log, signed=unsigned is None)
+    token = token or auth.new_token()
+    # The store on the gate's address, signed, where other hosts' relays reach it directly; else
+    # on loopback, behind the gate alone.
+    store_address = _ipv4_of(host) if unsigned is None else None
+    key = auth.store_key(token) if unsigned is None else None
+    torch_store = _TorchStore(log, store_address or "127.0.0.1", key)
     try:
-        gate = Gate(host, port or 0, token or auth.new_token(), torch_store.connect, log, likely_pids)
+        gate = Gate(host, port or 0, token, torch_store.connect, log, likely_pids, torch_store.direct_port)
     except OSError as e:
         if port and e.errno == errno.EADDRINUSE:
             if port_origin:
@@ -413,6 +425,14 @@ def start_store(host: str, port: Optional[int], port_origin: Optional[str] = Non
                            f"(MASTER_ADDR, --network-interface)") from e
         raise RunError(f"could not start the rendezvous store on {host}:{port or 0}: {e.strerror or e}") from e
     return HostedStore(gate, torch_store, host)
+
+
+def _ipv4_of(host: str) -> Optional[str]:
+    """``host``'s IPv4 address, where it has one (the store's listener is IPv4, see ``sign``)."""
+    try:
+        return socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)[0][4][0]
+    except (OSError, IndexError):
+        return None
 
 
 def address_for_hosts(checks: Sequence[HostCheck], remote_hosts: Sequence[str], ssh_port: Optional[int]) -> str:
