@@ -378,20 +378,17 @@ class Gate:
             return
         self._forget(newcomer)
         newcomer.data = newcomer.data[auth.PROOF_SIZE:]  # the relayed client's first bytes, if already sent
-        if newcomer.kind == auth.WHERE:
-            self.workers.submit(self._tell_where, newcomer)
-            return
         try:
             newcomer.sock.send(auth.ACCEPTED)  # one byte into an empty buffer: sent whole
         except OSError:
             self._settled(newcomer)
             newcomer.sock.close()
             return
-        self.workers.submit(self._open_the_way, newcomer)
+        self.workers.submit(self._tell_where if newcomer.kind == auth.WHERE else self._open_the_way, newcomer)
 
     def _tell_where(self, newcomer: _Newcomer) -> None:
-        """Answer a relay that asked where the store takes signed connections directly (on a worker
-        thread: the store may have to start first), and close."""
+        """Tell a relay that asked, once greeted, where the store takes signed connections directly
+        (on a worker thread: the store may have to start first), and close."""
         try:
             port = self.direct_port()
         except Exception as e:  # noqa: BLE001 - the relay then goes through the gate, which says why
@@ -403,7 +400,7 @@ class Gate:
             try:
                 newcomer.sock.setblocking(True)
                 newcomer.sock.settimeout(5)
-                newcomer.sock.sendall(auth.ACCEPTED + port.to_bytes(2, "big"))
+                newcomer.sock.sendall(port.to_bytes(2, "big"))
             except OSError:
                 pass
             newcomer.sock.close()

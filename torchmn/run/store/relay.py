@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import functools
 import socket
+import threading
 import time
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 from torchmn.run.store import auth
 from torchmn.run.store.gate import Gate
@@ -32,6 +33,8 @@ from torchmn.run.store.rendezvous import sign
 LOCAL_ADDR = "127.0.0.1"
 # Seconds a connection to the job's gate, greeting included, may take once the relay is open.
 CONNECT_SECONDS = 10.0
+# Seconds the gate may take to say where the store is: it starts the store first (importing torch).
+STORE_START_SECONDS = 120.0
 
 
 def connect(address: str, port: int, token: str, seconds: float, kind: bytes = auth.RELAY) -> socket.socket:
@@ -139,7 +142,8 @@ class Relay:
     Attributes:
         port: the relay's port on 127.0.0.1, which this host's ranks are told.
         local_address: this host's address that reaches the job's gate.
-        direct: whether clients go straight to the store (else through the gate).
+        direct: whether clients go straight to the store (else through the gate), known once the
+            first client came.
 
     Raises:
         auth.ImpostorError, auth.TokenError, OSError: as ``connect``; nothing listens then.
@@ -152,20 +156,38 @@ class Relay:
 
     def __init__(self, address: str, port: int, token: str, seconds: float, log: Callable[[str], None],
                  likely_pids: Callable[[], Sequence[int]] = tuple):
-        with connect(address, port, token, seconds, kind=auth.WHERE) as check:
-            self.local_address = check.getsockname()[0]
-            check.settimeout(max(5.0, seconds))  # the store may have to start first
-            store_port = int.from_bytes(auth.read_exactly(check, 2), "big")
-        self.direct = bool(store_port) and _kernel_signs()
-        if self.direct:
-            key = auth.store_key(token)
-            way = functools.partial(connect_signed, address, store_port, key)
-        else:
-            way = functools.partial(connect, address, port, token, CONNECT_SECONDS)
+        self.address, self.gate_port, self.token = address, port, token
+        # The greeting proves the gate and checks the way; the answer, where the store is, comes once
+        # the store has started (it imports torch), which this host's rank need not wait for.
+        self.asked = connect(address, port, token, seconds, kind=auth.WHERE)
+        self.local_address = self.asked.getsockname()[0]
+        self.way: Optional[Callable[[], socket.socket]] = None
+        self.direct = False
+        self.lock = threading.Lock()
         host = socket.gethostname()
-        self.gate = Gate(LOCAL_ADDR, 0, token, way, lambda line: log(f"{line} (at the relay on {host})"),
+        self.gate = Gate(LOCAL_ADDR, 0, token, self._connect, lambda line: log(f"{line} (at the relay on {host})"),
                          likely_pids)
         self.port = self.gate.port
+
+    def _connect(self) -> socket.socket:
+        """A new connection to the store for one admitted client (on the gate's worker threads)."""
+        with self.lock:
+            if self.way is None:
+                try:
+                    self.asked.settimeout(STORE_START_SECONDS)
+                    store_port = int.from_bytes(auth.read_exactly(self.asked, 2), "big")
+                except OSError:
+                    store_port = 0  # the gate's way still works
+                finally:
+                    self.asked.close()
+                self.direct = bool(store_port) and _kernel_signs()
+                if self.direct:
+                    self.way = functools.partial(connect_signed, self.address, store_port,
+                                                 auth.store_key(self.token))
+                else:
+                    self.way = functools.partial(connect, self.address, self.gate_port, self.token,
+                                                 CONNECT_SECONDS)
+        return self.way()
 
     def close(self) -> None:
         """Stop relaying: close the relay's door and every connection through it. Safe to call
@@ -176,3 +198,4 @@ class Relay:
             >>> relay.close()  # doctest: +SKIP
         """
         self.gate.close()
+        self.asked.close()
