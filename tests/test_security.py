@@ -627,7 +627,9 @@ print("LISTENING", flush=True)
 sock, _ = listener.accept()
 sock.settimeout(10)
 got = sock.recv(4096)
-sock.sendall(os.urandom(64))  # a nonce and a proof, as a gate would send, made up
+# 32 bytes and a byte of 1: what a one-way greeting's client took for a gate that accepted it;
+# padded to a nonce and a proof, as a gate of the mutual greeting sends, made up.
+sock.sendall(os.urandom(32) + b"\\x01" + os.urandom(31))
 try:
     while True:
         more = sock.recv(4096)
