@@ -151,6 +151,17 @@ def test_raw_client_without_token_is_closed_and_logged(job):
     job.still_works()
 
 
+def test_a_client_that_sends_nothing_is_closed_and_named(job):
+    with socket.create_connection((job.info["addr"], job.info["port"]), timeout=30) as silent:
+        client_port = silent.getsockname()[1]
+        started = time.monotonic()
+        assert silent.recv(10) == b""
+        waited = time.monotonic() - started
+    assert 4 < waited < 20, waited  # the gate's first-byte deadline: 5 s
+    lines = launcher_refusal(job, client_port)
+    assert f"process {os.getpid()} (" in lines[0] and "it sent nothing within 5 s" in lines[0], lines
+
+
 def test_tcpstore_client_without_token_cannot_get_or_set(job):
     start = time.monotonic()
     with pytest.raises((RuntimeError, OSError)):

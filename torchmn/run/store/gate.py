@@ -50,7 +50,7 @@ from torchmn.run.store.pipes import End, Pipes
 
 # Seconds a new connection has to send its first byte (a TCPStore client sends it as it
 # connects), and to finish its greeting.
-FIRST_BYTE_SECONDS = 3.0
+FIRST_BYTE_SECONDS = 5.0
 GREETING_SECONDS = 10.0
 # Connections not yet admitted (greeting, or being identified): per source, and in all.
 MAX_PENDING_PER_SOURCE = 64
@@ -172,6 +172,7 @@ class Gate:
         self.likely_pids = likely_pids
         self.direct_port = direct_port
         self.refused: set = set()  # (address, who, why) already in the log
+        self.named = 0  # connections refused for saying too little, whose process was looked up
         self.lock = threading.Lock()
         self.calls: "queue.SimpleQueue[Callable[[], None]]" = queue.SimpleQueue()
         self.selector = selectors.DefaultSelector()
@@ -219,7 +220,7 @@ class Gate:
                 for newcomer in [n for n in self.newcomers.values() if n.deadline < now]:
                     what = (f"finished no greeting within {GREETING_SECONDS:g} s" if newcomer.data
                             else f"sent nothing within {FIRST_BYTE_SECONDS:g} s")
-                    self._refuse(newcomer, f"it {what}")
+                    self._refuse_named(newcomer, f"it {what}")
         finally:
             self._close_all()
 
@@ -424,6 +425,29 @@ class Gate:
         self._settled(newcomer)
         newcomer.sock.close()
         self._log_refusal(newcomer.address, who, why)
+
+    def _refuse_named(self, newcomer: _Newcomer, why: str) -> None:
+        """Refuse a connection that said too little, naming the process that holds it where it is
+        this machine's: looked up on a worker thread (it reads /proc), for the first few only, so
+        that a crowd of them costs no more than closing."""
+        with self.lock:
+            self.named += 1
+            look = self.named <= MAX_LOGGED_REFUSALS
+        if not look:
+            self._refuse(newcomer, why)
+            return
+        self._forget(newcomer)
+
+        def name_and_close() -> None:
+            try:
+                peer = identify(newcomer.address, newcomer.sock.getsockname()[:2], self.token)
+                who = peer.describe() if peer.found else ""
+            except Exception:  # noqa: BLE001 - a name for the log only
+                who = ""
+            self._settled(newcomer)
+            newcomer.sock.close()
+            self._log_refusal(newcomer.address, who, why)
+        self.workers.submit(name_and_close)
 
     def _log_refusal(self, address: Tuple[str, int], who: str, why: str) -> None:
         # A TCPStore client that is refused tries again until its timeout: one line per process
