@@ -619,8 +619,8 @@ def test_slurm_task_with_another_token_is_refused(tmp_path):
     second = _slurm_task(1, port, tmp_path / "b", token=auth.new_token())
     (code1, out1, err1), = _finish([second])
     assert code1 == 2, out1 + err1
-    assert "did not prove it knows the step's token, so this task did not check in" in err1, err1
-    assert "the tasks of this step do not share a token" in err1 and "export TORCHMN_JOB_TOKEN=" in err1, err1
+    assert "did not prove it knows the job's token, so this Slurm task did not check in" in err1, err1
+    assert "the Slurm tasks do not share a token" in err1 and "export TORCHMN_JOB_TOKEN=" in err1, err1
     # Task 0 still waits for task 1 to check in (--start-timeout 20): SIGTERM (scancel's) ends it at once.
     first.terminate()
     stopped = time.monotonic()
@@ -667,8 +667,8 @@ def test_a_slurm_task_refuses_a_store_that_cannot_prove_the_token(tmp_path):
         if impostor.poll() is None:
             impostor.kill()
     assert code == 2, out + err
-    assert f"the process listening on localhost:{port}, where this step's task 0 hosts its rendezvous store, " \
-           f"did not prove it knows the step's token" in err, err
+    assert f"Slurm task 1: the process listening on localhost:{port}, where Slurm task 0 hosts the job's " \
+           f"rendezvous store, did not prove it knows the job's token" in err, err
     assert "another program (perhaps another user's) holds the port" in err, err
     assert "RANK" not in out, out
     assert f"GOT {len(auth.GREETING) + auth.NONCE_SIZE}" in seen, seen

@@ -405,8 +405,7 @@ def test_torchmn_run_max_restarts_in_a_multi_node_step_is_refused(slurm):
                       "--max-restarts", "2", PY, "-c", "print('started')"], env=job_env(), timeout=60, check=False)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 2, output
-    assert ("--max-restarts does not work inside a Slurm step of 2 torchmn run tasks (one per node)"
-            in output), output
+    assert "--max-restarts does not work with one torchmn run per node (2 Slurm tasks)" in output, output
     assert "#SBATCH --requeue" in output and "scontrol requeue $SLURM_JOB_ID" in output, output
     assert "started" not in output, output
 

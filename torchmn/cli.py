@@ -118,6 +118,14 @@ def _add_run(subparsers) -> None:
     hosts.add_argument("--network-interface", default=None, metavar="IFACE",
                        help="use this interface's address for the rendezvous (default: the address the "
                             "first remote host sees the launcher connect from)")
+    nodes = p.add_argument_group(
+        "one launcher per node (each node runs its own torchmn run; without these, Kubeflow's PyTorchJob, "
+        "SkyPilot and SageMaker are read from their variables)")
+    nodes.add_argument("--nnodes", type=int, default=None, metavar="N", help="the number of nodes")
+    nodes.add_argument("--node-rank", type=int, default=None, metavar="R",
+                       help="this node's index, 0 to N-1; node 0 hosts the rendezvous")
+    nodes.add_argument("--master-addr", default=None, metavar="ADDR",
+                       help="node 0's address, the same on every node (with --master-port, default 29500)")
     horovodrun_flags.add_to(p)
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="COMMAND [ARGS...]",
                    help="the program each rank runs ('--' before it is optional)")
@@ -168,6 +176,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                               verbose=args.verbose, hosts=hosts, ssh=ssh, exports=args.exports,
                               network_interface=args.network_interface, max_restarts=args.max_restarts,
                               restart_on=args.restart_on, allow_unsigned_store=args.allow_unsigned_store,
+                              nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                               restart_delay=_default_restart_delay() if args.restart_delay is None
                               else args.restart_delay)
         if args.max_restarts == 0 and (args.restart_on is not None or args.restart_delay is not None):

@@ -61,6 +61,9 @@ class LaunchConfig:
         allow_unsigned_store: on a kernel that cannot sign TCP connections, start anyway, with the
             rendezvous store's own port open to every program of the machine
             (``--allow-unsigned-store``; see ``torchmn.run.store.rendezvous.start_store``).
+        nnodes, node_rank, master_addr: one launcher per node (``--nnodes``, ``--node-rank``,
+            ``--master-addr``): this node's place in a job of ``nnodes`` nodes, and where node 0
+            hosts the rendezvous (see ``torchmn.run.nodes.per_node_step``).
 
     Raises:
         RunError: ``np`` below 1, no command, a port outside 1-65535, a start timeout that is
@@ -91,6 +94,9 @@ class LaunchConfig:
     restart_on: Optional[AbstractSet[int]] = None
     restart_delay: float = RESTART_DELAY
     allow_unsigned_store: bool = False
+    nnodes: Optional[int] = None
+    node_rank: Optional[int] = None
+    master_addr: Optional[str] = None
 
     def __post_init__(self) -> None:
         """Check the options and normalise them in place (the dataclass's constructor calls it).
@@ -121,6 +127,13 @@ class LaunchConfig:
             raise RunError(f"--master-port must be between 1 and 65535, got {self.master_port}.")
         if self.start_timeout is not None and self.start_timeout <= 0:
             raise RunError(f"--start-timeout must be positive, got {self.start_timeout:g}.")
+        if self.nnodes is not None and self.nnodes < 1:
+            raise RunError(f"--nnodes must be at least 1, got {self.nnodes}.")
+        if (self.node_rank is not None or self.master_addr is not None) and self.nnodes is None:
+            raise RunError("--node-rank and --master-addr go with --nnodes N (one torchmn run per node).")
+        if self.nnodes is not None and self.nnodes > 1 and self.node_rank is None:
+            raise RunError(f"--nnodes {self.nnodes} needs --node-rank R (0 to {self.nnodes - 1}), a different R on "
+                           f"each node, 0 on the node at --master-addr.")
         if self.max_restarts < 0:
             raise RunError(f"--max-restarts must be 0 or more, got {self.max_restarts}.")
         if not self.restart_delay >= 0:  # also refuses NaN

@@ -74,10 +74,13 @@ def _hosts_section(job: Job) -> List[str]:
     for slot in job.slots:
         by_host.setdefault(slot.host, []).append(slot)
     lines = []
-    if job.slurm is not None:
-        step = job.slurm.step
-        lines.append(f"Slurm step of {step.tasks} torchmn run tasks, one per node; this is task {step.task} on "
-                     f"{step.hosts[step.task]}, which starts its node's ranks (the other tasks start theirs):")
+    if job.nodes is not None:
+        step = job.nodes.step
+        what = (f"Slurm step of {step.tasks} torchmn run tasks, one per node; this is task {step.task}"
+                if step.kind == "Slurm task" else
+                f"{step.tasks} nodes, each running torchmn run; this is node {step.task}")
+        lines.append(f"{what} on {step.hosts[step.task]}, which starts its node's ranks (the other "
+                     f"{step.kind}s start theirs):")
     elif job.hosts is None:
         lines.append(f"hosts: this machine only ({job.host}), {_ranks(job.slots)}")
         return lines
@@ -103,12 +106,12 @@ def _rendezvous_section(job: Job, known_addr: Optional[str]) -> List[str]:
     else:
         addr = known_addr
     port = str(job.master_port) if job.master_port is not None else f"{AT_START} (a free port the OS picks)"
-    host = (f"task 0 on {job.slurm.step.hosts[0]}" if job.slurm is not None else "this launcher")
+    host = (f"task 0 on {job.nodes.step.hosts[0]}" if job.nodes is not None else "this launcher")
     lines = [f"rendezvous: {host} hosts the store, behind a gate that admits only the job's processes (by the "
              f"job's token, {SECRET})",
              f"  MASTER_ADDR={addr}",
              f"  MASTER_PORT={port}"]
-    if job.slurm is None or job.slurm.step.task == 0:
+    if job.nodes is None or job.nodes.step.task == 0:
         warning = check_signing(config.allow_unsigned_store)
         lines.append("  the store's own port: " + (
             "closed to all but the gate and other hosts' relays (TCP MD5 signatures)" if warning is None else
@@ -185,7 +188,7 @@ def describe_plan(config: LaunchConfig, env: Optional[Mapping[str, str]] = None)
     known_addr = job.known_master_addr()
     job.master_addr = known_addr or AT_START
     port = str(job.master_port) if job.master_port is not None else AT_START
-    count = _plural(len(job.slots), "rank") if job.slurm is None else \
+    count = _plural(len(job.slots), "rank") if job.nodes is None else \
         f"{len(job.slots)} of the {job.slots[0].size} ranks (this node's)"
     lines = [f"torchmn run --dry-run: {count} of "
              f"`{' '.join(shlex.quote(a) for a in config.command)}`; nothing was started and no host "

@@ -1,8 +1,8 @@
 """``torchmn run``: start N ranks of a command, watch them, and tear the job down cleanly.
 
 ``run(config)`` runs one job; ``Job`` puts the pieces together: the plan (``plan``), the processes
-(``supervisor``), their output (``output``), remote hosts (``ssh``) and the other tasks of a Slurm
-step (``slurm_step``). How the launcher supervises its ranks is in ``docs/design/launcher.md``.
+(``supervisor``), their output (``output``), remote hosts (``ssh``) and the other nodes' launchers
+(``nodes``). How the launcher supervises its ranks is in ``docs/design/launcher.md``.
 """
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ from torchmn.run.processes.supervisor import Rank, Supervisor
 from torchmn.run.remote import hostfile
 from torchmn.run.remote.ssh import RemoteError, check_hosts_or_stop, forwarded_env, parse_exports, rank_command
 from torchmn.run.restarts import Restarts
-from torchmn.run.slurm_step import SlurmTasks, slurm_step
+from torchmn.run.nodes import NodeLaunchers, per_node_step
+from torchmn.run.slurm_step import slurm_step
 from torchmn.run.store import auth
 from torchmn.run.store.rendezvous import address_for_hosts, start_store
 
@@ -65,15 +66,18 @@ class Job:
         self.slots: List[Slot] = plan_slots(placement)
         self.master_addr = LOCAL_ADDR
         self.master_port = config.master_port
-        refuse_outer_launcher(self.base_env)
-        # One task of a multi-node srun step: this node's share of one job (see slurm_step).
-        step = None if hosts else slurm_step(self.base_env)
-        self.slurm = None if step is None else SlurmTasks(step, config.np, config.start_timeout, self.base_env)
+        # One launcher per node (--nnodes, a platform's variables, or one task per node of a
+        # multi-node srun step): this node's share of one job (see torchmn.run.nodes).
+        step = per_node_step(config, self.base_env)
+        if step is None:
+            refuse_outer_launcher(self.base_env)
+            step = None if hosts else slurm_step(self.base_env)
+        self.nodes = None if step is None else NodeLaunchers(step, config.np, config.start_timeout, self.base_env)
         # The job's secret: only processes started with it (or that prove they know it) reach the
-        # store; see docs/security.md. The tasks of a Slurm step share theirs.
-        self.token = self.slurm.token if self.slurm is not None else auth.new_token()
-        if self.slurm is not None:
-            self.slots = self.slurm.plan(config.network_interface)
+        # store; see docs/security.md. The launchers of one job, one per node, share theirs.
+        self.token = self.nodes.token if self.nodes is not None else auth.new_token()
+        if self.nodes is not None:
+            self.slots = self.nodes.plan(config.network_interface)
             self.master_addr = step.master_addr
             if self.master_port is None:
                 self.master_port = step.master_port
@@ -169,7 +173,7 @@ class Job:
         """The rendezvous address as far as it is known before any host is checked.
 
         Returns:
-            The Slurm step's first node in a multi-task Slurm step; else the address of
+            Node 0's address with one launcher per node; else the address of
             ``--network-interface`` where given; else ``127.0.0.1`` for a job on this machine alone;
             None where other hosts take part, since the address is then the one the first remote
             host sees the launcher connect from, which only the host checks tell.
@@ -182,7 +186,7 @@ class Job:
             >>> Job(LaunchConfig(["python", "train.py"], np=2)).known_master_addr()
             '127.0.0.1'
         """
-        if self.slurm is not None:
+        if self.nodes is not None:
             return self.master_addr
         if self.config.network_interface:
             try:
@@ -225,9 +229,9 @@ class Job:
             env = remote_env(slot, self.base_env, self.exports, self.master_addr, port)
             env[auth.TOKEN_ON_STDIN] = "1"  # the token itself goes through stdin (see _start_rank)
             return env
-        one_machine = not self.remote_hosts and (self.slurm is None or self.slurm.step.tasks == 1)
-        # On a Slurm node but the first, the ranks reach the store through this node's relay.
-        address = self.slurm.ranks_address(self.master_addr) if self.slurm is not None else self.master_addr
+        one_machine = not self.remote_hosts and (self.nodes is None or self.nodes.step.tasks == 1)
+        # On a node but the first (one launcher per node), the ranks reach the store through this node's relay.
+        address = self.nodes.ranks_address(self.master_addr) if self.nodes is not None else self.master_addr
         env = local_env(slot, self.base_env, self.exports, address, port, self.job_id,
                         several_hosts=bool(self.remote_hosts), one_machine=one_machine)
         env[auth.TOKEN_ENV] = self.token
@@ -275,7 +279,7 @@ class Job:
     def start(self) -> None:
         """Check the command and the hosts, open the rendezvous store and start every rank.
 
-        In a multi-task Slurm step, task 0 opens the store and the other tasks connect to it; then
+        With one launcher per node, node 0 opens the store and the others connect to it; then
         every task checks in. Otherwise the remote hosts are checked over ssh and this machine
         hosts the store. The guardian starts when a rank runs on this machine.
 
@@ -293,12 +297,13 @@ class Job:
         self.procs.prepare()
         if config.log_dir is not None:
             prepare_log_dir(config.log_dir)
-        if self.slurm is not None:
-            origin = ("MASTER_PORT" if self.base_env.get("MASTER_PORT")
-                      else "derived from the Slurm job and step ids")
-            self.store = self.slurm.open_store(self.master_addr, self.master_port, origin, self.console.message,
+        if self.nodes is not None:
+            origin = ("--master-port" if config.master_port else "MASTER_PORT" if self.base_env.get("MASTER_PORT")
+                      else "derived from the Slurm job and step ids" if self.nodes.step.kind == "Slurm task"
+                      else "the default port")
+            self.store = self.nodes.open_store(self.master_addr, self.master_port, origin, self.console.message,
                                                self._local_pids, allow_unsigned=config.allow_unsigned_store)
-            self.slurm.check_in(lambda: self._raise_on_signal("waiting for the other Slurm tasks"))
+            self.nodes.check_in(lambda: self._raise_on_signal(f"waiting for the other {self.nodes.step.kind}s"))
         else:
             self._check_hosts()
             self.store = start_store(self.master_addr, self.master_port, token=self.token, log=self.console.message,
@@ -312,7 +317,7 @@ class Job:
         for slot in self.slots:
             log_path = os.path.join(config.log_dir, f"rank.{slot.rank}.log") if config.log_dir else None
             self._start_rank(slot, port, log_path)
-        if self.slurm is None:
+        if self.nodes is None:
             # The store starts while the ranks import torch, not when the first reaches it; ranks on
             # other hosts cannot be watched doing so.
             if any(self.is_remote(slot) for slot in self.slots):
@@ -328,11 +333,11 @@ class Job:
         placed = ", ".join(f"{h}:{n}" for h, n in dict(collections.Counter(s.host for s in self.slots)).items())
         threads = resources.launcher_thread_env(self.slots[0].local_size, self.base_env).get(
             resources.TORCHMN_NUM_THREADS)
-        slurm = self.slurm.step if self.slurm else None
+        step = self.nodes.step if self.nodes else None
         ranks = (f"ranks {self.slots[0].rank}-{self.slots[-1].rank} of {self.size} "
-                 f"(Slurm task {slurm.task} of {slurm.tasks})" if slurm else f"{self.config.np} ranks")
+                 f"({step.kind} {step.task} of {step.tasks})" if step else f"{self.config.np} ranks")
         where = f"{self.master_addr}:{port}"
-        if self.slurm is not None and self.slurm.relay is not None:
+        if self.nodes is not None and self.nodes.relay is not None:
             where = f"{self.master_addr}:{self.master_port}, through this node's relay on 127.0.0.1:{port}"
         self.console.message(
             f"torchmn run: {ranks} on {placed}, rendezvous {where}, "
@@ -428,7 +433,7 @@ class Job:
     def watch(self) -> int:
         """Wait for the job to end, then stop whatever is left and report.
 
-        Call it after ``start``. In a multi-task Slurm step it also reports this node's first
+        Call it after ``start``. With one launcher per node it also reports this node's first
         failed rank to the other tasks, and tells them this task has ended.
 
         Returns:
@@ -451,21 +456,21 @@ class Job:
                 self._check_other_nodes()
                 last_scan = time.monotonic()
         failed = self.first_failure
-        if self.slurm is not None and failed is not None:
-            self.slurm.report_failure(f"rank {failed.slot.rank} (host {failed.slot.host}) "
+        if self.nodes is not None and failed is not None:
+            self.nodes.report_failure(f"rank {failed.slot.rank} (host {failed.slot.host}) "
                                       f"{describe_exit(failed.returncode)}")
         # Also when every rank exited 0: stops anything they left running in the background.
         self.teardown(self.received_signal or signal.SIGTERM)
         for rank in self.ranks:
             rank.output.finish(idle=2.0)
         code = self._summarize()
-        if self.slurm is not None:
-            self.slurm.end_task(wait_for_others=self.received_signal is None)
+        if self.nodes is not None:
+            self.nodes.end_task(wait_for_others=self.received_signal is None)
         return code
 
     def _check_other_nodes(self) -> None:
         """Stop this node's ranks when another task's launcher reported a failed rank."""
-        reason = self.slurm.reported_failure() if self.slurm is not None else None
+        reason = self.nodes.reported_failure() if self.nodes is not None else None
         if reason is not None:
             self.node_failure = (f"torchmn run: {reason}; stopped the {len(self.procs.running())} "
                                  f"rank(s) on this node.")
@@ -500,7 +505,7 @@ class Job:
         failed = self.first_failure
         if failed is None:
             return 0
-        self.console.message(failure_summary(failed, self.ranks, self.slurm.reported if self.slurm else None))
+        self.console.message(failure_summary(failed, self.ranks, self.nodes.reported if self.nodes else None))
         return exit_code_of(failed.returncode)
 
     def run_once(self) -> int:
@@ -531,7 +536,7 @@ class Job:
     def close(self) -> None:
         """Close the rendezvous store and let the guardian go; call once the job has ended.
 
-        In a multi-task Slurm step it also closes this task's part (see ``SlurmTasks.close``).
+        With one launcher per node it also closes this node's part (see ``NodeLaunchers.close``).
         ``run_once`` calls it.
 
         Example::
@@ -545,8 +550,8 @@ class Job:
         """
         # Dropping the last reference shuts the store's server down and frees the port.
         self.store = None
-        if self.slurm is not None:
-            self.slurm.close()
+        if self.nodes is not None:
+            self.nodes.close()
         self.procs.close()
 
 

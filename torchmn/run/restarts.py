@@ -270,17 +270,21 @@ class Restarts:
         """
         job = self.make_job(self.config, {**self.env, TORCHMN_RESTART_COUNT: str(count)})
         if count == 0:
-            self._refuse_multi_node_slurm(job)
+            self._refuse_one_launcher_per_node(job)
         return job
 
-    def _refuse_multi_node_slurm(self, job: "Job") -> None:
-        if self.config.max_restarts and job.slurm is not None:
-            step = job.slurm.step
+    def _refuse_one_launcher_per_node(self, job: "Job") -> None:
+        if self.config.max_restarts and job.nodes is not None:
+            step = job.nodes.step
+            if step.kind == "Slurm task":
+                instead = ("Let Slurm restart the job instead: `#SBATCH --requeue`, and `scontrol requeue "
+                           "$SLURM_JOB_ID` when it fails (docs/launching/slurm.md)")
+            else:
+                instead = "Let the platform restart the nodes' launchers instead (a restart policy)"
             raise RunError(
-                f"--max-restarts does not work inside a Slurm step of {step.tasks} torchmn run tasks (one per "
-                f"node): the launchers on every node would have to restart together. Let Slurm restart "
-                f"the job instead: `#SBATCH --requeue`, and `scontrol requeue $SLURM_JOB_ID` when it fails "
-                f"(docs/launching/slurm.md), or run one torchmn run for all nodes with -H/--hostfile.")
+                f"--max-restarts does not work with one torchmn run per node ({step.tasks} {step.kind}s): the "
+                f"launchers on every node would have to restart together. {instead}, or run one torchmn run "
+                f"for all nodes with -H/--hostfile.")
 
     def _may_restart(self, failure: FailedStart) -> bool:
         """Whether ``failure`` is followed by a restart; if not, say why (with --max-restarts)."""

@@ -55,7 +55,7 @@ SERVER = b"server"  # the roles a proof is made for
 CLIENT = b"client"
 ACCEPTED = b"\x01"
 
-# Shortest token taken from the environment (a Slurm step's, see step_token): 128 bits in hex.
+# Shortest token taken from the environment (given to the launchers of one job, see shared_token): 128 bits in hex.
 MIN_TOKEN_CHARS = 32
 
 
@@ -277,25 +277,25 @@ def read_token_line(fd: int) -> Optional[str]:
     return line[len(b"token "):-1].decode(errors="replace") or None
 
 
-def step_token(env: Mapping[str, str], job_id: str, step_id: str) -> str:
-    """The token every task of one Slurm step agrees on without talking: ``TORCHMN_JOB_TOKEN``
-    when the batch script exported one (srun passes it to every task), else an HMAC of the step's
-    ids keyed with this user's key (see ``user_key``), the same on every node that shares the home
-    directory.
+def shared_token(env: Mapping[str, str], label: str) -> str:
+    """The token every launcher of one job agrees on without talking (one per node, under Slurm or
+    a platform): ``TORCHMN_JOB_TOKEN`` when it is set (srun passes an exported one to every task; a
+    platform sets it from a secret), else an HMAC of ``label`` keyed with this user's key (see
+    ``user_key``), the same on every node that shares the home directory.
 
     Args:
         env: the launcher's environment.
-        job_id, step_id: ``SLURM_JOB_ID`` and ``SLURM_STEP_ID``.
+        label: what tells this job from others, the same on every node (``slurm step 42.0``).
 
     Returns:
         The token.
 
     Raises:
-        TokenError: the exported token is too short, or the key file can be neither read nor made.
+        TokenError: the given token is too short, or the key file can be neither read nor made.
 
     Example::
 
-        >>> step_token({TOKEN_ENV: "f" * 64}, "42", "0") == "f" * 64
+        >>> shared_token({TOKEN_ENV: "f" * 64}, "slurm step 42.0") == "f" * 64
         True
     """
     given = env.get(TOKEN_ENV, "")
@@ -306,7 +306,7 @@ def step_token(env: Mapping[str, str], job_id: str, step_id: str) -> str:
                              f"print(secrets.token_hex(32))')")
         return given
     key = user_key(env)
-    return hmac.new(key, f"slurm step {job_id}.{step_id}".encode(), hashlib.sha256).hexdigest()
+    return hmac.new(key, label.encode(), hashlib.sha256).hexdigest()
 
 
 def key_path(env: Mapping[str, str]) -> str:
