@@ -274,7 +274,7 @@ class NodeLaunchers:
         return master_addr
 
     def check_in(self, interrupted: Callable[[], None] = lambda: None) -> None:
-        """Publish this task's -np and wait for every other task's; they must all agree.
+        """Claim this node's rank, publish its -np and wait for every other node's; they must all agree.
 
         Call it after ``open_store``.
 
@@ -283,8 +283,8 @@ class NodeLaunchers:
                 launcher's, when a signal came).
 
         Raises:
-            RunError: a task did not check in within the start timeout, the store was lost, or
-                the tasks disagree on -np.
+            RunError: another launcher checked in as this node already, a node did not check in
+                within the start timeout, the store was lost, or the nodes disagree on -np.
 
         Example::
 
@@ -294,6 +294,10 @@ class NodeLaunchers:
         step = self.step
         keys = [f"{LAUNCHER_KEY}np/{task}" for task in range(step.tasks)]
         try:
+            if self.store.add(f"{LAUNCHER_KEY}claimed/{step.task}", 1) > 1:
+                raise RunError(f"{step.kind} {step.task} is already taken by another launcher of this job: each "
+                               f"node's launcher needs a node rank of its own (--node-rank, or the platform's "
+                               f"variable), 0 to {step.tasks - 1}; this one starts no rank.")
             self.store.set(keys[step.task], str(self.np))
             # Polled, not store.wait(): a signal (scancel's SIGTERM) is handled between two looks,
             # while torch's wait would hold it for the whole start timeout.

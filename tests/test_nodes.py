@@ -1,0 +1,160 @@
+"""One `torchmn run` per node, as the platforms that start one agent per node run it: two network
+namespace "nodes" (tests/cluster/netns.py), each running its own launcher over ssh, with the
+launcher's flags or with a platform's own variables (Kubeflow's PyTorchJob, SkyPilot, SageMaker:
+faked as the platform sets them). Each job must come out as one job of 4 ranks on 2 nodes.
+"""
+import json
+import re
+import shlex
+import subprocess
+import sys
+import threading
+
+import pytest
+from cluster.netns import NetnsCluster
+from jobs import REPO, WORKERS, clean_env
+
+from torchmn.run.store import auth
+
+TIMEOUT = 120
+CHECKS = str(WORKERS / "comm_checks.py")
+# Each rank runs comm_checks.py's topology and collectives checks, then says where it is.
+PROBE = f"""
+import runpy, sys
+from torchmn.environments import detect_environment
+sys.argv = [{CHECKS!r}, "topology", "collectives"]
+try:
+    runpy.run_path({CHECKS!r}, run_name="__main__")
+except SystemExit as stop:
+    if stop.code:
+        raise
+place = detect_environment()
+print(f"PLACE rank={{place.rank}} node={{place.node_rank}}", flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    hosts = NetnsCluster(["h1", "h2"])
+    hosts.start()  # raises (fails the tests) with what to install when something is missing
+    yield hosts
+    hosts.stop()
+
+
+def _on_node(cluster, host, env, argv):
+    """``torchmn run ARGV`` on ``host`` over ssh, with ``env`` set on its command line."""
+    assignments = " ".join(f"{name}={shlex.quote(value)}" for name, value in env.items())
+    command = f"cd {shlex.quote(str(REPO))} && env {assignments} {shlex.quote(sys.executable)} -m torchmn run " \
+              + " ".join(shlex.quote(a) for a in argv)
+    return subprocess.Popen(cluster.ssh_argv(host) + [command], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
+def _run_nodes(cluster, envs, argvs):
+    """Start one launcher per node at once; (returncode, stdout, stderr) of each."""
+    procs = [_on_node(cluster, host, env, argv) for host, env, argv in zip(("h1", "h2"), envs, argvs)]
+    results = [None, None]
+
+    def finish(i):
+        try:
+            out, err = procs[i].communicate(timeout=TIMEOUT)
+        except subprocess.TimeoutExpired:
+            procs[i].kill()
+            out, err = procs[i].communicate()
+        results[i] = (procs[i].returncode, out, err)
+    threads = [threading.Thread(target=finish, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
+def _assert_one_job(results):
+    for code, out, err in results:
+        assert code == 0, out[-3000:] + err[-3000:]
+    first = results[0][1]
+    assert "TOPOLOGY size=4 inter_size=2 intra_size=2" in first, first
+    assert "PASS topology" in first and "PASS collectives" in first, first
+    # Each node's launcher prints its own ranks' output, with their global ranks.
+    for node, (_, out, _) in enumerate(results):
+        ranks = sorted(int(r) for r, n in re.findall(r"PLACE rank=(\d) node=(\d)", out) if int(n) == node)
+        assert ranks == [2 * node, 2 * node + 1], out
+
+
+def _platform_cases(cluster):
+    h1, h2 = cluster.address("h1"), cluster.address("h2")
+    token = auth.new_token()  # as a Kubernetes Secret would give every pod
+    return {
+        "kubeflow": [{"KUBERNETES_SERVICE_HOST": "10.96.0.1", "MASTER_ADDR": h1, "MASTER_PORT": "23456",
+                      "WORLD_SIZE": "2", "RANK": str(r), auth.TOKEN_ENV: token} for r in range(2)],
+        "kubeflow_elastic": [{"KUBERNETES_SERVICE_HOST": "10.96.0.1", "PET_NNODES": "2:2", "PET_NODE_RANK": str(r),
+                              "PET_MASTER_ADDR": h1, "PET_MASTER_PORT": "23457", "PET_NPROC_PER_NODE": "2",
+                              "MASTER_ADDR": h1, "WORLD_SIZE": "2", "RANK": str(r), auth.TOKEN_ENV: token}
+                             for r in range(2)],
+        "skypilot": [{"SKYPILOT_NODE_RANK": str(r), "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_IPS": f"{h1}\n{h2}\n",
+                      "SKYPILOT_NUM_GPUS_PER_NODE": "0"} for r in range(2)],
+        "sagemaker": [{"SM_HOSTS": json.dumps([h1, h2]), "SM_CURRENT_HOST": h, "SM_NUM_GPUS": "0",
+                       "SM_NUM_CPUS": "2", "SM_NETWORK_INTERFACE_NAME": "eth0"} for h in (h1, h2)],
+    }
+
+
+def test_one_launcher_per_node_from_the_flags(cluster):
+    h1 = cluster.address("h1")
+    argvs = [["--nnodes", "2", "--node-rank", str(r), "--master-addr", h1, "--master-port", "23458", "-np", "2",
+              sys.executable, "-c", PROBE] for r in range(2)]
+    _assert_one_job(_run_nodes(cluster, [{}, {}], argvs))
+
+
+@pytest.mark.parametrize("platform", ["kubeflow", "kubeflow_elastic", "skypilot", "sagemaker"])
+def test_one_launcher_per_node_from_a_platforms_variables(cluster, platform):
+    argv = ["-np", "2", sys.executable, "-c", PROBE]
+    _assert_one_job(_run_nodes(cluster, _platform_cases(cluster)[platform], [argv, argv]))
+
+
+def test_a_node_that_never_comes_is_named(cluster):
+    """Node 1 of 2 never starts: node 0's launcher names it after --start-timeout, and starts no rank."""
+    h1 = cluster.address("h1")
+    proc = _on_node(cluster, "h1", {}, ["--nnodes", "2", "--node-rank", "0", "--master-addr", h1, "--master-port",
+                                        "23459", "--start-timeout", "5", "-np", "1", sys.executable, "-c",
+                                        "print('started')"])
+    out, err = proc.communicate(timeout=TIMEOUT)
+    assert proc.returncode == 2, out + err
+    assert "node(s) 1 did not start torchmn run within 5 s (--start-timeout)" in err, err
+    assert "started" not in out, out
+
+
+@pytest.mark.parametrize("env, argv, words", [
+    ({}, ["--nnodes", "2", "--node-rank", "2", "--master-addr", "10.0.0.1"],
+     "--nnodes: node rank 2 (--node-rank) is outside the 2 node(s) (--nnodes): it must be 0 to 1"),
+    ({}, ["--nnodes", "2"], "--nnodes 2 needs --node-rank R (0 to 1)"),
+    ({}, ["--nnodes", "2", "--node-rank", "1"], "node 1 does not know where node 0 hosts the rendezvous"),
+    ({"SM_HOSTS": "algo-1,algo-2", "SM_CURRENT_HOST": "algo-1"}, [],
+     "SageMaker: SM_HOSTS='algo-1,algo-2' is not a JSON list of host names"),
+    ({"SKYPILOT_NODE_RANK": "0", "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_IPS": ""}, [],
+     "SkyPilot: SKYPILOT_NODE_IPS is empty"),
+    ({"PET_NNODES": "1:4", "PET_NODE_RANK": "0"}, [], "PET_NNODES='1:4' is a range of nodes (an elastic policy)"),
+], ids=["rank_outside", "no_rank", "no_master_addr", "sagemaker_hosts_not_json", "skypilot_no_ips",
+        "kubeflow_elastic_range"])
+def test_bad_per_node_input_is_refused_before_any_rank(tmp_path, env, argv, words):
+    marker = tmp_path / "started"
+    proc = subprocess.run([sys.executable, "-m", "torchmn", "run", *argv, "-np", "1", sys.executable, "-c",
+                           f"open({str(marker)!r}, 'w')"], cwd=REPO, env=clean_env(env),
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert words in proc.stderr, proc.stderr
+    assert not marker.exists()
+
+
+def test_two_launchers_claiming_one_node_rank_are_refused(cluster):
+    """Both nodes say --node-rank 0: the second to reach the store is told another node holds it."""
+    h1 = cluster.address("h1")
+    argv = ["--nnodes", "2", "--node-rank", "1", "--master-addr", h1, "--master-port", "23460",
+            "--start-timeout", "10", "-np", "1", sys.executable, "-c", "print('started')"]
+    first = ["--nnodes", "2", "--node-rank", "0", "--master-addr", h1, "--master-port", "23460",
+             "--start-timeout", "10", "-np", "1", sys.executable, "-c", "print('started')"]
+    procs = [_on_node(cluster, "h1", {}, first), _on_node(cluster, "h2", {}, argv), _on_node(cluster, "h2", {}, argv)]
+    results = [p.communicate(timeout=TIMEOUT) + (p.returncode,) for p in procs]
+    claimed = [err for out, err, code in results[1:] if "node 1 is already taken by another launcher" in err]
+    assert len(claimed) == 1, results
+
