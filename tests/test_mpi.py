@@ -196,3 +196,28 @@ def test_a_one_machine_job_listens_on_loopback_only(mpi):
     out = run_mpi(mpi, 2, [sys.executable, str(REPO / "tests" / "scripts" / "listening_ports.py")]).stdout
     listening = dict(re.findall(r"LISTENING (\d) (\[[^]]*\])", out))
     assert listening == {"0": "['127.0.0.1']", "1": "['127.0.0.1']"}, out
+
+
+THREAD_BUDGET = """
+import os, torch, torchmn
+comm = torchmn.create_communicator()
+os.write(1, f"BUDGET rank={comm.rank} threads={torch.get_num_threads()} cores={len(os.sched_getaffinity(0))}\\n".encode())
+"""
+
+
+def test_sagemakers_mpirun_line_keeps_each_ranks_thread_budget():
+    """SageMaker's `mpi` distribution runs `mpirun --host algo-1:N -bind-to socket -map-by slot ... python
+    -m mpi4py train.py`: each rank, bound to its socket with the others there, gets its share of the
+    socket's cores, not one thread per core."""
+    launcher, _, _ = MPIS["openmpi"]
+    argv = [shutil.which(launcher), *(["--allow-run-as-root"] if os.geteuid() == 0 else []),
+            "--host", "localhost:2", "-np", "2", "-bind-to", "socket", "-map-by", "slot",
+            "-x", "MASTER_PORT", "-x", "PYTHONPATH", sys.executable, "-m", "mpi4py", "-c", THREAD_BUDGET]
+    env = clean_env({"MASTER_PORT": str(free_port()),
+                     "PYTHONPATH": os.pathsep.join([mpi4py_dir("openmpi"), str(REPO)])})
+    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = re.findall(r"BUDGET rank=(\d) threads=(\d+) cores=(\d+)", proc.stdout)
+    assert sorted(r for r, _, _ in rows) == ["0", "1"], proc.stdout
+    for _, threads, cores in rows:
+        assert int(threads) == max(1, int(cores) // 2), proc.stdout
