@@ -158,3 +158,33 @@ def test_two_launchers_claiming_one_node_rank_are_refused(cluster):
     claimed = [err for out, err, code in results[1:] if "node 1 is already taken by another launcher" in err]
     assert len(claimed) == 1, results
 
+
+
+def test_nodes_that_disagree_on_np_are_refused(cluster):
+    h1 = cluster.address("h1")
+    argvs = [["--nnodes", "2", "--node-rank", str(r), "--master-addr", h1, "--master-port", "23461",
+              "-np", str(r + 1), sys.executable, "-c", "print('started')"] for r in range(2)]
+    results = _run_nodes(cluster, [{}, {}], argvs)
+    for code, out, err in results:
+        assert code == 2 and "started" not in out, out + err
+    assert "the nodes disagree on the number of ranks per node: node 0 (" in results[0][2], results[0][2]
+
+
+FAILING = """
+import os, sys, time
+if os.environ["RANK"] == "3":
+    sys.exit(3)
+time.sleep(60)
+"""
+
+
+def test_a_failure_on_one_node_ends_every_nodes_ranks(cluster):
+    """Rank 3, on node 1, exits with 3 while the others sleep: both launchers stop their ranks
+    within seconds, and both name rank 3."""
+    h1 = cluster.address("h1")
+    argvs = [["--nnodes", "2", "--node-rank", str(r), "--master-addr", h1, "--master-port", "23462",
+              "-np", "2", sys.executable, "-c", FAILING] for r in range(2)]
+    results = _run_nodes(cluster, [{}, {}], argvs)
+    for code, out, err in results:
+        assert code != 0, out + err
+        assert "rank 3 (host " in err and "exit code 3" in err, err
