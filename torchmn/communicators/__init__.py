@@ -25,7 +25,7 @@ from torchmn.communicators.flat import FlatCommunicator
 from torchmn.communicators.hierarchical import HierarchicalCommunicator
 from torchmn.communicators.naive import NaiveCommunicator
 from torchmn.communicators.registry import make_communicator, resolve
-from torchmn.environments import detect_environment
+from torchmn.environments import LaunchEnvironment, detect_environment
 from torchmn.errors import TorchmnTypeError, TorchmnValueError
 
 
@@ -33,7 +33,8 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
                         timeout: Union[datetime.timedelta, float, None] = None,
                         init_method: Optional[str] = None,
                         bucket_cap_mb: Optional[float] = None,
-                        allreduce_grad_dtype: Any = None) -> Communicator:
+                        allreduce_grad_dtype: Any = None,
+                        rank: Optional[int] = None, size: Optional[int] = None) -> Communicator:
     """The communicator for this job, setting up ``torch.distributed`` if nobody has yet.
 
     Detects how the job was launched (``torchmn run``, torchrun, Slurm, Open MPI, MPICH, or a plain
@@ -57,13 +58,18 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
             ``torch.float16``, ``numpy.float16``) or ``"bfloat16"`` makes ``compression="fp16"``
             (``"bf16"``) the default of the optimizers and DDP hooks built on this communicator
             (``comm.compression``); None or float32: uncompressed.
+        rank, size: with ``init_method``, this process's rank and the number of ranks, as
+            ``init_process_group(init_method=..., rank=..., world_size=...)`` takes them, for ranks
+            started by hand or by ``torch.multiprocessing.spawn``; the launcher's variables are then
+            not read, and the ranks on one host are found from the host names.
 
     Returns:
         The :class:`Communicator` of this rank.
 
     Raises:
-        ValueError: an unknown ``name`` (or ``"pure_nccl"`` without NCCL), a bad ``timeout``, or
-            malformed launcher variables.
+        ValueError: an unknown ``name`` (or ``"pure_nccl"`` without NCCL), a bad ``timeout``,
+            malformed launcher variables, or ``rank`` / ``size`` without the other or without
+            ``init_method``, or a rank outside ``0..size-1``.
         RuntimeError: the rendezvous cannot be reached or set up (the message names the ranks
             that never arrived, or what to check).
         CollectiveMismatchError: the ranks asked for different algorithms.
@@ -78,15 +84,20 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
     resolve(name, backend or default_backend())  # an unknown name fails before anything starts
     compression = _compression_named_by(allreduce_grad_dtype)
     timeout = _as_timedelta(timeout)
-    try:
-        env = detect_environment()
-    except (ValueError, RuntimeError):
-        if not dist.is_initialized():
-            raise
-        env = None  # the script set up the world itself; variables torchmn cannot read do not matter
-    # Hand-set env:// variables without LOCAL_WORLD_SIZE only guess the ranks per host: the budget
-    # (and the GPU) then wait for the topology, which the communicator learns from the hostnames.
-    locality_known = env is not None and not (env.source == "env" and "LOCAL_WORLD_SIZE" not in os.environ)
+    if rank is not None or size is not None:
+        env = _explicit_place(init_method, rank, size)
+    else:
+        try:
+            env = detect_environment()
+        except (ValueError, RuntimeError):
+            if not dist.is_initialized():
+                raise
+            env = None  # the script set up the world itself; variables torchmn cannot read do not matter
+    # Hand-set env:// variables without LOCAL_WORLD_SIZE (or an explicit rank and size) only guess the
+    # ranks per host: the budget (and the GPU) then wait for the topology, which the communicator
+    # learns from the hostnames.
+    locality_known = env is not None and env.source != "init_method" and not (
+        env.source == "env" and "LOCAL_WORLD_SIZE" not in os.environ)
     if locality_known:
         resources.apply_thread_budget(env.local_size)
     owns = False
@@ -124,6 +135,18 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
         # An uncaught exception on this rank then ends the others at once, not at their timeout.
         failure.install()
     return comm
+
+
+def _explicit_place(init_method: Optional[str], rank: Optional[int], size: Optional[int]) -> LaunchEnvironment:
+    """The place ``create_communicator(init_method=..., rank=..., size=...)`` was given."""
+    if rank is None or size is None or init_method is None:
+        raise TorchmnValueError(f"create_communicator: rank and size go together, with init_method (got rank={rank}, "
+                                f"size={size}, init_method={init_method!r}); e.g. create_communicator("
+                                f"init_method='tcp://10.0.0.1:29500', rank=r, size=n)")
+    if not 0 <= rank < size:
+        raise TorchmnValueError(f"create_communicator: rank={rank} is outside 0..{size - 1} (size={size})")
+    # Each rank alone on its host until the communicator has compared host names.
+    return LaunchEnvironment(rank, size, 0, 1, None, "", None, "init_method")
 
 
 def _compression_named_by(dtype: Any) -> Optional[str]:
