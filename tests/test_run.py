@@ -614,3 +614,32 @@ def test_dry_run_does_not_import_torch():
     imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
     assert proc.returncode == 0 and "torchmn.run.dry_run" in imported, proc.stderr[-3000:]
     assert "torch" not in imported, sorted(imported)
+
+
+PGID_REUSE = """
+import os, signal, subprocess, sys, time
+from torchmn.run.processes.groups import signal_rank_group
+
+rank = subprocess.Popen([sys.executable, "-c", "pass"], start_new_session=True, env={"TORCHMN_JOB_ID": "job-1"})
+rank.wait()  # the rank is reaped: its pid, the id of its group, is free again
+with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+    f.write(str(rank.pid - 1))
+stranger = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+time.sleep(0.3)
+signal_rank_group(rank, signal.SIGTERM, "TORCHMN_JOB_ID", "job-1")  # a teardown that comes late
+time.sleep(0.3)
+print("SAME ID", stranger.pid == rank.pid, "STRANGER ALIVE", stranger.poll() is None, flush=True)
+stranger.kill()
+"""
+
+
+def test_a_late_stop_does_not_signal_another_group_that_took_the_ranks_id():
+    """A rank's process group has the rank's pid as its id; once the rank is reaped and its group
+    empty, the id can go to another session (another job's rank, a user's shell). Stopping the rank
+    late must not signal that one. Forced in a PID namespace of its own, where the next pid can be
+    chosen."""
+    proc = subprocess.run(["unshare", "--user", "--map-root-user", "--pid", "--fork", "--mount-proc",
+                           sys.executable, "-c", PGID_REUSE], env=clean_env(), capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "SAME ID True STRANGER ALIVE True" in proc.stdout, proc.stdout

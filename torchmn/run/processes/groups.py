@@ -34,6 +34,77 @@ def signal_group(pgid: int, sig: int) -> None:
         pass
 
 
+def signal_rank_group(proc, sig: int, name: str, value: str) -> None:
+    """Send ``sig`` to the process group that ``proc`` leads (it was started in a session of its
+    own), but to none other.
+
+    While ``proc`` has not been reaped, its pid, and so the group's id, belongs to it. Once it has
+    been, the id can go to a new process that leads a session of its own (another job's rank, a
+    user's shell) as soon as the old group is empty: then only the members whose environment holds
+    ``name=value`` (the job's id, which a rank's children inherit) are signalled, one by one.
+
+    Args:
+        proc: the ``subprocess.Popen`` that leads the group.
+        sig: the signal number.
+        name, value: the variable that marks the job's processes.
+
+    Example::
+
+        >>> signal_rank_group(rank.process, signal.SIGTERM, "TORCHMN_JOB_ID", job_id)   # doctest: +SKIP
+    """
+    if proc.returncode is None:
+        signal_group(proc.pid, sig)
+        return
+    for member in _members(proc.pid):
+        try:
+            if member.environ().get(name) == value:
+                member.send_signal(sig)  # psutil checks the pid still names the process it listed
+        except Exception:  # noqa: BLE001 - psutil.Error: gone, or not ours to read or signal
+            continue
+
+
+def rank_group_alive(proc, name: str, value: str) -> bool:
+    """Whether the process group that ``proc`` leads still has a running member of the job (see
+    ``signal_rank_group`` for why the group's id alone says nothing once ``proc`` is reaped).
+
+    Args:
+        proc: the ``subprocess.Popen`` that leads the group.
+        name, value: the variable that marks the job's processes.
+
+    Returns:
+        The answer.
+
+    Example::
+
+        >>> rank_group_alive(rank.process, "TORCHMN_JOB_ID", job_id)   # doctest: +SKIP
+        True
+    """
+    if proc.returncode is None:
+        return group_alive(proc.pid)
+    import psutil
+
+    for member in _members(proc.pid):
+        try:
+            if member.status() != psutil.STATUS_ZOMBIE and member.environ().get(name) == value:
+                return True
+        except psutil.Error:
+            continue
+    return False
+
+
+def _members(pgid: int) -> list:
+    import psutil
+
+    found = []
+    for process in psutil.process_iter():
+        try:
+            if os.getpgid(process.pid) == pgid:
+                found.append(process)
+        except OSError:
+            continue
+    return found
+
+
 def stop_group(proc, grace: float = 10.0) -> None:
     """End a process started in a session of its own, and everything it started: SIGTERM to its
     group, then SIGKILL where it has not exited after ``grace`` seconds.

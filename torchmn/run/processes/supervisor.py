@@ -18,7 +18,8 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set
 from torchmn.run.config import RunError
 from torchmn.run.plan import JOB_ID, Slot
 from torchmn.run.processes import guardian
-from torchmn.run.processes.groups import PR_SET_PDEATHSIG, become_subreaper, group_alive, prctl, signal_group
+from torchmn.run.processes.groups import (PR_SET_PDEATHSIG, become_subreaper, prctl, rank_group_alive,
+                                           signal_rank_group)
 from torchmn.run.processes.output import Console, RankOutput, open_log
 from torchmn.run.remote.protocol import RELAY_LINE, SIGNAL_LINE, WATCHER_GRACE_SECONDS
 
@@ -323,7 +324,7 @@ class Supervisor:
         """
         for rank in self.running():
             if not rank.is_remote:
-                signal_group(rank.pgid, sig)
+                signal_rank_group(rank.process, sig, JOB_ID, self.job_id)
             elif rank.started:
                 tell_watcher(rank.process, sig, RELAY_LINE)
         return len(self.running())
@@ -385,7 +386,7 @@ class Supervisor:
         if self.running():
             return True
         for rank in self.ranks:
-            if group_alive(rank.pgid):
+            if rank_group_alive(rank.process, JOB_ID, self.job_id):
                 return True
         return any(_alive(child) for child in self.descendants.values())
 
@@ -412,9 +413,9 @@ class Supervisor:
                     tell_watcher(rank.process, first_signal)
                 close_stdin(rank.process)
                 if not rank.started:  # no watcher yet: only the ssh client to stop
-                    signal_group(rank.pgid, signal.SIGTERM)
+                    signal_rank_group(rank.process, signal.SIGTERM, JOB_ID, self.job_id)
             else:
-                signal_group(rank.pgid, first_signal)
+                signal_rank_group(rank.process, first_signal, JOB_ID, self.job_id)
 
     def grace_after_stop(self) -> float:
         """How long to wait after ``stop`` before ``kill_all``.
@@ -443,7 +444,7 @@ class Supervisor:
 
         self.remember_descendants()
         for rank in self.ranks:
-            signal_group(rank.pgid, signal.SIGKILL)
+            signal_rank_group(rank.process, signal.SIGKILL, JOB_ID, self.job_id)
         for child in self.descendants.values():
             try:
                 child.kill()  # psutil checks the pid still names the same process

@@ -56,17 +56,25 @@ def _reach_store(addr: str, port: int, seconds: float) -> socket.socket:
             time.sleep(0.5)
 
 
-def _stop_rank(pgid: int, grace: float, signalled: bool = False) -> None:
+def _stop_rank(rank: subprocess.Popen, grace: float, signalled: bool = False) -> None:
     """Stop the rank's process group and every other descendant of this process: SIGTERM, then
     SIGKILL after ``grace`` seconds to whatever is left. As a subreaper this process adopts what the
     rank detached, so descendants cover other sessions too; the group covers the case without a
-    subreaper. Descendants are listed again each round, since a killed process's children are
-    adopted in turn and get their own SIGTERM. ``signalled``: the group has had its signal already
-    (the launcher's, see SIGNAL_LINE): no SIGTERM, only SIGKILL after ``grace`` to what is left, as
-    the launcher does with its local ranks. Does not reap (the caller does, once the rank is)."""
+    subreaper, while the rank is not reaped (after that, its pid and so the group's id may already
+    lead another session, which must not be signalled). Descendants are listed again each round,
+    since a killed process's children are adopted in turn and get their own SIGTERM. ``signalled``:
+    the group has had its signal already (the launcher's, see SIGNAL_LINE): no SIGTERM, only SIGKILL
+    after ``grace`` to what is left, as the launcher does with its local ranks. Does not reap (the
+    caller does, once the rank is)."""
     import psutil
 
-    if not signalled:
+    pgid = rank.pid
+
+    def ours() -> bool:  # the group's id is still the rank's
+        return rank.returncode is None
+
+    group_termed = not signalled and ours()
+    if group_termed:
         signal_group(pgid, signal.SIGTERM)
     termed = set()
     deadline = time.monotonic() + grace
@@ -74,9 +82,9 @@ def _stop_rank(pgid: int, grace: float, signalled: bool = False) -> None:
     while True:
         left = _running_descendants()
         now = time.monotonic()
-        if not left and not group_alive(pgid) or now >= give_up:
+        if not left and not (ours() and group_alive(pgid)) or now >= give_up:
             return
-        if now >= deadline:
+        if now >= deadline and ours():
             signal_group(pgid, signal.SIGKILL)
         for process in left:
             try:
@@ -84,7 +92,7 @@ def _stop_rank(pgid: int, grace: float, signalled: bool = False) -> None:
                     process.kill()
                 elif process.pid not in termed and not signalled:
                     termed.add(process.pid)
-                    if os.getpgid(process.pid) != pgid:  # the group has had its SIGTERM
+                    if not group_termed or os.getpgid(process.pid) != pgid:  # else it had the group's
                         process.terminate()
             except (psutil.Error, OSError):  # gone already, or not ours to signal
                 pass
@@ -257,7 +265,7 @@ def watch(command: Sequence[str], grace: float = WATCHER_GRACE_SECONDS) -> int:
         # stop, once the rank is reaped, is a last sweep after the stdin thread's (nothing found:
         # one scan of /proc), for an orphan a scan missed while it was being re-parented.
         with stop_lock:
-            _stop_rank(process.pid, grace, signalled)
+            _stop_rank(process, grace, signalled)
 
     def read_stdin() -> None:
         pending, signalled = b"", False

@@ -1,0 +1,52 @@
+"""torchmn inside Ray Train's TorchTrainer, 2 CPU workers on this machine.
+
+Usage: python ray_checks.py {adopt,fail} STORAGE
+- adopt: each worker's communicator adopts Ray's process group, keeps Ray's thread setting, runs
+  an allreduce, and on finalize() leaves the group to Ray; prints "ADOPTED <rank> <threads>" per worker.
+- fail: worker 1 raises after the communicator's first collective; Ray (no retries) ends the run
+  and the driver prints "RAY SAW <error>".
+"""
+import os
+import sys
+import time
+
+import ray
+import ray.train
+import torch
+import torch.distributed as dist
+from ray.train import FailureConfig, RunConfig, ScalingConfig
+from ray.train.torch import TorchTrainer
+
+mode, storage = sys.argv[1], sys.argv[2]
+
+
+def train_loop(config):
+    import torchmn
+
+    assert dist.is_initialized(), "Ray sets up torch.distributed before the training function"
+    comm = torchmn.create_communicator()
+    total = comm.allreduce(torch.ones(1)).item()
+    assert total == 2.0, total
+    if config["mode"] == "fail" and comm.rank == 1:
+        raise RuntimeError("worker 1 fails on purpose")
+    if config["mode"] == "fail":
+        time.sleep(60)  # Ray ends this worker when the other fails
+    threads = torch.get_num_threads()
+    omp = os.environ.get("OMP_NUM_THREADS")
+    comm.finalize()
+    assert dist.is_initialized(), "finalize() destroyed Ray's process group"
+    ray.train.report({"adopted": 1, "rank": comm.rank, "threads": threads, "omp": omp})
+    print(f"ADOPTED {comm.rank} {threads} {omp}", flush=True)
+
+
+ray.init(num_cpus=2, include_dashboard=False)
+trainer = TorchTrainer(train_loop, train_loop_config={"mode": mode},
+                       scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+                       run_config=RunConfig(storage_path=os.path.abspath(storage), name=mode,
+                                            failure_config=FailureConfig(max_failures=0)))
+started = time.monotonic()
+try:
+    result = trainer.fit()
+    print(f"RESULT {result.metrics}", flush=True)
+except Exception as e:  # noqa: BLE001 - what Ray raises for a failed run
+    print(f"RAY SAW {type(e).__name__} after {time.monotonic() - started:.0f} s: {e}", flush=True)
