@@ -37,7 +37,7 @@ def train_loop(config):
 
     comm = torchmn.create_communicator()  # Ray's process group, adopted
     train, _ = load_mnist(n_train=config["n_train"])
-    train = torchmn.datasets.scatter_dataset(train, comm, shuffle=True, seed=0)
+    train = torchmn.datasets.scatter_dataset(train if comm.rank == 0 else None, comm, shuffle=True, seed=0)
     loader = torch.utils.data.DataLoader(train, batch_size=config["batch_size"], shuffle=True)
     model = make_model()
     optimizer = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.05), comm)
