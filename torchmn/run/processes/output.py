@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import os
 import re
+import select
 import signal
 import sys
 import threading
@@ -325,6 +326,7 @@ class RankOutput:
         self.waiting_since: Dict[int, Optional[float]] = {}   # per reader thread: see _timed
         self.log_lock = threading.Lock()
         self.console = console
+        self.pipes = (stdout, stderr)
         self.readers = [
             threading.Thread(target=self._read, args=(stdout, False), daemon=True),
             threading.Thread(target=self._read, args=(stderr, True), daemon=True),
@@ -374,14 +376,15 @@ class RankOutput:
 
             >>> process.wait(); output.finish(idle=2.0)   # doctest: +SKIP
         """
-        for reader in self.readers:
-            join_unless_idle(reader, lambda reader=reader: self.waiting_since.get(reader.ident), idle)
+        for reader, pipe in zip(self.readers, self.pipes):
+            join_unless_idle(reader, lambda reader=reader: self.waiting_since.get(reader.ident), idle,
+                             lambda pipe=pipe: readable(pipe))
         if self.log is not None and not any(r.is_alive() for r in self.readers):
             self.log.close()
 
 
 def join_unless_idle(thread: threading.Thread, waiting_since: Callable[[], Optional[float]],
-                     idle: float) -> None:
+                     idle: float, ready: Callable[[], bool] = lambda: False) -> None:
     """Wait for ``thread``, a reader of a pipe, to end, however long it spends passing output on
     (to a slow or paused console), but give up once it has waited ``idle`` seconds on a silent
     pipe: something left behind holds the pipe open.
@@ -391,6 +394,8 @@ def join_unless_idle(thread: threading.Thread, waiting_since: Callable[[], Optio
         waiting_since: returns when the reader started waiting on its pipe, or None while it is
             writing out what it read.
         idle: seconds of waiting on a silent pipe after which to give up.
+        ready: whether the pipe has something to read (bytes, or its end): then it is not silent,
+            however long the reader has been at it (a long line; a machine too busy to run it).
 
     Example::
 
@@ -401,5 +406,26 @@ def join_unless_idle(thread: threading.Thread, waiting_since: Callable[[], Optio
     while thread.is_alive():
         thread.join(0.05)
         since = waiting_since()
-        if since is not None and time.monotonic() - since >= idle:
+        if since is not None and time.monotonic() - since >= idle and not ready():
             return
+
+
+def readable(pipe) -> bool:
+    """Whether reading ``pipe`` (a file object or a descriptor) would not block: it holds bytes,
+    or every writer has closed it; False once it is closed here.
+
+    Args:
+        pipe: the pipe's read end.
+
+    Returns:
+        The answer.
+
+    Example::
+
+        >>> r, w = os.pipe(); readable(r), os.write(w, b"x") and readable(r)
+        (False, True)
+    """
+    try:
+        return bool(select.select([pipe], [], [], 0)[0])
+    except (OSError, ValueError):
+        return False

@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from torchmn import network, resources
 from torchmn.run.processes.groups import become_subreaper, group_alive, signal_group
-from torchmn.run.processes.output import join_unless_idle
+from torchmn.run.processes.output import join_unless_idle, readable
 from torchmn.run.remote.protocol import RELAY_LINE, SIGNAL_LINE, STARTED_MARKER, WATCHER_GRACE_SECONDS
 from torchmn.run.store.auth import TOKEN_ENV, TOKEN_ON_STDIN, ImpostorError, TokenError, read_token_line
 from torchmn.run.store.relay import LOCAL_ADDR, Relay
@@ -313,7 +313,8 @@ def watch(command: Sequence[str], grace: float = WATCHER_GRACE_SECONDS) -> int:
     # slowly the launcher's console reads it; only a pipe that something we could not stop holds
     # open, silent for 2 s, is given up on.
     for source, copier in copiers:
-        join_unless_idle(copier, lambda source=source: waiting_since.get(source), 2.0)
+        join_unless_idle(copier, lambda source=source: waiting_since.get(source), 2.0,
+                         lambda source=source: readable(source))
     if returncode < 0:
         try:
             name = signal.Signals(-returncode).name
