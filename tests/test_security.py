@@ -389,9 +389,9 @@ def _store_connections_not_ours(store_port):
 def test_a_stranger_who_connects_before_the_store_port_is_signed_is_cut_off():
     """torch's TCPStore connects its own client, unsigned, as it starts, so its port is signed just
     after it listens; another user watching for new ports can connect in between (here: in about
-    one try of three). Every such connection is shut down before the store is used, and the launcher
-    says so."""
-    snatcher = subprocess.Popen([sys.executable, SNATCH, "120"], stdout=subprocess.PIPE, text=True)
+    one try of three; the watcher takes only this process's ports, leaving other tests' jobs alone).
+    Every such connection is shut down before the store is used, and the launcher says so."""
+    snatcher = subprocess.Popen([sys.executable, SNATCH, "120", str(os.getpid())], stdout=subprocess.PIPE, text=True)
     lines, tries = [], 0
     try:
         assert snatcher.stdout.readline().strip() == "READY"
