@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ipaddress
 import socket
-from typing import Optional
+from typing import Dict, Mapping, Optional
 
 from torchmn.errors import TorchmnError
 
@@ -161,6 +161,30 @@ def interface_of(address: str) -> Optional[str]:
         if any(a.address.split("%", 1)[0] == address for a in addresses):
             return name
     return None
+
+
+def loopback_sockets(env: Mapping[str, str]) -> Dict[str, str]:
+    """The variables that keep gloo's and NCCL's sockets on the loopback interface, for a job whose
+    ranks are all on this machine: otherwise gloo listens on the address of the machine's host name,
+    which the network may reach, and its pair set-up authenticates nobody.
+
+    Args:
+        env: the environment the ranks get; a ``GLOO_SOCKET_IFNAME`` or ``NCCL_SOCKET_IFNAME`` set
+            there is kept.
+
+    Returns:
+        ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME`` where unset in ``env``, naming the loopback
+        interface (none where this machine has no interface holding 127.0.0.1).
+
+    Example::
+
+        >>> loopback_sockets({"NCCL_SOCKET_IFNAME": "eth0"})
+        {'GLOO_SOCKET_IFNAME': 'lo'}
+    """
+    loopback = interface_of("127.0.0.1")
+    if loopback is None:
+        return {}
+    return {name: loopback for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if name not in env}
 
 
 def route_address(host: str, port: int = 22) -> Optional[str]:

@@ -136,7 +136,8 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
     store = arrivals = None
     one_machine = env.size > 1 and env.local_size == env.size
     if one_machine and init_method is None:
-        keep_to_loopback()
+        # Every rank here: gloo and NCCL's sockets stay off the network (see network.loopback_sockets).
+        os.environ.update(network.loopback_sockets(os.environ))
     if init_method is None:
         if env.source in ("torchmn", "torchrun"):
             # Their launcher hosts the store (TORCHELASTIC_USE_AGENT_STORE) and set MASTER_*.
@@ -225,23 +226,6 @@ def _launchers_store(timeout: datetime.timedelta) -> Optional["dist.TCPStore"]:
                              timeout=timeout)
     except (KeyError, ValueError, RuntimeError):
         return None
-
-
-def keep_to_loopback() -> None:
-    """Have gloo and NCCL's socket transport use the loopback interface, unless
-    ``GLOO_SOCKET_IFNAME`` / ``NCCL_SOCKET_IFNAME`` are set: for a job whose ranks are all on this
-    machine, which needs no network. Otherwise gloo listens on the address of the machine's host
-    name, reachable from the network, and its pair set-up has no authentication.
-
-    Example::
-
-        >>> keep_to_loopback(); os.environ["GLOO_SOCKET_IFNAME"]   # doctest: +SKIP
-        'lo'
-    """
-    loopback = network.interface_of(LOCALHOST)
-    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        if loopback and name not in os.environ:
-            os.environ[name] = loopback
 
 
 def _loopback_listener(port: int) -> Optional[int]:

@@ -142,12 +142,7 @@ def local_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str
         if interface:
             env["GLOO_SOCKET_IFNAME"] = interface
     elif one_machine:
-        # gloo would otherwise listen on the address of this machine's hostname, which may be one
-        # the network reaches, and its pair set-up authenticates nobody.
-        loopback = network.interface_of("127.0.0.1")
-        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            if loopback and name not in env:
-                env[name] = loopback
+        env.update(network.loopback_sockets(env))
     return env
 
 
