@@ -45,7 +45,7 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from torchmn.run.store import auth
-from torchmn.run.store.peers import identify, socket_of
+from torchmn.run.store.peers import holder_of, identify, socket_of
 from torchmn.run.store.pipes import End, Pipes
 
 # Seconds a new connection has to send its first byte (a TCPStore client sends it as it
@@ -440,7 +440,7 @@ class Gate:
 
         def name_and_close() -> None:
             try:
-                peer = identify(newcomer.address, newcomer.sock.getsockname()[:2], self.token)
+                peer = holder_of(newcomer.address, newcomer.sock.getsockname()[:2])
                 who = peer.describe() if peer.found else ""
             except Exception:  # noqa: BLE001 - a name for the log only
                 who = ""

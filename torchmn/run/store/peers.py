@@ -331,6 +331,29 @@ def holders(inode: int, uid: Optional[int], first: Iterable[int] = ()) -> Iterat
                 yield process
 
 
+def holder_of(local: Address, remote: Address) -> Peer:
+    """Who holds the end ``local`` of the connection between ``local`` and ``remote``, whatever job
+    it belongs to: for a log line (``Peer.describe``); ``member`` is False.
+
+    Args:
+        local: (address, port) of the end to name.
+        remote: (address, port) of the other end.
+
+    Returns:
+        A ``Peer``.
+
+    Example::
+
+        >>> holder_of(("192.0.2.1", 1), ("192.0.2.2", 2)).describe()
+        'not a connection of this machine'
+    """
+    found = socket_of(local, remote)
+    if found is None:
+        return Peer()
+    inode, uid = found
+    return Peer(True, uid, tuple(process.pid for process in holders(inode, uid)), False)
+
+
 def identify(local: Address, remote: Address, token: str, first: Sequence[int] = (),
              own_pids: Sequence[int] = ()) -> Peer:
     """Who holds the end ``local`` of the connection between ``local`` and ``remote``, and whether

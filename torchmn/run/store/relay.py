@@ -28,7 +28,7 @@ from typing import Callable, Optional, Sequence
 
 from torchmn.run.store import auth
 from torchmn.run.store.gate import Gate
-from torchmn.run.store.rendezvous import sign
+from torchmn.run.store.rendezvous import sign, signing_refused
 
 LOCAL_ADDR = "127.0.0.1"
 # Seconds a connection to the job's gate, greeting included, may take once the relay is open.
@@ -114,15 +114,6 @@ def connect_signed(address: str, port: int, key: bytes) -> socket.socket:
     return sock
 
 
-def _kernel_signs() -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            sign(probe, bytes(32))
-            return True
-        except OSError:
-            return False
-
-
 class Relay:
     """This host's relay to the job's gate at ``address:port``; see the module's docstring.
 
@@ -180,7 +171,7 @@ class Relay:
                     store_port = 0  # the gate's way still works
                 finally:
                     self.asked.close()
-                self.direct = bool(store_port) and _kernel_signs()
+                self.direct = bool(store_port) and signing_refused() is None
                 if self.direct:
                     self.way = functools.partial(connect_signed, self.address, store_port,
                                                  auth.store_key(self.token))

@@ -18,6 +18,7 @@ from torchmn.run.config import RunError
 from torchmn.run.remote.ssh import HostCheck
 from torchmn.run.store import auth
 from torchmn.run.store.gate import Gate
+from torchmn.run.store.peers import holder_of
 
 # Linux's TCP MD5 signature option with an address prefix (linux/tcp.h).
 TCP_MD5SIG_EXT = 32
@@ -277,8 +278,8 @@ def _new_tcp_store(address: str, key: Optional[bytes]):
 
 
 def _cut_off_strangers(store_port: int) -> Tuple[List[str], bool]:
-    """Shut down the connections to ``store_port`` (on 127.0.0.1) that this process did not make, from
-    the store's side (its sockets are this process's), and wait for the store to close them.
+    """Shut down the connections to ``store_port`` that this process did not make, from the store's
+    side (its sockets are this process's), and wait for the store to close them.
 
     Connections still in the handshake are no concern: the port is signed by now, so they never
     complete. Returns the strangers, described, and whether all were closed in time."""
@@ -290,12 +291,12 @@ def _cut_off_strangers(store_port: int) -> Tuple[List[str], bool]:
         mine = psutil.Process().net_connections("tcp")
         ours = {c.laddr.port for c in mine if c.raddr and c.raddr.port == store_port}
         served = {c.raddr.port: c.fd for c in mine if c.laddr.port == store_port and c.raddr}
-        everyone = psutil.net_connections("tcp")
-        pids = {c.laddr.port: c.pid for c in everyone if c.raddr and c.raddr.port == store_port}
-        strangers = {c.raddr.port for c in everyone if c.laddr.port == store_port and c.raddr
-                     and c.raddr.port not in ours and c.status in _OPEN}
-        for port in strangers:
-            described.setdefault(port, f"from 127.0.0.1:{port} ({_describe_pid(pids.get(port))})")
+        strangers = {c.raddr.port: c for c in psutil.net_connections("tcp") if c.laddr.port == store_port
+                     and c.raddr and c.raddr.port not in ours and c.status in _OPEN}
+        for port, c in strangers.items():
+            if port not in described:
+                held = holder_of(tuple(c.raddr), tuple(c.laddr))
+                described[port] = f"from {c.raddr.ip}:{port} ({held.describe() if held.found else 'another host'})"
         if not strangers:
             return list(described.values()), True
         for port in strangers & served.keys():
@@ -312,16 +313,23 @@ def _cut_off_strangers(store_port: int) -> Tuple[List[str], bool]:
 _OPEN = ("ESTABLISHED", "CLOSE_WAIT")  # psutil's names: states in which the store may still read requests
 
 
-def _describe_pid(pid: Optional[int]) -> str:
-    import psutil
+def signing_refused() -> Optional[str]:
+    """Why this kernel cannot sign TCP connections (``sign``), or None when it can.
 
-    if pid is None:
-        return "a process of another user, whom only root can name"
-    try:
-        process = psutil.Process(pid)
-        return f"process {pid} ({process.name()}) of user {process.username()}"
-    except psutil.Error:
-        return f"process {pid}"
+    Returns:
+        The kernel's words, or None.
+
+    Example::
+
+        >>> signing_refused() is None   # a kernel with CONFIG_TCP_MD5SIG
+        True
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            sign(probe, secrets.token_bytes(32))
+            return None
+        except OSError as e:
+            return e.strerror or str(e)
 
 
 def check_signing(allow_unsigned: bool) -> Optional[str]:
@@ -343,12 +351,9 @@ def check_signing(allow_unsigned: bool) -> Optional[str]:
         >>> check_signing(allow_unsigned=False) is None   # a kernel with CONFIG_TCP_MD5SIG
         True
     """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        try:
-            sign(probe, secrets.token_bytes(32))
-            return None
-        except OSError as e:
-            why = e.strerror or str(e)
+    why = signing_refused()
+    if why is None:
+        return None
     if not allow_unsigned:
         raise RunError(f"this kernel cannot sign TCP connections ({why}; Linux's CONFIG_TCP_MD5SIG), which is "
                        f"how torchmn keeps the rendezvous store's own port closed to all but its "
