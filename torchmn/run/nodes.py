@@ -14,7 +14,6 @@ import dataclasses
 import datetime
 import os
 import socket
-import sys
 import time
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
@@ -119,11 +118,6 @@ def per_node_step(config: LaunchConfig, env: Mapping[str, str]) -> Optional[Node
                     token_label=f"torchmn nodes {master_addr}:{master_port} x{place.nnodes}", token_fix=TOKEN_FIX)
 
 
-def _stderr(text: str) -> None:
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
-
-
 def _first_line(error: BaseException) -> str:
     return (str(error).strip().splitlines() or [type(error).__name__])[0]
 
@@ -184,7 +178,7 @@ class NodeLaunchers:
         return [slot for slot in everyone if slot.node_rank == self.step.task]
 
     def open_store(self, master_addr: str, master_port: int, port_origin: str,
-                   log: Optional[Callable[[str], None]] = None, likely_pids: Callable[[], Sequence[int]] = tuple,
+                   log: Callable[[str], None], likely_pids: Callable[[], Sequence[int]] = tuple,
                    allow_unsigned: bool = False):
         """Task 0 hosts the store, behind its gate on the step's first node; each other task opens
         its node's relay to it (see ``torchmn.run.store.relay``), through which its ranks and this
@@ -208,7 +202,7 @@ class NodeLaunchers:
 
         Example::
 
-            >>> store = tasks.open_store(step.master_addr, step.master_port, "MASTER_PORT")   # doctest: +SKIP
+            >>> store = tasks.open_store(step.master_addr, step.master_port, "MASTER_PORT", print)   # doctest: +SKIP
             >>> store.port   # doctest: +SKIP
             24074
         """
@@ -221,7 +215,7 @@ class NodeLaunchers:
         from torch.distributed import TCPStore
 
         try:
-            self.relay = Relay(master_addr, master_port, self.token, self.start_timeout, log or _stderr,
+            self.relay = Relay(master_addr, master_port, self.token, self.start_timeout, log,
                                likely_pids=likely_pids)
             self.store = TCPStore(LOCAL_ADDR, self.relay.port, is_master=False,
                                   timeout=datetime.timedelta(seconds=self.start_timeout))
@@ -288,7 +282,7 @@ class NodeLaunchers:
 
         Example::
 
-            >>> tasks.open_store(step.master_addr, step.master_port, "MASTER_PORT")   # doctest: +SKIP
+            >>> tasks.open_store(step.master_addr, step.master_port, "MASTER_PORT", print)   # doctest: +SKIP
             >>> tasks.check_in()   # doctest: +SKIP
         """
         step = self.step

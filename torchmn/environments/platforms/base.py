@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Mapping, Optional
 
+from torchmn.environments.variables import read_int
 from torchmn.errors import TorchmnValueError
 
 
@@ -89,19 +90,18 @@ def integer(env: Mapping[str, str], name: str, platform: str, minimum: int = 0) 
         The value.
 
     Raises:
-        PlatformError: it is missing, not an integer, or too small.
+        PlatformError: it is missing, not an integer (``variables.read_int``), or too small.
 
     Example::
 
         >>> integer({"N": "2"}, "N", "SkyPilot", 1)
         2
     """
-    text = env.get(name, "")
     try:
-        value = int(text)
-    except ValueError:
-        raise PlatformError(f"{platform}: {name}={text!r} is not an integer; the platform sets it for every "
-                            f"node, so check the job's definition or the variables passed on to torchmn run") from None
+        value = read_int(env, name, "the platform sets it for every node, so check the job's definition or the "
+                                    "variables passed on to torchmn run")
+    except TorchmnValueError as e:
+        raise PlatformError(f"{platform}: {e}") from None
     if value < minimum:
         raise PlatformError(f"{platform}: {name}={value} must be at least {minimum}")
     return value

@@ -153,11 +153,11 @@ def group_alive(pgid: int) -> bool:
         return False
     import psutil
 
-    for process in psutil.process_iter(["status"]):
+    for process in _members(pgid):
         try:
-            if process.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(process.pid) == pgid:
+            if process.status() != psutil.STATUS_ZOMBIE:
                 return True
-        except (psutil.Error, OSError):
+        except psutil.Error:
             continue
     return False
 

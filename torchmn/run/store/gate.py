@@ -15,7 +15,8 @@ reads the first byte:
 
 An admitted client is joined to a new connection to the real store, and the gate passes bytes
 both ways until either side closes (``torchmn.run.store.pipes``). A relay is the same gate on its
-own host's 127.0.0.1, whose way to the store is a greeted connection to the job's gate.
+own host's 127.0.0.1, whose way to the store is a signed connection straight to it (or, without
+signatures, a greeted connection to the job's gate).
 
 Anything else is closed, with one line in the launcher's output saying who and why. All sockets
 are served by one thread (``selectors``); working out who a client is, which reads ``/proc``,
@@ -139,8 +140,8 @@ class Gate:
         port: the port (``--master-port``), 0 for one the OS picks.
         token: the job's token.
         connect_store: opens a new connection to the real store (see
-            ``torchmn.run.store.rendezvous``, which alone can reach its port), or, for a relay, a
-            greeted connection to the job's gate (``torchmn.run.store.relay.connect``).
+            ``torchmn.run.store.rendezvous``, which alone can reach its port), or, for a relay, its
+            way to the store (``torchmn.run.store.relay.Relay``).
         log: where the gate's lines go (the launcher's console).
         likely_pids: the job's ranks here, looked at first to identify a client.
         direct_port: where the store takes connections signed with ``rendezvous.store_key(token)``

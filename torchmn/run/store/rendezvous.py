@@ -50,8 +50,8 @@ def sign(sock: socket.socket, key: bytes) -> None:
 
 
 class _TorchStore:
-    """torch's ``TCPStore`` on 127.0.0.1, started on first use, and the way to it through the
-    kernel's signature check. The gate and the thread that starts it early hold this, not the
+    """torch's ``TCPStore`` on the gate's address (127.0.0.1 where the kernel cannot sign), started
+    on first use, and the way to it through the kernel's signature check. The gate and the thread that starts it early hold this, not the
     ``HostedStore``, so that dropping the ``HostedStore`` still closes everything."""
 
     def __init__(self, log: Callable[[str], None], address: str, key: Optional[bytes]):
@@ -118,8 +118,9 @@ class _TorchStore:
 
 
 class HostedStore:
-    """The job's rendezvous store as the launcher hosts it: torch's ``TCPStore`` on 127.0.0.1,
-    reachable only through the gate (``torchmn.run.store.gate``) on the job's address.
+    """The job's rendezvous store as the launcher hosts it: torch's ``TCPStore`` on the job's
+    address, on a port that takes only signed connections: the gate's (``torchmn.run.store.gate``),
+    through which this machine's ranks reach it, and other hosts' relays'.
 
     The ``TCPStore`` starts when it is first needed, as starting it means importing torch (about
     2 CPU-seconds): when the first client passes the gate, when ``open_when_torch_loads`` sees a
@@ -376,8 +377,10 @@ def start_store(host: str, port: Optional[int], port_origin: Optional[str] = Non
                 log: Optional[Callable[[str], None]] = None,
                 likely_pids: Callable[[], Sequence[int]] = tuple, allow_unsigned: bool = False) -> HostedStore:
     """Host the rendezvous store, as torchrun does (every rank is a client of it), for the job
-    members alone: the ``TCPStore`` listens on 127.0.0.1 only, on a port the kernel keeps for the
-    gate (``sign``), and the gate listens on ``host``, never on every interface. The gate listens
+    members alone: the ``TCPStore`` listens on ``host`` too, on a port the kernel keeps for
+    connections signed with ``auth.store_key(token)`` (``sign``: the gate's and other hosts'
+    relays'; on 127.0.0.1 alone, unsigned, with ``allow_unsigned`` on a kernel that cannot sign),
+    and the gate listens on ``host``, never on every interface. The gate listens
     from now on; the ``TCPStore`` starts when first needed (see ``HostedStore``).
 
     Args:
