@@ -3,8 +3,8 @@
 Usage: python ray_checks.py {adopt,fail} STORAGE
 - adopt: each worker's communicator adopts Ray's process group, keeps Ray's thread setting, runs
   an allreduce, and on finalize() leaves the group to Ray; prints "ADOPTED <rank> <threads>" per worker.
-- fail: worker 1 raises after the communicator's first collective; Ray (no retries) ends the run
-  and the driver prints "RAY SAW <error>".
+- fail: worker 1 raises after the communicator's first collective, while worker 0 sleeps for 120 s;
+  Ray (no retries) ends the run and the driver prints "RAY SAW <error> after <seconds since the raise>".
 """
 import os
 import sys
@@ -28,9 +28,11 @@ def train_loop(config):
     total = comm.allreduce(torch.ones(1)).item()
     assert total == 2.0, total
     if config["mode"] == "fail" and comm.rank == 1:
+        with open(config["raised"], "w") as f:  # when, for the driver's clock
+            f.write(str(time.time()))
         raise RuntimeError("worker 1 fails on purpose")
     if config["mode"] == "fail":
-        time.sleep(60)  # Ray ends this worker when the other fails
+        time.sleep(120)  # Ray ends this worker when the other fails
     threads = torch.get_num_threads()
     omp = os.environ.get("OMP_NUM_THREADS")
     comm.finalize()
@@ -40,13 +42,15 @@ def train_loop(config):
 
 
 ray.init(num_cpus=2, include_dashboard=False)
-trainer = TorchTrainer(train_loop, train_loop_config={"mode": mode},
+raised = os.path.join(os.path.abspath(storage), "raised")
+trainer = TorchTrainer(train_loop, train_loop_config={"mode": mode, "raised": raised},
                        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
                        run_config=RunConfig(storage_path=os.path.abspath(storage), name=mode,
                                             failure_config=FailureConfig(max_failures=0)))
-started = time.monotonic()
 try:
     result = trainer.fit()
     print(f"RESULT {result.metrics}", flush=True)
 except Exception as e:  # noqa: BLE001 - what Ray raises for a failed run
-    print(f"RAY SAW {type(e).__name__} after {time.monotonic() - started:.0f} s: {e}", flush=True)
+    with open(raised) as f:
+        since = time.time() - float(f.read())
+    print(f"RAY SAW {type(e).__name__} after {since:.0f} s: {e}", flush=True)
