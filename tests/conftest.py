@@ -13,7 +13,9 @@ worker can hold only once run on one worker, in one ``xdist_group``:
 - the Slurm cluster and the network-namespace hosts (one Slurm per machine: its daemons listen on
   fixed ports; the hosts' subnets are picked from what is free when they start);
 - the checks of one check job (tests/jobs.py), which run in one real job on the worker that has them;
-- the tests of a module that share a module-scoped job (test_security's probed job).
+- the tests of a module that share a module-scoped job (test_security's probed job);
+- the Ray tests: each starts a local Ray instance, a dozen processes that, several at once on a
+  loaded 2-core machine, take minutes to come up.
 """
 import os
 
@@ -30,6 +32,8 @@ HOSTS_GROUP = "hosts"
 HOSTS_FILES = {"test_slurm.py", "test_mpi_hosts.py"}
 # Module-scoped fixtures that start a job every test of the module probes: one worker starts it.
 SHARED_JOB_FIXTURES = {"job"}
+# Files whose tests start heavy local instances of a framework: one worker runs them, one at a time.
+SERIAL_FILES = {"test_ray.py": "ray"}
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
@@ -41,6 +45,8 @@ def xdist_group_of(item) -> str | None:
     """The group whose tests must share one worker, or None for a test that can go anywhere."""
     if item.path.name in HOSTS_FILES or CLUSTER_FIXTURES & set(item.fixturenames):
         return HOSTS_GROUP
+    if item.path.name in SERIAL_FILES:
+        return SERIAL_FILES[item.path.name]
     key = job_key(item)
     if key is not None:
         return "check-job:" + repr(key)

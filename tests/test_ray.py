@@ -1,7 +1,11 @@
 """torchmn inside Ray Train's TorchTrainer with 2 CPU workers on this machine (Ray from the
 package index, in the `dev` extra): the recipe in examples/ray trains and checkpoints through
 `ray.train`; the communicator adopts Ray's process group and leaves it to Ray, keeps Ray's thread
-setting, and leaves a failed worker to Ray's failure handling."""
+setting, and leaves a failed worker to Ray's failure handling.
+
+Each script starts a local Ray instance (a dozen processes), which on a loaded 2-core machine takes
+longer than a run: the tests share one worker (tests/conftest.py), the adopt and fail checks one
+instance, and each gets more than the suite's default limit."""
 import os
 import re
 import subprocess
@@ -10,7 +14,8 @@ import sys
 import pytest
 from jobs import REPO, WORKERS, clean_env
 
-TIMEOUT = 240
+TIMEOUT = 300
+pytestmark = pytest.mark.timeout(TIMEOUT + 30)
 
 
 def _run(argv):
@@ -18,9 +23,19 @@ def _run(argv):
         import ray  # noqa: F401
     except ImportError:
         pytest.fail('Ray is missing: pip install "torchmn[ray]" (the dev requirements install it)')
-    proc = subprocess.run(argv, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    try:
+        proc = subprocess.run(argv, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
+        pytest.fail(f"{argv[1]} did not end within {TIMEOUT} s; its output:\n{out[-6000:]}")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def checks(tmp_path_factory):
+    """The output of ray_checks.py: the adopt run, then the fail run, in one Ray instance."""
+    return _run([sys.executable, str(WORKERS / "ray_checks.py"), str(tmp_path_factory.mktemp("ray"))])
 
 
 def test_the_ray_recipe_trains_and_checkpoints(tmp_path):
@@ -33,15 +48,13 @@ def test_the_ray_recipe_trains_and_checkpoints(tmp_path):
     assert os.path.exists(os.path.join(checkpoint, "model.pt")), out
 
 
-def test_torchmn_adopts_rays_process_group_and_leaves_it_to_ray(tmp_path):
-    out = _run([sys.executable, str(WORKERS / "ray_checks.py"), "adopt", str(tmp_path)])
-    rows = sorted(re.findall(r"ADOPTED (\d) (\d+) (\S+)", out))
+def test_torchmn_adopts_rays_process_group_and_leaves_it_to_ray(checks):
+    rows = sorted(re.findall(r"ADOPTED (\d) (\d+) (\S+)", checks))
     # Ray gives each 1-CPU worker OMP_NUM_THREADS=1; torchmn's budget keeps it.
-    assert rows == [("0", "1", "1"), ("1", "1", "1")], out
+    assert rows == [("0", "1", "1"), ("1", "1", "1")], checks
 
 
-def test_a_failed_worker_is_left_to_ray(tmp_path):
-    out = _run([sys.executable, str(WORKERS / "ray_checks.py"), "fail", str(tmp_path)])
-    saw = re.search(r"RAY SAW (\w+) after (\d+) s: (.*)", out, re.S)
-    assert saw and "worker 1 fails on purpose" in saw.group(3), out
-    assert int(saw.group(2)) < 60, out  # Ray ended the run, not the other worker's 120 s sleep
+def test_a_failed_worker_is_left_to_ray(checks):
+    saw = re.search(r"RAY SAW (\w+) after (\d+) s: (.*)", checks, re.S)
+    assert saw and "worker 1 fails on purpose" in saw.group(3), checks
+    assert int(saw.group(2)) < 60, checks  # Ray ended the run, not the other worker's 120 s sleep

@@ -1,6 +1,8 @@
 """torchmn inside Ray Train's TorchTrainer, 2 CPU workers on this machine.
 
-Usage: python ray_checks.py {adopt,fail} STORAGE
+Usage: python ray_checks.py STORAGE
+
+Both runs share one local Ray instance (starting one costs more than a run):
 - adopt: each worker's communicator adopts Ray's process group, keeps Ray's thread setting, runs
   an allreduce, and on finalize() leaves the group to Ray; prints "ADOPTED <rank> <threads>" per worker.
 - fail: worker 1 raises after the communicator's first collective, while worker 0 sleeps for 120 s;
@@ -17,7 +19,7 @@ import torch.distributed as dist
 from ray.train import FailureConfig, RunConfig, ScalingConfig
 from ray.train.torch import TorchTrainer
 
-mode, storage = sys.argv[1], sys.argv[2]
+storage = os.path.abspath(sys.argv[1])
 
 
 def train_loop(config):
@@ -41,15 +43,20 @@ def train_loop(config):
     print(f"ADOPTED {comm.rank} {threads} {omp}", flush=True)
 
 
+def fit(mode):
+    trainer = TorchTrainer(train_loop, train_loop_config={"mode": mode, "raised": raised},
+                           scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
+                           run_config=RunConfig(storage_path=storage, name=mode,
+                                                failure_config=FailureConfig(max_failures=0)))
+    return trainer.fit()
+
+
 ray.init(num_cpus=2, include_dashboard=False)
-raised = os.path.join(os.path.abspath(storage), "raised")
-trainer = TorchTrainer(train_loop, train_loop_config={"mode": mode, "raised": raised},
-                       scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
-                       run_config=RunConfig(storage_path=os.path.abspath(storage), name=mode,
-                                            failure_config=FailureConfig(max_failures=0)))
+raised = os.path.join(storage, "raised")
+print(f"RESULT {fit('adopt').metrics}", flush=True)
 try:
-    result = trainer.fit()
-    print(f"RESULT {result.metrics}", flush=True)
+    fit("fail")
+    print("RAY SAW nothing: the failed run returned", flush=True)
 except Exception as e:  # noqa: BLE001 - what Ray raises for a failed run
     with open(raised) as f:
         since = time.time() - float(f.read())
