@@ -24,6 +24,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Optional, Sequence, Set
 
@@ -89,6 +90,13 @@ def _add_run(subparsers) -> None:
                    help="print the plan (hosts and slots; each rank's place, command line and variables, "
                         "secrets hidden) and exit without starting anything or contacting any host; the "
                         "options are checked as for a real run")
+    seeing = p.add_argument_group("seeing the job (see docs/monitor.md)")
+    seeing.add_argument("--monitor", action="store_true",
+                        help="a live table of every rank's steps/s, step time, waiting share, CPU and memory, "
+                             "and at the end which rank is slowest and which wait for it")
+    seeing.add_argument("--timeline", default=None, metavar="FILE",
+                        help="write every rank's phases (forward+backward, averaging, update, collectives) to FILE, "
+                             "a Chrome trace / Perfetto JSON; draw it with: torchmn timeline FILE --png OUT")
     restarts = p.add_argument_group("restarts (each start is a new job; the ranks see TORCHMN_RESTART_COUNT)")
     restarts.add_argument("--max-restarts", type=int, default=0, metavar="K",
                           help="when a rank fails, stop the job and start every rank again, up to K times "
@@ -177,6 +185,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                               network_interface=args.network_interface, max_restarts=args.max_restarts,
                               restart_on=args.restart_on, allow_unsigned_store=args.allow_unsigned_store,
                               nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
+                              monitor=args.monitor,
+                              timeline=os.path.abspath(args.timeline) if args.timeline else None,
                               restart_delay=_default_restart_delay() if args.restart_delay is None
                               else args.restart_delay)
         if args.max_restarts == 0 and (args.restart_on is not None or args.restart_delay is not None):

@@ -14,7 +14,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from torchmn import resources
+from torchmn import monitor, resources
 from torchmn.communicators import failure
 from torchmn.communicators.world import adopt_world, default_backend, init_world
 from torchmn.communicators.communicator import Communicator
@@ -26,6 +26,7 @@ from torchmn.communicators.hierarchical import HierarchicalCommunicator
 from torchmn.communicators.naive import NaiveCommunicator
 from torchmn.communicators.registry import make_communicator, resolve
 from torchmn.environments import LaunchEnvironment, detect_environment
+from torchmn.environments.torchmn_run import TorchmnEnvironment
 from torchmn.errors import TorchmnTypeError, TorchmnValueError
 
 
@@ -134,6 +135,10 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
     if size > 1:
         # An uncaught exception on this rank then ends the others at once, not at their timeout.
         failure.install()
+    # The monitor and the timeline, where TORCHMN_MONITOR / _MONITOR_DIR / _TIMELINE ask for them.
+    # torchmn run shows the table itself, also of a world a framework set up under it.
+    monitor.start_for(comm, "torchmn" if TorchmnEnvironment.detect(os.environ) else
+                      env.source if env is not None else "adopted")
     return comm
 
 

@@ -12,7 +12,8 @@ Shared-memory collectives inside a node name their missing peers themselves
 
 Every collective of a communicator is decorated with :func:`collective`, every point-to-point call
 with :func:`point_to_point`; an algorithm that overrides one decorates its override alike (a call
-made inside another watched call is part of it, and is not numbered again).
+made inside another watched call is part of it, and is not numbered again). The same decorators
+time each call for the monitor and the timeline (:mod:`torchmn.monitor.recorder`), when recording.
 
 A peer lost because its rank ended with an uncaught exception, which its exception hook recorded
 (see :mod:`torchmn.communicators.failure`), is named at once, with its error, as
@@ -30,6 +31,7 @@ import torch.distributed as dist
 from torchmn.communicators import failure
 from torchmn.communicators.errors import CollectiveTimeoutError, PeerLostError, lost_peer
 from torchmn.errors import TorchmnRuntimeError
+from torchmn.monitor import recorder
 
 GRACE_S = 3.0  # how long a rank that timed out waits for the others to report where they are
 
@@ -104,6 +106,7 @@ def _watched_p2p(peer_arg: str, fn: Callable) -> Callable:
         if comm.call_log.depth:  # part of a collective (gather_obj, scatter_obj), which names the missing
             return fn(comm, *args, **kwargs)
         _refuse_if_finalized(comm, kind)
+        t0 = recorder.begin() if recorder.on else None
         try:
             return fn(comm, *args, **kwargs)
         except RuntimeError as e:
@@ -121,6 +124,9 @@ def _watched_p2p(peer_arg: str, fn: Callable) -> Callable:
                 f"failed on rank {comm.rank} ({_host(comm, comm.rank)}): rank {peer} did not make the matching "
                 f"{other}{'_obj' if kind.endswith('_obj') else ''} with the same tag within the timeout, or "
                 f"exited. (torch.distributed said: {e})") from e
+        finally:
+            if t0 is not None:
+                recorder.end(kind, "collective", t0, {"communicator": comm.call_log.tag})
     call.watched = True
     return call
 
@@ -135,6 +141,7 @@ def _watched(kind: str, fn: Callable) -> Callable:
         log.calls += 1
         seq = log.calls
         log.depth += 1
+        t0 = recorder.begin() if recorder.on else None
         try:
             result = fn(comm, *args, **kwargs)
         except RuntimeError as e:
@@ -144,6 +151,8 @@ def _watched(kind: str, fn: Callable) -> Callable:
             raise named from e
         finally:
             log.depth -= 1
+            if t0 is not None:
+                recorder.end(kind, "collective", t0, {"communicator": log.tag, "call": seq})
         # Async (torch's handle, or torchmn's own around one): the timeout surfaces in wait().
         if isinstance(result, dist.Work) or getattr(type(result), "wraps_torch_work", False):
             return _WatchedWork(result, comm, seq, kind)

@@ -23,6 +23,7 @@ from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
 
 _timeout: Optional[datetime.timedelta] = None  # the world's, once set up or adopted
 _worlds = 0  # default process groups this process set up (a world again after finalize)
+_job_store_client: Optional["dist.Store"] = None  # the store of the world set up last, unprefixed
 
 
 def default_timeout() -> datetime.timedelta:
@@ -168,6 +169,8 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             # Rank 0's store server outlives a world in this process (multi_tenant): a world set up
             # again after finalize() would meet the first one's addresses, and pair with ranks gone.
             store = dist.PrefixStore(f"torchmn/world{_worlds}/", store)
+    global _job_store_client
+    _job_store_client = arrivals
     if init_method.startswith("file://"):
         _refuse_stale_file(init_method[len("file://"):], env)
     if backend == "nccl":
@@ -187,6 +190,26 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
                "Check that every rank was started, that the rendezvous host is reachable from this one, and that "
                "the port is free and not firewalled (MASTER_ADDR / MASTER_PORT override it).")) from e
     atexit.register(shutdown_world)
+
+
+def job_store() -> Optional["dist.Store"]:
+    """The job's rendezvous store as this rank reaches it, for what travels beside the collectives
+    (the monitor's figures): the launcher's (torchmn run, torchrun), rank 0's (Slurm, MPI), or the
+    store of a world the script or its framework set up; None without ``torch.distributed``.
+
+    Returns:
+        A store client; keys written there are the job's, shared by every rank.
+
+    Example::
+
+        >>> job_store().set("torchmn/example", "hello")   # doctest: +SKIP
+    """
+    if _job_store_client is None and dist.is_initialized():
+        # A world set up by the script or its framework: under torchmn run or torchrun, the
+        # launcher's store (where the launcher looks); else the store that world was made with.
+        client = _launchers_store(_timeout or default_timeout())
+        return client if client is not None else dist.distributed_c10d._get_default_store()
+    return _job_store_client
 
 
 def _never_arrived(store: Optional["dist.TCPStore"], size: int) -> list:

@@ -1,20 +1,22 @@
 """Horovod's timeline: each rank's collectives as a Chrome trace (chrome://tracing, Perfetto).
 
-Every rank records its collectives (kind, tensor name, bytes, start and end) from
-:func:`start_timeline` on; :func:`stop_timeline` gathers them to rank 0, which writes one JSON
-file: a process row per rank, one complete event (``"ph": "X"``) per collective.
+Every rank records its Horovod calls (kind, tensor name, bytes, start and end) from
+:func:`start_timeline` on, through torchmn's own recorder (:mod:`torchmn.monitor.recorder`), which
+adds the optimizer's phases and the communicator's collectives beneath them; :func:`stop_timeline`
+gathers them to rank 0, which writes the file as ``torchmn run --timeline`` does
+(:func:`torchmn.monitor.timeline.write`): a process row per rank, one complete event
+(``"ph": "X"``) per phase.
 """
 from __future__ import annotations
 
-import json
 import os
 import socket
-import time
 from typing import Optional
 
 from torchmn.horovod.process_sets import job, require_comm
+from torchmn.monitor import recorder, timeline
 
-_state: dict = {"events": None, "path": None, "start": None}
+_state: dict = {"path": None}
 
 
 def recording() -> bool:
@@ -28,7 +30,7 @@ def recording() -> bool:
         >>> if recording():
         ...     stop_timeline()
     """
-    return _state["events"] is not None
+    return _state["path"] is not None
 
 
 def record(kind: str, name: str, nbytes: int, start: float, end: float, process_set_id: int = 0) -> None:
@@ -46,9 +48,9 @@ def record(kind: str, name: str, nbytes: int, start: float, end: float, process_
         >>> t0 = time.time(); comm.barrier()
         >>> record("barrier", "barrier.noname", 0, t0, time.time())
     """
-    events = _state["events"]
-    if events is not None:
-        events.append((kind, name, int(nbytes), start, end, process_set_id))
+    if _state["path"] is not None:
+        recorder.event(kind.upper(), "horovod", recorder.from_wall(start), recorder.from_wall(end),
+                       {"tensor": name, "bytes": int(nbytes), "process_set_id": process_set_id})
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
@@ -68,7 +70,8 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
         >>> hvd.stop_timeline()     # rank 0 writes /tmp/timeline.json
     """
     require_comm()
-    _state.update(events=[], path=os.path.abspath(file_path), start=time.time())
+    _state.update(path=os.path.abspath(file_path))
+    recorder.start(timeline=True)
 
 
 def stop_timeline() -> Optional[str]:
@@ -85,25 +88,12 @@ def stop_timeline() -> Optional[str]:
 
         >>> hvd.stop_timeline()
     """
-    events, path, start = _state["events"], _state["path"], _state["start"]
-    _state.update(events=None, path=None, start=None)
-    if events is None or job.comm is None:
+    path = _state["path"]
+    _state.update(path=None)
+    if path is None or job.comm is None:
         return None
     world = job.comm
-    gathered = world.gather_obj((socket.gethostname(), start, events), root=0)
+    gathered = world.gather_obj((socket.gethostname(), recorder.stop_timeline()), root=0)
     if world.rank != 0:
         return None
-    origin = min(s for _, s, _ in gathered)
-    trace = []
-    for rank, (host, _, rank_events) in enumerate(gathered):
-        trace.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank} ({host})"}})
-        trace.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
-        for kind, name, nbytes, t0, t1, ps_id in rank_events:
-            trace.append({"name": kind.upper(), "cat": "collective", "ph": "X", "pid": rank, "tid": ps_id,
-                          "ts": round((t0 - origin) * 1e6, 1), "dur": round(max(t1 - t0, 0.0) * 1e6, 1),
-                          "args": {"tensor": name, "bytes": nbytes, "process_set_id": ps_id}})
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump({"traceEvents": trace, "displayTimeUnit": "ms"}, f)
-    os.replace(tmp, path)
-    return path
+    return timeline.write(path, [(rank, host, events) for rank, (host, events) in enumerate(gathered)])

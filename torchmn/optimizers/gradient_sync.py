@@ -20,6 +20,7 @@ from torch.autograd import Variable
 
 from torchmn.communicators import Communicator
 from torchmn.errors import TorchmnNotImplementedError, TorchmnRuntimeError, TorchmnTypeError, TorchmnValueError
+from torchmn.monitor import recorder
 from torchmn.optimizers import join as joining
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # small, so communication starts early in backward
@@ -302,6 +303,8 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._next += 1
 
     def _send_rest(self) -> None:
+        if recorder.on:  # every gradient of this step is in: backward has ended
+            recorder.backward_ended(recorder.now())
         if self._next == 0:  # the step's first bucket: inside torchmn.join, learn who still has data
             self.contributors = joining.contributors(self)
         for bucket in self.buckets[self._next:]:
@@ -310,7 +313,10 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._passes = 0
         self._sent = True
         self._sends += 1
+        t0 = recorder.begin() if recorder.on else None
         self._all_sent()
+        if t0 is not None:
+            recorder.end("average", "average", t0, {"buckets": len(self.buckets)})
 
     # ----------------------------------------------------------------------------- hooks
     def _on_grad(self, p: torch.nn.Parameter) -> None:

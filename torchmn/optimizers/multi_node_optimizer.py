@@ -19,6 +19,7 @@ from torchmn.communicators.ops import mean_divisors
 from torchmn.communicators.errors import CollectiveMismatchError
 from torchmn.communicators.shm import sum_into
 from torchmn.errors import TorchmnRuntimeError
+from torchmn.monitor import recorder
 from torchmn.optimizers.gradient_sync import (GradientSyncOptimizer, copy_scaled, could_share_memory, describe_rank,
                                               make_buckets)
 from torchmn.optimizers.node_memory import open_bucket_arena, region_view
@@ -47,6 +48,7 @@ class _Bucket:
         self.as_views = as_views and self.wire_dtype == params[0].dtype
         self.ready: set[int] = set()
         self.work = None
+        self.sent_at = 0.0  # when its message went out (recorder clock), for the timeline
         self.had_grad: list[bool] = []
         self.buffer: Optional[torch.Tensor] = None
         self.views: list[torch.Tensor] = []
@@ -276,6 +278,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         # Half-precision gradients (compressed, or the model's own) are divided before the sum, so
         # that it cannot overflow.
         before, _ = mean_divisors(bucket.wire_dtype, self.contributors)
+        bucket.sent_at = recorder.now()
         bucket.work = self.comm.allreduce_flat(bucket.pack(1.0 / before if before > 1 else None), async_op=True)
 
     def _all_sent(self) -> None:
@@ -289,12 +292,18 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             self._finish(self._current)
 
     def _finish(self, set_index: int) -> None:
-        for bucket in self._bucket_sets[set_index]:
+        t0 = recorder.begin() if recorder.on else None
+        for i, bucket in enumerate(self._bucket_sets[set_index]):
             bucket.work.wait()
             bucket.work = None
+            if recorder.timeline_on:  # from the send, during backward, to its average's arrival
+                recorder.event(f"bucket {i}", "average", bucket.sent_at, recorder.now(),
+                               {"bytes": bucket.numel * bucket.buffer.element_size()}, thread="averaging")
             _, after = mean_divisors(bucket.wire_dtype, self.contributors)
             bucket.unpack(1.0 / after if after > 1 else None, self.zero_fill)
             bucket.ready.clear()
+        if t0 is not None:
+            recorder.end("wait for averages", "average", t0)
 
     def step(self, closure=None):
         """Average gradients over ranks (if backward has not already), then update.
@@ -318,15 +327,16 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         self.synchronize()
         self._sent = False
         self._step_sent = False
-        if not self.double_buffering:
-            return self.wrapped.step()
-        # Double buffering (ChainerMN): update with the previous step's averages while this
-        # step's are in flight; the very first step has nothing to update with.
-        if self._first_step:
-            self._first_step = False
-            return None
-        self._finish(self._in_flight.pop(0))
-        return self.wrapped.step()
+        if self.double_buffering:
+            # Double buffering (ChainerMN): update with the previous step's averages while this
+            # step's are in flight; the very first step has nothing to update with.
+            if self._first_step:
+                self._first_step = False
+                if recorder.on:
+                    recorder.step_ended(recorder.now())
+                return None
+            self._finish(self._in_flight.pop(0))
+        return recorder.update(self.wrapped.step)
 
     def average_without_gradients(self) -> None:
         """Take part in the other ranks' gradient averaging with zeros, and update nothing.

@@ -25,6 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from torchmn.communicators import Communicator
 from torchmn.errors import TorchmnAttributeError, TorchmnError, TorchmnRuntimeError
+from torchmn.monitor import recorder
 from torchmn.optimizers import shard_state
 from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, describe_rank
 from torchmn.optimizers.inner_optimizers import build_inner, step_function
@@ -211,19 +212,27 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
         self.synchronize()
         for hook in list(self._pre_hooks.values()):
             hook(self, (), {})
+        t0 = recorder.now() if recorder.on else None
         self.sync_hyperparameters()
         for b in self.buckets:
             b.node.take_averages()
         for buckets in self.shard_groups.values():
             buckets[0].step_shard()
         self._home_state()
+        if t0 is not None:
+            t1 = recorder.begin()
+            recorder.event("update", "update", t0, t1, {"shard": "this rank's slices"})
         # Every slice is updated in the shared parameters, and nobody reads another rank's
         # gradient buffer any more, so backward may write them again.
         self.arena.barrier("step done (shards updated)")
+        if t0 is not None:
+            recorder.end("wait for the node's update", "average", t1)
         self._sent = False
         self._sends = 0
         for hook in list(self._post_hooks.values()):
             hook(self, (), {})
+        if t0 is not None:
+            recorder.step_ended(recorder.now())
         return None
 
     def register_step_pre_hook(self, hook):

@@ -16,6 +16,7 @@ import torch
 from torchmn.communicators import Communicator
 from torchmn.communicators.ops import mean_divisors
 from torchmn.errors import TorchmnAttributeError, TorchmnNotImplementedError, TorchmnRuntimeError, TorchmnValueError
+from torchmn.monitor import recorder
 from torchmn.optimizers import fused_adam, join as joining, shard_state
 from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, could_share_memory, make_buckets
 from torchmn.optimizers.inner_optimizers import IMPLEMENTATION_FLAGS, build_inner, check_optimizer, step_function
@@ -239,28 +240,44 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         for b in self.buckets:
             b.sent = False
         if self.arena is not None:
+            t0 = recorder.now() if recorder.on else None
             if reduced:
                 for buckets in self.shard_groups.values():
                     buckets[0].step_shard()
             else:
                 self._sum_and_update_in_shared_memory()
+            if t0 is not None:
+                t1 = recorder.begin()
+                recorder.event("sum and update", "update", t0, t1, {"shard": "this rank's"})
             # Every shard is updated in the shared parameters, and nobody reads a gradient buffer
             # any more, so backward may write them again.
             self.arena.barrier("step done (shards updated)")
+            if t0 is not None:
+                recorder.end("wait for the node's update", "average", t1)
             self._forget_gradients()
+            if t0 is not None:
+                recorder.step_ended(recorder.now())
             return None
+        t0 = recorder.now() if recorder.on else None
         for b in self.buckets:
             if not reduced:  # bucket by bucket, so early buckets' all-gathers overlap later updates
                 self._finish_reduce_scatter(b)
             b.step_shard()
             if b.send is not None:
                 b.gather_work = self.comm.allgather_flat(b.gathered, b.send_shards(), async_op=True)
+        waited = recorder.begin() if t0 is not None else None
         for b in self.buckets:
             if b.gather_work is not None:
                 b.gather_work.wait()
                 b.gather_work = None
                 b.take_gathered()
+        if waited is not None:
+            recorder.end("wait for all-gathers", "average", waited)
         self._forget_gradients()
+        if t0 is not None:
+            t1 = recorder.now()
+            recorder.event("update and all-gather", "update", t0, t1)
+            recorder.step_ended(t1)
         return None
 
     def register_step_pre_hook(self, hook):
@@ -393,8 +410,11 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
                 buckets[0].step_shard()
 
     def _finish_reduce_scatter(self, b: ShardBucket) -> None:
+        t0 = recorder.begin() if recorder.on else None
         b.reduce_work.wait()
         b.reduce_work = None
+        if t0 is not None:
+            recorder.end("wait for reduce-scatter", "average", t0)
         _, after = mean_divisors(b.wire_dtype, self.contributors)
         if after > 1:
             b.grad_shard.mul_(1.0 / after)

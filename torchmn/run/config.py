@@ -64,6 +64,9 @@ class LaunchConfig:
         nnodes, node_rank, master_addr: one launcher per node (``--nnodes``, ``--node-rank``,
             ``--master-addr``): this node's place in a job of ``nnodes`` nodes, and where node 0
             hosts the rendezvous (see ``torchmn.run.nodes.per_node_step``).
+        monitor: show the live per-rank table and the straggler summary (``--monitor``; see
+            ``torchmn.monitor``).
+        timeline: write every rank's phases to this Chrome-trace file (``--timeline``), or None.
 
     Raises:
         RunError: ``np`` below 1, no command, a port outside 1-65535, a start timeout that is
@@ -97,6 +100,8 @@ class LaunchConfig:
     nnodes: Optional[int] = None
     node_rank: Optional[int] = None
     master_addr: Optional[str] = None
+    monitor: bool = False
+    timeline: Optional[str] = None
 
     def __post_init__(self) -> None:
         """Check the options and normalise them in place (the dataclass's constructor calls it).

@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Dict, List, Mapping, Optional, Union
 
-from torchmn import network, resources
+from torchmn import monitor, network, resources
 from torchmn.run.config import GRACE_SECONDS, START_TIMEOUT, LaunchConfig, RunError
 from torchmn.run.plan import Slot, local_env, plan_slots, refuse_outer_launcher, remote_env
 from torchmn.run.processes.output import Console, describe_exit, exit_code_of, failure_summary, prepare_log_dir
@@ -57,6 +57,11 @@ class Job:
         hosts = config.hosts
         try:
             self.exports = parse_exports(config.exports, self.base_env)
+            # The ranks record what --monitor and --timeline ask for (see torchmn.monitor).
+            if config.monitor:
+                self.exports[monitor.MONITOR_VARIABLE] = "1"
+            if config.timeline:
+                self.exports[monitor.TIMELINE_VARIABLE] = config.timeline
             # The hosts and their slots, this machine's names merged into one (None: this machine).
             self.hosts = hostfile.merge_local_aliases(hosts) if hosts else None
             placement = hostfile.assign_ranks(self.hosts, config.np) if hosts else [(self.host, config.np)]
@@ -96,6 +101,7 @@ class Job:
         self.node_failure: Optional[str] = None
         self.started_at = 0.0
         self.store = None
+        self.display = None
 
     @property
     def ranks(self) -> List[Rank]:
@@ -324,6 +330,45 @@ class Job:
                 self.store.open_in_background()
             else:
                 self.store.open_when_torch_loads(self._local_pids)
+        if config.monitor and (self.nodes is None or self.nodes.step.task == 0):
+            self._start_display()
+
+    def _start_display(self) -> None:
+        """The monitor's table, from the figures the ranks put in the store (see torchmn.monitor)."""
+        from torchmn.monitor import display
+
+        hosted = self.store
+        self.display = display.Display(lambda: display.read_store(hosted.store, self.size), self.size,
+                                       self.console.message, sys.stderr)
+        self.console.above = self.display.print_above
+        self.display.start()
+
+    def _finish_display(self) -> None:
+        """The last table and the summary; then the timeline's parts joined, where asked."""
+        if self.display is not None:
+            self.console.above = None
+            self.display.finish()
+            self.display = None
+        path = self.config.timeline
+        if path is None or (self.nodes is not None and self.nodes.step.task != 0):
+            return
+        from torchmn.monitor import timeline
+
+        try:
+            _, ranks, _ = timeline.merge(path)
+        except FileNotFoundError:
+            self.console.message(f"torchmn run: no rank wrote a part of the timeline {path} here (ranks on other "
+                                 f"hosts write theirs there: copy them here and run torchmn timeline merge {path}; "
+                                 f"a rank records only once it calls torchmn.create_communicator())")
+            return
+        except (OSError, ValueError) as e:
+            self.console.message(f"torchmn run: could not join the timeline {path}: {e}")
+            return
+        missing = sorted(set(range(self.size)) - set(ranks))
+        self.console.message(f"torchmn run: timeline of {len(ranks)} rank(s) written to {path}" +
+                             (f"; rank(s) {', '.join(map(str, missing))} wrote no part here (on other hosts: copy "
+                              f"{path}.rank<r>.json here and run torchmn timeline merge {path})" if missing else
+                              f"; draw it with: torchmn timeline {path} --png timeline.png"))
 
     def _local_pids(self) -> List[int]:
         """The ranks started on this machine: the store's gate looks at them first."""
@@ -463,6 +508,7 @@ class Job:
         self.teardown(self.received_signal or signal.SIGTERM)
         for rank in self.ranks:
             rank.output.finish(idle=2.0)
+        self._finish_display()
         code = self._summarize()
         if self.nodes is not None:
             self.nodes.end_task(wait_for_others=self.received_signal is None)

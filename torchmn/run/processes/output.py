@@ -224,6 +224,9 @@ class Console:
         self.lock = threading.Lock()
         self.output_ranks = output_ranks
         self.lost: set = set()   # streams that failed: written no more
+        # While the monitor's live table holds the terminal, lines go above it through this
+        # (it returns False when it did not take the line).
+        self.above: Optional[Callable[[str], bool]] = None
 
     def write(self, rank: int, line: bytes, to_stderr: bool) -> None:
         """Show one line of a rank's output, with its ``[rank]`` prefix.
@@ -248,6 +251,9 @@ class Console:
         data = line if line == b"\r" else b"[%d] " % rank + line
         with self.lock:
             if stream is None or stream in self.lost:
+                return
+            above = self.above
+            if above is not None and above(data.decode("utf-8", "replace")):
                 return
             try:
                 binary = getattr(stream, "buffer", None)

@@ -1,0 +1,101 @@
+"""What the ranks' figures say: which rank is slowest and by how much, which waits most, and
+which are stragglers (busy more than :data:`STRAGGLER_RATIO` times the median rank). The end of
+``torchmn run --monitor`` and ``torchmn doctor`` say it alike."""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Dict, List, Optional
+
+# A rank busy this many times the median rank's time per step is a straggler.
+STRAGGLER_RATIO = 1.25
+
+
+@dataclasses.dataclass
+class Comparison:
+    """The ranks' figures side by side.
+
+    Attributes:
+        slowest: the rank busy longest per step.
+        ratio: its busy time over the median rank's.
+        busy_ms: every rank's median busy time per step.
+        median_busy_ms: the median of those.
+        stragglers: the ranks busy more than ``STRAGGLER_RATIO`` times the median, slowest first.
+        waits_most: the rank with the largest share of its steps spent waiting.
+        wait_share: every rank's share of its steps spent waiting.
+        hosts: every rank's host.
+    """
+
+    slowest: int
+    ratio: float
+    busy_ms: Dict[int, float]
+    median_busy_ms: float
+    stragglers: List[int]
+    waits_most: int
+    wait_share: Dict[int, float]
+    hosts: Dict[int, str]
+
+
+def compare(snapshots: Dict[int, dict]) -> Optional[Comparison]:
+    """Compare the ranks' figures (``Publisher.snapshot``, by rank).
+
+    Args:
+        snapshots: each rank's latest figures.
+
+    Returns:
+        The comparison, or None where fewer than two ranks have finished two optimizer steps.
+
+    Example::
+
+        >>> compare({0: {"busy_ms": 5.0, "wait_share": 0.9, "host": "a"},
+        ...          1: {"busy_ms": 50.0, "wait_share": 0.1, "host": "a"}}).slowest
+        1
+    """
+    busy = {r: s["busy_ms"] for r, s in snapshots.items() if s.get("busy_ms") is not None}
+    if len(busy) < 2:
+        return None
+    median = statistics.median(busy.values())
+    slowest = max(busy, key=lambda r: (busy[r], -r))
+    waits = {r: snapshots[r]["wait_share"] for r in busy if snapshots[r].get("wait_share") is not None}
+    stragglers = sorted((r for r in busy if median > 0 and busy[r] > STRAGGLER_RATIO * median),
+                        key=lambda r: -busy[r])
+    return Comparison(slowest=slowest, ratio=busy[slowest] / median if median > 0 else float("inf"),
+                      busy_ms=busy, median_busy_ms=median, stragglers=stragglers,
+                      waits_most=max(waits, key=lambda r: (waits[r], -r)) if waits else slowest,
+                      wait_share=waits, hosts={r: snapshots[r].get("host", "?") for r in busy})
+
+
+def describe(snapshots: Dict[int, dict]) -> List[str]:
+    """The summary in words, one finding per line.
+
+    Args:
+        snapshots: each rank's latest figures.
+
+    Returns:
+        Lines naming the slowest rank and by how much, the stragglers and the ranks waiting for
+        them, or why there is nothing to compare.
+
+    Example::
+
+        >>> describe({0: {"busy_ms": 5.0, "wait_share": 0.9, "host": "a"},
+        ...           1: {"busy_ms": 50.0, "wait_share": 0.1, "host": "a"}})[0]
+        'slowest: rank 1 (a), busy 50.0 ms per step, 1.82x the median rank (27.5 ms)'
+    """
+    c = compare(snapshots)
+    if c is None:
+        stepped = sum(1 for s in snapshots.values() if s.get("steps"))
+        return [f"{stepped} of {len(snapshots)} rank(s) reported optimizer steps: nothing to compare "
+                f"(the figures come from torchmn's optimizers)"]
+    lines = [f"slowest: rank {c.slowest} ({c.hosts[c.slowest]}), busy {c.busy_ms[c.slowest]:.1f} ms per step, "
+             f"{c.ratio:.2f}x the median rank ({c.median_busy_ms:.1f} ms)"]
+    if c.stragglers:
+        victims = [r for r in sorted(c.wait_share) if r not in c.stragglers]
+        shares = ", ".join(f"rank {r} {100 * c.wait_share[r]:.0f}%" for r in victims)
+        lines.append(f"straggler{'s' if len(c.stragglers) > 1 else ''}: rank(s) {', '.join(map(str, c.stragglers))} "
+                     f"(busy over {STRAGGLER_RATIO}x the median); the others wait for "
+                     f"{'them' if len(c.stragglers) > 1 else 'it'} in averaging and collectives: {shares} of their steps")
+    else:
+        lines.append(f"no straggler: every rank is busy within {STRAGGLER_RATIO}x the median")
+    w = c.waits_most
+    lines.append(f"waits most: rank {w} ({c.hosts[w]}), {100 * c.wait_share.get(w, 0.0):.0f}% of its steps")
+    return lines
