@@ -30,6 +30,7 @@ from typing import Optional, Sequence, Set
 
 from torchmn.doctor.command import add_doctor
 from torchmn.info import add_info, version_text
+from torchmn.monitor.command import add_timeline
 from torchmn.run import horovodrun_flags
 from torchmn.tune.command import add_tune
 
@@ -213,7 +214,7 @@ class _VersionAction(argparse.Action):
         parser.exit()
 
 
-SUBCOMMANDS = (_add_run, add_info, add_doctor, add_tune)
+SUBCOMMANDS = (_add_run, add_info, add_doctor, add_tune, add_timeline)
 
 
 def build_parser() -> argparse.ArgumentParser:

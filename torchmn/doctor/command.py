@@ -3,15 +3,19 @@ plain words whether it is oversubscribed, under-used or fine, and what to change
 from __future__ import annotations
 
 import argparse
+import glob
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Optional
 
 import psutil
 
-from torchmn import resources
+from torchmn import monitor, resources
 from torchmn.doctor import pools, processes, sampling, verdict
 from torchmn.run.processes.groups import stop_group
 
@@ -89,6 +93,9 @@ def run_doctor(args, parser) -> int:
     if (args.pid is not None or args.job is not None) and (command or args.np is not None):
         return _refuse("give either --pid/--job or a command (with -np), not both")
     started = None
+    # The ranks' own step figures (torchmn.monitor): a command started here writes them into a
+    # folder of the doctor's; a running job, where its ranks were given one.
+    folder = tempfile.mkdtemp(prefix="torchmn-doctor-") if command and args.pid is None and args.job is None else None
     try:
         if args.pid is not None:
             roots, where = [processes.process_tree(args.pid)], f"pid {args.pid}"
@@ -97,7 +104,7 @@ def run_doctor(args, parser) -> int:
         elif command:
             if args.np is not None and args.np < 1:
                 return _refuse(f"-np must be at least 1, not {args.np}")
-            started = _start(command, args.np)
+            started = _start(command, args.np, folder)
             roots, where = [psutil.Process(started.pid)], " ".join(command)
             failed = _warm_up(started, args.warmup)
             if failed is not None:
@@ -114,13 +121,16 @@ def run_doctor(args, parser) -> int:
             ranks = processes.ranks_in_trees(roots) or ranks
             return [r.pid for r in ranks] + [w for r in ranks for w in r.workers]
         samples = sampling.sample(job_pids, args.seconds)
+        steps = _read_steps(folder or _folder_of(ranks))
     except processes.ProcessGone as e:
         return _refuse(str(e))
     finally:
         if started is not None:
             stop_group(started)
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
     limits = resources.cpu_limits(ranks[0].slurm, affinity=processes.affinity(ranks[0].pid))
-    d = verdict.diagnose(ranks, samples, limits, args.seconds, pools.probe(ranks[0].settings))
+    d = verdict.diagnose(ranks, samples, limits, args.seconds, pools.probe(ranks[0].settings), steps)
     print(json.dumps(d.to_json(), indent=1) if args.json else verdict.report(d, where), flush=True)
     return EXIT_OVERSUBSCRIBED if d.verdict == verdict.OVERSUBSCRIBED else 0
 
@@ -130,12 +140,38 @@ def _refuse(message: str) -> int:
     return EXIT_BAD_INPUT
 
 
-def _start(command: list, np: Optional[int]) -> subprocess.Popen:
+def _read_steps(folder: Optional[str]) -> dict:
+    """The step figures the ranks wrote into ``folder`` (``TORCHMN_MONITOR_DIR``), by rank."""
+    found = {}
+    for path in glob.glob(os.path.join(folder, "rank-*.json")) if folder else ():
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            found[int(data["rank"])] = data
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being replaced, or not ours: the others still tell
+    return found
+
+
+def _folder_of(ranks: list) -> Optional[str]:
+    """The figures folder a running job's ranks were given, if any."""
+    for r in ranks:
+        try:
+            folder = psutil.Process(r.pid).environ().get(monitor.FOLDER_VARIABLE)
+        except psutil.Error:
+            continue
+        if folder:
+            return folder
+    return None
+
+
+def _start(command: list, np: Optional[int], folder: Optional[str]) -> subprocess.Popen:
     argv = [sys.executable, "-m", "torchmn", "run", "-np", str(np)] + command if np is not None else command
+    env = dict(os.environ, **{monitor.FOLDER_VARIABLE: folder}) if folder else None
     # Its own session, so that stopping it reaches every process it started; its output goes to
     # stderr, so that --json output stays clean.
     try:
-        return subprocess.Popen(argv, stdout=sys.stderr, stdin=subprocess.DEVNULL, start_new_session=True)
+        return subprocess.Popen(argv, stdout=sys.stderr, stdin=subprocess.DEVNULL, start_new_session=True, env=env)
     except OSError as e:
         raise processes.ProcessGone(f"cannot start {argv[0]!r}: {e}") from None
 

@@ -3,11 +3,14 @@ or JSON."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Dict, Optional
 
 from torchmn.doctor import pools
+from torchmn.monitor import summary
 
 OVERSUBSCRIBED, UNDER_USED, FINE = "oversubscribed", "under-used", "fine"
+# A rank's own verdict where its steps take much longer than the others' (see torchmn.monitor.summary).
+STRAGGLER = "straggler"
 # Runnable threads per CPU above which the ranks wait for CPUs (context switches, cold caches, and
 # OpenMP threads spinning for a partner that is not running): the 3-6x slowdowns.
 TOO_MANY = 1.25
@@ -29,6 +32,9 @@ class Diagnosis:
         ranks: one dict per rank (pid, rank, threads, busy threads, CPU%, budget, settings, workers).
         fix: what to change, in words ("" where nothing needs to).
         seconds: the sampling window.
+        steps: what the ranks' own step figures say (``torchmn.monitor``): ``stragglers`` (ranks
+            busy more than ``STRAGGLER_RATIO`` times the median per step) and ``findings`` in
+            words; None where no rank sent figures.
     """
 
     verdict: str
@@ -40,6 +46,7 @@ class Diagnosis:
     ranks: list
     fix: str
     seconds: float
+    steps: Optional[dict] = None
 
     def to_json(self) -> dict:
         """The diagnosis as plain data, for ``torchmn doctor --json``.
@@ -55,7 +62,8 @@ class Diagnosis:
         return dataclasses.asdict(self)
 
 
-def diagnose(ranks: list, samples: dict, limits: dict, seconds: float, pools: Optional[dict] = None) -> Diagnosis:
+def diagnose(ranks: list, samples: dict, limits: dict, seconds: float, pools: Optional[dict] = None,
+             steps: Optional[Dict[int, dict]] = None) -> Diagnosis:
     """Judge a sampled job.
 
     Args:
@@ -64,6 +72,8 @@ def diagnose(ranks: list, samples: dict, limits: dict, seconds: float, pools: Op
         limits: what limits the CPUs the ranks may use (``torchmn.resources.cpu_limits``).
         seconds: the sampling window.
         pools: the thread pools the first rank's settings open (``pools.probe``), for the report.
+        steps: each rank's step figures (``torchmn.monitor.publisher``), by rank; a rank busy more
+            than ``STRAGGLER_RATIO`` times the median rank per step gets the verdict "straggler".
 
     Returns:
         The :class:`Diagnosis`.
@@ -88,6 +98,9 @@ def diagnose(ranks: list, samples: dict, limits: dict, seconds: float, pools: Op
                "budget_threads": budget, "workers": len(workers),
                "workers_cpu_percent": round(sum(w.cpu_percent for w in workers), 1),
                "workers_runnable": round(sum(w.runnable for w in workers), 2)}
+        figures = (steps or {}).get(r.rank if r.rank is not None else 0)
+        if figures is not None:
+            row["steps"] = {k: figures.get(k) for k in ("steps", "step_ms", "step_p95_ms", "busy_ms", "wait_share")}
         rows.append(row)
         runnable += row["runnable"] + row["workers_runnable"]
         used += row["cpu_percent"] + row["workers_cpu_percent"]
@@ -97,7 +110,16 @@ def diagnose(ranks: list, samples: dict, limits: dict, seconds: float, pools: Op
         verdict, fix = UNDER_USED, _fix_under_used(rows, cpus, used)
     else:
         verdict, fix = FINE, ""
-    return Diagnosis(verdict, cpus, dict(limits), pools, round(runnable, 2), round(used, 1), rows, fix, seconds)
+    found = None
+    if steps:
+        compared = summary.compare(steps)
+        stragglers = compared.stragglers if compared is not None else []
+        for row in rows:
+            if row["rank"] in stragglers:
+                row["verdict"] = STRAGGLER
+        found = {"stragglers": stragglers, "findings": summary.describe(steps)}
+    return Diagnosis(verdict, cpus, dict(limits), pools, round(runnable, 2), round(used, 1), rows, fix, seconds,
+                     found)
 
 
 def _fix_oversubscribed(rows: list, cpus: int, budget: int) -> str:
@@ -182,4 +204,12 @@ def report(d: Diagnosis, where: Optional[str] = None) -> str:
     lines.append(f"verdict: {d.verdict}")
     if d.fix:
         lines.append(f"fix: {d.fix}")
+    if d.steps is not None:
+        for row in d.ranks:
+            f = row.get("steps")
+            if f and f.get("busy_ms") is not None:
+                lines.append(f"{_rank_name(row)}: {f['steps']} steps, step {f['step_ms']:.1f} ms (p95 "
+                             f"{f['step_p95_ms']:.1f}), busy {f['busy_ms']:.1f} ms, waiting {100 * f['wait_share']:.0f}% "
+                             f"of the step" + (f": verdict {STRAGGLER}" if row.get("verdict") == STRAGGLER else ""))
+        lines.extend(f"steps: {line}" for line in d.steps["findings"])
     return "\n".join(lines)

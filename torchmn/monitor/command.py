@@ -1,0 +1,85 @@
+"""``torchmn timeline``: join a timeline's parts (``merge``), summarise a timeline per rank, or
+draw it (``--png``)."""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+
+EXIT_BAD_INPUT = 2
+
+
+def add_timeline(subparsers) -> None:
+    """Register ``torchmn timeline`` on the ``torchmn`` command's subparsers.
+
+    ``torchmn timeline FILE`` prints each rank's time per kind of phase; with ``--png OUT`` it draws
+    the timeline; ``torchmn timeline merge FILE`` joins the parts ranks wrote (``FILE.rank<r>.json``).
+
+    Args:
+        subparsers: what ``argparse.ArgumentParser.add_subparsers`` returned.
+
+    Example::
+
+        >>> parser = argparse.ArgumentParser(prog="torchmn")
+        >>> add_timeline(parser.add_subparsers())
+        >>> parser.parse_args(["timeline", "trace.json", "--png", "t.png"]).png
+        't.png'
+    """
+    p = subparsers.add_parser(
+        "timeline", allow_abbrev=False, help="summarise, draw or join a timeline (torchmn run --timeline)",
+        description="torchmn timeline FILE: each rank's time per kind of phase. With --png OUT: draw it "
+                    "(matplotlib). torchmn timeline merge FILE: join the parts the ranks wrote "
+                    "(FILE.rank<r>.json, copied into one folder where they ran on several machines).")
+    p.add_argument("args", nargs="+", metavar="[merge] FILE")
+    p.add_argument("--png", default=None, metavar="OUT", help="draw the timeline into this image")
+    p.add_argument("--last", type=float, default=None, metavar="SECONDS", help="draw only the last SECONDS")
+    p.set_defaults(handler=run_timeline, subparser=p)
+
+
+def run_timeline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """Do what ``torchmn timeline`` was asked; errors go to stderr in words.
+
+    Args:
+        args: the parsed command line.
+        parser: the subcommand's parser, for usage errors.
+
+    Returns:
+        0, or 2 for a missing or unreadable file.
+    """
+    from torchmn.monitor import plot, timeline
+
+    words = list(args.args)
+    try:
+        if words[0] == "merge":
+            if len(words) != 2:
+                parser.error("usage: torchmn timeline merge FILE")
+            path, ranks, size = timeline.merge(words[1])
+            missing = sorted(set(range(size or 0)) - set(ranks))
+            print(f"joined {len(ranks)} rank(s) into {path}" +
+                  (f"; missing: rank(s) {', '.join(map(str, missing))}" if missing else ""))
+            return 0
+        if len(words) != 1:
+            parser.error("give one FILE (or: merge FILE)")
+        if args.png:
+            drawn = plot.draw(words[0], args.png, args.last)
+            print(f"drew {drawn} phases into {args.png}")
+            return 0
+        _print_summary(plot.load(words[0]))
+        return 0
+    except (OSError, ValueError) as e:
+        sys.stderr.write(f"torchmn timeline: error: {e}\n")
+        return EXIT_BAD_INPUT
+
+
+def _print_summary(data: dict) -> None:
+    names, totals, counts = {}, collections.defaultdict(float), collections.Counter()
+    for e in data["traceEvents"]:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            names[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "X":
+            totals[(e["pid"], e.get("cat"))] += e["dur"] / 1e3
+            counts[(e["pid"], e.get("cat"))] += 1
+    for pid in sorted({p for p, _ in totals}):
+        parts = ", ".join(f"{cat} {totals[(p, cat)]:.1f} ms ({counts[(p, cat)]}x)"
+                          for p, cat in sorted(totals) if p == pid)
+        print(f"{names.get(pid, f'rank {pid}')}: {parts}")
