@@ -1,0 +1,120 @@
+"""The monitor, the timeline and the doctor's straggler verdict, on real jobs: 3 ranks over gloo whose
+rank 1 sleeps 50 ms per step (tests/workers/straggler.py), under torchmn run and torchrun."""
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+from jobs import REPO, WORKERS, clean_env
+
+from torchmn.monitor import summary, timeline
+
+STRAGGLER = str(WORKERS / "straggler.py")
+
+
+def _run(argv, timeout=100, env=None):
+    proc = subprocess.run(argv, cwd=REPO, env=clean_env(env), capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """One torchmn run -np 3 --monitor --timeline job of 60 steps: its output and its timeline."""
+    path = tmp_path_factory.mktemp("monitor") / "timeline.json"
+    proc = _run([sys.executable, "-m", "torchmn", "run", "-np", "3", "--monitor", "--timeline", str(path),
+                 sys.executable, STRAGGLER, "60"])
+    return proc, path
+
+
+def test_monitor_names_the_straggler_with_its_step_time(job):
+    proc, _ = job
+    own = {int(r): float(ms) for r, ms in re.findall(r"\[\d\] OWN (\d) ([\d.]+)", proc.stdout)}
+    slowest = re.search(r"torchmn monitor: slowest: rank (\d) \(\S+\), busy ([\d.]+) ms per step", proc.stderr)
+    assert slowest and slowest.group(1) == "1", proc.stderr
+    assert abs(float(slowest.group(2)) - own[1]) <= 0.2 * own[1], (own, proc.stderr)
+    assert "torchmn monitor: straggler: rank(s) 1 " in proc.stderr, proc.stderr
+
+
+def test_monitor_shows_the_others_waiting_for_the_straggler(job):
+    proc, _ = job
+    shares = dict(re.findall(r"rank (\d) (\d+)%", proc.stderr.split("the others wait for it")[-1].splitlines()[0]))
+    assert set(shares) == {"0", "2"} and all(int(v) >= 50 for v in shares.values()), proc.stderr
+    assert re.search(r"torchmn monitor: waits most: rank [02] ", proc.stderr), proc.stderr
+    # The table: one row per rank, each with its 59 steps (the first step only starts the clock).
+    rows = re.findall(r"^\W+(\d)\W+\S+\W+(\d+)\W", proc.stderr, re.M)
+    assert sorted(rows) == [("0", "59"), ("1", "59"), ("2", "59")], proc.stderr
+
+
+def test_timeline_holds_every_ranks_phases_in_order(job):
+    _, path = job
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert not timeline.parts_of(str(path)), "the parts were joined and removed"
+    for rank in range(3):
+        mine = sorted((e for e in events if e["pid"] == rank and e["name"] in ("forward+backward", "average", "update")),
+                      key=lambda e: e["ts"])
+        names = [e["name"] for e in mine]
+        # The first step has no previous step's end to start forward+backward from.
+        assert names[:2] == ["average", "update"] and names[2:] == ["forward+backward", "average", "update"] * 59, names
+        assert all(a["ts"] + a["dur"] <= b["ts"] + 1 for a, b in zip(mine, mine[1:])), "phases overlap"
+    collectives = {e["name"] for e in events if e["cat"] == "collective"}
+    assert "allgather_obj" in collectives, collectives  # the communicator's set-up, recorded too
+
+
+def test_timeline_png_is_drawn(job, tmp_path):
+    _, path = job
+    out = tmp_path / "timeline.png"
+    proc = _run([sys.executable, "-m", "torchmn", "timeline", str(path), "--png", str(out), "--last", "0.5"])
+    assert "phases into" in proc.stdout
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_monitor_and_timeline_under_torchrun(tmp_path):
+    """TORCHMN_MONITOR=1 and TORCHMN_TIMELINE under another launcher: rank 0 shows the summary
+    and joins the ranks' parts."""
+    path = tmp_path / "trace.json"
+    proc = _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                 STRAGGLER, "40"], env={"TORCHMN_MONITOR": "1", "TORCHMN_TIMELINE": str(path)})
+    assert re.search(r"torchmn monitor: slowest: rank 1 \(\S+\), busy", proc.stderr), proc.stderr
+    pids = {e["pid"] for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"}
+    assert pids == {0, 1} and not timeline.parts_of(str(path))
+
+
+def test_timeline_merge_joins_parts_written_elsewhere(tmp_path):
+    path = str(tmp_path / "t.json")
+    for rank in (0, 1):
+        timeline.write_part(path, rank, 3, [("update", "update", 100.0 + rank, 100.5 + rank, "MainThread", None)])
+    proc = _run([sys.executable, "-m", "torchmn", "timeline", "merge", path])
+    assert "joined 2 rank(s)" in proc.stdout and "missing: rank(s) 2" in proc.stdout
+    events = [e for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"]
+    assert [(e["pid"], e["ts"], e["dur"]) for e in events] == [(0, 0.0, 500000.0), (1, 1000000.0, 500000.0)]
+
+
+def test_timeline_command_refuses_a_file_that_is_not_a_timeline(tmp_path):
+    bad = tmp_path / "x.json"
+    bad.write_text("[1, 2]")
+    proc = subprocess.run([sys.executable, "-m", "torchmn", "timeline", str(bad), "--png", str(tmp_path / "x.png")],
+                          cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "has no traceEvents list: it is not a Chrome trace" in proc.stderr
+
+
+def test_doctor_gives_the_straggler_its_verdict():
+    proc = _run([sys.executable, "-m", "torchmn", "doctor", "-np", "3", "--json", "--warmup", "5", "--seconds", "3",
+                 "--", sys.executable, STRAGGLER, "100000"], timeout=110)
+    d = json.loads(proc.stdout)
+    verdicts = {row["rank"]: row.get("verdict") for row in d["ranks"]}
+    assert verdicts == {0: None, 1: "straggler", 2: None}, d["ranks"]
+    assert d["steps"]["stragglers"] == [1] and d["ranks"][1]["steps"]["busy_ms"] > 40, d["steps"]
+
+
+def test_summary_without_a_straggler_says_so():
+    lines = summary.describe({0: {"busy_ms": 10.0, "wait_share": 0.1, "host": "a"},
+                              1: {"busy_ms": 11.0, "wait_share": 0.05, "host": "b"}})
+    assert lines[1] == "no straggler: every rank is busy within 1.25x the median"
+    assert lines[2] == "waits most: rank 0 (a), 10% of its steps"
+
+
+def test_summary_without_steps_says_why():
+    assert summary.describe({0: {"steps": 0}, 1: {"steps": 0}}) == [
+        "0 of 2 rank(s) reported optimizer steps: nothing to compare (the figures come from torchmn's optimizers)"]
