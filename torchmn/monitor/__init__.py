@@ -26,6 +26,12 @@ _started = {"publisher": None, "display": None}
 def asked(environ=os.environ) -> bool:
     """Whether ``TORCHMN_MONITOR`` asks for the monitor (set, and not ``0`` or empty).
 
+    Args:
+        environ: the environment to read.
+
+    Returns:
+        True where the monitor is asked for.
+
     Example::
 
         >>> asked({"TORCHMN_MONITOR": "1"})

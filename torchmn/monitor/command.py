@@ -45,6 +45,12 @@ def run_timeline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
     Returns:
         0, or 2 for a missing or unreadable file.
+
+    Example::
+
+        >>> from torchmn.cli import main
+        >>> main(["timeline", "trace.json", "--png", "trace.png"])   # doctest: +SKIP
+        0
     """
     from torchmn.monitor import plot, timeline
 

@@ -130,13 +130,29 @@ class Display:
         self.thread = threading.Thread(target=self._loop, name="torchmn-monitor-display", daemon=True)
 
     def start(self) -> None:
-        """Start refreshing."""
+        """Start refreshing.
+
+        Example::
+
+            >>> display.start()
+        """
         if self.live is not None:
             self.live.start()
         self.thread.start()
 
     def print_above(self, text: str) -> bool:
-        """Print ``text`` above the live table (a rank's output line); False where there is none."""
+        """Print ``text`` above the live table (a rank's output line).
+
+        Args:
+            text: the line, with its end.
+
+        Returns:
+            False where there is no live table (the caller writes the line itself).
+
+        Example::
+
+            >>> console.above = display.print_above
+        """
         live = self.live
         if live is None or self.stopped.is_set():
             return False
@@ -158,6 +174,10 @@ class Display:
 
         Args:
             wait_final_s: how long to wait for every rank's final figures (sent as each ends).
+
+        Example::
+
+            >>> display.finish(wait_final_s=4.0)
         """
         self.stopped.set()
         self.thread.join(timeout=2 * REFRESH_S)
@@ -176,6 +196,14 @@ class Display:
 
 
 def show_on_stderr(text: str) -> None:
-    """Write one message to this process's stderr (rank 0's display under other launchers)."""
+    """Write one message to this process's stderr (rank 0's display under other launchers).
+
+    Args:
+        text: the message; a newline is added where it has none.
+
+    Example::
+
+        >>> show_on_stderr("torchmn monitor: ...")   # doctest: +SKIP
+    """
     sys.stderr.write(text if text.endswith("\n") else text + "\n")
     sys.stderr.flush()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from typing import Optional
 
+from torchmn.errors import TorchmnValueError
+
 COLOURS = {"compute": "#4C72B0", "average": "#DD8452", "update": "#55A868", "collective": "#C44E52",
            "horovod": "#8172B3"}
 LABELS = {"compute": "forward+backward", "average": "averaging (waiting)", "update": "update",
@@ -33,9 +35,9 @@ def load(path: str) -> dict:
         try:
             data = json.load(f)
         except ValueError as e:
-            raise ValueError(f"{path} is not JSON ({e}): is it a timeline torchmn wrote?") from e
+            raise TorchmnValueError(f"{path} is not JSON ({e}): is it a timeline torchmn wrote?") from e
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
-        raise ValueError(f"{path} has no traceEvents list: it is not a Chrome trace")
+        raise TorchmnValueError(f"{path} has no traceEvents list: it is not a Chrome trace")
     return data
 
 
@@ -73,7 +75,7 @@ def draw(path: str, out: str, last_s: Optional[float] = None) -> int:
             names[(e["pid"], e["tid"])] = e["args"]["name"]
     phases = [e for e in events if e.get("ph") == "X"]
     if not phases:
-        raise ValueError(f"{path} holds no phases: did the ranks record (TORCHMN_TIMELINE) and step?")
+        raise TorchmnValueError(f"{path} holds no phases: did the ranks record (TORCHMN_TIMELINE) and step?")
     end = max(e["ts"] + e["dur"] for e in phases)
     start = end - last_s * 1e6 if last_s is not None else min(e["ts"] for e in phases)
     phases = [e for e in phases if e["ts"] + e["dur"] >= start]

@@ -39,6 +39,12 @@ def key(rank: int) -> str:
 def file_name(rank: int) -> str:
     """The file of ``rank``'s figures in ``TORCHMN_MONITOR_DIR``.
 
+    Args:
+        rank: the rank in the world.
+
+    Returns:
+        The file's name.
+
     Example::
 
         >>> file_name(3)
@@ -83,6 +89,11 @@ class Publisher:
             ``recorder.figures()`` plus ``rank``, ``host``, ``pid``, ``cpu_percent`` (of one CPU,
             since the last snapshot), ``rss_mb``, ``gpu_percent`` (None without a GPU in use),
             ``time`` and ``final``.
+
+        Example::
+
+            >>> publisher.snapshot()["rank"]
+            0
         """
         out = recorder.figures()
         try:
@@ -94,7 +105,15 @@ class Publisher:
         return out
 
     def publish(self, final: bool = False) -> None:
-        """Send one snapshot now; a store or folder that is gone is skipped (the job may be ending)."""
+        """Send one snapshot now; a store or folder that is gone is skipped (the job may be ending).
+
+        Args:
+            final: the rank is ending.
+
+        Example::
+
+            >>> publisher.publish()
+        """
         with self.lock:
             data = json.dumps(self.snapshot(final))
             if self.store is not None:
@@ -116,7 +135,12 @@ class Publisher:
             self.publish()
 
     def close(self) -> None:
-        """Stop the thread and send the final snapshot (once; also at interpreter exit)."""
+        """Stop the thread and send the final snapshot (once; also at interpreter exit).
+
+        Example::
+
+            >>> publisher.close()
+        """
         if self.stopped.is_set():
             return
         self.stopped.set()

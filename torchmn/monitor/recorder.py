@@ -69,6 +69,12 @@ def wall_time(t: float) -> float:
 def from_wall(t: float) -> float:
     """The :func:`now` reading of Unix time ``t`` (for callers that timed with ``time.time()``).
 
+    Args:
+        t: seconds since the epoch.
+
+    Returns:
+        The reading of :func:`now` at that moment.
+
     Example::
 
         >>> abs(from_wall(time.time()) - now()) < 1

@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Iterable, List, Optional, Sequence, Tuple
 
+from torchmn.errors import TorchmnOSError, TorchmnValueError
 from torchmn.monitor import recorder
 
 # How long rank 0 waits, at its end, for the other ranks' parts (under launchers other than torchmn run).
@@ -28,6 +29,13 @@ _PART = re.compile(r"\.rank(\d+)\.json$")
 
 def part_path(path: str, rank: int) -> str:
     """Where ``rank`` writes its part of the timeline ``path``.
+
+    Args:
+        path: the timeline's file.
+        rank: the rank.
+
+    Returns:
+        The part's path, beside ``path``.
 
     Example::
 
@@ -122,7 +130,19 @@ def write_part(path: str, rank: int, size: int, events: Sequence[tuple]) -> str:
 
 
 def parts_of(path: str) -> List[str]:
-    """The parts of the timeline ``path`` present here, by rank."""
+    """The parts of the timeline ``path`` present here.
+
+    Args:
+        path: the timeline's file.
+
+    Returns:
+        The parts' paths, by rank.
+
+    Example::
+
+        >>> parts_of("/tmp/trace.json")
+        ['/tmp/trace.json.rank0.json', '/tmp/trace.json.rank1.json']
+    """
     found = [(int(m.group(1)), p) for p in glob.glob(glob.escape(path) + ".rank*.json")
              if (m := _PART.search(p)) is not None]
     return [p for _, p in sorted(found)]
@@ -139,7 +159,7 @@ def merge(path: str, remove: bool = True) -> Tuple[str, List[int], Optional[int]
         ``(path, ranks joined, ranks the job had)``; the last is None where no part says.
 
     Raises:
-        FileNotFoundError: no part of ``path`` is here.
+        OSError: no part of ``path`` is here (``TorchmnOSError``), or one cannot be read.
         ValueError: a part is not a timeline part (names the file).
 
     Example::
@@ -149,7 +169,7 @@ def merge(path: str, remove: bool = True) -> Tuple[str, List[int], Optional[int]
     """
     files = parts_of(path)
     if not files:
-        raise FileNotFoundError(f"no part of the timeline {path} here: each rank writes {part_path(path, 0)} "
+        raise TorchmnOSError(f"no part of the timeline {path} here: each rank writes {part_path(path, 0)} "
                                 f"and so on as it ends (TORCHMN_TIMELINE={path}); were they written on other "
                                 f"machines? Copy them here first")
     parts, size = [], None
@@ -160,7 +180,7 @@ def merge(path: str, remove: bool = True) -> Tuple[str, List[int], Optional[int]
             parts.append((int(data["rank"]), str(data["host"]), [tuple(e) for e in data["events"]]))
             size = int(data["size"])
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{file} is not a part of a torchmn timeline ({e}); move it away and merge again") from e
+            raise TorchmnValueError(f"{file} is not a part of a torchmn timeline ({e}); move it away and merge again") from e
     write(path, parts)
     if remove:
         for file in files:

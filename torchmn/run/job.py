@@ -18,6 +18,7 @@ import time
 from typing import Dict, List, Mapping, Optional, Union
 
 from torchmn import monitor, network, resources
+from torchmn.errors import TorchmnOSError
 from torchmn.run.config import GRACE_SECONDS, START_TIMEOUT, LaunchConfig, RunError
 from torchmn.run.plan import Slot, local_env, plan_slots, refuse_outer_launcher, remote_env
 from torchmn.run.processes.output import Console, describe_exit, exit_code_of, failure_summary, prepare_log_dir
@@ -356,7 +357,7 @@ class Job:
 
         try:
             _, ranks, _ = timeline.merge(path)
-        except FileNotFoundError:
+        except TorchmnOSError:
             self.console.message(f"torchmn run: no rank wrote a part of the timeline {path} here (ranks on other "
                                  f"hosts write theirs there: copy them here and run torchmn timeline merge {path}; "
                                  f"a rank records only once it calls torchmn.create_communicator())")
