@@ -221,3 +221,14 @@ def test_sagemakers_mpirun_line_keeps_each_ranks_thread_budget():
     assert sorted(r for r, _, _ in rows) == ["0", "1"], proc.stdout
     for _, threads, cores in rows:
         assert int(threads) == max(1, int(cores) // 2), proc.stdout
+
+
+def test_monitor_and_timeline_under_mpirun(tmp_path):
+    """TORCHMN_MONITOR=1 and TORCHMN_TIMELINE under Open MPI's mpirun: rank 0 shows the summary
+    naming rank 1 (50 ms of sleep per step) the straggler, and joins the ranks' timeline parts."""
+    path = tmp_path / "trace.json"
+    proc = run_mpi("openmpi", 2, [sys.executable, str(WORKERS / "straggler.py"), "40"],
+                   extra_env={"TORCHMN_MONITOR": "1", "TORCHMN_TIMELINE": str(path)})
+    assert re.search(r"torchmn monitor: slowest: rank 1 \(\S+\), busy", proc.stderr), proc.stderr
+    pids = {e["pid"] for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"}
+    assert pids == {0, 1}

@@ -493,3 +493,16 @@ def test_exception_in_a_collective_ends_the_srun_step(slurm, mode, tmp_path):
     seconds = seconds_since_raise(tmp_path, output)
     assert proc.returncode != 0, output
     assert_failure_shown_once(output, seconds, others_named={0, 2, 3})
+
+
+def test_monitor_and_timeline_under_srun_across_nodes(slurm, tmp_path):
+    """TORCHMN_MONITOR=1 and TORCHMN_TIMELINE under `srun -N 2`: rank 0 reads both ranks' figures from
+    the job's store and names rank 1, which sleeps 50 ms per step, the straggler; each node writes its
+    part of the timeline into the shared folder, and rank 0 joins them."""
+    path = tmp_path / "trace.json"
+    proc = slurm.run(["srun", "-N", "2", "--ntasks-per-node", "1", PY, str(WORKERS / "straggler.py"), "40"],
+                     env=job_env(TORCHMN_MONITOR="1", TORCHMN_TIMELINE=str(path)), timeout=90)
+    assert re.search(r"torchmn monitor: slowest: rank 1 \(\S+\), busy", proc.stderr), proc.stderr
+    assert "torchmn monitor: straggler: rank(s) 1 " in proc.stderr, proc.stderr
+    pids = {e["pid"] for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"}
+    assert pids == {0, 1}
