@@ -195,7 +195,8 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
 def job_store() -> Optional["dist.Store"]:
     """The job's rendezvous store as this rank reaches it, for what travels beside the collectives
     (the monitor's figures): the launcher's (torchmn run, torchrun), rank 0's (Slurm, MPI), or the
-    store of a world the script or its framework set up; None without ``torch.distributed``.
+    store of a world the script or its framework set up; None for a world of one started without a
+    launcher.
 
     Returns:
         A store client; keys written there are the job's, shared by every rank.
@@ -204,11 +205,14 @@ def job_store() -> Optional["dist.Store"]:
 
         >>> job_store().set("torchmn/example", "hello")   # doctest: +SKIP
     """
-    if _job_store_client is None and dist.is_initialized():
-        # A world set up by the script or its framework: under torchmn run or torchrun, the
-        # launcher's store (where the launcher looks); else the store that world was made with.
+    if _job_store_client is None:
+        # A world set up by the script or its framework, or none (a world of one): under torchmn
+        # run or torchrun, the launcher's store (where the launcher looks); else the store that
+        # world was made with.
         client = _launchers_store(_timeout or default_timeout())
-        return client if client is not None else dist.distributed_c10d._get_default_store()
+        if client is None and dist.is_initialized():
+            return dist.distributed_c10d._get_default_store()
+        return client
     return _job_store_client
 
 

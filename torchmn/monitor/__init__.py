@@ -71,7 +71,7 @@ def start_for(comm, launched_by: str) -> None:
     from torchmn.communicators import world
     from torchmn.monitor.publisher import Publisher
 
-    store = world.job_store() if monitor and comm.size > 1 else None
+    store = world.job_store() if monitor else None
     if folder is not None:
         os.makedirs(folder, exist_ok=True)
     _started["publisher"] = Publisher(comm.rank, store, folder)

@@ -82,6 +82,8 @@ def describe(snapshots: Dict[int, dict]) -> List[str]:
         'slowest: rank 1 (a), busy 50.0 ms per step, 1.82x the median rank (27.5 ms)'
     """
     c = compare(snapshots)
+    if c is None and len(snapshots) < 2:
+        return [f"{len(snapshots)} rank(s) sent figures: nothing to compare"]
     if c is None:
         stepped = sum(1 for s in snapshots.values() if s.get("steps"))
         return [f"{stepped} of {len(snapshots)} rank(s) reported optimizer steps: nothing to compare "

@@ -339,8 +339,13 @@ class Job:
         from torchmn.monitor import display
 
         hosted = self.store
-        self.display = display.Display(lambda: display.read_store(hosted.store, self.size), self.size,
-                                       self.console.message, sys.stderr)
+
+        def read():
+            try:
+                return display.read_store(hosted.store, self.size)
+            except RunError:  # the store could not start: the job's own error says why
+                return {}
+        self.display = display.Display(read, self.size, self.console.message, sys.stderr)
         self.console.above = self.display.print_above
         self.display.start()
 
