@@ -42,8 +42,9 @@ def test_monitor_shows_the_others_waiting_for_the_straggler(job):
     shares = dict(re.findall(r"rank (\d) (\d+)%", proc.stderr.split("the others wait for it")[-1].splitlines()[0]))
     assert set(shares) == {"0", "2"} and all(int(v) >= 50 for v in shares.values()), proc.stderr
     assert re.search(r"torchmn monitor: waits most: rank [02] ", proc.stderr), proc.stderr
-    # The table: one row per rank, each with its 59 steps (the first step only starts the clock).
-    rows = re.findall(r"^\W+(\d)\W+\S+\W+(\d+)\W", proc.stderr, re.M)
+    # The last table: one row per rank, each with its 59 steps (the first step only starts the clock).
+    final = proc.stderr.split("torchmn monitor: the job's end")[-1]
+    rows = re.findall(r"^\W+(\d)\W+\S+\W+(\d+)\W", final, re.M)
     assert sorted(rows) == [("0", "59"), ("1", "59"), ("2", "59")], proc.stderr
 
 
@@ -100,7 +101,7 @@ def test_timeline_command_refuses_a_file_that_is_not_a_timeline(tmp_path):
 
 
 def test_doctor_gives_the_straggler_its_verdict():
-    proc = _run([sys.executable, "-m", "torchmn", "doctor", "-np", "3", "--json", "--warmup", "5", "--seconds", "3",
+    proc = _run([sys.executable, "-m", "torchmn", "doctor", "-np", "3", "--json", "--warmup", "10", "--seconds", "3",
                  "--", sys.executable, STRAGGLER, "100000"], timeout=110)
     d = json.loads(proc.stdout)
     verdicts = {row["rank"]: row.get("verdict") for row in d["ranks"]}

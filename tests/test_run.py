@@ -6,6 +6,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import psutil
@@ -406,13 +407,26 @@ def test_watcher_and_guardian_start_without_torch():
     from torchmn.run.processes import guardian
     from torchmn.run.remote.protocol import WATCHER_MODULE
 
-    for module, args, stdin in ((WATCHER_MODULE, ["--", "true"], ""),
-                                (guardian.__name__, ["TORCHMN_JOB_ID", "no-such-job", "1"], "done\n")):
-        proc = subprocess.run([sys.executable, "-X", "importtime", "-m", module, *args], input=stdin,
-                              capture_output=True, text=True, timeout=60, env=clean_env())
-        imported = {line.rsplit("|", 1)[-1].strip() for line in proc.stderr.splitlines() if "|" in line}
+    # The watcher's stdin stays open until it ends: its end is the launcher's teardown, which would
+    # stop the rank (`true`) if it came first. The guardian ends when told "done".
+    for module, args, stdin in ((WATCHER_MODULE, ["--", "true"], None),
+                                (guardian.__name__, ["TORCHMN_JOB_ID", "no-such-job", "1"], b"done\n")):
+        with tempfile.TemporaryFile() as err:
+            proc = subprocess.Popen([sys.executable, "-X", "importtime", "-m", module, *args], stdin=subprocess.PIPE,
+                                    stdout=subprocess.DEVNULL, stderr=err, env=clean_env())
+            if stdin is not None:
+                proc.stdin.write(stdin)
+                proc.stdin.close()
+            try:
+                code = proc.wait(timeout=60)
+            finally:
+                proc.stdin.close()
+                proc.kill()
+            err.seek(0)
+            stderr = err.read().decode(errors="replace")
+        imported = {line.rsplit("|", 1)[-1].strip() for line in stderr.splitlines() if "|" in line}
         # ``-m`` runs the module as __main__ after importing its packages, the root among them.
-        assert proc.returncode == 0 and "torchmn" in imported, proc.stderr[-3000:]
+        assert code == 0 and "torchmn" in imported, stderr[-3000:]
         assert "torch" not in imported and "torch.distributed" not in imported, sorted(imported)
 
 

@@ -21,6 +21,8 @@ from torchmn.run.processes.groups import stop_group
 
 EXIT_OVERSUBSCRIBED = 1
 EXIT_BAD_INPUT = 2
+# How much longer than --warmup a started command may take to report its first optimizer steps.
+STEP_WAIT_S = 20.0
 
 
 def add_doctor(subparsers) -> None:
@@ -106,7 +108,7 @@ def run_doctor(args, parser) -> int:
                 return _refuse(f"-np must be at least 1, not {args.np}")
             started = _start(command, args.np, folder)
             roots, where = [psutil.Process(started.pid)], " ".join(command)
-            failed = _warm_up(started, args.warmup)
+            failed = _warm_up(started, args.warmup) or _wait_for_steps(started, folder)
             if failed is not None:
                 return _refuse(failed)
         else:
@@ -138,6 +140,22 @@ def run_doctor(args, parser) -> int:
 def _refuse(message: str) -> int:
     sys.stderr.write(f"torchmn doctor: error: {message}\n")
     return EXIT_BAD_INPUT
+
+
+def _wait_for_steps(proc: subprocess.Popen, folder: str) -> Optional[str]:
+    """After the warm-up, give the started command's ranks that send step figures (they created a
+    communicator) up to STEP_WAIT_S more to report optimizer steps, so that the figures cover the
+    sampling window; a message where the command ended meanwhile."""
+    deadline = time.monotonic() + STEP_WAIT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            return (f"the command ended (exit code {proc.returncode}) before it could be sampled: give it more "
+                    f"work, or a shorter --warmup")
+        figures = _read_steps(folder)
+        if not figures or any((s.get("steps") or 0) >= 2 for s in figures.values()):
+            return None
+        time.sleep(0.1)
+    return None  # no torchmn optimizer steps: the figures stay empty, the CPU samples still tell
 
 
 def _read_steps(folder: Optional[str]) -> dict:

@@ -21,6 +21,7 @@ from rich.table import Table
 from torchmn.monitor import publisher, summary
 
 REFRESH_S = 2.0
+FINAL_TITLE = "torchmn monitor: the job's end"
 # Without a terminal (a log file, a pipe) the table is printed whole, this often.
 REPORT_S = 10.0
 
@@ -83,13 +84,14 @@ def _n(value, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def as_text(snapshots: Dict[int, dict], size: int, width: int = 110) -> str:
+def as_text(snapshots: Dict[int, dict], size: int, width: int = 110, title: str = "torchmn monitor") -> str:
     """The table as plain text, for logs.
 
     Args:
         snapshots: each rank's figures.
         size: the number of ranks.
         width: the line width to fit.
+        title: the table's title.
 
     Returns:
         The table's lines, joined, without colours.
@@ -99,7 +101,7 @@ def as_text(snapshots: Dict[int, dict], size: int, width: int = 110) -> str:
         >>> print(as_text({0: {"steps": 10}}, 1))   # doctest: +SKIP
     """
     buffer = io.StringIO()
-    Console(file=buffer, width=width, color_system=None, force_terminal=False).print(table(snapshots, size))
+    Console(file=buffer, width=width, color_system=None, force_terminal=False).print(table(snapshots, size, title))
     return buffer.getvalue().rstrip("\n")
 
 
@@ -186,13 +188,13 @@ class Display:
         while time.monotonic() < deadline and not all(s.get("final") for s in snapshots.values()):
             time.sleep(0.1)
             snapshots = self.read()
+        words = "\n".join(f"torchmn monitor: {line}" for line in summary.describe(snapshots))
         if self.live is not None:
-            self.live.update(table(snapshots, self.size, "torchmn monitor: final"), refresh=True)
+            self.live.update(table(snapshots, self.size, FINAL_TITLE), refresh=True)
             self.live.stop()
-            self.show("\n".join(f"torchmn monitor: {line}" for line in summary.describe(snapshots)))
+            self.show(words)
         else:
-            self.show(as_text(snapshots, self.size) + "\n" +
-                      "\n".join(f"torchmn monitor: {line}" for line in summary.describe(snapshots)))
+            self.show(as_text(snapshots, self.size, title=FINAL_TITLE) + "\n" + words)
 
 
 def show_on_stderr(text: str) -> None:
