@@ -147,15 +147,20 @@ def test_bad_per_node_input_is_refused_before_any_rank(tmp_path, env, argv, word
 
 
 def test_two_launchers_claiming_one_node_rank_are_refused(cluster):
-    """Both nodes say --node-rank 0: the second to reach the store is told another node holds it."""
+    """Two launchers say --node-rank 1: the second to reach the store is told another node holds it.
+
+    Both start before node 0's launcher, and the job's rank outlives a slow start, so that the
+    second reaches the store while the job still runs (on a loaded machine, a job that had
+    already ended would only leave it unable to reach the store)."""
     h1 = cluster.address("h1")
+    rank = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(3)"]
     argv = ["--nnodes", "2", "--node-rank", "1", "--master-addr", h1, "--master-port", "23460",
-            "--start-timeout", "10", "-np", "1", sys.executable, "-c", "print('started')"]
+            "--start-timeout", "30", "-np", "1", *rank]
     first = ["--nnodes", "2", "--node-rank", "0", "--master-addr", h1, "--master-port", "23460",
-             "--start-timeout", "10", "-np", "1", sys.executable, "-c", "print('started')"]
-    procs = [_on_node(cluster, "h1", {}, first), _on_node(cluster, "h2", {}, argv), _on_node(cluster, "h2", {}, argv)]
+             "--start-timeout", "30", "-np", "1", *rank]
+    procs = [_on_node(cluster, "h2", {}, argv), _on_node(cluster, "h2", {}, argv), _on_node(cluster, "h1", {}, first)]
     results = [p.communicate(timeout=TIMEOUT) + (p.returncode,) for p in procs]
-    claimed = [err for out, err, code in results[1:] if "node 1 is already taken by another launcher" in err]
+    claimed = [err for out, err, code in results[:2] if "node 1 is already taken by another launcher" in err]
     assert len(claimed) == 1, results
 
 
