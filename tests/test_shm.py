@@ -26,6 +26,17 @@ def test_same_results_as_gloo(np, slot_mb):
     assert "PASS same_as_gloo" in out
 
 
+@pytest.mark.parametrize("np", [2, 3, 4])
+def test_small_tensors_take_one_round_with_the_same_bits(np):
+    out = run_job(CHECKS, ["small_paths_same_bits"], np=np, timeout=150).stdout
+    assert "PASS small_paths_same_bits" in out
+
+
+def test_barrier_through_shared_memory_orders_the_ranks():
+    out = run_job(CHECKS, ["barrier_orders"], np=3, timeout=90).stdout
+    assert "PASS barrier_orders" in out
+
+
 def test_killed_rank_leaves_no_segment():
     job = start_forked_job(CHECKS, ["die"], np=2, timeout=60)
     proc = job.wait()

@@ -2,7 +2,8 @@
 
 Usage: python hang_jobs.py COMMUNICATOR {collective,optimizer,kinds} [SLEEPER]
 Rank SLEEPER (default 1) skips one call and sleeps; the others print "NAMED <error>" when the
-timeout (5 s, which also bounds start-up skew) hits. With HANG_DONE_DIR set (a folder every rank
+timeout (5 s, which also bounds start-up skew) hits, or at once where the shared memory sees the
+ranks in different calls. With HANG_DONE_DIR set (a folder every rank
 sees), each other rank leaves a file there once it has printed, and the sleeper stops sleeping
 when all have.
 """
@@ -28,12 +29,12 @@ try:
             time.sleep(0.05)
     elif where == "collective":
         comm.allreduce(torch.ones(3))
-    elif where == "kinds":  # rank 0 waits in a barrier (over TCP), the others in an allreduce
+    elif where == "kinds":  # rank 0 in a barrier, the others in an allreduce
         comm.barrier() if comm.rank == 0 else comm.allreduce(torch.ones(3))
     else:
         model(torch.ones(2, 4)).sum().backward()  # the averaging runs here, from backward's hooks
         opt.step()
-except torchmn.CollectiveTimeoutError as e:
+except (torchmn.CollectiveTimeoutError, torchmn.CollectiveMismatchError) as e:
     print(f"NAMED {e}", flush=True)
 finally:
     if os.environ.get("HANG_DONE_DIR") and comm.rank != sleeper:

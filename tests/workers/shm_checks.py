@@ -6,6 +6,8 @@ import argparse
 import os
 import signal
 import sys
+import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -59,6 +61,53 @@ def check_same_as_gloo(comm):
             gathered = torch.empty(comm.size * k, dtype=dtype)
             comm.allgather_flat(gathered, shard).wait()
             assert torch.equal(gathered, expect), (dtype, n, "allgather")
+
+
+def check_small_paths_same_bits(comm):
+    """Tensors up to the segment's small buffers take one round (the checked allreduce with its call
+    check, allreduce_flat without): their results equal, bit for bit, the sum in rank order that
+    the general way computes, for random float64 values around the size limit, every op, and
+    calls of every size mixed with barriers (the small buffers are used by turns)."""
+    from torchmn.communicators.shm.collectives import SMALL_BYTES
+
+    assert comm.name == "hierarchical" and comm.segment is not None
+    limit = SMALL_BYTES // 8
+    g = torch.Generator().manual_seed(comm.rank)
+    for step, n in enumerate([1, 7, 1001, limit - 16, limit - 15, limit, limit + 1, 65_537] * 3):
+        x = torch.rand(n, dtype=torch.float64, generator=g) * 3 - 1
+        parts = comm.allgather(x)
+        expect = {"sum": parts[0] + parts[1], "max": torch.maximum(parts[0], parts[1]),
+                  "min": torch.minimum(parts[0], parts[1]), "prod": parts[0] * parts[1]}
+        for part in parts[2:]:
+            expect = {"sum": expect["sum"] + part, "max": torch.maximum(expect["max"], part),
+                      "min": torch.minimum(expect["min"], part), "prod": expect["prod"] * part}
+        expect["mean"] = expect["sum"] / comm.size
+        for op, want in expect.items():
+            got = comm.allreduce(x, op=op)
+            assert torch.equal(got, want), (n, op, (got - want).abs().max())
+        flat = x.clone()
+        comm.allreduce_flat(flat).wait()
+        assert torch.equal(flat, expect["sum"]), (n, "allreduce_flat")
+        ints = comm.allreduce(torch.full((n,), comm.rank + step, dtype=torch.int64))
+        assert torch.equal(ints, torch.full((n,), sum(range(comm.size)) + comm.size * step)), (n, "int64")
+        if step % 3 == 0:
+            comm.barrier()
+
+
+def check_barrier_orders(comm):
+    """What a rank did before the barrier, every rank sees after it (rank 0 writes a file late)."""
+    path = os.path.join(comm.bcast_obj(tempfile.mkdtemp() if comm.rank == 0 else None), "written")
+    for _ in range(3):
+        if comm.rank == 0:
+            time.sleep(0.2)
+            with open(path, "w") as f:
+                f.write("x")
+        comm.barrier()
+        assert os.path.exists(path), "the barrier returned before rank 0 reached it"
+        comm.barrier()
+        if comm.rank == 0:
+            os.unlink(path)
+        comm.barrier()
 
 
 def check_die(comm):

@@ -32,12 +32,14 @@ from torchmn.communicators._group_utility import match_group_counts, torch_group
 from torchmn.communicators._torch_compat import all_gather_single
 from torchmn.communicators.communicator_base import CommunicatorBase
 from torchmn.communicators.errors import CollectiveMismatchError, RemoteRankError
-from torchmn.communicators.ops import OPS, divide_before_sum
+from torchmn.communicators.ops import OPS, divide_before_sum, reduce_in_order
 from torchmn.communicators.pickling import pickle_for_call, unpickle_from
 from torchmn.communicators.shm.pages import empty_like_fast
 from torchmn.errors import TorchmnTypeError, TorchmnValueError
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+# The dtypes a small allreduce may reduce as it travels (others convert first: int16, bool, halves' means).
+_ONE_ROUND_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
 _worlds = 0  # world communicators created by this process, for their call logs' tags
 
 
@@ -230,13 +232,36 @@ class Communicator(CommunicatorBase):
         out = out.reshape((self.size,) + tuple(mine.shape)).cpu()
         return out if self._identity_order else out[self._group_ranks]
 
+    def exchange_headers_with_data(self, rows: list[list[int]],
+                                   data: torch.Tensor) -> tuple[torch.Tensor, Optional[list[torch.Tensor]]]:
+        """Every rank's call-check header rows and, where the algorithm can carry it in the same
+        round, every rank's small ``data`` (an algorithm hook: the hierarchical communicator does,
+        through shared memory on one node; here, only the headers travel).
+
+        Args:
+            rows: this rank's header rows, as for :meth:`exchange_headers`.
+            data: this rank's bytes (a contiguous ``uint8`` tensor), the same length on every rank
+                whose headers agree.
+
+        Returns:
+            ``(headers, parts)``: the headers as :meth:`exchange_headers` returns them, and every
+            rank's data in rank order, or None on every rank alike where it did not travel (the
+            caller then moves it its general way).
+
+        Example::
+
+            >>> headers, parts = comm.exchange_headers_with_data(rows, x.view(-1).view(torch.uint8))
+        """
+        return self.exchange_headers(rows), None
+
     def _agree(self, kind: str, *, root: int = _wire.NONE, op: str | None = None,
                x: torch.Tensor | None = None, rows: list[list[int]] | None = None,
                error: Exception | None = None, same_shape: bool = False,
-               same_dtype: bool = True, objects: bool = False) -> torch.Tensor:
+               same_dtype: bool = True, objects: bool = False, data: torch.Tensor | None = None):
         """Exchange one call's headers (see :mod:`._call_check`) and raise on every rank if the
         ranks disagree. ``error``: this rank's own arguments were bad; the others are told, then it
-        is raised here."""
+        is raised here. Returns the headers; with ``data`` (see :meth:`exchange_headers_with_data`),
+        every rank's data instead, or None where it did not travel."""
         if error is None and rows is None:
             try:  # a tensor the wire cannot describe (too many dimensions, an unknown dtype)
                 rows = [_wire.header(_call_check.KIND[kind], root, _call_check.op_code(op), x)]
@@ -247,9 +272,13 @@ class Communicator(CommunicatorBase):
         if len(rows) > 1 and self.size > 1:
             what = self.exchange_headers([_call_check.summary_row(rows)], objects)
             _call_check.check_headers(kind, what, error, same_shape, same_dtype, self.rank, self.host)
+        if data is not None and len(rows) == 1:
+            hdrs, parts = self.exchange_headers_with_data(rows, data)
+            _call_check.check_headers(kind, hdrs, error, same_shape, same_dtype, self.rank, self.host)
+            return parts
         hdrs = self.exchange_headers(rows, objects)
         _call_check.check_headers(kind, hdrs, error, same_shape, same_dtype, self.rank, self.host)
-        return hdrs
+        return None if data is not None else hdrs
 
     def _bcast_bytes(self, buf: torch.Tensor, root: int, group=None) -> None:
         """Root's bytes into every rank's ``buf`` (of root's length), in chunks gloo and NCCL can count."""
@@ -435,8 +464,24 @@ class Communicator(CommunicatorBase):
     @watch.collective
     def allreduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         err = self._allreduce_problem(x, op)
-        self._agree("allreduce", op=None if err else op, x=None if err else x, error=err, same_shape=True)
-        return self._allreduce_agreed(x, op)
+        # A small tensor may travel with its call check (exchange_headers_with_data): every rank
+        # offers it alike, as it depends on what the check compares (dtype, shape, op).
+        one_round = err is None and x.device.type == "cpu" and x.dtype in _ONE_ROUND_DTYPES and \
+            op in OPS and (op != "mean" or x.is_floating_point())
+        data = None
+        if one_round:
+            flat = x.detach().reshape(-1)
+            if flat.stride(0) != 1:  # one element expanded from a scalar: stride 0, which clone() keeps
+                flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
+            data = flat.view(torch.uint8)
+        agreed = self._agree("allreduce", op=None if err else op, x=None if err else x, error=err, same_shape=True,
+                             data=data)
+        if data is None or agreed is None:  # agreed: the headers without data, else every rank's data
+            return self._allreduce_agreed(x, op)
+        parts = agreed
+        out = torch.empty(x.shape, dtype=x.dtype)
+        reduce_in_order([p.view(x.dtype) for p in parts], op, out.view(-1))
+        return out.div_(self.size) if op == "mean" else out
 
     @watch.collective
     def allreduce_(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:

@@ -24,6 +24,7 @@ from torchmn.communicators._torch_compat import all_gather_single
 from torchmn.communicators.flat import FlatCommunicator
 from torchmn.communicators.ops import OPS
 from torchmn.communicators.pickling import pickle_for_call, unpickle_from
+from torchmn.communicators.errors import CollectiveMismatchError
 from torchmn.communicators.world import collective_timeout_s
 
 
@@ -227,6 +228,31 @@ class HierarchicalCommunicator(FlatCommunicator):
             flat.view(self.size, k).index_copy_(0, self._rail_order, by_rail.view(self.size, k))
         return finish(AndThen(work, inside_the_node, keep=(sent,)), async_op)
 
+    @watch.collective
+    def barrier(self) -> None:
+        if self.segment is None:
+            return super().barrier()
+        # Flags in shared memory inside a node (microseconds, not a TCP round trip); across
+        # nodes, the nodes' first ranks meet over the network in between.
+        try:
+            self.segment.barrier()
+            if not self._single_node:
+                if self.intra_rank == 0:
+                    dist.barrier(group=self._inter_group)
+                self.segment.barrier()
+        except CollectiveMismatchError:  # another rank of the node is in a collective's call check
+            raise self._calls_differ("barrier") from None
+
+    def _calls_differ(self, mine: str) -> CollectiveMismatchError:
+        """The error for a barrier met by another collective's call check in the segment, in the
+        call check's words, naming what every rank of the node is at."""
+        node = self.node_ranks[self.inter_rank]
+        calls = self.segment.calls_now()
+        named = ", ".join(f"rank {node[r]}: " + (_call_check.KINDS[c] if isinstance(c, int) else c)
+                          for r, c in sorted(calls.items()))
+        return CollectiveMismatchError(f"ranks called {mine} inconsistently (collective differs: {named}); "
+                                       f"every rank must make the same call")
+
     def may_share_node_memory(self) -> bool:
         return self.segment is not None and self._single_node
 
@@ -246,6 +272,12 @@ class HierarchicalCommunicator(FlatCommunicator):
         # do not pay a TCP round trip before their data moves.
         if self.segment is None or not self._single_node or self.device.type != "cpu":
             return super().exchange_headers(rows, objects)
+        try:
+            got = self.segment.exchange_rows(rows)  # one round through the small buffers
+        except CollectiveMismatchError:  # another rank is in a barrier: name both calls
+            raise self._calls_differ(_call_check.KINDS[rows[0][0]]) from None
+        if got is not None:
+            return got[0]  # on one node, local rank order is this communicator's rank order
         mine = torch.tensor(rows, dtype=torch.int64)
         parts = self.segment.allgather_bytes(mine.reshape(-1).view(torch.uint8))
         if parts is None:  # a call of thousands of tensors: more rows than a slot holds
@@ -256,6 +288,18 @@ class HierarchicalCommunicator(FlatCommunicator):
             return torch.stack([_first_row(p) for p in parts]).unsqueeze(1)
         # On one node, local rank order is this communicator's rank order.
         return torch.stack([p.view(torch.int64).reshape(mine.shape) for p in parts])
+
+    def exchange_headers_with_data(self, rows: list[list[int]], data: torch.Tensor):
+        # One round through the segment's small buffers, the data beside the headers where it fits.
+        if self.segment is None or not self._single_node or self.device.type != "cpu":
+            return super().exchange_headers_with_data(rows, data)
+        try:
+            got = self.segment.exchange_rows(rows, data)
+        except CollectiveMismatchError:  # another rank is in a barrier: name both calls
+            raise self._calls_differ(_call_check.KINDS[rows[0][0]]) from None
+        if got is None:
+            return self.exchange_headers(rows), None
+        return got
 
     @watch.collective
     def allgather_obj(self, obj):
@@ -279,19 +323,18 @@ class HierarchicalCommunicator(FlatCommunicator):
         """
         if self.segment is None or not self._single_node:
             return super().allgather_obj(obj)
-        # Small objects (metrics, losses, flags) in one round through the segment, not two TCP
-        # collectives; larger ones, on every rank alike, the ordinary way. Each starts with a call
-        # header, so that a rank making another collective, or one that could not pickle, is named.
+        # Small objects (metrics, losses, flags) through the segment, not two TCP collectives;
+        # larger ones, on every rank alike, the ordinary way. The call check goes first, as for
+        # tensors, so that a rank making another collective, or one that could not pickle, is named.
         buf, err = pickle_for_call(obj, "allgather_obj", self.rank, self.host)
-        head = torch.tensor(_call_check.obj_header(buf.numel()) if err is None else _call_check.invalid_rows(1)[0],
-                            dtype=torch.int64).view(torch.uint8)
-        parts = self.segment.allgather_bytes(head if err is not None else torch.cat([head, buf]))
+        rows = [_call_check.obj_header(buf.numel())] if err is None else _call_check.invalid_rows(1)
+        _call_check.check_headers("allgather_obj", self.exchange_headers(rows, objects=True), err, same_shape=False,
+                                  same_dtype=False, rank=self.rank, host=self.host)
+        parts = self.segment.allgather_bytes(buf)
         if parts is None:
             return super().allgather_obj(obj)
-        _call_check.check_headers("allgather_obj", torch.stack([_first_row(p) for p in parts]).unsqueeze(1), err,
-                                  same_shape=False, same_dtype=False, rank=self.rank, host=self.host)
         # Copies, own one included, as over TCP.
-        return [unpickle_from(p[_ROW_BYTES:], "allgather_obj", r, self.rank, self.host) for r, p in enumerate(parts)]
+        return [unpickle_from(p, "allgather_obj", r, self.rank, self.host) for r, p in enumerate(parts)]
 
     def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
         if self.size > 1 and tensors and self.segment is not None and self._single_node and \

@@ -54,3 +54,33 @@ def mean_divisors(dtype: torch.dtype, ranks: int) -> tuple[int, int]:
         ((4, 1), (1, 4))
     """
     return (ranks, 1) if divide_before_sum(dtype) else (1, ranks)
+
+
+# The reductions in a tensor's own dtype, by name (a mean is a sum, divided afterwards).
+_IN_PLACE = {"sum": torch.add, "mean": torch.add, "max": torch.maximum, "min": torch.minimum, "prod": torch.mul}
+
+
+def reduce_in_order(parts: list[torch.Tensor], op: str, out: torch.Tensor) -> torch.Tensor:
+    """``out`` = the reduction of ``parts`` in list (rank) order: the first two, then each next one
+    into the result, so that whoever computes it gets the same bits.
+
+    Args:
+        parts: one tensor per rank, of ``out``'s shape and dtype.
+        op: a name of :data:`OPS` (``"mean"`` sums; the caller divides).
+        out: where the result goes (it may be one of ``parts`` only if it is the first).
+
+    Returns:
+        ``out``.
+
+    Example::
+
+        >>> reduce_in_order([torch.ones(2), torch.full((2,), 2.0)], "max", torch.empty(2))
+        tensor([2., 2.])
+    """
+    if len(parts) == 1:
+        return out.copy_(parts[0])
+    reduce = _IN_PLACE[op]
+    reduce(parts[0], parts[1], out=out)
+    for part in parts[2:]:
+        reduce(out, part, out=out)
+    return out

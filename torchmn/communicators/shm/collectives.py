@@ -14,9 +14,11 @@ import os
 import uuid
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from torchmn import resources
+from torchmn.communicators.ops import reduce_in_order
 from torchmn.communicators.shm.segment import (ALIGN, SHM_DIR, Flags, align, chunk_bounds, close_mapping,
                                                 map_segment, segment_name)
 
@@ -47,12 +49,21 @@ def new_job_tag() -> str:
 # call number in different operations (one rank's call check against another's gradient sum) raise
 # instead of reading each other's data.
 SEGMENT_CALLS = ("an allreduce", "a reduce-scatter", "an all-gather", "a broadcast",
-                 "an exchange of small buffers (a collective call check, or objects)")
-_ALLREDUCE, _REDUCE_SCATTER, _ALLGATHER, _BROADCAST, _ALLGATHER_BYTES = range(len(SEGMENT_CALLS))
+                 "an exchange of small buffers (a collective call check, or objects)", "a barrier",
+                 "an allreduce of a small tensor", "a collective call check")
+(_ALLREDUCE, _REDUCE_SCATTER, _ALLGATHER, _BROADCAST, _ALLGATHER_BYTES, _BARRIER,
+ _ALLREDUCE_SMALL, _CALL_CHECK) = range(len(SEGMENT_CALLS))
+# Tensors up to this many bytes are reduced in one round: each rank writes its tensor into a small
+# buffer of its own and reads every rank's (see NodeSegment.allreduce_).
+SMALL_BYTES = 32 << 10
 
 
 class NodeSegment:
     """The shared-memory collectives of the ``local_size`` ranks of one node.
+
+    Layout: the flags, one slot per rank, the result area, then two small buffers per rank (for
+    tensors up to :data:`SMALL_BYTES`, used by turns: call ``k`` writes buffer ``k % 2``, which call
+    ``k + 2`` can only reach once every rank has passed call ``k + 1``, so done reading call ``k``).
 
     Built collectively: the node's first rank creates the segment, the others map it once
     ``agree`` says it exists, and the creator unlinks the name once ``agree`` says all mapped it.
@@ -91,6 +102,14 @@ class NodeSegment:
                        for i in range(local_size)]
         start = flags_bytes + local_size * slot_bytes
         self._result = raw[start:start + slot_bytes]
+        start += slot_bytes
+        self._small_views: dict = {}
+        self._small = [[raw[start + (2 * i + k) * SMALL_BYTES:start + (2 * i + k + 1) * SMALL_BYTES]
+                        for k in range(2)] for i in range(local_size)]
+        # The same buffers as int64 words, for call headers (numpy takes Python lists fastest).
+        self._small_words = [[np.frombuffer(buf, dtype=np.int64, count=SMALL_BYTES // 8,
+                                            offset=start + (2 * i + k) * SMALL_BYTES) for k in range(2)]
+                             for i in range(local_size)]
 
     # ----------------------------------------------------------------------------- set-up
     @staticmethod
@@ -102,14 +121,15 @@ class NodeSegment:
             slot_bytes: the bytes of each rank's slot.
 
         Returns:
-            The flags' bytes plus ``local_size + 1`` slots (the last is the result area).
+            The flags' bytes, ``local_size + 1`` slots (the last is the result area) and two
+            small buffers per rank.
 
         Example::
 
             >>> NodeSegment.size_for(2, 1 << 20)
-            3145792
+            3276864
         """
-        return Flags.nbytes(PHASES, local_size) + (local_size + 1) * slot_bytes
+        return Flags.nbytes(PHASES, local_size) + (local_size + 1) * slot_bytes + 2 * local_size * SMALL_BYTES
 
     @classmethod
     def open(cls, job_tag: str, node: int, local_rank: int, local_size: int, pids: list[int],
@@ -176,6 +196,8 @@ class NodeSegment:
         reduce = REDUCE[op]
         out = flat if out is None else out
         item = flat.element_size()
+        if flat.numel() * item <= SMALL_BYTES and self.local_size > 1:
+            return self._allreduce_small(flat, op, out)
         per_piece = self.slot_bytes // item
         for start in range(0, flat.numel(), per_piece):
             piece = flat[start:start + per_piece]
@@ -196,6 +218,111 @@ class NodeSegment:
             self._arrive_and_wait(1, _ALLREDUCE)
             out[start:start + n].copy_(result)
         return out
+
+    def _allreduce_small(self, flat: torch.Tensor, op: str, out: torch.Tensor) -> torch.Tensor:
+        """One round instead of two: every rank reduces the whole (small) tensor from every rank's
+        buffer, in rank order, as the owner of each chunk does in the large path: the same bits."""
+        self._seq += 1
+        key = (self._seq % 2, flat.numel(), flat.dtype)
+        parts = self._small_views.get(key)
+        if parts is None:  # views made once per size: making them costs more than the copy
+            if len(self._small_views) >= 64:
+                self._small_views.clear()
+            nbytes = flat.numel() * flat.element_size()
+            parts = self._small_views[key] = [buffers[key[0]][:nbytes].view(flat.dtype) for buffers in self._small]
+        parts[self.local_rank].copy_(flat)
+        self._arrive_and_wait(0, _ALLREDUCE_SMALL)
+        return reduce_in_order(parts, op, out)
+
+    def exchange_rows(self, rows: list[list[int]], payload: Optional[torch.Tensor] = None) -> Optional[tuple]:
+        """Every local rank's call-header rows, with a small payload beside them where every rank
+        sends one, in one round through the small buffers.
+
+        Every call check of the node goes this way, with or without a payload, so that ranks in
+        different calls meet here and the check can name both calls.
+
+        Args:
+            rows: this rank's rows (int64 values, ``HEADER_LEN`` each).
+            payload: bytes to send with them (a contiguous ``uint8`` tensor), or None. Sent only
+                where rows and payload fit a small buffer.
+
+        Returns:
+            ``(headers, payloads)``. ``headers``: an int64 tensor ``[local_size, len(rows),
+            len(rows[0])]``; where another rank sent another number of rows (it makes another
+            call), every rank's first row only, ``[local_size, 1, len(rows[0])]``, for the call check
+            to name the calls. ``payloads``: every rank's payload, in rank order (views into shared
+            memory, valid until the next call but one), where every rank sent one of this length;
+            else None, on every rank alike. None instead of the tuple where this rank's rows do not
+            fit a small buffer (the caller takes the general way; the others in the same call do
+            alike, having as many rows).
+
+        Example::
+
+            >>> headers, _ = seg.exchange_rows([[6, -1, 0, 7, 1, 1024] + [-1] * 10])
+            >>> headers.shape                                   # 2 local ranks
+            torch.Size([2, 1, 16])
+        """
+        flat = [v for row in rows for v in row]
+        n = len(flat)
+        at = align((n + 2) * 8)  # where the payload starts, on a cache line
+        if at > SMALL_BYTES:
+            return None
+        nbytes = payload.numel() if payload is not None and at + payload.numel() <= SMALL_BYTES else -1
+        self._seq += 1
+        turn = self._seq % 2
+        words = self._small_words[self.local_rank][turn]
+        words[0], words[1] = n, nbytes
+        words[2:n + 2] = flat
+        if nbytes >= 0:
+            self._small[self.local_rank][turn][at:at + nbytes].copy_(payload)
+        self._arrive_and_wait(0, _CALL_CHECK)
+        theirs = [w[turn] for w in self._small_words]
+        width = len(rows[0])
+        if any(int(w[0]) != n for w in theirs):
+            return torch.from_numpy(np.stack([w[2:width + 2] for w in theirs])).view(self.local_size, 1, width), None
+        headers = torch.from_numpy(np.stack([w[2:n + 2] for w in theirs])).view(self.local_size, len(rows), width)
+        payloads = None
+        if nbytes >= 0 and all(int(w[1]) == nbytes for w in theirs):
+            payloads = [buffers[turn][at:at + nbytes] for buffers in self._small]
+        return headers, payloads
+
+    def calls_now(self) -> dict:
+        """What each local rank is at in this rank's current call, for naming a mismatch: a rank in
+        a barrier ``"barrier"``; in a call check, the collective code of its first header row
+        (``_call_check.KINDS``); in another operation, its description (``SEGMENT_CALLS``).
+
+        Returns:
+            ``{local rank: call}`` for the ranks at this rank's call number.
+
+        Example::
+
+            >>> seg.calls_now()                  # rank 0 in a barrier, rank 1 checking an allreduce
+            {0: 'barrier', 1: 6}
+        """
+        turn = self._seq % 2
+        out = {}
+        for r, kind in self._flags.calls_at(0, self._seq).items():
+            if kind == _BARRIER:
+                out[r] = "barrier"
+            elif kind == _CALL_CHECK:
+                out[r] = int(self._small_words[r][turn][2])
+            else:
+                out[r] = SEGMENT_CALLS[kind]
+        return out
+
+    def barrier(self) -> None:
+        """Return once every local rank has called it (one flag each, no data).
+
+        Raises:
+            PeerLostError: a rank of the node ended, or did not come within the timeout.
+            CollectiveMismatchError: a rank is at another call of the segment.
+
+        Example::
+
+            >>> seg.barrier()
+        """
+        self._seq += 1
+        self._arrive_and_wait(0, _BARRIER)
 
     def reduce_scatter(self, flat: torch.Tensor, shard: torch.Tensor) -> None:
         """Sum ``flat`` (local_size * k elements) over the node; local rank r gets chunk r in ``shard``.

@@ -226,6 +226,24 @@ class Flags:
                 f"collective such as the sharded optimizer's state_dict() alone?). Decide such things on every "
                 f"rank alike, e.g. from comm.allreduce of a flag")
 
+    def calls_at(self, phase: int, seq: int) -> dict:
+        """What each local rank is at, where it is at call ``seq`` of ``phase``'s row.
+
+        Args:
+            phase: the row.
+            seq: the call's number.
+
+        Returns:
+            ``{local rank: kind}`` for the ranks at that call (see :meth:`arrive_and_wait`).
+
+        Example::
+
+            >>> flags.calls_at(0, 12)
+            {0: 5, 1: 7}
+        """
+        marks = self._rows[phase].copy()
+        return {r: int(marks[r] % KINDS) for r in range(self.local_size) if marks[r] // KINDS == seq}
+
     def mark_failed(self) -> None:
         """Tell the node's other ranks, waiting now or later, that this rank will not come.
 
