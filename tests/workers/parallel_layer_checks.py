@@ -42,19 +42,22 @@ def _local_sizes(size):
 
 def _bn_run(layer_for, comm, x_all, t_all, sizes, steps=2, average=True):
     """Train-mode forwards and backwards of a BN layer on this rank's part of the batch; returns
-    (output part, averaged weight and bias gradients, the layer)."""
+    (output part, averaged weight and bias gradients followed by the input's gradient part, the layer)."""
     start = sum(sizes[:comm.rank])
     x, t = x_all[start:start + sizes[comm.rank]], t_all[start:start + sizes[comm.rank]]
     bn = layer_for(comm)
     for _ in range(steps):
         bn.zero_grad()
+        x = x.detach().requires_grad_(True)
         y = bn(x)
         # Each rank's loss is its samples' share of the global mean: their average is that mean.
         (comm.size * (y * t).sum() / (sum(sizes) * t[0].numel() / t.shape[1])).backward()
     grads = [p.grad.clone() for p in bn.parameters()]
     if average and comm.size > 1:
         grads = [comm.allreduce(g, op="mean") for g in grads]
-    return y.detach(), grads, bn
+    # The input's gradient: through the global statistics it depends on every rank's samples (scaled
+    # as the loss is: by the rank count).
+    return y.detach(), grads + [x.grad / comm.size], bn
 
 
 def _four_way(comm, plain, multi, shape_rest):
@@ -69,9 +72,13 @@ def _four_way(comm, plain, multi, shape_rest):
     mine = slice(start, start + sizes[comm.rank])
     close(y3, y1, "one process: MultiNodeBatchNorm against BatchNorm", BN)
     close(y4, y1[mine], "MultiNodeBatchNorm on ranks against BatchNorm on the whole batch", BN)
+    g1, g1_x = g1[:-1], g1[-1][mine]
+    g3, g3_x, g4, g4_x, g2 = g3[:-1], g3[-1][mine], g4[:-1], g4[-1], g2[:-1]
     for a, b, c in zip(g1, g3, g4):
         close(b, a, "one process: the gradients", BN)
         close(c, a, "averaged gradients on ranks against one process", BN)
+    close(g3_x, g1_x, "one process: the input's gradient", BN)
+    close(g4_x, g1_x, "the input's gradient on ranks against one process", BN)
     assert comm.size == 1 or any(not torch.allclose(a, b, **BN) for a, b in zip(g1, g2)), \
         "plain BatchNorm on ranks gave the global gradients: the check cannot tell"
     for name in ("running_mean", "running_var", "num_batches_tracked"):

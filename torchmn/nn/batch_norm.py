@@ -1,8 +1,11 @@
 """BatchNorm over the global batch of every rank, on CPU (gloo, shared memory) as on GPU (NCCL).
 
 torch's ``SyncBatchNorm`` refuses CPU tensors. Here each forward makes one collective (every
-rank's per-channel sum, sum of squares and count, together) and each backward one (their
-gradients), so uneven local batches give exactly the global statistics.
+rank's per-channel sum, sum of squares and count, together) and each backward one (every rank's
+sums of the gradient and of the gradient times the normalized input), so uneven local batches give
+exactly the global statistics. The data is read twice forward (the moments, the normalization) and
+three times backward (torch's fused batch-norm reduction, then the input's gradient in two fused
+multiply-adds), instead of autograd's pass per elementwise operation.
 """
 from __future__ import annotations
 
@@ -12,7 +15,6 @@ import torch
 
 from torchmn.communicators import CommunicatorBase
 from torchmn.errors import TorchmnValueError
-from torchmn.functions import allreduce
 from torchmn.nn._parallel_utility import agree_on_arguments
 
 
@@ -92,31 +94,15 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._NormBase):
                                                   False, 0.0, self.eps)
         if not self._agreed:
             self._agree_on_arguments()
-        dims = [0] + list(range(2, x.dim()))
         compute = torch.promote_types(x.dtype, torch.float32)  # half precision normalizes in float32
         xc = x.to(compute)
-        # This rank's mean and variance in one pass (Welford), then every rank's count, count x mean
-        # and count x (variance + mean^2) summed in float64: the global moments, 2C + 1 numbers.
-        var_l, mean_l = torch.var_mean(xc, dims, correction=0)
-        n_l = x.numel() // max(1, x.shape[1])
-        mean_l, var_l = mean_l.double(), var_l.double()
-        count = torch.full((1,), float(n_l), dtype=torch.float64, device=x.device)
-        total = allreduce(self.comm, torch.cat([mean_l * n_l, (var_l + mean_l * mean_l) * n_l, count]))
-        c = self.num_features
-        n = total[2 * c]
-        mean = total[:c] / n
-        var = (total[c:2 * c] / n - mean * mean).clamp_min(0)
+        with torch.no_grad():
+            mean, var, n = _global_moments(self.comm, xc)
         if self.training and self.track_running_stats:
-            self._update_running_stats(mean.detach(), var.detach(), n.detach())
-        shape = [1, c] + [1] * (x.dim() - 2)
-        scale = torch.rsqrt(var + self.eps).to(compute)
-        if self.affine:
-            scale = scale * self.weight.to(compute)
-        shift = scale * mean.to(compute)
-        if self.affine:
-            shift = shift - self.bias.to(compute)
-        # y = x * scale - shift, in one pass.
-        return torch.addcmul(-shift.view(shape), xc, scale.view(shape)).to(x.dtype)
+            self._update_running_stats(mean, var, n)
+        invstd = torch.rsqrt(var + self.eps).to(compute)
+        return _GlobalNormalization.apply(xc, mean.to(compute), invstd, self.weight, self.bias, self.comm,
+                                          float(n)).to(x.dtype)
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, n: torch.Tensor) -> None:
@@ -125,6 +111,62 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._NormBase):
         unbiased = var * (n / (n - 1)) if n > 1 else var
         self.running_mean.mul_(1 - factor).add_(mean.to(self.running_mean.dtype), alpha=factor)
         self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
+
+
+def _global_moments(comm: CommunicatorBase, xc: torch.Tensor):
+    """The global batch's per-channel mean and (biased) variance, and its count: this rank's mean
+    and variance in one pass (Welford), then every rank's count, count x mean and count x (variance
+    + mean^2) summed in float64, in one collective of 2C + 1 numbers."""
+    dims = [0] + list(range(2, xc.dim()))
+    var_l, mean_l = torch.var_mean(xc, dims, correction=0)
+    n_l = xc.numel() // max(1, xc.shape[1])
+    mean_l, var_l = mean_l.double(), var_l.double()
+    count = torch.full((1,), float(n_l), dtype=torch.float64, device=xc.device)
+    total = comm.allreduce(torch.cat([mean_l * n_l, (var_l + mean_l * mean_l) * n_l, count]))
+    c = xc.shape[1]
+    n = total[2 * c]
+    mean = total[:c] / n
+    return mean, (total[c:2 * c] / n - mean * mean).clamp_min(0), n
+
+
+class _GlobalNormalization(torch.autograd.Function):
+    """``y = (x - mean) * invstd * weight + bias`` with the global batch's statistics, and its
+    backward in three passes over the data: torch's fused batch-norm reduction for this rank's
+    sums of the gradient and of the gradient times the normalized input, one collective of those
+    (2C numbers), then ``dx = A * dy + B * x + C`` per channel, which is the gradient through the
+    normalization and through the global statistics together."""
+
+    @staticmethod
+    def forward(ctx, xc, mean, invstd, weight, bias, comm, n):
+        shape = [1, xc.shape[1]] + [1] * (xc.dim() - 2)
+        scale = invstd if weight is None else invstd * weight.to(xc.dtype)
+        shift = scale * mean if bias is None else scale * mean - bias.to(xc.dtype)
+        ctx.save_for_backward(xc, mean, invstd, weight)
+        ctx.comm, ctx.n, ctx.has_bias = comm, n, bias is not None
+        return torch.addcmul(-shift.view(shape), xc, scale.view(shape))  # one pass
+
+    @staticmethod
+    def backward(ctx, grad):
+        xc, mean, invstd, weight = ctx.saved_tensors
+        grad = grad.contiguous()
+        shape = [1, xc.shape[1]] + [1] * (xc.dim() - 2)
+        # This rank's sum of grad * (x - mean) * invstd and of grad, in one fused pass.
+        ones = torch.ones_like(invstd)
+        _, local_gx, local_g = torch.ops.aten.native_batch_norm_backward(grad, xc, ones, None, None, mean, invstd, True, 0.0,
+                                                               [False, True, True])
+        c = xc.shape[1]
+        total = ctx.comm.allreduce(torch.cat([local_g, local_gx]).double())
+        sum_g, sum_gx = total[:c], total[c:]
+        w = invstd.double() if weight is None else invstd.double() * weight.detach().double()
+        a = w
+        b = -w * invstd.double() * sum_gx / ctx.n
+        c_ = -w * sum_g / ctx.n - b * mean.double()
+        dx = torch.addcmul(c_.to(xc.dtype).view(shape), xc, b.to(xc.dtype).view(shape))
+        dx.addcmul_(grad, a.to(xc.dtype).view(shape))
+        grad_weight = local_gx.to(weight.dtype) if weight is not None and ctx.needs_input_grad[3] else None
+        grad_bias = local_g.to(weight.dtype if weight is not None else local_g.dtype) \
+            if ctx.has_bias and ctx.needs_input_grad[4] else None
+        return dx, None, None, grad_weight, grad_bias, None, None
 
 
 class MultiNodeBatchNorm1d(MultiNodeBatchNorm):

@@ -17,6 +17,9 @@ from torchmn.errors import TorchmnOSError
 
 SHM_DIR = "/dev/shm"
 ALIGN = 64  # chunk boundaries on cache lines, so ranks never write the same line
+# A wait's sleeps, once spinning and yielding have not sufficed: from the first to the longest.
+SLEEP_FIRST_S = 5e-5
+SLEEP_LONGEST_S = 1e-3
 KINDS = 16  # a flag word is seq * KINDS + the kind of call (see Flags.arrive_and_wait)
 # What a rank ending with an uncaught exception writes into its flag words (mark_failed): below
 # every call number, so its peers keep waiting until their next look, which then tells them at
@@ -185,18 +188,22 @@ class Flags:
         row = self._words[first:first + self.local_size]  # a live view of the phase's flags
         deadline = next_look = None
         spins = 0
+        pause = SLEEP_FIRST_S
         while min(row) < lowest:
             spins += 1
             if spins < 64:
                 continue
-            # Yield the core, then back off to short sleeps: with more ranks than cores (or a busy
-            # machine), spinning would starve the very peer we wait for.
+            # Yield the core, then back off to sleeps: with more ranks than cores (or a busy
+            # machine), spinning would starve the very peer we wait for. The sleeps grow, so that a
+            # rank waiting long (for one computing with every core's threads) wakes up rarely:
+            # each wake-up preempts a thread of the job, and OpenMP's threads wait for each other.
             if spins < 2048:
                 os.sched_yield()
                 if spins % 256:
                     continue
             else:
-                time.sleep(5e-5)
+                time.sleep(pause)
+                pause = min(pause * 1.1, SLEEP_LONGEST_S)
             # Looks go by the clock, not by a count of sleeps: on a busy machine a 50 us sleep can
             # last milliseconds, and the timeout must still fire when it says, since ranks waiting
             # over TCP meanwhile give the others only watch.GRACE_S to say where they are.
