@@ -59,6 +59,8 @@ def test_timeline_holds_every_ranks_phases_in_order(job):
         # The first step has no previous step's end to start forward+backward from.
         assert names[:2] == ["average", "update"] and names[2:] == ["forward+backward", "average", "update"] * 59, names
         assert all(a["ts"] + a["dur"] <= b["ts"] + 1 for a, b in zip(mine, mine[1:])), "phases overlap"
+    buckets = [e for e in events if e["name"] == "bucket 0" and e["cat"] == "average"]
+    assert sorted({e["pid"] for e in buckets}) == [0, 1, 2] and len(buckets) == 3 * 60, len(buckets)
     collectives = {e["name"] for e in events if e["cat"] == "collective"}
     assert "allgather_obj" in collectives, collectives  # the communicator's set-up, recorded too
 

@@ -239,10 +239,14 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
     def _reduce_in_shared_memory(self) -> None:
         arena = self.arena
         arena.barrier("backward done (gradients in)")  # every rank's gradients are in its buffers
-        for b, result, peers in zip(self.buckets, self._results, self._peer_buffers):
+        for i, (b, result, peers) in enumerate(zip(self.buckets, self._results, self._peer_buffers)):
+            t0 = recorder.now() if recorder.timeline_on else None
             lo, hi = arena.my_chunk(b.numel, result.element_size())
             if hi > lo:
                 sum_into(result[lo:hi], [peer[lo:hi] for peer in peers])
+            if t0 is not None:  # this rank's chunk of the bucket, summed from every rank's buffer
+                recorder.event(f"bucket {i}", "average", t0, recorder.now(), {"path": "shared memory"},
+                               thread="averaging")
         arena.barrier("averaged gradients ready")      # the whole result is there
         for b, result in zip(self.buckets, self._results):
             b.unpack(None, self.zero_fill, result=result)

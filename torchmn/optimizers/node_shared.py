@@ -181,8 +181,12 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
         # Every rank's gradients are in its buffer; each averages its slices into every buffer.
         self.arena.barrier("backward done (gradients in)")
         scale = 1.0 / self.contributors  # every rank, or inside torchmn.join those with data
-        for b in self.buckets:
+        for i, b in enumerate(self.buckets):
+            t0 = recorder.now() if recorder.timeline_on else None
             b.node.average_for_all(scale)
+            if t0 is not None:  # this rank's slices of the bucket, averaged into every rank's buffer
+                recorder.event(f"bucket {i}", "average", t0, recorder.now(), {"path": "shared memory"},
+                               thread="averaging")
         self.arena.barrier("averaged gradients ready")
         for b in self.buckets:
             b.node.point_grads_at_averages()
