@@ -25,12 +25,6 @@ from torchmn.communicators.shm.segment import (ALIGN, SHM_DIR, Flags, align, chu
 DEFAULT_SLOT_MB = 16  # per rank; TORCHMN_SHM_SLOT_MB overrides. Larger tensors go in pieces.
 PHASES = 2  # "my slot is written", "my chunk is reduced"
 
-REDUCE = {
-    "sum": torch.add,
-    "max": torch.maximum,
-    "min": torch.minimum,
-    "prod": torch.mul,
-}
 
 def new_job_tag() -> str:
     """A tag unique to this job, so that two jobs on one machine never share a segment.
@@ -193,7 +187,6 @@ class NodeSegment:
 
             >>> seg.allreduce_(flat, "max")                 # flat now holds the node's maximum
         """
-        reduce = REDUCE[op]
         out = flat if out is None else out
         item = flat.element_size()
         if flat.numel() * item <= SMALL_BYTES and self.local_size > 1:
@@ -209,12 +202,7 @@ class NodeSegment:
             self._arrive_and_wait(0, _ALLREDUCE)
             lo, hi = self._chunk(n, item, self.local_rank)
             if hi > lo:
-                if self.local_size == 1:
-                    result[lo:hi].copy_(slots[0][lo:hi])
-                else:
-                    reduce(slots[0][lo:hi], slots[1][lo:hi], out=result[lo:hi])
-                    for s in slots[2:]:
-                        reduce(result[lo:hi], s[lo:hi], out=result[lo:hi])
+                reduce_in_order([s[lo:hi] for s in slots], op, result[lo:hi])
             self._arrive_and_wait(1, _ALLREDUCE)
             out[start:start + n].copy_(result)
         return out
@@ -457,12 +445,7 @@ def sum_into(out: torch.Tensor, parts: list[torch.Tensor]) -> None:
         >>> out
         tensor([3., 3., 3.])
     """
-    if len(parts) == 1:
-        out.copy_(parts[0])
-        return
-    torch.add(parts[0], parts[1], out=out)
-    for part in parts[2:]:
-        out.add_(part)
+    reduce_in_order(parts, "sum", out)
 
 
 MIN_SLOT_BYTES = 256 << 10  # below this, TCP is as good as shared memory in pieces
