@@ -474,11 +474,10 @@ class Communicator(CommunicatorBase):
             if flat.stride(0) != 1:  # one element expanded from a scalar: stride 0, which clone() keeps
                 flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
             data = flat.view(torch.uint8)
-        agreed = self._agree("allreduce", op=None if err else op, x=None if err else x, error=err, same_shape=True,
-                             data=data)
-        if data is None or agreed is None:  # agreed: the headers without data, else every rank's data
+        parts = self._agree("allreduce", op=None if err else op, x=None if err else x, error=err, same_shape=True,
+                            data=data)
+        if data is None or parts is None:  # without data, _agree returns the headers
             return self._allreduce_agreed(x, op)
-        parts = agreed
         out = torch.empty(x.shape, dtype=x.dtype)
         reduce_in_order([p.view(x.dtype) for p in parts], op, out.view(-1))
         return out.div_(self.size) if op == "mean" else out

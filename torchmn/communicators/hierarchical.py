@@ -270,12 +270,9 @@ class HierarchicalCommunicator(FlatCommunicator):
     def exchange_headers(self, rows: list[list[int]], objects: bool = False) -> torch.Tensor:
         # The call check of every collective: through shared memory too, so small collectives
         # do not pay a TCP round trip before their data moves.
-        if self.segment is None or not self._single_node or self.device.type != "cpu":
+        if not self._checks_in_segment():
             return super().exchange_headers(rows, objects)
-        try:
-            got = self.segment.exchange_rows(rows)  # one round through the small buffers
-        except CollectiveMismatchError:  # another rank is in a barrier: name both calls
-            raise self._calls_differ(_call_check.KINDS[rows[0][0]]) from None
+        got = self._exchange_rows(rows, None)  # one round through the small buffers
         if got is not None:
             return got[0]  # on one node, local rank order is this communicator's rank order
         mine = torch.tensor(rows, dtype=torch.int64)
@@ -291,15 +288,19 @@ class HierarchicalCommunicator(FlatCommunicator):
 
     def exchange_headers_with_data(self, rows: list[list[int]], data: torch.Tensor):
         # One round through the segment's small buffers, the data beside the headers where it fits.
-        if self.segment is None or not self._single_node or self.device.type != "cpu":
-            return super().exchange_headers_with_data(rows, data)
+        got = self._exchange_rows(rows, data) if self._checks_in_segment() else None
+        return got if got is not None else super().exchange_headers_with_data(rows, data)
+
+    def _checks_in_segment(self) -> bool:
+        """Whether call checks go through the segment: one node, CPU."""
+        return self.segment is not None and self._single_node and self.device.type == "cpu"
+
+    def _exchange_rows(self, rows: list[list[int]], data):
+        """``segment.exchange_rows``, a barrier met there named in the call check's words."""
         try:
-            got = self.segment.exchange_rows(rows, data)
+            return self.segment.exchange_rows(rows, data)
         except CollectiveMismatchError:  # another rank is in a barrier: name both calls
             raise self._calls_differ(_call_check.KINDS[rows[0][0]]) from None
-        if got is None:
-            return self.exchange_headers(rows), None
-        return got
 
     @watch.collective
     def allgather_obj(self, obj):
