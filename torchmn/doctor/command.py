@@ -3,7 +3,6 @@ plain words whether it is oversubscribed, under-used or fine, and what to change
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import shutil
@@ -16,6 +15,7 @@ from typing import Optional
 import psutil
 
 from torchmn import monitor, resources
+from torchmn.monitor import publisher
 from torchmn.doctor import pools, processes, sampling, verdict
 from torchmn.run.processes.groups import stop_group
 
@@ -123,7 +123,7 @@ def run_doctor(args, parser) -> int:
             ranks = processes.ranks_in_trees(roots) or ranks
             return [r.pid for r in ranks] + [w for r in ranks for w in r.workers]
         samples = sampling.sample(job_pids, args.seconds)
-        steps = _read_steps(folder or _folder_of(ranks))
+        steps = publisher.read_folder(folder or _folder_of(ranks))
     except processes.ProcessGone as e:
         return _refuse(str(e))
     finally:
@@ -151,24 +151,11 @@ def _wait_for_steps(proc: subprocess.Popen, folder: str) -> Optional[str]:
         if proc.poll() is not None:
             return (f"the command ended (exit code {proc.returncode}) before it could be sampled: give it more "
                     f"work, or a shorter --warmup")
-        figures = _read_steps(folder)
+        figures = publisher.read_folder(folder)
         if not figures or any((s.get("steps") or 0) >= 2 for s in figures.values()):
             return None
         time.sleep(0.1)
     return None  # no torchmn optimizer steps: the figures stay empty, the CPU samples still tell
-
-
-def _read_steps(folder: Optional[str]) -> dict:
-    """The step figures the ranks wrote into ``folder`` (``TORCHMN_MONITOR_DIR``), by rank."""
-    found = {}
-    for path in glob.glob(os.path.join(folder, "rank-*.json")) if folder else ():
-        try:
-            with open(path) as f:
-                data = json.load(f)
-            found[int(data["rank"])] = data
-        except (OSError, ValueError, KeyError, TypeError):
-            continue  # being replaced, or not ours: the others still tell
-    return found
 
 
 def _folder_of(ranks: list) -> Optional[str]:

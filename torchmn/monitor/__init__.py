@@ -90,8 +90,10 @@ def start_for(comm, launched_by: str) -> None:
 
 
 def _finish_display() -> None:
-    publisher, shown = _started["publisher"], _started["display"]
-    if publisher is not None:
-        publisher.close()
+    from torchmn.monitor import publisher
+
+    sender, shown = _started["publisher"], _started["display"]
+    if sender is not None:
+        sender.close()
     if shown is not None:
-        shown.finish(wait_final_s=2 * 2.0)
+        shown.finish(wait_final_s=2 * publisher.INTERVAL_S)

@@ -5,6 +5,7 @@ training thread: the figures travel beside the training, not in its way."""
 from __future__ import annotations
 
 import atexit
+import glob
 import json
 import os
 import socket
@@ -36,11 +37,11 @@ def key(rank: int) -> str:
     return f"torchmn/monitor/{rank}"
 
 
-def file_name(rank: int) -> str:
+def file_name(rank) -> str:
     """The file of ``rank``'s figures in ``TORCHMN_MONITOR_DIR``.
 
     Args:
-        rank: the rank in the world.
+        rank: the rank in the world (``"*"``: the pattern of every rank's file).
 
     Returns:
         The file's name.
@@ -51,6 +52,31 @@ def file_name(rank: int) -> str:
         'rank-3.json'
     """
     return f"rank-{rank}.json"
+
+
+def read_folder(folder: Optional[str]) -> dict:
+    """The figures the ranks wrote into ``folder`` (``TORCHMN_MONITOR_DIR``), by rank.
+
+    Args:
+        folder: the folder, or None.
+
+    Returns:
+        ``{rank: figures}`` for the files that could be read (one being replaced is skipped).
+
+    Example::
+
+        >>> read_folder("/tmp/torchmn-doctor-x1y2")   # doctest: +SKIP
+        {0: {'steps': 120, ...}, 1: {...}}
+    """
+    found = {}
+    for path in glob.glob(os.path.join(glob.escape(folder), file_name("*"))) if folder else ():
+        try:
+            with open(path) as f:
+                data = json.load(f)
+            found[int(data["rank"])] = data
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # being replaced, or not ours: the others still tell
+    return found
 
 
 class Publisher:

@@ -98,10 +98,7 @@ def write(path: str, parts: Iterable[Tuple[int, str, Sequence[tuple]]]) -> str:
         >>> write("/tmp/trace.json", [(0, "node1", recorder.events())])
         '/tmp/trace.json'
     """
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(trace(parts), f)
-    os.replace(tmp, path)
+    _save_json(trace(parts), path)
     return path
 
 
@@ -122,11 +119,15 @@ def write_part(path: str, rank: int, size: int, events: Sequence[tuple]) -> str:
         '/tmp/trace.json.rank0.json'
     """
     target = part_path(path, rank)
-    tmp = f"{target}.tmp"
-    with open(tmp, "w") as f:
-        json.dump({"rank": rank, "size": size, "host": socket.gethostname(), "events": list(events)}, f)
-    os.replace(tmp, target)
+    _save_json({"rank": rank, "size": size, "host": socket.gethostname(), "events": list(events)}, target)
     return target
+
+
+def _save_json(data, path: str) -> None:
+    """``data`` as JSON in ``path``, whole or not at all (the checkpoints' atomic write)."""
+    from torchmn.checkpoint.files import atomic_save  # imports torch: only when a timeline is written
+
+    atomic_save(data, path, savefun=lambda obj, f: f.write(json.dumps(obj).encode()))
 
 
 def parts_of(path: str) -> List[str]:
