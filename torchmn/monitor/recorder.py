@@ -102,7 +102,7 @@ def stop_timeline() -> list:
     """Stop keeping events and hand over those kept.
 
     Returns:
-        The events, as :func:`events` returns them.
+        The events: ``(name, category, start, end, thread, args)``, times in Unix seconds.
 
     Example::
 
@@ -113,21 +113,6 @@ def stop_timeline() -> list:
     with _lock:
         kept = list(_events)
         _events.clear()
-    return [_as_wall(e) for e in kept]
-
-
-def events() -> list:
-    """The events kept so far: ``(name, category, start, end, thread, args)``, times in Unix seconds.
-
-    Returns:
-        A copy; recording goes on.
-
-    Example::
-
-        >>> for name, category, t0, t1, thread, args in events(): ...
-    """
-    with _lock:
-        kept = list(_events)
     return [_as_wall(e) for e in kept]
 
 

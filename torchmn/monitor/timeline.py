@@ -49,7 +49,7 @@ def trace(parts: Iterable[Tuple[int, str, Sequence[tuple]]]) -> dict:
     """The Chrome trace of every rank's events.
 
     Args:
-        parts: ``(rank, host, events)`` per rank, events as ``recorder.events`` returns them.
+        parts: ``(rank, host, events)`` per rank, events as ``recorder.stop_timeline`` returns them.
 
     Returns:
         ``{"traceEvents": [...], "displayTimeUnit": "ms"}``: per rank a process (named
@@ -95,7 +95,7 @@ def write(path: str, parts: Iterable[Tuple[int, str, Sequence[tuple]]]) -> str:
 
     Example::
 
-        >>> write("/tmp/trace.json", [(0, "node1", recorder.events())])
+        >>> write("/tmp/trace.json", [(0, "node1", recorder.stop_timeline())])
         '/tmp/trace.json'
     """
     _save_json(trace(parts), path)
@@ -115,7 +115,7 @@ def write_part(path: str, rank: int, size: int, events: Sequence[tuple]) -> str:
 
     Example::
 
-        >>> write_part("/tmp/trace.json", 0, 2, recorder.events())
+        >>> write_part("/tmp/trace.json", 0, 2, recorder.stop_timeline())
         '/tmp/trace.json.rank0.json'
     """
     target = part_path(path, rank)
