@@ -5,7 +5,9 @@ setting, and leaves a failed worker to Ray's failure handling.
 
 Each script starts a local Ray instance (a dozen processes), which on a loaded 2-core machine takes
 longer than a run: the tests share one worker (tests/conftest.py), the adopt and fail checks one
-instance, and each gets more than the suite's default limit."""
+instance, and each gets more than the suite's default limit. Ray lowers its workers' priority
+(nice 15), which beside the rest of the suite starves them for minutes: the tests keep them at
+the suite's priority."""
 import os
 import re
 import subprocess
@@ -24,7 +26,8 @@ def _run(argv):
     except ImportError:
         pytest.fail('Ray is missing: pip install "torchmn[ray]" (the dev requirements install it)')
     try:
-        proc = subprocess.run(argv, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=TIMEOUT)
+        proc = subprocess.run(argv, cwd=REPO, env={**clean_env(), "RAY_worker_niceness": "0"},
+                              capture_output=True, text=True, timeout=TIMEOUT)
     except subprocess.TimeoutExpired as e:
         out = (e.stdout or b"").decode(errors="replace") + (e.stderr or b"").decode(errors="replace")
         pytest.fail(f"{argv[1]} did not end within {TIMEOUT} s; its output:\n{out[-6000:]}")
