@@ -17,7 +17,7 @@ CHECKS = WORKERS / "comm_checks.py"
 
 
 CHECKS_ALL = ("ring", "collectives", "arange", "allgather_uneven", "bcast_data", "mean_grad", "objects", "topology",
-              "split", "nested_split", "shard_primitives", "flat_in_flight", "mismatch")
+              "split", "nested_split", "shard_primitives", "flat_in_flight", "mismatch", "cpu_under_nccl")
 GRADIENT_CHECKS = ("mean_grad", "bcast_data", "flat_in_flight", "split", "nested_split", "shard_primitives")
 
 
@@ -94,6 +94,20 @@ def test_unknown_name_is_refused():
 def test_chainermn_names_are_the_nearest_algorithm(name, nearest):
     assert resolve(name, "gloo", 4).name == nearest
     assert resolve("pure_nccl", "nccl", 4).name == "flat"
+
+
+def test_cpu_and_cuda_tensors_in_one_call_are_named():
+    """CUDA tensors travel through NCCL and CPU tensors through gloo: a call whose ranks pass tensors
+    of both kinds is refused by its call check on every rank, naming each rank's device."""
+    from torchmn.communicators import _call_check, _wire
+
+    rows = [_wire.header(_call_check.KIND["allreduce"], op=0, x=torch.ones(3))] * 2
+    rows[1] = rows[1][:_wire.DEVICE] + [_wire.DEVICE_CODES["cuda"]]
+    hdrs = torch.tensor(rows).unsqueeze(1)
+    with pytest.raises(torchmn.CollectiveMismatchError, match=r"device differs: rank 0: cpu, rank 1: cuda "
+                                                                r"\(move the tensors to comm.device on every rank"):
+        _call_check.check_headers("allreduce", hdrs, None, same_shape=True, same_dtype=True, rank=0, host="h")
+    assert _wire.device_type(rows[1]) == "cuda" and _wire.device_type(_wire.header(1)) is None
 
 
 def test_pure_nccl_without_gpus_is_refused_with_the_fix():

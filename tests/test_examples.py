@@ -92,6 +92,20 @@ def test_two_ranks(tmp_path):
     assert log[-1]["validation/main/accuracy"] > 0.3
     assert "epoch   2" in proc.stdout  # printed once, by rank 0
     assert proc.stdout.count("epoch   2") == 1
+    # --device auto on a machine without GPUs: the CPU, said once, with the reason.
+    assert (proc.stdout + proc.stderr).count("torchmn: --device auto: training on the CPU: ") == 1
+
+
+@pytest.mark.timeout(JOB_TIMEOUT + 20)
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
+@pytest.mark.parametrize("script", ["train_mnist.py", "train_mnist_single.py"])
+def test_device_cuda_without_cuda_is_one_line_and_status_2(script):
+    proc = run_one_process(MNIST / script, ["--device", "cuda", "--n-train", "100", "--epochs", "1"],
+                           timeout=JOB_TIMEOUT)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: --device cuda: "), \
+        (proc.returncode, proc.stderr)
+    assert "--device cpu" in lines[0]
 
 
 @pytest.mark.timeout(3 * JOB_TIMEOUT + 20)
@@ -114,7 +128,7 @@ def test_two_ranks_resume_from_checkpoint(tmp_path):
 @pytest.mark.timeout(JOB_TIMEOUT + 20)
 def test_ppe_two_ranks(tmp_path):
     out = tmp_path / "ppe"
-    run_job(MNIST / "train_mnist_ppe.py", [*SMALL, "--out", str(out)], np=2, timeout=JOB_TIMEOUT)
+    run_job(MNIST / "train_mnist_ppe.py", [*SMALL, "--out", str(out), "--device", "cpu"], np=2, timeout=JOB_TIMEOUT)
     log = json.loads((out / "log").read_text())
     assert [entry["epoch"] for entry in log] == [1, 2]
     for entry in log:

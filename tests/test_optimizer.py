@@ -31,15 +31,19 @@ def test_optimizer_in_a_world_of_one(check, request):
     assert_check_passed(check_job_output(request, lambda checks: run_one_process(CHECKS, checks, 120)), check)
 
 
-def test_optimizer_refuses_cpu_parameters_on_an_nccl_communicator():
-    """A CPU model with an NCCL communicator (a GPU machine's default) is named, with the fixes,
-    instead of failing inside torch's first allreduce."""
+def test_a_cpu_model_trains_on_an_nccl_communicator():
+    """A CPU model with an NCCL communicator (a GPU machine's default) trains: its tensors take the
+    CPU's way (the many-rank form is comm_checks.py's cpu_under_nccl)."""
     import torch
 
     import torchmn
     from torchmn.communicators import make_communicator
 
     comm = make_communicator("naive", rank=0, size=1, group=None, obj_group=None, backend="nccl", node_key=0)
-    with pytest.raises(ValueError, match=r"NCCL, which moves CUDA tensors only.*model.to\(comm.device\).*"
-                                         r"backend='gloo'"):
-        torchmn.create_multi_node_optimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1), comm)
+    model = torch.nn.Linear(2, 2)
+    optimizer = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm)
+    before = model.weight.detach().clone()
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    assert comm.wire_device(model.weight) == torch.device("cpu")
+    assert torch.allclose(model.weight, before - 0.1), model.weight

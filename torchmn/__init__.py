@@ -45,6 +45,7 @@ _NAMES = {
     "create_multi_node_optimizer": "torchmn.optimizers",
     "join": "torchmn.optimizers.join",  # uneven data: with torchmn.join(comm): ...
     "ddp_comm_hook": "torchmn.ddp",  # DistributedDataParallel averaging through torchmn
+    "select_device": "torchmn.devices",  # --device auto|cpu|cuda
 }
 # Subpackages reachable as attributes after a bare ``import torchmn``.
 _SUBPACKAGES = ("checkpoint", "communicators", "datasets", "environments", "evaluators", "functions",
@@ -66,4 +67,5 @@ if TYPE_CHECKING:  # what type checkers and IDEs see
     from torchmn.iterators import create_multi_node_iterator
     from torchmn.optimizers import MultiNodeOptimizer, ShardedMultiNodeOptimizer, create_multi_node_optimizer
     from torchmn.ddp import ddp_comm_hook
+    from torchmn.devices import select_device
     from torchmn.optimizers.join import join

@@ -40,6 +40,9 @@ def parse_args():
     parser.add_argument("--checkpoint-dir", default=None, help="write checkpoint-<epoch>.pt here on rank 0 and "
                                                                "resume from the newest one")
     add_data_arguments(parser)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where to train: auto (a GPU per rank where each local rank can have its own, "
+                             "else the CPU), cpu or cuda")
     return parser.parse_args()
 
 
@@ -62,6 +65,18 @@ def main():
     args = parse_args()
     hvd.init()
     torch.manual_seed(args.seed)
+    # As Horovod's own example: one GPU per rank, pinned by local rank, where each rank can have one.
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.device == "cuda" and hvd.local_size() > gpus:
+        print(f"error: --device cuda: {hvd.local_size()} rank(s) on this node but {gpus} GPU(s) visible; "
+              f"start at most {gpus} rank(s) per node, or train with --device cpu", file=sys.stderr, flush=True)
+        sys.exit(2)
+    args.cuda = args.device == "cuda" or (args.device == "auto" and 0 < hvd.local_size() <= gpus)
+    if args.device == "auto" and not args.cuda and hvd.rank() == 0:
+        print(f"--device auto: training on the CPU ({gpus} GPU(s) for {hvd.local_size()} rank(s) on this node)",
+              file=sys.stderr, flush=True)
+    if args.cuda:
+        torch.cuda.set_device(hvd.local_rank())
 
     train_set, val_set = load_mnist(args.n_train, args.data_dir)
     train_sampler = torch.utils.data.distributed.DistributedSampler(
@@ -72,6 +87,8 @@ def main():
     val_loader = torch.utils.data.DataLoader(val_set, batch_size=args.test_batch_size, sampler=val_sampler)
 
     model = Net()
+    if args.cuda:
+        model.cuda()
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr * hvd.size(), momentum=args.momentum)
 
     # Resume from the newest checkpoint: rank 0 reads it, the others get it by broadcast.
@@ -97,6 +114,8 @@ def main():
         model.train()
         train_sampler.set_epoch(epoch)
         for data, target in train_loader:
+            if args.cuda:
+                data, target = data.cuda(), target.cuda()
             optimizer.zero_grad()
             loss = F.nll_loss(model(data), target)
             loss.backward()
@@ -107,6 +126,8 @@ def main():
         val_loss, val_correct, val_count = 0.0, 0.0, 0.0
         with torch.no_grad():
             for data, target in val_loader:
+                if args.cuda:
+                    data, target = data.cuda(), target.cuda()
                 output = model(data)
                 val_loss += F.nll_loss(output, target, reduction="sum").item()
                 val_correct += output.argmax(dim=1).eq(target).sum().item()

@@ -35,6 +35,7 @@ import torchmn.datasets
 import torchmn.resources
 import torchmn.evaluators
 from data import add_data_arguments, load_mnist
+from device_choice import add_device_argument, training_device
 
 
 def make_model(n_units=1000, n_out=10):
@@ -67,9 +68,11 @@ def main():
     parser.add_argument("--shard-state", action="store_true", default=None,
                         help="ZeRO stage 1 everywhere (by default the ranks of one node already split the update)")
     add_data_arguments(parser)
+    add_device_argument(parser)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     comm = torchmn.create_communicator(args.communicator)  # torchmn: who am I, how many are we
+    device = training_device(comm, args.device)  # torchmn: this rank's own GPU (comm.device), or the CPU
 
     # torchmn: rank 0 reads the data and hands every rank its own part
     train, val = load_mnist(args.n_train, args.data_dir) if comm.rank == 0 else (None, None)
@@ -80,7 +83,7 @@ def main():
                                                num_workers=workers, persistent_workers=workers > 0)
     val_loader = torch.utils.data.DataLoader(val, batch_size=args.batch_size)
 
-    model = make_model()
+    model = make_model().to(device)
     optimizer = torch.optim.Adam(model.parameters())
     optimizer = torchmn.create_multi_node_optimizer(  # torchmn: averages gradients
         optimizer, comm, shard_state=args.shard_state)
@@ -91,6 +94,7 @@ def main():
         model.eval()
         loss_sum, correct, n = 0.0, 0, 0
         for x, y in val_loader:
+            x, y = x.to(device), y.to(device)
             out = model(x)
             loss_sum += F.cross_entropy(out, y, reduction="sum").item()
             correct += (out.argmax(dim=1) == y).sum().item()
@@ -111,6 +115,7 @@ def main():
     for epoch in range(done + 1, args.epochs + 1):
         loss_sum = 0.0
         for x, y in train_loader:
+            x, y = x.to(device), y.to(device)
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()

@@ -29,6 +29,7 @@ import torchmn.datasets
 import torchmn.evaluators
 import torchmn.extensions
 from data import add_data_arguments, load_mnist
+from device_choice import add_device_argument, training_device
 
 
 def make_model(batchnorm=False, n_units=1000, n_out=10):
@@ -49,9 +50,11 @@ def main():
     parser.add_argument("--out", default="result/ppe", help="directory for ppe's LogReport ('log')")
     parser.add_argument("--communicator", default="auto", help="gradient averaging: auto, flat, naive, ...")
     add_data_arguments(parser)
+    add_device_argument(parser)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     comm = torchmn.create_communicator(args.communicator)
+    device = training_device(comm, args.device)
 
     train, val = load_mnist(args.n_train, args.data_dir) if comm.rank == 0 else (None, None)
     train = torchmn.datasets.scatter_dataset(train, comm, shuffle=True, seed=args.seed)
@@ -65,7 +68,7 @@ def main():
                      f"has {len(train)} samples, fewer than --batch-size {args.batch_size}: lower --batch-size "
                      f"or raise --n-train")
 
-    model = make_model(args.batchnorm)
+    model = make_model(args.batchnorm).to(device)
     optimizer = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters()), comm)
 
     @torch.no_grad()
@@ -73,6 +76,7 @@ def main():
         model.eval()
         loss_sum, correct, n = 0.0, 0, 0
         for x, y in val_loader:
+            x, y = x.to(device), y.to(device)
             out = model(x)
             loss_sum += F.cross_entropy(out, y, reduction="sum").item()
             correct += (out.argmax(dim=1) == y).sum().item()
@@ -106,6 +110,7 @@ def main():
 
     while not manager.stop_trigger:
         for x, y in train_loader:
+            x, y = x.to(device), y.to(device)
             with manager.run_iteration():
                 optimizer.zero_grad()
                 loss = F.cross_entropy(model(x), y)

@@ -49,14 +49,19 @@ def main():
     parser.add_argument("--log", "--log-file", default="result/log.json",
                         help="JSON log, one entry per epoch (under torchrun, spell it --log-file)")
     add_data_arguments(parser)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="where to train: auto (the GPU where there is one, else the CPU), cpu or cuda")
     args = parser.parse_args()
     torch.manual_seed(args.seed)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.exit(2, "error: --device cuda: torch sees no CUDA GPU; train with --device cpu (or auto)\n")
+    device = torch.device("cuda" if args.device != "cpu" and torch.cuda.is_available() else "cpu")
 
     train, val = load_mnist(args.n_train, args.data_dir)
     train_loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True)
     val_loader = torch.utils.data.DataLoader(val, batch_size=args.batch_size)
 
-    model = make_model()
+    model = make_model().to(device)
     optimizer = torch.optim.Adam(model.parameters())
 
     @torch.no_grad()
@@ -65,6 +70,7 @@ def main():
         model.eval()
         loss_sum, correct, n = 0.0, 0, 0
         for x, y in val_loader:
+            x, y = x.to(device), y.to(device)
             out = model(x)
             loss_sum += F.cross_entropy(out, y, reduction="sum").item()
             correct += (out.argmax(dim=1) == y).sum().item()
@@ -80,6 +86,7 @@ def main():
     for epoch in range(1, args.epochs + 1):
         loss_sum = 0.0
         for x, y in train_loader:
+            x, y = x.to(device), y.to(device)
             optimizer.zero_grad()
             loss = F.cross_entropy(model(x), y)
             loss.backward()

@@ -24,6 +24,7 @@ from torchmn.nn import Pipeline
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mnist"))
 from data import add_data_arguments, load_mnist  # noqa: E402
+from device_choice import add_device_argument, training_device  # noqa: E402
 
 
 def make_stages(n_units=1000, n_out=10):
@@ -42,9 +43,11 @@ def main():
     parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     parser.add_argument("--seed", type=int, default=0)
     add_data_arguments(parser)
+    add_device_argument(parser)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     comm = torchmn.create_communicator()
+    device = training_device(comm, args.device)
     stages = 2
     if comm.size % stages:
         raise SystemExit(f"pipeline_mnist.py runs on a multiple of {stages} ranks (2 stages x replicas), "
@@ -57,10 +60,10 @@ def main():
     train, val = load_mnist(args.n_train, args.data_dir)
     begin, end = torchmn.scatter_index(len(train), dp_comm)   # this pipeline's share of the data
     train = train[begin:end]
-    images = torch.stack([x for x, _ in train])
-    labels = torch.tensor([y for _, y in train])
+    images = torch.stack([x for x, _ in train]).to(device)
+    labels = torch.tensor([y for _, y in train]).to(device)
 
-    model = make_stages()[stage]
+    model = make_stages()[stage].to(device)
     pipe = Pipeline(model, pipe_comm, micro_batches=args.micro_batches, schedule=args.schedule,
                     loss_fn=F.cross_entropy)
     optimizer = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters()), dp_comm,
@@ -71,7 +74,7 @@ def main():
         perm = torch.randperm(len(images), generator=order)
         losses = []
         for i in range(0, len(perm) - args.batch_size + 1, args.batch_size):
-            rows = perm[i:i + args.batch_size]
+            rows = perm[i:i + args.batch_size].to(device)
             optimizer.zero_grad()
             loss = pipe.train_step(images[rows] if pipe.is_first else None,
                                    target=labels[rows] if pipe.is_last else None)
@@ -79,10 +82,10 @@ def main():
             if loss is not None:
                 losses.append(loss.item())
         if replica == 0:
-            val_images = torch.stack([x for x, _ in val])
+            val_images = torch.stack([x for x, _ in val]).to(device)
             out = pipe(val_images if pipe.is_first else None)
             if pipe.is_last:
-                val_labels = torch.tensor([y for _, y in val])
+                val_labels = torch.tensor([y for _, y in val]).to(device)
                 accuracy = (out.argmax(dim=1) == val_labels).float().mean().item()
                 print(f"epoch {epoch:3d}  train loss {sum(losses) / len(losses):.4f}  "
                       f"val accuracy {accuracy:.4f}  elapsed {time.perf_counter() - start:.1f} s", flush=True)

@@ -26,6 +26,7 @@ from torchmn.nn import MultiNodeBatchNorm2d, SpatialParallelConv2d
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mnist"))
 from data import add_data_arguments, load_mnist  # noqa: E402
+from device_choice import add_device_argument, training_device  # noqa: E402
 
 
 class SpatialCNN(nn.Module):
@@ -59,8 +60,10 @@ def main():
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     add_data_arguments(parser)
+    add_device_argument(parser)
     args = parser.parse_args()
     comm = torchmn.create_communicator()
+    device = training_device(comm, args.device)
     torch.manual_seed(args.seed)  # the same initial model on every rank (the optimizer broadcasts it too)
 
     train, val = load_mnist(args.n_train, args.data_dir)
@@ -69,12 +72,12 @@ def main():
 
     def rows_of(data):
         images = torch.stack([x for x, _ in data]).view(-1, 1, 28, 28)[:, :, my_rows].contiguous()
-        return images, torch.tensor([y for _, y in data])
+        return images.to(device), torch.tensor([y for _, y in data]).to(device)
 
     images, labels = rows_of(train)
     val_images, val_labels = rows_of(val)
 
-    model = SpatialCNN(comm)
+    model = SpatialCNN(comm).to(device)
     optimizer = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters(), lr=args.lr), comm)
     order = torch.Generator().manual_seed(args.seed)  # the same batches on every rank
     start = time.perf_counter()
@@ -83,7 +86,7 @@ def main():
         perm = torch.randperm(len(images), generator=order)
         losses = []
         for i in range(0, len(perm), args.batch_size):
-            batch = perm[i:i + args.batch_size]
+            batch = perm[i:i + args.batch_size].to(device)
             optimizer.zero_grad()
             loss = F.cross_entropy(model(images[batch]), labels[batch])
             loss.backward()

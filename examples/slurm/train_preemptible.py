@@ -48,6 +48,9 @@ import torch
 import torchmn
 from torchmn.checkpoint import Checkpointer, atomic_save
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mnist"))
+from device_choice import add_device_argument, training_device  # noqa: E402
+
 FEATURES = 16
 BATCH = 32
 
@@ -112,14 +115,16 @@ def main():
                         help="on the signal, checkpoint and exit without requeueing")
     parser.add_argument("--fail-at", type=int, default=None, metavar="STEP",
                         help="the last rank fails at this step in the job's first run (to try restarts)")
+    add_device_argument(parser)
     args = parser.parse_args()
 
     # Installed first thing: until then SIGUSR1 would kill the process (its default action).
     stop = StopRequest()
     comm = torchmn.create_communicator()
+    device = training_device(comm, args.device)
 
     torch.manual_seed(args.seed)
-    model = torch.nn.Linear(FEATURES, 1)
+    model = torch.nn.Linear(FEATURES, 1).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.5)
     # Also broadcasts rank 0's initial weights, so a fresh start is the same on every rank.
     optimizer = torchmn.create_multi_node_optimizer(optimizer, comm)
@@ -146,7 +151,7 @@ def main():
             return 0
         if step == args.fail_at and restart_count() == 0 and comm.rank == comm.size - 1:
             raise RuntimeError(f"failing at step {step} on purpose (--fail-at)")
-        x, y = batch(step, comm.rank)
+        x, y = (t.to(device) for t in batch(step, comm.rank))
         optimizer.zero_grad()
         loss = torch.nn.functional.mse_loss(model(x).squeeze(1), y)
         loss.backward()

@@ -21,6 +21,7 @@ import torchmn.tune
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "mnist"))
 from data import add_data_arguments, load_mnist  # noqa: E402
+from device_choice import add_device_argument, training_device  # noqa: E402
 from train_mnist import make_model  # noqa: E402
 
 
@@ -32,8 +33,10 @@ def main():
     parser.add_argument("--storage", default=None, help="an Optuna storage URL (default: in memory)")
     parser.add_argument("--study-name", default="tune-mnist")
     add_data_arguments(parser)
+    add_device_argument(parser)
     args = parser.parse_args()
     comm = torchmn.create_communicator()
+    device = training_device(comm, args.device)
     optuna.logging.set_verbosity(optuna.logging.WARNING)
 
     train, val = load_mnist(args.n_train, args.data_dir) if comm.rank == 0 else (None, None)
@@ -44,14 +47,14 @@ def main():
         lr = trial.suggest_float("lr", 1e-4, 1e-2, log=True)
         width = trial.suggest_categorical("width", [100, 300, 1000])
         torch.manual_seed(0)
-        model = make_model(width)
+        model = make_model(width).to(device)
         optimizer = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters(), lr=lr), comm)
         loader = torch.utils.data.DataLoader(train, batch_size=args.batch_size, shuffle=True)
 
         @torch.no_grad()
         def evaluate_local():
             model.eval()
-            correct = sum((model(x).argmax(1) == y).sum().item()
+            correct = sum((model(x.to(device)).argmax(1) == y.to(device)).sum().item()
                           for x, y in torch.utils.data.DataLoader(val, batch_size=500))
             model.train()
             return {"accuracy": correct / max(1, len(val))}, len(val)
@@ -59,6 +62,7 @@ def main():
         evaluate = torchmn.evaluators.create_multi_node_evaluator(evaluate_local, comm)
         for epoch in range(args.epochs):
             for x, y in loader:
+                x, y = x.to(device), y.to(device)
                 optimizer.zero_grad()
                 F.cross_entropy(model(x), y).backward()
                 optimizer.step()

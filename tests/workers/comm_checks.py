@@ -325,7 +325,12 @@ def check_topology(comm):
         assert intra == list(range(len(intra))), rows
         assert all(s == len(intra) for nd, _, s, _ in rows if nd == node), rows
     assert all(inter == comm.inter_size for *_, inter in rows)
-    assert comm.device == torch.device("cpu") and comm.backend == "gloo"
+    # On a machine with GPUs (tests/gpu/run_all.sh runs these checks there too) the default is
+    # NCCL, and every check here moves CPU tensors through it.
+    if torch.cuda.is_available():
+        assert comm.device.type == "cuda" and comm.backend == "nccl", (comm.device, comm.backend)
+    else:
+        assert comm.device == torch.device("cpu") and comm.backend == "gloo", (comm.device, comm.backend)
     if rank0(comm):
         print(f"TOPOLOGY size={comm.size} inter_size={comm.inter_size} intra_size={comm.intra_size}", flush=True)
 
@@ -413,6 +418,63 @@ def check_flat_in_flight(comm):
         else:
             expect = (torch.arange(comm.size, dtype=f64) + i).repeat_interleave(k)
             assert torch.equal(flat, expect), (kind, i, flat[:3], expect[:3])
+
+
+def check_cpu_under_nccl(comm):
+    """A communicator whose tensor backend is NCCL (a GPU machine's default) carries CPU tensors
+    the CPU's way, through its CPU group and the node's shared memory, with the results of a
+    gloo communicator bit for bit; on a machine without GPUs its groups are gloo's, on one with
+    GPUs (tests/gpu/run_all.sh) real NCCL and gloo."""
+    from torchmn.communicators import make_communicator
+    c = make_communicator("auto", rank=comm.rank, size=comm.size, group=comm.process_group,
+                          obj_group=comm.object_group, backend="nccl", node_key=comm.node_key)
+    assert c.name == "hierarchical" and c.may_share_node_memory() == (comm.inter_size == 1), c
+    cpu = torch.device("cpu")
+    f64 = torch.arange(300, dtype=torch.float64) * (comm.rank + 1) / 7
+    assert c.wire_device(f64) == cpu and c.wire_device(cpu) == cpu
+    for op in ("sum", "max", "mean"):
+        assert torch.equal(c.allreduce(f64, op=op), comm.allreduce(f64, op=op)), op
+    big = torch.rand(1 << 16, dtype=torch.float64, generator=torch.Generator().manual_seed(comm.rank))
+    assert torch.equal(c.allreduce(big), comm.allreduce(big))
+    root = comm.size - 1
+    got = c.bcast(f64 if comm.rank == root else None, root=root)
+    assert got.device == cpu and torch.equal(got, comm.bcast(f64 if comm.rank == root else None, root=root))
+    assert all(torch.equal(a, b) for a, b in zip(c.allgather(f64[:comm.rank + 1]), comm.allgather(f64[:comm.rank + 1])))
+    parts = [f64[:r + 2] + r for r in range(comm.size)]
+    assert torch.equal(c.scatter(parts if comm.rank == 0 else None), comm.scatter(parts if comm.rank == 0 else None))
+    assert all(torch.equal(a, b) for a, b in zip(c.alltoall(parts), comm.alltoall(parts)))
+    gathered = c.gather(f64, root=0)
+    if comm.rank == 0:
+        assert all(torch.equal(g, torch.arange(300, dtype=torch.float64) * (r + 1) / 7) for r, g in enumerate(gathered))
+    nxt, prv = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    if comm.size > 1:
+        if comm.rank % 2 == 0:
+            c.send(f64, nxt)
+            got = c.recv(prv)
+        else:
+            got = c.recv(prv)
+            c.send(f64, nxt)
+        assert got.device == cpu and torch.equal(got, torch.arange(300, dtype=torch.float64) * (prv + 1) / 7)
+    assert c.allgather_obj({"rank": comm.rank}) == [{"rank": r} for r in range(comm.size)]
+    c.barrier()
+    # A CPU model trains on it as on the gloo communicator: the default optimizer, replicated and sharded.
+    for kwargs in ({}, {"shard_state": False}, {"shard_state": True}):
+        ends = []
+        for on in (c, comm):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2)).double()
+            opt = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters(), lr=0.01), on, **kwargs)
+            for step in range(3):
+                g = torch.Generator().manual_seed(100 * step + comm.rank)
+                x, y = torch.randn(5, 6, dtype=torch.float64, generator=g), torch.randn(5, 2, dtype=torch.float64, generator=g)
+                opt.zero_grad()
+                torch.nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+            if on is c and not kwargs and comm.inter_size == 1:
+                assert type(opt).__name__ == "NodeSharedOptimizer", type(opt)  # the node's shared memory
+            ends.append(torch.cat([p.detach().reshape(-1) for p in model.parameters()]))
+        assert torch.equal(ends[0], ends[1]), kwargs
+    c.finalize()
 
 
 def check_mismatch(comm):

@@ -113,8 +113,11 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
         rank, size, owns = env.rank, env.size, True
     group = dist.group.WORLD if dist.is_initialized() else None
     obj_group = group
-    if backend == "nccl" and group is not None:
-        # Objects and control traffic always travel on CPU through gloo.
+    cpu_too = ":" in backend and "cpu:gloo" in backend  # a world of both, "cpu:gloo,cuda:nccl"
+    if ":" in backend:
+        backend = "nccl" if "cuda:nccl" in backend else "gloo"
+    if backend == "nccl" and group is not None and not cpu_too:
+        # Objects, control traffic and CPU tensors travel on the CPU through gloo.
         obj_group = dist.new_group(backend="gloo")
     # A node is what the launcher calls one; else (MPI, or a world the script set up itself) a host.
     trust_launcher = env is not None and env.node_rank is not None and env.size == size

@@ -40,7 +40,7 @@ def summary_row(rows: list[list[int]]) -> list[int]:
     one-row call meanwhile exchanges as many bytes as this one and the mismatch is named, instead
     of the exchange itself failing.
     """
-    return rows[0][:3] + [_wire.NONE, _wire.NONE] + [0] * _wire.MAX_NDIM
+    return rows[0][:3] + [_wire.NONE, _wire.NONE] + [0] * _wire.MAX_NDIM + [rows[0][_wire.DEVICE]]
 
 
 def obj_header(n: int, kind: str = "allgather_obj", root: int = _wire.NONE) -> list[int]:
@@ -81,6 +81,7 @@ def check_headers(kind: str, hdrs: torch.Tensor, error: Optional[Exception], sam
                               f"rank {rank} on {host} stops too")
     first = hdrs[:, 0, :]
     problems = []
+    devices = {code: name for name, code in _wire.DEVICE_CODES.items()}
     for field, col, names in (("collective", 0, KINDS), ("root", 1, None), ("op", 2, tuple(OPS))):
         vals = first[:, col].tolist()
         if len(set(vals)) > 1:
@@ -93,6 +94,13 @@ def check_headers(kind: str, hdrs: torch.Tensor, error: Optional[Exception], sam
             problems.append("dtype differs: " + ", ".join(f"rank {r}: {m[0]}" for r, m in present))
         if same_shape and len({m[1] for _, m in present}) > 1:
             problems.append("shape differs: " + ", ".join(f"rank {r}: {tuple(m[1])}" for r, m in present))
+    if not problems:
+        # Every tensor of one call on one kind of device: CUDA tensors travel through NCCL, CPU
+        # tensors through gloo, and the two cannot meet.
+        codes = [(r, int(c)) for r, c in enumerate(first[:, _wire.DEVICE].tolist()) if c != _wire.NONE]
+        if len({c for _, c in codes}) > 1:
+            problems.append("device differs: " + ", ".join(f"rank {r}: {devices[c]}" for r, c in codes) +
+                            " (move the tensors to comm.device on every rank, or keep them on the CPU on every rank)")
     if problems:
         raise CollectiveMismatchError(f"ranks called {kind} inconsistently ({'; '.join(problems)}); "
                                       f"every rank must make the same call")

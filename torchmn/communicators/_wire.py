@@ -25,10 +25,14 @@ DTYPES = (
 MOVE_ONLY = frozenset(DTYPES[12:])
 _CODE = {dt: i for i, dt in enumerate(DTYPES)}
 
-# Header layout: [kind, root, op, dtype, ndim, shape[0..MAX_NDIM)]
-HEADER_LEN = 5 + MAX_NDIM
+# Header layout: [kind, root, op, dtype, ndim, shape[0..MAX_NDIM), device]
+HEADER_LEN = 6 + MAX_NDIM
 SHAPE = 5  # where the shape starts
+DEVICE = 5 + MAX_NDIM  # where the tensor lies: DEVICE_CODES, or NONE without a tensor
 NONE = -1
+# A call's data travels the way of its tensors' device (Communicator routes by it): a rank that
+# has no tensor of its own (a broadcast's receivers) learns the way from the header.
+DEVICE_CODES = {"cpu": 0, "cuda": 1}
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -42,11 +46,11 @@ def dtype_code(dtype: torch.dtype) -> int:
 def header(kind: int, root: int = NONE, op: int = NONE, x: torch.Tensor | None = None) -> list[int]:
     """The header of one call: what collective, with which root and op, on what tensor."""
     if x is None:
-        return [kind, root, op, NONE, NONE] + [0] * MAX_NDIM
+        return [kind, root, op, NONE, NONE] + [0] * MAX_NDIM + [NONE]
     if x.dim() > MAX_NDIM:
         raise TorchmnValueError(f"tensors of more than {MAX_NDIM} dimensions cannot be sent (got {x.dim()})")
     shape = list(x.shape) + [0] * (MAX_NDIM - x.dim())
-    return [kind, root, op, dtype_code(x.dtype), x.dim()] + shape
+    return [kind, root, op, dtype_code(x.dtype), x.dim()] + shape + [DEVICE_CODES.get(x.device.type, 0)]
 
 
 def meta(row: Sequence[int]) -> tuple[torch.dtype, tuple[int, ...]] | None:
@@ -55,6 +59,12 @@ def meta(row: Sequence[int]) -> tuple[torch.dtype, tuple[int, ...]] | None:
     if code == NONE:
         return None
     return DTYPES[code], tuple(int(s) for s in row[5:5 + ndim])
+
+
+def device_type(row: Sequence[int]) -> str | None:
+    """The device type (``"cpu"`` or ``"cuda"``) of the tensor a header row describes, or None."""
+    code = int(row[DEVICE])
+    return None if code == NONE else next(name for name, c in DEVICE_CODES.items() if c == code)
 
 
 def nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:

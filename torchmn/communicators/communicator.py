@@ -10,6 +10,11 @@ receiver never needs to know them); object collectives (pickled with
 collectives over a model's tensors (ChainerMN's ``bcast_data`` and ``multi_node_mean_grad``);
 control (barrier, split, finalize); the gradient primitives.
 
+Each call's data travels the way of its tensors' device (:meth:`Communicator._route`): CUDA
+tensors under NCCL through the tensor group on this rank's GPU; everything else on the CPU through
+the CPU (gloo) group, so a CPU model on a machine with GPUs keeps the CPU paths (shared memory
+inside a node). Call checks and objects always travel on the CPU.
+
 The gradient-averaging algorithms (``naive.py``, ``flat.py``, ``hierarchical.py``) subclass it,
 give :meth:`mean_tensors` and, where they have a faster way, override the algorithm hooks:
 ``allreduce_flat``, ``reduce_scatter_flat``, ``allgather_flat``, ``allreduce_copy``,
@@ -18,6 +23,7 @@ watched (:mod:`.watch`): a subclass that overrides one decorates it the same way
 """
 from __future__ import annotations
 
+import os
 import socket
 import zlib
 from typing import Any, Optional, Sequence
@@ -41,6 +47,7 @@ DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 # The dtypes a small allreduce may reduce as it travels (others convert first: int16, bool, halves' means).
 _ONE_ROUND_DTYPES = (torch.float32, torch.float64, torch.int32, torch.int64)
 _worlds = 0  # world communicators created by this process, for their call logs' tags
+_CPU = torch.device("cpu")
 
 
 class Communicator(CommunicatorBase):
@@ -75,8 +82,8 @@ class Communicator(CommunicatorBase):
             size: the number of ranks.
             group: the ``torch.distributed`` group of its tensor collectives; None for a world of one
                 without ``torch.distributed``.
-            obj_group: the CPU (gloo) group of object collectives and control traffic (``group``
-                itself unless the backend is NCCL).
+            obj_group: the CPU (gloo) group of object collectives, control traffic and every
+                call's CPU tensors (``group`` itself unless the backend is NCCL).
             backend: ``"gloo"`` or ``"nccl"``.
             node_key: what identifies this rank's node; ranks with equal keys share a node.
             bucket_cap_bytes: how many bytes of gradients the fusing algorithms put in one message.
@@ -115,24 +122,27 @@ class Communicator(CommunicatorBase):
         self.object_group = obj_group  # always a CPU (gloo) group: objects and control traffic
         self._owns_world = owns_world
         self.node_key = node_key
-        self._data_device = torch.device("cpu")  # until the topology tells which GPU (NCCL)
+        self._shared_gpu = None  # under NCCL, what to say if ranks of a node would share a GPU
         self._set_topology(node_key)
         if backend == "nccl":
             # The GPU set-up chose (world.init_world): a launcher that shows each rank only its
             # own GPUs (Slurm's --gpus-per-task, CUDA_VISIBLE_DEVICES) numbers them from 0 again.
             self.device = torch.device("cuda", self.intra_rank % max(1, torch.cuda.device_count()))
         else:
-            self.device = torch.device("cpu")
-        self._data_device = self.device  # where headers and byte buffers live for this backend
+            self.device = _CPU
 
     # ----------------------------------------------------------------------------- topology
     def _set_topology(self, node_key: Any) -> None:
-        mine = (node_key, socket.gethostname(), self.name)
+        # Under NCCL, which GPUs each rank sees (without touching CUDA, which would give every
+        # rank a context on a GPU a CPU model never uses), to tell ranks that would share one.
+        gpus = (os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count(),
+                os.environ.get("NCCL_HOSTID")) if self.backend == "nccl" else None
+        mine = (node_key, socket.gethostname(), self.name, gpus)
         both = self.allgather_obj(mine) if self.size > 1 else [mine]
-        keys = [k for k, _, _ in both]
-        self._hosts = [h for _, h, _ in both]
+        keys = [k for k, _, _, _ in both]
+        self._hosts = [h for _, h, _, _ in both]
         self.call_log.hosts = self._hosts
-        names = [n for _, _, n in both]
+        names = [n for _, _, n, _ in both]
         if len(set(names)) > 1:
             # Each algorithm makes its own calls: they would pair wrongly or wait out the timeout.
             raise CollectiveMismatchError(
@@ -150,6 +160,35 @@ class Communicator(CommunicatorBase):
         self.intra_size = len(members)
         self.node_ranks = [[r for r, k in enumerate(keys) if k == n] for n in nodes]
         self._node_index = [nodes.index(k) for k in keys]
+        if gpus is not None:
+            self._shared_gpu = self._gpu_sharing([g for _, _, _, g in both])
+
+    def _gpu_sharing(self, views: list) -> Optional[str]:
+        """What to say when ranks of one node would drive one GPU through NCCL (which refuses
+        that with "Duplicate GPU detected"), or None; the same on every rank. ``views``: each
+        rank's (CUDA_VISIBLE_DEVICES, device count, NCCL_HOSTID)."""
+        users: dict = {}
+        for node in self.node_ranks:
+            for i, r in enumerate(node):
+                visible, count, hostid = views[r]
+                if not count:
+                    continue
+                index = i % count  # the GPU the constructor gives local rank i
+                ids = visible.split(",") if visible else None
+                physical = ids[index] if ids and index < len(ids) else str(index)
+                users.setdefault((self._node_index[r], hostid, physical), []).append((i, r))
+        shared = [(key, ranks) for key, ranks in users.items() if len(ranks) > 1]
+        if not shared:
+            return None
+        (node, _, gpu), ranks = shared[0]
+        count = views[ranks[0][1]][1]
+        return (f"ranks {', '.join(str(r) for _, r in ranks)} (local ranks {', '.join(str(i) for i, _ in ranks)} "
+                f"on {self._hosts[ranks[0][1]]}) would drive GPU {gpu} together through NCCL, which needs a GPU "
+                f"of its own for every rank, and that node has {len(self.node_ranks[node])} ranks for {count} "
+                f"visible GPU(s). Start at most {count} rank(s) per node (torchmn run -np {count}, srun "
+                f"--ntasks-per-node={count} --gres=gpu:{count}), give each rank its own GPU "
+                f"(CUDA_VISIBLE_DEVICES), or keep the model and tensors on the CPU (--device cpu in the "
+                f"examples), which CPU ranks on this machine do through shared memory")
 
     @property
     def host(self) -> str:
@@ -203,14 +242,34 @@ class Communicator(CommunicatorBase):
             return TorchmnValueError(f"{what}={r!r} is not a rank of this communicator (size {self.size})")
         return None
 
-    def exchange_headers(self, rows: list[list[int]], objects: bool = False) -> torch.Tensor:
-        """Every rank's call-check header rows, gathered over the process group.
+    def _route(self, device_type: Optional[str]) -> tuple[Optional[dist.ProcessGroup], torch.device]:
+        """The group and the device a call's data travels on, by its tensors' device type:
+        CUDA tensors under NCCL through the tensor group, from this rank's GPU; anything else
+        through the CPU (gloo) group, on the CPU.
+
+        Raises:
+            TorchmnValueError: CUDA tensors where ranks of a node would share a GPU (on every rank).
+        """
+        if device_type == "cuda" and self.backend == "nccl":
+            if self._shared_gpu is not None:
+                raise TorchmnValueError(f"rank {self.rank} on {self.host}: CUDA tensors cannot travel: "
+                                        f"{self._shared_gpu}")
+            return self.process_group, self.device
+        return self.object_group, _CPU
+
+    def wire_device(self, x: torch.Tensor | torch.device) -> torch.device:
+        return self._route((x.device if isinstance(x, torch.Tensor) else torch.device(x)).type)[1]
+
+    def _group_for(self, t: torch.Tensor) -> Optional[dist.ProcessGroup]:
+        """The group that moves ``t`` where it lies (see :meth:`_route`)."""
+        return self._route(t.device.type)[0]
+
+    def exchange_headers(self, rows: list[list[int]]) -> torch.Tensor:
+        """Every rank's call-check header rows, gathered over the CPU group (under NCCL too: a
+        call check then neither waits for the GPU nor queues behind gradients in flight).
 
         Args:
             rows: this rank's rows, each ``_wire.HEADER_LEN`` integers; every rank passes as many.
-            objects: the call moves no tensor data, so under NCCL its headers go through the CPU
-                (gloo) group, as its data does, instead of syncing with the GPU and queueing behind
-                gradients in flight.
 
         Returns:
             An int64 tensor ``[size, len(rows), HEADER_LEN]`` on the CPU, in this communicator's
@@ -218,18 +277,15 @@ class Communicator(CommunicatorBase):
 
         Example::
 
-            >>> comm.exchange_headers([[1] * 16]).shape       # 2 ranks
-            torch.Size([2, 1, 16])
+            >>> comm.exchange_headers([[1] * 22]).shape       # 2 ranks
+            torch.Size([2, 1, 22])
         """
-        group, device = self.process_group, self._data_device
-        if objects and self.backend == "nccl":
-            group, device = self.object_group, torch.device("cpu")
-        mine = torch.tensor(rows, dtype=torch.int64, device=device)
+        mine = torch.tensor(rows, dtype=torch.int64)
         if self.size == 1:
-            return mine.unsqueeze(0).cpu()
-        out = torch.empty(self.size * mine.numel(), dtype=torch.int64, device=device)
-        all_gather_single(out, mine.reshape(-1), group=group)
-        out = out.reshape((self.size,) + tuple(mine.shape)).cpu()
+            return mine.unsqueeze(0)
+        out = torch.empty(self.size * mine.numel(), dtype=torch.int64)
+        all_gather_single(out, mine.reshape(-1), group=self.object_group)
+        out = out.reshape((self.size,) + tuple(mine.shape))
         return out if self._identity_order else out[self._group_ranks]
 
     def exchange_headers_with_data(self, rows: list[list[int]],
@@ -257,7 +313,7 @@ class Communicator(CommunicatorBase):
     def _agree(self, kind: str, *, root: int = _wire.NONE, op: str | None = None,
                x: torch.Tensor | None = None, rows: list[list[int]] | None = None,
                error: Exception | None = None, same_shape: bool = False,
-               same_dtype: bool = True, objects: bool = False, data: torch.Tensor | None = None):
+               same_dtype: bool = True, data: torch.Tensor | None = None):
         """Exchange one call's headers (see :mod:`._call_check`) and raise on every rank if the
         ranks disagree. ``error``: this rank's own arguments were bad; the others are told, then it
         is raised here. Returns the headers; with ``data`` (see :meth:`exchange_headers_with_data`),
@@ -270,19 +326,19 @@ class Communicator(CommunicatorBase):
         if error is not None:
             rows = _call_check.invalid_rows(len(rows) if rows else 1, op)
         if len(rows) > 1 and self.size > 1:
-            what = self.exchange_headers([_call_check.summary_row(rows)], objects)
+            what = self.exchange_headers([_call_check.summary_row(rows)])
             _call_check.check_headers(kind, what, error, same_shape, same_dtype, self.rank, self.host)
         if data is not None and len(rows) == 1:
             hdrs, parts = self.exchange_headers_with_data(rows, data)
             _call_check.check_headers(kind, hdrs, error, same_shape, same_dtype, self.rank, self.host)
             return parts
-        hdrs = self.exchange_headers(rows, objects)
+        hdrs = self.exchange_headers(rows)
         _call_check.check_headers(kind, hdrs, error, same_shape, same_dtype, self.rank, self.host)
         return None if data is not None else hdrs
 
-    def _bcast_bytes(self, buf: torch.Tensor, root: int, group=None) -> None:
+    def _bcast_bytes(self, buf: torch.Tensor, root: int) -> None:
         """Root's bytes into every rank's ``buf`` (of root's length), in chunks gloo and NCCL can count."""
-        group = self.process_group if group is None else group
+        group = self._group_for(buf)
         if self.size == 1 or buf.numel() == 0:
             return
         for start in range(0, buf.numel(), _wire.OBJ_CHUNK_BYTES):
@@ -293,22 +349,26 @@ class Communicator(CommunicatorBase):
     def send(self, x: torch.Tensor, dest: int, tag: int = 0) -> None:
         self.check_rank(dest, "dest")
         tag = _wire.wire_tag(tag, "tensor")
-        hdr = torch.tensor(_wire.header(_call_check.KIND["bcast"], x=x), dtype=torch.int64, device=self._data_device)
-        dist.send(hdr, self.world_rank(dest), group=self.process_group, tag=tag)
-        data = _wire.as_bytes(x.to(self._data_device))
+        # The header on the CPU, saying where the data goes (see _route), the data on its way.
+        group, device = self._route(x.device.type)
+        hdr = torch.tensor(_wire.header(_call_check.KIND["bcast"], x=x), dtype=torch.int64)
+        dist.send(hdr, self.world_rank(dest), group=self.object_group, tag=tag)
+        data = _wire.as_bytes(x.to(device))
         if data.numel():
-            dist.send(data, self.world_rank(dest), group=self.process_group, tag=tag)
+            dist.send(data, self.world_rank(dest), group=group, tag=tag)
 
     @watch.point_to_point("source")
     def recv(self, source: int, tag: int = 0) -> torch.Tensor:
         self.check_rank(source, "source")
         tag = _wire.wire_tag(tag, "tensor")
-        hdr = torch.empty(_wire.HEADER_LEN, dtype=torch.int64, device=self._data_device)
-        dist.recv(hdr, self.world_rank(source), group=self.process_group, tag=tag)
-        dtype, shape = _wire.meta(hdr.tolist())
-        buf = torch.empty(_wire.nbytes(dtype, shape), dtype=torch.uint8, device=self._data_device)
+        hdr = torch.empty(_wire.HEADER_LEN, dtype=torch.int64)
+        dist.recv(hdr, self.world_rank(source), group=self.object_group, tag=tag)
+        row = hdr.tolist()
+        dtype, shape = _wire.meta(row)
+        group, device = self._route(_wire.device_type(row))
+        buf = torch.empty(_wire.nbytes(dtype, shape), dtype=torch.uint8, device=device)
         if buf.numel():
-            dist.recv(buf, self.world_rank(source), group=self.process_group, tag=tag)
+            dist.recv(buf, self.world_rank(source), group=group, tag=tag)
         return _wire.from_bytes(buf, dtype, shape)
 
     # ----------------------------------------------------------------------------- tensors: collectives
@@ -318,11 +378,13 @@ class Communicator(CommunicatorBase):
         if err is None and self.rank == root and not isinstance(x, torch.Tensor):
             err = TorchmnTypeError(f"bcast: root rank {root} must pass a tensor, not {type(x).__name__}")
         hdrs = self._agree("bcast", root=root, x=x if self.rank == root else None, error=err)
-        dtype, shape = _wire.meta(hdrs[root, 0].tolist())
+        row = hdrs[root, 0].tolist()
+        dtype, shape = _wire.meta(row)
+        _, device = self._route(_wire.device_type(row))
         if self.rank == root:
-            buf = _wire.as_bytes(x.to(self._data_device))
+            buf = _wire.as_bytes(x.to(device))
         else:
-            buf = torch.empty(_wire.nbytes(dtype, shape), dtype=torch.uint8, device=self._data_device)
+            buf = torch.empty(_wire.nbytes(dtype, shape), dtype=torch.uint8, device=device)
         self._bcast_bytes(buf, root)
         return x if self.rank == root else _wire.from_bytes(buf, dtype, shape)
 
@@ -333,7 +395,7 @@ class Communicator(CommunicatorBase):
         longest = max(sizes)
         out = torch.empty(self.size * longest, dtype=torch.uint8, device=buf.device)
         if longest:
-            all_gather_single(out, _wire.padded(buf, longest), group=self.process_group)
+            all_gather_single(out, _wire.padded(buf, longest), group=self._group_for(buf))
         chunks = self._comm_order([out[g * longest:(g + 1) * longest] for g in range(self.size)])
         return [c[:n] for c, n in zip(chunks, sizes)]
 
@@ -347,15 +409,15 @@ class Communicator(CommunicatorBase):
             return (x,)
         metas = [_wire.meta(hdrs[r, 0].tolist()) for r in range(self.size)]
         sizes = [_wire.nbytes(*m) for m in metas]
-        mine = _wire.as_bytes(x.to(self._data_device))
-        if self.backend == "nccl":  # NCCL has no gather: all-gather and keep root's copy
+        group, device = self._route(x.device.type)
+        mine = _wire.as_bytes(x.to(device))
+        if device.type == "cuda":  # NCCL has no gather: all-gather and keep root's copy
             parts = self._allgather_bytes(mine, sizes)
         else:
             longest = max(sizes)
-            bufs = [torch.empty(longest, dtype=torch.uint8, device=self._data_device)
-                    for _ in range(self.size)] if self.rank == root else None
+            bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(self.size)] if self.rank == root else None
             if longest:
-                dist.gather(_wire.padded(mine, longest), bufs, dst=self.world_rank(root), group=self.process_group)
+                dist.gather(_wire.padded(mine, longest), bufs, dst=self.world_rank(root), group=group)
             parts = [b[:n] for b, n in zip(self._comm_order(bufs), sizes)] if self.rank == root else None
         if self.rank != root:
             return None
@@ -367,9 +429,9 @@ class Communicator(CommunicatorBase):
             f"allgather: pass a tensor, not {type(x).__name__}")
         hdrs = self._agree("allgather", x=x if err is None else None, error=err)
         metas = [_wire.meta(hdrs[r, 0].tolist()) for r in range(self.size)]
-        bufs = self._allgather_bytes(_wire.as_bytes(x.to(self._data_device)), [_wire.nbytes(*m) for m in metas])
         if self.size == 1:
             return (x,)
+        bufs = self._allgather_bytes(_wire.as_bytes(x.to(self.wire_device(x))), [_wire.nbytes(*m) for m in metas])
         return tuple(_wire.from_bytes(b, *m) for b, m in zip(bufs, metas))
 
     @watch.collective
@@ -393,21 +455,22 @@ class Communicator(CommunicatorBase):
             return xs[0]
         sizes = [_wire.nbytes(*m) for m in metas]
         longest = max(sizes)
-        out = torch.empty(longest, dtype=torch.uint8, device=self._data_device)
+        group, device = self._route(_wire.device_type(hdrs[root, 0].tolist()))
+        out = torch.empty(longest, dtype=torch.uint8, device=device)
         if longest:
             chunks = None
             if self.rank == root:
-                chunks = [_wire.padded(_wire.as_bytes(t.to(self._data_device)), longest) for t in xs]
-            if self.backend == "nccl":
+                chunks = [_wire.padded(_wire.as_bytes(t.to(device)), longest) for t in xs]
+            if device.type == "cuda":
                 # NCCL has no scatter: root broadcasts the stacked chunks.
                 stacked = torch.cat(self._group_order(chunks)) if chunks else \
-                    torch.empty(self.size * longest, dtype=torch.uint8, device=self._data_device)
+                    torch.empty(self.size * longest, dtype=torch.uint8, device=device)
                 self._bcast_bytes(stacked, root)
                 g = self._group_ranks[self.rank]
                 out = stacked[g * longest:(g + 1) * longest]
             else:
                 dist.scatter(out, self._group_order(chunks) if chunks else None, src=self.world_rank(root),
-                             group=self.process_group)
+                             group=group)
         return _wire.from_bytes(out[:sizes[self.rank]].clone(), *metas[self.rank])
 
     @watch.collective
@@ -434,11 +497,12 @@ class Communicator(CommunicatorBase):
         # What rank r sends to me is described by header row [r, me].
         recv_metas = [_wire.meta(hdrs[r, self.rank].tolist()) for r in range(self.size)]
         # One buffer each way with per-rank splits: gloo's list all_to_all takes equal sizes only.
-        send = self._group_order([_wire.as_bytes(t.to(self._data_device)).reshape(-1) for t in xs])
+        group, device = self._route(xs[0].device.type)
+        send = self._group_order([_wire.as_bytes(t.to(device)).reshape(-1) for t in xs])
         recv_sizes = [_wire.nbytes(*m) for m in recv_metas]
-        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=self._data_device)
+        recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
         dist.all_to_all_single(recv, torch.cat(send), output_split_sizes=self._group_order(recv_sizes),
-                               input_split_sizes=[b.numel() for b in send], group=self.process_group)
+                               input_split_sizes=[b.numel() for b in send], group=group)
         parts = dict(zip(self._group_order(list(range(self.size))),
                          torch.split(recv, self._group_order(recv_sizes))))
         return tuple(_wire.from_bytes(parts[r], *m) for r, m in enumerate(recv_metas))
@@ -490,7 +554,7 @@ class Communicator(CommunicatorBase):
                 f"allreduce_: the mean of {x.dtype} values is float64 and cannot be written into the "
                 f"tensor; use comm.allreduce(x, op='mean'), or op='sum' and divide")
         self._agree("allreduce", op=None if err else op, x=None if err else x, error=err, same_shape=True)
-        if (x.is_contiguous() and x.device == self._data_device and x.dtype not in (torch.int16, torch.bool)
+        if (x.is_contiguous() and x.device == self.wire_device(x) and x.dtype not in (torch.int16, torch.bool)
                 and not (op == "mean" and divide_before_sum(x.dtype))):
             # The data moves in place: no new tensor, whose pages (tens of MB) would be mapped afresh.
             self.allreduce_flat(x.detach().view(-1), op="sum" if op == "mean" else op)
@@ -502,7 +566,7 @@ class Communicator(CommunicatorBase):
 
     def _allreduce_agreed(self, x: torch.Tensor, op: str) -> torch.Tensor:
         """The reduction of ``x``, once the ranks have agreed on the call."""
-        src = x.detach().to(self._data_device)
+        src = x.detach().to(self.wire_device(x))
         if op == "mean" and src.dtype == torch.bool:
             src = src.to(torch.int64)  # a bool sum is a logical or: count the True values instead
         if op == "mean" and divide_before_sum(src.dtype):
@@ -546,7 +610,7 @@ class Communicator(CommunicatorBase):
         """The call check of object collective ``kind`` (see ``_call_check.obj_header``): every
         rank's row. Under NCCL the headers travel on the CPU group: a tensor collective made meanwhile
         on another rank is then not named, only timed out."""
-        return self._agree(kind, rows=[_call_check.obj_header(n, kind, root)], error=error, objects=True)
+        return self._agree(kind, rows=[_call_check.obj_header(n, kind, root)], error=error)
 
     def _obj_lengths(self, n: int, error: Optional[Exception] = None) -> list[int]:
         """Every rank's pickled length, through the call check, so a rank making another collective
@@ -602,7 +666,7 @@ class Communicator(CommunicatorBase):
         n = int(hdrs[root, 0, _wire.SHAPE])
         if buf is None:
             buf = torch.empty(n, dtype=torch.uint8)
-        self._bcast_bytes(buf, root, group=self.object_group)
+        self._bcast_bytes(buf, root)
         return obj if self.rank == root else self._unpickle(buf, "bcast_obj", root)
 
     @watch.collective
@@ -621,7 +685,7 @@ class Communicator(CommunicatorBase):
         result = []
         for r, n in enumerate(sizes):
             b = buf if r == self.rank else torch.empty(n, dtype=torch.uint8)
-            self._bcast_bytes(b, r, group=self.object_group)
+            self._bcast_bytes(b, r)
             result.append(obj if r == self.rank else self._unpickle(b, "allgather_obj", r))
         return result
 
@@ -735,11 +799,13 @@ class Communicator(CommunicatorBase):
             return
         with torch.no_grad():
             for bucket in _wire.buckets(tensors, self.bucket_cap_bytes):
+                # Each rank's bucket lies on its own device alike (the layout check compares them).
+                device = self.wire_device(bucket[0])
                 if self.rank == root:
-                    flat = torch.cat([_wire.as_bytes(t.detach()) for t in bucket]).to(self._data_device)
+                    flat = torch.cat([_wire.as_bytes(t.detach()) for t in bucket]).to(device)
                 else:
                     n = sum(t.numel() * t.element_size() for t in bucket)
-                    flat = torch.empty(n, dtype=torch.uint8, device=self._data_device)
+                    flat = torch.empty(n, dtype=torch.uint8, device=device)
                 self._bcast_bytes(flat, root)
                 if self.rank != root:
                     offset = 0
@@ -763,7 +829,7 @@ class Communicator(CommunicatorBase):
             row[_wire.SHAPE + 1] = sum(1 for p in params if p.grad is not None and p.grad.is_sparse)
             row[_wire.SHAPE + 2] = missing.count(1)
             row[_wire.SHAPE + 3] = zlib.crc32(missing)
-            hdrs = self._agree("multi_node_mean_grad", rows=[row], objects=True)[:, 0]
+            hdrs = self._agree("multi_node_mean_grad", rows=[row])[:, 0]
             if len(set(hdrs[:, _wire.SHAPE].tolist())) > 1:
                 self.check_same_layout(params, "multi_node_mean_grad: the model's trainable parameters", 0,
                                        "build the same model on every rank")
@@ -898,7 +964,7 @@ class Communicator(CommunicatorBase):
     def allreduce_flat(self, flat: torch.Tensor, async_op: bool = False, op: str = "sum"):
         if self.size == 1:
             return Completed()
-        return dist.all_reduce(flat, op=OPS[op], group=self.process_group, async_op=async_op)
+        return dist.all_reduce(flat, op=OPS[op], group=self._group_for(flat), async_op=async_op)
 
     @watch.collective
     def reduce_scatter_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
@@ -909,8 +975,8 @@ class Communicator(CommunicatorBase):
             # torch numbers a group's ranks by world rank; after split(key=...) this communicator's
             # rank r is another group rank, so hand torch the chunks in its order.
             chunks = self._group_order(list(flat.split(shard.numel())))
-            return dist.reduce_scatter(shard, chunks, group=self.process_group, async_op=async_op)
-        return reduce_scatter_single(shard, flat, self.process_group, async_op)
+            return dist.reduce_scatter(shard, chunks, group=self._group_for(flat), async_op=async_op)
+        return reduce_scatter_single(shard, flat, self._group_for(flat), async_op)
 
     @watch.collective
     def allgather_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
@@ -919,8 +985,8 @@ class Communicator(CommunicatorBase):
             return Completed()
         if not self._identity_order:  # as in reduce_scatter_flat
             chunks = self._group_order(list(flat.split(shard.numel())))
-            return dist.all_gather(chunks, shard, group=self.process_group, async_op=async_op)
-        return all_gather_single(flat, shard, group=self.process_group, async_op=async_op)
+            return dist.all_gather(chunks, shard, group=self._group_for(flat), async_op=async_op)
+        return all_gather_single(flat, shard, group=self._group_for(flat), async_op=async_op)
 
     def open_node_arena(self, shared_bytes: int, region_bytes: int, points: Sequence[str]):
         return None

@@ -685,22 +685,45 @@ class CommunicatorBase(abc.ABC):
         """
 
     @abc.abstractmethod
-    def exchange_headers(self, rows: list[list[int]], objects: bool = False) -> torch.Tensor:
+    def wire_device(self, x: torch.Tensor | torch.device) -> torch.device:
+        """The device a collective of ``x`` moves its data on: this rank's GPU (``device``) for
+        CUDA tensors under NCCL, else the CPU (through gloo, and shared memory inside a node). A
+        communicator on a machine with GPUs thus carries CPU tensors the CPU's way.
+
+        Args:
+            x: a tensor about to travel, or a device (``"cuda"``) to ask about its tensors.
+
+        Returns:
+            ``comm.device`` or ``torch.device("cpu")``.
+
+        Raises:
+            ValueError: ``x`` is a CUDA tensor under NCCL, but ranks of a node would share a GPU
+                (NCCL refuses that); the message names them and the fixes.
+
+        Example::
+
+            >>> comm.wire_device(torch.ones(1))                  # on any machine
+            device(type='cpu')
+            >>> comm.wire_device(torch.ones(1, device="cuda"))   # NCCL, local rank 1
+            device(type='cuda', index=1)
+        """
+
+    @abc.abstractmethod
+    def exchange_headers(self, rows: list[list[int]]) -> torch.Tensor:
         """Every rank's call-check header rows (see ``torchmn/communicators/_call_check.py``): the
-        small exchange before every collective, which an algorithm may route faster.
+        small exchange before every collective, which an algorithm may route faster. Headers are
+        CPU data, also under NCCL.
 
         Args:
             rows: this rank's rows, each ``_wire.HEADER_LEN`` integers.
-            objects: the call moves no tensor data (an object collective): under NCCL its headers
-                go through the CPU group.
 
         Returns:
             An int64 tensor ``[size, len(rows), HEADER_LEN]``, in rank order, on the CPU.
 
         Example::
 
-            >>> comm.exchange_headers([[1] * 16]).shape       # 2 ranks
-            torch.Size([2, 1, 16])
+            >>> comm.exchange_headers([[1] * 22]).shape       # 2 ranks
+            torch.Size([2, 1, 22])
         """
 
     @abc.abstractmethod

@@ -62,7 +62,8 @@ class HierarchicalCommunicator(FlatCommunicator):
 
     Attributes:
         segment: the node's shared-memory segment (:class:`~torchmn.communicators.shm.NodeSegment`),
-            None where there is none (one rank, NCCL, or ``/dev/shm`` too small).
+            None where there is none (one rank, or ``/dev/shm`` too small); it carries CPU tensors,
+            also under NCCL, whose CUDA tensors take the flat way.
         rail_group: the gloo group joining this local rank of every node; None unless there are
             several nodes of equal rank counts.
 
@@ -78,7 +79,7 @@ class HierarchicalCommunicator(FlatCommunicator):
     def __init__(self, inter_group=_UNSET, rail_groups=_UNSET, **kwargs):
         """Set up the communicator, then its groups across nodes and its node's shared memory (collective).
 
-        With one rank, or under NCCL, it is a flat communicator and sets up nothing more. Otherwise
+        With one rank it is a flat communicator and sets up nothing more. Otherwise
         a world communicator creates the group of the nodes' first ranks and the rails (local rank
         ``i`` of every node) itself; a communicator made by ``split`` gets them from
         :meth:`split_groups`. Then local rank 0 of each node creates a shared-memory segment that
@@ -109,7 +110,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         self.rail_group = None
         self._node_mean = None          # the arena mean_tensors keeps between calls
         self._node_mean_refused = 0     # bytes for which no arena could be had (not asked again)
-        if self.size == 1 or self.backend == "nccl":
+        if self.size == 1:
             return
         if inter_group is _UNSET:  # a world communicator: all its ranks are here to create it
             leaders = [self.world_rank(node[0]) for node in self.node_ranks]
@@ -145,7 +146,7 @@ class HierarchicalCommunicator(FlatCommunicator):
 
     @classmethod
     def split_groups(cls, parent, members: list[int], local: bool = False) -> dict:
-        if parent.backend == "nccl" or len(members) == 1:
+        if len(members) == 1:
             return {"inter_group": None, "rail_groups": None}
         nodes: dict = {}
         for r in members:  # nodes in order of first appearance, as the new communicator sees them
@@ -267,18 +268,18 @@ class HierarchicalCommunicator(FlatCommunicator):
         return shm.NodeArena.open(tags[0], shared_bytes=shared_bytes, region_bytes=region_bytes, points=points,
                                    **self._shm_args)
 
-    def exchange_headers(self, rows: list[list[int]], objects: bool = False) -> torch.Tensor:
+    def exchange_headers(self, rows: list[list[int]]) -> torch.Tensor:
         # The call check of every collective: through shared memory too, so small collectives
         # do not pay a TCP round trip before their data moves.
         if not self._checks_in_segment():
-            return super().exchange_headers(rows, objects)
+            return super().exchange_headers(rows)
         got = self._exchange_rows(rows, None)  # one round through the small buffers
         if got is not None:
             return got[0]  # on one node, local rank order is this communicator's rank order
         mine = torch.tensor(rows, dtype=torch.int64)
         parts = self.segment.allgather_bytes(mine.reshape(-1).view(torch.uint8))
         if parts is None:  # a call of thousands of tensors: more rows than a slot holds
-            return super().exchange_headers(rows, objects)
+            return super().exchange_headers(rows)
         if any(p.numel() != mine.numel() * 8 for p in parts):
             # Some rank is making another call (an object collective, or one of another row
             # count): compare what each call is, from its first row, and let the check name it.
@@ -292,8 +293,9 @@ class HierarchicalCommunicator(FlatCommunicator):
         return got if got is not None else super().exchange_headers_with_data(rows, data)
 
     def _checks_in_segment(self) -> bool:
-        """Whether call checks go through the segment: one node, CPU."""
-        return self.segment is not None and self._single_node and self.device.type == "cpu"
+        """Whether call checks go through the segment: one node (headers are CPU data, also for
+        calls whose data goes through NCCL)."""
+        return self.segment is not None and self._single_node
 
     def _exchange_rows(self, rows: list[list[int]], data):
         """``segment.exchange_rows``, a barrier met there named in the call check's words."""
@@ -329,7 +331,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         # tensors, so that a rank making another collective, or one that could not pickle, is named.
         buf, err = pickle_for_call(obj, "allgather_obj", self.rank, self.host)
         rows = [_call_check.obj_header(buf.numel())] if err is None else _call_check.invalid_rows(1)
-        _call_check.check_headers("allgather_obj", self.exchange_headers(rows, objects=True), err, same_shape=False,
+        _call_check.check_headers("allgather_obj", self.exchange_headers(rows), err, same_shape=False,
                                   same_dtype=False, rank=self.rank, host=self.host)
         parts = self.segment.allgather_bytes(buf)
         if parts is None:

@@ -31,9 +31,10 @@ def resolve(name: str, backend: str = "gloo", size: int = 1) -> type[Communicato
         size: the number of ranks, which ``"auto"`` decides by.
 
     Returns:
-        The class. ``"auto"`` is ``hierarchical`` on CPU with several ranks where shared memory
-        exists (gloo's TCP loopback is the bottleneck inside a node), else ``flat`` (NCCL already
-        averages through NVLink/PCIe inside a node and the network across nodes).
+        The class. ``"auto"`` is ``hierarchical`` with several ranks where shared memory exists
+        (gloo's TCP loopback is the bottleneck inside a node; under NCCL it serves CPU tensors, and
+        CUDA tensors take its flat way, as NCCL already averages through NVLink/PCIe inside a node
+        and the network across nodes), else ``flat``.
 
     Raises:
         ValueError: an unknown name, or ``"pure_nccl"`` without the NCCL backend.
@@ -52,7 +53,9 @@ def resolve(name: str, backend: str = "gloo", size: int = 1) -> type[Communicato
             f"network) or 'hierarchical'; on a machine with GPUs, pass backend='nccl' or let 'auto' choose.")
     name = CHAINERMN_NAMES.get(name, name)
     if name == "auto":
-        if backend == "gloo" and size > 1 and os.path.isdir(shm.SHM_DIR):
+        # Under NCCL too: CUDA tensors take the flat way through NCCL, CPU tensors (a CPU model on
+        # a machine with GPUs) the node's shared memory.
+        if size > 1 and os.path.isdir(shm.SHM_DIR):
             return HierarchicalCommunicator
         return FlatCommunicator
     try:

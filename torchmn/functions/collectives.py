@@ -28,7 +28,7 @@ class _Bcast(torch.autograd.Function):
         ctx.comm, ctx.root = comm, root
         if comm.rank == root:
             return _own(comm.bcast(x, root), x)
-        return comm.bcast(None, root).to(anchor_.device)
+        return comm.bcast(None, root)  # on root's kind of device: CPU, or this rank's GPU
 
     @staticmethod
     def backward(ctx, gy):
@@ -61,7 +61,7 @@ class _Scatter(torch.autograd.Function):
     def forward(ctx, comm, root, anchor_, *xs):
         ctx.comm, ctx.root = comm, root
         if comm.rank != root:
-            return comm.scatter(None, root).to(comm.device)
+            return comm.scatter(None, root)  # on root's kind of device, as bcast
         y = comm.scatter(xs, root)
         return _own(y, xs[root])
 
@@ -158,7 +158,7 @@ def bcast(comm: CommunicatorBase, x: Optional[torch.Tensor], root: int = 0) -> t
         if not isinstance(x, torch.Tensor):
             raise TorchmnTypeError(f"bcast: root rank {root} must pass a tensor, not {type(x).__name__}")
         return _Bcast.apply(comm, root, anchor(x.device), x)
-    return _Bcast.apply(comm, root, anchor(comm.device), None)
+    return _Bcast.apply(comm, root, anchor(torch.device("cpu")), None)
 
 
 def gather(comm: CommunicatorBase, x: torch.Tensor, root: int = 0):
@@ -207,7 +207,7 @@ def scatter(comm: CommunicatorBase, xs: Optional[Sequence[torch.Tensor]], root: 
     """
     comm.check_rank(root, "root")
     if comm.rank != root:
-        return _Scatter.apply(comm, root, anchor(comm.device))
+        return _Scatter.apply(comm, root, anchor(torch.device("cpu")))
     if xs is None or len(xs) != comm.size:
         raise TorchmnValueError(f"scatter: root rank {root} must pass {comm.size} tensors (one per rank), not "
                                 f"{'None' if xs is None else len(xs)}")

@@ -65,7 +65,7 @@ class _Send(torch.autograd.Function):
         ctx.comm, ctx.rank, ctx.tag = comm, rank, tag
         ctx.inputs = [(differentiable(x), x.device) for x in xs]
         send_tensors(comm, xs[0] if single else xs, rank, tag)
-        return delegate(xs[0].device if xs else comm.device)
+        return delegate(xs[0].device if xs else torch.device("cpu"))
 
     @staticmethod
     def backward(ctx, _grad_delegate):
@@ -157,6 +157,7 @@ def recv(comm: CommunicatorBase, rank: int, delegate_variable: Optional[torch.Te
     if rank == comm.rank:
         raise TorchmnValueError(f"recv: rank {rank} is this rank; pass the value on directly instead")
     count = int(comm.recv(rank, tag).item())
-    start = delegate_variable if delegate_variable is not None else anchor(comm.device)
+    # The anchor only joins the graph: on the CPU, whichever way the tensors come.
+    start = delegate_variable if delegate_variable is not None else anchor(torch.device("cpu"))
     out = _Recv.apply(comm, rank, tag, 1 if count == -1 else count, start)
     return out[0] if count == -1 else out

@@ -87,17 +87,17 @@ def _reduce(comm, tensors: list[torch.Tensor], op: int, prescale: float, postsca
     Returns:
         The results: ``outputs`` filled in, or new tensors.
     """
-    groups: dict[torch.dtype, list[int]] = {}
-    for i, t in enumerate(tensors):
-        groups.setdefault(WIDER.get(t.dtype, t.dtype), []).append(i)
+    groups: dict[tuple[torch.dtype, torch.device], list[int]] = {}
+    for i, t in enumerate(tensors):  # each tensor goes its device's way: CPU ones on the CPU
+        groups.setdefault((WIDER.get(t.dtype, t.dtype), comm.wire_device(t)), []).append(i)
     buffers, works = {}, []
-    for dtype, members in groups.items():
-        flat = torch.cat([tensors[i].detach().reshape(-1).to(comm.device, dtype) for i in members]) \
-            if len(members) > 1 else tensors[members[0]].detach().reshape(-1).to(comm.device, dtype, copy=True)
+    for (dtype, device), members in groups.items():
+        flat = torch.cat([tensors[i].detach().reshape(-1).to(device, dtype) for i in members]) \
+            if len(members) > 1 else tensors[members[0]].detach().reshape(-1).to(device, dtype, copy=True)
         if prescale != 1.0:
             scale(flat, prescale)
         works.append(comm.allreduce_flat(flat, async_op=True, op=REDUCE[op]))
-        buffers[dtype] = (flat, members)
+        buffers[dtype, device] = (flat, members)
 
     for w in works:
         w.wait()

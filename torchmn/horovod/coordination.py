@@ -80,7 +80,7 @@ def agree(comm, description: tuple, need_descriptions: bool) -> Optional[list[tu
     if comm.size == 1:
         return [description] if need_descriptions else None
     if comm is job.comm or comm is global_process_set.tensor_comm:
-        flag = torch.zeros(1, dtype=torch.int64, device=comm.device)
+        flag = torch.zeros(1, dtype=torch.int64)  # on the CPU: no wait for the GPU
         if description[0] == JOINED:
             flag += 1
         comm.allreduce_flat(flag)

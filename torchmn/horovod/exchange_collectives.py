@@ -53,7 +53,7 @@ def _allgather(comm, tensor: torch.Tensor, name: Optional[str], what: str):
         raise mismatch(what, "shapes beyond the first dimension", [list(s) for s in shapes], comm.rank,
                         "Only the first dimension may differ between ranks")
     x = tensor.detach().reshape(1) if tensor.dim() == 0 else tensor.detach()
-    parts = comm.allgather(x.to(comm.device))
+    parts = comm.allgather(x)
     return torch.cat(parts).to(tensor.device), [p.shape[0] for p in parts]
 
 
@@ -185,7 +185,7 @@ def _broadcast(comm, ranks: list, tensor: torch.Tensor, root_rank: int, name: Op
     if len(set(layouts)) > 1:
         raise mismatch(what, "tensors' shapes and dtypes", layouts, comm.rank,
                         "Every rank must pass a tensor of the root's shape and dtype")
-    return comm.bcast(tensor.detach().to(comm.device), root=ranks.index(root_rank)).to(tensor.device)
+    return comm.bcast(tensor.detach(), root=ranks.index(root_rank)).to(tensor.device)
 
 
 class _Broadcast(torch.autograd.Function):
@@ -325,7 +325,7 @@ def _alltoall(comm, tensor, splits, name, what: str):
     if len({d[3] for d in descriptions}) > 1:
         raise mismatch(what, "dimensions after the first, and dtypes", [d[3] for d in descriptions], comm.rank,
                         "Only the first dimension may differ between ranks")
-    got = comm.alltoall(list(tensor.detach().to(comm.device).split(sizes)))
+    got = comm.alltoall(list(tensor.detach().split(sizes)))
     received = torch.tensor([g.shape[0] for g in got], dtype=torch.int32)
     return torch.cat(got).to(tensor.device), received
 
@@ -433,15 +433,16 @@ def _reducescatter(comm, tensor, op, name, prescale, postscale, what: str) -> to
     counts = _rows_per_rank(tensor.shape[0], comm.size)
     most = max(counts)
     wire = WIDER.get(tensor.dtype, tensor.dtype)
-    src = tensor.detach().to(comm.device, wire)
-    padded = torch.zeros((comm.size * most,) + tuple(tensor.shape[1:]), dtype=wire, device=comm.device)
+    device = comm.wire_device(tensor)
+    src = tensor.detach().to(device, wire)
+    padded = torch.zeros((comm.size * most,) + tuple(tensor.shape[1:]), dtype=wire, device=device)
     start = 0
     for r, n in enumerate(counts):
         padded[r * most:r * most + n] = src[start:start + n]
         start += n
     if prescale != 1.0:
         scale(padded, prescale)
-    shard = torch.empty((most,) + tuple(tensor.shape[1:]), dtype=wire, device=comm.device)
+    shard = torch.empty((most,) + tuple(tensor.shape[1:]), dtype=wire, device=device)
     comm.reduce_scatter_flat(padded.view(-1), shard.view(-1), async_op=True).wait()
     out = shard[:counts[comm.rank]]
     if op == Average and not out.is_floating_point():

@@ -202,7 +202,7 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             The parameters that require gradients, in the optimizer's order.
 
         Raises:
-            ValueError: CPU parameters under NCCL, or compression of complex parameters.
+            ValueError: compression of complex parameters.
             CollectiveMismatchError: the ranks' models differ in layout.
 
         Example::
@@ -211,12 +211,6 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """
         everything = list(dict.fromkeys(p for g in self.wrapped.param_groups for p in g["params"]))
         params = [p for p in everything if p.requires_grad]
-        if self.comm.backend == "nccl" and any(p.device.type != "cuda" for p in everything):
-            raise TorchmnValueError(
-                f"{describe_rank(self.comm)}: the communicator uses NCCL, which moves CUDA tensors only, but parameters "
-                f"of this optimizer are on the CPU: move the model to the GPU first (model.to(comm.device)), or "
-                f"create the communicator with backend='gloo' (or hide the GPUs: CUDA_VISIBLE_DEVICES='') to train "
-                f"on the CPU")
         # What step() checks, cheaply, to refuse changes the buckets cannot follow.
         self._frozen_at_wrap = [p for p in everything if not p.requires_grad]
         self._param_count = sum(len(g["params"]) for g in self.wrapped.param_groups)
