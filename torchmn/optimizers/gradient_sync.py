@@ -186,6 +186,9 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._sent = False          # this step's gradients have gone out
         self._sends = 0             # times gradients went out since the last step() (sharded checks it)
         self._next = 0              # next bucket to send, in order
+        # Buckets go out while backward runs where there are other ranks to overlap with; a world
+        # of one keeps only the hooks' checks (every option means the same there).
+        self._overlap = comm.size > 1
         self._hooks = []
         self._where: dict = {}
         # Whose gradients this step's average is over: every rank, or inside torchmn.join the ranks
@@ -329,7 +332,7 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             self._in_pass = True
             self._pass_syncs = not self._no_sync and self._passes + 1 >= self.backward_passes_per_step
             Variable._execution_engine.queue_callback(self._on_backward_end)
-        if self._pass_syncs:
+        if self._pass_syncs and self._overlap:
             self.buckets[self._where[p]].ready.add(id(p))
             self._send_ready()
 

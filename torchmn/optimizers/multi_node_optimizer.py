@@ -193,6 +193,9 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
                          backward_passes_per_step=backward_passes_per_step)
         self.double_buffering = double_buffering
         self.zero_fill = zero_fill
+        # A world of one averages nothing: the gradients stay where backward put them (compression
+        # and double buffering, which change what the update sees, keep their way).
+        self._alone = comm.size == 1 and self.compression is None and not double_buffering
         self._first_step = True
         self._step_sent = False     # double buffering: this step's gradients have gone out
         params = self.trainable_params()
@@ -261,6 +264,8 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         return self._bucket_sets[self._current]
 
     def _send(self, bucket: _Bucket) -> None:
+        if self._alone:
+            return
         if self.arena is not None:
             # Into this rank's shared buffer, divided by size on the way (exact for powers of two);
             # summed at the end of backward. (Inside torchmn.join, by the ranks that still have data.)
@@ -286,6 +291,8 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         bucket.work = self.comm.allreduce_flat(bucket.pack(1.0 / before if before > 1 else None), async_op=True)
 
     def _all_sent(self) -> None:
+        if self._alone:
+            return
         if self.arena is not None:
             self._reduce_in_shared_memory()
         elif self.double_buffering:
