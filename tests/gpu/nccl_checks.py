@@ -86,6 +86,28 @@ def check_collectives(comm):
     comm.barrier()
 
 
+def check_cpu_and_cuda(comm):
+    """CPU and CUDA tensors on one NCCL communicator: each call goes its tensors' way and returns
+    where they lie; a call whose ranks pass both kinds is refused on every rank."""
+    r, n, dev = comm.rank, comm.size, comm.device
+    cpu = torch.device("cpu")
+    for _ in range(3):  # interleaved, so that the two groups' calls stay in order
+        c = comm.allreduce(torch.arange(4, dtype=torch.float64) + r)
+        g = comm.allreduce(torch.arange(4, dtype=torch.float64, device=dev) + r)
+        assert c.device == cpu and g.device == dev, (c.device, g.device)
+        assert torch.equal(c, g.cpu()) and torch.equal(c, torch.arange(4.0, dtype=torch.float64) * n + sum(range(n)))
+    b = comm.bcast(torch.ones(3) if r == 0 else None)
+    assert b.device == cpu and b.tolist() == [1.0] * 3
+    assert comm.wire_device(torch.ones(1)) == cpu and comm.wire_device(torch.ones(1, device=dev)) == dev
+    if n > 1:
+        try:
+            comm.allreduce(torch.ones(2, device=dev if r == 0 else cpu))
+        except torchmn.CollectiveMismatchError as e:
+            assert "device differs: rank 0: cuda, rank 1: cpu" in str(e), e
+        else:
+            raise AssertionError("a call of CUDA and CPU tensors was not refused")
+
+
 def check_mean_grad(comm):
     model = make_model(comm.device)
     comm.bcast_data(model)
@@ -204,7 +226,8 @@ def check_parallel_layers(comm):
     assert torch.allclose(conv(rows), dense(x)[:, :, start:start + rows.shape[2]], atol=1e-10)
 
 
-CHECKS = {"topology": check_topology, "collectives": check_collectives, "mean_grad": check_mean_grad,
+CHECKS = {"topology": check_topology, "collectives": check_collectives, "cpu_and_cuda": check_cpu_and_cuda,
+          "mean_grad": check_mean_grad,
           "optimizer": check_optimizer, "functions": check_functions, "pipeline": check_pipeline,
           "parallel_layers": check_parallel_layers}
 

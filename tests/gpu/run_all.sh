@@ -74,7 +74,7 @@ echo "torchmn GPU checks: $GPUS GPU(s), logs in $LOGS"
 
 # The CPU suite's files, on this machine's default backend (NCCL): CPU tensors throughout. In the
 # background, beside the GPU checks (16 cores; the GPU is not theirs).
-( timeout 420 $PY -m pytest -q -p no:cacheprovider -n 8 -m "not cluster" tests/test_communicator.py \
+( timeout 300 $PY -m pytest -q -p no:cacheprovider -n 8 -m "not cluster" tests/test_communicator.py \
     tests/test_optimizer.py tests/test_sharded.py tests/test_join.py tests/test_horovod.py \
     tests/test_model_parallel.py tests/test_parallel_layers.py >"$LOGS/cpu_suite.log" 2>&1;
   echo "exit $?" >>"$LOGS/cpu_suite.log" ) &
