@@ -43,7 +43,7 @@ def check_allgather_broadcast_alltoall_reducescatter(dev):
     assert torch.all(rs == size) and rs.shape[0] == (3 if rank == 0 else 2), rs.shape
     x = torch.ones(3, device=dev, dtype=torch.float64, requires_grad=True)
     hvd.allgather(x).backward(torch.ones(3 * size, device=dev, dtype=torch.float64))
-    assert torch.all(x.grad == size)
+    assert torch.all(x.grad == 1), x.grad  # as Horovod 0.28: the ranks' output gradients averaged
 
 
 def check_optimizer(dev):
