@@ -1,11 +1,14 @@
-"""Small calls inside one node: a barrier, and allreduces of 4 KB with and without the call check,
-through torchmn's shared memory and through gloo in the same job.
+"""Small calls inside one node: a barrier, allreduces of 4 KB with and without the call check, and
+send/recv of 1 KB and 1 MB, through torchmn's shared memory and through gloo in the same job.
 
     python bench/bench_small_calls.py            # 2 ranks, the table in BENCHMARKS.md
     python bench/bench_small_calls.py -np 4
 
-Each figure is the median over 7 bursts of 2000 calls (after 300 to warm up) of the time per call,
-on the slowest rank. gloo's rows call torch.distributed directly on the same process group.
+Each figure is the median over 7 bursts of 2000 calls (after 300 to warm up; 200 and 30 for 1 MB
+messages) of the time per call, on the slowest rank. gloo's rows call torch.distributed directly
+on the same process group. A message's figure is half a round trip between ranks 0 and 1
+(``comm.send`` then ``comm.recv`` of the echo; gloo: ``dist.send``/``dist.recv`` into buffers made
+beforehand); the other ranks wait.
 """
 from __future__ import annotations
 
@@ -28,23 +31,41 @@ def rank_main() -> None:
     comm = torchmn.create_communicator()
     x = torch.ones(1024)  # 4 KB of float32
     flat = x.clone()
+
+    def echo(send, recv):  # half a round trip between ranks 0 and 1
+        def call():
+            if comm.rank == 0:
+                send(1)
+                recv(1)
+            elif comm.rank == 1:
+                recv(0)
+                send(0)
+        return call
+
+    def messages(nbytes):
+        out, back = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+        return (echo(lambda peer: comm.send(out, peer), lambda peer: comm.recv(peer)),
+                echo(lambda peer: dist.send(out, peer), lambda peer: dist.recv(back, peer)))
     calls = {
-        "barrier": (comm.barrier, dist.barrier),
-        "allreduce_flat 4 KB (no call check)": (lambda: comm.allreduce_flat(flat), lambda: dist.all_reduce(flat)),
-        "allreduce 4 KB (checked, new tensor)": (lambda: comm.allreduce(x), lambda: dist.all_reduce(x.clone())),
+        "barrier": (comm.barrier, dist.barrier, 1),
+        "allreduce_flat 4 KB (no call check)": (lambda: comm.allreduce_flat(flat), lambda: dist.all_reduce(flat), 1),
+        "allreduce 4 KB (checked, new tensor)": (lambda: comm.allreduce(x), lambda: dist.all_reduce(x.clone()), 1),
+        "send/recv 1 KB (one way)": (*messages(1 << 10), 2),
+        "send/recv 1 MB (one way)": (*messages(1 << 20), 2),
     }
     figures = {}
-    for name, (ours, gloo) in calls.items():
+    for name, (ours, gloo, legs) in calls.items():
+        n, warm = (CALLS, WARM) if "MB" not in name else (CALLS // 10, WARM // 10)
         for label, fn in (("torchmn", ours), ("gloo", gloo)):
             per_burst = []
             for _ in range(BURSTS):
-                for _ in range(WARM):
+                for _ in range(warm):
                     fn()
                 comm.barrier()
                 t0 = time.perf_counter()
-                for _ in range(CALLS):
+                for _ in range(n):
                     fn()
-                per_burst.append((time.perf_counter() - t0) / CALLS * 1e6)
+                per_burst.append((time.perf_counter() - t0) / n / legs * 1e6)
             figures[(name, label)] = (statistics.median(per_burst), min(per_burst), max(per_burst))
     every = comm.gather_obj(figures)
     if comm.rank == 0:

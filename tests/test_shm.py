@@ -32,6 +32,20 @@ def test_small_tensors_take_one_round_with_the_same_bits(np):
     assert "PASS small_paths_same_bits" in out
 
 
+@pytest.mark.parametrize("np", [2, 3])
+def test_messages_inside_a_node_go_through_mailboxes(np):
+    out = run_job(CHECKS, ["messages"], np=np, timeout=150).stdout
+    assert "PASS messages" in out
+
+
+def test_a_lost_sender_is_named_by_the_mailbox_wait(tmp_path):
+    t0 = time.monotonic()
+    job = start_forked_job(CHECKS, ["message_peer_lost"], np=2, timeout=60, stop_on_failure=False)
+    proc = job.wait()
+    assert time.monotonic() - t0 < 45
+    assert "PEER LOST: shared-memory receive from rank 1" in proc.stdout and "exited" in proc.stdout, proc.stdout
+
+
 def test_barrier_through_shared_memory_orders_the_ranks():
     out = run_job(CHECKS, ["barrier_orders"], np=3, timeout=90).stdout
     assert "PASS barrier_orders" in out

@@ -110,6 +110,51 @@ def check_barrier_orders(comm):
         comm.barrier()
 
 
+def check_messages(comm):
+    """send/recv through the node's mailboxes: every dtype and size class (one byte, a box, many
+    boxes), tags received out of order, objects and the object collectives built on them; every
+    rank sends to every other, so each pair's boxes carry messages both ways at once."""
+    assert comm.mailboxes is not None
+    box = comm.mailboxes.box_bytes
+    sizes = (0, 1, 1000, box // 8, box // 4 + 3, 3 * box // 2 + 5)  # elements of 8 bytes or fewer
+    dtypes = DTYPES + (torch.complex64,)
+    for dest in range(comm.size):
+        for source in range(comm.size):
+            if source == dest or comm.rank not in (source, dest):
+                continue
+            for dtype in dtypes:
+                for n in sizes:
+                    x = values(n, dtype, source).reshape(-1, 1) if n % 2 else values(n, dtype, source)
+                    if comm.rank == source:
+                        comm.send(x, dest, tag=1)
+                        comm.send(x[:n // 2], dest, tag=2)
+                    else:  # tag 2 first: the tag-1 message that arrives first waits for its recv
+                        half = comm.recv(source, tag=2)
+                        whole = comm.recv(source, tag=1)
+                        assert whole.dtype == dtype and torch.equal(whole, x), (source, dtype, n)
+                        assert torch.equal(half, x[:n // 2]), (source, dtype, n)
+            if comm.rank == source:
+                comm.send_obj({"from": source, "big": "x" * (2 * box + 1)}, dest, tag=3)
+            else:
+                got = comm.recv_obj(source, tag=3)
+                assert got == {"from": source, "big": "x" * (2 * box + 1)}, got["from"]
+    assert comm.gather_obj(comm.rank * 10, root=comm.size - 1) in (None, [r * 10 for r in range(comm.size)])
+    assert comm.scatter_obj([f"to {r}" for r in range(comm.size)] if comm.rank == 0 else None) == f"to {comm.rank}"
+    comm.barrier()
+
+
+def check_message_peer_lost(comm):
+    """Rank 1 exits without a word while rank 0 waits for its message: the mailbox wait names it."""
+    comm.barrier()
+    if comm.rank == 1:
+        os._exit(0)
+    try:
+        comm.recv(1)
+    except torchmn.communicators.errors.PeerLostError as e:
+        print(f"PEER LOST: {e}", flush=True)
+        os._exit(3)
+
+
 def check_die(comm):
     """Rank 1 is killed outright in the middle of the job."""
     comm.allreduce(torch.ones(10))

@@ -348,27 +348,58 @@ class Communicator(CommunicatorBase):
     @watch.point_to_point("dest")
     def send(self, x: torch.Tensor, dest: int, tag: int = 0) -> None:
         self.check_rank(dest, "dest")
-        tag = _wire.wire_tag(tag, "tensor")
-        # The header on the CPU, saying where the data goes (see _route), the data on its way.
-        group, device = self._route(x.device.type)
-        hdr = torch.tensor(_wire.header(_call_check.KIND["bcast"], x=x), dtype=torch.int64)
-        dist.send(hdr, self.world_rank(dest), group=self.object_group, tag=tag)
-        data = _wire.as_bytes(x.to(device))
-        if data.numel():
-            dist.send(data, self.world_rank(dest), group=group, tag=tag)
+        self.send_tensor(x, dest, _wire.wire_tag(tag, "tensor"))
 
     @watch.point_to_point("source")
     def recv(self, source: int, tag: int = 0) -> torch.Tensor:
         self.check_rank(source, "source")
-        tag = _wire.wire_tag(tag, "tensor")
+        return self.recv_tensor(source, _wire.wire_tag(tag, "tensor"))
+
+    def send_tensor(self, x: torch.Tensor, dest: int, wire_tag: int) -> None:
+        """``send``'s message (an algorithm hook): the header on the CPU, saying what follows and
+        which way (see :meth:`_route`), then the data on its way.
+
+        Args:
+            x: the tensor.
+            dest: a rank other than this one, checked.
+            wire_tag: the tag in torch's tag space (``_wire.wire_tag``).
+
+        Example::
+
+            >>> comm.send_tensor(x, 1, _wire.wire_tag(0, "tensor"))     # what comm.send(x, 1) does
+        """
+        group, device = self._route(x.device.type)
+        hdr = torch.tensor(_wire.header(_call_check.KIND["bcast"], x=x), dtype=torch.int64)
+        dist.send(hdr, self.world_rank(dest), group=self.object_group, tag=wire_tag)
+        data = _wire.as_bytes(x.to(device))
+        if data.numel():
+            dist.send(data, self.world_rank(dest), group=group, tag=wire_tag)
+
+    def recv_tensor(self, source: int, wire_tag: int) -> torch.Tensor:
+        """``recv``'s message (an algorithm hook), as :meth:`send_tensor` sent it.
+
+        Args:
+            source: a rank other than this one, checked.
+            wire_tag: the tag in torch's tag space.
+
+        Returns:
+            The tensor, on the CPU or, where it came through NCCL, on this rank's GPU.
+
+        Example::
+
+            >>> x = comm.recv_tensor(0, _wire.wire_tag(0, "tensor"))     # what comm.recv(0) does
+        """
         hdr = torch.empty(_wire.HEADER_LEN, dtype=torch.int64)
-        dist.recv(hdr, self.world_rank(source), group=self.object_group, tag=tag)
-        row = hdr.tolist()
+        dist.recv(hdr, self.world_rank(source), group=self.object_group, tag=wire_tag)
+        return self._recv_data(hdr.tolist(), source, wire_tag)
+
+    def _recv_data(self, row: list[int], source: int, wire_tag: int) -> torch.Tensor:
+        """The data a received header ``row`` announces, through torch.distributed."""
         dtype, shape = _wire.meta(row)
         group, device = self._route(_wire.device_type(row))
         buf = torch.empty(_wire.nbytes(dtype, shape), dtype=torch.uint8, device=device)
         if buf.numel():
-            dist.recv(buf, self.world_rank(source), group=group, tag=tag)
+            dist.recv(buf, self.world_rank(source), group=group, tag=wire_tag)
         return _wire.from_bytes(buf, dtype, shape)
 
     # ----------------------------------------------------------------------------- tensors: collectives
@@ -634,20 +665,57 @@ class Communicator(CommunicatorBase):
 
     def _send_obj(self, obj: Any, dest: int, wire_tag: int, kind: str) -> None:
         buf, err = pickle_for_call(obj, kind, self.rank, self.host)
-        dist.send(torch.tensor([buf.numel() if err is None else -1], dtype=torch.int64), self.world_rank(dest),
-                  group=self.object_group, tag=wire_tag)
+        self.send_bytes(buf if err is None else None, dest, wire_tag)
         if err is not None:
             raise err  # the receiver was told
+
+    def _recv_obj_bytes(self, source: int, wire_tag: int, kind: str) -> torch.Tensor:
+        buf = self.recv_bytes(source, wire_tag)
+        if buf is None:
+            raise RemoteRankError(f"{kind}: rank {source} could not pickle the object it sent (see its error); "
+                                  f"rank {self.rank} on {self.host} stops too")
+        return buf
+
+    def send_bytes(self, buf: Optional[torch.Tensor], dest: int, wire_tag: int) -> None:
+        """A pickled object's bytes to ``dest`` (an algorithm hook): their length, then the bytes
+        in chunks, through the CPU group.
+
+        Args:
+            buf: a ``uint8`` CPU tensor, or None to tell the receiver that the object could not
+                be pickled.
+            dest: a rank other than this one, checked.
+            wire_tag: the tag in torch's tag space (``_wire.wire_tag``).
+
+        Example::
+
+            >>> comm.send_bytes(buf, 1, _wire.wire_tag(0, "object"))      # what comm.send_obj does
+        """
+        dist.send(torch.tensor([buf.numel() if buf is not None else -1], dtype=torch.int64), self.world_rank(dest),
+                  group=self.object_group, tag=wire_tag)
+        if buf is None:
+            return
         for start in range(0, buf.numel(), _wire.OBJ_CHUNK_BYTES):
             dist.send(buf[start:start + _wire.OBJ_CHUNK_BYTES], self.world_rank(dest), group=self.object_group,
                       tag=wire_tag)
 
-    def _recv_obj_bytes(self, source: int, wire_tag: int, kind: str) -> torch.Tensor:
+    def recv_bytes(self, source: int, wire_tag: int) -> Optional[torch.Tensor]:
+        """The bytes :meth:`send_bytes` sent (an algorithm hook).
+
+        Args:
+            source: a rank other than this one, checked.
+            wire_tag: the tag in torch's tag space.
+
+        Returns:
+            A ``uint8`` CPU tensor, or None where the sender could not pickle its object.
+
+        Example::
+
+            >>> buf = comm.recv_bytes(0, _wire.wire_tag(0, "object"))
+        """
         n = torch.empty(1, dtype=torch.int64)
         dist.recv(n, self.world_rank(source), group=self.object_group, tag=wire_tag)
         if n.item() < 0:
-            raise RemoteRankError(f"{kind}: rank {source} could not pickle the object it sent (see its error); "
-                                  f"rank {self.rank} on {self.host} stops too")
+            return None
         buf = torch.empty(int(n), dtype=torch.uint8)
         for start in range(0, buf.numel(), _wire.OBJ_CHUNK_BYTES):
             dist.recv(buf[start:start + _wire.OBJ_CHUNK_BYTES], self.world_rank(source), group=self.object_group,

@@ -5,14 +5,16 @@ On CPU the inside-node part goes through shared memory (:mod:`torchmn.communicat
 TCP loopback; only the node's first rank talks to other nodes, through torch.distributed. The
 sharded optimizer's reduce-scatter and all-gather go the same way: through shared memory inside
 a node, and across nodes over "rails" (local rank i of every node), so every rank sends only its
-part over the network. On GPU, NCCL already does this inside and across nodes, so the fused NCCL
-collectives are used as they are.
+part over the network. Point-to-point messages between ranks of one node (``send``/``recv``, their
+object forms, the pipeline's activations) go through mailboxes in shared memory
+(:class:`~torchmn.communicators.shm.Mailboxes`). On GPU, NCCL already does this inside and across
+nodes, so the fused NCCL collectives are used as they are for CUDA tensors.
 """
 from __future__ import annotations
 
 import os
 import warnings
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -106,6 +108,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         """
         super().__init__(**kwargs)
         self.segment = None
+        self.mailboxes = None
         self._inter_group = None
         self.rail_group = None
         self._node_mean = None          # the arena mean_tensors keeps between calls
@@ -143,6 +146,10 @@ class HierarchicalCommunicator(FlatCommunicator):
                               f"room (docker run --shm-size=1g, or a larger tmpfs).", RuntimeWarning, stacklevel=3)
             return
         self.segment = shm.NodeSegment.open(tag, slot_bytes=slot, **self._shm_args)
+        # Mailboxes for messages between the node's ranks, where /dev/shm has room beside the segment.
+        box = shm.Mailboxes.box_bytes_for(self.intra_size, free - shm.NodeSegment.size_for(self.intra_size, slot))
+        if self.intra_size > 1 and box:
+            self.mailboxes = shm.Mailboxes.open(tag, box_bytes=box, **self._shm_args)
 
     @classmethod
     def split_groups(cls, parent, members: list[int], local: bool = False) -> dict:
@@ -158,6 +165,56 @@ class HierarchicalCommunicator(FlatCommunicator):
     @property
     def _single_node(self) -> bool:
         return self.inter_size == 1
+
+    def _local_index(self, r: int) -> Optional[int]:
+        """Rank ``r``'s local rank where its messages go through this node's mailboxes, else None."""
+        if self.mailboxes is None or self.node_of(r) != self.inter_rank:
+            return None
+        return self.node_ranks[self.inter_rank].index(r)
+
+    # ----------------------------------------------------------------------------- point to point
+    def send_tensor(self, x: torch.Tensor, dest: int, wire_tag: int) -> None:
+        local = self._local_index(dest)
+        if local is None:
+            return super().send_tensor(x, dest, wire_tag)
+        # The header through the mailbox, saying what follows and which way; CPU data after it,
+        # CUDA data through NCCL.
+        row = _wire.header(_call_check.KIND["bcast"], x=x)
+        self.mailboxes.send(local, torch.tensor(row, dtype=torch.int64).view(torch.uint8), wire_tag)
+        device = self.wire_device(x)
+        if device.type != "cpu":
+            dist.send(_wire.as_bytes(x.to(device)), self.world_rank(dest), group=self.process_group, tag=wire_tag)
+        elif x.numel():
+            self.mailboxes.send(local, _wire.as_bytes(x.detach().cpu()), wire_tag)
+
+    def recv_tensor(self, source: int, wire_tag: int) -> torch.Tensor:
+        local = self._local_index(source)
+        if local is None:
+            return super().recv_tensor(source, wire_tag)
+        row = self.mailboxes.recv(local, wire_tag).view(torch.int64).tolist()
+        if self.wire_device(torch.device(_wire.device_type(row))).type != "cpu":
+            return self._recv_data(row, source, wire_tag)
+        dtype, shape = _wire.meta(row)
+        if _wire.nbytes(dtype, shape) == 0:
+            return torch.empty(shape, dtype=dtype)
+        return _wire.from_bytes(self.mailboxes.recv(local, wire_tag), dtype, shape)
+
+    def send_bytes(self, buf: Optional[torch.Tensor], dest: int, wire_tag: int) -> None:
+        local = self._local_index(dest)
+        if local is None:
+            return super().send_bytes(buf, dest, wire_tag)
+        length = torch.tensor([buf.numel() if buf is not None else -1], dtype=torch.int64)
+        self.mailboxes.send(local, length.view(torch.uint8), wire_tag)
+        if buf is not None:
+            self.mailboxes.send(local, buf, wire_tag)
+
+    def recv_bytes(self, source: int, wire_tag: int) -> Optional[torch.Tensor]:
+        local = self._local_index(source)
+        if local is None:
+            return super().recv_bytes(source, wire_tag)
+        if int(self.mailboxes.recv(local, wire_tag).view(torch.int64)) < 0:
+            return None
+        return self.mailboxes.recv(local, wire_tag)
 
     def _shm_ok(self, t: torch.Tensor) -> bool:
         return self.segment is not None and t.device.type == "cpu" and t.is_contiguous()
@@ -365,6 +422,9 @@ class HierarchicalCommunicator(FlatCommunicator):
         if self.segment is not None:
             self.segment.close()
             self.segment = None
+        if self.mailboxes is not None:
+            self.mailboxes.close()
+            self.mailboxes = None
         super().finalize()
 
     def drop_process_groups(self) -> None:

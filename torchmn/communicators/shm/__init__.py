@@ -7,6 +7,7 @@
 - ``arena.py``: :class:`NodeArena`, memory the ranks share for good, with a barrier (the
   optimizers keep their buffers there);
 - ``mean.py``: :class:`NodeMean`, the mean of many tensors through an arena;
+- ``mailbox.py``: :class:`Mailboxes`, point-to-point messages between the node's ranks;
 - ``pages.py``: new tensors backed by huge pages, cheap to fill.
 
 Example::
@@ -16,12 +17,13 @@ Example::
     True
 """
 from torchmn.communicators.shm.arena import NodeArena
+from torchmn.communicators.shm.mailbox import Mailboxes
 from torchmn.communicators.shm.collectives import (NodeSegment, fits_in, fitting_slot_bytes, free_bytes, new_job_tag,
                                                    requested_slot_bytes, sum_into)
 from torchmn.communicators.shm.mean import NodeMean
 from torchmn.communicators.shm.pages import empty_like_fast
 from torchmn.communicators.shm.segment import SHM_DIR, leftover_segments, remove_stale_segments
 
-__all__ = ["NodeArena", "NodeMean", "NodeSegment", "SHM_DIR", "empty_like_fast", "fits_in", "fitting_slot_bytes",
+__all__ = ["Mailboxes", "NodeArena", "NodeMean", "NodeSegment", "SHM_DIR", "empty_like_fast", "fits_in", "fitting_slot_bytes",
            "free_bytes", "leftover_segments", "new_job_tag", "remove_stale_segments", "requested_slot_bytes",
            "sum_into"]

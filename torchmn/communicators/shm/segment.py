@@ -186,33 +186,9 @@ class Flags:
         first = phase * self.local_size
         self._words[first + self.local_rank] = mark
         row = self._words[first:first + self.local_size]  # a live view of the phase's flags
-        deadline = next_look = None
-        spins = 0
-        pause = SLEEP_FIRST_S
-        while min(row) < lowest:
-            spins += 1
-            if spins < 64:
-                continue
-            # Yield the core, then back off to sleeps: with more ranks than cores (or a busy
-            # machine), spinning would starve the very peer we wait for. The sleeps grow, so that a
-            # rank waiting long (for one computing with every core's threads) wakes up rarely:
-            # each wake-up preempts a thread of the job, and OpenMP's threads wait for each other.
-            if spins < 2048:
-                os.sched_yield()
-                if spins % 256:
-                    continue
-            else:
-                time.sleep(pause)
-                pause = min(pause * 1.1, SLEEP_LONGEST_S)
-            # Looks go by the clock, not by a count of sleeps: on a busy machine a 50 us sleep can
-            # last milliseconds, and the timeout must still fire when it says, since ranks waiting
-            # over TCP meanwhile give the others only watch.GRACE_S to say where they are.
-            now = time.monotonic()
-            if next_look is None:
-                deadline, next_look = now + self._timeout, now + LOOK_EVERY_S
-            elif now >= next_look:
-                next_look = now + LOOK_EVERY_S
-                self._check_peers(phase, seq, now > deadline)
+        if min(row) < lowest:
+            wait_until(lambda: min(row) >= lowest, lambda timed_out: self._check_peers(phase, seq, timed_out),
+                       self._timeout)
         fence()  # the others' flags before their data
         if kinds:
             top = lowest + KINDS
@@ -232,6 +208,22 @@ class Flags:
                 f"steps (did one rank skip backward() or step(), say on a check of its own loss, or call a "
                 f"collective such as the sharded optimizer's state_dict() alone?). Decide such things on every "
                 f"rank alike, e.g. from comm.allreduce of a flag")
+
+    def failed(self, r: int) -> bool:
+        """Whether local rank ``r`` marked itself failed (:meth:`mark_failed`).
+
+        Args:
+            r: a local rank.
+
+        Returns:
+            True once ``r`` broke off with an error.
+
+        Example::
+
+            >>> flags.failed(1)
+            False
+        """
+        return self._rows[0, r] == FAILED
 
     def calls_at(self, phase: int, seq: int) -> dict:
         """What each local rank is at, where it is at call ``seq`` of ``phase``'s row.
@@ -276,6 +268,49 @@ class Flags:
                 f"with shard_state=True, optimizer.state_dict() is one)")
             raise PeerLostError(f"shared-memory collective #{seq}: {who} {why}; "
                                 f"{self._describe(self.local_rank)} gives up")
+
+
+def wait_until(done: Callable[[], bool], look: Callable[[bool], None], timeout: float) -> None:
+    """Wait for ``done()`` without a system call on the fast path: spin, then yield the core, then
+    sleep, in steps growing from 50 us to 1 ms, so that more ranks than cores still make progress.
+
+    Args:
+        done: what is awaited, read from shared memory (cheap: it runs on every spin).
+        look: called every ``LOOK_EVERY_S`` with whether ``timeout`` has passed; it raises where a
+            peer is gone or the wait timed out.
+        timeout: seconds before ``look`` is told so.
+
+    Example::
+
+        >>> wait_until(lambda: words[peer] >= seq, lambda timed_out: check(timed_out), 600.0)
+    """
+    deadline = next_look = None
+    spins = 0
+    pause = SLEEP_FIRST_S
+    while not done():
+        spins += 1
+        if spins < 64:
+            continue
+        # Yield the core, then back off to sleeps: with more ranks than cores (or a busy
+        # machine), spinning would starve the very peer we wait for. The sleeps grow, so that a
+        # rank waiting long (for one computing with every core's threads) wakes up rarely:
+        # each wake-up preempts a thread of the job, and OpenMP's threads wait for each other.
+        if spins < 2048:
+            os.sched_yield()
+            if spins % 256:
+                continue
+        else:
+            time.sleep(pause)
+            pause = min(pause * 1.1, SLEEP_LONGEST_S)
+        # Looks go by the clock, not by a count of sleeps: on a busy machine a 50 us sleep can
+        # last milliseconds, and the timeout must still fire when it says, since ranks waiting
+        # over TCP meanwhile give the others only watch.GRACE_S to say where they are.
+        now = time.monotonic()
+        if next_look is None:
+            deadline, next_look = now + timeout, now + LOOK_EVERY_S
+        elif now >= next_look:
+            next_look = now + LOOK_EVERY_S
+            look(now > deadline)
 
 
 def mark_failed() -> None:
