@@ -110,6 +110,26 @@ def test_cpu_and_cuda_tensors_in_one_call_are_named():
     assert _wire.device_type(rows[1]) == "cuda" and _wire.device_type(_wire.header(1)) is None
 
 
+@pytest.mark.parametrize("views, nodes, shared", [
+    ([(None, 1, None)] * 2, [[0, 1]], "ranks 0, 1 (local ranks 0, 1 on h0) would drive GPU 0 together"),
+    ([(None, 2, None)] * 2, [[0, 1]], None),                       # a GPU each
+    ([("0", 1, None), ("1", 1, None)], [[0, 1]], None),           # Slurm's --gpus-per-task
+    ([("3", 1, None), ("3", 1, None)], [[0, 1]], "would drive GPU 3 together"),
+    ([(None, 1, "h0"), (None, 1, "h1")], [[0, 1]], None),         # two NCCL hosts (tests/gpu)
+    ([(None, 1, None)] * 2, [[0], [1]], None),                     # one rank on each of two nodes
+    ([(None, 2, None)] * 3, [[0, 1, 2]], "ranks 0, 2 (local ranks 0, 2 on h0) would drive GPU 0"),
+    ([(None, 0, None)] * 2, [[0, 1]], None),                       # no GPU: nothing to share
+])
+def test_ranks_that_would_share_a_gpu_are_named(views, nodes, shared):
+    from torchmn.communicators.gpu_sharing import shared_gpu
+
+    said = shared_gpu(views, nodes, ["h0"] * len(views))
+    if shared is None:
+        assert said is None, said
+    else:
+        assert shared in said and "CUDA_VISIBLE_DEVICES" in said and "--device cpu" in said, said
+
+
 def test_pure_nccl_without_gpus_is_refused_with_the_fix():
     code = "import torchmn\ntry:\n    torchmn.create_communicator('pure_nccl')\nexcept ValueError as e:\n    print(e)"
     proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True,

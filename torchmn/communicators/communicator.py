@@ -23,7 +23,6 @@ watched (:mod:`.watch`): a subclass that overrides one decorates it the same way
 """
 from __future__ import annotations
 
-import os
 import socket
 import zlib
 from typing import Any, Optional, Sequence
@@ -31,7 +30,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from torchmn.communicators import _call_check, _wire, failure, watch, world
+from torchmn.communicators import _call_check, _wire, failure, gpu_sharing, watch, world
 from torchmn.communicators._async_utility import Completed
 from torchmn.communicators._gloo_utility import reduce_scatter_single
 from torchmn.communicators._group_utility import match_group_counts, torch_group_count
@@ -133,10 +132,8 @@ class Communicator(CommunicatorBase):
 
     # ----------------------------------------------------------------------------- topology
     def _set_topology(self, node_key: Any) -> None:
-        # Under NCCL, which GPUs each rank sees (without touching CUDA, which would give every
-        # rank a context on a GPU a CPU model never uses), to tell ranks that would share one.
-        gpus = (os.environ.get("CUDA_VISIBLE_DEVICES"), torch.cuda.device_count(),
-                os.environ.get("NCCL_HOSTID")) if self.backend == "nccl" else None
+        # Under NCCL, which GPUs each rank sees, to tell ranks that would share one.
+        gpus = gpu_sharing.view() if self.backend == "nccl" else None
         mine = (node_key, socket.gethostname(), self.name, gpus)
         both = self.allgather_obj(mine) if self.size > 1 else [mine]
         keys = [k for k, _, _, _ in both]
@@ -161,34 +158,7 @@ class Communicator(CommunicatorBase):
         self.node_ranks = [[r for r, k in enumerate(keys) if k == n] for n in nodes]
         self._node_index = [nodes.index(k) for k in keys]
         if gpus is not None:
-            self._shared_gpu = self._gpu_sharing([g for _, _, _, g in both])
-
-    def _gpu_sharing(self, views: list) -> Optional[str]:
-        """What to say when ranks of one node would drive one GPU through NCCL (which refuses
-        that with "Duplicate GPU detected"), or None; the same on every rank. ``views``: each
-        rank's (CUDA_VISIBLE_DEVICES, device count, NCCL_HOSTID)."""
-        users: dict = {}
-        for node in self.node_ranks:
-            for i, r in enumerate(node):
-                visible, count, hostid = views[r]
-                if not count:
-                    continue
-                index = i % count  # the GPU the constructor gives local rank i
-                ids = visible.split(",") if visible else None
-                physical = ids[index] if ids and index < len(ids) else str(index)
-                users.setdefault((self._node_index[r], hostid, physical), []).append((i, r))
-        shared = [(key, ranks) for key, ranks in users.items() if len(ranks) > 1]
-        if not shared:
-            return None
-        (node, _, gpu), ranks = shared[0]
-        count = views[ranks[0][1]][1]
-        return (f"ranks {', '.join(str(r) for _, r in ranks)} (local ranks {', '.join(str(i) for i, _ in ranks)} "
-                f"on {self._hosts[ranks[0][1]]}) would drive GPU {gpu} together through NCCL, which needs a GPU "
-                f"of its own for every rank, and that node has {len(self.node_ranks[node])} ranks for {count} "
-                f"visible GPU(s). Start at most {count} rank(s) per node (torchmn run -np {count}, srun "
-                f"--ntasks-per-node={count} --gres=gpu:{count}), give each rank its own GPU "
-                f"(CUDA_VISIBLE_DEVICES), or keep the model and tensors on the CPU (--device cpu in the "
-                f"examples), which CPU ranks on this machine do through shared memory")
+            self._shared_gpu = gpu_sharing.shared_gpu([g for _, _, _, g in both], self.node_ranks, self._hosts)
 
     @property
     def host(self) -> str:
@@ -356,18 +326,6 @@ class Communicator(CommunicatorBase):
         return self.recv_tensor(source, _wire.wire_tag(tag, "tensor"))
 
     def send_tensor(self, x: torch.Tensor, dest: int, wire_tag: int) -> None:
-        """``send``'s message (an algorithm hook): the header on the CPU, saying what follows and
-        which way (see :meth:`_route`), then the data on its way.
-
-        Args:
-            x: the tensor.
-            dest: a rank other than this one, checked.
-            wire_tag: the tag in torch's tag space (``_wire.wire_tag``).
-
-        Example::
-
-            >>> comm.send_tensor(x, 1, _wire.wire_tag(0, "tensor"))     # what comm.send(x, 1) does
-        """
         group, device = self._route(x.device.type)
         hdr = torch.tensor(_wire.header(_call_check.KIND["bcast"], x=x), dtype=torch.int64)
         dist.send(hdr, self.world_rank(dest), group=self.object_group, tag=wire_tag)
@@ -376,19 +334,6 @@ class Communicator(CommunicatorBase):
             dist.send(data, self.world_rank(dest), group=group, tag=wire_tag)
 
     def recv_tensor(self, source: int, wire_tag: int) -> torch.Tensor:
-        """``recv``'s message (an algorithm hook), as :meth:`send_tensor` sent it.
-
-        Args:
-            source: a rank other than this one, checked.
-            wire_tag: the tag in torch's tag space.
-
-        Returns:
-            The tensor, on the CPU or, where it came through NCCL, on this rank's GPU.
-
-        Example::
-
-            >>> x = comm.recv_tensor(0, _wire.wire_tag(0, "tensor"))     # what comm.recv(0) does
-        """
         hdr = torch.empty(_wire.HEADER_LEN, dtype=torch.int64)
         dist.recv(hdr, self.world_rank(source), group=self.object_group, tag=wire_tag)
         return self._recv_data(hdr.tolist(), source, wire_tag)
@@ -677,19 +622,6 @@ class Communicator(CommunicatorBase):
         return buf
 
     def send_bytes(self, buf: Optional[torch.Tensor], dest: int, wire_tag: int) -> None:
-        """A pickled object's bytes to ``dest`` (an algorithm hook): their length, then the bytes
-        in chunks, through the CPU group.
-
-        Args:
-            buf: a ``uint8`` CPU tensor, or None to tell the receiver that the object could not
-                be pickled.
-            dest: a rank other than this one, checked.
-            wire_tag: the tag in torch's tag space (``_wire.wire_tag``).
-
-        Example::
-
-            >>> comm.send_bytes(buf, 1, _wire.wire_tag(0, "object"))      # what comm.send_obj does
-        """
         dist.send(torch.tensor([buf.numel() if buf is not None else -1], dtype=torch.int64), self.world_rank(dest),
                   group=self.object_group, tag=wire_tag)
         if buf is None:
@@ -699,19 +631,6 @@ class Communicator(CommunicatorBase):
                       tag=wire_tag)
 
     def recv_bytes(self, source: int, wire_tag: int) -> Optional[torch.Tensor]:
-        """The bytes :meth:`send_bytes` sent (an algorithm hook).
-
-        Args:
-            source: a rank other than this one, checked.
-            wire_tag: the tag in torch's tag space.
-
-        Returns:
-            A ``uint8`` CPU tensor, or None where the sender could not pickle its object.
-
-        Example::
-
-            >>> buf = comm.recv_bytes(0, _wire.wire_tag(0, "object"))
-        """
         n = torch.empty(1, dtype=torch.int64)
         dist.recv(n, self.world_rank(source), group=self.object_group, tag=wire_tag)
         if n.item() < 0:

@@ -685,6 +685,69 @@ class CommunicatorBase(abc.ABC):
         """
 
     @abc.abstractmethod
+    def send_tensor(self, x: torch.Tensor, dest: int, wire_tag: int) -> None:
+        """``send``'s message (an algorithm hook; ``hierarchical`` uses the node's mailboxes): a
+        header on the CPU, saying what follows and which way (``wire_device``), then the data.
+
+        Args:
+            x: the tensor.
+            dest: a rank other than this one, checked.
+            wire_tag: the tag in torch's tag space (``_wire.wire_tag``).
+
+        Example::
+
+            >>> comm.send_tensor(x, 1, _wire.wire_tag(0, "tensor"))     # what comm.send(x, 1) does
+        """
+
+    @abc.abstractmethod
+    def recv_tensor(self, source: int, wire_tag: int) -> torch.Tensor:
+        """``recv``'s message (an algorithm hook), as :meth:`send_tensor` sent it.
+
+        Args:
+            source: a rank other than this one, checked.
+            wire_tag: the tag in torch's tag space.
+
+        Returns:
+            The tensor, on the CPU or, where it came through NCCL, on this rank's GPU.
+
+        Example::
+
+            >>> x = comm.recv_tensor(0, _wire.wire_tag(0, "tensor"))     # what comm.recv(0) does
+        """
+
+    @abc.abstractmethod
+    def send_bytes(self, buf: Optional[torch.Tensor], dest: int, wire_tag: int) -> None:
+        """A pickled object's bytes to ``dest`` (an algorithm hook): their length, then the bytes
+        in chunks, through the CPU group.
+
+        Args:
+            buf: a ``uint8`` CPU tensor, or None to tell the receiver that the object could not
+                be pickled.
+            dest: a rank other than this one, checked.
+            wire_tag: the tag in torch's tag space (``_wire.wire_tag``).
+
+        Example::
+
+            >>> comm.send_bytes(buf, 1, _wire.wire_tag(0, "object"))      # what comm.send_obj does
+        """
+
+    @abc.abstractmethod
+    def recv_bytes(self, source: int, wire_tag: int) -> Optional[torch.Tensor]:
+        """The bytes :meth:`send_bytes` sent (an algorithm hook).
+
+        Args:
+            source: a rank other than this one, checked.
+            wire_tag: the tag in torch's tag space.
+
+        Returns:
+            A ``uint8`` CPU tensor, or None where the sender could not pickle its object.
+
+        Example::
+
+            >>> buf = comm.recv_bytes(0, _wire.wire_tag(0, "object"))
+        """
+
+    @abc.abstractmethod
     def wire_device(self, x: torch.Tensor | torch.device) -> torch.device:
         """The device a collective of ``x`` moves its data on: this rank's GPU (``device``) for
         CUDA tensors under NCCL, else the CPU (through gloo, and shared memory inside a node). A
