@@ -230,9 +230,8 @@ class Communicator(CommunicatorBase):
     def wire_device(self, x: torch.Tensor | torch.device) -> torch.device:
         return self._route((x.device if isinstance(x, torch.Tensor) else torch.device(x)).type)[1]
 
-    def _group_for(self, t: torch.Tensor) -> Optional[dist.ProcessGroup]:
-        """The group that moves ``t`` where it lies (see :meth:`_route`)."""
-        return self._route(t.device.type)[0]
+    def wire_group(self, x: torch.Tensor) -> Optional[dist.ProcessGroup]:
+        return self._route(x.device.type)[0]
 
     def exchange_headers(self, rows: list[list[int]]) -> torch.Tensor:
         """Every rank's call-check header rows, gathered over the CPU group (under NCCL too: a
@@ -308,7 +307,7 @@ class Communicator(CommunicatorBase):
 
     def _bcast_bytes(self, buf: torch.Tensor, root: int) -> None:
         """Root's bytes into every rank's ``buf`` (of root's length), in chunks gloo and NCCL can count."""
-        group = self._group_for(buf)
+        group = self.wire_group(buf)
         if self.size == 1 or buf.numel() == 0:
             return
         for start in range(0, buf.numel(), _wire.OBJ_CHUNK_BYTES):
@@ -336,10 +335,7 @@ class Communicator(CommunicatorBase):
     def recv_tensor(self, source: int, wire_tag: int) -> torch.Tensor:
         hdr = torch.empty(_wire.HEADER_LEN, dtype=torch.int64)
         dist.recv(hdr, self.world_rank(source), group=self.object_group, tag=wire_tag)
-        return self._recv_data(hdr.tolist(), source, wire_tag)
-
-    def _recv_data(self, row: list[int], source: int, wire_tag: int) -> torch.Tensor:
-        """The data a received header ``row`` announces, through torch.distributed."""
+        row = hdr.tolist()
         dtype, shape = _wire.meta(row)
         group, device = self._route(_wire.device_type(row))
         buf = torch.empty(_wire.nbytes(dtype, shape), dtype=torch.uint8, device=device)
@@ -371,7 +367,7 @@ class Communicator(CommunicatorBase):
         longest = max(sizes)
         out = torch.empty(self.size * longest, dtype=torch.uint8, device=buf.device)
         if longest:
-            all_gather_single(out, _wire.padded(buf, longest), group=self._group_for(buf))
+            all_gather_single(out, _wire.padded(buf, longest), group=self.wire_group(buf))
         chunks = self._comm_order([out[g * longest:(g + 1) * longest] for g in range(self.size)])
         return [c[:n] for c, n in zip(chunks, sizes)]
 
@@ -951,7 +947,7 @@ class Communicator(CommunicatorBase):
     def allreduce_flat(self, flat: torch.Tensor, async_op: bool = False, op: str = "sum"):
         if self.size == 1:
             return Completed()
-        return dist.all_reduce(flat, op=OPS[op], group=self._group_for(flat), async_op=async_op)
+        return dist.all_reduce(flat, op=OPS[op], group=self.wire_group(flat), async_op=async_op)
 
     @watch.collective
     def reduce_scatter_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
@@ -962,8 +958,8 @@ class Communicator(CommunicatorBase):
             # torch numbers a group's ranks by world rank; after split(key=...) this communicator's
             # rank r is another group rank, so hand torch the chunks in its order.
             chunks = self._group_order(list(flat.split(shard.numel())))
-            return dist.reduce_scatter(shard, chunks, group=self._group_for(flat), async_op=async_op)
-        return reduce_scatter_single(shard, flat, self._group_for(flat), async_op)
+            return dist.reduce_scatter(shard, chunks, group=self.wire_group(flat), async_op=async_op)
+        return reduce_scatter_single(shard, flat, self.wire_group(flat), async_op)
 
     @watch.collective
     def allgather_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
@@ -972,8 +968,8 @@ class Communicator(CommunicatorBase):
             return Completed()
         if not self._identity_order:  # as in reduce_scatter_flat
             chunks = self._group_order(list(flat.split(shard.numel())))
-            return dist.all_gather(chunks, shard, group=self._group_for(flat), async_op=async_op)
-        return all_gather_single(flat, shard, group=self._group_for(flat), async_op=async_op)
+            return dist.all_gather(chunks, shard, group=self.wire_group(flat), async_op=async_op)
+        return all_gather_single(flat, shard, group=self.wire_group(flat), async_op=async_op)
 
     def open_node_arena(self, shared_bytes: int, region_bytes: int, points: Sequence[str]):
         return None

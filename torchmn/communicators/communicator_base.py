@@ -748,6 +748,22 @@ class CommunicatorBase(abc.ABC):
         """
 
     @abc.abstractmethod
+    def wire_group(self, x: torch.Tensor) -> Optional["torch.distributed.ProcessGroup"]:
+        """The process group a collective of ``x`` moves its data through, where it lies: the
+        tensor group for CUDA tensors under NCCL, else the CPU (gloo) group (see :meth:`wire_device`).
+
+        Args:
+            x: a tensor on :meth:`wire_device` ``(x)``.
+
+        Returns:
+            A ``torch.distributed`` group; None in a world of one.
+
+        Example::
+
+            >>> dist.all_reduce(flat, group=comm.wire_group(flat))     # what allreduce_flat does
+        """
+
+    @abc.abstractmethod
     def wire_device(self, x: torch.Tensor | torch.device) -> torch.device:
         """The device a collective of ``x`` moves its data on: this rank's GPU (``device``) for
         CUDA tensors under NCCL, else the CPU (through gloo, and shared memory inside a node). A

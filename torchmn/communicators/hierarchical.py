@@ -192,12 +192,15 @@ class HierarchicalCommunicator(FlatCommunicator):
         if local is None:
             return super().recv_tensor(source, wire_tag)
         row = self.mailboxes.recv(local, wire_tag).view(torch.int64).tolist()
-        if self.wire_device(torch.device(_wire.device_type(row))).type != "cpu":
-            return self._recv_data(row, source, wire_tag)
         dtype, shape = _wire.meta(row)
+        device = self.wire_device(torch.device(_wire.device_type(row)))
         if _wire.nbytes(dtype, shape) == 0:
-            return torch.empty(shape, dtype=dtype)
-        return _wire.from_bytes(self.mailboxes.recv(local, wire_tag), dtype, shape)
+            return torch.empty(shape, dtype=dtype, device=device)
+        if device.type == "cpu":
+            return _wire.from_bytes(self.mailboxes.recv(local, wire_tag), dtype, shape)
+        buf = torch.empty(_wire.nbytes(dtype, shape), dtype=torch.uint8, device=device)  # through NCCL
+        dist.recv(buf, self.world_rank(source), group=self.process_group, tag=wire_tag)
+        return _wire.from_bytes(buf, dtype, shape)
 
     def send_bytes(self, buf: Optional[torch.Tensor], dest: int, wire_tag: int) -> None:
         local = self._local_index(dest)

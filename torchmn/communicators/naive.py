@@ -26,7 +26,7 @@ class NaiveCommunicator(Communicator):
         for t, (before, _) in zip(tensors, divisors):
             if before > 1:
                 t.div_(before)
-        works = [dist.all_reduce(t, group=self._group_for(t), async_op=True) for t in tensors]
+        works = [dist.all_reduce(t, group=self.wire_group(t), async_op=True) for t in tensors]
         for t, w, (_, after) in zip(tensors, works, divisors):
             w.wait()
             if after > 1:

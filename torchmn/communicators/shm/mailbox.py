@@ -188,6 +188,9 @@ class Mailboxes:
             sender: the local rank it comes from.
             tag: the tag its :meth:`send` gave.
 
+        Returns:
+            The message's bytes, a ``uint8`` CPU tensor of its own.
+
         Raises:
             PeerLostError: the sender exited, broke off, or sent nothing within the timeout.
 
