@@ -24,12 +24,12 @@ import pytest
 from jobs import job_key
 
 # Files whose every test needs Slurm (and root), or MPI.
-CLUSTER_FILES = {"test_slurm.py", "test_mpi.py", "test_mpi_hosts.py"}
+CLUSTER_FILES = {"test_slurm.py", "test_mpi.py", "test_mpi_hosts.py", "test_emulated_nodes.py"}
 # Fixtures that bring up hosts in network namespaces with their own sshd (root).
 CLUSTER_FIXTURES = {"cluster"}
 # What only one worker at a time may hold: the Slurm cluster and the network-namespace hosts.
 HOSTS_GROUP = "hosts"
-HOSTS_FILES = {"test_slurm.py", "test_mpi_hosts.py"}
+HOSTS_FILES = {"test_slurm.py", "test_mpi_hosts.py", "test_emulated_nodes.py"}
 # Module-scoped fixtures that start a job every test of the module probes: one worker starts it.
 SHARED_JOB_FIXTURES = {"job"}
 # Files whose tests start heavy local instances of a framework: one worker runs them, one at a time.

@@ -1,0 +1,103 @@
+"""Allreduce across emulated nodes: torchmn's ``flat`` and ``hierarchical`` against raw gloo, beside the
+link's floor.
+
+    python bench/multinode/bench_allreduce.py                          # 2 nodes x 1 rank, 1gbit (root)
+    python bench/multinode/bench_allreduce.py --links 100mbit 1gbit 10gbit --ranks-per-node 1 2
+
+Every row runs on 2 emulated nodes (``nodes.py``: network namespaces, each with its own cores, the
+link shaped with tc's token bucket both ways). In one job, rounds interleave the three ways at each
+size: ``dist.all_reduce`` on the world group (raw gloo), ``allreduce_flat`` of a ``flat``
+communicator (one gloo allreduce over every rank) and of the default ``hierarchical`` one (shared
+memory inside a node, the nodes' first ranks across). Each figure is the median over ``--rounds``
+of the slowest rank's time per call. The floor is what the link allows for an allreduce among the
+nodes: bytes x 2(n-1)/n / rate, n the node count; ``of line rate`` is floor / time of the faster
+torchmn way.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from nodes import PROFILES, REPO, EmulatedNodes  # noqa: E402
+
+SIZES_MB = (0.1, 1, 7.2, 64)
+WAYS = ("gloo all_reduce", "torchmn flat", "torchmn hierarchical")
+
+
+def rank_main(sizes, rounds: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import torchmn
+    from torchmn.communicators import make_communicator
+
+    comm = torchmn.create_communicator("hierarchical")
+    flat = make_communicator("flat", rank=comm.rank, size=comm.size, group=comm.process_group,
+                             obj_group=comm.object_group, backend=comm.backend, node_key=comm.node_key)
+    ways = {WAYS[0]: lambda x: dist.all_reduce(x), WAYS[1]: lambda x: flat.allreduce_flat(x),
+            WAYS[2]: lambda x: comm.allreduce_flat(x)}
+    figures = {}
+    for mb in sizes:
+        x = torch.ones(int(mb * (1 << 20)) // 4)
+        calls = max(1, int(8 / mb)) if mb < 8 else 1
+        for way, fn in ways.items():
+            fn(x)  # warm-up: connections, buffers
+        for _ in range(rounds):
+            for way, fn in ways.items():
+                comm.barrier()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn(x)
+                figures.setdefault(f"{mb}|{way}", []).append((time.perf_counter() - t0) / calls)
+    every = comm.gather_obj(figures)
+    if comm.rank == 0:
+        slowest = {k: [max(f[k][i] for f in every) for i in range(rounds)] for k in figures}
+        print("FIGURES " + json.dumps(slowest), flush=True)
+    flat.finalize()
+    comm.finalize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--links", nargs="+", default=["1gbit"], choices=list(PROFILES))
+    parser.add_argument("--ranks-per-node", nargs="+", type=int, default=[1])
+    parser.add_argument("--sizes", nargs="+", type=float, default=list(SIZES_MB), help="MB")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.rank:
+        rank_main(args.sizes, args.rounds)
+        return
+    print("| link | nodes x ranks | MB | gloo all_reduce ms | torchmn flat ms | torchmn hierarchical ms | "
+          "floor ms | of line rate | flat vs gloo | hierarchical vs gloo |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for link in args.links:
+        for per_node in args.ranks_per_node:
+            with EmulatedNodes(2, link) as nodes:
+                argv = nodes.torchmn_run(per_node, [sys.executable, str(Path(__file__)), "--rank", "--rounds",
+                                                    str(args.rounds), "--sizes", *map(str, args.sizes)])
+                env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+                proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
+            line = next((ln for ln in proc.stdout.splitlines() if "FIGURES " in ln), None)
+            if proc.returncode != 0 or line is None:
+                raise SystemExit(f"the job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            figures = json.loads(line.split("FIGURES ", 1)[1])
+            for mb in args.sizes:
+                med = {way: statistics.median(figures[f"{mb}|{way}"]) for way in WAYS}
+                floor = mb * (1 << 20) * 2 * (2 - 1) / 2 / PROFILES[link]
+                best = min(med[WAYS[1]], med[WAYS[2]])
+                print(f"| {link} | 2 x {per_node} | {mb:g} | {med[WAYS[0]] * 1e3:.2f} | {med[WAYS[1]] * 1e3:.2f} | "
+                      f"{med[WAYS[2]] * 1e3:.2f} | {floor * 1e3:.2f} | {floor / best:.0%} | "
+                      f"{med[WAYS[1]] / med[WAYS[0]]:.2f}x | {med[WAYS[2]] / med[WAYS[0]]:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
