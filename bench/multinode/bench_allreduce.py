@@ -56,7 +56,7 @@ def rank_main(sizes, rounds: int) -> None:
                 t0 = time.perf_counter()
                 for _ in range(calls):
                     fn(x)
-                figures.setdefault(f"{mb}|{way}", []).append((time.perf_counter() - t0) / calls)
+                figures.setdefault(f"{float(mb)}|{way}", []).append((time.perf_counter() - t0) / calls)
     every = comm.gather_obj(figures)
     if comm.rank == 0:
         slowest = {k: [max(f[k][i] for f in every) for i in range(rounds)] for k in figures}
@@ -91,7 +91,7 @@ def main() -> None:
                 raise SystemExit(f"the job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             figures = json.loads(line.split("FIGURES ", 1)[1])
             for mb in args.sizes:
-                med = {way: statistics.median(figures[f"{mb}|{way}"]) for way in WAYS}
+                med = {way: statistics.median(figures[f"{float(mb)}|{way}"]) for way in WAYS}
                 floor = mb * (1 << 20) * 2 * (2 - 1) / 2 / PROFILES[link]
                 best = min(med[WAYS[1]], med[WAYS[2]])
                 print(f"| {link} | 2 x {per_node} | {mb:g} | {med[WAYS[0]] * 1e3:.2f} | {med[WAYS[1]] * 1e3:.2f} | "

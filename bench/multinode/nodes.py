@@ -83,7 +83,12 @@ class EmulatedNodes:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.cluster.stop()  # deleting a namespace deletes its veth pair and both qdiscs
+        # Each node's veth pair (and its qdiscs) goes with its bridge-side end at once; left to the
+        # namespace's deletion it lingers a moment, and a next set-up would meet its name.
+        for k in range(self.count):
+            if self.cluster.subnet is not None:
+                subprocess.run(["ip", "link", "del", f"tmn{self.cluster.subnet}v{k}"], capture_output=True, timeout=20)
+        self.cluster.stop()
         signal.signal(signal.SIGTERM, self._previous)
 
     def _shape(self, name: str) -> None:
