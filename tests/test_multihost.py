@@ -306,6 +306,17 @@ def test_two_hosts_two_ranks_each(cluster, check, request):
         assert "[0] TOPOLOGY size=4 inter_size=2 intra_size=2" in proc.stdout, proc.stdout
 
 
+def test_hosts_of_different_rank_counts(cluster):
+    """2 ranks on h1, 1 on h2: setting up shared memory (the segment, the mailboxes) is decided
+    alike on every rank, and messages inside h1 and across the hosts arrive."""
+    checks = ("ring", "collectives", "objects", "mean_grad")
+    proc = launch(cluster, "-np", "3", "-H", hosts_arg(cluster, ("h1", 2), ("h2", 1)),
+                  sys.executable, str(WORKERS / "comm_checks.py"), *checks)
+    assert_hosts_idle(cluster)
+    for check in checks:
+        assert_check_passed(proc, check)
+
+
 SHARDED_CHECKS = ("equivalence", "state_dict_format", "unused_parameter", "shared_memory_where_possible",
                   "clip_grad_norm", "state_per_parameter")
 

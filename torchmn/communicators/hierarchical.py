@@ -140,8 +140,11 @@ class HierarchicalCommunicator(FlatCommunicator):
             timeout=collective_timeout_s(),
             describe=lambda i: f"rank {my_node[i]} (node {self.inter_rank}, {self.host})")
         # A small /dev/shm (Docker's default is 64 MB) means smaller slots, or TCP inside the node.
+        # Sized for the largest node, so that every rank decides alike: opening a segment or the
+        # mailboxes is a collective of every rank, also where nodes hold different rank counts.
         free = min(frees)
-        slot = shm.fitting_slot_bytes(self.intra_size, free)
+        most = max(len(node) for node in self.node_ranks)
+        slot = shm.fitting_slot_bytes(most, free)
         if slot == 0:
             if self.rank == 0:
                 warnings.warn(f"torchmn: /dev/shm has {free >> 20} MiB free, too little for shared-memory "
@@ -150,8 +153,8 @@ class HierarchicalCommunicator(FlatCommunicator):
             return
         self.segment = shm.NodeSegment.open(tag, slot_bytes=slot, **self._shm_args)
         # Mailboxes for messages between the node's ranks, where /dev/shm has room beside the segment.
-        box = shm.Mailboxes.box_bytes_for(self.intra_size, free - shm.NodeSegment.size_for(self.intra_size, slot))
-        if self.intra_size > 1 and box:
+        box = shm.Mailboxes.box_bytes_for(most, free - shm.NodeSegment.size_for(most, slot))
+        if box:
             self.mailboxes = shm.Mailboxes.open(tag, box_bytes=box, **self._shm_args)
 
     @classmethod
