@@ -113,7 +113,7 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
         rank, size, owns = env.rank, env.size, True
     group = dist.group.WORLD if dist.is_initialized() else None
     obj_group = group
-    cpu_too = ":" in backend and "cpu:gloo" in backend  # a world of both, "cpu:gloo,cuda:nccl"
+    cpu_too = "cpu:gloo" in backend  # a world of both, "cpu:gloo,cuda:nccl"
     if ":" in backend:
         backend = "nccl" if "cuda:nccl" in backend else "gloo"
     if backend == "nccl" and group is not None and not cpu_too:

@@ -81,7 +81,6 @@ def check_headers(kind: str, hdrs: torch.Tensor, error: Optional[Exception], sam
                               f"rank {rank} on {host} stops too")
     first = hdrs[:, 0, :]
     problems = []
-    devices = {code: name for name, code in _wire.DEVICE_CODES.items()}
     for field, col, names in (("collective", 0, KINDS), ("root", 1, None), ("op", 2, tuple(OPS))):
         vals = first[:, col].tolist()
         if len(set(vals)) > 1:
@@ -99,7 +98,7 @@ def check_headers(kind: str, hdrs: torch.Tensor, error: Optional[Exception], sam
         # tensors through gloo, and the two cannot meet.
         codes = [(r, int(c)) for r, c in enumerate(first[:, _wire.DEVICE].tolist()) if c != _wire.NONE]
         if len({c for _, c in codes}) > 1:
-            problems.append("device differs: " + ", ".join(f"rank {r}: {devices[c]}" for r, c in codes) +
+            problems.append("device differs: " + ", ".join(f"rank {r}: {_wire.DEVICE_TYPES[c]}" for r, c in codes) +
                             " (move the tensors to comm.device on every rank, or keep them on the CPU on every rank)")
     if problems:
         raise CollectiveMismatchError(f"ranks called {kind} inconsistently ({'; '.join(problems)}); "

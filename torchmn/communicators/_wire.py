@@ -32,7 +32,8 @@ DEVICE = 5 + MAX_NDIM  # where the tensor lies: DEVICE_CODES, or NONE without a 
 NONE = -1
 # A call's data travels the way of its tensors' device (Communicator routes by it): a rank that
 # has no tensor of its own (a broadcast's receivers) learns the way from the header.
-DEVICE_CODES = {"cpu": 0, "cuda": 1}
+DEVICE_TYPES = ("cpu", "cuda")  # by code
+DEVICE_CODES = {name: code for code, name in enumerate(DEVICE_TYPES)}
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -64,7 +65,7 @@ def meta(row: Sequence[int]) -> tuple[torch.dtype, tuple[int, ...]] | None:
 def device_type(row: Sequence[int]) -> str | None:
     """The device type (``"cpu"`` or ``"cuda"``) of the tensor a header row describes, or None."""
     code = int(row[DEVICE])
-    return None if code == NONE else next(name for name, c in DEVICE_CODES.items() if c == code)
+    return None if code == NONE else DEVICE_TYPES[code]
 
 
 def nbytes(dtype: torch.dtype, shape: Sequence[int]) -> int:

@@ -580,8 +580,7 @@ class Communicator(CommunicatorBase):
     def _agree_obj(self, kind: str, root: int = _wire.NONE, n: int = 0,
                    error: Optional[Exception] = None) -> torch.Tensor:
         """The call check of object collective ``kind`` (see ``_call_check.obj_header``): every
-        rank's row. Under NCCL the headers travel on the CPU group: a tensor collective made meanwhile
-        on another rank is then not named, only timed out."""
+        rank's row."""
         return self._agree(kind, rows=[_call_check.obj_header(n, kind, root)], error=error)
 
     def _obj_lengths(self, n: int, error: Optional[Exception] = None) -> list[int]:
