@@ -29,10 +29,10 @@ def test_two_emulated_nodes_shape_their_link_and_average_with_every_algorithm():
         for rank, (host, cores) in enumerate(zip(nodes.names, nodes.cores)):
             assert f"NODE {rank} {host} {cores}" in proc.stdout, proc.stdout
         # The job's traffic went through the token bucket on both ends of each node's link.
-        for k, ns in enumerate(namespaces):
+        for name, ns in zip(nodes.names, namespaces):
             inside = subprocess.run(["ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", "eth0"],
                                     capture_output=True, text=True, timeout=20).stdout
-            outside = subprocess.run(["tc", "-s", "qdisc", "show", "dev", f"tmn{nodes.cluster.subnet}v{k}"],
+            outside = subprocess.run(["tc", "-s", "qdisc", "show", "dev", nodes.cluster.outer_link(name)],
                                      capture_output=True, text=True, timeout=20).stdout
             for shown in (inside, outside):
                 assert "tbf" in shown and "rate 100Mbit" in shown and "Sent 0 bytes" not in shown, shown

@@ -83,12 +83,7 @@ class EmulatedNodes:
         return self
 
     def __exit__(self, *exc) -> None:
-        # Each node's veth pair (and its qdiscs) goes with its bridge-side end at once; left to the
-        # namespace's deletion it lingers a moment, and a next set-up would meet its name.
-        for k in range(self.count):
-            if self.cluster.subnet is not None:
-                subprocess.run(["ip", "link", "del", f"tmn{self.cluster.subnet}v{k}"], capture_output=True, timeout=20)
-        self.cluster.stop()
+        self.cluster.stop()  # the links go with the namespaces, and their qdiscs with them
         signal.signal(signal.SIGTERM, self._previous)
 
     def _shape(self, name: str) -> None:
@@ -98,9 +93,8 @@ class EmulatedNodes:
         burst = max(128 << 10, int(rate / 250))
         spec = ["root", "tbf", "rate", self.profile, "burst", str(burst), "latency", "100ms"]
         ns = self.cluster.namespaces[self.names.index(name)]
-        outer = f"tmn{self.cluster.subnet}v{self.names.index(name)}"
         for prefix in (["ip", "netns", "exec", ns], []):
-            device = "eth0" if prefix else outer
+            device = "eth0" if prefix else self.cluster.outer_link(name)
             subprocess.run(prefix + ["tc", "qdisc", "add", "dev", device] + spec, check=True,
                            capture_output=True, timeout=20)
 

@@ -115,6 +115,10 @@ class NetnsCluster:
         return ("ssh -F /dev/null -o BatchMode=yes -o StrictHostKeyChecking=no "
                 "-o UserKnownHostsFile=/dev/null -o LogLevel=ERROR -o ConnectTimeout=5")
 
+    def outer_link(self, name: str) -> str:
+        """The bridge's end, in this machine's namespace, of host ``name``'s link (its ``eth0``)."""
+        return f"tmn{self.subnet}v{self.names.index(name)}"
+
     def ssh_argv(self, name: str) -> List[str]:
         return shlex.split(self.ssh_command) + ["-i", self.key, "-p", str(SSH_PORT), self.address(name)]
 
@@ -150,8 +154,8 @@ class NetnsCluster:
         _run(["ip", "link", "add", self.bridge, "type", "bridge"])
         _run(["ip", "addr", "add", f"{self.gateway}/24", "dev", self.bridge])
         _run(["ip", "link", "set", self.bridge, "up"])
-        for k, name in enumerate(self.names):
-            ns, veth = f"tmn{tag}-{name}", f"tmn{tag}v{k}"
+        for name in self.names:
+            ns, veth = f"tmn{tag}-{name}", self.outer_link(name)
             _run(["ip", "netns", "add", ns])
             self.namespaces.append(ns)
             _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns])
@@ -258,6 +262,10 @@ class NetnsCluster:
                 process.kill()
             except psutil.Error:
                 pass
+        # Each link goes with its bridge-side end at once; left to the namespace's deletion it
+        # lingers a moment, and a cluster started next on this subnet would meet its name.
+        for name, _ in zip(self.names, self.namespaces):
+            _run(["ip", "link", "del", self.outer_link(name)], check=False)
         for ns in self.namespaces:
             _run(["ip", "netns", "del", ns], check=False)
         self.namespaces = []
