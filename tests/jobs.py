@@ -59,7 +59,8 @@ class ForkedJob:
         return "".join(texts)
 
     def wait(self) -> subprocess.CompletedProcess:
-        """Wait for every rank to end; the job's exit code is the first failed rank's, else 0.
+        """Wait for every rank to end; the job's exit code is that of the rank that failed first
+        (in time: as under torchmn run, the ranks stopped because of it do not count), else 0.
         Each rank's own exit code and output (stdout, then stderr) stay in ``codes`` and
         ``rank_outputs``.
 
@@ -77,8 +78,8 @@ class ForkedJob:
         shutil.rmtree(self.out, ignore_errors=True)
         if answer["timed_out"]:
             raise subprocess.TimeoutExpired(self.argv, self.timeout, out, err)
-        failed = [c for c in answer["codes"] if c != 0]
-        return subprocess.CompletedProcess(self.argv, failed[0] if failed else 0, out, err)
+        first = answer["first_failed"]
+        return subprocess.CompletedProcess(self.argv, 0 if first is None else answer["codes"][first], out, err)
 
 
 class _RankForks:

@@ -9,7 +9,8 @@ mpirun) are tested by jobs they really start.
 
 Protocol, one JSON line per job on stdin: ``{"script", "args", "np", "env", "cwd", "timeout",
 "out", "stop_on_failure"}``; the answers are JSON lines on stdout: ``{"pids": [pid per rank]}`` once the ranks are
-forked, then ``{"codes": [exit code per rank], "timed_out"}`` once they have all ended.
+forked, then ``{"codes": [exit code per rank], "timed_out", "first_failed": the rank that failed first, or
+null}`` once they have all ended.
 Rank ``r`` writes its stdout and stderr to ``{out}/{r}.out`` and ``{out}/{r}.err``. As under
 ``torchmn run``, a rank that fails stops the others (SIGTERM, then SIGKILL after a grace period),
 unless ``stop_on_failure`` is false (ranks started by hand: nobody stops the others).
@@ -115,6 +116,7 @@ def run(job: dict) -> dict:
     sys.stdout.write(json.dumps({"pids": pids}) + "\n")
     sys.stdout.flush()
     codes = [None] * ranks
+    first_failed = None  # the rank that failed first in time (the others may then die of SIGTERM)
     deadline = time.monotonic() + job["timeout"]
     kill_at = None
     timed_out = False
@@ -124,9 +126,11 @@ def run(job: dict) -> dict:
                 done, status = os.waitpid(pid, os.WNOHANG)
                 if done:
                     codes[r] = os.waitstatus_to_exitcode(status)
-                    if codes[r] != 0 and kill_at is None and job.get("stop_on_failure", True):
-                        kill_at = time.monotonic() + GRACE_SECONDS
-                        signal_ranks(pids, codes, signal.SIGTERM)
+                    if codes[r] != 0 and first_failed is None:
+                        first_failed = r
+                        if job.get("stop_on_failure", True):
+                            kill_at = time.monotonic() + GRACE_SECONDS
+                            signal_ranks(pids, codes, signal.SIGTERM)
         if time.monotonic() > deadline:
             timed_out = True
         if timed_out or (kill_at is not None and time.monotonic() > kill_at):
@@ -136,7 +140,7 @@ def run(job: dict) -> dict:
                     codes[r] = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
             break
         time.sleep(0.01)
-    return {"codes": codes, "timed_out": timed_out}
+    return {"codes": codes, "timed_out": timed_out, "first_failed": first_failed}
 
 
 def main() -> None:
