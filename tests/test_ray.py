@@ -3,9 +3,9 @@ package index, in the `dev` extra): the recipe in examples/ray trains and checkp
 `ray.train`; the communicator adopts Ray's process group and leaves it to Ray, keeps Ray's thread
 setting, and leaves a failed worker to Ray's failure handling.
 
-Each script starts a local Ray instance (a dozen processes), which on a loaded 2-core machine takes
-longer than a run: the tests share one worker (tests/conftest.py), the adopt and fail checks one
-instance, and each gets more than the suite's default limit. Ray lowers its workers' priority
+A local Ray instance (a dozen processes) takes longer to start on a loaded 2-core machine than a
+run: the recipe and the checks run in one instance (tests/workers/ray_checks.py), on one worker
+(tests/conftest.py), with more than the suite's default limit. Ray lowers its workers' priority
 (nice 15), which beside the rest of the suite starves them for minutes: the tests keep them at
 the suite's priority."""
 import os
@@ -37,13 +37,12 @@ def _run(argv):
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-    """The output of ray_checks.py: the adopt run, then the fail run, in one Ray instance."""
+    """The output of ray_checks.py: the recipe, the adopt run, then the fail run, in one Ray instance."""
     return _run([sys.executable, str(WORKERS / "ray_checks.py"), str(tmp_path_factory.mktemp("ray"))])
 
 
-def test_the_ray_recipe_trains_and_checkpoints(tmp_path):
-    out = _run([sys.executable, str(REPO / "examples" / "ray" / "train_mnist_ray.py"), "--workers", "2",
-                "--epochs", "2", "--n-train", "400", "--storage", str(tmp_path)])
+def test_the_ray_recipe_trains_and_checkpoints(checks):
+    out = checks
     final = re.search(r"final: (\{.*\})", out)
     assert final, out
     assert "'epoch': 1" in final.group(1) and "'ranks': 2" in final.group(1), final.group(1)

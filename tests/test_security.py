@@ -492,6 +492,7 @@ time.sleep(60)
 """
 
 
+@pytest.mark.cluster  # needs root: the crowd comes from another user (nobody)
 @pytest.mark.parametrize("greeting", [False, True], ids=["idle", "half_greeting"])
 def test_hundreds_of_idle_connections_do_not_delay_the_job(tmp_path, greeting):
     """Another user opens 600 connections to the gate and sends nothing (or the first byte of a
@@ -677,7 +678,8 @@ def test_a_slurm_task_refuses_a_store_that_cannot_prove_the_token(tmp_path):
 @pytest.mark.parametrize("spoil, words", [
     (lambda key: key.write_bytes(b""), "holds 0 characters, fewer than"),
     (lambda key: key.chmod(0o644), "can be read by others (mode 644); run chmod 600"),
-    (lambda key: os.chown(key, os.getuid() + 4242, -1), "belongs to user id"),
+    pytest.param(lambda key: os.chown(key, os.getuid() + 4242, -1), "belongs to user id",
+                 marks=pytest.mark.cluster),  # needs root: giving a file away
 ], ids=["empty", "readable_by_others", "another_owner"])
 def test_a_spoiled_slurm_key_file_is_refused(tmp_path, spoil, words):
     """The key that Slurm tasks derive their token from: a file anyone could guess (empty), read

@@ -2,15 +2,19 @@
 
 Usage: python ray_checks.py STORAGE
 
-Both runs share one local Ray instance (starting one costs more than a run):
+The three runs share one local Ray instance (starting one costs more than a run):
+- recipe: examples/ray/train_mnist_ray.py as a script (it starts the instance), 2 epochs on 400
+  images, checkpoints under STORAGE/recipe; prints the recipe's own "final:" and "checkpoint:" lines.
 - adopt: each worker's communicator adopts Ray's process group, keeps Ray's thread setting, runs
   an allreduce, and on finalize() leaves the group to Ray; prints "ADOPTED <rank> <threads>" per worker.
 - fail: worker 1 raises after the communicator's first collective, while worker 0 sleeps for 120 s;
   Ray (no retries) ends the run and the driver prints "RAY SAW <error> after <seconds since the raise>".
 """
 import os
+import runpy
 import sys
 import time
+from pathlib import Path
 
 import ray
 import ray.train
@@ -51,7 +55,11 @@ def fit(mode):
     return trainer.fit()
 
 
-ray.init(num_cpus=2, include_dashboard=False)
+recipe = Path(__file__).resolve().parents[2] / "examples" / "ray" / "train_mnist_ray.py"
+sys.argv = [str(recipe), "--workers", "2", "--epochs", "2", "--n-train", "400",
+            "--storage", os.path.join(storage, "recipe")]
+runpy.run_path(str(recipe), run_name="__main__")
+assert ray.is_initialized(), "the recipe started the Ray instance the other runs share"
 raised = os.path.join(storage, "raised")
 print(f"RESULT {fit('adopt').metrics}", flush=True)
 try:
