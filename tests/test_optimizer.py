@@ -12,7 +12,8 @@ CHECKS = WORKERS / "optim_checks.py"
 ALL = ("equivalence", "compression", "double_buffering", "clipping", "unused_parameter", "unused_everywhere",
        "refusals", "shared_memory_where_possible", "transparency", "zero_fill_false",
        "double_buffering_edge_cases", "half_precision_sums", "failed_backward", "frozen_parameters_start_equal",
-       "complex_parameters", "dtype_changed_after_wrapping", "default_keeps_replicated_semantics")
+       "complex_parameters", "dtype_changed_after_wrapping", "default_keeps_replicated_semantics", "powersgd",
+       "powersgd_refusals")
 
 
 @pytest.mark.check_job("optim")

@@ -40,7 +40,7 @@ def ddp_comm_hook(comm, compression: Optional[str] = None) -> Callable:
         The hook, called by DDP as ``hook(state, bucket)``; register it with ``None`` as the state.
 
     Raises:
-        ValueError: an unknown ``compression``. On the first bucket, on every rank: a communicator
+        ValueError: an unknown ``compression`` (``"powersgd"`` too). On the first bucket, on every rank: a communicator
             over other ranks than the DDP model's process group, which DDP averages over.
 
     Example::
@@ -51,6 +51,10 @@ def ddp_comm_hook(comm, compression: Optional[str] = None) -> Callable:
     """
     if compression is None:
         compression = getattr(comm, "compression", None)
+    if compression == "powersgd":
+        raise TorchmnValueError("ddp_comm_hook(compression='powersgd'): for DDP use torch's own hook, "
+                                "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook; torchmn's PowerSGD "
+                                "is create_multi_node_optimizer(..., compression='powersgd')")
     if compression not in COMPRESSION:
         raise TorchmnValueError(f"compression must be one of None, 'fp16', 'bf16', not {compression!r}")
     averager = _BucketAverager(comm, COMPRESSION[compression])

@@ -65,6 +65,9 @@ def main():
     parser.add_argument("--communicator", default="auto", help="gradient averaging: auto, flat, naive, ...")
     parser.add_argument("--checkpoint", default=None,
                         help="checkpoint directory: save after every epoch, and resume from the newest there")
+    parser.add_argument("--compression", choices=["none", "fp16", "bf16", "powersgd"], default="none",
+                        help="how gradients travel: whole, in half precision, or as PowerSGD's low-rank "
+                             "approximations (for slow links)")
     parser.add_argument("--shard-state", action="store_true", default=None,
                         help="ZeRO stage 1 everywhere (by default the ranks of one node already split the update)")
     add_data_arguments(parser)
@@ -86,7 +89,8 @@ def main():
     model = make_model().to(device)
     optimizer = torch.optim.Adam(model.parameters())
     optimizer = torchmn.create_multi_node_optimizer(  # torchmn: averages gradients
-        optimizer, comm, shard_state=args.shard_state)
+        optimizer, comm, shard_state=args.shard_state,
+        compression=None if args.compression == "none" else args.compression)
 
     @torch.no_grad()
     def evaluate_local():

@@ -506,5 +506,60 @@ def check_complex_parameters(comm):
                                                                        compression="fp16"))
 
 
+def fixed_gradients(comm, layer, steps, **kwargs):
+    """SGD (lr 1) on a loss linear in the weights, so each rank's gradient is the same every step
+    (its own random matrix): the parameters' total change is minus the sum of the averaged
+    gradients the optimizer used, to compare with ``steps`` times the true average."""
+    grads = [[torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * r + i), dtype=p.dtype)
+              for i, p in enumerate(layer.parameters())] for r in range(comm.size)]
+    opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(layer.parameters(), lr=1.0), comm, **kwargs)
+    start = [p.detach().clone() for p in layer.parameters()]  # rank 0's, broadcast by the wrapper
+    averages = []
+    for _ in range(steps):
+        opt.zero_grad()
+        sum((p * g).sum() for p, g in zip(layer.parameters(), grads[comm.rank])).backward()
+        averages.append([p.grad.clone() for p in layer.parameters()])
+        opt.step()
+    truth = [torch.stack([g[i] for g in grads]).mean(0) for i in range(len(start))]
+    used = [s - p.detach() for s, p in zip(start, layer.parameters())]
+    opt.remove_hooks()
+    return truth, used, averages
+
+
+def check_powersgd(comm):
+    """compression="powersgd": a single step's rank-1 average misses much of the true one, but
+    error feedback sends what it missed later: the gap between the updates' sum and the true
+    average's stays bounded, so relative to the sum it shrinks as 1/steps; the biases travel whole
+    (exact); every rank holds the same parameters."""
+    gaps = {}
+    for steps in (50, 200):
+        layer = torch.nn.Linear(12, 10).double()
+        truth, used, averages = fixed_gradients(comm, layer, steps, compression="powersgd", powersgd_rank=1)
+        weight, bias = truth
+        gaps[steps] = ((used[0] - steps * weight).norm() / (steps * weight).norm()).item()
+        assert torch.allclose(used[1], steps * bias, rtol=1e-10), "the bias travels whole: exact"
+        for p in layer.parameters():
+            assert all(torch.equal(p, other) for other in comm.allgather_obj(p.detach())), "ranks differ"
+    first = ((averages[0][0] - weight).norm() / weight.norm()).item()
+    assert first > 0.3, f"a rank-1 average of a 10 x 12 matrix should miss much of it, missed {first:.3g}"
+    assert gaps[200] < gaps[50] / 2.5 and gaps[200] < 0.05, f"the updates' sum off the true one's: {gaps}"
+
+
+def check_powersgd_refusals(comm):
+    """What PowerSGD cannot do is refused with the reason and the fix."""
+    def wrap(model, **kwargs):
+        return torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, **kwargs)
+    e = expect(ValueError, lambda: wrap(make_model(), compression="powersgd", shard_state=True))
+    assert "shard_state=False" in str(e), e
+    e = expect(ValueError, lambda: wrap(make_model(), compression="powersgd", double_buffering=True))
+    assert "double_buffering=False" in str(e), e
+    e = expect(ValueError, lambda: wrap(make_model(), compression="powersgd", powersgd_rank=0))
+    assert "positive integer, not 0" in str(e), e
+    e = expect(ValueError, lambda: wrap(torch.nn.Linear(4, 4).bfloat16(), compression="powersgd"))
+    assert "torch.bfloat16 parameters" in str(e) and "autocast" in str(e), e
+    e = expect(ValueError, lambda: torchmn.ddp_comm_hook(comm, compression="powersgd"))
+    assert "powerSGD_hook" in str(e), e
+
+
 if __name__ == "__main__":
     run_checks(globals())

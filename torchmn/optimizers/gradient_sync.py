@@ -24,7 +24,9 @@ from torchmn.monitor import recorder
 from torchmn.optimizers import join as joining
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # small, so communication starts early in backward
-COMPRESSION = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
+# The dtype gradients travel in, by the name a ``compression`` argument gives ("powersgd": their
+# own, as low-rank approximations; see torchmn.optimizers.powersgd).
+COMPRESSION = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16, "powersgd": None}
 
 
 def make_buckets(params: list[torch.nn.Parameter], cap: int, build: Callable[[list], object],
@@ -129,7 +131,7 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     Attributes:
         wrapped: the ``torch.optim.Optimizer`` this one wraps.
         comm: the communicator.
-        compression: ``None``, ``"fp16"`` or ``"bf16"``.
+        compression: ``None``, ``"fp16"``, ``"bf16"`` or ``"powersgd"``.
         wire_dtype: the dtype gradients travel in under ``compression`` (None: their own).
         contributors: how many ranks' gradients this step's average is over (every rank, or
             inside :func:`torchmn.join` those that still have data).
@@ -155,7 +157,8 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         Args:
             optimizer: the ``torch.optim.Optimizer`` to wrap.
             comm: the communicator.
-            compression: ``None``, ``"none"``, ``"fp16"`` or ``"bf16"``: the dtype gradients travel in.
+            compression: ``None``, ``"none"``, ``"fp16"`` or ``"bf16"``: the dtype gradients travel in;
+                ``"powersgd"``: as low-rank approximations (the replicated optimizer only).
             backward_passes_per_step: backward passes accumulated locally per averaging.
 
         Raises:
@@ -170,7 +173,7 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             raise TorchmnTypeError(f"create_multi_node_optimizer wraps a torch.optim.Optimizer, not "
                                    f"{type(optimizer).__name__}")
         if compression not in COMPRESSION:
-            raise TorchmnValueError(f"compression must be one of None, 'fp16', 'bf16', not {compression!r}")
+            raise TorchmnValueError(f"compression must be one of None, 'fp16', 'bf16', 'powersgd', not {compression!r}")
         if backward_passes_per_step < 1:
             raise TorchmnValueError(f"backward_passes_per_step must be >= 1, not {backward_passes_per_step}")
         # Deliberately no Optimizer.__init__: param_groups are the wrapped optimizer's own.

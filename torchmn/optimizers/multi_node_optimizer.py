@@ -18,11 +18,12 @@ from torchmn.communicators import Communicator
 from torchmn.communicators.ops import mean_divisors
 from torchmn.communicators.errors import CollectiveMismatchError
 from torchmn.communicators.shm import sum_into
-from torchmn.errors import TorchmnRuntimeError
+from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
 from torchmn.monitor import recorder
 from torchmn.optimizers.gradient_sync import (GradientSyncOptimizer, copy_scaled, could_share_memory, describe_rank,
                                               make_buckets)
 from torchmn.optimizers.node_memory import open_bucket_arena, region_view
+from torchmn.optimizers.powersgd import LowRankAverager
 
 
 class _Bucket:
@@ -158,7 +159,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, *, double_buffering: bool,
                  zero_fill: bool, compression: Optional[str], bucket_cap_mb: Optional[float],
-                 backward_passes_per_step: int):
+                 backward_passes_per_step: int, powersgd_rank: int = 4):
         """Wrap ``optimizer``: broadcast the parameters from rank 0, build the gradient buckets and
         hook them to backward (collective; :func:`create_multi_node_optimizer` calls it).
 
@@ -173,14 +174,17 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             double_buffering: update with the previous step's averages (ChainerMN's semantics).
             zero_fill: count a gradient missing on some ranks as zeros (with False, such a
                 gradient raises :class:`~torchmn.CollectiveMismatchError`).
-            compression: ``None``, ``"fp16"`` or ``"bf16"``: the dtype gradients travel in.
+            compression: ``None``, ``"fp16"`` or ``"bf16"``: the dtype gradients travel in;
+                ``"powersgd"``: as low-rank approximations (:mod:`torchmn.optimizers.powersgd`).
             bucket_cap_mb: MB of gradients per message (None: the communicator's).
             backward_passes_per_step: backward passes accumulated locally per averaging.
+            powersgd_rank: the approximations' rank under ``compression="powersgd"``.
 
         Raises:
             TypeError: ``optimizer`` is not a torch optimizer.
-            ValueError: an unknown ``compression``, ``backward_passes_per_step < 1``, CPU
-                parameters under NCCL, or compression of complex parameters.
+            ValueError: an unknown ``compression``, ``backward_passes_per_step < 1``, compression
+                of complex parameters; under ``"powersgd"``: half-precision parameters, double
+                buffering, or a ``powersgd_rank`` that is not a positive integer.
             CollectiveMismatchError: the ranks' models differ in layout.
 
         Example::
@@ -191,6 +195,13 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         """
         super().__init__(optimizer, comm, compression=compression,
                          backward_passes_per_step=backward_passes_per_step)
+        low_rank = self.compression == "powersgd"
+        if low_rank and double_buffering:
+            raise TorchmnValueError("compression='powersgd' with double_buffering=True: PowerSGD's error feedback "
+                                    "needs each step's average before the next step's gradients go out; use "
+                                    "double_buffering=False")
+        if low_rank and (not isinstance(powersgd_rank, int) or isinstance(powersgd_rank, bool) or powersgd_rank < 1):
+            raise TorchmnValueError(f"powersgd_rank must be a positive integer, not {powersgd_rank!r}")
         self.double_buffering = double_buffering
         self.zero_fill = zero_fill
         # A world of one averages nothing: the gradients stay where backward put them (compression
@@ -216,6 +227,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         self.arena = None
         if not double_buffering and could_share_memory(self.comm, params, self.compression):
             self.arena = self._place_in_shared_memory()
+        self._averager = LowRankAverager(powersgd_rank, self.buckets, comm) if low_rank else None
         self.attach_hooks(params, self._bucket_sets[0])
 
     def _place_in_shared_memory(self):
@@ -281,13 +293,16 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
                 f"loss through the discriminator: freeze it with requires_grad_(False) meanwhile), or "
                 f"checkpoint(..., use_reentrant=True), whose every segment is a backward of its own (use "
                 f"use_reentrant=False)")
+        bucket.sent_at = recorder.now()
+        if self._averager is not None:
+            self._averager.start(bucket)  # packs it, once a message a raised backward left is done
+            return
         if bucket.work is not None:
             # Sent by a backward that raised (see _check_backward_ended): done with the buffer first.
             bucket.work.wait()
         # Half-precision gradients (compressed, or the model's own) are divided before the sum, so
         # that it cannot overflow.
         before, _ = mean_divisors(bucket.wire_dtype, self.contributors)
-        bucket.sent_at = recorder.now()
         bucket.work = self.comm.allreduce_flat(bucket.pack(1.0 / before if before > 1 else None), async_op=True)
 
     def _all_sent(self) -> None:
@@ -304,14 +319,19 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
 
     def _finish(self, set_index: int) -> None:
         t0 = recorder.begin() if recorder.on else None
-        for i, bucket in enumerate(self._bucket_sets[set_index]):
-            bucket.work.wait()
-            bucket.work = None
+        buckets = self._bucket_sets[set_index]
+        if self._averager is not None:  # the averages are in the buffers, already divided
+            self._averager.finish(buckets, self.contributors)
+        for i, bucket in enumerate(buckets):
+            if self._averager is None:
+                bucket.work.wait()
+                bucket.work = None
             if recorder.timeline_on:  # from the send, during backward, to its average's arrival
                 recorder.event(f"bucket {i}", "average", bucket.sent_at, recorder.now(),
                                {"bytes": bucket.numel * bucket.buffer.element_size()}, thread="averaging")
             _, after = mean_divisors(bucket.wire_dtype, self.contributors)
-            bucket.unpack(1.0 / after if after > 1 else None, self.zero_fill)
+            scale = 1.0 / after if after > 1 and self._averager is None else None
+            bucket.unpack(scale, self.zero_fill)
             bucket.ready.clear()
         if t0 is not None:
             recorder.end("wait for averages", "average", t0)
@@ -412,7 +432,7 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
                                 double_buffering: bool = False, zero_fill: bool = True,
                                 compression: Optional[str] = None, bucket_cap_mb: Optional[float] = None,
                                 backward_passes_per_step: int = 1,
-                                shard_state: Optional[bool] = None) -> torch.optim.Optimizer:
+                                shard_state: Optional[bool] = None, powersgd_rank: int = 4) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so every ``step()`` uses gradients averaged over all ranks.
 
     Which optimizer you get: where every rank is on one node, the parameters are on the CPU and
@@ -428,7 +448,9 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
 
     Parameters are broadcast from rank 0 here, so every rank starts equal. Gradients travel in
     buckets while backward runs (``bucket_cap_mb``, default the communicator's), optionally as
-    ``compression="fp16"``/``"bf16"``; ``backward_passes_per_step=k`` and ``optimizer.no_sync()``
+    ``compression="fp16"``/``"bf16"``, or as low-rank approximations with error feedback for slow
+    links (``compression="powersgd"``, rank ``powersgd_rank``; replicated optimizer only, see
+    :mod:`torchmn.optimizers.powersgd`); ``backward_passes_per_step=k`` and ``optimizer.no_sync()``
     accumulate locally and communicate once; ``double_buffering=True`` updates with the previous
     step's averages while the current ones are in flight (the first ``step()`` only sends, and so
     does the first after loading a checkpoint: the averages in flight are not part of
@@ -445,13 +467,16 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
             raises :class:`~torchmn.CollectiveMismatchError`).
         compression: ``None``, ``"fp16"`` or ``"bf16"``: the dtype gradients travel in (default:
             the communicator's ``compression``, None unless ``create_communicator`` was given
-            ``allreduce_grad_dtype``; ``"none"`` sends them uncompressed regardless).
+            ``allreduce_grad_dtype``; ``"none"`` sends them uncompressed regardless);
+            ``"powersgd"``: PowerSGD's low-rank approximations.
         bucket_cap_mb: MB of gradients per message (default: the communicator's).
         backward_passes_per_step: backward passes accumulated locally per averaging.
         shard_state: None (default): split the update over the ranks where they share a node
             (see above), else replicate it; True: ZeRO stage 1 (:class:`ShardedMultiNodeOptimizer`),
             each rank updates and keeps state for 1/size of the model, on any number of nodes;
             False: every rank updates the whole model (:class:`MultiNodeOptimizer`).
+        powersgd_rank: the rank of PowerSGD's approximations (``compression="powersgd"``): 1
+            sends least, higher keeps more of each step's gradient.
 
     Returns:
         A ``NodeSharedOptimizer``, :class:`MultiNodeOptimizer` or :class:`ShardedMultiNodeOptimizer`.
@@ -486,7 +511,7 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
                                          backward_passes_per_step=backward_passes_per_step)
     return MultiNodeOptimizer(optimizer, comm, double_buffering=double_buffering, zero_fill=zero_fill,
                               compression=compression, bucket_cap_mb=bucket_cap_mb,
-                              backward_passes_per_step=backward_passes_per_step)
+                              backward_passes_per_step=backward_passes_per_step, powersgd_rank=powersgd_rank)
 
 
 def _can_split_on_node(optimizer, comm: Communicator, double_buffering: bool, zero_fill: bool,

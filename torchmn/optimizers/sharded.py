@@ -87,7 +87,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
 
         Raises:
             TypeError: ``optimizer`` is not a torch optimizer, or not an elementwise one.
-            ValueError: an unknown ``compression``, ``backward_passes_per_step < 1``,
+            ValueError: an unknown ``compression`` (or ``"powersgd"``), ``backward_passes_per_step < 1``,
                 ``double_buffering=True``, ``zero_fill=False``, CPU parameters under NCCL, or
                 compression of complex parameters.
             CollectiveMismatchError: the ranks' models differ in layout.
@@ -98,6 +98,10 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         """
         super().__init__(optimizer, comm, compression=compression,
                          backward_passes_per_step=backward_passes_per_step)
+        if compression == "powersgd":
+            raise TorchmnValueError("shard_state=True with compression='powersgd': each rank updates its slice "
+                                    "from reduce-scattered gradients, which PowerSGD's low-rank messages do not "
+                                    "give; use the replicated optimizer (shard_state=False)")
         check_optimizer(optimizer)
         if double_buffering:
             raise TorchmnValueError("shard_state=True cannot be combined with double_buffering=True: the shard "
