@@ -4,7 +4,7 @@ link's floor.
     python bench/multinode/bench_allreduce.py                          # 2 nodes x 1 rank, 1gbit (root)
     python bench/multinode/bench_allreduce.py --links 100mbit 1gbit 10gbit --ranks-per-node 1 2
 
-Every row runs on 2 emulated nodes (``nodes.py``: network namespaces, each with its own cores, the
+Every row runs on ``--nodes`` emulated nodes (2 by default; ``nodes.py``: network namespaces, each with its own cores, the
 link shaped with tc's token bucket both ways). In one job, rounds interleave the three ways at each
 size: ``dist.all_reduce`` on the world group (raw gloo), ``allreduce_flat`` of a ``flat``
 communicator (one gloo allreduce over every rank) and of the default ``hierarchical`` one (shared
@@ -68,9 +68,12 @@ def rank_main(sizes, rounds: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--links", nargs="+", default=["1gbit"], choices=list(PROFILES))
+    parser.add_argument("--nodes", type=int, default=2, help="emulated nodes (each needs a core of its own)")
     parser.add_argument("--ranks-per-node", nargs="+", type=int, default=[1])
     parser.add_argument("--sizes", nargs="+", type=float, default=list(SIZES_MB), help="MB")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", default=None, metavar="FILE",
+                        help="also write every row's medians (seconds) here, for bench/multinode/model.py --fit")
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank:
@@ -79,9 +82,10 @@ def main() -> None:
     print("| link | nodes x ranks | MB | gloo all_reduce ms | torchmn flat ms | torchmn hierarchical ms | "
           "floor ms | of line rate | flat vs gloo | hierarchical vs gloo |")
     print("|---|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for link in args.links:
         for per_node in args.ranks_per_node:
-            with EmulatedNodes(2, link) as nodes:
+            with EmulatedNodes(args.nodes, link) as nodes:
                 argv = nodes.torchmn_run(per_node, [sys.executable, str(Path(__file__)), "--rank", "--rounds",
                                                     str(args.rounds), "--sizes", *map(str, args.sizes)])
                 env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
@@ -92,11 +96,16 @@ def main() -> None:
             figures = json.loads(line.split("FIGURES ", 1)[1])
             for mb in args.sizes:
                 med = {way: statistics.median(figures[f"{float(mb)}|{way}"]) for way in WAYS}
-                floor = mb * (1 << 20) * 2 * (2 - 1) / 2 / PROFILES[link]
+                floor = mb * (1 << 20) * 2 * (args.nodes - 1) / args.nodes / PROFILES[link]
                 best = min(med[WAYS[1]], med[WAYS[2]])
-                print(f"| {link} | 2 x {per_node} | {mb:g} | {med[WAYS[0]] * 1e3:.2f} | {med[WAYS[1]] * 1e3:.2f} | "
+                rows.append({"link": link, "nodes": args.nodes, "ranks_per_node": per_node, "bytes": mb * (1 << 20),
+                             "seconds": med})
+                print(f"| {link} | {args.nodes} x {per_node} | {mb:g} | {med[WAYS[0]] * 1e3:.2f} | {med[WAYS[1]] * 1e3:.2f} | "
                       f"{med[WAYS[2]] * 1e3:.2f} | {floor * 1e3:.2f} | {floor / best:.0%} | "
                       f"{med[WAYS[1]] / med[WAYS[0]]:.2f}x | {med[WAYS[2]] / med[WAYS[0]]:.2f}x |", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
