@@ -2,8 +2,10 @@
 own and a shaped link, a real job across them, and nothing left behind. Needs root, iproute2 (ip,
 tc) and openssh-server, as the multi-host tests do."""
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from jobs import REPO, WORKERS, clean_env
@@ -52,3 +54,36 @@ def test_the_harness_names_what_is_missing(monkeypatch):
     assert "tc (apt-get install iproute2)" in str(caught.value)
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20).stdout
     assert "node1" not in listed
+
+
+def _namespaces() -> set:
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=20).stdout
+    return {line.split()[0] for line in listed.splitlines() if line.strip()}
+
+
+def test_two_sigterms_in_a_row_still_tear_everything_down():
+    """`timeout` (or a scheduler) passes on a SIGTERM of its own after the harness's: the second one
+    must not cut the teardown short and leave namespaces and links behind."""
+    before = _namespaces()
+    proc = subprocess.Popen([sys.executable, str(REPO / "bench" / "multinode" / "nodes.py"), "--nodes", "2",
+                             "--link", "1gbit", "--", "sleep", "60"], cwd=REPO, env=clean_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while len(_namespaces() - before) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        made = _namespaces() - before
+        assert len(made) == 2, "the harness never brought its nodes up"
+        time.sleep(2)  # the job is starting on them
+        proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)  # in the teardown now
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert not made & _namespaces(), (made, proc.stderr.read()[-3000:])
+    links = subprocess.run(["ip", "-br", "link", "show"], capture_output=True, text=True, timeout=20).stdout
+    prefixes = {name.split("-")[0] for name in made}  # a cluster's namespaces, bridge and links share one prefix
+    assert not any(line.startswith(tuple(prefixes)) for line in links.splitlines()), links

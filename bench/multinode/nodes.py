@@ -83,8 +83,15 @@ class EmulatedNodes:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.cluster.stop()  # the links go with the namespaces, and their qdiscs with them
-        signal.signal(signal.SIGTERM, self._previous)
+        # A second SIGTERM or Ctrl-C (a wrapper such as timeout passes its own on) must not cut the
+        # teardown short, which would leave namespaces behind: ignored until it is done.
+        previous_int = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            self.cluster.stop()  # the links go with the namespaces, and their qdiscs with them
+        finally:
+            signal.signal(signal.SIGINT, previous_int)
+            signal.signal(signal.SIGTERM, self._previous)
 
     def _shape(self, name: str) -> None:
         """A token bucket both ways on the node's link: its eth0 (out) and the bridge's end (in)."""
