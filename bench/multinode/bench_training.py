@@ -2,6 +2,7 @@
 
     python bench/multinode/bench_training.py                            # 2 nodes x 1 rank, 1gbit (root)
     python bench/multinode/bench_training.py --links 100mbit 1gbit --repeats 3
+    python bench/multinode/bench_training.py --models mlp --ways DDP torchmn --bucket-sweep 1 4 25 64
 
 Two models on synthetic data (no data loading, so the step is all there is): the MNIST MLP
 (784-1000-1000-10, 1.8 M parameters, batches of 100 a rank, communication-heavy) and a small
@@ -74,9 +75,12 @@ def rank_main(way: str, model_name: str) -> None:
         import torchmn
         comm = torchmn.create_communicator()
         rank, size = comm.rank, comm.size
-        options = {"torchmn": {}, "torchmn fp16": {"compression": "fp16"},
-                   "torchmn shard_state": {"shard_state": True},
-                   "torchmn powersgd": {"compression": "powersgd"}}[way]
+        if way.endswith(" MB buckets"):  # the bucket sweep: "torchmn 4 MB buckets"
+            options = {"bucket_cap_mb": float(way.split()[1])}
+        else:
+            options = {"torchmn": {}, "torchmn fp16": {"compression": "fp16"},
+                       "torchmn shard_state": {"shard_state": True},
+                       "torchmn powersgd": {"compression": "powersgd"}}[way]
         optimizer = torchmn.create_multi_node_optimizer(optimizer, comm, **options)
     g = torch.Generator().manual_seed(rank)
     x, y = torch.randn(batch, *shape, generator=g), torch.randint(0, 10, (batch,), generator=g)
@@ -128,28 +132,31 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--ways", nargs="+", default=list(WAYS), choices=list(WAYS))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--bucket-sweep", nargs="*", type=float, default=[], metavar="MB",
+                        help="also torchmn's default with these bucket_cap_mb (the first bucket stays at most 1 MB)")
     parser.add_argument("--rank", nargs=2, metavar=("WAY", "MODEL"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank:
         rank_main(*args.rank)
         return
     me = [sys.executable, str(Path(__file__))]
+    ways = [*args.ways, *(f"torchmn {mb:g} MB buckets" for mb in args.bucket_sweep)]
     print("| link | model | way | step ms (median) | min-max | vs DDP | allreduce ms | hidden | weak scaling |")
     print("|---|---|---|---|---|---|---|---|---|")
     for link in args.links:
         with EmulatedNodes(2, link) as nodes:
             first_core = nodes.cores[0]
             for model in args.models:
-                rows = {way: [] for way in ("one process", *args.ways)}
+                rows = {way: [] for way in ("one process", *ways)}
                 for _ in range(args.repeats):
                     rows["one process"].append(run(me + ["--rank", "one process", model],
                                                    preexec=lambda: os.sched_setaffinity(0, first_core)))
-                    for way in args.ways:
+                    for way in ways:
                         rows[way].append(run(nodes.torchmn_run(1, me + ["--rank", way, model])))
                 one = statistics.median(r["step"] for r in rows["one process"])
                 ddp = statistics.median(r["step"] for r in rows["DDP"]) if "DDP" in rows else None
                 print(f"| {link} | {model} | one process (compute) | {one * 1e3:.1f} | - | - | - | - | - |", flush=True)
-                for way in args.ways:
+                for way in ways:
                     steps = [r["step"] for r in rows[way]]
                     step = statistics.median(steps)
                     allreduce = statistics.median(r["allreduce"] for r in rows[way])
