@@ -6,11 +6,12 @@
 The workload of ChainerMN's MNIST example: MLP 784-1000-1000-10, Adam, 20 epochs, batch 100 per
 process (the global batch grows with the process count, as in ChainerMN), here on 1000 images of
 the bundled subset. Rows: 1, 2 and 4 processes on one node, and 2 "nodes" x 1 and x 2 processes,
-the nodes being network namespaces with their own addresses, hostnames and sshd, started through
-``torchmn run -H`` over ssh (tests/cluster/netns.py), so the inter-node traffic really crosses a
-network stack and the hierarchical communicator really has two nodes. Every process shares this
-machine's cores: each row gets the machine's CPUs once (threads per process = CPUs / processes,
-at least 1), so 4 processes on 2 cores are oversubscribed, and the table shows what that costs.
+the nodes being emulated (``bench/multinode/nodes.py``): network namespaces with their own
+addresses, hostnames and sshd, each pinned to cores of its own (on 2 cores, 1 each; on 16, 8 each),
+started through ``torchmn run -H`` over ssh, so the inter-node traffic really crosses a network
+stack, the hierarchical communicator really has two nodes, and each node's ranks share only their
+node's cores (torchmn's thread budget follows them). One-node rows run on the first node alone.
+``--link`` shapes the link between the nodes (default: unshaped, the veth's own speed).
 
 Time is the training time the example logs (its last epoch's ``elapsed_time``); median of
 ``--repeats``. Writes the markdown table to stdout and the plot to ``--plot`` (PNG).
@@ -27,8 +28,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tests"))
-from cluster.netns import NetnsCluster  # noqa: E402
+sys.path.insert(0, str(REPO / "bench" / "multinode"))
+from nodes import PROFILES, EmulatedNodes  # noqa: E402
 
 from allocator import ALLOCATOR_ENV  # noqa: E402
 
@@ -36,14 +37,13 @@ SCRIPT = REPO / "examples" / "mnist" / "train_mnist.py"
 ROWS = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)]  # (processes, nodes)
 
 
-def command(procs: int, nodes: int, cluster, extra: list[str], log: Path) -> list[str]:
+def command(procs: int, nodes: int, emulated: EmulatedNodes, extra: list[str], log: Path) -> list[str]:
     py = sys.executable
-    run = [py, "-m", "torchmn", "run", "-np", str(procs)]
-    if nodes > 1:
-        per = procs // nodes
-        hosts = ",".join(f"{cluster.address(h)}:{per}" for h in ("h1", "h2")[:nodes])
-        run += cluster.launcher_options() + ["-H", hosts] + [a for name in ALLOCATOR_ENV for a in ("-x", name)]
-    return run + [py, str(SCRIPT), "--log-file", str(log)] + extra
+    per = procs // nodes
+    hosts = ",".join(f"{emulated.cluster.address(h)}:{per}" for h in emulated.names[:nodes])
+    return ([py, "-m", "torchmn", "run", "-np", str(procs), "-H", hosts, *emulated.cluster.launcher_options()]
+            + [a for name in ALLOCATOR_ENV for a in ("-x", name)]
+            + [py, str(SCRIPT), "--log-file", str(log)] + extra)
 
 
 def main() -> None:
@@ -52,39 +52,32 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=20)
     parser.add_argument("--n-train", type=int, default=1000)
     parser.add_argument("--plot", default=str(REPO / "bench" / "scaling_mnist.png"))
+    parser.add_argument("--link", choices=list(PROFILES), default=None, help="shape the link (default: unshaped)")
     args = parser.parse_args()
     extra = ["--epochs", str(args.epochs), "--n-train", str(args.n_train), "--batch-size", "100"]
-    cluster = NetnsCluster(["h1", "h2"])
-    cluster.start()
     times = {row: [] for row in ROWS}
     accuracy = {row: [] for row in ROWS}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MKL_"))}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env.update(ALLOCATOR_ENV)
-    cpus = len(os.sched_getaffinity(0))
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            for r in range(args.repeats):
-                for procs, nodes in ROWS:
-                    log = Path(tmp) / f"log_{procs}_{nodes}_{r}.json"
-                    # The "nodes" share this machine's cores: give the whole job the machine's
-                    # CPUs once, not once per namespace, or 2 nodes would oversubscribe 2x.
-                    threads = str(max(1, cpus // procs))
-                    row_env = dict(env, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads)
-                    proc = subprocess.run(command(procs, nodes, cluster, extra, log), cwd=tmp, env=row_env,
-                                          capture_output=True, text=True, timeout=900)
-                    if proc.returncode != 0:
-                        raise RuntimeError(f"{procs} processes on {nodes} node(s) failed:\n{proc.stderr[-3000:]}")
-                    last = json.loads(log.read_text())[-1]
-                    times[(procs, nodes)].append(last["elapsed_time"])
-                    accuracy[(procs, nodes)].append(last["validation/main/accuracy"])
-                    print(f"# repeat {r + 1}: {procs} processes, {nodes} node(s): "
-                          f"{last['elapsed_time']:.2f} s", file=sys.stderr)
-    finally:
-        cluster.stop()
+    with EmulatedNodes(2, args.link) as emulated, tempfile.TemporaryDirectory() as tmp:
+        cpus = len(emulated.cores[0])
+        for r in range(args.repeats):
+            for procs, nodes in ROWS:
+                log = Path(tmp) / f"log_{procs}_{nodes}_{r}.json"
+                # Threads: torchmn's budget, from each node's own cores.
+                proc = subprocess.run(command(procs, nodes, emulated, extra, log), cwd=tmp, env=env,
+                                      capture_output=True, text=True, timeout=900)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{procs} processes on {nodes} node(s) failed:\n{proc.stderr[-3000:]}")
+                last = json.loads(log.read_text())[-1]
+                times[(procs, nodes)].append(last["elapsed_time"])
+                accuracy[(procs, nodes)].append(last["validation/main/accuracy"])
+                print(f"# repeat {r + 1}: {procs} processes, {nodes} node(s): "
+                      f"{last['elapsed_time']:.2f} s", file=sys.stderr)
     med = {row: statistics.median(v) for row, v in times.items()}
     print(f"# ChainerMN MNIST scaling: {args.n_train} images, {args.epochs} epochs, batch 100 per process, "
-          f"{cpus} CPUs shared by all nodes; median of {args.repeats}")
+          f"{cpus} core(s) a node, link {args.link or 'unshaped'}; median of {args.repeats}")
     print("| processes | nodes | time | runs | vs 1 process | training images/s | val. accuracy |")
     print("|---|---|---|---|---|---|---|")
     base = med[(1, 1)]
@@ -106,7 +99,7 @@ def plot(med: dict, path: str, cpus: int) -> None:
     bars = ax.bar(labels, list(med.values()), color=["#4c72b0" if n == 1 else "#dd8452" for _, n in med])
     ax.bar_label(bars, fmt="%.1f s")
     ax.set_ylabel("training time (s)")
-    ax.set_title(f"torchmn, ChainerMN MNIST workload ({cpus} CPUs shared by all processes)")
+    ax.set_title(f"torchmn, ChainerMN MNIST workload ({cpus} core(s) a node)")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
