@@ -51,7 +51,7 @@ def _bn_run(layer_for, comm, x_all, t_all, sizes, steps=2, average=True):
         x = x.detach().requires_grad_(True)
         y = bn(x)
         # Each rank's loss is its samples' share of the global mean: their average is that mean.
-        (comm.size * (y * t).sum() / (sum(sizes) * t[0].numel() / t.shape[1])).backward()
+        (comm.size * (y * t).sum() / (sum(sizes) * t_all[0].numel() / t_all.shape[1])).backward()
     grads = [p.grad.clone() for p in bn.parameters()]
     if average and comm.size > 1:
         grads = [comm.allreduce(g, op="mean") for g in grads]
@@ -91,6 +91,24 @@ def check_bn_four_way(comm):
 
 def check_bn_four_way_images(comm):
     _four_way(comm, torch.nn.BatchNorm2d, MultiNodeBatchNorm2d, (3, 2))
+
+
+def check_bn_rank_without_samples(comm):
+    """The last rank holds no samples (an uneven split's tail): the others normalize with the
+    global statistics of theirs, gradients as one process, and that rank gets an empty output and
+    input gradient (its moments and sums count as nothing, not NaN, and torch's kernels, which
+    divide by the count, are not called on it)."""
+    sizes = _local_sizes(comm.size)[:-1] + [0] if comm.size > 1 else [4]
+    x, t = randn(sum(sizes), 4, 3, 2, seed=5) * 3 + 1, randn(sum(sizes), 4, 3, 2, seed=6)
+    y1, g1, bn1 = _bn_run(lambda c: torch.nn.BatchNorm2d(4).double(), solo(), x, t, [sum(sizes)])
+    y4, g4, bn4 = _bn_run(lambda c: MultiNodeBatchNorm2d(4, comm=c).double(), comm, x, t, sizes)
+    start = sum(sizes[:comm.rank])
+    mine = slice(start, start + sizes[comm.rank])
+    close(y4, y1[mine], "the output with a rank without samples", BN)
+    for a, b in zip(g4[:-1], g1[:-1]):
+        close(a, b, "averaged gradients with a rank without samples", BN)
+    close(g4[-1], g1[-1][mine], "the input's gradient with a rank without samples", BN)
+    close(bn4.running_var, bn1.running_var, "running_var with a rank without samples", BN)
 
 
 def check_bn_cumulative_average(comm):

@@ -115,15 +115,21 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._NormBase):
 
 def _global_moments(comm: CommunicatorBase, xc: torch.Tensor):
     """The global batch's per-channel mean and (biased) variance, and its count: this rank's mean
-    and variance in one pass (Welford), then every rank's count, count x mean and count x (variance
-    + mean^2) summed in float64, in one collective of 2C + 1 numbers."""
-    dims = [0] + list(range(2, xc.dim()))
-    var_l, mean_l = torch.var_mean(xc, dims, correction=0)
-    n_l = xc.numel() // max(1, xc.shape[1])
+    and variance by torch's batch-norm kernel (Welford, per channel; ``torch.var_mean`` over the
+    batch and spatial dimensions takes several times longer on the CPU), then every rank's count,
+    count x mean and count x (variance + mean^2) summed in float64, in one collective of 2C + 1
+    numbers."""
+    c = xc.shape[1]
+    n_l = xc.numel() // max(1, c)
+    if n_l:
+        # With eps 0 the kernel's invstd is 1 / sqrt(variance): inf where a channel is constant.
+        _, mean_l, invstd_l = torch.ops.aten.native_batch_norm(xc, None, None, None, None, True, 0.0, 0.0)
+        var_l = invstd_l.double().pow(-2)
+    else:  # no samples on this rank: it adds nothing to the sums
+        mean_l = var_l = torch.zeros(c, dtype=torch.float64, device=xc.device)
     mean_l, var_l = mean_l.double(), var_l.double()
     count = torch.full((1,), float(n_l), dtype=torch.float64, device=xc.device)
     total = comm.allreduce(torch.cat([mean_l * n_l, (var_l + mean_l * mean_l) * n_l, count]))
-    c = xc.shape[1]
     n = total[2 * c]
     mean = total[:c] / n
     return mean, (total[c:2 * c] / n - mean * mean).clamp_min(0), n
@@ -151,9 +157,12 @@ class _GlobalNormalization(torch.autograd.Function):
         grad = grad.contiguous()
         shape = [1, xc.shape[1]] + [1] * (xc.dim() - 2)
         # This rank's sum of grad * (x - mean) * invstd and of grad, in one fused pass.
-        ones = torch.ones_like(invstd)
-        _, local_gx, local_g = torch.ops.aten.native_batch_norm_backward(grad, xc, ones, None, None, mean, invstd, True, 0.0,
-                                                               [False, True, True])
+        if xc.numel():
+            ones = torch.ones_like(invstd)
+            _, local_gx, local_g = torch.ops.aten.native_batch_norm_backward(grad, xc, ones, None, None, mean, invstd,
+                                                                             True, 0.0, [False, True, True])
+        else:  # no samples on this rank (torch's kernel divides by their count): it adds nothing
+            local_gx = local_g = torch.zeros_like(invstd)
         c = xc.shape[1]
         total = ctx.comm.allreduce(torch.cat([local_g, local_gx]).double())
         sum_g, sum_gx = total[:c], total[c:]
