@@ -149,8 +149,11 @@ def _wait_for_steps(proc: subprocess.Popen, folder: str) -> Optional[str]:
     deadline = time.monotonic() + STEP_WAIT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            return (f"the command ended (exit code {proc.returncode}) before it could be sampled: give it more "
-                    f"work, or a shorter --warmup")
+            return (f"the command ended (exit code {proc.returncode}) before it could be sampled: after the "
+                    f"warm-up, torchmn doctor waits up to {STEP_WAIT_S:g} s for ranks that created a communicator "
+                    f"to report optimizer steps (from torchmn's optimizers), so a command needs to run for "
+                    f"--warmup + {STEP_WAIT_S:g} s + --seconds where it makes none: give it more work, or a "
+                    f"shorter --warmup")
         figures = publisher.read_folder(folder)
         if not figures or any((s.get("steps") or 0) >= 2 for s in figures.values()):
             return None
