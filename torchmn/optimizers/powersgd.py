@@ -53,7 +53,7 @@ class _BucketPlan:
             m = p.numel() // n if n else 0
             r = min(rank, n, m)
             if n and (n + m) * r * MIN_SAVING <= n * m:
-                q = torch.randn(m, r, generator=generator, dtype=torch.float64).to(p.dtype).to(p.device)
+                q = torch.randn(m, r, generator=generator, dtype=torch.float64).to(device=p.device, dtype=p.dtype)
                 self.matrices.append(_Matrix(offset, n, m, q))
             else:
                 self.whole.append((offset, p.numel()))
@@ -62,7 +62,6 @@ class _BucketPlan:
         whole = sum(numel for _, numel in self.whole)
         ps = sum(x.n * x.q.shape[1] for x in self.matrices)
         self.message = torch.empty(whole + ps, dtype=bucket.wire_dtype, device=bucket.params[0].device)
-        self.whole_numel = whole
         self.work = None
 
 
