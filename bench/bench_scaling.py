@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -29,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "bench" / "multinode"))
-from nodes import PROFILES, EmulatedNodes  # noqa: E402
+from nodes import PROFILES, EmulatedNodes, job_env  # noqa: E402
 
 from allocator import ALLOCATOR_ENV  # noqa: E402
 
@@ -38,12 +37,8 @@ ROWS = [(1, 1), (2, 1), (4, 1), (2, 2), (4, 2)]  # (processes, nodes)
 
 
 def command(procs: int, nodes: int, emulated: EmulatedNodes, extra: list[str], log: Path) -> list[str]:
-    py = sys.executable
-    per = procs // nodes
-    hosts = ",".join(f"{emulated.cluster.address(h)}:{per}" for h in emulated.names[:nodes])
-    return ([py, "-m", "torchmn", "run", "-np", str(procs), "-H", hosts, *emulated.cluster.launcher_options()]
-            + [a for name in ALLOCATOR_ENV for a in ("-x", name)]
-            + [py, str(SCRIPT), "--log-file", str(log)] + extra)
+    return emulated.torchmn_run(procs // nodes, [sys.executable, str(SCRIPT), "--log-file", str(log)] + extra,
+                                extra=[a for name in ALLOCATOR_ENV for a in ("-x", name)], nodes=nodes)
 
 
 def main() -> None:
@@ -57,8 +52,7 @@ def main() -> None:
     extra = ["--epochs", str(args.epochs), "--n-train", str(args.n_train), "--batch-size", "100"]
     times = {row: [] for row in ROWS}
     accuracy = {row: [] for row in ROWS}
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MKL_"))}
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env = {k: v for k, v in job_env().items() if not k.startswith(("OMP_", "MKL_"))}
     env.update(ALLOCATOR_ENV)
     with EmulatedNodes(2, args.link) as emulated, tempfile.TemporaryDirectory() as tmp:
         cpus = len(emulated.cores[0])

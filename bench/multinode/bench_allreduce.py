@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -26,7 +25,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from nodes import PROFILES, REPO, EmulatedNodes  # noqa: E402
+from nodes import PROFILES, REPO, EmulatedNodes, job_env  # noqa: E402
 
 SIZES_MB = (0.1, 1, 7.2, 64)
 WAYS = ("gloo all_reduce", "torchmn flat", "torchmn hierarchical")
@@ -88,8 +87,7 @@ def main() -> None:
             with EmulatedNodes(args.nodes, link) as nodes:
                 argv = nodes.torchmn_run(per_node, [sys.executable, str(Path(__file__)), "--rank", "--rounds",
                                                     str(args.rounds), "--sizes", *map(str, args.sizes)])
-                env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-                proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
+                proc = subprocess.run(argv, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=3600)
             line = next((ln for ln in proc.stdout.splitlines() if "FIGURES " in ln), None)
             if proc.returncode != 0 or line is None:
                 raise SystemExit(f"the job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

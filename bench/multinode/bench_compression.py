@@ -24,7 +24,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from nodes import PROFILES, REPO, EmulatedNodes  # noqa: E402
+from nodes import PROFILES, REPO, EmulatedNodes, job_env  # noqa: E402
 
 WAYS = {"none": [], "fp16": ["--compression", "fp16"], "powersgd": ["--compression", "powersgd"]}
 
@@ -33,8 +33,7 @@ def run_once(nodes: EmulatedNodes, way: str, epochs: int, log: str) -> list:
     """One training run; its log, one entry per epoch."""
     argv = nodes.torchmn_run(1, [sys.executable, str(REPO / "examples" / "mnist" / "train_mnist.py"),
                                  "--epochs", str(epochs), "--log", log, *WAYS[way]])
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(argv, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=3600)
     if proc.returncode != 0:
         raise SystemExit(f"{way}: the job failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     with open(log) as f:

@@ -31,7 +31,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from nodes import PROFILES, REPO, EmulatedNodes  # noqa: E402
+from nodes import PROFILES, REPO, EmulatedNodes, job_env  # noqa: E402
 
 WAYS = ("DDP", "DDP fp16 hook", "torchmn", "torchmn fp16", "torchmn shard_state", "torchmn powersgd")
 MODELS = {"mlp": (100, 30, 5), "cnn": (32, 10, 2)}  # batch a rank, timed steps, warm-up steps
@@ -117,8 +117,7 @@ def rank_main(way: str, model_name: str) -> None:
 
 
 def run(argv: list[str], preexec=None) -> dict:
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=1800,
+    proc = subprocess.run(argv, cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=1800,
                           preexec_fn=preexec)
     line = next((ln for ln in proc.stdout.splitlines() if "FIGURES " in ln), None)
     if proc.returncode != 0 or line is None:

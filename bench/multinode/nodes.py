@@ -105,20 +105,30 @@ class EmulatedNodes:
             subprocess.run(prefix + ["tc", "qdisc", "add", "dev", device] + spec, check=True,
                            capture_output=True, timeout=20)
 
-    def torchmn_run(self, ranks_per_node: int, argv: List[str], extra: List[str] = ()) -> List[str]:
-        """The ``torchmn run`` command that starts ``argv`` with ``ranks_per_node`` ranks on every node.
+    def torchmn_run(self, ranks_per_node: int, argv: List[str], extra: List[str] = (),
+                    nodes: Optional[int] = None) -> List[str]:
+        """The ``torchmn run`` command that starts ``argv`` with ``ranks_per_node`` ranks on every node
+        (or on the first ``nodes``).
 
         Args:
             ranks_per_node: ranks on each node.
             argv: the command each rank runs.
             extra: more ``torchmn run`` options.
+            nodes: how many of the nodes, from the first (None: all).
 
         Returns:
-            The command line, to run on this machine (outside the namespaces).
+            The command line, to run on this machine (outside the namespaces), with :func:`job_env`.
         """
-        hosts = ",".join(f"{self.cluster.address(n)}:{ranks_per_node}" for n in self.names)
-        return ([sys.executable, "-m", "torchmn", "run", "-np", str(ranks_per_node * self.count), "-H", hosts,
+        names = self.names[:nodes]
+        hosts = ",".join(f"{self.cluster.address(n)}:{ranks_per_node}" for n in names)
+        return ([sys.executable, "-m", "torchmn", "run", "-np", str(ranks_per_node * len(names)), "-H", hosts,
                  *self.cluster.launcher_options(), *extra] + list(argv))
+
+
+def job_env() -> dict:
+    """This process's environment with the repository first on ``PYTHONPATH``, for the jobs the
+    benchmarks start (their ranks import this checkout's torchmn, installed or not)."""
+    return {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
 def _raise_interrupt(signum, frame):
@@ -139,8 +149,7 @@ def main() -> int:
     try:
         with EmulatedNodes(args.nodes, None if args.link == "none" else args.link, args.cpus_per_node) as nodes:
             print(f"{args.nodes} nodes, cores {nodes.cores}, link {args.link}", file=sys.stderr, flush=True)
-            env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-            return subprocess.run(nodes.torchmn_run(args.ranks_per_node, command), cwd=REPO, env=env).returncode
+            return subprocess.run(nodes.torchmn_run(args.ranks_per_node, command), cwd=REPO, env=job_env()).returncode
     except ClusterError as e:
         print(f"nodes.py: {e}", file=sys.stderr)
         return 2
