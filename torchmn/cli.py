@@ -108,6 +108,18 @@ def _add_run(subparsers) -> None:
                                "default: any failure)")
     restarts.add_argument("--restart-delay", type=float, default=None, metavar="SECONDS",
                           help="wait this long before a restart (default %g)" % _default_restart_delay())
+    elastic = p.add_argument_group("elastic jobs (ranks leave and join while the job runs; see docs/elastic.md)")
+    elastic.add_argument("--min-np", type=int, default=None, metavar="M",
+                         help="go on while at least M ranks live: when a rank dies, the others continue from their "
+                              "last commit (default -np, with --max-np or a discovery script)")
+    elastic.add_argument("--max-np", type=int, default=None, metavar="N",
+                         help="start new ranks where there is room, up to N (default -np; no limit with "
+                              "--host-discovery-script)")
+    elastic.add_argument("--host-discovery-script", default=None, metavar="SCRIPT",
+                         help="a program printing the hosts that may run ranks now, one 'host:slots' per line; "
+                              "run every second")
+    elastic.add_argument("--elastic-timeout", type=float, default=None, metavar="SECONDS",
+                         help="end the job when fewer than --min-np ranks live for this long (default 600)")
     hosts = p.add_argument_group("several hosts (ranks on other hosts start over ssh)")
     where = hosts.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", dest="hosts", default=None, metavar="HOST:N[,HOST:N...]",
@@ -186,7 +198,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                               network_interface=args.network_interface, max_restarts=args.max_restarts,
                               restart_on=args.restart_on, allow_unsigned_store=args.allow_unsigned_store,
                               nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
-                              monitor=args.monitor,
+                              monitor=args.monitor, min_np=args.min_np, max_np=args.max_np,
+                              host_discovery_script=args.host_discovery_script,
+                              **({} if args.elastic_timeout is None else {"elastic_timeout": args.elastic_timeout}),
                               timeline=os.path.abspath(args.timeline) if args.timeline else None,
                               restart_delay=_default_restart_delay() if args.restart_delay is None
                               else args.restart_delay)

@@ -25,6 +25,7 @@ from torchmn.communicators.flat import FlatCommunicator
 from torchmn.communicators.hierarchical import HierarchicalCommunicator
 from torchmn.communicators.naive import NaiveCommunicator
 from torchmn.communicators.registry import make_communicator, resolve
+from torchmn.elastic import protocol
 from torchmn.environments import LaunchEnvironment, detect_environment
 from torchmn.environments.torchmn_run import TorchmnEnvironment
 from torchmn.errors import TorchmnTypeError, TorchmnValueError
@@ -83,6 +84,14 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
         (0, 1, 0, 1)
     """
     resolve(name, backend or default_backend())  # an unknown name fails before anything starts
+    creation = dict(name=name, backend=backend, timeout=timeout, bucket_cap_mb=bucket_cap_mb,
+                    allreduce_grad_dtype=allreduce_grad_dtype)
+    elastic = protocol.enabled(os.environ) and init_method is None and rank is None
+    if elastic and not dist.is_initialized() and os.environ.get(protocol.GENERATION_VARIABLE) is None:
+        # A worker an elastic job added: its place is known once the others make room for it.
+        from torchmn.elastic import membership
+
+        membership.wait_for_place()
     compression = _compression_named_by(allreduce_grad_dtype)
     timeout = _as_timedelta(timeout)
     if rank is not None or size is not None:
@@ -142,6 +151,11 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
     # torchmn run shows the table itself, also of a world a framework set up under it.
     monitor.start_for(comm, "torchmn" if TorchmnEnvironment.detect(os.environ) else
                       env.source if env is not None else "adopted")
+    comm.creation = creation  # what an elastic job's reset asks for again in the new world
+    if elastic:
+        from torchmn.elastic import membership
+
+        membership.remember(comm)
     return comm
 
 

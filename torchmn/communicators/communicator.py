@@ -937,6 +937,29 @@ class Communicator(CommunicatorBase):
         self.call_log.closed = True
         self.process_group = self.object_group = None
 
+    def take_over(self, fresh: "Communicator") -> None:
+        """Become ``fresh``, a communicator of a new world, so that everything holding this one
+        (optimizers, evaluators, the script) reaches the new world through it.
+
+        For an elastic job's reset (:mod:`torchmn.elastic`), after this communicator's world broke
+        up: ``rank``, ``size`` and the topology are then ``fresh``'s, and so is its algorithm class
+        (``"auto"`` may choose another one for the new topology). Communicators split off this
+        one stay in the old world, finalized.
+
+        Args:
+            fresh: a communicator just made by :func:`torchmn.create_communicator` for the new world.
+
+        Example::
+
+            >>> comm.take_over(torchmn.create_communicator())   # after the world was set up again
+            >>> comm.size                                       # the new world's
+            3
+        """
+        # One set of attributes for both: what fresh handed out bound to itself (its groups' and
+        # shared memory's callbacks) and this object then see the same state.
+        self.__class__ = type(fresh)
+        self.__dict__ = fresh.__dict__
+
     # ----------------------------------------------------------------------------- gradient primitives
     @property
     def grad_bucket_cap_bytes(self) -> int:

@@ -310,6 +310,29 @@ def _break_off(exc: BaseException) -> None:
     gc.collect()  # groups held in reference cycles
 
 
+def leave_world(exc: Optional[BaseException] = None) -> None:
+    """Break off from this process's world and go on: what a rank whose exception goes uncaught does
+    before it ends, for a rank of an elastic job that moves to a new world (:mod:`torchmn.elastic`).
+    The ranks waiting for this one raise now; this process's communicators are finalized and
+    ``torch.distributed`` is torn down, ready to be set up again.
+
+    Args:
+        exc: the error that broke the world, if any: the frames it went through are cleared, as
+            they may hold the old groups' handles (which keep connections open).
+
+    Example::
+
+        >>> leave_world(error)
+        >>> dist.is_initialized()
+        False
+    """
+    global _store, _informed_of, _served
+    _break_off(exc)
+    if dist.is_initialized():  # NCCL, which _break_off leaves alone
+        dist.destroy_process_group()
+    _store, _informed_of, _served = None, None, False  # the new world has a store of its own
+
+
 def _let_it_exit_first(failure: Failure) -> None:
     try:
         source = detect_environment().source

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import time
 from typing import Callable, Optional
 
@@ -30,6 +31,7 @@ import torch.distributed as dist
 
 from torchmn.communicators import failure
 from torchmn.communicators.errors import CollectiveTimeoutError, PeerLostError, lost_peer
+from torchmn.elastic import protocol
 from torchmn.errors import TorchmnRuntimeError
 from torchmn.monitor import recorder
 
@@ -227,6 +229,12 @@ def _naming_the_ranks(comm, seq: int, kind: str, error: BaseException) -> Option
     if failed is not None:  # a rank ended with an uncaught exception: no grace period to wait out
         return failure.stopped_by(failed, f"{kind} (collective #{seq} of this communicator)",
                                   f"rank {comm.rank} ({_host(comm, comm.rank)})")
+    if protocol.enabled(os.environ):
+        # An elastic job: the launcher knows who is gone and the survivors move on at once (see
+        # torchmn.elastic); waiting out the grace period to name them would only delay that.
+        return error if shm_lost else PeerLostError(
+            f"{kind} (collective #{seq} of this communicator) failed on rank {comm.rank} "
+            f"({_host(comm, comm.rank)}): a peer was lost ({str(error).splitlines()[0] if str(error) else error!r})")
     return _diagnosed(comm, seq, kind, error) if shm_lost else timed_out(comm, seq, kind, error)
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from torchmn import network
+from torchmn.elastic import protocol
 from torchmn.environments import LaunchEnvironment, mpi_rendezvous
 from torchmn.environments import job_label
 from torchmn.environments.mpi import MPI_RENDEZVOUS
@@ -149,8 +150,7 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
                 # the script's own), or by a restarted torchrun attempt, would otherwise meet the keys
                 # of a group torch named alike, and wait on its addresses. Each gets keys of its own,
                 # as torch's own env:// gives each torchrun attempt.
-                restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-                store = dist.PrefixStore(f"torchmn/world{_worlds}/attempt{restart}/", store)
+                store = dist.PrefixStore(_world_prefix(), store)
         elif env.master_addr == MPI_RENDEZVOUS:
             # mpirun across nodes without MASTER_ADDR: rank 0's address travels over MPI (mpi4py).
             store, init_method = mpi_rendezvous.rendezvous_store(env, _timeout)
@@ -229,10 +229,22 @@ def _never_arrived(store: Optional["dist.TCPStore"], size: int) -> list:
 _JOB_KEY = "torchmn/job"
 
 
+def _world_prefix() -> str:
+    """Where this world keeps its keys in the launcher's store, apart from every other world's.
+
+    torchrun keeps its store across restarts of the workers, and a world set up again after
+    finalize() would meet the first one's keys: each attempt and each world of this process gets
+    its own. An elastic job's ranks count their worlds differently (a rank that joined later has
+    set up fewer), so there each generation has its own, the same on every member.
+    """
+    generation = os.environ.get(protocol.GENERATION_VARIABLE) if protocol.enabled(os.environ) else None
+    if generation is not None:
+        return protocol.store_prefix(int(generation))
+    return f"torchmn/world{_worlds}/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
 def _arrived_key(rank: int) -> str:
-    # torchrun keeps its store across restarts of the workers, and a world set up again after
-    # finalize() meets the first one's keys: each attempt and each world marks its own arrivals.
-    return f"torchmn/arrived/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/{_worlds}/{rank}"
+    return f"{_world_prefix()}arrived/{rank}"
 
 
 def _mark_arrival(store: Optional["dist.TCPStore"], rank: int) -> Optional["dist.TCPStore"]:
@@ -241,6 +253,25 @@ def _mark_arrival(store: Optional["dist.TCPStore"], rank: int) -> Optional["dist
     if store is not None:
         store.set(_arrived_key(rank), "")
     return store
+
+
+def launcher_store(timeout: Optional[datetime.timedelta] = None) -> Optional["dist.TCPStore"]:
+    """A client of the store that ``torchmn run`` or torchrun hosts, unprefixed: what the launcher
+    itself reads (an elastic job's membership, the monitor's figures).
+
+    Args:
+        timeout: how long its calls wait for a key; None for the world's timeout.
+
+    Returns:
+        The client, or None where no launcher hosts a store (Slurm, MPI, by hand) or it cannot be
+        reached.
+
+    Example::
+
+        >>> launcher_store().check(["torchmn/elastic/generation"])   # doctest: +SKIP
+        True
+    """
+    return _launchers_store(timeout or _timeout or default_timeout())
 
 
 def _launchers_store(timeout: datetime.timedelta) -> Optional["dist.TCPStore"]:

@@ -562,6 +562,47 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """
         return f"{type(self).__name__}({self.wrapped!r}, {self.comm!r})"
 
+    def leave_world(self) -> None:
+        """Let go of everything tied to this optimizer's world, which broke up (an elastic job's
+        reset, :mod:`torchmn.elastic`); :meth:`join_world` rebuilds it for the next one.
+
+        The parameters move out of the optimizer's buffers (shared memory there may be unmapped
+        with the old world) into memory of their own, keeping their values; gradients and the
+        multi-node state go. The wrapped torch optimizer, the options and ``comm`` stay.
+
+        Example::
+
+            >>> optimizer.leave_world()
+            >>> optimizer.join_world(comm)        # comm now describes the new world
+        """
+        with torch.no_grad():
+            for group in self.wrapped.param_groups:
+                for p in group["params"]:
+                    p.data = p.data.clone()
+                    p.grad = None
+        if "_hooks" in self.__dict__:  # also one whose building for the last world failed part-way
+            self.remove_hooks()
+        # The communicator stays too: the reset moves it to the new world (Communicator.take_over).
+        kept = {"wrapped": self.wrapped, "options": self.options, "comm": self.comm}
+        self.__dict__.clear()
+        self.__dict__.update(kept)
+
+    def join_world(self, comm: Communicator) -> None:
+        """Become the multi-node optimizer ``create_multi_node_optimizer`` builds on ``comm`` for the
+        wrapped optimizer and the same options (collective: every rank of the new world builds it,
+        and the parameters are broadcast from its rank 0). Follows :meth:`leave_world`.
+
+        Args:
+            comm: the communicator of the new world.
+
+        Example::
+
+            >>> optimizer.join_world(comm)
+        """
+        from torchmn.optimizers.multi_node_optimizer import build_into
+
+        build_into(self, self.wrapped, comm, self.options)
+
     def remove_hooks(self) -> None:
         """Detach from the parameters' gradient hooks (the wrapped optimizer keeps working alone).
 

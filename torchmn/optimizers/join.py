@@ -65,6 +65,22 @@ def register(optimizer) -> None:
     by_number[number] = weakref.ref(optimizer)
 
 
+def forget(comm) -> None:
+    """Forget the optimizers numbered on ``comm``: its world broke up, and those rebuilt for the new
+    world (every rank building them in the same order again) are numbered from 0, as on a rank that
+    joined the new world fresh.
+
+    Args:
+        comm: the communicator.
+
+    Example::
+
+        >>> forget(comm)         # torchmn.elastic does this at a reset
+    """
+    _numbers.pop(comm, None)
+    _by_number.pop(comm, None)
+
+
 def contributors(optimizer) -> int:
     """How many ranks' gradients this step's average of ``optimizer`` is over.
 

@@ -494,24 +494,58 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
         >>> loss_fn(model(x), y).backward()
         >>> optimizer.step()
     """
+    options = dict(double_buffering=double_buffering, zero_fill=zero_fill, compression=compression,
+                   bucket_cap_mb=bucket_cap_mb, backward_passes_per_step=backward_passes_per_step,
+                   shard_state=shard_state, powersgd_rank=powersgd_rank)
+    return build_into(None, optimizer, comm, options)
+
+
+def build_into(target: Optional[GradientSyncOptimizer], optimizer: torch.optim.Optimizer, comm: Communicator,
+               options: dict) -> GradientSyncOptimizer:
+    """Build the multi-node optimizer :func:`create_multi_node_optimizer` chooses, in ``target`` (an
+    existing one, rebuilt in place for a new world: :meth:`GradientSyncOptimizer.join_world`) or in
+    a new object. Collective.
+
+    Args:
+        target: the object to build in, or None for a new one.
+        optimizer: the torch optimizer to wrap.
+        comm: the communicator.
+        options: ``create_multi_node_optimizer``'s keyword arguments but the first two.
+
+    Returns:
+        The optimizer built (``target`` where given); its ``options`` are ``options``.
+
+    Example::
+
+        >>> build_into(optimizer, optimizer.wrapped, comm, optimizer.options)   # in join_world
+    """
+    def make(cls, **kwargs):
+        built = cls.__new__(cls) if target is None else target
+        built.__class__ = cls
+        built.__dict__.clear()
+        built.options = options  # what join_world builds again for a new world (torchmn.elastic)
+        cls.__init__(built, optimizer, comm, **kwargs)
+        return built
+
+    double_buffering, zero_fill = options["double_buffering"], options["zero_fill"]
+    compression, bucket_cap_mb = options["compression"], options["bucket_cap_mb"]
+    passes = options["backward_passes_per_step"]
     if compression is None:
         compression = getattr(comm, "compression", None)
-    if shard_state is None and _can_split_on_node(optimizer, comm, double_buffering, zero_fill, compression):
+    if options["shard_state"] is None and _can_split_on_node(optimizer, comm, double_buffering, zero_fill,
+                                                             compression):
         from torchmn.optimizers.node_shared import NoNodeMemory, NodeSharedOptimizer
         try:
-            return NodeSharedOptimizer(optimizer, comm, bucket_cap_mb=bucket_cap_mb,
-                                       backward_passes_per_step=backward_passes_per_step)
+            return make(NodeSharedOptimizer, bucket_cap_mb=bucket_cap_mb, backward_passes_per_step=passes)
         except NoNodeMemory:
             pass  # too small a /dev/shm: every rank updates the whole model
-    if shard_state:
+    if options["shard_state"]:
         from torchmn.optimizers.sharded import ShardedMultiNodeOptimizer
-        return ShardedMultiNodeOptimizer(optimizer, comm, double_buffering=double_buffering,
-                                         zero_fill=zero_fill, compression=compression,
-                                         bucket_cap_mb=bucket_cap_mb,
-                                         backward_passes_per_step=backward_passes_per_step)
-    return MultiNodeOptimizer(optimizer, comm, double_buffering=double_buffering, zero_fill=zero_fill,
-                              compression=compression, bucket_cap_mb=bucket_cap_mb,
-                              backward_passes_per_step=backward_passes_per_step, powersgd_rank=powersgd_rank)
+        return make(ShardedMultiNodeOptimizer, double_buffering=double_buffering, zero_fill=zero_fill,
+                    compression=compression, bucket_cap_mb=bucket_cap_mb, backward_passes_per_step=passes)
+    return make(MultiNodeOptimizer, double_buffering=double_buffering, zero_fill=zero_fill,
+                compression=compression, bucket_cap_mb=bucket_cap_mb, backward_passes_per_step=passes,
+                powersgd_rank=options["powersgd_rank"])
 
 
 def _can_split_on_node(optimizer, comm: Communicator, double_buffering: bool, zero_fill: bool,

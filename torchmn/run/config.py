@@ -19,6 +19,10 @@ START_TIMEOUT = 60.0
 # the launcher too, so that the stop wins; and for what a failure leaves (memory an OOM kill is
 # freeing, a busy file server) to settle. Short next to the seconds a torch job takes to start.
 RESTART_DELAY = 3.0
+# Seconds an elastic job may stay below --min-np ranks (horovodrun's default).
+ELASTIC_TIMEOUT = 600.0
+# --max-np with a discovery script and no --max-np: as many as it offers.
+NO_LIMIT = 1 << 20
 
 
 class RunError(TorchmnError):
@@ -67,6 +71,13 @@ class LaunchConfig:
         monitor: show the live per-rank table and the straggler summary (``--monitor``; see
             ``torchmn.monitor``).
         timeline: write every rank's phases to this Chrome-trace file (``--timeline``), or None.
+        min_np, max_np: an elastic job (``--min-np``, ``--max-np``; see ``torchmn.run.elastic``): it
+            goes on while at least ``min_np`` ranks live, and grows up to ``max_np``. None for a job
+            of a fixed ``np`` ranks; one given makes the other default to ``np`` (``max_np`` to
+            no limit with a discovery script).
+        host_discovery_script: an elastic job's hosts and slots come from what this program prints
+            (``host:slots`` lines), read every second (``--host-discovery-script``).
+        elastic_timeout: seconds an elastic job may stay below ``min_np`` ranks (``--elastic-timeout``).
 
     Raises:
         RunError: ``np`` below 1, no command, a port outside 1-65535, a start timeout that is
@@ -102,7 +113,16 @@ class LaunchConfig:
     master_addr: Optional[str] = None
     monitor: bool = False
     timeline: Optional[str] = None
+    min_np: Optional[int] = None
+    max_np: Optional[int] = None
+    host_discovery_script: Optional[str] = None
+    elastic_timeout: float = ELASTIC_TIMEOUT
 
+    @property
+    def elastic(self) -> bool:
+        """Whether ranks may leave and join while the job runs (``--min-np``, ``--max-np`` or a
+        ``--host-discovery-script`` given)."""
+        return self.min_np is not None
     def __post_init__(self) -> None:
         """Check the options and normalise them in place (the dataclass's constructor calls it).
 
@@ -145,8 +165,10 @@ class LaunchConfig:
             raise RunError(f"--restart-delay must be 0 or more seconds, got {self.restart_delay:g}.")
         if self.restart_on is not None and (not self.restart_on or not all(0 < c < 256 for c in self.restart_on)):
             raise RunError(f"--restart-on takes exit codes 1-255 and signal names, got {sorted(self.restart_on)}.")
+        elastic = self._check_elastic()
         # Frozen: the normalised values are set once, here.
         normalised = {
+            **elastic,
             "command": command,
             "output_ranks": None if self.output_ranks is None else frozenset(self.output_ranks),
             "start_timeout": START_TIMEOUT if self.start_timeout is None else self.start_timeout,
@@ -157,3 +179,19 @@ class LaunchConfig:
         }
         for name, value in normalised.items():
             object.__setattr__(self, name, value)
+
+    def _check_elastic(self) -> dict:
+        """The elastic settings, checked and completed (empty for a fixed-size job)."""
+        if self.min_np is None and self.max_np is None and self.host_discovery_script is None:
+            return {}
+        min_np = self.np if self.min_np is None else self.min_np
+        max_np = self.max_np if self.max_np is not None else NO_LIMIT if self.host_discovery_script else self.np
+        if not 1 <= min_np <= self.np <= max_np:
+            raise RunError(f"an elastic job needs 1 <= --min-np <= -np <= --max-np; got --min-np {min_np}, "
+                           f"-np {self.np}, --max-np {max_np if max_np != NO_LIMIT else 'unlimited'}.")
+        if not self.elastic_timeout > 0:
+            raise RunError(f"--elastic-timeout must be a positive number of seconds, got {self.elastic_timeout:g}.")
+        if self.max_restarts:
+            raise RunError("--max-restarts and --min-np/--max-np do not go together: an elastic job keeps its "
+                           "survivors running instead of restarting every rank. Drop one of them.")
+        return {"min_np": min_np, "max_np": max_np}

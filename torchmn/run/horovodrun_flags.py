@@ -42,14 +42,11 @@ FLAGS: Dict[str, Tuple[bool, str, str]] = {
     "--jsrun": (False, "refuse", "start the ranks with jsrun itself"),
     "--binding-args": (True, "refuse", "torchmn run does no CPU binding; it gives each rank a thread budget"),
     "--config-file": (True, "refuse", "pass the settings as flags (torchmn run reads no YAML config)"),
-    "--min-np": (True, "refuse", "elastic training is not supported: restart a checkpointing script from its "
-                                 "scheduler (examples/slurm/)"),
-    "--max-np": (True, "refuse", "see --min-np"),
     "--slots-per-host": (True, "refuse", "give slots with -H host:N or a --hostfile"),
-    "--host-discovery-script": (True, "refuse", "see --min-np"),
-    "--elastic-timeout": (True, "refuse", "see --min-np"),
-    "--reset-limit": (True, "refuse", "see --min-np"),
-    "--blacklist-cooldown-range": (True, "refuse", "see --min-np"),
+    "--reset-limit": (True, "refuse", "torchmn's elastic jobs reset as often as ranks come and go; bound a "
+                                      "job's time with the scheduler"),
+    "--blacklist-cooldown-range": (True, "note", "torchmn run waits 10 s before starting a new worker on a host "
+                                                 "where one failed before joining"),
 }
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
 

@@ -631,7 +631,12 @@ def run(config: LaunchConfig, env: Optional[Mapping[str, str]] = None) -> int:
         [0] 0
         0
     """
-    restarts = Restarts(config, os.environ if env is None else env, Job)
+    make_job = Job
+    if config.elastic:
+        from torchmn.run.elastic import ElasticJob  # a Job subclass: imported here, not above
+
+        make_job = ElasticJob
+    restarts = Restarts(config, os.environ if env is None else env, make_job)
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {}
     if in_main_thread:

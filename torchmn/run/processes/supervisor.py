@@ -390,7 +390,7 @@ class Supervisor:
                 return True
         return any(_alive(child) for child in self.descendants.values())
 
-    def stop(self, first_signal: int) -> None:
+    def stop(self, first_signal: int, only: Optional[Sequence[Rank]] = None) -> None:
         """Send ``first_signal`` to every rank: to each local rank's process group, through the
         watcher to each remote rank. Ranks still running are marked ``stopped_by_launcher``.
 
@@ -399,12 +399,13 @@ class Supervisor:
 
         Args:
             first_signal: the signal.
+            only: these ranks alone (an elastic job's workers it no longer needs); None for all.
 
         Example::
 
             >>> procs.stop(signal.SIGINT)   # doctest: +SKIP
         """
-        for rank in self.ranks:
+        for rank in self.ranks if only is None else only:
             # An exit not handled yet may still have come before the stop (two ranks failing at once).
             if rank.returncode is None and rank.process.poll() is None:
                 rank.stopped_by_launcher = True

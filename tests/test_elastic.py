@@ -1,0 +1,223 @@
+"""Elastic jobs (`torchmn run --min-np/--max-np`): real ranks killed with SIGKILL while they train,
+survivors going on in the same processes, new ranks joining through a discovery script, and the
+result checked against a replay of the same membership schedule without failures."""
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from jobs import REPO, clean_env
+from torchmn.elastic import protocol
+from torchmn.run.config import LaunchConfig, RunError
+from torchmn.run.elastic import parse_discovery
+
+PY = sys.executable
+TRAIN = str(REPO / "tests" / "workers" / "elastic_train.py")
+
+
+# -- the pieces, without processes ---------------------------------------------------------------
+
+def test_elastic_discovery_output_is_parsed():
+    assert parse_discovery("node1:2\n# spare\nnode2\n\n", "d.sh") == {"node1": 2, "node2": 1}
+    with pytest.raises(RunError, match="line 1 is 'node1:x'"):
+        parse_discovery("node1:x\n", "d.sh")
+
+
+def test_elastic_places_count_local_ranks_per_host():
+    places = protocol.place_members([(4, "a"), (1, "b"), (7, "a")])
+    assert [(p.worker, p.local_rank, p.local_size, p.node_rank, p.node_count) for p in places] == \
+        [(4, 0, 2, 0, 2), (1, 0, 1, 1, 2), (7, 1, 2, 0, 2)]
+    assert protocol.load_members(protocol.dump_members(places)) == places
+
+
+def test_elastic_config_checks_the_bounds():
+    config = LaunchConfig(["python", "x.py"], np=4, min_np=2)
+    assert config.elastic and (config.min_np, config.max_np) == (2, 4)
+    assert not LaunchConfig(["python", "x.py"], np=4).elastic
+    with pytest.raises(RunError, match="1 <= --min-np <= -np <= --max-np"):
+        LaunchConfig(["python", "x.py"], np=4, min_np=5)
+    with pytest.raises(RunError, match="--max-restarts and --min-np"):
+        LaunchConfig(["python", "x.py"], np=4, min_np=2, max_restarts=1)
+
+
+# -- real jobs -----------------------------------------------------------------------------------
+
+class ElasticRun:
+    """A ``torchmn run`` elastic job of ``elastic_train.py`` in the background, with the means to
+    kill its workers and end it."""
+
+    def __init__(self, out: Path, np: int, launcher_args: list, train_args: list, timeout: float):
+        self.out, self.timeout = out, timeout
+        self.started = time.monotonic()
+        self.log = open(out / "launcher.log", "w")
+        self.proc = subprocess.Popen([PY, "-m", "torchmn", "run", "-np", str(np), *launcher_args, PY, TRAIN,
+                                      str(out), *train_args], stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=clean_env(), cwd=REPO, start_new_session=True)
+
+    def progress(self) -> list:
+        """(time, step, world size) per step so far, from rank 0."""
+        path = self.out / "progress"
+        if not path.exists():
+            return []
+        rows = [line.split() for line in path.read_text().splitlines()]
+        return [(float(t), int(s), int(n)) for t, s, n in rows if n]
+
+    def wait_for(self, condition, what: str) -> None:
+        while not condition():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the job ended while waiting for {what}:\n{self.output()[-4000:]}")
+            if time.monotonic() - self.started > self.timeout:
+                raise AssertionError(f"timed out waiting for {what}:\n{self.output()[-4000:]}")
+            time.sleep(0.05)
+
+    def steps_at(self, size: int, after: int = 0) -> int:
+        return sum(1 for _, s, n in self.progress() if n == size and s > after)
+
+    def worker_pids(self) -> dict:
+        pids = {}
+        for path in (self.out / "pids").glob("*"):
+            pid = int(path.read_text() or 0)
+            if pid and _alive(pid):
+                pids[int(path.name)] = pid
+        return pids
+
+    def finish(self) -> subprocess.CompletedProcess:
+        (self.out / "stop").write_text("")
+        try:
+            self.proc.wait(timeout=max(1.0, self.timeout - (time.monotonic() - self.started)))
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            raise AssertionError(f"the job did not end:\n{self.output()[-4000:]}")
+        finally:
+            self.log.close()
+        return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, self.output(), "")
+
+    def output(self) -> str:
+        if not self.log.closed:
+            self.log.flush()
+        return (self.out / "launcher.log").read_text()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.log.close()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def replay(sizes: list) -> list:
+    """The parameters after training with the world sizes ``sizes``, one step each, in one process:
+    each step's gradient the mean of every rank's, as the job averages them."""
+    sys.path.insert(0, str(REPO / "tests" / "workers"))
+    try:
+        import importlib
+        train = importlib.import_module("elastic_train_model")
+    finally:
+        sys.path.pop(0)
+    model = train.make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for step, size in enumerate(sizes):
+        optimizer.zero_grad()
+        sum(train.loss_of(model, step, r, size) for r in range(size)).div(size).backward()
+        optimizer.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def check_against_replay(out: Path) -> dict:
+    result = torch.load(out / "result.pt")
+    expected = replay(result["sizes"])
+    for got, want in zip(result["params"], expected):
+        assert got.dtype == torch.float64
+        assert torch.allclose(got, want, rtol=0, atol=1e-10), (got - want).abs().max()
+    return result
+
+
+def discovery_script(tmp_path: Path, slots: int) -> str:
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\necho localhost:{slots}\n")
+    script.chmod(0o755)
+    return str(script)
+
+
+@pytest.mark.timeout(600)
+def test_elastic_twenty_kills_match_a_replay_of_the_membership(tmp_path):
+    """A 4-rank job (--min-np 2) loses a random rank to SIGKILL 20 times; each time the survivors go
+    on, and the discovery script offers the slot back, so a new rank joins. After every step all
+    ranks hold the same parameters, and the end result equals a one-process replay of the same
+    world sizes and batches (float64, 1e-10)."""
+    random.seed(1)
+    job = ElasticRun(tmp_path, 4, ["--min-np", "2", "--max-np", "4", "--host-discovery-script",
+                                   discovery_script(tmp_path, 4)], ["--steps", "100000", "--step-sleep", "0.05"],
+                     timeout=560)
+    try:
+        job.wait_for(lambda: job.steps_at(4) >= 3, "the first steps")
+        for kill in range(20):
+            step = job.progress()[-1][1]
+            job.wait_for(lambda: job.steps_at(4, after=step) >= 2, f"4 ranks again before kill {kill + 1}")
+            step = job.progress()[-1][1]
+            pids = job.worker_pids()
+            os.kill(pids[random.choice(sorted(pids))], signal.SIGKILL)
+            job.wait_for(lambda: job.steps_at(3, after=step) >= 1, f"the survivors' next step after kill {kill + 1}")
+        done = job.finish()
+    finally:
+        job.stop()
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "MISMATCH" not in done.stdout
+    assert len(re.findall(r"^torchmn run: worker \d+ \(host .*\) was killed by signal SIGKILL", done.stdout, re.M)) == 20
+    result = check_against_replay(tmp_path)
+    assert 3 in result["sizes"] and result["sizes"][-1] in (3, 4)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shard_state", ["true", "false"])
+def test_elastic_kill_with_each_optimizer_matches_a_replay(tmp_path, shard_state):
+    """The sharded (each rank's part of the state, gathered at commit) and the replicated optimizer
+    lose a rank and go on; the result equals the replay."""
+    job = ElasticRun(tmp_path, 3, ["--min-np", "2", "--max-np", "3"],
+                     ["--steps", "100000", "--step-sleep", "0.05", "--shard-state", shard_state], timeout=240)
+    try:
+        job.wait_for(lambda: job.steps_at(3) >= 5, "the first steps")
+        step = job.progress()[-1][1]
+        os.kill(job.worker_pids()[1], signal.SIGKILL)
+        job.wait_for(lambda: job.steps_at(2, after=step) >= 2, "the survivors' steps")
+        job.wait_for(lambda: job.steps_at(3, after=step) >= 2, "the refilled slot's steps")
+        done = job.finish()
+    finally:
+        job.stop()
+    assert done.returncode == 0, done.stdout[-4000:]
+    check_against_replay(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_elastic_below_min_np_ends_naming_the_lost(tmp_path):
+    """With no room for a new rank (the discovery script offers 2 slots, 1 rank left, --min-np 2),
+    the job ends after --elastic-timeout, naming the worker lost and its host."""
+    job = ElasticRun(tmp_path, 2, ["--min-np", "2", "--host-discovery-script", discovery_script(tmp_path, 1),
+                                   "--elastic-timeout", "3"], ["--steps", "100000", "--step-sleep", "0.05"],
+                     timeout=100)
+    try:
+        job.wait_for(lambda: job.steps_at(2) >= 3, "the first steps")
+        os.kill(job.worker_pids()[1], signal.SIGKILL)
+        killed = time.monotonic()
+        job.proc.wait(timeout=60)
+    finally:
+        job.stop()
+    out = job.output()
+    assert job.proc.returncode == 1, out[-3000:]
+    assert time.monotonic() - killed < 30
+    assert "below --min-np 2" in out and "worker 1 (host " in out and "killed by signal SIGKILL" in out

@@ -1,0 +1,73 @@
+"""An elastic training job whose result can be replayed: float64 MLP, SGD with momentum, each
+rank's batch a function of (step, rank, world size).
+
+Run under ``torchmn run -np N --min-np M ...`` with OUT_DIR as its first argument. Every rank
+writes its pid to OUT_DIR/pids/<worker> (so a test can kill it); after each step all ranks
+compare their parameters; at the end rank 0 writes the final parameters and the world size of
+every committed step to OUT_DIR/result.pt. Rank 0 appends "<time> <step> <world size>" to
+OUT_DIR/progress after each step. Options: --steps, --shard-state (none|false|true), --step-sleep
+(seconds per step, so that kills land mid-training), --commit-every; the run also ends at the
+next commit once OUT_DIR/stop exists.
+"""
+import argparse
+import os
+import time
+
+import torch
+
+import torchmn
+import torchmn.elastic
+from elastic_train_model import loss_of, make_model
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("--steps", type=int, default=40)
+parser.add_argument("--shard-state", choices=["none", "false", "true"], default="none")
+parser.add_argument("--step-sleep", type=float, default=0.0)
+parser.add_argument("--commit-every", type=int, default=1)
+args = parser.parse_args()
+
+
+if __name__ == "__main__":
+    os.makedirs(os.path.join(args.out, "pids"), exist_ok=True)
+    worker = os.environ.get("TORCHMN_ELASTIC_WORKER", "0")
+    with open(os.path.join(args.out, "pids", worker), "w") as f:
+        f.write(str(os.getpid()))
+    comm = torchmn.create_communicator()
+    model = make_model()
+    shard = {"none": None, "false": False, "true": True}[args.shard_state]
+    optimizer = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                                                    comm, shard_state=shard)
+    state = torchmn.elastic.State(model=model, optimizer=optimizer, step=0, sizes=[])
+    resets = []
+    state.register_reset_callbacks([lambda: resets.append(comm.size)])
+
+    @torchmn.elastic.run
+    def train(state):
+        while state.step < args.steps:
+            optimizer.zero_grad()
+            loss_of(model, state.step, comm.rank, comm.size).backward()
+            optimizer.step()
+            flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+            lo, hi = comm.allreduce(flat.clone(), "min"), comm.allreduce(flat.clone(), "max")
+            if not torch.equal(lo, hi):
+                print(f"MISMATCH at step {state.step} on rank {comm.rank}/{comm.size}", flush=True)
+                raise SystemExit(3)
+            state.sizes = state.sizes + [comm.size]
+            state.step += 1
+            if comm.rank == 0:
+                with open(os.path.join(args.out, "progress"), "a") as f:
+                    f.write(f"{time.time():.3f} {state.step} {comm.size}\n")
+            if args.step_sleep:
+                time.sleep(args.step_sleep)
+            if state.step % args.commit_every == 0 or state.step == args.steps:
+                state.commit()
+                stop = torch.tensor([float(os.path.exists(os.path.join(args.out, "stop")))])
+                if comm.allreduce(stop, "max").item():
+                    break
+
+    train(state)
+    if comm.rank == 0:
+        torch.save({"params": [p.detach().clone() for p in model.parameters()], "sizes": state.sizes,
+                    "resets": resets}, os.path.join(args.out, "result.pt"))
+    print(f"worker {worker} done as rank {comm.rank}/{comm.size} after {len(resets)} reset(s)", flush=True)

@@ -1,0 +1,210 @@
+"""A rank's side of an elastic job's membership: waiting for a generation that holds it, taking its
+place there, and asking whether a newer one waits (the launcher's side: :mod:`torchmn.run.elastic`;
+the keys: :mod:`.protocol`)."""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import weakref
+from typing import List, Optional
+
+from torchmn.communicators import world
+from torchmn.elastic import protocol
+from torchmn.elastic.errors import ElasticJobEndedError
+from torchmn.environments import base
+from torchmn.errors import TorchmnRuntimeError
+
+POLL_S = 0.02  # how often a waiting rank looks at the store
+_told = False  # this rank told the launcher it holds the state
+_communicators: List["weakref.ref"] = []  # this rank's world communicators, in the order they were made
+
+
+def remember(comm) -> None:
+    """Note a world communicator (``create_communicator`` calls this in an elastic job), to be
+    rebuilt for the new world at each reset, in the order the script made them.
+
+    Args:
+        comm: the communicator (held weakly).
+
+    Example::
+
+        >>> remember(comm)
+    """
+    _communicators.append(weakref.ref(comm))
+
+
+def communicators() -> list:
+    """This rank's world communicators still in use, in the order they were made.
+
+    Example::
+
+        >>> communicators()
+        [<FlatCommunicator rank 0/2 ...>]
+    """
+    alive, seen = [], set()
+    for comm in (ref() for ref in _communicators):
+        # A communicator made at a reset, and taken over by the script's (Communicator.take_over),
+        # shares its attributes: it is the same one.
+        if comm is not None and id(comm.__dict__) not in seen:
+            seen.add(id(comm.__dict__))
+            alive.append(comm)
+    _communicators[:] = [weakref.ref(c) for c in alive]
+    return alive
+
+
+def enabled() -> bool:
+    """Whether this process is a rank of an elastic job (``torchmn run --min-np ...``).
+
+    Example::
+
+        >>> enabled()      # under torchmn run -np 4 --min-np 2
+        True
+    """
+    return protocol.enabled(os.environ)
+
+
+def worker() -> int:
+    """This process's worker number, which the launcher gave it for the job's whole life.
+
+    Example::
+
+        >>> worker()
+        5
+    """
+    return int(os.environ[protocol.WORKER_VARIABLE])
+
+
+def generation() -> Optional[int]:
+    """The generation this process's place variables describe; None before it first joined one.
+
+    Example::
+
+        >>> generation()
+        2
+    """
+    value = os.environ.get(protocol.GENERATION_VARIABLE)
+    return None if value is None else int(value)
+
+
+def _store():
+    store = world.launcher_store(datetime.timedelta(seconds=60))
+    if store is None:
+        raise TorchmnRuntimeError(f"worker {os.environ.get(protocol.WORKER_VARIABLE)} on {socket.gethostname()}: "
+                                  f"cannot reach the launcher's store at {os.environ.get('MASTER_ADDR')}:"
+                                  f"{os.environ.get('MASTER_PORT')}; an elastic job's ranks must be started by "
+                                  f"torchmn run --min-np/--max-np")
+    return store
+
+
+def _read_generation(store) -> int:
+    if not store.check([protocol.GENERATION_KEY]):
+        return 0
+    return int(store.get(protocol.GENERATION_KEY).decode())
+
+
+def newer_generation() -> bool:
+    """Whether the launcher has announced a generation newer than this rank's (ranks came or went).
+
+    Returns:
+        True when the rank should leave its world at the next commit.
+
+    Example::
+
+        >>> newer_generation()      # after a new worker reached the rendezvous
+        True
+    """
+    current = generation()
+    return current is not None and _read_generation(_store()) > current
+
+
+def say_it_holds_the_state() -> None:
+    """Tell the launcher this rank holds the training state (after its first sync), once.
+
+    Example::
+
+        >>> say_it_holds_the_state()
+    """
+    global _told
+    if enabled() and not _told:
+        _store().set(protocol.holds_key(worker()), "")
+        _told = True
+
+
+def _ended(store) -> None:
+    if store.check([protocol.ENDED_KEY]):
+        raise ElasticJobEndedError(store.get(protocol.ENDED_KEY).decode())
+
+
+def wait_for_place() -> int:
+    """Wait until the launcher announces a generation newer than this rank's that holds it, and
+    every member of it has arrived; then take its place there (the variables
+    ``create_communicator`` reads).
+
+    A generation whose members do not all arrive (one died meanwhile) is passed over for the
+    newer one the launcher then announces.
+
+    Returns:
+        The generation joined.
+
+    Raises:
+        ElasticJobEndedError: the launcher ended the job (below ``--min-np`` too long).
+        RuntimeError: no generation came within the elastic timeout.
+
+    Example::
+
+        >>> wait_for_place()        # after the world broke, or in a worker that just started
+        3
+    """
+    store = _store()
+    me = worker()
+    left = generation()
+    left = -1 if left is None else left
+    timeout = float(os.environ.get(protocol.TIMEOUT_VARIABLE, "600"))
+    deadline = time.monotonic() + timeout
+    store.set(protocol.waiting_key(me), str(left))
+    tried = left
+    while time.monotonic() < deadline:
+        _ended(store)
+        latest = _read_generation(store)
+        if latest > tried:
+            tried = latest
+            members = protocol.load_members(store.get(protocol.members_key(latest)).decode())
+            if any(p.worker == me for p in members):
+                store.set(protocol.arrived_key(latest, me), "")
+                if _all_arrived(store, latest, members, deadline):
+                    _take_place(latest, members)
+                    return latest
+        time.sleep(POLL_S)
+    raise TorchmnRuntimeError(f"worker {me} on {socket.gethostname()}: no generation of the elastic job took it within "
+                              f"{timeout:g} s (TORCHMN_ELASTIC_TIMEOUT, from --elastic-timeout); the launcher's "
+                              f"output says why")
+
+
+def _all_arrived(store, g: int, members: List[protocol.Place], deadline: float) -> bool:
+    """Whether every member of generation ``g`` arrives before a newer generation is announced."""
+    keys = [protocol.arrived_key(g, p.worker) for p in members]
+    while time.monotonic() < deadline:
+        if store.check(keys):
+            return True
+        _ended(store)
+        if _read_generation(store) > g:
+            return False
+        time.sleep(POLL_S)
+    return False
+
+
+def _take_place(g: int, members: List[protocol.Place]) -> None:
+    """Set this process's place variables to its place in generation ``g``."""
+    rank = next(i for i, p in enumerate(members) if p.worker == worker())
+    p = members[rank]
+    os.environ.update({
+        base.TORCHMN_RANK: str(rank), base.TORCHMN_SIZE: str(len(members)),
+        base.TORCHMN_LOCAL_RANK: str(p.local_rank), base.TORCHMN_LOCAL_SIZE: str(p.local_size),
+        base.TORCHMN_NODE_RANK: str(p.node_rank), base.TORCHMN_NODE_COUNT: str(p.node_count),
+        base.TORCHMN_HOST: p.host,
+        "RANK": str(rank), "WORLD_SIZE": str(len(members)), "LOCAL_RANK": str(p.local_rank),
+        "LOCAL_WORLD_SIZE": str(p.local_size), "GROUP_RANK": str(p.node_rank),
+        protocol.GENERATION_VARIABLE: str(g),
+    })

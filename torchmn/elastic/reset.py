@@ -1,0 +1,126 @@
+"""``@torchmn.elastic.run``: a training function that goes on when ranks die or join, and the reset
+that moves a rank's communicators and optimizers to the new world in the same process."""
+from __future__ import annotations
+
+import functools
+import logging
+import socket
+import time
+from typing import Callable, TypeVar
+
+import torch.distributed as dist
+
+from torchmn.communicators import create_communicator, failure
+from torchmn.communicators.errors import CollectiveTimeoutError, lost_peer
+from torchmn.elastic import membership
+from torchmn.elastic.errors import HostsUpdatedInterrupt
+from torchmn.elastic.state import State
+from torchmn.errors import TorchmnTypeError
+from torchmn.optimizers import join as joining
+
+log = logging.getLogger("torchmn.elastic")
+F = TypeVar("F", bound=Callable)
+
+
+def recoverable(error: BaseException) -> bool:
+    """Whether ``error`` means the world broke (a peer died or left), which a reset mends, rather
+    than a fault of the training code, which ends this rank.
+
+    Args:
+        error: what the training function raised.
+
+    Returns:
+        True for torchmn's lost-peer and timeout errors (shared memory included), torch's lost
+        connections, and Horovod's ``HorovodInternalError``.
+
+    Example::
+
+        >>> recoverable(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer"))
+        True
+        >>> recoverable(ValueError("bad batch"))
+        False
+    """
+    return isinstance(error, CollectiveTimeoutError) or lost_peer(error)
+
+
+def run(func: F) -> F:
+    """Make ``func(state, ...)`` an elastic training function: when ranks die it goes on in the
+    survivors' new world from the last commit, and when ranks join it takes them in at the next.
+
+    Each call first synchronises ``state`` (rank 0's to all), then runs ``func``. When a collective
+    fails because a peer was lost, every survivor goes back to its last commit, leaves the old
+    world, waits for the launcher's new one, rebuilds in place the communicators the script made
+    and the multi-node optimizers ``state`` holds (``comm.rank`` and ``comm.size`` then describe the
+    new world), calls the reset callbacks, synchronises and calls ``func`` again. A
+    :class:`HostsUpdatedInterrupt` from ``commit()`` does the same without going back. Other
+    exceptions end this rank as usual (the others then go on without it).
+
+    Outside an elastic job (no ``torchmn run --min-np``), ``func`` runs once, after the sync.
+
+    Args:
+        func: the training function; its first argument is a :class:`State`.
+
+    Returns:
+        The wrapped function, returning what ``func`` returns.
+
+    Raises:
+        TypeError: the first argument is not a ``State``.
+        ElasticJobEndedError: the job ended while this rank waited for a new world.
+
+    Example::
+
+        >>> @torchmn.elastic.run
+        ... def train(state):
+        ...     ...
+        >>> train(torchmn.elastic.State(model=model, optimizer=optimizer, epoch=0))
+    """
+    @functools.wraps(func)
+    def wrapper(state, *args, **kwargs):
+        if not isinstance(state, State):
+            raise TorchmnTypeError(f"@torchmn.elastic.run: the function's first argument must be a "
+                                   f"torchmn.elastic.State, not {type(state).__name__}")
+        while True:
+            try:
+                state.sync()
+                membership.say_it_holds_the_state()
+                return func(state, *args, **kwargs)
+            except HostsUpdatedInterrupt as e:
+                broke = e
+            except Exception as e:  # noqa: BLE001 (told apart just below)
+                if not (membership.enabled() and recoverable(e)):
+                    raise
+                broke = e
+            while True:  # a rank lost during the reset itself: another reset
+                try:
+                    _reset(state, broke)
+                    break
+                except Exception as e:  # noqa: BLE001 (told apart just below)
+                    if not recoverable(e):
+                        raise
+                    broke = e
+    return wrapper
+
+
+def _reset(state: State, error: BaseException) -> None:
+    """Move this rank to the new world: leave the old one, wait for the launcher's next
+    generation, rebuild the communicators and optimizers there, call the reset callbacks."""
+    started = time.monotonic()
+    comms = membership.communicators()
+    optimizers = [(o, o.comm) for o in state.multi_node_optimizers()]
+    old = f"rank {comms[0].rank}/{comms[0].size}" if comms else "a rank"
+    for optimizer, _ in optimizers:
+        optimizer.leave_world()
+    for comm in comms:
+        joining.forget(comm)
+    failure.leave_world(error)
+    generation = membership.wait_for_place()
+    for comm in comms:
+        comm.take_over(create_communicator(**comm.creation))
+    for optimizer, comm in optimizers:
+        optimizer.join_world(comm)
+    state.on_reset()
+    size = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    log.warning("torchmn.elastic: %s on %s moved to generation %d as rank %d/%d in %.2f s (%s: %s)", old,
+                socket.gethostname(), generation, rank, size, time.monotonic() - started, type(error).__name__,
+                str(error).splitlines()[0][:200] if str(error) else "")

@@ -1,0 +1,233 @@
+"""What an elastic job's ranks keep, commit and hand to each other: :class:`State`."""
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable, Iterable, List, Optional
+
+import torch
+
+from torchmn.elastic import membership
+from torchmn.elastic.errors import HostsUpdatedInterrupt, StateLostError
+from torchmn.errors import TorchmnRuntimeError, TorchmnTypeError
+from torchmn.optimizers.gradient_sync import GradientSyncOptimizer
+
+
+
+class State:
+    """The training state of an elastic job: a model, an optimizer and any values (epoch, batch,
+    ...), committed in memory and handed to the ranks of each new world.
+
+    ``commit()`` keeps a copy of it in memory (on every rank) and asks whether ranks joined or left;
+    when a rank dies, the survivors go back to their last commit, and a new rank gets rank 0's.
+    Values are attributes (``state.epoch``); set them before ``commit()`` so the commit holds them.
+
+    Each multi-node optimizer keeps the whole committed state on every rank (a sharded one gathers
+    it at each commit), so any one survivor can hand it on.
+
+    Args:
+        model: a ``torch.nn.Module`` (its ``state_dict``: parameters and buffers), or None.
+        optimizer: a multi-node optimizer (``create_multi_node_optimizer``'s), a plain torch
+            optimizer, or None.
+        **values: anything picklable; each becomes an attribute.
+
+    Raises:
+        TypeError: ``model`` is not a module, or ``optimizer`` not an optimizer.
+
+    Example::
+
+        >>> state = torchmn.elastic.State(model=model, optimizer=optimizer, epoch=0, batch=0)
+        >>> @torchmn.elastic.run
+        ... def train(state):
+        ...     for state.epoch in range(state.epoch, epochs):
+        ...         for state.batch in range(state.batch, steps):
+        ...             step(...)
+        ...             if state.batch % 10 == 0:
+        ...                 state.commit()
+        ...         state.batch = 0
+        >>> train(state)
+    """
+
+    def __init__(self, model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
+                 **values: Any):
+        if model is not None and not isinstance(model, torch.nn.Module):
+            raise TorchmnTypeError(f"State(model=...) takes a torch.nn.Module, not {type(model).__name__}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TorchmnTypeError(f"State(optimizer=...) takes a torch optimizer, not {type(optimizer).__name__}")
+        self.model = model
+        self.optimizer = optimizer
+        self._names = list(values)
+        for name, value in values.items():
+            setattr(self, name, value)
+        self._saved: Optional[dict] = None
+        self._callbacks: List[Callable[[], None]] = []
+
+    # -- callbacks ---------------------------------------------------------------------------------
+
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
+        """Functions to call after each reset, once the new world is set up (before the state is
+        synchronised): to scale the learning rate with ``comm.size``, say.
+
+        Args:
+            callbacks: functions of no arguments, called in order.
+
+        Example::
+
+            >>> state.register_reset_callbacks([lambda: set_lr(base_lr * comm.size)])
+        """
+        self._callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Call the reset callbacks (:func:`torchmn.elastic.run` does, after each reset).
+
+        Example::
+
+            >>> state.on_reset()
+        """
+        for callback in self._callbacks:
+            callback()
+
+    # -- the communicator and optimizers the state reaches -----------------------------------------
+
+    @property
+    def comm(self):
+        """The communicator the state is synchronised over: its optimizer's, else the first one the
+        script made (None in a world of one without a communicator)."""
+        comm = getattr(self.optimizer, "comm", None)
+        if comm is None:
+            made = membership.communicators()
+            comm = made[0] if made else None
+        return comm
+
+    def multi_node_optimizers(self) -> List[GradientSyncOptimizer]:
+        """The multi-node optimizers this state holds, which a reset rebuilds for the new world.
+
+        Example::
+
+            >>> state.multi_node_optimizers()
+            [NodeSharedOptimizer(Adam (...), <HierarchicalCommunicator rank 0/2 ...>)]
+        """
+        found = []
+        for value in [self.optimizer] + [getattr(self, n) for n in self._names]:
+            inner = getattr(value, "multi_node_optimizer", value)  # torchmn.horovod's DistributedOptimizer
+            if isinstance(inner, GradientSyncOptimizer):
+                found.append(inner)
+        return found
+
+    # -- commit, restore, sync ---------------------------------------------------------------------
+
+    def save(self) -> None:
+        """Keep a copy of the state in memory (collective for a sharded optimizer, which gathers
+        its shards). ``commit()`` does this, then looks for new or lost ranks.
+
+        Example::
+
+            >>> state.save()
+        """
+        saved = {"values": copy.deepcopy({n: getattr(self, n) for n in self._names})}
+        if self.model is not None:
+            saved["model"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        if self.optimizer is not None:
+            saved["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
+        self._saved = saved
+
+    def restore(self) -> None:
+        """Go back to the last saved state (in place: the model and optimizer objects stay).
+
+        Raises:
+            RuntimeError: nothing was saved yet.
+
+        Example::
+
+            >>> state.restore()
+        """
+        if self._saved is None:
+            raise TorchmnRuntimeError("State.restore(): nothing was committed yet; call commit() (or sync()) first")
+        saved = self._saved
+        if self.model is not None:
+            with torch.no_grad():
+                self.model.load_state_dict(saved["model"])
+        if self.optimizer is not None:
+            self.optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))
+        for name, value in copy.deepcopy(saved["values"]).items():
+            setattr(self, name, value)
+
+    def sync(self) -> None:
+        """Give every rank rank 0's committed state (collective): at the start of
+        :func:`torchmn.elastic.run` and after each reset, so that ranks that joined start where the
+        others are.
+
+        In the job's first world every rank first commits what it holds (rank 0's wins); a rank
+        that joined later receives it from rank 0, over the network.
+
+        Raises:
+            StateLostError: no rank of the new world holds a commit (all that did were lost).
+
+        Example::
+
+            >>> state.sync()
+        """
+        comm = self.comm
+        if self._saved is None and first_world():
+            self.save()  # every rank is new here: each commits (collectively, where the optimizer needs it)
+        if comm is not None and comm.size > 1:
+            # The first rank that holds a commit hands it on: rank 0 unless every rank that held
+            # one was lost while new ones waited.
+            holders = comm.allreduce(torch.tensor([comm.rank if self._saved is not None else comm.size]), op="min")
+            root = int(holders.item())
+            if root == comm.size:
+                raise StateLostError(f"rank {comm.rank}/{comm.size}: none of this world's ranks holds the committed "
+                                     f"state (every rank that did was lost while these waited to join); start the "
+                                     f"job again from the newest checkpoint")
+            self._saved = comm.bcast_obj(self._saved if comm.rank == root else None, root=root)
+        self.restore()
+
+    def commit(self) -> None:
+        """Save the state in memory, then raise :class:`HostsUpdatedInterrupt` on every rank at once
+        if ranks joined or left meanwhile (collective). Call it every few steps, on every rank at
+        the same step: a rank that dies costs the steps since the last commit, and a new rank
+        waits for the next one to join.
+
+        Raises:
+            HostsUpdatedInterrupt: the ranks are to move to a new world (``torchmn.elastic.run``
+                does that, and goes on from this commit).
+
+        Example::
+
+            >>> if state.batch % 10 == 0:
+            ...     state.commit()
+        """
+        self.save()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise :class:`HostsUpdatedInterrupt` on every rank at once if the launcher has announced a
+        new world (ranks joined or left) (collective; one small allreduce). Outside an elastic job
+        it does nothing.
+
+        Raises:
+            HostsUpdatedInterrupt: ranks joined or left.
+
+        Example::
+
+            >>> state.check_host_updates()
+        """
+        if not membership.enabled():
+            return
+        newer = membership.newer_generation()
+        comm = self.comm
+        if comm is not None and comm.size > 1:
+            # Every rank leaves at the same commit: one that read the news sooner takes the others along.
+            newer = bool(comm.allreduce(torch.tensor([int(newer)]), op="max").item())
+        if newer:
+            raise HostsUpdatedInterrupt("ranks joined or left the job: moving to the new world")
+
+
+def first_world() -> bool:
+    """Whether this rank's world is the job's first (every rank of it new), or the job is not elastic.
+
+    Example::
+
+        >>> first_world()      # before any rank came or went
+        True
+    """
+    return not membership.enabled() or membership.generation() in (None, 0)

@@ -1,0 +1,362 @@
+"""``torchmn run --min-np M --max-np N``: an elastic job, whose ranks come and go while it runs.
+
+The launcher numbers every process it starts (a *worker*) once for the job's life, and decides
+each membership (a *generation*) alone, writing it to the job's store
+(:mod:`torchmn.elastic.protocol`). It announces a new generation when
+
+- a member dies (the survivors are then waiting for one, or will at their next collective);
+- a member left its generation without dying (its world broke: a timeout, say): the same
+  workers again, in new process groups;
+- a new worker waits at the rendezvous: the members see it at their next ``commit()``.
+
+New workers start where there is room and fewer than ``--max-np`` run: on the hosts the
+``--host-discovery-script`` prints (``host:slots`` lines, read every second), else on the known
+hosts (``-H``, or this machine with ``-np`` slots), in the slots that dead workers freed. With
+fewer than ``--min-np`` workers alive for longer than ``--elastic-timeout`` seconds, the job ends,
+naming the workers lost and their hosts.
+
+Users' view: ``docs/elastic.md``. The ranks' side: :mod:`torchmn.elastic`.
+"""
+from __future__ import annotations
+
+import collections
+import signal
+import subprocess
+import time
+from typing import Dict, List, Mapping, Optional, Union
+
+from torchmn import network
+from torchmn.elastic import protocol
+from torchmn.run.config import LaunchConfig, RunError
+from torchmn.run.job import Job
+from torchmn.run.plan import Slot
+from torchmn.run.processes.output import describe_exit, exit_code_of, failure_summary
+from torchmn.run.processes.supervisor import Rank
+
+DISCOVERY_EVERY_S = 1.0       # how often the discovery script runs
+DISCOVERY_TIMEOUT_S = 30.0    # how long one run of it may take
+# After a new worker on a host failed before joining, no new worker starts there for this long
+# (a host that cannot run the program would otherwise take every free moment of the job).
+COOLDOWN_S = 10.0
+
+
+def parse_discovery(text: str, script: str) -> Dict[str, int]:
+    """The hosts and slots a discovery script printed: one ``host`` or ``host:slots`` per line.
+
+    Args:
+        text: the script's output.
+        script: its path, for the message.
+
+    Returns:
+        ``{host: slots}``, in the order printed (a bare host has 1 slot; a host printed twice
+        keeps the last count).
+
+    Raises:
+        RunError: a line that is neither form, or a slot count that is not a positive integer.
+
+    Example::
+
+        >>> parse_discovery("node1:2\\nnode2\\n", "discover.sh")
+        {'node1': 2, 'node2': 1}
+    """
+    hosts: Dict[str, int] = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        host, _, slots = line.partition(":")
+        try:
+            count = int(slots) if slots else 1
+        except ValueError:
+            count = 0
+        if not host or count < 1 or " " in host:
+            raise RunError(f"--host-discovery-script {script}: line {number} is {line!r}; each line must be "
+                           f"'host' or 'host:slots' with slots a positive integer")
+        hosts[host] = count
+    return hosts
+
+
+class ElasticJob(Job):
+    """A ``torchmn run`` job with ``--min-np``/``--max-np``: ranks that die are not replaced by a
+    restart of all; the survivors go on, and new workers join where there is room.
+
+    Args:
+        config: what to run; ``config.min_np`` is set.
+        env: the launcher's environment.
+
+    Raises:
+        RunError: also for one launcher per node (``--nnodes``, a Slurm step of several tasks),
+            where membership would need every node's launcher to agree.
+
+    Example::
+
+        >>> job = ElasticJob(LaunchConfig(["python", "train.py"], np=4, min_np=2, max_np=4))
+        >>> code = job.run_once()   # doctest: +SKIP
+    """
+
+    def __init__(self, config: LaunchConfig, env: Optional[Mapping[str, str]] = None):
+        super().__init__(config, env)
+        if self.nodes is not None:
+            raise RunError(f"--min-np/--max-np need one torchmn run for the whole job; this one is one of "
+                           f"{self.nodes.step.tasks} {self.nodes.step.kind}s (one launcher per node). Run a single "
+                           f"torchmn run with -H/--hostfile (or --host-discovery-script) instead.")
+        known = self.hosts if self.hosts else [(self.host, config.max_np)]
+        self.known_hosts: Dict[str, int] = dict(known)
+        self.live: Dict[int, Rank] = {}          # workers running, by number
+        self.members: List[int] = []             # the current generation, in rank order
+        self.generation = 0
+        self.next_worker = len(self.slots)
+        self.finished: List[int] = []            # workers that ended with status 0
+        self.lost: List[Rank] = []               # workers that died while the job went on
+        self.added: List[int] = []               # workers started after the first generation
+        self.cooldown: Dict[str, float] = {}     # host -> no new worker there before this time
+        self.below_min_since: Optional[float] = None
+        self.gave_up: Optional[str] = None
+        self.last_discovery = 0.0
+        self.discovered: Optional[Dict[str, int]] = None
+        self.port: Optional[int] = None
+        self.holders: set = set()                # workers that have held the training state
+        self.published = False                  # the first generation is in the store
+        self.refused: set = set()                # discovered hosts the job cannot use, said once
+
+    # -- starting ---------------------------------------------------------------------------------
+
+    def rank_environment(self, slot: Slot, port: Union[int, str]) -> Dict[str, str]:
+        """The variables of one worker: a rank's (``Job.rank_environment``) and the elastic ones
+        (``slot.rank`` is the worker's number; a worker started after the first generation learns
+        its place at the rendezvous)."""
+        env = super().rank_environment(slot, port)
+        env[protocol.ELASTIC_VARIABLE] = "1"
+        env[protocol.WORKER_VARIABLE] = str(slot.rank)
+        env[protocol.TIMEOUT_VARIABLE] = f"{self.config.elastic_timeout:g}"
+        if slot.rank < len(self.slots):
+            env[protocol.GENERATION_VARIABLE] = "0"
+        return env
+
+    def start(self) -> None:
+        super().start()
+        self.port = self.store.port
+        for rank in self.ranks:
+            self.live[rank.slot.rank] = rank
+        self.members = sorted(self.live)
+
+    def _start_worker(self, host: str) -> None:
+        worker = self.next_worker
+        self.next_worker += 1
+        slot = Slot(worker, len(self.live) + 1, 0, 1, 0, 1, host)
+        log_path = f"{self.config.log_dir}/rank.{worker}.log" if self.config.log_dir else None
+        try:
+            rank = self._start_rank(slot, self.port, log_path)
+        except RunError as e:
+            self.console.message(f"torchmn run: could not start a new worker on {host}: {e}")
+            self.cooldown[host] = time.monotonic() + COOLDOWN_S
+            return
+        self.live[worker] = rank
+        self.added.append(worker)
+        self.console.message(f"torchmn run: started worker {worker} on {host} ({len(self.live)} running); it joins "
+                             f"at the others' next commit")
+
+    # -- watching ---------------------------------------------------------------------------------
+
+    def _handle(self, event: tuple, escalate: bool) -> None:
+        if event[0] != "exit" or self.gave_up is not None or self._ending():
+            super()._handle(event, escalate)
+            return
+        _, rank, code = event
+        rank.returncode = code
+        worker = rank.slot.rank
+        self.live.pop(worker, None)
+        if code == 0:
+            if not self.finished:
+                # The job is done: workers still joining have nothing left to join.
+                self._note_holders()
+                waiting = [r for w, r in self.live.items() if w not in self.holders]
+                self.procs.stop(signal.SIGTERM, only=waiting)
+            self.finished.append(worker)
+            return
+        if rank.stopped_by_launcher:
+            return
+        if self.finished:
+            # The others have completed: a failure now ends the job as in a fixed-size one.
+            super()._handle(event, escalate)
+            return
+        if worker not in self.members:  # started, but never joined
+            self.cooldown[rank.slot.host] = time.monotonic() + COOLDOWN_S
+        self.lost.append(rank)
+        alive = [w for w in self.members if w in self.live]
+        self.console.message(f"torchmn run: worker {worker} (host {rank.slot.host}) {describe_exit(code)}; "
+                             f"{len(alive)} of the generation's {len(self.members)} go on")
+        if worker in self.members:
+            self._announce(alive)
+
+    def watch(self) -> int:
+        """Run the elastic job to its end: follow deaths, arrivals and the discovery script.
+
+        Returns:
+            0 when the last generation's workers all ended with status 0; the first failure's code
+            when the job could not go on (every worker lost, or a failure after others completed);
+            1 when it stayed below ``--min-np`` for longer than ``--elastic-timeout``; 128+N for a
+            signal N to the launcher.
+
+        Example::
+
+            >>> job.start(); code = job.watch()   # doctest: +SKIP
+        """
+        last_scan = 0.0
+        while self.live and not self._ending() and self.gave_up is None:
+            self._next_event(0.05)
+            if self._ending() or self.gave_up is not None:
+                break
+            self._follow_members()
+            if time.monotonic() - last_scan > 0.5:
+                self.procs.remember_descendants()
+                last_scan = time.monotonic()
+        if not self.live and not self.finished and self.first_failure is None and self.lost:
+            self.first_failure = self.lost[0]  # nobody left to go on
+        if self.gave_up is not None:
+            self._tell_ranks_the_end()
+        self.teardown(self.received_signal or signal.SIGTERM)
+        for rank in self.ranks:
+            rank.output.finish(idle=2.0)
+        self._finish_display()
+        return self._summarize()
+
+    def _follow_members(self) -> None:
+        """One look at the store and the hosts: announce a generation where one is due, start new
+        workers where there is room, give up below --min-np after --elastic-timeout."""
+        store = self.store.store
+        if not self.published:
+            # The first generation's ranks know their places from their variables; a worker that
+            # joins later reads every generation from the store.
+            self.published = True
+            places = protocol.place_members([(w, self.live[w].slot.host) for w in self.members if w in self.live])
+            store.set(protocol.members_key(0), protocol.dump_members(places))
+            store.set(protocol.GENERATION_KEY, "0")
+        alive_members = [w for w in self.members if w in self.live]
+        waiting = {}
+        for w in list(self.live):
+            key = protocol.waiting_key(w)
+            if store.check([key]):
+                waiting[w] = int(store.get(key).decode())
+        newcomers = [w for w in self.live if w not in self.members and w in waiting]
+        left = [w for w in alive_members if waiting.get(w) == self.generation]
+        if newcomers or left:
+            self._announce(alive_members + sorted(newcomers))
+        self._note_holders()
+        if self.live and not self.finished and self.holders and not self.holders & set(self.live):
+            self.gave_up = (f"torchmn run: every worker that held the training state was lost (workers "
+                            f"{', '.join(map(str, sorted(self.holders)))}); the {len(self.live)} left joined too late "
+                            f"to receive it. Ended the job: start it again from the newest checkpoint.")
+            return
+        alive = len(self.live)
+        if alive < self.config.min_np:
+            self.below_min_since = self.below_min_since or time.monotonic()
+            if time.monotonic() - self.below_min_since > self.config.elastic_timeout:
+                self._give_up()
+                return
+        else:
+            self.below_min_since = None
+        self._add_workers()
+
+    def _note_holders(self) -> None:
+        """Note the workers that have said they hold the training state."""
+        store = self.store.store
+        for w in self.live:
+            if w not in self.holders and store.check([protocol.holds_key(w)]):
+                self.holders.add(w)
+
+    def _announce(self, workers: List[int]) -> None:
+        """Publish a new generation of ``workers`` (in rank order), if there are enough of them."""
+        workers = [w for w in workers if w in self.live]
+        if len(workers) < self.config.min_np or not workers:
+            return  # the survivors wait at the rendezvous; _follow_members counts the time
+        places = protocol.place_members([(w, self.live[w].slot.host) for w in workers])
+        store = self.store.store
+        self.generation += 1
+        store.set(protocol.members_key(self.generation), protocol.dump_members(places))
+        store.set(protocol.GENERATION_KEY, str(self.generation))
+        self.members = list(workers)
+        if self.config.verbose:
+            self.console.message(f"torchmn run: generation {self.generation}: workers "
+                                 f"{', '.join(map(str, workers))} as ranks 0-{len(workers) - 1}")
+
+    def _capacity(self) -> Dict[str, int]:
+        """The hosts and slots new workers may take now."""
+        script = self.config.host_discovery_script
+        if script is None:
+            return self.known_hosts
+        if self.discovered is None or time.monotonic() - self.last_discovery >= DISCOVERY_EVERY_S:
+            self.last_discovery = time.monotonic()
+            try:
+                done = subprocess.run([script], capture_output=True, text=True, timeout=DISCOVERY_TIMEOUT_S)
+            except (OSError, subprocess.TimeoutExpired) as e:
+                self.console.message(f"torchmn run: --host-discovery-script {script} failed: {e}")
+                return self.discovered or {}
+            if done.returncode != 0:
+                self.console.message(f"torchmn run: --host-discovery-script {script} exited with {done.returncode}: "
+                                     f"{done.stderr.strip()[-500:]}")
+                return self.discovered or {}
+            self.discovered = self._known(parse_discovery(done.stdout, script))
+        return self.discovered
+
+    def _known(self, offered: Dict[str, int]) -> Dict[str, int]:
+        """The hosts offered, this machine's names as one; hosts the job cannot reach are left out,
+        once said: ranks on other hosts need them among -H/--hostfile (checked over ssh at the
+        start, and the rendezvous placed where they reach it)."""
+        hosts: Dict[str, int] = {}
+        for host, slots in offered.items():
+            if network.is_local(host):
+                host = self.host
+            elif host not in self.known_hosts:
+                if host not in self.refused:
+                    self.refused.add(host)
+                    self.console.message(f"torchmn run: --host-discovery-script offers {host}, which is not among the "
+                                         f"hosts given with -H/--hostfile; start the job with every host that may take "
+                                         f"part in -H (with the slots it starts with), so it can be checked and reach "
+                                         f"the rendezvous")
+                continue
+            hosts[host] = hosts.get(host, 0) + slots
+        return hosts
+
+    def _add_workers(self) -> None:
+        """Start new workers in free slots, up to --max-np, while a member holds the state to give them."""
+        if self.finished or not self.holders & set(self.live):
+            return  # a new worker needs one that holds the state to receive it from
+        room = self.config.max_np - len(self.live)
+        if room <= 0:
+            return
+        used = collections.Counter(rank.slot.host for rank in self.live.values())
+        now = time.monotonic()
+        for host, slots in self._capacity().items():
+            while room > 0 and used[host] < slots and self.cooldown.get(host, 0.0) <= now:
+                self._start_worker(host)
+                used[host] += 1
+                room -= 1
+
+    def _give_up(self) -> None:
+        missing = [f"worker {r.slot.rank} (host {r.slot.host}, {describe_exit(r.returncode)})" for r in self.lost]
+        self.gave_up = (f"torchmn run: only {len(self.live)} worker(s) left, below --min-np {self.config.min_np}, "
+                        f"for more than --elastic-timeout {self.config.elastic_timeout:g} s; ended the job. Lost: "
+                        f"{'; '.join(missing) or 'none'}. Offer more slots (-H, --host-discovery-script), lower "
+                        f"--min-np, or raise --elastic-timeout.")
+
+    def _tell_ranks_the_end(self) -> None:
+        try:
+            self.store.store.set(protocol.ENDED_KEY, self.gave_up)
+        except Exception:  # noqa: BLE001 (the ranks are stopped next anyway)
+            pass
+
+    def _summarize(self) -> int:
+        if self.gave_up is not None:
+            self.console.message(self.gave_up)
+            return 1
+        if self.lost or self.added:
+            lost = ", ".join(f"{r.slot.rank} ({r.slot.host}, {describe_exit(r.returncode)})" for r in self.lost)
+            self.console.message(f"torchmn run: elastic job: {self.generation} generation(s) after the first; "
+                                 f"workers lost: {lost or 'none'}; workers added: "
+                                 f"{', '.join(map(str, self.added)) or 'none'}")
+        failed = self.first_failure
+        if failed is not None and self.received_signal is None and not self.finished:
+            self.console.message(failure_summary(failed, self.ranks, None))
+            return exit_code_of(failed.returncode)
+        return super()._summarize()
