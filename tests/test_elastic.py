@@ -221,3 +221,47 @@ def test_elastic_below_min_np_ends_naming_the_lost(tmp_path):
     assert job.proc.returncode == 1, out[-3000:]
     assert time.monotonic() - killed < 30
     assert "below --min-np 2" in out and "worker 1 (host " in out and "killed by signal SIGKILL" in out
+
+
+def _workers_of(launcher_pid: int) -> dict:
+    """Worker number -> pid of the processes an elastic launcher started."""
+    found = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if int((entry / "stat").read_text().split(")")[-1].split()[1]) != launcher_pid:
+                continue
+            env = dict(v.split("=", 1) for v in (entry / "environ").read_text().split("\0") if "=" in v)
+        except (OSError, ValueError):
+            continue
+        if protocol.WORKER_VARIABLE in env and _alive(int(entry.name)):
+            found[int(env[protocol.WORKER_VARIABLE])] = int(entry.name)
+    return found
+
+
+@pytest.mark.timeout(240)
+def test_horovod_elastic_example_completes_across_a_kill(tmp_path):
+    """The Horovod elastic MNIST example, under horovodrun's flags: a rank killed in its second epoch;
+    the other two go on from their last commit, a new rank joins, the test set is scored at the end."""
+    log = open(tmp_path / "log", "w")
+    proc = subprocess.Popen([PY, "-m", "torchmn", "run", "-np", "3", "--min-np", "2", "--max-np", "3", PY,
+                             str(REPO / "examples" / "horovod" / "pytorch_mnist_elastic.py"), "--epochs", "6",
+                             "--log-interval", "5"], stdout=log, stderr=subprocess.STDOUT, env=clean_env(), cwd=REPO,
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while "Train Epoch: 2" not in (tmp_path / "log").read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
+            time.sleep(0.1)
+        os.kill(_workers_of(proc.pid)[1], signal.SIGKILL)
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    out = (tmp_path / "log").read_text()
+    assert proc.returncode == 0, out[-4000:]
+    assert "worker 1 (host" in out and "moved to generation" in out
+    assert re.search(r"^\[0\] Test set: Average loss: [\d.]+, Accuracy: [\d.]+%", out, re.M), out[-3000:]

@@ -73,11 +73,27 @@ def test_horovod_calls_before_init_raise_horovods_message():
     assert lines == ["Horovod has not been initialized; use hvd.init()."] * 5, proc.stdout
 
 
-def test_horovod_elastic_says_what_to_use_instead():
-    proc = _python("import torchmn.horovod as hvd\nhvd.elastic.run\n")
-    assert proc.returncode != 0
-    assert "ImportError" in proc.stderr and "does not implement hvd.elastic" in proc.stderr
-    assert "examples/slurm/" in proc.stderr
+def test_horovod_elastic_names_run_in_a_plain_job():
+    """hvd.elastic outside an elastic job: run() syncs and calls the function once, commit() keeps the
+    values, and a TorchState over hvd.DistributedOptimizer restores what was committed."""
+    proc = _python("import torch, torchmn.horovod as hvd\nhvd.init()\n"
+                   "model = torch.nn.Linear(2, 1)\n"
+                   "opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))\n"
+                   "state = hvd.elastic.TorchState(model, opt, epoch=3)\n"
+                   "objects = hvd.elastic.ObjectState(hvd.broadcast_object, hvd.rank, seen=[])\n"
+                   "@hvd.elastic.run\n"
+                   "def train(state):\n"
+                   "    state.epoch += 1\n"
+                   "    state.commit()\n"
+                   "    state.epoch = 99\n"
+                   "    with torch.no_grad():\n"
+                   "        model.weight.zero_()\n"
+                   "    state.restore()\n"
+                   "    return state.epoch, bool(model.weight.abs().sum() > 0)\n"
+                   "print(train(state), issubclass(hvd.elastic.HostsUpdatedInterrupt, RuntimeError),\n"
+                   "      hvd.elastic.HorovodInternalError is hvd.HorovodInternalError)\n")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0] == "(4, True) True True"
 
 
 def test_horovod_world_of_one_runs_as_plain_process():
@@ -101,7 +117,6 @@ def caught(what, builtin, fn):
 
 caught("before init", ValueError, hvd.rank)
 caught("mpi4py communicator", NotImplementedError, lambda: hvd.init(comm=object()))
-caught("elastic", ImportError, lambda: hvd.elastic)
 hvd.init()
 model = torch.nn.Linear(2, 1)
 opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -117,7 +132,7 @@ def test_horovod_errors_are_torchmn_errors_with_horovods_builtin_base():
     proc = _python(ERRORS)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.splitlines() == [f"{what} True" for what in (
-        "before init", "mpi4py communicator", "elastic", "adasum", "unknown handle", "pickled optimizer",
+        "before init", "mpi4py communicator", "adasum", "unknown handle", "pickled optimizer",
         "second backward")], proc.stdout
 
 

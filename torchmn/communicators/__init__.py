@@ -152,10 +152,9 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
     monitor.start_for(comm, "torchmn" if TorchmnEnvironment.detect(os.environ) else
                       env.source if env is not None else "adopted")
     comm.creation = creation  # what an elastic job's reset asks for again in the new world
-    if elastic:
-        from torchmn.elastic import membership
+    from torchmn.elastic import membership
 
-        membership.remember(comm)
+    membership.remember(comm)  # the communicator torchmn.elastic.State syncs over, and a reset rebuilds
     return comm
 
 

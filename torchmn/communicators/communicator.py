@@ -756,6 +756,11 @@ class Communicator(CommunicatorBase):
         if not bad:
             return
         theirs, ours = layouts[bad[0]], layouts[root]
+        if not isinstance(theirs, list) or not isinstance(ours, list):
+            raise CollectiveMismatchError(
+                f"{what}: rank {bad[0]} (on {self._hosts[bad[0]]}) sent {theirs!r} where rank {root} sent its tensors' "
+                f"shapes: the ranks are in different calls (one called a collective the others did not) "
+                f"(raised on rank {self.rank})")
         diff = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), None)
         if diff is None:
             detail = f"{len(theirs)} tensors there, {len(ours)} on rank {root}"

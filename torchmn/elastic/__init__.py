@@ -24,6 +24,7 @@ from torchmn import lazy_names
 
 _NAMES = {
     "State": "torchmn.elastic.state",
+    "ElasticSampler": "torchmn.elastic.sampler",
     "run": "torchmn.elastic.reset",
     "HostsUpdatedInterrupt": "torchmn.elastic.errors",
     "ElasticJobEndedError": "torchmn.elastic.errors",

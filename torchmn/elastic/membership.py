@@ -22,8 +22,9 @@ _communicators: List["weakref.ref"] = []  # this rank's world communicators, in 
 
 
 def remember(comm) -> None:
-    """Note a world communicator (``create_communicator`` calls this in an elastic job), to be
-    rebuilt for the new world at each reset, in the order the script made them.
+    """Note a world communicator (``create_communicator`` calls this): the one a
+    :class:`~torchmn.elastic.State` syncs over by default, and, in an elastic job, rebuilt for the new
+    world at each reset, in the order the script made them.
 
     Args:
         comm: the communicator (held weakly).

@@ -6,7 +6,7 @@ import functools
 import logging
 import socket
 import time
-from typing import Callable, TypeVar
+from typing import Callable, List, TypeVar
 
 import torch.distributed as dist
 
@@ -20,6 +20,23 @@ from torchmn.optimizers import join as joining
 
 log = logging.getLogger("torchmn.elastic")
 F = TypeVar("F", bound=Callable)
+_world_hooks: List[Callable[[], None]] = []
+
+
+def add_world_hook(hook: Callable[[], None]) -> None:
+    """Call ``hook()`` at every reset, once the communicators describe the new world and before the
+    optimizers are rebuilt there: for a library that keeps communicators of its own made from them
+    (``torchmn.horovod``'s process sets). Collective where ``hook`` is: every rank calls it, in the
+    same order.
+
+    Args:
+        hook: a function of no arguments.
+
+    Example::
+
+        >>> add_world_hook(lambda: register_global(job.comm))
+    """
+    _world_hooks.append(hook)
 
 
 def recoverable(error: BaseException) -> bool:
@@ -116,8 +133,13 @@ def _reset(state: State, error: BaseException) -> None:
     generation = membership.wait_for_place()
     for comm in comms:
         comm.take_over(create_communicator(**comm.creation))
+    for hook in _world_hooks:
+        hook()
     for optimizer, comm in optimizers:
         optimizer.join_world(comm)
+    forget_step = getattr(state.optimizer, "forget_step", None)  # a wrapper around one (torchmn.horovod's)
+    if forget_step is not None:
+        forget_step()
     state.on_reset()
     size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0

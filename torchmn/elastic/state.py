@@ -28,7 +28,9 @@ class State:
         model: a ``torch.nn.Module`` (its ``state_dict``: parameters and buffers), or None.
         optimizer: a multi-node optimizer (``create_multi_node_optimizer``'s), a plain torch
             optimizer, or None.
-        **values: anything picklable; each becomes an attribute.
+        **values: anything picklable; each becomes an attribute. A value with ``state_dict()`` and
+            ``load_state_dict()`` (an :class:`~torchmn.elastic.ElasticSampler`, an LR scheduler) is
+            kept through them, and stays the same object.
 
     Raises:
         TypeError: ``model`` is not a module, or ``optimizer`` not an optimizer.
@@ -92,7 +94,8 @@ class State:
     def comm(self):
         """The communicator the state is synchronised over: its optimizer's, else the first one the
         script made (None in a world of one without a communicator)."""
-        comm = getattr(self.optimizer, "comm", None)
+        inner = getattr(self.optimizer, "multi_node_optimizer", self.optimizer)  # torchmn.horovod's wraps one
+        comm = getattr(inner, "comm", None)
         if comm is None:
             made = membership.communicators()
             comm = made[0] if made else None
@@ -123,7 +126,7 @@ class State:
 
             >>> state.save()
         """
-        saved = {"values": copy.deepcopy({n: getattr(self, n) for n in self._names})}
+        saved = {"values": copy.deepcopy({n: _saved_value(getattr(self, n)) for n in self._names})}
         if self.model is not None:
             saved["model"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         if self.optimizer is not None:
@@ -149,7 +152,11 @@ class State:
         if self.optimizer is not None:
             self.optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))
         for name, value in copy.deepcopy(saved["values"]).items():
-            setattr(self, name, value)
+            current = getattr(self, name, None)
+            if _has_state(current):
+                current.load_state_dict(value)  # the object stays (a loader holds the sampler)
+            else:
+                setattr(self, name, value)
 
     def sync(self) -> None:
         """Give every rank rank 0's committed state (collective): at the start of
@@ -231,3 +238,12 @@ def first_world() -> bool:
         True
     """
     return not membership.enabled() or membership.generation() in (None, 0)
+
+
+def _has_state(value: Any) -> bool:
+    return (callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+            and not isinstance(value, type))
+
+
+def _saved_value(value: Any) -> Any:
+    return value.state_dict() if _has_state(value) else value

@@ -13,6 +13,8 @@ Example::
     >>> optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
     >>> hvd.broadcast_parameters(model.state_dict(), root_rank=0)
 """
+import importlib
+
 from torchmn.horovod.allreduce_collectives import (allreduce, allreduce_, allreduce_async, allreduce_async_,
                                                    grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
                                                    grouped_allreduce_async_)
@@ -41,24 +43,23 @@ from torchmn.horovod.timeline import start_timeline, stop_timeline
 def __getattr__(name):
     """Answer for the names this module does not define, as Python asks for them.
 
-    ``hvd.elastic`` is imported where a script first uses it, as Horovod's subpackage is; torchmn
-    does not implement it, so that import raises, saying what to use instead.
+    ``hvd.elastic`` is imported where a script first uses it, as Horovod's subpackage is.
 
     Args:
         name: the attribute asked for.
 
+    Returns:
+        The ``torchmn.horovod.elastic`` module for ``"elastic"``.
+
     Raises:
-        ElasticImportError: ``name`` is ``"elastic"`` (an ``ImportError``).
         AttributeError: any other name.
 
     Example::
 
-        >>> hvd.elastic.run(train)       # ElasticImportError: torchmn.horovod does not implement hvd.elastic ...
+        >>> hvd.elastic.run(train)
     """
-    # hvd.elastic is imported where a script first uses it, as Horovod's subpackage is: importing it
-    # raises ElasticImportError (an ImportError) saying what to use instead.
     if name == "elastic":
-        import torchmn.horovod.elastic  # noqa: F401
+        return importlib.import_module("torchmn.horovod.elastic")
     raise AttributeError(f"module 'torchmn.horovod' has no attribute {name!r}")
 
 

@@ -1,9 +1,82 @@
-"""``hvd.elastic`` is not part of torchmn.horovod: importing it says what to use instead."""
-from torchmn.horovod.errors import ElasticImportError
+"""``hvd.elastic``: Horovod's elastic names over :mod:`torchmn.elastic`.
 
-raise ElasticImportError(
-    "torchmn.horovod does not implement hvd.elastic (workers joining and leaving a running job). Use a "
-    "checkpointing script that its scheduler or launcher restarts instead: save with torch.save on rank 0 every "
-    "few steps, resume from the newest checkpoint at start, and let Slurm requeue the job (sbatch --requeue) or "
-    "restart it; examples/slurm/ shows the set-up. hvd.elastic.State's commit()/restore() map to saving and "
-    "loading that checkpoint.")
+A Horovod elastic script runs as it is under ``torchmn run -np 4 --min-np 2 --max-np 4
+[--host-discovery-script S]`` (horovodrun's flags)::
+
+    state = hvd.elastic.TorchState(model, optimizer, epoch=1, batch=0)
+    state.register_reset_callbacks([on_state_reset])
+
+    @hvd.elastic.run
+    def train(state):
+        ...                       # state.commit() every few batches
+
+    train(state)
+
+When a rank dies, the others go back to their last commit and go on without it; ``hvd.size()``
+and ``hvd.rank()`` then describe the new world (the reset callbacks see it). Ranks the launcher
+adds join at the next commit and receive the state from rank 0. Process sets other than the
+global one are not carried into a new world.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import torch
+
+from torchmn.elastic.errors import HostsUpdatedInterrupt
+from torchmn.elastic.reset import add_world_hook, run
+from torchmn.elastic.state import State
+from torchmn.horovod.errors import HorovodInternalError
+from torchmn.horovod.process_sets import job, register_global
+
+
+def _new_world() -> None:
+    """At a reset: the global process set becomes the new world's (its communicator for the
+    background thread is split off again, as ``hvd.init`` does)."""
+    if job.comm is not None:
+        register_global(job.comm)
+
+
+add_world_hook(_new_world)
+
+
+class TorchState(State):
+    """Horovod's ``hvd.elastic.TorchState``: a model, an optimizer (``hvd.DistributedOptimizer`` or
+    a torch one) and values, committed in memory and handed to new ranks; see
+    :class:`torchmn.elastic.State`.
+
+    Args:
+        model: the ``torch.nn.Module``, or None.
+        optimizer: the optimizer, or None.
+        **kwargs: values, each an attribute (``state.epoch``).
+
+    Example::
+
+        >>> state = hvd.elastic.TorchState(model, optimizer, epoch=1, batch=0)
+    """
+
+    def __init__(self, model: Optional[torch.nn.Module] = None, optimizer: Optional[torch.optim.Optimizer] = None,
+                 **kwargs: Any):
+        super().__init__(model=model, optimizer=optimizer, **kwargs)
+
+
+class ObjectState(State):
+    """Horovod's ``hvd.elastic.ObjectState``: values alone, committed and handed on as
+    :class:`torchmn.elastic.State` does (the broadcast and the rank come from the communicator,
+    so ``bcast_object`` and ``get_rank`` are accepted and not needed).
+
+    Args:
+        bcast_object: Horovod's broadcast function (unused).
+        get_rank: Horovod's rank function (unused).
+        **kwargs: the values.
+
+    Example::
+
+        >>> state = hvd.elastic.ObjectState(hvd.broadcast_object, hvd.rank, epoch=0)
+    """
+
+    def __init__(self, bcast_object: Optional[Callable] = None, get_rank: Optional[Callable] = None, **kwargs: Any):
+        super().__init__(**kwargs)
+
+
+__all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "TorchState", "run"]

@@ -66,13 +66,3 @@ class NotPicklableError(TorchmnError, TypeError):
 
         >>> torch.save(opt.state_dict(), "opt.pt")      # instead of torch.save(opt, ...)
     """
-
-
-class ElasticImportError(TorchmnError, ImportError):
-    """``hvd.elastic`` was imported: torchmn.horovod does not implement it, and the message says
-    what to use instead.
-
-    Example::
-
-        >>> import torchmn.horovod.elastic      # raises ElasticImportError
-    """

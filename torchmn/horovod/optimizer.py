@@ -304,6 +304,32 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sync_started = None
         return result
 
+    @property
+    def multi_node_optimizer(self):
+        """The torchmn multi-node optimizer that averages for this one (None on a rank outside its
+        process set): an elastic job's reset rebuilds it for the new world (:mod:`torchmn.elastic`).
+
+        Example::
+
+            >>> optimizer.multi_node_optimizer
+            MultiNodeOptimizer(SGD (...), <FlatCommunicator rank 0/2 ...>)
+        """
+        return self._inner if self._comm is not None else None
+
+    def forget_step(self) -> None:
+        """Forget what the current step has done so far (its backward passes, its averaging): an
+        elastic job's reset calls it, after a failure in the middle of a step.
+
+        Example::
+
+            >>> optimizer.forget_step()
+        """
+        self._in_pass = self._pass_syncs = False
+        self._passes_since_step = self._passes_since_sync = 0
+        self._sent_by_backward = self._synchronized = self._user_synchronized = False
+        self._sync_started = None
+        self._sparse_grads.clear()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients, as torch's ``zero_grad``.
 

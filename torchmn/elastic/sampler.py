@@ -1,0 +1,103 @@
+"""The batches of an elastic job's epoch, split anew over whichever ranks are there: :class:`ElasticSampler`."""
+from __future__ import annotations
+
+from typing import Iterator, List, Sized
+
+import torch
+
+from torchmn.errors import TorchmnValueError
+
+
+class ElasticSampler(torch.utils.data.Sampler):
+    """A batch sampler whose epoch goes on over a changing world: each step takes the next
+    ``batch_size x comm.size`` samples of the epoch's order, ``batch_size`` per rank; after a
+    reset the samples not yet consumed are split over the new world's ranks.
+
+    A batch counts as taken when the loader takes it from the sampler: use it with a loader of
+    ``num_workers=0`` (a loader with workers takes batches ahead, and a reset would then skip those
+    it had taken beyond the commit).
+
+    Within an epoch no sample is seen twice and none is skipped, across any number of resets: its
+    position (``state_dict()``) is part of the :class:`~torchmn.elastic.State` it is given to, so a
+    reset goes back to the commit with it. The epoch's last step may be short, split as evenly as
+    it goes (a rank may get one sample fewer than another, or none when fewer samples than ranks
+    are left).
+
+    Give it to a ``DataLoader`` as ``batch_sampler`` and to the state as a value::
+
+        sampler = torchmn.elastic.ElasticSampler(dataset, comm, batch_size=64, shuffle=True)
+        loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler)
+        state = torchmn.elastic.State(model=model, optimizer=optimizer, sampler=sampler, epoch=0)
+
+        @torchmn.elastic.run
+        def train(state):
+            for state.epoch in range(state.epoch, epochs):
+                state.sampler.set_epoch(state.epoch)      # back to its start only in a new epoch
+                for x, y in loader:
+                    ...
+                    state.commit()
+
+    Args:
+        dataset: the dataset (its length is used), or its length.
+        comm: the communicator (its ``rank`` and ``size`` are read at each new iteration, so
+            they are the new world's after a reset).
+        batch_size: samples per rank and step.
+        shuffle: a new order per epoch (``seed + epoch``), the same on every rank.
+        seed: the order's seed.
+
+    Raises:
+        ValueError: ``batch_size`` below 1.
+    """
+
+    def __init__(self, dataset: Sized | int, comm, batch_size: int, shuffle: bool = True, seed: int = 0):
+        if batch_size < 1:
+            raise TorchmnValueError(f"ElasticSampler: batch_size must be at least 1, not {batch_size}")
+        self.length = dataset if isinstance(dataset, int) else len(dataset)
+        self.comm, self.batch_size, self.shuffle, self.seed = comm, batch_size, shuffle, seed
+        self.epoch = 0
+        self.consumed = 0  # samples of this epoch's order taken by the steps so far, by every rank
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch``: its own order, from its first sample. Setting the epoch it is already
+        in keeps its position (a reset that goes back into the middle of an epoch).
+
+        Args:
+            epoch: the epoch's number.
+
+        Example::
+
+            >>> sampler.set_epoch(state.epoch)
+        """
+        if epoch != self.epoch:
+            self.epoch, self.consumed = epoch, 0
+
+    def order(self) -> List[int]:
+        """This epoch's order of the dataset's indices (the same on every rank)."""
+        if not self.shuffle:
+            return list(range(self.length))
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(self.length, generator=g).tolist()
+
+    def __iter__(self) -> Iterator[List[int]]:
+        order = self.order()
+        while self.consumed < self.length:
+            rank, size = self.comm.rank, self.comm.size
+            chunk = order[self.consumed:self.consumed + self.batch_size * size]
+            self.consumed += len(chunk)
+            # As even as it goes: the first len(chunk) % size ranks take one more.
+            share, extra = divmod(len(chunk), size)
+            start = rank * share + min(rank, extra)
+            yield chunk[start:start + share + (rank < extra)]
+
+    def __len__(self) -> int:
+        """The steps left in this epoch at the current world size."""
+        step = self.batch_size * self.comm.size
+        return -(-(self.length - self.consumed) // step)
+
+    def state_dict(self) -> dict:
+        """Where the epoch is: ``{"epoch", "consumed"}`` (what a commit keeps)."""
+        return {"epoch": self.epoch, "consumed": self.consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Go back to a position :meth:`state_dict` gave."""
+        self.epoch, self.consumed = state["epoch"], state["consumed"]
