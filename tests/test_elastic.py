@@ -265,3 +265,23 @@ def test_horovod_elastic_example_completes_across_a_kill(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     assert "worker 1 (host" in out and "moved to generation" in out
     assert re.search(r"^\[0\] Test set: Average loss: [\d.]+, Accuracy: [\d.]+%", out, re.M), out[-3000:]
+
+
+@pytest.mark.timeout(240)
+def test_elastic_sharded_state_lost_with_two_neighbours_names_them(tmp_path):
+    """shard_state=True keeps each rank's part on its neighbour too: killing ranks 1 and 2 of 4 at once
+    loses rank 1's part (kept on 1 and 2), and the survivors end naming it instead of going on wrong."""
+    job = ElasticRun(tmp_path, 4, ["--min-np", "2", "--max-np", "4"],
+                     ["--steps", "100000", "--step-sleep", "0.05", "--shard-state", "true"], timeout=200)
+    try:
+        job.wait_for(lambda: job.steps_at(4) >= 5, "the first steps")
+        pids = job.worker_pids()
+        os.kill(pids[1], signal.SIGKILL)
+        os.kill(pids[2], signal.SIGKILL)
+        job.proc.wait(timeout=120)
+    finally:
+        job.stop()
+    out = job.output()
+    assert job.proc.returncode != 0
+    assert "StateLostError" in out and "the part of rank(s) 1 of the 4-rank world" in out, out[-3000:]
+    assert re.search(r"^torchmn run: every worker that held the training state was lost .*StateLostError: ", out, re.M)

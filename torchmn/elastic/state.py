@@ -9,7 +9,12 @@ import torch
 from torchmn.elastic import membership
 from torchmn.elastic.errors import HostsUpdatedInterrupt, StateLostError
 from torchmn.errors import TorchmnRuntimeError, TorchmnTypeError
+from torchmn.optimizers import shard_state
 from torchmn.optimizers.gradient_sync import GradientSyncOptimizer
+from torchmn.optimizers.node_shared import NodeSharedOptimizer
+from torchmn.optimizers.sharded import ShardedMultiNodeOptimizer
+
+_BUDDY_TAG = 7301  # the point-to-point tag of the commit's part exchange
 
 
 
@@ -21,8 +26,11 @@ class State:
     when a rank dies, the survivors go back to their last commit, and a new rank gets rank 0's.
     Values are attributes (``state.epoch``); set them before ``commit()`` so the commit holds them.
 
-    Each multi-node optimizer keeps the whole committed state on every rank (a sharded one gathers
-    it at each commit), so any one survivor can hand it on.
+    The committed optimizer state is whole on every rank, so any one survivor can hand it on; but
+    a sharded one (``shard_state=True``) keeps each rank's part, and a copy of its neighbour's
+    (rank r keeps rank r-1's), so that losing one rank loses nothing and a commit costs two parts,
+    not the whole. Two neighbouring ranks lost at once lose a part: the reset then raises
+    :class:`~torchmn.elastic.StateLostError` naming them (start again from a checkpoint).
 
     Args:
         model: a ``torch.nn.Module`` (its ``state_dict``: parameters and buffers), or None.
@@ -101,6 +109,13 @@ class State:
             comm = made[0] if made else None
         return comm
 
+    def _sharded(self) -> Optional[ShardedMultiNodeOptimizer]:
+        """The ZeRO optimizer (``shard_state=True``) this state holds, whose ranks each keep a part."""
+        inner = getattr(self.optimizer, "multi_node_optimizer", self.optimizer)
+        if isinstance(inner, ShardedMultiNodeOptimizer) and not isinstance(inner, NodeSharedOptimizer):
+            return inner
+        return None
+
     def multi_node_optimizers(self) -> List[GradientSyncOptimizer]:
         """The multi-node optimizers this state holds, which a reset rebuilds for the new world.
 
@@ -129,7 +144,10 @@ class State:
         saved = {"values": copy.deepcopy({n: _saved_value(getattr(self, n)) for n in self._names})}
         if self.model is not None:
             saved["model"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        if self.optimizer is not None:
+        sharded = self._sharded()
+        if sharded is not None:
+            saved["optimizer_parts"] = _own_and_buddy_parts(sharded)
+        elif self.optimizer is not None:
             saved["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
         self._saved = saved
 
@@ -137,7 +155,8 @@ class State:
         """Go back to the last saved state (in place: the model and optimizer objects stay).
 
         Raises:
-            RuntimeError: nothing was saved yet.
+            RuntimeError: nothing was saved yet, or the state holds a sharded optimizer (whose commit
+                only ``sync()``, on every rank, puts together).
 
         Example::
 
@@ -146,10 +165,14 @@ class State:
         if self._saved is None:
             raise TorchmnRuntimeError("State.restore(): nothing was committed yet; call commit() (or sync()) first")
         saved = self._saved
+        if "optimizer_parts" in saved:
+            raise TorchmnRuntimeError("State.restore(): the sharded optimizer's commit is spread over the ranks (each "
+                                      "holds its part and a neighbour's); call sync() on every rank instead, which "
+                                      "puts it together")
         if self.model is not None:
             with torch.no_grad():
                 self.model.load_state_dict(saved["model"])
-        if self.optimizer is not None:
+        if "optimizer" in saved:
             self.optimizer.load_state_dict(copy.deepcopy(saved["optimizer"]))
         for name, value in copy.deepcopy(saved["values"]).items():
             current = getattr(self, name, None)
@@ -176,6 +199,12 @@ class State:
         comm = self.comm
         if self._saved is None and first_world():
             self.save()  # every rank is new here: each commits (collectively, where the optimizer needs it)
+        sharded = self._sharded()
+        if sharded is not None and self._saved is not None and "optimizer_parts" in self._saved:
+            # Each rank held its own part and its neighbour's: together they make the whole.
+            self._saved["optimizer"] = _whole_from_parts(sharded, comm, self._saved.pop("optimizer_parts"))
+        elif sharded is not None:
+            _whole_from_parts(sharded, comm, None)  # a rank that joined has no part to give
         if comm is not None and comm.size > 1:
             # The first rank that holds a commit hands it on: rank 0 unless every rank that held
             # one was lost while new ones waited.
@@ -247,3 +276,46 @@ def _has_state(value: Any) -> bool:
 
 def _saved_value(value: Any) -> Any:
     return value.state_dict() if _has_state(value) else value
+
+
+def _own_and_buddy_parts(optimizer: ShardedMultiNodeOptimizer) -> dict:
+    """This rank's part of a sharded optimizer's state and a copy of the part of the rank before it
+    (collective: a ring of point-to-point messages, even ranks sending first)."""
+    comm = optimizer.comm
+    part = copy.deepcopy(optimizer.local_state_dict())
+    parts = {comm.rank: part}
+    if comm.size > 1:
+        after, before = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+        if comm.rank % 2 == 0:
+            comm.send_obj(part, after, tag=_BUDDY_TAG)
+            parts[before] = comm.recv_obj(before, tag=_BUDDY_TAG)
+        else:
+            parts[before] = comm.recv_obj(before, tag=_BUDDY_TAG)
+            comm.send_obj(part, after, tag=_BUDDY_TAG)
+    return {"size": comm.size, "parts": parts}
+
+
+def _whole_from_parts(optimizer: ShardedMultiNodeOptimizer, comm, held: Optional[dict]) -> Optional[dict]:
+    """The whole committed state of a sharded optimizer, from the parts the ranks hold (collective:
+    every rank calls it; one that joined holds none).
+
+    Raises:
+        StateLostError: a part of the last commit is on no rank of this world (two neighbours lost).
+    """
+    everyone = comm.allgather_obj(held) if comm is not None and comm.size > 1 else [held]
+    sizes = {h["size"] for h in everyone if h is not None}
+    parts = {}
+    for h in everyone:
+        if h is not None:
+            parts.update(h["parts"])
+    if not sizes:
+        return None
+    size = max(sizes)
+    missing = [r for r in range(size) if r not in parts]
+    if missing:
+        raise StateLostError(
+            f"rank {comm.rank if comm is not None else 0}: the sharded optimizer's state of the last commit is "
+            f"lost: the part of rank(s) {', '.join(map(str, missing))} of the {size}-rank world, kept there and "
+            f"on rank(s) {', '.join(str((r + 1) % size) for r in missing)} (the copies), is on no rank left (both "
+            f"were lost together). Start the job again from the newest complete checkpoint.")
+    return shard_state.merge_parts([parts[r] for r in range(size)], optimizer.wrapped.param_groups)

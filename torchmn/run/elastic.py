@@ -20,6 +20,7 @@ Users' view: ``docs/elastic.md``. The ranks' side: :mod:`torchmn.elastic`.
 from __future__ import annotations
 
 import collections
+import re
 import signal
 import subprocess
 import time
@@ -30,7 +31,7 @@ from torchmn.elastic import protocol
 from torchmn.run.config import LaunchConfig, RunError
 from torchmn.run.job import Job
 from torchmn.run.plan import Slot
-from torchmn.run.processes.output import describe_exit, exit_code_of, failure_summary
+from torchmn.run.processes.output import describe_exit, exit_code_of, extract_traceback, failure_summary
 from torchmn.run.processes.supervisor import Rank
 
 DISCOVERY_EVERY_S = 1.0       # how often the discovery script runs
@@ -38,6 +39,7 @@ DISCOVERY_TIMEOUT_S = 30.0    # how long one run of it may take
 # After a new worker on a host failed before joining, no new worker starts there for this long
 # (a host that cannot run the program would otherwise take every free moment of the job).
 COOLDOWN_S = 10.0
+_TORCH_PREFIX = re.compile(r"^(\[rank\d+\]:\s*)+")  # torch's excepthook prefixes each line of a rank's traceback
 
 
 def parse_discovery(text: str, script: str) -> Dict[str, int]:
@@ -212,7 +214,9 @@ class ElasticJob(Job):
                 self.procs.remember_descendants()
                 last_scan = time.monotonic()
         if not self.live and not self.finished and self.first_failure is None and self.lost:
-            self.first_failure = self.lost[0]  # nobody left to go on
+            # Nobody left to go on: the last to fail says why the job could not (the first were
+            # absorbed by resets).
+            self.first_failure = self.lost[-1]
         if self.gave_up is not None:
             self._tell_ranks_the_end()
         self.teardown(self.received_signal or signal.SIGTERM)
@@ -244,9 +248,16 @@ class ElasticJob(Job):
             self._announce(alive_members + sorted(newcomers))
         self._note_holders()
         if self.live and not self.finished and self.holders and not self.holders & set(self.live):
+            last = next((r for r in reversed(self.lost) if r.slot.rank in self.holders), None)
+            why = ""
+            if last is not None:
+                error = [line for line in extract_traceback(list(last.output.tail)) if line.strip()]
+                why = (f" The last of them, worker {last.slot.rank} (host {last.slot.host}), "
+                       f"{describe_exit(last.returncode)}" + (f": {_TORCH_PREFIX.sub('', error[-1].strip()).rstrip('.')}"
+                                                              if error else "") + ".")
             self.gave_up = (f"torchmn run: every worker that held the training state was lost (workers "
                             f"{', '.join(map(str, sorted(self.holders)))}); the {len(self.live)} left joined too late "
-                            f"to receive it. Ended the job: start it again from the newest checkpoint.")
+                            f"to receive it.{why} Ended the job: start it again from the newest checkpoint.")
             return
         alive = len(self.live)
         if alive < self.config.min_np:
