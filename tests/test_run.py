@@ -393,7 +393,7 @@ def test_orphans_that_end_are_reaped():
 def test_children_of_the_caller_keep_their_exit_codes():
     """run() as a library call: the launcher reaps orphans that ranks leave, never the caller's
     own children, whose Popen would then see exit code 0."""
-    from torchmn.run.job import LaunchConfig, run
+    from torchmn.run.launch import LaunchConfig, run
 
     own = subprocess.Popen(["sh", "-c", "exit 3"])
     assert run(LaunchConfig([sys.executable, "-c", "import time; time.sleep(1.5)"], np=1)) == 0

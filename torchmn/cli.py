@@ -4,7 +4,7 @@
 ``torchmn --version``.
 
 Subcommands are registered in ``SUBCOMMANDS``. ``run`` parses its options into one
-``torchmn.run.config.LaunchConfig`` and hands it to ``torchmn.run.job.run``.
+``torchmn.run.config.LaunchConfig`` and hands it to ``torchmn.run.launch.run``.
 
 Example::
 
@@ -163,7 +163,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from torchmn import resources
     from torchmn.run.remote import hostfile
     from torchmn.run.config import LaunchConfig, RunError
-    from torchmn.run.job import run
+    from torchmn.run.launch import run
     from torchmn.run.remote.ssh import SshOptions
 
     if args.check_build:

@@ -756,11 +756,9 @@ class Communicator(CommunicatorBase):
         if not bad:
             return
         theirs, ours = layouts[bad[0]], layouts[root]
-        if not isinstance(theirs, list) or not isinstance(ours, list):
-            raise CollectiveMismatchError(
-                f"{what}: rank {bad[0]} (on {self._hosts[bad[0]]}) sent {theirs!r} where rank {root} sent its tensors' "
-                f"shapes: the ranks are in different calls (one called a collective the others did not) "
-                f"(raised on rank {self.rank})")
+        if not isinstance(theirs, list) or not isinstance(ours, list):  # the ranks are in different calls
+            raise CollectiveMismatchError(f"{what}: rank {bad[0]} sent {theirs!r} where rank {root} sent shapes: one "
+                                          f"rank called a collective the others did not (raised on rank {self.rank})")
         diff = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), None)
         if diff is None:
             detail = f"{len(theirs)} tensors there, {len(ours)} on rank {root}"
@@ -943,13 +941,9 @@ class Communicator(CommunicatorBase):
         self.process_group = self.object_group = None
 
     def take_over(self, fresh: "Communicator") -> None:
-        """Become ``fresh``, a communicator of a new world, so that everything holding this one
-        (optimizers, evaluators, the script) reaches the new world through it.
-
-        For an elastic job's reset (:mod:`torchmn.elastic`), after this communicator's world broke
-        up: ``rank``, ``size`` and the topology are then ``fresh``'s, and so is its algorithm class
-        (``"auto"`` may choose another one for the new topology). Communicators split off this
-        one stay in the old world, finalized.
+        """Become ``fresh``, a communicator of a new world (an elastic job's reset, :mod:`torchmn.elastic`),
+        so that what holds this one reaches that world through it: its rank, size, topology and
+        algorithm class are then ``fresh``'s. Communicators split off this one stay finalized.
 
         Args:
             fresh: a communicator just made by :func:`torchmn.create_communicator` for the new world.

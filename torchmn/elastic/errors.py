@@ -22,6 +22,14 @@ class HostsUpdatedInterrupt(TorchmnError, RuntimeError):
     """
 
     def __init__(self, message: str, skip_sync: bool = False):
+        """Args:
+            message: what changed.
+            skip_sync: Horovod's flag (see the class).
+
+        Example::
+
+            >>> raise HostsUpdatedInterrupt("ranks joined or left the job")
+        """
         super().__init__(message)
         self.skip_sync = skip_sync
 

@@ -39,6 +39,9 @@ def remember(comm) -> None:
 def communicators() -> list:
     """This rank's world communicators still in use, in the order they were made.
 
+    Returns:
+        The communicators (one per ``create_communicator`` call whose result is still held).
+
     Example::
 
         >>> communicators()
@@ -58,6 +61,9 @@ def communicators() -> list:
 def enabled() -> bool:
     """Whether this process is a rank of an elastic job (``torchmn run --min-np ...``).
 
+    Returns:
+        True under ``torchmn run --min-np/--max-np``.
+
     Example::
 
         >>> enabled()      # under torchmn run -np 4 --min-np 2
@@ -69,6 +75,9 @@ def enabled() -> bool:
 def worker() -> int:
     """This process's worker number, which the launcher gave it for the job's whole life.
 
+    Returns:
+        The number (``TORCHMN_ELASTIC_WORKER``).
+
     Example::
 
         >>> worker()
@@ -78,7 +87,10 @@ def worker() -> int:
 
 
 def generation() -> Optional[int]:
-    """The generation this process's place variables describe; None before it first joined one.
+    """The generation this process's place variables describe.
+
+    Returns:
+        Its number; None before the process first joined one.
 
     Example::
 

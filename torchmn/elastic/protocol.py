@@ -34,6 +34,9 @@ def enabled(env: Mapping[str, str]) -> bool:
     Args:
         env: the environment (``os.environ``).
 
+    Returns:
+        True when ``TORCHMN_ELASTIC`` is ``"1"``.
+
     Example::
 
         >>> enabled({"TORCHMN_ELASTIC": "1"}), enabled({})
@@ -44,6 +47,12 @@ def enabled(env: Mapping[str, str]) -> bool:
 
 def members_key(generation: int) -> str:
     """The store key of one generation's members (a JSON list of :class:`Place` fields).
+
+    Args:
+        generation: the generation's number.
+
+    Returns:
+        The key.
 
     Example::
 
@@ -56,6 +65,12 @@ def members_key(generation: int) -> str:
 def waiting_key(worker: int) -> str:
     """The key a worker sets when it waits for a generation (its value: the last one it knew).
 
+    Args:
+        worker: the worker's number.
+
+    Returns:
+        The key.
+
     Example::
 
         >>> waiting_key(5)
@@ -66,6 +81,12 @@ def waiting_key(worker: int) -> str:
 
 def arrived_key(generation: int, worker: int) -> str:
     """The key a member sets once it has read its place in ``generation``.
+
+    Args:
+        generation, worker: the generation's number, and the worker's.
+
+    Returns:
+        The key.
 
     Example::
 
@@ -79,6 +100,12 @@ def holds_key(worker: int) -> str:
     """The key a worker sets once it holds the training state (its first ``State.sync()`` is done):
     the launcher adds workers only while one that holds it lives.
 
+    Args:
+        worker: the worker's number.
+
+    Returns:
+        The key.
+
     Example::
 
         >>> holds_key(5)
@@ -89,6 +116,12 @@ def holds_key(worker: int) -> str:
 
 def store_prefix(generation: int) -> str:
     """Where a generation's process groups keep their keys, apart from every other generation's.
+
+    Args:
+        generation: the generation's number.
+
+    Returns:
+        The prefix.
 
     Example::
 
@@ -138,7 +171,13 @@ def place_members(workers: Sequence[tuple]) -> List[Place]:
 
 
 def dump_members(places: Sequence[Place]) -> str:
-    """A generation's places as the store holds them (JSON).
+    """A generation's places as the store holds them.
+
+    Args:
+        places: the places, in rank order.
+
+    Returns:
+        JSON text.
 
     Example::
 
@@ -150,6 +189,12 @@ def dump_members(places: Sequence[Place]) -> str:
 
 def load_members(text: str) -> List[Place]:
     """The places :func:`dump_members` wrote.
+
+    Args:
+        text: what the store holds.
+
+    Returns:
+        The places, in rank order.
 
     Example::
 

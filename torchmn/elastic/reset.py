@@ -17,6 +17,7 @@ from torchmn.elastic.errors import HostsUpdatedInterrupt
 from torchmn.elastic.state import State
 from torchmn.errors import TorchmnTypeError
 from torchmn.optimizers import join as joining
+from torchmn.optimizers.multi_node_optimizer import build_into
 
 log = logging.getLogger("torchmn.elastic")
 F = TypeVar("F", bound=Callable)
@@ -136,7 +137,7 @@ def _reset(state: State, error: BaseException) -> None:
     for hook in _world_hooks:
         hook()
     for optimizer, comm in optimizers:
-        optimizer.join_world(comm)
+        build_into(optimizer, optimizer.wrapped, comm, optimizer.options)
     forget_step = getattr(state.optimizer, "forget_step", None)  # a wrapper around one (torchmn.horovod's)
     if forget_step is not None:
         forget_step()

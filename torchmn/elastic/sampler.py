@@ -72,7 +72,16 @@ class ElasticSampler(torch.utils.data.Sampler):
             self.epoch, self.consumed = epoch, 0
 
     def order(self) -> List[int]:
-        """This epoch's order of the dataset's indices (the same on every rank)."""
+        """This epoch's order of the dataset's indices.
+
+        Returns:
+            The indices, the same on every rank.
+
+        Example::
+
+            >>> sampler.order()[:3]
+            [712, 48, 1903]
+        """
         if not self.shuffle:
             return list(range(self.length))
         g = torch.Generator().manual_seed(self.seed + self.epoch)
@@ -95,9 +104,26 @@ class ElasticSampler(torch.utils.data.Sampler):
         return -(-(self.length - self.consumed) // step)
 
     def state_dict(self) -> dict:
-        """Where the epoch is: ``{"epoch", "consumed"}`` (what a commit keeps)."""
+        """Where the epoch is (what a commit keeps).
+
+        Returns:
+            ``{"epoch": ..., "consumed": ...}``.
+
+        Example::
+
+            >>> sampler.state_dict()
+            {'epoch': 2, 'consumed': 1280}
+        """
         return {"epoch": self.epoch, "consumed": self.consumed}
 
     def load_state_dict(self, state: dict) -> None:
-        """Go back to a position :meth:`state_dict` gave."""
+        """Go back to a position :meth:`state_dict` gave.
+
+        Args:
+            state: what :meth:`state_dict` returned.
+
+        Example::
+
+            >>> sampler.load_state_dict({"epoch": 2, "consumed": 1280})
+        """
         self.epoch, self.consumed = state["epoch"], state["consumed"]

@@ -119,6 +119,9 @@ class State:
     def multi_node_optimizers(self) -> List[GradientSyncOptimizer]:
         """The multi-node optimizers this state holds, which a reset rebuilds for the new world.
 
+        Returns:
+            The optimizers (the one ``torchmn.horovod``'s ``DistributedOptimizer`` wraps, for it).
+
         Example::
 
             >>> state.multi_node_optimizers()
@@ -260,6 +263,9 @@ class State:
 
 def first_world() -> bool:
     """Whether this rank's world is the job's first (every rank of it new), or the job is not elastic.
+
+    Returns:
+        True before any rank came or went.
 
     Example::
 

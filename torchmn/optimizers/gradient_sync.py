@@ -564,16 +564,17 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     def leave_world(self) -> None:
         """Let go of everything tied to this optimizer's world, which broke up (an elastic job's
-        reset, :mod:`torchmn.elastic`); :meth:`join_world` rebuilds it for the next one.
+        reset, :mod:`torchmn.elastic`).
 
         The parameters move out of the optimizer's buffers (shared memory there may be unmapped
         with the old world) into memory of their own, keeping their values; gradients and the
-        multi-node state go. The wrapped torch optimizer, the options and ``comm`` stay.
+        multi-node state go. The wrapped torch optimizer, the options and ``comm`` stay, for
+        :func:`~torchmn.optimizers.multi_node_optimizer.build_into` to build it again in the next.
 
         Example::
 
             >>> optimizer.leave_world()
-            >>> optimizer.join_world(comm)        # comm now describes the new world
+            >>> build_into(optimizer, optimizer.wrapped, comm, optimizer.options)   # comm: the new world's
         """
         with torch.no_grad():
             for group in self.wrapped.param_groups:
@@ -586,22 +587,6 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         kept = {"wrapped": self.wrapped, "options": self.options, "comm": self.comm}
         self.__dict__.clear()
         self.__dict__.update(kept)
-
-    def join_world(self, comm: Communicator) -> None:
-        """Become the multi-node optimizer ``create_multi_node_optimizer`` builds on ``comm`` for the
-        wrapped optimizer and the same options (collective: every rank of the new world builds it,
-        and the parameters are broadcast from its rank 0). Follows :meth:`leave_world`.
-
-        Args:
-            comm: the communicator of the new world.
-
-        Example::
-
-            >>> optimizer.join_world(comm)
-        """
-        from torchmn.optimizers.multi_node_optimizer import build_into
-
-        build_into(self, self.wrapped, comm, self.options)
 
     def remove_hooks(self) -> None:
         """Detach from the parameters' gradient hooks (the wrapped optimizer keeps working alone).

@@ -503,8 +503,8 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
 def build_into(target: Optional[GradientSyncOptimizer], optimizer: torch.optim.Optimizer, comm: Communicator,
                options: dict) -> GradientSyncOptimizer:
     """Build the multi-node optimizer :func:`create_multi_node_optimizer` chooses, in ``target`` (an
-    existing one, rebuilt in place for a new world: :meth:`GradientSyncOptimizer.join_world`) or in
-    a new object. Collective.
+    existing one, rebuilt in place for an elastic job's new world after
+    :meth:`GradientSyncOptimizer.leave_world`) or in a new object. Collective.
 
     Args:
         target: the object to build in, or None for a new one.
@@ -517,13 +517,13 @@ def build_into(target: Optional[GradientSyncOptimizer], optimizer: torch.optim.O
 
     Example::
 
-        >>> build_into(optimizer, optimizer.wrapped, comm, optimizer.options)   # in join_world
+        >>> build_into(optimizer, optimizer.wrapped, comm, optimizer.options)   # at an elastic reset
     """
     def make(cls, **kwargs):
         built = cls.__new__(cls) if target is None else target
         built.__class__ = cls
         built.__dict__.clear()
-        built.options = options  # what join_world builds again for a new world (torchmn.elastic)
+        built.options = options  # what an elastic reset builds again for a new world
         cls.__init__(built, optimizer, comm, **kwargs)
         return built
 

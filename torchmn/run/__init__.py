@@ -1,7 +1,7 @@
 """``torchmn run``: the program that starts a job's ranks, watches them and tears the job down.
 
 The command line builds one ``LaunchConfig`` and calls ``run(config)``, which runs one ``Job``
-per start (``job.py``, ``restarts.py``). Inside: ``plan.py`` puts ranks onto slots and gives each
+per start (``launch.py``, ``job.py``, ``restarts.py``; ``elastic.py`` for ``--min-np``). Inside: ``plan.py`` puts ranks onto slots and gives each
 its variables; ``processes/`` starts, watches and ends processes (supervisor, output, guardian);
 ``remote/`` reaches other hosts (hostfiles, ssh, the watcher that runs each remote rank);
 ``store/`` hosts the rendezvous store behind its gate; ``slurm_step.py`` makes one job of a Slurm
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from torchmn import lazy_names
 
-_NAMES = {"LaunchConfig": "torchmn.run.config", "RunError": "torchmn.run.config", "run": "torchmn.run.job"}
+_NAMES = {"LaunchConfig": "torchmn.run.config", "RunError": "torchmn.run.config", "run": "torchmn.run.launch"}
 # Loaded when first used: the remote watcher and the guardian run modules of this package, and
 # need none of the launcher's.
 __getattr__, __dir__, __all__ = lazy_names.attach(__name__, _NAMES)
@@ -28,4 +28,4 @@ __getattr__, __dir__, __all__ = lazy_names.attach(__name__, _NAMES)
 
 if TYPE_CHECKING:
     from torchmn.run.config import LaunchConfig, RunError
-    from torchmn.run.job import run
+    from torchmn.run.launch import run

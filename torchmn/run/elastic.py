@@ -124,9 +124,21 @@ class ElasticJob(Job):
     # -- starting ---------------------------------------------------------------------------------
 
     def rank_environment(self, slot: Slot, port: Union[int, str]) -> Dict[str, str]:
-        """The variables of one worker: a rank's (``Job.rank_environment``) and the elastic ones
-        (``slot.rank`` is the worker's number; a worker started after the first generation learns
-        its place at the rendezvous)."""
+        """The variables of one worker: a rank's (``Job.rank_environment``) and the elastic ones.
+
+        Args:
+            slot: its place; ``slot.rank`` is the worker's number (a worker started after the first
+                generation learns its place at the rendezvous).
+            port: the rendezvous port.
+
+        Returns:
+            The variables.
+
+        Example::
+
+            >>> job.rank_environment(job.slots[0], 29500)["TORCHMN_ELASTIC_WORKER"]
+            '0'
+        """
         env = super().rank_environment(slot, port)
         env[protocol.ELASTIC_VARIABLE] = "1"
         env[protocol.WORKER_VARIABLE] = str(slot.rank)
@@ -148,7 +160,7 @@ class ElasticJob(Job):
         slot = Slot(worker, len(self.live) + 1, 0, 1, 0, 1, host)
         log_path = f"{self.config.log_dir}/rank.{worker}.log" if self.config.log_dir else None
         try:
-            rank = self._start_rank(slot, self.port, log_path)
+            rank = self.start_rank(slot, self.port, log_path)
         except RunError as e:
             self.console.message(f"torchmn run: could not start a new worker on {host}: {e}")
             self.cooldown[host] = time.monotonic() + COOLDOWN_S
@@ -161,7 +173,7 @@ class ElasticJob(Job):
     # -- watching ---------------------------------------------------------------------------------
 
     def _handle(self, event: tuple, escalate: bool) -> None:
-        if event[0] != "exit" or self.gave_up is not None or self._ending():
+        if event[0] != "exit" or self.gave_up is not None or self.ending():
             super()._handle(event, escalate)
             return
         _, rank, code = event
@@ -205,9 +217,9 @@ class ElasticJob(Job):
             >>> job.start(); code = job.watch()   # doctest: +SKIP
         """
         last_scan = 0.0
-        while self.live and not self._ending() and self.gave_up is None:
-            self._next_event(0.05)
-            if self._ending() or self.gave_up is not None:
+        while self.live and not self.ending() and self.gave_up is None:
+            self.next_event(0.05)
+            if self.ending() or self.gave_up is not None:
                 break
             self._follow_members()
             if time.monotonic() - last_scan > 0.5:
@@ -222,7 +234,7 @@ class ElasticJob(Job):
         self.teardown(self.received_signal or signal.SIGTERM)
         for rank in self.ranks:
             rank.output.finish(idle=2.0)
-        self._finish_display()
+        self.finish_display()
         return self._summarize()
 
     def _follow_members(self) -> None:

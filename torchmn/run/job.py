@@ -13,7 +13,6 @@ import shutil
 import signal
 import socket
 import sys
-import threading
 import time
 from typing import Dict, List, Mapping, Optional, Union
 
@@ -25,13 +24,12 @@ from torchmn.run.processes.output import Console, describe_exit, exit_code_of, f
 from torchmn.run.processes.supervisor import Rank, Supervisor
 from torchmn.run.remote import hostfile
 from torchmn.run.remote.ssh import RemoteError, check_hosts_or_stop, forwarded_env, parse_exports, rank_command
-from torchmn.run.restarts import Restarts
 from torchmn.run.nodes import NodeLaunchers, per_node_step
 from torchmn.run.slurm_step import slurm_step
 from torchmn.run.store import auth
 from torchmn.run.store.rendezvous import address_for_hosts, start_store
 
-__all__ = ["GRACE_SECONDS", "START_TIMEOUT", "Job", "LaunchConfig", "RunError", "run"]
+__all__ = ["GRACE_SECONDS", "START_TIMEOUT", "Job", "LaunchConfig", "RunError"]
 
 LOCAL_ADDR = "127.0.0.1"
 FORWARDED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -234,7 +232,7 @@ class Job:
         """
         if self.is_remote(slot):
             env = remote_env(slot, self.base_env, self.exports, self.master_addr, port)
-            env[auth.TOKEN_ON_STDIN] = "1"  # the token itself goes through stdin (see _start_rank)
+            env[auth.TOKEN_ON_STDIN] = "1"  # the token itself goes through stdin (see start_rank)
             return env
         one_machine = not self.remote_hosts and (self.nodes is None or self.nodes.step.tasks == 1)
         # On a node but the first (one launcher per node), the ranks reach the store through this node's relay.
@@ -272,7 +270,24 @@ class Job:
         except RemoteError as e:
             raise RunError(str(e)) from e
 
-    def _start_rank(self, slot: Slot, port: int, log_path: Optional[str]) -> Rank:
+    def start_rank(self, slot: Slot, port: int, log_path: Optional[str]) -> Rank:
+        """Start one rank (``start`` does so for every slot; an elastic job also for new workers).
+
+        Args:
+            slot: the rank's place.
+            port: the rendezvous port.
+            log_path: its log file, or None.
+
+        Returns:
+            The rank started.
+
+        Raises:
+            RunError: it could not be started.
+
+        Example::
+
+            >>> rank = job.start_rank(job.slots[0], job.store.port, None)   # doctest: +SKIP
+        """
         remote = self.is_remote(slot)
         env = self.rank_environment(slot, port)
         argv = self.rank_argv(slot, env)
@@ -323,7 +338,7 @@ class Job:
             self.procs.start_guardian()
         for slot in self.slots:
             log_path = os.path.join(config.log_dir, f"rank.{slot.rank}.log") if config.log_dir else None
-            self._start_rank(slot, port, log_path)
+            self.start_rank(slot, port, log_path)
         if self.nodes is None:
             # The store starts while the ranks import torch, not when the first reaches it; ranks on
             # other hosts cannot be watched doing so.
@@ -349,8 +364,13 @@ class Job:
         self.console.above = self.display.print_above
         self.display.start()
 
-    def _finish_display(self) -> None:
-        """The last table and the summary; then the timeline's parts joined, where asked."""
+    def finish_display(self) -> None:
+        """Show the monitor's last table and summary; then join the timeline's parts, where asked.
+
+        Example::
+
+            >>> job.finish_display()   # doctest: +SKIP
+        """
         if self.display is not None:
             self.console.above = None
             self.display.finish()
@@ -418,13 +438,22 @@ class Job:
         # SimpleQueue.put is reentrant, so it is safe even when the signal interrupts a get().
         self.events.put(("relay" if signum in RELAYED_SIGNALS else "signal", signum))
 
-    def _ending(self) -> bool:
-        """Whether something already ends the job: a failed rank, a signal, a late start, another node."""
+    def ending(self) -> bool:
+        """Whether something already ends the job.
+
+        Returns:
+            True after a failed rank, a stop signal, a late start or another node's failure.
+
+        Example::
+
+            >>> job.ending()
+            False
+        """
         return any(x is not None for x in (self.received_signal, self.first_failure, self.start_failure,
                                            self.node_failure))
 
     def _relay(self, sig: int) -> None:
-        if self._ending():
+        if self.ending():
             return
         running = self.procs.relay(sig)
         self.console.message(f"torchmn run: received {signal.Signals(sig).name}; passed it on to "
@@ -456,10 +485,20 @@ class Job:
         self.procs.stop(first_signal)
         deadline = time.monotonic() + self.procs.grace_after_stop()
         while self.procs.anything_left() and time.monotonic() < deadline:
-            self._next_event(min(0.05, max(0.0, deadline - time.monotonic())), escalate=True)
+            self.next_event(min(0.05, max(0.0, deadline - time.monotonic())), escalate=True)
         self.procs.kill_all()
 
-    def _next_event(self, timeout: float, escalate: bool = False) -> None:
+    def next_event(self, timeout: float, escalate: bool = False) -> None:
+        """Handle the next rank exit or signal, waiting at most ``timeout`` seconds for one.
+
+        Args:
+            timeout: seconds to wait.
+            escalate: a second stop signal kills what is left at once (during teardown).
+
+        Example::
+
+            >>> job.next_event(0.5)   # doctest: +SKIP
+        """
         try:
             event = self.events.get(timeout=timeout)
         except queue.Empty:
@@ -470,7 +509,7 @@ class Job:
         if event[0] == "exit":
             _, rank, returncode = event
             rank.returncode = returncode
-            if returncode != 0 and not rank.stopped_by_launcher and not self._ending():
+            if returncode != 0 and not rank.stopped_by_launcher and not self.ending():
                 self.first_failure = rank
         elif event[0] == "relay":
             self._relay(event[1])
@@ -499,8 +538,8 @@ class Job:
             3
         """
         last_scan = 0.0
-        while self.procs.running() and not self._ending():
-            self._next_event(0.5)
+        while self.procs.running() and not self.ending():
+            self.next_event(0.5)
             if time.monotonic() - last_scan > 0.5:
                 self.procs.remember_descendants()
                 self._check_started()
@@ -514,7 +553,7 @@ class Job:
         self.teardown(self.received_signal or signal.SIGTERM)
         for rank in self.ranks:
             rank.output.finish(idle=2.0)
-        self._finish_display()
+        self.finish_display()
         code = self._summarize()
         if self.nodes is not None:
             self.nodes.end_task(wait_for_others=self.received_signal is None)
@@ -605,46 +644,3 @@ class Job:
         if self.nodes is not None:
             self.nodes.close()
         self.procs.close()
-
-
-def run(config: LaunchConfig, env: Optional[Mapping[str, str]] = None) -> int:
-    """Run a job as ``torchmn run`` would, from start to teardown, and again after a failure as
-    ``config.max_restarts`` allows (see ``torchmn.run.restarts``).
-
-    In the main thread, SIGINT, SIGTERM and SIGHUP (forwarded to the ranks, which are then
-    stopped, and no restart follows) and SIGUSR1, SIGUSR2 (passed on) are handled for the job's
-    length.
-
-    Args:
-        config: what to run, and how.
-        env: the launcher's environment, which the ranks inherit (default: ``os.environ``).
-
-    Returns:
-        The exit code ``torchmn run`` would exit with (see ``Job.watch`` and ``Restarts.run``).
-
-    Raises:
-        RunError: the job cannot be run as asked; any rank already started has been stopped.
-
-    Example::
-
-        >>> run(LaunchConfig(["python", "-c", "import os; print(os.environ['RANK'])"], np=2, output_ranks={0}))
-        [0] 0
-        0
-    """
-    make_job = Job
-    if config.elastic:
-        from torchmn.run.elastic import ElasticJob  # a Job subclass: imported here, not above
-
-        make_job = ElasticJob
-    restarts = Restarts(config, os.environ if env is None else env, make_job)
-    in_main_thread = threading.current_thread() is threading.main_thread()
-    previous = {}
-    if in_main_thread:
-        # Installed before the first rank starts, so a Ctrl-C during start-up still tears down.
-        for sig in FORWARDED_SIGNALS + RELAYED_SIGNALS:
-            previous[sig] = signal.signal(sig, restarts.on_signal)
-    try:
-        return restarts.run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)

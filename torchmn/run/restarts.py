@@ -174,7 +174,7 @@ class Restarts:
         self.console = None
 
     def on_signal(self, signum: int, frame) -> None:
-        """The launcher's signal handler (``torchmn.run.job.run`` installs it): a stop is remembered,
+        """The launcher's signal handler (``torchmn.run.launch.run`` installs it): a stop is remembered,
         so that it is never followed by a restart, and every signal goes to the running job, if any.
 
         Between two starts, a signal is queued instead: a stop ends the wait for the restart, any
