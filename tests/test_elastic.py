@@ -154,6 +154,7 @@ def discovery_script(tmp_path: Path, slots: int) -> str:
     return str(script)
 
 
+@pytest.mark.soak
 @pytest.mark.timeout(600)
 def test_elastic_twenty_kills_match_a_replay_of_the_membership(tmp_path):
     """A 4-rank job (--min-np 2) loses a random rank to SIGKILL 20 times; each time the survivors go
@@ -285,3 +286,34 @@ def test_elastic_sharded_state_lost_with_two_neighbours_names_them(tmp_path):
     assert job.proc.returncode != 0
     assert "StateLostError" in out and "the part of rank(s) 1 of the 4-rank world" in out, out[-3000:]
     assert re.search(r"^torchmn run: every worker that held the training state was lost .*StateLostError: ", out, re.M)
+
+
+@pytest.mark.timeout(240)
+def test_elastic_rank_lost_while_another_joins_leads_to_another_reset(tmp_path):
+    """Rank 0 is killed while the rank replacing a first victim is still joining: the survivor and the
+    joiners form yet another world instead of hanging, the last survivor hands the state on, and
+    the result equals the replay."""
+    job = ElasticRun(tmp_path, 3, ["--min-np", "2", "--max-np", "3", "--host-discovery-script",
+                                   discovery_script(tmp_path, 3)], ["--steps", "100000", "--step-sleep", "0.05"],
+                     timeout=200)
+    try:
+        job.wait_for(lambda: job.steps_at(3) >= 5, "the first steps")
+        pids = job.worker_pids()
+        os.kill(pids[1], signal.SIGKILL)
+        job.wait_for(lambda: "started worker 3 " in job.output(), "the new worker's start")
+        time.sleep(1.0)
+        os.kill(pids[0], signal.SIGKILL)
+        step = job.progress()[-1][1]
+        job.wait_for(lambda: job.steps_at(3, after=step) >= 3, "three ranks again")
+        done = job.finish()
+    finally:
+        job.stop()
+    assert done.returncode == 0, done.stdout[-4000:]
+    check_against_replay(tmp_path)
+
+
+def test_elastic_nnodes_range_says_what_to_run_instead():
+    proc = subprocess.run([PY, "-m", "torchmn", "run", "--nnodes", "1:4", "-np", "2", PY, "-c", "pass"],
+                          capture_output=True, text=True, env=clean_env(), timeout=60)
+    assert proc.returncode == 2
+    assert "'1:4' is a range of nodes" in proc.stderr and "--min-np" in proc.stderr

@@ -54,6 +54,21 @@ def _restart_codes(text: str):
         raise argparse.ArgumentTypeError(str(e).removeprefix("--restart-on: ")) from e
 
 
+def _node_count(text: str) -> int:
+    """``--nnodes N``; torchrun's elastic ``MIN:MAX`` is answered with what torchmn does instead."""
+    low, _, high = text.partition(":")
+    try:
+        counts = [int(low)] + ([int(high)] if high else [])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+    if len(counts) == 2 and counts[0] != counts[1]:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is a range of nodes (torchrun's elastic form): one torchmn run per node runs a fixed number of "
+            f"nodes. For an elastic job run a single torchmn run for all of them: torchmn run -np N --min-np M "
+            f"--max-np K -H node1:4,node2:4 (or --host-discovery-script), see docs/elastic.md")
+    return counts[0]
+
+
 def _default_restart_delay() -> float:
     from torchmn.run.config import RESTART_DELAY
 
@@ -142,7 +157,7 @@ def _add_run(subparsers) -> None:
     nodes = p.add_argument_group(
         "one launcher per node (each node runs its own torchmn run; without these, Kubeflow's PyTorchJob, "
         "SkyPilot and SageMaker are read from their variables)")
-    nodes.add_argument("--nnodes", type=int, default=None, metavar="N", help="the number of nodes")
+    nodes.add_argument("--nnodes", type=_node_count, default=None, metavar="N", help="the number of nodes")
     nodes.add_argument("--node-rank", type=int, default=None, metavar="R",
                        help="this node's index, 0 to N-1; node 0 hosts the rendezvous")
     nodes.add_argument("--master-addr", default=None, metavar="ADDR",
