@@ -317,3 +317,11 @@ def test_elastic_nnodes_range_says_what_to_run_instead():
                           capture_output=True, text=True, env=clean_env(), timeout=60)
     assert proc.returncode == 2
     assert "'1:4' is a range of nodes" in proc.stderr and "--min-np" in proc.stderr
+
+
+def test_elastic_dry_run_shows_the_bounds_and_worker_variables():
+    proc = subprocess.run([PY, "-m", "torchmn", "run", "--dry-run", "-np", "2", "--min-np", "1", "--max-np", "3",
+                           PY, "-c", "pass"], capture_output=True, text=True, env=clean_env(), timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert "elastic: goes on while at least 1 ranks live" in proc.stdout and "grows to 3" in proc.stdout
+    assert "TORCHMN_ELASTIC_WORKER=1" in proc.stdout

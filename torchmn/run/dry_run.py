@@ -25,7 +25,8 @@ import shlex
 import sys
 from typing import Dict, List, Mapping, Optional, TextIO
 
-from torchmn.run.config import LaunchConfig
+from torchmn.run.config import NO_LIMIT, LaunchConfig
+from torchmn.run.elastic import ElasticJob
 from torchmn.run.job import Job
 from torchmn.run.plan import JOB_ID, Slot
 from torchmn.run.restarts import TORCHMN_RESTART_COUNT, Restarts
@@ -183,7 +184,7 @@ def describe_plan(config: LaunchConfig, env: Optional[Mapping[str, str]] = None)
         torchmn run --dry-run: 2 ranks of `python train.py`; nothing was started...
     """
     launcher_env = dict(os.environ if env is None else env)
-    job = Restarts(config, launcher_env, Job).make_start(0)
+    job = Restarts(config, launcher_env, ElasticJob if config.elastic else Job).make_start(0)
     job.check_command()
     known_addr = job.known_master_addr()
     job.master_addr = known_addr or AT_START
@@ -193,6 +194,12 @@ def describe_plan(config: LaunchConfig, env: Optional[Mapping[str, str]] = None)
     lines = [f"torchmn run --dry-run: {count} of "
              f"`{' '.join(shlex.quote(a) for a in config.command)}`; nothing was started and no host "
              f"contacted. Secrets show as {SECRET}, values the start chooses as {AT_START}.", ""]
+    if config.elastic:
+        grows = "no limit" if config.max_np == NO_LIMIT else config.max_np
+        lines += [f"elastic: goes on while at least {config.min_np} ranks live (below that for more than "
+                  f"{config.elastic_timeout:g} s: ends), grows to {grows}"
+                  + (f" on the hosts {config.host_discovery_script} prints" if config.host_discovery_script else
+                     " in the known hosts' slots") + "; ranks below are its first workers", ""]
     lines += _hosts_section(job)
     lines += _rendezvous_section(job, known_addr)
     for slot in job.slots:
