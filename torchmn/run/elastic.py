@@ -319,8 +319,11 @@ class ElasticJob(Job):
                 self.console.message(f"torchmn run: --host-discovery-script {script} exited with {done.returncode}: "
                                      f"{done.stderr.strip()[-500:]}")
                 return self.discovered or {}
-            self.discovered = self._known(parse_discovery(done.stdout, script))
-        return self.discovered
+            try:
+                self.discovered = self._known(parse_discovery(done.stdout, script))
+            except RunError as e:  # a bad answer now and then must not end a running job
+                self.console.message(f"torchmn run: {e}; keeping its last good answer")
+        return self.discovered or {}
 
     def _known(self, offered: Dict[str, int]) -> Dict[str, int]:
         """The hosts offered, this machine's names as one; hosts the job cannot reach are left out,
