@@ -1,6 +1,7 @@
 """Which tests need a cluster, and which must run together when pytest-xdist spreads the suite.
 
-``python -m pytest -m "not cluster"`` runs the tests that need no root, Slurm, MPI or ssh. Cluster
+``python -m pytest -m "not cluster and not soak"`` runs the tests that need no root, Slurm, MPI or ssh
+(and leaves out the long failure soak). Cluster
 tests are every test of the Slurm and MPI files, the tests that use the network-namespace hosts (the
 ``cluster`` fixture, tests/cluster/netns.py), and those marked ``@pytest.mark.cluster`` where they
 need something else of the kind (mpi4py built against an MPI).
