@@ -1,6 +1,7 @@
 """Elastic jobs (`torchmn run --min-np/--max-np`): real ranks killed with SIGKILL while they train,
 survivors going on in the same processes, new ranks joining through a discovery script, and the
 result checked against a replay of the same membership schedule without failures."""
+import json
 import os
 import random
 import re
@@ -53,11 +54,12 @@ class ElasticRun:
     """A ``torchmn run`` elastic job of ``elastic_train.py`` in the background, with the means to
     kill its workers and end it."""
 
-    def __init__(self, out: Path, np: int, launcher_args: list, train_args: list, timeout: float):
+    def __init__(self, out: Path, np: int, launcher_args: list, train_args: list, timeout: float,
+                 script: str = TRAIN):
         self.out, self.timeout = out, timeout
         self.started = time.monotonic()
         self.log = open(out / "launcher.log", "w")
-        self.proc = subprocess.Popen([PY, "-m", "torchmn", "run", "-np", str(np), *launcher_args, PY, TRAIN,
+        self.proc = subprocess.Popen([PY, "-m", "torchmn", "run", "-np", str(np), *launcher_args, PY, script,
                                       str(out), *train_args], stdout=self.log, stderr=subprocess.STDOUT,
                                      env=clean_env(), cwd=REPO, start_new_session=True)
 
@@ -325,3 +327,45 @@ def test_elastic_dry_run_shows_the_bounds_and_worker_variables():
     assert proc.returncode == 0, proc.stderr
     assert "elastic: goes on while at least 1 ranks live" in proc.stdout and "grows to 3" in proc.stdout
     assert "TORCHMN_ELASTIC_WORKER=1" in proc.stdout
+
+
+def test_elastic_sampler_splits_the_rest_of_the_epoch_over_a_new_world():
+    """Two steps of 3 ranks, then the rest of the epoch over 2: each sample once."""
+    from torchmn.elastic import ElasticSampler
+
+    class World:
+        rank, size = 0, 3
+    world = World()
+    sampler = ElasticSampler(21, world, batch_size=2, shuffle=True, seed=1)
+
+    def step(size):
+        start, taken = sampler.consumed, []
+        for r in range(size):
+            world.rank, world.size, sampler.consumed = r, size, start
+            taken += next(iter(sampler))
+        return taken
+    seen = step(3) + step(3)
+    while sampler.consumed < 21:
+        seen += step(2)
+    assert sorted(seen) == list(range(21))
+    sampler.set_epoch(1)
+    assert sampler.state_dict() == {"epoch": 1, "consumed": 0} and sampler.order() != list(range(21))
+
+
+@pytest.mark.timeout(240)
+def test_elastic_sampler_sees_each_sample_once_per_epoch_across_a_kill(tmp_path):
+    """A 3-rank job reading through ElasticSampler loses a rank mid-epoch: the samples committed in
+    every epoch are each sample exactly once (none twice, none skipped)."""
+    job = ElasticRun(tmp_path, 3, ["--min-np", "2", "--max-np", "3"], ["3"], timeout=200,
+                     script=str(REPO / "tests" / "workers" / "elastic_sampler_train.py"))
+    try:
+        job.wait_for(lambda: job.steps_at(3) >= 4, "the first steps")
+        os.kill(job.worker_pids()[1], signal.SIGKILL)
+        job.proc.wait(timeout=150)
+    finally:
+        job.stop()
+    out = job.output()
+    assert job.proc.returncode == 0, out[-3000:]
+    assert "moved to generation" in out
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert [sorted(epoch) for epoch in seen] == [list(range(97))] * 3

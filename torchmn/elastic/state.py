@@ -17,7 +17,6 @@ from torchmn.optimizers.sharded import ShardedMultiNodeOptimizer
 _BUDDY_TAG = 7301  # the point-to-point tag of the commit's part exchange
 
 
-
 class State:
     """The training state of an elastic job: a model, an optimizer and any values (epoch, batch,
     ...), committed in memory and handed to the ranks of each new world.
