@@ -46,6 +46,8 @@ def test_elastic_config_checks_the_bounds():
         LaunchConfig(["python", "x.py"], np=4, min_np=5)
     with pytest.raises(RunError, match="--max-restarts and --min-np"):
         LaunchConfig(["python", "x.py"], np=4, min_np=2, max_restarts=1)
+    with pytest.raises(RunError, match="--monitor and --timeline do not follow"):
+        LaunchConfig(["python", "x.py"], np=4, min_np=2, monitor=True)
 
 
 # -- real jobs -----------------------------------------------------------------------------------

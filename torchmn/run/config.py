@@ -194,4 +194,7 @@ class LaunchConfig:
         if self.max_restarts:
             raise RunError("--max-restarts and --min-np/--max-np do not go together: an elastic job keeps its "
                            "survivors running instead of restarting every rank. Drop one of them.")
+        if self.monitor or self.timeline:
+            raise RunError("--monitor and --timeline do not follow an elastic job's resets (a rank's number and the "
+                           "world's size change at each): drop them, or run without --min-np/--max-np to watch the job.")
         return {"min_np": min_np, "max_np": max_np}
