@@ -347,9 +347,13 @@ def test_elastic_sampler_splits_the_rest_of_the_epoch_over_a_new_world():
             taken += next(iter(sampler))
         return taken
     seen = step(3) + step(3)
+    world.size = 2
+    assert len(sampler) == 2  # 9 left: a step of 4, then 5 (a tail of 1 cannot go to 2 ranks)
     while sampler.consumed < 21:
         seen += step(2)
     assert sorted(seen) == list(range(21))
+    sampler.consumed = 20  # a reset grew the world to 3 with one sample left: every rank gets one
+    assert step(3) == [sampler.order()[20]] * 3
     sampler.set_epoch(1)
     assert sampler.state_dict() == {"epoch": 1, "consumed": 0} and sampler.order() != list(range(21))
 
@@ -371,3 +375,21 @@ def test_elastic_sampler_sees_each_sample_once_per_epoch_across_a_kill(tmp_path)
     assert "moved to generation" in out
     seen = json.loads((tmp_path / "seen.json").read_text())
     assert [sorted(epoch) for epoch in seen] == [list(range(97))] * 3
+
+
+@pytest.mark.timeout(120)
+def test_elastic_reset_limit_ends_the_job_instead_of_another_reset(tmp_path):
+    """--reset-limit 1: the reset after a kill is the one allowed; the refilled rank's arrival would
+    be a second, so the job ends there, saying why and naming the worker lost."""
+    job = ElasticRun(tmp_path, 2, ["--min-np", "1", "--reset-limit", "1"],
+                     ["--steps", "100000", "--step-sleep", "0.05"], timeout=100)
+    try:
+        job.wait_for(lambda: job.steps_at(2) >= 3, "the first steps")
+        os.kill(job.worker_pids()[1], signal.SIGKILL)
+        job.proc.wait(timeout=80)
+    finally:
+        job.stop()
+    out = job.output()
+    assert job.proc.returncode == 1, out[-3000:]
+    assert "the job reset 1 time(s), --reset-limit 1" in out and "worker 1 (host " in out, out[-3000:]
+    assert job.steps_at(1) >= 1  # the survivor went on alone in between

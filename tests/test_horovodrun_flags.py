@@ -51,7 +51,7 @@ def test_horovodrun_timeline_flag_writes_the_timeline(tmp_path):
 
 @pytest.mark.parametrize("flag, advice", [
     (["--mpi"], "start the ranks with mpirun itself"),
-    (["--reset-limit", "3"], "reset as often as ranks come and go"),
+    (["--slots-per-host", "2"], "give slots with -H host:N"),
     (["--config-file", "x.yaml"], "pass the settings as flags"),
 ])
 def test_horovodrun_flag_without_counterpart_is_refused(flag, advice):

@@ -135,6 +135,9 @@ def _add_run(subparsers) -> None:
                               "run every second")
     elastic.add_argument("--elastic-timeout", type=float, default=None, metavar="SECONDS",
                          help="end the job when fewer than --min-np ranks live for this long (default 600)")
+    elastic.add_argument("--reset-limit", type=int, default=None, metavar="K",
+                         help="end the job at the K+1-th reset (ranks joining or leaving): a rank that fails again "
+                              "and again otherwise keeps the job resetting (default: no limit)")
     hosts = p.add_argument_group("several hosts (ranks on other hosts start over ssh)")
     where = hosts.add_mutually_exclusive_group()
     where.add_argument("-H", "--hosts", dest="hosts", default=None, metavar="HOST:N[,HOST:N...]",
@@ -214,7 +217,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                               restart_on=args.restart_on, allow_unsigned_store=args.allow_unsigned_store,
                               nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                               monitor=args.monitor, min_np=args.min_np, max_np=args.max_np,
-                              host_discovery_script=args.host_discovery_script,
+                              host_discovery_script=args.host_discovery_script, reset_limit=args.reset_limit,
                               **({} if args.elastic_timeout is None else {"elastic_timeout": args.elastic_timeout}),
                               timeline=os.path.abspath(args.timeline) if args.timeline else None,
                               restart_delay=_default_restart_delay() if args.restart_delay is None

@@ -19,9 +19,11 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     Within an epoch no sample is seen twice and none is skipped, across any number of resets: its
     position (``state_dict()``) is part of the :class:`~torchmn.elastic.State` it is given to, so a
-    reset goes back to the commit with it. The epoch's last step may be short, split as evenly as
-    it goes (a rank may get one sample fewer than another, or none when fewer samples than ranks
-    are left).
+    reset goes back to the commit with it. Every rank makes the same number of steps and gets at
+    least one sample per step: the epoch's last step takes what is left, split as evenly as it goes
+    (a tail too short for every rank joins the step before). The one exception: where a reset
+    leaves fewer samples in the epoch than the new world has ranks, the ranks without one repeat
+    one of them in that last step.
 
     Give it to a ``DataLoader`` as ``batch_sampler`` and to the state as a value::
 
@@ -87,12 +89,23 @@ class ElasticSampler(torch.utils.data.Sampler):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(self.length, generator=g).tolist()
 
+    def _step_end(self, start: int, size: int) -> int:
+        """Where the step that starts at ``start`` ends: a full step, or the epoch's end where the
+        samples after a full step would be too few to give every rank one (they join this step)."""
+        end = start + self.batch_size * size
+        return self.length if self.length - end < size else end
+
     def __iter__(self) -> Iterator[List[int]]:
         order = self.order()
         while self.consumed < self.length:
             rank, size = self.comm.rank, self.comm.size
-            chunk = order[self.consumed:self.consumed + self.batch_size * size]
-            self.consumed += len(chunk)
+            end = self._step_end(self.consumed, size)
+            chunk = order[self.consumed:end]
+            self.consumed = end
+            if len(chunk) < size:
+                # Fewer samples left than ranks (a reset grew the world near the epoch's end): the
+                # ranks without one repeat one, as an empty batch cannot be collated.
+                chunk = [chunk[i % len(chunk)] for i in range(size)]
             # As even as it goes: the first len(chunk) % size ranks take one more.
             share, extra = divmod(len(chunk), size)
             start = rank * share + min(rank, extra)
@@ -100,8 +113,10 @@ class ElasticSampler(torch.utils.data.Sampler):
 
     def __len__(self) -> int:
         """The steps left in this epoch at the current world size."""
-        step = self.batch_size * self.comm.size
-        return -(-(self.length - self.consumed) // step)
+        steps, at = 0, self.consumed
+        while at < self.length:
+            at, steps = self._step_end(at, self.comm.size), steps + 1
+        return steps
 
     def state_dict(self) -> dict:
         """Where the epoch is (what a commit keeps).

@@ -78,6 +78,7 @@ class LaunchConfig:
         host_discovery_script: an elastic job's hosts and slots come from what this program prints
             (``host:slots`` lines), read every second (``--host-discovery-script``).
         elastic_timeout: seconds an elastic job may stay below ``min_np`` ranks (``--elastic-timeout``).
+        reset_limit: the most resets an elastic job makes before it ends (``--reset-limit``); None: no limit.
 
     Raises:
         RunError: ``np`` below 1, no command, a port outside 1-65535, a start timeout that is
@@ -117,6 +118,7 @@ class LaunchConfig:
     max_np: Optional[int] = None
     host_discovery_script: Optional[str] = None
     elastic_timeout: float = ELASTIC_TIMEOUT
+    reset_limit: Optional[int] = None
 
     @property
     def elastic(self) -> bool:
@@ -183,7 +185,11 @@ class LaunchConfig:
     def _check_elastic(self) -> dict:
         """The elastic settings, checked and completed (empty for a fixed-size job)."""
         if self.min_np is None and self.max_np is None and self.host_discovery_script is None:
+            if self.reset_limit is not None:
+                raise RunError("--reset-limit bounds an elastic job's resets: give --min-np/--max-np too.")
             return {}
+        if self.reset_limit is not None and self.reset_limit < 0:
+            raise RunError(f"--reset-limit must be 0 or more, got {self.reset_limit}.")
         min_np = self.np if self.min_np is None else self.min_np
         max_np = self.max_np if self.max_np is not None else NO_LIMIT if self.host_discovery_script else self.np
         if not 1 <= min_np <= self.np <= max_np:

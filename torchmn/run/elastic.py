@@ -293,6 +293,13 @@ class ElasticJob(Job):
         workers = [w for w in workers if w in self.live]
         if len(workers) < self.config.min_np or not workers:
             return  # the survivors wait at the rendezvous; _follow_members counts the time
+        limit = self.config.reset_limit
+        if limit is not None and self.generation >= limit:
+            lost = "; ".join(f"worker {r.slot.rank} (host {r.slot.host}, {describe_exit(r.returncode)})"
+                             for r in self.lost[-5:])
+            self.gave_up = (f"torchmn run: the job reset {self.generation} time(s), --reset-limit {limit}; ended it "
+                            f"instead of another reset. Last workers lost: {lost or 'none'}.")
+            return
         places = protocol.place_members([(w, self.live[w].slot.host) for w in workers])
         store = self.store.store
         self.generation += 1

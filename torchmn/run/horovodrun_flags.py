@@ -43,8 +43,6 @@ FLAGS: Dict[str, Tuple[bool, str, str]] = {
     "--binding-args": (True, "refuse", "torchmn run does no CPU binding; it gives each rank a thread budget"),
     "--config-file": (True, "refuse", "pass the settings as flags (torchmn run reads no YAML config)"),
     "--slots-per-host": (True, "refuse", "give slots with -H host:N or a --hostfile"),
-    "--reset-limit": (True, "refuse", "torchmn's elastic jobs reset as often as ranks come and go; bound a "
-                                      "job's time with the scheduler"),
     "--blacklist-cooldown-range": (True, "note", "torchmn run waits 10 s before starting a new worker on a host "
                                                  "where one failed before joining"),
 }
