@@ -679,40 +679,22 @@ def test_elastic_job_refills_a_lost_host_over_ssh(cluster, tmp_path):
     """An elastic job over two hosts (--min-np 1): the rank on h2 is killed; the one on h1 goes on
     alone, the launcher starts a new rank on h2 over ssh in the freed slot, it joins at the next
     commit, and the result equals a one-process replay of the membership; nothing is left on the hosts."""
-    from test_elastic import TRAIN, check_against_replay
+    from test_elastic import ElasticRun, check_against_replay
 
-    argv = [sys.executable, "-m", "torchmn", "run", *cluster.launcher_options(), "-np", "2", "--min-np", "1",
-            "--max-np", "2", "-H", hosts_arg(cluster, ("h1", 1), ("h2", 1)), sys.executable, TRAIN, str(tmp_path),
-            "--steps", "100000", "--step-sleep", "0.05"]
-    log = open(tmp_path / "launcher.log", "w")
-    proc = subprocess.Popen(argv, cwd=REPO, env=clean_env(), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-    def sizes():
-        path = tmp_path / "progress"
-        return [int(line.split()[2]) for line in path.read_text().splitlines()] if path.exists() else []
-
-    def wait_for(condition, what):
-        deadline = time.monotonic() + 150
-        while not condition():
-            assert proc.poll() is None and time.monotonic() < deadline, \
-                f"{what}: {(tmp_path / 'launcher.log').read_text()[-3000:]}"
-            time.sleep(0.05)
+    job = ElasticRun(tmp_path, 2, [*cluster.launcher_options(), "--min-np", "1", "--max-np", "2",
+                                   "-H", hosts_arg(cluster, ("h1", 1), ("h2", 1))],
+                     ["--steps", "100000", "--step-sleep", "0.05"], timeout=150)
     try:
-        wait_for(lambda: sizes().count(2) >= 5, "the first steps on two hosts")
-        os.kill(int((tmp_path / "pids" / "1").read_text()), signal.SIGKILL)
-        wait_for(lambda: 1 in sizes(), "the survivor's steps alone")
-        before = len(sizes())
-        wait_for(lambda: sizes()[before:].count(2) >= 3, "two hosts again")
-        (tmp_path / "stop").write_text("")
-        proc.wait(timeout=120)
+        job.wait_for(lambda: job.steps_at(2) >= 5, "the first steps on two hosts")
+        step = job.progress()[-1][1]
+        os.kill(job.worker_pids()[1], signal.SIGKILL)
+        job.wait_for(lambda: job.steps_at(1, after=step) >= 1, "the survivor's steps alone")
+        alone = job.progress()[-1][1]
+        job.wait_for(lambda: job.steps_at(2, after=alone) >= 3, "two hosts again")
+        done = job.finish()
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-    out = (tmp_path / "launcher.log").read_text()
-    assert proc.returncode == 0, out[-3000:]
-    assert f"started worker 2 on {cluster.address('h2')}" in out, out[-3000:]
+        job.stop()
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert f"started worker 2 on {cluster.address('h2')}" in done.stdout, done.stdout[-3000:]
     check_against_replay(tmp_path)
     assert_hosts_idle(cluster)
