@@ -289,7 +289,7 @@ def test_elastic_sharded_state_lost_with_two_neighbours_names_them(tmp_path):
     out = job.output()
     assert job.proc.returncode != 0
     assert "StateLostError" in out and "the part of rank(s) 1 of the 4-rank world" in out, out[-3000:]
-    assert re.search(r"^torchmn run: every worker that held the training state was lost .*StateLostError: ", out, re.M)
+    assert re.search(r"^torchmn run: every worker that held the training state is gone .*StateLostError: ", out, re.M)
 
 
 @pytest.mark.timeout(240)

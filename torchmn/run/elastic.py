@@ -267,9 +267,12 @@ class ElasticJob(Job):
                 why = (f" The last of them, worker {last.slot.rank} (host {last.slot.host}), "
                        f"{describe_exit(last.returncode)}" + (f": {_TORCH_PREFIX.sub('', error[-1].strip()).rstrip('.')}"
                                                               if error else "") + ".")
-            self.gave_up = (f"torchmn run: every worker that held the training state was lost (workers "
-                            f"{', '.join(map(str, sorted(self.holders)))}); the {len(self.live)} left joined too late "
-                            f"to receive it.{why} Ended the job: start it again from the newest checkpoint.")
+            # An error of the training code is quoted above and says what to do; a killed one needs the checkpoint.
+            advice = ("see that error" if last is not None and 0 < last.returncode < 128
+                      else "start it again from the newest checkpoint")
+            self.gave_up = (f"torchmn run: every worker that held the training state is gone (workers "
+                            f"{', '.join(map(str, sorted(self.holders)))}); the {len(self.live)} left had not received "
+                            f"it yet.{why} Ended the job: {advice}.")
             return
         alive = len(self.live)
         if alive < self.config.min_np:
