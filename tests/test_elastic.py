@@ -17,7 +17,8 @@ import torch
 from jobs import REPO, clean_env
 from torchmn.elastic import protocol
 from torchmn.run.config import LaunchConfig, RunError
-from torchmn.run.elastic import parse_discovery
+from torchmn.run.elastic import parse_discovery, place_workers
+from torchmn.run.plan import place_env
 
 PY = sys.executable
 TRAIN = str(REPO / "tests" / "workers" / "elastic_train.py")
@@ -32,10 +33,11 @@ def test_elastic_discovery_output_is_parsed():
 
 
 def test_elastic_places_count_local_ranks_per_host():
-    places = protocol.place_members([(4, "a"), (1, "b"), (7, "a")])
-    assert [(p.worker, p.local_rank, p.local_size, p.node_rank, p.node_count) for p in places] == \
-        [(4, 0, 2, 0, 2), (1, 0, 1, 1, 2), (7, 1, 2, 0, 2)]
-    assert protocol.load_members(protocol.dump_members(places)) == places
+    slots = place_workers([(4, "a"), (1, "b"), (7, "a")])
+    assert [(s.rank, s.size, s.local_rank, s.local_size, s.node_rank, s.node_count, s.host) for s in slots] == \
+        [(0, 3, 0, 2, 0, 2, "a"), (1, 3, 0, 1, 1, 2, "b"), (2, 3, 1, 2, 0, 2, "a")]
+    members = [(4, place_env(slots[0])), (1, place_env(slots[1]))]
+    assert protocol.load_members(protocol.dump_members(members)) == members
 
 
 def test_elastic_config_checks_the_bounds():
@@ -91,6 +93,19 @@ class ElasticRun:
             if pid and _alive(pid):
                 pids[int(path.name)] = pid
         return pids
+
+    def kill(self, *workers: int) -> int:
+        """SIGKILL these workers at once; the last step done before (rank 0's progress)."""
+        step = self.progress()[-1][1]
+        pids = self.worker_pids()
+        for worker in workers:
+            os.kill(pids[worker], signal.SIGKILL)
+        return step
+
+    def ended(self, timeout: float) -> str:
+        """The output, once the job ended by itself (within ``timeout`` seconds)."""
+        self.proc.wait(timeout=timeout)
+        return self.output()
 
     def finish(self) -> subprocess.CompletedProcess:
         (self.out / "stop").write_text("")
@@ -174,9 +189,7 @@ def test_elastic_twenty_kills_match_a_replay_of_the_membership(tmp_path):
         for kill in range(20):
             step = job.progress()[-1][1]
             job.wait_for(lambda: job.steps_at(4, after=step) >= 2, f"4 ranks again before kill {kill + 1}")
-            step = job.progress()[-1][1]
-            pids = job.worker_pids()
-            os.kill(pids[random.choice(sorted(pids))], signal.SIGKILL)
+            step = job.kill(random.choice(sorted(job.worker_pids())))
             job.wait_for(lambda: job.steps_at(3, after=step) >= 1, f"the survivors' next step after kill {kill + 1}")
         done = job.finish()
     finally:
@@ -197,8 +210,7 @@ def test_elastic_kill_with_each_optimizer_matches_a_replay(tmp_path, shard_state
                      ["--steps", "100000", "--step-sleep", "0.05", "--shard-state", shard_state], timeout=240)
     try:
         job.wait_for(lambda: job.steps_at(3) >= 5, "the first steps")
-        step = job.progress()[-1][1]
-        os.kill(job.worker_pids()[1], signal.SIGKILL)
+        step = job.kill(1)
         job.wait_for(lambda: job.steps_at(2, after=step) >= 2, "the survivors' steps")
         job.wait_for(lambda: job.steps_at(3, after=step) >= 2, "the refilled slot's steps")
         done = job.finish()
@@ -210,21 +222,21 @@ def test_elastic_kill_with_each_optimizer_matches_a_replay(tmp_path, shard_state
 
 @pytest.mark.timeout(120)
 def test_elastic_below_min_np_ends_naming_the_lost(tmp_path):
-    """With no room for a new rank (the discovery script offers 2 slots, 1 rank left, --min-np 2),
-    the job ends after --elastic-timeout, naming the worker lost and its host."""
+    """With no room for a new rank (the discovery script offers 1 slot, which the survivor holds;
+    --min-np 2), the job ends after --elastic-timeout, naming the worker lost and its host."""
     job = ElasticRun(tmp_path, 2, ["--min-np", "2", "--host-discovery-script", discovery_script(tmp_path, 1),
                                    "--elastic-timeout", "3"], ["--steps", "100000", "--step-sleep", "0.05"],
                      timeout=100)
     try:
         job.wait_for(lambda: job.steps_at(2) >= 3, "the first steps")
-        os.kill(job.worker_pids()[1], signal.SIGKILL)
+        job.kill(1)
         killed = time.monotonic()
-        job.proc.wait(timeout=60)
+        out = job.ended(60)
+        took = time.monotonic() - killed
     finally:
         job.stop()
-    out = job.output()
     assert job.proc.returncode == 1, out[-3000:]
-    assert time.monotonic() - killed < 30
+    assert took < 30
     assert "below --min-np 2" in out and "worker 1 (host " in out and "killed by signal SIGKILL" in out
 
 
@@ -280,13 +292,10 @@ def test_elastic_sharded_state_lost_with_two_neighbours_names_them(tmp_path):
                      ["--steps", "100000", "--step-sleep", "0.05", "--shard-state", "true"], timeout=200)
     try:
         job.wait_for(lambda: job.steps_at(4) >= 5, "the first steps")
-        pids = job.worker_pids()
-        os.kill(pids[1], signal.SIGKILL)
-        os.kill(pids[2], signal.SIGKILL)
-        job.proc.wait(timeout=120)
+        job.kill(1, 2)
+        out = job.ended(120)
     finally:
         job.stop()
-    out = job.output()
     assert job.proc.returncode != 0
     assert "StateLostError" in out and "the part of rank(s) 1 of the 4-rank world" in out, out[-3000:]
     assert re.search(r"^torchmn run: every worker that held the training state is gone .*StateLostError: ", out, re.M)
@@ -302,11 +311,10 @@ def test_elastic_rank_lost_while_another_joins_leads_to_another_reset(tmp_path):
                      timeout=200)
     try:
         job.wait_for(lambda: job.steps_at(3) >= 5, "the first steps")
-        pids = job.worker_pids()
-        os.kill(pids[1], signal.SIGKILL)
+        job.kill(1)
         job.wait_for(lambda: "started worker 3 " in job.output(), "the new worker's start")
         time.sleep(1.0)
-        os.kill(pids[0], signal.SIGKILL)
+        job.kill(0)
         step = job.progress()[-1][1]
         job.wait_for(lambda: job.steps_at(3, after=step) >= 3, "three ranks again")
         done = job.finish()
@@ -366,11 +374,10 @@ def test_elastic_sampler_sees_each_sample_once_per_epoch_across_a_kill(tmp_path)
                      script=str(REPO / "tests" / "workers" / "elastic_sampler_train.py"))
     try:
         job.wait_for(lambda: job.steps_at(3) >= 4, "the first steps")
-        os.kill(job.worker_pids()[1], signal.SIGKILL)
-        job.proc.wait(timeout=150)
+        job.kill(1)
+        out = job.ended(150)
     finally:
         job.stop()
-    out = job.output()
     assert job.proc.returncode == 0, out[-3000:]
     assert "moved to generation" in out
     seen = json.loads((tmp_path / "seen.json").read_text())
@@ -385,11 +392,10 @@ def test_elastic_reset_limit_ends_the_job_instead_of_another_reset(tmp_path):
                      ["--steps", "100000", "--step-sleep", "0.05"], timeout=100)
     try:
         job.wait_for(lambda: job.steps_at(2) >= 3, "the first steps")
-        os.kill(job.worker_pids()[1], signal.SIGKILL)
-        job.proc.wait(timeout=80)
+        job.kill(1)
+        out = job.ended(80)
     finally:
         job.stop()
-    out = job.output()
     assert job.proc.returncode == 1, out[-3000:]
     assert "the job reset 1 time(s), --reset-limit 1" in out and "worker 1 (host " in out, out[-3000:]
     assert job.steps_at(1) >= 1  # the survivor went on alone in between

@@ -686,8 +686,7 @@ def test_elastic_job_refills_a_lost_host_over_ssh(cluster, tmp_path):
                      ["--steps", "100000", "--step-sleep", "0.05"], timeout=150)
     try:
         job.wait_for(lambda: job.steps_at(2) >= 5, "the first steps on two hosts")
-        step = job.progress()[-1][1]
-        os.kill(job.worker_pids()[1], signal.SIGKILL)
+        step = job.kill(1)
         job.wait_for(lambda: job.steps_at(1, after=step) >= 1, "the survivor's steps alone")
         alone = job.progress()[-1][1]
         job.wait_for(lambda: job.steps_at(2, after=alone) >= 3, "two hosts again")

@@ -87,10 +87,10 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
     creation = dict(name=name, backend=backend, timeout=timeout, bucket_cap_mb=bucket_cap_mb,
                     allreduce_grad_dtype=allreduce_grad_dtype)
     elastic = protocol.enabled(os.environ) and init_method is None and rank is None
+    from torchmn.elastic import membership  # it uses this package's world module
+
     if elastic and not dist.is_initialized() and os.environ.get(protocol.GENERATION_VARIABLE) is None:
         # A worker an elastic job added: its place is known once the others make room for it.
-        from torchmn.elastic import membership
-
         membership.wait_for_place()
     compression = _compression_named_by(allreduce_grad_dtype)
     timeout = _as_timedelta(timeout)
@@ -152,8 +152,6 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
     monitor.start_for(comm, "torchmn" if TorchmnEnvironment.detect(os.environ) else
                       env.source if env is not None else "adopted")
     comm.creation = creation  # what an elastic job's reset asks for again in the new world
-    from torchmn.elastic import membership
-
     membership.remember(comm)  # the communicator torchmn.elastic.State syncs over, and a reset rebuilds
     return comm
 

@@ -8,16 +8,16 @@ import os
 import socket
 import time
 import weakref
-from typing import List, Optional
+from typing import Iterable, List, Optional
 
 from torchmn.communicators import world
 from torchmn.elastic import protocol
 from torchmn.elastic.errors import ElasticJobEndedError
-from torchmn.environments import base
 from torchmn.errors import TorchmnRuntimeError
 
 POLL_S = 0.02  # how often a waiting rank looks at the store
 _told = False  # this rank told the launcher it holds the state
+_client = None  # the launcher's store (_store)
 _communicators: List["weakref.ref"] = []  # this rank's world communicators, in the order they were made
 
 
@@ -102,12 +102,17 @@ def generation() -> Optional[int]:
 
 
 def _store():
+    """The launcher's store, one client for the process's life (every commit asks it)."""
+    global _client
+    if _client is not None:
+        return _client
     store = world.launcher_store(datetime.timedelta(seconds=60))
     if store is None:
         raise TorchmnRuntimeError(f"worker {os.environ.get(protocol.WORKER_VARIABLE)} on {socket.gethostname()}: "
                                   f"cannot reach the launcher's store at {os.environ.get('MASTER_ADDR')}:"
                                   f"{os.environ.get('MASTER_PORT')}; an elastic job's ranks must be started by "
                                   f"torchmn run --min-np/--max-np")
+    _client = store
     return store
 
 
@@ -183,11 +188,13 @@ def wait_for_place() -> int:
         latest = _read_generation(store)
         if latest > tried:
             tried = latest
-            members = protocol.load_members(store.get(protocol.members_key(latest)).decode())
-            if any(p.worker == me for p in members):
+            members = dict(protocol.load_members(store.get(protocol.members_key(latest)).decode()))
+            if me in members:
                 store.set(protocol.arrived_key(latest, me), "")
                 if _all_arrived(store, latest, members, deadline):
-                    _take_place(latest, members)
+                    # This rank's place in the new world: what create_communicator reads.
+                    os.environ.update(members[me])
+                    os.environ[protocol.GENERATION_VARIABLE] = str(latest)
                     return latest
         time.sleep(POLL_S)
     raise TorchmnRuntimeError(f"worker {me} on {socket.gethostname()}: no generation of the elastic job took it within "
@@ -195,9 +202,9 @@ def wait_for_place() -> int:
                               f"output says why")
 
 
-def _all_arrived(store, g: int, members: List[protocol.Place], deadline: float) -> bool:
+def _all_arrived(store, g: int, members: Iterable[int], deadline: float) -> bool:
     """Whether every member of generation ``g`` arrives before a newer generation is announced."""
-    keys = [protocol.arrived_key(g, p.worker) for p in members]
+    keys = [protocol.arrived_key(g, worker) for worker in members]
     while time.monotonic() < deadline:
         if store.check(keys):
             return True
@@ -206,18 +213,3 @@ def _all_arrived(store, g: int, members: List[protocol.Place], deadline: float) 
             return False
         time.sleep(POLL_S)
     return False
-
-
-def _take_place(g: int, members: List[protocol.Place]) -> None:
-    """Set this process's place variables to its place in generation ``g``."""
-    rank = next(i for i, p in enumerate(members) if p.worker == worker())
-    p = members[rank]
-    os.environ.update({
-        base.TORCHMN_RANK: str(rank), base.TORCHMN_SIZE: str(len(members)),
-        base.TORCHMN_LOCAL_RANK: str(p.local_rank), base.TORCHMN_LOCAL_SIZE: str(p.local_size),
-        base.TORCHMN_NODE_RANK: str(p.node_rank), base.TORCHMN_NODE_COUNT: str(p.node_count),
-        base.TORCHMN_HOST: p.host,
-        "RANK": str(rank), "WORLD_SIZE": str(len(members)), "LOCAL_RANK": str(p.local_rank),
-        "LOCAL_WORLD_SIZE": str(p.local_size), "GROUP_RANK": str(p.node_rank),
-        protocol.GENERATION_VARIABLE: str(g),
-    })

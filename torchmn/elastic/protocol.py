@@ -3,7 +3,7 @@
 Stdlib only: ``torchmn run`` imports it without torch.
 
 The launcher is the one authority on membership. It numbers each membership a *generation* and
-writes it once, as a list of :class:`Place` (one per rank, in rank order), under
+writes it once, as the variables of each rank's place (in rank order), under
 ``members_key(g)``, then ``GENERATION_KEY = g``. A rank (a *worker*, numbered by the launcher for
 the job's whole life, ``WORKER_VARIABLE``) that has lost its world, or a new worker, writes
 ``waiting_key(worker)`` and waits for a generation that holds it; then each member writes
@@ -14,9 +14,8 @@ them died meanwhile) before it sets up the generation's process groups under
 """
 from __future__ import annotations
 
-import dataclasses
 import json
-from typing import List, Mapping, Sequence
+from typing import Dict, List, Mapping, Sequence, Tuple
 
 # Set by torchmn run for every rank of an elastic job.
 ELASTIC_VARIABLE = "TORCHMN_ELASTIC"              # "1"
@@ -46,7 +45,7 @@ def enabled(env: Mapping[str, str]) -> bool:
 
 
 def members_key(generation: int) -> str:
-    """The store key of one generation's members (a JSON list of :class:`Place` fields).
+    """The store key of one generation's members (:func:`dump_members`).
 
     Args:
         generation: the generation's number.
@@ -131,74 +130,36 @@ def store_prefix(generation: int) -> str:
     return f"torchmn/elastic/world{generation}/"
 
 
-@dataclasses.dataclass(frozen=True)
-class Place:
-    """One rank of a generation: which worker, on which host, and where among the ranks there.
-
-    Attributes:
-        worker: the worker's number (``WORKER_VARIABLE``).
-        host: the host it runs on, as the launcher names it.
-        local_rank, local_size: its index among the generation's ranks on that host, and their count.
-        node_rank, node_count: the host's index among the generation's hosts, and their count.
-    """
-
-    worker: int
-    host: str
-    local_rank: int
-    local_size: int
-    node_rank: int
-    node_count: int
-
-
-def place_members(workers: Sequence[tuple]) -> List[Place]:
-    """The places of a generation whose ranks are ``workers``, in rank order.
+def dump_members(members: Sequence[Tuple[int, Mapping[str, str]]]) -> str:
+    """A generation's members as the store holds them: each worker with the variables of its place
+    (``torchmn.run.plan.place_env``, which the rank takes over at the reset).
 
     Args:
-        workers: ``(worker, host)`` pairs, in rank order.
-
-    Returns:
-        One :class:`Place` per worker: local ranks count up per host in rank order, hosts are
-        numbered in the order they first appear.
-
-    Example::
-
-        >>> [p.local_rank for p in place_members([(0, "a"), (2, "b"), (3, "a")])]
-        [0, 0, 1]
-    """
-    hosts = list(dict.fromkeys(h for _, h in workers))
-    per_host = {h: [w for w, wh in workers if wh == h] for h in hosts}
-    return [Place(w, h, per_host[h].index(w), len(per_host[h]), hosts.index(h), len(hosts)) for w, h in workers]
-
-
-def dump_members(places: Sequence[Place]) -> str:
-    """A generation's places as the store holds them.
-
-    Args:
-        places: the places, in rank order.
+        members: ``(worker, variables)`` pairs, in rank order.
 
     Returns:
         JSON text.
 
     Example::
 
-        >>> dump_members(place_members([(0, "a")]))
-        '[{"worker": 0, "host": "a", "local_rank": 0, "local_size": 1, "node_rank": 0, "node_count": 1}]'
+        >>> dump_members([(4, {"RANK": "0"})])
+        '[[4, {"RANK": "0"}]]'
     """
-    return json.dumps([dataclasses.asdict(p) for p in places])
+    return json.dumps([[worker, dict(variables)] for worker, variables in members])
 
 
-def load_members(text: str) -> List[Place]:
-    """The places :func:`dump_members` wrote.
+def load_members(text: str) -> List[Tuple[int, Dict[str, str]]]:
+    """The members :func:`dump_members` wrote.
 
     Args:
         text: what the store holds.
 
     Returns:
-        The places, in rank order.
+        ``(worker, variables)`` pairs, in rank order.
 
     Example::
 
-        >>> load_members(dump_members(place_members([(0, "a")])))[0].host
-        'a'
+        >>> load_members('[[4, {"RANK": "0"}]]')
+        [(4, {'RANK': '0'})]
     """
-    return [Place(**fields) for fields in json.loads(text)]
+    return [(worker, variables) for worker, variables in json.loads(text)]

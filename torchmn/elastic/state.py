@@ -101,8 +101,7 @@ class State:
     def comm(self):
         """The communicator the state is synchronised over: its optimizer's, else the first one the
         script made (None in a world of one without a communicator)."""
-        inner = getattr(self.optimizer, "multi_node_optimizer", self.optimizer)  # torchmn.horovod's wraps one
-        comm = getattr(inner, "comm", None)
+        comm = getattr(_unwrapped(self.optimizer), "comm", None)
         if comm is None:
             made = membership.communicators()
             comm = made[0] if made else None
@@ -110,7 +109,7 @@ class State:
 
     def _sharded(self) -> Optional[ShardedMultiNodeOptimizer]:
         """The ZeRO optimizer (``shard_state=True``) this state holds, whose ranks each keep a part."""
-        inner = getattr(self.optimizer, "multi_node_optimizer", self.optimizer)
+        inner = _unwrapped(self.optimizer)
         if isinstance(inner, ShardedMultiNodeOptimizer) and not isinstance(inner, NodeSharedOptimizer):
             return inner
         return None
@@ -126,18 +125,14 @@ class State:
             >>> state.multi_node_optimizers()
             [NodeSharedOptimizer(Adam (...), <HierarchicalCommunicator rank 0/2 ...>)]
         """
-        found = []
-        for value in [self.optimizer] + [getattr(self, n) for n in self._names]:
-            inner = getattr(value, "multi_node_optimizer", value)  # torchmn.horovod's DistributedOptimizer
-            if isinstance(inner, GradientSyncOptimizer):
-                found.append(inner)
-        return found
+        inner = [_unwrapped(value) for value in [self.optimizer] + [getattr(self, n) for n in self._names]]
+        return [value for value in inner if isinstance(value, GradientSyncOptimizer)]
 
     # -- commit, restore, sync ---------------------------------------------------------------------
 
     def save(self) -> None:
-        """Keep a copy of the state in memory (collective for a sharded optimizer, which gathers
-        its shards). ``commit()`` does this, then looks for new or lost ranks.
+        """Keep a copy of the state in memory (collective for a sharded optimizer, whose ranks each
+        keep their part and their neighbour's). ``commit()`` does this, then looks for new or lost ranks.
 
         Example::
 
@@ -201,12 +196,12 @@ class State:
         comm = self.comm
         if self._saved is None and first_world():
             self.save()  # every rank is new here: each commits (collectively, where the optimizer needs it)
-        sharded = self._sharded()
-        if sharded is not None and self._saved is not None and "optimizer_parts" in self._saved:
-            # Each rank held its own part and its neighbour's: together they make the whole.
-            self._saved["optimizer"] = _whole_from_parts(sharded, comm, self._saved.pop("optimizer_parts"))
-        elif sharded is not None:
-            _whole_from_parts(sharded, comm, None)  # a rank that joined has no part to give
+        sharded, whole = self._sharded(), None
+        if sharded is not None:
+            # Each rank held its own part and its neighbour's (one that joined holds none): together
+            # they make the whole, which every rank then has, so the broadcast below leaves it out.
+            held = self._saved.pop("optimizer_parts", None) if self._saved is not None else None
+            whole = _whole_from_parts(sharded, comm, held)
         if comm is not None and comm.size > 1:
             # The first rank that holds a commit hands it on: rank 0 unless every rank that held
             # one was lost while new ones waited.
@@ -217,6 +212,8 @@ class State:
                                      f"state (every rank that did was lost while these waited to join); start the "
                                      f"job again from the newest checkpoint")
             self._saved = comm.bcast_obj(self._saved if comm.rank == root else None, root=root)
+        if whole is not None:
+            self._saved["optimizer"] = whole
         self.restore()
 
     def commit(self) -> None:
@@ -272,6 +269,11 @@ def first_world() -> bool:
         True
     """
     return not membership.enabled() or membership.generation() in (None, 0)
+
+
+def _unwrapped(value: Any) -> Any:
+    """The multi-node optimizer ``value`` averages through (torchmn.horovod's wraps one), else ``value``."""
+    return getattr(value, "multi_node_optimizer", value)
 
 
 def _has_state(value: Any) -> bool:

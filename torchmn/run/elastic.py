@@ -24,13 +24,13 @@ import re
 import signal
 import subprocess
 import time
-from typing import Dict, List, Mapping, Optional, Union
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from torchmn import network
 from torchmn.elastic import protocol
 from torchmn.run.config import LaunchConfig, RunError
 from torchmn.run.job import Job
-from torchmn.run.plan import Slot
+from torchmn.run.plan import Slot, place_env
 from torchmn.run.processes.output import describe_exit, exit_code_of, extract_traceback, failure_summary
 from torchmn.run.processes.supervisor import Rank
 
@@ -40,6 +40,27 @@ DISCOVERY_TIMEOUT_S = 30.0    # how long one run of it may take
 # (a host that cannot run the program would otherwise take every free moment of the job).
 COOLDOWN_S = 10.0
 _TORCH_PREFIX = re.compile(r"^(\[rank\d+\]:\s*)+")  # torch's excepthook prefixes each line of a rank's traceback
+
+
+def place_workers(workers: Sequence[Tuple[int, str]]) -> List[Slot]:
+    """The places of a generation whose ranks are ``workers``, in rank order.
+
+    Args:
+        workers: ``(worker, host)`` pairs, in rank order.
+
+    Returns:
+        One ``Slot`` per worker: its rank in the generation; local ranks count up per host in rank
+        order, hosts are numbered in the order they first appear.
+
+    Example::
+
+        >>> [s.local_rank for s in place_workers([(0, "a"), (2, "b"), (3, "a")])]
+        [0, 0, 1]
+    """
+    hosts = list(dict.fromkeys(h for _, h in workers))
+    per_host = {h: [w for w, wh in workers if wh == h] for h in hosts}
+    return [Slot(rank, len(workers), per_host[h].index(w), len(per_host[h]), hosts.index(h), len(hosts), h)
+            for rank, (w, h) in enumerate(workers)]
 
 
 def parse_discovery(text: str, script: str) -> Dict[str, int]:
@@ -116,7 +137,6 @@ class ElasticJob(Job):
         self.gave_up: Optional[str] = None
         self.last_discovery = 0.0
         self.discovered: Optional[Dict[str, int]] = None
-        self.port: Optional[int] = None
         self.holders: set = set()                # workers that have held the training state
         self.published = False                  # the first generation is in the store
         self.refused: set = set()                # discovered hosts the job cannot use, said once
@@ -149,7 +169,6 @@ class ElasticJob(Job):
 
     def start(self) -> None:
         super().start()
-        self.port = self.store.port
         for rank in self.ranks:
             self.live[rank.slot.rank] = rank
         self.members = sorted(self.live)
@@ -158,9 +177,8 @@ class ElasticJob(Job):
         worker = self.next_worker
         self.next_worker += 1
         slot = Slot(worker, len(self.live) + 1, 0, 1, 0, 1, host)
-        log_path = f"{self.config.log_dir}/rank.{worker}.log" if self.config.log_dir else None
         try:
-            rank = self.start_rank(slot, self.port, log_path)
+            rank = self.start_rank(slot, self.store.port)
         except RunError as e:
             self.console.message(f"torchmn run: could not start a new worker on {host}: {e}")
             self.cooldown[host] = time.monotonic() + COOLDOWN_S
@@ -245,8 +263,7 @@ class ElasticJob(Job):
             # The first generation's ranks know their places from their variables; a worker that
             # joins later reads every generation from the store.
             self.published = True
-            places = protocol.place_members([(w, self.live[w].slot.host) for w in self.members if w in self.live])
-            store.set(protocol.members_key(0), protocol.dump_members(places))
+            store.set(protocol.members_key(0), self._members_text([w for w in self.members if w in self.live]))
             store.set(protocol.GENERATION_KEY, "0")
         alive_members = [w for w in self.members if w in self.live]
         waiting = {}
@@ -303,15 +320,19 @@ class ElasticJob(Job):
             self.gave_up = (f"torchmn run: the job reset {self.generation} time(s), --reset-limit {limit}; ended it "
                             f"instead of another reset. Last workers lost: {lost or 'none'}.")
             return
-        places = protocol.place_members([(w, self.live[w].slot.host) for w in workers])
         store = self.store.store
         self.generation += 1
-        store.set(protocol.members_key(self.generation), protocol.dump_members(places))
+        store.set(protocol.members_key(self.generation), self._members_text(workers))
         store.set(protocol.GENERATION_KEY, str(self.generation))
         self.members = list(workers)
         if self.config.verbose:
             self.console.message(f"torchmn run: generation {self.generation}: workers "
                                  f"{', '.join(map(str, workers))} as ranks 0-{len(workers) - 1}")
+
+    def _members_text(self, workers: List[int]) -> str:
+        """A generation of ``workers`` (in rank order) as the store holds it: each one's place variables."""
+        slots = place_workers([(w, self.live[w].slot.host) for w in workers])
+        return protocol.dump_members([(w, place_env(slot)) for w, slot in zip(workers, slots)])
 
     def _capacity(self) -> Dict[str, int]:
         """The hosts and slots new workers may take now."""

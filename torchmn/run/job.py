@@ -270,13 +270,13 @@ class Job:
         except RemoteError as e:
             raise RunError(str(e)) from e
 
-    def start_rank(self, slot: Slot, port: int, log_path: Optional[str]) -> Rank:
-        """Start one rank (``start`` does so for every slot; an elastic job also for new workers).
+    def start_rank(self, slot: Slot, port: int) -> Rank:
+        """Start one rank, its output also in ``--log-dir``'s ``rank.<slot.rank>.log`` (``start`` does so
+        for every slot; an elastic job also for new workers).
 
         Args:
             slot: the rank's place.
             port: the rendezvous port.
-            log_path: its log file, or None.
 
         Returns:
             The rank started.
@@ -286,11 +286,13 @@ class Job:
 
         Example::
 
-            >>> rank = job.start_rank(job.slots[0], job.store.port, None)   # doctest: +SKIP
+            >>> rank = job.start_rank(job.slots[0], job.store.port)   # doctest: +SKIP
         """
         remote = self.is_remote(slot)
         env = self.rank_environment(slot, port)
         argv = self.rank_argv(slot, env)
+        log_dir = self.config.log_dir
+        log_path = os.path.join(log_dir, f"rank.{slot.rank}.log") if log_dir else None
         # A remote rank's ssh client runs with the launcher's environment; its rank's is on the line.
         rank = self.procs.start_rank(slot, argv, self.base_env if remote else env, remote, log_path,
                                      self.console, self._rank_exited)
@@ -337,8 +339,7 @@ class Job:
         if any(not self.is_remote(slot) for slot in self.slots):
             self.procs.start_guardian()
         for slot in self.slots:
-            log_path = os.path.join(config.log_dir, f"rank.{slot.rank}.log") if config.log_dir else None
-            self.start_rank(slot, port, log_path)
+            self.start_rank(slot, port)
         if self.nodes is None:
             # The store starts while the ranks import torch, not when the first reaches it; ranks on
             # other hosts cannot be watched doing so.

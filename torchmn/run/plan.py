@@ -60,20 +60,19 @@ def plan_slots(hosts: Sequence[Tuple[str, int]]) -> List[Slot]:
     return slots
 
 
-def rank_env(slot: Slot, master_addr: str, master_port: Union[int, str]) -> Dict[str, str]:
-    """The variables that tell one rank its place: torchmn's names and torchrun's.
+def place_env(slot: Slot) -> Dict[str, str]:
+    """The variables that tell one rank its place among the ranks: torchmn's names and torchrun's
+    (an elastic job's ranks take new ones at each reset).
 
     Args:
         slot: the rank's place.
-        master_addr, master_port: where the rendezvous store listens (``torchmn run --dry-run``
-            passes placeholders for what only the start tells).
 
     Returns:
         The variables.
 
     Example::
 
-        >>> rank_env(plan_slots([("h", 2)])[1], "127.0.0.1", 29500)["RANK"]
+        >>> place_env(plan_slots([("h", 2)])[1])["LOCAL_RANK"]
         '1'
     """
     return {
@@ -89,6 +88,27 @@ def rank_env(slot: Slot, master_addr: str, master_port: Union[int, str]) -> Dict
         "LOCAL_RANK": str(slot.local_rank),
         "LOCAL_WORLD_SIZE": str(slot.local_size),
         "GROUP_RANK": str(slot.node_rank),
+    }
+
+
+def rank_env(slot: Slot, master_addr: str, master_port: Union[int, str]) -> Dict[str, str]:
+    """The variables that tell one rank its place (``place_env``) and where the rendezvous is.
+
+    Args:
+        slot: the rank's place.
+        master_addr, master_port: where the rendezvous store listens (``torchmn run --dry-run``
+            passes placeholders for what only the start tells).
+
+    Returns:
+        The variables.
+
+    Example::
+
+        >>> rank_env(plan_slots([("h", 2)])[1], "127.0.0.1", 29500)["RANK"]
+        '1'
+    """
+    return {
+        **place_env(slot),
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
         # The launcher hosts the store; with this, torch's env:// rendezvous makes every rank,
