@@ -13,7 +13,7 @@ from workers.data_jobs import data_check_output
 from torchmn.communicators import make_communicator
 from torchmn.datasets import (DatasetPart, SharedDataset, create_empty_dataset, is_shared, scatter_dataset,
                               scatter_index)
-from torchmn.datasets.scatter import index_range
+from torchmn.datasets import index_range
 
 CHECKS = ["scatter", "scatter_chunks", "scatter_errors", "scatter_index"]
 

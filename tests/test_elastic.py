@@ -366,6 +366,46 @@ def test_elastic_sampler_splits_the_rest_of_the_epoch_over_a_new_world():
     assert sampler.state_dict() == {"epoch": 1, "consumed": 0} and sampler.order() != list(range(21))
 
 
+def test_elastic_resumable_loader_splits_the_rest_of_the_epoch_over_a_new_world():
+    """ResumableLoaders over an elastic job's scattered parts: 3 ranks take two batches each, the
+    world shrinks to 2 and then grows to 4 within the epoch: each sample once. Until the change
+    they take what plain loaders over plain parts take; the next epoch splits over 4."""
+    from torchmn.checkpoint import ResumableLoader
+    from torchmn.datasets import DatasetPart, ElasticDatasetPart, index_range
+
+    class World:
+        def __init__(self, rank, size):
+            self.rank, self.size = rank, size
+    data = list(range(1000, 1060))
+    order = torch.randperm(60, generator=torch.Generator().manual_seed(3)).tolist()
+
+    def loaders(size, state=None):
+        made = [ResumableLoader(ElasticDatasetPart(data, order, World(r, size), True, shared=False, max_buf_len=1 << 20),
+                                batch_size=4, seed=7) for r in range(size)]
+        for loader in made:
+            if state is not None:
+                loader.load_state_dict(state)
+        return made
+
+    def take(made, steps):
+        iters = [iter(loader) for loader in made]
+        return [[int(x) for x in next(it)] for _ in range(steps) for it in iters]
+
+    three = loaders(3)
+    seen = take(three, 2)
+    plain = [ResumableLoader(DatasetPart(data, order[slice(*index_range(60, 3, r, True))]), batch_size=4, seed=7)
+             for r in range(3)]
+    assert seen == take(plain, 2)
+    two = loaders(2, three[0].state_dict())
+    seen += take(two, 2)
+    four = loaders(4, two[0].state_dict())
+    assert len(four[0]) == 4  # a whole epoch's batches over 4 ranks' parts of 15
+    rest = [[int(x) for x in batch] for loader in four for batch in loader]
+    assert sorted(x for batch in seen + rest for x in batch) == data
+    assert [loader.state_dict()["epoch"] for loader in four] == [1] * 4
+    assert sorted(int(x) for loader in four for batch in loader for x in batch) == data
+
+
 @pytest.mark.timeout(240)
 def test_elastic_sampler_sees_each_sample_once_per_epoch_across_a_kill(tmp_path):
     """A 3-rank job reading through ElasticSampler loses a rank mid-epoch: the samples committed in
@@ -382,6 +422,28 @@ def test_elastic_sampler_sees_each_sample_once_per_epoch_across_a_kill(tmp_path)
     assert "moved to generation" in out
     seen = json.loads((tmp_path / "seen.json").read_text())
     assert [sorted(epoch) for epoch in seen] == [list(range(97))] * 3
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mode, killed", [("scatter", 1), ("shared", 1), ("iterator", 0)])
+def test_elastic_data_sees_each_sample_once_per_epoch_across_a_kill_and_a_join(tmp_path, mode, killed):
+    """A 3-rank job reading a scattered dataset (copied, or shared) through ResumableLoader, or
+    through a multi-node iterator, loses a rank mid-epoch (the iterator's master), goes on with 2,
+    and takes in the rank the launcher starts in the freed slot, which receives the data from a
+    peer: the samples committed in every epoch are each sample exactly once."""
+    job = ElasticRun(tmp_path, 3, ["--min-np", "2", "--max-np", "3"], [mode, "8"], timeout=200,
+                     script=str(REPO / "tests" / "workers" / "elastic_data_train.py"))
+    try:
+        job.wait_for(lambda: job.steps_at(3) >= 4, "the first steps")
+        step = job.kill(killed)
+        job.wait_for(lambda: job.steps_at(3, after=step + 1) >= 1, "the new rank's first step")
+        out = job.ended(150)
+    finally:
+        job.stop()
+    assert job.proc.returncode == 0, out[-3000:]
+    assert job.steps_at(2) >= 1, out[-3000:]
+    seen = json.loads((tmp_path / "seen.json").read_text())
+    assert [sorted(epoch) for epoch in seen] == [list(range(96))] * 8
 
 
 @pytest.mark.timeout(120)

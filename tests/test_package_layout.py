@@ -282,6 +282,7 @@ UNPICKLING = [("communicators/communicator_base.py", "CommunicatorBase." + name)
               for name in ("send_obj", "recv_obj", "bcast_obj", "gather_obj", "allgather_obj", "scatter_obj",
                            "allreduce_obj")] + [
     ("datasets/scatter.py", "scatter_dataset"), ("iterators/multi_node_iterator.py", "create_multi_node_iterator"),
+    ("datasets/elastic_part.py", "ElasticDatasetPart.follow_world"), ("datasets/transfer.py", "receive_samples"),
     ("horovod/functions.py", "broadcast_object"), ("horovod/functions.py", "allgather_object"),
     ("horovod/functions.py", "broadcast_optimizer_state")]
 

@@ -9,10 +9,12 @@ in another order (meta-pytorch/data#1437 and later reports).
 """
 from __future__ import annotations
 
-from typing import Any, Iterator
+from typing import Any, Iterator, List
 
 import torch
 
+from torchmn.datasets.elastic_part import ElasticDatasetPart
+from torchmn.elastic.sampler import split_step
 from torchmn.errors import TorchmnValueError
 
 # Mixes the epoch into the seed so that neighbouring seeds do not share orders.
@@ -28,6 +30,17 @@ class ResumableLoader:
     next batch, and later epochs follow in the same orders as an uninterrupted run. Each ``for``
     loop over it is one epoch (or the rest of one).
 
+    In an elastic job (``torchmn run --min-np ...``), over the part
+    :func:`torchmn.scatter_dataset` returns there (an
+    :class:`~torchmn.datasets.ElasticDatasetPart`), it goes on with the rest of an epoch when the
+    world changes: give it to the :class:`~torchmn.elastic.State`, and after a reset the samples
+    the old world's ranks had not yet taken in the epoch (as of the last commit) are split over the
+    new world, each step taking the next ``batch_size`` per rank (the epoch's last step takes
+    what is left, ``drop_last`` or not). So within an epoch no sample is taken twice and none is
+    skipped, beyond the few samples that neighbouring parts share with ``force_equal_length=True``
+    (as without a reset). The next epoch splits the whole dataset over the world of the moment.
+    While the world does not change it takes the same batches as in any job.
+
     Args:
         dataset: a map-style dataset (this rank's part of the data, e.g. from
             :func:`torchmn.scatter_dataset`).
@@ -42,6 +55,10 @@ class ResumableLoader:
     Attributes:
         epoch: epochs finished.
         batches: batches taken in the epoch under way.
+        world: in an elastic job, the number of ranks the epoch's parts were split for.
+        rest: in an elastic job, after the world changed mid-epoch, the epoch's samples (indices
+            into the whole dataset) not yet taken then; otherwise None.
+        consumed: how many of ``rest`` the steps since have taken.
 
     Raises:
         ValueError: an argument it sets itself is given, or ``batch_size < 1``.
@@ -71,6 +88,9 @@ class ResumableLoader:
         self.loader_kwargs = loader_kwargs
         self.epoch = 0
         self.batches = 0
+        self.world = None
+        self.rest = None
+        self.consumed = 0
 
     def __len__(self) -> int:
         """Batches in a whole epoch (not what is left of the epoch under way).
@@ -104,6 +124,9 @@ class ResumableLoader:
             >>> for x, y in loader:
             ...     train_one_step(x, y)
         """
+        if isinstance(self.dataset, ElasticDatasetPart):
+            yield from self._elastic_epoch()
+            return
         n = len(self.dataset)
         order = torch.randperm(n, generator=self._generator()) if self.shuffle else torch.arange(n)
         start = self.batches * self.batch_size
@@ -116,19 +139,78 @@ class ResumableLoader:
         self.epoch += 1
         self.batches = 0
 
+    def _sequence(self, rank: int, size: int) -> List[int]:
+        """Rank ``rank``'s order of the epoch, as indices into the whole dataset, where the parts are
+        split for ``size`` ranks: the same samples, in the same order, as the plain loop takes."""
+        part = self.dataset.part_of(rank, size)
+        if not self.shuffle:
+            return part
+        return [part[i] for i in torch.randperm(len(part), generator=self._generator()).tolist()]
+
+    def _elastic_epoch(self) -> Iterator[Any]:
+        """The epoch under way over an elastic job's part: the rank's own part while the world is
+        the one the epoch started in, else the next steps of the rest of the epoch."""
+        comm = self.dataset.comm
+        rank, size = comm.rank, comm.size
+        if self.world is None:
+            self.world = size
+        if self.rest is None and size != self.world:
+            if self.batches:
+                # Every rank of the old world took the same number of batches: the rest of each
+                # one's order, which every rank can compute, is what the epoch has left.
+                taken = self.batches * self.batch_size
+                self.rest = torch.tensor([i for r in range(self.world) for i in self._sequence(r, self.world)[taken:]],
+                                         dtype=torch.int64)
+                self.consumed = 0
+            self.world = size
+        whole = self.dataset.whole
+        if self.rest is None:
+            ends = None
+            loader = torch.utils.data.DataLoader(
+                whole, batch_size=self.batch_size, sampler=self._sequence(rank, size)[self.batches * self.batch_size:],
+                drop_last=self.drop_last, generator=self._generator(), **self.loader_kwargs)
+        else:
+            rest, steps, ends, at = self.rest.tolist(), [], [], self.consumed
+            while at < len(rest):
+                positions, at = split_step(len(rest), at, self.batch_size, rank, size)
+                steps.append([rest[p] for p in positions])
+                ends.append(at)
+            loader = torch.utils.data.DataLoader(whole, batch_sampler=steps, generator=self._generator(),
+                                                 **self.loader_kwargs)
+        for k, batch in enumerate(loader):
+            self.batches += 1
+            if ends is not None:
+                self.consumed = ends[k]
+            yield batch
+        self.epoch += 1
+        self.batches = 0
+        self.rest, self.consumed, self.world = None, 0, size
+
+    def _samples(self) -> int:
+        """The samples the position is taken over: the whole dataset's for an elastic job's part
+        (whose own length changes with the world), else the dataset's."""
+        if isinstance(self.dataset, ElasticDatasetPart):
+            return len(self.dataset.order)
+        return len(self.dataset)
+
     def state_dict(self) -> dict:
         """The position.
 
         Returns:
             ``{"epoch": epochs finished, "batches": batches taken in the epoch under way,
-            "seed": the seed, "samples": len(dataset)}``.
+            "seed": the seed, "samples": len(dataset)}``; over an elastic job's part, ``samples``
+            counts the whole dataset, and ``world``, ``rest`` and ``consumed`` (the attributes)
+            come too.
 
         Example::
 
             >>> loader.state_dict()
             {'epoch': 2, 'batches': 17, 'seed': 0, 'samples': 50000}
         """
-        return {"epoch": self.epoch, "batches": self.batches, "seed": self.seed, "samples": len(self.dataset)}
+        state = {"epoch": self.epoch, "batches": self.batches, "seed": self.seed, "samples": self._samples()}
+        if isinstance(self.dataset, ElasticDatasetPart):
+            state.update(world=self.world, rest=self.rest, consumed=self.consumed)
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from a position of :meth:`state_dict`.
@@ -145,9 +227,12 @@ class ResumableLoader:
             >>> for x, y in loader:      # from the batch after the last one taken before the save
             ...     ...
         """
-        if state["samples"] != len(self.dataset) or state["seed"] != self.seed:
+        if state["samples"] != self._samples() or state["seed"] != self.seed:
             raise TorchmnValueError(
                 f"ResumableLoader: the position was taken over {state['samples']} samples with seed "
-                f"{state['seed']}; this loader has {len(self.dataset)} samples and seed {self.seed}")
+                f"{state['seed']}; this loader has {self._samples()} samples and seed {self.seed}")
         self.epoch = int(state["epoch"])
         self.batches = int(state["batches"])
+        self.world = state.get("world")
+        self.rest = state.get("rest")
+        self.consumed = int(state.get("consumed", 0))

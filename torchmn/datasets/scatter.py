@@ -9,17 +9,17 @@ from __future__ import annotations
 
 import operator
 import pickle
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 from torch.utils.data import Dataset
 
-from torchmn.communicators.pickling import dumps
 from torchmn.communicators.errors import RemoteRankError
-from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
-
-DEFAULT_MAX_BUF_LEN = 256 * 1024 * 1024
-_TAG = 7301  # keeps scatter traffic apart from a user's own send_obj/recv_obj with the default tag
+from torchmn.datasets.elastic_part import ElasticDatasetPart
+from torchmn.datasets.part import DatasetPart, index_range
+from torchmn.datasets.transfer import DEFAULT_MAX_BUF_LEN, TAG, receive_samples, send_samples
+from torchmn.elastic import membership
+from torchmn.errors import TorchmnValueError
 
 
 class SharedDataset(Dataset):
@@ -55,104 +55,6 @@ def is_shared(dataset: Any) -> bool:
         (True, False)
     """
     return bool(getattr(dataset, "__torchmn_shared__", False))
-
-
-class DatasetPart(Dataset):
-    """One rank's part of a scattered dataset, as :func:`scatter_dataset` returns it.
-
-    ``indices`` are the positions of its items in root's dataset (after shuffling), so
-    ``part[i]`` is ``dataset[part.indices[i]]``. Indexing works as for a list: negative integers
-    count from the end, and a slice gives a list of items.
-
-    Args:
-        base: the dataset the items are read from: root's dataset, or the samples this rank
-            received.
-        indices: the positions of the part's items in root's dataset.
-        positions: where each item is in ``base``; ``None`` means ``indices`` (``base`` is then
-            the whole dataset).
-
-    Example::
-
-        >>> part = torchmn.scatter_dataset(data if comm.rank == 0 else None, comm)
-        >>> len(part), part.indices[:3]    # rank 0 of 3, 1000 samples
-        (334, [0, 1, 2])
-    """
-
-    def __init__(self, base: Any, indices: Sequence[int], positions: Optional[Sequence[int]] = None):
-        self.base = base
-        self.indices = list(indices)
-        self._positions = self.indices if positions is None else list(positions)
-
-    def __len__(self) -> int:
-        """The number of items in this rank's part.
-
-        Returns:
-            ``len(self.indices)``.
-
-        Example::
-
-            >>> len(DatasetPart(range(10, 20), indices=[3, 4, 5]))
-            3
-        """
-        return len(self.indices)
-
-    def __getitem__(self, i: Any) -> Any:
-        """The part's item ``i``, or a list of the items in a slice, as for a list.
-
-        Args:
-            i: an integer (negative ones count from the end; numpy and 0-d tensor integers too), or
-                a slice.
-
-        Returns:
-            The item, read from ``base``; for a slice, a list of items.
-
-        Raises:
-            TypeError: ``i`` is neither an integer nor a slice.
-            IndexError: ``i`` is out of range (which also ends Python's iteration over the part).
-
-        Example::
-
-            >>> part = DatasetPart(range(10, 20), indices=[3, 4, 5])
-            >>> part[-1], part[0:2]
-            (15, [13, 14])
-        """
-        n = len(self.indices)
-        if isinstance(i, slice):  # as for a list (and ChainerMN's SubDataset): a list of items
-            return [self[j] for j in range(*i.indices(n))]
-        i = operator.index(i)  # numpy and 0-d tensor integers too, as samplers may yield them
-        j = i + n if i < 0 else i
-        if not 0 <= j < n:
-            raise IndexError(f"index {i} out of range for a dataset part of length {n}")
-        return self.base[self._positions[j]]
-
-
-def index_range(n_total: int, size: int, rank: int, force_equal_length: bool) -> tuple[int, int]:
-    """Rank ``rank``'s share of ``range(n_total)`` among ``size`` ranks, by :func:`scatter_index`'s
-    rule, computed locally (no communication).
-
-    Args:
-        n_total: the number of indices to split.
-        size: the number of ranks.
-        rank: the rank whose range is wanted.
-        force_equal_length: equal-length, possibly overlapping ranges, or disjoint ones.
-
-    Returns:
-        ``(begin, end)``: the rank's half-open range of indices.
-
-    Example::
-
-        >>> [index_range(10, 3, r, False) for r in range(3)]
-        [(0, 4), (4, 7), (7, 10)]
-        >>> [index_range(10, 3, r, True) for r in range(3)]
-        [(0, 4), (3, 7), (6, 10)]
-    """
-    if force_equal_length:
-        n_sub = -(-n_total // size)  # ceil
-        begin = n_total * rank // size
-        return begin, begin + n_sub
-    q, r = divmod(n_total, size)
-    begin = rank * q + min(rank, r)
-    return begin, begin + q + (1 if rank < r else 0)
 
 
 def scatter_index(n_total: Optional[int], comm, root: int = 0, *, force_equal_length: bool = True) -> tuple[int, int]:
@@ -231,51 +133,9 @@ def _order(n: int, shuffle: bool, seed: Optional[int]) -> torch.Tensor:
     return torch.randperm(n, generator=g, dtype=torch.int64)
 
 
-def _send_part(comm, dataset: Any, indices: list[int], dest: int, max_buf_len: int) -> None:
-    """Stream ``dataset[indices]`` to ``dest``: pickled once per sample, packed into bounded chunks."""
-    comm.send_obj(("part", indices), dest, tag=_TAG)
-    chunk: list[bytes] = []
-    nbytes = 0
-    for i in indices:
-        blob = dumps(dataset[i])  # a row of a big tensor travels without the big tensor
-        if chunk and nbytes + len(blob) > max_buf_len:
-            comm.send_obj(("chunk", chunk), dest, tag=_TAG)
-            chunk, nbytes = [], 0
-        chunk.append(blob)  # a single sample over max_buf_len travels alone (send_obj chunks it)
-        nbytes += len(blob)
-    if chunk:
-        comm.send_obj(("chunk", chunk), dest, tag=_TAG)
-    comm.send_obj(("end", None), dest, tag=_TAG)
-
-
 def _recv_part(comm, root: int) -> DatasetPart:
-    kind, indices = comm.recv_obj(root, tag=_TAG)
-    if kind == "error":
-        raise RemoteRankError(f"scatter_dataset: root rank {root} failed while sending rank {comm.rank}'s "
-                              f"part: {indices}")
-    samples: list[Any] = []
-    failure = None
-    while True:
-        kind, payload = comm.recv_obj(root, tag=_TAG)
-        if kind == "end":
-            break
-        if kind == "error":
-            raise RemoteRankError(f"scatter_dataset: root rank {root} failed while sending rank "
-                                  f"{comm.rank}'s part: {payload}")
-        if failure is None:
-            try:
-                samples.extend(pickle.loads(b) for b in payload)
-            except Exception as e:  # a sample's class missing here, say
-                # Read the rest of the part anyway: root is still sending it, and would wait in its
-                # send until the timeout instead of reaching the check that tells every rank.
-                failure = e
-    if failure is not None:
-        raise TorchmnRuntimeError(f"scatter_dataset: rank {comm.rank} could not unpickle a sample of its part "
-                                  f"({type(failure).__name__}: {failure}); every rank must be able to import the "
-                                  f"dataset's sample types") from failure
-    if len(samples) != len(indices):
-        raise TorchmnRuntimeError(f"scatter_dataset: rank {comm.rank} received {len(samples)} samples from root "
-                                  f"rank {root} but expected {len(indices)}")
+    indices, samples = receive_samples(lambda: comm.recv_obj(root, tag=TAG), "scatter_dataset", f"root rank {root}",
+                                       comm.rank)
     return DatasetPart(samples, indices, positions=range(len(samples)))
 
 
@@ -298,6 +158,12 @@ def scatter_dataset(dataset: Any, comm, root: int = 0, shuffle: bool = False, se
     the dataset is a :class:`SharedDataset` (or sets ``__torchmn_shared__ = True``): then only
     the dataset object and the order are broadcast and each rank reads its own samples.
 
+    In an elastic job (``torchmn run --min-np ...``) it returns an
+    :class:`~torchmn.datasets.ElasticDatasetPart`: every rank then keeps the whole dataset (root
+    sends every rank every sample once; a shared dataset's object as above), the part follows the
+    world after each reset, and a rank that joins the running job gets the dataset from a peer
+    when its ``@torchmn.elastic.run`` function starts (its call here does not communicate).
+
     Unpickles what the other ranks send, as torch's ``*_object`` collectives do: use it only among
     processes you trust (under ``torchmn run`` only the job's own reach its store; see ``docs/security.md``).
 
@@ -314,7 +180,8 @@ def scatter_dataset(dataset: Any, comm, root: int = 0, shuffle: bool = False, se
             (``False``), as for :func:`scatter_index`.
 
     Returns:
-        This rank's :class:`DatasetPart`.
+        This rank's :class:`DatasetPart` (an :class:`~torchmn.datasets.ElasticDatasetPart` in an
+        elastic job).
 
     Raises:
         ValueError: ``root`` is not a rank or ``max_buf_len`` is not positive; or, on every rank,
@@ -334,6 +201,11 @@ def scatter_dataset(dataset: Any, comm, root: int = 0, shuffle: bool = False, se
     comm.check_rank(root, "root")
     if max_buf_len <= 0:
         raise TorchmnValueError(f"scatter_dataset: max_buf_len must be positive, not {max_buf_len}")
+    elastic = membership.enabled()
+    if elastic and membership.awaiting_state():
+        # A rank that joined a running job: the others are in a reset, not here; the dataset comes
+        # from them when the run function starts (ElasticDatasetPart.follow_world).
+        return ElasticDatasetPart(None, None, comm, force_equal_length, shared=False, max_buf_len=max_buf_len)
     claims = comm.allgather_obj(_claim(dataset, comm, root))
     problems = [c["problem"] for c in claims if "problem" in c]
     if problems:
@@ -355,13 +227,20 @@ def scatter_dataset(dataset: Any, comm, root: int = 0, shuffle: bool = False, se
                                     f"files lazily (raised on rank {comm.rank})")
         if comm.rank != root:
             dataset, order = pickle.loads(blob)
+        if elastic:
+            return ElasticDatasetPart(dataset, order.tolist(), comm, force_equal_length, shared=True,
+                                      max_buf_len=max_buf_len)
         b, e = index_range(n, comm.size, comm.rank, force_equal_length)
         return DatasetPart(dataset, order[b:e].tolist())
 
     part, error = None, None
     try:
-        part = _recv_part(comm, root) if comm.rank != root else _send_parts(comm, dataset, n, shuffle, seed,
-                                                                            force_equal_length, root, max_buf_len)
+        if elastic:
+            part = _copy_whole(comm, dataset, n, shuffle, seed, force_equal_length, root, max_buf_len)
+        elif comm.rank == root:
+            part = _send_parts(comm, dataset, n, shuffle, seed, force_equal_length, root, max_buf_len)
+        else:
+            part = _recv_part(comm, root)
     except Exception as e:
         error = e
     # Ranks served before a failure already have their part; this makes them raise too.
@@ -383,10 +262,25 @@ def _send_parts(comm, dataset: Any, n: int, shuffle: bool, seed: Optional[int], 
     pending = [r for r in range(comm.size) if r != root]
     for k, r in enumerate(pending):
         try:
-            _send_part(comm, dataset, parts[r], r, max_buf_len)
+            send_samples(lambda m: comm.send_obj(m, r, tag=TAG), dataset, parts[r], max_buf_len)
         except Exception as e:
-            # Tell the rank being served and every rank still waiting, so none of them hangs.
-            for waiting in pending[k:]:
-                comm.send_obj(("error", f"{type(e).__name__}: {e}"), waiting, tag=_TAG)
+            # The rank being served was told; so is every rank still waiting, so none of them hangs.
+            for waiting in pending[k + 1:]:
+                comm.send_obj(("error", f"{type(e).__name__}: {e}"), waiting, tag=TAG)
             raise
     return DatasetPart(dataset, parts[root])
+
+
+def _copy_whole(comm, dataset: Any, n: int, shuffle: bool, seed: Optional[int], force_equal_length: bool,
+                root: int, max_buf_len: int) -> ElasticDatasetPart:
+    """An elastic job's scatter: root broadcasts the order and every sample, so that any rank can
+    take any part of a later world, and hand the samples to a rank that joins."""
+    if comm.rank == root:
+        order = comm.bcast_obj(_order(n, shuffle, seed).tolist(), root=root)
+        send_samples(lambda m: comm.bcast_obj(m, root=root), dataset, range(n), max_buf_len)
+        whole = dataset
+    else:
+        order = comm.bcast_obj(None, root=root)
+        _, whole = receive_samples(lambda: comm.bcast_obj(None, root=root), "scatter_dataset", f"root rank {root}",
+                                   comm.rank)
+    return ElasticDatasetPart(whole, order, comm, force_equal_length, shared=False, max_buf_len=max_buf_len)

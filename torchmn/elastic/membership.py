@@ -19,6 +19,7 @@ POLL_S = 0.02  # how often a waiting rank looks at the store
 _told = False  # this rank told the launcher it holds the state
 _client = None  # the launcher's store (_store)
 _communicators: List["weakref.ref"] = []  # this rank's world communicators, in the order they were made
+_followers: List["weakref.ref"] = []  # objects that take part in each new world (follow_world), in order
 
 
 def remember(comm) -> None:
@@ -55,6 +56,38 @@ def communicators() -> list:
             seen.add(id(comm.__dict__))
             alive.append(comm)
     _communicators[:] = [weakref.ref(c) for c in alive]
+    return alive
+
+
+def follow(obj) -> None:
+    """Note an object that takes part in each new world: its ``follow_world()`` is collective, and
+    ``@torchmn.elastic.run`` calls it on every rank at each start, before the state's sync (a rank
+    that joined receives there the data the others hold). The scattered dataset and the multi-node
+    iterator of an elastic job call this when they are made.
+
+    Args:
+        obj: an object with a ``follow_world()`` method (held weakly).
+
+    Example::
+
+        >>> follow(part)
+    """
+    _followers.append(weakref.ref(obj))
+
+
+def followers() -> list:
+    """The objects noted by :func:`follow` still in use, in the order they were made.
+
+    Returns:
+        The objects.
+
+    Example::
+
+        >>> followers()
+        [<torchmn.datasets.elastic_part.ElasticDatasetPart object at ...>]
+    """
+    alive = [obj for obj in (ref() for ref in _followers) if obj is not None]
+    _followers[:] = [weakref.ref(obj) for obj in alive]
     return alive
 
 
@@ -135,6 +168,21 @@ def newer_generation() -> bool:
     """
     current = generation()
     return current is not None and _read_generation(_store()) > current
+
+
+def awaiting_state() -> bool:
+    """Whether this process joined a running elastic job and has not yet received the training
+    state (it then must not start collectives of its own: the others are in a reset).
+
+    Returns:
+        True in a worker the launcher added, until its ``@torchmn.elastic.run`` function starts.
+
+    Example::
+
+        >>> awaiting_state()       # in a new worker, before train(state)
+        True
+    """
+    return enabled() and generation() not in (None, 0) and not _told
 
 
 def say_it_holds_the_state() -> None:

@@ -65,7 +65,8 @@ def run(func: F) -> F:
     """Make ``func(state, ...)`` an elastic training function: when ranks die it goes on in the
     survivors' new world from the last commit, and when ranks join it takes them in at the next.
 
-    Each call first synchronises ``state`` (rank 0's to all), then runs ``func``. When a collective
+    Each call first hands the scattered dataset and the multi-node iterators' masters to the ranks
+    that joined, synchronises ``state`` (rank 0's to all), then runs ``func``. When a collective
     fails because a peer was lost, every survivor goes back to its last commit, leaves the old
     world, waits for the launcher's new one, rebuilds in place the communicators the script made
     and the multi-node optimizers ``state`` holds (``comm.rank`` and ``comm.size`` then describe the
@@ -99,6 +100,8 @@ def run(func: F) -> F:
                                    f"torchmn.elastic.State, not {type(state).__name__}")
         while True:
             try:
+                for follower in membership.followers():  # a rank that joined receives the data here
+                    follower.follow_world()
                 state.sync()
                 membership.say_it_holds_the_state()
                 return func(state, *args, **kwargs)

@@ -1,7 +1,7 @@
 """The batches of an elastic job's epoch, split anew over whichever ranks are there: :class:`ElasticSampler`."""
 from __future__ import annotations
 
-from typing import Iterator, List, Sized
+from typing import Iterator, List, Sized, Tuple
 
 import torch
 
@@ -89,33 +89,18 @@ class ElasticSampler(torch.utils.data.Sampler):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(self.length, generator=g).tolist()
 
-    def _step_end(self, start: int, size: int) -> int:
-        """Where the step that starts at ``start`` ends: a full step, or the epoch's end where the
-        samples after a full step would be too few to give every rank one (they join this step)."""
-        end = start + self.batch_size * size
-        return self.length if self.length - end < size else end
-
     def __iter__(self) -> Iterator[List[int]]:
         order = self.order()
         while self.consumed < self.length:
-            rank, size = self.comm.rank, self.comm.size
-            end = self._step_end(self.consumed, size)
-            chunk = order[self.consumed:end]
-            self.consumed = end
-            if len(chunk) < size:
-                # Fewer samples left than ranks (a reset grew the world near the epoch's end): the
-                # ranks without one repeat one, as an empty batch cannot be collated.
-                chunk = [chunk[i % len(chunk)] for i in range(size)]
-            # As even as it goes: the first len(chunk) % size ranks take one more.
-            share, extra = divmod(len(chunk), size)
-            start = rank * share + min(rank, extra)
-            yield chunk[start:start + share + (rank < extra)]
+            positions, self.consumed = split_step(self.length, self.consumed, self.batch_size, self.comm.rank,
+                                                  self.comm.size)
+            yield [order[i] for i in positions]
 
     def __len__(self) -> int:
         """The steps left in this epoch at the current world size."""
         steps, at = 0, self.consumed
         while at < self.length:
-            at, steps = self._step_end(at, self.comm.size), steps + 1
+            at, steps = split_step(self.length, at, self.batch_size, 0, self.comm.size)[1], steps + 1
         return steps
 
     def state_dict(self) -> dict:
@@ -142,3 +127,40 @@ class ElasticSampler(torch.utils.data.Sampler):
             >>> sampler.load_state_dict({"epoch": 2, "consumed": 1280})
         """
         self.epoch, self.consumed = state["epoch"], state["consumed"]
+
+
+def split_step(length: int, start: int, batch_size: int, rank: int, size: int) -> Tuple[List[int], int]:
+    """One step of an epoch shared by a changing world: rank ``rank``'s positions among the next
+    ``batch_size x size`` of ``length``, from ``start``, and where the next step starts.
+
+    The epoch's last step takes what is left, split as evenly as it goes (a tail too short to give
+    every rank a sample joins the step before); where fewer positions are left than ranks, the
+    ranks without one repeat one (an empty batch cannot be collated).
+
+    Args:
+        length: the positions of the epoch (``range(length)``).
+        start: the first position the step takes.
+        batch_size: positions per rank in a full step.
+        rank: the rank whose positions are wanted.
+        size: the world's size.
+
+    Returns:
+        ``(positions, end)``: this rank's positions and the start of the next step.
+
+    Example::
+
+        >>> [split_step(10, 0, 2, r, 3) for r in range(3)]
+        [([0, 1], 6), ([2, 3], 6), ([4, 5], 6)]
+        >>> [split_step(10, 6, 2, r, 3)[0] for r in range(3)]   # 4 left: the last step
+        [[6, 7], [8], [9]]
+    """
+    end = start + batch_size * size
+    if length - end < size:
+        end = length
+    chunk = list(range(start, end))
+    if len(chunk) < size:
+        chunk = [chunk[i % len(chunk)] for i in range(size)]
+    # As even as it goes: the first len(chunk) % size ranks take one more.
+    share, extra = divmod(len(chunk), size)
+    first = rank * share + min(rank, extra)
+    return chunk[first:first + share + (rank < extra)], end

@@ -6,7 +6,8 @@ from typing import Any, Iterable, Iterator, Optional
 
 from torchmn.communicators.pickling import dumps
 from torchmn.communicators.errors import RemoteRankError
-from torchmn.errors import TorchmnTypeError, TorchmnValueError
+from torchmn.elastic import membership
+from torchmn.errors import TorchmnRuntimeError, TorchmnTypeError, TorchmnValueError
 
 _BATCH, _STOP, _ERROR = 0, 1, 2
 
@@ -17,6 +18,13 @@ class MultiNodeIterator:
 
     Each ``for`` loop over it is one epoch; ``epoch`` counts the epochs finished on this rank.
     ``len()`` is the master's ``len(loader)`` on every rank.
+
+    In an elastic job (``torchmn run --min-np ...``) a reset may lose the master: give the loader
+    on every rank that can read it (each one makes the same batches for the same position, e.g. a
+    :class:`~torchmn.checkpoint.ResumableLoader`), and the iterator to the
+    :class:`~torchmn.elastic.State`. In each new world the master is the lowest rank that has a
+    loader, and the epoch goes on after the last committed batch. A rank that joins the running
+    job learns the master and the length when its ``@torchmn.elastic.run`` function starts.
 
     Args:
         loader: the iterable to read on ``rank_master``; other ranks may pass ``None``.
@@ -43,23 +51,61 @@ class MultiNodeIterator:
         self.batches = 0          # batches yielded in the epoch under way
         self._skip = 0            # batches the master passes over when the next epoch starts
         self._resuming = False    # the next epoch continues one a checkpoint interrupted
+        self._loader_state = None  # the master's loader's position after its last batch, on every rank
+        self._length = None
+        self._pending = False     # a rank that joined an elastic job, before its run function starts
+        if membership.enabled():
+            membership.follow(self)
+            self._pending = membership.awaiting_state()
+            if not self._pending:  # a rank that joined learns the master at its run's start
+                self._choose_master(first=True)
+            return
         is_master = comm.rank == rank_master
-        problem = None
-        length = None
-        if is_master:
-            if loader is None:
-                problem = f"master rank {rank_master} passed loader=None; it must pass the loader to read"
-            else:
-                try:
-                    length = len(loader)
-                except TypeError:
-                    length = None  # an IterableDataset's loader may have no length
-                except Exception as e:
-                    problem = f"len() of the loader on master rank {rank_master} failed: {type(e).__name__}: {e}"
         # Every rank learns the length, and any problem, at the same time: none is left waiting.
-        problem, self._length = comm.bcast_obj((problem, length) if is_master else None, root=rank_master)
+        if is_master:
+            claim = (_claim(loader, rank_master) if loader is not None else
+                     (f"master rank {rank_master} passed loader=None; it must pass the loader to read", None))
+        problem, self._length = comm.bcast_obj(claim if is_master else None, root=rank_master)
         if problem:
             raise TorchmnValueError(f"create_multi_node_iterator: {problem} (raised on rank {comm.rank})")
+
+    def follow_world(self) -> None:
+        """Choose the master of a new world of an elastic job: the lowest rank that has a loader
+        (collective: ``@torchmn.elastic.run`` calls it on every rank before the state's sync).
+
+        Raises:
+            RuntimeError: no rank of the new world has a loader (the reading rank was lost, and the
+                others passed ``None``).
+
+        Example::
+
+            >>> it.follow_world()
+        """
+        self._choose_master(first=False)
+
+    def _choose_master(self, first: bool) -> None:
+        comm = self.comm
+        claims = comm.allgather_obj(None if self.loader is None else _claim(self.loader, comm.rank))
+        problems = [c[0] for c in claims if c is not None and c[0]]
+        if problems:
+            raise TorchmnValueError(f"create_multi_node_iterator: {problems[0]} (raised on rank {comm.rank})")
+        readers = [r for r, c in enumerate(claims) if c is not None]
+        if first and claims[self.rank_master] is None:
+            raise TorchmnValueError(f"create_multi_node_iterator: master rank {self.rank_master} passed loader=None; "
+                                    f"it must pass the loader to read (raised on rank {comm.rank})")
+        if not readers:
+            raise TorchmnRuntimeError(
+                f"multi-node iterator: no rank of the new {comm.size}-rank world has a loader (the rank that read "
+                f"it was lost); in an elastic job pass the loader on every rank, so that another can read it "
+                f"(raised on rank {comm.rank})")
+        if not first:
+            self.rank_master = readers[0]
+        self._length = claims[self.rank_master][1]
+        self._pending = False
+
+    def _position(self):
+        """The master's loader's position, where it has ``state_dict()``."""
+        return self.loader.state_dict() if callable(getattr(self.loader, "state_dict", None)) else None
 
     def __len__(self) -> int:
         """The number of batches in an epoch: the master's ``len(loader)``. No communication.
@@ -69,12 +115,17 @@ class MultiNodeIterator:
 
         Raises:
             TypeError: the master's loader has no ``len()`` (e.g. over an ``IterableDataset``).
+            RuntimeError: this rank joined an elastic job and its run function has not yet started.
 
         Example::
 
             >>> len(it)                # on every rank, also where loader was None
             100
         """
+        if self._pending:
+            raise TorchmnRuntimeError(f"rank {self.comm.rank}: this rank joined a running elastic job and learns the "
+                                      f"multi-node iterator's length when its @torchmn.elastic.run function starts; "
+                                      f"use the iterator inside that function")
         if self._length is None:
             raise TorchmnTypeError(f"the loader on master rank {self.rank_master} has no len()")
         return self._length
@@ -84,8 +135,9 @@ class MultiNodeIterator:
         own state where it has one (:class:`~torchmn.checkpoint.ResumableLoader`). No communication.
 
         Returns:
-            ``{"epoch", "batches"}``, plus ``"loader"`` on the master when its loader has
-            ``state_dict()``.
+            ``{"epoch", "batches"}``, plus ``"loader"`` when the master's loader has
+            ``state_dict()``: its position after the last batch, which the master sends every rank
+            with each batch, so the state is the same on every rank.
 
         Example::
 
@@ -93,15 +145,15 @@ class MultiNodeIterator:
             {'epoch': 2, 'batches': 17}
         """
         state = {"epoch": self.epoch, "batches": self.batches}
-        if self.comm.rank == self.rank_master and callable(getattr(self.loader, "state_dict", None)):
-            state["loader"] = self.loader.state_dict()
+        if self._loader_state is not None:
+            state["loader"] = self._loader_state
         return state
 
     def load_state_dict(self, state: dict) -> None:
         """Resume at a position from :meth:`state_dict`, on every rank.
 
-        The next epoch continues after the batches already taken: the master's loader loads its
-        own state where both have one; otherwise the master reads and drops those batches, which
+        The next epoch continues after the batches already taken: every rank's loader loads the
+        master's position where both have one; otherwise the master reads and drops those batches, which
         repeats the old run exactly when its loader makes the same order for the same epoch (a
         sampler given ``set_epoch(it.epoch)``, or a loader that is not shuffled).
 
@@ -115,9 +167,10 @@ class MultiNodeIterator:
         self.epoch = int(state["epoch"])
         self.batches = self._skip = int(state["batches"])
         self._resuming = True
-        if (self.comm.rank == self.rank_master and "loader" in state
-                and callable(getattr(self.loader, "load_state_dict", None))):
-            self.loader.load_state_dict(state["loader"])
+        self._loader_state = state.get("loader")
+        # Every rank that has a loader takes the position: in an elastic job, any may be the next master.
+        if self._loader_state is not None and callable(getattr(self.loader, "load_state_dict", None)):
+            self.loader.load_state_dict(self._loader_state)
             self._skip = 0
 
     def __iter__(self) -> Iterator[Any]:
@@ -154,19 +207,21 @@ class MultiNodeIterator:
                     # failing loader. Tensors go to CPU: a GPU tensor would unpickle onto the
                     # master's GPU index on the receiver.
                     blob = dumps(batch, to_cpu=True) if comm.size > 1 else None
+                    self._loader_state = self._position()
                 except StopIteration:
-                    comm.bcast_obj((_STOP, None), root=master)
+                    self._loader_state = self._position()
+                    comm.bcast_obj((_STOP, None, self._loader_state), root=master)
                     self.epoch += 1
                     self.batches = 0
                     return
                 except Exception as e:
-                    comm.bcast_obj((_ERROR, f"{type(e).__name__}: {e}"), root=master)
+                    comm.bcast_obj((_ERROR, f"{type(e).__name__}: {e}", None), root=master)
                     raise
-                comm.bcast_obj((_BATCH, blob), root=master)
+                comm.bcast_obj((_BATCH, blob, self._loader_state), root=master)
                 self.batches += 1
                 yield batch
                 continue
-            kind, payload = comm.bcast_obj(None, root=master)
+            kind, payload, self._loader_state = comm.bcast_obj(None, root=master)
             if kind == _STOP:
                 self.epoch += 1
                 self.batches = 0
@@ -176,6 +231,16 @@ class MultiNodeIterator:
                                       f"{payload} (raised on rank {comm.rank})")
             self.batches += 1
             yield pickle.loads(payload)
+
+
+def _claim(loader: Iterable, rank: int) -> tuple:
+    """``(problem, length)`` of a rank's loader: its ``len()``, None where it has none."""
+    try:
+        return None, len(loader)
+    except TypeError:
+        return None, None  # an IterableDataset's loader may have no length
+    except Exception as e:
+        return f"len() of the loader on rank {rank} failed: {type(e).__name__}: {e}", None
 
 
 def create_multi_node_iterator(loader: Optional[Iterable], comm, rank_master: int = 0) -> MultiNodeIterator:
