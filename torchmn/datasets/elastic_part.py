@@ -117,7 +117,8 @@ class ElasticDatasetPart(DatasetPart):
         it, at the start of each ``@torchmn.elastic.run`` call, before the state's sync). The first
         rank that holds it sends it to each rank that joined.
 
-        Unpickles what the other ranks send, as torch's ``*_object`` collectives do.
+        Unpickles what the other ranks send, as torch's ``*_object`` collectives do: use it only among
+        processes you trust (see ``docs/security.md``).
 
         Raises:
             StateLostError: no rank of the new world holds the dataset (every rank that did was

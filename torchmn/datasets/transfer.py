@@ -62,7 +62,8 @@ def send_samples(put: Put, dataset: Any, indices: Sequence[int], max_buf_len: in
 def receive_samples(get: Get, what: str, sender: str, rank: int) -> tuple[list[int], list[Any]]:
     """Receive what :func:`send_samples` streams: the indices and the unpickled samples.
 
-    Unpickles what the sender sends, as torch's ``*_object`` collectives do.
+    Unpickles what the sender sends, as torch's ``*_object`` collectives do: use it only among
+    processes you trust (see ``docs/security.md``).
 
     Args:
         get: receives one message, e.g. ``lambda: comm.recv_obj(src, tag=TAG)``.
