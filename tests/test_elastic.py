@@ -446,6 +446,37 @@ def test_elastic_data_sees_each_sample_once_per_epoch_across_a_kill_and_a_join(t
     assert [sorted(epoch) for epoch in seen] == [list(range(96))] * 8
 
 
+@pytest.mark.timeout(240)
+def test_elastic_mnist_example_completes_across_a_kill(tmp_path):
+    """examples/mnist/train_mnist_elastic.py: a rank killed after the first epoch; the others go on
+    with the rest of their epoch from the last commit, every epoch is logged once, in order, and
+    the model learns as without the kill."""
+    out_log = open(tmp_path / "out", "w")
+    log = tmp_path / "log.json"
+    proc = subprocess.Popen([PY, "-m", "torchmn", "run", "-np", "3", "--min-np", "2", "--max-np", "3", PY,
+                             str(REPO / "examples" / "mnist" / "train_mnist_elastic.py"), "--epochs", "12",
+                             "--commit-every", "5", "--log", str(log)], stdout=out_log, stderr=subprocess.STDOUT,
+                            env=clean_env(), cwd=REPO, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while not log.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "out").read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(_workers_of(proc.pid)[1], signal.SIGKILL)
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        out_log.close()
+    out = (tmp_path / "out").read_text()
+    assert proc.returncode == 0, out[-4000:]
+    assert "worker 1 (host" in out and "moved to generation" in out and "now 2 ranks" in out, out[-3000:]
+    entries = json.loads(log.read_text())
+    assert [e["epoch"] for e in entries] == list(range(1, 13))
+    assert 2 in {e["ranks"] for e in entries} and entries[-1]["validation/main/accuracy"] > 0.9, entries
+
+
 @pytest.mark.timeout(120)
 def test_elastic_reset_limit_ends_the_job_instead_of_another_reset(tmp_path):
     """--reset-limit 1: the reset after a kill is the one allowed; the refilled rank's arrival would
