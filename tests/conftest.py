@@ -32,7 +32,7 @@ CLUSTER_FIXTURES = {"cluster"}
 HOSTS_GROUP = "hosts"
 HOSTS_FILES = {"test_slurm.py", "test_mpi_hosts.py", "test_emulated_nodes.py"}
 # Module-scoped fixtures that start a job every test of the module probes: one worker starts it.
-SHARED_JOB_FIXTURES = {"job"}
+SHARED_JOB_FIXTURES = {"job", "data_job"}
 # Files whose tests start heavy local instances of a framework: one worker runs them, one at a time.
 SERIAL_FILES = {"test_ray.py": "ray"}
 

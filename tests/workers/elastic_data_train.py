@@ -1,12 +1,13 @@
-"""An elastic job reading its data through scatter_dataset + ResumableLoader (``scatter``: the
-samples copied from rank 0; ``shared``: a SharedDataset every rank opens) or a multi-node iterator
-whose loader every rank holds (``iterator``). Every step, the ranks gather which samples they
-took, and the state commits that list with the loader's position.
+"""An elastic job reading its data three ways, one after the other in every epoch: scatter_dataset
++ ResumableLoader with the samples copied from rank 0 (``scatter``), the same over a SharedDataset
+every rank opens (``shared``), and a multi-node iterator whose loader every rank holds
+(``iterator``). Every step, the ranks gather which samples they took, and the state commits those
+lists with the loaders' positions.
 
-Run under ``torchmn run -np N --min-np M ...`` with OUT_DIR, the mode and the number of epochs as
-arguments. Every rank writes its pid to OUT_DIR/pids/<worker>; rank 0 appends "<time> <step>
-<world size>" to OUT_DIR/progress and writes the committed samples of every epoch to
-OUT_DIR/seen.json at the end.
+Run under ``torchmn run -np N --min-np M ...`` with OUT_DIR and the number of epochs as arguments.
+Every rank writes its pid to OUT_DIR/pids/<worker>; rank 0 appends "<time> <step> <world size>" to
+OUT_DIR/progress, keeps "<epoch> <way> <step> <its worker number>" in OUT_DIR/phase, and writes the
+committed samples of every epoch, per way, to OUT_DIR/seen.json at the end.
 """
 import json
 import os
@@ -33,42 +34,47 @@ class Numbers(SharedDataset):
         return torch.tensor([float(i)], dtype=torch.float64)
 
 
-out, mode, epochs = sys.argv[1], sys.argv[2], int(sys.argv[3])
+out, epochs = sys.argv[1], int(sys.argv[2])
 os.makedirs(os.path.join(out, "pids"), exist_ok=True)
 with open(os.path.join(out, "pids", os.environ.get("TORCHMN_ELASTIC_WORKER", "0")), "w") as f:
     f.write(str(os.getpid()))
 comm = torchmn.create_communicator()
 model = torch.nn.Linear(1, 1).double()
 optimizer = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=1e-4), comm)
-if mode == "iterator":
-    data = torchmn.create_multi_node_iterator(
-        ResumableLoader(torch.arange(N, dtype=torch.float64).unsqueeze(1), batch_size=4, seed=5), comm)
-else:
-    dataset = Numbers() if mode == "shared" else torch.arange(N, dtype=torch.float64).unsqueeze(1)
-    part = torchmn.scatter_dataset(dataset if comm.rank == 0 else None, comm, shuffle=True, seed=2)
-    data = ResumableLoader(part, batch_size=3, seed=5)
-state = torchmn.elastic.State(model=model, optimizer=optimizer, data=data, epoch=0, seen=[[] for _ in range(epochs)],
-                              step=0)
+numbers = torch.arange(N, dtype=torch.float64).unsqueeze(1)
+copied = torchmn.scatter_dataset(numbers if comm.rank == 0 else None, comm, shuffle=True, seed=2)
+shared = torchmn.scatter_dataset(Numbers() if comm.rank == 0 else None, comm, shuffle=True, seed=3)
+MODES = ["scatter", "shared", "iterator"]
+loaders = {"scatter": ResumableLoader(copied, batch_size=3, seed=5),
+           "shared": ResumableLoader(shared, batch_size=3, seed=6),
+           "iterator": torchmn.create_multi_node_iterator(ResumableLoader(numbers, batch_size=9, seed=7), comm)}
+state = torchmn.elastic.State(model=model, optimizer=optimizer, **loaders, epoch=0, phase=0, step=0,
+                              seen={mode: [[] for _ in range(epochs)] for mode in MODES})
 
 
 @torchmn.elastic.run
 def train(state):
     for state.epoch in range(state.epoch, epochs):
-        for x in data:
-            optimizer.zero_grad()
-            model(x).sum().backward()
-            optimizer.step()
-            taken = comm.allgather_obj(x.reshape(-1).long().tolist())
-            if mode == "iterator":
-                assert all(t == taken[0] for t in taken), taken  # every rank got the master's batch
-                taken = taken[:1]
-            state.seen[state.epoch] = state.seen[state.epoch] + [i for part in taken for i in part]
-            state.step += 1
-            if comm.rank == 0:
-                with open(os.path.join(out, "progress"), "a") as f:
-                    f.write(f"{time.time():.3f} {state.step} {comm.size}\n")
-            time.sleep(0.1)
-            state.commit()
+        for state.phase in range(state.phase, len(MODES)):
+            mode = MODES[state.phase]
+            for x in loaders[mode]:
+                optimizer.zero_grad()
+                model(x).sum().backward()
+                optimizer.step()
+                taken = comm.allgather_obj(x.reshape(-1).long().tolist())
+                if mode == "iterator":
+                    assert all(t == taken[0] for t in taken), taken  # every rank got the master's batch
+                    taken = taken[:1]
+                state.seen[mode][state.epoch] = state.seen[mode][state.epoch] + [i for part in taken for i in part]
+                state.step += 1
+                if comm.rank == 0:
+                    with open(os.path.join(out, "progress"), "a") as f:
+                        f.write(f"{time.time():.3f} {state.step} {comm.size}\n")
+                    with open(os.path.join(out, "phase"), "w") as f:
+                        f.write(f"{state.epoch} {mode} {state.step} {os.environ['TORCHMN_ELASTIC_WORKER']}")
+                time.sleep(0.05)
+                state.commit()
+        state.phase = 0
 
 
 train(state)
