@@ -240,6 +240,30 @@ def test_elastic_below_min_np_ends_naming_the_lost(tmp_path):
     assert "below --min-np 2" in out and "worker 1 (host " in out and "killed by signal SIGKILL" in out
 
 
+def _example_across_a_kill(out: Path, example: list, ready) -> str:
+    """Run an example under ``torchmn run -np 3 --min-np 2 --max-np 3``, SIGKILL worker 1 once
+    ``ready(output)`` holds, and return the output once the job ended."""
+    log = open(out / "log", "w")
+    proc = subprocess.Popen([PY, "-m", "torchmn", "run", "-np", "3", "--min-np", "2", "--max-np", "3", PY, *example],
+                            stdout=log, stderr=subprocess.STDOUT, env=clean_env(), cwd=REPO, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 150
+        while not ready((out / "log").read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, (out / "log").read_text()[-3000:]
+            time.sleep(0.05)
+        os.kill(_workers_of(proc.pid)[1], signal.SIGKILL)
+        proc.wait(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        log.close()
+    output = (out / "log").read_text()
+    assert proc.returncode == 0, output[-4000:]
+    assert "worker 1 (host" in output and "moved to generation" in output, output[-3000:]
+    return output
+
+
 def _workers_of(launcher_pid: int) -> dict:
     """Worker number -> pid of the processes an elastic launcher started."""
     found = {}
@@ -261,26 +285,9 @@ def _workers_of(launcher_pid: int) -> dict:
 def test_horovod_elastic_example_completes_across_a_kill(tmp_path):
     """The Horovod elastic MNIST example, under horovodrun's flags: a rank killed in its second epoch;
     the other two go on from their last commit, a new rank joins, the test set is scored at the end."""
-    log = open(tmp_path / "log", "w")
-    proc = subprocess.Popen([PY, "-m", "torchmn", "run", "-np", "3", "--min-np", "2", "--max-np", "3", PY,
-                             str(REPO / "examples" / "horovod" / "pytorch_mnist_elastic.py"), "--epochs", "6",
-                             "--log-interval", "5"], stdout=log, stderr=subprocess.STDOUT, env=clean_env(), cwd=REPO,
-                            start_new_session=True)
-    try:
-        deadline = time.monotonic() + 150
-        while "Train Epoch: 2" not in (tmp_path / "log").read_text():
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "log").read_text()[-3000:]
-            time.sleep(0.1)
-        os.kill(_workers_of(proc.pid)[1], signal.SIGKILL)
-        proc.wait(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        log.close()
-    out = (tmp_path / "log").read_text()
-    assert proc.returncode == 0, out[-4000:]
-    assert "worker 1 (host" in out and "moved to generation" in out
+    out = _example_across_a_kill(tmp_path, [str(REPO / "examples" / "horovod" / "pytorch_mnist_elastic.py"),
+                                            "--epochs", "6", "--log-interval", "5"],
+                                 lambda output: "Train Epoch: 2" in output)
     assert re.search(r"^\[0\] Test set: Average loss: [\d.]+, Accuracy: [\d.]+%", out, re.M), out[-3000:]
 
 
@@ -470,27 +477,11 @@ def test_elastic_mnist_example_completes_across_a_kill(tmp_path):
     """examples/mnist/train_mnist_elastic.py: a rank killed after the first epoch; the others go on
     with the rest of their epoch from the last commit, every epoch is logged once, in order, and
     the model learns as without the kill."""
-    out_log = open(tmp_path / "out", "w")
     log = tmp_path / "log.json"
-    proc = subprocess.Popen([PY, "-m", "torchmn", "run", "-np", "3", "--min-np", "2", "--max-np", "3", PY,
-                             str(REPO / "examples" / "mnist" / "train_mnist_elastic.py"), "--epochs", "12",
-                             "--commit-every", "5", "--log", str(log)], stdout=out_log, stderr=subprocess.STDOUT,
-                            env=clean_env(), cwd=REPO, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 150
-        while not log.exists():
-            assert proc.poll() is None and time.monotonic() < deadline, (tmp_path / "out").read_text()[-3000:]
-            time.sleep(0.05)
-        os.kill(_workers_of(proc.pid)[1], signal.SIGKILL)
-        proc.wait(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        out_log.close()
-    out = (tmp_path / "out").read_text()
-    assert proc.returncode == 0, out[-4000:]
-    assert "worker 1 (host" in out and "moved to generation" in out and "now 2 ranks" in out, out[-3000:]
+    out = _example_across_a_kill(tmp_path, [str(REPO / "examples" / "mnist" / "train_mnist_elastic.py"), "--epochs",
+                                            "12", "--commit-every", "5", "--log", str(log)],
+                                 lambda output: log.exists())
+    assert "now 2 ranks" in out, out[-3000:]
     entries = json.loads(log.read_text())
     assert [e["epoch"] for e in entries] == list(range(1, 13))
     assert 2 in {e["ranks"] for e in entries} and entries[-1]["validation/main/accuracy"] > 0.9, entries
