@@ -143,6 +143,7 @@ def test_info_text_under_torchmn_run():
      "the launcher's variables cannot be read"),
     ({"TORCHMN_NUM_THREADS": "many"}, "TORCHMN_NUM_THREADS='many' is not a positive integer"),
     ({"TORCHMN_SHM_SLOT_MB": "big"}, "TORCHMN_SHM_SLOT_MB='big' is not a number of MB"),
+    ({"TORCHMN_CROSS_NODE_ALGORITHM": "tree"}, "TORCHMN_CROSS_NODE_ALGORITHM='tree': choose one of auto, ring, doubling"),
 ])
 def test_info_says_what_is_wrong_without_a_traceback(extra, message):
     for args in (["info"], ["info", "--json"]):

@@ -42,6 +42,22 @@ def test_gradient_algorithms(name, check, request):
     assert_check_passed(proc, check)
 
 
+CROSS_NODE = WORKERS / "cross_node_checks.py"
+CROSS_NODE_CHECKS = ["doubling_matches_gloo", "auto_measures_alike_on_every_rank",
+                     "a_new_rank_takes_the_first_ranks_measurement", "emulated_nodes_average_with_each_algorithm",
+                     "bad_choice_is_refused"]
+
+
+@pytest.mark.check_job("cross-node")
+@pytest.mark.parametrize("check", CROSS_NODE_CHECKS)
+@pytest.mark.parametrize("np", [3, 4])  # 3: recursive doubling's fold of a rank count not a power of two
+def test_cross_node_allreduce(np, check, request):
+    """The allreduce across nodes: recursive doubling against gloo's ring, the size-based choice
+    measured at set-up, and averages over emulated nodes with each algorithm."""
+    proc = check_job_output(request, lambda checks: run_job(CROSS_NODE, checks, np=np, timeout=150, check=False))
+    assert_check_passed(proc, check)
+
+
 def test_bcast_obj_300mb():
     out = run_job(CHECKS, ["big_obj"], np=2, timeout=120, env={"BIG_OBJ_MB": "300"}).stdout
     assert "PASS big_obj" in out

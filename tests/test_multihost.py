@@ -306,6 +306,19 @@ def test_two_hosts_two_ranks_each(cluster, check, request):
         assert "[0] TOPOLOGY size=4 inter_size=2 intra_size=2" in proc.stdout, proc.stdout
 
 
+@pytest.mark.parametrize("algorithm", ["ring", "doubling"])
+def test_two_hosts_average_with_each_cross_node_algorithm(cluster, algorithm):
+    """Across two hosts, the hosts' first ranks allreduce by gloo's ring or by recursive doubling
+    (TORCHMN_CROSS_NODE_ALGORITHM, forwarded to the remote ranks); auto's measured choice runs in
+    the test above. Collectives and the gradient mean come out right either way."""
+    checks = ("collectives", "mean_grad", "flat_in_flight")
+    proc = launch(cluster, "-np", "4", "-H", hosts_arg(cluster, ("h1", 2), ("h2", 2)), sys.executable,
+                  str(WORKERS / "comm_checks.py"), *checks, env={"TORCHMN_CROSS_NODE_ALGORITHM": algorithm})
+    assert_hosts_idle(cluster)
+    for check in checks:
+        assert_check_passed(proc, check)
+
+
 def test_hosts_of_different_rank_counts(cluster):
     """2 ranks on h1, 1 on h2: setting up shared memory (the segment, the mailboxes) is decided
     alike on every rank, and messages inside h1 and across the hosts arrive."""

@@ -193,6 +193,17 @@ def _check_settings(env: Mapping[str, str]) -> None:
         raise InfoError(str(e)) from None
 
 
+def _cross_node(env: Mapping[str, str], torch) -> Optional[str]:
+    """The allreduce across nodes that ``TORCHMN_CROSS_NODE_ALGORITHM`` asks for (None without torch)."""
+    if torch is None:
+        return None
+    from torchmn.communicators import cross_node
+    try:
+        return cross_node.requested(env)
+    except ValueError as e:
+        raise InfoError(str(e)) from None
+
+
 def _mpi4py() -> Dict[str, Any]:
     installed = importlib.util.find_spec("mpi4py") is not None
     return {"installed": installed, "version": package_version("mpi4py") if installed else None}
@@ -215,11 +226,12 @@ def collect(env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
         node_rank, master_addr, master_port, describe), ``threads`` (budget, basis,
         cpus_available, cpu_limits, ...), ``backends`` (gloo, nccl, mpi: True/False, None without
         torch), ``gpus`` (count, names, cuda), ``shm`` (total, free, what the collectives'
-        segment needs) and ``mpi4py``.
+        segment needs), ``cross_node`` (the allreduce across nodes asked for: auto, ring or
+        doubling) and ``mpi4py``.
 
     Raises:
-        InfoError: the launcher's variables, ``TORCHMN_NUM_THREADS`` or ``TORCHMN_SHM_SLOT_MB``
-            are malformed.
+        InfoError: the launcher's variables, ``TORCHMN_NUM_THREADS``, ``TORCHMN_SHM_SLOT_MB`` or
+            ``TORCHMN_CROSS_NODE_ALGORITHM`` are malformed.
 
     Example::
 
@@ -239,6 +251,7 @@ def collect(env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
         "backends": _backends(torch),
         "gpus": _gpus(torch, env),
         "shm": _shm(launcher["local_size"], torch),
+        "cross_node": _cross_node(env, torch),
         "mpi4py": _mpi4py(),
     }
 
@@ -276,6 +289,14 @@ def _shm_lines(shm: Dict[str, Any], local_size: int) -> list:
                    "(docker run --shm-size=1g)")
     return lines + [f"collectives of the {local_size} ranks on this node take {_size(shm['segment_bytes'])} "
                     f"({local_size + 1} {slots}), at most half the free room: {verdict}; and {optimizer}"]
+
+
+_CROSS_NODE_TEXT = {
+    "auto": "allreduce by recursive doubling up to the size measured at set-up, gloo's ring above "
+            "(TORCHMN_CROSS_NODE_ALGORITHM=ring|doubling fixes it; rank 0 logs the choice at INFO)",
+    "ring": "allreduce by gloo's ring at every size (TORCHMN_CROSS_NODE_ALGORITHM=ring)",
+    "doubling": "allreduce by recursive doubling at every size (TORCHMN_CROSS_NODE_ALGORITHM=doubling)",
+}
 
 
 def format_text(info: Mapping[str, Any]) -> str:
@@ -321,6 +342,7 @@ def format_text(info: Mapping[str, Any]) -> str:
         ("GPUs", gpu_line),
         ("/dev/shm", shm_lines[0]),
         *(("", line) for line in shm_lines[1:]),
+        ("cross-node", _CROSS_NODE_TEXT.get(info["cross_node"], "unknown (torch not installed)")),
         ("mpi4py", mpi["version"] if mpi["installed"] else "not installed"),
     ]
     lines = [f"{label + ':' if label else '':<12}{text}" for label, text in rows]

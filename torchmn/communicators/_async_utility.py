@@ -9,6 +9,9 @@ class Completed:
     def wait(self) -> bool:
         return True
 
+    def is_completed(self) -> bool:
+        return True
+
 
 class AndThen:
     """The handle of a collective whose network part is in flight; ``wait()`` waits for it, then runs

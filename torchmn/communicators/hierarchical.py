@@ -23,8 +23,8 @@ from torchmn.communicators import _call_check, _wire, shm, watch
 from torchmn.communicators._async_utility import AndThen, Completed, finish
 from torchmn.communicators._gloo_utility import reduce_scatter_single
 from torchmn.communicators._torch_compat import all_gather_single
+from torchmn.communicators.cross_node import CrossNodeAllreduce
 from torchmn.communicators.flat import FlatCommunicator
-from torchmn.communicators.ops import OPS
 from torchmn.communicators.pickling import pickle_for_call, unpickle_from
 from torchmn.communicators.errors import CollectiveMismatchError
 from torchmn.communicators.world import collective_timeout_s
@@ -68,6 +68,10 @@ class HierarchicalCommunicator(FlatCommunicator):
             also under NCCL, whose CUDA tensors take the flat way.
         rail_group: the gloo group joining this local rank of every node; None unless there are
             several nodes of equal rank counts.
+        cross_node: the allreduce among nodes (:class:`~torchmn.communicators.cross_node.CrossNodeAllreduce`:
+            recursive doubling for small messages, gloo's ring for large ones) on the ranks that
+            talk across nodes (each node's first rank, or every rank where each node has one);
+            None elsewhere.
 
     Example::
 
@@ -114,15 +118,23 @@ class HierarchicalCommunicator(FlatCommunicator):
         self.rail_group = None
         self._node_mean = None          # the arena mean_tensors keeps between calls
         self._node_mean_refused = 0     # bytes for which no arena could be had (not asked again)
+        self.cross_node = None
         if self.size == 1 or all(len(node) == 1 for node in self.node_ranks):
             # One rank a node: nothing to share inside a node, and staging through shared memory
-            # would only copy (1.5x gloo's time at 64 MB on a 10 Gbit link): the flat way is all.
+            # would only copy (1.5x gloo's time at 64 MB on a 10 Gbit link): the flat way is all,
+            # with the algorithm across nodes chosen by size.
+            if self.size > 1:
+                self.cross_node = CrossNodeAllreduce.set_up(
+                    self.object_group, [self.world_rank(r) for r in range(self.size)], self.rank)
             return
         if inter_group is _UNSET:  # a world communicator: all its ranks are here to create it
             leaders = [self.world_rank(node[0]) for node in self.node_ranks]
             inter_group = _new_inter_group(leaders)
             rail_groups = _new_rail_groups([[self.world_rank(r) for r in node] for node in self.node_ranks])
         self._inter_group = inter_group
+        if inter_group is not None and self.intra_rank == 0:
+            self.cross_node = CrossNodeAllreduce.set_up(
+                inter_group, [self.world_rank(node[0]) for node in self.node_ranks], self.inter_rank)
         if rail_groups is not None:
             # Rail i holds local rank i of every node, in the group's own order (by world rank).
             rails = [sorted((node[i] for node in self.node_ranks), key=self.world_rank)
@@ -231,14 +243,15 @@ class HierarchicalCommunicator(FlatCommunicator):
     @watch.collective
     def allreduce_flat(self, flat: torch.Tensor, async_op: bool = False, op: str = "sum"):
         if not self._shm_ok(flat):
+            if self.cross_node is not None and self._inter_group is None and flat.device.type == "cpu":
+                return self.cross_node.allreduce(flat.view(-1), op, async_op=async_op)  # one rank a node
             return super().allreduce_flat(flat, async_op=async_op, op=op)
         self.segment.allreduce_(flat, op)
         if self._single_node:
             return Completed()
         # The node sum is ready now; the network allreduce of the nodes' first ranks runs in the
         # background (backward goes on), and wait() shares its result inside the node.
-        work = dist.all_reduce(flat, op=OPS[op], group=self._inter_group, async_op=True) \
-            if self.intra_rank == 0 else None
+        work = self.cross_node.allreduce(flat, op, async_op=True) if self.intra_rank == 0 else None
         return finish(AndThen(work, lambda: self.segment.broadcast_(flat, root=0)), async_op)
 
     def _across_nodes(self, flat: torch.Tensor, op: str) -> None:
@@ -246,7 +259,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         if self._single_node:
             return
         if self.intra_rank == 0:
-            dist.all_reduce(flat, op=OPS[op], group=self._inter_group)
+            self.cross_node.allreduce(flat, op)
         self.segment.broadcast_(flat, root=0)
 
     def allreduce_copy(self, x: torch.Tensor, op: str) -> torch.Tensor:
@@ -439,4 +452,4 @@ class HierarchicalCommunicator(FlatCommunicator):
     def drop_process_groups(self) -> None:
         # The shared-memory segment stays: peers marked failed in it (failure.py) still read it.
         super().drop_process_groups()
-        self._inter_group = self.rail_group = None
+        self._inter_group = self.rail_group = self.cross_node = None
