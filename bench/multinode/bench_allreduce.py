@@ -20,12 +20,12 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from nodes import PROFILES, REPO, EmulatedNodes, job_env  # noqa: E402
+from rounds import time_rounds  # noqa: E402
 
 SIZES_MB = (0.1, 1, 7.2, 64)
 WAYS = ("gloo all_reduce", "torchmn flat", "torchmn hierarchical")
@@ -43,22 +43,9 @@ def rank_main(sizes, rounds: int) -> None:
                              obj_group=comm.object_group, backend=comm.backend, node_key=comm.node_key)
     ways = {WAYS[0]: lambda x: dist.all_reduce(x), WAYS[1]: lambda x: flat.allreduce_flat(x),
             WAYS[2]: lambda x: comm.allreduce_flat(x)}
-    figures = {}
-    for mb in sizes:
-        x = torch.ones(int(mb * (1 << 20)) // 4)
-        calls = max(1, int(8 / mb)) if mb < 8 else 1
-        for way, fn in ways.items():
-            fn(x)  # warm-up: connections, buffers
-        for _ in range(rounds):
-            for way, fn in ways.items():
-                comm.barrier()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn(x)
-                figures.setdefault(f"{float(mb)}|{way}", []).append((time.perf_counter() - t0) / calls)
-    every = comm.gather_obj(figures)
+    cases = [(float(mb), torch.ones(int(mb * (1 << 20)) // 4), max(1, int(8 / mb)) if mb < 8 else 1) for mb in sizes]
+    slowest = time_rounds(comm, ways, cases, rounds)
     if comm.rank == 0:
-        slowest = {k: [max(f[k][i] for f in every) for i in range(rounds)] for k in figures}
         print("FIGURES " + json.dumps(slowest), flush=True)
     flat.finalize()
     comm.finalize()

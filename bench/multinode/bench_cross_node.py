@@ -20,12 +20,12 @@ import json
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from nodes import PROFILES, REPO, EmulatedNodes, job_env  # noqa: E402
+from rounds import time_rounds  # noqa: E402
 
 SIZES_KB = (1, 8, 64, 512)
 WAYS = ("gloo ring", "recursive doubling", "torchmn default")
@@ -44,22 +44,9 @@ def rank_main(sizes_kb, rounds: int, loopback: bool) -> None:
             WAYS[1]: lambda x: doubling_allreduce(x, "sum", dist.group.WORLD, ranks, comm.rank)}
     if not loopback:
         ways[WAYS[2]] = lambda x: comm.allreduce_flat(x)
-    figures = {}
-    for kb in sizes_kb:
-        x = torch.ones(int(kb * 1024) // 4)
-        calls = max(1, int(2048 // kb))
-        for fn in ways.values():
-            fn(x)  # warm-up: connections, buffers
-        for _ in range(rounds):
-            for way, fn in ways.items():
-                comm.barrier()
-                t0 = time.perf_counter()
-                for _ in range(calls):
-                    fn(x)
-                figures.setdefault(f"{kb}|{way}", []).append((time.perf_counter() - t0) / calls)
-    every = comm.gather_obj(figures)
+    cases = [(kb, torch.ones(int(kb * 1024) // 4), max(1, int(2048 // kb))) for kb in sizes_kb]
+    slowest = time_rounds(comm, ways, cases, rounds)
     if comm.rank == 0:
-        slowest = {k: [max(f[k][i] for f in every) for i in range(rounds)] for k in figures}
         print("FIGURES " + json.dumps(slowest), flush=True)
         if not loopback:
             print("CHOICE " + comm.cross_node.describe(), flush=True)
