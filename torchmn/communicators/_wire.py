@@ -45,13 +45,24 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 
 def header(kind: int, root: int = NONE, op: int = NONE, x: torch.Tensor | None = None) -> list[int]:
-    """The header of one call: what collective, with which root and op, on what tensor."""
+    """The header of one call: what collective, with which root and op, on what tensor (a new list)."""
     if x is None:
         return [kind, root, op, NONE, NONE] + [0] * MAX_NDIM + [NONE]
-    if x.dim() > MAX_NDIM:
-        raise TorchmnValueError(f"tensors of more than {MAX_NDIM} dimensions cannot be sent (got {x.dim()})")
-    shape = list(x.shape) + [0] * (MAX_NDIM - x.dim())
-    return [kind, root, op, dtype_code(x.dtype), x.dim()] + shape + [DEVICE_CODES.get(x.device.type, 0)]
+    # Made once per call signature: a small collective's time is mostly such Python work.
+    key = (kind, root, op, x.dtype, x.shape, x.device.type)
+    row = _headers.get(key)
+    if row is None:
+        if x.dim() > MAX_NDIM:
+            raise TorchmnValueError(f"tensors of more than {MAX_NDIM} dimensions cannot be sent (got {x.dim()})")
+        shape = list(x.shape) + [0] * (MAX_NDIM - x.dim())
+        row = [kind, root, op, dtype_code(x.dtype), x.dim()] + shape + [DEVICE_CODES.get(x.device.type, 0)]
+        if len(_headers) >= 1024:
+            _headers.clear()
+        _headers[key] = row
+    return list(row)
+
+
+_headers: dict = {}
 
 
 def meta(row: Sequence[int]) -> tuple[torch.dtype, tuple[int, ...]] | None:
