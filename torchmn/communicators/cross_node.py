@@ -3,7 +3,8 @@ for small ones (:class:`CrossNodeAllreduce`).
 
 gloo's allreduce is a ring whatever the size: ``2(p - 1)`` steps one after another, each a network
 round trip, so a 4 KB allreduce over 64 nodes waits for 126 round trips. Recursive doubling takes
-``ceil(log2 p)`` steps (two more where ``p`` is not a power of two), each sending the whole message:
+``log2 q`` steps, ``q`` the largest power of two up to ``p`` (two more where ``p`` is not one), each
+sending the whole message:
 fewer round trips, more bytes. Which wins at a size depends on the network's latency and bandwidth
 and on the per-step cost of each implementation, so a communicator spanning nodes measures both
 on its own nodes when it is set up, and sends messages up to the largest size at which doubling
