@@ -127,10 +127,9 @@ class ResumableLoader:
         if isinstance(self.dataset, ElasticDatasetPart):
             yield from self._elastic_epoch()
             return
-        n = len(self.dataset)
-        order = torch.randperm(n, generator=self._generator()) if self.shuffle else torch.arange(n)
         start = self.batches * self.batch_size
-        loader = torch.utils.data.DataLoader(self.dataset, batch_size=self.batch_size, sampler=order[start:].tolist(),
+        loader = torch.utils.data.DataLoader(self.dataset, batch_size=self.batch_size,
+                                             sampler=self._order(len(self.dataset))[start:],
                                              drop_last=self.drop_last, generator=self._generator(),
                                              **self.loader_kwargs)
         for batch in loader:
@@ -139,13 +138,15 @@ class ResumableLoader:
         self.epoch += 1
         self.batches = 0
 
+    def _order(self, n: int) -> List[int]:
+        """The epoch's order of ``n`` items: a function of the seed and the epoch alone."""
+        return torch.randperm(n, generator=self._generator()).tolist() if self.shuffle else list(range(n))
+
     def _sequence(self, rank: int, size: int) -> List[int]:
         """Rank ``rank``'s order of the epoch, as indices into the whole dataset, where the parts are
         split for ``size`` ranks: the same samples, in the same order, as the plain loop takes."""
         part = self.dataset.part_of(rank, size)
-        if not self.shuffle:
-            return part
-        return [part[i] for i in torch.randperm(len(part), generator=self._generator()).tolist()]
+        return [part[i] for i in self._order(len(part))]
 
     def _elastic_epoch(self) -> Iterator[Any]:
         """The epoch under way over an elastic job's part: the rank's own part while the world is

@@ -6,6 +6,7 @@ over gloo and NCCL alike, and the receiver learns dtype and shape from the heade
 """
 from __future__ import annotations
 
+import functools
 from typing import Iterable, Sequence
 
 import torch
@@ -48,21 +49,15 @@ def header(kind: int, root: int = NONE, op: int = NONE, x: torch.Tensor | None =
     """The header of one call: what collective, with which root and op, on what tensor (a new list)."""
     if x is None:
         return [kind, root, op, NONE, NONE] + [0] * MAX_NDIM + [NONE]
-    # Made once per call signature: a small collective's time is mostly such Python work.
-    key = (kind, root, op, x.dtype, x.shape, x.device.type)
-    row = _headers.get(key)
-    if row is None:
-        if x.dim() > MAX_NDIM:
-            raise TorchmnValueError(f"tensors of more than {MAX_NDIM} dimensions cannot be sent (got {x.dim()})")
-        shape = list(x.shape) + [0] * (MAX_NDIM - x.dim())
-        row = [kind, root, op, dtype_code(x.dtype), x.dim()] + shape + [DEVICE_CODES.get(x.device.type, 0)]
-        if len(_headers) >= 1024:
-            _headers.clear()
-        _headers[key] = row
-    return list(row)
+    return list(_tensor_header(kind, root, op, x.dtype, x.shape, x.device.type))
 
 
-_headers: dict = {}
+@functools.lru_cache(maxsize=1024)  # a small collective's time is mostly such Python work
+def _tensor_header(kind: int, root: int, op: int, dtype: torch.dtype, shape: torch.Size, device: str) -> tuple:
+    if len(shape) > MAX_NDIM:
+        raise TorchmnValueError(f"tensors of more than {MAX_NDIM} dimensions cannot be sent (got {len(shape)})")
+    return (kind, root, op, dtype_code(dtype), len(shape), *shape, *[0] * (MAX_NDIM - len(shape)),
+            DEVICE_CODES.get(device, 0))
 
 
 def meta(row: Sequence[int]) -> tuple[torch.dtype, tuple[int, ...]] | None:

@@ -2,7 +2,6 @@
 and join: :class:`ElasticDatasetPart`."""
 from __future__ import annotations
 
-import pickle
 from typing import Any, List, Optional, Sequence
 
 from torchmn.datasets.part import DatasetPart, index_range
@@ -148,8 +147,7 @@ class ElasticDatasetPart(DatasetPart):
     def _give(self, dest: int) -> None:
         comm = self.comm
         if self.shared:
-            comm.send_obj(("shared", pickle.dumps((self.whole, self.order), protocol=pickle.HIGHEST_PROTOCOL)), dest,
-                          tag=TAG)
+            comm.send_obj(("shared", (self.whole, self.order)), dest, tag=TAG)
             return
         comm.send_obj(("copied", self.order), dest, tag=TAG)
         send_samples(lambda m: comm.send_obj(m, dest, tag=TAG), self.whole, range(len(self.whole)), self.max_buf_len)
@@ -158,7 +156,7 @@ class ElasticDatasetPart(DatasetPart):
         comm = self.comm
         kind, payload = comm.recv_obj(giver, tag=TAG)
         if kind == "shared":
-            self.whole, self.order = pickle.loads(payload)
+            self.whole, self.order = payload
             return
         _, samples = receive_samples(lambda: comm.recv_obj(giver, tag=TAG), "scatter_dataset", f"rank {giver}",
                                      comm.rank)

@@ -278,7 +278,7 @@ class NodeSegment:
         headers = torch.from_numpy(np.stack([w[2:n + 2] for w in theirs])).view(self.local_size, len(rows), width)
         payloads = None
         if nbytes >= 0 and all(int(w[1]) == nbytes for w in theirs):
-            payloads = [buffers[turn][at:at + nbytes] for buffers in self._small]
+            payloads = self._payloads(turn, at, nbytes)
         return headers, payloads
 
     def _call(self, flat: list, nbytes: int, rows: int, width: int) -> tuple:
