@@ -400,6 +400,26 @@ def test_children_of_the_caller_keep_their_exit_codes():
     assert own.wait(timeout=10) == 3
 
 
+def test_guardian_outlives_a_signal_sent_while_it_starts():
+    """Slurm signals every process of a step; one that reaches the guardian before its interpreter
+    has set its handlers (at once, here) must wait for them, not end it with SIGUSR1's default."""
+    from torchmn.run.processes.supervisor import start_guardian
+
+    process = start_guardian("no-such-job", grace=1.0)
+    try:
+        process.send_signal(signal.SIGUSR1)
+        process.send_signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert process.poll() is None, f"the guardian ended with {process.returncode}"
+        process.stdin.write(b"done\n")
+        process.stdin.close()
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
+    # The launcher's own mask is as it was.
+    assert signal.SIGUSR1 not in signal.pthread_sigmask(signal.SIG_BLOCK, [])
+
+
 def test_watcher_and_guardian_start_without_torch():
     """The remote watcher and the guardian run beside the ranks for the whole job, started as the
     launcher starts them (``python -m MODULE``): the package root loads its names lazily, so neither

@@ -14,6 +14,10 @@ import time
 
 # What the launcher writes before closing the pipe when the job ended normally.
 DONE = b"done\n"
+# Signals the guardian ignores. A closing terminal is when it is needed most; Slurm signals every
+# process of a step (its --signal=USR1@120 warning too), and SIGUSR1's default action would end the
+# guardian silently.
+IGNORED = (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
 
 
 def job_processes(variable: str, job_id: str) -> list:
@@ -134,8 +138,9 @@ def main(argv: list) -> int:
 
 
 if __name__ == "__main__":
-    # A closing terminal is when it is needed most; Slurm signals every process of a step (its
-    # --signal=USR1@120 warning too), and SIGUSR1's default action would end the guardian silently.
-    for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+    # The launcher started this process with these signals blocked; ignored now, any that came
+    # meanwhile are dropped when they are unblocked.
+    for sig in IGNORED:
         signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, IGNORED)
     sys.exit(main(sys.argv[1:]))

@@ -77,12 +77,17 @@ def start_guardian(job_id: str, grace: float) -> Optional[subprocess.Popen]:
     """
     if prctl() is None:  # not Linux: no /proc to find the job's processes in
         return None
+    # The guardian starts with the signals it ignores blocked (a signal mask survives fork and exec),
+    # so one that arrives while its interpreter starts waits for it instead of ending it.
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, guardian.IGNORED)
     try:
         return subprocess.Popen([sys.executable, "-m", guardian.__name__, JOB_ID, job_id, str(grace)],
                                 stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True, close_fds=True)
     except OSError:
         return None
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def tell_watcher(process: subprocess.Popen, sig: int, line: bytes = SIGNAL_LINE) -> None:
