@@ -40,15 +40,12 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from allocator import ALLOCATOR_ENV
+from variants import RESULT, run_job
 
-REPO = Path(__file__).resolve().parent.parent
-RESULT = "BENCH_RESULT "
 GLOBAL_BATCH = 128
 # name: (hidden width, steps)
 MODELS = {"mlp1000": (1000, 160), "mlp4000": (4000, 32)}
@@ -152,22 +149,7 @@ def run_once(system: str, ranks: int, threads: int, model: str, args) -> dict:
     launcher, mode, _ = SYSTEMS[system]
     own = [str(Path(__file__).resolve()), "--worker", mode, "--threads", str(threads), "--model", model,
            "--steps-scale", str(args.steps_scale)]
-    if launcher == "python":
-        argv = [sys.executable] + own
-    elif launcher == "torchrun":
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                "--no-python", sys.executable] + own
-    else:
-        argv = [sys.executable, "-m", "torchmn", "run", "-np", str(ranks), sys.executable] + own
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHMN_", "TORCHELASTIC_"))}
-    env.update(ALLOCATOR_ENV, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if RESULT in ln]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{system} x {ranks} failed ({proc.returncode}): {' '.join(argv)}\n"
-                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    return json.loads(lines[-1].split(RESULT, 1)[1])
+    return run_job(f"{system} x {ranks}", launcher, ranks, threads, own, args.timeout)
 
 
 def rows_for(cores: int, ranks: list) -> list:
@@ -227,6 +209,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    # CPU training on every core: on a GPU machine, the GPUs stay out of it (the jobs inherit this).
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
     cores = len(os.sched_getaffinity(0))
     wanted = args.ranks or [1 << i for i in range(cores.bit_length()) if 1 << i <= cores]
     ranks = [n for n in wanted if n <= cores and cores % n == 0]

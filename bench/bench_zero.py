@@ -27,17 +27,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-from allocator import ALLOCATOR_ENV
+from variants import REPO, RESULT, run_job
 
-REPO = Path(__file__).resolve().parent.parent
-RESULT = "BENCH_RESULT "
 
 # name: (launcher, ranks, threads per rank, mode run by each rank)
 VARIANTS = {
@@ -209,22 +205,7 @@ def run_once(name: str, args) -> dict:
     launcher, ranks, threads, mode = VARIANTS[name]
     own = [str(Path(__file__).resolve()), "--worker", mode, "--threads", str(threads), "--epochs",
            str(args.epochs), "--samples", str(args.samples), "--batch", str(args.batch)]
-    if launcher == "python":
-        argv = [sys.executable] + own
-    elif launcher == "torchrun":
-        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-                "--no-python", sys.executable] + own
-    else:
-        argv = [sys.executable, "-m", "torchmn", "run", "-np", str(ranks), sys.executable] + own
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHMN_", "TORCHELASTIC_"))}
-    env.update(ALLOCATOR_ENV, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
-    proc = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=args.timeout)
-    lines = [ln for ln in proc.stdout.splitlines() if RESULT in ln]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"{name} failed ({proc.returncode}): {' '.join(argv)}\n{proc.stdout[-3000:]}\n"
-                           f"{proc.stderr[-3000:]}")
-    return json.loads(lines[-1].split(RESULT, 1)[1])
+    return run_job(name, launcher, ranks, threads, own, args.timeout)
 
 
 # The references of the ratio columns, in order: (variant, column heading).
