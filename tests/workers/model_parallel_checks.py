@@ -324,6 +324,34 @@ def check_pipeline_memory(comm):
     print(f"MEMORY rank={r} gpipe={gpipe} 1f1b={one}", flush=True)
 
 
+class TransposedLinear(torch.nn.Module):
+    """``tanh(x @ w.T)``, as hand-written layers do: autograd saves the view ``w.T`` for backward."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(width, width, dtype=torch.float64) / width)
+
+    def forward(self, x):
+        return torch.tanh(x @ self.weight.T)
+
+
+def check_pipeline_memory_leaves_out_the_weights(comm):
+    """A layer that multiplies by its weight's transpose saves that view of the weight for backward:
+    not an activation, so it does not count once per micro-batch."""
+    m, width, rows = 8, 64, 32
+    torch.manual_seed(0)
+    stage = TransposedLinear(width)
+    pipe = Pipeline(stage, comm, micro_batches=m, schedule="gpipe", loss_fn=torch.nn.functional.mse_loss)
+    x, y = batch(rows=rows, width=width, seed=5), batch(rows=rows, width=width, seed=6)
+    pipe.train_step(x if pipe.is_first else None, target=y if pipe.is_last else None)
+    activation = rows // m * width * 8  # one micro-batch's activation tensor, in bytes
+    weight = width * width * 8
+    # Per micro-batch: its input, the product, tanh's output, and the loss's inputs on the last
+    # stage: a few activations, far below one weight each.
+    assert 0 < pipe.peak_activation_bytes <= m * 6 * activation < m * weight, \
+        (pipe.peak_activation_bytes, m * 6 * activation, m * weight)
+
+
 def check_pipeline_with_data_parallel(comm):
     """2 stages x (size/2) replicas; each replica's batch is its share of the global batch; the
     parameters after 3 Adam steps equal one process on the whole batch."""

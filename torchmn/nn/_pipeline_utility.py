@@ -42,12 +42,21 @@ def payload_bytes(x: Any) -> int:
     return x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
 
 
+def _storage(t: torch.Tensor):
+    """Where ``t``'s memory starts (shared by a tensor and its views); None for tensors without storage."""
+    try:
+        return t.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 class ActivationMeter:
     """Bytes of activations a stage holds for backward, per micro-batch, and their peak.
 
-    The tensors autograd saves for backward are counted as they are saved (each once; parameters,
-    which are not activations, left out), plus the stage's input and output, and released when the
-    micro-batch's backward is done.
+    The tensors autograd saves for backward are counted as they are saved (each once), plus the
+    stage's input and output, and released when the micro-batch's backward is done. Parameters are
+    not activations, and neither are views of them: a linear layer saves its weight transposed, a
+    view that would otherwise count the weight once per micro-batch.
     """
 
     def __init__(self):
@@ -56,12 +65,25 @@ class ActivationMeter:
         self.peak = 0
 
     @contextlib.contextmanager
-    def recording(self, k: int):
+    def recording(self, k: int, parameters):
+        """Count what autograd saves for micro-batch ``k`` inside the block.
+
+        Args:
+            k: the micro-batch.
+            parameters: the stage's parameters, whose storage is left out.
+
+        Example::
+
+            >>> with meter.recording(k, stage.parameters()):
+            ...     out = stage(x)
+        """
         seen, total = set(), [0]
+        weights = {_storage(p) for p in parameters}
 
         def pack(t: torch.Tensor):
             key = (t.data_ptr(), tuple(t.shape), t.dtype)
-            if not (t.requires_grad and t.is_leaf) and key not in seen:
+            # Leaves that require grad are the parameters and the received inputs (counted by hold).
+            if not (t.requires_grad and t.is_leaf) and key not in seen and _storage(t) not in weights:
                 seen.add(key)
                 total[0] += t.numel() * t.element_size()
             return t

@@ -133,7 +133,7 @@ class Pipeline(torch.nn.Module):
             x = self._inputs[k]
         else:
             x = differentiable_inputs(recv_tensors(self.comm, self.index - 1, _ACT))
-        with self.meter.recording(k):
+        with self.meter.recording(k, self.stage.parameters()):
             out = self.stage(*(x if isinstance(x, tuple) else (x,)))
             if self.is_last:
                 out = self.loss_fn(out, self._targets[k]) * self._weights[k]
