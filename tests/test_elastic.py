@@ -220,6 +220,27 @@ def test_elastic_kill_with_each_optimizer_matches_a_replay(tmp_path, shard_state
     check_against_replay(tmp_path)
 
 
+@pytest.mark.timeout(300)
+def test_elastic_sharded_commit_cut_short_by_a_kill_falls_back_to_the_last_whole_one(tmp_path):
+    """Rank 1 dies inside a commit, having received rank 0's part and before sending its own on: rank 0
+    completes that commit, rank 2 (waiting for rank 1's part) cannot. Then worker 2 dies the same way
+    in the first commit after the reset, when the commit before is the one the reset handed on. Each
+    reset puts the state together from one commit, the newest that every part of is left of (here
+    the one before), never from parts of two."""
+    job = ElasticRun(tmp_path, 3, ["--min-np", "1", "--max-np", "3"],
+                     ["--steps", "100000", "--step-sleep", "0.05", "--shard-state", "true", "--die-in-commit", "5",
+                      "--die-in-commit-after-reset", "2"], timeout=240)
+    try:
+        job.wait_for(lambda: job.steps_at(1) >= 2, "the last survivor's steps")
+        job.wait_for(lambda: any(n == 3 for _, s, n in job.progress() if s > 5), "the refilled slots' steps")
+        done = job.finish()
+    finally:
+        job.stop()
+    assert done.returncode == 0, done.stdout[-4000:]
+    result = check_against_replay(tmp_path)
+    assert result["sizes"][:5] == [3, 3, 3, 3, 1], result["sizes"]  # both commits of step 5 were given up
+
+
 @pytest.mark.timeout(120)
 def test_elastic_below_min_np_ends_naming_the_lost(tmp_path):
     """With no room for a new rank (the discovery script offers 1 slot, which the survivor holds;

@@ -6,11 +6,15 @@ writes its pid to OUT_DIR/pids/<worker> (so a test can kill it); after each step
 compare their parameters; at the end rank 0 writes the final parameters and the world size of
 every committed step to OUT_DIR/result.pt. Rank 0 appends "<time> <step> <world size>" to
 OUT_DIR/progress after each step. Options: --steps, --shard-state (none|false|true), --step-sleep
-(seconds per step, so that kills land mid-training), --commit-every; the run also ends at the
-next commit once OUT_DIR/stop exists.
+(seconds per step, so that kills land mid-training), --commit-every, --die-in-commit STEP (worker 1
+kills itself inside that step's commit, as it is about to send its part of a sharded optimizer's
+state on, having received its neighbour's), --die-in-commit-after-reset WORKER (that worker does so
+in the first commit after its first reset); the run also ends at the next commit once
+OUT_DIR/stop exists.
 """
 import argparse
 import os
+import signal
 import time
 
 import torch
@@ -25,6 +29,8 @@ parser.add_argument("--steps", type=int, default=40)
 parser.add_argument("--shard-state", choices=["none", "false", "true"], default="none")
 parser.add_argument("--step-sleep", type=float, default=0.0)
 parser.add_argument("--commit-every", type=int, default=1)
+parser.add_argument("--die-in-commit", type=int, default=None)
+parser.add_argument("--die-in-commit-after-reset", default=None)
 args = parser.parse_args()
 
 
@@ -61,6 +67,9 @@ if __name__ == "__main__":
             if args.step_sleep:
                 time.sleep(args.step_sleep)
             if state.step % args.commit_every == 0 or state.step == args.steps:
+                if (state.step == args.die_in_commit and worker == "1") or \
+                        (worker == args.die_in_commit_after_reset and resets):
+                    comm.send_obj = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
                 state.commit()
                 stop = torch.tensor([float(os.path.exists(os.path.join(args.out, "stop")))])
                 if comm.allreduce(stop, "max").item():

@@ -28,7 +28,10 @@ class State:
     The committed optimizer state is whole on every rank, so any one survivor can hand it on; but
     a sharded one (``shard_state=True``) keeps each rank's part, and a copy of its neighbour's
     (rank r keeps rank r-1's), so that losing one rank loses nothing and a commit costs two parts,
-    not the whole. Two neighbouring ranks lost at once lose a part: the reset then raises
+    not the whole. Each rank also keeps its parts of the commit before, since a rank lost during a
+    commit's exchange can leave some ranks with the new commit's parts and others without: the
+    reset puts the state together from the newest commit whose every part is left, never from parts
+    of two. Two neighbouring ranks lost at once lose a part: the reset then raises
     :class:`~torchmn.elastic.StateLostError` naming them (start again from a checkpoint).
 
     Args:
@@ -68,6 +71,7 @@ class State:
         for name, value in values.items():
             setattr(self, name, value)
         self._saved: Optional[dict] = None
+        self._previous: Optional[dict] = None  # a sharded optimizer's commit before the last
         self._callbacks: List[Callable[[], None]] = []
 
     # -- callbacks ---------------------------------------------------------------------------------
@@ -138,12 +142,17 @@ class State:
 
             >>> state.save()
         """
-        saved = {"values": copy.deepcopy({n: _saved_value(getattr(self, n)) for n in self._names})}
+        # Commits are numbered alike on every rank (they commit together; a reset hands the number on).
+        saved = {"number": (self._saved["number"] + 1) if self._saved is not None else 1,
+                 "values": copy.deepcopy({n: _saved_value(getattr(self, n)) for n in self._names})}
         if self.model is not None:
             saved["model"] = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
         sharded = self._sharded()
         if sharded is not None:
             saved["optimizer_parts"] = _own_and_buddy_parts(sharded)
+            # Only now that this rank has its parts of the new commit: a rank lost during the
+            # exchange may have left others without theirs, and then the reset needs this one.
+            self._previous = self._saved
         elif self.optimizer is not None:
             saved["optimizer"] = copy.deepcopy(self.optimizer.state_dict())
         self._saved = saved
@@ -200,8 +209,12 @@ class State:
         if sharded is not None:
             # Each rank held its own part and its neighbour's (one that joined holds none): together
             # they make the whole, which every rank then has, so the broadcast below leaves it out.
-            held = self._saved.pop("optimizer_parts", None) if self._saved is not None else None
-            whole = _whole_from_parts(sharded, comm, held)
+            # The commit is the newest one whose every part is left; a rank that does not hold it
+            # takes it from one that does.
+            number, whole = _whole_from_parts(sharded, comm, [c for c in (self._saved, self._previous) if c])
+            chosen = next((c for c in (self._saved, self._previous) if c and c["number"] == number), None)
+            self._saved = {k: v for k, v in chosen.items() if k != "optimizer_parts"} if chosen else None
+            self._previous = None
         if comm is not None and comm.size > 1:
             # The first rank that holds a commit hands it on: rank 0 unless every rank that held
             # one was lost while new ones waited.
@@ -302,27 +315,41 @@ def _own_and_buddy_parts(optimizer: ShardedMultiNodeOptimizer) -> dict:
     return {"size": comm.size, "parts": parts}
 
 
-def _whole_from_parts(optimizer: ShardedMultiNodeOptimizer, comm, held: Optional[dict]) -> Optional[dict]:
-    """The whole committed state of a sharded optimizer, from the parts the ranks hold (collective:
-    every rank calls it; one that joined holds none).
+def _whole_from_parts(optimizer: ShardedMultiNodeOptimizer, comm, commits: list) -> tuple:
+    """The newest commit whose every part of a sharded optimizer's state some rank holds, and that
+    state put together (collective: every rank calls it with the commits it holds, its last and the
+    one before; one that joined holds none).
+
+    Returns:
+        ``(number, whole state)``; the state is None where the commit is one a reset handed on, which
+        its holders keep whole; ``(None, None)`` where no rank holds a commit.
 
     Raises:
-        StateLostError: a part of the last commit is on no rank of this world (two neighbours lost).
+        StateLostError: a part of every commit held is on no rank of this world (two neighbours lost).
     """
+    # A commit a reset handed on is held whole (its "optimizer"), by every rank of that world: None here.
+    held = {c["number"]: c.get("optimizer_parts") for c in commits}
     everyone = comm.allgather_obj(held) if comm is not None and comm.size > 1 else [held]
-    sizes = {h["size"] for h in everyone if h is not None}
-    parts = {}
+    found: dict = {}  # commit number -> (its world's size, {rank: part}), or None where held whole
     for h in everyone:
-        if h is not None:
-            parts.update(h["parts"])
-    if not sizes:
-        return None
-    size = max(sizes)
+        for number, kept in h.items():
+            if kept is None or found.get(number, ()) is None:
+                found[number] = None
+            else:
+                found.setdefault(number, (kept["size"], {}))[1].update(kept["parts"])
+    if not found:
+        return None, None
+    whole = [n for n, f in found.items() if f is None or all(r in f[1] for r in range(f[0]))]
+    if whole:
+        number = max(whole)
+        if found[number] is None:  # the holders' own commit carries it
+            return number, None
+        size, parts = found[number]
+        return number, shard_state.merge_parts([parts[r] for r in range(size)], optimizer.wrapped.param_groups)
+    size, parts = found[max(found)]
     missing = [r for r in range(size) if r not in parts]
-    if missing:
-        raise StateLostError(
-            f"rank {comm.rank if comm is not None else 0}: the sharded optimizer's state of the last commit is "
-            f"lost: the part of rank(s) {', '.join(map(str, missing))} of the {size}-rank world, kept there and "
-            f"on rank(s) {', '.join(str((r + 1) % size) for r in missing)} (the copies), is on no rank left (both "
-            f"were lost together). Start the job again from the newest complete checkpoint.")
-    return shard_state.merge_parts([parts[r] for r in range(size)], optimizer.wrapped.param_groups)
+    raise StateLostError(
+        f"rank {comm.rank if comm is not None else 0}: the sharded optimizer's state of the last commit is "
+        f"lost: the part of rank(s) {', '.join(map(str, missing))} of the {size}-rank world, kept there and "
+        f"on rank(s) {', '.join(str((r + 1) % size) for r in missing)} (the copies), is on no rank left (both "
+        f"were lost together). Start the job again from the newest complete checkpoint.")
