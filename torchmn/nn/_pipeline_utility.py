@@ -55,8 +55,8 @@ class ActivationMeter:
 
     The tensors autograd saves for backward are counted as they are saved (each once), plus the
     stage's input and output, and released when the micro-batch's backward is done. Parameters are
-    not activations, and neither are views of them: a linear layer saves its weight transposed, a
-    view that would otherwise count the weight once per micro-batch.
+    not activations, and neither are views of them: a layer computing ``x @ w.T`` saves the view
+    ``w.T``, which would otherwise count the weight once per micro-batch.
     """
 
     def __init__(self):
