@@ -546,13 +546,15 @@ def test_rank_that_detaches_a_process_is_reported_and_leaves_nothing(cluster, tm
         time.sleep(300 if {exit_code} else 0)
     """))
     proc = launch(cluster, "-np", "2", "-H", hosts_arg(cluster, ("h1", 1), ("h2", 1)), sys.executable,
-                  str(script), timeout=60)
+                  str(script), timeout=150)
     assert proc.returncode == exit_code, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert sorted(proc.stdout.splitlines()) == ["[0] detached", "[1] detached"], proc.stdout
     if exit_code:
         assert f"rank 1 (host {cluster.address('h2')}) failed with exit code 1; stopped the other 1 running " \
                f"rank(s)" in proc.stderr, proc.stderr
-    assert proc.elapsed < 30, proc.elapsed
+    # Held open by a helper, the job would last its 300 s; ending at once takes seconds, or 33 s over
+    # ssh beside the full suite on a slow day of a 2-core machine.
+    assert proc.elapsed < 90, proc.elapsed
     assert_hosts_idle(cluster)
 
 
