@@ -227,16 +227,16 @@ def test_elastic_sharded_commit_cut_short_by_a_kill_falls_back_to_the_last_whole
     in the first commit after the reset, when the commit before is the one the reset handed on. Each
     reset puts the state together from one commit, the newest that every part of is left of (here
     the one before), never from parts of two."""
+    # A fixed number of steps: the replay's float64 rounding differs from the job's in the last bits, which
+    # hundreds of steps of a lone survivor (while new ranks start on a loaded machine) would grow past 1e-10.
     job = ElasticRun(tmp_path, 3, ["--min-np", "1", "--max-np", "3"],
-                     ["--steps", "100000", "--step-sleep", "0.05", "--shard-state", "true", "--die-in-commit", "5",
+                     ["--steps", "30", "--step-sleep", "0.05", "--shard-state", "true", "--die-in-commit", "5",
                       "--die-in-commit-after-reset", "2"], timeout=240)
     try:
-        job.wait_for(lambda: job.steps_at(1) >= 2, "the last survivor's steps")
-        job.wait_for(lambda: any(n == 3 for _, s, n in job.progress() if s > 5), "the refilled slots' steps")
-        done = job.finish()
+        out = job.ended(timeout=230)
     finally:
         job.stop()
-    assert done.returncode == 0, done.stdout[-4000:]
+    assert job.proc.returncode == 0, out[-4000:]
     result = check_against_replay(tmp_path)
     assert result["sizes"][:5] == [3, 3, 3, 3, 1], result["sizes"]  # both commits of step 5 were given up
 
