@@ -47,6 +47,7 @@ from pathlib import Path
 from variants import RESULT, run_job
 
 GLOBAL_BATCH = 128
+WARM_STEPS = 2  # steps left out of the breakdown (first touch of buffers and state)
 # name: (hidden width, steps)
 MODELS = {"mlp1000": (1000, 160), "mlp4000": (4000, 32)}
 # name: (launcher, what each rank runs, Adam update)
@@ -55,6 +56,11 @@ SYSTEMS = {"one process": ("python", "single", "for-loop"),
            "torchmn": ("torchmn", "torchmn", "fused (its default)"),
            "DDP": ("torchrun", "ddp", "for-loop"),
            "DDP, fused Adam": ("torchrun", "ddp-fused", "fused")}
+
+
+def steps_of(model: str, scale: float) -> int:
+    """The steps ``model`` trains for, scaled, with at least one step past the warm-up."""
+    return max(WARM_STEPS + 1, round(MODELS[model][1] * scale))
 
 
 # ----------------------------------------------------------------------------- one rank's work
@@ -67,8 +73,7 @@ def worker(args) -> None:
 
     torch.set_num_threads(args.threads)
     mode = args.worker
-    width, steps = MODELS[args.model]
-    steps = max(2, round(steps * args.steps_scale))
+    width, steps = MODELS[args.model][0], steps_of(args.model, args.steps_scale)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(),
                           nn.Linear(width, 10))
@@ -93,16 +98,13 @@ def worker(args) -> None:
         rank, size = comm.rank, comm.size
         optimizer = torchmn.create_multi_node_optimizer(optimizer, comm)
         gather = comm.allgather_obj
-        recorder.start(timeline=True)
         comm.barrier()
     g = torch.Generator().manual_seed(1)
     local = GLOBAL_BATCH // size
     x = torch.rand(GLOBAL_BATCH, 784, generator=g)[rank * local:(rank + 1) * local]
     y = torch.randint(0, 10, (GLOBAL_BATCH,), generator=g)[rank * local:(rank + 1) * local]
     marks = []  # per step: (start, backward returned, step returned)
-    warm = 2    # steps left out of the breakdown (first-touch of buffers and state)
     if recorder is not None:
-        recorder.stop_timeline()  # nothing before the loop counts
         recorder.start(timeline=True)
     start = time.perf_counter()
     for _ in range(steps):
@@ -113,7 +115,7 @@ def worker(args) -> None:
         optimizer.step()
         marks.append((t0, t1, time.perf_counter()))
     elapsed = time.perf_counter() - start
-    parts = breakdown(marks[warm:], recorder.stop_timeline() if recorder is not None else None)
+    parts = breakdown(marks[WARM_STEPS:], recorder)
     everyone = gather({"seconds": elapsed, "parts": parts})
     if rank == 0:
         slowest = {k: max(e["parts"][k] for e in everyone) if parts[k] is not None else None for k in parts}
@@ -126,17 +128,18 @@ def worker(args) -> None:
         dist.destroy_process_group()
 
 
-def breakdown(marks: list, events) -> dict:
-    """Median milliseconds per step of each part (see the module's docstring); ``events`` are
-    torchmn's recorded phases (None for the peers, whose step splits only into backward and step)."""
+def breakdown(marks: list, recorder) -> dict:
+    """Median milliseconds per step of each part (see the module's docstring), from torchmn's
+    recorder where it ran (None for the peers, whose step splits only into backward and step)."""
     def ms(values):
         return round(1e3 * statistics.median(values), 3) if values else None
 
-    if events is None:
+    if recorder is None:
         return {"fwd+bwd": ms([t1 - t0 for t0, t1, _ in marks]), "averaging": None,
                 "update": ms([t2 - t1 for _, t1, t2 in marks]), "waiting": None}
-    first = time.time() - time.perf_counter() + marks[0][0]  # events are in Unix time
-    kept = [e for e in events if e[2] >= first - 1e-4]
+    # A step's forward+backward phase begins where the step before ended, a little before its mark.
+    first = recorder.wall_time(marks[0][0]) - 1e-4
+    kept = [e for e in recorder.stop_timeline() if e[2] >= first]
 
     def durations(name):
         return [t1 - t0 for n, _, t0, t1, _, _ in kept if n == name]
@@ -167,7 +170,7 @@ def table(model: str, results: dict, cores: int, args) -> tuple[str, list]:
     one = med[("one process", 1, cores)]
     head = ["system", "ranks x threads", "Adam update", "loop s (median)", "min-max", "vs one process",
             "vs DDP", "vs DDP fused Adam", "fwd+bwd ms", "averaging ms", "update ms", "waiting ms"]
-    lines = [f"**{model}** ({MODELS[model][0]} wide, {max(2, round(MODELS[model][1] * args.steps_scale))} steps)", "",
+    lines = [f"**{model}** ({MODELS[model][0]} wide, {steps_of(model, args.steps_scale)} steps)", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     goals = []
     for row, runs in results.items():

@@ -211,8 +211,9 @@ class State:
             # they make the whole, which every rank then has, so the broadcast below leaves it out.
             # The commit is the newest one whose every part is left; a rank that does not hold it
             # takes it from one that does.
-            number, whole = _whole_from_parts(sharded, comm, [c for c in (self._saved, self._previous) if c])
-            chosen = next((c for c in (self._saved, self._previous) if c and c["number"] == number), None)
+            commits = [c for c in (self._saved, self._previous) if c]
+            number, whole = _whole_from_parts(sharded, comm, commits)
+            chosen = next((c for c in commits if c["number"] == number), None)
             self._saved = {k: v for k, v in chosen.items() if k != "optimizer_parts"} if chosen else None
             self._previous = None
         if comm is not None and comm.size > 1:
