@@ -174,7 +174,7 @@ def discovery_script(tmp_path: Path, slots: int) -> str:
 
 
 @pytest.mark.soak
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_elastic_twenty_kills_match_a_replay_of_the_membership(tmp_path):
     """A 4-rank job (--min-np 2) loses a random rank to SIGKILL 20 times; each time the survivors go
     on, and the discovery script offers the slot back, so a new rank joins. After every step all
@@ -183,7 +183,7 @@ def test_elastic_twenty_kills_match_a_replay_of_the_membership(tmp_path):
     random.seed(1)
     job = ElasticRun(tmp_path, 4, ["--min-np", "2", "--max-np", "4", "--host-discovery-script",
                                    discovery_script(tmp_path, 4)], ["--steps", "100000", "--step-sleep", "0.05"],
-                     timeout=560)
+                     timeout=860)  # about 150 s alone; a new worker's start-up takes four times as long beside the full suite
     try:
         job.wait_for(lambda: job.steps_at(4) >= 3, "the first steps")
         for kill in range(20):
@@ -349,6 +349,27 @@ def test_elastic_rank_lost_while_another_joins_leads_to_another_reset(tmp_path):
     finally:
         job.stop()
     assert done.returncode == 0, done.stdout[-4000:]
+    check_against_replay(tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_elastic_member_lost_while_the_new_world_is_set_up_leads_to_another_reset(tmp_path):
+    """After a first kill, worker 0 dies inside torch.distributed's set-up of the survivors' world,
+    having arrived there: worker 2 waits inside that set-up for it. The worker started in the freed
+    slot makes the launcher announce a newer world, and worker 2 leaves the set-up it waits in for
+    that one (instead of waiting out the timeout), hands the state on, and the result equals the
+    replay."""
+    job = ElasticRun(tmp_path, 3, ["--min-np", "2", "--max-np", "3"],
+                     ["--steps", "100000", "--step-sleep", "0.05", "--die-in-setup-after-reset", "0"], timeout=240)
+    try:
+        job.wait_for(lambda: job.steps_at(3) >= 5, "the first steps")
+        step = job.kill(1)
+        job.wait_for(lambda: job.steps_at(3, after=step) >= 3, "three ranks again")
+        done = job.finish()
+    finally:
+        job.stop()
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "worker 0 (host" in done.stdout and "killed by signal SIGKILL" in done.stdout, done.stdout[-4000:]
     check_against_replay(tmp_path)
 
 

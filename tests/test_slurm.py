@@ -226,21 +226,23 @@ def test_torchmn_run_one_task_per_node(slurm):
     print(f"one task per node: {time.monotonic() - start:.1f} s")
 
 
+@pytest.mark.timeout(240)
 def test_torchmn_run_failure_on_one_node_ends_the_step(slurm):
     """A rank failing on n2 stops n1's ranks too (the launchers tell each other), and srun fails."""
     crash = ("import os, time, torchmn\n"
              "comm = torchmn.create_communicator()\n"
              "if comm.rank == 3:\n"
              "    raise SystemExit('rank 3 gives up')\n"
-             "time.sleep(60)\n")
+             "time.sleep(600)\n")
     start = time.monotonic()
     proc = slurm.run(["srun", "-N", "2", "--ntasks-per-node", "1", PY, "-m", "torchmn", "run", "-np", "2",
-                      PY, "-c", crash], env=job_env(), timeout=60, check=False)
+                      PY, "-c", crash], env=job_env(), timeout=200, check=False)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output
     assert "rank 3 (host n2) failed with exit code 1" in output, output
     assert "stopped the 2 rank(s) on this node" in output, output
-    assert time.monotonic() - start < 40, output  # not the 60 s the other ranks sleep
+    # Not the 600 s the other ranks sleep; four ranks' start-up beside the full suite takes up to a minute.
+    assert time.monotonic() - start < 150, output
 
 
 def test_torchmn_run_several_tasks_per_node_is_a_clear_error(slurm):

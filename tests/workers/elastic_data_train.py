@@ -48,7 +48,7 @@ MODES = ["scatter", "shared", "iterator"]
 loaders = {"scatter": ResumableLoader(copied, batch_size=3, seed=5),
            "shared": ResumableLoader(shared, batch_size=3, seed=6),
            "iterator": torchmn.create_multi_node_iterator(ResumableLoader(numbers, batch_size=9, seed=7), comm)}
-state = torchmn.elastic.State(model=model, optimizer=optimizer, **loaders, epoch=0, phase=0, step=0,
+state = torchmn.elastic.State(model=model, optimizer=optimizer, **loaders, epoch=0, phase=0, step=0, world="first",
                               seen={mode: [[] for _ in range(epochs)] for mode in MODES})
 
 
@@ -72,7 +72,13 @@ def train(state):
                         f.write(f"{time.time():.3f} {state.step} {comm.size}\n")
                     with open(os.path.join(out, "phase"), "w") as f:
                         f.write(f"{state.epoch} {mode} {state.step} {os.environ['TORCHMN_ELASTIC_WORKER']}")
-                time.sleep(0.05)
+                # Until a rank first joins, the survivors step slowly: a new rank's start-up on a loaded
+                # machine would otherwise outlast the rest of the job.
+                if comm.size < 3 and state.world == "first":
+                    state.world = "shrunk"
+                elif comm.size == 3 and state.world == "shrunk":
+                    state.world = "grown"
+                time.sleep(0.3 if state.world == "shrunk" else 0.05)
                 state.commit()
         state.phase = 0
 

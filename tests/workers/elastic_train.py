@@ -9,7 +9,9 @@ OUT_DIR/progress after each step. Options: --steps, --shard-state (none|false|tr
 (seconds per step, so that kills land mid-training), --commit-every, --die-in-commit STEP (worker 1
 kills itself inside that step's commit, as it is about to send its part of a sharded optimizer's
 state on, having received its neighbour's), --die-in-commit-after-reset WORKER (that worker does so
-in the first commit after its first reset); the run also ends at the next commit once
+in the first commit after its first reset), --die-in-setup-after-reset WORKER (that worker kills
+itself while the members set up the world of its first reset, after it arrived there, so that the
+others wait for it inside torch.distributed's set-up); the run also ends at the next commit once
 OUT_DIR/stop exists.
 """
 import argparse
@@ -31,12 +33,28 @@ parser.add_argument("--step-sleep", type=float, default=0.0)
 parser.add_argument("--commit-every", type=int, default=1)
 parser.add_argument("--die-in-commit", type=int, default=None)
 parser.add_argument("--die-in-commit-after-reset", default=None)
+parser.add_argument("--die-in-setup-after-reset", default=None)
 args = parser.parse_args()
+
+
+def die_in_setup_after_reset():
+    """Make torch.distributed's set-up of any world after the first kill this process, a moment
+    after it starts (the other members are inside theirs by then, waiting for this one)."""
+    set_up = torch.distributed.init_process_group
+
+    def set_up_then_die(*a, **k):
+        if os.environ.get("TORCHMN_ELASTIC_GENERATION", "0") != "0":
+            time.sleep(0.5)
+            os.kill(os.getpid(), signal.SIGKILL)
+        return set_up(*a, **k)
+    torch.distributed.init_process_group = set_up_then_die
 
 
 if __name__ == "__main__":
     os.makedirs(os.path.join(args.out, "pids"), exist_ok=True)
     worker = os.environ.get("TORCHMN_ELASTIC_WORKER", "0")
+    if worker == args.die_in_setup_after_reset:
+        die_in_setup_after_reset()
     with open(os.path.join(args.out, "pids", worker), "w") as f:
         f.write(str(os.getpid()))
     comm = torchmn.create_communicator()

@@ -90,8 +90,16 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
     from torchmn.elastic import membership  # it uses this package's world module
 
     if elastic and not dist.is_initialized() and os.environ.get(protocol.GENERATION_VARIABLE) is None:
-        # A worker an elastic job added: its place is known once the others make room for it.
-        membership.wait_for_place()
+        # A worker an elastic job added: its place is known once the others make room for it. A
+        # member lost while that world is set up makes the launcher announce another: it joins that.
+        while True:
+            membership.wait_for_place()
+            try:
+                return create_communicator(**creation)
+            except Exception as error:  # noqa: BLE001 (told apart just below)
+                if not membership.newer_generation():
+                    raise
+                failure.leave_world(error)
     compression = _compression_named_by(allreduce_grad_dtype)
     timeout = _as_timedelta(timeout)
     if rank is not None or size is not None:

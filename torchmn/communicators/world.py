@@ -15,7 +15,9 @@ import torch
 import torch.distributed as dist
 
 from torchmn import network
+from torchmn.communicators._torch_compat import forget_unmade_world
 from torchmn.elastic import protocol
+from torchmn.elastic.setup_store import SetupStore
 from torchmn.environments import LaunchEnvironment, mpi_rendezvous
 from torchmn.environments import job_label
 from torchmn.environments.mpi import MPI_RENDEZVOUS
@@ -25,6 +27,7 @@ from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
 _timeout: Optional[datetime.timedelta] = None  # the world's, once set up or adopted
 _worlds = 0  # default process groups this process set up (a world again after finalize)
 _job_store_client: Optional["dist.Store"] = None  # the store of the world set up last, unprefixed
+_setup_store: Optional[SetupStore] = None  # an elastic generation's world's store (_watched_by_the_launcher)
 
 
 def default_timeout() -> datetime.timedelta:
@@ -150,7 +153,7 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
                 # the script's own), or by a restarted torchrun attempt, would otherwise meet the keys
                 # of a group torch named alike, and wait on its addresses. Each gets keys of its own,
                 # as torch's own env:// gives each torchrun attempt.
-                store = dist.PrefixStore(_world_prefix(), store)
+                store = dist.PrefixStore(_world_prefix(), _watched_by_the_launcher(store))
         elif env.master_addr == MPI_RENDEZVOUS:
             # mpirun across nodes without MASTER_ADDR: rank 0's address travels over MPI (mpi4py).
             store, init_method = mpi_rendezvous.rendezvous_store(env, _timeout)
@@ -181,6 +184,7 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             where = {"store": store} if store is not None and own_keys else {"init_method": init_method}
             dist.init_process_group(backend, rank=env.rank, world_size=env.size, timeout=_timeout, **where)
     except Exception as e:
+        forget_unmade_world()
         missing = _never_arrived(arrivals, env.size)
         raise TorchmnRuntimeError(
             f"rank {env.rank}/{env.size} could not join the job's rendezvous at {init_method} "
@@ -190,6 +194,15 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
                "Check that every rank was started, that the rendezvous host is reachable from this one, and that "
                "the port is free and not firewalled (MASTER_ADDR / MASTER_PORT override it).")) from e
     atexit.register(shutdown_world)
+
+
+def _watched_by_the_launcher(store: "dist.TCPStore") -> "dist.Store":
+    """``store``, for an elastic generation's world through a :class:`SetupStore` (kept for the
+    world's life: its groups' set-ups wait there), whose waits end when the launcher moves on."""
+    global _setup_store
+    generation = os.environ.get(protocol.GENERATION_VARIABLE) if protocol.enabled(os.environ) else None
+    _setup_store = None if generation is None else SetupStore(store, int(generation))
+    return store if _setup_store is None else _setup_store
 
 
 def job_store() -> Optional["dist.Store"]:

@@ -226,6 +226,8 @@ def wait_for_place() -> int:
     store = _store()
     me = worker()
     left = generation()
+    if left is None:
+        _load_before_arriving()
     left = -1 if left is None else left
     timeout = float(os.environ.get(protocol.TIMEOUT_VARIABLE, "600"))
     deadline = time.monotonic() + timeout
@@ -248,6 +250,13 @@ def wait_for_place() -> int:
     raise TorchmnRuntimeError(f"worker {me} on {socket.gethostname()}: no generation of the elastic job took it within "
                               f"{timeout:g} s (TORCHMN_ELASTIC_TIMEOUT, from --elastic-timeout); the launcher's "
                               f"output says why")
+
+
+def _load_before_arriving() -> None:
+    """Load, in a worker about to join, what the script's first optimizer loads: torch's optimizers
+    import ``torch._dynamo`` at their first construction (2-3 s on a small CPU, many times that on a
+    loaded one), which the members would otherwise spend waiting in their reset for the newcomer."""
+    import torch._dynamo  # noqa: F401
 
 
 def _all_arrived(store, g: int, members: Iterable[int], deadline: float) -> bool:

@@ -116,7 +116,9 @@ def run(func: F) -> F:
                     _reset(state, broke)
                     break
                 except Exception as e:  # noqa: BLE001 (told apart just below)
-                    if not recoverable(e):
+                    # A member lost while the new world was set up: its set-up gave up when the
+                    # launcher announced the next (torchmn.elastic.setup_store).
+                    if not (recoverable(e) or membership.newer_generation()):
                         raise
                     broke = e
     return wrapper
