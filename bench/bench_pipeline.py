@@ -9,8 +9,10 @@ Every stage is the same MLP block (``--layers`` Linear+ReLU of ``--width``), so 
 same. For each schedule and micro-batch count m it times ``Pipeline.train_step`` (median of
 ``--steps`` steps after a warm-up) and, in the same job and on the same ranks at the same time,
 the stage's own work with no pipeline: the forward and backward of the same m micro-batches, one
-after another. The bubble is the share of a step a stage is not computing: 1 - compute / step,
-against the theory (p - 1) / (m + p - 1), which counts no communication. Also the peak bytes of
+after another, with the gradient of the input on every stage but the first (which the pipeline
+sends back) and the loss on the last. The bubble is the share of a step the busiest stage is not
+computing: 1 - compute / step, against the theory (p - 1) / (m + p - 1), which counts no
+communication. Also the peak bytes of
 activations each stage held for backward.
 """
 from __future__ import annotations
@@ -65,8 +67,12 @@ def main() -> None:
 
             def alone():
                 comm.barrier()  # every stage computes at the same moment, as in the pipeline
-                for piece in torch.tensor_split(x, m):
-                    stage(piece).sum().backward()
+                for piece, goal in zip(torch.tensor_split(x, m), torch.tensor_split(target, m)):
+                    # A stage's work in the pipeline: every stage but the first also computes the
+                    # gradient of its input (to send back), a sixth more work for a 2-layer stage.
+                    piece = piece.detach().requires_grad_(not pipe.is_first)
+                    out = stage(piece)
+                    (torch.nn.functional.mse_loss(out, goal) if pipe.is_last else out.sum()).backward()
 
             step_s = max(comm.allgather_obj(time_steps(step, args.steps)))
             compute_s = max(comm.allgather_obj(time_steps(alone, args.steps)))

@@ -185,6 +185,15 @@ class NetnsCluster:
             f.write("".join(f"{self.address(n)} {n}\n" for n in self.names))
         # Its own hostname, and an /etc/hosts naming every host, as on a real cluster.
         setup = [f"hostname {shlex.quote(name)}", f"mount --bind {shlex.quote(hosts_file)} /etc/hosts"]
+        bashrc = os.path.expanduser("~/.bashrc")
+        if os.path.isfile(bashrc):
+            # A login there runs none of this machine's shell start-up, as on a fresh node, with this
+            # interpreter first on PATH. (pyenv's start-up rehashes under a lock file that every host
+            # shares; a session killed meanwhile leaves it, and each later login waits 60 s for it.)
+            clean = os.path.join(folder, "bashrc")
+            with open(clean, "w") as f:
+                f.write(f"export PATH={shlex.quote(os.path.dirname(sys.executable))}:\"$PATH\"\n")
+            setup.append(f"mount --bind {shlex.quote(clean)} {shlex.quote(bashrc)}")
         if name in self.bare:
             empty = os.path.join(folder, "not-python")
             open(empty, "w").close()

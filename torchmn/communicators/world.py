@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torchmn import network
 from torchmn.communicators._torch_compat import forget_unmade_world
 from torchmn.elastic import protocol
-from torchmn.elastic.setup_store import SetupStore
+from torchmn.elastic import setup_store
 from torchmn.environments import LaunchEnvironment, mpi_rendezvous
 from torchmn.environments import job_label
 from torchmn.environments.mpi import MPI_RENDEZVOUS
@@ -27,7 +27,7 @@ from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
 _timeout: Optional[datetime.timedelta] = None  # the world's, once set up or adopted
 _worlds = 0  # default process groups this process set up (a world again after finalize)
 _job_store_client: Optional["dist.Store"] = None  # the store of the world set up last, unprefixed
-_setup_store: Optional[SetupStore] = None  # an elastic generation's world's store (_watched_by_the_launcher)
+_setup_store: Optional["dist.Store"] = None  # an elastic generation's world's store (_watched_by_the_launcher)
 
 
 def default_timeout() -> datetime.timedelta:
@@ -197,11 +197,12 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
 
 
 def _watched_by_the_launcher(store: "dist.TCPStore") -> "dist.Store":
-    """``store``, for an elastic generation's world through a :class:`SetupStore` (kept for the
-    world's life: its groups' set-ups wait there), whose waits end when the launcher moves on."""
+    """``store``; for an elastic generation's world, watched by :mod:`torchmn.elastic.setup_store`
+    (kept for the world's life: its groups' set-ups wait there), so that its waits end when the
+    launcher moves on."""
     global _setup_store
     generation = os.environ.get(protocol.GENERATION_VARIABLE) if protocol.enabled(os.environ) else None
-    _setup_store = None if generation is None else SetupStore(store, int(generation))
+    _setup_store = None if generation is None else setup_store.watched(store, int(generation))
     return store if _setup_store is None else _setup_store
 
 

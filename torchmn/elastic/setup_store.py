@@ -17,55 +17,53 @@ from typing import List, Optional
 import torch.distributed as dist
 
 from torchmn.elastic import protocol
+from torchmn.errors import TorchmnRuntimeError
 
 POLL_S = 0.02  # how often a wait looks at its keys and at the launcher's generation
 
 
-class SetupStore(dist.Store):
-    """The launcher's store for the set-up of generation ``generation``: waits end when a newer
-    generation is announced or the job ends.
+def watched(store: dist.Store, generation: int) -> dist.Store:
+    """``store`` as generation ``generation``'s set-up should use it: its waits end (with an error)
+    when the launcher announces a newer generation or ends the job.
+
+    Keep the result for as long as the world lives: torch holds it only on its C++ side, where it
+    would lose its Python methods.
 
     Args:
         store: a client of the launcher's store (unprefixed: the generation's keys are read there).
-        generation: the generation whose world is set up through this store.
-        root: the store this one was cloned from (torch clones a store for its threads); None for
-            the first.
+        generation: the generation whose world is set up through it.
+
+    Returns:
+        A store to give ``init_process_group`` (inside a ``PrefixStore``).
 
     Example::
 
-        >>> store = SetupStore(launcher_store(), 3)
-        >>> dist.init_process_group("gloo", store=dist.PrefixStore("w/", store), rank=0, world_size=2)
+        >>> setup = watched(launcher_store(), 3)
+        >>> dist.init_process_group("gloo", store=dist.PrefixStore("w/", setup), rank=0, world_size=2)
     """
+    return _SetupStore(store, generation)
 
-    def __init__(self, store: dist.Store, generation: int, root: Optional["SetupStore"] = None):
+
+class _SetupStore(dist.Store):
+    """torch's ``Store`` interface over ``store``, whose waits look at the launcher's generation."""
+
+    def __init__(self, store: dist.Store, generation: int, root: Optional["_SetupStore"] = None):
         super().__init__()
         self.store, self.generation = store, generation
         self.set_timeout(store.timeout)
-        # A store torch holds only on its C++ side loses its Python methods when its Python object
-        # goes: the clones live as long as the first one, which the world keeps.
-        self._clones: List["SetupStore"] = []
+        # torch clones a store for its threads; a clone held only on the C++ side would lose its
+        # Python methods, so the clones live as long as the first one.
+        self._clones: List["_SetupStore"] = []
         self._root = root or self
 
     def moved_on(self) -> Optional[str]:
-        """Why this generation's set-up should give up, if it should.
-
-        Returns:
-            A sentence naming the newer generation or the job's end; None while this one is the
-            newest.
-
-        Example::
-
-            >>> store.moved_on()
-            'the launcher announced generation 4 while this rank set up generation 3'
-        """
+        """Why this generation's set-up should give up (a newer generation, the job's end), or None."""
         if self.store.check([protocol.ENDED_KEY]):
             return f"the launcher ended the job while this rank set up generation {self.generation}"
         latest = int(self.store.get(protocol.GENERATION_KEY).decode())
         if latest > self.generation:
             return f"the launcher announced generation {latest} while this rank set up generation {self.generation}"
         return None
-
-    # -- what torch.distributed calls ------------------------------------------------------------
 
     def set(self, key, value):
         self.store.set(key, value)
@@ -98,13 +96,13 @@ class SetupStore(dist.Store):
         while not self.store.check(keys):
             why = self.moved_on()
             if why is not None:
-                raise RuntimeError(f"torchmn.elastic: gave up waiting for {', '.join(keys)}: {why}")
+                raise TorchmnRuntimeError(f"torchmn.elastic: gave up waiting for {', '.join(keys)}: {why}")
             if time.monotonic() > deadline:
-                raise RuntimeError(f"torchmn.elastic: timed out after {limit:g} s waiting for {', '.join(keys)} "
-                                   f"while setting up generation {self.generation}")
+                raise TorchmnRuntimeError(f"torchmn.elastic: timed out after {limit:g} s waiting for "
+                                          f"{', '.join(keys)} while setting up generation {self.generation}")
             time.sleep(POLL_S)
 
     def clone(self):
-        clone = SetupStore(self.store.clone(), self.generation, self._root)
+        clone = _SetupStore(self.store.clone(), self.generation, self._root)
         self._root._clones.append(clone)
         return clone
