@@ -6,9 +6,9 @@ Run (one stage per rank):
     torchmn run -np 2 python bench/bench_pipeline.py --micro-batches 1 2 4 8 --steps 5 --width 2048 --batch 512
 
 Every stage is the same MLP block (``--layers`` Linear+ReLU of ``--width``), so the stages cost the
-same. For each schedule and micro-batch count m it times ``Pipeline.train_step`` (median of
-``--steps`` steps after a warm-up) and, in the same job and on the same ranks at the same time,
-the stage's own work with no pipeline: the forward and backward of the same m micro-batches, one
+same. For each schedule and micro-batch count m it times ``Pipeline.train_step`` and, in turns with
+it (medians of ``--steps`` rounds after a warm-up), on the same ranks at the same time, the
+stage's own work with no pipeline: the forward and backward of the same m micro-batches, one
 after another, with the gradient of the input on every stage but the first (which the pipeline
 sends back) and the loss on the last. The bubble is the share of a step the busiest stage is not
 computing: 1 - compute / step, against the theory (p - 1) / (m + p - 1), which counts no
@@ -32,14 +32,18 @@ def make_stage(width: int, layers: int) -> torch.nn.Module:
     return torch.nn.Sequential(*[m for _ in range(layers) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())])
 
 
-def time_steps(fn, steps: int) -> float:
-    fn()
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
+def interleaved_medians(fns, steps: int) -> list:
+    """The median time of each of ``fns`` over ``steps`` rounds, after a warm-up round; each round
+    calls every one once, so that a change in the machine's speed reaches them all alike."""
+    for fn in fns:
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    times = [[] for _ in fns]
+    for _ in range(steps):
+        for fn, spent in zip(fns, times):
+            start = time.perf_counter()
+            fn()
+            spent.append(time.perf_counter() - start)
+    return [statistics.median(spent) for spent in times]
 
 
 def main() -> None:
@@ -74,8 +78,8 @@ def main() -> None:
                     out = stage(piece)
                     (torch.nn.functional.mse_loss(out, goal) if pipe.is_last else out.sum()).backward()
 
-            step_s = max(comm.allgather_obj(time_steps(step, args.steps)))
-            compute_s = max(comm.allgather_obj(time_steps(alone, args.steps)))
+            step_s, compute_s = (max(times) for times in zip(*comm.allgather_obj(
+                interleaved_medians([step, alone], args.steps))))
             memory = comm.allgather_obj(pipe.peak_activation_bytes)
             rows.append((schedule, m, step_s, compute_s, memory))
     if comm.rank == 0:
