@@ -60,6 +60,8 @@ class _SetupStore(dist.Store):
         """Why this generation's set-up should give up (a newer generation, the job's end), or None."""
         if self.store.check([protocol.ENDED_KEY]):
             return f"the launcher ended the job while this rank set up generation {self.generation}"
+        if not self.store.check([protocol.GENERATION_KEY]):
+            return None  # the first generation, before the launcher wrote it down
         latest = int(self.store.get(protocol.GENERATION_KEY).decode())
         if latest > self.generation:
             return f"the launcher announced generation {latest} while this rank set up generation {self.generation}"
