@@ -201,8 +201,8 @@ def _watched_by_the_launcher(store: "dist.TCPStore") -> "dist.Store":
     (kept for the world's life: its groups' set-ups wait there), so that its waits end when the
     launcher moves on."""
     global _setup_store
-    generation = os.environ.get(protocol.GENERATION_VARIABLE) if protocol.enabled(os.environ) else None
-    _setup_store = None if generation is None else setup_store.watched(store, int(generation))
+    generation = _elastic_generation()
+    _setup_store = None if generation is None else setup_store.watched(store, generation)
     return store if _setup_store is None else _setup_store
 
 
@@ -251,10 +251,17 @@ def _world_prefix() -> str:
     its own. An elastic job's ranks count their worlds differently (a rank that joined later has
     set up fewer), so there each generation has its own, the same on every member.
     """
-    generation = os.environ.get(protocol.GENERATION_VARIABLE) if protocol.enabled(os.environ) else None
+    generation = _elastic_generation()
     if generation is not None:
-        return protocol.store_prefix(int(generation))
+        return protocol.store_prefix(generation)
     return f"torchmn/world{_worlds}/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def _elastic_generation() -> Optional[int]:
+    """The elastic generation this rank's place belongs to; None outside an elastic job (or in a
+    worker that has not joined one yet)."""
+    value = os.environ.get(protocol.GENERATION_VARIABLE) if protocol.enabled(os.environ) else None
+    return None if value is None else int(value)
 
 
 def _arrived_key(rank: int) -> str:

@@ -149,12 +149,6 @@ def _store():
     return store
 
 
-def _read_generation(store) -> int:
-    if not store.check([protocol.GENERATION_KEY]):
-        return 0
-    return int(store.get(protocol.GENERATION_KEY).decode())
-
-
 def newer_generation() -> bool:
     """Whether the launcher has announced a generation newer than this rank's (ranks came or went).
 
@@ -167,7 +161,7 @@ def newer_generation() -> bool:
         True
     """
     current = generation()
-    return current is not None and _read_generation(_store()) > current
+    return current is not None and protocol.read_generation(_store()) > current
 
 
 def awaiting_state() -> bool:
@@ -199,8 +193,9 @@ def say_it_holds_the_state() -> None:
 
 
 def _ended(store) -> None:
-    if store.check([protocol.ENDED_KEY]):
-        raise ElasticJobEndedError(store.get(protocol.ENDED_KEY).decode())
+    reason = protocol.end_reason(store)
+    if reason is not None:
+        raise ElasticJobEndedError(reason)
 
 
 def wait_for_place() -> int:
@@ -235,7 +230,7 @@ def wait_for_place() -> int:
     tried = left
     while time.monotonic() < deadline:
         _ended(store)
-        latest = _read_generation(store)
+        latest = protocol.read_generation(store)
         if latest > tried:
             tried = latest
             members = dict(protocol.load_members(store.get(protocol.members_key(latest)).decode()))
@@ -266,7 +261,7 @@ def _all_arrived(store, g: int, members: Iterable[int], deadline: float) -> bool
         if store.check(keys):
             return True
         _ended(store)
-        if _read_generation(store) > g:
+        if protocol.read_generation(store) > g:
             return False
         time.sleep(POLL_S)
     return False

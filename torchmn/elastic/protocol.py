@@ -15,7 +15,7 @@ them died meanwhile) before it sets up the generation's process groups under
 from __future__ import annotations
 
 import json
-from typing import Dict, List, Mapping, Sequence, Tuple
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 # Set by torchmn run for every rank of an elastic job.
 ELASTIC_VARIABLE = "TORCHMN_ELASTIC"              # "1"
@@ -111,6 +111,44 @@ def holds_key(worker: int) -> str:
         'torchmn/elastic/holds/5'
     """
     return f"torchmn/elastic/holds/{worker}"
+
+
+def read_generation(store) -> int:
+    """The newest generation the launcher has announced in ``store``.
+
+    Args:
+        store: a client of the job's store.
+
+    Returns:
+        Its number; 0 before the launcher wrote the first one down.
+
+    Example::
+
+        >>> read_generation(store)
+        3
+    """
+    if not store.check([GENERATION_KEY]):
+        return 0
+    return int(store.get(GENERATION_KEY).decode())
+
+
+def end_reason(store) -> Optional[str]:
+    """Why the launcher ended the job, if it has.
+
+    Args:
+        store: a client of the job's store.
+
+    Returns:
+        The launcher's message for every rank; None while the job goes on.
+
+    Example::
+
+        >>> end_reason(store)      # after the job stayed below --min-np too long
+        'torchmn run: only 1 worker(s) left, below --min-np 2, ...'
+    """
+    if not store.check([ENDED_KEY]):
+        return None
+    return store.get(ENDED_KEY).decode()
 
 
 def store_prefix(generation: int) -> str:

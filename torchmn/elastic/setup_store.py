@@ -58,11 +58,9 @@ class _SetupStore(dist.Store):
 
     def moved_on(self) -> Optional[str]:
         """Why this generation's set-up should give up (a newer generation, the job's end), or None."""
-        if self.store.check([protocol.ENDED_KEY]):
+        if protocol.end_reason(self.store) is not None:
             return f"the launcher ended the job while this rank set up generation {self.generation}"
-        if not self.store.check([protocol.GENERATION_KEY]):
-            return None  # the first generation, before the launcher wrote it down
-        latest = int(self.store.get(protocol.GENERATION_KEY).decode())
+        latest = protocol.read_generation(self.store)
         if latest > self.generation:
             return f"the launcher announced generation {latest} while this rank set up generation {self.generation}"
         return None
