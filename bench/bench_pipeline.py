@@ -12,8 +12,7 @@ stage's own work with no pipeline: the forward and backward of the same m micro-
 after another, with the gradient of the input on every stage but the first (which the pipeline
 sends back) and the loss on the last. The bubble is the share of a step the busiest stage is not
 computing: 1 - compute / step, against the theory (p - 1) / (m + p - 1), which counts no
-communication. Also the peak bytes of
-activations each stage held for backward.
+communication. Also the peak bytes of activations each stage held for backward.
 """
 from __future__ import annotations
 
