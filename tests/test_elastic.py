@@ -60,7 +60,7 @@ class ElasticRun:
 
     def __init__(self, out: Path, np: int, launcher_args: list, train_args: list, timeout: float,
                  script: str = TRAIN):
-        self.out, self.timeout = out, timeout
+        self.out, self.timeout, self.script = out, timeout, script
         self.started = time.monotonic()
         self.log = open(out / "launcher.log", "w")
         self.proc = subprocess.Popen([PY, "-m", "torchmn", "run", "-np", str(np), *launcher_args, PY, script,
@@ -80,7 +80,7 @@ class ElasticRun:
             if self.proc.poll() is not None:
                 raise AssertionError(f"the job ended while waiting for {what}:\n{self.output()[-4000:]}")
             if time.monotonic() - self.started > self.timeout:
-                raise AssertionError(f"timed out waiting for {what}:\n{self.output()[-4000:]}")
+                raise AssertionError(f"timed out waiting for {what}:\n{self.stacks()[-12000:]}")
             time.sleep(0.05)
 
     def steps_at(self, size: int, after: int = 0) -> int:
@@ -118,6 +118,19 @@ class ElasticRun:
         finally:
             self.log.close()
         return subprocess.CompletedProcess(self.proc.args, self.proc.returncode, self.output(), "")
+
+    def stacks(self) -> str:
+        """The output, after every live worker printed its threads' stacks where its script does so
+        on SIGUSR1 (elastic_train.py; the signal would end the others)."""
+        if self.script != TRAIN:
+            return self.output()
+        for pid in self.worker_pids().values():
+            try:
+                os.kill(pid, signal.SIGUSR1)
+            except ProcessLookupError:
+                pass
+        time.sleep(1.0)
+        return self.output()
 
     def output(self) -> str:
         if not self.log.closed:

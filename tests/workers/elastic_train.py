@@ -12,9 +12,11 @@ state on, having received its neighbour's), --die-in-commit-after-reset WORKER (
 in the first commit after its first reset), --die-in-setup-after-reset WORKER (that worker kills
 itself while the members set up the world of its first reset, after it arrived there, so that the
 others wait for it inside torch.distributed's set-up); the run also ends at the next commit once
-OUT_DIR/stop exists.
+OUT_DIR/stop exists. SIGUSR1 prints every thread's stack to stderr (a test that timed out says
+where the workers were).
 """
 import argparse
+import faulthandler
 import os
 import signal
 import time
@@ -24,6 +26,8 @@ import torch
 import torchmn
 import torchmn.elastic
 from elastic_train_model import loss_of, make_model
+
+faulthandler.register(signal.SIGUSR1, all_threads=True)
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
