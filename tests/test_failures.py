@@ -81,7 +81,6 @@ def test_other_ranks_can_catch_the_named_error(tmp_path):
         assert "ended with an uncaught ValueError: boom from rank 1" in outputs[rank], outputs[rank]
 
 
-
 @pytest.mark.parametrize("holder", ["group", "handle"])
 def test_leaving_the_world_closes_connections_held_in_an_old_reference_cycle(holder, tmp_path):
     """A rank that leaves its world and goes on (an elastic rank moving to a new world) closes the

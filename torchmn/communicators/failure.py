@@ -308,7 +308,7 @@ def _break_off(exc: BaseException) -> None:
     except Exception:  # noqa: BLE001 (already failing: the connections close at exit anyway)
         pass
     # Groups, and handles of their collectives (finished ones too), held in reference cycles: a
-    # full collection (0.2-0.3 s with torch alone). A young one does not do: a handle in an old
+    # full collection (0.2-0.3 s with torch alone). A young one is not enough: a handle in an old
     # cycle keeps its group's connections open, and the peers waiting in it, until this process ends.
     gc.collect()
 
