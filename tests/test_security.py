@@ -415,6 +415,56 @@ def test_a_stranger_who_connects_before_the_store_port_is_signed_is_cut_off():
     assert f"(python) of user {psutil.Process().username()}" in lines[0], lines
 
 
+CLOSE_WHILE_STARTING = """
+import sys, threading
+import psutil
+
+held, asked = threading.Event(), threading.Event()
+
+class HoldTorch:  # holds the store's start where it imports torch, as a slow import would
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            asked.set()
+            held.wait()
+        return None
+
+sys.meta_path.insert(0, HoldTorch())
+from torchmn.run.config import RunError
+from torchmn.run.store.rendezvous import start_store
+
+hosted = start_store("127.0.0.1", None)
+hosted.open_in_background()
+assert asked.wait(60), "the store's start never imported torch"
+hosted.close()  # returns while the start is held
+print("CLOSED WHILE STARTING", flush=True)
+try:
+    hosted.store
+    print("the store opened after close")
+except RunError as e:
+    print("REFUSED:", e, flush=True)
+held.set()
+for thread in threading.enumerate():
+    if thread.name == "torchmn-store-start":
+        thread.join(60)
+listening = [c.laddr for c in psutil.Process().net_connections("tcp") if c.status == psutil.CONN_LISTEN]
+print("LISTENING:", listening, flush=True)
+"""
+
+
+def test_closing_the_store_does_not_wait_for_its_start():
+    """A job that ends before its store has started (its ranks never used it: `torchmn run -H a,b
+    hostname`, a script that failed at once) ends without waiting for the start, which is mostly
+    importing torch: the store is refused from then on, and the start, once done, drops what it
+    started, leaving no port open."""
+    proc = subprocess.run([sys.executable, "-c", CLOSE_WHILE_STARTING], cwd=REPO, env=clean_env(),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[:2] == ["CLOSED WHILE STARTING",
+                         "REFUSED: the rendezvous store is closed: the job has ended"], proc.stdout
+    assert lines[2] == "LISTENING: []", proc.stdout
+
+
 UNSIGNED_LAUNCHER = """
 import errno, sys
 import torchmn.run.store.rendezvous as rendezvous

@@ -64,12 +64,20 @@ class _TorchStore:
         self.port = 0
 
     def open(self):
+        if self.closed.is_set():  # without waiting for a start in progress
+            raise RunError("the rendezvous store is closed: the job has ended")
         with self.lock:
             if self.closed.is_set():
                 raise RunError("the rendezvous store is closed: the job has ended")
             if self.store is None:
                 self.store, self.port = _start_tcp_store(self.address, self.key, self.log)
-            return self.store
+            store = self.store
+        if self.closed.is_set():  # closed while it started: close() left the store to this thread
+            del store
+            with self.lock:
+                self.store = None
+            raise RunError("the rendezvous store is closed: the job has ended")
+        return store
 
     def connect(self) -> socket.socket:
         self.open()
@@ -112,9 +120,15 @@ class _TorchStore:
             pause = min(1.0, pause * 1.2)
 
     def close(self) -> None:
-        with self.lock:
-            self.closed.set()
-            self.store = None  # the server stops, and frees its port, with the last reference
+        self.closed.set()
+        # A store still starting is not waited for: that is mostly importing torch, seconds that
+        # a job which ended without it (`torchmn run -H a,b hostname`, a script that failed at
+        # once) would add to its end. The thread starting it drops it once it sees ``closed``.
+        if self.lock.acquire(blocking=False):
+            try:
+                self.store = None  # the server stops, and frees its port, with the last reference
+            finally:
+                self.lock.release()
 
 
 class HostedStore:
