@@ -212,6 +212,36 @@ def test_a_scripts_own_torch_threads_win(imports):
     assert eval(lines[2]) == {"openmp": 1, "openblas": 2}, out.stdout
 
 
+FROZEN = """
+{imports}
+import gc
+class Node:
+    def __init__(self):
+        self.me = self  # a reference cycle: only the collector frees it
+
+    def __del__(self):
+        print("collected", flush=True)
+
+Node()
+gc.collect()
+print(gc.get_freeze_count(), any(o is torch.nn.Module for o in gc.get_objects()))
+"""
+
+
+@pytest.mark.parametrize("imports", ["import torch, torchmn", "import torchmn, torch"],
+                         ids=["torch_first", "torchmn_first"])
+def test_torchs_import_time_objects_are_frozen_and_the_scripts_still_collected(imports):
+    """Once torch is loaded, its import-time objects leave the collections (gc.freeze: full
+    collections and the exit no longer walk them); what the script makes afterwards is collected
+    as before, cycles and finalizers included."""
+    out = subprocess.run([sys.executable, "-c", FROZEN.format(imports=imports)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    collected, counts = out.stdout.splitlines()
+    frozen, listed = counts.split()
+    assert collected == "collected" and int(frozen) > 100_000 and listed == "False", out.stdout
+
+
 def test_a_bad_torchmn_num_threads_is_refused():
     for value in ("abc", "0", "-2", "2,1"):
         with pytest.raises(ValueError, match=f"TORCHMN_NUM_THREADS='{value}' is not a positive integer"):

@@ -14,15 +14,16 @@ Model parallelism is in ``torchmn.functions`` (differentiable communication) and
 
 The names below are loaded when first used (PEP 562), so that ``import torchmn`` does not import
 torch: the launcher and its helper processes (``torchmn.run``) are part of this package and run
-where torch would only cost seconds and memory. ``import torchmn`` does one thing at once: it notes
-torch's thread count (now, or when torch is imported), so that a ``torch.set_num_threads`` the
-script calls afterwards wins over the per-rank thread budget (``torchmn.resources``).
+where torch would only cost seconds and memory. Once torch is loaded (now, or when its import
+finishes), ``import torchmn`` notes torch's thread count, so that a ``torch.set_num_threads`` the
+script calls afterwards wins over the per-rank thread budget, and moves torch's import-time objects
+out of the garbage collector's way (``torchmn.torch_loaded``).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from torchmn import lazy_names, resources
+from torchmn import lazy_names, torch_loaded
 from torchmn.errors import TorchmnError
 
 __version__ = "0.1.0"
@@ -54,7 +55,7 @@ _SUBPACKAGES = ("checkpoint", "communicators", "datasets", "environments", "eval
 __getattr__, __dir__, __all__ = lazy_names.attach(__name__, _NAMES, _SUBPACKAGES)
 __all__ += ["TorchmnError", "__version__"]
 
-resources.watch_torch_threads()
+torch_loaded.when_torch_loads()
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see

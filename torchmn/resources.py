@@ -9,11 +9,8 @@ rank: the remote watcher loads this module without it (see ``docs/design/launche
 """
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
 import math
 import os
-import sys
 from typing import Callable, Dict, Mapping, Optional
 
 from torchmn.environments.slurm import slurm_step_id
@@ -265,7 +262,7 @@ _torch_threads_at_import: Optional[int] = None
 
 
 def remember_torch_threads(count: int) -> None:
-    """Record torch's thread count as torchmn is imported (see ``watch_torch_threads``).
+    """Record torch's thread count as torchmn is imported (``torchmn.torch_loaded`` calls this).
 
     Args:
         count: ``torch.get_num_threads()`` at import.
@@ -276,48 +273,6 @@ def remember_torch_threads(count: int) -> None:
     """
     global _torch_threads_at_import
     _torch_threads_at_import = count
-
-
-class _AfterTorchImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when torch is about to be imported, it wraps torch's loader so that
-    torch's thread count is remembered the moment its import finishes, then leaves ``sys.meta_path``."""
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != "torch":
-            return None
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-        spec = importlib.util.find_spec("torch")
-        if spec is None or not hasattr(spec.loader, "exec_module"):
-            return spec
-        load = spec.loader.exec_module
-
-        def exec_module(module):
-            load(module)
-            remember_torch_threads(module.get_num_threads())
-
-        spec.loader.exec_module = exec_module  # this spec's own loader object: torch's alone
-        return spec
-
-
-def watch_torch_threads() -> None:
-    """Remember torch's thread count as ``import torchmn`` runs (``torchmn/__init__.py`` calls this).
-
-    A ``torch.set_num_threads(n)`` the script calls after ``import torchmn`` then makes ``n`` the
-    rank's thread budget. ``import torchmn`` does not import torch itself (the launcher's helper
-    processes must not); where torch is not imported yet, its count is remembered the moment its
-    import finishes, before the script can change it.
-
-    Example::
-
-        >>> import torchmn, torch           # either order
-        >>> torch.set_num_threads(2)        # create_communicator() keeps 2 as the budget
-    """
-    torch = sys.modules.get("torch")
-    if torch is not None and hasattr(torch, "get_num_threads"):
-        remember_torch_threads(torch.get_num_threads())
-    elif not any(isinstance(finder, _AfterTorchImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _AfterTorchImport())
 
 
 def _scripts_torch_threads() -> Optional[int]:
