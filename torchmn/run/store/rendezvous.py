@@ -51,33 +51,70 @@ def sign(sock: socket.socket, key: bytes) -> None:
 
 class _TorchStore:
     """torch's ``TCPStore`` on the gate's address (127.0.0.1 where the kernel cannot sign), started
-    on first use, and the way to it through the kernel's signature check. The gate and the thread that starts it early hold this, not the
-    ``HostedStore``, so that dropping the ``HostedStore`` still closes everything."""
+    on first use, and the way to it through the kernel's signature check. The gate and the thread
+    that starts it hold this, not the ``HostedStore``, so that dropping the ``HostedStore`` still
+    closes everything.
+
+    The store starts on a daemon thread of its own (``torchmn-store-start``), never on the thread
+    that asks for it: starting means importing torch (seconds), and a job can end meanwhile (its
+    ranks never used the store: `torchmn run -H a,b hostname`; a script that failed at once).
+    Whoever waits for the start stops waiting when the store is closed, and the process's exit
+    waits for neither (the gate's workers are joined at exit, a daemon thread is not)."""
 
     def __init__(self, log: Callable[[str], None], address: str, key: Optional[bytes]):
         self.log = log
         self.address = address
         self.key = key
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards store, port, starting, failure
+        self.changed = threading.Condition(self.lock)
         self.closed = threading.Event()
         self.store = None
         self.port = 0
+        self.starting = False
+        self.failure: Optional[BaseException] = None
+
+    def start_soon(self) -> None:
+        """Start the store on its own thread unless it is started, starting or closed."""
+        with self.lock:
+            self._start_unless_started()
+
+    def _start_unless_started(self) -> None:  # under the lock
+        if self.store is None and not self.starting and not self.closed.is_set():
+            self.starting = True
+            threading.Thread(target=self._start, name="torchmn-store-start", daemon=True).start()
+
+    def _start(self) -> None:
+        failure = None
+        try:
+            from torch.distributed import TCPStore  # noqa: F401 (the seconds: outside the lock)
+            with self.lock:  # starting the store itself takes milliseconds; close() waits for them
+                if not self.closed.is_set():
+                    self.store, self.port = _start_tcp_store(self.address, self.key, self.log)
+        except BaseException as e:  # noqa: BLE001 - told to whoever waits (see open)
+            failure = e
+        with self.lock:
+            self.starting = False
+            self.failure = failure
+            self.changed.notify_all()
 
     def open(self):
-        if self.closed.is_set():  # without waiting for a start in progress
-            raise RunError("the rendezvous store is closed: the job has ended")
+        """The store, once started (started now if it was not yet; again after a failed start).
+
+        Raises:
+            RunError: the store is closed, or could not start.
+        """
         with self.lock:
+            self._start_unless_started()
+            while self.starting and not self.closed.is_set():
+                self.changed.wait(0.2)  # ``closed`` is set outside the lock: looked at again
             if self.closed.is_set():
                 raise RunError("the rendezvous store is closed: the job has ended")
             if self.store is None:
-                self.store, self.port = _start_tcp_store(self.address, self.key, self.log)
-            store = self.store
-        if self.closed.is_set():  # closed while it started: close() left the store to this thread
-            del store
-            with self.lock:
-                self.store = None
-            raise RunError("the rendezvous store is closed: the job has ended")
-        return store
+                failure = self.failure
+                if isinstance(failure, RunError):
+                    raise RunError(str(failure)) from failure
+                raise RunError(f"could not start the rendezvous store on {self.address}: {failure!r}") from failure
+            return self.store
 
     def connect(self) -> socket.socket:
         self.open()
@@ -100,20 +137,16 @@ class _TorchStore:
         self.open()
         return self.port
 
-    def open_when_torch_loads(self, pids: Optional[Callable[[], Sequence[int]]]) -> None:
-        """On this thread: open once one of ``pids`` loads torch (None: at once), unless closed first."""
+    def start_when_torch_loads(self, pids: Callable[[], Sequence[int]]) -> None:
+        """On this thread: start the store once one of ``pids`` loads torch, unless closed first."""
         pause = 0.05
         while not self.closed.is_set():
             try:
-                loaded = pids is None or any(_loads_torch(pid) for pid in pids())
+                loaded = any(_loads_torch(pid) for pid in pids())
             except Exception:  # noqa: BLE001 - a hint only: the first client starts the store anyway
                 return
             if loaded:
-                try:
-                    self.open()
-                except RunError as e:  # the first client is refused with it too, in the gate's words
-                    if not self.closed.is_set():
-                        self.log(f"torchmn run: {e}")
+                self.start_soon()
                 return
             # Ranks load torch within a second of starting; a job that does not is looked at less often.
             self.closed.wait(pause)
@@ -121,14 +154,9 @@ class _TorchStore:
 
     def close(self) -> None:
         self.closed.set()
-        # A store still starting is not waited for: that is mostly importing torch, seconds that
-        # a job which ended without it (`torchmn run -H a,b hostname`, a script that failed at
-        # once) would add to its end. The thread starting it drops it once it sees ``closed``.
-        if self.lock.acquire(blocking=False):
-            try:
-                self.store = None  # the server stops, and frees its port, with the last reference
-            finally:
-                self.lock.release()
+        with self.lock:  # a start past torch's import is waited for (milliseconds), then dropped
+            self.store = None  # the server stops, and frees its port, with the last reference
+            self.changed.notify_all()
 
 
 class HostedStore:
@@ -180,8 +208,8 @@ class HostedStore:
 
             >>> hosted.open_when_torch_loads(lambda: [rank.pid for rank in ranks])  # doctest: +SKIP
         """
-        threading.Thread(target=self._torch_store.open_when_torch_loads, args=(pids,),
-                         name="torchmn-store-start", daemon=True).start()
+        threading.Thread(target=self._torch_store.start_when_torch_loads, args=(pids,),
+                         name="torchmn-store-wait-for-torch", daemon=True).start()
 
     def open_in_background(self) -> None:
         """Start the store now, on a thread of its own: for ranks on other hosts, whose imports this
@@ -191,8 +219,7 @@ class HostedStore:
 
             >>> hosted.open_in_background()  # doctest: +SKIP
         """
-        threading.Thread(target=self._torch_store.open_when_torch_loads, args=(None,),
-                         name="torchmn-store-start", daemon=True).start()
+        self._torch_store.start_soon()
 
     def close(self) -> None:
         """Close the gate and every connection through it, and the store.
