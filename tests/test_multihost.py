@@ -581,8 +581,9 @@ def signal_when_up(cluster, script, sig):
     launcher = start_up_on_two_hosts(cluster, script, stderr=subprocess.PIPE)
     try:
         launcher.send_signal(sig)
-        # From the signal to the launcher's exit: 3-8 s on an idle 2-core machine (the ranks' end,
-        # then the remote teardown over ssh); beside the full suite it took more than 30.
+        # From the signal to the launcher's exit: 3-8 s on an idle 2-core machine (mostly the ranks'
+        # own end: Python's exit after torch; the launcher and watchers add about 0.1 s); beside the
+        # full suite it took more than 30.
         out, err = launcher.communicate(timeout=90)
     finally:
         launcher.kill()

@@ -80,8 +80,10 @@ class _TorchStore:
 
     def _start_unless_started(self) -> None:  # under the lock
         if self.store is None and not self.starting and not self.closed.is_set():
-            self.starting = True
+            # Marked once the thread runs (a thread that cannot start leaves nobody waiting); it
+            # cannot clear the mark first, as it needs the lock held here.
             threading.Thread(target=self._start, name="torchmn-store-start", daemon=True).start()
+            self.starting = True
 
     def _start(self) -> None:
         failure = None
@@ -106,7 +108,7 @@ class _TorchStore:
         with self.lock:
             self._start_unless_started()
             while self.starting and not self.closed.is_set():
-                self.changed.wait(0.2)  # ``closed`` is set outside the lock: looked at again
+                self.changed.wait()  # the start's end and close() both notify, under the lock
             if self.closed.is_set():
                 raise RunError("the rendezvous store is closed: the job has ended")
             if self.store is None:
