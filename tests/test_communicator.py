@@ -148,8 +148,9 @@ def test_ranks_that_would_share_a_gpu_are_named(views, nodes, shared):
 
 def test_pure_nccl_without_gpus_is_refused_with_the_fix():
     code = "import torchmn\ntry:\n    torchmn.create_communicator('pure_nccl')\nexcept ValueError as e:\n    print(e)"
-    proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True,
-                          timeout=60)
+    # No GPU visible, also on a machine that has some.
+    proc = subprocess.run([sys.executable, "-c", code], env=clean_env({"CUDA_VISIBLE_DEVICES": ""}),
+                          capture_output=True, text=True, timeout=60)
     assert "'pure_nccl' averages through NCCL, which needs a GPU per rank" in proc.stdout, proc.stdout + proc.stderr
     assert "this job's backend is gloo" in proc.stdout and "create_communicator() ('auto'" in proc.stdout
 

@@ -8,6 +8,7 @@ position all come back onto the GPU.
     torchmn run -np 2 bash -c 'NCCL_HOSTID=h$RANK exec python tests/gpu/checkpoint_gpu_checks.py DIR'
     python tests/gpu/checkpoint_gpu_checks.py DIR        # a world of one, over NCCL
 """
+import faulthandler
 import os
 import shutil
 import sys
@@ -61,6 +62,8 @@ def check_resume(comm, root, shard_state):
 
 
 if __name__ == "__main__":
+    # A hang prints every thread's stack into run_all.sh's log before its limit ends the check.
+    faulthandler.dump_traceback_later(90)
     alone = "RANK" not in os.environ
     comm = torchmn.create_communicator(backend="nccl", init_method="tcp://127.0.0.1:29431" if alone else None)
     assert comm.device.type == "cuda", comm.device

@@ -7,6 +7,8 @@
 
 Prints "PASS <check>" on rank 0 after each check.
 """
+import faulthandler
+
 import torch
 
 import torchmn.horovod as hvd
@@ -108,4 +110,6 @@ def main():
 
 
 if __name__ == "__main__":
+    # A hang prints every thread's stack into run_all.sh's log before its limit ends the check.
+    faulthandler.dump_traceback_later(90)
     main()

@@ -6,6 +6,8 @@ have data together (float64).
 
     torchmn run -np 2 bash -c 'NCCL_HOSTID=h$RANK exec python tests/gpu/join_gpu_checks.py'
 """
+import faulthandler
+
 import torch
 
 import torchmn
@@ -55,6 +57,8 @@ def check_join(comm, shard_state):
 
 
 if __name__ == "__main__":
+    # A hang prints every thread's stack into run_all.sh's log before its limit ends the check.
+    faulthandler.dump_traceback_later(90)
     comm = torchmn.create_communicator(backend="nccl")
     for shard in (False, True):
         check_join(comm, shard)

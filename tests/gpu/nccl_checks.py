@@ -12,6 +12,7 @@ With one GPU, NCCL refuses two ranks on the same device unless they look like tw
 rank then talks to the other through NCCL's socket transport, as across nodes).
 """
 import argparse
+import faulthandler
 import statistics
 import time
 
@@ -253,4 +254,6 @@ def main():
 
 
 if __name__ == "__main__":
+    # A hang prints every thread's stack into run_all.sh's log before its limit ends the check.
+    faulthandler.dump_traceback_later(90)
     main()

@@ -109,9 +109,16 @@ shared_gpu() {  # two ranks on one GPU of one host, without NCCL_HOSTID: NCCL ca
 }
 
 cpu_suite() {  # the CPU suite's files on this machine's default backend (NCCL): CPU tensors throughout
-    local start status=PASS
+    local start status=PASS pin=() n
     start=$(date +%s)
-    timeout 420 $PY -m pytest -q -p no:cacheprovider -n 6 -m "not cluster" tests/test_communicator.py \
+    n=$(nproc)
+    # Half the cores where there are 8 or more, the other lanes keeping the rest: each job's ranks
+    # size their thread budget from the cores they may use, so lanes sharing every core
+    # oversubscribe them many times over.
+    if [ "$n" -ge 8 ] && command -v taskset >/dev/null; then pin=(taskset -c "$((n / 2))-$((n - 1))"); fi
+    # SIGINT at the limit: pytest still reports which tests failed, with their tracebacks.
+    timeout -s INT 420 "${pin[@]}" $PY -m pytest -q -p no:cacheprovider -n 8 --tb=short -m "not cluster" \
+        tests/test_communicator.py \
         tests/test_optimizer.py tests/test_sharded.py tests/test_join.py tests/test_horovod.py \
         tests/test_model_parallel.py tests/test_parallel_layers.py >"$LOGS/cpu_suite.log" 2>&1 || status=FAIL
     row "cpu_tensors_suite ($(grep -Eo '[0-9]+ (passed|failed)[^=]*' "$LOGS/cpu_suite.log" | tail -1))" \

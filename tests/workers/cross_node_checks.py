@@ -4,6 +4,8 @@
 
 Nodes are emulated on one machine by giving the hierarchical communicator a node key per pair of
 ranks (ranks 0-1 node 0, ranks 2-3 node 1, ...) or per rank. Rank 0 prints "PASS <check>".
+torch calls go through the communicator's CPU group (``comm.object_group``): on a machine with GPUs
+the world's own group is NCCL's, which moves CUDA tensors only.
 """
 import os
 import sys
@@ -35,11 +37,11 @@ def check_doubling_matches_gloo(comm):
             for n in (1, 7, 3000):
                 mine = integers(comm.rank, n, dtype, op)
                 expected = mine.clone()
-                dist.all_reduce(expected, op=cross_node.OPS[op])
-                got = cross_node.doubling_allreduce(mine.clone(), op, dist.group.WORLD, ranks, comm.rank)
+                dist.all_reduce(expected, op=cross_node.OPS[op], group=comm.object_group)
+                got = cross_node.doubling_allreduce(mine.clone(), op, comm.object_group, ranks, comm.rank)
                 assert torch.equal(got, expected), (op, dtype, n, got[:5], expected[:5])
     x = torch.randn(1001, dtype=torch.float32, generator=torch.Generator().manual_seed(comm.rank))
-    got = cross_node.doubling_allreduce(x.clone(), "sum", dist.group.WORLD, ranks, comm.rank)
+    got = cross_node.doubling_allreduce(x.clone(), "sum", comm.object_group, ranks, comm.rank)
     everyone = comm.allgather(got)
     assert all(torch.equal(everyone[0], other) for other in everyone), "ranks differ in bits"
     assert torch.allclose(got, comm.allreduce(x), rtol=1e-5, atol=1e-5)
@@ -49,7 +51,7 @@ def check_auto_measures_alike_on_every_rank(comm):
     """Set-up measures both algorithms and every rank keeps the same threshold and description."""
     os.environ.pop(cross_node.VARIABLE, None)
     cross_node._measured.clear()
-    cross = cross_node.CrossNodeAllreduce.set_up(dist.group.WORLD, list(range(comm.size)), comm.rank)
+    cross = cross_node.CrossNodeAllreduce.set_up(comm.object_group, list(range(comm.size)), comm.rank)
     assert cross.measured and min(cross.measured) == cross_node.PROBE_BYTES[0], cross.measured
     seen = comm.allgather_obj((cross.threshold, cross.describe()))
     assert all(s == seen[0] for s in seen), seen
@@ -62,7 +64,7 @@ def check_a_new_rank_takes_the_first_ranks_measurement(comm):
     elastic job later), set-up measures nothing again and every rank takes the first rank's
     threshold; the first rank's variable decides for every rank too."""
     os.environ.pop(cross_node.VARIABLE, None)
-    group, ranks = dist.group.WORLD, list(range(comm.size))
+    group, ranks = comm.object_group, list(range(comm.size))
     if comm.rank != 0:
         cross_node._measured.clear()
     else:
@@ -85,8 +87,8 @@ def check_emulated_nodes_average_with_each_algorithm(comm):
         for choice in ("ring", "doubling", "auto"):
             os.environ[cross_node.VARIABLE] = choice
             cross_node._measured.clear()
-            sub = make_communicator("hierarchical", rank=comm.rank, size=comm.size, group=dist.group.WORLD,
-                                    obj_group=dist.group.WORLD, backend="gloo", node_key=comm.rank // per_node)
+            sub = make_communicator("hierarchical", rank=comm.rank, size=comm.size, group=comm.object_group,
+                                    obj_group=comm.object_group, backend="gloo", node_key=comm.rank // per_node)
             assert sub.inter_size == -(-comm.size // per_node), (sub.inter_size, per_node)
             leads = sub.cross_node is not None
             assert leads == (sub.intra_rank == 0), (leads, sub.intra_rank)
@@ -110,7 +112,7 @@ def check_bad_choice_is_refused(comm):
     """A value of the variable that names no algorithm: a ValueError naming the choices."""
     os.environ[cross_node.VARIABLE] = "tree"
     try:
-        cross_node.CrossNodeAllreduce.set_up(dist.group.WORLD, list(range(comm.size)), comm.rank)
+        cross_node.CrossNodeAllreduce.set_up(comm.object_group, list(range(comm.size)), comm.rank)
         raise AssertionError("TORCHMN_CROSS_NODE_ALGORITHM=tree was taken")
     except ValueError as e:
         assert "auto, ring, doubling" in str(e), e

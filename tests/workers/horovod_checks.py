@@ -365,7 +365,8 @@ def check_topology_queries():
     expect(hvd.is_initialized() and hvd.local_size() == size and hvd.local_rank() == rank, "one node: local = global")
     expect(hvd.cross_size() == 1 and hvd.cross_rank() == 0 and hvd.is_homogeneous(), "one node: cross")
     expect(hvd.gloo_enabled() and hvd.gloo_built() and not hvd.mpi_enabled() and not hvd.mpi_built(), "controllers")
-    expect(hvd.nccl_built() == 0 and not hvd.ddl_built() and not hvd.ccl_built(), "CPU build: no NCCL")
+    gpus = torch.cuda.is_available() and torch.distributed.is_nccl_available()
+    expect(bool(hvd.nccl_built()) == gpus and not hvd.ddl_built() and not hvd.ccl_built(), "NCCL where CUDA is")
     expect_raises(ValueError, hvd.mpi_threads_supported, "MPI is not enabled")
 
 

@@ -30,7 +30,7 @@ def values(n, dtype, rank):
 
 def check_same_as_gloo(comm):
     assert comm.name == "hierarchical" and comm.segment is not None
-    world = dist.group.WORLD
+    world = comm.object_group  # the CPU group: on a GPU machine the world's own is NCCL's
     # With tiny slots (TORCHMN_SHM_SLOT_MB) every tensor goes in many pieces: fewer sizes suffice.
     sizes = SIZES if comm.segment.slot_bytes >= 1 << 20 else (7, 4099, 65_537)
     for dtype in DTYPES:

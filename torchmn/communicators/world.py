@@ -183,7 +183,15 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             own_keys = isinstance(store, dist.PrefixStore) or init_method.startswith("tcp://")
             where = {"store": store} if store is not None and own_keys else {"init_method": init_method}
             dist.init_process_group(backend, rank=env.rank, world_size=env.size, timeout=_timeout, **where)
+            if arrivals is not None:
+                # gloo's set-up above meets every rank; NCCL's meets none (it connects at its first
+                # collective), so a rank that never came would surface in a later group's timeout,
+                # unnamed. Every rank's arrival, awaited here, names it now under either backend.
+                watched = _setup_store if env.source in ("torchmn", "torchrun") else None
+                (watched or arrivals).wait([_arrived_key(r) for r in range(env.size)], _timeout)
     except Exception as e:
+        if dist.is_initialized():  # NCCL's world was made, but a rank never came
+            dist.destroy_process_group()
         forget_unmade_world()
         missing = _never_arrived(arrivals, env.size)
         raise TorchmnRuntimeError(

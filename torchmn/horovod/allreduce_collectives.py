@@ -2,7 +2,7 @@
 
 Every form runs on the background thread (:mod:`~torchmn.horovod.background`), on the process
 set's tensor communicator: it checks, on every rank, that the ranks that have not joined reduce
-tensors of the same shapes and dtypes with the same op and factors (where Horovod would hang or
+tensors of the same shapes, dtypes and device types with the same op and factors (where Horovod would hang or
 abort, the error names the ranks and shapes), then runs one communicator ``allreduce_flat`` per
 dtype of the call (a grouped call is fused) and the local part (Average's division, the scale
 factors, the copy out). The ``_async`` forms return while it is in flight. A rank in ``hvd.join()``
@@ -57,7 +57,7 @@ def _check_descriptions(descriptions: list[tuple], what: str, rank: int) -> None
 
     Raises:
         InvalidCallError: a rank rejected its own arguments.
-        CollectiveMismatchError: the ranks' ops, factors, shapes or dtypes differ.
+        CollectiveMismatchError: the ranks' ops, factors, shapes, dtypes or devices differ.
     """
     coordination.check_same_kind(descriptions, rank)
     calls = [(r, d) for r, d in enumerate(descriptions) if d[0] != coordination.JOINED]
@@ -65,14 +65,15 @@ def _check_descriptions(descriptions: list[tuple], what: str, rank: int) -> None
         if d[7] is not None:
             raise InvalidCallError(f"{what}: rank {r} ({d[1]}) rejected its arguments: {d[7]}; "
                                    f"rank {rank} stops too")
-    for field, index in (("op", 3), ("prescale_factor", 4), ("postscale_factor", 5), ("tensors' shapes and dtypes", 6)):
+    for field, index in (("op", 3), ("prescale_factor", 4), ("postscale_factor", 5),
+                         ("tensors' shapes, dtypes and devices", 6)):
         if len({repr(d[index]) for _, d in calls}) > 1:
             def show(value):
                 return OP_NAMES.get(value, value) if index == 3 else value
             listing = "; ".join(f"rank {r} ({d[1]}): {show(d[index])}" for r, d in calls)
             raise CollectiveMismatchError(
-                f"{what}: the ranks' {field} differ: {listing}. Every rank must reduce tensors of the same shape "
-                f"and dtype with the same op (Horovod would hang or abort here); rank {rank} stops")
+                f"{what}: the ranks' {field} differ: {listing}. Every rank must reduce tensors of the same shape, "
+                f"dtype and device type with the same op (Horovod would hang or abort here); rank {rank} stops")
 
 
 def _reduce(comm, tensors: list[torch.Tensor], op: int, prescale: float, postscale: float,
@@ -133,7 +134,9 @@ def _mirror_allreduce(description: tuple, comm) -> None:
     _, host, _, op, prescale, postscale, layouts, problem = description
     if problem is not None:
         return  # that rank rejected its own arguments: the ranks that called raise, this one goes on waiting
-    zeros = [torch.zeros(shape, dtype=getattr(torch, dtype)) for shape, dtype in layouts]
+    # On the device the others reduce on: CUDA tensors travel through NCCL, CPU ones through gloo.
+    zeros = [torch.zeros(shape, dtype=getattr(torch, dtype), device=comm.device if device == "cuda" else "cpu")
+             for shape, dtype, device in layouts]
     _reduce(comm, zeros, op, prescale, postscale, None)
 
 
@@ -157,7 +160,9 @@ def _start_allreduce(tensors: list[torch.Tensor], outputs: Optional[list[torch.T
     comm = tensor_comm_of(process_set, what)
     check_op(op, what)
     problem = _local_problem(tensors, what)
-    layouts = None if problem else [layout(t) for t in tensors]
+    # The device type too: a joined rank mirrors the call on it, and ranks reducing on different
+    # devices (through different backends) are told instead of left waiting for each other.
+    layouts = None if problem else [(*layout(t), t.device.type) for t in tensors]
     description = coordination.describe_call("allreduce", name, op, float(prescale), float(postscale), layouts, problem)
 
     def work():
