@@ -382,7 +382,8 @@ def test_rank_missing_on_the_other_host_is_named(cluster):
 
 def test_hostfile_places_ranks_and_forwards_environment(cluster, tmp_path):
     """-np 3 over 2+3 slots: h1 gets ranks 0-1, h2 rank 2. Each rank runs in the launcher's working
-    directory, with PATH forwarded (the command is found only through it) and -x variables."""
+    directory, with PATH forwarded (the command is found only through it) and -x variables, bound by
+    the watcher on its host to cores of its own (--bind core) with their count of threads."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "tmn-python").symlink_to(sys.executable)
@@ -394,10 +395,10 @@ def test_hostfile_places_ranks_and_forwards_environment(cluster, tmp_path):
                  "TORCHMN_NODE_COUNT", "TORCHMN_HOST", "MASTER_ADDR", "GLOO_SOCKET_IFNAME", "FOO", "BAR",
                  "OMP_NUM_THREADS", "SSH_CONNECTION"]
         row = {n: os.environ.get(n, "-") for n in names}
-        print(json.dumps(dict(row, host=socket.gethostname(), cwd=os.getcwd())))
+        print(json.dumps(dict(row, host=socket.gethostname(), cwd=os.getcwd(), cpus=sorted(os.sched_getaffinity(0)))))
     """)
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "BAR": "from launcher's env"}
-    proc = launch(cluster, "-np", "3", "--hostfile", str(hostfile), "-x", "FOO=x y", "-x", "BAR",
+    proc = launch(cluster, "-np", "3", "--hostfile", str(hostfile), "-x", "FOO=x y", "-x", "BAR", "--bind", "core",
                   "tmn-python", "-c", code, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rows = {}
@@ -415,7 +416,10 @@ def test_hostfile_places_ranks_and_forwards_environment(cluster, tmp_path):
         assert row["cwd"] == str(tmp_path) and row["FOO"] == "x y" and row["BAR"] == "from launcher's env"
         # The store through the host's relay on its loopback; gloo on the interface that reaches the launcher.
         assert row["MASTER_ADDR"] == "127.0.0.1" and row["GLOO_SOCKET_IFNAME"] == "eth0"
-        assert int(row["OMP_NUM_THREADS"]) >= 1
+        assert int(row["OMP_NUM_THREADS"]) == len(row["cpus"]), row
+    cpus = sorted(os.sched_getaffinity(0))  # the hosts share this machine's CPUs
+    assert rows[2]["cpus"] == cpus and not set(rows[0]["cpus"]) & set(rows[1]["cpus"]), rows
+    assert sorted(rows[0]["cpus"] + rows[1]["cpus"]) == cpus, rows
     assert_hosts_idle(cluster)
 
 

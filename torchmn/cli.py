@@ -106,6 +106,11 @@ def _add_run(subparsers) -> None:
                    help="print the plan (hosts and slots; each rank's place, command line and variables, "
                         "secrets hidden) and exit without starting anything or contacting any host; the "
                         "options are checked as for a real run")
+    p.add_argument("--bind", choices=("numa", "core", "none"), default="numa",
+                   help="bind each host's ranks to its CPUs: numa (default) spreads them over the host's NUMA "
+                        "nodes in blocks (nothing is bound on a host of one node), core gives each rank cores of "
+                        "its own, none leaves them to the kernel; a rank's thread budget is its share of its "
+                        "CPUs (see docs/cpu.md)")
     seeing = p.add_argument_group("seeing the job (see docs/monitor.md)")
     seeing.add_argument("--monitor", action="store_true",
                         help="a live table of every rank's steps/s, step time, waiting share, CPU and memory, "
@@ -218,6 +223,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                               nnodes=args.nnodes, node_rank=args.node_rank, master_addr=args.master_addr,
                               monitor=args.monitor, min_np=args.min_np, max_np=args.max_np,
                               host_discovery_script=args.host_discovery_script, reset_limit=args.reset_limit,
+                              bind=args.bind,
                               **({} if args.elastic_timeout is None else {"elastic_timeout": args.elastic_timeout}),
                               timeline=os.path.abspath(args.timeline) if args.timeline else None,
                               restart_delay=_default_restart_delay() if args.restart_delay is None

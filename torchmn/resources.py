@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Callable, Dict, Mapping, Optional
+from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from torchmn.environments.slurm import slurm_step_id
 from torchmn.errors import TorchmnValueError
@@ -291,7 +291,8 @@ def _set_by_user(env: Mapping[str, str], name: str) -> bool:
     return _positive_int(env.get(name)) is not None
 
 
-def launcher_thread_env(local_size: int, env: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
+def launcher_thread_env(local_size: int, env: Optional[Mapping[str, str]] = None,
+                        bound: Optional[Tuple[int, int]] = None) -> Dict[str, str]:
     """Variables a launcher adds to each of ``local_size`` ranks on a node so that every thread pool
     starts at the rank's budget. Variables the user already set are left out; when the user set
     ``OMP_NUM_THREADS`` nothing is returned (the thread configuration is theirs). A user-set
@@ -300,6 +301,9 @@ def launcher_thread_env(local_size: int, env: Optional[Mapping[str, str]] = None
     Args:
         local_size: the ranks on the node.
         env: the launcher's environment (default: ``os.environ``).
+        bound: for a rank bound to CPUs (``torchmn run --bind``), ``(its CPUs, the ranks bound to
+            the same ones)``: its budget is its share of those, within its share of a cgroup quota or
+            a Slurm allocation smaller than those CPUs.
 
     Returns:
         The variables to add to each rank's environment.
@@ -317,11 +321,20 @@ def launcher_thread_env(local_size: int, env: Optional[Mapping[str, str]] = None
     env = _environ(env)
     if _set_by_user(env, "OMP_NUM_THREADS"):
         return {}
-    budget = requested_threads(env) or thread_budget(local_size, env)
+    budget = requested_threads(env) or _bound_budget(bound, local_size, env) or thread_budget(local_size, env)
     added = {name: str(budget) for name in THREAD_VARIABLES if not _set_by_user(env, name)}
     added[TORCHMN_THREAD_VARIABLES] = ",".join(added)
     added[TORCHMN_NUM_THREADS] = str(budget)
     return added
+
+
+def _bound_budget(bound: Optional[Tuple[int, int]], local_size: int, env: Mapping[str, str]) -> Optional[int]:
+    if bound is None:
+        return None
+    share = max(1, bound[0] // max(1, bound[1]))
+    if cpu_count_available(env) < bound[0]:  # a quota or an allocation smaller than the CPUs bound to
+        return min(share, thread_budget(local_size, env))
+    return share
 
 
 def ranks_sharing_cpus(local_size: int, env: Mapping[str, str]) -> int:

@@ -8,6 +8,7 @@ import dataclasses
 from typing import AbstractSet, Optional, Sequence, Tuple
 
 from torchmn.errors import TorchmnError
+from torchmn.run.processes import binding
 from torchmn.run.remote.ssh import SshOptions
 
 # Seconds between SIGTERM and SIGKILL when the launcher stops its ranks.
@@ -79,6 +80,8 @@ class LaunchConfig:
             (``host:slots`` lines), read every second (``--host-discovery-script``).
         elastic_timeout: seconds an elastic job may stay below ``min_np`` ranks (``--elastic-timeout``).
         reset_limit: the most resets an elastic job makes before it ends (``--reset-limit``); None: no limit.
+        bind: how each host's ranks are bound to its CPUs (``--bind``: ``"numa"``, ``"core"`` or
+            ``"none"``; see ``torchmn.run.processes.binding``).
 
     Raises:
         RunError: ``np`` below 1, no command, a port outside 1-65535, a start timeout that is
@@ -119,6 +122,7 @@ class LaunchConfig:
     host_discovery_script: Optional[str] = None
     elastic_timeout: float = ELASTIC_TIMEOUT
     reset_limit: Optional[int] = None
+    bind: str = binding.DEFAULT_MODE
 
     @property
     def elastic(self) -> bool:
@@ -145,6 +149,8 @@ class LaunchConfig:
         """
         if self.np < 1:
             raise RunError(f"-np must be at least 1, got {self.np}.")
+        if self.bind not in binding.MODES:
+            raise RunError(f"--bind must be one of {', '.join(binding.MODES)}, got {self.bind!r}.")
         command = tuple(self.command)
         if command and command[0] == "--":
             command = command[1:]

@@ -29,6 +29,7 @@ from torchmn.run.config import NO_LIMIT, LaunchConfig
 from torchmn.run.elastic import ElasticJob
 from torchmn.run.job import Job
 from torchmn.run.plan import JOB_ID, Slot
+from torchmn.run.processes import binding
 from torchmn.run.restarts import TORCHMN_RESTART_COUNT, Restarts
 from torchmn.run.store.auth import TOKEN_ENV, TOKEN_ON_STDIN
 from torchmn.run.store.rendezvous import check_signing
@@ -144,7 +145,8 @@ def _rank_section(job: Job, slot: Slot, launcher_env: Mapping[str, str], port: s
     where = f"{slot.host}, over ssh" if remote else f"{slot.host}, this machine"
     lines = [f"rank {slot.rank}: host {where}; local rank {slot.local_rank} of {slot.local_size}, "
              f"node {slot.node_rank} of {slot.node_count}",
-             f"  command: {' '.join(shlex.quote(a) for a in argv)}"]
+             f"  command: {' '.join(shlex.quote(a) for a in argv)}",
+             f"  CPUs (--bind {job.config.bind}): {_cpus(job, slot, env)}"]
     if remote:
         lines.append("  environment (set on the ssh command line, on top of the login's own):")
         names = sorted(shown)
@@ -160,6 +162,16 @@ def _rank_section(job: Job, slot: Slot, launcher_env: Mapping[str, str], port: s
                      f"MASTER_ADDR=127.0.0.1 MASTER_PORT=<chosen at start>, the watcher's relay to the store on "
                      f"{slot.host}'s loopback, in place of the ones above (which the relay connects to)")
     return lines
+
+
+def _cpus(job: Job, slot: Slot, env: Mapping[str, str]) -> str:
+    """Where the rank runs: its CPUs on this machine; on another host, what the watcher there binds."""
+    if job.is_remote(slot):
+        return f"bound by the watcher on {slot.host}, from its CPUs" if job.config.bind != "none" else "any"
+    bound = binding.for_rank(env)
+    if bound is None:
+        return "any (nothing to bind)"
+    return bound.where + ("" if bound.sharing == 1 else f", shared by {bound.sharing} ranks")
 
 
 def describe_plan(config: LaunchConfig, env: Optional[Mapping[str, str]] = None) -> str:

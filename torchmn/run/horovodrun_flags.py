@@ -40,7 +40,7 @@ FLAGS: Dict[str, Tuple[bool, str, str]] = {
                                "train.py` (torchmn detects Open MPI and MPICH)"),
     "--mpi-args": (True, "refuse", "start the ranks with mpirun itself and pass its arguments there"),
     "--jsrun": (False, "refuse", "start the ranks with jsrun itself"),
-    "--binding-args": (True, "refuse", "torchmn run does no CPU binding; it gives each rank a thread budget"),
+    "--binding-args": (True, "refuse", "torchmn run binds ranks itself: --bind numa|core|none (see docs/cpu.md)"),
     "--config-file": (True, "refuse", "pass the settings as flags (torchmn run reads no YAML config)"),
     "--slots-per-host": (True, "refuse", "give slots with -H host:N or a --hostfile"),
     "--blacklist-cooldown-range": (True, "note", "torchmn run waits 10 s before starting a new worker on a host "

@@ -231,14 +231,17 @@ class Job:
             '1'
         """
         if self.is_remote(slot):
-            env = remote_env(slot, self.base_env, self.exports, self.master_addr, port)
+            env = remote_env(slot, self.base_env, self.exports, self.master_addr, port, bind=self.config.bind)
             env[auth.TOKEN_ON_STDIN] = "1"  # the token itself goes through stdin (see start_rank)
             return env
         one_machine = not self.remote_hosts and (self.nodes is None or self.nodes.step.tasks == 1)
         # On a node but the first (one launcher per node), the ranks reach the store through this node's relay.
         address = self.nodes.ranks_address(self.master_addr) if self.nodes is not None else self.master_addr
-        env = local_env(slot, self.base_env, self.exports, address, port, self.job_id,
-                        several_hosts=bool(self.remote_hosts), one_machine=one_machine)
+        try:
+            env = local_env(slot, self.base_env, self.exports, address, port, self.job_id,
+                            several_hosts=bool(self.remote_hosts), one_machine=one_machine, bind=self.config.bind)
+        except ValueError as e:
+            raise RunError(str(e)) from e
         env[auth.TOKEN_ENV] = self.token
         return env
 

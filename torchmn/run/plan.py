@@ -12,6 +12,7 @@ from torchmn import network, resources
 from torchmn.environments import EnvMethodEnvironment, SlurmEnvironment, TorchmnEnvironment, base
 from torchmn.environments.detect import launcher_class
 from torchmn.run.config import RunError
+from torchmn.run.processes import binding
 from torchmn.run.remote.ssh import forwarded_env
 
 # Set in every local rank's environment, and so in every process it starts: which job they belong to.
@@ -119,7 +120,7 @@ def rank_env(slot: Slot, master_addr: str, master_port: Union[int, str]) -> Dict
 
 def local_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str], master_addr: str,
               master_port: Union[int, str], job_id: str, several_hosts: bool,
-              one_machine: bool = False) -> Dict[str, str]:
+              one_machine: bool = False, bind: str = binding.DEFAULT_MODE) -> Dict[str, str]:
     """The whole environment of a rank on this machine.
 
     Args:
@@ -131,17 +132,20 @@ def local_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str
         several_hosts: other hosts take part, so gloo is told which interface reaches them.
         one_machine: every rank of the job runs on this machine, so gloo and NCCL's sockets listen
             on loopback only, where nothing on the network reaches them.
+        bind: how ranks are bound to CPUs (``--bind``; see ``binding``), in ``TORCHMN_BIND``.
 
     Returns:
         The environment, for ``subprocess.Popen``: ``base_env``, then the exports, the thread
-        budget's variables (``resources.launcher_thread_env``), the rank's place (``rank_env``),
+        budget's variables (``resources.launcher_thread_env``, the rank's share of the CPUs it is
+        bound to where it is bound), the rank's place (``rank_env``), ``TORCHMN_BIND``,
         ``PYTHONUNBUFFERED=1`` and ``JOB_ID``, each overriding the ones before; with several
         hosts, also ``GLOO_SOCKET_IFNAME`` (the interface that holds ``master_addr``, where one
         does) unless already set; on one machine, ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``
         the loopback interface unless already set.
 
     Raises:
-        ValueError: ``TORCHMN_NUM_THREADS`` is set but is not a positive integer.
+        ValueError: ``TORCHMN_NUM_THREADS`` is set but is not a positive integer, or ``--bind core``
+            with more ranks than this machine's cores.
 
     Example::
 
@@ -152,8 +156,12 @@ def local_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str
     """
     env = dict(base_env)
     env.update(exports)
-    env.update(resources.launcher_thread_env(slot.local_size, env))
+    bound = binding.for_rank({binding.VARIABLE: bind, "TORCHMN_LOCAL_RANK": str(slot.local_rank),
+                              "TORCHMN_LOCAL_SIZE": str(slot.local_size)})
+    env.update(resources.launcher_thread_env(slot.local_size, env,
+                                             None if bound is None else (len(bound.cpus), bound.sharing)))
     env.update(rank_env(slot, master_addr, master_port))
+    env[binding.VARIABLE] = bind
     env["PYTHONUNBUFFERED"] = "1"
     env[JOB_ID] = job_id
     if several_hosts and "GLOO_SOCKET_IFNAME" not in env:
@@ -167,7 +175,7 @@ def local_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str
 
 
 def remote_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str], master_addr: str,
-               master_port: Union[int, str]) -> Dict[str, str]:
+               master_port: Union[int, str], bind: str = binding.DEFAULT_MODE) -> Dict[str, str]:
     """What a remote rank's ssh command line sets: the forwarded variables and its place. The
     watcher adds the thread budget and gloo's interface on the host itself.
 
@@ -176,10 +184,11 @@ def remote_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, st
         base_env: the launcher's environment.
         exports: the ``-x`` variables.
         master_addr, master_port: where the rendezvous store listens.
+        bind: how ranks are bound to CPUs there (``--bind``): the watcher binds the rank.
 
     Returns:
         The variables, for ``torchmn.run.remote.ssh.rank_command``: those ``forwarded_env``
-        forwards, the rank's place (``rank_env``) and ``PYTHONUNBUFFERED=1``.
+        forwards, the rank's place (``rank_env``), ``TORCHMN_BIND`` and ``PYTHONUNBUFFERED=1``.
 
     Example::
 
@@ -190,6 +199,7 @@ def remote_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, st
     """
     env = forwarded_env(base_env, exports)
     env.update(rank_env(slot, master_addr, master_port))
+    env[binding.VARIABLE] = bind
     env["PYTHONUNBUFFERED"] = "1"
     return env
 

@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set
 
 from torchmn.run.config import RunError
 from torchmn.run.plan import JOB_ID, Slot
-from torchmn.run.processes import guardian
+from torchmn.run.processes import binding, guardian
 from torchmn.run.processes.groups import (PR_SET_PDEATHSIG, become_subreaper, prctl, rank_group_alive,
                                            signal_rank_group)
 from torchmn.run.processes.output import Console, RankOutput, open_log
@@ -253,7 +253,8 @@ class Supervisor:
     def start_rank(self, slot: Slot, argv: Sequence[str], env: Mapping[str, str], is_remote: bool,
                    log_path: Optional[str], console: Console,
                    on_exit: Callable[[Rank, int], None]) -> Rank:
-        """Start one rank in a process group of its own.
+        """Start one rank in a process group of its own, on this machine bound to its CPUs
+        (``TORCHMN_BIND`` in ``env``; see :mod:`.binding`).
 
         Args:
             slot: the rank's place.
@@ -284,7 +285,8 @@ class Supervisor:
             process = subprocess.Popen(list(argv), env=dict(env),
                                        stdin=subprocess.PIPE if is_remote else subprocess.DEVNULL,
                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                                       preexec_fn=self.death_signal)
+                                       preexec_fn=binding.bind_in_child(None if is_remote else binding.for_rank(env),
+                                                                        self.death_signal))
         except OSError as e:
             if log is not None:
                 log.close()

@@ -21,6 +21,7 @@ import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from torchmn import network, resources
+from torchmn.run.processes import binding
 from torchmn.run.processes.groups import become_subreaper, group_alive, signal_group
 from torchmn.run.processes.output import join_unless_idle, readable
 from torchmn.run.remote.protocol import RELAY_LINE, SIGNAL_LINE, STARTED_MARKER, WATCHER_GRACE_SECONDS
@@ -155,12 +156,12 @@ def _copy_output(source: int, target: int, waiting_since: Dict[int, Optional[flo
                 writable = False
 
 
-def _prepare_env(env: Dict[str, str], token: Optional[str],
-                 rank_pids: List[int]) -> Tuple[Optional[str], Optional[Relay]]:
-    """Check the store is reachable, choose gloo's interface and add the thread budget. With the
-    job's token, the check is opening this host's relay (see ``torchmn.run.store.relay``), which
-    the rank is then pointed at (``MASTER_ADDR``, ``MASTER_PORT``). Returns an error message or
-    None, and the relay."""
+def _prepare_env(env: Dict[str, str], token: Optional[str], rank_pids: List[int],
+                 bound: Optional[binding.Binding]) -> Tuple[Optional[str], Optional[Relay]]:
+    """Check the store is reachable, choose gloo's interface and add the thread budget (the rank's
+    share of the CPUs it is ``bound`` to, where it is bound). With the job's token, the check is
+    opening this host's relay (see ``torchmn.run.store.relay``), which the rank is then pointed at
+    (``MASTER_ADDR``, ``MASTER_PORT``). Returns an error message or None, and the relay."""
     rank, host = env.get("TORCHMN_RANK", "?"), env.get("TORCHMN_HOST", socket.gethostname())
     addr, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
     relay = None
@@ -193,7 +194,8 @@ def _prepare_env(env: Dict[str, str], token: Optional[str],
             if interface:
                 env["GLOO_SOCKET_IFNAME"] = interface
     local_size = int(env.get("TORCHMN_LOCAL_SIZE", "1"))
-    env.update(resources.launcher_thread_env(local_size, env))
+    env.update(resources.launcher_thread_env(local_size, env,
+                                             None if bound is None else (len(bound.cpus), bound.sharing)))
     return None, relay
 
 
@@ -230,8 +232,14 @@ def watch(command: Sequence[str], grace: float = WATCHER_GRACE_SECONDS) -> int:
     env = dict(os.environ)
     token, error = _job_token(env)
     rank_pids: List[int] = []
+    bound = None
+    try:
+        bound = binding.for_rank(env)
+    except ValueError as e:  # --bind core with more ranks than this host's cores
+        host = env.get("TORCHMN_HOST", socket.gethostname())
+        error = error or f"rank {env.get('TORCHMN_RANK', '?')} on host {host}: {e}"
     if error is None:
-        error, relay = _prepare_env(env, token, rank_pids)
+        error, relay = _prepare_env(env, token, rank_pids, bound)
     if error:
         _say(error)
         return 1
@@ -239,7 +247,8 @@ def watch(command: Sequence[str], grace: float = WATCHER_GRACE_SECONDS) -> int:
     adopts = become_subreaper()
     try:
         process = subprocess.Popen(list(command), env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, start_new_session=True)
+                                   stderr=subprocess.PIPE, start_new_session=True,
+                                   preexec_fn=binding.bind_in_child(bound))
     except OSError as e:
         _say(f"rank {env.get('TORCHMN_RANK', '?')} on host {host} could not start {command[0]!r}: "
              f"{e.strerror}. Check that it is installed there and on the forwarded PATH.")
