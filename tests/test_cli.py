@@ -13,6 +13,7 @@ import pytest
 import torchmn
 from torchmn import resources
 from torchmn.cli import main
+from torchmn.run.processes import binding
 
 TIMEOUT = 120
 # Variables of every launcher torchmn reads: a plain process has none of them.
@@ -81,6 +82,8 @@ def test_info_in_a_plain_process():
     assert lines["/dev/shm"].endswith(" free")
     assert lines["mpi4py"] == (importlib.metadata.version("mpi4py") if importlib.util.find_spec("mpi4py")
                                else "not installed")
+    domains = binding.numa_domains(sorted(os.sched_getaffinity(0)))
+    assert lines["NUMA"].startswith(f"{len(domains)} domain") and binding.format_cpu_list(domains[0]) in lines["NUMA"]
 
 
 def test_info_json_in_a_plain_process():
@@ -106,6 +109,7 @@ def test_info_json_in_a_plain_process():
         assert info["shm"]["total"] == shutil.disk_usage("/dev/shm").total
         assert info["shm"]["slot_bytes"] == 16 << 20
     assert info["mpi4py"]["installed"] == (importlib.util.find_spec("mpi4py") is not None)
+    assert sorted(c for domain in info["numa"] for c in domain) == sorted(os.sched_getaffinity(0))
 
 
 def test_info_under_torchmn_run_reports_each_ranks_place():

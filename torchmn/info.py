@@ -3,7 +3,8 @@
 The launcher it detects and its place in the job (``torchmn.environments``), its CPU thread budget
 and what the budget is based on (``torchmn.resources``), the ``torch.distributed`` backends, the
 GPUs, the versions, the room in ``/dev/shm`` next to what torchmn's shared memory needs
-(``torchmn.communicators.shm``), and mpi4py. Run it the way the job's ranks run
+(``torchmn.communicators.shm``), mpi4py, and the NUMA domains ``torchmn run --bind`` binds ranks to
+(``torchmn.run.processes.binding``). Run it the way the job's ranks run
 (``torchmn run -np 2 torchmn info``, ``srun -n 4 torchmn info``) to see each rank's view.
 
 Importing this module does not import torch (the ``torchmn`` command imports it for every
@@ -30,6 +31,7 @@ from typing import Any, Dict, Mapping, Optional
 from torchmn import __version__, resources
 from torchmn.environments import detect_environment
 from torchmn.errors import TorchmnError
+from torchmn.run.processes import binding
 
 EXIT_BAD_ENVIRONMENT = 2
 # Each launcher's ``source`` (``torchmn.environments``) in words.
@@ -227,7 +229,7 @@ def collect(env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
         cpus_available, cpu_limits, ...), ``backends`` (gloo, nccl, mpi: True/False, None without
         torch), ``gpus`` (count, names, cuda), ``shm`` (total, free, what the collectives'
         segment needs), ``cross_node`` (the allreduce across nodes asked for: auto, ring or
-        doubling) and ``mpi4py``.
+        doubling), ``mpi4py`` and ``numa`` (the CPUs of each NUMA domain this process may use).
 
     Raises:
         InfoError: the launcher's variables, ``TORCHMN_NUM_THREADS``, ``TORCHMN_SHM_SLOT_MB`` or
@@ -253,6 +255,7 @@ def collect(env: Optional[Mapping[str, str]] = None) -> Dict[str, Any]:
         "shm": _shm(launcher["local_size"], torch),
         "cross_node": _cross_node(env, torch),
         "mpi4py": _mpi4py(),
+        "numa": binding.numa_domains(binding.allowed_cpus()),
     }
 
 
@@ -297,6 +300,13 @@ _CROSS_NODE_TEXT = {
     "ring": "allreduce by gloo's ring at every size (TORCHMN_CROSS_NODE_ALGORITHM=ring)",
     "doubling": "allreduce by recursive doubling at every size (TORCHMN_CROSS_NODE_ALGORITHM=doubling)",
 }
+
+
+def _numa_line(domains: list) -> str:
+    cpus = " | ".join(binding.format_cpu_list(d) for d in domains)
+    if len(domains) < 2:
+        return f"1 domain (CPUs {cpus}): torchmn run binds no rank here (--bind numa)"
+    return f"{len(domains)} domains (CPUs {cpus}): torchmn run spreads each host's ranks over them (--bind numa)"
 
 
 def format_text(info: Mapping[str, Any]) -> str:
@@ -344,6 +354,7 @@ def format_text(info: Mapping[str, Any]) -> str:
         *(("", line) for line in shm_lines[1:]),
         ("cross-node", _CROSS_NODE_TEXT.get(info["cross_node"], "unknown (torch not installed)")),
         ("mpi4py", mpi["version"] if mpi["installed"] else "not installed"),
+        ("NUMA", _numa_line(info["numa"])),
     ]
     lines = [f"{label + ':' if label else '':<12}{text}" for label, text in rows]
     return "\n".join(lines)

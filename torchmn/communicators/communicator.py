@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import socket
 import zlib
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -992,7 +992,8 @@ class Communicator(CommunicatorBase):
             return dist.all_gather(chunks, shard, group=self.wire_group(flat), async_op=async_op)
         return all_gather_single(flat, shard, group=self.wire_group(flat), async_op=async_op)
 
-    def open_node_arena(self, shared_bytes: int, region_bytes: int, points: Sequence[str]):
+    def open_node_arena(self, shared_bytes: int, region_bytes: int, points: Sequence[str],
+                        owned_shared: Sequence[Tuple[int, int]] = ()):
         return None
 
     def may_share_node_memory(self) -> bool:

@@ -9,7 +9,7 @@ collectives.
 from __future__ import annotations
 
 import abc
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
@@ -634,13 +634,16 @@ class CommunicatorBase(abc.ABC):
         """
 
     @abc.abstractmethod
-    def open_node_arena(self, shared_bytes: int, region_bytes: int, points: Sequence[str]):
+    def open_node_arena(self, shared_bytes: int, region_bytes: int, points: Sequence[str],
+                        owned_shared: Sequence[Tuple[int, int]] = ()):
         """Memory all ranks share for good (the optimizers keep their buffers there). Collective.
 
         Args:
             shared_bytes: bytes of the region every rank reads and writes.
             region_bytes: bytes of each rank's own region, readable by the others.
             points: the names of the points where the ranks meet in the arena's ``barrier``.
+            owned_shared: ``(offset, length)`` byte ranges of the shared region this rank writes
+                most: their pages go on its NUMA domain, as its own region's do.
 
         Returns:
             A :class:`~torchmn.communicators.shm.NodeArena`, or None on every rank where they

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from typing import Optional, Sequence
+from typing import Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -336,7 +336,8 @@ class HierarchicalCommunicator(FlatCommunicator):
     def may_share_node_memory(self) -> bool:
         return self.segment is not None and self._single_node
 
-    def open_node_arena(self, shared_bytes: int, region_bytes: int, points: Sequence[str]):
+    def open_node_arena(self, shared_bytes: int, region_bytes: int, points: Sequence[str],
+                        owned_shared: Sequence[Tuple[int, int]] = ()):
         if not self.may_share_node_memory():
             return None
         # A small /dev/shm (Docker's default is 64 MB) means the ordinary path, not a failure.
@@ -345,7 +346,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         if not all(fits):
             return None
         return shm.NodeArena.open(tags[0], shared_bytes=shared_bytes, region_bytes=region_bytes, points=points,
-                                   **self._shm_args)
+                                   owned_shared=owned_shared, **self._shm_args)
 
     def exchange_headers(self, rows: list[list[int]]) -> torch.Tensor:
         # The call check of every collective: through shared memory too, so small collectives

@@ -143,8 +143,14 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
             [b.padded * b.itemsize for b in buckets]
             + [b.padded * itemsize[d] for b, s in zip(buckets, states) for d in s.values()])
         region_offsets, region_total = arena_layout([b.region_numel * b.itemsize for b in buckets])
+        # This rank's slices of the parameters and of the state, which its updates write: reserved
+        # by this rank, so that their pages are on its NUMA domain.
+        sizes = [b.itemsize for b in buckets] + [itemsize[d] for s in states for d in s.values()]
+        owners = list(buckets) + [b for b, s in zip(buckets, states) for _ in s]
+        owned = [(at + (off + b.rank * k) * size, k * size)
+                 for at, size, b in zip(shared_offsets, sizes, owners) for off, k in zip(b.offsets, b.ks)]
         arena = self.comm.open_node_arena(shared_bytes=shared_total, region_bytes=region_total,
-                                          points=ARENA_POINTS)
+                                          points=ARENA_POINTS, owned_shared=owned)
         if arena is None:  # before anything is placed: the caller builds the replicated optimizer
             raise NoNodeMemory("the ranks cannot share memory")
         place_buckets(arena, buckets, shared_offsets, region_offsets, self.comm.rank)

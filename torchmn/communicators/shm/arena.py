@@ -7,7 +7,7 @@ both, instead of pairing silently."""
 from __future__ import annotations
 
 import mmap
-from typing import Callable, Sequence
+from typing import Callable, Sequence, Tuple
 
 import torch
 
@@ -94,8 +94,13 @@ class NodeArena:
     @classmethod
     def open(cls, job_tag: str, node: int, local_rank: int, local_size: int, pids: list[int],
              agree: Callable[[bool], list], shared_bytes: int, region_bytes: int, points: Sequence[str],
-             timeout: float = 600.0, describe: Callable[[int], str] = lambda r: f"local rank {r}") -> "NodeArena":
+             timeout: float = 600.0, describe: Callable[[int], str] = lambda r: f"local rank {r}",
+             owned_shared: Sequence[Tuple[int, int]] = ()) -> "NodeArena":
         """Create the arena on local rank 0 and map it on every local rank (collective).
+
+        Each rank's own region, and the ranges of the shared region it names, are reserved by that
+        rank, so that on a node of several NUMA domains their pages are on its domain
+        (:func:`~torchmn.communicators.shm.segment.map_segment`).
 
         Args:
             job_tag, node, local_rank, local_size, pids, agree, describe: as for
@@ -103,6 +108,8 @@ class NodeArena:
             shared_bytes, region_bytes: sizes of the shared region and of each rank's own.
             points: the names of the points where the ranks meet (:meth:`barrier`), at most 16.
             timeout: seconds a barrier waits for the other ranks.
+            owned_shared: ``(offset, length)`` byte ranges of the shared region that this rank
+                writes most (its slices of the parameters and of the optimizer's state).
 
         Returns:
             The arena, the same memory on every rank of the node.
@@ -118,8 +125,11 @@ class NodeArena:
         """
         nbytes = cls.size_for(local_size, shared_bytes, region_bytes)
         shared_bytes, region_bytes = align(shared_bytes), align(region_bytes)
+        start = Flags.nbytes(1, local_size)  # the layout of __init__
+        owned = [(start + offset, length) for offset, length in owned_shared]
+        owned.append((start + shared_bytes + local_rank * region_bytes, region_bytes))
         buf = map_segment(segment_name(job_tag + "arena", node, pids[0]), nbytes, local_rank, agree,
-                           "or give the machine (container: --shm-size) a larger /dev/shm")
+                          "or give the machine (container: --shm-size) a larger /dev/shm", owned=owned)
         return cls(buf, local_rank, local_size, shared_bytes, region_bytes, pids, timeout, describe, points)
 
     def my_chunk(self, n: int, itemsize: int) -> tuple[int, int]:

@@ -8,7 +8,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -325,7 +325,7 @@ def mark_failed() -> None:
 
 
 def map_segment(name: str, nbytes: int, local_rank: int, agree: Callable[[bool], list],
-                 remedy: str) -> mmap.mmap:
+                 remedy: str, owned: Optional[Sequence[Tuple[int, int]]] = None) -> mmap.mmap:
     """Local rank 0 creates /dev/shm/NAME, every local rank maps it, then the name is unlinked.
 
     Collective on the node's ranks. After creating and after mapping, the ranks tell each other
@@ -334,12 +334,19 @@ def map_segment(name: str, nbytes: int, local_rank: int, agree: Callable[[bool],
     deletes the segments that killed jobs left behind (:func:`remove_stale_segments`), and reserves the
     memory at once, so that a full /dev/shm fails here rather than with SIGBUS mid-collective.
 
+    With ``owned``, each rank first reserves the byte ranges it uses most, and local rank 0 the
+    rest after them: Linux puts a page of shared memory on the NUMA domain of the process that
+    reserves it, so on a node of several domains (ranks bound to them by ``torchmn run --bind``)
+    each rank's pages are its domain's.
+
     Args:
         name: the segment's name (:func:`segment_name`).
         nbytes: its size.
         local_rank: this rank among the node's ranks.
         agree: a collective that returns every rank's value (``comm.allgather_obj``).
         remedy: what to do where /dev/shm has no room, for the message.
+        owned: ``(offset, length)`` byte ranges of this rank's; None (on every rank alike): local
+            rank 0 reserves the whole segment.
 
     Returns:
         The mapping, ``nbytes`` long, the same memory on every rank of the node.
@@ -361,11 +368,10 @@ def map_segment(name: str, nbytes: int, local_rank: int, agree: Callable[[bool],
             remove_stale_segments()
             try:
                 fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-                try:
-                    os.posix_fallocate(fd, 0, nbytes)  # fail now, not with SIGBUS mid-collective
-                except OSError as e:
-                    raise TorchmnOSError(e.errno, f"cannot reserve {nbytes >> 20} MiB of shared memory in "
-                                           f"{SHM_DIR} ({e.strerror}); free space there, {remedy}") from e
+                if owned is None:
+                    _reserve(fd, [(0, nbytes)], nbytes, remedy)
+                else:
+                    os.ftruncate(fd, nbytes)  # the pages come with the owners' reservations below
             except OSError as e:
                 error = e
         all_succeeded(agree, error, f"creating {path}")
@@ -373,10 +379,20 @@ def map_segment(name: str, nbytes: int, local_rank: int, agree: Callable[[bool],
         try:
             if local_rank != 0:
                 fd = os.open(path, os.O_RDWR)
+            if owned is not None:
+                _reserve(fd, owned, nbytes, remedy)
             buf = mmap.mmap(fd, nbytes)
         except OSError as e:
             error = e
         all_succeeded(agree, error, f"mapping {path}")
+        if owned is not None:
+            error = None
+            if local_rank == 0:
+                try:  # what no rank owns; the owned pages are reserved already and stay where they are
+                    _reserve(fd, [(0, nbytes)], nbytes, remedy)
+                except OSError as e:
+                    error = e
+            all_succeeded(agree, error, f"reserving {path}")
         return buf
     finally:
         if fd >= 0:
@@ -384,6 +400,19 @@ def map_segment(name: str, nbytes: int, local_rank: int, agree: Callable[[bool],
         # Everyone has mapped it, or the set-up failed everywhere: the name is no longer needed.
         if local_rank == 0:
             unlink(path)
+
+
+def _reserve(fd: int, ranges: Sequence[Tuple[int, int]], nbytes: int, remedy: str) -> None:
+    """Reserve the pages of ``ranges`` of a segment: a full /dev/shm fails here, not with SIGBUS
+    mid-collective."""
+    for offset, length in ranges:
+        if length <= 0:
+            continue
+        try:
+            os.posix_fallocate(fd, offset, length)
+        except OSError as e:
+            raise TorchmnOSError(e.errno, f"cannot reserve {nbytes >> 20} MiB of shared memory in "
+                                 f"{SHM_DIR} ({e.strerror}); free space there, {remedy}") from e
 
 
 def all_succeeded(agree: Callable[[bool], list], error: Optional[BaseException], what: str) -> None:
