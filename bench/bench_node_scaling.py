@@ -28,6 +28,7 @@ uses it), so the breakdown costs each step a few clock readings.
     python bench/bench_node_scaling.py                        # every row that fits, median of 3 rounds
     python bench/bench_node_scaling.py --models mlp1000 --ranks 1 2 --rounds 5
     python bench/bench_node_scaling.py --steps-scale 0.25      # a quick look (a quarter of the steps)
+    python bench/bench_node_scaling.py --bind core             # torchmn's ranks on cores of their own
 
 On a machine with fewer cores than the largest rank count asked for, the rows that do not fit are
 left out and the script says so; the goals (N ranks no slower than one process up to half the
@@ -152,7 +153,8 @@ def run_once(system: str, ranks: int, threads: int, model: str, args) -> dict:
     launcher, mode, _ = SYSTEMS[system]
     own = [str(Path(__file__).resolve()), "--worker", mode, "--threads", str(threads), "--model", model,
            "--steps-scale", str(args.steps_scale)]
-    return run_job(f"{system} x {ranks}", launcher, ranks, threads, own, args.timeout)
+    return run_job(f"{system} x {ranks}", launcher, ranks, threads, own, args.timeout,
+                   launcher_args=("--bind", args.bind))
 
 
 def rows_for(cores: int, ranks: list) -> list:
@@ -205,6 +207,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
     parser.add_argument("--steps-scale", type=float, default=1.0, help="scale every model's step count")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
+    parser.add_argument("--bind", choices=("numa", "core", "none"), default="numa",
+                        help="torchmn run's --bind for the torchmn rows (default: its default, numa)")
     parser.add_argument("--worker", choices=sorted({v[1] for v in SYSTEMS.values()}), help=argparse.SUPPRESS)
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--model", choices=list(MODELS), help=argparse.SUPPRESS)
@@ -218,7 +222,8 @@ def main() -> None:
     wanted = args.ranks or [1 << i for i in range(cores.bit_length()) if 1 << i <= cores]
     ranks = [n for n in wanted if n <= cores and cores % n == 0]
     left_out = sorted(set(wanted) - set(ranks))
-    print(f"{cores} usable cores: rank counts {ranks}, each with {cores} // N threads"
+    print(f"{cores} usable cores: rank counts {ranks}, each with {cores} // N threads; "
+          f"torchmn run --bind {args.bind}"
           + (f"; left out (more ranks than cores, or not dividing them): {left_out}" if left_out else "")
           + ("; the full table (8 ranks and more) needs 16 cores" if cores < 16 else ""), flush=True)
     verdicts = []

@@ -15,7 +15,8 @@ REPO = Path(__file__).resolve().parent.parent
 RESULT = "BENCH_RESULT "
 
 
-def run_job(name: str, launcher: str, ranks: int, threads: int, own: list, timeout: float) -> dict:
+def run_job(name: str, launcher: str, ranks: int, threads: int, own: list, timeout: float,
+            launcher_args: tuple = ()) -> dict:
     """Start ``own`` (a script and its arguments) as a job and return what its rank 0 printed.
 
     Args:
@@ -25,6 +26,7 @@ def run_job(name: str, launcher: str, ranks: int, threads: int, own: list, timeo
         threads: the thread budget of every rank (``OMP_NUM_THREADS`` and ``MKL_NUM_THREADS``).
         own: the script's path and arguments.
         timeout: seconds the job may take.
+        launcher_args: more options for ``torchmn run`` (``("--bind", "core")``).
 
     Returns:
         The JSON object after :data:`RESULT` in the job's last result line.
@@ -43,7 +45,7 @@ def run_job(name: str, launcher: str, ranks: int, threads: int, own: list, timeo
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
                 "--no-python", sys.executable] + own
     else:
-        argv = [sys.executable, "-m", "torchmn", "run", "-np", str(ranks), sys.executable] + own
+        argv = [sys.executable, "-m", "torchmn", "run", "-np", str(ranks), *launcher_args, sys.executable] + own
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHMN_", "TORCHELASTIC_"))}
     env.update(ALLOCATOR_ENV, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads),
                PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
