@@ -32,6 +32,7 @@ from torchmn.doctor.command import add_doctor
 from torchmn.info import add_info, version_text
 from torchmn.monitor.command import add_timeline
 from torchmn.run import horovodrun_flags
+from torchmn.run.processes import binding
 from torchmn.tune.command import add_tune
 
 
@@ -106,7 +107,7 @@ def _add_run(subparsers) -> None:
                    help="print the plan (hosts and slots; each rank's place, command line and variables, "
                         "secrets hidden) and exit without starting anything or contacting any host; the "
                         "options are checked as for a real run")
-    p.add_argument("--bind", choices=("numa", "core", "none"), default="numa",
+    p.add_argument("--bind", choices=binding.MODES, default=binding.DEFAULT_MODE,
                    help="bind each host's ranks to its CPUs: numa (default) spreads them over the host's NUMA "
                         "nodes in blocks (nothing is bound on a host of one node), core gives each rank cores of "
                         "its own, none leaves them to the kernel; a rank's thread budget is its share of its "

@@ -139,16 +139,16 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
                 kinds[key] = elementwise_state(type(self.wrapped), self.wrapped.param_groups[b.group], b.dtype)
         states = [kinds[(b.group, b.dtype)] for b in buckets]
         itemsize = {d: torch.empty((), dtype=d).element_size() for s in states for d in s.values()}
-        shared_offsets, shared_total = arena_layout(
-            [b.padded * b.itemsize for b in buckets]
-            + [b.padded * itemsize[d] for b, s in zip(buckets, states) for d in s.values()])
+        # The shared region: each bucket's parameters, then each bucket's state buffers, as
+        # (bucket, element size) in the region's order.
+        laid_out = [(b, b.itemsize) for b in buckets] + [(b, itemsize[d]) for b, s in zip(buckets, states)
+                                                         for d in s.values()]
+        shared_offsets, shared_total = arena_layout([b.padded * size for b, size in laid_out])
         region_offsets, region_total = arena_layout([b.region_numel * b.itemsize for b in buckets])
         # This rank's slices of the parameters and of the state, which its updates write: reserved
         # by this rank, so that their pages are on its NUMA domain.
-        sizes = [b.itemsize for b in buckets] + [itemsize[d] for s in states for d in s.values()]
-        owners = list(buckets) + [b for b, s in zip(buckets, states) for _ in s]
         owned = [(at + (off + b.rank * k) * size, k * size)
-                 for at, size, b in zip(shared_offsets, sizes, owners) for off, k in zip(b.offsets, b.ks)]
+                 for at, (b, size) in zip(shared_offsets, laid_out) for off, k in zip(b.offsets, b.ks)]
         arena = self.comm.open_node_arena(shared_bytes=shared_total, region_bytes=region_total,
                                           points=ARENA_POINTS, owned_shared=owned)
         if arena is None:  # before anything is placed: the caller builds the replicated optimizer

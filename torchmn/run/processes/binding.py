@@ -20,6 +20,7 @@ Linux only: elsewhere (no ``sched_setaffinity``) nothing is bound.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import glob
 import os
 import re
@@ -189,22 +190,29 @@ def plan(mode: str, local_size: int, allowed: Sequence[int], root: str = SYS_ROO
         >>> [b.cpus for b in plan("core", 2, [0, 1])]
         [(0,), (1,)]
     """
+    return list(_plan(mode, local_size, tuple(allowed), root))
+
+
+@functools.lru_cache(maxsize=None)
+def _plan(mode: str, local_size: int, allowed: tuple, root: str) -> tuple:
+    # Once per host layout: the launcher asks for each rank's binding twice (its thread budget,
+    # its start) and every answer reads the kernel's topology files.
     if mode not in MODES:
         raise TorchmnValueError(f"--bind {mode!r}: choose one of {', '.join(MODES)}")
     if mode == "none" or local_size < 1:
-        return [None] * max(local_size, 0)
+        return (None,) * max(local_size, 0)
     domains = numa_domains(allowed, root)
     if mode == "numa":
         if len(domains) < 2:
-            return [None] * local_size
+            return (None,) * local_size
         named = [(cpus, f"NUMA node {i} (CPUs {format_cpu_list(cpus)})") for i, cpus in enumerate(domains)]
         if local_size <= len(domains):  # whole domains each, in blocks
             blocks = [named[r * len(named) // local_size:(r + 1) * len(named) // local_size]
                       for r in range(local_size)]
-            return [Binding(tuple(c for cpus, _ in block for c in cpus), 1, " and ".join(w for _, w in block))
-                    for block in blocks]
+            return tuple(Binding(tuple(c for cpus, _ in block for c in cpus), 1, " and ".join(w for _, w in block))
+                         for block in blocks)
         homes = [r * len(domains) // local_size for r in range(local_size)]
-        return [Binding(tuple(named[d][0]), homes.count(d), named[d][1]) for d in homes]
+        return tuple(Binding(tuple(named[d][0]), homes.count(d), named[d][1]) for d in homes)
     cores = [core for cpus in domains for core in physical_cores(cpus, root)]
     if local_size > len(cores):
         raise TorchmnValueError(
@@ -216,7 +224,7 @@ def plan(mode: str, local_size: int, allowed: Sequence[int], root: str = SYS_ROO
         cpus = tuple(c for core in cores[r * len(cores) // local_size:(r + 1) * len(cores) // local_size]
                      for c in core)
         bindings.append(Binding(cpus, 1, f"CPUs {format_cpu_list(cpus)}"))
-    return bindings
+    return tuple(bindings)
 
 
 def allowed_cpus() -> List[int]:
