@@ -12,11 +12,15 @@ import pytest
 
 from jobs import REPO, clean_env
 
+from torchmn.doctor import command
+
 BUSY = REPO / "tests" / "scripts" / "busy.py"
 TWO_CPUS = sorted(os.sched_getaffinity(0))[:2]
 # Up to 8 s of a rank's start (import torch) on an idle machine; beside the rest of the suite it
-# took more than 10 s, and the doctor then sampled ranks that had not started their work yet.
-WARMUP_S = 20
+# took more than 10 s. busy.py makes no communicator, so after the warm-up the doctor also waits
+# STEP_WAIT_S for step figures that never come: its ranks have that long again to start.
+WARMUP_S = 5
+SAMPLED_FROM_S = WARMUP_S + command.STEP_WAIT_S
 
 
 def doctor(args, env=None, timeout=90):
@@ -26,10 +30,10 @@ def doctor(args, env=None, timeout=90):
 
 
 def diagnosis(args, env=None):
-    # The warm-up must cover the ranks' start (import torch, DataLoader workers), which takes several
-    # times longer while the other pytest workers load the machine. The job computes from 2 s before
-    # the sampling on (busy.py's BUSY_FROM), not through the whole warm-up.
-    env = {**(env or {}), "BUSY_FROM": str(time.time() + WARMUP_S - 2)}
+    # The wait before sampling must cover the ranks' start (import torch, DataLoader workers), which
+    # takes several times longer while the other pytest workers load the machine. The job computes
+    # from 2 s before the sampling on (busy.py's BUSY_FROM), not through the whole wait.
+    env = {**(env or {}), "BUSY_FROM": str(time.time() + SAMPLED_FROM_S - 2)}
     proc = doctor(["--json", "--warmup", str(WARMUP_S), "--seconds", "3", *args], env)
     assert proc.stdout.strip(), proc.stderr[-3000:]
     return proc.returncode, json.loads(proc.stdout)

@@ -103,9 +103,10 @@ def test_timeline_command_refuses_a_file_that_is_not_a_timeline(tmp_path):
 
 
 def test_doctor_gives_the_straggler_its_verdict():
-    # The warm-up covers the ranks' start-up (three imports of torch at once, slow on a loaded 2-core
-    # machine), whose CPU use would otherwise be sampled as oversubscription.
-    proc = _run([sys.executable, "-m", "torchmn", "doctor", "-np", "3", "--json", "--warmup", "20", "--seconds", "3",
+    # The doctor samples once every rank has reported optimizer steps (the first report may come up to
+    # STEP_WAIT_S after the warm-up), so the ranks' start-up -- three imports of torch at once, slow on a
+    # loaded 2-core machine -- is not sampled, where it would read as oversubscription.
+    proc = _run([sys.executable, "-m", "torchmn", "doctor", "-np", "3", "--json", "--warmup", "3", "--seconds", "3",
                  "--", sys.executable, STRAGGLER, "100000"], timeout=110)
     d = json.loads(proc.stdout)
     verdicts = {row["rank"]: row.get("verdict") for row in d["ranks"]}

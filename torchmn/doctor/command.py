@@ -108,7 +108,7 @@ def run_doctor(args, parser) -> int:
                 return _refuse(f"-np must be at least 1, not {args.np}")
             started = _start(command, args.np, folder)
             roots, where = [psutil.Process(started.pid)], " ".join(command)
-            failed = _warm_up(started, args.warmup) or _wait_for_steps(started, folder)
+            failed = _warm_up(started, args.warmup) or _wait_for_steps(started, folder, args.np or 1)
             if failed is not None:
                 return _refuse(failed)
         else:
@@ -142,23 +142,30 @@ def _refuse(message: str) -> int:
     return EXIT_BAD_INPUT
 
 
-def _wait_for_steps(proc: subprocess.Popen, folder: str) -> Optional[str]:
-    """After the warm-up, give the started command's ranks that send step figures (they created a
-    communicator) up to STEP_WAIT_S more to report optimizer steps, so that the figures cover the
-    sampling window; a message where the command ended meanwhile."""
-    deadline = time.monotonic() + STEP_WAIT_S
+def _wait_for_steps(proc: subprocess.Popen, folder: str, ranks: int) -> Optional[str]:
+    """After the warm-up, wait for the started command's ranks to report optimizer steps, so that the
+    sampling window covers training, not start-up; a message where the command ended meanwhile.
+
+    A rank reports once it has created a communicator. The wait ends when ``ranks`` ranks have
+    reported at least two steps each; it gives up (the CPU samples still tell, the step figures
+    stay empty) after STEP_WAIT_S without any report -- a command that makes no communicator -- or
+    STEP_WAIT_S after the first report. Start-up can outlast any fixed warm-up on a loaded machine
+    (several imports of torch on two cores), so the first report, not the clock, marks its end.
+    """
+    deadline, reported = time.monotonic() + STEP_WAIT_S, False
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             return (f"the command ended (exit code {proc.returncode}) before it could be sampled: after the "
-                    f"warm-up, torchmn doctor waits up to {STEP_WAIT_S:g} s for ranks that created a communicator "
-                    f"to report optimizer steps (from torchmn's optimizers), so a command needs to run for "
-                    f"--warmup + {STEP_WAIT_S:g} s + --seconds where it makes none: give it more work, or a "
-                    f"shorter --warmup")
+                    f"warm-up, torchmn doctor waits up to {STEP_WAIT_S:g} s for its ranks to report optimizer "
+                    f"steps (from torchmn's optimizers), so a command needs to run for --warmup + "
+                    f"{STEP_WAIT_S:g} s + --seconds where it makes none: give it more work, or a shorter --warmup")
         figures = publisher.read_folder(folder)
-        if not figures or any((s.get("steps") or 0) >= 2 for s in figures.values()):
+        if figures and not reported:
+            deadline, reported = time.monotonic() + STEP_WAIT_S, True
+        if len(figures) >= ranks and all((s.get("steps") or 0) >= 2 for s in figures.values()):
             return None
         time.sleep(0.1)
-    return None  # no torchmn optimizer steps: the figures stay empty, the CPU samples still tell
+    return None
 
 
 def _folder_of(ranks: list) -> Optional[str]:
