@@ -16,8 +16,18 @@ MAX_HOSTS = 1024 * 1024
 
 _NUMBER = re.compile(r"[0-9]+")
 
-# A bracket group after parsing: the numbers it yields, already zero-padded.
-_Group = List[str]
+# A bracket group after parsing: its ranges as (lo, hi, width), kept unexpanded so that an
+# expression naming too many hosts is refused before a single name is made.
+_Group = List[Tuple[int, int, int]]
+
+
+def _count(group: _Group) -> int:
+    return sum(hi - lo + 1 for lo, hi, _ in group)
+
+
+def _numbers(group: _Group) -> List[str]:
+    """The group's numbers, each zero-padded to the width of its range's first number."""
+    return [f"{n:0{width}d}" for lo, hi, width in group for n in range(lo, hi + 1)]
 
 
 def expand_hostlist(expr: str) -> List[str]:
@@ -60,7 +70,7 @@ def expand_hostlist(expr: str) -> List[str]:
     if not items:
         raise TorchmnValueError(f"no host names in hostlist expression {expr!r}")
     parsed = [(item, _parse_name(item, expr)) for item in items]
-    total = sum(math.prod(len(group) for group in groups) for _, (_, groups) in parsed)
+    total = sum(math.prod(_count(group) for group in groups) for _, (_, groups) in parsed)
     if total > MAX_HOSTS:
         raise TorchmnValueError(f"hostlist {expr!r} expands to {total} host names, more than {MAX_HOSTS}; "
                                 f"check the ranges (several bracket groups in one name multiply)")
@@ -105,8 +115,8 @@ def _expand_item(item: str, expr: str, texts: List[str], groups: List[_Group]) -
         raise TorchmnValueError(f"text {texts[-1]!r} after the last ']' in {item!r} of hostlist {expr!r}: "
                                 f"a name with brackets must end with ']' (Slurm rejects this too)")
     # texts[i] precedes groups[i]; texts[-1] follows the last group.
-    last = groups[-1]
-    rest = groups[:-1]
+    last = _numbers(groups[-1])
+    rest = [_numbers(group) for group in groups[:-1]]
     hosts: List[str] = []
     for combo in _outer_combinations(rest):
         head = "".join(t + n for t, n in zip(texts, combo))
@@ -115,7 +125,7 @@ def _expand_item(item: str, expr: str, texts: List[str], groups: List[_Group]) -
     return hosts
 
 
-def _outer_combinations(groups: List[_Group]) -> List[List[str]]:
+def _outer_combinations(groups: List[List[str]]) -> List[List[str]]:
     """All choices from ``groups`` with the left-most group varying fastest (Slurm's order)."""
     combos: List[List[str]] = [[]]
     for group in groups:
@@ -146,7 +156,8 @@ def _parse_group(body: str, item: str, expr: str) -> _Group:
     if any(ch.isspace() for ch in body):
         # Slurm mis-reads these ("[1, 2]" gives "1" and "02"), so refuse rather than guess.
         raise TorchmnValueError(f"whitespace inside '[{body}]' of hostlist {expr!r}; write '[1,2]', not '[1, 2]'")
-    numbers: _Group = []
+    ranges: _Group = []
+    count = 0
     for part in body.split(","):
         if not part:
             raise TorchmnValueError(f"empty range (two commas in a row, or a trailing comma) in '[{body}]' "
@@ -164,8 +175,8 @@ def _parse_group(body: str, item: str, expr: str) -> _Group:
         if hi - lo + 1 > MAX_RANGE:
             raise TorchmnValueError(f"range {part!r} in hostlist {expr!r} has {hi - lo + 1} hosts, "
                                     f"more than the {MAX_RANGE} Slurm allows")
-        if len(numbers) + hi - lo + 1 > MAX_HOSTS:
+        count += hi - lo + 1
+        if count > MAX_HOSTS:
             raise TorchmnValueError(f"'[{body}]' in hostlist {expr!r} holds more than {MAX_HOSTS} numbers")
-        width = len(lo_text)
-        numbers.extend(f"{n:0{width}d}" for n in range(lo, hi + 1))
-    return numbers
+        ranges.append((lo, hi, len(lo_text)))
+    return ranges
