@@ -17,9 +17,9 @@ from torchmn.doctor import command
 BUSY = REPO / "tests" / "scripts" / "busy.py"
 TWO_CPUS = sorted(os.sched_getaffinity(0))[:2]
 # Up to 8 s of a rank's start (import torch) on an idle machine; beside the rest of the suite it
-# took more than 10 s. busy.py makes no communicator, so after the warm-up the doctor also waits
-# STEP_WAIT_S for step figures that never come: its ranks have that long again to start.
-WARMUP_S = 5
+# took more than 10 s. busy.py makes no communicator, so after the warm-up (the default's 3 s) the
+# doctor also waits STEP_WAIT_S for step figures that never come: 23 s for the ranks to start.
+WARMUP_S = 3
 SAMPLED_FROM_S = WARMUP_S + command.STEP_WAIT_S
 
 
