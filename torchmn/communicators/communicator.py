@@ -265,17 +265,17 @@ class Communicator(CommunicatorBase):
 
         Args:
             rows: this rank's header rows, as for :meth:`exchange_headers`.
-            data: this rank's bytes (a contiguous ``uint8`` tensor), the same length on every rank
-                whose headers agree.
+            data: this rank's data (a contiguous 1-D tensor), the same length and dtype on every
+                rank whose headers agree.
 
         Returns:
             ``(headers, parts)``: the headers as :meth:`exchange_headers` returns them, and every
-            rank's data in rank order, or None on every rank alike where it did not travel (the
-            caller then moves it its general way).
+            rank's data in rank order (in ``data``'s dtype), or None on every rank alike where it
+            did not travel (the caller then moves it its general way).
 
         Example::
 
-            >>> headers, parts = comm.exchange_headers_with_data(rows, x.view(-1).view(torch.uint8))
+            >>> headers, parts = comm.exchange_headers_with_data(rows, x.reshape(-1))
         """
         return self.exchange_headers(rows), None
 
@@ -506,16 +506,14 @@ class Communicator(CommunicatorBase):
             op in OPS and (op != "mean" or x.is_floating_point())
         data = None
         if one_round:
-            flat = x.detach().reshape(-1)
-            if flat.stride(0) != 1:  # one element expanded from a scalar: stride 0, which clone() keeps
-                flat = torch.empty(flat.shape, dtype=flat.dtype).copy_(flat)
-            data = flat.view(torch.uint8)
+            data = x.detach().reshape(-1)
+            if data.stride(0) != 1:  # one element expanded from a scalar: stride 0, which clone() keeps
+                data = torch.empty(data.shape, dtype=data.dtype).copy_(data)
         parts = self._agree("allreduce", op=None if err else op, x=None if err else x, error=err, same_shape=True,
                             data=data)
         if data is None or parts is None:  # without data, _agree returns the headers
             return self._allreduce_agreed(x, op)
-        out = torch.empty(x.shape, dtype=x.dtype)
-        reduce_in_order([p.view(x.dtype) for p in parts], op, out.view(-1))
+        out = reduce_in_order(parts, op).view(x.shape)
         return out.div_(self.size) if op == "mean" else out
 
     @watch.collective

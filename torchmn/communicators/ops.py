@@ -1,6 +1,8 @@
 """The reductions collectives take by name, and how a mean over ranks avoids overflow."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -60,17 +62,18 @@ def mean_divisors(dtype: torch.dtype, ranks: int) -> tuple[int, int]:
 _IN_PLACE = {"sum": torch.add, "mean": torch.add, "max": torch.maximum, "min": torch.minimum, "prod": torch.mul}
 
 
-def reduce_in_order(parts: list[torch.Tensor], op: str, out: torch.Tensor) -> torch.Tensor:
+def reduce_in_order(parts: list[torch.Tensor], op: str, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out`` = the reduction of ``parts`` in list (rank) order: the first two, then each next one
     into the result, so that whoever computes it gets the same bits.
 
     Args:
-        parts: one tensor per rank, of ``out``'s shape and dtype.
+        parts: one tensor per rank, of one shape and dtype.
         op: a name of :data:`OPS` (``"mean"`` sums; the caller divides).
-        out: where the result goes (it may be one of ``parts`` only if it is the first).
+        out: where the result goes (it may be one of ``parts`` only if it is the first); None: a
+            new tensor.
 
     Returns:
-        ``out``.
+        ``out``, or the new tensor.
 
     Example::
 
@@ -78,9 +81,12 @@ def reduce_in_order(parts: list[torch.Tensor], op: str, out: torch.Tensor) -> to
         tensor([2., 2.])
     """
     if len(parts) == 1:
-        return out.copy_(parts[0])
+        return parts[0].clone() if out is None else out.copy_(parts[0])
     reduce = _IN_PLACE[op]
-    reduce(parts[0], parts[1], out=out)
+    if out is None:
+        out = reduce(parts[0], parts[1])
+    else:
+        reduce(parts[0], parts[1], out=out)
     for part in parts[2:]:
         reduce(out, part, out=out)
     return out

@@ -235,15 +235,16 @@ class NodeSegment:
 
         Args:
             rows: this rank's rows (int64 values, ``HEADER_LEN`` each).
-            payload: bytes to send with them (a contiguous ``uint8`` tensor), or None. Sent only
-                where rows and payload fit a small buffer.
+            payload: data to send with them (a contiguous 1-D tensor), or None. Sent only where
+                rows and payload fit a small buffer.
 
         Returns:
             ``(headers, payloads)``. ``headers``: an int64 tensor ``[local_size, len(rows),
             len(rows[0])]``; where another rank sent another number of rows (it makes another
             call), every rank's first row only, ``[local_size, 1, len(rows[0])]``, for the call check
-            to name the calls. ``payloads``: every rank's payload, in rank order (views into shared
-            memory, valid until the next call but one), where every rank sent one of this length;
+            to name the calls. ``payloads``: every rank's payload, in rank order and this payload's dtype
+            (views into shared memory, valid until the next call but one), where every rank sent
+            one of this length in bytes;
             else None, on every rank alike. None instead of the tuple where this rank's rows do not
             fit a small buffer (the caller takes the general way; the others in the same call do
             alike, having as many rows).
@@ -259,7 +260,8 @@ class NodeSegment:
         at = align((n + 2) * 8)  # where the payload starts, on a cache line
         if at > SMALL_BYTES:
             return None
-        nbytes = payload.numel() if payload is not None and at + payload.numel() <= SMALL_BYTES else -1
+        size = payload.numel() * payload.element_size() if payload is not None else -1
+        nbytes = size if 0 <= size and at + size <= SMALL_BYTES else -1
         width = len(rows[0])
         call = self._call(flat, nbytes, len(rows), width)
         self._seq += 1
@@ -267,18 +269,18 @@ class NodeSegment:
         words = self._small_words[self.local_rank][turn]
         words[:n + 2] = call[1]
         if nbytes >= 0:
-            self._small[self.local_rank][turn][at:at + nbytes].copy_(payload)
+            self._payloads(turn, at, nbytes, payload.dtype)[self.local_rank].copy_(payload)
         self._arrive_and_wait(0, _CALL_CHECK)
         if all(w[turn][:n + 2].tobytes() == call[0] for w in self._small_words):
             # Every rank made this very call (the common case): the headers and payloads are known.
-            return call[2], (self._payloads(turn, at, nbytes) if nbytes >= 0 else None)
+            return call[2], (self._payloads(turn, at, nbytes, payload.dtype) if nbytes >= 0 else None)
         theirs = [w[turn] for w in self._small_words]
         if any(int(w[0]) != n for w in theirs):
             return torch.from_numpy(np.stack([w[2:width + 2] for w in theirs])).view(self.local_size, 1, width), None
         headers = torch.from_numpy(np.stack([w[2:n + 2] for w in theirs])).view(self.local_size, len(rows), width)
         payloads = None
         if nbytes >= 0 and all(int(w[1]) == nbytes for w in theirs):
-            payloads = self._payloads(turn, at, nbytes)
+            payloads = self._payloads(turn, at, nbytes, payload.dtype)
         return headers, payloads
 
     def _call(self, flat: list, nbytes: int, rows: int, width: int) -> tuple:
@@ -294,14 +296,15 @@ class NodeSegment:
             call = self._calls[key] = (packed.tobytes(), packed, same)
         return call
 
-    def _payloads(self, turn: int, at: int, nbytes: int) -> list:
-        """Every rank's payload of ``nbytes`` at ``at`` in its small buffer of ``turn`` (views made once)."""
-        key = (turn, at, nbytes)
+    def _payloads(self, turn: int, at: int, nbytes: int, dtype: torch.dtype) -> list:
+        """Every rank's payload of ``nbytes`` at ``at`` in its small buffer of ``turn``, as ``dtype``
+        (views made once: making them costs more than the copy of a small payload)."""
+        key = (turn, at, nbytes, dtype)
         views = self._payload_views.get(key)
         if views is None:
             if len(self._payload_views) >= 256:
                 self._payload_views.clear()
-            views = self._payload_views[key] = [buffers[turn][at:at + nbytes] for buffers in self._small]
+            views = self._payload_views[key] = [buffers[turn][at:at + nbytes].view(dtype) for buffers in self._small]
         return views
 
     def calls_now(self) -> dict:
