@@ -21,6 +21,10 @@ KINDS = ("invalid", "bcast", "gather", "allgather", "scatter", "alltoall", "allr
          "bcast_obj", "gather_obj", "scatter_obj", "multi_node_mean_grad")
 KIND = {name: i for i, name in enumerate(KINDS)}
 OP_CODES = {name: i for i, name in enumerate(OPS)}
+# The last headers check_headers passed, by identity: a node's segment hands back one tensor per
+# call signature where every rank made that call, and never changes it, so the same tensor agrees
+# again without being read.
+_agreed: Optional[torch.Tensor] = None
 
 
 def op_code(op: Optional[str]) -> int:
@@ -67,12 +71,16 @@ def check_headers(kind: str, hdrs: torch.Tensor, error: Optional[Exception], sam
         CollectiveMismatchError: the ranks' calls differ in collective, root, op, dtype or shape.
         RemoteRankError: another rank rejected its own arguments.
     """
+    global _agreed
     if error is not None:
         raise error
+    if hdrs is _agreed:  # the very headers that agreed last time (a node's segment hands them back)
+        return
     # The common case first, in plain Python: every rank sent the same rows (tensor indexing
     # below costs about 20 us, more than a small collective's data takes through shared memory).
     rows = hdrs.tolist()
     if rows[0][0][0] != KIND["invalid"] and all(r == rows[0] for r in rows[1:]):
+        _agreed = hdrs
         return
     size = hdrs.shape[0]
     bad = [r for r in range(size) if hdrs[r, 0, 0] == KIND["invalid"]]

@@ -23,6 +23,7 @@ watched (:mod:`.watch`): a subclass that overrides one decorates it the same way
 """
 from __future__ import annotations
 
+import functools
 import socket
 import zlib
 from typing import Any, Optional, Sequence, Tuple
@@ -160,8 +161,9 @@ class Communicator(CommunicatorBase):
         if gpus is not None:
             self._shared_gpu = gpu_sharing.shared_gpu([g for _, _, _, g in both], self.node_ranks, self._hosts)
 
-    @property
+    @functools.cached_property
     def host(self) -> str:
+        # Looked up once: every call check passes it on, for a message it may have to raise.
         return socket.gethostname()
 
     def world_rank(self, r: int) -> int:
