@@ -108,6 +108,8 @@ class NodeSegment:
         self._small_words = [[np.frombuffer(buf, dtype=np.int64, count=SMALL_BYTES // 8,
                                             offset=start + (2 * i + k) * SMALL_BYTES) for k in range(2)]
                              for i in range(local_size)]
+        # The other ranks' words: a call check compares only theirs with the call this rank wrote.
+        self._peer_words = [w for i, w in enumerate(self._small_words) if i != self.local_rank]
 
     # ----------------------------------------------------------------------------- set-up
     @staticmethod
@@ -271,7 +273,7 @@ class NodeSegment:
         if nbytes >= 0:
             self._payloads(turn, at, nbytes, payload.dtype)[self.local_rank].copy_(payload)
         self._arrive_and_wait(0, _CALL_CHECK)
-        if all(w[turn][:n + 2].tobytes() == call[0] for w in self._small_words):
+        if all(w[turn][:n + 2].tobytes() == call[0] for w in self._peer_words):
             # Every rank made this very call (the common case): the headers and payloads are known.
             return call[2], (self._payloads(turn, at, nbytes, payload.dtype) if nbytes >= 0 else None)
         theirs = [w[turn] for w in self._small_words]
