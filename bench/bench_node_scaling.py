@@ -207,6 +207,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds (the median is reported)")
     parser.add_argument("--steps-scale", type=float, default=1.0, help="scale every model's step count")
     parser.add_argument("--timeout", type=float, default=900, help="seconds one run may take")
+    # torchmn run's modes spelled out (torchmn.run.processes.binding.MODES): this driver starts the
+    # jobs and imports nothing of torchmn, so that it runs where torchmn is not importable.
     parser.add_argument("--bind", choices=("numa", "core", "none"), default="numa",
                         help="torchmn run's --bind for the torchmn rows (default: its default, numa)")
     parser.add_argument("--worker", choices=sorted({v[1] for v in SYSTEMS.values()}), help=argparse.SUPPRESS)

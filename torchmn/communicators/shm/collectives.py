@@ -270,20 +270,18 @@ class NodeSegment:
         turn = self._seq % 2
         words = self._small_words[self.local_rank][turn]
         words[:n + 2] = call[1]
-        if nbytes >= 0:
-            self._payloads(turn, at, nbytes, payload.dtype)[self.local_rank].copy_(payload)
+        views = self._payloads(turn, at, nbytes, payload.dtype) if nbytes >= 0 else None
+        if views is not None:
+            views[self.local_rank].copy_(payload)
         self._arrive_and_wait(0, _CALL_CHECK)
         if all(w[turn][:n + 2].tobytes() == call[0] for w in self._peer_words):
             # Every rank made this very call (the common case): the headers and payloads are known.
-            return call[2], (self._payloads(turn, at, nbytes, payload.dtype) if nbytes >= 0 else None)
+            return call[2], views
         theirs = [w[turn] for w in self._small_words]
         if any(int(w[0]) != n for w in theirs):
             return torch.from_numpy(np.stack([w[2:width + 2] for w in theirs])).view(self.local_size, 1, width), None
         headers = torch.from_numpy(np.stack([w[2:n + 2] for w in theirs])).view(self.local_size, len(rows), width)
-        payloads = None
-        if nbytes >= 0 and all(int(w[1]) == nbytes for w in theirs):
-            payloads = self._payloads(turn, at, nbytes, payload.dtype)
-        return headers, payloads
+        return headers, (views if views is not None and all(int(w[1]) == nbytes for w in theirs) else None)
 
     def _call(self, flat: list, nbytes: int, rows: int, width: int) -> tuple:
         """``(words as bytes, words as an array, every rank's headers were they all this call's)``
