@@ -102,16 +102,28 @@ def test_timeline_command_refuses_a_file_that_is_not_a_timeline(tmp_path):
     assert proc.returncode == 2 and "has no traceEvents list: it is not a Chrome trace" in proc.stderr
 
 
+@pytest.mark.timeout(180)
 def test_doctor_gives_the_straggler_its_verdict():
-    # The doctor samples once every rank has reported optimizer steps (the first report may come up to
-    # STEP_WAIT_S after the warm-up), so the ranks' start-up -- three imports of torch at once, slow on a
-    # loaded 2-core machine -- is not sampled, where it would read as oversubscription.
+    # The doctor samples once every rank has reported optimizer steps; its wait for them is counted in
+    # the CPU time the job uses, so the ranks' start-up -- three imports of torch at once, slow on the
+    # clock on a loaded 2-core machine -- is not sampled, where it would read as oversubscription.
     proc = _run([sys.executable, "-m", "torchmn", "doctor", "-np", "3", "--json", "--warmup", "3", "--seconds", "3",
-                 "--", sys.executable, STRAGGLER, "100000"], timeout=110)
+                 "--", sys.executable, STRAGGLER, "100000"], timeout=150)
     d = json.loads(proc.stdout)
     verdicts = {row["rank"]: row.get("verdict") for row in d["ranks"]}
     assert verdicts == {0: None, 1: "straggler", 2: None}, d["ranks"]
     assert d["steps"]["stragglers"] == [1] and d["ranks"][1]["steps"]["busy_ms"] > 40, d["steps"]
+
+
+@pytest.mark.timeout(120)
+def test_doctor_waits_for_a_start_up_that_stalls_on_the_clock():
+    # 30 s of sleep before the communicator: a start-up long on the clock that takes no CPU time. The
+    # doctor's wait for step figures is counted in CPU time, so it samples training, not the start-up.
+    proc = _run([sys.executable, "-m", "torchmn", "doctor", "-np", "2", "--json", "--warmup", "1", "--seconds", "2",
+                 "--", sys.executable, STRAGGLER, "100000", "30"], timeout=110)
+    d = json.loads(proc.stdout)
+    assert all((row.get("steps") or {}).get("steps", 0) >= 2 for row in d["ranks"]), d["ranks"]
+    assert d["steps"]["stragglers"] == [1], d["steps"]
 
 
 def test_summary_without_a_straggler_says_so():

@@ -1,6 +1,8 @@
 """A small data-parallel job whose rank 1 sleeps 50 ms per step, after backward: the straggler.
 
-Usage: python straggler.py STEPS
+Usage: python straggler.py STEPS [START_DELAY_S]
+START_DELAY_S: seconds each rank sleeps before it creates its communicator (a start-up that stalls
+on the clock, as one waiting on a cold disk does, without using CPU).
 Each rank prints "OWN <rank> <ms>": the median time per step it spent outside torchmn's calls (its
 forward, backward and sleep), timed here, against which the monitor's busy time is checked.
 """
@@ -12,6 +14,7 @@ import torch
 import torchmn
 
 steps = int(sys.argv[1])
+time.sleep(float(sys.argv[2]) if len(sys.argv) > 2 else 0.0)
 comm = torchmn.create_communicator()
 torch.manual_seed(0)
 model = torch.nn.Sequential(torch.nn.Linear(20, 50), torch.nn.ReLU(), torch.nn.Linear(50, 2))

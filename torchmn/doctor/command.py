@@ -21,8 +21,11 @@ from torchmn.run.processes.groups import stop_group
 
 EXIT_OVERSUBSCRIBED = 1
 EXIT_BAD_INPUT = 2
-# How much longer than --warmup a started command may take to report its first optimizer steps.
-STEP_WAIT_S = 20.0
+# After --warmup, how long a started command may take to report optimizer steps: measured in the CPU
+# time its processes use (per rank), since a start-up starved of CPU or waiting on a cold disk makes
+# no progress however long the clock runs, with a limit on the clock for a command that stays idle.
+STEP_WAIT_CPU_S = 10.0
+STEP_WAIT_MAX_S = 60.0
 
 
 def add_doctor(subparsers) -> None:
@@ -147,25 +150,48 @@ def _wait_for_steps(proc: subprocess.Popen, folder: str, ranks: int) -> Optional
     sampling window covers training, not start-up; a message where the command ended meanwhile.
 
     A rank reports once it has created a communicator. The wait ends when ``ranks`` ranks have
-    reported at least two steps each; it gives up (the CPU samples still tell, the step figures
-    stay empty) after STEP_WAIT_S without any report -- a command that makes no communicator -- or
-    STEP_WAIT_S after the first report. Start-up can outlast any fixed warm-up on a loaded machine
-    (several imports of torch on two cores), so the first report, not the clock, marks its end.
+    reported at least two steps each. It gives up (the CPU samples still tell, the step figures
+    stay empty) once the command's processes have used STEP_WAIT_CPU_S seconds of CPU per rank
+    without any report -- a command that makes no communicator -- or as much again after the
+    first report, or after STEP_WAIT_MAX_S on the clock in either phase. The budget is CPU time,
+    not the clock, because a start-up (several ranks importing torch) on a loaded machine or a
+    cold disk can take any time on the clock but takes a few CPU-seconds per rank.
     """
-    deadline, reported = time.monotonic() + STEP_WAIT_S, False
-    while time.monotonic() < deadline:
+    def phase():
+        return time.monotonic() + STEP_WAIT_MAX_S, _cpu_seconds(proc) + STEP_WAIT_CPU_S * ranks
+
+    (deadline, cpu_budget), reported = phase(), False
+    while time.monotonic() < deadline and _cpu_seconds(proc) < cpu_budget:
         if proc.poll() is not None:
             return (f"the command ended (exit code {proc.returncode}) before it could be sampled: after the "
-                    f"warm-up, torchmn doctor waits up to {STEP_WAIT_S:g} s for its ranks to report optimizer "
-                    f"steps (from torchmn's optimizers), so a command needs to run for --warmup + "
-                    f"{STEP_WAIT_S:g} s + --seconds where it makes none: give it more work, or a shorter --warmup")
+                    f"warm-up, torchmn doctor waits for its ranks to report optimizer steps (from torchmn's "
+                    f"optimizers), up to {STEP_WAIT_CPU_S:g} CPU-seconds per rank or {STEP_WAIT_MAX_S:g} s, "
+                    f"so a command that makes none needs to run longer: give it more work, or a shorter "
+                    f"--warmup")
         figures = publisher.read_folder(folder)
         if figures and not reported:
-            deadline, reported = time.monotonic() + STEP_WAIT_S, True
+            (deadline, cpu_budget), reported = phase(), True
         if len(figures) >= ranks and all((s.get("steps") or 0) >= 2 for s in figures.values()):
             return None
         time.sleep(0.1)
     return None
+
+
+def _cpu_seconds(proc: subprocess.Popen) -> float:
+    """The CPU time (user and system) the started command and its living descendants have used."""
+    try:
+        root = psutil.Process(proc.pid)
+        tree = [root] + root.children(recursive=True)
+    except psutil.Error:
+        return 0.0
+    total = 0.0
+    for p in tree:
+        try:
+            t = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += t.user + t.system
+    return total
 
 
 def _folder_of(ranks: list) -> Optional[str]:
