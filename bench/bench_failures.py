@@ -1,8 +1,6 @@
 """How fast a job ends when one of its ranks dies or raises, under each launcher.
 
     python bench/bench_failures.py --repeats 10
-    git archive <commit> torchmn | tar -x -C /tmp/base    # an older torchmn to compare with
-    python bench/bench_failures.py --repeats 10 --baseline /tmp/base
 
 Every job is 4 ranks of one small script (``create_communicator()``, then allreduces in a loop).
 
@@ -66,10 +64,10 @@ _LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROU
                    "MASTER_PORT"}
 
 
-def job_env(checkout: Path, extra: Optional[dict] = None) -> dict:
-    """This environment without an outer launcher's variables, importing torchmn from ``checkout``."""
+def job_env(extra: Optional[dict] = None) -> dict:
+    """This environment without an outer launcher's variables, importing torchmn from this checkout."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_LAUNCHER_PREFIXES) and k not in _LAUNCHER_NAMES}
-    env["PYTHONPATH"] = str(checkout) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     env.update(extra or {})
     return env
@@ -101,14 +99,13 @@ def wait_for_file(path: Path, proc: subprocess.Popen, timeout: float) -> bool:
     return False
 
 
-def run_once(launcher: str, mode: str, checkout: Path, script: Path, env_extra: dict,
-             job_timeout: float) -> dict:
+def run_once(launcher: str, mode: str, script: Path, env_extra: dict, job_timeout: float) -> dict:
     """One job; returns {"seconds": float or None (it did not run to the end), "tracebacks": rank 1's,
     "all_tracebacks": every one, "note": why there are no seconds}."""
     with tempfile.TemporaryDirectory(prefix="bench-failures-") as tmp:
         out = Path(tmp)
-        proc = subprocess.Popen(launch_argv(launcher, script, mode, out), cwd=checkout,
-                                env=job_env(checkout, env_extra), stdout=subprocess.PIPE,
+        proc = subprocess.Popen(launch_argv(launcher, script, mode, out), cwd=REPO,
+                                env=job_env(env_extra), stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True, start_new_session=True)
         reader = _Reader(proc)
         try:
@@ -214,7 +211,6 @@ def summarize(rows: list, mode: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--baseline", type=Path, help="another checkout's root (holding torchmn/) to compare with")
     parser.add_argument("--launchers", default="torchmn run,srun,mpirun,torchrun",
                         help="comma-separated subset of: torchmn run, srun, mpirun, torchrun")
     parser.add_argument("--job-timeout", type=float, default=90.0, help="seconds a job may take to end")
@@ -223,9 +219,6 @@ def main() -> None:
     parser.add_argument("--quiet-wait", type=float, default=900.0)
     args = parser.parse_args()
     launchers = [name.strip() for name in args.launchers.split(",")]
-    checkouts = {"this checkout": REPO}
-    if args.baseline:
-        checkouts["baseline"] = args.baseline.resolve()
 
     cluster, slurm_note = (None, "not asked for")
     if "srun" in launchers:
@@ -239,7 +232,7 @@ def main() -> None:
 
     rows: list = [("kill", launcher) for launcher in ("torchmn run", "torchrun") if launcher in launchers]
     rows += [("raise", launcher) for launcher in launchers]
-    results: dict = {(mode, launcher, name): [] for mode, launcher in rows for name in checkouts}
+    results: dict = {row: [] for row in rows}
     load_before = quiet_machine(args.quiet_load, args.quiet_wait) if args.quiet_load else os.getloadavg()[0]
     try:
         with tempfile.TemporaryDirectory(prefix="bench-failures-script-") as tmp:
@@ -247,13 +240,11 @@ def main() -> None:
             script.write_text(RANK_SCRIPT)
             for repeat in range(args.repeats):
                 for mode, launcher in rows:
-                    for name, checkout in checkouts.items():
-                        extra = {"SLURM_CONF": str(cluster.conf)} if launcher == "srun" else {}
-                        result = run_once(launcher, mode, checkout, script, extra, args.job_timeout)
-                        results[(mode, launcher, name)].append(result)
-                        shown = f"{result['seconds']:.2f} s" if result["seconds"] is not None else result["note"]
-                        print(f"# repeat {repeat + 1}: {mode} {launcher} ({name}): {shown}", file=sys.stderr,
-                              flush=True)
+                    extra = {"SLURM_CONF": str(cluster.conf)} if launcher == "srun" else {}
+                    result = run_once(launcher, mode, script, extra, args.job_timeout)
+                    results[(mode, launcher)].append(result)
+                    shown = f"{result['seconds']:.2f} s" if result["seconds"] is not None else result["note"]
+                    print(f"# repeat {repeat + 1}: {mode} {launcher}: {shown}", file=sys.stderr, flush=True)
     finally:
         if cluster is not None:
             cluster.stop()
@@ -264,13 +255,12 @@ def main() -> None:
     print(f"# 1-minute load average: {load_before:.2f} before, {load_after:.2f} after")
     print(f"# {NP} ranks; srun: 2 nodes x {NP // 2} ranks on the test Slurm cluster (both nodes on this machine)")
     print()
-    print("| failure | launcher | torchmn | median s | min-max s | runs | timeouts | rank 1's traceback shown "
+    print("| failure | launcher | median s | min-max s | runs | timeouts | rank 1's traceback shown "
           "| tracebacks in all |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for mode, launcher in rows:
         what = "kill -9 of rank 1 -> launcher exit" if mode == "kill" else "exception in rank 1 -> job end"
-        for name in checkouts:
-            print(f"| {what} | {launcher} | {name} | {summarize(results[(mode, launcher, name)], mode)} |")
+        print(f"| {what} | {launcher} | {summarize(results[(mode, launcher)], mode)} |")
 
 
 if __name__ == "__main__":

@@ -1,26 +1,26 @@
-"""The rendezvous store behind its gate against the store alone: a rank's set-up and the store's
-requests under ``torchmn run``.
+"""The rendezvous store behind torchmn's gate against torchrun's store: a rank's set-up and the
+store's requests.
 
-    git archive <commit before the gate> | tar -x -C /tmp/base
-    python bench/bench_rendezvous.py --baseline /tmp/base --np 4 --repeats 5
+    python bench/bench_rendezvous.py --np 4 --repeats 5
+    python bench/bench_rendezvous.py --np 2 --repeats 7 --other-host     # root: network namespaces
 
-Each repeat runs ``torchmn run -np N python -c PROBE`` with this checkout and, with ``--baseline``,
-with that checkout (the launcher and its ranks import torchmn from it), interleaved so that the
-load of the machine falls on both alike. PROBE times, in every rank:
+Each repeat runs ``python -c PROBE`` on N ranks under ``torchmn run -np N`` and under ``torchrun
+--standalone --nproc-per-node N`` (whose ranks reach its store directly, without a gate),
+interleaved so that the load of the machine falls on both alike. PROBE times, in every rank:
 
-- ``create_communicator()``: the rendezvous and gloo's set-up, whose store requests go through the
-  gate (a new client per rank, admitted after the gate looked the process up in /proc);
+- ``create_communicator()``: the rendezvous and gloo's set-up, whose store requests go through
+  torchmn's gate (a new client per rank, admitted after the gate looked the process up in /proc);
 - ``split(rank % 2)``: a new process group, more store requests (a world of one, ``--np 1``,
   sets up no process group: its first two columns show nothing);
 - 1000 ``set`` and 1000 ``get`` requests on a new client of the launcher's store, one after the
-  other: the cost of the extra hop per request;
+  other: the cost of the gate's hop per request;
 
 and the launcher's wall time for the whole job. The table shows the median over repeats of the
 slowest rank (set-up waits for the slowest one anyway).
 
-With ``--other-host`` (root, for network namespaces) the ranks run on an emulated host of their
-own (``tests/cluster/netns.py``) and reach the launcher's store over a bridge, through that host's
-relay.
+With ``--other-host`` (root, for network namespaces) a third row runs torchmn's ranks on an
+emulated host of their own (``tests/cluster/netns.py``), reaching the launcher's store over a
+bridge through that host's relay.
 """
 from __future__ import annotations
 
@@ -60,17 +60,18 @@ print(f"TIMES setup={t2 - t1:.4f} split={t3 - t2:.4f} store={t4 - t3:.4f}", flus
 FIELDS = ("setup", "split", "store")
 
 
-def run_once(checkout: Path, np: int, where: list) -> dict:
+def run_once(argv: list, np: int) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TORCHMN_", "MASTER_"))}
-    env["PYTHONPATH"] = str(checkout) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "torchmn", "run", "-np", str(np), *where, sys.executable, "-c",
-                           PROBE], cwd=checkout, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([*argv, sys.executable, "-c", PROBE], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
     wall = time.perf_counter() - start
     if proc.returncode != 0:
-        raise SystemExit(f"job failed ({checkout}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    rows = [dict((k, float(v)) for k, v in re.findall(r"(\w+)=([\d.]+)", line.split("TIMES", 1)[1]))
-            for line in proc.stdout.splitlines() if "TIMES" in line]
+        raise SystemExit(f"job failed ({' '.join(argv)}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    # Ranks share one stdout under torchrun, so one rank's line may run into another's.
+    rows = [dict(setup=float(a), split=float(b), store=float(c))
+            for a, b, c in re.findall(r"TIMES setup=([\d.]+) split=([\d.]+) store=([\d.]+)", proc.stdout)]
     assert len(rows) == np, proc.stdout
     result = {field: max(row[field] for row in rows) for field in FIELDS}
     result["job"] = wall
@@ -79,39 +80,40 @@ def run_once(checkout: Path, np: int, where: list) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--baseline", type=Path, help="a checkout to compare with (without the gate)")
     parser.add_argument("--np", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--other-host", action="store_true",
-                        help="run the ranks on an emulated host of their own (needs root)")
-    parser.add_argument("--baseline-name", default="baseline (store alone)", help="the baseline's row")
+                        help="also run torchmn's ranks on an emulated host of their own (needs root)")
     args = parser.parse_args()
-    checkouts = {"this checkout": REPO}
-    if args.baseline:
-        checkouts[args.baseline_name] = args.baseline
-    results = {name: [] for name in checkouts}
-    cluster, where = None, []
+    np = str(args.np)
+    launchers = {"torchmn run": [sys.executable, "-m", "torchmn", "run", "-np", np],
+                 "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", np,
+                              "--no-python"]}
+    cluster = None
     if args.other_host:
         sys.path.insert(0, str(REPO / "tests"))
         from cluster.netns import NetnsCluster
 
         cluster = NetnsCluster(["h1"])
         cluster.start()
-        where = [*cluster.launcher_options(), "-H", f"{cluster.address('h1')}:{args.np}"]
+        launchers["torchmn run, ranks on another host"] = [
+            sys.executable, "-m", "torchmn", "run", "-np", np, *cluster.launcher_options(),
+            "-H", f"{cluster.address('h1')}:{args.np}"]
+    results = {name: [] for name in launchers}
     try:
         for _ in range(args.repeats):
-            for name, checkout in checkouts.items():
-                results[name].append(run_once(checkout, args.np, where))
+            for name, argv in launchers.items():
+                results[name].append(run_once(argv, args.np))
     finally:
         if cluster is not None:
             cluster.stop()
-    print(f"torchmn run -np {args.np}{' on another host' if cluster else ''}, median of {args.repeats} "
-          f"(slowest rank), seconds")
-    print(f"{'':24} {'create_communicator':>20} {'split':>8} {'2000 store requests':>20} {'whole job':>10}")
+    print(f"{args.np} rank(s), median of {args.repeats} (slowest rank), seconds")
+    print("| launcher | create_communicator | split | 2000 store requests | whole job |")
+    print("|---|---|---|---|---|")
     for name, rows in results.items():
         median = {k: statistics.median(r[k] for r in rows) for k in (*FIELDS, "job")}
-        print(f"{name:24} {median['setup']:20.3f} {median['split']:8.3f} {median['store']:20.3f} "
-              f"{median['job']:10.2f}")
+        print(f"| {name} | {median['setup']:.3f} | {median['split']:.3f} | {median['store']:.3f} | "
+              f"{median['job']:.2f} |")
 
 
 if __name__ == "__main__":
