@@ -15,8 +15,9 @@ from jobs import REPO, clean_env
 
 BUSY = REPO / "tests" / "scripts" / "busy.py"
 TWO_CPUS = sorted(os.sched_getaffinity(0))[:2]
-# busy.py makes no communicator, so after the warm-up the doctor waits until the job has used
-# torchmn.doctor.command.STEP_WAIT_CPU_S (10 CPU-seconds) per rank, then samples.
+# After the warm-up the doctor waits for every rank's second optimizer step (busy.py --steps), or,
+# where the job reports none (busy.py alone: the oversubscription case), until the job has used
+# torchmn.doctor.command.STEP_WAIT_CPU_S (10 CPU-seconds) per rank; then it samples.
 WARMUP_S = 3
 
 
@@ -50,17 +51,19 @@ def test_doctor_finds_oversubscription():
 
 @pytest.mark.timeout(120)
 def test_doctor_calls_torchmns_budget_fine():
-    rc, d = diagnosis(["-np", "2", "--", sys.executable, str(BUSY), "60"])
+    rc, d = diagnosis(["-np", "2", "--", sys.executable, str(BUSY), "60", "0", "--steps"])
     assert d["verdict"] == "fine" and rc == 0, d
+    assert all(r["steps"]["steps"] >= 2 for r in d["ranks"]), d["ranks"]
     assert all(r["settings"]["OMP_NUM_THREADS"] == "1" and r["budget_threads"] == 1 for r in d["ranks"]), d["ranks"]
 
 
 @pytest.mark.timeout(120)
 def test_doctor_finds_an_under_used_machine():
     """One process with one thread on 2 CPUs."""
-    rc, d = diagnosis(["--", sys.executable, str(BUSY), "60"], {"OMP_NUM_THREADS": "1"})
+    rc, d = diagnosis(["--", sys.executable, str(BUSY), "60", "0", "--steps"], {"OMP_NUM_THREADS": "1"})
     assert d["verdict"] == "under-used" and rc == 0, d
     assert d["ranks"][0]["rank"] is None and "-np 2" in d["fix"], d
+    assert d["ranks"][0]["steps"]["steps"] >= 2, d["ranks"]
 
 
 @pytest.mark.timeout(60)

@@ -1,11 +1,17 @@
 """Keeps the CPU busy for the doctor's tests: matrix products in the main thread's torch pool, and
 optionally DataLoader workers that compute too.
 
-Usage: python busy.py SECONDS [WORKERS]
+Usage: python busy.py SECONDS [WORKERS] [--steps]
 
 With BUSY_FROM (seconds since the epoch) in the environment, it waits until then once torch is
 imported: the doctor samples after its warm-up only, and the CPU a spinning warm-up would take
 goes to the other tests meanwhile.
+
+--steps: every round of products ends with a step of torchmn's optimizer (a communicator over the
+job's ranks, a tiny model), so the job reports steps as a training job does and the doctor samples
+as soon as every rank has made two. Without it the job reports none, and the doctor waits for
+reports until the job has used its CPU budget for a start-up (seconds of the clock on a loaded
+machine) before it samples.
 """
 import os
 import sys
@@ -25,9 +31,29 @@ class Burn(torch.utils.data.Dataset):
         return x[0]
 
 
+def stepper():
+    """One step of torchmn's optimizer on a tiny model per call; the first one made here, so that
+    its start-up cost (building the optimizer imports torch._dynamo) falls in the warm-up."""
+    import torchmn
+
+    comm = torchmn.create_communicator()
+    model = torch.nn.Linear(8, 1)
+    optimizer = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), comm)
+    x = torch.ones(4, 8)
+
+    def step():
+        optimizer.zero_grad()
+        model(x).sum().backward()
+        optimizer.step()
+    step()
+    return step
+
+
 def main():
-    seconds, workers = float(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 0
+    args = [a for a in sys.argv[1:] if a != "--steps"]
+    seconds, workers = float(args[0]), int(args[1]) if len(args) > 1 else 0
     end = time.monotonic() + seconds
+    step = stepper() if "--steps" in sys.argv else None
     time.sleep(max(0.0, float(os.environ.get("BUSY_FROM", 0)) - time.time()))
     batches = iter(torch.utils.data.DataLoader(Burn(), batch_size=4, num_workers=workers)) if workers else None
     a = torch.randn(384, 384)
@@ -35,6 +61,8 @@ def main():
         a = torch.tanh(a @ a)
         if batches is not None:
             next(batches)
+        if step is not None:
+            step()
 
 
 if __name__ == "__main__":
