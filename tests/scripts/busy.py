@@ -13,8 +13,8 @@ as soon as every rank has made two. Without it the job reports none, and the doc
 reports until the job has used its CPU budget for a start-up (seconds of the clock on a loaded
 machine) before it samples.
 """
+import argparse
 import os
-import sys
 import time
 
 import torch
@@ -50,12 +50,15 @@ def stepper():
 
 
 def main():
-    args = [a for a in sys.argv[1:] if a != "--steps"]
-    seconds, workers = float(args[0]), int(args[1]) if len(args) > 1 else 0
-    end = time.monotonic() + seconds
-    step = stepper() if "--steps" in sys.argv else None
+    parser = argparse.ArgumentParser()
+    parser.add_argument("seconds", type=float)
+    parser.add_argument("workers", type=int, nargs="?", default=0)
+    parser.add_argument("--steps", action="store_true")
+    args = parser.parse_args()
+    end = time.monotonic() + args.seconds
+    step = stepper() if args.steps else None
     time.sleep(max(0.0, float(os.environ.get("BUSY_FROM", 0)) - time.time()))
-    batches = iter(torch.utils.data.DataLoader(Burn(), batch_size=4, num_workers=workers)) if workers else None
+    batches = iter(torch.utils.data.DataLoader(Burn(), batch_size=4, num_workers=args.workers)) if args.workers else None
     a = torch.randn(384, 384)
     while time.monotonic() < end:
         a = torch.tanh(a @ a)
