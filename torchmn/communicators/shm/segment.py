@@ -20,6 +20,11 @@ ALIGN = 64  # chunk boundaries on cache lines, so ranks never write the same lin
 # A wait's sleeps, once spinning and yielding have not sufficed: from the first to the longest.
 SLEEP_FIRST_S = 5e-5
 SLEEP_LONGEST_S = 1e-3
+# A long wait (for a peer validating, saving a checkpoint or starting anew) sleeps longer, up to
+# this share of the time waited so far (so it ends at most 1% late) and never past the next look:
+# a rank waking every millisecond costs 5% of a core on its own, taken from the peer it waits for
+# where ranks share cores.
+LATE_SHARE = 0.01
 KINDS = 16  # a flag word is seq * KINDS + the kind of call (see Flags.arrive_and_wait)
 # What a rank ending with an uncaught exception writes into its flag words (mark_failed): below
 # every call number, so its peers keep waiting until their next look, which then tells them at
@@ -272,7 +277,8 @@ class Flags:
 
 def wait_until(done: Callable[[], bool], look: Callable[[bool], None], timeout: float) -> None:
     """Wait for ``done()`` without a system call on the fast path: spin, then yield the core, then
-    sleep, in steps growing from 50 us to 1 ms, so that more ranks than cores still make progress.
+    sleep, in steps growing from 50 us to 1 ms, so that more ranks than cores still make progress;
+    past a tenth of a second the steps grow on, to 1% of the time waited (at most ``LOOK_EVERY_S``).
 
     Args:
         done: what is awaited, read from shared memory (cheap: it runs on every spin).
@@ -286,7 +292,7 @@ def wait_until(done: Callable[[], bool], look: Callable[[bool], None], timeout: 
     """
     deadline = next_look = None
     spins = 0
-    pause = SLEEP_FIRST_S
+    pause, longest = SLEEP_FIRST_S, SLEEP_LONGEST_S
     while not done():
         spins += 1
         if spins < 64:
@@ -301,16 +307,17 @@ def wait_until(done: Callable[[], bool], look: Callable[[bool], None], timeout: 
                 continue
         else:
             time.sleep(pause)
-            pause = min(pause * 1.1, SLEEP_LONGEST_S)
+            pause = min(pause * 1.1, longest)
         # Looks go by the clock, not by a count of sleeps: on a busy machine a 50 us sleep can
         # last milliseconds, and the timeout must still fire when it says, since ranks waiting
         # over TCP meanwhile give the others only watch.GRACE_S to say where they are.
         now = time.monotonic()
         if next_look is None:
-            deadline, next_look = now + timeout, now + LOOK_EVERY_S
+            start, deadline, next_look = now, now + timeout, now + LOOK_EVERY_S
         elif now >= next_look:
             next_look = now + LOOK_EVERY_S
             look(now > deadline)
+            longest = min(max(SLEEP_LONGEST_S, LATE_SHARE * (now - start)), LOOK_EVERY_S)
 
 
 def mark_failed() -> None:
