@@ -45,7 +45,7 @@ def test_gradient_algorithms(name, check, request):
 CROSS_NODE = WORKERS / "cross_node_checks.py"
 CROSS_NODE_CHECKS = ["doubling_matches_gloo", "auto_measures_alike_on_every_rank",
                      "a_new_rank_takes_the_first_ranks_measurement", "emulated_nodes_average_with_each_algorithm",
-                     "bad_choice_is_refused"]
+                     "emulated_nodes_shard_in_pieces", "bad_choice_is_refused"]
 
 
 @pytest.mark.check_job("cross-node")

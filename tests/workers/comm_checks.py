@@ -378,8 +378,10 @@ def check_nested_split(comm):
 def check_shard_primitives(comm):
     """reduce_scatter_flat / allgather_flat (the sharded optimizer's) against their definition, on
     the communicator and on one whose rank order is reversed (across nodes: rails in another order)."""
-    for c in (comm, comm.split(color=0, key=-comm.rank)):
-        k = 37  # not a multiple of anything
+    # 37: not a multiple of anything; between nodes 150,037 float64 (1.2 MB a chunk) go through gloo
+    # in pieces, the last one shorter than the others.
+    sizes = (37, 150_037)
+    for c, k in [(c, k) for c in (comm, comm.split(color=0, key=-comm.rank)) for k in sizes]:
         flat = torch.arange(c.size * k, dtype=torch.float64) + 1000 * c.rank
         shard = torch.empty(k, dtype=torch.float64)
         c.reduce_scatter_flat(flat, shard, async_op=True).wait()
@@ -393,22 +395,23 @@ def check_shard_primitives(comm):
 def check_flat_in_flight(comm):
     """Several gradient-path collectives in flight at once, as the optimizers launch them during
     backward (across nodes the network part runs in the background), then waited in order."""
-    k, f64 = 37, torch.float64
-    base = torch.arange(comm.size * k, dtype=f64)
+    f64 = torch.float64
     pending = []
-    for i in range(3):
+    for i, k in enumerate((37, 37, 150_037)):  # the last, between nodes, in pieces through gloo
+        base = torch.arange(comm.size * k, dtype=f64)
         flat = base + 1000 * comm.rank + i
-        pending.append(("allreduce", i, flat, None, comm.allreduce_flat(flat, async_op=True)))
+        pending.append(("allreduce", i, flat, None, base, comm.allreduce_flat(flat, async_op=True)))
         shard = torch.empty(k, dtype=f64)
-        pending.append(("reduce_scatter", i, None, shard, comm.reduce_scatter_flat(base + 1000 * comm.rank + i,
-                                                                                     shard, async_op=True)))
+        pending.append(("reduce_scatter", i, None, shard, base,
+                        comm.reduce_scatter_flat(base + 1000 * comm.rank + i, shard, async_op=True)))
         gathered = torch.empty(comm.size * k, dtype=f64)
-        pending.append(("allgather", i, gathered, None,
+        pending.append(("allgather", i, gathered, None, base,
                         comm.allgather_flat(gathered, torch.full((k,), float(comm.rank + i), dtype=f64),
                                             async_op=True)))
     ranks_sum = 1000 * sum(range(comm.size))
-    for kind, i, flat, shard, work in pending:
+    for kind, i, flat, shard, base, work in pending:
         work.wait()
+        k = base.numel() // comm.size
         if kind == "allreduce":
             expect = base * comm.size + ranks_sum + comm.size * i
             assert torch.equal(flat, expect), (kind, i, flat[:3], expect[:3])

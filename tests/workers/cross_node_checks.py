@@ -108,6 +108,31 @@ def check_emulated_nodes_average_with_each_algorithm(comm):
     os.environ.pop(cross_node.VARIABLE, None)
 
 
+def check_emulated_nodes_shard_in_pieces(comm):
+    """The sharded optimizer's reduce-scatter and all-gather across emulated nodes, through the
+    hierarchical communicator (its rails between nodes) and the flat one: small chunks in one gloo
+    call, large ones (over 512 KB) in pieces, the last shorter; float64 and float32; several in
+    flight at once, waited in order, as the optimizer launches them during backward."""
+    for name, per_node in (("hierarchical", 2), ("hierarchical", 1), ("flat", 1)):
+        sub = make_communicator(name, rank=comm.rank, size=comm.size, group=comm.object_group,
+                                obj_group=comm.object_group, backend="gloo", node_key=comm.rank // per_node)
+        assert sub.inter_size > 1, (name, per_node, sub.inter_size)
+        pending = []
+        for dtype, k in ((torch.float64, 37), (torch.float64, 150_037), (torch.float32, 150_037)):
+            parts = [integers(r, sub.size * k, dtype, "sum") for r in range(sub.size)]
+            shard = torch.empty(k, dtype=dtype)
+            pending.append((shard, sum(parts)[sub.rank * k:(sub.rank + 1) * k],
+                            sub.reduce_scatter_flat(parts[sub.rank], shard, async_op=True)))
+            gathered = torch.empty(sub.size * k, dtype=dtype)
+            mine = integers(sub.rank, k, dtype, "sum")
+            pending.append((gathered, torch.cat([integers(r, k, dtype, "sum") for r in range(sub.size)]),
+                            sub.allgather_flat(gathered, mine, async_op=True)))
+        for i, (got, expected, work) in enumerate(pending):
+            work.wait()
+            assert torch.equal(got, expected), (name, per_node, i, got[:3], expected[:3])
+        sub.finalize()
+
+
 def check_bad_choice_is_refused(comm):
     """A value of the variable that names no algorithm: a ValueError naming the choices."""
     os.environ[cross_node.VARIABLE] = "tree"

@@ -1,6 +1,9 @@
-"""Handles of asynchronous collectives: one with nothing to wait for, and one whose local part
-runs once its network part is done."""
+"""Handles of asynchronous collectives: one with nothing to wait for, one over several messages in
+flight, and one whose local part runs once its network part is done."""
 from __future__ import annotations
+
+import datetime
+import time
 
 
 class Completed:
@@ -11,6 +14,26 @@ class Completed:
 
     def is_completed(self) -> bool:
         return True
+
+
+class AllOf:
+    """The handle of several of torch's handles in flight together (the messages of one collective);
+    ``wait()`` waits for all of them, within one ``timeout`` overall."""
+
+    def __init__(self, works):
+        self._works = list(works)
+
+    def wait(self, timeout=None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        for work in self._works:
+            if deadline is None:
+                work.wait()
+            else:
+                work.wait(datetime.timedelta(seconds=max(0.0, deadline - time.monotonic())))
+        return True
+
+    def is_completed(self) -> bool:
+        return all(work.is_completed() for work in self._works)
 
 
 class AndThen:

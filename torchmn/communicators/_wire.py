@@ -112,6 +112,11 @@ OBJ_CHUNK_BYTES = 256 * 1024 * 1024
 # user's send_obj(tag=2) must not match gather_obj's own, nor send() a recv_obj()).
 TAG_SPACES = {"tensor": 0, "object": 1, "collective": 2}
 MAX_TAG = 2 ** 28
+# torch.distributed point-to-point tags of torchmn's own collectives made of messages: above every
+# tag a user's message can take (wire_tag), and apart from gloo's collectives, whose slots carry a
+# prefix. One tag each, so that a collective's messages never pair with another's.
+INTERNAL_TAGS = {name: MAX_TAG * len(TAG_SPACES) + i
+                 for i, name in enumerate(("doubling", "reduce_scatter", "allgather"))}
 
 
 def wire_tag(tag: int, space: str) -> int:

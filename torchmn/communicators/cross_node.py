@@ -35,9 +35,7 @@ PROBE_BYTES = (1 << 10, 1 << 13, 1 << 16, 1 << 19, 1 << 22)
 # scheduler added to one run.
 PROBE_REPEATS = 7
 PROBE_LONGEST_S = 0.02
-# torch.distributed point-to-point tag of doubling's messages: above every tag a user's message can
-# take (_wire.wire_tag), and apart from collectives, whose gloo slots carry a prefix.
-_TAG = _wire.MAX_TAG * len(_wire.TAG_SPACES)
+_TAG = _wire.INTERNAL_TAGS["doubling"]
 _ALWAYS = 1 << 62  # the threshold of doubling at every size
 # What the group's first rank tells the others at set-up, where not a threshold (see _agreed).
 _RING, _DOUBLING, _UNMEASURED = -2.0, -3.0, -1.0

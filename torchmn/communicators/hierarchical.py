@@ -19,10 +19,8 @@ from typing import Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from torchmn.communicators import _call_check, _wire, shm, watch
+from torchmn.communicators import _call_check, _gloo_utility, _wire, shm, watch
 from torchmn.communicators._async_utility import AndThen, Completed, finish
-from torchmn.communicators._gloo_utility import reduce_scatter_single
-from torchmn.communicators._torch_compat import all_gather_single
 from torchmn.communicators.cross_node import CrossNodeAllreduce
 from torchmn.communicators.flat import FlatCommunicator
 from torchmn.communicators.pickling import pickle_for_call, unpickle_from
@@ -285,7 +283,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         by_rail = flat.view(self.size, k).index_select(0, self._rail_order).view(-1)
         node_sums = torch.empty(self.inter_size * k, dtype=flat.dtype)
         self.segment.reduce_scatter(by_rail, node_sums)
-        work = reduce_scatter_single(shard, node_sums, self.rail_group, async_op=True)
+        work = _gloo_utility.reduce_scatter_single(shard, node_sums, self.rail_group, async_op=True, across_nodes=True)
         return finish(AndThen(work, keep=(node_sums,)), async_op)
 
     @watch.collective
@@ -300,7 +298,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         k = shard.numel()
         rail = torch.empty(self.inter_size * k, dtype=flat.dtype)
         sent = shard.contiguous()
-        work = all_gather_single(rail, sent, group=self.rail_group, async_op=True)
+        work = _gloo_utility.all_gather_single(rail, sent, self.rail_group, async_op=True, across_nodes=True)
 
         def inside_the_node():
             by_rail = torch.empty(self.size * k, dtype=flat.dtype)
