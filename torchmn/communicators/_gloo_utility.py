@@ -83,7 +83,7 @@ def reduce_scatter_single(shard: torch.Tensor, flat: torch.Tensor, group, async_
                          k, flat.element_size(), group, _wire.INTERNAL_TAGS["reduce_scatter"])
     else:
         work = dist.all_to_all_single(chunks, flat, group=group, async_op=True)
-    # The rows in rank order, as before the pieces: the same sum, to the bit, either way.
+    # The rows in rank order, however they came: the same sum, to the bit, either way.
     return finish(AndThen(work, lambda: torch.sum(chunks.view(n, k), dim=0, out=shard), keep=(flat, chunks)),
                   async_op)
 
