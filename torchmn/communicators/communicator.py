@@ -979,8 +979,7 @@ class Communicator(CommunicatorBase):
             # rank r is another group rank, so hand torch the chunks in its order.
             chunks = self._group_order(list(flat.split(shard.numel())))
             return dist.reduce_scatter(shard, chunks, group=self.wire_group(flat), async_op=async_op)
-        return _gloo_utility.reduce_scatter_single(shard, flat, self.wire_group(flat), async_op,
-                                                  across_nodes=self.inter_size > 1)
+        return _gloo_utility.reduce_scatter_single(shard, flat, self.wire_group(flat), async_op, self.inter_size > 1)
 
     @watch.collective
     def allgather_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):
@@ -990,8 +989,7 @@ class Communicator(CommunicatorBase):
         if not self._identity_order:  # as in reduce_scatter_flat
             chunks = self._group_order(list(flat.split(shard.numel())))
             return dist.all_gather(chunks, shard, group=self.wire_group(flat), async_op=async_op)
-        return _gloo_utility.all_gather_single(flat, shard, self.wire_group(flat), async_op,
-                                              across_nodes=self.inter_size > 1)
+        return _gloo_utility.all_gather_single(flat, shard, self.wire_group(flat), async_op, self.inter_size > 1)
 
     def open_node_arena(self, shared_bytes: int, region_bytes: int, points: Sequence[str],
                         owned_shared: Sequence[Tuple[int, int]] = ()):
