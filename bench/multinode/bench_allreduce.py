@@ -102,7 +102,8 @@ def main() -> None:
     parser.add_argument("--rank", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.json and args.collective != "allreduce":
-        parser.error("--json writes allreduce rows (what bench/multinode/model.py --fit reads); drop it with --collective shard")
+        parser.error("--json writes allreduce rows (what bench/multinode/model.py --fit reads); "
+                     "drop it with --collective shard")
     if args.rank:
         rank_main(args.collective, args.sizes, args.rounds)
         return
@@ -128,7 +129,8 @@ def main() -> None:
                 best = min(med[ways[1]], med[ways[2]])
                 rows.append({"link": link, "nodes": args.nodes, "ranks_per_node": per_node, "bytes": mb * (1 << 20),
                              "seconds": med})
-                print(f"| {link} | {args.nodes} x {per_node} | {mb:g} | {med[ways[0]] * 1e3:.2f} | {med[ways[1]] * 1e3:.2f} | "
+                print(f"| {link} | {args.nodes} x {per_node} | {mb:g} | {med[ways[0]] * 1e3:.2f} | "
+                      f"{med[ways[1]] * 1e3:.2f} | "
                       f"{med[ways[2]] * 1e3:.2f} | {floor * 1e3:.2f} | {floor / best:.0%} | "
                       f"{med[ways[1]] / med[ways[0]]:.2f}x | {med[ways[2]] / med[ways[0]]:.2f}x |", flush=True)
     if args.json:
