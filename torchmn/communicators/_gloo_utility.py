@@ -31,12 +31,14 @@ def _in_pieces(k: int, element_size: int, across_nodes: bool) -> bool:
 
 
 def _exchange(sent: Callable[[int], torch.Tensor], received: Callable[[int], torch.Tensor], k: int,
-              element_size: int, group, tag: int) -> AllOf:
-    """Post, for every other rank and every piece of its ``k`` elements, the send of ``sent(peer)``
-    and the receive into ``received(peer)``; the handle of them all."""
+              group, tag: int) -> AllOf:
+    """Copy ``sent(me)`` into ``received(me)`` and post, for every other rank and every piece of
+    its ``k`` elements, the send of ``sent(peer)`` and the receive into ``received(peer)``; the
+    handle of them all."""
     group = group if group is not None else dist.group.WORLD
     n, me = dist.get_world_size(group), dist.get_rank(group)
-    per = max(1, PIECE_BYTES // element_size)
+    received(me).copy_(sent(me))
+    per = max(1, PIECE_BYTES // sent(me).element_size())
     ops = []
     for start in range(0, k, per):
         stop = min(k, start + per)
@@ -77,10 +79,8 @@ def reduce_scatter_single(shard: torch.Tensor, flat: torch.Tensor, group, async_
     n, k = dist.get_world_size(group), shard.numel()
     chunks = torch.empty_like(flat)
     if _in_pieces(k, flat.element_size(), across_nodes):
-        me = dist.get_rank(group)
-        chunks[me * k:(me + 1) * k].copy_(flat[me * k:(me + 1) * k])
         work = _exchange(lambda peer: flat[peer * k:(peer + 1) * k], lambda peer: chunks[peer * k:(peer + 1) * k],
-                         k, flat.element_size(), group, _wire.INTERNAL_TAGS["reduce_scatter"])
+                         k, group, _wire.INTERNAL_TAGS["reduce_scatter"])
     else:
         work = dist.all_to_all_single(chunks, flat, group=group, async_op=True)
     # The rows in rank order, however they came: the same sum, to the bit, either way.
@@ -107,11 +107,9 @@ def all_gather_single(flat: torch.Tensor, shard: torch.Tensor, group, async_op: 
         >>> all_gather_single(everyone, torch.full((k,), float(rank)), group)  # everyone: size * k
     """
     k = shard.numel()
-    if not (_is_gloo(group, flat) and _in_pieces(k, shard.element_size(), across_nodes)):
+    if not (_in_pieces(k, shard.element_size(), across_nodes) and _is_gloo(group, flat)):
         return _torch_compat.all_gather_single(flat, shard, group=group, async_op=async_op)
-    me = dist.get_rank(group if group is not None else dist.group.WORLD)
     sent = shard.contiguous()
-    flat[me * k:(me + 1) * k].copy_(sent)
-    work = _exchange(lambda peer: sent, lambda peer: flat[peer * k:(peer + 1) * k], k, sent.element_size(), group,
+    work = _exchange(lambda peer: sent, lambda peer: flat[peer * k:(peer + 1) * k], k, group,
                      _wire.INTERNAL_TAGS["allgather"])
     return finish(AndThen(work, keep=(sent,)), async_op)
