@@ -72,8 +72,10 @@ class ElasticRun:
         path = self.out / "progress"
         if not path.exists():
             return []
-        rows = [line.split() for line in path.read_text().splitlines()]
-        return [(float(t), int(s), int(n)) for t, s, n in rows if n]
+        # Only whole lines: the reader may see rank 0's last write half done (or cut by a SIGKILL).
+        lines = path.read_text().split("\n")[:-1]
+        rows = [line.split() for line in lines]
+        return [(float(row[0]), int(row[1]), int(row[2])) for row in rows if len(row) == 3]
 
     def wait_for(self, condition, what: str) -> None:
         while not condition():
