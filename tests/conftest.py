@@ -35,6 +35,9 @@ HOSTS_FILES = {"test_slurm.py", "test_mpi_hosts.py", "test_emulated_nodes.py"}
 SHARED_JOB_FIXTURES = {"job", "data_job"}
 # Files whose tests start heavy local instances of a framework: one worker runs them, one at a time.
 SERIAL_FILES = {"test_ray.py": "ray"}
+# The limit of a check test without its own: the first test of a check job runs the whole job
+# (tests/jobs.py), which has a limit of its own (at most 300 s) that stops a hang first.
+CHECK_JOB_TIMEOUT_S = 360
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
@@ -62,6 +65,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.path.name in CLUSTER_FILES or CLUSTER_FIXTURES & set(item.fixturenames):
             item.add_marker(pytest.mark.cluster)
+        if job_key(item) is not None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(CHECK_JOB_TIMEOUT_S))
         group = xdist_group_of(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(name=group))

@@ -12,6 +12,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parent.parent
 WORKERS = Path(__file__).resolve().parent / "workers"
 
@@ -198,10 +200,10 @@ def check_job_output(request, run) -> subprocess.CompletedProcess:
                                     if job_key(item) == key))
         try:
             _check_jobs[key] = run(checks)
-        except Exception as e:  # noqa: BLE001 (the job's own failure, reported by each of its tests)
-            _check_jobs[key] = e
+        except (Exception, pytest.fail.Exception) as e:  # noqa: BLE001 (the job's own failure, a timeout
+            _check_jobs[key] = e                            # included, reported by each of its tests)
     result = _check_jobs[key]
-    if isinstance(result, Exception):
+    if isinstance(result, BaseException):
         raise result
     return result
 

@@ -22,7 +22,6 @@ import json
 import os
 import runpy
 import signal
-import socket
 import sys
 import time
 import traceback
@@ -36,12 +35,7 @@ import torchmn.communicators  # noqa: F401
 import torchmn.optimizers  # noqa: F401
 from torchmn.run.config import GRACE_SECONDS  # between SIGTERM and SIGKILL, as under torchmn run
 
-
-def free_port() -> int:
-    """A TCP port free on the loopback address now, for a job's rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from ports import free_port
 
 
 def rank_main(job: dict, rank: int) -> None:

@@ -4,23 +4,17 @@ them: torch.multiprocessing.spawn, `python -m torch.distributed.launch` (which p
 (Hand-set `env://` variables: tests/test_environments.py.)"""
 import os
 import re
-import socket
 import subprocess
 import sys
 
 import pytest
 from jobs import REPO, clean_env
+from ports import free_port
 
 import torchmn
 
 EXAMPLES = REPO / "examples" / "by_hand"
 TIMEOUT = 120
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(argv):
@@ -45,7 +39,7 @@ def test_torch_distributed_launch_recipe():
 def test_tcp_init_method_with_rank_and_size():
     """One process per rank, started by hand: the ranks find they share this host (from the host
     names), and the thread budget divides its cores between them."""
-    address = f"tcp://127.0.0.1:{_free_port()}"
+    address = f"tcp://127.0.0.1:{free_port()}"
     procs = [subprocess.Popen([sys.executable, str(EXAMPLES / "tcp_init.py"), "--init-method", address,
                                "--rank", str(r), "--size", "2"], cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]

@@ -11,6 +11,7 @@ import torch
 
 import torchmn
 from jobs import WORKERS, assert_check_passed, check_job_output, clean_env, run_job
+from ports import free_port
 from torchmn.communicators.registry import resolve
 
 CHECKS = WORKERS / "comm_checks.py"
@@ -202,9 +203,7 @@ def test_torchmn_timeout_variable_is_checked(monkeypatch):
 def test_tcp_init_method_under_a_launcher(tmp_path):
     """init_method='tcp://...' chosen by the script works under torchmn run and torchrun, whose
     agent-store variable would otherwise make rank 0 a client of a store nobody hosts."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     script = tmp_path / "job.py"
     script.write_text("import sys, torch, torchmn\n"
                       f"comm = torchmn.create_communicator(init_method='tcp://127.0.0.1:{port}', timeout=20)\n"

@@ -208,6 +208,7 @@ def test_data_dir_end_to_end(idx_dir, tmp_path):
 PREEMPTIBLE = REPO / "examples" / "slurm" / "train_preemptible.py"
 
 
+@pytest.mark.timeout(4 * JOB_TIMEOUT + 20)  # four jobs, each within JOB_TIMEOUT
 def test_preemptible_checkpoints_on_sigterm_and_resumes(tmp_path):
     """SIGTERM (Slurm's preemption, scancel) to `torchmn run`: the ranks save the checkpoint before they
     stop, and the next run resumes from it to the same weights as an uninterrupted run. A second run
@@ -315,6 +316,7 @@ def test_horovod_example_runs_under_horovodrun_flags_to_one_process_accuracy(tmp
     assert epochs == ["5"] and _accuracies(resumed.stdout)[-1] >= 0.9, resumed.stdout
 
 
+@pytest.mark.timeout(2 * JOB_TIMEOUT + 20)
 def test_tune_example_two_ranks_per_trial(tmp_path):
     """examples/tune/tune_mnist.py: 2 ranks run each trial; the study (a sqlite file) resumes."""
     storage = f"sqlite:///{tmp_path / 'study.db'}"

@@ -9,7 +9,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ import pytest
 from failure_jobs import assert_failure_shown_once, failing_argv, run_failing
 from jobs import REPO, WORKERS, assert_check_passed, check_job_output, clean_env
 from mpi4py_builds import mpi4py_dir
+from ports import free_port
 
 TIMEOUT = 150
 MPIS = {
@@ -37,12 +37,6 @@ def mpi_argv(mpi, np):
     if path is None:
         pytest.fail(f"{launcher} not found: install it with `apt-get install -y {package}`")
     return [path, *options, "-np", str(np)]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_mpi(mpi, np, argv, port=True, check=True, extra_env=None):

@@ -145,10 +145,14 @@ def test_restart_keeps_a_fixed_master_port(tmp_path):
 def _launch(*args, pid_dir):
     """A launcher whose ranks write their pid files into ``pid_dir`` and sleep; its stderr is read
     line by line by the caller."""
+    # The start line first, then the pid file whole (renamed into place): once the file is there,
+    # the rank has printed and the file holds its pid.
     code = ("import os, sys, time\n"
-            f"open(os.path.join({str(pid_dir)!r}, os.environ['RANK'] + '.' + "
-            "os.environ['TORCHMN_RESTART_COUNT'] + '.pid'), 'w').write(str(os.getpid()))\n"
             "print('start', os.environ['TORCHMN_RESTART_COUNT'], flush=True)\n"
+            f"path = os.path.join({str(pid_dir)!r}, os.environ['RANK'] + '.' + "
+            "os.environ['TORCHMN_RESTART_COUNT'] + '.pid')\n"
+            "open(path + '.tmp', 'w').write(str(os.getpid()))\n"
+            "os.replace(path + '.tmp', path)\n"
             "time.sleep(120)\n")
     return subprocess.Popen([PY, "-m", "torchmn", "run", "-np", "2", *args, PY, "-c", code], env=clean_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
@@ -156,13 +160,17 @@ def _launch(*args, pid_dir):
 
 def _wait_for_files(pid_dir, count, timeout=60):
     deadline = time.monotonic() + timeout
-    while len(os.listdir(pid_dir)) < count:
+    while len(_pid_files(pid_dir)) < count:
         assert time.monotonic() < deadline, os.listdir(pid_dir)
         time.sleep(0.05)
 
 
+def _pid_files(pid_dir):
+    return [name for name in os.listdir(pid_dir) if name.endswith(".pid")]
+
+
 def _pids_gone(pid_dir):
-    pids = [int(open(os.path.join(pid_dir, name)).read()) for name in os.listdir(pid_dir)]
+    pids = [int(open(os.path.join(pid_dir, name)).read()) for name in _pid_files(pid_dir)]
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and any(os.path.exists(f"/proc/{pid}") for pid in pids):
         time.sleep(0.1)

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from cluster.netns import NetnsCluster
 from jobs import REPO, clean_env
+from ports import free_port
 from torchmn import network
 from torchmn.run.store import auth, relay, rendezvous
 
@@ -237,8 +238,16 @@ def test_loopback_job_is_not_reachable_on_other_addresses(job):
     others = _other_addresses()
     assert others, "this machine has no address but loopback ones: nothing to check against"
     for address in others:
-        with pytest.raises(ConnectionRefusedError):
+        try:
             socket.create_connection((address, job.info["port"]), timeout=5).close()
+        except ConnectionRefusedError:
+            continue
+        except OSError:
+            # The network-namespace hosts of other tests add and remove bridge addresses meanwhile.
+            if address not in _other_addresses():
+                continue
+            raise
+        raise AssertionError(f"the job's port {job.info['port']} is reachable on {address}")
     # Nothing the launcher listens on is on every interface, or off loopback.
     listening = [c.laddr for c in psutil.Process(job.info["launcher_pid"]).net_connections("tcp")
                  if c.status == psutil.CONN_LISTEN]
@@ -554,11 +563,12 @@ time.sleep(60)
 def test_hundreds_of_idle_connections_do_not_delay_the_job(tmp_path, greeting):
     """Another user opens 600 connections to the gate and sends nothing (or the first byte of a
     greeting), with the launcher's soft file limit at 256: the job's ranks still meet at the store
-    within 2 s of their time without the crowd."""
+    within 4 s of their time without the crowd (a gate that waited out the crowd's connections would
+    take their FIRST_BYTE_SECONDS, 5 s; the margin is for a busy machine)."""
     go = tmp_path / "go"
     script = tmp_path / "rounds.py"
     script.write_text(STORE_ROUNDS)
-    port = _free_port()
+    port = free_port()
     launcher = subprocess.Popen(["prlimit", "--nofile=256:", sys.executable, "-m", "torchmn", "run", "-np", "2",
                                  "--master-port", str(port), sys.executable, str(script), str(go)],
                                 cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -579,7 +589,7 @@ def test_hundreds_of_idle_connections_do_not_delay_the_job(tmp_path, greeting):
     assert launcher.returncode == 0, out + err
     baseline = max(float(line.split()[-1]) for line in before)
     attacked = [float(line.split()[-1]) for line in out.splitlines() if "UNDER ATTACK" in line]
-    assert len(attacked) == 2 and max(attacked) < baseline + 2.0, (baseline, attacked, err[-2000:])
+    assert len(attacked) == 2 and max(attacked) < baseline + 4.0, (baseline, attacked, err[-2000:])
 
 
 PID_REUSE = """
@@ -622,12 +632,6 @@ def test_a_reused_pid_is_not_taken_for_the_process_that_held_the_connection():
 
 # -- the tasks of a Slurm step ------------------------------------------------------------------
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _slurm_task(task, port, home, token=None):
     """One `torchmn run -np 1` as task ``task`` of a two-task step on this machine: Slurm's own
     variables (tests/test_slurm.py runs the same under a real cluster)."""
@@ -659,7 +663,7 @@ def _finish(procs, seconds=90):
 
 def test_slurm_tasks_share_a_token_through_the_users_key(tmp_path):
     """Without TORCHMN_JOB_TOKEN, the tasks derive one token from the key in the shared home."""
-    port = _free_port()
+    port = free_port()
     results = _finish([_slurm_task(0, port, tmp_path), _slurm_task(1, port, tmp_path)])
     for code, out, err in results:
         assert code == 0, out + err
@@ -672,7 +676,7 @@ def test_slurm_tasks_share_a_token_through_the_users_key(tmp_path):
 def test_slurm_task_with_another_token_is_refused(tmp_path):
     """Tasks that do not share a token (different homes, different exported tokens): task 0's store
     refuses task 1, which says how to fix it."""
-    port = _free_port()
+    port = free_port()
     first = _slurm_task(0, port, tmp_path / "a", token=auth.new_token())
     second = _slurm_task(1, port, tmp_path / "b", token=auth.new_token())
     (code1, out1, err1), = _finish([second])
@@ -715,7 +719,7 @@ def test_a_slurm_task_refuses_a_store_that_cannot_prove_the_token(tmp_path):
     """Another user who binds the step's port on node 0 first (it is a function of public job and
     step ids) receives the other tasks' greetings: they check its proof, refuse it, name it, start
     no rank and send it nothing but a nonce."""
-    port = _free_port()
+    port = free_port()
     impostor = subprocess.Popen([sys.executable, "-c", IMPOSTOR, str(port)], stdout=subprocess.PIPE, text=True)
     try:
         assert impostor.stdout.readline().strip() == "LISTENING"

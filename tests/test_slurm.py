@@ -179,7 +179,7 @@ def test_srun_two_nodes(slurm):
 
 def test_split_across_nodes(slurm):
     """Sub-communicators whose members sit on different nodes (even and odd ranks of 2 x 2)."""
-    proc = slurm.run(["srun", "-N", "2", "--ntasks-per-node", "2", PY, CHECKS, "split"], env=job_env(), timeout=45)
+    proc = slurm.run(["srun", "-N", "2", "--ntasks-per-node", "2", PY, CHECKS, "split"], env=job_env(), timeout=120)
     assert "PASS split" in proc.stdout, proc.stdout
 
 
@@ -212,8 +212,8 @@ def test_torchmn_run_one_task_per_node(slurm):
     rows = probes(out)
     assert sorted(rows) == [0, 1, 2, 3], out
     assert [rows[r]["node"] for r in range(4)] == ["0", "0", "1", "1"], rows
-    # Output lines carry the global rank, whichever node printed them.
-    assert all(re.search(rf"^\[{r}\] PROBE rank={r} ", out, re.M) for r in range(4)), out
+    # Output lines carry the global rank, whichever node printed them (srun may splice two nodes' lines).
+    assert all(re.search(rf"\[{r}\] PROBE rank={r} ", out) for r in range(4)), out
     job, step = int(rows[0]["job"]), int(rows[0]["step"])
     threads = max(1, resources.cpu_count_available(SRUN_TASK_WITH_2_CPUS) // 2)
     for rank, row in rows.items():
@@ -266,6 +266,7 @@ SBATCH_TEMPLATES = {
 }
 
 
+@pytest.mark.timeout(200)  # the job's own limit is 120 s, after sbatch
 @pytest.mark.parametrize("template", sorted(SBATCH_TEMPLATES))
 def test_sbatch_mnist(slurm, tmp_path, template):
     """examples/slurm/*.sbatch train the MNIST example on 2 nodes (a small subset)."""
@@ -452,6 +453,7 @@ def test_scancel_ends_a_torchmn_run_with_max_restarts(slurm):
              == {"idle"}, 30, lambda: slurm.run(["sinfo", "-N"], timeout=10).stdout)
 
 
+@pytest.mark.timeout(240)
 def test_two_jobs_on_one_rendezvous_port_stop_at_once(slurm, tmp_path):
     """Two steps that end up on the same port (derived ports can collide; here MASTER_PORT forces
     it): the second job's rank 0 cannot listen, and its other rank, which reaches the first job's
@@ -464,14 +466,15 @@ def test_two_jobs_on_one_rendezvous_port_stop_at_once(slurm, tmp_path):
                       "time.sleep(float(sys.argv[1]))\n"
                       "comm.finalize()\n")
     env = job_env(MASTER_PORT=port, TORCHMN_TIMEOUT="60")
-    first = subprocess.Popen(["srun", "-N", "1", "-n", "2", "-w", "n1", PY, str(script), "25"],
+    first = subprocess.Popen(["srun", "-N", "1", "-n", "2", "-w", "n1", PY, str(script), "300"],
                              env=slurm.env(env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         ready = [first.stdout.readline() for _ in range(2)]
         assert all("READY" in line for line in ready), ready
         start = time.monotonic()
+        # The first job holds the port until it is killed below, however long the second takes to start.
         second = slurm.run(["srun", "-N", "1", "-n", "2", "-w", "n2", PY, str(script), "0"], env=env,
-                           timeout=50, check=False)
+                           timeout=120, check=False)
         took = time.monotonic() - start
     finally:
         first.kill()
@@ -480,7 +483,7 @@ def test_two_jobs_on_one_rendezvous_port_stop_at_once(slurm, tmp_path):
     assert second.returncode != 0 and "READY" not in second.stdout, out
     assert f"the rendezvous port {port} is in use" in out, out
     assert "belongs to Slurm job" in out, out
-    assert took < 20, (took, out)
+    assert took < 45, (took, out)  # its ranks' start-up on a loaded machine, not TORCHMN_TIMEOUT's 60 s
 
 
 @pytest.mark.parametrize("mode", ["raise", "optimizer"])

@@ -70,8 +70,9 @@ def train(state):
                 if comm.rank == 0:
                     with open(os.path.join(out, "progress"), "a") as f:
                         f.write(f"{time.time():.3f} {state.step} {comm.size}\n")
-                    with open(os.path.join(out, "phase"), "w") as f:
+                    with open(os.path.join(out, "phase.tmp"), "w") as f:  # renamed into place: read whole
                         f.write(f"{state.epoch} {mode} {state.step} {os.environ['TORCHMN_ELASTIC_WORKER']}")
+                    os.replace(os.path.join(out, "phase.tmp"), os.path.join(out, "phase"))
                 # Until a rank first joins, the survivors step slowly: a new rank's start-up on a loaded
                 # machine would otherwise outlast the rest of the job.
                 if comm.size < 3 and state.world == "first":
