@@ -65,8 +65,28 @@ def check_torn_or_partial_steps_are_never_loaded(comm, root):
             f.write(b"partial")
     comm.allgather_obj(None)
     fresh = small_model()
-    assert Checkpointer(directory, comm, model=fresh).load_latest() == 2
+    resumed = Checkpointer(directory, comm, model=fresh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert resumed.load_latest() == 2
+    said = [str(w.message) for w in caught if "damaged" in str(w.message)]
+    if comm.rank == 0:  # rank 0 chooses the step, and says why it skipped one
+        assert len(said) == 1 and "step 3" in said[0] and "bytes, the manifest says" in said[0] \
+            and "resuming from step 2" in said[0], said
     assert torch.equal(fresh[0].weight, model[0].weight)
+    # The run that skipped the damaged step 3 writes it again.
+    resumed.save(3)
+    comm.allgather_obj(None)
+    assert resumed.complete_steps() == [1, 2, 3], resumed.complete_steps()
+    # A file of the right size whose bytes are wrong: its path, and how to go back a step.
+    if comm.rank == 0:
+        path = os.path.join(directory, "step_00000003", "shared.pt")
+        size = os.path.getsize(path)
+        with open(path, "r+b") as f:
+            f.write(bytes(size))
+    comm.allgather_obj(None)
+    expect_error(Checkpointer(directory, comm, model=small_model()).load_latest,
+                 os.path.join("step_00000003", "shared.pt"), "cannot be read", "away to resume from the step before")
 
 
 def check_another_model_is_named(comm, root):

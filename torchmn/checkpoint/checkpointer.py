@@ -275,8 +275,8 @@ class Checkpointer:
     def _prepare_step(self, step: int) -> Optional[str]:
         """On rank 0, before any rank writes: refuse to overwrite another run's newer complete
         step; clear an incomplete folder of this step that a killed run left."""
-        newer = [s for s in files.steps_on_disk(self.directory)
-                 if s >= step and files.read_manifest(self.directory, s) is not None]
+        # A damaged step (a file cut short or missing since) is no checkpoint: load_latest skipped it.
+        newer = [s for s in self.complete_steps() if s >= step]
         if newer:
             return (f"{self.directory} already holds a complete checkpoint of step {newer[-1]}, which this run did "
                     f"not resume from; call load_latest() first to continue that run, or use another directory "
@@ -310,11 +310,15 @@ class Checkpointer:
             >>> ckpt.complete_steps()
             [80, 90, 100]
         """
+        return [s for s, damage in self._marked_complete() if damage is None]
+
+    def _marked_complete(self) -> list[tuple[int, Optional[str]]]:
+        """``(step, what is wrong with its files or None)`` for every step with a manifest, oldest first."""
         found = []
         for s in files.steps_on_disk(self.directory):
             manifest = files.read_manifest(self.directory, s)
-            if manifest is not None and files.whole_files(self.directory, s, manifest, list(manifest["files"])) is None:
-                found.append(s)
+            if manifest is not None:
+                found.append((s, files.whole_files(self.directory, s, manifest, list(manifest["files"]))))
         return found
 
     def load_latest(self) -> Optional[int]:
@@ -339,9 +343,15 @@ class Checkpointer:
         """
         choice = None
         if self.comm.rank == 0:
-            steps = self.complete_steps()
+            marked = self._marked_complete()
+            steps = [s for s, damage in marked if damage is None]
             if steps:
                 choice = (steps[-1], files.read_manifest(self.directory, steps[-1]))
+            for s, damage in marked:
+                if damage is not None and (not steps or s > steps[-1]):
+                    warnings.warn(f"Checkpointer: step {s} in {self.directory} is damaged ({damage}) and is "
+                                  f"skipped; " + (f"resuming from step {steps[-1]}" if steps else "starting afresh")
+                                  + "; the next save of that step replaces it", RuntimeWarning, stacklevel=2)
         choice = self.comm.bcast_obj(choice, root=0)
         if choice is None:
             return None
@@ -354,7 +364,8 @@ class Checkpointer:
             self._load(step, manifest)
         except Exception as e:
             problem = f"{type(e).__name__}: {e}"
-        self._raise_if_any(problem, f"Checkpointer.load_latest: loading step {step} from {self.directory}")
+        self._raise_if_any(problem, f"Checkpointer.load_latest: loading step {step} from {self.directory} (move "
+                                    f"{files.step_dir(self.directory, step)} away to resume from the step before)")
         if saved_size != self.comm.size and self.comm.rank == 0:
             warnings.warn(f"Checkpointer: step {step} was written by {saved_size} ranks and is loaded on "
                           f"{self.comm.size}: the model and optimizer are restored, the random number "
@@ -388,7 +399,11 @@ class Checkpointer:
             raise TorchmnOSError(wrong)
 
         def read(name: str) -> Any:
-            return torch.load(os.path.join(folder, name), map_location="cpu", weights_only=False)
+            path = os.path.join(folder, name)
+            try:
+                return torch.load(path, map_location="cpu", weights_only=False)
+            except Exception as e:  # noqa: BLE001 - any unreadable file: say which
+                raise TorchmnOSError(f"{path} cannot be read ({type(e).__name__}: {e})") from e
 
         shared = read(files.SHARED) if files.SHARED in need else {}
         mine = read(files.rank_file(self.comm.rank)) if same_size else None
