@@ -40,6 +40,20 @@ def test_horovodrun_tuning_flag_is_accepted_with_a_note():
     assert "note: --gloo has no effect" in proc.stderr and "note: --cycle-time-ms has no effect" in proc.stderr
 
 
+def test_horovodrun_flag_of_two_values_takes_both():
+    """horovodrun's --blacklist-cooldown-range MIN MAX: both numbers are the flag's, not the command's."""
+    from torchmn.cli import build_parser
+    from torchmn.run.horovodrun_flags import translate
+
+    args = build_parser().parse_args(["run", "-np", "2", "--blacklist-cooldown-range", "10", "100", "python", "x.py"])
+    assert args.horovodrun_blacklist_cooldown_range == ["10", "100"]
+    assert args.command == ["python", "x.py"]
+    notes, refusal = translate(args)
+    assert refusal is None and notes == ["torchmn run: note: --blacklist-cooldown-range has no effect: torchmn run "
+                                         "waits 10 s before starting a new worker on a host where one failed before "
+                                         "joining"], notes
+
+
 def test_horovodrun_timeline_flag_writes_the_timeline(tmp_path):
     path = tmp_path / "timeline.json"
     proc = torchmn_run("-np", "2", "--timeline-filename", str(path), "--fusion-threshold-mb", "8",

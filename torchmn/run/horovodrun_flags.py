@@ -10,40 +10,40 @@ from __future__ import annotations
 import argparse
 from typing import Dict, List, Optional, Tuple
 
-# flag: (takes a value, what it becomes: an environment variable to set, "note", or "refuse"), why.
+# flag: (how many values it takes, as horovodrun's, what it becomes: an environment variable to set, "note", or "refuse"), why.
 # Environment variables are set for every rank (local and remote), as `-x NAME=VALUE` would.
-FLAGS: Dict[str, Tuple[bool, str, str]] = {
-    "--gloo": (False, "note", "torchmn's ranks always talk through torch.distributed (gloo on CPU, NCCL on GPU)"),
-    "--timeline-filename": (True, "env:HOROVOD_TIMELINE", "torchmn.horovod writes its timeline there, as Horovod"),
-    "--timeline-mark-cycles": (False, "note", "torchmn's timeline has no cycle markers"),
-    "--fusion-threshold-mb": (True, "env:HOROVOD_FUSION_THRESHOLD_MB",
+FLAGS: Dict[str, Tuple[int, str, str]] = {
+    "--gloo": (0, "note", "torchmn's ranks always talk through torch.distributed (gloo on CPU, NCCL on GPU)"),
+    "--timeline-filename": (1, "env:HOROVOD_TIMELINE", "torchmn.horovod writes its timeline there, as Horovod"),
+    "--timeline-mark-cycles": (0, "note", "torchmn's timeline has no cycle markers"),
+    "--fusion-threshold-mb": (1, "env:HOROVOD_FUSION_THRESHOLD_MB",
                               "the DistributedOptimizer's gradient buckets take this size"),
-    "--gloo-timeout-seconds": (True, "env:TORCHMN_TIMEOUT", "how long a collective waits for the other ranks"),
-    "--nics": (True, "network_interface", "the interface the rendezvous address is taken from"),
-    "--output-filename": (True, "log_dir", "each rank's output goes to DIR/rank.<r>.log"),
-    "--cycle-time-ms": (True, "note", "torchmn sends gradient buckets from backward hooks, with no cycle"),
-    "--cache-capacity": (True, "note", "torchmn negotiates no tensors, so there is no response cache"),
-    "--disable-cache": (False, "note", "torchmn negotiates no tensors, so there is no response cache"),
-    "--hierarchical-allreduce": (False, "note", "torchmn's default on CPU already reduces inside each node first "
+    "--gloo-timeout-seconds": (1, "env:TORCHMN_TIMEOUT", "how long a collective waits for the other ranks"),
+    "--nics": (1, "network_interface", "the interface the rendezvous address is taken from"),
+    "--output-filename": (1, "log_dir", "each rank's output goes to DIR/rank.<r>.log"),
+    "--cycle-time-ms": (1, "note", "torchmn sends gradient buckets from backward hooks, with no cycle"),
+    "--cache-capacity": (1, "note", "torchmn negotiates no tensors, so there is no response cache"),
+    "--disable-cache": (0, "note", "torchmn negotiates no tensors, so there is no response cache"),
+    "--hierarchical-allreduce": (0, "note", "torchmn's default on CPU already reduces inside each node first "
                                                 "(shared memory), then between nodes"),
-    "--hierarchical-allgather": (False, "note", "torchmn's allgather is one collective"),
-    "--autotune": (False, "note", "torchmn's search for such settings is `torchmn tune -np N -- COMMAND`"),
-    "--autotune-log-file": (True, "note", "`torchmn tune --storage URL` keeps its trials"),
-    "--no-stall-check": (False, "note", "torchmn names the ranks missing from a collective at its timeout "
+    "--hierarchical-allgather": (0, "note", "torchmn's allgather is one collective"),
+    "--autotune": (0, "note", "torchmn's search for such settings is `torchmn tune -np N -- COMMAND`"),
+    "--autotune-log-file": (1, "note", "`torchmn tune --storage URL` keeps its trials"),
+    "--no-stall-check": (0, "note", "torchmn names the ranks missing from a collective at its timeout "
                                         "(TORCHMN_TIMEOUT, or --gloo-timeout-seconds)"),
-    "--stall-check-warning-time-seconds": (True, "note", "see --no-stall-check"),
-    "--stall-check-shutdown-time-seconds": (True, "note", "see --no-stall-check"),
-    "--num-nccl-streams": (True, "note", "NCCL's streams are torch's"),
-    "--thread-affinity": (True, "note", "torchmn gives each rank a CPU thread budget instead"),
-    "--tcp": (False, "note", "torchmn always uses TCP between hosts"),
-    "--mpi": (False, "refuse", "to run under MPI, start the ranks with mpirun itself: `mpirun -np N python "
+    "--stall-check-warning-time-seconds": (1, "note", "see --no-stall-check"),
+    "--stall-check-shutdown-time-seconds": (1, "note", "see --no-stall-check"),
+    "--num-nccl-streams": (1, "note", "NCCL's streams are torch's"),
+    "--thread-affinity": (1, "note", "torchmn gives each rank a CPU thread budget instead"),
+    "--tcp": (0, "note", "torchmn always uses TCP between hosts"),
+    "--mpi": (0, "refuse", "to run under MPI, start the ranks with mpirun itself: `mpirun -np N python "
                                "train.py` (torchmn detects Open MPI and MPICH)"),
-    "--mpi-args": (True, "refuse", "start the ranks with mpirun itself and pass its arguments there"),
-    "--jsrun": (False, "refuse", "start the ranks with jsrun itself"),
-    "--binding-args": (True, "refuse", "torchmn run binds ranks itself: --bind numa|core|none (see docs/cpu.md)"),
-    "--config-file": (True, "refuse", "pass the settings as flags (torchmn run reads no YAML config)"),
-    "--slots-per-host": (True, "refuse", "give slots with -H host:N or a --hostfile"),
-    "--blacklist-cooldown-range": (True, "note", "torchmn run waits 10 s before starting a new worker on a host "
+    "--mpi-args": (1, "refuse", "start the ranks with mpirun itself and pass its arguments there"),
+    "--jsrun": (0, "refuse", "start the ranks with jsrun itself"),
+    "--binding-args": (1, "refuse", "torchmn run binds ranks itself: --bind numa|core|none (see docs/cpu.md)"),
+    "--config-file": (1, "refuse", "pass the settings as flags (torchmn run reads no YAML config)"),
+    "--slots-per-host": (1, "refuse", "give slots with -H host:N or a --hostfile"),
+    "--blacklist-cooldown-range": (2, "note", "torchmn run waits 10 s before starting a new worker on a host "
                                                  "where one failed before joining"),
 }
 LOG_LEVELS = ("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL")
@@ -53,8 +53,8 @@ def add_to(parser: argparse.ArgumentParser) -> None:
     """Add horovodrun's flags to ``torchmn run``'s parser (hidden from its help but ``--log-level``).
 
     Adds ``--log-level`` and ``--check-build`` / ``-cb`` with their help, and every flag of
-    ``FLAGS`` hidden, each stored as ``horovodrun_<flag>`` (its value, or True for a flag without
-    one; None when not given), for ``translate`` to read.
+    ``FLAGS`` hidden, each stored as ``horovodrun_<flag>`` (its value, a list of its values where it
+    takes several, or True for a flag without one; None when not given), for ``translate`` to read.
 
     Args:
         parser: the ``run`` subcommand's parser.
@@ -71,10 +71,12 @@ def add_to(parser: argparse.ArgumentParser) -> None:
                        help="as horovodrun's: TRACE, DEBUG and INFO make the launcher verbose")
     group.add_argument("--check-build", "-cb", action="store_true",
                        help="print what torchmn.horovod supports (horovodrun's --check-build) and exit")
-    for flag, (takes_value, _, _) in FLAGS.items():
+    for flag, (values, _, _) in FLAGS.items():
         kwargs = dict(dest="horovodrun_" + flag[2:].replace("-", "_"), default=None, help=argparse.SUPPRESS)
-        if takes_value:
+        if values == 1:
             group.add_argument(flag, metavar="VALUE", **kwargs)
+        elif values:
+            group.add_argument(flag, nargs=values, metavar="VALUE", **kwargs)
         else:
             group.add_argument(flag, action="store_const", const=True, **kwargs)
 
