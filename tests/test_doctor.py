@@ -86,6 +86,14 @@ def test_doctor_says_a_process_has_ended():
     assert proc.returncode == 2 and f"process {job.pid} has ended" in proc.stderr, proc.stderr
 
 
+@pytest.mark.timeout(120)
+def test_doctor_says_the_command_failed():
+    """A command that fails before it is sampled is named as failed, not as one that needs more work."""
+    proc = doctor(["--", sys.executable, "-c", "raise SystemExit(3)"])
+    assert proc.returncode == 2, proc.stderr
+    assert "the command failed (exit code 3) before it could be sampled" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize("args,words", [([], "nothing to inspect"),
                                         (["--pid", "1", "--", "true"], "not both"),
                                         (["--seconds", "0", "--", "true"], "--seconds must be positive")])

@@ -42,10 +42,10 @@ def test_monitor_shows_the_others_waiting_for_the_straggler(job):
     shares = dict(re.findall(r"rank (\d) (\d+)%", proc.stderr.split("the others wait for it")[-1].splitlines()[0]))
     assert set(shares) == {"0", "2"} and all(int(v) >= 50 for v in shares.values()), proc.stderr
     assert re.search(r"torchmn monitor: waits most: rank [02] ", proc.stderr), proc.stderr
-    # The last table: one row per rank, each with its 59 steps (the first step only starts the clock).
+    # The last table: one row per rank, each with its 60 steps.
     final = proc.stderr.split("torchmn monitor: the job's end")[-1]
     rows = re.findall(r"^\W+(\d)\W+\S+\W+(\d+)\W", final, re.M)
-    assert sorted(rows) == [("0", "59"), ("1", "59"), ("2", "59")], proc.stderr
+    assert sorted(rows) == [("0", "60"), ("1", "60"), ("2", "60")], proc.stderr
 
 
 def test_timeline_holds_every_ranks_phases_in_order(job):

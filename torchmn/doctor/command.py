@@ -131,6 +131,9 @@ def run_doctor(args, parser) -> int:
         return _refuse(str(e))
     finally:
         if started is not None:
+            if started.poll() is None:  # said first, so that the launcher's "received SIGTERM" that follows is ours
+                print("torchmn doctor: stopping the command (SIGTERM), as after every sample", file=sys.stderr,
+                      flush=True)
             stop_group(started)
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
@@ -162,6 +165,8 @@ def _wait_for_steps(proc: subprocess.Popen, folder: str, ranks: int) -> Optional
 
     (deadline, cpu_budget), reported = phase(), False
     while time.monotonic() < deadline and _cpu_seconds(proc) < cpu_budget:
+        if proc.poll() is not None and proc.returncode != 0:
+            return _failed(proc.returncode)
         if proc.poll() is not None:
             return (f"the command ended (exit code {proc.returncode}) before it could be sampled: after the "
                     f"warm-up, torchmn doctor waits for its ranks to report optimizer steps (from torchmn's "
@@ -171,7 +176,7 @@ def _wait_for_steps(proc: subprocess.Popen, folder: str, ranks: int) -> Optional
         figures = publisher.read_folder(folder)
         if figures and not reported:
             (deadline, cpu_budget), reported = phase(), True
-        if len(figures) >= ranks and all((s.get("steps") or 0) >= 2 for s in figures.values()):
+        if len(figures) >= ranks and all((s.get("steps") or 0) >= 3 for s in figures.values()):  # two step times
             return None
         time.sleep(0.1)
     return None
@@ -217,10 +222,17 @@ def _start(command: list, np: Optional[int], folder: Optional[str]) -> subproces
         raise processes.ProcessGone(f"cannot start {argv[0]!r}: {e}") from None
 
 
+def _failed(code: int) -> str:
+    return (f"the command failed (exit code {code}) before it could be sampled: its output above says why; "
+            f"run it alone until it trains, then under torchmn doctor")
+
+
 def _warm_up(proc: subprocess.Popen, warmup: float) -> Optional[str]:
     """Wait ``warmup`` seconds; a message where the command ended meanwhile."""
     deadline = time.monotonic() + warmup
     while time.monotonic() < deadline:
+        if proc.poll() is not None and proc.returncode != 0:
+            return _failed(proc.returncode)
         if proc.poll() is not None:
             return (f"the command ended (exit code {proc.returncode}) within the {warmup:g} s warm-up, before "
                     f"it could be sampled: give it more work, or a shorter --warmup")

@@ -233,10 +233,10 @@ def step_ended(t: float) -> None:
         >>> step_ended(now())
     """
     last = _state["last_end"]
-    if last is not None:
+    if last is not None:  # the first step's time has no start: it counts, but has no figures
         with _lock:
             _window.append((t, t - last, _state["wait"]))
-        _state["steps"] += 1
+    _state["steps"] += 1
     _state["last_end"] = t
     _state["wait"] = 0.0
 
