@@ -61,6 +61,17 @@ def test_help_lists_the_subcommands_and_version(capsys):
     assert "--dry-run" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("argv,prog,unknown", [(["run", "-np", "2", "--foo", "python", "x.py"], "torchmn run", "--foo"),
+                                               (["info", "--bogus"], "torchmn info", "--bogus"),
+                                               (["--bogus"], "torchmn", "--bogus")])
+def test_unknown_option_is_named_by_its_subcommand(capsys, argv, prog, unknown):
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.startswith(f"usage: {prog} "), err
+    assert f"{prog}: error: unrecognized arguments: {unknown}\n" in err, err
+
+
 def test_info_in_a_plain_process():
     import torch
     import torch.distributed as dist

@@ -293,7 +293,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         0
     """
     parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    args, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if unknown:  # told with the subcommand's usage ("torchmn run: error: ..."), not the top level's
+        (args.subparser if args.subcommand else parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.subcommand is None:
         parser.print_help(sys.stderr)
         return 2
