@@ -634,6 +634,7 @@ def test_dry_run_for_other_hosts_shows_the_ssh_command_lines(tmp_path):
     (["-np", "5", "-H", "nosuchhost-a:2,nosuchhost-b:2", "true"], 2, "-np 5 is larger than the 4 slots given"),
     (["-np", "2", "-H", "a:x", "true"], 2, "slot count 'x' is not an integer"),
     (["-np", "2", "no-such-command-xyz"], 127, "command not found: 'no-such-command-xyz'"),
+    (["-np", "2", os.path.abspath(__file__)], 126, "is a file without permission to run it"),
     (["-np", "2", "--output-ranks", "5", "true"], 2, "--output-ranks names ranks [5]"),
     (["-np", "1", "--network-interface", "nosuch0", "true"], 2, "--network-interface 'nosuch0': no such interface"),
 ])

@@ -134,7 +134,8 @@ class Job:
         Nothing is checked when every rank runs on another host.
 
         Raises:
-            RunError: the command is not found (exit code 127).
+            RunError: the command is not found (exit code 127), or is a file without permission to
+                run (exit code 126, as a shell's).
 
         Example::
 
@@ -147,6 +148,10 @@ class Job:
             return  # checked on each host by the watcher
         path = self.exports.get("PATH", self.base_env.get("PATH", os.defpath))  # -x PATH=... is the ranks' PATH
         if shutil.which(command[0], path=path) is None:
+            if os.sep in command[0] and os.path.isfile(command[0]):
+                raise RunError(f"command not executable: {command[0]!r} is a file without permission to run it "
+                               f"(rank 0 on host {self.host} would have run it). Make it executable (chmod +x "
+                               f"{command[0]}), or name its interpreter (python {command[0]}).", exit_code=126)
             where = "is not an executable file" if os.sep in command[0] else "was not found on PATH"
             raise RunError(f"command not found: {command[0]!r} {where} (rank 0 on host {self.host} "
                            f"would have run it). Check the spelling, or give its full path.", exit_code=127)
