@@ -102,6 +102,15 @@ def test_timeline_command_refuses_a_file_that_is_not_a_timeline(tmp_path):
     assert proc.returncode == 2 and "has no traceEvents list: it is not a Chrome trace" in proc.stderr
 
 
+@pytest.mark.parametrize("args,words", [(["--png", "x.png", "--last", "-1"], "--last -1: give a positive number"),
+                                        (["--last", "1"], "--last chooses what --png draws")])
+def test_timeline_command_refuses_a_bad_last(capsys, args, words):
+    from torchmn.cli import main
+    with pytest.raises(SystemExit) as stop:
+        main(["timeline", "trace.json", *args])
+    assert stop.value.code == 2 and words in capsys.readouterr().err
+
+
 @pytest.mark.timeout(180)
 def test_doctor_gives_the_straggler_its_verdict():
     # The doctor samples once every rank has reported optimizer steps; its wait for them is counted in

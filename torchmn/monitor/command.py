@@ -55,6 +55,10 @@ def run_timeline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     from torchmn.monitor import plot, timeline
 
     words = list(args.args)
+    if args.last is not None and not args.last > 0:
+        parser.error(f"--last {args.last:g}: give a positive number of seconds")
+    if args.last is not None and not args.png:
+        parser.error("--last chooses what --png draws: give --png OUT too")
     try:
         if words[0] == "merge":
             if len(words) != 2:
