@@ -40,6 +40,28 @@ def test_elastic_places_count_local_ranks_per_host():
     assert protocol.load_members(protocol.dump_members(members)) == members
 
 
+@pytest.mark.parametrize("script,words", [
+    ("missing.sh", "could not run: [Errno 2]"),
+    ("fails.sh", "exited with 3: no hosts here"),
+    ("garbage.sh", "line 1 is 'node1:x'"),
+])
+def test_elastic_discovery_script_is_checked_before_any_rank_starts(tmp_path, capsys, script, words):
+    from torchmn.cli import main
+
+    (tmp_path / "fails.sh").write_text("#!/bin/sh\necho 'no hosts here' >&2\nexit 3\n")
+    (tmp_path / "garbage.sh").write_text("#!/bin/sh\necho node1:x\n")
+    for path in tmp_path.glob("*.sh"):
+        path.chmod(0o755)
+    started = tmp_path / "started"
+    argv = ["-np", "2", "--min-np", "1", "--host-discovery-script", str(tmp_path / script),
+            sys.executable, "-c", f"open({str(started)!r}, 'w')"]
+    for dry in ([], ["--dry-run"]):
+        assert main(["run", *dry, *argv]) == 2
+        err = capsys.readouterr().err
+        assert f"--host-discovery-script {tmp_path / script}" in err and words in err, err
+    assert not started.exists()
+
+
 def test_elastic_config_checks_the_bounds():
     config = LaunchConfig(["python", "x.py"], np=4, min_np=2)
     assert config.elastic and (config.min_np, config.max_np) == (2, 4)

@@ -101,7 +101,7 @@ def test_two_ranks(tmp_path):
 
 @pytest.mark.timeout(JOB_TIMEOUT + 20)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
-@pytest.mark.parametrize("script", ["train_mnist.py", "train_mnist_single.py"])
+@pytest.mark.parametrize("script", ["train_mnist.py", "train_mnist_single.py", "train_mnist_elastic.py"])
 def test_device_cuda_without_cuda_is_one_line_and_status_2(script):
     proc = run_one_process(MNIST / script, ["--device", "cuda", "--n-train", "100", "--epochs", "1"],
                            timeout=JOB_TIMEOUT)

@@ -28,6 +28,7 @@ import torchmn.datasets
 import torchmn.elastic  # elastic: State and run
 import torchmn.evaluators
 from data import add_data_arguments, load_mnist
+from device_choice import add_device_argument, training_device
 
 
 def make_model(n_units=1000, n_out=10):
@@ -45,9 +46,11 @@ def main():
     parser.add_argument("--commit-every", type=int, default=10, metavar="STEPS",
                         help="commit the state in memory every STEPS steps (a lost rank costs the steps since)")
     add_data_arguments(parser)
+    add_device_argument(parser)
     args = parser.parse_args()
     torch.manual_seed(args.seed)
     comm = torchmn.create_communicator()
+    device = training_device(comm, args.device)  # torchmn: this rank's own GPU (comm.device), or the CPU
 
     train, val = load_mnist(args.n_train, args.data_dir) if comm.rank == 0 else (None, None)
     # elastic: every rank keeps the whole dataset here, and its part follows the world
@@ -57,7 +60,7 @@ def main():
     train_loader = torchmn.checkpoint.ResumableLoader(train, batch_size=args.batch_size, seed=args.seed)
     val_loader = torch.utils.data.DataLoader(val, batch_size=args.batch_size)
 
-    model = make_model()
+    model = make_model().to(device)
     optimizer = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters()), comm)
 
     @torch.no_grad()
@@ -65,6 +68,7 @@ def main():
         model.eval()
         loss_sum, correct, n = 0.0, 0, 0
         for x, y in val_loader:
+            x, y = x.to(device), y.to(device)
             out = model(x)
             loss_sum += F.cross_entropy(out, y, reduction="sum").item()
             correct += (out.argmax(dim=1) == y).sum().item()
@@ -88,6 +92,7 @@ def main():
         start = time.perf_counter() - state.elapsed
         while train_loader.epoch < args.epochs:
             for x, y in train_loader:
+                x, y = x.to(device), y.to(device)
                 optimizer.zero_grad()
                 loss = F.cross_entropy(model(x), y)
                 loss.backward()

@@ -86,6 +86,8 @@ examples() {  # examples DEVICE
         "$PY examples/mnist/train_mnist_single.py $SMALL --device $device --log $LOGS/single_$device.json"
     EXPECT="epoch +2" check "mnist_$device" 120 \
         "$(two examples/mnist/train_mnist.py $SMALL --device $device --log $LOGS/mnist_$device.json)"
+    EXPECT="epoch +2" check "mnist_elastic_$device" 120 \
+        "$(two examples/mnist/train_mnist_elastic.py $SMALL --device $device --log $LOGS/elastic_$device.json)"
     EXPECT="validation/main/accuracy" check "mnist_ppe_$device" 120 \
         "$(two examples/mnist/train_mnist_ppe.py $SMALL --device $device --out $LOGS/ppe_$device)"
     if [ "$device" = cpu ] || [ "$GPUS" -ge 2 ]; then

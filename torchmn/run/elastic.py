@@ -334,24 +334,39 @@ class ElasticJob(Job):
         slots = place_workers([(w, self.live[w].slot.host) for w in workers])
         return protocol.dump_members([(w, place_env(slot)) for w, slot in zip(workers, slots)])
 
+    def check_command(self) -> None:
+        """:meth:`Job.check_command`, and one run of the discovery script, so that one that cannot
+        run, fails or prints no ``host:slots`` lines is refused before any rank starts.
+
+        Raises:
+            RunError: the command is not found, or the discovery script does not answer.
+        """
+        super().check_command()
+        if self.config.host_discovery_script is not None:
+            self.discovered = self._known(self._discover())
+            self.last_discovery = time.monotonic()
+
+    def _discover(self) -> Dict[str, int]:
+        """The hosts and slots the discovery script offers now; RunError where it does not answer."""
+        script = self.config.host_discovery_script
+        try:
+            done = subprocess.run([script], capture_output=True, text=True, timeout=DISCOVERY_TIMEOUT_S)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise RunError(f"--host-discovery-script {script} could not run: {e}. It must be an executable "
+                           f"program (chmod +x) that prints host:slots lines") from e
+        if done.returncode != 0:
+            raise RunError(f"--host-discovery-script {script} exited with {done.returncode}: "
+                           f"{done.stderr.strip()[-500:] or 'nothing on stderr'}")
+        return parse_discovery(done.stdout, script)
+
     def _capacity(self) -> Dict[str, int]:
         """The hosts and slots new workers may take now."""
-        script = self.config.host_discovery_script
-        if script is None:
+        if self.config.host_discovery_script is None:
             return self.known_hosts
         if self.discovered is None or time.monotonic() - self.last_discovery >= DISCOVERY_EVERY_S:
             self.last_discovery = time.monotonic()
             try:
-                done = subprocess.run([script], capture_output=True, text=True, timeout=DISCOVERY_TIMEOUT_S)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                self.console.message(f"torchmn run: --host-discovery-script {script} failed: {e}")
-                return self.discovered or {}
-            if done.returncode != 0:
-                self.console.message(f"torchmn run: --host-discovery-script {script} exited with {done.returncode}: "
-                                     f"{done.stderr.strip()[-500:]}")
-                return self.discovered or {}
-            try:
-                self.discovered = self._known(parse_discovery(done.stdout, script))
+                self.discovered = self._known(self._discover())
             except RunError as e:  # a bad answer now and then must not end a running job
                 self.console.message(f"torchmn run: {e}; keeping its last good answer")
         return self.discovered or {}
