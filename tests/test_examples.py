@@ -99,6 +99,18 @@ def test_two_ranks(tmp_path):
     assert (proc.stdout + proc.stderr).count("torchmn: --device auto: training on the CPU: ") == 1
 
 
+@pytest.mark.parametrize("args,words", [(["--data-dir", "/nonexistent/mnist"], "--data-dir: /nonexistent/mnist is not a "
+                                                                                "directory"),
+                                        (["--n-train", "0"], "--n-train: 0 is not at least 1"),
+                                        (["--batch-size", "x"], "--batch-size: 'x' is not a whole number"),
+                                        (["--epochs", "0"], "--epochs: 0 is not at least 1")])
+def test_bad_example_argument_is_one_line_and_status_2(args, words):
+    proc = subprocess.run([sys.executable, str(MNIST / "train_mnist_single.py"), *args], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and words in proc.stderr.splitlines()[-1] and "Traceback" not in proc.stderr, \
+        proc.stderr
+
+
 @pytest.mark.timeout(JOB_TIMEOUT + 20)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
 @pytest.mark.parametrize("script", ["train_mnist.py", "train_mnist_single.py", "train_mnist_elastic.py"])

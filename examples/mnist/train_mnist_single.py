@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from data import add_data_arguments, load_mnist
+from data import add_data_arguments, load_mnist, positive_int
 
 
 def make_model(n_units=1000, n_out=10):
@@ -43,8 +43,8 @@ def report(log, entry, path):
 
 def main():
     parser = argparse.ArgumentParser(description="MNIST MLP, one process")
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--epochs", type=positive_int, default=20)
+    parser.add_argument("--batch-size", type=positive_int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log", "--log-file", default="result/log.json",
                         help="JSON log, one entry per epoch (under torchrun, spell it --log-file)")

@@ -23,7 +23,7 @@ import torchmn
 from torchmn.nn import Pipeline
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mnist"))
-from data import add_data_arguments, load_mnist  # noqa: E402
+from data import add_data_arguments, load_mnist, positive_int  # noqa: E402
 from device_choice import add_device_argument, training_device  # noqa: E402
 
 
@@ -37,8 +37,8 @@ def make_stages(n_units=1000, n_out=10):
 
 def main():
     parser = argparse.ArgumentParser(description="MNIST MLP, pipeline parallel")
-    parser.add_argument("--epochs", type=int, default=20)
-    parser.add_argument("--batch-size", type=int, default=100, help="images per step and pipeline")
+    parser.add_argument("--epochs", type=positive_int, default=20)
+    parser.add_argument("--batch-size", type=positive_int, default=100, help="images per step and pipeline")
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b")
     parser.add_argument("--seed", type=int, default=0)

@@ -25,7 +25,7 @@ import torchmn.functions
 from torchmn.nn import MultiNodeBatchNorm2d, SpatialParallelConv2d
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mnist"))
-from data import add_data_arguments, load_mnist  # noqa: E402
+from data import add_data_arguments, load_mnist, positive_int  # noqa: E402
 from device_choice import add_device_argument, training_device  # noqa: E402
 
 
@@ -55,8 +55,8 @@ class SpatialCNN(nn.Module):
 
 def main():
     parser = argparse.ArgumentParser(description="MNIST CNN, spatial parallel")
-    parser.add_argument("--epochs", type=int, default=6)
-    parser.add_argument("--batch-size", type=int, default=100)
+    parser.add_argument("--epochs", type=positive_int, default=6)
+    parser.add_argument("--batch-size", type=positive_int, default=100)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--seed", type=int, default=0)
     add_data_arguments(parser)

@@ -20,7 +20,7 @@ import torchmn
 import torchmn.tune
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "mnist"))
-from data import add_data_arguments, load_mnist  # noqa: E402
+from data import add_data_arguments, load_mnist, positive_int  # noqa: E402
 from device_choice import add_device_argument, training_device  # noqa: E402
 from train_mnist import make_model  # noqa: E402
 
@@ -28,8 +28,8 @@ from train_mnist import make_model  # noqa: E402
 def main():
     parser = argparse.ArgumentParser(description="Tune the MNIST MLP with Optuna, all ranks per trial")
     parser.add_argument("--n-trials", type=int, default=8)
-    parser.add_argument("--epochs", type=int, default=3)
-    parser.add_argument("--batch-size", type=int, default=50, help="per rank")
+    parser.add_argument("--epochs", type=positive_int, default=3)
+    parser.add_argument("--batch-size", type=positive_int, default=50, help="per rank")
     parser.add_argument("--storage", default=None, help="an Optuna storage URL (default: in memory)")
     parser.add_argument("--study-name", default="tune-mnist")
     add_data_arguments(parser)
