@@ -116,6 +116,20 @@ def test_master_port_is_used_and_port_in_use_is_named(capsys):
     assert rank_env(result.stdout, 1)["MASTER_PORT"] == str(port)
 
 
+def test_rank_that_ended_early_is_named_beside_the_failure():
+    """Rank 1 ends with status 0 while rank 0 still runs, and rank 0 then fails (as it would, waiting
+    for rank 1 in a collective): the report names rank 1's early end as the likely cause."""
+    result = torchmn_run("-np", "2", sys.executable, "-c",
+                         "import os, sys, time\n"
+                         "if os.environ['RANK'] == '0':\n"
+                         "    time.sleep(2)\n"
+                         "    sys.exit(1)\n")
+    assert result.returncode == 1, result.stderr
+    assert "torchmn run: rank 0 (host " in result.stderr and "failed with exit code 1." in result.stderr, result.stderr
+    assert "torchmn run: rank(s) 1 had ended with exit code 0 before: if rank 0 was waiting for them in a collective" \
+        in result.stderr, result.stderr
+
+
 def test_failing_rank_stops_the_job_and_is_reported(tmp_path):
     start = time.monotonic()
     result = torchmn_run("-np", "4", sys.executable, script("run_misbehave.py"), "raise", str(tmp_path), "2")

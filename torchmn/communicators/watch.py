@@ -243,7 +243,8 @@ def _diagnosed(comm, seq: int, kind: str, error: BaseException) -> BaseException
     that ranks waiting in a collective over TCP meanwhile name it rightly instead of saying it never
     came, and what the store knows of the others is added to the message."""
     try:
-        found = _ask_the_store(dist.distributed_c10d._get_default_store(), comm, seq, kind)
+        found = _ask_the_store(dist.distributed_c10d._get_default_store(), comm, seq, kind,
+                               f"within {GRACE_S:g} s")
     except Exception:  # no store, or gone with its host: the shared-memory message stands alone
         return error
     if found is None:
@@ -256,7 +257,7 @@ def _host(comm, r: int) -> str:
     return hosts[r] if hosts else "host unknown"
 
 
-def _ask_the_store(store, comm, seq: int, kind: str):
+def _ask_the_store(store, comm, seq: int, kind: str, within: str = "within the timeout"):
     prefix = f"torchmn/watch/{comm.call_log.tag}/"
     store.set(f"{prefix}{seq}/{comm.rank}", kind)
     store.set(f"{prefix}last/{comm.rank}", f"{seq} {kind}")
@@ -279,7 +280,7 @@ def _ask_the_store(store, comm, seq: int, kind: str):
             s, k = store.get(last).decode().split(" ", 1)
             problems.append(f"{who} timed out waiting in collective #{s} ({k}) instead")
         else:
-            problems.append(f"{who} never called it within the timeout (still computing, waiting "
-                            f"in another call, or exited)")
+            problems.append(f"{who} never called it {within} (still computing, waiting in another call, or "
+                            f"exited)")
     waiting = sorted(r for r, k in arrived.items() if k == kind)
     return "; ".join(problems) + f". Waiting for them: rank(s) {', '.join(map(str, waiting))}"

@@ -100,7 +100,8 @@ def failure_summary(failed: "Rank", ranks: Sequence["Rank"], reported: Optional[
 
     Returns:
         The report, one line or more: the failed rank, its host and how it ended, and how many
-        running ranks were stopped; the ranks that failed on their own later; ``reported``; a
+        running ranks were stopped; the ranks that failed on their own later; the ranks that had
+        ended with exit code 0 before (a cause where the failed rank waited for them); ``reported``; a
         note where exit code 255 may be ssh's own or SIGKILL the out-of-memory killer's; and the
         rank's last traceback (else its last 20 stderr lines).
 
@@ -121,6 +122,11 @@ def failure_summary(failed: "Rank", ranks: Sequence["Rank"], reported: Optional[
     also = [r.slot.rank for r in ranks if r is not failed and not r.stopped_by_launcher and r.returncode != 0]
     if also:
         lines.append(f"torchmn run: rank(s) {', '.join(map(str, also))} also failed on their own, later.")
+    done = [r.slot.rank for r in ranks if r is not failed and r.returncode == 0 and not r.stopped_by_launcher]
+    if done:
+        lines.append(f"torchmn run: rank(s) {', '.join(map(str, done))} had ended with exit code 0 before: if rank "
+                     f"{failed.slot.rank} was waiting for them in a collective, that is the cause (every rank must "
+                     f"make the same collectives; a rank that leaves early breaks the others' next one).")
     if reported:
         lines.append(f"torchmn run: before that, on another node, {reported}.")
     if failed.is_remote and code == 255:
