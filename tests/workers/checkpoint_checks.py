@@ -126,6 +126,8 @@ def check_unwritable_directory_is_named(comm, root):
     comm.allgather_obj(None)
     expect_error(lambda: Checkpointer(os.path.join(blocker, "ckpt"), comm, model=small_model()),
                  "failed on rank 0", "cannot create files in the checkpoint directory", "choose a directory")
+    expect_error(lambda: Checkpointer(blocker, comm, model=small_model()),
+                 "failed on rank 0", f"the checkpoint directory {blocker} is a file, not a directory")
     with open(blocker) as f:
         assert f.read() == "not a directory"
 

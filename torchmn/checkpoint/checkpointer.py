@@ -177,8 +177,12 @@ class Checkpointer:
                 with open(probe, "wb"):
                     pass
             except OSError as e:
-                problem = (f"cannot create files in the checkpoint directory {self.directory}: {e.strerror or e}; "
-                           f"choose a directory this user can write")
+                if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+                    problem = (f"the checkpoint directory {self.directory} is a file, not a directory; choose "
+                               f"another path (nothing was written)")
+                else:
+                    problem = (f"cannot create files in the checkpoint directory {self.directory}: "
+                               f"{e.strerror or e}; choose a directory this user can write")
         probe, problem = self.comm.bcast_obj((probe, problem), root=0)
         if problem is None and self.comm.rank != 0:
             if not os.path.exists(probe):
