@@ -97,7 +97,11 @@ def main():
         found = sorted(glob.glob(os.path.join(args.checkpoint_dir, "checkpoint-*.pt")),
                        key=lambda p: int(p.rsplit("-", 1)[1][:-3]))
         if found:
-            checkpoint = torch.load(found[-1])
+            try:
+                checkpoint = torch.load(found[-1])
+            except Exception as e:  # say which file, and the way back, rather than unpickling's own words
+                sys.exit(f"error: cannot read the checkpoint {found[-1]} ({type(e).__name__}: {e}); move it away "
+                         f"to resume from the one before")
             model.load_state_dict(checkpoint["model"])
             optimizer.load_state_dict(checkpoint["optimizer"])
             resume_from_epoch = checkpoint["epoch"]
@@ -140,8 +144,11 @@ def main():
                   f"val accuracy {val_correct / val_count:.4f}", flush=True)
             if args.checkpoint_dir:
                 os.makedirs(args.checkpoint_dir, exist_ok=True)
+                path = os.path.join(args.checkpoint_dir, f"checkpoint-{epoch}.pt")
+                # Written aside, then renamed: a run killed while it writes leaves no half checkpoint.
                 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "epoch": epoch},
-                           os.path.join(args.checkpoint_dir, f"checkpoint-{epoch}.pt"))
+                           path + ".tmp")
+                os.replace(path + ".tmp", path)
     hvd.shutdown()
 
 
