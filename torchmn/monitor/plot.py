@@ -80,7 +80,8 @@ def draw(path: str, out: str, last_s: Optional[float] = None) -> int:
     start = end - last_s * 1e6 if last_s is not None else min(e["ts"] for e in phases)
     phases = [e for e in phases if e["ts"] + e["dur"] >= start]
     rows = sorted({(e["pid"], e.get("tid", 0)) for e in phases})
-    fig, ax = plt.subplots(figsize=(12, 1.2 + 0.45 * len(rows)))
+    # Constrained layout makes room for the legend below the axes, whatever the number of rows.
+    fig, ax = plt.subplots(figsize=(12, 1.6 + 0.45 * len(rows)), layout="constrained")
     for y, (pid, tid) in enumerate(rows):
         mine = [e for e in phases if e["pid"] == pid and e.get("tid", 0) == tid]
         ax.broken_barh([((e["ts"] - start) / 1e3, max(e["dur"] / 1e3, 0.01)) for e in mine], (y - 0.4, 0.8),
@@ -94,11 +95,9 @@ def draw(path: str, out: str, last_s: Optional[float] = None) -> int:
     used = sorted({e.get("cat") for e in phases} & set(COLOURS), key=list(COLOURS).index)
     handles = [Patch(color=COLOURS[c], label=LABELS[c]) for c in used]
     handles.append(Patch(facecolor="white", edgecolor="#999999", label="blank: the script's own code (data, ...)"))
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(rows) < 4 else -0.12),
-              ncol=len(handles), fontsize=8, frameon=False)
+    fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8, frameon=False)
     ax.set_title(f"torchmn timeline: {path.rsplit('/', 1)[-1]}" + (f" (last {last_s:g} s)" if last_s else ""),
                  fontsize=10, loc="left")
-    fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
     return len(phases)
