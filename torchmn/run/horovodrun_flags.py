@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 from typing import Dict, List, Optional, Tuple
 
-# flag: (how many values it takes, as horovodrun's, what it becomes: an environment variable to set, "note", or "refuse"), why.
+# flag: (how many values it takes, as horovodrun's; what it becomes: an environment variable to set,
+# "note", or "refuse"; why).
 # Environment variables are set for every rank (local and remote), as `-x NAME=VALUE` would.
 FLAGS: Dict[str, Tuple[int, str, str]] = {
     "--gloo": (0, "note", "torchmn's ranks always talk through torch.distributed (gloo on CPU, NCCL on GPU)"),
