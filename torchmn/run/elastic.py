@@ -340,6 +340,13 @@ class ElasticJob(Job):
 
         Raises:
             RunError: the command is not found, or the discovery script does not answer.
+
+        Example::
+
+            >>> ElasticJob(LaunchConfig(["python", "train.py"], np=2, min_np=1,
+            ...                         host_discovery_script="./missing.sh")).check_command()
+            Traceback (most recent call last):
+            torchmn.run.config.RunError: --host-discovery-script ./missing.sh could not run: ...
         """
         super().check_command()
         if self.config.host_discovery_script is not None:
