@@ -211,7 +211,7 @@ def test_a_rank_that_never_starts_a_background_collective_is_named(tmp_path):
     proc = run_job(script, [], np=2, timeout=60, check=False, env={"TORCHMN_TIMEOUT": "3"})
     assert proc.returncode == 0 and proc.stdout.count("ENDED") == 2, proc.stdout + proc.stderr
     named = [line for line in proc.stdout.splitlines() if "NAMED" in line]
-    assert len(named) == 1 and "rank 1 (" in named[0] and "never called it within the timeout" in named[0], proc.stdout
+    assert len(named) == 1 and "rank 1 (" in named[0] and "never called it" in named[0], proc.stdout
     # 3 s, then up to watch.GRACE_S for the other rank to say where it is (6 s on an idle machine): far from
     # the 600 s default either way, with room for a loaded machine.
     assert int(named[0].split("after ")[1].split(" s")[0]) < 30, named[0]

@@ -243,8 +243,8 @@ def _diagnosed(comm, seq: int, kind: str, error: BaseException) -> BaseException
     that ranks waiting in a collective over TCP meanwhile name it rightly instead of saying it never
     came, and what the store knows of the others is added to the message."""
     try:
-        found = _ask_the_store(dist.distributed_c10d._get_default_store(), comm, seq, kind,
-                               f"within {GRACE_S:g} s")
+        # The shared-memory error says how long this rank waited, or that the peer exited.
+        found = _ask_the_store(dist.distributed_c10d._get_default_store(), comm, seq, kind, within="")
     except Exception:  # no store, or gone with its host: the shared-memory message stands alone
         return error
     if found is None:
@@ -280,7 +280,7 @@ def _ask_the_store(store, comm, seq: int, kind: str, within: str = "within the t
             s, k = store.get(last).decode().split(" ", 1)
             problems.append(f"{who} timed out waiting in collective #{s} ({k}) instead")
         else:
-            problems.append(f"{who} never called it {within} (still computing, waiting in another call, or "
-                            f"exited)")
+            problems.append(f"{who} never called it{' ' + within if within else ''} (still computing, waiting in "
+                            f"another call, or exited)")
     waiting = sorted(r for r, k in arrived.items() if k == kind)
     return "; ".join(problems) + f". Waiting for them: rank(s) {', '.join(map(str, waiting))}"
