@@ -314,15 +314,16 @@ class Checkpointer:
             >>> ckpt.complete_steps()
             [80, 90, 100]
         """
-        return [s for s, damage in self._marked_complete() if damage is None]
+        return [s for s, _, damage in self._marked_complete() if damage is None]
 
-    def _marked_complete(self) -> list[tuple[int, Optional[str]]]:
-        """``(step, what is wrong with its files or None)`` for every step with a manifest, oldest first."""
+    def _marked_complete(self) -> list[tuple[int, dict, Optional[str]]]:
+        """``(step, manifest, what is wrong with its files or None)`` for every step with a manifest,
+        oldest first."""
         found = []
         for s in files.steps_on_disk(self.directory):
             manifest = files.read_manifest(self.directory, s)
             if manifest is not None:
-                found.append((s, files.whole_files(self.directory, s, manifest, list(manifest["files"]))))
+                found.append((s, manifest, files.whole_files(self.directory, s, manifest, list(manifest["files"]))))
         return found
 
     def load_latest(self) -> Optional[int]:
@@ -348,10 +349,11 @@ class Checkpointer:
         choice = None
         if self.comm.rank == 0:
             marked = self._marked_complete()
-            steps = [s for s, damage in marked if damage is None]
-            if steps:
-                choice = (steps[-1], files.read_manifest(self.directory, steps[-1]))
-            for s, damage in marked:
+            whole = [(s, manifest) for s, manifest, damage in marked if damage is None]
+            steps = [s for s, _ in whole]
+            if whole:
+                choice = whole[-1]
+            for s, _, damage in marked:
                 if damage is not None and (not steps or s > steps[-1]):
                     warnings.warn(f"Checkpointer: step {s} in {self.directory} is damaged ({damage}) and is "
                                   f"skipped; " + (f"resuming from step {steps[-1]}" if steps else "starting afresh")

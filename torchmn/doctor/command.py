@@ -165,14 +165,12 @@ def _wait_for_steps(proc: subprocess.Popen, folder: str, ranks: int) -> Optional
 
     (deadline, cpu_budget), reported = phase(), False
     while time.monotonic() < deadline and _cpu_seconds(proc) < cpu_budget:
-        if proc.poll() is not None and proc.returncode != 0:
-            return _failed(proc.returncode)
         if proc.poll() is not None:
-            return (f"the command ended (exit code {proc.returncode}) before it could be sampled: after the "
-                    f"warm-up, torchmn doctor waits for its ranks to report optimizer steps (from torchmn's "
-                    f"optimizers), up to {STEP_WAIT_CPU_S:g} CPU-seconds per rank or {STEP_WAIT_MAX_S:g} s, "
-                    f"so a command that makes none needs to run longer: give it more work, or a shorter "
-                    f"--warmup")
+            return _ended(proc.returncode, f"before it could be sampled: after the warm-up, torchmn doctor waits "
+                                           f"for its ranks to report optimizer steps (from torchmn's optimizers), up "
+                                           f"to {STEP_WAIT_CPU_S:g} CPU-seconds per rank or {STEP_WAIT_MAX_S:g} s, "
+                                           f"so a command that makes none needs to run longer: give it more work, or "
+                                           f"a shorter --warmup")
         figures = publisher.read_folder(folder)
         if figures and not reported:
             (deadline, cpu_budget), reported = phase(), True
@@ -222,19 +220,21 @@ def _start(command: list, np: Optional[int], folder: Optional[str]) -> subproces
         raise processes.ProcessGone(f"cannot start {argv[0]!r}: {e}") from None
 
 
-def _failed(code: int) -> str:
-    return (f"the command failed (exit code {code}) before it could be sampled: its output above says why; "
-            f"run it alone until it trains, then under torchmn doctor")
+def _ended(code: int, early: str) -> str:
+    """What to say of a command that ended before it was sampled: failed (its own output says why),
+    or ended of itself ``early``."""
+    if code != 0:
+        return (f"the command failed (exit code {code}) before it could be sampled: its output above says why; "
+                f"run it alone until it trains, then under torchmn doctor")
+    return f"the command ended (exit code {code}) {early}"
 
 
 def _warm_up(proc: subprocess.Popen, warmup: float) -> Optional[str]:
     """Wait ``warmup`` seconds; a message where the command ended meanwhile."""
     deadline = time.monotonic() + warmup
     while time.monotonic() < deadline:
-        if proc.poll() is not None and proc.returncode != 0:
-            return _failed(proc.returncode)
         if proc.poll() is not None:
-            return (f"the command ended (exit code {proc.returncode}) within the {warmup:g} s warm-up, before "
-                    f"it could be sampled: give it more work, or a shorter --warmup")
+            return _ended(proc.returncode, f"within the {warmup:g} s warm-up, before it could be sampled: give it "
+                                           f"more work, or a shorter --warmup")
         time.sleep(0.05)
     return None
