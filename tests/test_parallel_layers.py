@@ -8,7 +8,9 @@ import pytest
 from jobs import WORKERS, assert_check_passed, check_job_output, run_job
 
 CHECKS = WORKERS / "parallel_layer_checks.py"
-ALL = ("bn_four_way", "bn_four_way_images", "bn_rank_without_samples", "bn_cumulative_average", "bn_eval_makes_no_collective",
+ALL = ("bn_four_way", "bn_four_way_images", "bn_rank_without_samples",
+       "bn_constant_channel_and_single_sample", "bn_global_batch_of_one_refused", "bn_empty_global_batch_keeps_statistics",
+       "bn_cumulative_average", "bn_eval_makes_no_collective",
        "bn_channel_mismatch_refused", "create_mnbn_model", "spatial_conv", "spatial_conv_width_split",
        "spatial_conv_empty_blocks", "spatial_conv_refuses_misfit_blocks", "channel_conv", "channel_conv_grouped",
        "column_row_mlp", "column_and_row_alone", "arguments_refused")

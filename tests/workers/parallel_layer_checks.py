@@ -111,6 +111,53 @@ def check_bn_rank_without_samples(comm):
     close(bn4.running_var, bn1.running_var, "running_var with a rank without samples", BN)
 
 
+def check_bn_constant_channel_and_single_sample(comm):
+    """A channel constant on one rank (a dead ReLU's) and a rank holding one sample of (N, C): its
+    variance is 0, which torch's kernel reports as invstd 0 (not inf); the global statistics,
+    gradients and running statistics are still one process's."""
+    sizes = [1] + _local_sizes(comm.size)[1:] if comm.size > 1 else [4]
+    x, t = randn(sum(sizes), 4, seed=7) * 3 + 1, randn(sum(sizes), 4, seed=8)
+    x[sizes[0]:sum(sizes[:2]), 1] = 2.5  # channel 1 constant on the second rank
+    y1, g1, bn1 = _bn_run(lambda c: torch.nn.BatchNorm1d(4).double(), solo(), x, t, [sum(sizes)])
+    y4, g4, bn4 = _bn_run(lambda c: MultiNodeBatchNorm1d(4, comm=c).double(), comm, x, t, sizes)
+    start = sum(sizes[:comm.rank])
+    mine = slice(start, start + sizes[comm.rank])
+    close(y4, y1[mine], "the output with a constant channel and a single sample", BN)
+    for a, b in zip(g4[:-1], g1[:-1]):
+        close(a, b, "averaged gradients with a constant channel and a single sample", BN)
+    close(g4[-1], g1[-1][mine], "the input's gradient with a constant channel and a single sample", BN)
+    for name in ("running_mean", "running_var"):
+        close(getattr(bn4, name), getattr(bn1, name), f"{name} with a constant channel and a single sample", BN)
+
+
+def check_bn_global_batch_of_one_refused(comm):
+    """One value per channel over every rank's batch: torch's BatchNorm refuses it in training, and
+    so does every rank alike (each knows the global count), before any running statistic changes."""
+    bn = MultiNodeBatchNorm1d(4, comm=comm).double()
+    x = randn(1 if comm.rank == 0 else 0, 4)
+    try:
+        bn(x)
+    except ValueError as e:
+        assert isinstance(e, torchmn.TorchmnError) and "more than 1 value per channel" in str(e) and "model.eval()" in str(e), e
+    else:
+        raise AssertionError("a global batch of one sample was normalized")
+    assert int(bn.num_batches_tracked) == 0 and torch.equal(bn.running_var, torch.ones(4, dtype=torch.float64))
+
+
+def check_bn_empty_global_batch_keeps_statistics(comm):
+    """Every rank's batch empty: as torch's BatchNorm, an empty output, running statistics kept
+    (not NaN), num_batches_tracked counted, and a backward that runs."""
+    one = torch.nn.BatchNorm2d(4).double()
+    bn = MultiNodeBatchNorm2d(4, comm=comm).double()
+    x = randn(0, 4, 3, 2).requires_grad_(True)
+    y = bn(x)
+    one(randn(0, 4, 3, 2))
+    y.sum().backward()
+    assert y.shape == x.shape and x.grad.shape == x.shape, (tuple(y.shape), tuple(x.grad.shape))
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        close(getattr(bn, name).double(), getattr(one, name).double(), f"{name} after an empty global batch")
+
+
 def check_bn_cumulative_average(comm):
     """momentum=None: the running statistics are the cumulative average, as one process keeps."""
     sizes = _local_sizes(comm.size)

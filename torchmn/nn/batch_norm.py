@@ -98,7 +98,16 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._NormBase):
         xc = x.to(compute)
         with torch.no_grad():
             mean, var, n = _global_moments(self.comm, xc)
-        if self.training and self.track_running_stats:
+        if n == 1:  # known alike on every rank: n is the global batch's count
+            raise TorchmnValueError(
+                f"{type(self).__name__}: expected more than 1 value per channel when training, got 1 over the "
+                f"global batch of {self.comm.size} ranks (this rank's input: {tuple(x.shape)}); give the ranks "
+                f"larger batches, or call model.eval() for single samples")
+        if n == 0:  # every rank's batch is empty: as torch's BatchNorm, nothing to normalize, statistics kept
+            if self.training and self.track_running_stats:
+                self.num_batches_tracked.add_(1)
+            mean, var, n = torch.zeros_like(mean), torch.ones_like(var), torch.ones_like(n)
+        elif self.training and self.track_running_stats:
             self._update_running_stats(mean, var, n)
         invstd = torch.rsqrt(var + self.eps).to(compute)
         return _GlobalNormalization.apply(xc, mean.to(compute), invstd, self.weight, self.bias, self.comm,
@@ -122,9 +131,11 @@ def _global_moments(comm: CommunicatorBase, xc: torch.Tensor):
     c = xc.shape[1]
     n_l = xc.numel() // max(1, c)
     if n_l:
-        # With eps 0 the kernel's invstd is 1 / sqrt(variance): inf where a channel is constant.
+        # With eps 0 the kernel's invstd is 1 / sqrt(variance), and 0 (not inf) where a channel's
+        # variance is 0 (a constant channel, or one value per channel on this rank).
         _, mean_l, invstd_l = torch.ops.aten.native_batch_norm(xc, None, None, None, None, True, 0.0, 0.0)
-        var_l = invstd_l.double().pow(-2)
+        invstd_l = invstd_l.double()
+        var_l = torch.where(invstd_l > 0, invstd_l.pow(-2), torch.zeros_like(invstd_l))
     else:  # no samples on this rank: it adds nothing to the sums
         mean_l = var_l = torch.zeros(c, dtype=torch.float64, device=xc.device)
     mean_l, var_l = mean_l.double(), var_l.double()
