@@ -173,6 +173,18 @@ def check_scatter_errors(comm):
     assert comm.allreduce_obj(1) == comm.size
 
 
+def check_scatter_bad_seed_refused_at_once(comm):
+    """A seed torch's generator cannot take is refused on every rank before any waits for a part
+    (root drew the order after the others were already waiting for theirs)."""
+    for seed, shared in ((2 ** 64, False), ("abc", False), (2 ** 64, True)):
+        data = (RangeData(10) if shared else list(range(10))) if comm.rank == 0 else None
+        start = time.monotonic()
+        e = expect_raise(lambda: scatter_dataset(data, comm, shuffle=True, seed=seed), ValueError)
+        assert time.monotonic() - start < 10, (seed, time.monotonic() - start)
+        assert f"seed {seed!r} cannot seed" in str(e) and "2**64 - 1" in str(e), e
+    assert comm.allreduce_obj(1) == comm.size
+
+
 def check_scatter_index(comm):
     if comm.size == 3:
         expected = [(0, 4), (4, 7), (7, 10)]
@@ -594,6 +606,7 @@ CHECKS = {
     "scatter": check_scatter,
     "scatter_chunks": check_scatter_chunks,
     "scatter_errors": check_scatter_errors,
+    "scatter_bad_seed_refused_at_once": check_scatter_bad_seed_refused_at_once,
     "scatter_index": check_scatter_index,
     "evaluator": check_evaluator,
     "evaluator_object": check_evaluator_object,

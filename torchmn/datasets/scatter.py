@@ -105,21 +105,28 @@ def scatter_index(n_total: Optional[int], comm, root: int = 0, *, force_equal_le
     return index_range(n_total, comm.size, comm.rank, force_equal_length)
 
 
-def _claim(dataset: Any, comm, root: int) -> dict:
-    """What this rank brings to the scatter, or what is wrong with it (told to every rank)."""
+def _claim(dataset: Any, comm, root: int, shuffle: bool, seed: Optional[int]) -> tuple[dict, Optional[torch.Tensor]]:
+    """What this rank brings to the scatter, or what is wrong with it (told to every rank), and on
+    root the order of the samples: drawn before any rank waits for a part, so that a seed torch
+    cannot take is refused on every rank at once."""
     if comm.rank != root:
         if dataset is not None:
             return {"problem": f"rank {comm.rank} passed a dataset ({type(dataset).__name__}) but only root "
                                f"rank {root}'s dataset is read; pass None on every other rank, e.g. "
-                               f"scatter_dataset(data if comm.rank == {root} else None, comm)"}
-        return {}
+                               f"scatter_dataset(data if comm.rank == {root} else None, comm)"}, None
+        return {}, None
     if dataset is None:
-        return {"problem": f"root rank {root} passed None; it must pass the dataset to scatter"}
+        return {"problem": f"root rank {root} passed None; it must pass the dataset to scatter"}, None
     try:
         n = len(dataset)
     except TypeError as e:
-        return {"problem": f"root rank {root}'s dataset ({type(dataset).__name__}) has no len(): {e}"}
-    return {"n": int(n), "shared": is_shared(dataset)}
+        return {"problem": f"root rank {root}'s dataset ({type(dataset).__name__}) has no len(): {e}"}, None
+    try:
+        order = _order(int(n), shuffle, seed)
+    except (TypeError, ValueError, OverflowError, RuntimeError) as e:
+        return {"problem": f"root rank {root}'s seed {seed!r} cannot seed torch's generator ({type(e).__name__}: "
+                           f"{e}); pass an integer from 0 to 2**64 - 1, or None for a random order"}, None
+    return {"n": int(n), "shared": is_shared(dataset)}, order
 
 
 def _order(n: int, shuffle: bool, seed: Optional[int]) -> torch.Tensor:
@@ -206,17 +213,17 @@ def scatter_dataset(dataset: Any, comm, root: int = 0, shuffle: bool = False, se
         # A rank that joined a running job: the others are in a reset, not here; the dataset comes
         # from them when the run function starts (ElasticDatasetPart.follow_world).
         return ElasticDatasetPart(None, None, comm, force_equal_length, shared=False, max_buf_len=max_buf_len)
-    claims = comm.allgather_obj(_claim(dataset, comm, root))
+    claim, order = _claim(dataset, comm, root, shuffle, seed)
+    claims = comm.allgather_obj(claim)
     problems = [c["problem"] for c in claims if "problem" in c]
     if problems:
         raise TorchmnValueError("scatter_dataset: " + "; ".join(problems) + f" (raised on rank {comm.rank})")
     n, shared = claims[root]["n"], claims[root]["shared"]
 
     if shared:
-        message = order = None
+        message = None
         if comm.rank == root:
             try:
-                order = _order(n, shuffle, seed)
                 message = (None, pickle.dumps((dataset, order), protocol=pickle.HIGHEST_PROTOCOL))
             except Exception as e:
                 message = (f"{type(e).__name__}: {e}", None)
@@ -236,9 +243,9 @@ def scatter_dataset(dataset: Any, comm, root: int = 0, shuffle: bool = False, se
     part, error = None, None
     try:
         if elastic:
-            part = _copy_whole(comm, dataset, n, shuffle, seed, force_equal_length, root, max_buf_len)
+            part = _copy_whole(comm, dataset, n, order, force_equal_length, root, max_buf_len)
         elif comm.rank == root:
-            part = _send_parts(comm, dataset, n, shuffle, seed, force_equal_length, root, max_buf_len)
+            part = _send_parts(comm, dataset, n, order, force_equal_length, root, max_buf_len)
         else:
             part = _recv_part(comm, root)
     except Exception as e:
@@ -254,10 +261,9 @@ def scatter_dataset(dataset: Any, comm, root: int = 0, shuffle: bool = False, se
     return part
 
 
-def _send_parts(comm, dataset: Any, n: int, shuffle: bool, seed: Optional[int], force_equal_length: bool,
+def _send_parts(comm, dataset: Any, n: int, order: torch.Tensor, force_equal_length: bool,
                 root: int, max_buf_len: int) -> DatasetPart:
     """Root: stream every other rank its part, in rank order; return root's own part."""
-    order = _order(n, shuffle, seed)
     parts = [order[slice(*index_range(n, comm.size, r, force_equal_length))].tolist() for r in range(comm.size)]
     pending = [r for r in range(comm.size) if r != root]
     for k, r in enumerate(pending):
@@ -271,12 +277,12 @@ def _send_parts(comm, dataset: Any, n: int, shuffle: bool, seed: Optional[int], 
     return DatasetPart(dataset, parts[root])
 
 
-def _copy_whole(comm, dataset: Any, n: int, shuffle: bool, seed: Optional[int], force_equal_length: bool,
+def _copy_whole(comm, dataset: Any, n: int, order: Optional[torch.Tensor], force_equal_length: bool,
                 root: int, max_buf_len: int) -> ElasticDatasetPart:
     """An elastic job's scatter: root broadcasts the order and every sample, so that any rank can
     take any part of a later world, and hand the samples to a rank that joins."""
     if comm.rank == root:
-        order = comm.bcast_obj(_order(n, shuffle, seed).tolist(), root=root)
+        order = comm.bcast_obj(order.tolist(), root=root)
         send_samples(lambda m: comm.bcast_obj(m, root=root), dataset, range(n), max_buf_len)
         whole = dataset
     else:
