@@ -70,6 +70,17 @@ def test_tune_resumes_after_being_killed(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_tune_takes_a_command_option_as_documented(tmp_path):
+    """`--param --x=int:...` as docs/cpu.md writes it (argparse alone takes `--x=...` for an option of
+    its own); the value reaches the command as `--x N`."""
+    command = "import sys; print('torchmn-objective:', sys.argv[sys.argv.index('--x') + 1])"
+    out = tune(["--storage", f"sqlite:///{tmp_path / 'tune.db'}", "--only-params", "--param", "--x=int:2:2",
+                "--n-trials", "1", "--", sys.executable, "-c", command], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "best (2.000 s): " in out.stdout and "--x 2" in out.stdout, out.stdout
+
+
+@pytest.mark.timeout(120)
 def test_tune_prunes_a_trial_past_its_timeout(tmp_path):
     storage = f"sqlite:///{tmp_path / 'tune.db'}"
     (tmp_path / "hang").touch()
@@ -88,6 +99,8 @@ def test_tune_stops_when_every_trial_fails(tmp_path):
     assert out.returncode == 2, out.stderr
     assert "torchmn tune: error: 3 trials in a row failed" in out.stderr and "exit code 3" in out.stderr \
         and "bad config" in out.stderr, out.stderr
+    # Each failed trial's line shows the command's last line of output.
+    assert "-> failed, exit code 3; its last line: bad config" in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("args,words", [

@@ -33,7 +33,7 @@ from torchmn.info import add_info, version_text
 from torchmn.monitor.command import add_timeline
 from torchmn.run import horovodrun_flags
 from torchmn.run.processes import binding
-from torchmn.tune.command import add_tune
+from torchmn.tune.command import add_tune, join_option_params
 
 
 def _ranks_list(text: str) -> Set[int]:
@@ -293,7 +293,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         0
     """
     parser = build_parser()
-    args, unknown = parser.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["tune"]:
+        argv = ["tune"] + join_option_params(argv[1:])
+    args, unknown = parser.parse_known_args(argv)
     if unknown:  # told with the subcommand's usage ("torchmn run: error: ..."), not the top level's
         (args.subparser if args.subcommand else parser).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.subcommand is None:

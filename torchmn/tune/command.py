@@ -54,6 +54,36 @@ def add_tune(subparsers) -> None:
     p.set_defaults(handler=run_tune, subparser=p)
 
 
+def join_option_params(argv: list[str]) -> list[str]:
+    """``--param --lr=log:1e-4:1e-1`` as ``--param=--lr=log:1e-4:1e-1``: argparse takes a value that
+    starts with ``-`` for an option of its own, while a parameter passed to the command as an
+    argument is named ``--option``. Everything from ``--`` on (the command) is left as it is.
+
+    Args:
+        argv: the arguments after ``torchmn tune``.
+
+    Returns:
+        The same arguments, each ``--param`` followed by an option-like value joined to it.
+
+    Example::
+
+        >>> join_option_params(["--param", "--lr=log:1e-4:1e-1", "--", "python", "t.py", "--param", "-x"])
+        ['--param=--lr=log:1e-4:1e-1', '--', 'python', 't.py', '--param', '-x']
+    """
+    out: list[str] = []
+    i = 0
+    while i < len(argv):
+        if argv[i] == "--":
+            return out + argv[i:]
+        if argv[i] == "--param" and i + 1 < len(argv) and argv[i + 1].startswith("-") and argv[i + 1] != "--":
+            out.append(f"--param={argv[i + 1]}")
+            i += 2
+        else:
+            out.append(argv[i])
+            i += 1
+    return out
+
+
 def run_tune(args, parser) -> int:
     """The handler of ``torchmn tune``: run the search, print its summary, write the plots.
 

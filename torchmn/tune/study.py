@@ -139,7 +139,7 @@ class Tuner:
                 study.tell(trial, state=TrialState.FAIL)
                 failures += 1
             done += 1
-            shown = f"{outcome.value:.3f} s" if outcome.value is not None else outcome.reason.splitlines()[0]
+            shown = f"{outcome.value:.3f} s" if outcome.value is not None else _first_and_last(outcome.reason)
             progress(f"trial {trial.number}: {_settings(values)} -> {outcome.state}, {shown}")
             if failures >= FAILURES_IN_A_ROW:
                 raise TuneError(f"{failures} trials in a row failed, so the command fails whatever the settings; "
@@ -245,3 +245,13 @@ class Tuner:
 
 def _settings(values: dict) -> str:
     return " ".join(f"{k}={v}" for k, v in values.items())
+
+
+def _first_and_last(reason: str) -> str:
+    """A failed trial's reason in one line: how it ended, and the last line its command printed
+    (the error, as a rule; every line goes to the trial's ``error`` attribute and, when trials keep
+    failing, to the final message)."""
+    lines = [line for line in reason.splitlines() if line.strip()]
+    if len(lines) < 2:
+        return lines[0] if lines else reason
+    return f"{lines[0].removesuffix('; its last lines:').removesuffix(':')}; its last line: {lines[-1].strip()}"
