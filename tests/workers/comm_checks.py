@@ -31,6 +31,15 @@ def check_ring(comm):
             comm.send(x, nxt)
         expect = torch.arange(torch.Size(shape).numel(), dtype=torch.float32).reshape(shape) + prv
         assert got.shape == torch.Size(shape) and torch.equal(got, expect), (shape, got)
+    # A message to or from this rank itself would wait for itself: refused at once, naming why.
+    for call in (lambda: comm.send(x, comm.rank), lambda: comm.recv(comm.rank), lambda: comm.send_obj(1, comm.rank),
+                 lambda: comm.recv_obj(comm.rank)):
+        try:
+            call()
+        except ValueError as e:
+            assert f"={comm.rank} is this rank" in str(e), e
+        else:
+            raise AssertionError("a message to this rank itself was accepted")
 
 
 def _inputs(dtype):

@@ -211,6 +211,8 @@ class Communicator(CommunicatorBase):
     def _peer_error(self, r: Any, what: str) -> Optional[ValueError]:
         if not isinstance(r, int) or not 0 <= r < self.size:
             return TorchmnValueError(f"{what}={r!r} is not a rank of this communicator (size {self.size})")
+        if what in ("dest", "source") and r == self.rank:  # it would wait for itself
+            return TorchmnValueError(f"{what}={r} is this rank: send and recv pair two ranks; keep the value instead")
         return None
 
     def _route(self, device_type: Optional[str]) -> tuple[Optional[dist.ProcessGroup], torch.device]:
@@ -545,8 +547,7 @@ class Communicator(CommunicatorBase):
         # gloo has no int16 reduction; int32 gives the same bits once cast back (two's complement
         # wraps alike), except "mean", whose result is floating-point anyway.
         widen = src.dtype == torch.int16
-        out = self.allreduce_copy((src.to(torch.int32) if widen else src).contiguous(),
-                                   "sum" if op == "mean" else op)
+        out = self.allreduce_copy((src.to(torch.int32) if widen else src).contiguous(), "sum" if op == "mean" else op)
         if widen and op != "mean":
             out = out.to(torch.int16)
         if op == "mean":
