@@ -146,6 +146,23 @@ def check_mismatched_functions_raise(comm):
         raise AssertionError("no error")
 
 
+def check_send_recv_arguments_refused(comm):
+    """Arguments in another order than ChainerMN's send(x, comm, rank) / recv(comm, rank), and this
+    rank as the peer, are refused on the calling rank before any message, naming the fix."""
+    x = torch.ones(2, dtype=torch.float64, requires_grad=True)
+    peer = (comm.rank + 1) % comm.size
+    for call, words in ((lambda: F.send(comm, x, peer), "send(x, comm, rank)"),
+                        (lambda: F.recv(peer, comm), "recv(comm, rank)"),
+                        (lambda: F.send(x, comm, comm.rank), "is this rank"),
+                        (lambda: F.recv(comm, comm.rank), "is this rank")):
+        try:
+            call()
+        except (TypeError, ValueError) as e:
+            assert words in str(e), e
+        else:
+            raise AssertionError(f"accepted: {words}")
+
+
 # ----------------------------------------------------------------------------- MultiNodeSequential
 class Pair(torch.nn.Module):
     """Returns a tuple: tuple data between parts."""

@@ -93,6 +93,12 @@ class _Recv(torch.autograd.Function):
         return None, None, None, None, torch.zeros(shape, dtype=dtype, device=device)
 
 
+def _check_comm(comm, usage: str) -> None:
+    if not isinstance(comm, CommunicatorBase):
+        raise TorchmnTypeError(f"{usage.split('(')[0]}: comm must be a communicator, not {type(comm).__name__}; "
+                               f"the arguments go in ChainerMN's order: {usage}")
+
+
 def send(x: Tensors, comm: CommunicatorBase, rank: int, tag: int = 0) -> torch.Tensor:
     """Send ``x`` to rank ``rank``, which calls :func:`recv`; its backward receives the gradient.
 
@@ -109,6 +115,7 @@ def send(x: Tensors, comm: CommunicatorBase, rank: int, tag: int = 0) -> torch.T
         gradient of ``x`` from ``rank``).
 
     Raises:
+        TypeError: ``comm`` is not a communicator (the arguments in another order).
         ValueError: ``rank`` is not a rank of the communicator, or is this rank.
         CollectiveTimeoutError: the receiver did not receive (or send the gradient back) within
             the timeout.
@@ -118,6 +125,7 @@ def send(x: Tensors, comm: CommunicatorBase, rank: int, tag: int = 0) -> torch.T
         >>> delegate = torchmn.functions.send(model_part(x), comm, rank=1)
         >>> delegate.backward()
     """
+    _check_comm(comm, "send(x, comm, rank)")
     comm.check_rank(rank, "rank")
     if rank == comm.rank:
         raise TorchmnValueError(f"send: rank {rank} is this rank; pass the value on directly instead")
@@ -145,6 +153,7 @@ def recv(comm: CommunicatorBase, rank: int, delegate_variable: Optional[torch.Te
         The tensor (or tuple of tensors, as sent), on the communicator's device, part of the graph.
 
     Raises:
+        TypeError: ``comm`` is not a communicator (the arguments in another order).
         ValueError: ``rank`` is not a rank of the communicator, or is this rank.
         CollectiveTimeoutError: the sender did not send within the timeout.
 
@@ -153,6 +162,7 @@ def recv(comm: CommunicatorBase, rank: int, delegate_variable: Optional[torch.Te
         >>> h = torchmn.functions.recv(comm, rank=0)
         >>> loss_fn(model_part(h), y).backward()
     """
+    _check_comm(comm, "recv(comm, rank)")
     comm.check_rank(rank, "rank")
     if rank == comm.rank:
         raise TorchmnValueError(f"recv: rank {rank} is this rank; pass the value on directly instead")
