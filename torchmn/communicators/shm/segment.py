@@ -263,6 +263,8 @@ class Flags:
 
     def _check_peers(self, phase: int, seq: int, timed_out: bool) -> None:
         missing = [r for r in range(self.local_size) if self._rows[phase, r] // KINDS < seq]
+        if not missing:  # the last rank arrived as the timeout passed: the wait ends, it did not time out
+            return
         failed = [r for r in missing if self._rows[phase, r] == FAILED]
         dead = failed or [r for r in missing if not alive(self._pids[r])]
         if dead or timed_out:
