@@ -123,8 +123,23 @@ def test_cpu_and_cuda_tensors_in_one_call_are_named():
     hdrs = torch.tensor(rows).unsqueeze(1)
     with pytest.raises(torchmn.CollectiveMismatchError, match=r"device differs: rank 0: cpu, rank 1: cuda "
                                                                 r"\(move the tensors to comm.device on every rank"):
-        _call_check.check_headers("allreduce", hdrs, None, same_shape=True, same_dtype=True, rank=0, host="h")
+        _call_check.check_headers("allreduce", hdrs, None, same_shape=True, same_dtype=True, rank=0, hosts=None)
     assert _wire.device_type(rows[1]) == "cuda" and _wire.device_type(_wire.header(1)) is None
+
+
+def test_a_mismatch_names_the_collectives_and_where_the_ranks_run():
+    """Ranks in different collectives: the message names the collectives only (their roots and ops
+    follow from them), and where every rank runs, runs of ranks on one host together."""
+    from torchmn.communicators import _call_check, _wire
+
+    allreduce = _wire.header(_call_check.KIND["allreduce"], op=0, x=torch.ones(3))
+    alltoall = _wire.header(_call_check.KIND["alltoall"], x=torch.ones(3))
+    hdrs = torch.tensor([allreduce, allreduce, alltoall]).unsqueeze(1)
+    with pytest.raises(torchmn.CollectiveMismatchError) as e:
+        _call_check.check_headers("allreduce", hdrs, None, same_shape=True, same_dtype=True, rank=0,
+                                  hosts=["a", "a", "b"])
+    assert "(collective differs: rank 0: allreduce, rank 1: allreduce, rank 2: alltoall), ranks 0-1 on a, " \
+           "rank 2 on b; every rank must make the same call" in str(e.value) and "op differs" not in str(e.value), e.value
 
 
 @pytest.mark.parametrize("views, nodes, shared", [

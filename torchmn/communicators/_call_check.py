@@ -8,6 +8,7 @@ it rather than wait for it.
 """
 from __future__ import annotations
 
+import socket
 from typing import Optional
 
 import torch
@@ -56,7 +57,7 @@ def obj_header(n: int, kind: str = "allgather_obj", root: int = _wire.NONE) -> l
 
 
 def check_headers(kind: str, hdrs: torch.Tensor, error: Optional[Exception], same_shape: bool,
-                  same_dtype: bool, rank: int, host: str) -> None:
+                  same_dtype: bool, rank: int, hosts: Optional[list[str]]) -> None:
     """Raise on every rank alike unless all ranks made the same call.
 
     Args:
@@ -65,7 +66,8 @@ def check_headers(kind: str, hdrs: torch.Tensor, error: Optional[Exception], sam
         error: this rank's own bad arguments, raised first.
         same_shape: whether every rank's tensor must have one shape (allreduce).
         same_dtype: whether every rank's tensor must have one dtype.
-        rank: this rank, and ``host`` its host, for the message.
+        rank: this rank, and ``hosts`` every rank's host (None before the communicator knows
+            them), for the message.
 
     Raises:
         CollectiveMismatchError: the ranks' calls differ in collective, root, op, dtype or shape.
@@ -85,15 +87,18 @@ def check_headers(kind: str, hdrs: torch.Tensor, error: Optional[Exception], sam
     size = hdrs.shape[0]
     bad = [r for r in range(size) if hdrs[r, 0, 0] == KIND["invalid"]]
     if bad:
-        raise RemoteRankError(f"{kind}: rank {bad[0]} rejected its arguments (see its error); "
+        host = hosts[rank] if hosts else socket.gethostname()
+        raise RemoteRankError(f"{kind}: rank {bad[0]}{_on(hosts, bad[0])} rejected its arguments (see its error); "
                               f"rank {rank} on {host} stops too")
     first = hdrs[:, 0, :]
     problems = []
     for field, col, names in (("collective", 0, KINDS), ("root", 1, None), ("op", 2, tuple(OPS))):
         vals = first[:, col].tolist()
         if len(set(vals)) > 1:
-            shown = [names[v] if names and v >= 0 else v for v in vals]
+            shown = [names[v] if names and v >= 0 else "none" if v == _wire.NONE else v for v in vals]
             problems.append(f"{field} differs: " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown)))
+            if col == 0:  # other collectives take other roots and ops: those follow, and would only blur it
+                break
     if not problems and hdrs.shape[1] == 1:
         metas = [_wire.meta(first[r].tolist()) for r in range(size)]
         present = [(r, m) for r, m in enumerate(metas) if m is not None]
@@ -109,5 +114,24 @@ def check_headers(kind: str, hdrs: torch.Tensor, error: Optional[Exception], sam
             problems.append("device differs: " + ", ".join(f"rank {r}: {_wire.DEVICE_TYPES[c]}" for r, c in codes) +
                             " (move the tensors to comm.device on every rank, or keep them on the CPU on every rank)")
     if problems:
-        raise CollectiveMismatchError(f"ranks called {kind} inconsistently ({'; '.join(problems)}); "
+        raise CollectiveMismatchError(f"ranks called {kind} inconsistently ({'; '.join(problems)}){_where(hosts)}; "
                                       f"every rank must make the same call")
+
+
+def _on(hosts: Optional[list[str]], r: int) -> str:
+    return f" (on {hosts[r]})" if hosts else ""
+
+
+def _where(hosts: Optional[list[str]]) -> str:
+    """Where the ranks run, for a mismatch message: runs of consecutive ranks on one host."""
+    if not hosts:
+        return ""
+    if len(set(hosts)) == 1:
+        return f", all on {hosts[0]}"
+    runs: list[list] = []
+    for r, h in enumerate(hosts):
+        if runs and runs[-1][2] == h:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r, h])
+    return ", " + ", ".join(f"rank {a} on {h}" if a == b else f"ranks {a}-{b} on {h}" for a, b, h in runs)

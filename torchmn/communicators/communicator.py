@@ -299,13 +299,13 @@ class Communicator(CommunicatorBase):
             rows = _call_check.invalid_rows(len(rows) if rows else 1, op)
         if len(rows) > 1 and self.size > 1:
             what = self.exchange_headers([_call_check.summary_row(rows)])
-            _call_check.check_headers(kind, what, error, same_shape, same_dtype, self.rank, self.host)
+            _call_check.check_headers(kind, what, error, same_shape, same_dtype, self.rank, self.call_log.hosts)
         if data is not None and len(rows) == 1:
             hdrs, parts = self.exchange_headers_with_data(rows, data)
-            _call_check.check_headers(kind, hdrs, error, same_shape, same_dtype, self.rank, self.host)
+            _call_check.check_headers(kind, hdrs, error, same_shape, same_dtype, self.rank, self.call_log.hosts)
             return parts
         hdrs = self.exchange_headers(rows)
-        _call_check.check_headers(kind, hdrs, error, same_shape, same_dtype, self.rank, self.host)
+        _call_check.check_headers(kind, hdrs, error, same_shape, same_dtype, self.rank, self.call_log.hosts)
         return None if data is not None else hdrs
 
     def _bcast_bytes(self, buf: torch.Tensor, root: int) -> None:

@@ -410,7 +410,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         buf, err = pickle_for_call(obj, "allgather_obj", self.rank, self.host)
         rows = [_call_check.obj_header(buf.numel())] if err is None else _call_check.invalid_rows(1)
         _call_check.check_headers("allgather_obj", self.exchange_headers(rows), err, same_shape=False,
-                                  same_dtype=False, rank=self.rank, host=self.host)
+                                  same_dtype=False, rank=self.rank, hosts=self.call_log.hosts)
         parts = self.segment.allgather_bytes(buf)
         if parts is None:
             return super().allgather_obj(obj)
