@@ -20,7 +20,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from torchmn.errors import TorchmnValueError
+from torchmn.communicators import CommunicatorBase
+from torchmn.errors import TorchmnTypeError, TorchmnValueError
 from torchmn.optimizers.gradient_sync import COMPRESSION  # the dtypes gradients travel in, by name
 
 
@@ -40,8 +41,10 @@ def ddp_comm_hook(comm, compression: Optional[str] = None) -> Callable:
         The hook, called by DDP as ``hook(state, bucket)``; register it with ``None`` as the state.
 
     Raises:
+        TypeError: ``comm`` is not a torchmn communicator (a process group, None).
         ValueError: an unknown ``compression`` (``"powersgd"`` too). On the first bucket, on every rank: a communicator
-            over other ranks than the DDP model's process group, which DDP averages over.
+            over other ranks than the DDP model's process group, which DDP averages over, or ranks whose hooks
+            compress differently (their buckets would be summed in different dtypes).
 
     Example::
 
@@ -49,6 +52,10 @@ def ddp_comm_hook(comm, compression: Optional[str] = None) -> Callable:
         >>> model = torch.nn.parallel.DistributedDataParallel(net)
         >>> model.register_comm_hook(None, torchmn.ddp_comm_hook(comm, compression="bf16"))
     """
+    if not isinstance(comm, CommunicatorBase):
+        raise TorchmnTypeError(f"ddp_comm_hook: comm must be a torchmn communicator (torchmn.create_communicator()), "
+                               f"not {type(comm).__name__}; DDP's process group is the model's own, and the hook "
+                               f"checks that the communicator spans the same ranks")
     if compression is None:
         compression = getattr(comm, "compression", None)
     if compression == "powersgd":
@@ -113,6 +120,14 @@ class _BucketAverager:
                     f"{where}: the DDP model averages over ranks {ddp_ranks} (its process_group), but the "
                     f"communicator spans ranks {comm_ranks}. Give the hook a communicator of the same ranks "
                     f"(comm.split(color, key) to the model's group), or build DDP over the communicator's ranks.")
+        # Every rank's buckets must travel in one dtype: summing float16 bytes with float32 ones
+        # gives garbage, not an error.
+        wires = comm.allgather_obj("none" if self.wire_dtype is None else str(self.wire_dtype).replace("torch.", ""))
+        if len(set(wires)) > 1:
+            raise TorchmnValueError(
+                f"{where}: the ranks' hooks compress differently ({', '.join(f'rank {r}: {w}' for r, w in enumerate(wires))}"
+                f"), so their buckets would be summed in different dtypes. Pass the same compression= to "
+                f"ddp_comm_hook (or allreduce_grad_dtype= to create_communicator) on every rank.")
         self.checked = True
 
 

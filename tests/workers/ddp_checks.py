@@ -120,6 +120,25 @@ def check_bad_compression_refused(comm):
     assert "'fp16', 'bf16'" in str(e), e
 
 
+def check_hook_without_a_communicator_refused(comm):
+    for wrong in (None, dist.group.WORLD):
+        e = expect(TypeError, lambda: torchmn.ddp_comm_hook(wrong))
+        assert "must be a torchmn communicator" in str(e), e
+
+
+def check_ranks_compressing_differently_refused(comm):
+    """One rank's hook compresses to fp16, the others' not: the first backward raises on every rank,
+    naming each rank's dtype (the sum of float16 and float32 bytes was garbage, silently)."""
+    torch.manual_seed(0)
+    model = DDP(Net().double(), bucket_cap_mb=BUCKET_MB)
+    model.register_comm_hook(None, torchmn.ddp_comm_hook(comm, compression="fp16" if comm.rank == 0 else None))
+    x, y = batch(comm.rank, 0)
+    e = expect(TorchmnValueError, lambda: torch.nn.functional.cross_entropy(model(x), y).backward())
+    others = ", ".join(f"rank {r}: none" for r in range(1, comm.size))
+    assert f"compress differently (rank 0: float16, {others})" in str(e) and "compression=" in str(e), e
+    dist.barrier()
+
+
 def check_communicator_of_another_size_refused(comm):
     """A communicator over a subgroup (one rank each) while DDP averages over the whole world: the
     first backward raises on every rank, naming both sets of ranks and the fix."""
