@@ -3,11 +3,11 @@ Lightning's own DDPStrategy in the same job (see tests/workers/lightning_checks.
 
 import pytest
 
-from jobs import WORKERS, assert_check_passed, check_job_output, run_job
+from jobs import WORKERS, assert_check_passed, check_job_output, run_job, run_one_process
 
 CHECKS = WORKERS / "lightning_checks.py"
 ALL = ("matches_lightnings_ddp", "collectives_go_through_the_communicator",
-       "devices_that_differ_from_the_launcher_are_refused")
+       "devices_that_differ_from_the_launcher_are_refused", "bad_compression_refused_at_once")
 
 
 @pytest.mark.timeout(240)  # the first test runs the whole job
@@ -17,3 +17,13 @@ def test_lightning_strategy(check, request):
     proc = check_job_output(request, lambda checks: run_job(CHECKS, list(checks), np=2, timeout=240,
                                                             env={"TORCHMN_TIMEOUT": "60"}, check=False))
     assert_check_passed(proc, check)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("how", ["plain python", "np 1"])
+def test_lightning_strategy_in_a_world_of_one(how):
+    """`python train.py` alone, or one rank under a launcher: Lightning's DDP needs a process group
+    even alone, which the strategy makes without opening a port."""
+    proc = run_one_process(CHECKS, ["world_of_one"], timeout=150) if how == "plain python" else \
+        run_job(CHECKS, ["world_of_one"], np=1, timeout=150, check=False)
+    assert proc.returncode == 0 and "PASS world_of_one" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]

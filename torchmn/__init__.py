@@ -48,19 +48,20 @@ _NAMES = {
     "ddp_comm_hook": "torchmn.ddp",  # DistributedDataParallel averaging through torchmn
     "select_device": "torchmn.devices",  # --device auto|cpu|cuda
 }
-# Subpackages reachable as attributes after a bare ``import torchmn``.
+# Subpackages reachable as attributes after a bare ``import torchmn``: ``torchmn.lightning`` too,
+# as the docs write it, though not in ``__all__`` (``from torchmn import *`` needs no Lightning).
 _SUBPACKAGES = ("checkpoint", "communicators", "datasets", "environments", "evaluators", "functions",
-                "iterators", "nn", "optimizers", "tune")
+                "iterators", "lightning", "nn", "optimizers", "tune")
 
 __getattr__, __dir__, __all__ = lazy_names.attach(__name__, _NAMES, _SUBPACKAGES)
-__all__ += ["TorchmnError", "__version__"]
+__all__ = [name for name in __all__ if name != "lightning"] + ["TorchmnError", "__version__"]
 
 torch_loaded.when_torch_loads()
 
 
 if TYPE_CHECKING:  # what type checkers and IDEs see
-    from torchmn import (checkpoint, communicators, datasets, environments, evaluators, functions, iterators, nn,
-                         optimizers, tune)
+    from torchmn import (checkpoint, communicators, datasets, environments, evaluators, functions, iterators,
+                         lightning, nn, optimizers, tune)
     from torchmn.communicators import (CollectiveMismatchError, CollectiveTimeoutError, Communicator,
                                        create_communicator)
     from torchmn.datasets import SharedDataset, create_empty_dataset, scatter_dataset, scatter_index

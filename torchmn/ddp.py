@@ -58,12 +58,7 @@ def ddp_comm_hook(comm, compression: Optional[str] = None) -> Callable:
                                f"checks that the communicator spans the same ranks")
     if compression is None:
         compression = getattr(comm, "compression", None)
-    if compression == "powersgd":
-        raise TorchmnValueError("ddp_comm_hook(compression='powersgd'): for DDP use torch's own hook, "
-                                "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook; torchmn's PowerSGD "
-                                "is create_multi_node_optimizer(..., compression='powersgd')")
-    if compression not in COMPRESSION:
-        raise TorchmnValueError(f"compression must be one of None, 'fp16', 'bf16', not {compression!r}")
+    check_compression(compression)
     averager = _BucketAverager(comm, COMPRESSION[compression])
 
     # A function, with the names and annotations DDP checks (register_comm_hook).
@@ -72,6 +67,27 @@ def ddp_comm_hook(comm, compression: Optional[str] = None) -> Callable:
             averager.check(_ddp_process_group(torchmn_hook))
         return averager.average(bucket)
     return torchmn_hook
+
+
+def check_compression(compression: Optional[str]) -> None:
+    """Refuse a ``compression`` the hook cannot apply to DDP's buckets.
+
+    Args:
+        compression: ``None``, ``"none"``, ``"fp16"`` or ``"bf16"``.
+
+    Raises:
+        ValueError: anything else; ``"powersgd"`` with the hook to use instead.
+
+    Example::
+
+        >>> check_compression("bf16")     # before the world exists (TorchmnStrategy's constructor)
+    """
+    if compression == "powersgd":
+        raise TorchmnValueError("ddp_comm_hook(compression='powersgd'): for DDP use torch's own hook, "
+                                "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook; torchmn's PowerSGD "
+                                "is create_multi_node_optimizer(..., compression='powersgd')")
+    if compression not in COMPRESSION:
+        raise TorchmnValueError(f"compression must be one of None, 'fp16', 'bf16', not {compression!r}")
 
 
 class _BucketAverager:

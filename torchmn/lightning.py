@@ -15,6 +15,7 @@ Needs the ``lightning`` package (``pip install torchmn[lightning]``).
 """
 from __future__ import annotations
 
+import atexit
 from typing import Any, Optional, Union
 
 import torch
@@ -30,7 +31,7 @@ except ImportError as e:  # pragma: no cover - the dev install has it
                       f"pip install 'torchmn[lightning]'") from e
 
 import torchmn
-from torchmn.ddp import ddp_comm_hook
+from torchmn.ddp import check_compression, ddp_comm_hook
 from torchmn.environments import detect_environment
 from torchmn.errors import TorchmnValueError
 
@@ -199,7 +200,7 @@ class TorchmnEnvironment(ClusterEnvironment):
                 f"Trainer(devices={num_devices}, num_nodes={num_nodes}) on rank {env.rank}, but the launcher "
                 f"({env.source}) started {env.local_size} rank(s) on this node and {env.size} in all. Pass "
                 f"devices={env.local_size} and num_nodes={max(1, env.size // max(1, env.local_size))}, or start "
-                f"{num_devices} rank(s) per node.")
+                f"{num_devices} rank(s) on each of {num_nodes} node(s).")
 
 
 class TorchmnStrategy(DDPStrategy):
@@ -214,7 +215,7 @@ class TorchmnStrategy(DDPStrategy):
             ``process_group_backend``, ...), except ``ddp_comm_hook``, which is torchmn's.
 
     Raises:
-        ValueError: ``ddp_comm_hook`` among ``kwargs``.
+        ValueError: ``ddp_comm_hook`` among ``kwargs``; an unknown ``compression``.
 
     Example::
 
@@ -228,6 +229,8 @@ class TorchmnStrategy(DDPStrategy):
         if "ddp_comm_hook" in kwargs:
             raise TorchmnValueError("TorchmnStrategy averages with torchmn's own DDP hook; pass compression= instead "
                                     "of ddp_comm_hook=, or use Lightning's DDPStrategy for another hook")
+        if compression is not None:
+            check_compression(compression)  # now, not once fit has set up the world
         kwargs.setdefault("cluster_environment", TorchmnEnvironment())
         self._collective_timeout = kwargs.get("timeout")  # None: torchmn's (TORCHMN_TIMEOUT, else 600 s)
         super().__init__(**kwargs)
@@ -246,8 +249,15 @@ class TorchmnStrategy(DDPStrategy):
         reset_seed()
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
-        self.comm = torchmn.create_communicator(self._communicator, backend=self._process_group_backend,
-                                                timeout=self._collective_timeout)
+        if self.comm is None:  # a later fit, validate or test keeps the world of the first
+            self.comm = torchmn.create_communicator(self._communicator, backend=self._process_group_backend,
+                                                    timeout=self._collective_timeout)
+        if not torch.distributed.is_initialized():
+            # A world of one has no process group, and DDP, which wraps the model, needs one even
+            # alone: one over an in-process store, which opens no port.
+            torch.distributed.init_process_group(self._process_group_backend, store=torch.distributed.HashStore(),
+                                                 rank=0, world_size=1)
+            atexit.register(torch.distributed.destroy_process_group)
 
     def _register_ddp_hooks(self) -> None:
         self.model.register_comm_hook(None, ddp_comm_hook(self.comm, compression=self._compression))
@@ -287,7 +297,7 @@ class TorchmnStrategy(DDPStrategy):
 
         Args:
             tensor: the value; anything but a tensor is returned as it is.
-            group: a process group other than the world goes through Lightning's own path.
+            group: a process group other than the world (None, ``WORLD``) goes through Lightning's own path.
             reduce_op: ``"mean"`` (``"avg"``, None), ``"sum"``, ``"max"`` or ``"min"`` (or ``ReduceOp``).
 
         Returns:
@@ -298,7 +308,7 @@ class TorchmnStrategy(DDPStrategy):
             >>> trainer.strategy.reduce(torch.tensor(float(rank)), reduce_op="sum")
         """
         op = _op_name(reduce_op)
-        if not isinstance(tensor, torch.Tensor) or self.comm is None or group is not None or op is None:
+        if not isinstance(tensor, torch.Tensor) or self.comm is None or not _is_world(group) or op is None:
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
         if op == "mean":
             total = self.comm.allreduce(tensor if tensor.is_floating_point() else tensor.double(), "sum")
@@ -310,7 +320,7 @@ class TorchmnStrategy(DDPStrategy):
 
         Args:
             tensor: this rank's tensor (the same shape on every rank).
-            group: a process group other than the world goes through Lightning's own path.
+            group: a process group other than the world (None, ``WORLD``) goes through Lightning's own path.
             sync_grads: whether gradients flow back (Lightning's own path).
 
         Returns:
@@ -321,21 +331,26 @@ class TorchmnStrategy(DDPStrategy):
             >>> trainer.strategy.all_gather(torch.tensor([1.0])).shape     # 2 ranks
             torch.Size([2, 1])
         """
-        if self.comm is None or group is not None or sync_grads:
+        if self.comm is None or not _is_world(group) or sync_grads:
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
         return torch.stack(self.comm.allgather(tensor.contiguous()))
 
     def teardown(self) -> None:
-        """Lightning's teardown, then the communicator's ``finalize``.
+        """Lightning's teardown. The communicator stays, as the process group of Lightning's DDP
+        strategy does: collectives after ``fit`` (broadcasting ``best_model_path``, a barrier before
+        rank 0 saves) still reach every rank, and a later ``fit`` or ``validate`` uses it again. It
+        ends with the process.
 
         Example::
 
             >>> trainer.strategy.teardown()      # Lightning calls it at the end of fit
         """
         super().teardown()
-        if self.comm is not None:
-            self.comm.finalize()
-            self.comm = None
+
+
+def _is_world(group: Optional[Any]) -> bool:
+    """Whether Lightning means the whole world (``LightningModule.all_gather`` passes ``WORLD``)."""
+    return group is None or group is torch.distributed.group.WORLD
 
 
 def _op_name(reduce_op: Optional[Union[ReduceOp, str]]) -> Optional[str]:

@@ -16,8 +16,8 @@ import torch
 from torchmn.lightning import TorchmnEnvironment, TorchmnStrategy
 
 warnings.filterwarnings("ignore")  # Lightning's advice about workers and logging is not under test
-RANK = int(os.environ["RANK"])
-SIZE = int(os.environ["WORLD_SIZE"])
+RANK = int(os.environ.get("RANK", 0))  # none under a plain `python lightning_checks.py`: a world of one
+SIZE = int(os.environ.get("WORLD_SIZE", 1))
 LOCAL = int(os.environ.get("LOCAL_WORLD_SIZE", SIZE))  # ranks per node, as the launcher started them
 NODES = SIZE // LOCAL
 
@@ -42,6 +42,10 @@ class Net(lightning.LightningModule):
     def on_train_start(self):
         strategy = self.trainer.strategy
         mine = torch.tensor([float(RANK)], dtype=torch.float64)
+        calls = strategy.comm.call_log.calls if isinstance(strategy, TorchmnStrategy) else 0
+        # The module's own all_gather passes group=WORLD: the world, through the communicator too.
+        self.module_gathered = self.all_gather(mine).view(-1).tolist()
+        self.module_gather_calls = strategy.comm.call_log.calls - calls if isinstance(strategy, TorchmnStrategy) else 0
         self.seen = {"sum": strategy.reduce(mine, reduce_op="sum").item(),
                      "mean": strategy.reduce(mine, reduce_op="mean").item(),
                      "max": strategy.reduce(mine, reduce_op="max").item(),
@@ -98,7 +102,32 @@ def check_collectives_go_through_the_communicator():
                 "gathered": [float(r) for r in range(SIZE)], "broadcast": f"from {SIZE - 1}"}
     assert "torchmn_hook" in model.seen.pop("comm_hook"), "DDP does not average through torchmn's hook"
     assert model.seen == expected, model.seen
-    assert trainer.strategy.comm is None  # finalized at teardown
+    assert model.module_gathered == expected["gathered"] and model.module_gather_calls == 1, \
+        (model.module_gathered, model.module_gather_calls)
+    # After fit the communicator stays, as Lightning's DDP process group does: a broadcast of the
+    # best checkpoint's path, a reduction and a barrier reach every rank.
+    strategy = trainer.strategy
+    assert strategy.broadcast(f"path of rank {RANK}", src=0) == "path of rank 0"
+    assert strategy.reduce(torch.tensor(float(RANK)), reduce_op="sum").item() == sum(range(SIZE))
+    strategy.barrier()
+
+
+def check_world_of_one():
+    """One process (a plain `python script.py`, or -np 1): DDP, which Lightning wraps the model in,
+    gets a process group over an in-process store, and training matches Lightning's DDP alone."""
+    assert SIZE == 1
+    model, trainer = fit(TorchmnStrategy())
+    assert trainer.strategy.comm.size == 1 and len(model.losses) == 2 * 48 // 4, len(model.losses)
+    assert trainer.strategy.broadcast("x") == "x" and model.seen["gathered"] == [0.0], model.seen
+
+
+def check_bad_compression_refused_at_once():
+    try:
+        TorchmnStrategy(compression="float16")
+    except ValueError as e:
+        assert "'fp16', 'bf16'" in str(e), e
+    else:
+        raise AssertionError("expected ValueError")
 
 
 def check_devices_that_differ_from_the_launcher_are_refused():
