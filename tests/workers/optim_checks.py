@@ -296,6 +296,16 @@ def check_refusals(comm):
         e = expect(torchmn.CollectiveMismatchError,
                    lambda: torchmn.create_multi_node_optimizer(torch.optim.SGD(odd.parameters(), lr=0.1), comm))
         assert f"rank(s) [{comm.size - 1}]" in str(e) and "(2, 4) float32 there, (3, 4) float32 on rank 0" in str(e), e
+    # Different settings on one rank (compression, sharded or not, accumulation): every rank is told
+    # which, with each rank's value, before any gradient moves.
+    if comm.size > 1:
+        last = comm.rank == comm.size - 1
+        for kwargs, told in (({"compression": "fp16" if last else "none"}, "compression: rank 0: None"),
+                             ({"shard_state": last}, "shard_state: rank 0: False"),
+                             ({"backward_passes_per_step": 2 if last else 1}, "backward_passes_per_step: rank 0: 1")):
+            e = expect(torchmn.CollectiveMismatchError, lambda: torchmn.create_multi_node_optimizer(
+                torch.optim.SGD(make_model().parameters(), lr=0.1), comm, **kwargs))
+            assert "the ranks' options differ (" + told in str(e) and f"rank {comm.size - 1}: " in str(e), e
     # Sparse gradients: refused at backward, naming the layer's kind.
     emb = torch.nn.Embedding(10, 3, sparse=True)
     opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(emb.parameters(), lr=0.1), comm)

@@ -485,7 +485,7 @@ def create_multi_node_optimizer(optimizer: torch.optim.Optimizer, comm: Communic
         TypeError: ``optimizer`` is not a torch optimizer, or (sharded) not an elementwise one.
         ValueError: an unknown ``compression``, ``backward_passes_per_step < 1``, or options that
             cannot go together (``shard_state`` with ``double_buffering`` or ``zero_fill=False``).
-        CollectiveMismatchError: the ranks' models differ in layout.
+        CollectiveMismatchError: the ranks' options or models differ.
 
     Example::
 
@@ -532,6 +532,7 @@ def build_into(target: Optional[GradientSyncOptimizer], optimizer: torch.optim.O
     passes = options["backward_passes_per_step"]
     if compression is None:
         compression = getattr(comm, "compression", None)
+    _check_same_options(comm, options, compression)
     if options["shard_state"] is None and _can_split_on_node(optimizer, comm, double_buffering, zero_fill,
                                                              compression):
         from torchmn.optimizers.node_shared import NoNodeMemory, NodeSharedOptimizer
@@ -546,6 +547,24 @@ def build_into(target: Optional[GradientSyncOptimizer], optimizer: torch.optim.O
     return make(MultiNodeOptimizer, double_buffering=double_buffering, zero_fill=zero_fill,
                 compression=compression, bucket_cap_mb=bucket_cap_mb, backward_passes_per_step=passes,
                 powersgd_rank=options["powersgd_rank"])
+
+
+def _check_same_options(comm: Communicator, options: dict, compression: Optional[str]) -> None:
+    """Refuse, on every rank, ranks that asked for different optimizers: their gradients would
+    travel in different dtypes, buckets or steps, and fail later as a mismatch of unrelated
+    collectives (or, between compressions, not at all)."""
+    if comm.size == 1:
+        return
+    mine = {**options, "compression": None if compression == "none" else compression}
+    if mine["compression"] != "powersgd":
+        mine.pop("powersgd_rank")
+    every = comm.allgather_obj(mine)
+    differ = [k for k in mine if any(theirs.get(k) != mine[k] for theirs in every)]
+    if differ:
+        told = "; ".join(f"{k}: " + ", ".join(f"rank {r}: {theirs.get(k)!r}" for r, theirs in enumerate(every))
+                         for k in differ)
+        raise CollectiveMismatchError(f"create_multi_node_optimizer: the ranks' options differ ({told}); pass the "
+                                      f"same options on every rank (raised on rank {comm.rank} on {comm.host})")
 
 
 def _can_split_on_node(optimizer, comm: Communicator, double_buffering: bool, zero_fill: bool,
