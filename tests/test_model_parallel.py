@@ -10,7 +10,8 @@ from jobs import WORKERS, assert_check_passed, check_job_output, run_job
 CHECKS = WORKERS / "model_parallel_checks.py"
 ALL = ("ring", "send_then_other_loss", "allgather_backward", "alltoall_backward",
        "scatter_gather_bcast_backward", "mismatched_functions_raise", "send_recv_arguments_refused", "chain", "cycle", "branch_merge",
-       "tuple_data", "hundred_passes", "topology_refused", "pipeline_gpipe", "pipeline_1f1b", "pipeline_memory",
+       "tuple_data", "hundred_passes", "topology_refused", "pipeline_gpipe", "pipeline_1f1b", "pipeline_micro_batches_mismatch_refused",
+       "pipeline_memory",
        "pipeline_memory_leaves_out_the_weights", "pipeline_with_data_parallel")
 
 

@@ -332,6 +332,23 @@ def check_pipeline_1f1b(comm):
         _pipeline_grads(comm, "1f1b", m)
 
 
+def check_pipeline_micro_batches_mismatch_refused(comm):
+    """Stages built with different micro_batches: every stage is told at the first step, naming each
+    stage's, instead of waiting for messages that never come."""
+    if comm.size < 2:
+        return
+    stages = _stages(comm.size)
+    m = 4 if comm.rank == 1 else 2
+    pipe = Pipeline(stages[comm.rank], comm, micro_batches=m, loss_fn=torch.nn.functional.mse_loss)
+    x, y = batch(rows=8, width=6, seed=5), batch(rows=8, width=6, seed=6)
+    try:
+        pipe.train_step(x if pipe.is_first else None, target=y if pipe.is_last else None)
+    except torchmn.CollectiveMismatchError as e:
+        assert "rank 0: {'micro_batches': 2}; rank 1: {'micro_batches': 4}" in str(e), e
+    else:
+        raise AssertionError("no error")
+
+
 def check_pipeline_memory(comm):
     """1F1B holds at most p - i micro-batches on stage i, GPipe all of them."""
     m, p, r = 8, comm.size, comm.rank

@@ -8,6 +8,7 @@ import torch
 from torchmn.communicators import CommunicatorBase
 from torchmn.errors import TorchmnValueError
 from torchmn.functions.point_to_point import recv_tensors, send_tensors
+from torchmn.nn._parallel_utility import agree_on_arguments
 from torchmn.nn._pipeline_utility import ActivationMeter, chunk, differentiable_inputs, grads_of, payload_bytes
 
 SCHEDULES = ("gpipe", "1f1b")
@@ -65,6 +66,7 @@ class Pipeline(torch.nn.Module):
         self.index, self.stages = comm.rank, comm.size
         self.is_first, self.is_last = self.index == 0, self.index == self.stages - 1
         self.meter = ActivationMeter()
+        self._agreed = False
 
     @property
     def peak_activation_bytes(self) -> int:
@@ -84,6 +86,7 @@ class Pipeline(torch.nn.Module):
 
         Raises:
             ValueError: inputs missing on the first stage, or targets or ``loss_fn`` on the last.
+            CollectiveMismatchError: (first step) the stages were built with different ``micro_batches``.
 
         Example::
 
@@ -92,6 +95,11 @@ class Pipeline(torch.nn.Module):
             >>> optimizer.step()                  # loss: a tensor on the last stage, None elsewhere
         """
         m = self.micro_batches
+        if not self._agreed:
+            # Stages cutting the batch into different numbers of pieces would wait for messages that
+            # never come, until the timeout: told on every stage at the first step instead.
+            agree_on_arguments(self, self.comm, {"micro_batches": m})
+            self._agreed = True
         if self.is_first and inputs is None:
             raise TorchmnValueError("Pipeline.train_step: the first stage must pass the batch's inputs")
         if self.is_last and (target is None or self.loss_fn is None):
