@@ -413,6 +413,15 @@ def check_arguments_refused(comm):
         assert "rank 0: (6, 6" in str(e) and "rank 1: (6, 4" in str(e), e
     else:
         raise AssertionError("no error")
+    # A whole input of the wrong width: refused on every rank alike, before any collective (a rank's
+    # slice of it would not fit its weight, on one rank only).
+    for layer in (ColumnParallelLinear(7, 3, comm=comm), RowParallelLinear(7, 3, comm=comm)):
+        try:
+            layer(torch.randn(2, 6))
+        except ValueError as e:
+            assert "expected an input of 7 features, got shape (2, 6)" in str(e), e
+        else:
+            raise AssertionError("no error")
 
 
 if __name__ == "__main__":

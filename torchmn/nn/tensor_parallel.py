@@ -46,6 +46,13 @@ class _SlicedLinear(torch.nn.Module):
     def _bias_of(self, bias: torch.Tensor) -> torch.Tensor:
         return bias
 
+    def _check_whole_input(self, x: torch.Tensor) -> None:
+        # The whole input is the same on every rank, so every rank refuses it alike, before a
+        # collective (a rank's slice of it would not fit its weight, on one rank only).
+        if x.shape[-1] != self.in_features:
+            raise TorchmnValueError(f"{type(self).__name__}({self.in_features}, {self.out_features}): expected an input "
+                                    f"of {self.in_features} features, got shape {tuple(x.shape)} (rank {self.comm.rank})")
+
     def _agree(self) -> None:
         if not self._agreed:
             agree_on_arguments(self, self.comm, self._arguments)
@@ -142,6 +149,7 @@ class ColumnParallelLinear(_SlicedLinear):
             >>> h = up(x)                         # gather_output=False: (N, 512) of 2048 features, 4 ranks
         """
         self._agree()
+        self._check_whole_input(x)
         y = torch.nn.functional.linear(copy_to_parallel(self.comm, x), self.weight, self.bias)
         return gather_from_parallel(self.comm, y, -1) if self.gather_output else y
 
@@ -195,6 +203,7 @@ class RowParallelLinear(_SlicedLinear):
         """
         self._agree()
         if not self.input_is_parallel:
+            self._check_whole_input(x)
             x = scatter_to_parallel(self.comm, x, -1)
         elif x.shape[-1] != self.weight.shape[1]:
             raise TorchmnValueError(f"{type(self).__name__}: rank {self.comm.rank} holds {self.weight.shape[1]} of the "
