@@ -398,6 +398,27 @@ class Batch(dict):
     pass
 
 
+def check_iterator_out_of_step_refused(comm):
+    """A rank that leaves an epoch early (break) and starts the next is told so at its next batch,
+    instead of silently getting the rest of the master's epoch as its next one."""
+    master, late = 0, comm.size - 1
+    if comm.size < 2:
+        return
+    it = create_multi_node_iterator([torch.tensor(k) for k in range(3)] if comm.rank == master else None, comm)
+    if comm.rank != late:
+        assert [int(t) for t in it] == [0, 1, 2]
+        return
+    for _ in it:
+        break  # leaves after batch 0 of epoch 0, while the master goes on
+    e = expect_raise(lambda: next(iter(it)), RuntimeError)
+    assert f"rank {late} is at batch 0 of epoch 0, but master rank 0 sent batch 1 of epoch 0" in str(e) \
+        and "break" in str(e), e
+    for _ in range(2):  # the master's batch 2 and end of epoch, so that the job's later calls meet
+        comm.bcast_obj(None, root=master)
+
+
+
+
 # ----------------------------------------------------------------------------- extensions
 def _manager(model, iters_per_epoch, max_epochs, out, **kwargs):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -612,6 +633,7 @@ CHECKS = {
     "evaluator_object": check_evaluator_object,
     "generic_evaluator": check_generic_evaluator,
     "iterator": check_iterator,
+    "iterator_out_of_step_refused": check_iterator_out_of_step_refused,
     "early_stopping": check_early_stopping,
     "observation_aggregator": check_observation_aggregator,
     "allreduce_persistent": check_allreduce_persistent,

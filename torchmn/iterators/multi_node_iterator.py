@@ -183,6 +183,7 @@ class MultiNodeIterator:
         Raises:
             RemoteRankError: on every rank but the master, when the master's loader (or pickling
                 a batch) failed; the master raises that error itself.
+            RuntimeError: on a rank out of step with the master (one of them left an epoch early).
 
         Example::
 
@@ -210,18 +211,24 @@ class MultiNodeIterator:
                     self._loader_state = self._position()
                 except StopIteration:
                     self._loader_state = self._position()
-                    comm.bcast_obj((_STOP, None, self._loader_state), root=master)
+                    comm.bcast_obj((_STOP, None, self._loader_state, (self.epoch, self.batches)), root=master)
                     self.epoch += 1
                     self.batches = 0
                     return
                 except Exception as e:
-                    comm.bcast_obj((_ERROR, f"{type(e).__name__}: {e}", None), root=master)
+                    comm.bcast_obj((_ERROR, f"{type(e).__name__}: {e}", None, None), root=master)
                     raise
-                comm.bcast_obj((_BATCH, blob, self._loader_state), root=master)
+                comm.bcast_obj((_BATCH, blob, self._loader_state, (self.epoch, self.batches)), root=master)
                 self.batches += 1
                 yield batch
                 continue
-            kind, payload, self._loader_state = comm.bcast_obj(None, root=master)
+            kind, payload, self._loader_state, where = comm.bcast_obj(None, root=master)
+            if kind != _ERROR and where != (self.epoch, self.batches):
+                raise TorchmnRuntimeError(
+                    f"multi-node iterator: rank {comm.rank} is at batch {self.batches} of epoch {self.epoch}, but "
+                    f"master rank {master} sent batch {where[1]} of epoch {where[0]}: a rank left a for loop over "
+                    f"the iterator early (break) or started one while another was still in the last; every rank "
+                    f"must go through each epoch whole, in step with the others")
             if kind == _STOP:
                 self.epoch += 1
                 self.batches = 0
