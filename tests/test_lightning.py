@@ -7,7 +7,8 @@ from jobs import WORKERS, assert_check_passed, check_job_output, run_job, run_on
 
 CHECKS = WORKERS / "lightning_checks.py"
 ALL = ("matches_lightnings_ddp", "collectives_go_through_the_communicator",
-       "devices_that_differ_from_the_launcher_are_refused", "bad_compression_refused_at_once")
+       "devices_that_differ_from_the_launcher_are_refused", "bad_compression_refused_at_once",
+       "sync_batchnorm_on_the_cpu")
 
 
 @pytest.mark.timeout(240)  # the first test runs the whole job

@@ -24,6 +24,7 @@ from torch.distributed import ReduceOp
 try:
     from lightning.fabric.plugins.environments import ClusterEnvironment
     from lightning.fabric.utilities.seed import reset_seed
+    from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
     from lightning.pytorch.strategies import DDPStrategy
     from lightning.pytorch.utilities import rank_zero_only
 except ImportError as e:  # pragma: no cover - the dev install has it
@@ -34,8 +35,9 @@ import torchmn
 from torchmn.ddp import check_compression, ddp_comm_hook
 from torchmn.environments import detect_environment
 from torchmn.errors import TorchmnValueError
+from torchmn.nn import MultiNodeBatchNorm1d, MultiNodeBatchNorm2d, MultiNodeBatchNorm3d, create_mnbn_model
 
-__all__ = ["TorchmnEnvironment", "TorchmnStrategy"]
+__all__ = ["MultiNodeBatchNormSync", "TorchmnEnvironment", "TorchmnStrategy"]
 
 
 class TorchmnEnvironment(ClusterEnvironment):
@@ -259,6 +261,21 @@ class TorchmnStrategy(DDPStrategy):
                                                  rank=0, world_size=1)
             atexit.register(torch.distributed.destroy_process_group)
 
+    def setup(self, trainer: Any) -> None:
+        """Lightning's setup; ``Trainer(sync_batchnorm=True)`` gets torchmn's multi-node BatchNorm,
+        which works on the CPU too (torch's ``SyncBatchNorm`` needs GPUs).
+
+        Args:
+            trainer: the ``Trainer``.
+
+        Example::
+
+            >>> trainer = lightning.Trainer(strategy=TorchmnStrategy(), sync_batchnorm=True, devices=2)
+        """
+        if isinstance(self._layer_sync, TorchSyncBatchNorm):
+            self._layer_sync = MultiNodeBatchNormSync(self.comm)
+        super().setup(trainer)
+
     def _register_ddp_hooks(self) -> None:
         self.model.register_comm_hook(None, ddp_comm_hook(self.comm, compression=self._compression))
 
@@ -346,6 +363,71 @@ class TorchmnStrategy(DDPStrategy):
             >>> trainer.strategy.teardown()      # Lightning calls it at the end of fit
         """
         super().teardown()
+
+
+class MultiNodeBatchNormSync(LayerSync):
+    """Lightning's layer sync with torchmn's multi-node BatchNorm: during ``fit`` every ``BatchNorm``
+    normalizes with the statistics of every rank's batch (``torchmn.nn.create_mnbn_model``), on the
+    CPU as on GPUs; afterwards the layers are plain ``BatchNorm`` again, with what they learned.
+    ``TorchmnStrategy`` uses it for ``Trainer(sync_batchnorm=True)``.
+
+    Args:
+        comm: the ranks whose batches make the global one.
+
+    Example::
+
+        >>> model = MultiNodeBatchNormSync(strategy.comm).apply(model)
+    """
+
+    def __init__(self, comm) -> None:
+        self.comm = comm
+
+    def apply(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Replace every BatchNorm of ``model`` by its multi-node one (in place).
+
+        Args:
+            model: the LightningModule.
+
+        Returns:
+            The model.
+
+        Example::
+
+            >>> MultiNodeBatchNormSync(comm).apply(model)
+        """
+        return create_mnbn_model(model, self.comm)
+
+    def revert(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Make every multi-node BatchNorm of ``model`` a plain ``BatchNorm1d/2d/3d`` again, with its
+        parameters, running statistics and mode.
+
+        Args:
+            model: the LightningModule.
+
+        Returns:
+            The model.
+
+        Example::
+
+            >>> MultiNodeBatchNormSync(comm).revert(model)
+        """
+        plain = _PLAIN.get(type(model))
+        if plain is not None:
+            new = plain(model.num_features, model.eps, model.momentum, model.affine, model.track_running_stats)
+            ref = model.weight if model.affine else model.running_mean
+            if ref is not None:
+                new = new.to(device=ref.device, dtype=ref.dtype)
+            new.load_state_dict(model.state_dict())
+            return new.train(model.training)
+        for name, child in model.named_children():
+            reverted = self.revert(child)
+            if reverted is not child:
+                setattr(model, name, reverted)
+        return model
+
+
+_PLAIN = {MultiNodeBatchNorm1d: torch.nn.BatchNorm1d, MultiNodeBatchNorm2d: torch.nn.BatchNorm2d,
+          MultiNodeBatchNorm3d: torch.nn.BatchNorm3d}
 
 
 def _is_world(group: Optional[Any]) -> bool:

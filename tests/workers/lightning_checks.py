@@ -112,6 +112,38 @@ def check_collectives_go_through_the_communicator():
     strategy.barrier()
 
 
+class NormNet(lightning.LightningModule):
+    """A BatchNorm that only learns its running statistics (lr 0): after one step its running_mean
+    is 0.1 x the mean of the batch it normalized over."""
+
+    def __init__(self):
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(6).double()
+        self.head = torch.nn.Linear(6, 1).double()
+
+    def training_step(self, batch, index):
+        return self.head(self.bn(batch[0])).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def check_sync_batchnorm_on_the_cpu():
+    """Trainer(sync_batchnorm=True): torchmn's multi-node BatchNorm during fit (torch's SyncBatchNorm
+    refuses CPU modules), plain BatchNorm again afterwards, with the global batch's statistics."""
+    xs = torch.randn(4 * SIZE, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64) + torch.arange(6)
+    mine = xs[4 * RANK:4 * RANK + 4]
+    model = NormNet()
+    trainer = lightning.Trainer(strategy=TorchmnStrategy(), accelerator="cpu", devices=LOCAL, num_nodes=NODES,
+                                sync_batchnorm=True, max_steps=1, use_distributed_sampler=False, logger=False,
+                                enable_progress_bar=False,
+                                enable_checkpointing=False, enable_model_summary=False)
+    trainer.fit(model, torch.utils.data.DataLoader(torch.utils.data.TensorDataset(mine), batch_size=4))
+    assert type(model.bn) is torch.nn.BatchNorm1d, type(model.bn)
+    assert torch.allclose(model.bn.running_mean, 0.1 * xs.mean(0), rtol=0, atol=1e-12), \
+        (model.bn.running_mean, 0.1 * xs.mean(0))
+
+
 def check_world_of_one():
     """One process (a plain `python script.py`, or -np 1): DDP, which Lightning wraps the model in,
     gets a process group over an in-process store, and training matches Lightning's DDP alone."""
