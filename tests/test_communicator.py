@@ -99,6 +99,12 @@ print("OK")
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr
 
 
+def test_chainermns_mpi_comm_argument_is_refused_with_the_fix():
+    """ChainerMN's create_communicator(name, mpi_comm): the second argument here is the backend."""
+    with pytest.raises(TypeError, match=r"backend must be 'gloo' or 'nccl', not object; there is no mpi_comm argument"):
+        torchmn.create_communicator("flat", object())
+
+
 def test_unknown_name_is_refused():
     code = "import torchmn\ntry:\n    torchmn.create_communicator('fastest')\nexcept ValueError as e:\n    print(e)"
     proc = subprocess.run([sys.executable, "-c", code], env=clean_env(), capture_output=True, text=True,

@@ -675,6 +675,8 @@ def check_optimizer_misuse_refused():
     expect_raises(ValueError, lambda: hvd.DistributedOptimizer(sgd, named_parameters=named[1:]),
                   "one or more model parameters were not named")
     expect_raises(NotImplementedError, lambda: hvd.DistributedOptimizer(sgd, op=hvd.Adasum), "Adasum")
+    expect_raises(TypeError, lambda: hvd.DistributedOptimizer(model.parameters()),
+                  "wraps a torch optimizer, not generator")
     expect_raises(ValueError, lambda: hvd.DistributedOptimizer(sgd, op=hvd.Sum, gradient_predivide_factor=2.0),
                   "gradient_predivide_factor not supported with op != Average")
     opt = hvd.DistributedOptimizer(sgd, named_parameters=named)

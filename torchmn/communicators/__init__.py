@@ -69,6 +69,8 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
         The :class:`Communicator` of this rank.
 
     Raises:
+        TypeError: ``backend`` is not a string (ChainerMN's ``mpi_comm``, say), or ``timeout`` is
+            neither seconds nor a ``timedelta``.
         ValueError: an unknown ``name`` (or ``"pure_nccl"`` without NCCL), a bad ``timeout``,
             malformed launcher variables, or ``rank`` / ``size`` without the other or without
             ``init_method``, or a rank outside ``0..size-1``.
@@ -83,6 +85,10 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
         >>> comm.rank, comm.size, comm.intra_rank, comm.inter_size
         (0, 1, 0, 1)
     """
+    if backend is not None and not isinstance(backend, str):  # ChainerMN's second argument was mpi_comm
+        raise TorchmnTypeError(f"create_communicator: backend must be 'gloo' or 'nccl', not {type(backend).__name__}; "
+                               f"there is no mpi_comm argument: the ranks come from the launcher (mpiexec, srun, "
+                               f"torchrun, torchmn run), and comm.split(color, key) makes a communicator of fewer ranks")
     resolve(name, backend or default_backend())  # an unknown name fails before anything starts
     creation = dict(name=name, backend=backend, timeout=timeout, bucket_cap_mb=bucket_cap_mb,
                     allreduce_grad_dtype=allreduce_grad_dtype)

@@ -7,6 +7,12 @@
 - :func:`multi_node_snapshot` / :func:`resume_latest`: per-rank snapshots written atomically, and
   resuming from the newest iteration that every rank has.
 """
+try:
+    import pytorch_pfn_extras  # noqa: F401
+except ImportError as e:
+    raise ImportError(f"torchmn.extensions are pytorch-pfn-extras extensions, which is not installed ({e}); "
+                      f"install it with pip install 'torchmn[examples]'") from e
+
 from torchmn.extensions.allreduce_persistent import AllreducePersistent
 from torchmn.extensions.early_stopping import MultiNodeEarlyStoppingTrigger
 from torchmn.extensions.observation_aggregator import ObservationAggregator

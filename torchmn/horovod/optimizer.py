@@ -22,6 +22,7 @@ import torch
 from torch.autograd import Variable
 
 import torchmn
+from torchmn.errors import TorchmnTypeError
 from torchmn.horovod import coordination, timeline
 from torchmn.horovod.compression import Compression, Compressor
 from torchmn.horovod.errors import (HorovodInternalError, InvalidCallError, NotPicklableError,
@@ -511,6 +512,7 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         The wrapped optimizer, an instance of ``optimizer``'s class.
 
     Raises:
+        TypeError: ``optimizer`` is not a torch optimizer (the parameters themselves, say).
         InvalidCallError: duplicate or missing ``named_parameters``; ``gradient_predivide_factor`` with
             ``op=hvd.Sum``; ``process_set`` not registered; before ``hvd.init()``.
         UnsupportedError: ``op=hvd.Adasum`` or another op; a custom compressor.
@@ -522,6 +524,10 @@ def DistributedOptimizer(optimizer, named_parameters=None, compression=Compressi
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.01 * hvd.size())
         >>> opt = hvd.DistributedOptimizer(opt, named_parameters=model.named_parameters())
     """
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TorchmnTypeError(f"hvd.DistributedOptimizer wraps a torch optimizer, not {type(optimizer).__name__}: "
+                               f"build it first, e.g. hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), "
+                               f"named_parameters=model.named_parameters())")
     cls = type(optimizer.__class__.__name__, (_DistributedOptimizer, optimizer.__class__), {})
     return cls(optimizer, named_parameters, compression, backward_passes_per_step, op, gradient_predivide_factor,
                num_groups, groups, sparse_as_dense, process_set)
