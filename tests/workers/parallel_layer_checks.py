@@ -415,7 +415,7 @@ def check_arguments_refused(comm):
         raise AssertionError("no error")
     # A whole input of the wrong width: refused on every rank alike, before any collective (a rank's
     # slice of it would not fit its weight, on one rank only).
-    for layer in (ColumnParallelLinear(7, 3, comm=comm), RowParallelLinear(7, 3, comm=comm)):
+    for layer in (ColumnParallelLinear(7, 8, comm=comm), RowParallelLinear(7, 3, comm=comm)):
         try:
             layer(torch.randn(2, 6))
         except ValueError as e:
