@@ -93,6 +93,21 @@ def check_bn_four_way_images(comm):
     _four_way(comm, torch.nn.BatchNorm2d, MultiNodeBatchNorm2d, (3, 2))
 
 
+def _against_one_process(comm, plain, multi, x, t, sizes, what):
+    """The multi-node layer on the ranks' parts of (x, t) against the plain one on the whole batch:
+    output, averaged gradients, the input's gradient and the running statistics."""
+    y1, g1, bn1 = _bn_run(lambda c: plain(4).double(), solo(), x, t, [sum(sizes)])
+    y4, g4, bn4 = _bn_run(lambda c: multi(4, comm=c).double(), comm, x, t, sizes)
+    start = sum(sizes[:comm.rank])
+    mine = slice(start, start + sizes[comm.rank])
+    close(y4, y1[mine], f"the output {what}", BN)
+    for a, b in zip(g4[:-1], g1[:-1]):
+        close(a, b, f"averaged gradients {what}", BN)
+    close(g4[-1], g1[-1][mine], f"the input's gradient {what}", BN)
+    for name in ("running_mean", "running_var"):
+        close(getattr(bn4, name), getattr(bn1, name), f"{name} {what}", BN)
+
+
 def check_bn_rank_without_samples(comm):
     """The last rank holds no samples (an uneven split's tail): the others normalize with the
     global statistics of theirs, gradients as one process, and that rank gets an empty output and
@@ -100,15 +115,7 @@ def check_bn_rank_without_samples(comm):
     divide by the count, are not called on it)."""
     sizes = _local_sizes(comm.size)[:-1] + [0] if comm.size > 1 else [4]
     x, t = randn(sum(sizes), 4, 3, 2, seed=5) * 3 + 1, randn(sum(sizes), 4, 3, 2, seed=6)
-    y1, g1, bn1 = _bn_run(lambda c: torch.nn.BatchNorm2d(4).double(), solo(), x, t, [sum(sizes)])
-    y4, g4, bn4 = _bn_run(lambda c: MultiNodeBatchNorm2d(4, comm=c).double(), comm, x, t, sizes)
-    start = sum(sizes[:comm.rank])
-    mine = slice(start, start + sizes[comm.rank])
-    close(y4, y1[mine], "the output with a rank without samples", BN)
-    for a, b in zip(g4[:-1], g1[:-1]):
-        close(a, b, "averaged gradients with a rank without samples", BN)
-    close(g4[-1], g1[-1][mine], "the input's gradient with a rank without samples", BN)
-    close(bn4.running_var, bn1.running_var, "running_var with a rank without samples", BN)
+    _against_one_process(comm, torch.nn.BatchNorm2d, MultiNodeBatchNorm2d, x, t, sizes, "with a rank without samples")
 
 
 def check_bn_constant_channel_and_single_sample(comm):
@@ -118,16 +125,8 @@ def check_bn_constant_channel_and_single_sample(comm):
     sizes = [1] + _local_sizes(comm.size)[1:] if comm.size > 1 else [4]
     x, t = randn(sum(sizes), 4, seed=7) * 3 + 1, randn(sum(sizes), 4, seed=8)
     x[sizes[0]:sum(sizes[:2]), 1] = 2.5  # channel 1 constant on the second rank
-    y1, g1, bn1 = _bn_run(lambda c: torch.nn.BatchNorm1d(4).double(), solo(), x, t, [sum(sizes)])
-    y4, g4, bn4 = _bn_run(lambda c: MultiNodeBatchNorm1d(4, comm=c).double(), comm, x, t, sizes)
-    start = sum(sizes[:comm.rank])
-    mine = slice(start, start + sizes[comm.rank])
-    close(y4, y1[mine], "the output with a constant channel and a single sample", BN)
-    for a, b in zip(g4[:-1], g1[:-1]):
-        close(a, b, "averaged gradients with a constant channel and a single sample", BN)
-    close(g4[-1], g1[-1][mine], "the input's gradient with a constant channel and a single sample", BN)
-    for name in ("running_mean", "running_var"):
-        close(getattr(bn4, name), getattr(bn1, name), f"{name} with a constant channel and a single sample", BN)
+    _against_one_process(comm, torch.nn.BatchNorm1d, MultiNodeBatchNorm1d, x, t, sizes,
+                         "with a constant channel and a single sample")
 
 
 def check_bn_global_batch_of_one_refused(comm):
