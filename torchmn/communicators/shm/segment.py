@@ -273,7 +273,7 @@ class Flags:
                 f"did not arrive within {self._timeout:.0f} s (still computing, or waiting in a call the "
                 f"others did not make: every rank must make the same collective calls in the same order; "
                 f"with shard_state=True, optimizer.state_dict() is one)")
-            raise PeerLostError(f"shared-memory collective #{seq}: {who} {why}; "
+            raise PeerLostError(f"shared-memory collective: {who} {why}; "
                                 f"{self._describe(self.local_rank)} gives up")
 
 
