@@ -597,3 +597,24 @@ def test_elastic_reset_limit_ends_the_job_instead_of_another_reset(tmp_path):
     assert job.proc.returncode == 1, out[-3000:]
     assert "the job reset 1 time(s), --reset-limit 1" in out and "worker 1 (host " in out, out[-3000:]
     assert job.steps_at(1) >= 1  # the survivor went on alone in between
+
+
+def test_a_generation_passed_over_stays_passed_for_a_late_member():
+    """Worker 1 arrives at generation 4, sees generation 5 announced before worker 2 arrives, and
+    leaves 4; worker 2 then arrives and finds every arrival key of 4 set: it must leave 4 too (it
+    would set up a world alone and wait there for ranks already in 5), as the first to settle 4 said.
+    Workers that all arrive before a newer generation settle it formed, also when one looks late."""
+    from torchmn.elastic import membership
+
+    store = torch.distributed.HashStore()
+    deadline = time.monotonic() + 10
+    store.set(protocol.arrived_key(4, 1), "")
+    store.set(protocol.GENERATION_KEY, "5")
+    assert not membership._all_arrived(store, 4, [1, 2], deadline)  # worker 1 leaves 4
+    store.set(protocol.arrived_key(4, 2), "")
+    assert not membership._all_arrived(store, 4, [1, 2], deadline)  # worker 2, late: every key set, still left
+    for worker in (1, 2):
+        store.set(protocol.arrived_key(6, worker), "")
+    assert membership._all_arrived(store, 6, [1, 2], deadline)      # all arrived at 6: formed
+    store.set(protocol.GENERATION_KEY, "7")
+    assert membership._all_arrived(store, 6, [1, 2], deadline)      # a member looking after 7 came: still formed

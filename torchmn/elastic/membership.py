@@ -255,13 +255,23 @@ def _load_before_arriving() -> None:
 
 
 def _all_arrived(store, g: int, members: Iterable[int], deadline: float) -> bool:
-    """Whether every member of generation ``g`` arrives before a newer generation is announced."""
+    """Whether every member of generation ``g`` arrives before a newer generation is announced.
+
+    Decided once for every member (``protocol.formed_key``): a member that saw a newer generation
+    while another had not yet arrived leaves ``g``, and the late one, finding every arrival key set
+    afterwards, must not set up a world alone that the others have left (it would wait in its
+    process group's rendezvous while they wait for it in the newer generation)."""
     keys = [protocol.arrived_key(g, worker) for worker in members]
     while time.monotonic() < deadline:
         if store.check(keys):
-            return True
+            return _settle(store, g, "formed")
         _ended(store)
         if protocol.read_generation(store) > g:
-            return False
+            return _settle(store, g, "passed")
         time.sleep(POLL_S)
     return False
+
+
+def _settle(store, g: int, outcome: str) -> bool:
+    """Whether generation ``g`` is formed, as the first member to settle it said."""
+    return store.compare_set(protocol.formed_key(g), "", outcome) == b"formed"

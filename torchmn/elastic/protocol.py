@@ -8,7 +8,8 @@ writes it once, as the variables of each rank's place (in rank order), under
 the job's whole life, ``WORKER_VARIABLE``) that has lost its world, or a new worker, writes
 ``waiting_key(worker)`` and waits for a generation that holds it; then each member writes
 ``arrived_key(g, worker)`` and waits for all of them (or for a newer generation, when one of
-them died meanwhile) before it sets up the generation's process groups under
+them died meanwhile; ``formed_key(g)`` settles which came first, alike for every member) before it
+sets up the generation's process groups under
 ``store_prefix(g)``. Ranks decide together at each commit whether a newer generation waits
 (``State.check_host_updates``), so all of them leave the old world at the same step.
 """
@@ -93,6 +94,25 @@ def arrived_key(generation: int, worker: int) -> str:
         'torchmn/elastic/arrived/3/5'
     """
     return f"torchmn/elastic/arrived/{generation}/{worker}"
+
+
+def formed_key(generation: int) -> str:
+    """The key that settles, once for all its members, whether ``generation`` is formed (every member
+    arrived) or passed over (a newer one came first): ``"formed"`` or ``"passed"``, written with the
+    store's compare-and-set, so that no member sets up a world the others have left.
+
+    Args:
+        generation: the generation's number.
+
+    Returns:
+        The key.
+
+    Example::
+
+        >>> formed_key(3)
+        'torchmn/elastic/formed/3'
+    """
+    return f"torchmn/elastic/formed/{generation}"
 
 
 def holds_key(worker: int) -> str:
