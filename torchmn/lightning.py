@@ -208,7 +208,10 @@ class TorchmnEnvironment(ClusterEnvironment):
 class TorchmnStrategy(DDPStrategy):
     """Lightning's DDP strategy with torchmn underneath: the world set up by
     ``torchmn.create_communicator``, DDP's buckets averaged by ``torchmn.ddp_comm_hook`` and
-    Lightning's collectives through the communicator (``self.comm``).
+    Lightning's collectives through the communicator (``self.comm``). The communicator outlives
+    ``fit``, as the process group of Lightning's DDP strategy does: collectives after it
+    (broadcasting ``best_model_path``, a barrier before rank 0 saves) still reach every rank, and a
+    later ``validate`` or ``test`` uses it again; it ends with the process.
 
     Args:
         communicator: the algorithm's name for ``torchmn.create_communicator`` (default ``"auto"``).
@@ -259,7 +262,7 @@ class TorchmnStrategy(DDPStrategy):
             # alone: one over an in-process store, which opens no port.
             torch.distributed.init_process_group(self._process_group_backend, store=torch.distributed.HashStore(),
                                                  rank=0, world_size=1)
-            atexit.register(torch.distributed.destroy_process_group)
+            atexit.register(_destroy_group_of_one)
 
     def setup(self, trainer: Any) -> None:
         """Lightning's setup; ``Trainer(sync_batchnorm=True)`` gets torchmn's multi-node BatchNorm,
@@ -352,18 +355,6 @@ class TorchmnStrategy(DDPStrategy):
             return super().all_gather(tensor, group=group, sync_grads=sync_grads)
         return torch.stack(self.comm.allgather(tensor.contiguous()))
 
-    def teardown(self) -> None:
-        """Lightning's teardown. The communicator stays, as the process group of Lightning's DDP
-        strategy does: collectives after ``fit`` (broadcasting ``best_model_path``, a barrier before
-        rank 0 saves) still reach every rank, and a later ``fit`` or ``validate`` uses it again. It
-        ends with the process.
-
-        Example::
-
-            >>> trainer.strategy.teardown()      # Lightning calls it at the end of fit
-        """
-        super().teardown()
-
 
 class MultiNodeBatchNormSync(LayerSync):
     """Lightning's layer sync with torchmn's multi-node BatchNorm: during ``fit`` every ``BatchNorm``
@@ -428,6 +419,11 @@ class MultiNodeBatchNormSync(LayerSync):
 
 _PLAIN = {MultiNodeBatchNorm1d: torch.nn.BatchNorm1d, MultiNodeBatchNorm2d: torch.nn.BatchNorm2d,
           MultiNodeBatchNorm3d: torch.nn.BatchNorm3d}
+
+
+def _destroy_group_of_one() -> None:
+    if torch.distributed.is_initialized():  # unless the script destroyed it itself
+        torch.distributed.destroy_process_group()
 
 
 def _is_world(group: Optional[Any]) -> bool:
