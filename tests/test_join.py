@@ -14,6 +14,7 @@ from jobs import WORKERS, assert_check_passed, check_job_output, run_job, run_on
 CHECKS = WORKERS / "join_checks.py"
 ALL = ("uneven_replicated", "uneven_sharded", "uneven_default", "a_rank_without_data", "two_optimizers",
        "exchange_only_inside_join", "double_buffering_refused", "sharded_clip_refused",
+       "clipping_reaches_repeating_ranks",
        "different_optimizers_named", "other_collective_inside_named", "nested_refused")
 # A hang would surface as the communicator's timeout error, naming the ranks, well within the job's.
 ENV = {"TORCHMN_TIMEOUT": "60"}

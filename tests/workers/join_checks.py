@@ -208,6 +208,27 @@ def check_sharded_clip_refused(comm):
     opt.remove_hooks()
 
 
+def check_clipping_reaches_repeating_ranks(comm):
+    """Rank 0 runs out of data while the others clip their averaged gradients (the optimizer's
+    clip_grad_norm_ or torch's) before step(): the step rank 0 repeats is the clipped one too, so
+    every rank's parameters stay equal and equal the clipped update (replicated and default)."""
+    for shard_state in (False, None):
+        for clip in ("optimizer", "torch"):
+            w = torch.nn.Parameter(torch.ones(4, dtype=torch.float64))
+            opt = torchmn.create_multi_node_optimizer(torch.optim.SGD([w], lr=1.0), comm, shard_state=shard_state)
+            with torchmn.join(comm):
+                for _ in range(1 if comm.rank == 0 else 2):
+                    opt.zero_grad()
+                    (w * 10.0).sum().backward()
+                    opt.clip_grad_norm_(1.0) if clip == "optimizer" else torch.nn.utils.clip_grad_norm_([w], 1.0)
+                    opt.step()
+            # Step 1 on every rank: 1 - 0.5 (unit norm); step 2, from the ranks with data: minus 0.5 again.
+            expected = torch.full((4,), 0.0 if comm.size > 1 else 0.5, dtype=torch.float64)
+            assert torch.allclose(w.detach(), expected, atol=1e-6), (shard_state, clip, w.tolist())
+            assert all(torch.equal(w.detach(), other) for other in comm.allgather_obj(w.detach())), (shard_state, clip)
+            opt.remove_hooks()
+
+
 def check_different_optimizers_named(comm):
     """Ranks with data stepping different optimizers at one step: every rank raises, naming them."""
     if comm.size == 1:

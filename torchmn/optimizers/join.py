@@ -108,6 +108,34 @@ def contributors(optimizer) -> int:
     return optimizer.comm.size if join is None else join.agree(optimizer)
 
 
+def share_edited_gradients(optimizer) -> None:
+    """Inside ``torchmn.join``, while ranks out of data repeat a step: give them the gradients the
+    ranks with data hold at ``step()``, so that clipping or other edits made between backward and
+    ``step()`` (which a repeating rank cannot know to make) reach its update too, and the replicas
+    stay equal. Collective, at the start of ``step()`` on every rank alike; outside the context, or
+    while every rank has data, nothing happens.
+
+    Args:
+        optimizer: the multi-node optimizer whose ``step()`` begins (its gradients are averaged).
+
+    Example::
+
+        >>> share_edited_gradients(self)     # the replicated and node-shared optimizers' step() do this
+    """
+    join = _open.get(optimizer.comm) if _open else None
+    if join is None or optimizer.contributors == optimizer.comm.size:
+        return
+    grads = [p.grad for group in optimizer.wrapped.param_groups for p in group["params"]
+             if p.requires_grad and p.grad is not None]
+    # The ranks with data hold bit-identical averages, edited alike: a sum and a sum of squares tell
+    # whether a repeating rank's differ, without moving them where nothing was edited.
+    mine = sum(float(g.double().sum()) + float(g.double().pow(2).sum()) for g in grads)
+    said = optimizer.comm.allgather_obj((join._repeating is not None, mine))
+    source = next(r for r, (repeating, _) in enumerate(said) if not repeating)
+    if any(total != said[source][1] for _, total in said):
+        optimizer.comm.bcast_tensors(grads, root=source)
+
+
 def refuse_inside(optimizer, what: str, fix: str) -> None:
     """Raise where ``optimizer`` is inside ``torchmn.join`` and is asked for a collective that a
     rank whose data has run out cannot know to repeat.

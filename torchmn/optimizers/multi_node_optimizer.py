@@ -20,6 +20,7 @@ from torchmn.communicators.errors import CollectiveMismatchError
 from torchmn.communicators.shm import sum_into
 from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
 from torchmn.monitor import recorder
+from torchmn.optimizers import join as joining
 from torchmn.optimizers.gradient_sync import (GradientSyncOptimizer, copy_scaled, could_share_memory, describe_rank,
                                               make_buckets)
 from torchmn.optimizers.node_memory import open_bucket_arena, region_view
@@ -356,6 +357,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         """
         self.check_step(closure)
         self.synchronize()
+        joining.share_edited_gradients(self)
         self._sent = False
         self._step_sent = False
         if self.double_buffering:

@@ -26,6 +26,7 @@ from torch.utils.hooks import RemovableHandle
 from torchmn.communicators import Communicator
 from torchmn.errors import TorchmnAttributeError, TorchmnError, TorchmnRuntimeError
 from torchmn.monitor import recorder
+from torchmn.optimizers import join as joining
 from torchmn.optimizers import shard_state
 from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, describe_rank
 from torchmn.optimizers.inner_optimizers import build_inner, step_function
@@ -220,6 +221,7 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
         """
         self.check_step(closure)
         self.synchronize()
+        joining.share_edited_gradients(self)
         for hook in list(self._pre_hooks.values()):
             hook(self, (), {})
         t0 = recorder.now() if recorder.on else None
