@@ -246,6 +246,19 @@ def check_double_buffering_edge_cases(comm):
     trunk(x).sum().backward()
     e = expect(RuntimeError, lambda: trunk(x).sum().backward())
     assert "second backward() before step()" in str(e) and "no_sync" in str(e), e
+    # Loading a state drops the averages in flight: the first step after it only sends, as the very
+    # first step does (SGD, lr 1, gradient s at step s; the load before step 3).
+    w = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64))
+    opt = torchmn.create_multi_node_optimizer(torch.optim.SGD([w], lr=1.0), comm, double_buffering=True)
+    seen = []
+    for s in range(1, 5):
+        if s == 3:
+            opt.load_state_dict(opt.state_dict())
+        opt.zero_grad()
+        (w * s).sum().backward()
+        opt.step()
+        seen.append(w.item())
+    assert seen == [0.0, -1.0, -1.0, -4.0], seen
 
 
 def check_half_precision_sums(comm):

@@ -14,7 +14,7 @@ import torch
 import torchmn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_runner import run_checks  # noqa: E402
+from check_runner import expect, run_checks  # noqa: E402
 from optim_checks import assert_close, backward, data, local, loss_fn, make_model
 from torchmn.optimizers.sharded import ShardedMultiNodeOptimizer
 
@@ -400,6 +400,17 @@ def check_clip_after_non_finite_step(comm):
     assert math.isnan(norms[1]) and all(math.isfinite(n) for n in norms[2:]), norms
     assert all(abs(a - b) <= 1e-6 * a for a, b in zip(norms[2:], ref_norms[2:])), (norms, ref_norms)
     assert torch.allclose(got, ref, rtol=1e-5, atol=1e-9), (got - ref).abs().max()
+    # The infinity norm with a NaN in one rank's shard only: NaN on every rank (gloo's max passes a
+    # NaN over or not by the ranks' order), so error_if_nonfinite raises everywhere, as torch does.
+    w = torch.nn.Parameter(torch.ones(4 * comm.size, dtype=torch.float64))
+    opt = torchmn.create_multi_node_optimizer(torch.optim.SGD([w], lr=0.1), comm, shard_state=True)
+    scale = torch.arange(1.0, 4 * comm.size + 1, dtype=torch.float64)
+    scale[-1] = float("nan")
+    (w * scale).sum().backward()
+    e = expect(RuntimeError, lambda: opt.clip_grad_norm_(1.0, norm_type=float("inf"), error_if_nonfinite=True))
+    assert "not finite" in str(e), e
+    opt.zero_grad()
+    opt.remove_hooks()
 
 
 def check_half_precision_sums(comm):

@@ -419,6 +419,17 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             >>> optimizer.load_state_dict(torch.load(path)["opt"])
         """
         self.wrapped.load_state_dict(state_dict)
+        if self.double_buffering:
+            # The averages in flight belong to the steps before the load: as documented, the first
+            # step after loading only sends.
+            for set_index in self._in_flight:
+                for bucket in self._bucket_sets[set_index]:
+                    if bucket.work is not None:  # every rank waits for it alike: the collective ends
+                        bucket.work.wait()
+                        bucket.work = None
+                    bucket.ready.clear()
+            self._in_flight.clear()
+            self._first_step = True
 
     @property
     def state(self):

@@ -367,7 +367,12 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         norms = torch.stack([torch.linalg.vector_norm(g, norm_type).to(device, torch.float64) for g in grads]) \
             if grads else torch.zeros(1, dtype=torch.float64)
         if norm_type == float("inf"):
-            total = self.comm.allreduce(norms.max(), op="max")
+            # gloo's max passes a NaN over or not by the ranks' order: whether any rank has one
+            # travels beside the largest of the rest, so every rank sees the NaN, as torch would.
+            local = norms.max()
+            both = self.comm.allreduce(torch.stack([torch.nan_to_num(local, nan=-1.0), local.isnan().double()]),
+                                       op="max")
+            total = torch.full_like(local, float("nan")) if both[1] > 0 else both[0]
         else:
             total = self.comm.allreduce(norms.pow(norm_type).sum()).pow(1.0 / norm_type)
         if error_if_nonfinite and not torch.isfinite(total):
