@@ -162,6 +162,21 @@ def check_loads_on_another_rank_count(comm, root):
     assert all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
     # The two parts, merged, are the whole state: every element of exp_avg is set.
     assert all((s["exp_avg"] != 0).all() for s in state.values())
+    # The per-rank values of save(**extra): rank 0's, where another number of ranks wrote them.
+    loaded = Checkpointer(directory, comm, model=model, optimizer=optimizer)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loaded.load_latest()
+    assert set(loaded.extra) == {"digest", "ballast"}, loaded.extra
+    # An optimizer of another kind than the saving run's (alone, the replicated one; there, the
+    # sharded one, which saves parts): the parts are merged into its whole state.
+    replicated = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters(), lr=1e-2), comm,
+                                                     shard_state=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert Checkpointer(directory, comm, model=model, optimizer=replicated).load_latest() == 10
+    again = replicated.state_dict()["state"]
+    assert all(torch.equal(again[i]["exp_avg"], state[i]["exp_avg"]) for i in state), "merged state differs"
 
 
 def check_resumable_loader_continues_exactly(comm, root):

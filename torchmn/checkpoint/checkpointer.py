@@ -16,6 +16,7 @@ import torch
 from torchmn.checkpoint import files
 from torchmn.checkpoint.rng import rng_state, set_rng_state
 from torchmn.errors import TorchmnError, TorchmnKeyError, TorchmnOSError, TorchmnValueError
+from torchmn.optimizers.shard_state import merge_parts
 
 SHARED, PARTS, RANK = "shared", "parts", "rank"
 
@@ -118,7 +119,8 @@ class Checkpointer:
 
     Attributes:
         resumed_from: the step :meth:`load_latest` loaded, or None.
-        extra: this rank's keyword values given to :meth:`save` of the step loaded.
+        extra: this rank's keyword values given to :meth:`save` of the step loaded (rank 0's, where
+            another number of ranks wrote it).
 
     Raises:
         ValueError: ``keep < 1``, or an object without ``state_dict``/``load_state_dict``.
@@ -395,10 +397,14 @@ class Checkpointer:
         folder = files.step_dir(self.directory, step)
         saved_size = manifest["size"]
         same_size = saved_size == self.comm.size
+        # Each object's state is where the run that saved it put it: an optimizer may have changed
+        # kind with the rank count (the node-shared one on several ranks, the replicated one alone).
+        saved_kinds = {name: manifest.get("kinds", {}).get(name, kind) for name, kind in self.kinds.items()}
+        in_parts = [name for name, kind in saved_kinds.items() if kind == PARTS]
         need = [files.SHARED] if files.SHARED in manifest["files"] else []
-        if same_size:
-            need.append(files.rank_file(self.comm.rank))
-        if any(kind == PARTS for kind in self.kinds.values()):
+        # Another rank count: the per-rank values of save(**extra) come from rank 0's file.
+        need.append(files.rank_file(self.comm.rank if same_size else 0))
+        if in_parts:
             need.extend(files.rank_file(r) for r in range(saved_size))
         wrong = files.whole_files(self.directory, step, manifest, sorted(set(need)))
         if wrong:
@@ -413,15 +419,15 @@ class Checkpointer:
 
         shared = read(files.SHARED) if files.SHARED in need else {}
         mine = read(files.rank_file(self.comm.rank)) if same_size else None
+        first = mine if same_size and self.comm.rank == 0 else read(files.rank_file(0)) if not same_size else None
         parts_of = {}
-        if any(kind == PARTS for kind in self.kinds.values()):
-            everyone = [mine if same_size and r == self.comm.rank else read(files.rank_file(r))
-                        for r in range(saved_size)]
-            parts_of = {name: [rank["parts"].get(name) for rank in everyone]
-                        for name, kind in self.kinds.items() if kind == PARTS}
+        if in_parts:
+            everyone = [mine if same_size and r == self.comm.rank else first if r == 0 and first is not None
+                        else read(files.rank_file(r)) for r in range(saved_size)]
+            parts_of = {name: [rank["parts"].get(name) for rank in everyone] for name in in_parts}
         saved_names = {**shared, **(mine["objects"] if mine else {}), **parts_of}
-        missing = [name for name, kind in self.kinds.items()
-                   if name not in saved_names or (kind == PARTS and None in parts_of[name])]
+        missing = [name for name in self.kinds
+                   if name not in saved_names or (name in parts_of and None in parts_of[name])]
         if missing:
             raise TorchmnKeyError(f"the checkpoint has no state for {', '.join(missing)} (it holds "
                                   f"{', '.join(sorted(manifest.get('kinds', {}))) or 'nothing'}); give the Checkpointer "
@@ -432,16 +438,17 @@ class Checkpointer:
                 if mismatch:
                     raise TorchmnValueError(f"{name}: the checkpoint is of another model: {mismatch}")
         for name, obj in self.objects.items():
-            kind = self.kinds[name]
             try:
-                if kind == SHARED:
+                if saved_kinds[name] == SHARED:  # a whole state: a sharding optimizer takes it too
                     obj.load_state_dict(shared[name])
-                elif kind == PARTS:
+                elif saved_kinds[name] == PARTS and self.kinds[name] == PARTS:
                     obj.load_local_state_dicts(parts_of[name])
+                elif saved_kinds[name] == PARTS:  # parts of a sharding optimizer, into one that is not
+                    obj.load_state_dict(merge_parts(parts_of[name], obj.param_groups))
                 else:
                     obj.load_state_dict(mine["objects"][name])
             except Exception as e:
                 raise TorchmnValueError(f"{name}: {type(e).__name__}: {e}") from e
         if mine is not None:
             set_rng_state(mine["rng"])
-            self.extra = dict(mine.get("extra", {}))
+        self.extra = dict((mine or first).get("extra", {}))
