@@ -338,6 +338,33 @@ def check_refusals(comm):
     assert calls == ["pre"], calls
 
 
+def check_rewrap_keeps_state(comm):
+    """The documented way to unfreeze (remove_hooks, then wrap the torch optimizer again) keeps
+    Adam's moments and step counts with every optimizer kind, and so does wrapping a torch
+    optimizer that has state already."""
+    for shard_state in (None, True, False):
+        torch.manual_seed(0)
+        model = make_model()
+        model[0].weight.requires_grad_(False)
+        opt = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters(), lr=0.01), comm,
+                                                  shard_state=shard_state)
+        for step in range(3):
+            x, y = data(step)
+            opt.zero_grad()
+            loss_fn(model, local(x, comm), local(y, comm)).backward()
+            opt.step()
+        before = copy.deepcopy(opt.state_dict()["state"])  # the default's state_dict() views its shared state
+        opt.remove_hooks()
+        model[0].weight.requires_grad_(True)
+        opt = torchmn.create_multi_node_optimizer(opt.wrapped, comm, shard_state=shard_state)
+        after = opt.state_dict()["state"]
+        assert before.keys() == after.keys() and before, (shard_state, before.keys(), after.keys())
+        for i in before:
+            assert int(after[i]["step"]) == 3 and torch.equal(after[i]["exp_avg"], before[i]["exp_avg"]), \
+                (shard_state, i, (after[i]["exp_avg"] - before[i]["exp_avg"]).abs().max().item())
+        opt.remove_hooks()
+
+
 def splits_update(comm):
     """Whether the default optimizer splits the update over the ranks (one node, shared memory)."""
     return comm.name == "hierarchical" and comm.inter_size == 1 and comm.size > 1

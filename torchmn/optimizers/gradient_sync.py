@@ -582,7 +582,8 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                     p.data = p.data.clone()
                     p.grad = None
         if "_hooks" in self.__dict__:  # also one whose building for the last world failed part-way
-            self.remove_hooks()
+            for h in self._hooks:  # not remove_hooks(): the state goes with the old world
+                h.remove()
         # The communicator stays too: the reset moves it to the new world (Communicator.take_over).
         kept = {"wrapped": self.wrapped, "options": self.options, "comm": self.comm}
         self.__dict__.clear()

@@ -23,7 +23,7 @@ STEP_AFTER_SENDS = ("step() after 0 backward passes that sent gradients",
                     "step() after 2 backward passes that sent gradients",
                     "step() after 3 or more backward passes that sent gradients")
 ARENA_POINTS = ("set-up", "backward done (gradients in)", "averaged gradients ready",
-                "step done (shards updated)") + STEP_AFTER_SENDS
+                "step done (shards updated)", "state loaded") + STEP_AFTER_SENDS
 
 
 def arena_layout(nbytes: list[int]) -> tuple[list[int], int]:

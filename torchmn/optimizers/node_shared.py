@@ -332,7 +332,8 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a whole state (from :meth:`state_dict`, any rank count, or a plain torch
-        optimizer), on every rank: each writes its slice into the shared state.
+        optimizer), on every rank: each writes its slice into the shared state, and waits for the
+        node's other ranks to have written theirs (collective on the node).
 
         Args:
             state_dict: the state, in torch's optimizer format.
@@ -346,6 +347,9 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
         """
         super().load_state_dict(state_dict)
         self._home_state()
+        # Each rank wrote its slices of the shared state: none reads the whole (state_dict(), the
+        # next step) before every rank has.
+        self.arena.barrier("state loaded")
 
     @property
     def state(self) -> dict:

@@ -151,6 +151,10 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             if self.arena is not None and fused_adam.kernel_for(inner) is not None:
                 self.fused_sum_and_step[key] = fused_adam.SumAndStep(inner, buckets, 1.0 / comm.size)
         self.attach_hooks(params, self.buckets)
+        if self.wrapped.state:
+            # A torch optimizer with state (loaded before wrapping, or handed back by remove_hooks
+            # to unfreeze parameters) keeps it, as the replicated optimizer does.
+            self.load_state_dict(self.wrapped.state_dict())
 
     def _place_in_shared_memory(self):
         """On one node, put the flat buffers in memory the node's ranks share, or return None.
@@ -430,6 +434,24 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         if b.wire_dtype != b.dtype:
             b.shard_grad.copy_(b.grad_shard[:b.k])
         b.take_reduced()
+
+    def remove_hooks(self) -> None:
+        """Detach from the parameters' gradient hooks, and hand the whole state to the wrapped
+        optimizer, which keeps working alone and keeps its state when wrapped again (to unfreeze
+        parameters). Every rank must call it (the state is gathered, as by :meth:`state_dict`).
+
+        Example::
+
+            >>> optimizer.remove_hooks()
+            >>> backbone.requires_grad_(True)                   # unfreeze
+            >>> optimizer = torchmn.create_multi_node_optimizer(optimizer.wrapped, comm)
+        """
+        whole = self.state_dict()
+        # Copies: the node-shared optimizer's state is views into memory that goes with it.
+        whole["state"] = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in entry.items()}
+                          for i, entry in whole["state"].items()}
+        super().remove_hooks()
+        self.wrapped.load_state_dict(whole)
 
     def state_dict(self) -> dict:
         """The whole optimizer state, in the wrapped optimizer's format, on every rank.
