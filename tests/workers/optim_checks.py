@@ -365,6 +365,23 @@ def check_rewrap_keeps_state(comm):
         opt.remove_hooks()
 
 
+def check_saved_model_is_its_own_size(comm):
+    """torch.save(model.state_dict()) with the default optimizer (whose parameters live in the
+    node's shared memory beside the optimizer state) writes the parameters, not the memory around
+    them: about the model's bytes, as with the replicated optimizer, not three times that with Adam."""
+    import io
+
+    model = torch.nn.Sequential(torch.nn.Linear(300, 300), torch.nn.Linear(300, 10)).double()
+    opt = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters()), comm)
+    model(torch.randn(4, 300, dtype=torch.float64)).sum().backward()
+    opt.step()
+    saved = io.BytesIO()
+    torch.save(model.state_dict(), saved)
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert len(saved.getvalue()) < 1.2 * params, (type(opt).__name__, len(saved.getvalue()), params)
+    opt.remove_hooks()
+
+
 def splits_update(comm):
     """Whether the default optimizer splits the update over the ranks (one node, shared memory)."""
     return comm.name == "hierarchical" and comm.inter_size == 1 and comm.size > 1

@@ -83,8 +83,10 @@ def region_view(region: torch.Tensor, offset: int, numel: int, dtype: torch.dtyp
         dtype: its dtype.
 
     Returns:
-        ``numel`` elements of ``dtype`` at byte ``offset`` of ``region``: a view, writes go to
-        the region.
+        ``numel`` elements of ``dtype`` at byte ``offset`` of ``region``: the same memory, so
+        writes go to the region, but a storage of its own that spans only those bytes, so that
+        ``torch.save`` of a parameter (``model.state_dict()``) writes its buffer, not the whole
+        region with every bucket's optimizer state.
 
     Example::
 
@@ -92,7 +94,8 @@ def region_view(region: torch.Tensor, offset: int, numel: int, dtype: torch.dtyp
         torch.Size([10])
     """
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return region[offset:offset + numel * itemsize].view(dtype)
+    # numpy's view of the slice keeps the region alive, and from_numpy's storage covers the slice only.
+    return torch.from_numpy(region[offset:offset + numel * itemsize].numpy()).view(dtype)
 
 
 def place_buckets(arena, buckets: list, shared_offsets: list, region_offsets: list, rank: int) -> None:
