@@ -410,20 +410,22 @@ class Checkpointer:
         if wrong:
             raise TorchmnOSError(wrong)
 
-        def read(name: str) -> Any:
-            path = os.path.join(folder, name)
-            try:
-                return torch.load(path, map_location="cpu", weights_only=False)
-            except Exception as e:  # noqa: BLE001 - any unreadable file: say which
-                raise TorchmnOSError(f"{path} cannot be read ({type(e).__name__}: {e})") from e
+        loaded: dict = {}
+
+        def read(name: str) -> Any:  # each file once
+            if name not in loaded:
+                path = os.path.join(folder, name)
+                try:
+                    loaded[name] = torch.load(path, map_location="cpu", weights_only=False)
+                except Exception as e:  # noqa: BLE001 - any unreadable file: say which
+                    raise TorchmnOSError(f"{path} cannot be read ({type(e).__name__}: {e})") from e
+            return loaded[name]
 
         shared = read(files.SHARED) if files.SHARED in need else {}
         mine = read(files.rank_file(self.comm.rank)) if same_size else None
-        first = mine if same_size and self.comm.rank == 0 else read(files.rank_file(0)) if not same_size else None
         parts_of = {}
         if in_parts:
-            everyone = [mine if same_size and r == self.comm.rank else first if r == 0 and first is not None
-                        else read(files.rank_file(r)) for r in range(saved_size)]
+            everyone = [read(files.rank_file(r)) for r in range(saved_size)]
             parts_of = {name: [rank["parts"].get(name) for rank in everyone] for name in in_parts}
         saved_names = {**shared, **(mine["objects"] if mine else {}), **parts_of}
         missing = [name for name in self.kinds
@@ -451,4 +453,4 @@ class Checkpointer:
                 raise TorchmnValueError(f"{name}: {type(e).__name__}: {e}") from e
         if mine is not None:
             set_rng_state(mine["rng"])
-        self.extra = dict((mine or first).get("extra", {}))
+        self.extra = dict((mine if same_size else read(files.rank_file(0))).get("extra", {}))
