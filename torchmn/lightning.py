@@ -36,6 +36,7 @@ from torchmn.ddp import check_compression, ddp_comm_hook
 from torchmn.environments import detect_environment
 from torchmn.errors import TorchmnValueError
 from torchmn.nn import MultiNodeBatchNorm1d, MultiNodeBatchNorm2d, MultiNodeBatchNorm3d, create_mnbn_model
+from torchmn.nn.batch_norm import rebuild_batch_norm
 
 __all__ = ["MultiNodeBatchNormSync", "TorchmnEnvironment", "TorchmnStrategy"]
 
@@ -404,12 +405,7 @@ class MultiNodeBatchNormSync(LayerSync):
         """
         plain = _PLAIN.get(type(model))
         if plain is not None:
-            new = plain(model.num_features, model.eps, model.momentum, model.affine, model.track_running_stats)
-            ref = model.weight if model.affine else model.running_mean
-            if ref is not None:
-                new = new.to(device=ref.device, dtype=ref.dtype)
-            new.load_state_dict(model.state_dict())
-            return new.train(model.training)
+            return rebuild_batch_norm(model, plain)
         for name, child in model.named_children():
             reverted = self.revert(child)
             if reverted is not child:

@@ -251,19 +251,36 @@ def create_mnbn_model(module: torch.nn.Module, comm: CommunicatorBase) -> torch.
     """
     cls = _REPLACEMENTS.get(type(module))
     if cls is not None:
-        new = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
-                  comm=comm)
-        ref = module.weight if module.affine else (module.running_mean if module.track_running_stats else None)
-        if ref is not None:
-            new = new.to(device=ref.device, dtype=ref.dtype)
-        new.load_state_dict(module.state_dict())
-        if module.affine:
-            new.weight.requires_grad_(module.weight.requires_grad)
-            new.bias.requires_grad_(module.bias.requires_grad)
-        new.train(module.training)
-        return new
+        return rebuild_batch_norm(module, cls, comm=comm)
     for name, child in module.named_children():
         replaced = create_mnbn_model(child, comm)
         if replaced is not child:
             setattr(module, name, replaced)
     return module
+
+
+def rebuild_batch_norm(module: torch.nn.Module, cls: type, **kwargs) -> torch.nn.Module:
+    """A BatchNorm layer of class ``cls`` in place of ``module``, with its arguments, parameters,
+    running statistics, ``num_batches_tracked``, device, dtype, ``requires_grad`` and mode.
+
+    Args:
+        module: a BatchNorm layer (torch's or a multi-node one).
+        cls: the class of the new layer.
+        **kwargs: more arguments of ``cls`` (``comm`` for a multi-node one).
+
+    Returns:
+        The new layer.
+
+    Example::
+
+        >>> plain = rebuild_batch_norm(multi_node_bn, torch.nn.BatchNorm2d)
+    """
+    new = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats, **kwargs)
+    ref = module.weight if module.affine else (module.running_mean if module.track_running_stats else None)
+    if ref is not None:
+        new = new.to(device=ref.device, dtype=ref.dtype)
+    new.load_state_dict(module.state_dict())
+    if module.affine:
+        new.weight.requires_grad_(module.weight.requires_grad)
+        new.bias.requires_grad_(module.bias.requires_grad)
+    return new.train(module.training)
