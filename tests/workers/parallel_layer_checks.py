@@ -194,6 +194,25 @@ def check_bn_channel_mismatch_refused(comm):
         raise AssertionError("no error")
 
 
+def check_bn_deep_copy_shares_the_communicator(comm):
+    """An EMA of a model with multi-node BatchNorm (copy.deepcopy) normalizes over the job too; the
+    layer is a torch _BatchNorm; a communicator refuses pickling with what to save instead."""
+    import copy
+    import pickle
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), MultiNodeBatchNorm1d(4, comm=comm)).double()
+    ema = copy.deepcopy(model)
+    assert ema[1].comm is comm and ema[1].weight is not model[1].weight, "the copy shares comm only"
+    assert isinstance(ema[1], torch.nn.modules.batchnorm._BatchNorm), type(ema[1]).__mro__
+    x = randn(3 + comm.rank, 3, seed=comm.rank)
+    close(ema(x), model(x), "the copy's output")
+    try:
+        pickle.dumps(model)
+    except TypeError as e:
+        assert "cannot be pickled" in str(e) and "state_dict()" in str(e), e
+    else:
+        raise AssertionError("a model holding a communicator pickled")
+
+
 def check_create_mnbn_model(comm):
     class Block(torch.nn.Module):
         def __init__(self):

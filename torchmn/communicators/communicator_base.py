@@ -13,6 +13,7 @@ from typing import Any, Optional, Sequence, Tuple
 
 import torch
 
+from torchmn.errors import TorchmnTypeError
 
 
 class CommunicatorBase(abc.ABC):
@@ -49,6 +50,41 @@ class CommunicatorBase(abc.ABC):
     """
 
     compression: Optional[str] = None
+
+    def __deepcopy__(self, memo: dict) -> "CommunicatorBase":
+        """The communicator itself: it is this process's connection to the other ranks, so a deep
+        copy of what holds one (a model with multi-node BatchNorm copied for an EMA) shares it.
+
+        Args:
+            memo: ``copy.deepcopy``'s memo.
+
+        Returns:
+            ``self``.
+
+        Example::
+
+            >>> ema = copy.deepcopy(model)          # its MultiNodeBatchNorm layers use the same comm
+            >>> ema.bn.comm is model.bn.comm
+            True
+        """
+        return self
+
+    def __reduce_ex__(self, protocol):
+        """Refused: a communicator cannot be pickled (its process groups live in this process only).
+
+        Args:
+            protocol: the pickle protocol asked for.
+
+        Raises:
+            TypeError: always; save ``model.state_dict()`` (which holds no communicator) instead.
+
+        Example::
+
+            >>> torch.save(model.state_dict(), "model.pt")     # not torch.save(model, ...) with one inside
+        """
+        raise TorchmnTypeError(f"a {type(self).__name__} cannot be pickled: it is this process's connection to the "
+                               f"other ranks. Save model.state_dict() (or optimizer.state_dict()) instead of an "
+                               f"object that holds a communicator, such as a model with multi-node BatchNorm")
 
     @property
     @abc.abstractmethod

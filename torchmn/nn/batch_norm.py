@@ -18,7 +18,7 @@ from torchmn.errors import TorchmnValueError
 from torchmn.nn._parallel_utility import agree_on_arguments
 
 
-class MultiNodeBatchNorm(torch.nn.modules.batchnorm._NormBase):
+class MultiNodeBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
     """Batch normalization with statistics over the batch of every rank of ``comm``.
 
     Takes ``torch.nn.BatchNorm2d``'s arguments in its order, plus ``comm``; parameter and buffer
@@ -31,6 +31,10 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._NormBase):
 
     The gradient each rank gets for the weight and bias is its own batch's part, as with the other
     layers of a data-parallel model: average them with the multi-node optimizer.
+
+    It is a ``torch.nn.modules.batchnorm._BatchNorm``, as torch's BatchNorm layers are, so code that
+    finds BatchNorm layers by class (no weight decay for them, freezing them) finds it; a deep copy
+    of a model (an EMA) shares ``comm``.
 
     This base class takes inputs of any number of dimensions ``>= 2`` (as ``SyncBatchNorm``);
     :class:`MultiNodeBatchNorm1d`, ``2d`` and ``3d`` check theirs as torch's do.
