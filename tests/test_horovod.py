@@ -17,7 +17,10 @@ ALL = ("allreduce_ops_and_dtypes", "allreduce_inplace", "allreduce_prescale_post
        "optimizer_fp16_compression", "optimizer_synchronize_clip", "optimizer_sparse_as_dense", "optimizer_misuse_refused",
        "optimizer_sparse_gradients", "optimizer_parameter_names", "broadcast_optimizer_state_after_reload",
        "broadcast_optimizer_state_every_optimizer", "broadcast_optimizer_state_without_gradients",
-       "join_refuses_what_it_cannot_mirror", "sync_batch_norm")
+       "join_refuses_what_it_cannot_mirror", "sync_batch_norm", "topology_queries_are_local",
+       "alltoall_async_returns_received_splits", "synchronize_twice", "broadcast_parameters_of_parameters",
+       "optimizer_unused_parameter_gets_zero_gradient", "optimizer_zero_grad_before_step_refused",
+       "optimizer_set_backward_passes_per_step", "sync_batch_norm_copies_and_pickles")
 
 
 @pytest.mark.check_job("horovod")

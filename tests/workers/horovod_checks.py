@@ -103,7 +103,6 @@ def check_allreduce_async_many():
         got = hvd.synchronize(h)
         want = sum(r + i for r in range(size))
         expect(got.shape == (i + 1, 3) and torch.all(got == want), f"async allreduce {i}: {got.flatten()[:3]}")
-    expect_raises(ValueError, lambda: hvd.synchronize(handles[0][1]), "not a collective in flight")
 
 
 def check_poll():
@@ -128,7 +127,7 @@ def _every_async_op(rank, size, name=None):
            ("broadcast", hvd.broadcast_async(x, size - 1, name=name and f"{name}.broadcast"),
             lambda got: torch.all(got == size - 1)),
            ("alltoall", hvd.alltoall_async(x, name=name and f"{name}.alltoall"),
-            lambda got: torch.equal(got[:, 0], torch.arange(size).repeat_interleave(2).float())),
+            lambda got: torch.equal(got[0][:, 0], torch.arange(size).repeat_interleave(2).float())),
            ("reducescatter", hvd.reducescatter_async(x, op=hvd.Sum, name=name and f"{name}.reducescatter"),
             lambda got: got.shape == (2, 3) and torch.all(got == summed))]
     return ops
@@ -222,6 +221,7 @@ def check_unsupported_refused():
     expect_raises(NotImplementedError, lambda: hvd.allreduce(torch.ones(3), op=hvd.Adasum), "Adasum")
     expect_raises(NotImplementedError, lambda: hvd.reducescatter(torch.ones(4), op=hvd.Max), "Max")
     expect_raises(ValueError, lambda: hvd.allreduce(torch.ones(2), average=True, op=hvd.Sum), "supersedes")
+    expect_raises(AttributeError, lambda: hvd.elastic.ElasticSampler, "use torchmn.elastic.ElasticSampler")
 
 
 # ----------------------------------------------------------------------------- allgather / broadcast
@@ -751,6 +751,111 @@ def check_broadcast_optimizer_state_every_optimizer():
             for name, v in st.items():
                 same = torch.equal(v, mine["state"][k][name]) if torch.is_tensor(v) else v == mine["state"][k][name]
                 expect(same, f"{cls.__name__}: state {k}.{name} differs from root's")
+
+
+def check_topology_queries_are_local():
+    rank = hvd.rank()
+    if rank == 0:  # Horovod's are local lookups: one rank asking alone must not start a collective
+        expect([hvd.cross_size(), hvd.cross_rank(), hvd.local_size(), hvd.is_homogeneous()] == [1, 0, hvd.size(), True],
+               "rank 0 alone")
+    expect(hvd.allreduce(torch.tensor([float(rank)]), op=hvd.Sum).item() == sum(range(hvd.size())),
+           "the next collective after rank 0's queries")
+
+
+def check_alltoall_async_returns_received_splits():
+    size, rank = hvd.size(), hvd.rank()
+    out = hvd.synchronize(hvd.alltoall_async(torch.arange(2.0 * size) + 100 * rank))
+    expect(isinstance(out, tuple) and len(out) == 2, f"synchronize gives Horovod's pair: {out}")
+    rows, received = out
+    expect(rows.tolist() == [100.0 * r + 2 * rank + k for r in range(size) for k in range(2)] and
+           received.tolist() == [2] * size, f"{rows} {received}")
+
+
+def check_synchronize_twice():
+    h = hvd.allreduce_async(torch.ones(2), op=hvd.Sum)
+    expect(torch.all(hvd.synchronize(h) == hvd.size()), "first synchronize")
+    expect(hvd.synchronize(h) is None, "a handle synchronized already gives None, as Horovod's")
+    expect_raises(ValueError, lambda: hvd.synchronize(10 ** 9), "is not a handle")
+
+
+def check_broadcast_parameters_of_parameters():
+    rank = hvd.rank()
+    model = _mlp()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(rank + 1)
+    hvd.broadcast_parameters(list(model.parameters()), root_rank=hvd.size() - 1)
+    expect(all(torch.all(p == hvd.size()) for p in model.parameters()), "every rank has root's parameters")
+
+
+def check_optimizer_unused_parameter_gets_zero_gradient():
+    torch.manual_seed(0)
+    used, spare = torch.nn.Linear(6, 2).double(), torch.nn.Linear(6, 2).double()
+    params = list(used.parameters()) + list(spare.parameters())
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(params, lr=0.1, momentum=0.9))
+    x, y = _batch(hvd.rank(), 0)
+    torch.nn.functional.mse_loss(used(x) + spare(x), y).backward()   # step 0: every rank uses spare
+    opt.step()
+    opt.zero_grad()
+    before = spare.weight.detach().clone()
+    buf = opt.state[spare.weight]["momentum_buffer"].clone()
+    torch.nn.functional.mse_loss(used(x), y).backward()              # step 1: no rank does
+    opt.step()
+    expect(spare.weight.grad is not None and torch.all(spare.weight.grad == 0), f"zero gradient: {spare.weight.grad}")
+    expect(torch.allclose(spare.weight, before - 0.1 * 0.9 * buf), "momentum moves it, as in Horovod")
+
+
+def check_optimizer_zero_grad_before_step_refused():
+    model = _mlp()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), backward_passes_per_step=2)
+    x, y = _batch(hvd.rank(), 0)
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    expect_raises(AssertionError, opt.zero_grad, "before optimizer.step() or optimizer.synchronize()",
+                  f"rank {hvd.rank()}")
+    expect(all(p.grad is not None for p in model.parameters()), "the gradients are kept")
+    torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.synchronize()
+    opt.zero_grad()                                                  # allowed once averaged, as Horovod's
+    with opt.skip_synchronize():
+        opt.step()
+
+
+def check_optimizer_set_backward_passes_per_step():
+    rank, size = hvd.rank(), hvd.size()
+    model, ref = _mlp(), _mlp()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    opt.set_backward_passes_per_step(2)
+    expect(opt.backward_passes_per_step == 2, "attribute")
+    for step in range(2):
+        x, y = _batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    want = [torch.zeros_like(p) for p in ref.parameters()]
+    for r in range(size):
+        for step in range(2):
+            _grads(ref, r, step)
+            want = [w + p.grad / size for w, p in zip(want, ref.parameters())]
+    got = [p.grad for p in model.parameters()]
+    expect(all(torch.allclose(g, w) for g, w in zip(got, want)), "two passes summed, averaged over ranks")
+    expect_raises(ValueError, lambda: opt.set_backward_passes_per_step(0), "positive integer")
+
+
+def check_sync_batch_norm_copies_and_pickles():
+    import copy
+    import io
+    hvd.shutdown()
+    early = hvd.SyncBatchNorm(4)                                      # before hvd.init(), as Horovod allows
+    hvd.init()
+    expect(isinstance(early, torch.nn.modules.batchnorm._BatchNorm), "a _BatchNorm, as Horovod's")
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), early)
+    twin = copy.deepcopy(model)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    x = torch.randn(3 + hvd.rank(), 3, generator=torch.Generator().manual_seed(hvd.rank()))
+    y = model(x)
+    expect(torch.allclose(twin(x), y) and torch.allclose(loaded(x), y), "the copies normalize over the job as well")
 
 
 def check_sync_batch_norm():

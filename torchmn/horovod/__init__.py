@@ -3,7 +3,7 @@ script unchanged but for that line.
 
 The ranks are torchmn's communicator's; gradients are averaged by torchmn's multi-node optimizer;
 the collectives are the communicator's checked ones, so a mismatch raises on every rank, naming
-the ranks and shapes, where Horovod would hang or abort. ``docs/coming-from-horovod.md`` lists every
+each rank, its host and its shape, and a rank that never calls is named after ``TORCHMN_TIMEOUT``. ``docs/coming-from-horovod.md`` lists every
 name with its status.
 
 Example::

@@ -2,8 +2,8 @@
 
 Every form runs on the background thread (:mod:`~torchmn.horovod.background`), on the process
 set's tensor communicator: it checks, on every rank, that the ranks that have not joined reduce
-tensors of the same shapes, dtypes and device types with the same op and factors (where Horovod would hang or
-abort, the error names the ranks and shapes), then runs one communicator ``allreduce_flat`` per
+tensors of the same shapes, dtypes and device types with the same op and factors (the error names
+each rank and its shape, which Horovod's "Mismatched allreduce tensor shapes" does not), then runs one communicator ``allreduce_flat`` per
 dtype of the call (a grouped call is fused) and the local part (Average's division, the scale
 factors, the copy out). The ``_async`` forms return while it is in flight. A rank in ``hvd.join()``
 takes part with zeros.
@@ -73,7 +73,7 @@ def _check_descriptions(descriptions: list[tuple], what: str, rank: int) -> None
             listing = "; ".join(f"rank {r} ({d[1]}): {show(d[index])}" for r, d in calls)
             raise CollectiveMismatchError(
                 f"{what}: the ranks' {field} differ: {listing}. Every rank must reduce tensors of the same shape, "
-                f"dtype and device type with the same op (Horovod would hang or abort here); rank {rank} stops")
+                f"dtype and device type with the same op; rank {rank} stops")
 
 
 def _reduce(comm, tensors: list[torch.Tensor], op: int, prescale: float, postscale: float,

@@ -192,7 +192,7 @@ def cross_rank() -> int:
 
 
 def cross_size() -> int:
-    """The number of nodes with a rank of this local rank (a collective: call it on every rank).
+    """The number of nodes with a rank of this local rank.
 
     Returns:
         The number of nodes, on a homogeneous job.
@@ -205,9 +205,8 @@ def cross_size() -> int:
         >>> hvd.cross_size()
     """
     comm = require_comm()
-    per_node = comm.allgather_obj(comm.intra_rank) if comm.size > 1 else [0]
-    return sum(1 for node in range(comm.inter_size) if comm.intra_rank in
-               [per_node[r] for r in range(comm.size) if comm.node_of(r) == node])
+    # Local ranks count up from 0 on each node, so a node holds local rank i where it has more than i ranks.
+    return sum(1 for ranks in comm.node_ranks if len(ranks) > comm.intra_rank)
 
 
 def is_homogeneous() -> bool:

@@ -80,3 +80,27 @@ class ObjectState(State):
 
 
 __all__ = ["HorovodInternalError", "HostsUpdatedInterrupt", "ObjectState", "TorchState", "run"]
+
+
+def __getattr__(name: str):
+    """Answer for Horovod's elastic names this module does not define, as Python asks for them.
+
+    Args:
+        name: the attribute asked for.
+
+    Raises:
+        AttributeError: always; for ``ElasticSampler``, naming torchmn's sampler to use instead.
+
+    Example::
+
+        >>> hvd.elastic.ElasticSampler
+        Traceback (most recent call last):
+        AttributeError: torchmn.horovod.elastic has no ElasticSampler: ...
+    """
+    if name == "ElasticSampler":
+        raise AttributeError(
+            "torchmn.horovod.elastic has no ElasticSampler: use torchmn.elastic.ElasticSampler(dataset, "
+            "comm=hvd.global_process_set.comm, batch_size=...) as the DataLoader's batch_sampler, and put it in the state "
+            "(TorchState(model, optimizer, sampler=sampler)); it keeps its place across resets without "
+            "record_batch() (docs/elastic.md)")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -66,3 +66,15 @@ class NotPicklableError(TorchmnError, TypeError):
 
         >>> torch.save(opt.state_dict(), "opt.pt")      # instead of torch.save(opt, ...)
     """
+
+
+class ZeroGradBeforeStepError(TorchmnError, AssertionError):
+    """``optimizer.zero_grad()`` between ``loss.backward()`` and ``optimizer.step()`` (or
+    ``synchronize()``), which would throw away gradients being averaged (an ``AssertionError``, as
+    Horovod's).
+
+    Example::
+
+        >>> loss.backward()
+        >>> opt.zero_grad()                         # raises: step() first
+    """

@@ -5,7 +5,8 @@
 Each runs on the background thread (:mod:`~torchmn.horovod.background`), on the process set's
 tensor communicator, and checks on every rank that the ranks' calls agree
 (:mod:`~torchmn.horovod.checked_calls`), so that shapes, dtypes, ops or roots that differ between
-ranks raise on every rank, naming the ranks and shapes, where Horovod would hang or abort. The
+ranks raise on every rank, naming each rank, its host and its shape (Horovod's coordinator reports a
+mismatch without saying which rank sent what). The
 ``_async`` forms return a handle while the collective is in flight; the others wait for it.
 
 Gradients follow Horovod's conventions (0.28): an allgather's is the average over ranks of the
@@ -373,7 +374,10 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
 
 def alltoall_async(tensor, splits=None, name=None, process_set=global_process_set) -> int:
-    """Start :func:`alltoall`; returns a handle at once (``synchronize`` returns what it returns).
+    """Start :func:`alltoall`; returns a handle at once.
+
+    ``synchronize`` returns ``(rows, received_splits)``, with ``splits`` or without, as Horovod's
+    does (only the blocking :func:`alltoall` drops ``received_splits`` when no ``splits`` are given).
 
     Args:
         tensor, splits, name, process_set: as :func:`alltoall`.
@@ -386,10 +390,9 @@ def alltoall_async(tensor, splits=None, name=None, process_set=global_process_se
 
     Example::
 
-        >>> out = hvd.synchronize(hvd.alltoall_async(x))
+        >>> out, received_splits = hvd.synchronize(hvd.alltoall_async(x))
     """
-    return _start_alltoall(tensor, splits, name, process_set, "hvd.alltoall_async",
-                           lambda result: result if splits is not None else result[0])
+    return _start_alltoall(tensor, splits, name, process_set, "hvd.alltoall_async", lambda result: result)
 
 
 # ----------------------------------------------------------------------------- reducescatter

@@ -35,8 +35,8 @@ def broadcast_parameters(params, root_rank: int, prefix: Optional[str] = None,
     """Overwrite every rank's parameters and buffers with root's, in place.
 
     Args:
-        params: ``model.state_dict()`` (a dict of tensors) or ``model.named_parameters()``
-            (pairs of name and tensor).
+        params: ``model.state_dict()`` (a dict of tensors), ``model.named_parameters()`` (pairs
+            of name and tensor) or ``model.parameters()`` (tensors, in the same order on every rank).
         root_rank: the rank whose values everyone gets.
         prefix: accepted for Horovod's signature (names do not travel).
         process_set: the ranks taking part.
@@ -53,10 +53,11 @@ def broadcast_parameters(params, root_rank: int, prefix: Optional[str] = None,
     if isinstance(params, dict):
         items = sorted(params.items())
     elif isinstance(params, list) or hasattr(params, "__iter__"):
-        items = list(params)
+        items = [(None, p) if isinstance(p, torch.Tensor) else p for p in params]
         if items and not (isinstance(items[0], tuple) and len(items[0]) == 2):
-            raise InvalidCallError("broadcast_parameters takes model.state_dict() or model.named_parameters() "
-                                   f"(pairs of name and tensor), not a sequence of {type(items[0]).__name__}")
+            raise InvalidCallError("broadcast_parameters takes model.state_dict(), model.named_parameters() (pairs "
+                                   f"of name and tensor) or model.parameters(), not a sequence of "
+                                   f"{type(items[0]).__name__}")
     else:
         raise InvalidCallError(f"invalid params of type: {type(params)}")
     root = _root_index(root_rank, process_set, "broadcast_parameters")

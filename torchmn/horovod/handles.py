@@ -158,10 +158,11 @@ def synchronize(handle) -> Any:
             returned).
 
     Returns:
-        The collective's output (for in-place forms, the tensor passed in).
+        The collective's output (for in-place forms, the tensor passed in); None for a handle
+        synchronized already, as Horovod returns.
 
     Raises:
-        InvalidCallError: ``handle`` is unknown or was synchronized already.
+        InvalidCallError: ``handle`` was never returned by an ``*_async`` call.
         Exception: the collective's own error (mismatched shapes, a timeout naming the ranks that
             never came, ...).
 
@@ -172,10 +173,11 @@ def synchronize(handle) -> Any:
     """
     if callable(handle):
         return handle()
-    if handle not in _pending:
-        raise InvalidCallError(f"synchronize: handle {handle!r} is not a collective in flight (synchronized already, "
-                         f"or not returned by an *_async call)")
-    return _pending.pop(handle).complete()
+    if handle in _pending:
+        return _pending.pop(handle).complete()
+    if isinstance(handle, int) and 0 < handle < _next_handle[0]:
+        return None  # synchronized already: Horovod returns None, and scripts rely on it
+    raise InvalidCallError(f"synchronize: {handle!r} is not a handle an *_async call returned")
 
 
 def poll(handle) -> bool:

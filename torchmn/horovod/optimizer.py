@@ -26,7 +26,7 @@ from torchmn.errors import TorchmnTypeError
 from torchmn.horovod import coordination, timeline
 from torchmn.horovod.compression import Compression, Compressor
 from torchmn.horovod.errors import (HorovodInternalError, InvalidCallError, NotPicklableError,
-                                    TooManyBackwardPassesError, UnsupportedError)
+                                    TooManyBackwardPassesError, UnsupportedError, ZeroGradBeforeStepError)
 from torchmn.horovod.exchange_collectives import sparse_allreduce_async
 from torchmn.horovod.handles import synchronize as synchronize_handle
 from torchmn.horovod.process_sets import comm_of, global_process_set, require_comm
@@ -246,6 +246,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             handle = sparse_allreduce_async(grad, name=self._parameter_names.get(p), op=Average,
                                             process_set=self.process_set)
             p.grad = synchronize_handle(handle)
+        # As Horovod's: every trainable parameter gets a gradient, zeros where no rank computed one
+        # (a branch no rank took this step), so momentum and weight decay move it as they would.
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         if self.op == Sum and self._comm.size > 1:
             for p in self._params:
                 if p.grad is not None:
@@ -337,12 +342,43 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         Args:
             set_to_none: set ``.grad`` to None rather than zeroing it.
 
+        Raises:
+            ZeroGradBeforeStepError: (an ``AssertionError``, as Horovod's) a backward pass ran since the
+                last ``step()`` or ``synchronize()``: its gradients are being averaged, and would be lost.
+
         Example::
 
             >>> optimizer.zero_grad()
         """
+        if self._comm is not None and self._comm.size > 1 and self._passes_since_step and not self._synchronized:
+            raise ZeroGradBeforeStepError(
+                f"optimizer.zero_grad() was called after loss.backward() but before optimizer.step() or "
+                f"optimizer.synchronize() (rank {self._comm.rank}): the gradients of "
+                f"{self._passes_since_step} backward pass(es) are being averaged and would be thrown away. Call "
+                f"zero_grad() before backward, or after step()")
         self._in_pass = False  # a backward that raised never ran its end-of-backward callback
         self._inner.zero_grad(set_to_none)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated locally per averaging (Horovod's).
+
+        Call it on every rank, between steps.
+
+        Args:
+            passes: backward passes per ``step()``, ``>= 1``.
+
+        Raises:
+            InvalidCallError: ``passes`` is not a positive integer (a ``ValueError``).
+
+        Example::
+
+            >>> optimizer.set_backward_passes_per_step(4)     # accumulate 4 micro-batches from now on
+        """
+        if not isinstance(passes, int) or isinstance(passes, bool) or passes < 1:
+            raise InvalidCallError(f"set_backward_passes_per_step: passes must be a positive integer, not {passes!r}")
+        self.backward_passes_per_step = passes
+        if self._comm is not None:
+            self._inner.backward_passes_per_step = passes
 
     @property
     def param_groups(self):
