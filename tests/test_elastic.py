@@ -176,12 +176,13 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def replay(sizes: list, reverse: bool = False) -> list:
+def replay(sizes: list, reverse: bool = False, lr_per_rank: float | None = None) -> list:
     """The parameters after training with the world sizes ``sizes``, one step each, in one process:
     each step's gradient the mean of every rank's, in the job's arithmetic (each rank's gradient of
     its own loss, summed, then divided by the world size). ``reverse`` sums the ranks' gradients in
     the other order: the job's reduction order is gloo's, so only the order of the sum's terms may
-    differ from the job's."""
+    differ from the job's. ``lr_per_rank``: each step's learning rate is it times that step's world
+    size (elastic_train.py's --lr-per-rank), instead of 0.05."""
     sys.path.insert(0, str(REPO / "tests" / "workers"))
     try:
         import importlib
@@ -201,16 +202,19 @@ def replay(sizes: list, reverse: bool = False) -> list:
             for g in each[1:]:
                 total += g
             p.grad = total.div_(size)
+        if lr_per_rank is not None:
+            optimizer.param_groups[0]["lr"] = lr_per_rank * size
         optimizer.step()
     return [p.detach() for p in model.parameters()]
 
 
-def check_against_replay(out: Path) -> dict:
+def check_against_replay(out: Path, lr_per_rank: float | None = None) -> dict:
     """The job's result equals the replay of its world sizes within float64 rounding: 1e-10, or ten
     times the gap between the replay's two summation orders where a long run (thousands of steps,
     when new ranks start slowly on a loaded machine) has grown that gap past 1e-11."""
     result = torch.load(out / "result.pt")
-    expected, reordered = replay(result["sizes"]), replay(result["sizes"], reverse=True)
+    expected = replay(result["sizes"], lr_per_rank=lr_per_rank)
+    reordered = replay(result["sizes"], reverse=True, lr_per_rank=lr_per_rank)
     order_gap = max((a - b).abs().max().item() for a, b in zip(expected, reordered))
     atol = max(1e-10, 10 * order_gap)
     for got, want in zip(result["params"], expected):
@@ -271,6 +275,27 @@ def test_elastic_kill_with_each_optimizer_matches_a_replay(tmp_path, shard_state
         job.stop()
     assert done.returncode == 0, done.stdout[-4000:]
     check_against_replay(tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_elastic_reset_callback_learning_rate_holds(tmp_path):
+    """The reset callback sets the learning rate for the new world's size (as docs/elastic.md
+    says to): the survivors of a kill train at 2 ranks' rate, and after a rank joins, every rank,
+    the new one too, at 3 ranks' rate; the sync after a reset does not put the commit's rate back.
+    The result equals the replay with each step's rate from its world size."""
+    job = ElasticRun(tmp_path, 3, ["--min-np", "2", "--max-np", "3"],
+                     ["--steps", "100000", "--step-sleep", "0.05", "--lr-per-rank", "0.02"], timeout=240)
+    try:
+        job.wait_for(lambda: job.steps_at(3) >= 3, "the first steps")
+        step = job.kill(1)
+        job.wait_for(lambda: job.steps_at(2, after=step) >= 2, "the survivors' steps")
+        job.wait_for(lambda: job.steps_at(3, after=step) >= 2, "the refilled slot's steps")
+        done = job.finish()
+    finally:
+        job.stop()
+    assert done.returncode == 0, done.stdout[-4000:]
+    result = check_against_replay(tmp_path, lr_per_rank=0.02)
+    assert 2 in result["sizes"] and result["sizes"][-1] == 3, result["sizes"]
 
 
 @pytest.mark.timeout(300)

@@ -11,7 +11,8 @@ kills itself inside that step's commit, as it is about to send its part of a sha
 state on, having received its neighbour's), --die-in-commit-after-reset WORKER (that worker does so
 in the first commit after its first reset), --die-in-setup-after-reset WORKER (that worker kills
 itself while the members set up the world of its first reset, after it arrived there, so that the
-others wait for it inside torch.distributed's set-up); the run also ends at the next commit once
+others wait for it inside torch.distributed's set-up), --lr-per-rank LR (the learning rate is LR x
+the world size, set again by a reset callback, instead of 0.05); the run also ends at the next commit once
 OUT_DIR/stop exists. SIGUSR1 prints every thread's stack to stderr (a test that timed out says
 where the workers were).
 """
@@ -38,6 +39,7 @@ parser.add_argument("--commit-every", type=int, default=1)
 parser.add_argument("--die-in-commit", type=int, default=None)
 parser.add_argument("--die-in-commit-after-reset", default=None)
 parser.add_argument("--die-in-setup-after-reset", default=None)
+parser.add_argument("--lr-per-rank", type=float, default=None)
 args = parser.parse_args()
 
 
@@ -64,11 +66,18 @@ if __name__ == "__main__":
     comm = torchmn.create_communicator()
     model = make_model()
     shard = {"none": None, "false": False, "true": True}[args.shard_state]
-    optimizer = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+    lr = 0.05 if args.lr_per_rank is None else args.lr_per_rank * comm.size
+    optimizer = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9),
                                                     comm, shard_state=shard)
     state = torchmn.elastic.State(model=model, optimizer=optimizer, step=0, sizes=[])
     resets = []
-    state.register_reset_callbacks([lambda: resets.append(comm.size)])
+
+    def on_reset():
+        resets.append(comm.size)
+        if args.lr_per_rank is not None:
+            for group in optimizer.param_groups:
+                group["lr"] = args.lr_per_rank * comm.size
+    state.register_reset_callbacks([on_reset])
 
     @torchmn.elastic.run
     def train(state):

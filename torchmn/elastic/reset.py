@@ -14,7 +14,7 @@ from torchmn.communicators import create_communicator, failure
 from torchmn.communicators.errors import CollectiveTimeoutError, lost_peer
 from torchmn.elastic import membership
 from torchmn.elastic.errors import HostsUpdatedInterrupt
-from torchmn.elastic.state import State
+from torchmn.elastic.state import State, first_world
 from torchmn.errors import TorchmnTypeError
 from torchmn.optimizers import join as joining
 from torchmn.optimizers.multi_node_optimizer import build_into
@@ -70,7 +70,7 @@ def run(func: F) -> F:
     fails because a peer was lost, every survivor goes back to its last commit, leaves the old
     world, waits for the launcher's new one, rebuilds in place the communicators the script made
     and the multi-node optimizers ``state`` holds (``comm.rank`` and ``comm.size`` then describe the
-    new world), calls the reset callbacks, synchronises and calls ``func`` again. A
+    new world), synchronises, calls the reset callbacks and calls ``func`` again. A
     :class:`HostsUpdatedInterrupt` from ``commit()`` does the same without going back. Other
     exceptions end this rank as usual (the others then go on without it).
 
@@ -98,11 +98,17 @@ def run(func: F) -> F:
         if not isinstance(state, State):
             raise TorchmnTypeError(f"@torchmn.elastic.run: the function's first argument must be a "
                                    f"torchmn.elastic.State, not {type(state).__name__}")
+        after_reset = not first_world()  # a rank that joined a running job: its world comes of a reset
         while True:
             try:
                 for follower in membership.followers():  # a rank that joined receives the data here
                     follower.follow_world()
                 state.sync()
+                if after_reset:
+                    # After the sync, which goes back to the commit: what the callbacks set (the
+                    # learning rate for comm.size) stays, and every rank of the new world, the ones
+                    # that joined too, applies them to the same commit.
+                    state.on_reset()
                 membership.say_it_holds_the_state()
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as e:
@@ -114,6 +120,7 @@ def run(func: F) -> F:
             while True:  # a rank lost during the reset itself: another reset
                 try:
                     _reset(state, broke)
+                    after_reset = True
                     break
                 except Exception as e:  # noqa: BLE001 (told apart just below)
                     # A member lost while the new world was set up: its set-up gave up when the
@@ -126,7 +133,7 @@ def run(func: F) -> F:
 
 def _reset(state: State, error: BaseException) -> None:
     """Move this rank to the new world: leave the old one, wait for the launcher's next
-    generation, rebuild the communicators and optimizers there, call the reset callbacks."""
+    generation, rebuild the communicators and optimizers there."""
     started = time.monotonic()
     comms = membership.communicators()
     optimizers = [(o, o.comm) for o in state.multi_node_optimizers()]
@@ -146,7 +153,6 @@ def _reset(state: State, error: BaseException) -> None:
     forget_step = getattr(state.optimizer, "forget_step", None)  # a wrapper around one (torchmn.horovod's)
     if forget_step is not None:
         forget_step()
-    state.on_reset()
     size = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     log.warning("torchmn.elastic: %s on %s moved to generation %d as rank %d/%d in %.2f s (%s: %s)", old,

@@ -77,8 +77,10 @@ class State:
     # -- callbacks ---------------------------------------------------------------------------------
 
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
-        """Functions to call after each reset, once the new world is set up (before the state is
-        synchronised): to scale the learning rate with ``comm.size``, say.
+        """Functions to call after each reset, once the new world is set up and the state synchronised
+        (so what they set is not undone by the commit the sync goes back to): to scale the learning
+        rate with ``comm.size``, say. Every rank of the new world calls them, ranks that joined it
+        too, each on the same commit.
 
         Args:
             callbacks: functions of no arguments, called in order.
