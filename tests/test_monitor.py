@@ -84,6 +84,34 @@ def test_monitor_and_timeline_under_torchrun(tmp_path):
     assert pids == {0, 1} and not timeline.parts_of(str(path))
 
 
+def _stale_part(path, rank, size):
+    """A part an earlier run of ``path`` left unjoined, written an hour ago."""
+    import os
+    import time
+    stale = timeline.write_part(str(path), rank, size, [("stale", "update", 1.0, 2.0, "MainThread", None)])
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    return stale
+
+
+@pytest.mark.parametrize("launcher", ["torchmn", "torchrun"])
+def test_timeline_leaves_out_an_earlier_runs_parts(tmp_path, launcher):
+    """Parts an earlier run of the same path left unjoined (its rank 0 gave up waiting) are not
+    joined into this job's timeline, nor counted as this job's (so rank 0 waits for its own)."""
+    path = tmp_path / "trace.json"
+    _stale_part(path, 1, 2)
+    _stale_part(path, 2, 3)
+    if launcher == "torchmn":
+        proc = _run([sys.executable, "-m", "torchmn", "run", "-np", "2", "--timeline", str(path), sys.executable,
+                     STRAGGLER, "5"])
+        assert "timeline of 2 rank(s) written" in proc.stderr + proc.stdout, proc.stderr
+    else:
+        _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", STRAGGLER, "5"],
+             env={"TORCHMN_TIMELINE": str(path)})
+    events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in events} == {0, 1} and not any(e["name"] == "stale" for e in events), events[:5]
+    assert sum(1 for e in events if e["pid"] == 1 and e["name"] == "update") == 5
+
+
 def test_timeline_merge_joins_parts_written_elsewhere(tmp_path):
     path = str(tmp_path / "t.json")
     for rank in (0, 1):

@@ -94,7 +94,7 @@ def draw(path: str, out: str, last_s: Optional[float] = None) -> int:
     ax.set_xlim(0, (end - start) / 1e3)
     used = sorted({e.get("cat") for e in phases} & set(COLOURS), key=list(COLOURS).index)
     handles = [Patch(color=COLOURS[c], label=LABELS[c]) for c in used]
-    handles.append(Patch(facecolor="white", edgecolor="#999999", label="blank: the script's own code (data, ...)"))
+    handles.append(Patch(facecolor="white", edgecolor="#999999", label="blank: the script's code between backward and step"))
     fig.legend(handles=handles, loc="outside lower center", ncol=len(handles), fontsize=8, frameon=False)
     ax.set_title(f"torchmn timeline: {path.rsplit('/', 1)[-1]}" + (f" (last {last_s:g} s)" if last_s else ""),
                  fontsize=10, loc="left")

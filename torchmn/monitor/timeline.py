@@ -130,11 +130,13 @@ def _save_json(data, path: str) -> None:
     atomic_save(data, path, savefun=lambda obj, f: f.write(json.dumps(obj).encode()))
 
 
-def parts_of(path: str) -> List[str]:
+def parts_of(path: str, since: Optional[float] = None) -> List[str]:
     """The parts of the timeline ``path`` present here.
 
     Args:
         path: the timeline's file.
+        since: only parts written at or after this time (``time.time()``): a job's own, not those
+            an earlier run of the same path left unjoined. None: every part.
 
     Returns:
         The parts' paths, by rank.
@@ -144,17 +146,24 @@ def parts_of(path: str) -> List[str]:
         >>> parts_of("/tmp/trace.json")
         ['/tmp/trace.json.rank0.json', '/tmp/trace.json.rank1.json']
     """
-    found = [(int(m.group(1)), p) for p in glob.glob(glob.escape(path) + ".rank*.json")
-             if (m := _PART.search(p)) is not None]
+    found = []
+    for p in glob.glob(glob.escape(path) + ".rank*.json"):
+        m = _PART.search(p)
+        try:
+            if m is not None and (since is None or os.path.getmtime(p) >= since):
+                found.append((int(m.group(1)), p))
+        except OSError:  # removed meanwhile (a merge elsewhere)
+            continue
     return [p for _, p in sorted(found)]
 
 
-def merge(path: str, remove: bool = True) -> Tuple[str, List[int], Optional[int]]:
+def merge(path: str, remove: bool = True, since: Optional[float] = None) -> Tuple[str, List[int], Optional[int]]:
     """Join the parts of the timeline ``path`` found here into ``path``.
 
     Args:
         path: the timeline's file.
         remove: delete the parts once joined.
+        since: join only parts written at or after this time (a job's own; see :func:`parts_of`).
 
     Returns:
         ``(path, ranks joined, ranks the job had)``; the last is None where no part says.
@@ -168,7 +177,7 @@ def merge(path: str, remove: bool = True) -> Tuple[str, List[int], Optional[int]
         >>> merge("/tmp/trace.json")
         ('/tmp/trace.json', [0, 1], 2)
     """
-    files = parts_of(path)
+    files = parts_of(path, since)
     if not files:
         raise TorchmnOSError(f"no part of the timeline {path} here: each rank writes {part_path(path, 0)} "
                                 f"and so on as it ends (TORCHMN_TIMELINE={path}); were they written on other "
@@ -211,13 +220,24 @@ def write_at_exit(path: str, rank: int, size: int, join: bool) -> None:
         return
     if not join:
         return
+    # This job's parts are written after its ranks met, so after this process started; older ones
+    # are an earlier run's, left unjoined, and are not this job's.
+    since = _process_start_time()
     deadline = time.monotonic() + MERGE_WAIT_S
-    while len(parts_of(path)) < size and time.monotonic() < deadline:
+    while len(parts_of(path, since)) < size and time.monotonic() < deadline:
         time.sleep(0.1)
-    found = len(parts_of(path))
+    found = len(parts_of(path, since))
     if found < size:
         sys.stderr.write(f"torchmn: rank 0 found {found} of {size} parts of the timeline {path} within "
                          f"{MERGE_WAIT_S:.0f} s (the others run on other machines, or have not ended): once "
                          f"they are here, join them with: torchmn timeline merge {path}\n")
         return
-    merge(path)
+    merge(path, since=since)
+
+
+def _process_start_time() -> float:
+    """When this process started (``time.time()``'s clock), rounded down to allow for the file
+    system's timestamps."""
+    import psutil
+
+    return psutil.Process().create_time() - 1.0

@@ -99,6 +99,7 @@ class Job:
         self.start_failure: Optional[str] = None
         self.node_failure: Optional[str] = None
         self.started_at = 0.0
+        self.started_wall = 0.0  # time.time() as the ranks start: their timeline parts are newer
         self.store = None
         self.display = None
 
@@ -344,6 +345,7 @@ class Job:
         if config.verbose:
             self._describe(port)
         self.started_at = time.monotonic()
+        self.started_wall = time.time() - 1.0  # allowing for the file system's timestamps
         if any(not self.is_remote(slot) for slot in self.slots):
             self.procs.start_guardian()
         for slot in self.slots:
@@ -390,7 +392,7 @@ class Job:
         from torchmn.monitor import timeline
 
         try:
-            _, ranks, _ = timeline.merge(path)
+            _, ranks, _ = timeline.merge(path, since=self.started_wall)
         except TorchmnOSError:
             self.console.message(f"torchmn run: no rank wrote a part of the timeline {path} here (ranks on other "
                                  f"hosts write theirs there: copy them here and run torchmn timeline merge {path}; "
