@@ -66,6 +66,28 @@ def test_doctor_finds_an_under_used_machine():
     assert d["ranks"][0]["steps"]["steps"] >= 2, d["ranks"]
 
 
+@pytest.mark.timeout(120)
+def test_doctor_under_used_by_a_straggler_names_it():
+    """2 ranks of torchmn's budget (1 thread each on 2 CPUs) leave the CPUs idle because rank 1 sleeps
+    before each step: the fix names the straggler, not the settings the job already has."""
+    rc, d = diagnosis(["-np", "2", "--", sys.executable, str(BUSY), "60", "0", "--steps", "--straggle", "80"])
+    assert d["verdict"] == "under-used" and rc == 0, d
+    assert d["steps"]["stragglers"] == [1] and "wait for rank(s) 1" in d["fix"], d
+    assert "TORCHMN_NUM_THREADS" not in d["fix"] and "-np" not in d["fix"], d["fix"]
+
+
+@pytest.mark.timeout(120)
+def test_doctor_stops_sampling_when_the_command_ends():
+    """A command that ends 20 s into a 60 s window: the sampling stops there, and the report says
+    the figures cover the time it ran."""
+    started = time.monotonic()
+    proc = doctor(["--json", "--warmup", "1", "--seconds", "60", "--", sys.executable, str(BUSY), "20", "0", "--steps"])
+    took = time.monotonic() - started
+    d = json.loads(proc.stdout)
+    assert took < 55 and d["seconds"] < 30 and d["ended"] == [d["ranks"][0]["pid"]], (took, d)
+    assert d["ranks"][0]["cpu_percent"] > 50, d["ranks"]  # over the time it ran, not the 60 s asked for
+
+
 @pytest.mark.timeout(60)
 def test_doctor_attaches_to_a_job_by_its_id():
     job = subprocess.Popen([sys.executable, str(BUSY), "60"], env=clean_env({"SLURM_JOB_ID": "doctor-test-42",
@@ -96,7 +118,9 @@ def test_doctor_says_the_command_failed():
 
 @pytest.mark.parametrize("args,words", [([], "nothing to inspect"),
                                         (["--pid", "1", "--", "true"], "not both"),
-                                        (["--seconds", "0", "--", "true"], "--seconds must be positive")])
+                                        (["--seconds", "0", "--", "true"], "--seconds must be a positive number"),
+                                        (["--seconds", "nan", "--", "true"], "got --seconds nan"),
+                                        (["--seconds", "inf", "--", "true"], "got --seconds inf")])
 def test_doctor_refuses_bad_input(args, words):
     proc = doctor(args)
     assert proc.returncode == 2 and words in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

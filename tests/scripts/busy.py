@@ -1,7 +1,7 @@
 """Keeps the CPU busy for the doctor's tests: matrix products in the main thread's torch pool, and
 optionally DataLoader workers that compute too.
 
-Usage: python busy.py SECONDS [WORKERS] [--steps]
+Usage: python busy.py SECONDS [WORKERS] [--steps] [--straggle MS]
 
 With BUSY_FROM (seconds since the epoch) in the environment, it waits until then once torch is
 imported: the doctor samples after its warm-up only, and the CPU a spinning warm-up would take
@@ -12,6 +12,9 @@ job's ranks, a tiny model), so the job reports steps as a training job does and 
 as soon as every rank has made two. Without it the job reports none, and the doctor waits for
 reports until the job has used its CPU budget for a start-up (seconds of the clock on a loaded
 machine) before it samples.
+
+--straggle MS: rank 1 sleeps MS milliseconds before each step (with --steps), so that the others
+wait for it in the average.
 """
 import argparse
 import os
@@ -54,6 +57,7 @@ def main():
     parser.add_argument("seconds", type=float)
     parser.add_argument("workers", type=int, nargs="?", default=0)
     parser.add_argument("--steps", action="store_true")
+    parser.add_argument("--straggle", type=float, default=0.0)
     args = parser.parse_args()
     end = time.monotonic() + args.seconds
     step = stepper() if args.steps else None
@@ -65,6 +69,8 @@ def main():
         if batches is not None:
             next(batches)
         if step is not None:
+            if args.straggle and os.environ.get("RANK") == "1":
+                time.sleep(args.straggle / 1000)
             step()
 
 

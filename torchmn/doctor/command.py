@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -93,8 +94,9 @@ def run_doctor(args, parser) -> int:
         0
     """
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if args.seconds <= 0 or args.warmup < 0:
-        return _refuse("--seconds must be positive and --warmup not negative")
+    if not (math.isfinite(args.seconds) and math.isfinite(args.warmup)) or args.seconds <= 0 or args.warmup < 0:
+        return _refuse(f"--seconds must be a positive number and --warmup not negative (got --seconds "
+                       f"{args.seconds:g}, --warmup {args.warmup:g})")
     if (args.pid is not None or args.job is not None) and (command or args.np is not None):
         return _refuse("give either --pid/--job or a command (with -np), not both")
     started = None

@@ -31,7 +31,8 @@ class Diagnosis:
         cpu_percent: CPU the job used, in percent of one CPU.
         ranks: one dict per rank (pid, rank, threads, busy threads, CPU%, budget, settings, workers).
         fix: what to change, in words ("" where nothing needs to).
-        seconds: the sampling window.
+        seconds: the sampling window (shorter than asked where every process ended in it).
+        ended: processes (pids) that ended during the window: their figures are over the time they ran.
         steps: what the ranks' own step figures say (``torchmn.monitor``): ``stragglers`` (ranks
             busy more than ``STRAGGLER_RATIO`` times the median per step) and ``findings`` in
             words; None where no rank sent figures.
@@ -47,6 +48,7 @@ class Diagnosis:
     fix: str
     seconds: float
     steps: Optional[dict] = None
+    ended: list = dataclasses.field(default_factory=list)
 
     def to_json(self) -> dict:
         """The diagnosis as plain data, for ``torchmn doctor --json``.
@@ -70,7 +72,8 @@ def diagnose(ranks: list, samples: dict, limits: dict, seconds: float, pools: Op
         ranks: the :class:`~torchmn.doctor.processes.RankProcess` objects of this machine.
         samples: ``{pid: ProcessSample}`` for the ranks and their workers.
         limits: what limits the CPUs the ranks may use (``torchmn.resources.cpu_limits``).
-        seconds: the sampling window.
+        seconds: the sampling window asked for (the report gives the one sampled, shorter where
+            every process ended in it).
         pools: the thread pools the first rank's settings open (``pools.probe``), for the report.
         steps: each rank's step figures (``torchmn.monitor.publisher``), by rank; a rank busy more
             than ``STRAGGLER_RATIO`` times the median rank per step gets the verdict "straggler".
@@ -104,13 +107,7 @@ def diagnose(ranks: list, samples: dict, limits: dict, seconds: float, pools: Op
         rows.append(row)
         runnable += row["runnable"] + row["workers_runnable"]
         used += row["cpu_percent"] + row["workers_cpu_percent"]
-    if runnable > TOO_MANY * cpus and runnable - cpus >= 0.5:
-        verdict, fix = OVERSUBSCRIBED, _fix_oversubscribed(rows, cpus, budget)
-    elif used < TOO_FEW * 100 * cpus and runnable < TOO_FEW * cpus + 0.5:
-        verdict, fix = UNDER_USED, _fix_under_used(rows, cpus, used)
-    else:
-        verdict, fix = FINE, ""
-    found = None
+    found, stragglers = None, []
     if steps:
         compared = summary.compare(steps)
         stragglers = compared.stragglers if compared is not None else []
@@ -118,8 +115,17 @@ def diagnose(ranks: list, samples: dict, limits: dict, seconds: float, pools: Op
             if row["rank"] in stragglers:
                 row["verdict"] = STRAGGLER
         found = {"stragglers": stragglers, "findings": summary.describe(steps)}
-    return Diagnosis(verdict, cpus, dict(limits), pools, round(runnable, 2), round(used, 1), rows, fix, seconds,
-                     found)
+    if runnable > TOO_MANY * cpus and runnable - cpus >= 0.5:
+        verdict, fix = OVERSUBSCRIBED, _fix_oversubscribed(rows, cpus, budget)
+    elif used < TOO_FEW * 100 * cpus and runnable < TOO_FEW * cpus + 0.5:
+        verdict, fix = UNDER_USED, _fix_under_used(rows, cpus, used, stragglers)
+    else:
+        verdict, fix = FINE, ""
+    watched = [s.seconds for s in samples.values() if s.seconds > 0]
+    window = min(seconds, max(watched)) if watched else seconds
+    ended = sorted(pid for pid, s in samples.items() if not s.alive)
+    return Diagnosis(verdict, cpus, dict(limits), pools, round(runnable, 2), round(used, 1), rows, fix,
+                     round(window, 2), found, ended)
 
 
 def _fix_oversubscribed(rows: list, cpus: int, budget: int) -> str:
@@ -153,13 +159,22 @@ def _fix_oversubscribed(rows: list, cpus: int, budget: int) -> str:
     return "; ".join(fixes)
 
 
-def _fix_under_used(rows: list, cpus: int, used: float) -> str:
+def _fix_under_used(rows: list, cpus: int, used: float, stragglers: list) -> str:
+    idle = f"{len(rows)} rank(s) used {used / 100:.1f} of {cpus} CPUs"
+    if stragglers:
+        return (f"{idle}: the others wait for rank(s) {', '.join(map(str, stragglers))}, busy longer per step "
+                f"(below): give the ranks equal work (batches of one size, data of one cost), or look for what "
+                f"only those ranks do (logging, evaluation, checkpoints, a slower machine)")
     threads = max(1, max((row["busy_threads"] for row in rows), default=1))
     per_rank = max(1, cpus // max(1, len(rows)))
-    return (f"{len(rows)} rank(s) used {used / 100:.1f} of {cpus} CPUs: give each rank {per_rank} thread(s) "
-            f"(unset OMP_NUM_THREADS, or TORCHMN_NUM_THREADS={per_rank}) or start {max(1, cpus // threads)} "
-            f"ranks (-np {max(1, cpus // threads)}); if the ranks wait on data or communication instead, "
-            f"more DataLoader workers or larger batches help")
+    ranks = max(1, cpus // threads)
+    have = {row["settings"].get("TORCHMN_NUM_THREADS") or row["settings"].get("OMP_NUM_THREADS") for row in rows}
+    if have == {str(per_rank)} and ranks <= len(rows):
+        return (f"{idle}, with torchmn's budget of {per_rank} thread(s) per rank already: the ranks wait on data "
+                f"or communication; more DataLoader workers or larger batches help")
+    return (f"{idle}: give each rank {per_rank} thread(s) (unset OMP_NUM_THREADS, or "
+            f"TORCHMN_NUM_THREADS={per_rank})" + (f" or start {ranks} ranks (-np {ranks})" if ranks > len(rows) else "")
+            + "; if the ranks wait on data or communication instead, more DataLoader workers or larger batches help")
 
 
 def _rank_name(row: dict) -> str:
@@ -181,7 +196,9 @@ def report(d: Diagnosis, where: Optional[str] = None) -> str:
         >>> print(report(diagnose(ranks, samples, resources.cpu_limits(), 3.0), "pid 4242"))
     """
     lines = [f"torchmn doctor: {len(d.ranks)} rank(s) on {d.ranks[0]['host'] if d.ranks else '?'}"
-             + (f" ({where})" if where else "") + f", sampled for {d.seconds:.1f} s",
+             + (f" ({where})" if where else "") + f", sampled for {d.seconds:.1f} s"
+             + (f" (process(es) {', '.join(map(str, d.ended))} ended meanwhile: their figures are over the time "
+                f"they ran)" if d.ended else ""),
              f"CPUs the ranks may use here: {d.cpus} (affinity {d.limits.get('affinity')}, cgroup quota "
              f"{d.limits.get('cgroup') or 'none'}, Slurm allocation {d.limits.get('slurm') or 'none'}); "
              f"torchmn's budget: {d.ranks[0]['budget_threads'] if d.ranks else '-'} thread(s) per rank",
