@@ -103,11 +103,44 @@ def test_tune_stops_when_every_trial_fails(tmp_path):
     assert "-> failed, exit code 3; its last line: bad config" in out.stderr, out.stderr
 
 
+@pytest.mark.timeout(120)
+def test_tune_param_replaces_the_range_of_a_torchmn_setting(tmp_path):
+    command = "import os; print('torchmn-objective:', os.environ['TORCHMN_NUM_THREADS'])"
+    out = tune(["--storage", f"sqlite:///{tmp_path / 'tune.db'}", "--param", "TORCHMN_NUM_THREADS=int:7:7",
+                "--n-trials", "1", "--", sys.executable, "-c", command], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "best (7.000 s): " in out.stdout and out.stdout.splitlines()[0].count("TORCHMN_NUM_THREADS") == 1, \
+        out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_tune_fails_a_trial_whose_objective_line_holds_no_number(tmp_path):
+    storage = f"sqlite:///{tmp_path / 'tune.db'}"
+    out = tune(["--storage", storage, "--study-name", "t", "--only-params", "--param", "X=int:1:9", "--n-trials", "1",
+                "--", sys.executable, "-c", "print('torchmn-objective: abc')"], tmp_path)
+    (trial,) = trials(storage)
+    assert trial.state.name == "FAIL" and "-> failed, its objective line 'torchmn-objective: abc' holds no number" \
+        in out.stderr, (trial, out.stderr)
+
+
+def test_tune_sizes_its_space_from_the_cpus_the_job_may_use(monkeypatch):
+    """Slurm's allocation (1 CPU here), not the affinity alone, as torchmn info and the budget count."""
+    from torchmn.tune import Tuner
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_CPUS_ON_NODE", "1")
+    ranges = {p.name: (p.low, p.high) for p in Tuner(["true"]).params if p.kind == "int"}
+    assert ranges["TORCHMN_NUM_THREADS"] == (1, 1) and ranges["TORCHMN_INTEROP_THREADS"] == (1, 1), ranges
+
+
 @pytest.mark.parametrize("args,words", [
     ([], "no command to tune"),
     (["--param", "X=int:5", "--", "true"], "--param 'X=int:5'"),
     (["--param", "X=lognormal:1:2", "--", "true"], "expected NAME=int:LOW:HIGH"),
     (["--storage", "sqlite:////nonexistent-dir/x/tune.db", "--", "true"], "cannot open the storage"),
+    (["--timeout", "-1", "--", "true"], "--timeout must be a positive number of seconds, not -1"),
+    (["--trial-timeout", "0", "--", "true"], "--trial-timeout must be a positive number of seconds, not 0"),
+    (["--trial-timeout", "nan", "--", "true"], "--trial-timeout must be a positive number of seconds, not nan"),
+    (["--param", "X=int:1:2", "--param", "X=int:30:40", "--", "true"], "--param names X more than once"),
 ])
 def test_tune_refuses_bad_input(args, words, tmp_path):
     out = tune(args, tmp_path)

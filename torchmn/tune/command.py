@@ -3,7 +3,8 @@ Optuna, each trial a real run of it."""
 from __future__ import annotations
 
 import argparse
-import os
+import collections
+import math
 import signal
 import sys
 
@@ -112,6 +113,7 @@ def run_tune(args, parser) -> int:
     """
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     try:
+        from torchmn import resources
         from torchmn.tune.space import default_space, parse_param
         from torchmn.tune.study import Tuner, TuneError
     except ImportError as e:
@@ -120,14 +122,22 @@ def run_tune(args, parser) -> int:
         return _refuse("no command to tune: torchmn tune [options] -- python train.py")
     if args.n_trials < 1 or (args.np is not None and args.np < 1):
         return _refuse("--n-trials and -np must be at least 1")
+    for option, value in (("--timeout", args.timeout), ("--trial-timeout", args.trial_timeout)):
+        if value is not None and not (math.isfinite(value) and value > 0):
+            return _refuse(f"{option} must be a positive number of seconds, not {value:g}")
     try:
         extra = [parse_param(spec) for spec in args.param]
     except ValueError as e:
         return _refuse(str(e))
+    repeated = sorted(name for name, n in collections.Counter(p.name for p in extra).items() if n > 1)
+    if repeated:
+        return _refuse(f"--param names {', '.join(repeated)} more than once: give each setting one range")
     if args.only_params and not extra:
         return _refuse("--only-params needs at least one --param")
-    cpus = len(os.sched_getaffinity(0))
-    params = ([] if args.only_params else default_space(cpus, args.np or 1)) + extra
+    # A --param of one of torchmn's own settings replaces its default range.
+    mine = {p.name for p in extra}
+    defaults = [] if args.only_params else default_space(resources.cpu_count_available(), args.np or 1)
+    params = [p for p in defaults if p.name not in mine] + extra
     # A SIGTERM (a scheduler's, a CI's) ends the search like Ctrl-C: the running trial is stopped.
     signal.signal(signal.SIGTERM, _terminated)
     try:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from torchmn import resources
 from torchmn.errors import TorchmnError, TorchmnValueError
 from torchmn.tune import space as space_
 from torchmn.tune.trial_run import COMPLETE, PRUNED, run_trial
@@ -54,8 +55,8 @@ class Tuner:
         if not command:
             raise TorchmnValueError("torchmn tune needs a command: torchmn tune [options] -- python train.py")
         self.command, self.np = list(command), np
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        self.params = list(params) if params is not None else space_.default_space(cpus, np or 1)
+        self.params = (list(params) if params is not None else
+                       space_.default_space(resources.cpu_count_available(), np or 1))
         self.storage = storage or DEFAULT_STORAGE
         key = json.dumps([self.command, np, [p.name for p in self.params]])
         self.study_name = study_name or f"torchmn-tune-{hashlib.sha1(key.encode()).hexdigest()[:10]}"

@@ -21,7 +21,7 @@ from typing import Optional
 
 from torchmn.run.processes.groups import stop_group
 
-OBJECTIVE = re.compile(r"torchmn-objective:\s*([-+0-9.eE]+|nan|inf)")
+OBJECTIVE = re.compile(r"torchmn-objective:(.*)")
 INTERMEDIATE = re.compile(r"torchmn-intermediate:\s*(\d+)\s+([-+0-9.eE]+)")
 COMPLETE, FAILED, PRUNED = "complete", "failed", "pruned"
 
@@ -49,6 +49,7 @@ class _Output:
     def __init__(self, stream):
         self.tail = collections.deque(maxlen=15)
         self.objective: Optional[float] = None
+        self.bad_objective: Optional[str] = None  # the last objective line that held no number
         self.progress: list = []
         self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
         self._thread.start()
@@ -58,7 +59,10 @@ class _Output:
             line = line.rstrip("\n")
             self.tail.append(line)
             for found in OBJECTIVE.findall(line):
-                self.objective = float(found)
+                try:
+                    self.objective, self.bad_objective = float(found.strip()), None
+                except ValueError:
+                    self.objective, self.bad_objective = None, line
             for step, value in INTERMEDIATE.findall(line):
                 self.progress.append((int(step), float(value)))
 
@@ -136,6 +140,9 @@ def run_trial(argv: list, env: dict, trial, timeout: Optional[float], log: Optio
     if proc.returncode != 0:
         last = "\n".join(out.tail) or "(no output)"
         return Outcome(FAILED, None, f"exit code {proc.returncode}; its last lines:\n{last}", wall)
+    if out.bad_objective is not None:
+        return Outcome(FAILED, None, f"its objective line {out.bad_objective.strip()!r} holds no number: print "
+                                     f"'torchmn-objective: SECONDS', e.g. torchmn-objective: 12.5", wall)
     logged = _log_progress(log)
     value = out.objective if out.objective is not None else logged[-1][1] if logged else wall
     return Outcome(COMPLETE, value, "", wall)
