@@ -158,6 +158,10 @@ def test_info_text_under_torchmn_run():
      "the launcher's variables cannot be read"),
     ({"TORCHMN_NUM_THREADS": "many"}, "TORCHMN_NUM_THREADS='many' is not a positive integer"),
     ({"TORCHMN_SHM_SLOT_MB": "big"}, "TORCHMN_SHM_SLOT_MB='big' is not a number of MB"),
+    ({"TORCHMN_SHM_SLOT_MB": "nan"}, "TORCHMN_SHM_SLOT_MB='nan' is not a number of MB of at least 0.004"),
+    ({"TORCHMN_SHM_SLOT_MB": "inf"}, "TORCHMN_SHM_SLOT_MB='inf' is not a number of MB of at least 0.004"),
+    ({"TORCHMN_SHM_SLOT_MB": "0"}, "TORCHMN_SHM_SLOT_MB='0' is not a number of MB of at least 0.004"),
+    ({"TORCHMN_BUCKET_CAP_MB": "inf"}, "TORCHMN_BUCKET_CAP_MB must be a number of MB >= 0, not 'inf'"),
     ({"TORCHMN_CROSS_NODE_ALGORITHM": "tree"}, "TORCHMN_CROSS_NODE_ALGORITHM='tree': choose one of auto, ring, doubling"),
 ])
 def test_info_says_what_is_wrong_without_a_traceback(extra, message):

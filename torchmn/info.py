@@ -186,11 +186,12 @@ def _shm(local_size: int, torch) -> Dict[str, Any]:
 
 
 def _check_settings(env: Mapping[str, str]) -> None:
-    """Refuse a malformed TORCHMN_NUM_THREADS or TORCHMN_SHM_SLOT_MB before torch is imported, so
-    that the error comes at once."""
+    """Refuse a malformed TORCHMN_NUM_THREADS, TORCHMN_SHM_SLOT_MB or TORCHMN_BUCKET_CAP_MB before
+    torch is imported, so that the error comes at once."""
     try:
         resources.requested_threads(env)
         resources.shm_slot_mb_requested(env)
+        resources.bucket_cap_mb_requested(env)
     except ValueError as e:
         raise InfoError(str(e)) from None
 

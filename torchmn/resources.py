@@ -500,9 +500,13 @@ def bucket_cap_mb_requested(env: Optional[Mapping[str, str]] = None) -> Optional
         mb = float(value)
     except ValueError:
         mb = -1.0
-    if not mb >= 0:
+    if not (mb >= 0 and math.isfinite(mb)):
         raise TorchmnValueError(f"{TORCHMN_BUCKET_CAP_MB} must be a number of MB >= 0, not {value!r}")
     return mb
+
+
+# The smallest slot TORCHMN_SHM_SLOT_MB may ask for (4 KB: tensors go through in pieces of it).
+MIN_SHM_SLOT_MB = 0.004
 
 
 def shm_slot_mb_requested(env: Optional[Mapping[str, str]] = None) -> Optional[float]:
@@ -517,7 +521,7 @@ def shm_slot_mb_requested(env: Optional[Mapping[str, str]] = None) -> Optional[f
         The MB, or None where it is not set.
 
     Raises:
-        ValueError: it is not a number.
+        ValueError: it is not a number of MB of at least :data:`MIN_SHM_SLOT_MB`.
 
     Example::
 
@@ -528,7 +532,11 @@ def shm_slot_mb_requested(env: Optional[Mapping[str, str]] = None) -> Optional[f
     if value is None:
         return None
     try:
-        return float(value)
+        mb = float(value)
     except ValueError:
-        raise TorchmnValueError(f"{TORCHMN_SHM_SLOT_MB}={value!r} is not a number of MB; set it to the slot size "
-                                f"each rank gets in shared memory (default 16), or unset it") from None
+        mb = math.nan
+    if not (math.isfinite(mb) and mb >= MIN_SHM_SLOT_MB):
+        raise TorchmnValueError(f"{TORCHMN_SHM_SLOT_MB}={value!r} is not a number of MB of at least "
+                                f"{MIN_SHM_SLOT_MB:g}; set it to the slot size each rank gets in shared memory "
+                                f"(default 16), or unset it")
+    return mb
