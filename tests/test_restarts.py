@@ -94,6 +94,23 @@ def test_same_failure_every_time_says_restarting_does_not_help():
     assert "every start failed the same way, so restarting does not help here" in proc.stderr, proc.stderr
 
 
+def test_log_dir_keeps_every_starts_output(tmp_path):
+    """--log-dir with restarts: rank.<r>.log holds the failed start's output (its traceback), then a
+    line naming the restart, then the next start's."""
+    script = ("import os\n"
+              "count = os.environ['TORCHMN_RESTART_COUNT']\n"
+              "print('rank', os.environ['RANK'], 'start', count, flush=True)\n"
+              "if count == '0' and os.environ['RANK'] == '1':\n"
+              "    raise RuntimeError('first-start crash')\n")
+    proc = torchmn_run("-np", "2", "--max-restarts", "1", "--restart-delay", "0", "--log-dir", str(tmp_path / "logs"),
+                       PY, "-c", script)
+    assert proc.returncode == 0, proc.stderr
+    log = (tmp_path / "logs" / "rank.1.log").read_text()
+    first, crash = log.index("rank 1 start 0"), log.index("RuntimeError: first-start crash")
+    marker = log.index("----- torchmn run: start 1 (TORCHMN_RESTART_COUNT=1) -----")
+    assert first < crash < marker < log.index("rank 1 start 1"), log
+
+
 def test_restart_count_is_zero_without_restarts():
     proc = torchmn_run("-np", "2", PY, "-c", "import os; print('start', os.environ['TORCHMN_RESTART_COUNT'])",
                        timeout=60)

@@ -11,6 +11,7 @@ import time
 
 import psutil
 import pytest
+from ports import free_port
 
 from torchmn import resources
 from torchmn.cli import main
@@ -207,6 +208,27 @@ def test_sigint_is_forwarded_and_exits_130(tmp_path):
     assert_all_gone(pids_in(tmp_path))
 
 
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_a_later_node_waiting_for_node_0_stops_on_a_signal(sig):
+    """One launcher per node: node 1 waits for node 0's store (which never comes here); Ctrl-C or
+    SIGTERM stops it at once, as on node 0, not after --start-timeout."""
+    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "1", "--nnodes", "2", "--node-rank",
+                                 "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                                 "--start-timeout", "100", sys.executable, "-c", "pass"],
+                                env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(3)
+        launcher.send_signal(sig)
+        started = time.monotonic()
+        out, err = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 128 + sig and time.monotonic() - started < 10, (launcher.returncode, err)
+    assert f"received {signal.Signals(sig).name} while waiting for the rendezvous store of node 0" in err, err
+
+
 def test_log_dir_gets_unprefixed_output(tmp_path):
     log_dir = tmp_path / "logs"
     result = torchmn_run("-np", "2", "--log-dir", str(log_dir), "--output-ranks", "0",
@@ -371,6 +393,8 @@ def test_thread_budget_reaches_ranks_unless_user_set_it():
     (["run", "-np", "0", "true"], "-np must be at least 1, got 0"),
     (["run", "-np", "2"], "no command given"),
     (["run", "-np", "2", "--"], "no command given"),
+    (["run", "-np", "1", "--start-timeout", "nan", "true"], "--start-timeout must be a positive number of seconds"),
+    (["run", "-np", "1", "--start-timeout", "inf", "true"], "--start-timeout must be a positive number of seconds"),
 ])
 def test_usage_errors(argv, message, capsys):
     assert main(argv) == 2
@@ -594,6 +618,25 @@ def test_dry_run_gives_each_rank_the_variables_a_real_run_gives(tmp_path):
                 assert shown == value, name
         assert planned["TORCHMN_JOB_ID"] == "<chosen at start>" and planned["TORCHMN_RESTART_COUNT"] == "0"
     assert "MASTER_PORT=<chosen at start> (a free port the OS picks)" in dry.stdout
+
+
+def test_dry_run_of_a_later_node_shows_its_relay(capsys):
+    """A node above 0 gives its ranks its relay to node 0's store, as the real run does."""
+    assert main(["run", "--dry-run", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.2.3",
+                 "--master-port", "29731", "-np", "2", sys.executable, "train.py"]) == 0
+    out = capsys.readouterr().out
+    env = dry_run_ranks(out)[3]["env"]
+    assert env["MASTER_ADDR"] == "127.0.0.1", env
+    assert env["MASTER_PORT"] == "<chosen at start> (this node's relay to the store of node 0 at 10.1.2.3:29731)", env
+    assert "rendezvous: node 0 on " in out, out
+
+
+def test_one_launcher_per_node_takes_master_port_from_the_environment(capsys, monkeypatch):
+    """--nnodes without --master-port: node 0's port is MASTER_PORT (docs/launching/nodes.md)."""
+    monkeypatch.setenv("MASTER_PORT", "29752")
+    assert main(["run", "--dry-run", "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1", "-np", "1",
+                 sys.executable, "train.py"]) == 0
+    assert "\n  MASTER_PORT=29752\n" in capsys.readouterr().out
 
 
 def test_dry_run_opens_no_store_and_starts_no_process(monkeypatch, capsys):

@@ -158,8 +158,8 @@ class LaunchConfig:
             raise RunError("no command given. Usage: torchmn run -np N [options] COMMAND [ARGS...]")
         if self.master_port is not None and not 0 < self.master_port < 65536:
             raise RunError(f"--master-port must be between 1 and 65535, got {self.master_port}.")
-        if self.start_timeout is not None and self.start_timeout <= 0:
-            raise RunError(f"--start-timeout must be positive, got {self.start_timeout:g}.")
+        if self.start_timeout is not None and not (0 < self.start_timeout < float("inf")):  # also refuses NaN
+            raise RunError(f"--start-timeout must be a positive number of seconds, got {self.start_timeout:g}.")
         if self.nnodes is not None and self.nnodes < 1:
             raise RunError(f"--nnodes must be at least 1, got {self.nnodes}.")
         if (self.node_rank is not None or self.master_addr is not None) and self.nnodes is None:

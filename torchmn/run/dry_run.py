@@ -108,7 +108,7 @@ def _rendezvous_section(job: Job, known_addr: Optional[str]) -> List[str]:
     else:
         addr = known_addr
     port = str(job.master_port) if job.master_port is not None else f"{AT_START} (a free port the OS picks)"
-    host = (f"task 0 on {job.nodes.step.hosts[0]}" if job.nodes is not None else "this launcher")
+    host = (f"{job.nodes.step.kind} 0 on {job.nodes.step.hosts[0]}" if job.nodes is not None else "this launcher")
     lines = [f"rendezvous: {host} hosts the store, behind a gate that admits only the job's processes (by the "
              f"job's token, {SECRET})",
              f"  MASTER_ADDR={addr}",
@@ -140,6 +140,12 @@ def _rank_section(job: Job, slot: Slot, launcher_env: Mapping[str, str], port: s
         if job.remote_hosts and "GLOO_SOCKET_IFNAME" not in env and job.master_addr == AT_START:
             # local_env names the interface of MASTER_ADDR, which the host checks choose.
             env["GLOO_SOCKET_IFNAME"] = f"{AT_START} (the interface of MASTER_ADDR)"
+    relayed = not remote and job.nodes is not None and job.nodes.step.task != 0
+    if relayed:
+        # The real run gives these ranks their node's relay to the store of node 0 (open_store).
+        env["MASTER_ADDR"] = "127.0.0.1"
+        env["MASTER_PORT"] = (f"{AT_START} (this node's relay to the store of {job.nodes.step.kind} 0 at "
+                              f"{job.master_addr}:{port})")
     shown = _masked(env)
     argv = job.rank_argv(slot, shown)
     where = f"{slot.host}, over ssh" if remote else f"{slot.host}, this machine"

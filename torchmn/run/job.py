@@ -24,6 +24,7 @@ from torchmn.run.processes.output import Console, describe_exit, exit_code_of, f
 from torchmn.run.processes.supervisor import Rank, Supervisor
 from torchmn.run.remote import hostfile
 from torchmn.run.remote.ssh import RemoteError, check_hosts_or_stop, forwarded_env, parse_exports, rank_command
+from torchmn.run.restarts import TORCHMN_RESTART_COUNT
 from torchmn.run.nodes import NodeLaunchers, per_node_step
 from torchmn.run.slurm_step import slurm_step
 from torchmn.run.store import auth
@@ -302,9 +303,12 @@ class Job:
         argv = self.rank_argv(slot, env)
         log_dir = self.config.log_dir
         log_path = os.path.join(log_dir, f"rank.{slot.rank}.log") if log_dir else None
+        # A restart adds its ranks' output to the earlier starts' (what made them fail stays).
+        start = env.get(TORCHMN_RESTART_COUNT, "0")
+        header = f"----- torchmn run: start {start} ({TORCHMN_RESTART_COUNT}={start}) -----" if start != "0" else None
         # A remote rank's ssh client runs with the launcher's environment; its rank's is on the line.
         rank = self.procs.start_rank(slot, argv, self.base_env if remote else env, remote, log_path,
-                                     self.console, self._rank_exited)
+                                     self.console, self._rank_exited, log_header=header)
         if remote:
             auth.send_token(rank.process.stdin, self.token)
         return rank
@@ -334,8 +338,10 @@ class Job:
             origin = ("--master-port" if config.master_port else "MASTER_PORT" if self.base_env.get("MASTER_PORT")
                       else "derived from the Slurm job and step ids" if self.nodes.step.kind == "Slurm task"
                       else "the default port")
-            self.store = self.nodes.open_store(self.master_addr, self.master_port, origin, self.console.message,
-                                               self._local_pids, allow_unsigned=config.allow_unsigned_store)
+            self.store = self.nodes.open_store(
+                self.master_addr, self.master_port, origin, self.console.message, self._local_pids,
+                allow_unsigned=config.allow_unsigned_store,
+                interrupt=lambda: self._raise_on_signal(f"waiting for the rendezvous store of {self.nodes.step.kind} 0"))
             self.nodes.check_in(lambda: self._raise_on_signal(f"waiting for the other {self.nodes.step.kind}s"))
         else:
             self._check_hosts()

@@ -86,7 +86,8 @@ def per_node_step(config: LaunchConfig, env: Mapping[str, str]) -> Optional[Node
         (1, 2, 'n0', 29500)
     """
     if config.nnodes is not None:
-        place = NodePlace(config.nnodes, config.node_rank or 0, config.master_addr, config.master_port,
+        place = NodePlace(config.nnodes, config.node_rank or 0, config.master_addr,
+                          config.master_port or _port_in(env),
                           names={"nnodes": "--nnodes", "node_rank": "--node-rank", "master_addr": "--master-addr",
                                  "master_port": "--master-port"})
     else:
@@ -116,6 +117,17 @@ def per_node_step(config: LaunchConfig, env: Mapping[str, str]) -> Optional[Node
                   for r in range(place.nnodes))
     return NodeStep(place.node_rank, place.nnodes, hosts, master_addr, master_port, kind="node",
                     token_label=f"torchmn nodes {master_addr}:{master_port} x{place.nnodes}", token_fix=TOKEN_FIX)
+
+
+def _port_in(env: Mapping[str, str]) -> Optional[int]:
+    """``MASTER_PORT`` of ``env`` (None where it is not set)."""
+    value = env.get("MASTER_PORT", "").strip()
+    if not value:
+        return None
+    if not value.isdigit() or not 0 < int(value) < 65536:
+        raise RunError(f"MASTER_PORT={value!r} is not a port (1 to 65535): set it to node 0's port, the same on "
+                       f"every node, or pass --master-port")
+    return int(value)
 
 
 def _first_line(error: BaseException) -> str:
@@ -179,7 +191,7 @@ class NodeLaunchers:
 
     def open_store(self, master_addr: str, master_port: int, port_origin: str,
                    log: Callable[[str], None], likely_pids: Callable[[], Sequence[int]] = tuple,
-                   allow_unsigned: bool = False):
+                   allow_unsigned: bool = False, interrupt: Callable[[], None] = lambda: None):
         """Task 0 hosts the store, behind its gate on the step's first node; each other task opens
         its node's relay to it (see ``torchmn.run.store.relay``), through which its ranks and this
         launcher reach the store as clients.
@@ -191,6 +203,8 @@ class NodeLaunchers:
             likely_pids: this node's ranks, looked at first to identify a client.
             allow_unsigned: task 0 starts on a kernel that cannot sign TCP connections (see
                 ``torchmn.run.store.rendezvous.start_store``).
+            interrupt: called while the other tasks wait for task 0's store; what it raises (the
+                launcher's Ctrl-C or SIGTERM) ends the wait.
 
         Returns:
             Task 0: the ``HostedStore``; the other tasks: their ``TCPStore`` client, through the
@@ -216,7 +230,7 @@ class NodeLaunchers:
 
         try:
             self.relay = Relay(master_addr, master_port, self.token, self.start_timeout, log,
-                               likely_pids=likely_pids)
+                               likely_pids=likely_pids, interrupt=interrupt)
             self.store = TCPStore(LOCAL_ADDR, self.relay.port, is_master=False,
                                   timeout=datetime.timedelta(seconds=self.start_timeout))
         except ImpostorError as e:
@@ -235,7 +249,7 @@ class NodeLaunchers:
         except (OSError, RuntimeError) as e:
             raise RunError(f"could not reach the rendezvous store of {self.step.kind} 0 at "
                            f"{master_addr}:{master_port} within {self.start_timeout:g} s "
-                           f"({_first_line(e)}). Check that task 0 started and that the port is open "
+                           f"({_first_line(e)}). Check that {self.step.kind} 0 started and that the port is open "
                            f"between the nodes (set MASTER_PORT to use another), or raise --start-timeout.") from e
         return self.store
 

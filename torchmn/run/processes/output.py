@@ -167,12 +167,14 @@ def prepare_log_dir(log_dir: str) -> None:
                        f"Pass a directory you can write to.")
 
 
-def open_log(path: Optional[str], rank: int) -> Optional[IO[bytes]]:
+def open_log(path: Optional[str], rank: int, header: Optional[str] = None) -> Optional[IO[bytes]]:
     """Open a rank's log file for writing.
 
     Args:
         path: the file, or None for no log.
         rank: the rank, for the error.
+        header: a line to add to the file's end, after which the rank's output is added (a
+            restart's: the earlier starts' output stays); None: the file starts empty.
 
     Returns:
         The binary file, or None when ``path`` is None.
@@ -187,7 +189,13 @@ def open_log(path: Optional[str], rank: int) -> Optional[IO[bytes]]:
         >>> log = open_log("logs/rank.0.log", 0)   # doctest: +SKIP
     """
     try:
-        return open(path, "wb") if path else None
+        if not path:
+            return None
+        log = open(path, "wb" if header is None else "ab")
+        if header is not None:
+            log.write(f"{header}\n".encode())
+            log.flush()
+        return log
     except OSError as e:
         raise RunError(f"cannot write rank {rank}'s log file {path}: {e.strerror}. Choose another "
                        f"--log-dir, or make that path a writable file.") from e

@@ -252,7 +252,7 @@ class Supervisor:
 
     def start_rank(self, slot: Slot, argv: Sequence[str], env: Mapping[str, str], is_remote: bool,
                    log_path: Optional[str], console: Console,
-                   on_exit: Callable[[Rank, int], None]) -> Rank:
+                   on_exit: Callable[[Rank, int], None], log_header: Optional[str] = None) -> Rank:
         """Start one rank in a process group of its own, on this machine bound to its CPUs
         (``TORCHMN_BIND`` in ``env``; see :mod:`.binding`).
 
@@ -264,6 +264,8 @@ class Supervisor:
             log_path: the rank's log file, or None.
             console: where its output is shown.
             on_exit: called from another thread with the rank and its return code when it exits.
+            log_header: where given, the log file keeps what it holds (an earlier start's output)
+                and gets this line, then the rank's output (see ``open_log``).
 
         Returns:
             The rank, also added to ``ranks``.
@@ -280,7 +282,7 @@ class Supervisor:
             ...                         Console(None), on_exit)
         """
         # Opened first: a log that cannot be written must not leave a started rank behind.
-        log = open_log(log_path, slot.rank)
+        log = open_log(log_path, slot.rank, log_header)
         try:
             process = subprocess.Popen(list(argv), env=dict(env),
                                        stdin=subprocess.PIPE if is_remote else subprocess.DEVNULL,

@@ -37,7 +37,8 @@ CONNECT_SECONDS = 10.0
 STORE_START_SECONDS = 120.0
 
 
-def connect(address: str, port: int, token: str, seconds: float, kind: bytes = auth.RELAY) -> socket.socket:
+def connect(address: str, port: int, token: str, seconds: float, kind: bytes = auth.RELAY,
+            interrupt: Callable[[], None] = lambda: None) -> socket.socket:
     """A connection to the job's gate at ``address:port``, greeted (see ``torchmn.run.store.auth``),
     retrying for ``seconds`` while nothing listens there yet (another node's launcher may start later).
 
@@ -48,6 +49,7 @@ def connect(address: str, port: int, token: str, seconds: float, kind: bytes = a
         kind: the kind of greeting: ``auth.RELAY`` (the connection then carries a client's
             bytes to the store) or ``auth.WHERE`` (the gate then says where the store takes
             signed connections directly, see ``Relay``).
+        interrupt: called between two tries; what it raises (a launcher's Ctrl-C) ends the wait.
 
     Returns:
         The connection, blocking and without a timeout, ready to carry a ``TCPStore`` client's bytes.
@@ -70,6 +72,7 @@ def connect(address: str, port: int, token: str, seconds: float, kind: bytes = a
         except OSError:
             if time.monotonic() >= deadline:
                 raise
+            interrupt()
             time.sleep(0.5)
     try:
         sock.settimeout(max(5.0, deadline - time.monotonic()))
@@ -129,6 +132,7 @@ class Relay:
             start later than this host's launcher).
         log: where refused connections are reported.
         likely_pids: this host's ranks, looked at first to identify a client.
+        interrupt: called while the first connection is retried; what it raises ends the wait.
 
     Attributes:
         port: the relay's port on 127.0.0.1, which this host's ranks are told.
@@ -146,11 +150,11 @@ class Relay:
     """
 
     def __init__(self, address: str, port: int, token: str, seconds: float, log: Callable[[str], None],
-                 likely_pids: Callable[[], Sequence[int]] = tuple):
+                 likely_pids: Callable[[], Sequence[int]] = tuple, interrupt: Callable[[], None] = lambda: None):
         self.address, self.gate_port, self.token = address, port, token
         # The greeting proves the gate and checks the way; the answer, where the store is, comes once
         # the store has started (it imports torch), which this host's rank need not wait for.
-        self.asked = connect(address, port, token, seconds, kind=auth.WHERE)
+        self.asked = connect(address, port, token, seconds, kind=auth.WHERE, interrupt=interrupt)
         self.local_address = self.asked.getsockname()[0]
         self.way: Optional[Callable[[], socket.socket]] = None
         self.direct = False
