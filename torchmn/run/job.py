@@ -573,7 +573,7 @@ class Job:
         self.finish_display()
         code = self._summarize()
         if self.nodes is not None:
-            self.nodes.end_task(wait_for_others=self.received_signal is None)
+            self.nodes.end_task(wait_for_others=self.received_signal is None, log=self.console.message)
         return code
 
     def _check_other_nodes(self) -> None:

@@ -28,8 +28,10 @@ from torchmn.run.store.relay import LOCAL_ADDR, Relay
 
 # Store keys the launchers of one job share (the ranks' own keys have no such prefix).
 LAUNCHER_KEY = "torchmn/launcher/"
-# How long node 0's launcher keeps the store up, after its own ranks ended, for the other nodes' ranks to end.
-DONE_WAIT = 30.0
+# How long node 0's launcher keeps the store up, after its own ranks ended, for the other nodes' ranks to
+# end (torchrun's exit barrier waits as long); it says so after DONE_NOTE seconds.
+DONE_WAIT = 300.0
+DONE_NOTE = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,6 +162,7 @@ class NodeLaunchers:
         self.hosted: Optional[HostedStore] = None
         self.relay: Optional[Relay] = None
         self.reported: Optional[str] = None
+        self.store_gone = False  # task 0 ended and took the store with it: no more asking it
         try:
             self.token = shared_token(os.environ if env is None else env, step.token_label)
         except TokenError as e:
@@ -344,11 +347,15 @@ class NodeLaunchers:
             >>> tasks.reported_failure()   # doctest: +SKIP
             'rank 5 (host n2) failed with exit code 1'
         """
+        if self.store_gone:
+            return None
         try:
             if self.store.check([LAUNCHER_KEY + "failed"]):
                 return self.store.get(LAUNCHER_KEY + "failed").decode()
         except RuntimeError:
-            pass  # task 0 ended; how its ranks ended shows in ours
+            # Task 0 ended; how its ranks ended shows in ours. Asked again, the gone store would
+            # make torch print a warning every time.
+            self.store_gone = True
         return None
 
     def report_failure(self, description: str) -> None:
@@ -371,24 +378,39 @@ class NodeLaunchers:
             except RuntimeError:
                 pass
 
-    def end_task(self, wait_for_others: bool) -> None:
+    def end_task(self, wait_for_others: bool, log: Callable[[str], None] = lambda line: None) -> None:
         """Say this task is done. Task 0 keeps the store up until every task is (the other nodes'
-        ranks may still use it while they shut down), for at most ``DONE_WAIT`` seconds.
+        ranks may still use it, train on, save, shut down), for at most ``DONE_WAIT`` seconds,
+        saying so where that takes more than ``DONE_NOTE``.
 
         A store that is gone is ignored, and so is a wait that times out.
 
         Args:
             wait_for_others: task 0 waits (not when the launcher was signalled to stop).
+            log: where task 0 says it waits.
 
         Example::
 
-            >>> tasks.end_task(wait_for_others=True)   # doctest: +SKIP
+            >>> tasks.end_task(wait_for_others=True, log=print)   # doctest: +SKIP
         """
+        if self.store_gone:
+            return
         keys = [f"{LAUNCHER_KEY}done/{task}" for task in range(self.step.tasks)]
         try:
             self.store.set(keys[self.step.task], "1")
-            if self.step.task == 0 and wait_for_others:
-                self.store.wait(keys, datetime.timedelta(seconds=DONE_WAIT))
+            if self.step.task != 0 or not wait_for_others:
+                return
+            start, told = time.monotonic(), False
+            while time.monotonic() - start < DONE_WAIT:
+                pending = [task for task, key in enumerate(keys) if not self.store.check([key])]
+                if not pending:
+                    return
+                if not told and time.monotonic() - start >= DONE_NOTE:
+                    log(f"torchmn run: this {self.step.kind}'s ranks have ended; {self.step.kind}(s) "
+                        f"{', '.join(map(str, pending))} still run theirs, which use the rendezvous store hosted "
+                        f"here: waiting for them (at most {DONE_WAIT:g} s)")
+                    told = True
+                time.sleep(0.2)
         except RuntimeError:
             pass
 
