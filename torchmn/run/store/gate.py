@@ -394,7 +394,8 @@ class Gate:
         try:
             port = self.direct_port()
         except Exception as e:  # noqa: BLE001 - the relay then goes through the gate, which says why
-            self.log(f"torchmn run: the rendezvous store could not be opened for another host's relay: {e}")
+            if not self.closing:  # else the job has ended, before its store was needed: nothing went wrong
+                self.log(f"torchmn run: the rendezvous store could not be opened for another host's relay: {e}")
             port = 0
         self._settled(newcomer)
 
