@@ -45,6 +45,7 @@ def test_expand_hostlist_matches_scontrol(expr, expected):
 
 ERRORS = [
     ("node[3-1]", "goes downwards"),
+    ("node[010-8]", "write it as '008-010'"),  # the width of its first number, as Slurm pads
     ("node[]", "empty brackets"),
     ("node[1-2", "unbalanced"),
     ("node[1,,2]", "empty range"),

@@ -122,6 +122,14 @@ def test_timeline_merge_joins_parts_written_elsewhere(tmp_path):
     assert [(e["pid"], e["ts"], e["dur"]) for e in events] == [(0, 0.0, 500000.0), (1, 1000000.0, 500000.0)]
 
 
+def test_timeline_command_says_a_timeline_holds_no_phases(tmp_path):
+    empty = tmp_path / "empty.json"
+    empty.write_text('{"traceEvents": [], "displayTimeUnit": "ms"}')
+    proc = subprocess.run([sys.executable, "-m", "torchmn", "timeline", str(empty)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2 and "holds no phases" in proc.stderr, (proc.returncode, proc.stdout, proc.stderr)
+
+
 def test_timeline_command_refuses_a_file_that_is_not_a_timeline(tmp_path):
     bad = tmp_path / "x.json"
     bad.write_text("[1, 2]")

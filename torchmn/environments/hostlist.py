@@ -171,7 +171,7 @@ def _parse_group(body: str, item: str, expr: str) -> _Group:
         hi = int(hi_text) if hi_text else lo
         if lo > hi:
             raise TorchmnValueError(f"range {part!r} in hostlist {expr!r} goes downwards "
-                                    f"({lo} > {hi}); write it as '{hi_text}-{lo_text}'")
+                                    f"({lo} > {hi}); write it as '{hi:0{len(lo_text)}d}-{lo_text}'")
         if hi - lo + 1 > MAX_RANGE:
             raise TorchmnValueError(f"range {part!r} in hostlist {expr!r} has {hi - lo + 1} hosts, "
                                     f"more than the {MAX_RANGE} Slurm allows")

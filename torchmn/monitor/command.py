@@ -6,6 +6,8 @@ import argparse
 import collections
 import sys
 
+from torchmn.errors import TorchmnValueError
+
 EXIT_BAD_INPUT = 2
 
 
@@ -74,14 +76,14 @@ def run_timeline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
             drawn = plot.draw(words[0], args.png, args.last)
             print(f"drew {drawn} phases into {args.png}")
             return 0
-        _print_summary(plot.load(words[0]))
+        _print_summary(words[0], plot.load(words[0]))
         return 0
     except (OSError, ValueError) as e:
         sys.stderr.write(f"torchmn timeline: error: {e}\n")
         return EXIT_BAD_INPUT
 
 
-def _print_summary(data: dict) -> None:
+def _print_summary(path: str, data: dict) -> None:
     names, totals, counts = {}, collections.defaultdict(float), collections.Counter()
     for e in data["traceEvents"]:
         if e.get("ph") == "M" and e.get("name") == "process_name":
@@ -89,6 +91,8 @@ def _print_summary(data: dict) -> None:
         elif e.get("ph") == "X":
             totals[(e["pid"], e.get("cat"))] += e["dur"] / 1e3
             counts[(e["pid"], e.get("cat"))] += 1
+    if not totals:
+        raise TorchmnValueError(f"{path} holds no phases: did the ranks record (TORCHMN_TIMELINE) and step?")
     for pid in sorted({p for p, _ in totals}):
         parts = ", ".join(f"{cat} {totals[(p, cat)]:.1f} ms ({counts[(p, cat)]}x)"
                           for p, cat in sorted(totals) if p == pid)
