@@ -152,6 +152,11 @@ def test_info_text_under_torchmn_run():
     assert "[1] rendezvous: 127.0.0.1:" in proc.stdout
 
 
+def test_info_says_the_rendezvous_port_is_missing():
+    proc = torchmn_command("info", env=plain_env(RANK="1", WORLD_SIZE="2"))
+    assert proc.returncode == 0 and "rendezvous: 127.0.0.1, no port: set MASTER_PORT" in proc.stdout, proc.stdout
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"TORCHMN_RANK": "1"}, "the launcher's variables cannot be read: TORCHMN_SIZE is not set"),
     ({"RANK": "x", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"},

@@ -74,6 +74,12 @@ def test_elastic_config_checks_the_bounds():
         LaunchConfig(["python", "x.py"], np=4, min_np=2, monitor=True)
 
 
+def test_elastic_options_without_min_np_are_noted(capsys):
+    from torchmn.cli import main
+    assert main(["run", "--dry-run", "-np", "1", "--elastic-timeout", "5", "true"]) == 0
+    assert "--elastic-timeout and --reset-limit do nothing without --min-np N" in capsys.readouterr().err
+
+
 # -- real jobs -----------------------------------------------------------------------------------
 
 class ElasticRun:

@@ -232,6 +232,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if args.max_restarts == 0 and (args.restart_on is not None or args.restart_delay is not None):
             sys.stderr.write("torchmn run: note: --restart-on and --restart-delay do nothing without "
                              "--max-restarts K\n")
+        if config.min_np is None and (args.elastic_timeout is not None or args.reset_limit is not None):
+            sys.stderr.write("torchmn run: note: --elastic-timeout and --reset-limit do nothing without --min-np N "
+                             "(an elastic job)\n")
         if args.dry_run:
             from torchmn.run.dry_run import dry_run
 

@@ -343,8 +343,10 @@ def format_text(info: Mapping[str, Any]) -> str:
         ("place", f"rank {launcher['rank']} of {launcher['size']}, local rank {launcher['local_rank']} of "
                   f"{launcher['local_size']}, " + (f"node {launcher['node_rank']}" if launcher["node_rank"] is not None
                                            else "node not named by the launcher (grouped by host name)")),
-        ("rendezvous", f"{launcher['master_addr']}:{launcher['master_port']}" if source != "single"
-         else "none needed (a world of one process opens no port)"),
+        ("rendezvous", "none needed (a world of one process opens no port)" if source == "single" else
+         f"{launcher['master_addr']}:{launcher['master_port']}" if launcher["master_port"] is not None else
+         f"{launcher['master_addr']}, no port: set MASTER_PORT (the same on every rank), which torch's env:// "
+         f"needs"),
         ("threads", f"{threads['budget']} per rank ({threads['basis']})"),
         ("CPUs", f"{threads['cpus_available']} available (affinity {limits['affinity']}, cgroup limit "
                  f"{limits['cgroup'] or 'none'}, Slurm {limits['slurm'] or 'none'})"),
