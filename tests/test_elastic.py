@@ -264,13 +264,11 @@ def test_elastic_twenty_kills_match_a_replay_of_the_membership(tmp_path):
     assert 3 in result["sizes"] and result["sizes"][-1] in (3, 4)
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("shard_state", ["true", "false"])
-def test_elastic_kill_with_each_optimizer_matches_a_replay(tmp_path, shard_state):
-    """The sharded (each rank's part of the state, gathered at commit) and the replicated optimizer
-    lose a rank and go on; the result equals the replay."""
+def kill_one_of_three_and_refill(tmp_path: Path, train_args: list) -> subprocess.CompletedProcess:
+    """A 3-rank elastic job (--min-np 2) of elastic_train.py with ``train_args``: worker 1 is killed
+    after a few steps, the survivors go on, a new rank refills the slot; the finished job."""
     job = ElasticRun(tmp_path, 3, ["--min-np", "2", "--max-np", "3"],
-                     ["--steps", "100000", "--step-sleep", "0.05", "--shard-state", shard_state], timeout=240)
+                     ["--steps", "100000", "--step-sleep", "0.05", *train_args], timeout=240)
     try:
         job.wait_for(lambda: job.steps_at(3) >= 5, "the first steps")
         step = job.kill(1)
@@ -280,6 +278,15 @@ def test_elastic_kill_with_each_optimizer_matches_a_replay(tmp_path, shard_state
     finally:
         job.stop()
     assert done.returncode == 0, done.stdout[-4000:]
+    return done
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("shard_state", ["true", "false"])
+def test_elastic_kill_with_each_optimizer_matches_a_replay(tmp_path, shard_state):
+    """The sharded (each rank's part of the state, gathered at commit) and the replicated optimizer
+    lose a rank and go on; the result equals the replay."""
+    kill_one_of_three_and_refill(tmp_path, ["--shard-state", shard_state])
     check_against_replay(tmp_path)
 
 
@@ -289,17 +296,7 @@ def test_elastic_reset_callback_learning_rate_holds(tmp_path):
     says to): the survivors of a kill train at 2 ranks' rate, and after a rank joins, every rank,
     the new one too, at 3 ranks' rate; the sync after a reset does not put the commit's rate back.
     The result equals the replay with each step's rate from its world size."""
-    job = ElasticRun(tmp_path, 3, ["--min-np", "2", "--max-np", "3"],
-                     ["--steps", "100000", "--step-sleep", "0.05", "--lr-per-rank", "0.02"], timeout=240)
-    try:
-        job.wait_for(lambda: job.steps_at(3) >= 3, "the first steps")
-        step = job.kill(1)
-        job.wait_for(lambda: job.steps_at(2, after=step) >= 2, "the survivors' steps")
-        job.wait_for(lambda: job.steps_at(3, after=step) >= 2, "the refilled slot's steps")
-        done = job.finish()
-    finally:
-        job.stop()
-    assert done.returncode == 0, done.stdout[-4000:]
+    kill_one_of_three_and_refill(tmp_path, ["--lr-per-rank", "0.02"])
     result = check_against_replay(tmp_path, lr_per_rank=0.02)
     assert 2 in result["sizes"] and result["sizes"][-1] == 3, result["sizes"]
 
