@@ -14,7 +14,7 @@ ALL = ("equivalence", "compression", "double_buffering", "clipping", "unused_par
        "double_buffering_edge_cases", "half_precision_sums", "failed_backward", "frozen_parameters_start_equal",
        "complex_parameters", "dtype_changed_after_wrapping", "default_keeps_replicated_semantics", "powersgd",
        "powersgd_refusals", "rewrap_keeps_state",
-       "saved_model_is_its_own_size")
+       "saved_model_is_its_own_size", "state_dict_hooks")
 
 
 @pytest.mark.check_job("optim")

@@ -840,6 +840,19 @@ def check_optimizer_set_backward_passes_per_step():
     expect_raises(ValueError, lambda: opt.set_backward_passes_per_step(0), "positive integer")
 
 
+def check_optimizer_state_dict_hooks():
+    model = _mlp()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    seen = []
+    opt.register_state_dict_pre_hook(lambda o: seen.append("pre"))
+    opt.register_state_dict_post_hook(lambda o, sd: {**sd, "epoch": 2})
+    opt.register_load_state_dict_pre_hook(lambda o, sd: seen.append("load_pre"))
+    opt.register_load_state_dict_post_hook(lambda o: seen.append("load_post"))
+    saved = opt.state_dict()
+    opt.load_state_dict(saved)
+    expect(saved["epoch"] == 2 and seen == ["pre", "load_pre", "load_post"], f"hooks: {seen}")
+
+
 def check_sync_batch_norm_copies_and_pickles():
     import copy
     import io

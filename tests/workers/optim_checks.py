@@ -365,6 +365,38 @@ def check_rewrap_keeps_state(comm):
         opt.remove_hooks()
 
 
+def check_state_dict_hooks(comm):
+    """torch's four state-dict hooks, with every optimizer kind: a post hook's dict is what
+    state_dict() returns, a load pre hook's is what loads, pre and post hooks see the optimizer."""
+    for shard_state in (None, True, False):
+        torch.manual_seed(0)
+        model = make_model()
+        opt = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters(), lr=0.01), comm,
+                                                  shard_state=shard_state)
+        x, y = data(0)
+        opt.zero_grad()
+        loss_fn(model, local(x, comm), local(y, comm)).backward()
+        opt.step()
+        seen = []
+        opt.register_state_dict_pre_hook(lambda o: seen.append(("pre", o is opt)))
+        handle = opt.register_state_dict_post_hook(lambda o, sd: {**sd, "epoch": 7})
+        opt.register_state_dict_post_hook(lambda o, sd: seen.append(("first", "epoch" in sd)), prepend=True)
+        saved = opt.state_dict()
+        assert saved["epoch"] == 7 and seen == [("pre", True), ("first", False)], (shard_state, seen)
+        handle.remove()
+        assert "epoch" not in opt.state_dict(), shard_state
+
+        def lr_half(o, sd):
+            sd = copy.deepcopy(sd)
+            sd["param_groups"][0]["lr"] = 0.005
+            return sd
+        opt.register_load_state_dict_pre_hook(lr_half)
+        opt.register_load_state_dict_post_hook(lambda o: seen.append(("loaded", o.param_groups[0]["lr"])))
+        opt.load_state_dict(saved)
+        assert opt.param_groups[0]["lr"] == 0.005 and seen[-1] == ("loaded", 0.005), (shard_state, seen)
+        opt.remove_hooks()
+
+
 def check_saved_model_is_its_own_size(comm):
     """torch.save(model.state_dict()) with the default optimizer (whose parameters live in the
     node's shared memory beside the optimizer state) writes the parameters, not the memory around

@@ -11,12 +11,14 @@ is, how it is sent (allreduce or reduce-scatter) and what ``step()`` does with t
 from __future__ import annotations
 
 import abc
+import collections
 import contextlib
 import socket
 from typing import Callable, Iterator, Optional
 
 import torch
 from torch.autograd import Variable
+from torch.utils.hooks import RemovableHandle
 
 from torchmn.communicators import Communicator
 from torchmn.errors import TorchmnNotImplementedError, TorchmnRuntimeError, TorchmnTypeError, TorchmnValueError
@@ -140,7 +142,8 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
     A subclass builds its buckets from :meth:`trainable_params`, calls :meth:`attach_hooks`,
     implements ``_send(bucket)`` (start one bucket's communication) and ``_all_sent()`` (every
-    bucket of the step is out), and starts its ``step()`` with :meth:`check_step`.
+    bucket of the step is out), :meth:`whole_state_dict` and :meth:`load_whole_state_dict`, and
+    starts its ``step()`` with :meth:`check_step`.
     """
 
     # Whether updates use the previous step's averages (ChainerMN's double buffering); only the
@@ -197,6 +200,8 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         # Whose gradients this step's average is over: every rank, or inside torchmn.join the ranks
         # that still have data (the exchange at the start of each step's averaging tells).
         self.contributors = comm.size
+        # Hooks around state_dict() and load_state_dict(), as a torch optimizer has them.
+        self.state_dict_hooks = {kind: collections.OrderedDict() for kind in ("pre", "post", "load_pre", "load_post")}
         joining.register(self)
 
     def trainable_params(self) -> list[torch.nn.Parameter]:
@@ -514,6 +519,151 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         raise TorchmnTypeError(f"a {type(self).__name__} cannot be copied or pickled: it holds the communicator, "
                                f"backward hooks and shared buffers. Save optimizer.state_dict() and load it into "
                                f"a new one (create_multi_node_optimizer(...).load_state_dict(state)) instead")
+
+    # ----------------------------------------------------------------------------- state dicts
+    @abc.abstractmethod
+    def whole_state_dict(self) -> dict:
+        """The optimizer state in torch's format, without the state-dict hooks (the subclass's).
+
+        Returns:
+            ``{"state": ..., "param_groups": ...}`` as ``torch.optim.Optimizer.state_dict()``.
+
+        Example::
+
+            >>> optimizer.whole_state_dict()["param_groups"][0]["lr"]
+            0.01
+        """
+
+    @abc.abstractmethod
+    def load_whole_state_dict(self, state_dict: dict) -> None:
+        """Load a state in torch's format, without the state-dict hooks (the subclass's).
+
+        Args:
+            state_dict: the state.
+
+        Example::
+
+            >>> optimizer.load_whole_state_dict(torch.load(path)["opt"])
+        """
+
+    def state_dict(self) -> dict:
+        """The whole optimizer state, in the wrapped optimizer's format: what
+        :meth:`whole_state_dict` gives (a collective for the sharded optimizer), passed through the
+        hooks registered with :meth:`register_state_dict_pre_hook` and
+        :meth:`register_state_dict_post_hook`, as torch's ``Optimizer.state_dict()`` does.
+
+        Returns:
+            ``{"state": ..., "param_groups": ...}``; it loads with any rank count and into the plain
+            torch optimizer.
+
+        Example::
+
+            >>> if comm.rank == 0:
+            ...     torch.save({"model": model.state_dict(), "opt": optimizer.state_dict()}, path)
+        """
+        for hook in list(self.state_dict_hooks["pre"].values()):
+            hook(self)
+        state = self.whole_state_dict()
+        for hook in list(self.state_dict_hooks["post"].values()):
+            changed = hook(self, state)
+            state = state if changed is None else changed
+        return state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a ``state_dict()`` of this or a plain torch optimizer (on every rank), passed through
+        the hooks registered with :meth:`register_load_state_dict_pre_hook` and
+        :meth:`register_load_state_dict_post_hook`, as torch's ``Optimizer.load_state_dict()`` does.
+
+        Args:
+            state_dict: the state, in torch's optimizer format.
+
+        Raises:
+            ValueError: its groups or state entries do not fit this optimizer's parameters.
+
+        Example::
+
+            >>> optimizer.load_state_dict(torch.load(path)["opt"])
+        """
+        for hook in list(self.state_dict_hooks["load_pre"].values()):
+            changed = hook(self, state_dict)
+            state_dict = state_dict if changed is None else changed
+        self.load_whole_state_dict(state_dict)
+        for hook in list(self.state_dict_hooks["load_post"].values()):
+            hook(self)
+
+    def _add_state_dict_hook(self, kind: str, hook: Callable, prepend: bool) -> RemovableHandle:
+        hooks = self.state_dict_hooks[kind]
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        if prepend:
+            hooks.move_to_end(handle.id, last=False)
+        return handle
+
+    def register_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
+        """Call ``hook(optimizer)`` before :meth:`state_dict` builds the state, as torch's does.
+
+        Args:
+            hook: the function.
+            prepend: run it before the hooks registered so far.
+
+        Returns:
+            A handle whose ``remove()`` removes the hook.
+
+        Example::
+
+            >>> handle = optimizer.register_state_dict_pre_hook(lambda opt: print("saving"))
+        """
+        return self._add_state_dict_hook("pre", hook, prepend)
+
+    def register_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
+        """Call ``hook(optimizer, state_dict)`` on what :meth:`state_dict` built; a dict it returns
+        replaces it, as torch's does.
+
+        Args:
+            hook: the function.
+            prepend: run it before the hooks registered so far.
+
+        Returns:
+            A handle whose ``remove()`` removes the hook.
+
+        Example::
+
+            >>> handle = optimizer.register_state_dict_post_hook(lambda opt, sd: {**sd, "epoch": 3})
+        """
+        return self._add_state_dict_hook("post", hook, prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
+        """Call ``hook(optimizer, state_dict)`` before :meth:`load_state_dict` loads; a dict it
+        returns is loaded instead, as torch's does.
+
+        Args:
+            hook: the function.
+            prepend: run it before the hooks registered so far.
+
+        Returns:
+            A handle whose ``remove()`` removes the hook.
+
+        Example::
+
+            >>> handle = optimizer.register_load_state_dict_pre_hook(lambda opt, sd: migrate(sd))
+        """
+        return self._add_state_dict_hook("load_pre", hook, prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
+        """Call ``hook(optimizer)`` after :meth:`load_state_dict` has loaded, as torch's does.
+
+        Args:
+            hook: the function.
+            prepend: run it before the hooks registered so far.
+
+        Returns:
+            A handle whose ``remove()`` removes the hook.
+
+        Example::
+
+            >>> handle = optimizer.register_load_state_dict_post_hook(lambda opt: print("loaded"))
+        """
+        return self._add_state_dict_hook("load_post", hook, prepend)
 
     def register_step_pre_hook(self, hook):
         """Call ``hook(optimizer, args, kwargs)`` before each update, as torch's does.

@@ -394,8 +394,9 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         self._sent = False
         self.zero_grad()
 
-    def state_dict(self):
-        """The wrapped optimizer's ``state_dict()``: the same on every rank, no communication.
+    def whole_state_dict(self) -> dict:
+        """The wrapped optimizer's ``state_dict()``: the same on every rank, no communication
+        (``state_dict()`` gives it through the state-dict hooks).
 
         Returns:
             ``{"state": ..., "param_groups": ...}`` as ``torch.optim.Optimizer.state_dict()``; it
@@ -408,8 +409,9 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         """
         return self.wrapped.state_dict()
 
-    def load_state_dict(self, state_dict) -> None:
-        """Load a ``state_dict()`` of this or a plain torch optimizer (on every rank).
+    def load_whole_state_dict(self, state_dict) -> None:
+        """Load a ``state_dict()`` of this or a plain torch optimizer (on every rank;
+        ``load_state_dict()`` does, through the state-dict hooks).
 
         Args:
             state_dict: the state, in torch's optimizer format.

@@ -306,8 +306,9 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
                 entries[p] = entry
         return entries
 
-    def state_dict(self) -> dict:
-        """The whole optimizer state, in the wrapped optimizer's format, on any rank alone.
+    def whole_state_dict(self) -> dict:
+        """The whole optimizer state, in the wrapped optimizer's format, on any rank alone
+        (``state_dict()`` gives it through the state-dict hooks).
 
         No communication: the state lives in memory the node's ranks share. Take it between
         ``step()`` and the next backward, as scripts do to save it.
@@ -330,7 +331,7 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
         state = {index[p]: entry for p, entry in self._entries(copy=True).items()}
         return shard_state.torch_format(groups, state, index)
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_whole_state_dict(self, state_dict: dict) -> None:
         """Load a whole state (from :meth:`state_dict`, any rank count, or a plain torch
         optimizer), on every rank: each writes its slice into the shared state, and waits for the
         node's other ranks to have written theirs (collective on the node).
@@ -345,7 +346,7 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
 
             >>> optimizer.load_state_dict(torch.load(path)["opt"])
         """
-        super().load_state_dict(state_dict)
+        super().load_whole_state_dict(state_dict)
         self._home_state()
         # Each rank wrote its slices of the shared state: none reads the whole (state_dict(), the
         # next step) before every rank has.

@@ -154,7 +154,7 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         if self.wrapped.state:
             # A torch optimizer with state (loaded before wrapping, or handed back by remove_hooks
             # to unfreeze parameters) keeps it, as the replicated optimizer does.
-            self.load_state_dict(self.wrapped.state_dict())
+            self.load_whole_state_dict(self.wrapped.state_dict())
 
     def _place_in_shared_memory(self):
         """On one node, put the flat buffers in memory the node's ranks share, or return None.
@@ -446,15 +446,16 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             >>> backbone.requires_grad_(True)                   # unfreeze
             >>> optimizer = torchmn.create_multi_node_optimizer(optimizer.wrapped, comm)
         """
-        whole = self.state_dict()
+        whole = self.whole_state_dict()
         # Copies: the node-shared optimizer's state is views into memory that goes with it.
         whole["state"] = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in entry.items()}
                           for i, entry in whole["state"].items()}
         super().remove_hooks()
         self.wrapped.load_state_dict(whole)
 
-    def state_dict(self) -> dict:
-        """The whole optimizer state, in the wrapped optimizer's format, on every rank.
+    def whole_state_dict(self) -> dict:
+        """The whole optimizer state, in the wrapped optimizer's format, on every rank
+        (``state_dict()`` gives it through the state-dict hooks).
 
         Every rank must call it (the shards are all-gathered). The result is what the unsharded
         optimizer would hold, so it loads with any rank count or into the plain torch optimizer.
@@ -472,8 +473,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         """
         return shard_state.gather_state_dict(self.comm, self.wrapped.param_groups, self.buckets)
 
-    def load_state_dict(self, state_dict: dict) -> None:
-        """Load a whole state (from :meth:`state_dict` on any rank count, or a plain torch optimizer).
+    def load_whole_state_dict(self, state_dict: dict) -> None:
+        """Load a whole state (from :meth:`state_dict` on any rank count, or a plain torch optimizer;
+        ``load_state_dict()`` does, through the state-dict hooks).
 
         Each rank keeps only its own shard; no communication.
 
