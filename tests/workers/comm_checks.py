@@ -489,6 +489,47 @@ def check_cpu_under_nccl(comm):
     c.finalize()
 
 
+def check_integer_mean_does_not_wrap(comm):
+    """The float64 mean of integers whose sum leaves their dtype (int8's 127, int32's 2**31)."""
+    for dtype, value in [(torch.int8, 100), (torch.uint8, 200), (torch.int16, 30000), (torch.int32, 2 ** 30 + 5),
+                         (torch.bool, True), (torch.int64, 2 ** 40)]:
+        out = comm.allreduce(torch.full((5,), value, dtype=dtype), op="mean")
+        assert out.dtype == torch.float64 and torch.all(out == float(value)), (dtype, out)
+
+
+def _expect_mismatch(call, *words):
+    try:
+        call()
+    except torchmn.CollectiveMismatchError as e:
+        assert all(w in str(e) for w in words), (words, str(e))
+    else:
+        raise AssertionError(f"no CollectiveMismatchError naming {words}")
+
+
+def check_calls_built_on_allgather_obj_are_told_apart(comm):
+    """allreduce_obj, split and bcast_data's layout check are collectives of their own: ranks making
+    one of them against an allgather_obj, or bcast_data with other roots, raise on every rank
+    (they took each other's objects, or waited out the timeout)."""
+    if comm.size == 1:
+        return
+    _expect_mismatch(lambda: comm.allreduce_obj(5) if comm.rank == 0 else comm.allgather_obj(5),
+                     "allreduce_obj", "allgather_obj")
+    _expect_mismatch(lambda: comm.split(0) if comm.rank == 0 else comm.allgather_obj("x"), "split")
+    _expect_mismatch(lambda: comm.bcast_data(torch.nn.Linear(2, 2), root=comm.rank), "root differs")
+    assert comm.allreduce_obj(comm.rank) == sum(range(comm.size))  # the communicator goes on
+
+
+def check_root_must_be_an_int(comm):
+    import numpy
+    for root in (True, numpy.int64(0)):
+        try:
+            comm.bcast(torch.ones(2), root=root)
+        except ValueError as e:
+            assert "a rank is a Python int" in str(e), e
+        else:
+            raise AssertionError(f"root={root!r} taken")
+
+
 def check_mismatch(comm):
     if comm.size == 1:
         return

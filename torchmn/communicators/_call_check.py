@@ -19,7 +19,8 @@ from torchmn.communicators.ops import OPS
 
 # Collective kinds, as they travel in headers. Order is part of the wire format: append only.
 KINDS = ("invalid", "bcast", "gather", "allgather", "scatter", "alltoall", "allreduce", "allgather_obj",
-         "bcast_obj", "gather_obj", "scatter_obj", "multi_node_mean_grad")
+         "bcast_obj", "gather_obj", "scatter_obj", "multi_node_mean_grad", "allreduce_obj", "split",
+         "check_same_layout")
 KIND = {name: i for i, name in enumerate(KINDS)}
 OP_CODES = {name: i for i, name in enumerate(OPS)}
 # The last headers check_headers passed, by identity: a node's segment hands back one tensor per
@@ -54,6 +55,31 @@ def obj_header(n: int, kind: str = "allgather_obj", root: int = _wire.NONE) -> l
     row = _wire.header(KIND[kind], root)
     row[_wire.SHAPE] = n
     return row
+
+
+def layout_difference(layouts: list, root: int) -> Optional[tuple[list[int], str]]:
+    """Where every rank's tensor layout (a list of ``(shape, dtype)``) differs from root's.
+
+    Args:
+        layouts: every rank's layout, in rank order.
+        root: the rank whose layout is the reference.
+
+    Returns:
+        ``(the ranks that differ, the first difference in words)``; None where every rank agrees.
+
+    Example::
+
+        >>> layout_difference([[((2,), "float32")], [((3,), "float32")]], 0)
+        ([1], 'tensor 0 is (3,) float32 there, (2,) float32 on rank 0')
+    """
+    bad = [r for r, lay in enumerate(layouts) if lay != layouts[root]]
+    if not bad:
+        return None
+    theirs, ours = layouts[bad[0]], layouts[root]
+    diff = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), None)
+    if diff is None:
+        return bad, f"{len(theirs)} tensors there, {len(ours)} on rank {root}"
+    return bad, f"tensor {diff} is {theirs[diff][0]} {theirs[diff][1]} there, {ours[diff][0]} {ours[diff][1]} on rank {root}"
 
 
 def check_headers(kind: str, hdrs: torch.Tensor, error: Optional[Exception], same_shape: bool,

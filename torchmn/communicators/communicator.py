@@ -209,7 +209,9 @@ class Communicator(CommunicatorBase):
             raise err
 
     def _peer_error(self, r: Any, what: str) -> Optional[ValueError]:
-        if not isinstance(r, int) or not 0 <= r < self.size:
+        if isinstance(r, bool) or not isinstance(r, int):  # a numpy integer too: int() it
+            return TorchmnValueError(f"{what}={r!r} is not a rank: a rank is a Python int, 0 to {self.size - 1}")
+        if not 0 <= r < self.size:
             return TorchmnValueError(f"{what}={r!r} is not a rank of this communicator (size {self.size})")
         if what in ("dest", "source") and r == self.rank:  # it would wait for itself
             return TorchmnValueError(f"{what}={r} is this rank: send and recv pair two ranks; keep the value instead")
@@ -540,8 +542,10 @@ class Communicator(CommunicatorBase):
     def _allreduce_agreed(self, x: torch.Tensor, op: str) -> torch.Tensor:
         """The reduction of ``x``, once the ranks have agreed on the call."""
         src = x.detach().to(self.wire_device(x))
-        if op == "mean" and src.dtype == torch.bool:
-            src = src.to(torch.int64)  # a bool sum is a logical or: count the True values instead
+        if op == "mean" and not (src.is_floating_point() or src.is_complex()):
+            # The float64 mean of integers: summed in int64, so that int8's or int32's sum does not
+            # wrap (a bool sum would be a logical or: the True values are counted instead).
+            src = src.to(torch.int64)
         if op == "mean" and divide_before_sum(src.dtype):
             return self._allreduce_agreed(x.double(), op="mean").to(x.dtype)  # bfloat16 reaches float32's range
         # gloo has no int16 reduction; int32 gives the same bits once cast back (two's complement
@@ -583,14 +587,15 @@ class Communicator(CommunicatorBase):
         rank's row."""
         return self._agree(kind, rows=[_call_check.obj_header(n, kind, root)], error=error)
 
-    def _obj_lengths(self, n: int, error: Optional[Exception] = None) -> list[int]:
-        """Every rank's pickled length, through the call check, so a rank making another collective
-        meanwhile, or one that could not pickle, is named."""
+    def _obj_lengths(self, n: int, error: Optional[Exception] = None, kind: str = "allgather_obj",
+                     root: int = _wire.NONE) -> list[int]:
+        """Every rank's pickled length, through the call check of ``kind``, so a rank making another
+        collective meanwhile, or one that could not pickle, is named."""
         if self.size == 1:
             if error is not None:
                 raise error
             return [n]
-        return self._agree_obj("allgather_obj", n=n, error=error)[:, 0, _wire.SHAPE].tolist()
+        return self._agree_obj(kind, root=root, n=n, error=error)[:, 0, _wire.SHAPE].tolist()
 
     # ----------------------------------------------------------------------------- objects: point to point
     @watch.point_to_point("dest")
@@ -653,10 +658,14 @@ class Communicator(CommunicatorBase):
 
     @watch.collective
     def allgather_obj(self, obj: Any) -> list[Any]:
+        return self.allgather_obj_as(obj, "allgather_obj")
+
+    def allgather_obj_as(self, obj: Any, kind: str, root: Optional[int] = None) -> list[Any]:
         if self.size == 1:
             return [obj]
-        buf, err = pickle_for_call(obj, "allgather_obj", self.rank, self.host)
-        sizes = self._obj_lengths(buf.numel() if err is None else 0, err)
+        buf, err = pickle_for_call(obj, kind, self.rank, self.host)
+        sizes = self._obj_lengths(buf.numel() if err is None else 0, err, kind,
+                                  _wire.NONE if root is None else root)
         if max(sizes) * self.size <= _wire.OBJ_CHUNK_BYTES:
             longest = max(sizes)
             out = torch.empty(self.size * longest, dtype=torch.uint8)
@@ -729,7 +738,7 @@ class Communicator(CommunicatorBase):
 
     @watch.collective
     def allreduce_obj(self, obj: Any) -> Any:
-        values = self.allgather_obj(obj)
+        values = self.allgather_obj_as(obj, "allreduce_obj")
         total = values[0]
         for v in values[1:]:
             total = total + v
@@ -751,23 +760,14 @@ class Communicator(CommunicatorBase):
                           advice: str = "build the same model on every rank") -> None:
         if self.size == 1:
             return
-        layouts = self.allgather_obj([(tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in tensors])
-        bad = [r for r, lay in enumerate(layouts) if lay != layouts[root]]
-        if not bad:
-            return
-        theirs, ours = layouts[bad[0]], layouts[root]
-        if not isinstance(theirs, list) or not isinstance(ours, list):  # the ranks are in different calls
-            raise CollectiveMismatchError(f"{what}: rank {bad[0]} sent {theirs!r} where rank {root} sent shapes: one "
-                                          f"rank called a collective the others did not (raised on rank {self.rank})")
-        diff = next((i for i, (a, b) in enumerate(zip(theirs, ours)) if a != b), None)
-        if diff is None:
-            detail = f"{len(theirs)} tensors there, {len(ours)} on rank {root}"
-        else:
-            detail = (f"tensor {diff} is {theirs[diff][0]} {theirs[diff][1]} there, "
-                      f"{ours[diff][0]} {ours[diff][1]} on rank {root}")
-        raise CollectiveMismatchError(
-            f"{what} differ between ranks: rank(s) {bad} (on {self._hosts[bad[0]]}) differ from root rank {root}'s "
-            f"({detail}); {advice} (raised on rank {self.rank})")
+        layouts = self.allgather_obj_as([(tuple(t.shape), str(t.dtype).replace("torch.", "")) for t in tensors],
+                                        "check_same_layout", root=root)
+        found = _call_check.layout_difference(layouts, root)
+        if found is not None:
+            bad, detail = found
+            raise CollectiveMismatchError(
+                f"{what} differ between ranks: rank(s) {bad} (on {self._hosts[bad[0]]}) differ from root rank "
+                f"{root}'s ({detail}); {advice} (raised on rank {self.rank})")
 
     def _layout_checksum(self, params: list[torch.Tensor]) -> int:
         """A checksum of the parameters' shapes and dtypes, remembered for the last layout seen."""
@@ -863,7 +863,7 @@ class Communicator(CommunicatorBase):
     def split(self, color: int, key: int = 0) -> "Communicator":
         cls = type(self)
         self._splits += 1
-        entries = self.allgather_obj((color, key, self.rank, torch_group_count()))
+        entries = self.allgather_obj_as((color, key, self.rank, torch_group_count()), "split")
         colors = sorted({e[0] for e in entries}, key=repr)
         whole_world = self.size == (dist.get_world_size() if dist.is_initialized() else 1)
         mine = None

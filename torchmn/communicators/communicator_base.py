@@ -440,6 +440,30 @@ class CommunicatorBase(abc.ABC):
         """
 
     @abc.abstractmethod
+    def allgather_obj_as(self, obj: Any, kind: str, root: Optional[int] = None) -> list[Any]:
+        """:meth:`allgather_obj`, checked as collective ``kind``: what a collective built on it
+        (``allreduce_obj``, ``split``, ``check_same_layout``) calls, so that ranks making different
+        ones, or passing different roots, get :class:`~torchmn.CollectiveMismatchError` instead of
+        each other's objects.
+
+        Args:
+            obj: this rank's object.
+            kind: the collective's name, one of the call check's kinds.
+            root: the collective's root, which every rank must pass alike (None: it has none).
+
+        Returns:
+            A list of ``size`` objects.
+
+        Raises:
+            TypeError: this rank's object cannot be pickled (the others get RemoteRankError).
+            CollectiveMismatchError: ranks made another collective, or passed other roots.
+
+        Example::
+
+            >>> layouts = comm.allgather_obj_as([tuple(p.shape) for p in params], "check_same_layout", root=0)
+        """
+
+    @abc.abstractmethod
     def scatter_obj(self, objs: Optional[Sequence[Any]], root: int = 0) -> Any:
         """Rank ``i`` receives ``objs[i]`` from root; other ranks pass ``None``.
 

@@ -383,39 +383,44 @@ class HierarchicalCommunicator(FlatCommunicator):
             raise self._calls_differ(_call_check.KINDS[rows[0][0]]) from None
 
     @watch.collective
-    def allgather_obj(self, obj):
-        """Every rank's object, in rank order, on every rank (through shared memory on one node).
+    def allgather_obj_as(self, obj, kind, root=None):
+        """Every rank's object, in rank order, on every rank (through shared memory on one node),
+        checked as collective ``kind``.
 
         On one node, an object whose pickle fits a slot takes one round through the segment; a
         larger one, or several nodes, take the ordinary way over ``torch.distributed``.
 
         Args:
             obj: this rank's picklable object.
+            kind: the collective's name (``"allgather_obj"``, or one built on it).
+            root: the collective's root (None: it has none).
 
         Returns:
             A list of ``size`` objects, copies (this rank's own included).
 
         Raises:
             TypeError: this rank's object cannot be pickled (the others get RemoteRankError).
+            CollectiveMismatchError: ranks made another collective, or passed other roots.
 
         Example::
 
-            >>> hosts = comm.allgather_obj(socket.gethostname())
+            >>> hosts = comm.allgather_obj_as(socket.gethostname(), "allgather_obj")
         """
         if self.segment is None or not self._single_node:
-            return super().allgather_obj(obj)
+            return super().allgather_obj_as(obj, kind, root)
         # Small objects (metrics, losses, flags) through the segment, not two TCP collectives;
         # larger ones, on every rank alike, the ordinary way. The call check goes first, as for
         # tensors, so that a rank making another collective, or one that could not pickle, is named.
-        buf, err = pickle_for_call(obj, "allgather_obj", self.rank, self.host)
-        rows = [_call_check.obj_header(buf.numel())] if err is None else _call_check.invalid_rows(1)
-        _call_check.check_headers("allgather_obj", self.exchange_headers(rows), err, same_shape=False,
+        buf, err = pickle_for_call(obj, kind, self.rank, self.host)
+        wire_root = _wire.NONE if root is None else root
+        rows = [_call_check.obj_header(buf.numel(), kind, wire_root)] if err is None else _call_check.invalid_rows(1)
+        _call_check.check_headers(kind, self.exchange_headers(rows), err, same_shape=False,
                                   same_dtype=False, rank=self.rank, hosts=self.call_log.hosts)
         parts = self.segment.allgather_bytes(buf)
         if parts is None:
-            return super().allgather_obj(obj)
+            return super().allgather_obj_as(obj, kind, root)
         # Copies, own one included, as over TCP.
-        return [unpickle_from(p, "allgather_obj", r, self.rank, self.host) for r, p in enumerate(parts)]
+        return [unpickle_from(p, kind, r, self.rank, self.host) for r, p in enumerate(parts)]
 
     def mean_tensors(self, tensors: list[torch.Tensor]) -> None:
         if self.size > 1 and tensors and self.segment is not None and self._single_node and \
