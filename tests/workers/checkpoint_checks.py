@@ -89,6 +89,46 @@ def check_torn_or_partial_steps_are_never_loaded(comm, root):
                  os.path.join("step_00000003", "shared.pt"), "cannot be read", "away to resume from the step before")
 
 
+def check_damaged_manifest_is_named(comm, root):
+    """A manifest cut short after the step was complete (it is written whole, so only damage does
+    that): the step is skipped with a warning that says so, not silently."""
+    directory = os.path.join(root, "manifest")
+    ckpt = Checkpointer(directory, comm, model=small_model())
+    ckpt.save(1)
+    ckpt.save(2)
+    comm.allgather_obj(None)
+    if comm.rank == 0:
+        with open(os.path.join(directory, "step_00000002", "COMPLETE"), "r+b") as f:
+            f.truncate(5)
+    comm.allgather_obj(None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert Checkpointer(directory, comm, model=small_model()).load_latest() == 1
+    said = [str(w.message) for w in caught if "damaged" in str(w.message)]
+    if comm.rank == 0:
+        assert len(said) == 1 and "step 2" in said[0] and "its manifest COMPLETE cannot be read" in said[0], said
+
+
+def check_manifest_that_cannot_be_written_fails_every_rank(comm, root):
+    """The disk fills as rank 0 marks the step complete: every rank gets the CheckpointError (the
+    others had returned from save() and trained on, to be stopped by rank 0's OSError)."""
+    from torchmn.checkpoint import files
+    ckpt = Checkpointer(os.path.join(root, "full"), comm, model=small_model())
+    ckpt.save(1)
+    write = files.write_manifest
+    if comm.rank == 0:
+        def full_disk(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+        files.write_manifest = full_disk
+    try:
+        expect_error(lambda: ckpt.save(2), "save(2) failed on rank 0", "writing its manifest COMPLETE",
+                     "No space left on device", "older complete steps are kept")
+    finally:
+        files.write_manifest = write
+    comm.allgather_obj(None)
+    assert ckpt.complete_steps() == [1], ckpt.complete_steps()
+
+
 def check_another_model_is_named(comm, root):
     directory = os.path.join(root, "other_model")
     Checkpointer(directory, comm, model=small_model(8)).save(1)

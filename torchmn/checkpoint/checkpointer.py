@@ -271,11 +271,22 @@ class Checkpointer:
             raise CheckpointError(f"Checkpointer.save({step}) failed on rank {r} ({host}): {p}. The step is not "
                                   f"marked complete; the older complete steps are kept [raised on rank "
                                   f"{self.comm.rank}]")
+        marked = None
         if self.comm.rank == 0:
             sizes = {name: size for _, _, w in everyone for name, size in w.items()}
-            files.write_manifest(self.directory, step, {
-                "step": step, "size": self.comm.size, "files": sizes, "kinds": self.kinds,
-                "hosts": [host for _, host, _ in everyone], "time": time.time()})
+            try:
+                files.write_manifest(self.directory, step, {
+                    "step": step, "size": self.comm.size, "files": sizes, "kinds": self.kinds,
+                    "hosts": [host for _, host, _ in everyone], "time": time.time()})
+            except OSError as e:
+                marked = f"writing its manifest {files.MANIFEST} in {folder}: {e}"
+        # Every rank learns whether the step is complete: a full disk here is every rank's error.
+        marked = self.comm.bcast_obj(marked, root=0)
+        if marked is not None:
+            raise CheckpointError(f"Checkpointer.save({step}) failed on rank 0 ({everyone[0][1]}): {marked}. The "
+                                  f"step is not marked complete; the older complete steps are kept [raised on rank "
+                                  f"{self.comm.rank}]")
+        if self.comm.rank == 0:
             self._prune(step)
 
     def _prepare_step(self, step: int) -> Optional[str]:
@@ -326,6 +337,8 @@ class Checkpointer:
             manifest = files.read_manifest(self.directory, s)
             if manifest is not None:
                 found.append((s, manifest, files.whole_files(self.directory, s, manifest, list(manifest["files"]))))
+            elif (problem := files.manifest_problem(self.directory, s)) is not None:
+                found.append((s, {}, problem))  # marked complete once, damaged since
         return found
 
     def load_latest(self) -> Optional[int]:

@@ -221,6 +221,33 @@ def read_manifest(directory: str, step: int) -> Optional[dict]:
         return None
 
 
+def manifest_problem(directory: str, step: int) -> Optional[str]:
+    """What is wrong with the manifest of ``step`` where it is there but cannot be read (it is
+    written whole, so only damage since makes it so); None where it reads, or is not there.
+
+    Args:
+        directory: the checkpoint directory.
+        step: the step.
+
+    Returns:
+        The problem in words, or None.
+
+    Example::
+
+        >>> manifest_problem("ckpt", 40)
+        "its manifest COMPLETE cannot be read (Expecting ',' delimiter: line 3 column 1 (char 20))"
+    """
+    path = os.path.join(step_dir(directory, step), MANIFEST)
+    if not os.path.exists(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            json.loads(f.read())
+    except (OSError, ValueError) as e:
+        return f"its manifest {MANIFEST} cannot be read ({e})"
+    return None
+
+
 def steps_on_disk(directory: str) -> list[int]:
     """The steps that have a folder in ``directory``, complete or not, in increasing order.
 
