@@ -9,7 +9,7 @@ import torch
 
 import torchmn
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
 parser.add_argument("--local-rank", "--local_rank", type=int, default=0)
 args = parser.parse_args()
 

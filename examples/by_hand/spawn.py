@@ -27,7 +27,7 @@ def free_port() -> int:
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
     parser.add_argument("--nprocs", type=int, default=2)
     args = parser.parse_args()
     mp.spawn(worker, args=(args.nprocs, f"tcp://127.0.0.1:{free_port()}"), nprocs=args.nprocs)

@@ -10,7 +10,7 @@ import torch
 
 import torchmn
 
-parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
 parser.add_argument("--init-method", required=True)
 parser.add_argument("--rank", type=int, required=True)
 parser.add_argument("--size", type=int, required=True)

@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 import tempfile
+import time
 
 import torch
 import torch.nn.functional as F
@@ -82,7 +83,9 @@ def main():
         train_loop_config={"mnist_dir": MNIST_DIR, "epochs": args.epochs, "batch_size": args.batch_size,
                            "n_train": args.n_train},
         scaling_config=ScalingConfig(num_workers=args.workers, use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(storage_path=os.path.abspath(args.storage), name="mnist",
+        # A name of its own per run: Ray resumes a run it finds under the same name in the storage
+        # folder, and a finished one would then "train" nothing and report its old result.
+        run_config=RunConfig(storage_path=os.path.abspath(args.storage), name=f"mnist-{time.strftime('%Y%m%d-%H%M%S')}",
                              failure_config=FailureConfig(max_failures=args.max_failures)))
     result = trainer.fit()
     print(f"final: {result.metrics}", flush=True)

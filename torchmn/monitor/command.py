@@ -84,6 +84,8 @@ def run_timeline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 
 def _print_summary(path: str, data: dict) -> None:
+    from torchmn.monitor import plot  # matplotlib only where drawn: plot imports it inside draw()
+
     names, totals, counts = {}, collections.defaultdict(float), collections.Counter()
     for e in data["traceEvents"]:
         if e.get("ph") == "M" and e.get("name") == "process_name":
@@ -94,6 +96,6 @@ def _print_summary(path: str, data: dict) -> None:
     if not totals:
         raise TorchmnValueError(f"{path} holds no phases: did the ranks record (TORCHMN_TIMELINE) and step?")
     for pid in sorted({p for p, _ in totals}):
-        parts = ", ".join(f"{cat} {totals[(p, cat)]:.1f} ms ({counts[(p, cat)]}x)"
+        parts = ", ".join(f"{plot.LABELS.get(cat, cat)} {totals[(p, cat)]:.1f} ms ({counts[(p, cat)]}x)"
                           for p, cat in sorted(totals) if p == pid)
         print(f"{names.get(pid, f'rank {pid}')}: {parts}")
