@@ -89,6 +89,15 @@ def _check_names(optimizer: torch.optim.Optimizer, named: list) -> None:
                                f"Python object ids: {', '.join(str(i) for i in unnamed)}")
 
 
+def _on_inner(name: str):
+    """torch's optimizer method ``name``, called on the optimizer a ``DistributedOptimizer`` wraps."""
+    def call(self, hook, prepend: bool = False):
+        return getattr(self._inner, name)(hook, prepend)
+    call.__doc__ = (f"torch's ``{name}(hook, prepend=False)``, on the optimizer that averages for this one "
+                    f"(the hook gets that one); returns a handle whose ``remove()`` unregisters it.")
+    return call
+
+
 class _DistributedOptimizer(torch.optim.Optimizer):
     """The behaviour of :func:`DistributedOptimizer` (its class also derives from the wrapped one's)."""
 
@@ -470,71 +479,11 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         """
         self._inner.add_param_group(param_group)
 
-    def register_state_dict_pre_hook(self, hook, prepend: bool = False):
-        """Call ``hook(optimizer)`` before ``state_dict()`` builds the state, as torch's does.
-
-        Args:
-            hook: the function; its ``optimizer`` is the one that averages for this one.
-            prepend: run it before the hooks registered so far.
-
-        Returns:
-            A handle whose ``remove()`` unregisters it.
-
-        Example::
-
-            >>> handle = optimizer.register_state_dict_pre_hook(lambda opt: print("saving"))
-        """
-        return self._inner.register_state_dict_pre_hook(hook, prepend)
-
-    def register_state_dict_post_hook(self, hook, prepend: bool = False):
-        """Call ``hook(optimizer, state_dict)`` on what ``state_dict()`` built; a dict it returns
-        replaces it, as torch's does.
-
-        Args:
-            hook: the function; its ``optimizer`` is the one that averages for this one.
-            prepend: run it before the hooks registered so far.
-
-        Returns:
-            A handle whose ``remove()`` unregisters it.
-
-        Example::
-
-            >>> handle = optimizer.register_state_dict_post_hook(lambda opt, sd: {**sd, "epoch": 3})
-        """
-        return self._inner.register_state_dict_post_hook(hook, prepend)
-
-    def register_load_state_dict_pre_hook(self, hook, prepend: bool = False):
-        """Call ``hook(optimizer, state_dict)`` before ``load_state_dict()`` loads; a dict it returns
-        is loaded instead, as torch's does.
-
-        Args:
-            hook: the function; its ``optimizer`` is the one that averages for this one.
-            prepend: run it before the hooks registered so far.
-
-        Returns:
-            A handle whose ``remove()`` unregisters it.
-
-        Example::
-
-            >>> handle = optimizer.register_load_state_dict_pre_hook(lambda opt, sd: sd)
-        """
-        return self._inner.register_load_state_dict_pre_hook(hook, prepend)
-
-    def register_load_state_dict_post_hook(self, hook, prepend: bool = False):
-        """Call ``hook(optimizer)`` after ``load_state_dict()`` has loaded, as torch's does.
-
-        Args:
-            hook: the function; its ``optimizer`` is the one that averages for this one.
-            prepend: run it before the hooks registered so far.
-
-        Returns:
-            A handle whose ``remove()`` unregisters it.
-
-        Example::
-
-            >>> handle = optimizer.register_load_state_dict_post_hook(lambda opt: print("loaded"))
-        """
-        return self._inner.register_load_state_dict_post_hook(hook, prepend)
+    # torch's four state-dict hooks, on the optimizer that averages for this one (its state_dict() runs them).
+    register_state_dict_pre_hook = _on_inner("register_state_dict_pre_hook")
+    register_state_dict_post_hook = _on_inner("register_state_dict_post_hook")
+    register_load_state_dict_pre_hook = _on_inner("register_load_state_dict_pre_hook")
+    register_load_state_dict_post_hook = _on_inner("register_load_state_dict_post_hook")
 
     def register_step_pre_hook(self, hook):
         """Call ``hook(optimizer, args, kwargs)`` before each update.

@@ -124,6 +124,20 @@ def copy_scaled(out: torch.Tensor, src: torch.Tensor, scale: Optional[float]) ->
         out.copy_(src * scale)
 
 
+def _hook_registration(kind: str, what: str) -> Callable:
+    """One of torch's ``register_*state_dict*_hook`` methods, adding to ``state_dict_hooks[kind]``."""
+    def register(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
+        hooks = self.state_dict_hooks[kind]
+        handle = RemovableHandle(hooks)
+        hooks[handle.id] = hook
+        if prepend:  # run before the hooks of its kind registered so far
+            hooks.move_to_end(handle.id, last=False)
+        return handle
+    register.__doc__ = (f"{what} As torch's; ``prepend`` runs it before the others of its kind; returns a "
+                        f"handle whose ``remove()`` unregisters it.")
+    return register
+
+
 class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     """Base of the multi-node optimizers: shares the wrapped optimizer's ``param_groups`` and
     ``defaults``, and sends ``self.buckets`` as backward makes their gradients ready.
@@ -591,79 +605,15 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         for hook in list(self.state_dict_hooks["load_post"].values()):
             hook(self)
 
-    def _add_state_dict_hook(self, kind: str, hook: Callable, prepend: bool) -> RemovableHandle:
-        hooks = self.state_dict_hooks[kind]
-        handle = RemovableHandle(hooks)
-        hooks[handle.id] = hook
-        if prepend:
-            hooks.move_to_end(handle.id, last=False)
-        return handle
-
-    def register_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
-        """Call ``hook(optimizer)`` before :meth:`state_dict` builds the state, as torch's does.
-
-        Args:
-            hook: the function.
-            prepend: run it before the hooks registered so far.
-
-        Returns:
-            A handle whose ``remove()`` removes the hook.
-
-        Example::
-
-            >>> handle = optimizer.register_state_dict_pre_hook(lambda opt: print("saving"))
-        """
-        return self._add_state_dict_hook("pre", hook, prepend)
-
-    def register_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
-        """Call ``hook(optimizer, state_dict)`` on what :meth:`state_dict` built; a dict it returns
-        replaces it, as torch's does.
-
-        Args:
-            hook: the function.
-            prepend: run it before the hooks registered so far.
-
-        Returns:
-            A handle whose ``remove()`` removes the hook.
-
-        Example::
-
-            >>> handle = optimizer.register_state_dict_post_hook(lambda opt, sd: {**sd, "epoch": 3})
-        """
-        return self._add_state_dict_hook("post", hook, prepend)
-
-    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
-        """Call ``hook(optimizer, state_dict)`` before :meth:`load_state_dict` loads; a dict it
-        returns is loaded instead, as torch's does.
-
-        Args:
-            hook: the function.
-            prepend: run it before the hooks registered so far.
-
-        Returns:
-            A handle whose ``remove()`` removes the hook.
-
-        Example::
-
-            >>> handle = optimizer.register_load_state_dict_pre_hook(lambda opt, sd: migrate(sd))
-        """
-        return self._add_state_dict_hook("load_pre", hook, prepend)
-
-    def register_load_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
-        """Call ``hook(optimizer)`` after :meth:`load_state_dict` has loaded, as torch's does.
-
-        Args:
-            hook: the function.
-            prepend: run it before the hooks registered so far.
-
-        Returns:
-            A handle whose ``remove()`` removes the hook.
-
-        Example::
-
-            >>> handle = optimizer.register_load_state_dict_post_hook(lambda opt: print("loaded"))
-        """
-        return self._add_state_dict_hook("load_post", hook, prepend)
+    # torch's four state-dict hooks: what state_dict() and load_state_dict() above call.
+    register_state_dict_pre_hook = _hook_registration(
+        "pre", "Call ``hook(optimizer)`` before :meth:`state_dict` builds the state.")
+    register_state_dict_post_hook = _hook_registration(
+        "post", "Call ``hook(optimizer, state_dict)`` on what :meth:`state_dict` built; a dict it returns replaces it.")
+    register_load_state_dict_pre_hook = _hook_registration(
+        "load_pre", "Call ``hook(optimizer, state_dict)`` before :meth:`load_state_dict`; a dict it returns is loaded.")
+    register_load_state_dict_post_hook = _hook_registration(
+        "load_post", "Call ``hook(optimizer)`` after :meth:`load_state_dict` has loaded.")
 
     def register_step_pre_hook(self, hook):
         """Call ``hook(optimizer, args, kwargs)`` before each update, as torch's does.

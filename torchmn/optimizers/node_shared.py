@@ -337,14 +337,14 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
         node's other ranks to have written theirs (collective on the node).
 
         Args:
-            state_dict: the state, in torch's optimizer format.
+            state_dict: a whole state, from any rank count.
 
         Raises:
-            ValueError: its groups or state entries do not fit this optimizer's parameters.
+            ValueError: it does not fit the parameters (other groups, or entries of other sizes).
 
         Example::
 
-            >>> optimizer.load_state_dict(torch.load(path)["opt"])
+            >>> optimizer.load_whole_state_dict(torch.load(path)["opt"])   # without the hooks
         """
         super().load_whole_state_dict(state_dict)
         self._home_state()

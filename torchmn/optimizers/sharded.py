@@ -480,14 +480,14 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         Each rank keeps only its own shard; no communication.
 
         Args:
-            state_dict: the state, in torch's optimizer format.
+            state_dict: a whole state, from any rank count.
 
         Raises:
-            ValueError: its groups or state entries do not fit this optimizer's parameters.
+            ValueError: it does not fit the parameters (other groups, or entries of other sizes).
 
         Example::
 
-            >>> optimizer.load_state_dict(torch.load(path)["opt"])
+            >>> optimizer.load_whole_state_dict(torch.load(path)["opt"])   # without the hooks
         """
         shard_state.load_state_dict(state_dict, self.wrapped.param_groups, self.shard_groups)
 
