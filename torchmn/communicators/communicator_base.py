@@ -652,7 +652,8 @@ class CommunicatorBase(abc.ABC):
             op: ``"sum"``, ``"max"``, ``"min"`` or ``"prod"``.
 
         Returns:
-            A handle with ``wait()``.
+            With ``async_op``, a handle with ``wait()``; without, the call has finished when it returns
+            (and what it returns is not to be used).
 
         Example::
 
@@ -669,7 +670,8 @@ class CommunicatorBase(abc.ABC):
             async_op: return at once.
 
         Returns:
-            A handle with ``wait()``.
+            With ``async_op``, a handle with ``wait()``; without, the call has finished when it returns
+            (and what it returns is not to be used).
 
         Example::
 
@@ -686,7 +688,8 @@ class CommunicatorBase(abc.ABC):
             async_op: return at once.
 
         Returns:
-            A handle with ``wait()``.
+            With ``async_op``, a handle with ``wait()``; without, the call has finished when it returns
+            (and what it returns is not to be used).
 
         Example::
 
