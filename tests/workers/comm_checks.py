@@ -519,6 +519,19 @@ def check_calls_built_on_allgather_obj_are_told_apart(comm):
     assert comm.allreduce_obj(comm.rank) == sum(range(comm.size))  # the communicator goes on
 
 
+def check_zero_fill_must_agree(comm):
+    """Ranks passing different zero_fill to multi_node_mean_grad would pair other tensors (mixed
+    gradients over shared memory, a gloo abort): refused on every rank."""
+    if comm.size == 1:
+        return
+    model = torch.nn.Linear(200, 200)
+    model.bias.grad = torch.full((200,), float(comm.rank + 1))
+    _expect_mismatch(lambda: comm.multi_node_mean_grad(model, zero_fill=comm.rank == 0), "zero_fill differs",
+                     "rank 0: True", "rank 1: False")
+    comm.multi_node_mean_grad(model, zero_fill=False)  # agreed: the communicator goes on
+    assert torch.allclose(model.bias.grad, torch.full((200,), (comm.size + 1) / 2)), model.bias.grad[:3]
+
+
 def check_root_must_be_an_int(comm):
     import numpy
     for root in (True, numpy.int64(0)):

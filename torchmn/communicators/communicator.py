@@ -1,25 +1,23 @@
 """The communicator over ``torch.distributed``: who the ranks are, where they live, and every
 collective among them.
 
-:class:`Communicator` implements :class:`~torchmn.communicators.communicator_base.CommunicatorBase`,
-where every public method is documented. Its parts, in this order: topology; the plumbing every
-collective shares (rank order, the call check, byte broadcasts); tensor point-to-point calls and
-collectives (data moves as bytes behind a header saying dtype and shape, see :mod:`._wire`, so a
-receiver never needs to know them); object collectives (pickled with
-:func:`~torchmn.communicators.pickling.dumps`, in chunks, on the CPU group also under NCCL);
-collectives over a model's tensors (ChainerMN's ``bcast_data`` and ``multi_node_mean_grad``);
-control (barrier, split, finalize); the gradient primitives.
+:class:`Communicator` implements :class:`~torchmn.communicators.communicator_base.CommunicatorBase`, where every
+public method is documented. Its parts, in this order: topology; the plumbing every collective shares (rank order,
+the call check, byte broadcasts); tensor point-to-point calls and collectives (data moves as bytes behind a header
+saying dtype and shape, see :mod:`._wire`, so a receiver never needs to know them); object collectives (pickled with
+:func:`~torchmn.communicators.pickling.dumps`, in chunks, on the CPU group also under NCCL); collectives over a
+model's tensors (ChainerMN's ``bcast_data`` and ``multi_node_mean_grad``); control (barrier, split, finalize); the
+gradient primitives.
 
-Each call's data travels the way of its tensors' device (:meth:`Communicator._route`): CUDA
-tensors under NCCL through the tensor group on this rank's GPU; everything else on the CPU through
-the CPU (gloo) group, so a CPU model on a machine with GPUs keeps the CPU paths (shared memory
-inside a node). Call checks and objects always travel on the CPU.
+Each call's data travels the way of its tensors' device (:meth:`Communicator._route`): CUDA tensors under NCCL through
+the tensor group on this rank's GPU; everything else on the CPU through the CPU (gloo) group, so a CPU model on a
+machine with GPUs keeps the CPU paths (shared memory inside a node). Call checks and objects always travel on the CPU.
 
-The gradient-averaging algorithms (``naive.py``, ``flat.py``, ``hierarchical.py``) subclass it,
-give :meth:`mean_tensors` and, where they have a faster way, override the algorithm hooks:
-``allreduce_flat``, ``reduce_scatter_flat``, ``allgather_flat``, ``allreduce_copy``,
-``exchange_headers``, ``allgather_obj``, ``open_node_arena``. Each collective is numbered and
-watched (:mod:`.watch`): a subclass that overrides one decorates it the same way.
+The gradient-averaging algorithms (``naive.py``, ``flat.py``, ``hierarchical.py``) subclass it, give
+:meth:`mean_tensors` and, where they have a faster way, override the algorithm hooks: ``allreduce_flat``,
+``reduce_scatter_flat``, ``allgather_flat``, ``allreduce_copy``, ``exchange_headers``, ``allgather_obj_as``,
+``open_node_arena``. Each collective is numbered and watched (:mod:`.watch`): a subclass that overrides one
+decorates it the same way.
 """
 from __future__ import annotations
 
@@ -664,8 +662,7 @@ class Communicator(CommunicatorBase):
         if self.size == 1:
             return [obj]
         buf, err = pickle_for_call(obj, kind, self.rank, self.host)
-        sizes = self._obj_lengths(buf.numel() if err is None else 0, err, kind,
-                                  _wire.NONE if root is None else root)
+        sizes = self._obj_lengths(buf.numel() if err is None else 0, err, kind, _wire.NONE if root is None else root)
         if max(sizes) * self.size <= _wire.OBJ_CHUNK_BYTES:
             longest = max(sizes)
             out = torch.empty(self.size * longest, dtype=torch.uint8)
@@ -804,24 +801,28 @@ class Communicator(CommunicatorBase):
         params = [p for p in model.parameters() if p.requires_grad]
         sparse_fill = [0] * len(params)  # the sparse_dim a missing gradient's zeros take; 0: dense
         if self.size > 1:
-            # Buckets pair the ranks' gradients by position: a model of another layout would mix them
-            # silently (shared memory) or abort the process (gloo). One small exchange carries a
-            # checksum of the layout and one of which gradients are None; the full layouts or masks
-            # are exchanged only when a checksum differs.
+            # Buckets pair the ranks' gradients by position: a model of another layout would mix them silently
+            # (shared memory) or abort the process (gloo). One small exchange carries a checksum of the layout,
+            # one of which gradients are None, and zero_fill; layouts or masks go only where a checksum differs.
             missing = bytes(p.grad is None for p in params)
             row = _wire.header(_call_check.KIND["multi_node_mean_grad"])
             row[_wire.SHAPE] = self._layout_checksum(params)
             row[_wire.SHAPE + 1] = sum(1 for p in params if p.grad is not None and p.grad.is_sparse)
             row[_wire.SHAPE + 2] = missing.count(1)
             row[_wire.SHAPE + 3] = zlib.crc32(missing)
+            row[_wire.SHAPE + 4] = int(zero_fill)
             hdrs = self._agree("multi_node_mean_grad", rows=[row])[:, 0]
+            if len(set(fills := hdrs[:, _wire.SHAPE + 4].tolist())) > 1:  # ranks filling differently pair others
+                said = ", ".join(f"rank {r}: {bool(f)}" for r, f in enumerate(fills))
+                raise CollectiveMismatchError(f"multi_node_mean_grad: zero_fill differs between ranks ({said}); pass "
+                                              f"the same on every rank (raised on rank {self.rank})")
             if len(set(hdrs[:, _wire.SHAPE].tolist())) > 1:
                 self.check_same_layout(params, "multi_node_mean_grad: the model's trainable parameters", 0,
                                        "build the same model on every rank")
             if zero_fill and hdrs[:, _wire.SHAPE + 1].any() and hdrs[:, _wire.SHAPE + 2].any():
-                # A missing gradient counts as zeros of the kind the other ranks have: a dense fill
-                # of a sparse gradient would pair it with another bucket, and wait for ever.
-                # Each sparse gradient's sparse_dim (1 for nn.Embedding), which the zeros must share.
+                # A missing gradient counts as zeros of the kind the other ranks have: a dense fill of a sparse
+                # gradient would pair it with another bucket, and wait for ever. Each sparse gradient's
+                # sparse_dim (1 for nn.Embedding), which the zeros must share.
                 dims = self.allgather_obj([p.grad.sparse_dim() if p.grad is not None and p.grad.is_sparse else 0
                                            for p in params])
                 sparse_fill = [max(d[i] for d in dims) for i in range(len(params))]
@@ -832,10 +833,9 @@ class Communicator(CommunicatorBase):
                 mixed = [i for i in range(len(params)) if len({m[i] for m in masks}) > 1]
                 without = [r for r, m in enumerate(masks) if not m[mixed[0]]]
                 raise CollectiveMismatchError(
-                    f"multi_node_mean_grad: the gradient of parameter {mixed[0]} (shape "
-                    f"{tuple(params[mixed[0]].shape)}) is None on rank(s) {without} only ({len(mixed)} such "
-                    f"parameters); pass zero_fill=True to count a missing gradient as zeros (raised on rank "
-                    f"{self.rank})")
+                    f"multi_node_mean_grad: the gradient of parameter {mixed[0]} (shape {tuple(params[mixed[0]].shape)}) "
+                    f"is None on rank(s) {without} only ({len(mixed)} such parameters); pass zero_fill=True to count a "
+                    f"missing gradient as zeros (raised on rank {self.rank})")
         grads, sparse = [], []
         for i, p in enumerate(params):
             if p.grad is None:

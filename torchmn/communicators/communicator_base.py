@@ -608,7 +608,7 @@ class CommunicatorBase(abc.ABC):
 
         Raises:
             CollectiveMismatchError: a gradient is missing on some ranks only (without
-                ``zero_fill``), or the ranks' models differ in layout.
+                ``zero_fill``), the ranks' models differ in layout, or they pass different ``zero_fill``.
 
         Example::
 
