@@ -108,7 +108,8 @@ def test_log_dir_keeps_every_starts_output(tmp_path):
     log = (tmp_path / "logs" / "rank.1.log").read_text()
     first, crash = log.index("rank 1 start 0"), log.index("RuntimeError: first-start crash")
     marker = log.index("----- torchmn run: start 1 (TORCHMN_RESTART_COUNT=1) -----")
-    assert first < crash < marker < log.index("rank 1 start 1"), log
+    # stdout and stderr reach the log as they come: the crash may be written before the print.
+    assert max(first, crash) < marker < log.index("rank 1 start 1"), log
 
 
 def test_restart_count_is_zero_without_restarts():
