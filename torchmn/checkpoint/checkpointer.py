@@ -334,10 +334,10 @@ class Checkpointer:
         oldest first."""
         found = []
         for s in files.steps_on_disk(self.directory):
-            manifest = files.read_manifest(self.directory, s)
+            manifest, problem = files.manifest_and_problem(self.directory, s)
             if manifest is not None:
                 found.append((s, manifest, files.whole_files(self.directory, s, manifest, list(manifest["files"]))))
-            elif (problem := files.manifest_problem(self.directory, s)) is not None:
+            elif problem is not None:
                 found.append((s, {}, problem))  # marked complete once, damaged since
         return found
 

@@ -214,38 +214,33 @@ def read_manifest(directory: str, step: int) -> Optional[dict]:
         >>> read_manifest("ckpt", 40)["files"]
         {'shared.pt': 1261}
     """
-    try:
-        with open(os.path.join(step_dir(directory, step), MANIFEST), "rb") as f:
-            return json.loads(f.read())
-    except (OSError, ValueError):
-        return None
+    return manifest_and_problem(directory, step)[0]
 
 
-def manifest_problem(directory: str, step: int) -> Optional[str]:
-    """What is wrong with the manifest of ``step`` where it is there but cannot be read (it is
-    written whole, so only damage since makes it so); None where it reads, or is not there.
+def manifest_and_problem(directory: str, step: int) -> tuple[Optional[dict], Optional[str]]:
+    """The manifest of ``step``, and what is wrong with it where it is there but cannot be read
+    (it is written whole, so only damage since makes it so).
 
     Args:
         directory: the checkpoint directory.
         step: the step.
 
     Returns:
-        The problem in words, or None.
+        ``(manifest, None)``; ``(None, None)`` where there is none (the step is incomplete);
+        ``(None, the problem in words)`` where it cannot be read.
 
     Example::
 
-        >>> manifest_problem("ckpt", 40)
-        "its manifest COMPLETE cannot be read (Expecting ',' delimiter: line 3 column 1 (char 20))"
+        >>> manifest_and_problem("ckpt", 40)
+        (None, "its manifest COMPLETE cannot be read (Expecting ',' delimiter: line 3 column 1 (char 20))")
     """
-    path = os.path.join(step_dir(directory, step), MANIFEST)
-    if not os.path.exists(path):
-        return None
     try:
-        with open(path, "rb") as f:
-            json.loads(f.read())
+        with open(os.path.join(step_dir(directory, step), MANIFEST), "rb") as f:
+            return json.loads(f.read()), None
+    except FileNotFoundError:
+        return None, None
     except (OSError, ValueError) as e:
-        return f"its manifest {MANIFEST} cannot be read ({e})"
-    return None
+        return None, f"its manifest {MANIFEST} cannot be read ({e})"
 
 
 def steps_on_disk(directory: str) -> list[int]:

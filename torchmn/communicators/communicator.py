@@ -585,8 +585,7 @@ class Communicator(CommunicatorBase):
         rank's row."""
         return self._agree(kind, rows=[_call_check.obj_header(n, kind, root)], error=error)
 
-    def _obj_lengths(self, n: int, error: Optional[Exception] = None, kind: str = "allgather_obj",
-                     root: int = _wire.NONE) -> list[int]:
+    def _obj_lengths(self, n: int, error: Optional[Exception], kind: str, root: int) -> list[int]:
         """Every rank's pickled length, through the call check of ``kind``, so a rank making another
         collective meanwhile, or one that could not pickle, is named."""
         if self.size == 1:
@@ -658,6 +657,7 @@ class Communicator(CommunicatorBase):
     def allgather_obj(self, obj: Any) -> list[Any]:
         return self.allgather_obj_as(obj, "allgather_obj")
 
+    @watch.collective
     def allgather_obj_as(self, obj: Any, kind: str, root: Optional[int] = None) -> list[Any]:
         if self.size == 1:
             return [obj]
@@ -735,11 +735,7 @@ class Communicator(CommunicatorBase):
 
     @watch.collective
     def allreduce_obj(self, obj: Any) -> Any:
-        values = self.allgather_obj_as(obj, "allreduce_obj")
-        total = values[0]
-        for v in values[1:]:
-            total = total + v
-        return total
+        return functools.reduce(lambda total, v: total + v, self.allgather_obj_as(obj, "allreduce_obj"))
 
     def _unpickle(self, buf: torch.Tensor, kind: str, source: int) -> Any:
         return unpickle_from(buf, kind, source, self.rank, self.host)
@@ -753,6 +749,7 @@ class Communicator(CommunicatorBase):
                                "build the same model on every rank")
         self.bcast_tensors(tensors, root)
 
+    @watch.collective
     def check_same_layout(self, tensors: list[torch.Tensor], what: str, root: int = 0,
                           advice: str = "build the same model on every rank") -> None:
         if self.size == 1:

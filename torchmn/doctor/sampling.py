@@ -127,10 +127,12 @@ def sample(pids, seconds: float, interval: float = 0.02, refresh: float = 0.5) -
             for pid in current() if callable(pids) else ():
                 if pid not in procs:
                     watch(pid)
+            alive = False
             for pid in procs:
-                if last[pid] is not None:
-                    last[pid] = read(pid) or last[pid]
-            if procs and all(_counters(proc) is None for proc in procs.values()):
+                now = read(pid)
+                if now is not None:
+                    last[pid], alive = now, True
+            if procs and not alive:
                 break  # everything watched has ended, and no new process came
         for pid in procs:
             threads, running = _thread_states(pid)

@@ -19,6 +19,7 @@ from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
 from torchmn import network
 from torchmn.environments.platforms import NodePlace, PlatformError, detect_platform
+from torchmn.environments import variables
 from torchmn.environments.variables import DEFAULT_PORT
 from torchmn.run.config import LaunchConfig, RunError
 from torchmn.run.plan import Slot, plan_slots
@@ -88,8 +89,11 @@ def per_node_step(config: LaunchConfig, env: Mapping[str, str]) -> Optional[Node
         (1, 2, 'n0', 29500)
     """
     if config.nnodes is not None:
-        place = NodePlace(config.nnodes, config.node_rank or 0, config.master_addr,
-                          config.master_port or _port_in(env),
+        try:
+            port = config.master_port or variables.master_port(env, None)
+        except ValueError as e:
+            raise RunError(str(e)) from e
+        place = NodePlace(config.nnodes, config.node_rank or 0, config.master_addr, port,
                           names={"nnodes": "--nnodes", "node_rank": "--node-rank", "master_addr": "--master-addr",
                                  "master_port": "--master-port"})
     else:
@@ -119,17 +123,6 @@ def per_node_step(config: LaunchConfig, env: Mapping[str, str]) -> Optional[Node
                   for r in range(place.nnodes))
     return NodeStep(place.node_rank, place.nnodes, hosts, master_addr, master_port, kind="node",
                     token_label=f"torchmn nodes {master_addr}:{master_port} x{place.nnodes}", token_fix=TOKEN_FIX)
-
-
-def _port_in(env: Mapping[str, str]) -> Optional[int]:
-    """``MASTER_PORT`` of ``env`` (None where it is not set)."""
-    value = env.get("MASTER_PORT", "").strip()
-    if not value:
-        return None
-    if not value.isdigit() or not 0 < int(value) < 65536:
-        raise RunError(f"MASTER_PORT={value!r} is not a port (1 to 65535): set it to node 0's port, the same on "
-                       f"every node, or pass --master-port")
-    return int(value)
 
 
 def _first_line(error: BaseException) -> str:
