@@ -20,7 +20,7 @@ from torchmn.communicators.ops import OPS
 # Collective kinds, as they travel in headers. Order is part of the wire format: append only.
 KINDS = ("invalid", "bcast", "gather", "allgather", "scatter", "alltoall", "allreduce", "allgather_obj",
          "bcast_obj", "gather_obj", "scatter_obj", "multi_node_mean_grad", "allreduce_obj", "split",
-         "check_same_layout")
+         "check_same_layout", "barrier")
 KIND = {name: i for i, name in enumerate(KINDS)}
 OP_CODES = {name: i for i, name in enumerate(OPS)}
 # The last headers check_headers passed, by identity: a node's segment hands back one tensor per

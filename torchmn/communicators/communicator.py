@@ -853,8 +853,10 @@ class Communicator(CommunicatorBase):
     # ----------------------------------------------------------------------------- control
     @watch.collective
     def barrier(self) -> None:
+        # The call check's exchange waits for every rank, so it is the barrier, and a rank at
+        # another collective meanwhile is named instead of hanging both.
         if self.size > 1:
-            dist.barrier(group=self.object_group)
+            self._agree("barrier", rows=[_wire.header(_call_check.KIND["barrier"])])
 
     @watch.collective
     def split(self, color: int, key: int = 0) -> "Communicator":
