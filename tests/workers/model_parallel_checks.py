@@ -270,6 +270,58 @@ def check_tuple_data(comm):
     _train_topology(comm, "tuple")
 
 
+def check_recv_after_a_delegate_outside_the_graph(comm):
+    """A receive given integer labels as its delegate still joins the graph: its gradient goes
+    back to the sender, whose backward would otherwise wait for it until the timeout."""
+    if comm.size < 2 or comm.rank > 1:
+        return
+    x = batch(3, 2).requires_grad_()
+    labels = torch.tensor([[1, 2], [3, 4], [5, 6]])
+    if comm.rank == 0:
+        d = F.send(labels, comm, 1)
+        F.send(F.pseudo_connect(d, x * 3), comm, 1).backward()
+        close(x.grad, 3 * labels.double(), "the sender's gradient")
+    else:
+        got = F.recv(comm, 0)
+        h = F.recv(comm, 0, delegate_variable=got)
+        assert h.requires_grad, "the received tensor is outside the graph"
+        (h * got).sum().backward()
+
+
+def check_merge_after_a_frozen_branch(comm):
+    """A merge whose first input is the rank's own frozen branch still sends the gradient of its
+    second input back to that input's rank."""
+    if comm.size < 2 or comm.rank > 1:
+        return
+    enc, frozen, head = layers(3, width=4)
+    frozen.requires_grad_(False)
+    x = batch(5, 4)
+
+    class Merge(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.head = head
+
+        def forward(self, own, other):
+            return self.head(own + other)
+    model = MultiNodeSequential(comm)
+    if comm.rank == 0:
+        model.add(enc, rank_in=None, rank_out=1)
+    else:
+        model.add(frozen, rank_in=None, rank_out=1)       # its own branch, passed to itself
+        model.add(Merge(), rank_in=[1, 0], rank_out=None)  # that branch first, then rank 0's
+    out = model(x)
+    if comm.rank == 0:
+        out.backward()
+        reference = [p.detach().clone().requires_grad_() for p in enc.parameters()]
+        y = head(frozen(x) + torch.nn.functional.linear(x, *reference).sigmoid())
+        y.pow(2).sum().backward()
+        for p, ref in zip(enc.parameters(), reference):
+            close(p.grad, ref.grad, "the encoder's gradient")
+    else:
+        out.pow(2).sum().backward()
+
+
 def check_hundred_passes(comm):
     """100 forward/backward passes through a cycle and a branch/merge: no deadlock."""
     for name in ("cycle", "branch_merge") if comm.size > 1 else ("cycle",):

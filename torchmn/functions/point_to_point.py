@@ -146,7 +146,7 @@ def recv(comm: CommunicatorBase, rank: int, delegate_variable: Optional[torch.Te
         rank: the sending rank.
         delegate_variable: the delegate of this rank's previous :func:`send`, if any: the
             backward then runs that send's backward after this receive's, the order in which the
-            peers wait for each other.
+            peers wait for each other. A tensor that does not require grad is not followed.
         tag: the sender's tag.
 
     Returns:
@@ -167,7 +167,12 @@ def recv(comm: CommunicatorBase, rank: int, delegate_variable: Optional[torch.Te
     if rank == comm.rank:
         raise TorchmnValueError(f"recv: rank {rank} is this rank; pass the value on directly instead")
     count = int(comm.recv(rank, tag).item())
-    # The anchor only joins the graph: on the CPU, whichever way the tensors come.
-    start = delegate_variable if delegate_variable is not None else anchor(torch.device("cpu"))
+    # The anchor only joins the graph: on the CPU, whichever way the tensors come. A delegate
+    # outside the graph (integer labels, a frozen branch) cannot carry the received tensors into
+    # it: they would get no backward, and the sender would wait for their gradient in vain.
+    if delegate_variable is not None and delegate_variable.requires_grad:
+        start = delegate_variable
+    else:
+        start = anchor(torch.device("cpu"))
     out = _Recv.apply(comm, rank, tag, 1 if count == -1 else count, start)
     return out[0] if count == -1 else out

@@ -188,9 +188,12 @@ class MultiNodeSequential(torch.nn.Module):
 
 
 def _first_tensor(x) -> Optional[torch.Tensor]:
+    """The delegate ``x`` gives the next operation: its first tensor in the graph, where it has one
+    (integer labels or a frozen branch's output cannot order backward passes)."""
     if isinstance(x, torch.Tensor):
         return x
-    return next((t for t in x if isinstance(t, torch.Tensor)), None)
+    tensors = [t for t in x if isinstance(t, torch.Tensor)]
+    return next((t for t in tensors if t.requires_grad), tensors[0] if tensors else None)
 
 
 def _as_tuple(x) -> tuple:
