@@ -241,6 +241,29 @@ def check_create_mnbn_model(comm):
     assert not model[0].bn.weight.requires_grad
 
 
+def check_create_mnbn_model_converts_subclasses(comm):
+    """A model's own BatchNorm class is converted too (as torch's convert_sync_batchnorm does), a
+    multi-node layer is left as it is, and a lazy one not yet built is refused with what to do."""
+    class OwnBatchNorm(torch.nn.BatchNorm2d):
+        pass
+    mine = OwnBatchNorm(3).double()
+    mine.running_mean.fill_(2.0)
+    multi = MultiNodeBatchNorm1d(3, comm=comm)
+    model = create_mnbn_model(torch.nn.Sequential(mine, multi), comm)
+    assert type(model[0]).__name__ == "MultiNodeBatchNorm2d", type(model[0])
+    assert torch.equal(model[0].running_mean, torch.full((3,), 2.0, dtype=torch.float64)) and model[1] is multi
+    x = randn(2 + comm.rank, 3, 2, 2, seed=comm.rank)
+    total = comm.allreduce(torch.stack([x.sum((0, 2, 3)), torch.full((3,), float(x.numel() // 3))]))
+    model[0].train()(x)
+    close(model[0].running_mean, 0.9 * 2.0 + 0.1 * total[0] / total[1], "running mean over the job")
+    try:
+        create_mnbn_model(torch.nn.LazyBatchNorm2d(), comm)
+    except ValueError as e:
+        assert "run one forward pass first" in str(e), e
+    else:
+        raise AssertionError("a lazy BatchNorm without its size was converted")
+
+
 # ----------------------------------------------------------------------------- spatial convolution
 ROW_SPLITS = {1: [13], 2: [12, 1], 3: [6, 1, 6], 4: [6, 1, 1, 5]}  # of 13 rows: one rank with a single row
 COLUMN_SPLITS = {1: [11], 2: [10, 1]}  # of 11 columns

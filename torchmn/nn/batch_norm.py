@@ -45,8 +45,9 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         comm: the ranks whose batches make the global one.
 
     Raises:
-        CollectiveMismatchError: (first forward) the ranks built the layer with different arguments;
-            (any forward) their inputs have different channel counts.
+        CollectiveMismatchError: (first forward) the ranks built the layer with different arguments.
+        ValueError: (any forward, on the rank concerned) an input whose channels are not
+            ``num_features``; under a launcher, the others stop with that rank's failure.
 
     Example::
 
@@ -232,15 +233,19 @@ class MultiNodeBatchNorm3d(MultiNodeBatchNorm):
             raise TorchmnValueError(f"expected 5D input (got {x.dim()}D input)")
 
 
-_REPLACEMENTS = {torch.nn.BatchNorm1d: MultiNodeBatchNorm1d, torch.nn.BatchNorm2d: MultiNodeBatchNorm2d,
-                 torch.nn.BatchNorm3d: MultiNodeBatchNorm3d, torch.nn.SyncBatchNorm: MultiNodeBatchNorm}
+# Subclasses too, as torch's convert_sync_batchnorm and ChainerMN do: a model's own BatchNorm class
+# left alone would keep per-rank statistics without a word.
+_REPLACEMENTS = ((torch.nn.BatchNorm1d, MultiNodeBatchNorm1d), (torch.nn.BatchNorm2d, MultiNodeBatchNorm2d),
+                 (torch.nn.BatchNorm3d, MultiNodeBatchNorm3d), (torch.nn.SyncBatchNorm, MultiNodeBatchNorm))
 
 
 def create_mnbn_model(module: torch.nn.Module, comm: CommunicatorBase) -> torch.nn.Module:
-    """Replace every ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` in ``module`` by its multi-node one.
+    """Replace every ``BatchNorm1d/2d/3d`` and ``SyncBatchNorm`` in ``module`` (their subclasses
+    included) by its multi-node one.
 
     Each replacement keeps the original's arguments, parameters, running statistics,
     ``num_batches_tracked``, training mode and ``requires_grad``; the rest of the model is untouched.
+    A subclass's own ``forward`` is not kept (as with torch's ``convert_sync_batchnorm``).
 
     Args:
         module: the model (or a BatchNorm layer itself).
@@ -252,8 +257,18 @@ def create_mnbn_model(module: torch.nn.Module, comm: CommunicatorBase) -> torch.
     Example::
 
         >>> model = torchmn.nn.create_mnbn_model(torchvision.models.resnet18(), comm)
+
+    Raises:
+        ValueError: a lazy BatchNorm has not seen its first batch (its size is not known yet).
     """
-    cls = _REPLACEMENTS.get(type(module))
+    if isinstance(module, MultiNodeBatchNorm):
+        return module
+    # A lazy BatchNorm becomes a BatchNorm1d/2d/3d at its first batch; before, its size is unknown.
+    lazy = isinstance(module, torch.nn.modules.lazy.LazyModuleMixin)
+    if lazy and isinstance(module, torch.nn.modules.batchnorm._BatchNorm) and module.has_uninitialized_params():
+        raise TorchmnValueError(f"create_mnbn_model: {type(module).__name__} does not know its number of features "
+                                f"before its first batch; run one forward pass first, then convert the model")
+    cls = next((new for old, new in _REPLACEMENTS if isinstance(module, old)), None)
     if cls is not None:
         return rebuild_batch_norm(module, cls, comm=comm)
     for name, child in module.named_children():
