@@ -444,6 +444,34 @@ def check_column_and_row_alone(comm):
     close(xi.grad, xd.grad, "RowParallelLinear input gradient")
 
 
+def check_dense_state_dict_loads_as_it_is(comm):
+    """A dense model's state_dict loads into its sliced counterpart with load_state_dict (each rank
+    takes its slice), also nested in a model; the layer's own (sliced) state_dict still loads."""
+    torch.manual_seed(3)
+    dense = torch.nn.Sequential(torch.nn.Linear(6, 2 * comm.size + 1), torch.nn.Linear(2 * comm.size + 1, 4),
+                                torch.nn.Conv2d(3, comm.size + 2, 3), torch.nn.Conv2d(comm.size, comm.size, 3)).double()
+    torch.manual_seed(4)  # other initial weights than the dense model's
+    sliced = torch.nn.Sequential(ColumnParallelLinear(6, 2 * comm.size + 1, comm=comm),
+                                 RowParallelLinear(2 * comm.size + 1, 4, comm=comm),
+                                 ChannelParallelConv2d(3, comm.size + 2, 3, comm=comm),
+                                 ChannelParallelConv2d(comm.size, comm.size, 3, comm=comm, grouped=True)).double()
+    sliced.load_state_dict(dense.state_dict())
+    for i in range(4):
+        want = dense[i].state_dict()
+        if i == 3:  # the grouped layer keeps the diagonal blocks: compare those
+            r = comm.rank
+            want = {"weight": want["weight"][r:r + 1, r:r + 1], "bias": want["bias"][r:r + 1]}
+            got = sliced[i].state_dict()
+        else:
+            got = sliced[i].dense_state_dict()
+        for k in want:
+            close(got[k], want[k], f"layer {i} {k}")
+    own = {k: v.clone() for k, v in sliced.state_dict().items()}
+    sliced.load_state_dict(own)
+    for k, v in sliced.state_dict().items():
+        assert torch.equal(v, own[k]), k
+
+
 def check_arguments_refused(comm):
     if comm.size < 2:
         return

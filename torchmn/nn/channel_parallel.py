@@ -26,8 +26,9 @@ class ChannelParallelConv2d(torch.nn.Module):
 
     Every rank computes the same loss from the result, as with Megatron's layers: each rank's
     weight slice gets its exact gradient (train with a plain optimizer, or a multi-node optimizer
-    over a data-parallel communicator). The layer holds a slice of the dense weight:
-    :meth:`dense_state_dict` and :meth:`load_dense_state_dict` convert.
+    over a data-parallel communicator). The layer holds a slice of the dense weight, and its
+    ``state_dict`` that slice; ``load_state_dict`` also takes a dense ``torch.nn.Conv2d``'s (each
+    rank keeps its slice), and :meth:`dense_state_dict` gathers the dense one.
 
     Args:
         in_channels, out_channels, kernel_size, stride, padding, dilation, bias, padding_mode,
@@ -81,6 +82,7 @@ class ChannelParallelConv2d(torch.nn.Module):
         self._arguments = (in_channels, out_channels, dense.kernel_size, dense.stride, dense.padding,
                            dense.dilation, bias, padding_mode, input_is_parallel, gather_output, grouped)
         self._agreed = False
+        self._register_load_state_dict_pre_hook(_slice_dense_entries, with_module=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Convolve ``x``; every rank calls it.
@@ -174,14 +176,33 @@ class ChannelParallelConv2d(torch.nn.Module):
             >>> conv.load_dense_state_dict(torch.nn.Conv2d(3, 64, 3, padding=1).state_dict())
         """
         w = state_dict["weight"]
-        if w.shape[:2] != (self.out_channels, self.in_channels) or w.shape[2:] != self.weight.shape[2:]:
-            raise TorchmnValueError(f"ChannelParallelConv2d: the dense weight must be "
-                                    f"{(self.out_channels, self.in_channels) + tuple(self.weight.shape[2:])}, not "
-                                    f"{tuple(w.shape)}")
+        if tuple(w.shape) != self._dense_weight_shape():
+            raise TorchmnValueError(f"ChannelParallelConv2d: the dense weight must be {self._dense_weight_shape()}, "
+                                    f"not {tuple(w.shape)}")
+        for name, value in self._slices_of_dense(state_dict).items():
+            getattr(self, name).copy_(value)
+
+    def _dense_weight_shape(self) -> tuple:
+        return (self.out_channels, self.in_channels) + tuple(self.weight.shape[2:])
+
+    def _slices_of_dense(self, dense: dict) -> dict:
+        """This rank's slices of a dense layer's ``weight`` (and ``bias``, where both have one)."""
         r = self.comm.rank
-        mine = w.narrow(0, offsets(self.out_sizes)[r], self.out_sizes[r])
+        mine = dense["weight"].narrow(0, offsets(self.out_sizes)[r], self.out_sizes[r])
         if self.grouped:
             mine = mine.narrow(1, offsets(self.in_sizes)[r], self.in_sizes[r])
-        self.weight.copy_(mine)
-        if self.bias is not None:
-            self.bias.copy_(state_dict["bias"].narrow(0, offsets(self.out_sizes)[r], self.out_sizes[r]))
+        out = {"weight": mine}
+        if self.bias is not None and "bias" in dense:
+            out["bias"] = dense["bias"].narrow(0, offsets(self.out_sizes)[r], self.out_sizes[r])
+        return out
+
+
+def _slice_dense_entries(layer: ChannelParallelConv2d, state_dict: dict, prefix: str, *_) -> None:
+    """``load_state_dict``'s pre-hook: a dense ``torch.nn.Conv2d``'s entries load as this rank's
+    slices, so a dense model's ``state_dict`` loads into the parallel one as it is."""
+    weight = state_dict.get(prefix + "weight")
+    if weight is None or tuple(weight.shape) != layer._dense_weight_shape() or weight.shape == layer.weight.shape:
+        return
+    dense = {k: state_dict[prefix + k] for k in ("weight", "bias") if prefix + k in state_dict}
+    for name, value in layer._slices_of_dense(dense).items():
+        state_dict[prefix + name] = value

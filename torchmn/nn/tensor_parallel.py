@@ -17,7 +17,11 @@ from torchmn.nn._parallel_utility import (agree_on_arguments, copy_to_parallel, 
 
 
 class _SlicedLinear(torch.nn.Module):
-    """A linear layer holding slice ``rank`` of a dense ``torch.nn.Linear``'s weight along ``dim``."""
+    """A linear layer holding slice ``rank`` of a dense ``torch.nn.Linear``'s weight along ``dim``.
+
+    Its ``state_dict`` holds the slice; ``load_state_dict`` also takes a dense layer's (each rank
+    keeps its slice), and ``dense_state_dict`` gathers the dense one.
+    """
 
     split_dim = 0
 
@@ -39,6 +43,7 @@ class _SlicedLinear(torch.nn.Module):
             self.bias = torch.nn.Parameter(self._bias_of(dense.bias.detach()).clone())
         self._arguments = (in_features, out_features, bias, type(self).__name__)
         self._agreed = False
+        self._register_load_state_dict_pre_hook(_slice_dense_entries, with_module=True)
 
     def _mine(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return t.narrow(dim, self.start, self.sizes[self.comm.rank])
@@ -87,9 +92,15 @@ class _SlicedLinear(torch.nn.Module):
         if tuple(state_dict["weight"].shape) != dense:
             raise TorchmnValueError(f"{type(self).__name__}: the dense weight must be {dense}, not "
                                     f"{tuple(state_dict['weight'].shape)}")
-        self.weight.copy_(self._mine(state_dict["weight"], self.split_dim))
-        if self.bias is not None:
-            self.bias.copy_(self._bias_of(state_dict["bias"]))
+        for name, value in self._slices_of_dense(state_dict).items():
+            getattr(self, name).copy_(value)
+
+    def _slices_of_dense(self, dense: dict) -> dict:
+        """This rank's slices of a dense layer's ``weight`` (and ``bias``, where both have one)."""
+        out = {"weight": self._mine(dense["weight"], self.split_dim)}
+        if self.bias is not None and "bias" in dense:
+            out["bias"] = self._bias_of(dense["bias"])
+        return out
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
@@ -100,7 +111,8 @@ class ColumnParallelLinear(_SlicedLinear):
     """``torch.nn.Linear`` with its output features split over the ranks (weight rows).
 
     Every rank takes the whole input and computes its slice of the output; with ``gather_output``
-    the slices are joined, so every rank returns the whole output.
+    the slices are joined, so every rank returns the whole output. A dense ``torch.nn.Linear``'s
+    ``state_dict`` loads with ``load_state_dict`` (each rank keeps its rows).
 
     Args:
         in_features, out_features, bias, device, dtype: as ``torch.nn.Linear``'s.
@@ -158,7 +170,9 @@ class RowParallelLinear(_SlicedLinear):
     """``torch.nn.Linear`` with its input features split over the ranks (weight columns).
 
     Each rank multiplies its slice of the input by its slice of the weight; the partial results are
-    summed over the ranks (one allreduce), and the bias, whole on every rank, is added once.
+    summed over the ranks (one allreduce), and the bias, whole on every rank, is added once. A
+    dense ``torch.nn.Linear``'s ``state_dict`` loads with ``load_state_dict`` (each rank keeps its
+    columns).
 
     Args:
         in_features, out_features, bias, device, dtype: as ``torch.nn.Linear``'s.
@@ -210,3 +224,15 @@ class RowParallelLinear(_SlicedLinear):
                                     f"{self.in_features} input features, but its input has {x.shape[-1]}")
         y = reduce_from_parallel(self.comm, torch.nn.functional.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
+
+
+def _slice_dense_entries(layer: _SlicedLinear, state_dict: dict, prefix: str, *_) -> None:
+    """``load_state_dict``'s pre-hook: a dense ``torch.nn.Linear``'s entries load as this rank's
+    slices, so a dense model's ``state_dict`` loads into the parallel one as it is."""
+    weight = state_dict.get(prefix + "weight")
+    if weight is None or tuple(weight.shape) != (layer.out_features, layer.in_features) or \
+            weight.shape == layer.weight.shape:
+        return
+    dense = {k: state_dict[prefix + k] for k in ("weight", "bias") if prefix + k in state_dict}
+    for name, value in layer._slices_of_dense(dense).items():
+        state_dict[prefix + name] = value
