@@ -154,7 +154,8 @@ def check_send_recv_arguments_refused(comm):
     for call, words in ((lambda: F.send(comm, x, peer), "send(x, comm, rank)"),
                         (lambda: F.recv(peer, comm), "recv(comm, rank)"),
                         (lambda: F.send(x, comm, comm.rank), "is this rank"),
-                        (lambda: F.recv(comm, comm.rank), "is this rank")):
+                        (lambda: F.recv(comm, comm.rank), "is this rank"),
+                        (lambda: F.send((x, (x, x)), comm, peer), "element 1 is a tuple (tuples do not nest")):
         try:
             call()
         except (TypeError, ValueError) as e:

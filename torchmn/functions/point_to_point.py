@@ -131,8 +131,14 @@ def send(x: Tensors, comm: CommunicatorBase, rank: int, tag: int = 0) -> torch.T
         raise TorchmnValueError(f"send: rank {rank} is this rank; pass the value on directly instead")
     single = isinstance(x, torch.Tensor)
     xs = (x,) if single else tuple(x)
-    if not xs or not all(isinstance(t, torch.Tensor) for t in xs):
-        raise TorchmnTypeError(f"send: x must be a tensor or a tuple of tensors, not {type(x).__name__}")
+    if not xs:
+        raise TorchmnTypeError("send: x must be a tensor or a tuple of tensors, not an empty tuple")
+    other = next((i for i, t in enumerate(xs) if not isinstance(t, torch.Tensor)), None)
+    if other is not None:
+        nested = " (tuples do not nest: send a flat tuple, e.g. an LSTM's (out, (h, c)) as (out, h, c))" \
+            if isinstance(xs[other], (tuple, list)) else ""
+        raise TorchmnTypeError(f"send: x must be a tensor or a tuple of tensors; element {other} is a "
+                               f"{type(xs[other]).__name__}{nested}")
     device = xs[0].device
     return _Send.apply(comm, rank, tag, single, anchor(device), *xs)
 
