@@ -13,7 +13,8 @@ from torchmn.extensions import (AllreducePersistent, MultiNodeEarlyStoppingTrigg
                                 available_iterations, multi_node_snapshot, resume_latest)
 from torchmn.extensions.snapshot import atomic_save
 
-CHECKS = ["early_stopping", "observation_aggregator", "allreduce_persistent", "snapshot"]
+CHECKS = ["early_stopping", "observation_aggregator", "observation_aggregator_weighs_each_observation",
+          "allreduce_persistent", "snapshot"]
 
 
 def solo():
@@ -56,7 +57,7 @@ def test_early_stopping_max_mode_for_accuracy(tmp_path):
 def test_observation_aggregator_single_rank(tmp_path):
     seen = []
     manager = manager_for(torch.nn.Linear(1, 1), tmp_path, 2, iters_per_epoch=2)
-    manager.extend(ObservationAggregator(solo(), "loss", aggregator=max))
+    manager.extend(ObservationAggregator(solo(), "loss", aggregator=lambda every: max(sum(every, []))))
     manager.extend(ObservationAggregator(solo(), "loss", "loss/epoch", comm_trigger=(1, "epoch")))
     manager.extend(lambda m: seen.append((m.observation.get("loss"), m.observation.get("loss/epoch"))),
                    trigger=(1, "iteration"))

@@ -501,6 +501,24 @@ def check_observation_aggregator(comm, tmp):
     assert train(stop_at=None) == [r + 2.5]
 
 
+def check_observation_aggregator_weighs_each_observation(comm, tmp):
+    """As ChainerMN's: the mean of every observation of the interval, whichever rank made it, and
+    an aggregator given every rank's list of observations."""
+    seen = []
+    manager = _manager(torch.nn.Linear(2, 2), 3, 1, os.path.join(tmp, f"oaw{comm.rank}"))
+    manager.extend(ObservationAggregator(comm, "acc", "acc/global", comm_trigger=(1, "epoch")))
+    manager.extend(ObservationAggregator(comm, "acc", "acc/max", comm_trigger=(1, "epoch"),
+                                         aggregator=lambda every: max(sum(every, []))))
+    manager.extend(lambda m: seen.append((m.observation.get("acc/global"), m.observation.get("acc/max"))),
+                   trigger=(1, "epoch"))
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            if comm.rank == 0 or manager.iteration == 0:  # rank 0 observes 3 times, the others once
+                ppe.reporting.report({"acc": float(manager.iteration if comm.rank == 0 else 100 + comm.rank)})
+    others = [100.0 + r for r in range(1, comm.size)]
+    assert seen == [((0 + 1 + 2 + sum(others)) / (3 + len(others)), max([2.0] + others))], seen
+
+
 def check_allreduce_persistent(comm, tmp):
     bn = torch.nn.Sequential(torch.nn.BatchNorm1d(3), torch.nn.BatchNorm1d(2).double())
     with torch.no_grad():
@@ -636,10 +654,12 @@ CHECKS = {
     "iterator_out_of_step_refused": check_iterator_out_of_step_refused,
     "early_stopping": check_early_stopping,
     "observation_aggregator": check_observation_aggregator,
+    "observation_aggregator_weighs_each_observation": check_observation_aggregator_weighs_each_observation,
     "allreduce_persistent": check_allreduce_persistent,
     "snapshot": check_snapshot,
 }
-NEEDS_TMP = {"early_stopping", "observation_aggregator", "allreduce_persistent", "snapshot"}
+NEEDS_TMP = {"early_stopping", "observation_aggregator", "observation_aggregator_weighs_each_observation",
+             "allreduce_persistent", "snapshot"}
 
 
 def main():

@@ -13,33 +13,36 @@ from torchmn.extensions._triggers import agreed
 from torchmn.extensions._values import to_float
 
 
-def mean(values: Sequence[float]) -> float:
-    """The arithmetic mean: :class:`ObservationAggregator`'s default ``aggregator``.
+def mean(observations: Sequence[Sequence[float]]) -> float:
+    """The mean of every rank's observations: :class:`ObservationAggregator`'s default ``aggregator``
+    (ChainerMN's ``_average_2d``).
 
     Args:
-        values: one number per rank that observed the key (never empty: when no rank did,
-            nothing is aggregated).
+        observations: one list per rank, of that rank's observations in the interval (some may
+            be empty; never all: when no rank observed the key, nothing is aggregated).
 
     Returns:
-        ``sum(values) / len(values)``.
+        The sum of all observations over their count: each observation weighs alike, whichever
+        rank made it.
 
     Example::
 
-        >>> torchmn.extensions.observation_aggregator.mean([1.0, 2.0, 6.0])
-        3.0
+        >>> torchmn.extensions.observation_aggregator.mean([[1.0, 2.0, 3.0], [10.0]])
+        4.0
     """
-    return sum(values) / len(values)
+    flat = [v for rank in observations for v in rank]
+    return sum(flat) / len(flat)
 
 
 class ObservationAggregator(extension.Extension):
     """Report ``aggregated_key``: the value observed under ``original_key``, aggregated over ranks.
 
-    ChainerMN's extension, with its signature. It runs every iteration to collect this rank's
-    observations of ``original_key``; whenever ``comm_trigger`` fires (by default every
-    iteration) it reduces them to this rank's mean over the interval, gathers every rank's mean
-    and reports ``aggregator(list_of_rank_means)`` (by default their mean) under
+    ChainerMN's extension, with its signature and its arithmetic. It runs every iteration to
+    collect this rank's observations of ``original_key``; whenever ``comm_trigger`` fires (by
+    default every iteration) it gathers every rank's list of observations over the interval and
+    reports ``aggregator(list_of_lists)`` (by default the mean of all observations) under
     ``aggregated_key``, which defaults to ``original_key`` (the local value is replaced in place).
-    Ranks that observed nothing in the interval are left out; when none did, nothing is reported.
+    When no rank observed the key in the interval, nothing is reported.
     Its priority is ``PRIORITY_EDITOR``: after evaluators report, before ``LogReport`` reads.
     Every rank must register it with the same triggers.
 
@@ -53,8 +56,8 @@ class ObservationAggregator(extension.Extension):
         original_key: the observation key to aggregate.
         aggregated_key: the key to report the aggregate under; ``None`` for ``original_key``.
         comm_trigger: when to aggregate (ppe's trigger forms), by default every iteration.
-        aggregator: turns the list of rank means into the reported value; ``None`` for
-            :func:`mean`.
+        aggregator: turns the ranks' lists of observations (one list per rank, in rank order)
+            into the reported value; ``None`` for :func:`mean`.
 
     Raises:
         ValueError: ``aggregated_key`` is ``original_key`` (or ``None``) and ``comm_trigger``
@@ -72,7 +75,7 @@ class ObservationAggregator(extension.Extension):
 
     def __init__(self, comm, original_key: str, aggregated_key: Optional[str] = None, *,
                  comm_trigger: Any = (1, "iteration"),
-                 aggregator: Optional[Callable[[Sequence[float]], Any]] = None):
+                 aggregator: Optional[Callable[[Sequence[Sequence[float]]], Any]] = None):
         self.comm = comm
         self.original_key = original_key
         self.aggregated_key = original_key if aggregated_key is None else aggregated_key
@@ -137,9 +140,9 @@ class ObservationAggregator(extension.Extension):
     def __call__(self, manager) -> None:
         """Collect this iteration's observation; when ``comm_trigger`` fires, report the aggregate.
 
-        Collective when ``comm_trigger`` fires: every rank's mean over the interval is gathered
-        (one ``allgather_obj``), and ``aggregator`` of those of the ranks that observed the key is
-        reported under ``aggregated_key``.
+        Collective when ``comm_trigger`` fires: every rank's observations over the interval are
+        gathered (one ``allgather_obj``), and ``aggregator`` of them is reported under
+        ``aggregated_key`` where any rank observed the key.
 
         Args:
             manager: the ``ExtensionsManager`` running this extension.
@@ -153,8 +156,7 @@ class ObservationAggregator(extension.Extension):
             self._values.append(to_float(observation[self.original_key], self.original_key))
         if not self.comm_trigger(manager):
             return
-        local = mean(self._values) if self._values else None
-        self._values = []
-        present = [v for v in self.comm.allgather_obj(local) if v is not None]
-        if present:
-            reporting.report({self.aggregated_key: self.aggregator(present)})
+        local, self._values = self._values, []
+        every = self.comm.allgather_obj(local)
+        if any(every):
+            reporting.report({self.aggregated_key: self.aggregator(every)})
