@@ -54,6 +54,21 @@ def test_early_stopping_max_mode_for_accuracy(tmp_path):
     assert manager.epoch == 10   # always improving: only max_trigger stops it
 
 
+def test_early_stopping_takes_chainermn_positional_arguments(tmp_path):
+    """ChainerMN's order (comm, check_trigger, monitor, patience) and default monitor "main/loss";
+    arguments in another order are refused, not left to never stop."""
+    stop = MultiNodeEarlyStoppingTrigger(solo(), (1, "epoch"), "main/loss", 1)
+    assert (stop.monitor, stop.patience) == ("main/loss", 1)
+    assert MultiNodeEarlyStoppingTrigger(solo()).monitor == "main/loss"
+    manager = manager_for(torch.nn.Linear(1, 1), tmp_path, 10, stop_trigger=stop)
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            ppe.reporting.report({"main/loss": 1.0})
+    assert manager.epoch == 2   # no improvement after the first check, patience 1
+    with pytest.raises(TypeError, match="monitor must be an observation key"):
+        MultiNodeEarlyStoppingTrigger(solo(), "main/loss", (1, "epoch"))
+
+
 def test_observation_aggregator_single_rank(tmp_path):
     seen = []
     manager = manager_for(torch.nn.Linear(1, 1), tmp_path, 2, iters_per_epoch=2)

@@ -8,6 +8,7 @@ from typing import Any, Callable, Optional
 import torch
 from pytorch_pfn_extras.training.triggers import EarlyStoppingTrigger
 
+from torchmn.errors import TorchmnTypeError
 from torchmn.extensions._values import to_float
 
 
@@ -22,14 +23,19 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
     Every rank must use it with the same arguments. ``mode``: ``"min"``, ``"max"`` or ``"auto"``
     (``"max"`` when ``monitor`` names an accuracy).
 
+    The arguments are ChainerMN's (and ppe's), in their order and with their defaults.
+
     Args:
         comm: the communicator whose ranks train together.
+        check_trigger: the interval at whose end the mean is compared.
         monitor: the observation key judged, e.g. ``"val/loss"``.
         patience: how many checks without improvement stop training.
         mode: ``"min"``, ``"max"`` or ``"auto"``, as above.
-        max_trigger: stops training in any case (ppe's trigger forms, e.g. ``(100, "epoch")``).
-        check_trigger: the interval at whose end the mean is compared.
         verbose: print, on rank 0, the operator chosen and when training stops.
+        max_trigger: stops training in any case (ppe's trigger forms, e.g. ``(100, "epoch")``).
+
+    Raises:
+        TypeError: ``monitor`` is not a str (arguments in another order than ChainerMN's).
 
     Example::
 
@@ -40,8 +46,12 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
         ...     ...
     """
 
-    def __init__(self, comm, monitor: str = "val/loss", patience: int = 3, mode: str = "auto",
-                 max_trigger: Any = (100, "epoch"), check_trigger: Any = (1, "epoch"), verbose: bool = False):
+    def __init__(self, comm, check_trigger: Any = (1, "epoch"), monitor: str = "main/loss", patience: int = 3,
+                 mode: str = "auto", verbose: bool = False, max_trigger: Any = (100, "epoch")):
+        if not isinstance(monitor, str):
+            raise TorchmnTypeError(f"MultiNodeEarlyStoppingTrigger: monitor must be an observation key (a str), not "
+                                   f"{monitor!r}; the arguments are ChainerMN's: (comm, check_trigger, monitor, "
+                                   f"patience, mode, verbose, max_trigger)")
         # ppe's constructor prints its choice of operator when verbose: on rank 0 only.
         super().__init__(check_trigger=check_trigger, monitor=monitor, patience=patience, mode=mode,
                          verbose=verbose and comm.rank == 0, max_trigger=max_trigger)
