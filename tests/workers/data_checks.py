@@ -268,6 +268,12 @@ def check_evaluator_object(comm):
         assert evaluator.evaluate() == {"val/x": expected}
         evaluator()  # as the manager calls it: reports the mean over the ranks
     assert observed == {"val/x": expected}, observed
+    # A rank without validation batches (a small set scattered with force_equal_length=False)
+    # reports nothing, and the others' mean stands.
+    few = Evaluator(torch.utils.data.DataLoader(data[:4] if comm.rank == 0 else data[:0], batch_size=4),
+                    torch.nn.Linear(1, 1), eval_func=eval_func, progress_bar=False)
+    with ppe.reporting.Reporter().scope({}):
+        assert create_multi_node_evaluator(few, comm).evaluate() == {"val/x": 1.5}
 
 
 class Gather(GenericMultiNodeEvaluator):

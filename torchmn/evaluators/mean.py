@@ -24,7 +24,9 @@ def _as_float(value: Any, key: str, rank: int) -> float:
 
 def _local(result: Any, rank: int) -> tuple[dict[str, float], int]:
     if isinstance(result, dict):
-        metrics, n = result, 1
+        # A plain dict is one sample's worth; an empty one (ppe's Evaluator on a rank without
+        # batches) is none, not a sample without metrics.
+        metrics, n = result, 1 if result else 0
     elif isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], dict):
         metrics, n = result
     else:
@@ -122,7 +124,8 @@ def create_multi_node_evaluator(fn: Any, comm) -> Any:
     ``n``, summed in float64), so uneven shards give the right answer. A rank with ``n == 0``
     contributes nothing (its dict may be empty, its values ``None``). If no rank saw a sample, every metric named by
     any rank is ``nan`` (and the result is ``{}`` if none was named). ``fn`` may also return a
-    plain dict: it counts as ``n = 1``, so the result is the plain mean over ranks. Values may be
+    plain dict: it counts as ``n = 1`` (an empty one as ``n = 0``), so the result is the plain mean
+    over ranks. Values may be
     numbers or one-element tensors. Every rank must call the wrapper together.
 
     Args:
@@ -137,8 +140,10 @@ def create_multi_node_evaluator(fn: Any, comm) -> Any:
     Example::
 
         >>> def evaluate():
-        ...     losses = [loss_fn(model(x), y).item() for x, y in local_loader]
-        ...     return {"loss": sum(losses) / len(losses)}, len(losses)
+        ...     total, n = 0.0, 0
+        ...     for x, y in local_loader:
+        ...         total, n = total + loss_fn(model(x), y, reduction="sum").item(), n + len(y)
+        ...     return {"loss": total / n if n else None}, n
         >>> metrics = torchmn.create_multi_node_evaluator(evaluate, comm)()
         >>> metrics["loss"]    # the same number on every rank
         >>> evaluator = ppe.training.extensions.Evaluator(val_loader, model)
