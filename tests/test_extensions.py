@@ -160,3 +160,9 @@ def test_snapshot_and_resume_single_rank(tmp_path):
 def test_snapshot_filename_must_name_iteration_and_rank(name):
     with pytest.raises(ValueError, match="snapshot filename"):
         multi_node_snapshot(solo(), filename=name)
+
+
+def test_snapshot_refuses_chainermn_arguments_naming_the_change():
+    """ChainerMN's multi_node_snapshot(comm, snapshot, replica_sets) wrapped a snapshot extension."""
+    with pytest.raises(TypeError, match=r"ChainerMN's multi_node_snapshot\(comm, snapshot, replica_sets\)"):
+        multi_node_snapshot(solo(), ppe.training.extensions.snapshot(), [[0]])

@@ -18,7 +18,7 @@ from pytorch_pfn_extras.training import extension
 
 from torchmn.checkpoint.files import atomic_save, remove_temporaries
 from torchmn.communicators.errors import RemoteRankError
-from torchmn.errors import TorchmnValueError
+from torchmn.errors import TorchmnTypeError, TorchmnValueError
 from torchmn.extensions._triggers import agree_on_own_trigger
 
 DEFAULT_FILENAME = "snapshot_iter_{iteration}_rank{rank}"
@@ -369,10 +369,16 @@ def multi_node_snapshot(comm, filename: str = DEFAULT_FILENAME, savefun: Callabl
 
     Raises:
         ValueError: ``filename`` is not a valid pattern (see :func:`snapshot_path`).
+        TypeError: ``filename`` is not a str (ChainerMN's arguments: a snapshot extension).
 
     Example::
 
         >>> manager.extend(torchmn.extensions.multi_node_snapshot(comm, n_retains=2, autoload=True),
         ...                trigger=(1, "epoch"))
     """
+    if not isinstance(filename, str):
+        raise TorchmnTypeError(
+            f"multi_node_snapshot: filename must be a str pattern, not a {type(filename).__name__}. ChainerMN's "
+            f"multi_node_snapshot(comm, snapshot, replica_sets) wrapped a snapshot extension; here every rank saves "
+            f"its own file: multi_node_snapshot(comm, filename={DEFAULT_FILENAME!r}, n_retains=..., autoload=...)")
     return MultiNodeSnapshot(comm, filename, savefun, target, n_retains, autoload, out_dir, loadfun)
