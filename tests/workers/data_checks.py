@@ -41,16 +41,17 @@ class RangeData(SharedDataset):
 
 
 class Failing:
-    """A dataset whose last item cannot be read."""
+    """A dataset whose item ``bad`` (by default the last) cannot be read."""
 
-    def __init__(self, n):
+    def __init__(self, n, bad=None):
         self.n = n
+        self.bad = n - 1 if bad is None else bad
 
     def __len__(self):
         return self.n
 
     def __getitem__(self, i):
-        if i == self.n - 1:
+        if i == self.bad:
             raise KeyError(f"item {i} is unreadable")
         return i
 
@@ -162,6 +163,13 @@ def check_scatter_errors(comm):
     e = expect_raise(lambda: scatter_dataset(data, comm, force_equal_length=False), KeyError, RemoteRankError)
     assert "unreadable" in str(e), e
     assert isinstance(e, KeyError) == (comm.rank == 0), (comm.rank, type(e))
+    # Item 4 is in rank 1's part: rank 1 hears which sample failed, the ranks after it whose part it was.
+    data = Failing(4 * comm.size, bad=4) if comm.rank == 0 else None
+    e = expect_raise(lambda: scatter_dataset(data, comm), KeyError, RemoteRankError)
+    if comm.rank == 1:
+        assert "failed while sending samples: sample 4: KeyError" in str(e), e
+    elif comm.rank > 1:
+        assert "failed while sending samples: rank 1's part: KeyError" in str(e), e
     # A non-root rank cannot unpickle its samples: every rank raises at once, not at the timeout
     # (root must not be left waiting in a send of that rank's later chunks).
     start = time.monotonic()

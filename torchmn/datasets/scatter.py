@@ -272,7 +272,7 @@ def _send_parts(comm, dataset: Any, n: int, order: torch.Tensor, force_equal_len
         except Exception as e:
             # The rank being served was told; so is every rank still waiting, so none of them hangs.
             for waiting in pending[k + 1:]:
-                comm.send_obj(("error", f"{type(e).__name__}: {e}"), waiting, tag=TAG)
+                comm.send_obj(("error", f"rank {r}'s part: {type(e).__name__}: {e}"), waiting, tag=TAG)
             raise
     return DatasetPart(dataset, parts[root])
 

@@ -41,6 +41,7 @@ def send_samples(put: Put, dataset: Any, indices: Sequence[int], max_buf_len: in
         >>> send_samples(lambda m: comm.send_obj(m, 1, tag=TAG), data, range(len(data)), 1 << 20)
     """
     put(("part", list(indices)))
+    i = None
     try:
         chunk: list[bytes] = []
         nbytes = 0
@@ -52,7 +53,7 @@ def send_samples(put: Put, dataset: Any, indices: Sequence[int], max_buf_len: in
             chunk.append(blob)
             nbytes += len(blob)
     except Exception as e:
-        put(("error", f"{type(e).__name__}: {e}"))
+        put(("error", f"sample {i}: {type(e).__name__}: {e}"))
         raise
     if chunk:
         put(("chunk", chunk))
@@ -86,7 +87,7 @@ def receive_samples(get: Get, what: str, sender: str, rank: int) -> tuple[list[i
     """
     kind, indices = get()
     if kind == "error":
-        raise RemoteRankError(f"{what}: {sender} failed while sending rank {rank}'s samples: {indices}")
+        raise RemoteRankError(f"{what}: {sender} failed while sending samples: {indices}; rank {rank} stops too")
     samples: list[Any] = []
     failure = None
     while True:
@@ -94,7 +95,7 @@ def receive_samples(get: Get, what: str, sender: str, rank: int) -> tuple[list[i
         if kind == "end":
             break
         if kind == "error":
-            raise RemoteRankError(f"{what}: {sender} failed while sending rank {rank}'s samples: {payload}")
+            raise RemoteRankError(f"{what}: {sender} failed while sending samples: {payload}; rank {rank} stops too")
         if failure is None:
             try:
                 samples.extend(pickle.loads(b) for b in payload)
