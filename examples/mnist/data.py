@@ -12,8 +12,7 @@ Two sources:
   (its first ``n_train`` images if given) is for training, t10k for validation.
 
 Each dataset is a list of ``(image, label)`` pairs: ``image`` a float32 tensor of 784 values in
-[0, 1], ``label`` an int. Every image is its own small tensor, so ``scatter_dataset`` pickles
-3 KB per sample (a row of one big tensor would pickle the big tensor's whole storage).
+[0, 1], ``label`` an int; ``scatter_dataset`` pickles about 3 KB per sample.
 
 Example::
 
