@@ -34,6 +34,21 @@ def test_budget_divides_and_never_reaches_zero(cpus, n, local_size, expected):
     assert resources.thread_budget(local_size, {}) == expected
 
 
+def test_bound_ranks_share_a_quota_smaller_than_the_host(cpus):
+    """16 CPUs in 2 domains of 8, a container quota of 8: two ranks bound to a domain each get 4
+    threads each (their share of the quota), not 8 each; without a quota, 8 each."""
+    cpus(16, quota=8)
+    assert [resources.launcher_thread_env(2, {}, bound=(8, 1))["OMP_NUM_THREADS"] for _ in range(2)] == ["4", "4"]
+    cpus(16)
+    assert resources.launcher_thread_env(2, {}, bound=(8, 1))["OMP_NUM_THREADS"] == "8"
+
+
+def test_workers_budget_follows_the_users_omp_num_threads_first(cpus):
+    cpus(8)
+    assert resources.dataloader_workers_budget(1, {"OMP_NUM_THREADS": "1", "TORCHMN_NUM_THREADS": "4"}) == 0
+    assert resources.dataloader_workers_budget(1, {"TORCHMN_NUM_THREADS": "4"}) == 3
+
+
 def test_budget_rejects_nonsense_local_size(cpus):
     cpus(4)
     with pytest.raises(ValueError, match="local_size"):
@@ -173,6 +188,36 @@ def test_apply_thread_budget_user_omp_wins_over_torchmn_num_threads():
     # What torchmn run puts in a rank's environment: both the same, applied.
     got = apply_in_subprocess(OMP_NUM_THREADS="1", TORCHMN_NUM_THREADS="1")
     assert got["first"] == got["torch"] == 1, got
+
+
+INTEROP = """
+import warnings, torch
+from torchmn import resources
+
+
+@torch.jit.script
+def forked(x):
+    return torch.jit.wait(torch.jit._fork(torch.mm, x, x))
+
+
+forked(torch.ones(4, 4))  # the inter-op pool runs work first (an eager fork runs inline)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    resources.apply_thread_budget(1)
+print([str(w.message) for w in caught])
+"""
+
+
+def test_interop_threads_blank_is_unset_and_too_late_is_warned(tmp_path):
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    script = tmp_path / "interop.py"  # a file: torch.jit.script reads the function's source
+    script.write_text(INTEROP)
+    blank = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                           env={**env, "TORCHMN_INTEROP_THREADS": " "})
+    assert blank.returncode == 0 and blank.stdout.strip() == "[]", blank.stderr
+    late = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                          env={**env, "TORCHMN_INTEROP_THREADS": "3"})
+    assert late.returncode == 0 and "TORCHMN_INTEROP_THREADS=3 was not applied" in late.stdout, late
 
 
 def test_apply_thread_budget_leaves_a_users_blas_threads():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
 from torchmn.environments.slurm import slurm_step_id
@@ -332,7 +333,9 @@ def _bound_budget(bound: Optional[Tuple[int, int]], local_size: int, env: Mappin
     if bound is None:
         return None
     share = max(1, bound[0] // max(1, bound[1]))
-    if cpu_count_available(env) < bound[0]:  # a quota or an allocation smaller than the CPUs bound to
+    # A quota or an allocation smaller than the launcher's CPUs is shared by all the node's ranks,
+    # whichever CPUs each is bound to: a rank gets at most its share of it.
+    if cpu_count_available(env) < affinity_cpu_count():
         return min(share, thread_budget(local_size, env))
     return share
 
@@ -454,7 +457,8 @@ def dataloader_workers_budget(local_size: int, env: Optional[Mapping[str, str]] 
         if not workers.isdigit():
             raise TorchmnValueError(f"{TORCHMN_NUM_WORKERS} must be a whole number >= 0, not {workers!r}")
         return int(workers)
-    threads = requested_threads(env) or _positive_int(env.get("OMP_NUM_THREADS")) \
+    # The rank's pools in apply_thread_budget's order: the user's OMP_NUM_THREADS first.
+    threads = _positive_int(env.get("OMP_NUM_THREADS")) or requested_threads(env) \
         or thread_budget(ranks_sharing_cpus(local_size, env), env)
     return max(0, threads - 1)
 
@@ -462,18 +466,21 @@ def dataloader_workers_budget(local_size: int, env: Optional[Mapping[str, str]] 
 def _apply_interop(env: Mapping[str, str]) -> None:
     """``TORCHMN_INTEROP_THREADS``, where set, sizes torch's inter-op pool (before it starts)."""
     value = env.get(TORCHMN_INTEROP_THREADS)
-    if value is None:
+    if value is None or not value.strip():  # blank counts as unset, as the other TORCHMN_ variables
         return
     threads = _positive_int(value)
     if threads is None:
-        raise TorchmnValueError(f"{TORCHMN_INTEROP_THREADS} must be a positive integer, not {value!r}")
+        raise TorchmnValueError(f"{TORCHMN_INTEROP_THREADS} must be a positive integer, not {value!r}; set it to "
+                                f"the inter-op threads you want (e.g. 1), or unset it")
     import torch
 
     if torch.get_num_interop_threads() != threads:
         try:
             torch.set_num_interop_threads(threads)
         except RuntimeError:  # the pool already ran work: torch cannot resize it any more
-            pass
+            warnings.warn(f"{TORCHMN_INTEROP_THREADS}={threads} was not applied: torch's inter-op pool already "
+                          f"ran work with {torch.get_num_interop_threads()} threads, and cannot be resized. Create "
+                          f"the communicator before the script's first parallel work", stacklevel=3)
 
 
 def bucket_cap_mb_requested(env: Optional[Mapping[str, str]] = None) -> Optional[float]:
