@@ -59,7 +59,17 @@ def test_launcher_env_sets_every_pool(cpus):
     cpus(8)
     env = resources.launcher_thread_env(2, {})
     assert env == {**{name: "4" for name in resources.THREAD_VARIABLES + ("TORCHMN_NUM_THREADS",)},
-                   "TORCHMN_THREAD_VARIABLES": ",".join(resources.THREAD_VARIABLES)}
+                   "TORCHMN_THREAD_VARIABLES": ",".join(resources.THREAD_VARIABLES + ("TORCHMN_NUM_THREADS",))}
+
+
+def test_launcher_started_where_a_budget_was_applied_budgets_its_own_ranks(cpus):
+    """A torchmn run started from a rank, or from a script after create_communicator: the values
+    torchmn set there are not the user's, and its ranks get their own budget."""
+    cpus(8)
+    applied = {**resources.launcher_thread_env(1, {}), "MKL_NUM_THREADS": "1"}
+    applied["TORCHMN_THREAD_VARIABLES"] = applied["TORCHMN_THREAD_VARIABLES"].replace("MKL_NUM_THREADS,", "")
+    env = resources.launcher_thread_env(4, applied)
+    assert env["OMP_NUM_THREADS"] == env["TORCHMN_NUM_THREADS"] == "2" and "MKL_NUM_THREADS" not in env, env
 
 
 def test_launcher_env_leaves_user_settings_alone(cpus):

@@ -320,13 +320,22 @@ def launcher_thread_env(local_size: int, env: Optional[Mapping[str, str]] = None
         '4'
     """
     env = _environ(env)
-    if _set_by_user(env, "OMP_NUM_THREADS"):
+    # Values a budget set here earlier (this launcher runs inside a rank, or after a script's
+    # create_communicator) were for that process, not for these ranks: they are recomputed.
+    ours = _set_by_torchmn(env)
+    if _set_by_user(env, "OMP_NUM_THREADS") and "OMP_NUM_THREADS" not in ours:
         return {}
-    budget = requested_threads(env) or _bound_budget(bound, local_size, env) or thread_budget(local_size, env)
-    added = {name: str(budget) for name in THREAD_VARIABLES if not _set_by_user(env, name)}
-    added[TORCHMN_THREAD_VARIABLES] = ",".join(added)
+    requested = requested_threads(env) if TORCHMN_NUM_THREADS not in ours else None
+    budget = requested or _bound_budget(bound, local_size, env) or thread_budget(local_size, env)
+    added = {name: str(budget) for name in THREAD_VARIABLES if name in ours or not _set_by_user(env, name)}
+    added[TORCHMN_THREAD_VARIABLES] = ",".join(list(added) + [TORCHMN_NUM_THREADS])
     added[TORCHMN_NUM_THREADS] = str(budget)
     return added
+
+
+def _set_by_torchmn(env: Mapping[str, str]) -> set:
+    """The thread variables a torchmn launcher or budget set in ``env`` (``TORCHMN_THREAD_VARIABLES``)."""
+    return set(filter(None, env.get(TORCHMN_THREAD_VARIABLES, "").split(",")))
 
 
 def _bound_budget(bound: Optional[Tuple[int, int]], local_size: int, env: Mapping[str, str]) -> Optional[int]:
@@ -420,13 +429,15 @@ def apply_thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None
     chosen = _scripts_torch_threads() or chosen
     threads = chosen or thread_budget(ranks_sharing_cpus(local_size, env), env)
     # What torchmn run set is torchmn's to replace; what the user set stays.
-    theirs = set(env.get(TORCHMN_THREAD_VARIABLES, "").split(","))
+    theirs = _set_by_torchmn(env)
     user_set = {name for name in THREAD_VARIABLES if _set_by_user(env, name) and name not in theirs}
     if env is os.environ:
-        for name in THREAD_VARIABLES:
-            if name not in user_set:
-                os.environ[name] = str(threads)  # for child processes: DataLoader workers, subprocesses
+        written = [name for name in THREAD_VARIABLES if name not in user_set]
+        for name in written:
+            os.environ[name] = str(threads)  # for child processes: DataLoader workers, subprocesses
         os.environ[TORCHMN_NUM_THREADS] = str(threads)
+        # Named as torchmn's, so that a torchmn run started from here budgets its own ranks.
+        os.environ[TORCHMN_THREAD_VARIABLES] = ",".join(written + [TORCHMN_NUM_THREADS])
     _apply(threads, user_set)
     _applied = threads
     return threads
