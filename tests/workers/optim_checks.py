@@ -566,6 +566,39 @@ def check_failed_backward(comm):
         assert_close(_train_skipping_a_batch(opt, model, comm), ref, 1e-5, f"failed backward {kwargs}")
 
 
+def check_skipped_step_and_abandoned_window(comm):
+    """Every rank skips step 1 (a non-finite norm, GradScaler's inf): after gradients sent by
+    synchronize() outside backward, or after one backward of a window of two, zero_grad() and the
+    next steps are those of one process skipping that step (the next step sent nothing, or after
+    its first backward, and updated with unaveraged gradients)."""
+    ref_model = make_model()
+    ref_opt = OPTIMIZERS["sgd"](ref_model.parameters())
+    for step in range(5):
+        x, y = data(step)
+        ref_opt.zero_grad()
+        loss_fn(ref_model, x, y).backward()
+        if step != 1:
+            ref_opt.step()
+    for kwargs in ({}, {"shard_state": False}, {"shard_state": True}):
+        for how in ("synchronized", "window"):
+            model, opt = wrapped_model(comm, "sgd", passes=2 if how == "window" else 1, **kwargs)
+            for step in range(5):
+                x, y = data(step)
+                x, y = local(x, comm), local(y, comm)
+                opt.zero_grad()
+                if how == "synchronized":
+                    with opt.no_sync():
+                        loss_fn(model, x, y).backward()
+                    opt.synchronize()
+                elif step == 1:
+                    (loss_fn(model, x[:1], y[:1]) / 2).backward()  # the window's first pass, then given up
+                else:
+                    backward(opt, model, x, y, passes=2)
+                if step != 1:
+                    opt.step()
+            assert_close(model, ref_model, 1e-5, f"{comm.name} step skipped after a {how} backward {kwargs}")
+
+
 def check_frozen_parameters_start_equal(comm):
     """A frozen layer handed to the optimizer is broadcast too: initialised at random on each rank,
     it would otherwise make the ranks' models differ for good."""

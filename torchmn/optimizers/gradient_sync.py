@@ -352,6 +352,9 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 f"first, then create the torch optimizer and wrap it")
         if not self._in_pass:
             self._in_pass = True
+            # A new backward adds gradients that have not gone out, even where the last ones did
+            # and no step() took them (every rank skipped it): synchronize() must send again.
+            self._sent = False
             self._pass_syncs = not self._no_sync and self._passes + 1 >= self.backward_passes_per_step
             Variable._execution_engine.queue_callback(self._on_backward_end)
         if self._pass_syncs and self._overlap:
@@ -458,7 +461,9 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients of the wrapped optimizer's parameters, as torch's ``zero_grad``.
 
-        Also forgets a backward that raised before it ended (its half-sent buckets).
+        Also forgets a backward that raised before it ended (its half-sent buckets), and starts
+        a new ``backward_passes_per_step`` window: the passes counted so far were discarded with
+        their gradients.
 
         Args:
             set_to_none: set ``.grad`` to None (default) rather than to zeros.
@@ -468,6 +473,7 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
             >>> optimizer.zero_grad()
         """
         self._check_backward_ended()
+        self._passes = 0
         if not set_to_none:
             self.wrapped.zero_grad(set_to_none=False)
             return
