@@ -319,6 +319,19 @@ def check_refusals(comm):
             e = expect(torchmn.CollectiveMismatchError, lambda: torchmn.create_multi_node_optimizer(
                 torch.optim.SGD(make_model().parameters(), lr=0.1), comm, **kwargs))
             assert "the ranks' options differ (" + told in str(e) and f"rank {comm.size - 1}: " in str(e), e
+        # Another torch optimizer, other parameter groups or another switch on one rank: the
+        # shared and sharded updates would give each rank's slice to a different update.
+        for shard in (None, True):
+            ps = list(make_model().parameters())
+            for inner, told in ((torch.optim.Adam(ps) if last else torch.optim.SGD(ps, lr=0.1),
+                                 "torch optimizer: rank 0: 'torch.optim.sgd.SGD'"),
+                                (torch.optim.SGD([{"params": ps[:2]}, {"params": ps[2:]}] if last else ps, lr=0.1),
+                                 "parameter groups: rank 0: 1"),
+                                (torch.optim.SGD(ps, lr=0.1, nesterov=last, momentum=0.9),
+                                 "parameter group 0's nesterov: rank 0: False")):
+                e = expect(torchmn.CollectiveMismatchError,
+                           lambda: torchmn.create_multi_node_optimizer(inner, comm, shard_state=shard))
+                assert "the ranks' options differ (" + told in str(e), e
     # Sparse gradients: refused at backward, naming the layer's kind.
     emb = torch.nn.Embedding(10, 3, sparse=True)
     opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(emb.parameters(), lr=0.1), comm)

@@ -10,7 +10,7 @@ of every bucket straight from all ranks' buffers, then copies the whole average 
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -547,7 +547,7 @@ def build_into(target: Optional[GradientSyncOptimizer], optimizer: torch.optim.O
     passes = options["backward_passes_per_step"]
     if compression is None:
         compression = getattr(comm, "compression", None)
-    _check_same_options(comm, options, compression)
+    _check_same_options(comm, options, compression, optimizer)
     if options["shard_state"] is None and _can_split_on_node(optimizer, comm, double_buffering, zero_fill,
                                                              compression):
         from torchmn.optimizers.node_shared import NoNodeMemory, NodeSharedOptimizer
@@ -564,22 +564,48 @@ def build_into(target: Optional[GradientSyncOptimizer], optimizer: torch.optim.O
                 powersgd_rank=options["powersgd_rank"])
 
 
-def _check_same_options(comm: Communicator, options: dict, compression: Optional[str]) -> None:
+def _check_same_options(comm: Communicator, options: dict, compression: Optional[str], optimizer) -> None:
     """Refuse, on every rank, ranks that asked for different optimizers: their gradients would
     travel in different dtypes, buckets or steps, and fail later as a mismatch of unrelated
-    collectives (or, between compressions, not at all)."""
+    collectives (or, between compressions, not at all). The torch optimizers' classes, parameter
+    groups and switches too: the shared and sharded updates give each rank's slice of the model to
+    that rank's optimizer, so differences there mix updates silently."""
     if comm.size == 1:
         return
     mine = {**options, "compression": None if compression == "none" else compression}
     if mine["compression"] != "powersgd":
         mine.pop("powersgd_rank")
+    mine["torch optimizer"] = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
+    groups = getattr(optimizer, "param_groups", [])
+    mine["parameter groups"] = len(groups)
+    for i, group in enumerate(groups):
+        mine[f"parameter group {i}'s parameters"] = len(group["params"])
+        for key, value in group.items():
+            if key != "params":
+                mine[f"parameter group {i}'s {key}"] = _comparable(value)
     every = comm.allgather_obj(mine)
-    differ = [k for k in mine if any(theirs.get(k) != mine[k] for theirs in every)]
+    keys = dict.fromkeys(k for theirs in every for k in theirs)  # in the same order on every rank
+    differ = [k for k in keys if len({repr(theirs.get(k)) for theirs in every}) > 1]
     if differ:
         told = "; ".join(f"{k}: " + ", ".join(f"rank {r}: {theirs.get(k)!r}" for r, theirs in enumerate(every))
-                         for k in differ)
+                         for k in differ[:3]) + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
         raise CollectiveMismatchError(f"create_multi_node_optimizer: the ranks' options differ ({told}); pass the "
-                                      f"same options on every rank (raised on rank {comm.rank} on {comm.host})")
+                                      f"same options, and the same torch optimizer with the same parameter groups "
+                                      f"and hyperparameters, on every rank (raised on rank {comm.rank} on {comm.host})")
+
+
+def _comparable(value: Any) -> Any:
+    """A hyperparameter as ranks compare it: switches (``amsgrad``, ``nesterov``, ``maximize``: a
+    bool, a string or None) by value, as they change the algorithm and its state; numbers only by
+    kind, since schedulers change them (an elastic job's joining rank starts from the script's
+    values, the others have the scheduler's until the sync that follows)."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, (int, float, torch.Tensor)):
+        return "a number"
+    if isinstance(value, (tuple, list)):
+        return tuple(_comparable(v) for v in value)
+    return type(value).__name__
 
 
 def _can_split_on_node(optimizer, comm: Communicator, double_buffering: bool, zero_fill: bool,
