@@ -612,6 +612,39 @@ def check_skipped_step_and_abandoned_window(comm):
             assert_close(model, ref_model, 1e-5, f"{comm.name} step skipped after a {how} backward {kwargs}")
 
 
+def check_scheduler_and_hooks_of_the_torch_optimizer(comm):
+    """An LR scheduler and step hooks set on the torch optimizer before wrapping work as without
+    torchmn (the shared update on one node included): no warning that the scheduler stepped
+    before the optimizer, the hooks and torch's global ones called at every step()."""
+    import warnings
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+    for kwargs in ({}, {"shard_state": False}, {"shard_state": True}):
+        model = make_model()
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        scheduler = torch.optim.lr_scheduler.StepLR(inner, step_size=1, gamma=0.5)
+        calls = []
+        if not kwargs.get("shard_state"):
+            inner.register_step_pre_hook(lambda o, a, k: calls.append("pre"))
+            inner.register_step_post_hook(lambda o, a, k: calls.append("post"))
+        handle = register_optimizer_step_post_hook(
+            lambda o, a, k: calls.append("global") if o is inner else None)
+        opt = torchmn.create_multi_node_optimizer(inner, comm, **kwargs)
+        x, y = data(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            for _ in range(2):
+                opt.zero_grad()
+                loss_fn(model, local(x, comm), local(y, comm)).backward()
+                opt.step()
+                scheduler.step()
+        handle.remove()
+        assert opt.param_groups[0]["lr"] == 0.025, (kwargs, opt.param_groups[0]["lr"])
+        if not kwargs.get("shard_state"):
+            assert calls == ["pre", "post", "global"] * 2, (type(opt).__name__, calls)
+        opt.remove_hooks()
+
+
 def check_frozen_parameters_start_equal(comm):
     """A frozen layer handed to the optimizer is broadcast too: initialised at random on each rank,
     it would otherwise make the ranks' models differ for good."""

@@ -621,6 +621,23 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
     register_load_state_dict_post_hook = _hook_registration(
         "load_post", "Call ``hook(optimizer)`` after :meth:`load_state_dict` has loaded.")
 
+    def run_as_wrapped_step(self, update: Callable[[], None]) -> None:
+        """Run ``update`` as the wrapped optimizer's ``step()`` (for subclasses that update with
+        optimizers of their own): with the step hooks registered on it, before wrapping too, and
+        torch's global ones, and counted as its step by the LR schedulers attached to it.
+
+        Args:
+            update: the subclass's update.
+
+        Example::
+
+            >>> return self.run_as_wrapped_step(self._update)     # the end of a subclass's step()
+        """
+        # What an LR scheduler's patch of the wrapped step() would set: without it, a scheduler
+        # built on the torch optimizer before wrapping warns that it stepped before the optimizer.
+        self.wrapped._opt_called = True
+        torch.optim.Optimizer.profile_hook_step(lambda _optimizer: update())(self.wrapped)
+
     def register_step_pre_hook(self, hook):
         """Call ``hook(optimizer, args, kwargs)`` before each update, as torch's does.
 

@@ -18,10 +18,8 @@ How the slices, buffers and shared memory are laid out: :mod:`.shard_layout` and
 """
 from __future__ import annotations
 
-from collections import OrderedDict
 
 import torch
-from torch.utils.hooks import RemovableHandle
 
 from torchmn.communicators import Communicator
 from torchmn.errors import TorchmnAttributeError, TorchmnError, TorchmnRuntimeError
@@ -122,7 +120,6 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
         self._state_views = []  # per bucket: {name: (whole views, shard views)}, set in shared memory
         super().__init__(optimizer, comm, bucket_cap_mb=bucket_cap_mb,
                          backward_passes_per_step=backward_passes_per_step)
-        self._pre_hooks, self._post_hooks = OrderedDict(), OrderedDict()
         self._home_state()  # optimizers that make state when built (Adagrad)
 
     def _place_in_shared_memory(self):
@@ -222,8 +219,9 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
         self.check_step(closure)
         self.synchronize()
         joining.share_edited_gradients(self)
-        for hook in list(self._pre_hooks.values()):
-            hook(self, (), {})
+        return self.run_as_wrapped_step(self._update)
+
+    def _update(self) -> None:
         t0 = recorder.now() if recorder.on else None
         self.sync_hyperparameters()
         for b in self.buckets:
@@ -241,42 +239,13 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
             recorder.end("wait for the node's update", "average", t1)
         self._sent = False
         self._sends = 0
-        for hook in list(self._post_hooks.values()):
-            hook(self, (), {})
         if t0 is not None:
             recorder.step_ended(recorder.now())
-        return None
 
-    def register_step_pre_hook(self, hook):
-        """Call ``hook(optimizer, args, kwargs)`` before each update, on every rank.
-
-        Args:
-            hook: the function; its ``optimizer`` is this one.
-
-        Returns:
-            A handle whose ``remove()`` removes the hook.
-
-        Example::
-
-            >>> handle = optimizer.register_step_pre_hook(lambda opt, args, kwargs: print("stepping"))
-            >>> handle.remove()
-        """
-        return _register(self._pre_hooks, hook)
-
-    def register_step_post_hook(self, hook):
-        """Call ``hook(optimizer, args, kwargs)`` after each update (every rank's slice is done).
-
-        Args:
-            hook: the function; its ``optimizer`` is this one.
-
-        Returns:
-            A handle whose ``remove()`` removes the hook.
-
-        Example::
-
-            >>> handle = optimizer.register_step_post_hook(lambda opt, args, kwargs: scheduler.step())
-        """
-        return _register(self._post_hooks, hook)
+    # Its update runs as the wrapped optimizer's step (run_as_wrapped_step), whose hooks see the
+    # whole model updated: registered there, as by the replicated optimizer.
+    register_step_pre_hook = GradientSyncOptimizer.register_step_pre_hook
+    register_step_post_hook = GradientSyncOptimizer.register_step_post_hook
 
     # Every rank holds the whole averaged gradient, as the replicated optimizer does: no communication.
     clip_grad_norm_ = GradientSyncOptimizer.clip_grad_norm_
@@ -365,9 +334,3 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
     @state.setter
     def state(self, value):
         raise TorchmnAttributeError("the optimizer state lives in memory the node's ranks share: use load_state_dict()")
-
-
-def _register(hooks: OrderedDict, hook) -> RemovableHandle:
-    handle = RemovableHandle(hooks)
-    hooks[handle.id] = hook
-    return handle

@@ -238,6 +238,8 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             >>> loss_fn(model(x), y).backward(); optimizer.step()
         """
         self.check_step(closure)
+        # What an LR scheduler's patch of the wrapped step() would set (see run_as_wrapped_step).
+        self.wrapped._opt_called = True
         reduced, self._reduced = self._reduced, False
         if reduced:  # by clip_grad_norm_, which took them; an edit since would still be lost
             self._check_gradients()
