@@ -175,3 +175,13 @@ def test_info_says_what_is_wrong_without_a_traceback(extra, message):
         assert proc.returncode == 2 and proc.stdout == ""
         assert proc.stderr.startswith(f"torchmn info: error: {message}"), proc.stderr
         assert "Traceback" not in proc.stderr
+
+
+def test_info_says_an_srun_task_has_its_cpus_alone():
+    """srun -n 4 -c 1: each task has its one CPU to itself, which info says (the same budget as
+    1 CPU shared by 4 ranks would give)."""
+    env = dict(SLURM_JOB_ID="7", SLURM_STEP_ID="0", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_NODEID="0",
+               SLURM_NTASKS="4", SLURM_STEP_NUM_TASKS="4", SLURM_STEP_TASKS_PER_NODE="4", SLURM_TASKS_PER_NODE="4",
+               SLURM_STEP_NODELIST="vm", SLURM_NODELIST="vm", SLURM_CPUS_ON_NODE="4", SLURM_CPUS_PER_TASK="1")
+    threads = torchmn.info.collect(env)["threads"]
+    assert threads["budget"] == 1 and "to this task alone (srun --cpus-per-task)" in threads["basis"], threads

@@ -141,7 +141,7 @@ def _threads(local_size: int, source: str, env: Mapping[str, str], torch) -> Dic
             basis = (f"{resources.TORCHMN_NUM_THREADS}={requested}, set by torchmn run for its {local_size} "
                      f"rank(s) on this node" if by_launcher else
                      f"{resources.TORCHMN_NUM_THREADS}={requested}, which you set")
-        elif budget == resources.thread_budget(local_size, env):
+        elif resources.ranks_sharing_cpus(local_size, env) > 1 or local_size == 1:
             basis = f"{available} CPU(s) available, shared by the {local_size} rank(s) on this node"
         else:
             basis = f"{available} CPU(s) available to this task alone (srun --cpus-per-task)"
