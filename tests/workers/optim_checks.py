@@ -645,6 +645,35 @@ def check_scheduler_and_hooks_of_the_torch_optimizer(comm):
         opt.remove_hooks()
 
 
+def check_closure_lbfgs(comm):
+    """LBFGS (step with a closure) takes the course of one process on the whole batch: each
+    evaluation's gradients and loss are averaged over the ranks; where a closure cannot work, it is
+    refused naming the option."""
+    x, y = data(0)
+
+    def train(model, opt, xs, ys):
+        def closure():
+            opt.zero_grad()
+            loss = loss_fn(model, xs, ys)
+            loss.backward()
+            return loss
+        return [float(opt.step(closure)) for _ in range(3)]
+    ref_model = make_model()
+    ref_losses = train(ref_model, torch.optim.LBFGS(ref_model.parameters(), lr=0.5, max_iter=5), x, y)
+    model = make_model()
+    opt = torchmn.create_multi_node_optimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=5), comm)
+    losses = train(model, opt, local(x, comm), local(y, comm))
+    assert_close(model, ref_model, 1e-6, f"{comm.name} LBFGS")
+    assert all(abs(a - b) < 1e-9 for a, b in zip(losses, ref_losses)), (losses, ref_losses)
+    for kwargs, told in (({"shard_state": True}, "updates its shards"),
+                         ({"shard_state": False, "backward_passes_per_step": 2}, "> 1")):
+        model = make_model()
+        opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, **kwargs)
+        e = expect(ValueError, lambda: opt.step(lambda: loss_fn(model, x, y)))
+        assert "step(closure) (LBFGS)" in str(e) and told in str(e), e
+        opt.remove_hooks()
+
+
 def check_frozen_parameters_start_equal(comm):
     """A frozen layer handed to the optimizer is broadcast too: initialised at random on each rank,
     it would otherwise make the ranks' models differ for good."""

@@ -406,24 +406,28 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         finally:
             self._no_sync = previous
 
-    def check_step(self, closure) -> None:
-        """What every ``step()`` checks first (for subclasses): no closure, the last backward
-        ended, and the parameters are those the gradient buckets were built for.
+    def check_step(self, closure, why_no_closure: Optional[str] = "") -> None:
+        """What every ``step()`` checks first (for subclasses): no closure where it cannot take one,
+        the last backward ended, and the parameters are those the gradient buckets were built for.
 
         Args:
             closure: what ``step()`` was given.
+            why_no_closure: why this optimizer takes no closure, for the message; None where it
+                takes one.
 
         Raises:
-            ValueError: a closure was passed.
+            ValueError: a closure this optimizer cannot take.
             RuntimeError: the last backward raised before it ended, or parameters were added or
                 unfrozen since wrapping.
 
         Example::
 
-            >>> self.check_step(closure)      # the first line of a subclass's step()
+            >>> self.check_step(closure, "shard_state=True updates shards")  # a subclass's step()
         """
-        if closure is not None:
-            raise TorchmnValueError("multi-node optimizers do not support a closure: call backward, then step()")
+        if closure is not None and why_no_closure is not None:
+            raise TorchmnValueError(f"step(closure) (LBFGS): {why_no_closure or 'not supported here'}; it is supported "
+                                    f"by create_multi_node_optimizer(..., shard_state=False, double_buffering=False, "
+                                    f"backward_passes_per_step=1)")
         if not self._check_backward_ended():
             raise TorchmnRuntimeError(
                 f"{describe_rank(self.comm)}: step() after a backward() that raised before it ended: its gradients "

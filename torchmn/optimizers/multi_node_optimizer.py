@@ -341,13 +341,15 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         """Average gradients over ranks (if backward has not already), then update.
 
         Args:
-            closure: not supported (multi-node optimizers need backward before ``step()``).
+            closure: torch's: re-evaluates the loss with a backward (LBFGS); its gradients and the
+                loss it returns are averaged over the ranks at each evaluation.
 
         Returns:
-            What the wrapped optimizer's ``step()`` returns (None on double buffering's first step).
+            What the wrapped optimizer's ``step()`` returns (None on double buffering's first step;
+            with a closure, the first evaluation's loss averaged over the ranks).
 
         Raises:
-            ValueError: a closure was passed.
+            ValueError: a closure with ``double_buffering`` or ``backward_passes_per_step > 1``.
             RuntimeError: the last backward raised, or parameters were added or unfrozen since wrapping.
 
         Example::
@@ -355,7 +357,12 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             >>> loss_fn(model(x), y).backward()
             >>> optimizer.step()
         """
-        self.check_step(closure)
+        why = "double_buffering=True updates with the previous step's gradients" if self.double_buffering else \
+            "backward_passes_per_step > 1 averages every k-th backward only" if self.backward_passes_per_step > 1 \
+            else None
+        self.check_step(closure, why)
+        if closure is not None:
+            return self._step_with_closure(closure)
         self.synchronize()
         joining.share_edited_gradients(self)
         self._sent = False
@@ -370,6 +377,19 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
                 return None
             self._finish(self._in_flight.pop(0))
         return recorder.update(self.wrapped.step)
+
+    def _step_with_closure(self, closure):
+        """torch's ``step(closure)`` (LBFGS): each evaluation's backward averages its gradients, and
+        its loss is averaged here, so that every rank's line search sees the same numbers and takes
+        the same course (as one process on the whole batch would)."""
+        def evaluate():
+            loss = closure()
+            self.synchronize()  # where the closure's backward ran inside no_sync()
+            return None if loss is None else self.comm.allreduce(loss.detach(), op="mean")
+        try:
+            return recorder.update(lambda: self.wrapped.step(evaluate))
+        finally:
+            self._sent = False
 
     def average_without_gradients(self) -> None:
         """Take part in the other ranks' gradient averaging with zeros, and update nothing.

@@ -216,7 +216,7 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
 
             >>> loss_fn(model(x), y).backward(); optimizer.step()
         """
-        self.check_step(closure)
+        self.check_step(closure, "each rank of the node updates its slice of the parameters")
         self.synchronize()
         joining.share_edited_gradients(self)
         return self.run_as_wrapped_step(self._update)

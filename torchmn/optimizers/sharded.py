@@ -237,7 +237,8 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
 
             >>> loss_fn(model(x), y).backward(); optimizer.step()
         """
-        self.check_step(closure)
+        self.check_step(closure, "each rank updates its shards, so a closure's every evaluation would need a "
+                                 "gather of the parameters")
         # What an LR scheduler's patch of the wrapped step() would set (see run_as_wrapped_step).
         self.wrapped._opt_called = True
         reduced, self._reduced = self._reduced, False
