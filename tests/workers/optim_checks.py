@@ -220,7 +220,7 @@ def check_zero_fill_false(comm):
         (branch(out) if comm.rank == 0 else out).sum().backward()
         opt.step()
     e = expect(CollectiveMismatchError, uneven)
-    assert "ranks only" in str(e) and "zero_fill=True" in str(e), e
+    assert "a gradient on rank(s) [0] only" in str(e) and "zero_fill=True" in str(e), e
 
 
 def check_double_buffering_edge_cases(comm):

@@ -41,9 +41,10 @@ class _Bucket:
     """
 
     def __init__(self, params: list[torch.nn.Parameter], wire_dtype: Optional[torch.dtype], as_views: bool,
-                 size: int):
+                 comm: Communicator):
         self.params = params
-        self.size = size  # ranks
+        self.comm = comm  # for naming the ranks of a zero_fill=False mismatch
+        self.size = comm.size  # ranks
         self.data_numel = sum(p.numel() for p in params)
         self.numel = self.data_numel + len(params)  # the gradients, then the flags
         self.wire_dtype = wire_dtype or params[0].dtype
@@ -125,13 +126,16 @@ class _Bucket:
         # Each flag is the fraction of ranks that had the gradient (reduced and scaled with them);
         # half a rank's share of slack covers float16/bfloat16 rounding.
         slack = 0.5 / self.size
-        for p, flag in zip(self.params, flags):
+        for i, (p, flag) in enumerate(zip(self.params, flags)):
             if slack < flag < 1.0 - slack:
+                # Every rank is here alike (the flags are the same everywhere): one more exchange
+                # names the ranks.
+                had = [r for r, yes in enumerate(self.comm.allgather_obj(self.had_grad[i])) if yes]
                 raise CollectiveMismatchError(
                     f"create_multi_node_optimizer(zero_fill=False): a parameter of shape {tuple(p.shape)} has "
-                    f"a gradient on about {round(flag * self.size)} of {self.size} ranks only, so only those "
-                    f"would update it and the ranks' models would differ. Use zero_fill=True (the default: a "
-                    f"missing gradient counts as zeros), or give every rank the same parameters")
+                    f"a gradient on rank(s) {had} only, of {self.size}, so only those would update it and the "
+                    f"ranks' models would differ. Use zero_fill=True (the default: a missing gradient counts as "
+                    f"zeros), or give every rank the same parameters (raised on rank {self.comm.rank})")
 
 
 _MANY = 8  # tensors in a bucket from which one fused copy beats a call per tensor
@@ -219,7 +223,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             return a.dtype == b.dtype and a.device == b.device
 
         def build(run):
-            return _Bucket(run, self.wire_dtype, as_views, comm.size)
+            return _Bucket(run, self.wire_dtype, as_views, comm)
         self._bucket_sets = [make_buckets(params, cap, build, same_bucket)]
         if double_buffering:
             self._bucket_sets.append(make_buckets(params, cap, build, same_bucket))
