@@ -177,6 +177,18 @@ def test_nodes_that_disagree_on_np_are_refused(cluster):
     assert "the nodes disagree on the number of ranks per node: node 0 (" in results[0][2], results[0][2]
 
 
+def test_nodes_that_disagree_on_nnodes_are_refused_at_once(cluster):
+    """Node 1 told --nnodes 3 would wait for a node 2 that never comes while node 0 started its
+    rank: both stop at once, named, before any rank starts."""
+    h1 = cluster.address("h1")
+    argvs = [["--nnodes", str(2 + r), "--node-rank", str(r), "--master-addr", h1, "--master-port", "23463",
+              "--start-timeout", "60", "-np", "1", sys.executable, "-c", "print('started')"] for r in range(2)]
+    results = _run_nodes(cluster, [{}, {}], argvs)
+    for code, out, err in results:
+        assert code == 2 and "started" not in out, out + err
+        assert "disagree on the number of nodes (node 0: 2, node 1: 3); give every node the same --nnodes" in err, err
+
+
 FAILING = """
 import os, sys, time
 if os.environ["RANK"] == "3":

@@ -573,8 +573,19 @@ class Job:
         self.finish_display()
         code = self._summarize()
         if self.nodes is not None:
-            self.nodes.end_task(wait_for_others=self.received_signal is None, log=self.console.message)
+            self.nodes.end_task(wait_for_others=self.received_signal is None, log=self.console.message,
+                                stop=self._signalled, failed=code != 0)
         return code
+
+    def _signalled(self) -> bool:
+        """Whether Ctrl-C or SIGTERM came since the ranks ended (the other events are done with)."""
+        while True:
+            try:
+                event = self.events.get_nowait()
+            except queue.Empty:
+                return False
+            if event[0] in ("signal", "relay"):
+                return True
 
     def _check_other_nodes(self) -> None:
         """Stop this node's ranks when another task's launcher reported a failed rank."""

@@ -33,6 +33,8 @@ LAUNCHER_KEY = "torchmn/launcher/"
 # end (torchrun's exit barrier waits as long); it says so after DONE_NOTE seconds.
 DONE_WAIT = 300.0
 DONE_NOTE = 10.0
+# Where the job failed, the other launchers stop their ranks when told (or died with the failure).
+FAILED_DONE_WAIT = 30.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -297,30 +299,51 @@ class NodeLaunchers:
         """
         step = self.step
         keys = [f"{LAUNCHER_KEY}np/{task}" for task in range(step.tasks)]
+        failed = LAUNCHER_KEY + "failed"
         try:
             if self.store.add(f"{LAUNCHER_KEY}claimed/{step.task}", 1) > 1:
                 raise RunError(f"{step.kind} {step.task} is already taken by another launcher of this job: each "
                                f"node's launcher needs a node rank of its own (--node-rank, or the platform's "
                                f"variable), 0 to {step.tasks - 1}; this one starts no rank.")
-            self.store.set(keys[step.task], str(self.np))
+            # -np and the node count: a launcher told another --nnodes waits for other nodes.
+            self.store.set(keys[step.task], f"{self.np} {step.tasks}")
             # Polled, not store.wait(): a signal (scancel's SIGTERM) is handled between two looks,
             # while torch's wait would hold it for the whole start timeout.
             deadline = time.monotonic() + self.start_timeout
             while not self.store.check(keys) and time.monotonic() < deadline:
+                if self.store.check([failed]):  # another launcher found the nodes disagree
+                    raise RunError(f"{self.store.get(failed).decode()}; this {step.kind} starts no rank.")
                 interrupted()
                 time.sleep(0.1)
             missing = self._missing(keys)
             if missing:
-                raise RunError(f"{step.kind}(s) {', '.join(map(str, missing))} did not start torchmn run "
-                               f"within {self.start_timeout:g} s (--start-timeout); every {step.kind} of the job "
-                               f"must run it.")
-            counts = [int(self.store.get(key)) for key in keys]
+                problem = (f"{step.kind}(s) {', '.join(map(str, missing))} did not start torchmn run "
+                           f"within {self.start_timeout:g} s (--start-timeout); every {step.kind} of the job "
+                           f"must run it")
+            else:
+                problem = self._disagreement([self.store.get(key).decode().split() for key in keys])
+            if problem is not None:
+                self.store.set(failed, f"{step.kind} {step.task}'s launcher: {problem}")  # the others stop too
+                if step.task == 0:  # its store ends with it: keep it up for the others' next look
+                    time.sleep(1.0)
+                raise RunError(f"{problem}.")
         except RuntimeError as e:
             raise RunError(f"lost the rendezvous store of {step.kind} 0 while checking in ({_first_line(e)}).") from e
+
+    def _disagreement(self, published: List[List[str]]) -> Optional[str]:
+        """What the nodes' launchers disagree on (``[np, nodes]`` each published), or None."""
+        kind = self.step.kind
+        nodes = [int(p[1]) for p in published]
+        if len(set(nodes)) > 1:
+            told = ", ".join(f"{kind} {t}: {n}" for t, n in enumerate(nodes))
+            return (f"the {kind}s' launchers disagree on the number of {kind}s ({told}); give every {kind} the same "
+                    f"--nnodes")
+        counts = [int(p[0]) for p in published]
         if len(set(counts)) > 1:
-            told = ", ".join(f"{step.kind} {t} ({step.hosts[t]}) -np {n}" for t, n in enumerate(counts))
-            raise RunError(f"the {step.kind}s disagree on the number of ranks per node: {told}. "
-                           f"Every {step.kind} must run the same `torchmn run -np N`.")
+            told = ", ".join(f"{kind} {t} ({self.step.hosts[t]}) -np {n}" for t, n in enumerate(counts))
+            return (f"the {kind}s disagree on the number of ranks per node: {told}. Every {kind} must run the "
+                    f"same `torchmn run -np N`")
+        return None
 
     def _missing(self, keys: Sequence[str]) -> List[int]:
         try:
@@ -371,9 +394,11 @@ class NodeLaunchers:
             except RuntimeError:
                 pass
 
-    def end_task(self, wait_for_others: bool, log: Callable[[str], None] = lambda line: None) -> None:
+    def end_task(self, wait_for_others: bool, log: Callable[[str], None] = lambda line: None,
+                 stop: Callable[[], bool] = lambda: False, failed: bool = False) -> None:
         """Say this task is done. Task 0 keeps the store up until every task is (the other nodes'
-        ranks may still use it, train on, save, shut down), for at most ``DONE_WAIT`` seconds,
+        ranks may still use it, train on, save, shut down), for at most ``DONE_WAIT`` seconds
+        (``FAILED_DONE_WAIT`` where the job failed: the other launchers stop their ranks, or died),
         saying so where that takes more than ``DONE_NOTE``.
 
         A store that is gone is ignored, and so is a wait that times out.
@@ -381,6 +406,8 @@ class NodeLaunchers:
         Args:
             wait_for_others: task 0 waits (not when the launcher was signalled to stop).
             log: where task 0 says it waits.
+            stop: asked while waiting; True ends the wait (a signal came meanwhile).
+            failed: the job failed.
 
         Example::
 
@@ -393,15 +420,15 @@ class NodeLaunchers:
             self.store.set(keys[self.step.task], "1")
             if self.step.task != 0 or not wait_for_others:
                 return
-            start, told = time.monotonic(), False
-            while time.monotonic() - start < DONE_WAIT:
+            start, told, limit = time.monotonic(), False, FAILED_DONE_WAIT if failed else DONE_WAIT
+            while time.monotonic() - start < limit and not stop():
                 pending = [task for task, key in enumerate(keys) if not self.store.check([key])]
                 if not pending:
                     return
                 if not told and time.monotonic() - start >= DONE_NOTE:
                     log(f"torchmn run: this {self.step.kind}'s ranks have ended; {self.step.kind}(s) "
                         f"{', '.join(map(str, pending))} still run theirs, which use the rendezvous store hosted "
-                        f"here: waiting for them (at most {DONE_WAIT:g} s)")
+                        f"here: waiting for them (at most {limit:g} s; Ctrl-C stops waiting)")
                     told = True
                 time.sleep(0.2)
         except RuntimeError:
