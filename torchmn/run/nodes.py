@@ -64,7 +64,8 @@ class NodeStep:
 
 TOKEN_FIX = ("set the same TORCHMN_JOB_TOKEN on every node (e.g. from a Kubernetes Secret, or "
              "$(python -c 'import secrets; print(secrets.token_hex(32))') passed to each), or give the nodes the "
-             "same home directory, from whose key they derive it")
+             "same home directory, from whose key they derive it with the job's --master-addr as written (the "
+             "same spelling on every node, node 0's included), --master-port and --nnodes")
 
 
 def per_node_step(config: LaunchConfig, env: Mapping[str, str]) -> Optional[NodeStep]:
