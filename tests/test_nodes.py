@@ -179,11 +179,13 @@ def test_nodes_that_disagree_on_np_are_refused(cluster):
 
 def test_nodes_that_disagree_on_nnodes_are_refused_at_once(cluster):
     """Node 1 told --nnodes 3 would wait for a node 2 that never comes while node 0 started its
-    rank: both stop at once, named, before any rank starts."""
+    rank: both stop at once, named, before any rank starts. (With a token shared as a Secret: one
+    derived from the home directory's key differs with --nnodes, and is refused as such.)"""
     h1 = cluster.address("h1")
     argvs = [["--nnodes", str(2 + r), "--node-rank", str(r), "--master-addr", h1, "--master-port", "23463",
               "--start-timeout", "60", "-np", "1", sys.executable, "-c", "print('started')"] for r in range(2)]
-    results = _run_nodes(cluster, [{}, {}], argvs)
+    token = {auth.TOKEN_ENV: auth.new_token()}
+    results = _run_nodes(cluster, [token, token], argvs)
     for code, out, err in results:
         assert code == 2 and "started" not in out, out + err
         assert "disagree on the number of nodes (node 0: 2, node 1: 3); give every node the same --nnodes" in err, err
