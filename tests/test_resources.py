@@ -70,6 +70,8 @@ def test_launcher_started_where_a_budget_was_applied_budgets_its_own_ranks(cpus)
     applied["TORCHMN_THREAD_VARIABLES"] = applied["TORCHMN_THREAD_VARIABLES"].replace("MKL_NUM_THREADS,", "")
     env = resources.launcher_thread_env(4, applied)
     assert env["OMP_NUM_THREADS"] == env["TORCHMN_NUM_THREADS"] == "2" and "MKL_NUM_THREADS" not in env, env
+    # A value the user put in since is theirs: {**os.environ, "OMP_NUM_THREADS": "3"} for a subprocess.
+    assert resources.launcher_thread_env(4, {**applied, "OMP_NUM_THREADS": "3"}) == {}
 
 
 def test_launcher_env_leaves_user_settings_alone(cpus):

@@ -334,8 +334,12 @@ def launcher_thread_env(local_size: int, env: Optional[Mapping[str, str]] = None
 
 
 def _set_by_torchmn(env: Mapping[str, str]) -> set:
-    """The thread variables a torchmn launcher or budget set in ``env`` (``TORCHMN_THREAD_VARIABLES``)."""
-    return set(filter(None, env.get(TORCHMN_THREAD_VARIABLES, "").split(",")))
+    """The thread variables a torchmn launcher or budget set in ``env`` and nobody changed since:
+    listed in ``TORCHMN_THREAD_VARIABLES`` and still at the budget (``TORCHMN_NUM_THREADS``), so
+    that a value the user put in afterwards (``env={**os.environ, "OMP_NUM_THREADS": "3"}``) is theirs."""
+    listed = set(filter(None, env.get(TORCHMN_THREAD_VARIABLES, "").split(",")))
+    budget = env.get(TORCHMN_NUM_THREADS)
+    return {name for name in listed if name == TORCHMN_NUM_THREADS or env.get(name) == budget}
 
 
 def _bound_budget(bound: Optional[Tuple[int, int]], local_size: int, env: Mapping[str, str]) -> Optional[int]:
