@@ -657,7 +657,7 @@ def check_closure_lbfgs(comm):
             loss = loss_fn(model, xs, ys)
             loss.backward()
             return loss
-        return [float(opt.step(closure)) for _ in range(3)]
+        return [float(opt.step(closure).detach()) for _ in range(3)]
     ref_model = make_model()
     ref_losses = train(ref_model, torch.optim.LBFGS(ref_model.parameters(), lr=0.5, max_iter=5), x, y)
     model = make_model()

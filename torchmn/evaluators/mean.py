@@ -125,8 +125,7 @@ def create_multi_node_evaluator(fn: Any, comm) -> Any:
     contributes nothing (its dict may be empty, its values ``None``). If no rank saw a sample, every metric named by
     any rank is ``nan`` (and the result is ``{}`` if none was named). ``fn`` may also return a
     plain dict: it counts as ``n = 1`` (an empty one as ``n = 0``), so the result is the plain mean
-    over ranks. Values may be
-    numbers or one-element tensors. Every rank must call the wrapper together.
+    over ranks. Values may be numbers or one-element tensors. Every rank must call the wrapper together.
 
     Args:
         fn: the per-rank evaluation, returning ``(means, n)`` or a dict of means; or an

@@ -10,7 +10,8 @@ backward: this rank's slice) joins split results into a replicated tensor, and
 """
 from __future__ import annotations
 
-from typing import Sequence
+import functools
+from typing import Callable, Sequence
 
 import torch
 
@@ -42,6 +43,34 @@ def agree_on_arguments(layer: torch.nn.Module, comm: CommunicatorBase, arguments
         shown = "; ".join(f"rank {r}: {e}" for r, e in enumerate(everyone))
         raise CollectiveMismatchError(f"{type(layer).__name__}: the ranks built the layer with different arguments "
                                       f"({shown}); build it alike on every rank (raised on rank {comm.rank})")
+
+
+def accept_dense_state_dicts(layer: torch.nn.Module, dense_weight_shape: Callable[[torch.nn.Module], tuple],
+                             slices_of_dense: Callable[[torch.nn.Module, dict], dict]) -> None:
+    """Make ``layer.load_state_dict`` take its dense counterpart's ``state_dict`` too: a ``weight``
+    of the dense shape (and the ``bias`` beside it) becomes this rank's slices as it loads.
+
+    Args:
+        layer: a layer holding slices of a dense layer's parameters.
+        dense_weight_shape: ``f(layer)``, the dense layer's weight shape.
+        slices_of_dense: ``f(layer, {"weight": ..., "bias": ...})``, this rank's slices of them.
+
+    Example::
+
+        >>> accept_dense_state_dicts(self, type(self)._dense_weight_shape, type(self)._slices_of_dense)
+    """
+    # Functions of the layer, not bound methods: a deep copy's hook must slice for the copy.
+    hook = functools.partial(_slice_dense_entries, dense_weight_shape, slices_of_dense)
+    layer._register_load_state_dict_pre_hook(hook, with_module=True)
+
+
+def _slice_dense_entries(dense_weight_shape, slices_of_dense, layer, state_dict: dict, prefix: str, *_) -> None:
+    weight = state_dict.get(prefix + "weight")
+    if weight is None or tuple(weight.shape) != dense_weight_shape(layer) or weight.shape == layer.weight.shape:
+        return
+    dense = {k: state_dict[prefix + k] for k in ("weight", "bias") if prefix + k in state_dict}
+    for name, value in slices_of_dense(layer, dense).items():
+        state_dict[prefix + name] = value
 
 
 class _CopyToParallel(torch.autograd.Function):

@@ -6,8 +6,8 @@ import torch
 from torchmn.communicators import CollectiveMismatchError, CommunicatorBase
 from torchmn.errors import TorchmnValueError
 from torchmn.functions import allgather
-from torchmn.nn._parallel_utility import (agree_on_arguments, copy_to_parallel, gather_from_parallel, offsets,
-                                          scatter_to_parallel, split_sizes)
+from torchmn.nn._parallel_utility import (accept_dense_state_dicts, agree_on_arguments, copy_to_parallel,
+                                          gather_from_parallel, offsets, scatter_to_parallel, split_sizes)
 
 
 class ChannelParallelConv2d(torch.nn.Module):
@@ -82,7 +82,7 @@ class ChannelParallelConv2d(torch.nn.Module):
         self._arguments = (in_channels, out_channels, dense.kernel_size, dense.stride, dense.padding,
                            dense.dilation, bias, padding_mode, input_is_parallel, gather_output, grouped)
         self._agreed = False
-        self._register_load_state_dict_pre_hook(_slice_dense_entries, with_module=True)
+        accept_dense_state_dicts(self, type(self)._dense_weight_shape, type(self)._slices_of_dense)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Convolve ``x``; every rank calls it.
@@ -195,14 +195,3 @@ class ChannelParallelConv2d(torch.nn.Module):
         if self.bias is not None and "bias" in dense:
             out["bias"] = dense["bias"].narrow(0, offsets(self.out_sizes)[r], self.out_sizes[r])
         return out
-
-
-def _slice_dense_entries(layer: ChannelParallelConv2d, state_dict: dict, prefix: str, *_) -> None:
-    """``load_state_dict``'s pre-hook: a dense ``torch.nn.Conv2d``'s entries load as this rank's
-    slices, so a dense model's ``state_dict`` loads into the parallel one as it is."""
-    weight = state_dict.get(prefix + "weight")
-    if weight is None or tuple(weight.shape) != layer._dense_weight_shape() or weight.shape == layer.weight.shape:
-        return
-    dense = {k: state_dict[prefix + k] for k in ("weight", "bias") if prefix + k in state_dict}
-    for name, value in layer._slices_of_dense(dense).items():
-        state_dict[prefix + name] = value

@@ -12,8 +12,9 @@ import torch
 
 from torchmn.communicators import CommunicatorBase
 from torchmn.errors import TorchmnValueError
-from torchmn.nn._parallel_utility import (agree_on_arguments, copy_to_parallel, gather_from_parallel, offsets,
-                                          reduce_from_parallel, scatter_to_parallel, split_sizes)
+from torchmn.nn._parallel_utility import (accept_dense_state_dicts, agree_on_arguments, copy_to_parallel,
+                                          gather_from_parallel, offsets, reduce_from_parallel, scatter_to_parallel,
+                                          split_sizes)
 
 
 class _SlicedLinear(torch.nn.Module):
@@ -43,7 +44,7 @@ class _SlicedLinear(torch.nn.Module):
             self.bias = torch.nn.Parameter(self._bias_of(dense.bias.detach()).clone())
         self._arguments = (in_features, out_features, bias, type(self).__name__)
         self._agreed = False
-        self._register_load_state_dict_pre_hook(_slice_dense_entries, with_module=True)
+        accept_dense_state_dicts(self, type(self)._dense_weight_shape, type(self)._slices_of_dense)
 
     def _mine(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         return t.narrow(dim, self.start, self.sizes[self.comm.rank])
@@ -88,12 +89,15 @@ class _SlicedLinear(torch.nn.Module):
         Raises:
             ValueError: a tensor of another shape than the dense layer's.
         """
-        dense = (self.out_features, self.in_features)
+        dense = self._dense_weight_shape()
         if tuple(state_dict["weight"].shape) != dense:
             raise TorchmnValueError(f"{type(self).__name__}: the dense weight must be {dense}, not "
                                     f"{tuple(state_dict['weight'].shape)}")
         for name, value in self._slices_of_dense(state_dict).items():
             getattr(self, name).copy_(value)
+
+    def _dense_weight_shape(self) -> tuple:
+        return self.out_features, self.in_features
 
     def _slices_of_dense(self, dense: dict) -> dict:
         """This rank's slices of a dense layer's ``weight`` (and ``bias``, where both have one)."""
@@ -224,15 +228,3 @@ class RowParallelLinear(_SlicedLinear):
                                     f"{self.in_features} input features, but its input has {x.shape[-1]}")
         y = reduce_from_parallel(self.comm, torch.nn.functional.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
-
-
-def _slice_dense_entries(layer: _SlicedLinear, state_dict: dict, prefix: str, *_) -> None:
-    """``load_state_dict``'s pre-hook: a dense ``torch.nn.Linear``'s entries load as this rank's
-    slices, so a dense model's ``state_dict`` loads into the parallel one as it is."""
-    weight = state_dict.get(prefix + "weight")
-    if weight is None or tuple(weight.shape) != (layer.out_features, layer.in_features) or \
-            weight.shape == layer.weight.shape:
-        return
-    dense = {k: state_dict[prefix + k] for k in ("weight", "bias") if prefix + k in state_dict}
-    for name, value in layer._slices_of_dense(dense).items():
-        state_dict[prefix + name] = value

@@ -43,8 +43,7 @@ class _Bucket:
     def __init__(self, params: list[torch.nn.Parameter], wire_dtype: Optional[torch.dtype], as_views: bool,
                  comm: Communicator):
         self.params = params
-        self.comm = comm  # for naming the ranks of a zero_fill=False mismatch
-        self.size = comm.size  # ranks
+        self.comm = comm  # its size, and the ranks of a zero_fill=False mismatch
         self.data_numel = sum(p.numel() for p in params)
         self.numel = self.data_numel + len(params)  # the gradients, then the flags
         self.wire_dtype = wire_dtype or params[0].dtype
@@ -125,7 +124,7 @@ class _Bucket:
         ranks' models differ."""
         # Each flag is the fraction of ranks that had the gradient (reduced and scaled with them);
         # half a rank's share of slack covers float16/bfloat16 rounding.
-        slack = 0.5 / self.size
+        slack = 0.5 / self.comm.size
         for i, (p, flag) in enumerate(zip(self.params, flags)):
             if slack < flag < 1.0 - slack:
                 # Every rank is here alike (the flags are the same everywhere): one more exchange
@@ -133,7 +132,7 @@ class _Bucket:
                 had = [r for r, yes in enumerate(self.comm.allgather_obj(self.had_grad[i])) if yes]
                 raise CollectiveMismatchError(
                     f"create_multi_node_optimizer(zero_fill=False): a parameter of shape {tuple(p.shape)} has "
-                    f"a gradient on rank(s) {had} only, of {self.size}, so only those would update it and the "
+                    f"a gradient on rank(s) {had} only, of {self.comm.size}, so only those would update it and the "
                     f"ranks' models would differ. Use zero_fill=True (the default: a missing gradient counts as "
                     f"zeros), or give every rank the same parameters (raised on rank {self.comm.rank})")
 

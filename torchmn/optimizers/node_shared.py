@@ -18,7 +18,6 @@ How the slices, buffers and shared memory are laid out: :mod:`.shard_layout` and
 """
 from __future__ import annotations
 
-
 import torch
 
 from torchmn.communicators import Communicator
