@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -114,6 +115,22 @@ class _RankForks:
 
 
 _rank_forks = _RankForks()
+
+
+def wait_until_handled(pid: int, sig: int, timeout: float = 60) -> None:
+    """Wait until process ``pid`` has a handler for ``sig`` (Linux's SigCgt mask), so a signal sent
+    next tests that handler and not the interpreter's start-up, however loaded the machine is."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except FileNotFoundError:
+            raise AssertionError(f"process {pid} ended before handling signal {sig}") from None
+        caught = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigCgt:")), 16)
+        if caught >> (sig - 1) & 1:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"process {pid} had no handler for signal {sig} after {timeout} s")
 
 
 def launcher_argv(launcher: str, np: int) -> list[str]:

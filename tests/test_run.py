@@ -11,6 +11,7 @@ import time
 
 import psutil
 import pytest
+from jobs import wait_until_handled
 from ports import free_port
 
 from torchmn import resources
@@ -217,7 +218,8 @@ def test_a_later_node_waiting_for_node_0_stops_on_a_signal(sig):
                                  "--start-timeout", "100", sys.executable, "-c", "pass"],
                                 env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(3)
+        wait_until_handled(launcher.pid, sig)
+        time.sleep(1)  # in the store's wait loop by now
         launcher.send_signal(sig)
         started = time.monotonic()
         out, err = launcher.communicate(timeout=30)
