@@ -4,6 +4,7 @@ import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from jobs import REPO, WORKERS, clean_env
@@ -51,6 +52,7 @@ def test_monitor_shows_the_others_waiting_for_the_straggler(job):
 def test_timeline_holds_every_ranks_phases_in_order(job):
     _, path = job
     events = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"]
+    assert_rows_nest(events)
     assert not timeline.parts_of(str(path)), "the parts were joined and removed"
     for rank in range(3):
         mine = sorted((e for e in events if e["pid"] == rank and e["name"] in ("forward+backward", "average", "update")),
@@ -122,6 +124,129 @@ def test_timeline_merge_joins_parts_written_elsewhere(tmp_path):
     assert [(e["pid"], e["ts"], e["dur"]) for e in events] == [(0, 0.0, 500000.0), (1, 1000000.0, 500000.0)]
 
 
+def test_timeline_merge_keeps_the_parts_while_a_rank_is_missing(tmp_path):
+    """A merge with a rank's part missing (on another host) keeps the parts it found: once the
+    missing one is copied here, merging again joins all three; then they are removed."""
+    path = str(tmp_path / "t.json")
+    for rank in (0, 1):
+        timeline.write_part(path, rank, 3, [("update", "update", 100.0 + rank, 100.5 + rank, "MainThread", None)])
+    assert timeline.merge(path)[1:] == ([0, 1], 3)
+    assert len(timeline.parts_of(path)) == 2
+    timeline.write_part(path, 2, 3, [("update", "update", 102.0, 102.5, "MainThread", None)])
+    proc = _run([sys.executable, "-m", "torchmn", "timeline", "merge", path])
+    assert "joined 3 rank(s)" in proc.stdout and "missing" not in proc.stdout, proc.stdout
+    assert {e["pid"] for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"} == {0, 1, 2}
+    assert timeline.parts_of(path) == []
+
+
+def test_timeline_of_a_job_stopped_by_sigterm_is_written(tmp_path):
+    """The ranks append their events every second: a job stopped by SIGTERM (scancel, a CI
+    timeout), whose ranks never reach their exit handlers, still gets its timeline, up to the end."""
+    import time
+
+    path = tmp_path / "trace.json"
+    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "2", "--timeline", str(path),
+                                 sys.executable, STRAGGLER, "100000"], cwd=REPO, env=clean_env(),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not all(
+                p.exists() and len(p.read_text().splitlines()) >= 3 for p in map(Path, timeline_parts(path, 2))):
+            time.sleep(0.2)
+        launcher.terminate()
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert "timeline of 2 rank(s) written" in err, err
+    updates = [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X" and e["name"] == "update"]
+    assert {e["pid"] for e in updates} == {0, 1} and len(updates) >= 4, updates[:4]
+    assert not timeline.parts_of(str(path))
+
+
+def timeline_parts(path, size):
+    return [timeline.part_path(str(path), r) for r in range(size)]
+
+
+def test_timeline_rows_nest_where_phases_overlap():
+    """Complete events on one row must nest (Perfetto drops those that overlap): phases of a
+    thread that overlap without nesting (buckets in flight together) get a further row."""
+    events = [("a", "average", 10.0, 12.0, "MainThread", None), ("b", "average", 11.0, 13.0, "MainThread", None),
+              ("c", "compute", 11.5, 11.8, "MainThread", None), ("d", "update", 12.0, 12.5, "MainThread", None)]
+    out = timeline.trace([(0, "h", events)])["traceEvents"]
+    rows = {e["args"]["name"]: e["tid"] for e in out if e["name"] == "thread_name"}
+    assert {e["name"]: e["tid"] for e in out if e["ph"] == "X"} == {
+        "a": rows["MainThread"], "c": rows["MainThread"], "d": rows["MainThread"], "b": rows["MainThread (2)"]}
+    assert_rows_nest(out)
+
+
+def assert_rows_nest(trace_events):
+    rows = {}
+    for e in trace_events:
+        if e["ph"] == "X":
+            rows.setdefault((e["pid"], e["tid"]), []).append((e["ts"], round(e["ts"] + e["dur"], 1), e["name"]))
+    for row, spans in rows.items():
+        open_ends = []
+        for ts, te, name in sorted(spans, key=lambda s: (s[0], -s[1])):
+            while open_ends and open_ends[-1] <= ts:
+                open_ends.pop()
+            assert not open_ends or te <= open_ends[-1], (row, name, ts, te, open_ends)
+            open_ends.append(te)
+
+
+def test_horovod_timeline_and_the_jobs_timeline_keep_their_own_events(tmp_path):
+    """hvd.start_timeline/stop_timeline in a job recorded with --timeline: the Horovod file has the
+    calls from its start on, the job's timeline keeps every call of the run."""
+    whole, window = tmp_path / "whole.json", tmp_path / "window.json"
+    _run([sys.executable, "-m", "torchmn", "run", "-np", "2", "--timeline", str(whole), sys.executable,
+          str(WORKERS / "horovod_timeline_window.py"), str(window)])
+    tensors = sorted({e["args"]["tensor"] for e in json.loads(window.read_text())["traceEvents"]
+                      if e["ph"] == "X" and "tensor" in e["args"]})
+    assert tensors == [f"step.{i}" for i in range(10, 15)], tensors
+    calls = [(e["pid"], e["args"]["tensor"]) for e in json.loads(whole.read_text())["traceEvents"]
+             if e["ph"] == "X" and "tensor" in e["args"]]
+    assert sorted(calls) == sorted((r, f"step.{i}") for r in (0, 1) for i in range(25)), calls
+
+
+def test_monitor_names_the_straggler_of_a_loop_in_a_thread():
+    """Training in a thread of its own (as Ray Train runs it): its waiting counts, so the ranks
+    it waits for are told from the one that is slow."""
+    proc = _run([sys.executable, "-m", "torchmn", "run", "-np", "2", "--monitor", sys.executable, STRAGGLER, "40",
+                 "--thread"])
+    assert "torchmn monitor: straggler: rank(s) 1 " in proc.stderr, proc.stderr
+
+
+def test_unwritable_monitor_folder_and_timeline_do_not_stop_training(tmp_path):
+    """A monitor folder or a timeline the ranks cannot write is said on each rank, and the job
+    trains on."""
+    proc = _run([sys.executable, "-m", "torchmn", "run", "-np", "2", sys.executable, STRAGGLER, "3"],
+                env={"TORCHMN_MONITOR_DIR": "/proc/no-such/monitor", "TORCHMN_TIMELINE": "/proc/no-such/t.json"})
+    for rank in (0, 1):
+        assert re.search(rf"rank {rank} on \S+: the monitor's folder /proc/no-such/monitor", proc.stderr), proc.stderr
+        assert re.search(rf"rank {rank} on \S+: cannot write its part of the timeline /proc/no-such/t.json",
+                         proc.stderr), proc.stderr
+    assert "[1] OWN 1" in proc.stdout
+
+
+def test_run_refuses_a_timeline_it_cannot_write_before_starting():
+    proc = subprocess.run([sys.executable, "-m", "torchmn", "run", "-np", "2", "--timeline", "/proc/no-such/t.json",
+                           sys.executable, "-c", "print('started')"], cwd=REPO, env=clean_env(), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 2 and "started" not in proc.stdout, (proc.returncode, proc.stdout, proc.stderr)
+    assert "--timeline /proc/no-such/t.json: the ranks cannot write their parts in /proc/no-such" in proc.stderr
+
+
+def test_p95_step_time_is_the_nearest_rank():
+    """Of 20 steps of 1, 2, ..., 20 ms, the 95th percentile is 19 ms (nearest rank), not the maximum."""
+    code = ("from torchmn.monitor import recorder\n"
+            "t = 0.0\nrecorder.step_ended(t)\n"
+            "for ms in range(1, 21):\n    t += ms / 1e3\n    recorder.step_ended(t)\n"
+            "print(round(recorder.figures()['step_p95_ms'], 3))")
+    proc = _run([sys.executable, "-c", code])
+    assert proc.stdout.strip() == "19.0", proc.stdout
+
+
 def test_timeline_command_says_a_timeline_holds_no_phases(tmp_path):
     empty = tmp_path / "empty.json"
     empty.write_text('{"traceEvents": [], "displayTimeUnit": "ms"}')
@@ -181,3 +306,29 @@ def test_summary_without_a_straggler_says_so():
 def test_summary_without_steps_says_why():
     assert summary.describe({0: {"steps": 0}, 1: {"steps": 0}}) == [
         "0 of 2 rank(s) reported optimizer steps: nothing to compare (the figures come from torchmn's optimizers)"]
+
+
+def test_per_node_launchers_join_the_timeline_once_every_node_ended(tmp_path):
+    """One launcher per node (both here, sharing the folder as a shared file system would): node 0
+    joins the timeline after node 1's rank, which ends later, has written its part."""
+    from ports import free_port
+
+    path = tmp_path / "trace.json"
+    code = ("import os, time, torchmn\n"
+            "comm = torchmn.create_communicator(); comm.barrier()\n"
+            "time.sleep(3 * comm.rank); comm.finalize()\n")
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "1", "--nnodes", "2", "--node-rank",
+                               str(node), "--master-addr", "127.0.0.1", "--master-port", port, "--timeline", str(path),
+                               sys.executable, "-c", code], cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for node in (0, 1)]
+    try:
+        results = [p.communicate(timeout=100) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert [p.returncode for p in procs] == [0, 0], results
+    assert "timeline of 2 rank(s) written" in results[0][1], results[0][1]
+    assert {e["pid"] for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"} == {0, 1}

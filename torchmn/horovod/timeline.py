@@ -16,7 +16,7 @@ from typing import Optional
 from torchmn.horovod.process_sets import job, require_comm
 from torchmn.monitor import recorder, timeline
 
-_state: dict = {"path": None}
+_state: dict = {"path": None, "sink": None}
 
 
 def recording() -> bool:
@@ -34,7 +34,8 @@ def recording() -> bool:
 
 
 def record(kind: str, name: str, nbytes: int, start: float, end: float, process_set_id: int = 0) -> None:
-    """Add one collective to the timeline, if one is recording.
+    """Add one collective to the timelines recording: Horovod's (:func:`start_timeline`) and the
+    job's (``torchmn run --timeline``).
 
     Args:
         kind: the collective (``"allreduce"``, ...), the event's name in the trace.
@@ -48,7 +49,7 @@ def record(kind: str, name: str, nbytes: int, start: float, end: float, process_
         >>> t0 = time.time(); comm.barrier()
         >>> record("barrier", "barrier.noname", 0, t0, time.time())
     """
-    if _state["path"] is not None:
+    if recorder.timeline_on:  # hvd.start_timeline's window, or the job's --timeline
         recorder.event(kind.upper(), "horovod", recorder.from_wall(start), recorder.from_wall(end),
                        {"tensor": name, "bytes": int(nbytes), "process_set_id": process_set_id})
 
@@ -70,8 +71,9 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
         >>> hvd.stop_timeline()     # rank 0 writes /tmp/timeline.json
     """
     require_comm()
-    _state.update(path=os.path.abspath(file_path))
-    recorder.start(timeline=True)
+    if _state["sink"] is not None:  # started again: Horovod restarts its timeline in the new file
+        recorder.close_events(_state["sink"])
+    _state.update(path=os.path.abspath(file_path), sink=recorder.open_events())
 
 
 def stop_timeline() -> Optional[str]:
@@ -88,12 +90,15 @@ def stop_timeline() -> Optional[str]:
 
         >>> hvd.stop_timeline()
     """
-    path = _state["path"]
-    _state.update(path=None)
+    path, sink = _state["path"], _state["sink"]
+    _state.update(path=None, sink=None)
     if path is None or job.comm is None:
         return None
+    # Its own sink: a job recorded with --timeline too keeps its events, and this file gets
+    # only those from start_timeline on.
+    events = recorder.close_events(sink)
     world = job.comm
-    gathered = world.gather_obj((socket.gethostname(), recorder.stop_timeline()), root=0)
+    gathered = world.gather_obj((socket.gethostname(), events), root=0)
     if world.rank != 0:
         return None
     return timeline.write(path, [(rank, host, events) for rank, (host, events) in enumerate(gathered)])

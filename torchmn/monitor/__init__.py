@@ -20,7 +20,7 @@ MONITOR_VARIABLE = "TORCHMN_MONITOR"
 FOLDER_VARIABLE = "TORCHMN_MONITOR_DIR"
 TIMELINE_VARIABLE = "TORCHMN_TIMELINE"
 
-_started = {"publisher": None, "display": None}
+_started = {"started": False, "publisher": None, "display": None}
 
 
 def asked(environ=os.environ) -> bool:
@@ -53,27 +53,29 @@ def start_for(comm, launched_by: str) -> None:
 
         >>> start_for(comm, "slurm")
     """
-    if _started["publisher"] is not None or recorder.timeline_on:
+    if _started["started"]:
         return
     monitor, folder = asked(), os.environ.get(FOLDER_VARIABLE) or None
     path = os.environ.get(TIMELINE_VARIABLE) or None
     if not (monitor or folder or path):
         return
-    recorder.start(timeline=path is not None)
+    _started["started"] = True
+    recorder.start()
     if path is not None:
-        from torchmn.monitor import timeline
-
-        path = os.path.abspath(path)
-        atexit.register(timeline.write_at_exit, path, comm.rank, comm.size,
-                        comm.rank == 0 and launched_by != "torchmn")
+        _start_timeline(os.path.abspath(path), comm, join=comm.rank == 0 and launched_by != "torchmn")
+    if folder is not None:
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:  # seeing the job must never stop it
+            _warn(comm, f"the monitor's folder {folder} ({FOLDER_VARIABLE}) cannot be made ({e}); this rank's "
+                        f"figures go to the job's store only")
+            folder = None
     if not (monitor or folder):
         return
     from torchmn.communicators import world
     from torchmn.monitor.publisher import Publisher
 
     store = world.job_store() if monitor else None
-    if folder is not None:
-        os.makedirs(folder, exist_ok=True)
     _started["publisher"] = Publisher(comm.rank, store, folder)
     if monitor and comm.rank == 0 and launched_by != "torchmn" and store is not None:
         import sys
@@ -87,6 +89,25 @@ def start_for(comm, launched_by: str) -> None:
         # Registered after the publisher's: runs before it (atexit is last in, first out), so
         # the wait for the others' final figures counts this rank's too.
         atexit.register(_finish_display)
+
+
+def _start_timeline(path: str, comm, join: bool) -> None:
+    from torchmn.monitor import timeline
+
+    try:
+        writer = timeline.PartWriter(path, comm.rank, comm.size)
+    except OSError as e:
+        _warn(comm, f"cannot write its part of the timeline {path} ({e}); it records none: give "
+                    f"{TIMELINE_VARIABLE} (--timeline) a path in a folder every rank can write")
+        return
+    atexit.register(timeline.finish, writer, path, comm.rank, comm.size, join)
+
+
+def _warn(comm, what: str) -> None:
+    import socket
+    import sys
+
+    sys.stderr.write(f"torchmn: rank {comm.rank} on {socket.gethostname()}: {what}\n")
 
 
 def _finish_display() -> None:

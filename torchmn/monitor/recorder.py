@@ -14,6 +14,7 @@ the time a rank is busy: a straggler is busy longer, its victims wait longer.
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 import threading
 import time
@@ -26,13 +27,18 @@ WINDOW = 200
 CATEGORIES = ("compute", "average", "update", "collective")
 
 on = False          # anything recorded at all (monitor, doctor's data or timeline)
-timeline_on = False  # events kept for a timeline
+timeline_on = False  # events kept for a timeline: some sink is open
 
 _lock = threading.Lock()
-_main = threading.main_thread().ident
-_state = {"last_end": None, "wait": 0.0, "depth": 0, "steps": 0, "backward_end": None}
+_state = {"last_end": None, "steps": 0, "backward_end": None}
+# Waiting is counted per thread: the training thread's own (the main thread, or the thread Ray
+# Train or a user runs the loop in) is the one whose step_ended takes it; a background thread's
+# collectives (the Horovod layer's) never reach a step's figures.
+_waits = threading.local()
 _window: collections.deque = collections.deque(maxlen=WINDOW)  # (end, step_s, wait_s)
-_events: list = []   # (name, category, t0, t1, thread name, args)
+# Every open sink gets every event: the job's timeline (TORCHMN_TIMELINE) and a Horovod
+# start_timeline/stop_timeline window record side by side without taking each other's events.
+_sinks: list = []   # lists of (name, category, t0, t1, thread name, args)
 _origin = (time.time(), time.perf_counter())
 
 
@@ -83,37 +89,74 @@ def from_wall(t: float) -> float:
     return _origin[1] + (t - _origin[0])
 
 
-def start(timeline: bool = False) -> None:
-    """Start recording on this rank: step figures always, events too with ``timeline``.
-
-    Args:
-        timeline: keep every phase as an event (memory grows with the run: a few events per step).
+def start() -> None:
+    """Start recording this rank's step figures (events, for a timeline, go to the sinks
+    :func:`open_events` opens).
 
     Example::
 
-        >>> start(timeline=True)
+        >>> start()
+    """
+    global on
+    on = True
+
+
+def open_events() -> list:
+    """Start keeping every phase as an event, in a sink of its own, until :func:`close_events`.
+
+    Returns:
+        The sink: pass it to :func:`take_events` and :func:`close_events`.
+
+    Example::
+
+        >>> sink = open_events(); comm.barrier(); events = close_events(sink)
     """
     global on, timeline_on
-    on = True
-    timeline_on = timeline_on or timeline
+    sink: list = []
+    with _lock:
+        _sinks.append(sink)
+        on = timeline_on = True
+    return sink
 
 
-def stop_timeline() -> list:
-    """Stop keeping events and hand over those kept.
+def take_events(sink: list) -> list:
+    """Hand over the events ``sink`` has kept since the last take; it keeps recording.
+
+    Args:
+        sink: what :func:`open_events` returned.
 
     Returns:
         The events: ``(name, category, start, end, thread, args)``, times in Unix seconds.
 
     Example::
 
-        >>> start(timeline=True); events = stop_timeline()
+        >>> part.extend(take_events(sink))
+    """
+    with _lock:
+        kept = list(sink)
+        sink.clear()
+    return [_as_wall(e) for e in kept]
+
+
+def close_events(sink: list) -> list:
+    """Stop keeping events in ``sink`` and hand over those not yet taken.
+
+    Args:
+        sink: what :func:`open_events` returned.
+
+    Returns:
+        The events, as :func:`take_events` gives them.
+
+    Example::
+
+        >>> sink = open_events(); events = close_events(sink)
     """
     global timeline_on
-    timeline_on = False
     with _lock:
-        kept = list(_events)
-        _events.clear()
-    return [_as_wall(e) for e in kept]
+        if any(s is sink for s in _sinks):
+            _sinks[:] = [s for s in _sinks if s is not sink]
+        timeline_on = bool(_sinks)
+    return take_events(sink)
 
 
 def _as_wall(event: tuple) -> tuple:
@@ -132,8 +175,7 @@ def begin() -> float:
 
         >>> t0 = begin(); comm.barrier(); end("barrier", "collective", t0)
     """
-    if threading.get_ident() == _main:
-        _state["depth"] += 1
+    _waits.depth = getattr(_waits, "depth", 0) + 1
     return time.perf_counter()
 
 
@@ -151,10 +193,9 @@ def end(name: str, category: str, t0: float, args: Optional[dict] = None) -> Non
         >>> t0 = begin(); work.wait(); end("average", "average", t0, {"bucket": 0})
     """
     t1 = time.perf_counter()
-    if threading.get_ident() == _main:
-        _state["depth"] -= 1
-        if _state["depth"] == 0:
-            _state["wait"] += t1 - t0
+    _waits.depth = getattr(_waits, "depth", 1) - 1
+    if _waits.depth == 0:
+        _waits.wait = getattr(_waits, "wait", 0.0) + (t1 - t0)
     if timeline_on:
         event(name, category, t0, t1, args)
 
@@ -178,7 +219,8 @@ def event(name: str, category: str, t0: float, t1: float, args: Optional[dict] =
     if timeline_on:
         item = (name, category, t0, t1, thread or threading.current_thread().name, args)
         with _lock:
-            _events.append(item)
+            for sink in _sinks:
+                sink.append(item)
 
 
 def backward_ended(t: float) -> None:
@@ -223,7 +265,8 @@ def update(step: Callable[[], object]) -> object:
 
 
 def step_ended(t: float) -> None:
-    """Mark the end of an optimizer step: the step since the last one, and its waiting, count.
+    """Mark the end of an optimizer step: the step since the last one, and the calling thread's
+    waiting in it, count.
 
     Args:
         t: a reading of :func:`now`.
@@ -233,12 +276,13 @@ def step_ended(t: float) -> None:
         >>> step_ended(now())
     """
     last = _state["last_end"]
+    wait = getattr(_waits, "wait", 0.0)
     if last is not None:  # the first step's time has no start: it counts, but has no figures
         with _lock:
-            _window.append((t, t - last, _state["wait"]))
+            _window.append((t, t - last, wait))
     _state["steps"] += 1
     _state["last_end"] = t
-    _state["wait"] = 0.0
+    _waits.wait = 0.0
 
 
 def figures() -> dict:
@@ -265,7 +309,7 @@ def figures() -> dict:
     span = window[-1][0] - window[0][0] + window[0][1]
     out.update(steps_per_s=len(window) / span if span > 0 else None,
                step_ms=1e3 * statistics.median(steps),
-               step_p95_ms=1e3 * steps[min(len(steps) - 1, int(0.95 * len(steps)))],
+               step_p95_ms=1e3 * steps[math.ceil(0.95 * len(steps)) - 1],  # nearest rank
                busy_ms=1e3 * statistics.median(s - w for _, s, w in window),
                wait_share=sum(w for _, _, w in window) / total if total > 0 else None)
     return out

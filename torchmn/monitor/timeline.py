@@ -2,11 +2,16 @@
 collective) as one Chrome trace / Perfetto JSON file, a process row per rank and a thread row per
 thread of it.
 
-With ``TORCHMN_TIMELINE=FILE`` (``torchmn run --timeline FILE`` sets it), each rank writes its part,
-``FILE.rank<r>.json``, when it ends; the parts are joined into ``FILE`` by ``torchmn run`` after the
-job, by rank 0 under other launchers (where it sees the others' parts: one machine, or a shared file
-system), or afterwards by ``torchmn timeline merge FILE``. ``torchmn.horovod``'s
-``start_timeline``/``stop_timeline`` record through the same recorder and write the same format.
+With ``TORCHMN_TIMELINE=FILE`` (``torchmn run --timeline FILE`` sets it), each rank appends its
+events to its part, ``FILE.rank<r>.json``, every second (as Horovod writes its timeline), so a rank
+stopped by SIGTERM or SIGKILL leaves all but its last second; the parts are joined into ``FILE`` by
+``torchmn run`` after the job, by rank 0 under other launchers (where it sees the others' parts:
+one machine, or a shared file system), or afterwards by ``torchmn timeline merge FILE``; they are
+removed once every rank's is joined. ``torchmn.horovod``'s ``start_timeline``/``stop_timeline``
+record through the same recorder, in a sink of their own, and write the same format.
+
+A part is JSON lines: a header ``{"rank", "size", "host"}``, one list of events per flush, and
+``{"end": true}`` once its rank closed it.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import os
 import re
 import socket
 import sys
+import threading
 import time
 from typing import Iterable, List, Optional, Sequence, Tuple
 
@@ -24,6 +30,10 @@ from torchmn.monitor import recorder
 
 # How long rank 0 waits, at its end, for the other ranks' parts (under launchers other than torchmn run).
 MERGE_WAIT_S = 10.0
+# Seconds between two appends to a rank's part: what a killed rank can lose, and what keeps a long
+# job's events on disk instead of in memory.
+FLUSH_S = 1.0
+_END = json.dumps({"end": True}) + "\n"
 _PART = re.compile(r"\.rank(\d+)\.json$")
 
 
@@ -49,12 +59,15 @@ def trace(parts: Iterable[Tuple[int, str, Sequence[tuple]]]) -> dict:
     """The Chrome trace of every rank's events.
 
     Args:
-        parts: ``(rank, host, events)`` per rank, events as ``recorder.stop_timeline`` returns them.
+        parts: ``(rank, host, events)`` per rank, events as ``recorder.take_events`` returns them.
 
     Returns:
         ``{"traceEvents": [...], "displayTimeUnit": "ms"}``: per rank a process (named
         ``rank <r> (<host>)``), per thread a thread row, and one complete event (``"ph": "X"``) per
-        phase, in microseconds from the earliest event of any rank.
+        phase, in microseconds from the earliest event of any rank. Complete events on one row must
+        nest (Perfetto drops or misdraws those that overlap), so phases of a thread that overlap
+        without nesting (buckets in flight together, asynchronous Horovod calls) go on further rows
+        of that thread, named ``<thread> (2)`` and so on.
 
     Example::
 
@@ -68,16 +81,35 @@ def trace(parts: Iterable[Tuple[int, str, Sequence[tuple]]]) -> dict:
     for rank, host, events in parts:
         out.append({"name": "process_name", "ph": "M", "pid": rank, "args": {"name": f"rank {rank} ({host})"}})
         out.append({"name": "process_sort_index", "ph": "M", "pid": rank, "args": {"sort_index": rank}})
-        threads: dict = {}
-        for name, category, t0, t1, thread, args in events:
-            if thread not in threads:
-                threads[thread] = len(threads)
-                out.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": threads[thread],
-                            "args": {"name": thread}})
-            out.append({"name": name, "cat": category, "ph": "X", "pid": rank, "tid": threads[thread],
-                        "ts": round((t0 - origin) * 1e6, 1), "dur": round(max(t1 - t0, 0.0) * 1e6, 1),
-                        "args": dict(args or {})})
+        # Rounded once, so that a phase that ends where the next begins does not overlap it by 0.1 us.
+        timed = [(round((t0 - origin) * 1e6, 1), round((t1 - origin) * 1e6, 1), name, category, thread, args)
+                 for name, category, t0, t1, thread, args in events]
+        lanes: dict = {}    # thread -> per row, the ends of the phases open on it (innermost last)
+        rows: dict = {}     # (thread, lane) -> tid
+        for ts, te, name, category, thread, args in sorted(timed, key=lambda e: (e[0], -e[1])):
+            te = max(te, ts)
+            stacks = lanes.setdefault(thread, [])
+            lane = _lane(stacks, ts, te)
+            if (thread, lane) not in rows:
+                rows[(thread, lane)] = len(rows)
+                out.append({"name": "thread_name", "ph": "M", "pid": rank, "tid": rows[(thread, lane)],
+                            "args": {"name": thread if lane == 0 else f"{thread} ({lane + 1})"}})
+            out.append({"name": name, "cat": category, "ph": "X", "pid": rank, "tid": rows[(thread, lane)],
+                        "ts": ts, "dur": round(te - ts, 1), "args": dict(args or {})})
     return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def _lane(stacks: List[List[float]], ts: float, te: float) -> int:
+    """The first row of ``stacks`` where a phase from ``ts`` to ``te`` nests (after, or inside,
+    the phases open there), opening a new row if none; the phase is pushed on it."""
+    for lane, stack in enumerate(stacks):
+        while stack and stack[-1] <= ts:
+            stack.pop()
+        if not stack or te <= stack[-1]:
+            stack.append(te)
+            return lane
+    stacks.append([te])
+    return len(stacks) - 1
 
 
 def write(path: str, parts: Iterable[Tuple[int, str, Sequence[tuple]]]) -> str:
@@ -95,7 +127,7 @@ def write(path: str, parts: Iterable[Tuple[int, str, Sequence[tuple]]]) -> str:
 
     Example::
 
-        >>> write("/tmp/trace.json", [(0, "node1", recorder.stop_timeline())])
+        >>> write("/tmp/trace.json", [(0, "node1", recorder.close_events(sink))])
         '/tmp/trace.json'
     """
     _save_json(trace(parts), path)
@@ -103,7 +135,8 @@ def write(path: str, parts: Iterable[Tuple[int, str, Sequence[tuple]]]) -> str:
 
 
 def write_part(path: str, rank: int, size: int, events: Sequence[tuple]) -> str:
-    """Write this rank's part of the timeline ``path``.
+    """Write this rank's whole part of the timeline ``path`` at once (:class:`PartWriter` appends
+    it as the job runs).
 
     Args:
         path: the timeline's file; the part goes beside it (:func:`part_path`).
@@ -115,12 +148,120 @@ def write_part(path: str, rank: int, size: int, events: Sequence[tuple]) -> str:
 
     Example::
 
-        >>> write_part("/tmp/trace.json", 0, 2, recorder.stop_timeline())
+        >>> write_part("/tmp/trace.json", 0, 2, recorder.close_events(sink))
         '/tmp/trace.json.rank0.json'
     """
     target = part_path(path, rank)
-    _save_json({"rank": rank, "size": size, "host": socket.gethostname(), "events": list(events)}, target)
+    with open(target, "w") as f:
+        f.write(_header(rank, size) + json.dumps(list(events)) + "\n" + _END)
     return target
+
+
+def _header(rank: int, size: int) -> str:
+    return json.dumps({"rank": rank, "size": size, "host": socket.gethostname()}) + "\n"
+
+
+class PartWriter:
+    """This rank's part of the timeline ``path``, appended every :data:`FLUSH_S` seconds by a
+    thread of its own from a recorder sink, and once more at :meth:`close`.
+
+    Args:
+        path: the timeline's file; the part goes beside it (:func:`part_path`).
+        rank, size: this rank and the number of ranks.
+
+    Raises:
+        OSError: the part cannot be created (a folder that is missing or not writable).
+
+    Example::
+
+        >>> writer = PartWriter("/tmp/trace.json", comm.rank, comm.size)
+        >>> writer.close()
+    """
+
+    def __init__(self, path: str, rank: int, size: int):
+        self.path = part_path(path, rank)
+        self._file = open(self.path, "w")
+        self._file.write(_header(rank, size))
+        self._file.flush()
+        self._sink = recorder.open_events()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="torchmn-timeline", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(FLUSH_S):
+            self._append(recorder.take_events(self._sink))
+
+    def _append(self, events: list) -> None:
+        with self._lock:
+            if events and not self._file.closed:
+                self._file.write(json.dumps(events) + "\n")
+                self._file.flush()
+
+    def close(self) -> None:
+        """Stop recording into the part, append what is left and close it.
+
+        Raises:
+            OSError: the last events cannot be written.
+
+        Example::
+
+            >>> writer.close()
+        """
+        self._stop.set()
+        self._thread.join()
+        try:
+            self._append(recorder.close_events(self._sink))
+            with self._lock:
+                self._file.write(_END)
+        finally:
+            with self._lock:
+                self._file.close()
+
+
+def read_part(file: str) -> Tuple[int, str, int, List[tuple]]:
+    """Read one rank's part of a timeline.
+
+    A part ends with a partly written line where its rank was killed while appending; that line
+    is left out.
+
+    Args:
+        file: the part's path.
+
+    Returns:
+        ``(rank, host, size, events)``.
+
+    Raises:
+        OSError: it cannot be read.
+        ValueError: it is not a part of a torchmn timeline (names the file).
+
+    Example::
+
+        >>> read_part("/tmp/trace.json.rank0.json")[:3]
+        (0, 'node1', 2)
+    """
+    with open(file) as f:
+        lines = f.read().split("\n")
+    try:
+        header = json.loads(lines[0])
+        rank, host, size = int(header["rank"]), str(header["host"]), int(header["size"])
+        events: List[tuple] = []
+        for i, line in enumerate(lines[1:], start=2):
+            if not line:
+                continue
+            try:
+                chunk = json.loads(line)
+            except ValueError:
+                if i == len(lines):  # the last line, without its newline: a kill mid-append
+                    break
+                raise
+            if isinstance(chunk, list):
+                events.extend(tuple(e) for e in chunk)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+        raise TorchmnValueError(f"{file} is not a part of a torchmn timeline ({e}); move it away and merge "
+                                f"again") from e
+    return rank, host, size, events
 
 
 def _save_json(data, path: str) -> None:
@@ -157,12 +298,36 @@ def parts_of(path: str, since: Optional[float] = None) -> List[str]:
     return [p for _, p in sorted(found)]
 
 
+def ended(file: str) -> bool:
+    """Whether the rank of part ``file`` closed it (wrote its last events).
+
+    Args:
+        file: a part's path.
+
+    Returns:
+        True once the part ends with ``{"end": true}``; False while its rank runs, or where it was
+        killed, or the file is gone.
+
+    Example::
+
+        >>> ended("/tmp/trace.json.rank1.json")
+        True
+    """
+    try:
+        with open(file, "rb") as f:
+            f.seek(max(0, os.path.getsize(file) - len(_END)))
+            return f.read().decode(errors="replace") == _END
+    except OSError:
+        return False
+
+
 def merge(path: str, remove: bool = True, since: Optional[float] = None) -> Tuple[str, List[int], Optional[int]]:
     """Join the parts of the timeline ``path`` found here into ``path``.
 
     Args:
         path: the timeline's file.
-        remove: delete the parts once joined.
+        remove: delete the parts once joined, if every rank's was (a merge with a rank missing keeps
+            them, to join again once the missing part is here).
         since: join only parts written at or after this time (a job's own; see :func:`parts_of`).
 
     Returns:
@@ -184,36 +349,34 @@ def merge(path: str, remove: bool = True, since: Optional[float] = None) -> Tupl
                                 f"machines? Copy them here first")
     parts, size = [], None
     for file in files:
-        try:
-            with open(file) as f:
-                data = json.load(f)
-            parts.append((int(data["rank"]), str(data["host"]), [tuple(e) for e in data["events"]]))
-            size = int(data["size"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise TorchmnValueError(f"{file} is not a part of a torchmn timeline ({e}); move it away and merge again") from e
+        rank, host, size, events = read_part(file)
+        parts.append((rank, host, events))
     write(path, parts)
-    if remove:
+    joined = [r for r, _, _ in parts]
+    # Kept while a rank is missing: its part, copied here later, is joined with them all.
+    if remove and set(joined) >= set(range(size or 0)):
         for file in files:
             os.unlink(file)
-    return path, [r for r, _, _ in parts], size
+    return path, joined, size
 
 
-def write_at_exit(path: str, rank: int, size: int, join: bool) -> None:
-    """What each rank does at its end while a timeline is recorded: write its part and, if ``join``
+def finish(writer: PartWriter, path: str, rank: int, size: int, join: bool) -> None:
+    """What each rank does at its end while a timeline is recorded: close its part and, if ``join``
     (rank 0 under launchers other than torchmn run), wait up to :data:`MERGE_WAIT_S` for the
     others' parts and join them.
 
     Args:
+        writer: this rank's part.
         path: the timeline's file (``TORCHMN_TIMELINE``).
         rank, size: this rank and the number of ranks.
         join: join the parts here.
 
     Example::
 
-        >>> atexit.register(write_at_exit, "/tmp/trace.json", comm.rank, comm.size, comm.rank == 0)
+        >>> atexit.register(finish, writer, "/tmp/trace.json", comm.rank, comm.size, comm.rank == 0)
     """
     try:
-        write_part(path, rank, size, recorder.stop_timeline())
+        writer.close()
     except OSError as e:
         sys.stderr.write(f"torchmn: rank {rank} on {socket.gethostname()} could not write its part of the "
                          f"timeline {path}: {e}\n")
@@ -224,13 +387,13 @@ def write_at_exit(path: str, rank: int, size: int, join: bool) -> None:
     # are an earlier run's, left unjoined, and are not this job's.
     since = _process_start_time()
     deadline = time.monotonic() + MERGE_WAIT_S
-    while len(parts_of(path, since)) < size and time.monotonic() < deadline:
+    while sum(map(ended, parts_of(path, since))) < size and time.monotonic() < deadline:
         time.sleep(0.1)
-    found = len(parts_of(path, since))
+    found = sum(map(ended, parts_of(path, since)))
     if found < size:
-        sys.stderr.write(f"torchmn: rank 0 found {found} of {size} parts of the timeline {path} within "
-                         f"{MERGE_WAIT_S:.0f} s (the others run on other machines, or have not ended): once "
-                         f"they are here, join them with: torchmn timeline merge {path}\n")
+        sys.stderr.write(f"torchmn: rank 0 found {found} of {size} finished parts of the timeline {path} "
+                         f"within {MERGE_WAIT_S:.0f} s (the others run on other machines, or have not ended): "
+                         f"once they are here, join them with: torchmn timeline merge {path}\n")
         return
     merge(path, since=since)
 

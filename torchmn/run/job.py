@@ -158,6 +158,32 @@ class Job:
             raise RunError(f"command not found: {command[0]!r} {where} (rank 0 on host {self.host} "
                            f"would have run it). Check the spelling, or give its full path.", exit_code=127)
 
+    def check_timeline(self) -> None:
+        """Make the folder of ``--timeline``'s file on this machine, if ranks start here, and check
+        that they can write their parts there: found before training, not after.
+
+        Raises:
+            RunError: the folder cannot be made or written (exit code 2).
+
+        Example::
+
+            >>> Job(LaunchConfig(["true"], np=1, timeline="/proc/t.json")).check_timeline()
+            Traceback (most recent call last):
+            torchmn.run.config.RunError: --timeline /proc/t.json: the ranks cannot write their parts ...
+        """
+        path = self.config.timeline
+        if path is None or all(self.is_remote(slot) for slot in self.slots):
+            return
+        folder = os.path.dirname(os.path.abspath(path))
+        try:
+            os.makedirs(folder, exist_ok=True)
+            problem = None if os.access(folder, os.W_OK | os.X_OK) else "permission denied"
+        except OSError as e:
+            problem = e.strerror or str(e)
+        if problem is not None:
+            raise RunError(f"--timeline {path}: the ranks cannot write their parts in {folder} on host {self.host} "
+                           f"({problem}); give a path in a folder they can write", exit_code=2)
+
     def _check_hosts(self) -> None:
         """Check every remote host at once and choose the rendezvous address; raise RunError naming
         every host that cannot run ranks."""
@@ -331,6 +357,7 @@ class Job:
         """
         config = self.config
         self.check_command()
+        self.check_timeline()
         self.procs.prepare()
         if config.log_dir is not None:
             prepare_log_dir(config.log_dir)
@@ -382,7 +409,7 @@ class Job:
         self.display.start()
 
     def finish_display(self) -> None:
-        """Show the monitor's last table and summary; then join the timeline's parts, where asked.
+        """Show the monitor's last table and summary.
 
         Example::
 
@@ -392,6 +419,16 @@ class Job:
             self.console.above = None
             self.display.finish()
             self.display = None
+
+    def join_timeline(self) -> None:
+        """Join the timeline's parts found here into the file ``--timeline`` names, where asked:
+        after every rank of the job ended (with one launcher per node, on node 0, once the other
+        nodes' ranks have ended too).
+
+        Example::
+
+            >>> job.join_timeline()   # doctest: +SKIP
+        """
         path = self.config.timeline
         if path is None or (self.nodes is not None and self.nodes.step.task != 0):
             return
@@ -410,7 +447,8 @@ class Job:
         missing = sorted(set(range(self.size)) - set(ranks))
         self.console.message(f"torchmn run: timeline of {len(ranks)} rank(s) written to {path}" +
                              (f"; rank(s) {', '.join(map(str, missing))} wrote no part here (on other hosts: copy "
-                              f"{path}.rank<r>.json here and run torchmn timeline merge {path})" if missing else
+                              f"{path}.rank<r>.json here and run torchmn timeline merge {path}; the parts here are "
+                              f"kept for it)" if missing else
                               f"; draw it with: torchmn timeline {path} --png timeline.png"))
 
     def _local_pids(self) -> List[int]:
@@ -571,10 +609,13 @@ class Job:
         for rank in self.ranks:
             rank.output.finish(idle=2.0)
         self.finish_display()
+        if self.nodes is None:
+            self.join_timeline()
         code = self._summarize()
         if self.nodes is not None:
             self.nodes.end_task(wait_for_others=self.received_signal is None, log=self.console.message,
                                 stop=self._signalled, failed=code != 0)
+            self.join_timeline()  # the other nodes' ranks have ended too: their parts are final
         return code
 
     def _signalled(self) -> bool:
