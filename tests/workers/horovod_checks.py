@@ -541,6 +541,30 @@ def _train(opt_kwargs, steps, passes=1, clip=None, dtype_tol=1e-12):
     return model, opt
 
 
+def check_optimizer_step_skipped_after_synchronize():
+    """GradScaler's recipe with Horovod: synchronize(), then no step() where the gradients are not
+    finite; the next iteration trains as Horovod's does (synchronize() starts a new window)."""
+    size, rank = hvd.size(), hvd.rank()
+    model, reference = _mlp(), _mlp()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for step in range(3):
+        opt.zero_grad()
+        x, y = _batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.synchronize()
+        if step == 0:
+            continue  # as GradScaler skips a step whose gradients overflowed
+        with opt.skip_synchronize():
+            opt.step()
+        for q, gs in zip(reference.parameters(), zip(*[_grads(reference, r, step) for r in range(size)])):
+            q.grad = sum(gs) / size
+        ref_opt.step()
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), reference.parameters()))
+        expect(diff <= 1e-12, f"step {step}: parameters off by {diff}")
+
+
 def check_optimizer_averages():
     _train({}, steps=3)
     model, opt = _train({"op": hvd.Sum}, steps=2)

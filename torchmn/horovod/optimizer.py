@@ -156,6 +156,13 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._set_aside_sparse(p)
         if self._in_pass:
             return
+        if self._synchronized:
+            # synchronize() with no step() after it (GradScaler skipped an overflowed step, a
+            # non-finite norm was skipped): as Horovod's synchronize(), it closed the window, and
+            # this backward opens a new one.
+            self._passes_since_step = 0
+            self._sent_by_backward = self._synchronized = self._user_synchronized = False
+            self._sync_started = None
         if self._passes_since_step >= self.backward_passes_per_step:
             raise TooManyBackwardPassesError(TOO_MANY_PASSES)
         self._in_pass = True
