@@ -326,6 +326,18 @@ def check_reducescatter():
         x = torch.ones(size * 4, 5, dtype=torch.float64, requires_grad=True)
         hvd.reducescatter(x, op=op).backward(torch.ones(4, 5, dtype=torch.float64))
         expect(torch.all(x.grad == want), f"reducescatter gradient ({op}): {x.grad[0, 0]}")
+    # Horovod's gradient takes the factors too: times the rank count (Sum), prescale and postscale.
+    x = torch.ones(size * 2, dtype=torch.float64, requires_grad=True)
+    (hvd.reducescatter(x, op=hvd.Sum, prescale_factor=3.0, postscale_factor=0.5) * (rank + 1)).sum().backward()
+    want = torch.tensor([(r + 1) * size * 1.5 for r in range(size) for _ in range(2)], dtype=torch.float64)
+    expect(torch.equal(x.grad, want), f"reducescatter gradient with factors: {x.grad.tolist()}")
+    # Horovod's argument order (tensor, name, compression, op, ...) and fp16 compression.
+    got = hvd.reducescatter(torch.full((size * 2,), 0.5), "rs.positional", hvd.Compression.fp16, hvd.Sum)
+    expect(got.dtype == torch.float32 and torch.all(got == 0.5 * size), f"reducescatter(t, name, fp16, Sum): {got}")
+    got = hvd.synchronize(hvd.reducescatter_async(torch.ones(size), "rs.async", hvd.Sum))
+    expect(torch.all(got == size), f"reducescatter_async(t, name, Sum): {got}")
+    got = hvd.grouped_reducescatter([torch.ones(size)], "rs.grouped", hvd.Compression.fp16, hvd.Sum)
+    expect(torch.all(got[0] == size), f"grouped_reducescatter(ts, name, fp16, Sum): {got}")
 
 
 def check_grouped_ops():

@@ -24,9 +24,11 @@ import torch
 from torchmn.horovod import handles
 from torchmn.horovod.allreduce_collectives import allreduce
 from torchmn.horovod.checked_calls import agree_on, layout, mismatch, nbytes
+from torchmn.horovod.compression import Compression
 from torchmn.horovod.errors import UnsupportedError
 from torchmn.horovod.process_sets import comm_of, global_process_set, tensor_comm_of
 from torchmn.horovod.reduction_ops import OP_NAMES, WIDER, Average, Sum, check_op, scale
+
 
 # ----------------------------------------------------------------------------- allgather
 def _start_allgather(tensors: list, name: Optional[str], process_set, what: str, finish, wait: bool = False):
@@ -461,29 +463,32 @@ def _reducescatter(comm, tensor, op, name, prescale, postscale, what: str) -> to
 class _Reducescatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, op, name, process_set, prescale, postscale, tensor):
-        ctx.op, ctx.process_set = op, process_set
+        ctx.op, ctx.process_set, ctx.factor = op, process_set, prescale * postscale
         return _start_reducescatter([tensor], op, name, process_set, prescale, postscale, "hvd.reducescatter",
                                     grouped=False, wait=True)
 
     @staticmethod
     def backward(ctx, grad):
-        gathered = allgather(grad.contiguous(), process_set=ctx.process_set)
+        # Horovod's gradient: the rows gathered, times the rank count for Sum and the two factors.
+        factor = ctx.factor
         if ctx.op == Sum:
-            gathered = gathered * comm_of(ctx.process_set, "hvd.reducescatter (backward)").size
-        return None, None, None, None, None, gathered
+            factor *= comm_of(ctx.process_set, "hvd.reducescatter (backward)").size
+        gathered = allgather(grad.contiguous(), process_set=ctx.process_set)
+        return None, None, None, None, None, gathered * factor if factor != 1.0 else gathered
 
 
-def reducescatter(tensor, op=Average, name=None, process_set=global_process_set, prescale_factor=1.0,
-                  postscale_factor=1.0) -> torch.Tensor:
+def reducescatter(tensor, name=None, compression=Compression.none, op=Average, process_set=global_process_set,
+                  prescale_factor=1.0, postscale_factor=1.0) -> torch.Tensor:
     """Reduce ``tensor`` over ranks and give each rank its rows of the result; differentiable.
 
     The first dimension is split as Horovod splits it: equal parts, the first ranks one row
-    more when it does not divide.
+    more when it does not divide. The arguments come in Horovod's order.
 
     Args:
         tensor: the same shape and dtype on every rank.
-        op: ``hvd.Average`` (default) or ``hvd.Sum``.
         name: the collective's name.
+        compression: ``hvd.Compression.none`` or ``fp16`` (the tensor travels as float16).
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
         process_set: the ranks taking part.
         prescale_factor, postscale_factor: multiply before and after the reduction.
 
@@ -499,15 +504,17 @@ def reducescatter(tensor, op=Average, name=None, process_set=global_process_set,
 
         >>> mine = hvd.reducescatter(torch.ones(4, 3), op=hvd.Sum)    # rows 2r, 2r+1 on 2 ranks
     """
-    return _Reducescatter.apply(op, name, process_set, prescale_factor, postscale_factor, tensor)
+    compressed, ctx = compression.compress(tensor)
+    reduced = _Reducescatter.apply(op, name, process_set, prescale_factor, postscale_factor, compressed)
+    return compression.decompress(reduced, ctx)
 
 
-def reducescatter_async(tensor, op=Average, name=None, process_set=global_process_set, prescale_factor=1.0,
+def reducescatter_async(tensor, name=None, op=Average, process_set=global_process_set, prescale_factor=1.0,
                         postscale_factor=1.0) -> int:
-    """Start :func:`reducescatter`; returns a handle at once.
+    """Start :func:`reducescatter`; returns a handle at once (Horovod's arguments, no compression).
 
     Args:
-        tensor, op, name, process_set, prescale_factor, postscale_factor: as :func:`reducescatter`.
+        tensor, name, op, process_set, prescale_factor, postscale_factor: as :func:`reducescatter`.
 
     Returns:
         A handle whose ``synchronize`` returns this rank's rows.
@@ -523,13 +530,13 @@ def reducescatter_async(tensor, op=Average, name=None, process_set=global_proces
                                 "hvd.reducescatter_async", grouped=False)
 
 
-def grouped_reducescatter(tensors, op=Average, name=None, process_set=global_process_set, prescale_factor=1.0,
-                          postscale_factor=1.0) -> list:
+def grouped_reducescatter(tensors, name=None, compression=Compression.none, op=Average,
+                          process_set=global_process_set, prescale_factor=1.0, postscale_factor=1.0) -> list:
     """:func:`reducescatter` of each tensor of a list; returns the list of results.
 
     Args:
-        tensors: the tensors; op, name, process_set, prescale_factor, postscale_factor: as
-            :func:`reducescatter`.
+        tensors: the tensors; name, compression, op, process_set, prescale_factor,
+            postscale_factor: as :func:`reducescatter`.
 
     Returns:
         This rank's rows of each reduction, in order.
@@ -541,16 +548,17 @@ def grouped_reducescatter(tensors, op=Average, name=None, process_set=global_pro
 
         >>> a, b = hvd.grouped_reducescatter([a, b], op=hvd.Sum)
     """
-    return [reducescatter(t, op, f"{name}.{i}" if name else None, process_set, prescale_factor, postscale_factor)
-            for i, t in enumerate(tensors)]
+    return [reducescatter(t, f"{name}.{i}" if name else None, compression, op, process_set, prescale_factor,
+                          postscale_factor) for i, t in enumerate(tensors)]
 
 
-def grouped_reducescatter_async(tensors, op=Average, name=None, process_set=global_process_set,
+def grouped_reducescatter_async(tensors, name=None, op=Average, process_set=global_process_set,
                                 prescale_factor=1.0, postscale_factor=1.0) -> int:
-    """Start :func:`grouped_reducescatter`; returns a handle at once.
+    """Start :func:`grouped_reducescatter`; returns a handle at once (Horovod's arguments, no
+    compression).
 
     Args:
-        tensors, op, name, process_set, prescale_factor, postscale_factor: as
+        tensors, name, op, process_set, prescale_factor, postscale_factor: as
             :func:`grouped_reducescatter`.
 
     Returns:
