@@ -149,6 +149,17 @@ def check_async_ops_are_in_flight():
         expect(good(hvd.synchronize(h)), f"{kind}_async result")
 
 
+def check_same_name_in_two_kinds_of_collective():
+    """Horovod keys a name by its kind of collective: an allreduce and an allgather named "loss"
+    in flight together are no clash (the other ranks come late, so the first is surely in flight)."""
+    size = hvd.size()
+    if hvd.rank() != 0:
+        time.sleep(0.5)
+    a = hvd.allreduce_async(torch.ones(2), name="loss", op=hvd.Sum)
+    b = hvd.allgather_async(torch.ones(1), name="loss")
+    expect(torch.all(hvd.synchronize(a) == size) and hvd.synchronize(b).shape == (size,), "both ran")
+
+
 def check_duplicate_name_refused():
     """As Horovod's test: rank 0 alone starts named collectives, and starting another of the same
     name is refused (ValueError) instead of blocking; after a barrier, the others do the same."""

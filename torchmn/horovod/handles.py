@@ -37,38 +37,47 @@ _pending: dict[int, _Pending] = {}
 _next_handle = [1]
 
 
-def name_in_flight(name: Optional[str]) -> bool:
+def name_in_flight(name: Optional[str], kind: Optional[str] = None, process_set_id: Optional[int] = None) -> bool:
     """Whether a collective given this name has been started and has not run yet.
+
+    Horovod keys a name by its kind of collective and its process set: an allreduce and an
+    allgather may both be named ``"loss"``, as may allreduces on two process sets.
 
     Args:
         name: a collective's ``name=`` (None: never in flight, as unnamed collectives never clash).
+        kind: only collectives of this kind (None: any).
+        process_set_id: only collectives on this process set (None: any).
 
     Returns:
-        True while a collective of that name waits for the other ranks or runs.
+        True while such a collective waits for the other ranks or runs.
 
     Example::
 
         >>> h = hvd.allreduce_async(x, name="loss")
-        >>> name_in_flight("loss")          # True until it has run
+        >>> name_in_flight("loss", "allreduce")          # True until it has run
     """
-    return name is not None and any(p.name == name and not p.job.done.is_set() for p in _pending.values())
+    return name is not None and any(
+        p.name == name and kind in (None, p.kind) and process_set_id in (None, p.process_set_id)
+        and not p.job.done.is_set() for p in _pending.values())
 
 
-def check_name(kind: str, name: Optional[str]) -> None:
-    """Refuse a collective whose name another collective in flight has, as Horovod does.
+def check_name(kind: str, name: Optional[str], process_set_id: int = 0) -> None:
+    """Refuse a collective whose name another collective of its kind, on its process set, has in
+    flight, as Horovod does.
 
     Args:
-        kind: the collective, for the message.
+        kind: the collective.
         name: its ``name=``.
+        process_set_id: the set it runs on.
 
     Raises:
-        InvalidCallError: another collective of this ``name`` is still in flight (Horovod's message).
+        InvalidCallError: another such collective of this ``name`` is still in flight (Horovod's message).
 
     Example::
 
         >>> check_name("allgather", "features")
     """
-    if name_in_flight(name):
+    if name_in_flight(name, kind, process_set_id):
         raise InvalidCallError(f"Requested to {kind} a tensor with the same name as another tensor that is currently "
                          f"being processed ({name!r}). If you want to request another tensor, use a different "
                          f"tensor name.")
@@ -116,7 +125,7 @@ def submit(kind: str, name: Optional[str], comm, work: Callable[[], Any], nbytes
 
         >>> handle = submit("allgather", None, comm, lambda: torch.cat(comm.allgather(x)), x.numel() * x.element_size())
     """
-    check_name(kind, name)
+    check_name(kind, name, process_set_id)
     handle = _next_handle[0]
     _next_handle[0] += 1
     _pending[handle] = _Pending(kind, name or f"{kind}.noname.{handle}", background.start(comm, _as_started(work)),
@@ -143,7 +152,7 @@ def run_now(kind: str, name: Optional[str], comm, work: Callable[[], Any], nbyte
 
         >>> parts = run_now("allgather", None, comm, lambda: comm.allgather(x), x.numel() * x.element_size())
     """
-    check_name(kind, name)
+    check_name(kind, name, process_set_id)
     start = time.time()
     result = background.run_here(comm, _as_started(work))
     timeline.record(kind, name or f"{kind}.noname", nbytes, start, time.time(), process_set_id)
