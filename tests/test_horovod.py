@@ -21,7 +21,8 @@ ALL = ("allreduce_ops_and_dtypes", "allreduce_inplace", "allreduce_prescale_post
        "alltoall_async_returns_received_splits", "synchronize_twice", "broadcast_parameters_of_parameters",
        "optimizer_unused_parameter_gets_zero_gradient", "optimizer_zero_grad_before_step_refused",
        "optimizer_set_backward_passes_per_step", "sync_batch_norm_copies_and_pickles", "optimizer_state_dict_hooks",
-       "optimizer_step_skipped_after_synchronize", "same_name_in_two_kinds_of_collective")
+       "optimizer_step_skipped_after_synchronize", "same_name_in_two_kinds_of_collective",
+       "timeline_of_rank_0_alone")
 
 
 @pytest.mark.check_job("horovod")

@@ -5,6 +5,7 @@ Every rank builds every rank's input from that rank's seed, so it knows the exac
 Usage: python horovod_checks.py CHECK [CHECK ...]   (or "all")
 """
 import itertools
+import glob
 import json
 import os
 import sys
@@ -473,6 +474,26 @@ def check_timeline():
             expect(all(e["name"] == kind and e["dur"] >= 0 and e["ts"] >= 0 for e in mine), f"{name}: {mine}")
         allreduce = [e for e in events if e["args"].get("tensor") == "tl.allreduce"][0]
         expect(allreduce["args"]["bytes"] == 4000, "bytes recorded")
+
+
+def check_timeline_of_rank_0_alone():
+    """As Horovod's, start_timeline and stop_timeline are calls of one rank: rank 0 alone records,
+    every rank calls stop_timeline (as hvd.shutdown does), and nothing waits for the others."""
+    rank = hvd.rank()
+    path = os.path.join(hvd.broadcast_object(tempfile.mkdtemp() if rank == 0 else None, 0), "rank0.json")
+    if rank == 0:
+        hvd.start_timeline(path)
+    hvd.allreduce(torch.ones(3), name="tl0.allreduce")
+    t0 = time.monotonic()
+    written = hvd.stop_timeline()
+    expect(time.monotonic() - t0 < 5, f"stop_timeline took {time.monotonic() - t0:.1f} s")
+    hvd.barrier()
+    if rank == 0:
+        expect(written == path, f"rank 0 wrote {written}")
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e["ph"] == "X" and "tensor" in e["args"]]
+        expect([(e["pid"], e["args"]["tensor"]) for e in events] == [(0, "tl0.allreduce")], f"{events}")
+        expect(not glob.glob(path + ".rank*"), "rank 0's part is joined and removed")
 
 
 def _mlp():

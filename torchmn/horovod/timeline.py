@@ -2,21 +2,23 @@
 
 Every rank records its Horovod calls (kind, tensor name, bytes, start and end) from
 :func:`start_timeline` on, through torchmn's own recorder (:mod:`torchmn.monitor.recorder`), which
-adds the optimizer's phases and the communicator's collectives beneath them; :func:`stop_timeline`
-gathers them to rank 0, which writes the file as ``torchmn run --timeline`` does
-(:func:`torchmn.monitor.timeline.write`): a process row per rank, one complete event
-(``"ph": "X"``) per phase.
+adds the optimizer's phases and the communicator's collectives beneath them. As Horovod's, starting
+and stopping are calls of one rank alone, never collectives: each rank that records appends its part
+beside the file every second, and at :func:`stop_timeline` rank 0 joins the parts it sees as
+``torchmn run --timeline`` does (:mod:`torchmn.monitor.timeline`): a process row per rank, one
+complete event (``"ph": "X"``) per phase.
 """
 from __future__ import annotations
 
 import os
-import socket
+import sys
+import time
 from typing import Optional
 
 from torchmn.horovod.process_sets import job, require_comm
 from torchmn.monitor import recorder, timeline
 
-_state: dict = {"path": None, "sink": None}
+_state: dict = {"path": None, "since": None, "writer": None}
 
 
 def recording() -> bool:
@@ -30,7 +32,7 @@ def recording() -> bool:
         >>> if recording():
         ...     stop_timeline()
     """
-    return _state["path"] is not None
+    return _state["writer"] is not None
 
 
 def record(kind: str, name: str, nbytes: int, start: float, end: float, process_set_id: int = 0) -> None:
@@ -55,7 +57,12 @@ def record(kind: str, name: str, nbytes: int, start: float, end: float, process_
 
 
 def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
-    """Start recording each rank's collectives; call it on every rank.
+    """Start recording this rank's collectives; as Horovod's, a call of this rank alone (every
+    rank may call it, or rank 0 only).
+
+    Each rank that records appends its events to ``file_path.rank<r>.json`` every second
+    (:class:`torchmn.monitor.timeline.PartWriter`); :func:`stop_timeline` closes it, and rank 0
+    joins the parts it sees into ``file_path``.
 
     Args:
         file_path: where rank 0 writes the JSON when the timeline stops.
@@ -63,6 +70,7 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
 
     Raises:
         InvalidCallError: before ``hvd.init()`` (a ``ValueError``).
+        OSError: this rank cannot write its part beside ``file_path``.
 
     Example::
 
@@ -71,34 +79,45 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
         >>> hvd.stop_timeline()     # rank 0 writes /tmp/timeline.json
     """
     require_comm()
-    if _state["sink"] is not None:  # started again: Horovod restarts its timeline in the new file
-        recorder.close_events(_state["sink"])
-    _state.update(path=os.path.abspath(file_path), sink=recorder.open_events())
+    if _state["writer"] is not None:  # started again: Horovod restarts its timeline in the new file
+        _state["writer"].close()
+    path = os.path.abspath(file_path)
+    # Parts written from here on are this timeline's; older ones an earlier run left are not
+    # (a second's slack for the file system's timestamps).
+    since = time.time() - 1.0
+    _state.update(path=path, since=since, writer=timeline.PartWriter(path, job.world.rank, job.world.size))
 
 
 def stop_timeline() -> Optional[str]:
-    """Stop recording; rank 0 writes every rank's events to the file (a collective: call it on
-    every rank).
+    """Stop recording this rank's collectives (a call of this rank alone, as Horovod's); rank 0
+    then joins into the file the parts it sees (every rank's on one machine or a shared file
+    system), waiting up to ``torchmn.monitor.timeline.MERGE_WAIT_S`` for parts still being written.
 
     Returns:
         The file's path on rank 0, None elsewhere (and where no timeline was recording).
 
     Raises:
-        OSError: rank 0 cannot write the file.
+        OSError: this rank's part or rank 0's file cannot be written.
 
     Example::
 
         >>> hvd.stop_timeline()
     """
-    path, sink = _state["path"], _state["sink"]
-    _state.update(path=None, sink=None)
-    if path is None or job.comm is None:
+    path, since, writer = _state["path"], _state["since"], _state["writer"]
+    _state.update(path=None, since=None, writer=None)
+    if writer is None:
         return None
-    # Its own sink: a job recorded with --timeline too keeps its events, and this file gets
-    # only those from start_timeline on.
-    events = recorder.close_events(sink)
-    world = job.comm
-    gathered = world.gather_obj((socket.gethostname(), events), root=0)
-    if world.rank != 0:
+    writer.close()
+    if job.world is None or job.world.rank != 0:
         return None
-    return timeline.write(path, [(rank, host, events) for rank, (host, events) in enumerate(gathered)])
+    # A rank that recorded has had its part since its start_timeline: wait for those still open
+    # (ranks that stop a little later); a rank without a part started none, or writes elsewhere.
+    deadline = time.monotonic() + timeline.MERGE_WAIT_S
+    while not all(map(timeline.ended, timeline.parts_of(path, since))) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    open_ = [timeline.part_rank(f) for f in timeline.parts_of(path, since) if not timeline.ended(f)]
+    timeline.merge(path, since=since, keep_while_missing=False)
+    if open_:
+        sys.stderr.write(f"torchmn.horovod: rank(s) {', '.join(map(str, open_))} had not stopped their timeline "
+                         f"{timeline.MERGE_WAIT_S:.0f} s after rank 0: {path} holds their events up to then\n")
+    return path

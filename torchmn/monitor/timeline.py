@@ -55,6 +55,29 @@ def part_path(path: str, rank: int) -> str:
     return f"{path}.rank{rank}.json"
 
 
+def part_rank(file: str) -> int:
+    """The rank whose part ``file`` is, from its name.
+
+    Args:
+        file: a part's path (:func:`part_path`).
+
+    Returns:
+        The rank.
+
+    Raises:
+        ValueError: ``file`` is not named as a part.
+
+    Example::
+
+        >>> part_rank("/tmp/trace.json.rank3.json")
+        3
+    """
+    m = _PART.search(file)
+    if m is None:
+        raise TorchmnValueError(f"{file} is not named as a part of a timeline (FILE.rank<r>.json)")
+    return int(m.group(1))
+
+
 def trace(parts: Iterable[Tuple[int, str, Sequence[tuple]]]) -> dict:
     """The Chrome trace of every rank's events.
 
@@ -266,7 +289,8 @@ def read_part(file: str) -> Tuple[int, str, int, List[tuple]]:
 
 def _save_json(data, path: str) -> None:
     """``data`` as JSON in ``path``, whole or not at all (the checkpoints' atomic write)."""
-    from torchmn.checkpoint.files import atomic_save  # imports torch: only when a timeline is written
+    # Imported here: it imports torch, needed only when a timeline is written.
+    from torchmn.checkpoint.files import atomic_save
 
     atomic_save(data, path, savefun=lambda obj, f: f.write(json.dumps(obj).encode()))
 
@@ -321,14 +345,17 @@ def ended(file: str) -> bool:
         return False
 
 
-def merge(path: str, remove: bool = True, since: Optional[float] = None) -> Tuple[str, List[int], Optional[int]]:
+def merge(path: str, remove: bool = True, since: Optional[float] = None,
+          keep_while_missing: bool = True) -> Tuple[str, List[int], Optional[int]]:
     """Join the parts of the timeline ``path`` found here into ``path``.
 
     Args:
         path: the timeline's file.
-        remove: delete the parts once joined, if every rank's was (a merge with a rank missing keeps
-            them, to join again once the missing part is here).
+        remove: delete the parts once joined.
         since: join only parts written at or after this time (a job's own; see :func:`parts_of`).
+        keep_while_missing: keep them while a rank's part is missing, to join again once it is
+            here (False: the ranks without a part recorded none, as in a Horovod timeline that
+            rank 0 alone started).
 
     Returns:
         ``(path, ranks joined, ranks the job had)``; the last is None where no part says.
@@ -354,7 +381,7 @@ def merge(path: str, remove: bool = True, since: Optional[float] = None) -> Tupl
     write(path, parts)
     joined = [r for r, _, _ in parts]
     # Kept while a rank is missing: its part, copied here later, is joined with them all.
-    if remove and set(joined) >= set(range(size or 0)):
+    if remove and (not keep_while_missing or set(joined) >= set(range(size or 0))):
         for file in files:
             os.unlink(file)
     return path, joined, size
