@@ -10,6 +10,7 @@ import json
 import os
 import sys
 import tempfile
+import threading
 import time
 import warnings
 
@@ -381,6 +382,21 @@ def check_objects_and_barrier():
     size, rank = hvd.size(), hvd.rank()
     expect(hvd.broadcast_object({"epoch": rank}, root_rank=size - 1) == {"epoch": size - 1}, "broadcast_object")
     expect(hvd.allgather_object(("r", rank)) == [("r", r) for r in range(size)], "allgather_object")
+    hvd.barrier()
+
+
+def check_objects_travel_by_cloudpickle():
+    """As Horovod's, the object collectives pickle with cloudpickle: lambdas and closures travel;
+    what even cloudpickle cannot pickle raises on every rank, naming the rank."""
+    size, rank = hvd.size(), hvd.rank()
+    offset = 10 * rank
+    add = hvd.broadcast_object(lambda x: x + offset, root_rank=size - 1)
+    expect(add(1) == 10 * (size - 1) + 1, "a lambda broadcast")
+    expect([f(0) for f in hvd.allgather_object(lambda x: x + offset)] == [10 * r for r in range(size)],
+           "lambdas gathered")
+    bad = threading.Lock() if rank == 1 else 0
+    e = expect_raises(TypeError, lambda: hvd.allgather_object(bad), "rank 1 on")
+    expect("cannot pickle" in str(e), str(e))
     hvd.barrier()
 
 

@@ -2,10 +2,14 @@
 ``broadcast_optimizer_state``, ``broadcast_object``, ``allgather_object`` and ``barrier``."""
 from __future__ import annotations
 
+import pickle
+import socket
 from typing import Any, Optional
 
+import cloudpickle
 import torch
 
+from torchmn.errors import TorchmnTypeError
 from torchmn.horovod import coordination
 from torchmn.horovod.errors import InvalidCallError
 from torchmn.horovod.process_sets import comm_of, global_process_set
@@ -128,7 +132,8 @@ def _create_state(optimizer: torch.optim.Optimizer, model) -> None:
 
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set=global_process_set) -> Any:
-    """Root's ``obj`` (any picklable object) on every rank.
+    """Root's ``obj`` on every rank, pickled by cloudpickle as Horovod's is (lambdas and functions
+    defined in the script travel too).
 
     Unpickles what the other ranks send, as torch's ``*_object`` collectives do: use it only among
     processes you trust (under ``torchmn run`` only the job's own reach its store; see ``docs/security.md``).
@@ -144,6 +149,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
 
     Raises:
         InvalidCallError: ``root_rank`` is not in the set; before ``hvd.init()``.
+        TypeError: root's object cannot be pickled (on every rank).
 
     Example::
 
@@ -151,11 +157,12 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     """
     root = _root_index(root_rank, process_set, "broadcast_object")
     comm = _start("hvd.broadcast_object", process_set)
-    return comm.bcast_obj(obj if comm.rank == root else None, root=root)
+    sent = comm.bcast_obj(_dumps(obj, comm.rank, "broadcast_object") if comm.rank == root else None, root=root)
+    return _loads([sent], "broadcast_object")[0]
 
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set=global_process_set) -> list:
-    """Every rank's ``obj`` (any picklable object), in rank order.
+    """Every rank's ``obj``, in rank order, pickled by cloudpickle as Horovod's is.
 
     Unpickles what the other ranks send, as torch's ``*_object`` collectives do: use it only among
     processes you trust (under ``torchmn run`` only the job's own reach its store; see ``docs/security.md``).
@@ -170,13 +177,31 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set=global_pr
 
     Raises:
         InvalidCallError: before ``hvd.init()``; a rank outside ``process_set``.
+        TypeError: a rank's object cannot be pickled (on every rank, naming it).
 
     Example::
 
         >>> counts = hvd.allgather_object(len(my_shard))
     """
     comm = _start("hvd.allgather_object", process_set)
-    return comm.allgather_obj(obj)
+    return _loads(comm.allgather_obj(_dumps(obj, comm.rank, "allgather_object")), "allgather_object")
+
+
+def _dumps(obj: Any, rank: int, what: str) -> tuple:
+    """``obj`` pickled by cloudpickle, as Horovod's object collectives do (lambdas, functions and
+    classes defined in the script travel too), or why not: sent either way, so that every rank
+    raises the same error instead of the others waiting."""
+    try:
+        return True, cloudpickle.dumps(obj)
+    except Exception as e:  # pickle raises TypeError, PicklingError, AttributeError, ...
+        return False, f"hvd.{what}: rank {rank} on {socket.gethostname()} cannot pickle its object ({e})"
+
+
+def _loads(sent: list, what: str) -> list:
+    failed = [message for ok, message in sent if not ok]
+    if failed:
+        raise TorchmnTypeError("; ".join(failed) + "; send objects cloudpickle can pickle")
+    return [pickle.loads(payload) for _, payload in sent]
 
 
 def barrier(process_set=global_process_set) -> None:
