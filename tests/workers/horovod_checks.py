@@ -427,6 +427,11 @@ def check_process_set_of_two():
     expect(hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == size, "the global set afterwards")
     expect(hvd.remove_process_set(pair) and not hvd.remove_process_set(pair), "remove_process_set")
     expect_raises(ValueError, lambda: hvd.allreduce(torch.ones(1), process_set=pair), "has not been registered")
+    # As Horovod's: a set not registered has no size nor rank, and knows its members.
+    expect(pair.size() is None and pair.rank() is None and pair.included() == (rank < 2),
+           f"an unregistered set: {pair.size()}, {pair.rank()}, {pair.included()}")
+    expect_raises(ValueError, lambda: hvd.DistributedOptimizer(torch.optim.SGD(_mlp().parameters(), lr=0.1),
+                                                              process_set=pair), "has not been registered")
 
 
 def check_optimizer_outside_its_process_set():

@@ -135,6 +135,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sparse_dims: dict = {}       # parameter -> sparse_dim, for every parameter ever seen sparse here
         _wire_name(compression)            # an unsupported compressor is refused on every rank
         require_comm()  # before hvd.init(), Horovod's message first
+        if process_set is not None and process_set.size() is None:
+            raise InvalidCallError("hvd.DistributedOptimizer: Process set provided does not exist, or has not been "
+                                   "registered (hvd.add_process_set on every rank first).")
         if process_set is not None and not process_set.included():
             # As Horovod's: a rank outside the set neither averages nor waits; it updates alone.
             self._comm, self._hooks, self._inner = None, [], optimizer

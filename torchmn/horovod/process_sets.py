@@ -75,59 +75,53 @@ class ProcessSet:
         self.comm = None         # this rank's communicator of the set, where it belongs to it
         self.tensor_comm = None  # ... and the one its tensor collectives run on (background thread)
 
-    def _require_registered(self) -> None:
-        if self.process_set_id is None or _registered.get(self.process_set_id) is not self:
-            raise InvalidCallError("Process set provided does not exist, or has not been registered.")
+    def _registered_here(self) -> bool:
+        return self.process_set_id is not None and _registered.get(self.process_set_id) is self
 
-    def size(self) -> int:
+    def size(self) -> Optional[int]:
         """The number of ranks in the set.
 
         Returns:
-            ``len(self.ranks)``.
-
-        Raises:
-            InvalidCallError: the set is not registered.
+            ``len(self.ranks)``; None while the set is not registered (as Horovod's).
 
         Example::
 
             >>> hvd.add_process_set([0, 1]).size()      # 2
         """
-        self._require_registered()
-        return len(self.ranks)
+        return len(self.ranks) if self._registered_here() else None
 
-    def rank(self) -> int:
+    def rank(self) -> Optional[int]:
         """This process's rank within the set.
 
         Returns:
-            Its index in ``self.ranks``, or -1 where it does not belong to the set.
-
-        Raises:
-            InvalidCallError: the set is not registered.
+            Its index in ``self.ranks``, or -1 where it does not belong to the set; None while the
+            set is not registered (as Horovod's).
 
         Example::
 
             >>> pair = hvd.add_process_set([1, 2])
             >>> pair.rank()                 # 0 on rank 1, 1 on rank 2, -1 elsewhere
         """
-        self._require_registered()
+        if not self._registered_here():
+            return None
         return self.comm.rank if self.comm is not None else -1
 
     def included(self) -> bool:
-        """Whether this process belongs to the set.
+        """Whether this process belongs to the set, registered or not (as Horovod's).
 
         Returns:
             True where ``hvd.rank()`` is one of ``self.ranks``.
 
         Raises:
-            InvalidCallError: the set is not registered.
+            InvalidCallError: before ``hvd.init()`` (a ``ValueError``).
 
         Example::
 
             >>> if pair.included():
             ...     hvd.allreduce(x, process_set=pair)
         """
-        self._require_registered()
-        return self.comm is not None
+        require_comm()
+        return job.world.rank in self.ranks
 
     def __eq__(self, other) -> bool:
         """Whether ``other`` is a process set of the same ranks (registered or not).
