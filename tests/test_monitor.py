@@ -332,3 +332,22 @@ def test_per_node_launchers_join_the_timeline_once_every_node_ended(tmp_path):
     assert [p.returncode for p in procs] == [0, 0], results
     assert "timeline of 2 rank(s) written" in results[0][1], results[0][1]
     assert {e["pid"] for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"} == {0, 1}
+
+
+def test_monitor_names_a_rank_that_stalled_once():
+    """Rank 1 stops for 5 s once: the median hides it, the summary names it; while it is held up
+    the live table says it is busy and the others are waiting."""
+    proc = _run([sys.executable, "-m", "torchmn", "run", "-np", "2", "--monitor", sys.executable, STRAGGLER, "30",
+                 "--stall"])
+    assert re.search(r"torchmn monitor: stall: rank 1 \(\S+\) was busy 5\.\d s in one step", proc.stderr), proc.stderr
+
+
+def test_monitor_table_says_which_rank_is_held_up():
+    from torchmn.monitor import display
+
+    snapshots = {0: {"steps": 40, "step_ms": 60.0, "since_step_s": 30.2, "waiting_now_s": 30.1},
+                 1: {"steps": 40, "step_ms": 60.0, "since_step_s": 30.3, "waiting_now_s": None},
+                 2: {"steps": 41, "step_ms": 60.0, "since_step_s": 0.05, "waiting_now_s": None}}
+    text = display.as_text(snapshots, 3)
+    rows = {int(line.split()[1]): line for line in text.splitlines() if re.match(r"^\W*\d\W", line)}
+    assert "waiting 30 s" in rows[0] and "busy 30 s" in rows[1] and rows[2].split()[-2:] == ["-", "│"], text

@@ -4,6 +4,7 @@ Usage: python straggler.py STEPS [START_DELAY_S] [--thread]
 START_DELAY_S: seconds each rank sleeps before it creates its communicator (a start-up that stalls
 on the clock, as one waiting on a cold disk does, without using CPU).
 --thread: train in a thread of its own, not the main thread (as Ray Train runs a training function).
+--stall: rank 1 also stops for 5 s once, halfway (a stall the others wait through).
 Each rank prints "OWN <rank> <ms>": the median time per step it spent outside torchmn's calls (its
 forward, backward and sleep), timed here, against which the monitor's busy time is checked.
 """
@@ -35,7 +36,7 @@ def train():
         with optimizer.no_sync():  # backward alone, timed apart from the averaging
             loss.backward()
         if comm.rank == 1:
-            time.sleep(0.05)
+            time.sleep(5.0 if "--stall" in sys.argv and step == steps // 2 else 0.05)
         own.append(time.perf_counter() - t0)
         optimizer.synchronize()
         optimizer.step()

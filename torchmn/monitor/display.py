@@ -69,22 +69,50 @@ def table(snapshots: Dict[int, dict], size: int, title: str = "torchmn monitor")
     """
     t = Table(title=title, title_justify="left")
     for name in ("rank", "host", "steps", "steps/s", "step ms", "p95 ms", "busy ms", "waiting", "CPU %",
-                 "RSS MB", "GPU %"):
-        t.add_column(name, justify="left" if name == "host" else "right")
+                 "RSS MB", "GPU %", "now"):
+        t.add_column(name, justify="left" if name in ("host", "now") else "right", no_wrap=name == "now")
     for r in range(size):
         s = snapshots.get(r, {})
         t.add_row(str(r), s.get("host", "-"), _n(s.get("steps"), "{:d}"), _n(s.get("steps_per_s"), "{:.1f}"),
                   _n(s.get("step_ms"), "{:.1f}"), _n(s.get("step_p95_ms"), "{:.1f}"), _n(s.get("busy_ms"), "{:.1f}"),
                   _n(s.get("wait_share"), "{:.0%}"), _n(s.get("cpu_percent"), "{:.0f}"),
-                  _n(s.get("rss_mb"), "{:.0f}"), _n(s.get("gpu_percent"), "{:.0f}"))
+                  _n(s.get("rss_mb"), "{:.0f}"), _n(s.get("gpu_percent"), "{:.0f}"), now(s))
     return t
+
+
+# A rank whose step has lasted this long, and this many times its median step, is shown as held up.
+HELD_S = 2.0
+HELD_RATIO = 5.0
+
+
+def now(snapshot: dict) -> str:
+    """What a rank is at, where its current step has lasted far longer than its steps do: waiting
+    for the others in a collective, or busy (its own work: the one the others wait for).
+
+    Args:
+        snapshot: a rank's figures.
+
+    Returns:
+        ``"busy 35 s"`` or ``"waiting 35 s"`` for a held-up step; ``"-"`` otherwise, and for a
+        rank that ended.
+
+    Example::
+
+        >>> now({"since_step_s": 35.0, "waiting_now_s": None, "step_ms": 12.0})
+        'busy 35 s'
+    """
+    since = snapshot.get("since_step_s")
+    usual = (snapshot.get("step_ms") or 0.0) / 1e3
+    if snapshot.get("final") or since is None or since < max(HELD_S, HELD_RATIO * usual):
+        return "-"
+    return f"{'waiting' if snapshot.get('waiting_now_s') is not None else 'busy'} {since:.0f} s"
 
 
 def _n(value, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def as_text(snapshots: Dict[int, dict], size: int, width: int = 110, title: str = "torchmn monitor") -> str:
+def as_text(snapshots: Dict[int, dict], size: int, width: int = 120, title: str = "torchmn monitor") -> str:
     """The table as plain text, for logs.
 
     Args:

@@ -30,11 +30,14 @@ on = False          # anything recorded at all (monitor, doctor's data or timeli
 timeline_on = False  # events kept for a timeline: some sink is open
 
 _lock = threading.Lock()
-_state = {"last_end": None, "steps": 0, "backward_end": None}
+_state = {"last_end": None, "steps": 0, "backward_end": None, "trainer": None}
 # Waiting is counted per thread: the training thread's own (the main thread, or the thread Ray
 # Train or a user runs the loop in) is the one whose step_ended takes it; a background thread's
 # collectives (the Horovod layer's) never reach a step's figures.
 _waits = threading.local()
+# When each thread's outermost wait began, while it waits: the publisher tells a rank stuck in
+# the others' collective from one stuck in its own work.
+_open_waits: dict = {}
 _window: collections.deque = collections.deque(maxlen=WINDOW)  # (end, step_s, wait_s)
 # Every open sink gets every event: the job's timeline (TORCHMN_TIMELINE) and a Horovod
 # start_timeline/stop_timeline window record side by side without taking each other's events.
@@ -176,7 +179,10 @@ def begin() -> float:
         >>> t0 = begin(); comm.barrier(); end("barrier", "collective", t0)
     """
     _waits.depth = getattr(_waits, "depth", 0) + 1
-    return time.perf_counter()
+    t0 = time.perf_counter()
+    if _waits.depth == 1:
+        _open_waits[threading.get_ident()] = t0
+    return t0
 
 
 def end(name: str, category: str, t0: float, args: Optional[dict] = None) -> None:
@@ -196,6 +202,7 @@ def end(name: str, category: str, t0: float, args: Optional[dict] = None) -> Non
     _waits.depth = getattr(_waits, "depth", 1) - 1
     if _waits.depth == 0:
         _waits.wait = getattr(_waits, "wait", 0.0) + (t1 - t0)
+        _open_waits.pop(threading.get_ident(), None)
     if timeline_on:
         event(name, category, t0, t1, args)
 
@@ -282,6 +289,7 @@ def step_ended(t: float) -> None:
             _window.append((t, t - last, wait))
     _state["steps"] += 1
     _state["last_end"] = t
+    _state["trainer"] = threading.get_ident()
     _waits.wait = 0.0
 
 
@@ -291,7 +299,10 @@ def figures() -> dict:
     Returns:
         ``steps`` (counted so far), ``steps_per_s``, ``step_ms`` (median), ``step_p95_ms``,
         ``busy_ms`` (median step time without waiting), ``wait_share`` (of the steps' time spent
-        waiting in averaging and collectives); the last five are None before two steps.
+        waiting in averaging and collectives), ``max_busy_ms`` (the longest step without its
+        waiting: a stall), the last six None before two steps; ``since_step_s`` (since the last
+        step ended, None before one) and ``waiting_now_s`` (how long the training thread has been
+        waiting for the others, None where it is not).
 
     Example::
 
@@ -300,8 +311,12 @@ def figures() -> dict:
     """
     with _lock:
         window = list(_window)
+    t = time.perf_counter()
+    last, waiting_since = _state["last_end"], _open_waits.get(_state["trainer"])
     out = {"steps": _state["steps"], "steps_per_s": None, "step_ms": None, "step_p95_ms": None,
-           "busy_ms": None, "wait_share": None}
+           "busy_ms": None, "wait_share": None, "max_busy_ms": None,
+           "since_step_s": None if last is None else t - last,
+           "waiting_now_s": None if waiting_since is None else t - waiting_since}
     if not window:
         return out
     steps = sorted(s for _, s, _ in window)
@@ -311,5 +326,6 @@ def figures() -> dict:
                step_ms=1e3 * statistics.median(steps),
                step_p95_ms=1e3 * steps[math.ceil(0.95 * len(steps)) - 1],  # nearest rank
                busy_ms=1e3 * statistics.median(s - w for _, s, w in window),
+               max_busy_ms=1e3 * max(s - w for _, s, w in window),
                wait_share=sum(w for _, _, w in window) / total if total > 0 else None)
     return out

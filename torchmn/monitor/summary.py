@@ -9,6 +9,11 @@ from typing import Dict, List, Optional
 
 # A rank busy this many times the median rank's time per step is a straggler.
 STRAGGLER_RATIO = 1.25
+# A step busy this many times the rank's median, and at least STALL_S seconds, is a stall: a rank
+# that stopped once (a hang that resolved, a slow disk, a checkpoint written by one rank) while
+# the others waited, which a median over the last steps does not show.
+STALL_RATIO = 10.0
+STALL_S = 1.0
 
 
 @dataclasses.dataclass
@@ -100,4 +105,31 @@ def describe(snapshots: Dict[int, dict]) -> List[str]:
         lines.append(f"no straggler: every rank is busy within {STRAGGLER_RATIO}x the median")
     w = c.waits_most
     lines.append(f"waits most: rank {w} ({c.hosts[w]}), {100 * c.wait_share.get(w, 0.0):.0f}% of its steps")
+    stalls = stalled(snapshots)
+    if stalls:
+        r = stalls[0]
+        lines.append(f"stall: rank {r} ({c.hosts.get(r, '?')}) was busy {snapshots[r]['max_busy_ms'] / 1e3:.1f} s in "
+                     f"one step (its median {snapshots[r]['busy_ms']:.1f} ms), while the others waited for it" +
+                     (f"; also rank(s) {', '.join(map(str, stalls[1:]))}" if len(stalls) > 1 else ""))
     return lines
+
+
+def stalled(snapshots: Dict[int, dict]) -> List[int]:
+    """The ranks with a stall among their last steps: one step busy over :data:`STALL_RATIO`
+    times their median and :data:`STALL_S` seconds, longest first.
+
+    Args:
+        snapshots: each rank's latest figures.
+
+    Returns:
+        The ranks, longest stall first.
+
+    Example::
+
+        >>> stalled({0: {"busy_ms": 10.0, "max_busy_ms": 12.0}, 1: {"busy_ms": 10.0, "max_busy_ms": 4000.0}})
+        [1]
+    """
+    found = [r for r, s in snapshots.items()
+             if s.get("max_busy_ms") is not None and s.get("busy_ms") is not None
+             and s["max_busy_ms"] >= max(STALL_RATIO * s["busy_ms"], 1e3 * STALL_S)]
+    return sorted(found, key=lambda r: -snapshots[r]["max_busy_ms"])
