@@ -291,6 +291,29 @@ def test_elastic_kill_with_each_optimizer_matches_a_replay(tmp_path, shard_state
 
 
 @pytest.mark.timeout(300)
+def test_elastic_default_optimizer_shrinks_to_one_rank_and_grows_back_with_checkpoints(tmp_path):
+    """-np 2 --min-np 1, the default optimizer (node-shared on 2 ranks, replicated alone): a kill
+    leaves one rank, which goes on; a new rank joins and both go on at 2. A Checkpointer built
+    before the run function, as scripts do, saves across both kinds, in the rank that joined too.
+    The result equals the replay."""
+    job = ElasticRun(tmp_path, 2, ["--min-np", "1", "--max-np", "2"],
+                     ["--steps", "100000", "--step-sleep", "0.05", "--checkpoint-every", "2"], timeout=240)
+    try:
+        job.wait_for(lambda: job.steps_at(2) >= 4, "the first steps")
+        step = job.kill(1)
+        job.wait_for(lambda: job.steps_at(1, after=step) >= 4, "the survivor's steps alone")
+        job.wait_for(lambda: job.steps_at(2, after=step) >= 4, "the steps after a rank joined")
+        done = job.finish()
+    finally:
+        job.stop()
+    assert done.returncode == 0, done.stdout[-4000:]
+    check_against_replay(tmp_path)
+    from torchmn.checkpoint import files
+    steps = files.steps_on_disk(str(tmp_path / "ckpt"))
+    assert steps and all(files.read_manifest(str(tmp_path / "ckpt"), s) for s in steps), steps
+
+
+@pytest.mark.timeout(300)
 def test_elastic_reset_callback_learning_rate_holds(tmp_path):
     """The reset callback sets the learning rate for the new world's size (as docs/elastic.md
     says to): the survivors of a kill train at 2 ranks' rate, and after a rank joins, every rank,

@@ -158,6 +158,20 @@ def check_newer_step_of_another_run_is_not_overwritten(comm, root):
     assert listing(directory) == before
 
 
+def check_a_step_saved_again_is_left_as_it_is(comm, root):
+    """Saving every 5 steps and at each epoch's end of 5 steps meets: the second save of a step
+    leaves it as it is; an older step than one saved is refused in words about this run."""
+    directory = os.path.join(root, "twice")
+    model = small_model()
+    ckpt = Checkpointer(directory, comm, model=model)
+    ckpt.save(5)
+    ckpt.save(5)
+    ckpt.save(10)
+    comm.allgather_obj(None)
+    assert ckpt.complete_steps() == [5, 10], ckpt.complete_steps()
+    expect_error(lambda: ckpt.save(7), "this run saved step 10 already", "must grow")
+
+
 def check_unwritable_directory_is_named(comm, root):
     blocker = os.path.join(root, "a_file")
     if comm.rank == 0:
@@ -265,6 +279,27 @@ def check_multi_node_iterator_position(comm, root):
         assert (it.epoch, it.batches) == (1, 0), (it.epoch, it.batches)
         got.extend(b.tolist() for b in it)
         assert got == expected and it.epoch == 2, (stateful, got, expected)
+
+
+def check_multi_node_iterator_resume_leaves_the_rng_as_the_old_run(comm, root):
+    """Resumed mid-epoch over a plain DataLoader, the iterator reads past the batches taken; the
+    random draws that makes (the loader's seed at iter(), drawn by the old run before its
+    checkpoint) are not drawn twice: dropout masks after the resume are the old run's."""
+    directory = os.path.join(root, "iterator_rng")
+    make = lambda: torch.utils.data.DataLoader(list(range(40)), batch_size=4)  # noqa: E731
+    torch.manual_seed(comm.rank)
+    it = torchmn.create_multi_node_iterator(make() if comm.rank == 0 else None, comm)
+    ckpt = Checkpointer(directory, comm, iterator=it)
+    batches = iter(it)
+    next(batches), next(batches)
+    ckpt.save(2)
+    old = [next(batches).tolist(), torch.rand(3).tolist()]
+    it = torchmn.create_multi_node_iterator(make() if comm.rank == 0 else None, comm)
+    resumed = Checkpointer(directory, comm, iterator=it)
+    assert resumed.load_latest() == 2
+    batches = iter(it)
+    new = [next(batches).tolist(), torch.rand(3).tolist()]
+    assert new == old, (new, old)
 
 
 if __name__ == "__main__":

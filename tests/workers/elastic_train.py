@@ -12,7 +12,9 @@ state on, having received its neighbour's), --die-in-commit-after-reset WORKER (
 in the first commit after its first reset), --die-in-setup-after-reset WORKER (that worker kills
 itself while the members set up the world of its first reset, after it arrived there, so that the
 others wait for it inside torch.distributed's set-up), --lr-per-rank LR (the learning rate is LR x
-the world size, set again by a reset callback, instead of 0.05); the run also ends at the next commit once
+the world size, set again by a reset callback, instead of 0.05), --checkpoint-every K (a Checkpointer,
+built before the run function as scripts do, saves every K steps into OUT_DIR/ckpt, across resets
+that change the optimizer's kind); the run also ends at the next commit once
 OUT_DIR/stop exists. SIGUSR1 prints every thread's stack to stderr (a test that timed out says
 where the workers were).
 """
@@ -40,6 +42,7 @@ parser.add_argument("--die-in-commit", type=int, default=None)
 parser.add_argument("--die-in-commit-after-reset", default=None)
 parser.add_argument("--die-in-setup-after-reset", default=None)
 parser.add_argument("--lr-per-rank", type=float, default=None)
+parser.add_argument("--checkpoint-every", type=int, default=None)
 args = parser.parse_args()
 
 
@@ -78,6 +81,10 @@ if __name__ == "__main__":
             for group in optimizer.param_groups:
                 group["lr"] = args.lr_per_rank * comm.size
     state.register_reset_callbacks([on_reset])
+    checkpointer = None
+    if args.checkpoint_every:
+        from torchmn.checkpoint import Checkpointer
+        checkpointer = Checkpointer(os.path.join(args.out, "ckpt"), comm, keep=2, model=model, optimizer=optimizer)
 
     @torchmn.elastic.run
     def train(state):
@@ -102,6 +109,8 @@ if __name__ == "__main__":
                         (worker == args.die_in_commit_after_reset and resets):
                     comm.send_obj = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
                 state.commit()
+                if checkpointer is not None and state.step % args.checkpoint_every == 0:
+                    checkpointer.save(state.step)
                 stop = torch.tensor([float(os.path.exists(os.path.join(args.out, "stop")))])
                 if comm.allreduce(stop, "max").item():
                     break

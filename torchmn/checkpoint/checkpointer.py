@@ -15,6 +15,7 @@ import torch
 
 from torchmn.checkpoint import files
 from torchmn.checkpoint.rng import rng_state, set_rng_state
+from torchmn.elastic import membership
 from torchmn.errors import TorchmnError, TorchmnKeyError, TorchmnOSError, TorchmnValueError
 from torchmn.optimizers.shard_state import merge_parts
 
@@ -153,10 +154,31 @@ class Checkpointer:
         self.comm = comm
         self.keep = int(keep)
         self.objects = dict(objects)
-        self.kinds = {name: kind_of(obj) for name, obj in objects.items()}
         self.resumed_from: Optional[int] = None
         self.extra: dict = {}
-        self._check_directory()
+        self._saved: Optional[int] = None  # the last step this Checkpointer saved
+        if membership.awaiting_state():
+            # A rank that joined an elastic job: the others are in a reset and make no collective
+            # of this; the job's ranks checked the directory when they built theirs.
+            self._check_directory_here()
+        else:
+            self._check_directory()
+
+    @property
+    def kinds(self) -> dict:
+        """Who writes each object's state (:func:`kind_of`), as the objects are now: an elastic
+        reset changes an optimizer's kind with the rank count (node-shared on several ranks,
+        replicated alone).
+
+        Returns:
+            ``{name: kind}``.
+
+        Example::
+
+            >>> ckpt.kinds
+            {'model': 'shared', 'optimizer': 'parts'}
+        """
+        return {name: kind_of(obj) for name, obj in self.objects.items()}
 
     # --- set-up -------------------------------------------------------------------------------
 
@@ -168,6 +190,20 @@ class Checkpointer:
             r, p, host = failed[0]
             others = f" (and on rank(s) {', '.join(str(f[0]) for f in failed[1:])})" if len(failed) > 1 else ""
             raise CheckpointError(f"{what} failed on rank {r} ({host}){others}: {p} [raised on rank {self.comm.rank}]")
+
+    def _check_directory_here(self) -> None:
+        """This rank alone can create files in the directory (a rank that joined an elastic job)."""
+        probe = os.path.join(self.directory, f".probe-{secrets.token_hex(6)}")
+        try:
+            os.makedirs(self.directory, exist_ok=True)
+            with open(probe, "wb"):
+                pass
+            os.remove(probe)
+        except OSError as e:
+            raise CheckpointError(f"Checkpointer: cannot create files in the checkpoint directory {self.directory} "
+                                  f"on rank {self.comm.rank} ({self.comm.host}), which joined the job: "
+                                  f"{e.strerror or e}; the directory must be on a file system every node mounts "
+                                  f"and this user can write") from e
 
     def _check_directory(self) -> None:
         """Every rank can write the directory, and sees what rank 0 writes there."""
@@ -213,7 +249,8 @@ class Checkpointer:
 
         Args:
             step: the step number (a non-negative integer, larger than any complete step saved
-                before, except the one this run resumed from, which is then left as it is).
+                before, except the one this run resumed from or saved last, which is then left as
+                it is: saving every N steps and at each epoch's end may meet).
             **extra: plain picklable values of this rank to keep with the step
                 (:attr:`extra` after :meth:`load_latest`).
 
@@ -231,14 +268,16 @@ class Checkpointer:
         if isinstance(step, bool) or int(step) != step or step < 0:
             raise TorchmnValueError(f"Checkpointer.save: step={step!r} must be a non-negative integer")
         step = int(step)
-        if step == self.resumed_from:
-            # The state is the one just loaded: the complete step on disk already holds it.
+        if step in (self.resumed_from, self._saved):
+            # The state is the one just loaded, or this step was saved already (every N steps and
+            # at each epoch's end can meet): the complete step on disk holds it.
             self.comm.allgather_obj(step)
             return
         refusal = None
         if self.comm.rank == 0:
             try:
-                refusal = self._prepare_step(step)
+                refusal = (f"this run saved step {self._saved} already; the steps it saves must grow"
+                           if self._saved is not None and step < self._saved else self._prepare_step(step))
             except OSError as e:  # told to every rank below, rather than leaving them waiting
                 refusal = f"preparing {files.step_dir(self.directory, step)} on rank 0 ({self.comm.host}): {e}"
         agreed = self.comm.allgather_obj((step, refusal))
@@ -252,15 +291,16 @@ class Checkpointer:
                                   f"must save the same step together [raised on rank {self.comm.rank}]")
         folder = files.step_dir(self.directory, step)
         written, problem = {}, None
+        kinds = self.kinds
         try:
-            states = {name: obj.state_dict() for name, obj in self.objects.items() if self.kinds[name] == RANK}
-            parts = {name: obj.local_state_dict() for name, obj in self.objects.items() if self.kinds[name] == PARTS}
+            states = {name: obj.state_dict() for name, obj in self.objects.items() if kinds[name] == RANK}
+            parts = {name: obj.local_state_dict() for name, obj in self.objects.items() if kinds[name] == PARTS}
             mine = {"rank": self.comm.rank, "size": self.comm.size, "rng": rng_state(), "objects": states,
                     "parts": parts, "extra": extra}
             written[files.rank_file(self.comm.rank)] = files.atomic_save(
                 mine, os.path.join(folder, files.rank_file(self.comm.rank)))
             if self.comm.rank == 0:
-                shared = {name: obj.state_dict() for name, obj in self.objects.items() if self.kinds[name] == SHARED}
+                shared = {name: obj.state_dict() for name, obj in self.objects.items() if kinds[name] == SHARED}
                 written[files.SHARED] = files.atomic_save(shared, os.path.join(folder, files.SHARED))
         except Exception as e:
             problem = f"writing {folder}: {type(e).__name__}: {e}"
@@ -276,7 +316,7 @@ class Checkpointer:
             sizes = {name: size for _, _, w in everyone for name, size in w.items()}
             try:
                 files.write_manifest(self.directory, step, {
-                    "step": step, "size": self.comm.size, "files": sizes, "kinds": self.kinds,
+                    "step": step, "size": self.comm.size, "files": sizes, "kinds": kinds,
                     "hosts": [host for _, host, _ in everyone], "time": time.time()})
             except OSError as e:
                 marked = f"writing its manifest {files.MANIFEST} in {folder}: {e}"
@@ -286,6 +326,7 @@ class Checkpointer:
             raise CheckpointError(f"Checkpointer.save({step}) failed on rank 0 ({everyone[0][1]}): {marked}. The "
                                   f"step is not marked complete; the older complete steps are kept [raised on rank "
                                   f"{self.comm.rank}]")
+        self._saved = step
         if self.comm.rank == 0:
             self._prune(step)
 
@@ -412,7 +453,8 @@ class Checkpointer:
         same_size = saved_size == self.comm.size
         # Each object's state is where the run that saved it put it: an optimizer may have changed
         # kind with the rank count (the node-shared one on several ranks, the replicated one alone).
-        saved_kinds = {name: manifest.get("kinds", {}).get(name, kind) for name, kind in self.kinds.items()}
+        kinds = self.kinds
+        saved_kinds = {name: manifest.get("kinds", {}).get(name, kind) for name, kind in kinds.items()}
         in_parts = [name for name, kind in saved_kinds.items() if kind == PARTS]
         need = [files.SHARED] if files.SHARED in manifest["files"] else []
         # Another rank count: the per-rank values of save(**extra) come from rank 0's file.
@@ -441,7 +483,7 @@ class Checkpointer:
             everyone = [read(files.rank_file(r)) for r in range(saved_size)]
             parts_of = {name: [rank["parts"].get(name) for rank in everyone] for name in in_parts}
         saved_names = {**shared, **(mine["objects"] if mine else {}), **parts_of}
-        missing = [name for name in self.kinds
+        missing = [name for name in kinds
                    if name not in saved_names or (name in parts_of and None in parts_of[name])]
         if missing:
             raise TorchmnKeyError(f"the checkpoint has no state for {', '.join(missing)} (it holds "
@@ -456,7 +498,7 @@ class Checkpointer:
             try:
                 if saved_kinds[name] == SHARED:  # a whole state: a sharding optimizer takes it too
                     obj.load_state_dict(shared[name])
-                elif saved_kinds[name] == PARTS and self.kinds[name] == PARTS:
+                elif saved_kinds[name] == PARTS and kinds[name] == PARTS:
                     obj.load_local_state_dicts(parts_of[name])
                 elif saved_kinds[name] == PARTS:  # parts of a sharding optimizer, into one that is not
                     obj.load_state_dict(merge_parts(parts_of[name], obj.param_groups))

@@ -149,6 +149,10 @@ def _reset(state: State, error: BaseException) -> None:
     for hook in _world_hooks:
         hook()
     for optimizer, comm in optimizers:
+        # Built without state: the state's sync() puts the commit back next, and a rank that
+        # joined holds none, so a survivor's (a replicated optimizer alone in the last world) would
+        # make it alone load a state inside the new world's collective construction.
+        optimizer.wrapped.state.clear()
         build_into(optimizer, optimizer.wrapped, comm, optimizer.options)
     forget_step = getattr(state.optimizer, "forget_step", None)  # a wrapper around one (torchmn.horovod's)
     if forget_step is not None:

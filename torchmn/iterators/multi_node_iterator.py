@@ -4,6 +4,7 @@ from __future__ import annotations
 import pickle
 from typing import Any, Iterable, Iterator, Optional
 
+from torchmn.checkpoint.rng import rng_state, set_rng_state
 from torchmn.communicators.pickling import dumps
 from torchmn.communicators.errors import RemoteRankError
 from torchmn.elastic import membership
@@ -200,9 +201,16 @@ class MultiNodeIterator:
             if comm.rank == master:
                 try:
                     if source is None:  # iter() may fail too (a DataLoader whose workers cannot start)
+                        # Resuming mid-epoch from a loader without state: read past the batches
+                        # taken. The random draws that makes (the loader's seed, a shuffle, an
+                        # augmentation) the old run made before its checkpoint, whose random
+                        # states were restored: they are undone, not drawn twice.
+                        replayed = rng_state() if skip else None
                         source = iter(self.loader)
-                        for _ in range(skip):  # resuming mid-epoch from a loader without state
+                        for _ in range(skip):
                             next(source)
+                        if replayed is not None:
+                            set_rng_state(replayed)
                     batch = next(source)
                     # Pickled here, so that a batch that cannot be pickled is reported like a
                     # failing loader. Tensors go to CPU: a GPU tensor would unpickle onto the
