@@ -107,6 +107,18 @@ def check_damaged_manifest_is_named(comm, root):
     said = [str(w.message) for w in caught if "damaged" in str(w.message)]
     if comm.rank == 0:
         assert len(said) == 1 and "step 2" in said[0] and "its manifest COMPLETE cannot be read" in said[0], said
+    # Valid JSON of another shape (overwritten by hand, another tool's file): damaged too, on rank 0
+    # as on the others, not an error of rank 0 alone.
+    if comm.rank == 0:
+        with open(os.path.join(directory, "step_00000002", "COMPLETE"), "w") as f:
+            f.write("[1, 2]")
+    comm.allgather_obj(None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert Checkpointer(directory, comm, model=small_model()).load_latest() == 1
+    said = [str(w.message) for w in caught if "damaged" in str(w.message)]
+    if comm.rank == 0:
+        assert len(said) == 1 and "is not a torchmn checkpoint's" in said[0], said
 
 
 def check_manifest_that_cannot_be_written_fails_every_rank(comm, root):

@@ -402,9 +402,12 @@ class Checkpointer:
             >>> start = ckpt.load_latest()
             >>> print("resuming from", start)      # e.g. 300, or None for a fresh start
         """
-        choice = None
+        choice, problem = None, None
         if self.comm.rank == 0:
-            marked = self._marked_complete()
+            try:
+                marked = self._marked_complete()
+            except OSError as e:  # told to every rank below, rather than leaving them waiting
+                marked, problem = [], f"reading {self.directory} on rank 0 ({self.comm.host}): {e}"
             whole = [(s, manifest) for s, manifest, damage in marked if damage is None]
             steps = [s for s, _ in whole]
             if whole:
@@ -414,7 +417,9 @@ class Checkpointer:
                     warnings.warn(f"Checkpointer: step {s} in {self.directory} is damaged ({damage}) and is "
                                   f"skipped; " + (f"resuming from step {steps[-1]}" if steps else "starting afresh")
                                   + "; the next save of that step replaces it", RuntimeWarning, stacklevel=2)
-        choice = self.comm.bcast_obj(choice, root=0)
+        choice, problem = self.comm.bcast_obj((choice, problem), root=0)
+        if problem is not None:
+            raise CheckpointError(f"Checkpointer.load_latest: {problem} [raised on rank {self.comm.rank}]")
         if choice is None:
             return None
         step, manifest = choice

@@ -236,11 +236,15 @@ def manifest_and_problem(directory: str, step: int) -> tuple[Optional[dict], Opt
     """
     try:
         with open(os.path.join(step_dir(directory, step), MANIFEST), "rb") as f:
-            return json.loads(f.read()), None
+            manifest = json.loads(f.read())
     except FileNotFoundError:
         return None, None
     except (OSError, ValueError) as e:
         return None, f"its manifest {MANIFEST} cannot be read ({e})"
+    if not (isinstance(manifest, dict) and isinstance(manifest.get("size"), int)
+            and isinstance(manifest.get("files"), dict)):
+        return None, f"its manifest {MANIFEST} is not a torchmn checkpoint's (no size and files in it)"
+    return manifest, None
 
 
 def steps_on_disk(directory: str) -> list[int]:
