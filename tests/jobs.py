@@ -119,7 +119,8 @@ _rank_forks = _RankForks()
 
 def wait_until_handled(pid: int, sig: int, timeout: float = 60) -> None:
     """Wait until process ``pid`` has a handler for ``sig`` (Linux's SigCgt mask), so a signal sent
-    next tests that handler and not the interpreter's start-up, however loaded the machine is."""
+    next tests that handler and not the interpreter's start-up, however loaded the machine is
+    (SIGINT has Python's own handler from the start: wait for another the program installs)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:

@@ -218,7 +218,9 @@ def test_a_later_node_waiting_for_node_0_stops_on_a_signal(sig):
                                  "--start-timeout", "100", sys.executable, "-c", "pass"],
                                 env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        wait_until_handled(launcher.pid, sig)
+        # SIGTERM's handler: Python handles SIGINT from its start, torchmn run installs its own for
+        # SIGINT, SIGTERM and SIGHUP together, in that order.
+        wait_until_handled(launcher.pid, signal.SIGTERM)
         time.sleep(1)  # in the store's wait loop by now
         launcher.send_signal(sig)
         started = time.monotonic()
@@ -593,16 +595,20 @@ def test_command_options_that_abbreviate_the_launchers_pass_through():
 # -- torchmn run --dry-run ------------------------------------------------------------------------
 
 def dry_run_ranks(output):
-    """{rank: {"place": the rank's line, "command": its command line, "env": {NAME: VALUE}}} of a dry run."""
-    ranks, current = {}, None
+    """{rank: {"place": the rank's line, "command": its command line, "env": {NAME: VALUE}, "stdin":
+    {NAME: VALUE}}} of a dry run ("stdin": the -x variables written to a remote rank's watcher)."""
+    ranks, current, section = {}, None, "env"
     for line in output.splitlines():
         if line.startswith("rank ") and ": host " in line:
-            current = ranks.setdefault(int(line.split()[1].rstrip(":")), {"place": line, "env": {}})
+            current = ranks.setdefault(int(line.split()[1].rstrip(":")), {"place": line, "env": {}, "stdin": {}})
+            section = "env"
         elif current is not None and line.startswith("  command: "):
             current["command"] = line[len("  command: "):]
+        elif current is not None and line.startswith("  -x variables (written to the watcher's stdin"):
+            section = "stdin"
         elif current is not None and line.startswith("    ") and "=" in line:
             name, value = line.strip().split("=", 1)
-            current["env"][name] = value
+            current[section][name] = value
     return ranks
 
 
@@ -705,7 +711,10 @@ def test_dry_run_for_other_hosts_shows_the_ssh_command_lines(tmp_path):
         assert on_line["RANK"] == on_line["TORCHMN_RANK"] == str(rank)
         assert on_line["LOCAL_RANK"] == str(local) and on_line["GROUP_RANK"] == str(rank // 2)
         assert on_line["WORLD_SIZE"] == "4" and on_line["TORCHMN_HOST"] == host
-        assert on_line["WANDB_API_KEY"] == "<secret>" and on_line["NCCL_DEBUG"] == "INFO"
+        # -x values go to the watcher's stdin, not on the command line: shown apart, masked.
+        assert "WANDB_API_KEY" not in on_line and "NCCL_DEBUG" not in on_line
+        assert on_line["TORCHMN_EXPORTS_ON_STDIN"] == "1"
+        assert info["stdin"] == {"NCCL_DEBUG": "INFO", "WANDB_API_KEY": "<secret>"}, info
         assert on_line["OMP_NUM_THREADS"] == "2" and on_line["TORCHMN_JOB_TOKEN_ON_STDIN"] == "1"
         assert "TORCHMN_JOB_TOKEN" not in on_line
 

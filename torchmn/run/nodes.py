@@ -225,11 +225,13 @@ class NodeLaunchers:
                                       allow_unsigned=allow_unsigned)
             self.store = self.hosted.store
             return self.hosted
-        from torch.distributed import TCPStore
-
         try:
             self.relay = Relay(master_addr, master_port, self.token, self.start_timeout, log,
                                likely_pids=likely_pids, interrupt=interrupt)
+            # torch only once task 0 answered: its import takes seconds on a busy machine, during
+            # which a Ctrl-C or SIGTERM waits.
+            from torch.distributed import TCPStore
+
             self.store = TCPStore(LOCAL_ADDR, self.relay.port, is_master=False,
                                   timeout=datetime.timedelta(seconds=self.start_timeout))
         except ImpostorError as e:

@@ -30,7 +30,8 @@ import hmac
 import os
 import secrets
 import socket
-from typing import Mapping, Optional
+import time
+from typing import Callable, Mapping, Optional
 
 from torchmn.errors import TorchmnError
 
@@ -146,12 +147,17 @@ def proof_matches(token: str, role: bytes, nonces: bytes, answer: bytes, kind: b
     return hmac.compare_digest(proof(token, role, nonces, kind), answer)
 
 
-def read_exactly(sock: socket.socket, size: int) -> bytes:
+def read_exactly(sock: socket.socket, size: int, interrupt: Optional[Callable[[], None]] = None,
+                 deadline: Optional[float] = None) -> bytes:
     """Read ``size`` bytes from ``sock``.
 
     Args:
         sock: a connected, blocking socket.
         size: how many bytes.
+        interrupt: called each time the socket's timeout passes without data, until ``deadline``
+            (``time.monotonic()``); what it raises (a launcher's Ctrl-C) ends the wait. None: the
+            socket's timeout ends it.
+        deadline: when to stop waiting, with ``interrupt``.
 
     Returns:
         The bytes.
@@ -167,20 +173,29 @@ def read_exactly(sock: socket.socket, size: int) -> bytes:
     """
     data = b""
     while len(data) < size:
-        chunk = sock.recv(size - len(data))
+        try:
+            chunk = sock.recv(size - len(data))
+        except socket.timeout:
+            if interrupt is None or deadline is None or time.monotonic() >= deadline:
+                raise
+            interrupt()
+            continue
         if not chunk:
             raise TokenError("the connection was closed")
         data += chunk
     return data
 
 
-def greet(sock: socket.socket, token: str, kind: bytes = RELAY) -> None:
+def greet(sock: socket.socket, token: str, kind: bytes = RELAY, interrupt: Optional[Callable[[], None]] = None,
+          deadline: Optional[float] = None) -> None:
     """The client's side of the greeting, on a connected socket (see the module's docstring).
 
     Args:
         sock: connected to the rendezvous store's address; it should have a timeout.
         token: the job's token.
         kind: the kind of connection (``KINDS``).
+        interrupt, deadline: as :func:`read_exactly`'s: a launcher waiting on a slow or silent
+            listener still handles its Ctrl-C.
 
     Raises:
         ImpostorError: the server did not prove that it knows the token; nothing was sent to it
@@ -195,8 +210,8 @@ def greet(sock: socket.socket, token: str, kind: bytes = RELAY) -> None:
     mine = os.urandom(NONCE_SIZE)
     sock.sendall(GREETING_PREFIX + kind + mine)
     try:
-        theirs = read_exactly(sock, NONCE_SIZE)
-        server_proof = read_exactly(sock, PROOF_SIZE)
+        theirs = read_exactly(sock, NONCE_SIZE, interrupt, deadline)
+        server_proof = read_exactly(sock, PROOF_SIZE, interrupt, deadline)
     except TokenError as e:
         raise ImpostorError("the other side closed the connection instead of proving it knows the job's "
                             "token") from e
@@ -205,7 +220,7 @@ def greet(sock: socket.socket, token: str, kind: bytes = RELAY) -> None:
         raise ImpostorError("the other side did not prove it knows the job's token")
     sock.sendall(proof(token, CLIENT, nonces, kind))
     try:
-        answer = read_exactly(sock, len(ACCEPTED))
+        answer = read_exactly(sock, len(ACCEPTED), interrupt, deadline)
     except TokenError:
         answer = b""
     if answer != ACCEPTED:

@@ -75,8 +75,10 @@ def connect(address: str, port: int, token: str, seconds: float, kind: bytes = a
             interrupt()
             time.sleep(0.5)
     try:
-        sock.settimeout(max(5.0, deadline - time.monotonic()))
-        auth.greet(sock, token, kind)
+        # In one-second slices: what listens there (another job's gate, a busy one) may be slow to
+        # answer, and the launcher's Ctrl-C or SIGTERM is handled between two.
+        sock.settimeout(1.0)
+        auth.greet(sock, token, kind, interrupt, max(time.monotonic() + 5.0, deadline))
         sock.settimeout(None)
     except OSError:
         sock.close()
