@@ -117,6 +117,19 @@ def test_forwarded_environment():
         ssh.parse_exports(["1BAD=x"], env)
 
 
+def test_exports_travel_on_the_watchers_stdin_but_those_python_needs_to_start():
+    """-x values go through the watcher's stdin (never a command line, which `ps` shows every
+    user); PYTHONPATH and the like stay on the ssh line, which starts the watcher's Python."""
+    assert ssh.split_exports({"PYTHONPATH": "/src", "LD_LIBRARY_PATH": "/l", "WANDB_API_KEY": "k", "X": "a b\nc"}) \
+        == ({"PYTHONPATH": "/src", "LD_LIBRARY_PATH": "/l"}, {"WANDB_API_KEY": "k", "X": "a b\nc"})
+    r, w = os.pipe()
+    os.write(w, protocol.exports_line({"WANDB_API_KEY": "k", "X": "a b\nc"}) + b"signal 2\n")
+    os.close(w)
+    assert protocol.read_exports_line(r) == {"WANDB_API_KEY": "k", "X": "a b\nc"}
+    assert os.read(r, 100) == b"signal 2\n"  # what follows stays for the watcher's stdin reader
+    os.close(r)
+
+
 def test_watcher_stops_the_rank_when_its_stdin_closes(tmp_path):
     """The remote side of a rank, run here through ``sh`` as sshd would: the watcher starts the
     rank without loading torch itself, and closing its stdin (what ssh does when the launcher
@@ -395,11 +408,24 @@ def test_hostfile_places_ranks_and_forwards_environment(cluster, tmp_path):
                  "TORCHMN_NODE_COUNT", "TORCHMN_HOST", "MASTER_ADDR", "GLOO_SOCKET_IFNAME", "FOO", "BAR",
                  "OMP_NUM_THREADS", "SSH_CONNECTION"]
         row = {n: os.environ.get(n, "-") for n in names}
-        print(json.dumps(dict(row, host=socket.gethostname(), cwd=os.getcwd(), cpus=sorted(os.sched_getaffinity(0)))))
+        # The hosts share this machine's processes: no command line that starts a rank (the
+        # launcher's ssh clients, the remote shells) shows a -x value (the launcher's own shows
+        # what the user typed).
+        shown = []
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                shown.append(open(f"/proc/{pid}/cmdline", "rb").read())
+            except OSError:
+                pass
+        # Both in two pieces: this code is on those command lines, and on the launcher's.
+        needle, watcher = ("sekrit" + "-7f3a2").encode(), ("torchmn.run.remote" + ".watcher").encode()
+        leaked = any(needle in line for line in shown if watcher in line)
+        print(json.dumps(dict(row, host=socket.gethostname(), cwd=os.getcwd(), cpus=sorted(os.sched_getaffinity(0)),
+                              leaked=leaked)))
     """)
-    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "BAR": "from launcher's env"}
-    proc = launch(cluster, "-np", "3", "--hostfile", str(hostfile), "-x", "FOO=x y", "-x", "BAR", "--bind", "core",
-                  "tmn-python", "-c", code, env=env, cwd=tmp_path)
+    env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "BAR": "from launcher's env sekrit-7f3a2"}
+    proc = launch(cluster, "-np", "3", "--hostfile", str(hostfile), "-x", "FOO=x y sekrit-7f3a2", "-x", "BAR",
+                  "--bind", "core", "tmn-python", "-c", code, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # The ranks end before their store is needed: that is no error.
     assert "could not be opened" not in proc.stderr, proc.stderr
@@ -415,7 +441,8 @@ def test_hostfile_places_ranks_and_forwards_environment(cluster, tmp_path):
             == (host, node, local, local_size), row
         assert row["TORCHMN_NODE_COUNT"] == "2" and row["TORCHMN_HOST"] == cluster.address(host)
         assert row["SSH_CONNECTION"] != "-", row  # it really ran over ssh
-        assert row["cwd"] == str(tmp_path) and row["FOO"] == "x y" and row["BAR"] == "from launcher's env"
+        assert row["cwd"] == str(tmp_path) and row["FOO"] == "x y sekrit-7f3a2"
+        assert row["BAR"] == "from launcher's env sekrit-7f3a2" and not row["leaked"], row
         # The store through the host's relay on its loopback; gloo on the interface that reaches the launcher.
         assert row["MASTER_ADDR"] == "127.0.0.1" and row["GLOO_SOCKET_IFNAME"] == "eth0"
         assert int(row["OMP_NUM_THREADS"]) == len(row["cpus"]), row

@@ -30,6 +30,8 @@ from torchmn.run.elastic import ElasticJob
 from torchmn.run.job import Job
 from torchmn.run.plan import JOB_ID, Slot
 from torchmn.run.processes import binding
+from torchmn.run.remote.protocol import EXPORTS_ON_STDIN
+from torchmn.run.remote.ssh import split_exports
 from torchmn.run.restarts import TORCHMN_RESTART_COUNT, Restarts
 from torchmn.run.store.auth import TOKEN_ENV, TOKEN_ON_STDIN
 from torchmn.run.store.rendezvous import check_signing
@@ -38,7 +40,7 @@ SECRET = "<secret>"
 AT_START = "<chosen at start>"
 # Names whose values are secrets: never printed. TORCHMN_JOB_TOKEN_ON_STDIN only says "1".
 _SECRET_NAME = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|API_?KEY|ACCESS_KEY|PRIVATE_KEY|AUTH", re.IGNORECASE)
-_NOT_SECRET = frozenset({TOKEN_ON_STDIN})
+_NOT_SECRET = frozenset({TOKEN_ON_STDIN, EXPORTS_ON_STDIN})
 
 
 def is_secret(name: str) -> bool:
@@ -160,6 +162,10 @@ def _rank_section(job: Job, slot: Slot, launcher_env: Mapping[str, str], port: s
         lines.append("  environment (added to the launcher's, or changed):")
         names = sorted(n for n in shown if launcher_env.get(n) != env[n] or n in job.exports)
     lines += [f"    {name}={shown[name]}" for name in names]
+    if remote and env.get(EXPORTS_ON_STDIN):
+        sent = _masked(split_exports(job.exports)[1])
+        lines.append("  -x variables (written to the watcher's stdin, never on a command line):")
+        lines += [f"    {name}={sent[name]}" for name in sorted(sent)]
     if remote:
         lines.append(f"  added on {slot.host} by the watcher that runs the rank: {TOKEN_ENV}={SECRET} (read from "
                      f"its stdin, never on a command line); the thread budget (OMP_NUM_THREADS etc.: {slot.host}'s "

@@ -23,7 +23,9 @@ from torchmn.run.plan import Slot, local_env, plan_slots, refuse_outer_launcher,
 from torchmn.run.processes.output import Console, describe_exit, exit_code_of, failure_summary, prepare_log_dir
 from torchmn.run.processes.supervisor import Rank, Supervisor
 from torchmn.run.remote import hostfile
-from torchmn.run.remote.ssh import RemoteError, check_hosts_or_stop, forwarded_env, parse_exports, rank_command
+from torchmn.run.remote.protocol import EXPORTS_ON_STDIN, exports_line
+from torchmn.run.remote.ssh import (RemoteError, check_hosts_or_stop, forwarded_env, parse_exports, rank_command,
+                                    send_line, split_exports)
 from torchmn.run.restarts import TORCHMN_RESTART_COUNT
 from torchmn.run.nodes import NodeLaunchers, per_node_step
 from torchmn.run.slurm_step import slurm_step
@@ -194,7 +196,10 @@ class Job:
             return
         if config.verbose:
             self.console.message(f"torchmn run: checking hosts {', '.join(self.remote_hosts)} over ssh")
-        env = forwarded_env(self.base_env, self.exports)
+        # The host check starts Python and imports torchmn there: the -x values it needs for that,
+        # never the others (its command line is visible in `ps` on both hosts).
+        on_line, on_stdin = split_exports(self.exports)
+        env = {k: v for k, v in forwarded_env(self.base_env, on_line).items() if k not in on_stdin}
         try:
             checks = check_hosts_or_stop(self.remote_hosts, config.ssh, sys.executable, os.getcwd(), env,
                                          config.start_timeout, self.procs.death_signal, self._raise_on_signal)
@@ -337,6 +342,8 @@ class Job:
                                      self.console, self._rank_exited, log_header=header)
         if remote:
             auth.send_token(rank.process.stdin, self.token)
+            if env.get(EXPORTS_ON_STDIN):
+                send_line(rank.process.stdin, exports_line(split_exports(self.exports)[1]))
         return rank
 
     def start(self) -> None:

@@ -13,7 +13,8 @@ from torchmn.environments import EnvMethodEnvironment, SlurmEnvironment, Torchmn
 from torchmn.environments.detect import launcher_class
 from torchmn.run.config import RunError
 from torchmn.run.processes import binding
-from torchmn.run.remote.ssh import forwarded_env
+from torchmn.run.remote.protocol import EXPORTS_ON_STDIN
+from torchmn.run.remote.ssh import forwarded_env, split_exports
 
 # Set in every local rank's environment, and so in every process it starts: which job they belong to.
 JOB_ID = "TORCHMN_JOB_ID"
@@ -177,7 +178,9 @@ def local_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str
 def remote_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str], master_addr: str,
                master_port: Union[int, str], bind: str = binding.DEFAULT_MODE) -> Dict[str, str]:
     """What a remote rank's ssh command line sets: the forwarded variables and its place. The
-    watcher adds the thread budget and gloo's interface on the host itself.
+    watcher adds the thread budget and gloo's interface on the host itself, and the ``-x``
+    variables but ``STARTUP_NAMES``, which the launcher sends on its stdin
+    (``EXPORTS_ON_STDIN`` says they follow).
 
     Args:
         slot: the rank's place.
@@ -193,11 +196,16 @@ def remote_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, st
     Example::
 
         >>> env = remote_env(plan_slots([("node1", 2), ("node2", 2)])[2], {"PATH": "/usr/bin", "HOME": "/root"},
-        ...                  {"NCCL_DEBUG": "INFO"}, "10.0.0.1", 29500)
-        >>> env["RANK"], env["GROUP_RANK"], env["MASTER_ADDR"], "HOME" in env
-        ('2', '1', '10.0.0.1', False)
+        ...                  {"WANDB_API_KEY": "k"}, "10.0.0.1", 29500)
+        >>> env["RANK"], env["GROUP_RANK"], env["MASTER_ADDR"], "HOME" in env, "WANDB_API_KEY" in env
+        ('2', '1', '10.0.0.1', False, False)
     """
-    env = forwarded_env(base_env, exports)
+    on_line, on_stdin = split_exports(exports)
+    env = forwarded_env(base_env, on_line)
+    for name in on_stdin:  # given with -x: its value (the launcher's too) only through stdin
+        env.pop(name, None)
+    if on_stdin:
+        env[EXPORTS_ON_STDIN] = "1"
     env.update(rank_env(slot, master_addr, master_port))
     env[binding.VARIABLE] = bind
     env["PYTHONUNBUFFERED"] = "1"

@@ -18,7 +18,7 @@ import shlex
 import signal
 import subprocess
 import threading
-from typing import Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from torchmn.errors import TorchmnError
 from torchmn.run.processes.groups import signal_group
@@ -34,6 +34,10 @@ FORWARDED_NAMES = ("PATH", "PYTHONPATH", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "COND
 FORWARDED_PREFIXES = ("TORCHMN_", "TORCH_", "NCCL_", "GLOO_")
 # ... except these (see forwarded_env).
 NOT_FORWARDED = (TOKEN_ENV, TOKEN_ON_STDIN)
+# The -x variables that go on the ssh command line, because the remote shell needs them to start
+# the watcher (the interpreter's libraries, torchmn's import path); every other -x value goes
+# through the watcher's stdin, where other users of the hosts cannot read it in `ps`.
+STARTUP_NAMES = ("PYTHONPATH", "PYTHONHOME", "LD_LIBRARY_PATH", "LD_PRELOAD")
 
 # Printed by a host check that got as far as importing torchmn.
 _CHECK_MARKER = "@@torchmn-host-ok@@"
@@ -139,6 +143,45 @@ def parse_exports(items: Sequence[str], env: Mapping[str, str]) -> Dict[str, str
             value = env[name]
         exports[name] = value
     return exports
+
+
+def send_line(stream, line: bytes) -> None:
+    """Write ``line`` to a remote rank's watcher: its ssh client's stdin.
+
+    Args:
+        stream: the ssh client's stdin (``Popen.stdin``), or None.
+        line: the line, newline included.
+
+    Example::
+
+        >>> send_line(rank.process.stdin, exports_line({"WANDB_API_KEY": key}))  # doctest: +SKIP
+    """
+    if stream is None:
+        return
+    try:
+        stream.write(line)
+        stream.flush()
+    except (OSError, ValueError):
+        pass  # the ssh client is gone: its exit says why
+
+
+def split_exports(exports: Mapping[str, str]) -> Tuple[Dict[str, str], Dict[str, str]]:
+    """The ``-x`` variables a remote rank's ssh command line carries (``STARTUP_NAMES``), and
+    those its watcher reads from its stdin (the rest: never on a command line).
+
+    Args:
+        exports: the parsed ``-x`` options (see ``parse_exports``).
+
+    Returns:
+        ``(on the command line, through stdin)``.
+
+    Example::
+
+        >>> split_exports({"PYTHONPATH": "/src", "WANDB_API_KEY": "k"})
+        ({'PYTHONPATH': '/src'}, {'WANDB_API_KEY': 'k'})
+    """
+    line = {k: v for k, v in exports.items() if k in STARTUP_NAMES}
+    return line, {k: v for k, v in exports.items() if k not in STARTUP_NAMES}
 
 
 def forwarded_env(env: Mapping[str, str], exports: Mapping[str, str]) -> Dict[str, str]:

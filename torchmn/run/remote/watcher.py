@@ -24,7 +24,8 @@ from torchmn import network, resources
 from torchmn.run.processes import binding
 from torchmn.run.processes.groups import become_subreaper, group_alive, signal_group
 from torchmn.run.processes.output import join_unless_idle, readable
-from torchmn.run.remote.protocol import RELAY_LINE, SIGNAL_LINE, STARTED_MARKER, WATCHER_GRACE_SECONDS
+from torchmn.run.remote.protocol import (EXPORTS_ON_STDIN, RELAY_LINE, SIGNAL_LINE, STARTED_MARKER,
+                                         WATCHER_GRACE_SECONDS, read_exports_line)
 from torchmn.run.store.auth import TOKEN_ENV, TOKEN_ON_STDIN, ImpostorError, TokenError, read_token_line
 from torchmn.run.store.relay import LOCAL_ADDR, Relay
 
@@ -214,6 +215,21 @@ def _job_token(env: Dict[str, str]) -> Tuple[Optional[str], Optional[str]]:
     return token, None
 
 
+def _exports(env: Dict[str, str]) -> Optional[str]:
+    """Add the ``-x`` variables the launcher writes on stdin after the token (never on the ssh
+    command line: every user of both hosts could read them in ``ps``). Returns an error message
+    or None."""
+    if not env.pop(EXPORTS_ON_STDIN, None):
+        return None
+    values = read_exports_line(0)
+    if values is None:
+        host = env.get("TORCHMN_HOST", socket.gethostname())
+        return (f"rank {env.get('TORCHMN_RANK', '?')} on host {host}: the launcher's connection ended before it "
+                f"sent the -x variables")
+    env.update(values)
+    return None
+
+
 def watch(command: Sequence[str], grace: float = WATCHER_GRACE_SECONDS) -> int:
     """Run ``command`` as a remote rank until it exits or this process's stdin closes.
 
@@ -231,6 +247,7 @@ def watch(command: Sequence[str], grace: float = WATCHER_GRACE_SECONDS) -> int:
     """
     env = dict(os.environ)
     token, error = _job_token(env)
+    error = error or _exports(env)
     rank_pids: List[int] = []
     bound = None
     try:
