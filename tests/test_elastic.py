@@ -6,6 +6,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -311,6 +312,24 @@ def test_elastic_default_optimizer_shrinks_to_one_rank_and_grows_back_with_check
     from torchmn.checkpoint import files
     steps = files.steps_on_disk(str(tmp_path / "ckpt"))
     assert steps and all(files.read_manifest(str(tmp_path / "ckpt"), s) for s in steps), steps
+
+
+@pytest.mark.timeout(200)
+def test_elastic_discovery_of_this_machine_by_another_name_adds_no_worker(tmp_path):
+    """-H localhost:2 and a discovery script offering localhost:2 (or this machine's hostname):
+    the two running ranks fill those slots, so no third worker starts."""
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\necho {socket.gethostname()}:1\necho localhost:1\n")
+    script.chmod(0o755)
+    job = ElasticRun(tmp_path, 2, ["-H", "localhost:2", "--min-np", "1", "--max-np", "3", "--host-discovery-script",
+                                   str(script)], ["--steps", "40", "--step-sleep", "0.1"], timeout=180)
+    try:
+        done = job.ended(170)
+    finally:
+        job.stop()
+    assert job.proc.returncode == 0, done[-4000:]
+    assert "started worker" not in done, done[-4000:]
+    assert set(torch.load(tmp_path / "result.pt")["sizes"]) == {2}
 
 
 @pytest.mark.timeout(300)

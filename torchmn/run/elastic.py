@@ -125,6 +125,9 @@ class ElasticJob(Job):
                            f"torchmn run with -H/--hostfile (or --host-discovery-script) instead.")
         known = self.hosts if self.hosts else [(self.host, config.max_np)]
         self.known_hosts: Dict[str, int] = dict(known)
+        # The name the job's ranks on this machine go by (-H localhost:2: "localhost"): a discovery
+        # script's names for this machine count as it, so its running ranks count against them.
+        self.local_name = next((h for h in self.known_hosts if h == self.host or network.is_local(h)), self.host)
         self.live: Dict[int, Rank] = {}          # workers running, by number
         self.members: List[int] = []             # the current generation, in rank order
         self.generation = 0
@@ -384,8 +387,8 @@ class ElasticJob(Job):
         start, and the rendezvous placed where they reach it)."""
         hosts: Dict[str, int] = {}
         for host, slots in offered.items():
-            if network.is_local(host):
-                host = self.host
+            if host == self.local_name or network.is_local(host):
+                host = self.local_name
             elif host not in self.known_hosts:
                 if host not in self.refused:
                     self.refused.add(host)
@@ -433,7 +436,7 @@ class ElasticJob(Job):
             lost = ", ".join(f"{r.slot.rank} ({r.slot.host}, {describe_exit(r.returncode)})" for r in self.lost)
             self.console.message(f"torchmn run: elastic job: {self.generation} generation(s) after the first; "
                                  f"workers lost: {lost or 'none'}; workers added: "
-                                 f"{', '.join(map(str, self.added)) or 'none'}")
+                                 f"{', '.join(f'worker {w}' for w in self.added) or 'none'}")
         failed = self.first_failure
         if failed is not None and self.received_signal is None and not self.finished:
             self.console.message(failure_summary(failed, self.ranks, None))
