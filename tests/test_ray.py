@@ -26,7 +26,7 @@ def _run(argv):
     try:
         import ray  # noqa: F401
     except ImportError:
-        pytest.fail('Ray is missing: pip install "torchmn[ray]" (the dev requirements install it)')
+        pytest.fail('Ray is missing: pip install -e ".[ray]" (the dev requirements install it)')
     try:
         proc = subprocess.run(argv, cwd=REPO, env={**clean_env(), "RAY_worker_niceness": "0"},
                               capture_output=True, text=True, timeout=TIMEOUT)

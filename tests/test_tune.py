@@ -121,6 +121,8 @@ def test_tune_fails_a_trial_whose_objective_line_holds_no_number(tmp_path):
     (trial,) = trials(storage)
     assert trial.state.name == "FAIL" and "-> failed, its objective line 'torchmn-objective: abc' holds no number" \
         in out.stderr, (trial, out.stderr)
+    # A search without a completed trial is no success: a script running it notices.
+    assert out.returncode == 1 and "torchmn tune: error: no trial completed" in out.stderr, (out.returncode, out.stderr)
 
 
 def test_tune_sizes_its_space_from_the_cpus_the_job_may_use(monkeypatch):

@@ -11,7 +11,7 @@ job starts under ``torchmn run``, torchrun, ``srun`` or ``mpirun`` like any torc
 ``torchmn.create_communicator`` (which reads Slurm, Open MPI, MPICH, torchrun and ``torchmn run``),
 DDP averages its buckets through ``torchmn.ddp_comm_hook`` (shared memory inside a node), and
 Lightning's ``reduce``, ``all_gather``, ``barrier`` and ``broadcast`` go through the communicator.
-Needs the ``lightning`` package (``pip install torchmn[lightning]``).
+Needs the ``lightning`` package (``pip install -e '.[lightning]'`` in torchmn's checkout).
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ try:
     from lightning.pytorch.utilities import rank_zero_only
 except ImportError as e:  # pragma: no cover - the dev install has it
     raise ImportError(f"torchmn.lightning needs the lightning package ({e}); install it with "
-                      f"pip install 'torchmn[lightning]'") from e
+                      f"pip install -e '.[lightning]' in torchmn's checkout (or pip install lightning)") from e
 
 import torchmn
 from torchmn.ddp import check_compression, ddp_comm_hook

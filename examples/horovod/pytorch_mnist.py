@@ -25,7 +25,7 @@ from torch import nn
 import torchmn.horovod as hvd   # the one line that differs from Horovod: import horovod.torch as hvd
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mnist"))
-from data import add_data_arguments, load_mnist  # noqa: E402
+from data import add_data_arguments, check_data_arguments, load_mnist  # noqa: E402
 
 
 def parse_args():
@@ -43,7 +43,9 @@ def parse_args():
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to train: auto (a GPU per rank where each local rank can have its own, "
                              "else the CPU), cpu or cuda")
-    return parser.parse_args()
+    args = parser.parse_args()
+    check_data_arguments(parser, args)
+    return args
 
 
 class Net(nn.Module):

@@ -27,7 +27,7 @@ import torch.utils.data.distributed
 import torchmn.horovod as hvd   # Horovod's script: import horovod.torch as hvd
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mnist"))
-from data import add_data_arguments, load_mnist  # noqa: E402
+from data import add_data_arguments, check_data_arguments, load_mnist  # noqa: E402
 
 # Training settings
 parser = argparse.ArgumentParser(description='PyTorch MNIST Example')
@@ -52,6 +52,7 @@ parser.add_argument('--fp16-allreduce', action='store_true', default=False,
 add_data_arguments(parser)
 
 args = parser.parse_args()
+check_data_arguments(parser, args)
 args.cuda = not args.no_cuda and torch.cuda.is_available()
 
 # Horovod: initialize library.

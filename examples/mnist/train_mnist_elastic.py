@@ -27,7 +27,7 @@ import torchmn.checkpoint
 import torchmn.datasets
 import torchmn.elastic  # elastic: State and run
 import torchmn.evaluators
-from data import add_data_arguments, load_mnist, positive_int
+from data import add_data_arguments, check_data_arguments, load_mnist, positive_int
 from device_choice import add_device_argument, training_device
 
 
@@ -48,6 +48,7 @@ def main():
     add_data_arguments(parser)
     add_device_argument(parser)
     args = parser.parse_args()
+    check_data_arguments(parser, args)
     torch.manual_seed(args.seed)
     comm = torchmn.create_communicator()
     device = training_device(comm, args.device)  # torchmn: this rank's own GPU (comm.device), or the CPU

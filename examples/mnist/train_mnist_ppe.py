@@ -28,7 +28,7 @@ import torchmn
 import torchmn.datasets
 import torchmn.evaluators
 import torchmn.extensions
-from data import add_data_arguments, load_mnist, positive_int
+from data import add_data_arguments, check_data_arguments, load_mnist, positive_int
 from device_choice import add_device_argument, training_device
 
 
@@ -52,6 +52,7 @@ def main():
     add_data_arguments(parser)
     add_device_argument(parser)
     args = parser.parse_args()
+    check_data_arguments(parser, args)
     torch.manual_seed(args.seed)
     comm = torchmn.create_communicator(args.communicator)
     device = training_device(comm, args.device)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
-from data import add_data_arguments, load_mnist, positive_int
+from data import add_data_arguments, check_data_arguments, load_mnist, positive_int
 
 
 def make_model(n_units=1000, n_out=10):
@@ -52,6 +52,7 @@ def main():
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
                         help="where to train: auto (the GPU where there is one, else the CPU), cpu or cuda")
     args = parser.parse_args()
+    check_data_arguments(parser, args)
     torch.manual_seed(args.seed)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.exit(2, "error: --device cuda: torch sees no CUDA GPU; train with --device cpu (or auto)\n")

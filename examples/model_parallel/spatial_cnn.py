@@ -25,7 +25,7 @@ import torchmn.functions
 from torchmn.nn import MultiNodeBatchNorm2d, SpatialParallelConv2d
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mnist"))
-from data import add_data_arguments, load_mnist, positive_int  # noqa: E402
+from data import add_data_arguments, check_data_arguments, load_mnist, positive_int  # noqa: E402
 from device_choice import add_device_argument, training_device  # noqa: E402
 
 
@@ -62,6 +62,7 @@ def main():
     add_data_arguments(parser)
     add_device_argument(parser)
     args = parser.parse_args()
+    check_data_arguments(parser, args)
     comm = torchmn.create_communicator()
     device = training_device(comm, args.device)
     torch.manual_seed(args.seed)  # the same initial model on every rank (the optimizer broadcasts it too)

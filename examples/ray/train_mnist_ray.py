@@ -4,8 +4,9 @@ Ray), and each epoch reports through `ray.train`, with a checkpoint Ray keeps.
 
     python examples/ray/train_mnist_ray.py --workers 2 --epochs 2 --storage /tmp/ray_results
 
-Ray handles the workers' failures (its `FailureConfig`); a run started again resumes from the
-newest checkpoint Ray kept. Needs `pip install "torchmn[ray]"`.
+Ray handles the workers' failures (its `FailureConfig`, `--max-failures`): the run Ray restarts
+after a worker failed resumes from the newest checkpoint it kept. A run started again by hand is a
+new run (each has its own name), starting from epoch 0. Needs `pip install -e ".[ray]"` in the repository.
 """
 import argparse
 import os

@@ -20,7 +20,7 @@ import torchmn
 import torchmn.tune
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "mnist"))
-from data import add_data_arguments, load_mnist, positive_int  # noqa: E402
+from data import add_data_arguments, check_data_arguments, load_mnist, positive_int  # noqa: E402
 from device_choice import add_device_argument, training_device  # noqa: E402
 from train_mnist import make_model  # noqa: E402
 
@@ -35,6 +35,7 @@ def main():
     add_data_arguments(parser)
     add_device_argument(parser)
     args = parser.parse_args()
+    check_data_arguments(parser, args)
     comm = torchmn.create_communicator()
     device = training_device(comm, args.device)
     optuna.logging.set_verbosity(optuna.logging.WARNING)

@@ -11,7 +11,7 @@ try:
     import pytorch_pfn_extras  # noqa: F401
 except ImportError as e:
     raise ImportError(f"torchmn.extensions are pytorch-pfn-extras extensions, which is not installed ({e}); "
-                      f"install it with pip install 'torchmn[examples]'") from e
+                      f"install it with pip install -e '.[examples]' in torchmn's checkout (or pip install pytorch-pfn-extras)") from e
 
 from torchmn.extensions.allreduce_persistent import AllreducePersistent
 from torchmn.extensions.early_stopping import MultiNodeEarlyStoppingTrigger

@@ -100,7 +100,8 @@ def run_tune(args, parser) -> int:
         parser: the subcommand's parser.
 
     Returns:
-        0 once the search is done; 2 when it cannot run or go on: Optuna is not installed, no
+        0 once the search is done; 1 when it ran but no trial completed; 2 when it cannot run or
+        go on: Optuna is not installed, no
         command, ``--n-trials`` or ``-np`` below 1, a malformed ``--param``, ``--only-params``
         without a ``--param``, or a :class:`~torchmn.tune.TuneError` (a storage it cannot open,
         trials failing in a row).
@@ -117,7 +118,7 @@ def run_tune(args, parser) -> int:
         from torchmn.tune.space import default_space, parse_param
         from torchmn.tune.study import Tuner, TuneError
     except ImportError as e:
-        return _refuse(f"{e.name} is missing: pip install 'torchmn[tune]'")
+        return _refuse(f"{e.name} is missing: pip install -e '.[tune]' in torchmn's checkout (or pip install optuna matplotlib)")
     if not command:
         return _refuse("no command to tune: torchmn tune [options] -- python train.py")
     if args.n_trials < 1 or (args.np is not None and args.np < 1):
@@ -147,6 +148,12 @@ def run_tune(args, parser) -> int:
     except TuneError as e:
         return _refuse(str(e))
     print(tuner.summary(study), flush=True)
+    import optuna
+
+    if not study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.COMPLETE,)):
+        sys.stderr.write("torchmn tune: error: no trial completed: see the failed trials' last lines above, and "
+                         "run the command alone (without torchmn tune) to see it fail\n")
+        return 1
     if args.plot:
         for path in tuner.plot(study, args.plot):
             print(f"plot: {path}", flush=True)
