@@ -134,6 +134,27 @@ def wait_until_handled(pid: int, sig: int, timeout: float = 60) -> None:
     raise AssertionError(f"process {pid} had no handler for signal {sig} after {timeout} s")
 
 
+def run_two_node_launchers(options: list, command: list, timeout: float = 120) -> list:
+    """Two ``torchmn run -np 1 --nnodes 2`` launchers on this machine, node 0 and node 1 of one job
+    (as on two nodes sharing a file system), with ``options`` and ``command``; each one's
+    ``(exit code, stdout, stderr)`` once both ended."""
+    from ports import free_port
+
+    port = str(free_port())
+    procs = [subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "1", "--nnodes", "2", "--node-rank",
+                               str(node), "--master-addr", "127.0.0.1", "--master-port", port, *options, *command],
+                              cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for node in (0, 1)]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+
+
 def launcher_argv(launcher: str, np: int) -> list[str]:
     if launcher == "torchmn":
         return [sys.executable, "-m", "torchmn", "run", "-np", str(np)]

@@ -265,16 +265,17 @@ def test_elastic_twenty_kills_match_a_replay_of_the_membership(tmp_path):
     assert 3 in result["sizes"] and result["sizes"][-1] in (3, 4)
 
 
-def kill_one_of_three_and_refill(tmp_path: Path, train_args: list) -> subprocess.CompletedProcess:
-    """A 3-rank elastic job (--min-np 2) of elastic_train.py with ``train_args``: worker 1 is killed
-    after a few steps, the survivors go on, a new rank refills the slot; the finished job."""
-    job = ElasticRun(tmp_path, 3, ["--min-np", "2", "--max-np", "3"],
+def kill_one_and_refill(tmp_path: Path, train_args: list, np: int = 3, steps: int = 2) -> subprocess.CompletedProcess:
+    """An ``np``-rank elastic job (--min-np np-1) of elastic_train.py with ``train_args``: worker 1 is
+    killed after a few steps, the survivors take ``steps`` steps, a new rank refills the slot and
+    all take ``steps`` more; the finished job."""
+    job = ElasticRun(tmp_path, np, ["--min-np", str(np - 1), "--max-np", str(np)],
                      ["--steps", "100000", "--step-sleep", "0.05", *train_args], timeout=240)
     try:
-        job.wait_for(lambda: job.steps_at(3) >= 5, "the first steps")
+        job.wait_for(lambda: job.steps_at(np) >= 5, "the first steps")
         step = job.kill(1)
-        job.wait_for(lambda: job.steps_at(2, after=step) >= 2, "the survivors' steps")
-        job.wait_for(lambda: job.steps_at(3, after=step) >= 2, "the refilled slot's steps")
+        job.wait_for(lambda: job.steps_at(np - 1, after=step) >= steps, "the survivors' steps")
+        job.wait_for(lambda: job.steps_at(np, after=step) >= steps, "the refilled slot's steps")
         done = job.finish()
     finally:
         job.stop()
@@ -287,7 +288,7 @@ def kill_one_of_three_and_refill(tmp_path: Path, train_args: list) -> subprocess
 def test_elastic_kill_with_each_optimizer_matches_a_replay(tmp_path, shard_state):
     """The sharded (each rank's part of the state, gathered at commit) and the replicated optimizer
     lose a rank and go on; the result equals the replay."""
-    kill_one_of_three_and_refill(tmp_path, ["--shard-state", shard_state])
+    kill_one_and_refill(tmp_path, ["--shard-state", shard_state])
     check_against_replay(tmp_path)
 
 
@@ -297,17 +298,7 @@ def test_elastic_default_optimizer_shrinks_to_one_rank_and_grows_back_with_check
     leaves one rank, which goes on; a new rank joins and both go on at 2. A Checkpointer built
     before the run function, as scripts do, saves across both kinds, in the rank that joined too.
     The result equals the replay."""
-    job = ElasticRun(tmp_path, 2, ["--min-np", "1", "--max-np", "2"],
-                     ["--steps", "100000", "--step-sleep", "0.05", "--checkpoint-every", "2"], timeout=240)
-    try:
-        job.wait_for(lambda: job.steps_at(2) >= 4, "the first steps")
-        step = job.kill(1)
-        job.wait_for(lambda: job.steps_at(1, after=step) >= 4, "the survivor's steps alone")
-        job.wait_for(lambda: job.steps_at(2, after=step) >= 4, "the steps after a rank joined")
-        done = job.finish()
-    finally:
-        job.stop()
-    assert done.returncode == 0, done.stdout[-4000:]
+    kill_one_and_refill(tmp_path, ["--checkpoint-every", "2"], np=2, steps=4)
     check_against_replay(tmp_path)
     from torchmn.checkpoint import files
     steps = files.steps_on_disk(str(tmp_path / "ckpt"))
@@ -338,7 +329,7 @@ def test_elastic_reset_callback_learning_rate_holds(tmp_path):
     says to): the survivors of a kill train at 2 ranks' rate, and after a rank joins, every rank,
     the new one too, at 3 ranks' rate; the sync after a reset does not put the commit's rate back.
     The result equals the replay with each step's rate from its world size."""
-    kill_one_of_three_and_refill(tmp_path, ["--lr-per-rank", "0.02"])
+    kill_one_and_refill(tmp_path, ["--lr-per-rank", "0.02"])
     result = check_against_replay(tmp_path, lr_per_rank=0.02)
     assert 2 in result["sizes"] and result["sizes"][-1] == 3, result["sizes"]
 

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from jobs import REPO, WORKERS, clean_env
+from jobs import REPO, WORKERS, clean_env, run_two_node_launchers
 
 from torchmn.monitor import summary, timeline
 
@@ -311,26 +311,13 @@ def test_summary_without_steps_says_why():
 def test_per_node_launchers_join_the_timeline_once_every_node_ended(tmp_path):
     """One launcher per node (both here, sharing the folder as a shared file system would): node 0
     joins the timeline after node 1's rank, which ends later, has written its part."""
-    from ports import free_port
-
     path = tmp_path / "trace.json"
     code = ("import os, time, torchmn\n"
             "comm = torchmn.create_communicator(); comm.barrier()\n"
             "time.sleep(3 * comm.rank); comm.finalize()\n")
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "1", "--nnodes", "2", "--node-rank",
-                               str(node), "--master-addr", "127.0.0.1", "--master-port", port, "--timeline", str(path),
-                               sys.executable, "-c", code], cwd=REPO, env=clean_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for node in (0, 1)]
-    try:
-        results = [p.communicate(timeout=100) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], results
-    assert "timeline of 2 rank(s) written" in results[0][1], results[0][1]
+    results = run_two_node_launchers(["--timeline", str(path)], [sys.executable, "-c", code], timeout=100)
+    assert [code for code, _, _ in results] == [0, 0], results
+    assert "timeline of 2 rank(s) written" in results[0][2], results[0][2]
     assert {e["pid"] for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X"} == {0, 1}
 
 

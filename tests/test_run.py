@@ -11,7 +11,7 @@ import time
 
 import psutil
 import pytest
-from jobs import wait_until_handled
+from jobs import run_two_node_launchers, wait_until_handled
 from ports import free_port
 
 from torchmn import resources
@@ -236,22 +236,11 @@ def test_a_later_node_waiting_for_node_0_stops_on_a_signal(sig):
 def test_node_0_waits_for_the_other_nodes_ranks_and_says_so():
     """One launcher per node, both here: node 0's rank ends at once, node 1's 12 s later. Node 0
     keeps the store up for it, saying why it waits, and both end well."""
-    port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "1", "--nnodes", "2", "--node-rank",
-                               str(node), "--master-addr", "127.0.0.1", "--master-port", port, sys.executable, "-c",
-                               "import os, time; time.sleep(12 * int(os.environ['GROUP_RANK'])); print('ended')"],
-                              env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for node in (0, 1)]
-    try:
-        results = [p.communicate(timeout=120) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    assert [p.returncode for p in procs] == [0, 0], results
-    assert "node(s) 1 still run theirs, which use the rendezvous store hosted here: waiting" in results[0][1], results
-    assert "[1] ended" in results[1][0] and "Broken pipe" not in results[1][1], results
+    results = run_two_node_launchers([], [sys.executable, "-c", "import os, time; "
+                                          "time.sleep(12 * int(os.environ['GROUP_RANK'])); print('ended')"])
+    assert [code for code, _, _ in results] == [0, 0], results
+    assert "node(s) 1 still run theirs, which use the rendezvous store hosted here: waiting" in results[0][2], results
+    assert "[1] ended" in results[1][1] and "Broken pipe" not in results[1][2], results
 
 
 def test_log_dir_gets_unprefixed_output(tmp_path):

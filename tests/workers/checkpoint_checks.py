@@ -91,34 +91,26 @@ def check_torn_or_partial_steps_are_never_loaded(comm, root):
 
 def check_damaged_manifest_is_named(comm, root):
     """A manifest cut short after the step was complete (it is written whole, so only damage does
-    that): the step is skipped with a warning that says so, not silently."""
+    that), or valid JSON of another shape (overwritten by hand, another tool's file): the step is
+    skipped with a warning that says so, on rank 0 as on the others, not silently."""
     directory = os.path.join(root, "manifest")
     ckpt = Checkpointer(directory, comm, model=small_model())
     ckpt.save(1)
     ckpt.save(2)
-    comm.allgather_obj(None)
-    if comm.rank == 0:
-        with open(os.path.join(directory, "step_00000002", "COMPLETE"), "r+b") as f:
-            f.truncate(5)
-    comm.allgather_obj(None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert Checkpointer(directory, comm, model=small_model()).load_latest() == 1
-    said = [str(w.message) for w in caught if "damaged" in str(w.message)]
-    if comm.rank == 0:
-        assert len(said) == 1 and "step 2" in said[0] and "its manifest COMPLETE cannot be read" in said[0], said
-    # Valid JSON of another shape (overwritten by hand, another tool's file): damaged too, on rank 0
-    # as on the others, not an error of rank 0 alone.
-    if comm.rank == 0:
-        with open(os.path.join(directory, "step_00000002", "COMPLETE"), "w") as f:
-            f.write("[1, 2]")
-    comm.allgather_obj(None)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert Checkpointer(directory, comm, model=small_model()).load_latest() == 1
-    said = [str(w.message) for w in caught if "damaged" in str(w.message)]
-    if comm.rank == 0:
-        assert len(said) == 1 and "is not a torchmn checkpoint's" in said[0], said
+    manifest = os.path.join(directory, "step_00000002", "COMPLETE")
+    for damage, words in ((lambda f: f.truncate(5), "its manifest COMPLETE cannot be read"),
+                          (lambda f: (f.truncate(0), f.write(b"[1, 2]")), "is not a torchmn checkpoint's")):
+        comm.allgather_obj(None)
+        if comm.rank == 0:
+            with open(manifest, "r+b") as f:
+                damage(f)
+        comm.allgather_obj(None)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert Checkpointer(directory, comm, model=small_model()).load_latest() == 1
+        said = [str(w.message) for w in caught if "damaged" in str(w.message)]
+        if comm.rank == 0:
+            assert len(said) == 1 and "step 2" in said[0] and words in said[0], said
 
 
 def check_manifest_that_cannot_be_written_fails_every_rank(comm, root):
