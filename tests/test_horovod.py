@@ -43,14 +43,23 @@ def test_horovod_process_sets(check, request):
 
 
 INIT_WITH_RANKS = """
-import torch, torchmn.horovod as hvd
+import json, sys, torch, torchmn.horovod as hvd
 hvd.init(comm=[0, 2])
 world = int(__import__("os").environ["RANK"])
+# Every rank records a timeline: the members' parts are numbered as hvd.rank(), hvd rank 0 joins them.
+hvd.start_timeline(sys.argv[1])
 if world in (0, 2):
     assert (hvd.rank(), hvd.size()) == ({0: 0, 2: 1}[world], 2), (hvd.rank(), hvd.size())
-    assert hvd.allreduce(torch.tensor([float(world)]), op=hvd.Sum).item() == 2.0
+    assert hvd.allreduce(torch.tensor([float(world)]), op=hvd.Sum, name="subset").item() == 2.0
+    # A set's ranks are hvd.rank() numbers, registered or not.
+    assert hvd.ProcessSet([1]).included() == (hvd.rank() == 1)
 else:
     assert (hvd.rank(), hvd.size()) == (0, 1)
+    assert not hvd.ProcessSet([0]).included()
+written = hvd.stop_timeline()
+if world == 0:
+    events = json.load(open(written))["traceEvents"]
+    assert sorted({e["pid"] for e in events if e.get("args", {}).get("tensor") == "subset"}) == [0, 1], events
 print("PASS init_with_ranks", flush=True)
 hvd.shutdown()
 """
@@ -59,7 +68,8 @@ hvd.shutdown()
 def test_horovod_init_with_a_list_of_ranks(tmp_path):
     script = tmp_path / "init_ranks.py"
     script.write_text(INIT_WITH_RANKS)
-    proc = run_job(script, [], np=3, timeout=120, check=False, env={"TORCHMN_TIMEOUT": "60"})
+    proc = run_job(script, [str(tmp_path / "timeline.json")], np=3, timeout=120, check=False,
+                   env={"TORCHMN_TIMEOUT": "60"})
     assert proc.returncode == 0 and proc.stdout.count("PASS init_with_ranks") == 3, proc.stdout + proc.stderr
 
 

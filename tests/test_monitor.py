@@ -322,8 +322,8 @@ def test_per_node_launchers_join_the_timeline_once_every_node_ended(tmp_path):
 
 
 def test_monitor_names_a_rank_that_stalled_once():
-    """Rank 1 stops for 5 s once: the median hides it, the summary names it; while it is held up
-    the live table says it is busy and the others are waiting."""
+    """Rank 1 stops for 5 s once: the median hides it, the summary names it (the live table's
+    'now' column: test_monitor_table_says_which_rank_is_held_up)."""
     proc = _run([sys.executable, "-m", "torchmn", "run", "-np", "2", "--monitor", sys.executable, STRAGGLER, "30",
                  "--stall"])
     assert re.search(r"torchmn monitor: stall: rank 1 \(\S+\) was busy 5\.\d s in one step", proc.stderr), proc.stderr
@@ -338,3 +338,54 @@ def test_monitor_table_says_which_rank_is_held_up():
     text = display.as_text(snapshots, 3)
     rows = {int(line.split()[1]): line for line in text.splitlines() if re.match(r"^\W*\d\W", line)}
     assert "waiting 30 s" in rows[0] and "busy 30 s" in rows[1] and rows[2].split()[-2:] == ["-", "│"], text
+
+
+def test_timeline_merge_during_the_run_keeps_the_parts(tmp_path):
+    """A merge by hand while the ranks still write (a part not closed) joins what is there and
+    keeps every part, so that the next merge has them all."""
+    path = str(tmp_path / "t.json")
+    timeline.write_part(path, 0, 2, [("update", "update", 100.0, 100.5, "MainThread", None)])
+    running = timeline.part_path(path, 1)
+    with open(running, "w") as f:  # as a PartWriter leaves it between two appends
+        f.write(json.dumps({"rank": 1, "size": 2, "host": "h"}) + "\n")
+        f.write(json.dumps([["update", "update", 101.0, 101.5, "MainThread", None]]) + "\n")
+    proc = _run([sys.executable, "-m", "torchmn", "timeline", "merge", path])
+    assert "joined 2 rank(s)" in proc.stdout and "rank(s) 1 still write theirs" in proc.stdout, proc.stdout
+    assert len(timeline.parts_of(path)) == 2
+
+
+def test_timeline_part_goes_into_a_folder_made_for_it(tmp_path):
+    code = ("import sys; from torchmn.monitor import timeline\n"
+            "w = timeline.PartWriter(sys.argv[1], 0, 1); w.close()\n"
+            "print(timeline.ended(w.path), timeline.read_part(w.path)[:3])")
+    proc = _run([sys.executable, "-c", code, str(tmp_path / "new" / "folder" / "t.json")])
+    assert proc.stdout.split()[0] == "True", proc.stdout
+
+
+FORKING = """
+import os, sys, torch, torchmn
+comm = torchmn.create_communicator()
+model = torch.nn.Linear(4, 2)
+optimizer = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm)
+for step in range(20):
+    optimizer.zero_grad()
+    model(torch.randn(8, 4)).sum().backward()
+    optimizer.step()
+    if step == 10 and os.fork() == 0:
+        sys.exit(0)  # a helper process that ends normally: it runs the exit handlers it inherited
+os.wait()
+comm.finalize()
+"""
+
+
+def test_timeline_of_a_rank_that_forks_a_process_is_its_own(tmp_path):
+    """A process forked from a rank, ending normally, neither writes into the rank's part nor
+    joins or removes the parts: the timeline holds each rank's 20 updates once."""
+    path = tmp_path / "trace.json"
+    script = tmp_path / "forking.py"
+    script.write_text(FORKING)
+    proc = _run([sys.executable, "-m", "torchmn", "run", "-np", "2", "--timeline", str(path), sys.executable,
+                 str(script)])
+    assert "timeline of 2 rank(s) written" in proc.stderr, proc.stderr
+    updates = [e["pid"] for e in json.loads(path.read_text())["traceEvents"] if e["ph"] == "X" and e["name"] == "update"]
+    assert sorted(updates) == [0] * 20 + [1] * 20, updates

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
+import sys
 
 import torch
 import torch.distributed as dist
@@ -67,10 +69,14 @@ def init(comm=None, process_sets=None) -> None:
                 raise InvalidCallError(f"Horovod could not be initialized because process_sets entry number "
                                        f"{index} is a duplicate: {ps}")
             add_process_set(ps)
+    atexit.register(shutdown)
     path = os.environ.get("HOROVOD_TIMELINE")
     if path and path.upper() != "DYNAMIC":
-        timeline.start_timeline(path)
-    atexit.register(shutdown)
+        try:
+            timeline.start_timeline(path)
+        except OSError as e:  # seeing the job must never stop it
+            sys.stderr.write(f"torchmn.horovod: rank {job.comm.rank} on {socket.gethostname()}: HOROVOD_TIMELINE={path} "
+                             f"cannot be written ({e}); no timeline is recorded\n")
 
 
 def shutdown() -> None:

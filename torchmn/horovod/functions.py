@@ -9,6 +9,7 @@ from typing import Any, Optional
 import cloudpickle
 import torch
 
+from torchmn.communicators.pickling import dumps
 from torchmn.errors import TorchmnTypeError
 from torchmn.horovod import coordination
 from torchmn.horovod.errors import InvalidCallError
@@ -191,6 +192,11 @@ def _dumps(obj: Any, rank: int, what: str) -> tuple:
     """``obj`` pickled by cloudpickle, as Horovod's object collectives do (lambdas, functions and
     classes defined in the script travel too), or why not: sent either way, so that every rank
     raises the same error instead of the others waiting."""
+    try:
+        # torchmn's pickling first: a tensor view travels as what it shows, not its whole storage.
+        return True, dumps(obj)
+    except Exception:  # noqa: BLE001 - a lambda, a local class: cloudpickle's by-value pickling
+        pass
     try:
         return True, cloudpickle.dumps(obj)
     except Exception as e:  # pickle raises TypeError, PicklingError, AttributeError, ...

@@ -110,7 +110,8 @@ class ProcessSet:
         """Whether this process belongs to the set, registered or not (as Horovod's).
 
         Returns:
-            True where ``hvd.rank()`` is one of ``self.ranks``.
+            True where ``hvd.rank()`` is one of ``self.ranks`` (a rank ``hvd.init(comm=[...])``
+            left out belongs to none).
 
         Raises:
             InvalidCallError: before ``hvd.init()`` (a ``ValueError``).
@@ -120,8 +121,10 @@ class ProcessSet:
             >>> if pair.included():
             ...     hvd.allreduce(x, process_set=pair)
         """
-        require_comm()
-        return job.world.rank in self.ranks
+        comm = require_comm()
+        if self._registered_here():
+            return self.comm is not None
+        return comm is not job.solo and comm.rank in self.ranks
 
     def __eq__(self, other) -> bool:
         """Whether ``other`` is a process set of the same ranks (registered or not).

@@ -78,14 +78,17 @@ def start_timeline(file_path: str, mark_cycles: bool = False) -> None:
         >>> hvd.allreduce(x)
         >>> hvd.stop_timeline()     # rank 0 writes /tmp/timeline.json
     """
-    require_comm()
+    comm = require_comm()
     if _state["writer"] is not None:  # started again: Horovod restarts its timeline in the new file
         _state["writer"].close()
+        _state.update(path=None, since=None, writer=None)
+    if comm is job.solo and job.world.size > 1:
+        return  # a rank hvd.init(comm=[...]) left out: not in the job's timeline
     path = os.path.abspath(file_path)
     # Parts written from here on are this timeline's; older ones an earlier run left are not
     # (a second's slack for the file system's timestamps).
     since = time.time() - 1.0
-    _state.update(path=path, since=since, writer=timeline.PartWriter(path, job.world.rank, job.world.size))
+    _state.update(path=path, since=since, writer=timeline.PartWriter(path, comm.rank, comm.size))
 
 
 def stop_timeline() -> Optional[str]:
@@ -108,7 +111,7 @@ def stop_timeline() -> Optional[str]:
     if writer is None:
         return None
     writer.close()
-    if job.world is None or job.world.rank != 0:
+    if job.comm is None or job.comm.rank != 0:
         return None
     # A rank that recorded has had its part since its start_timeline: wait for those still open
     # (ranks that stop a little later); a rank without a part started none, or writes elsewhere.

@@ -65,10 +65,13 @@ def run_timeline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         if words[0] == "merge":
             if len(words) != 2:
                 parser.error("usage: torchmn timeline merge FILE")
+            running = [timeline.part_rank(f) for f in timeline.parts_of(words[1]) if not timeline.ended(f)]
             path, ranks, size = timeline.merge(words[1])
             missing = sorted(set(range(size or 0)) - set(ranks))
             print(f"joined {len(ranks)} rank(s) into {path}" +
-                  (f"; missing: rank(s) {', '.join(map(str, missing))}" if missing else ""))
+                  (f"; missing: rank(s) {', '.join(map(str, missing))}" if missing else "") +
+                  (f"; rank(s) {', '.join(map(str, running))} still write theirs (or were killed): their parts "
+                   f"are kept, merge again once they end" if running else ""))
             return 0
         if len(words) != 1:
             parser.error("give one FILE (or: merge FILE)")

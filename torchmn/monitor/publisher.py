@@ -101,6 +101,7 @@ class Publisher:
         self.process.cpu_percent(None)  # the first reading only starts the count
         self.stopped = threading.Event()
         self.lock = threading.Lock()
+        self.pid = os.getpid()  # a process forked from the rank runs its exit handlers too: not this one's
         self.thread = threading.Thread(target=self._loop, name="torchmn-monitor", daemon=True)
         self.thread.start()
         atexit.register(self.close)
@@ -167,7 +168,7 @@ class Publisher:
 
             >>> publisher.close()
         """
-        if self.stopped.is_set():
+        if self.stopped.is_set() or os.getpid() != self.pid:
             return
         self.stopped.set()
         self.publish(final=True)

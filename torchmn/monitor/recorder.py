@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import statistics
 import threading
 import time
@@ -43,6 +44,18 @@ _window: collections.deque = collections.deque(maxlen=WINDOW)  # (end, step_s, w
 # start_timeline/stop_timeline window record side by side without taking each other's events.
 _sinks: list = []   # lists of (name, category, t0, t1, thread name, args)
 _origin = (time.time(), time.perf_counter())
+
+
+def _forget_in_child() -> None:
+    """In a process forked from a rank: a lock the fork copied held (by the timeline's writer
+    thread, which the child does not have) would hang it, and the sinks belong to the rank."""
+    global _lock, timeline_on
+    _lock = threading.Lock()
+    _sinks.clear()
+    timeline_on = False
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def now() -> float:

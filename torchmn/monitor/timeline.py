@@ -203,9 +203,14 @@ class PartWriter:
 
     def __init__(self, path: str, rank: int, size: int):
         self.path = part_path(path, rank)
+        self.rank = rank
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
         self._file = open(self.path, "w")
         self._file.write(_header(rank, size))
         self._file.flush()
+        # A process forked from this rank (a helper that exits normally) runs the exit handlers
+        # too: only the process that opened the part closes it.
+        self._pid = os.getpid()
         self._sink = recorder.open_events()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -214,7 +219,13 @@ class PartWriter:
 
     def _run(self) -> None:
         while not self._stop.wait(FLUSH_S):
-            self._append(recorder.take_events(self._sink))
+            try:
+                self._append(recorder.take_events(self._sink))
+            except OSError as e:  # a full disk: say it once, record nothing more (nor keep it in memory)
+                recorder.close_events(self._sink)
+                sys.stderr.write(f"torchmn: rank {self.rank} on {socket.gethostname()} stopped writing its part "
+                                 f"of the timeline {self.path}: {e}\n")
+                return
 
     def _append(self, events: list) -> None:
         with self._lock:
@@ -222,8 +233,22 @@ class PartWriter:
                 self._file.write(json.dumps(events) + "\n")
                 self._file.flush()
 
+    def pid_of_opener(self) -> int:
+        """The process that opened the part: the only one that closes it.
+
+        Returns:
+            Its process id.
+
+        Example::
+
+            >>> writer.pid_of_opener() == os.getpid()
+            True
+        """
+        return self._pid
+
     def close(self) -> None:
-        """Stop recording into the part, append what is left and close it.
+        """Stop recording into the part, append what is left and close it (in the process that
+        opened it; elsewhere, nothing).
 
         Raises:
             OSError: the last events cannot be written.
@@ -232,6 +257,8 @@ class PartWriter:
 
             >>> writer.close()
         """
+        if os.getpid() != self._pid:
+            return
         self._stop.set()
         self._thread.join()
         try:
@@ -345,8 +372,8 @@ def ended(file: str) -> bool:
         return False
 
 
-def merge(path: str, remove: bool = True, since: Optional[float] = None,
-          keep_while_missing: bool = True) -> Tuple[str, List[int], Optional[int]]:
+def merge(path: str, remove: bool = True, since: Optional[float] = None, keep_while_missing: bool = True,
+          finished: bool = False) -> Tuple[str, List[int], Optional[int]]:
     """Join the parts of the timeline ``path`` found here into ``path``.
 
     Args:
@@ -356,6 +383,9 @@ def merge(path: str, remove: bool = True, since: Optional[float] = None,
         keep_while_missing: keep them while a rank's part is missing, to join again once it is
             here (False: the ranks without a part recorded none, as in a Horovod timeline that
             rank 0 alone started).
+        finished: every rank has stopped (the launcher, after the job): the parts are removed
+            even where a rank did not close its own (killed); otherwise such a part is being
+            written, and every part is kept.
 
     Returns:
         ``(path, ranks joined, ranks the job had)``; the last is None where no part says.
@@ -381,7 +411,10 @@ def merge(path: str, remove: bool = True, since: Optional[float] = None,
     write(path, parts)
     joined = [r for r, _, _ in parts]
     # Kept while a rank is missing: its part, copied here later, is joined with them all.
-    if remove and (not keep_while_missing or set(joined) >= set(range(size or 0))):
+    # Kept while a part is being written too (a merge by hand during the run): the next merge
+    # needs every part.
+    if remove and (not keep_while_missing or set(joined) >= set(range(size or 0))) and \
+            (finished or all(map(ended, files))):
         for file in files:
             os.unlink(file)
     return path, joined, size
@@ -402,6 +435,8 @@ def finish(writer: PartWriter, path: str, rank: int, size: int, join: bool) -> N
 
         >>> atexit.register(finish, writer, "/tmp/trace.json", comm.rank, comm.size, comm.rank == 0)
     """
+    if os.getpid() != writer.pid_of_opener():
+        return  # a process forked from the rank: the part and the join are the rank's
     try:
         writer.close()
     except OSError as e:

@@ -442,7 +442,7 @@ class Job:
         from torchmn.monitor import timeline
 
         try:
-            _, ranks, _ = timeline.merge(path, since=self.started_wall)
+            _, ranks, _ = timeline.merge(path, since=self.started_wall, finished=True)
         except TorchmnOSError:
             self.console.message(f"torchmn run: no rank wrote a part of the timeline {path} here (ranks on other "
                                  f"hosts write theirs there: copy them here and run torchmn timeline merge {path}; "
