@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -134,6 +135,27 @@ def wait_until_handled(pid: int, sig: int, timeout: float = 60) -> None:
     raise AssertionError(f"process {pid} had no handler for signal {sig} after {timeout} s")
 
 
+def communicate_all(procs: list, timeout: float) -> list:
+    """Each process's ``(exit code, stdout, stderr)`` once it ended, read all at once (one
+    thread each, so that one filling its pipe never holds up another); one still running after
+    ``timeout`` seconds is killed."""
+    results: list = [None] * len(procs)
+
+    def finish(i: int) -> None:
+        try:
+            out, err = procs[i].communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            procs[i].kill()
+            out, err = procs[i].communicate()
+        results[i] = (procs[i].returncode, out, err)
+    threads = [threading.Thread(target=finish, args=(i,)) for i in range(len(procs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return results
+
+
 def run_two_node_launchers(options: list, command: list, timeout: float = 120) -> list:
     """Two ``torchmn run -np 1 --nnodes 2`` launchers on this machine, node 0 and node 1 of one job
     (as on two nodes sharing a file system), with ``options`` and ``command``; each one's
@@ -141,18 +163,11 @@ def run_two_node_launchers(options: list, command: list, timeout: float = 120) -
     from ports import free_port
 
     port = str(free_port())
-    procs = [subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "1", "--nnodes", "2", "--node-rank",
-                               str(node), "--master-addr", "127.0.0.1", "--master-port", port, *options, *command],
-                              cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for node in (0, 1)]
-    try:
-        outputs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs)]
+    return communicate_all([subprocess.Popen(
+        [sys.executable, "-m", "torchmn", "run", "-np", "1", "--nnodes", "2", "--node-rank", str(node),
+         "--master-addr", "127.0.0.1", "--master-port", port, *options, *command],
+        cwd=REPO, env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)],
+        timeout)
 
 
 def launcher_argv(launcher: str, np: int) -> list[str]:

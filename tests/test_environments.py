@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from torchmn.environments import LaunchEnvironment, detect_environment
+from jobs import communicate_all
 from mpi4py_builds import mpi4py_dir
 from torchmn.environments import slurm_misuse_error, slurm_port, text_port
 from torchmn.environments.mpi import MPI_RENDEZVOUS
@@ -422,16 +423,10 @@ def _by_hand(code, envs, timeout=90):
     procs = [subprocess.Popen([sys.executable, "-c", code], cwd=str(REPO),
                               env={k: v for k, v in clean_environ(extra).items() if not k.endswith("_NUM_THREADS")},
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for extra in envs]
-    try:
-        outs = [p.communicate(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (out, err) in zip(procs, outs):
-        assert p.returncode == 0, out + err
-    return [out for out, _ in outs]
+    results = communicate_all(procs, timeout)
+    for code, out, err in results:
+        assert code == 0, out + err
+    return [out for _, out, _ in results]
 
 
 def _host_address():

@@ -8,11 +8,10 @@ import re
 import shlex
 import subprocess
 import sys
-import threading
 
 import pytest
 from cluster.netns import NetnsCluster
-from jobs import REPO, WORKERS, clean_env
+from jobs import REPO, WORKERS, clean_env, communicate_all
 
 from torchmn.run.store import auth
 
@@ -54,22 +53,8 @@ def _on_node(cluster, host, env, argv):
 
 def _run_nodes(cluster, envs, argvs):
     """Start one launcher per node at once; (returncode, stdout, stderr) of each."""
-    procs = [_on_node(cluster, host, env, argv) for host, env, argv in zip(("h1", "h2"), envs, argvs)]
-    results = [None, None]
-
-    def finish(i):
-        try:
-            out, err = procs[i].communicate(timeout=TIMEOUT)
-        except subprocess.TimeoutExpired:
-            procs[i].kill()
-            out, err = procs[i].communicate()
-        results[i] = (procs[i].returncode, out, err)
-    threads = [threading.Thread(target=finish, args=(i,)) for i in range(2)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    return results
+    return communicate_all([_on_node(cluster, host, env, argv) for host, env, argv in zip(("h1", "h2"), envs, argvs)],
+                           TIMEOUT)
 
 
 def _assert_one_job(results):
@@ -161,8 +146,8 @@ def test_two_launchers_claiming_one_node_rank_are_refused(cluster):
     first = ["--nnodes", "2", "--node-rank", "0", "--master-addr", h1, "--master-port", "23460",
              "--start-timeout", "30", "-np", "1", *rank]
     procs = [_on_node(cluster, "h2", {}, argv), _on_node(cluster, "h2", {}, argv), _on_node(cluster, "h1", {}, first)]
-    results = [p.communicate(timeout=TIMEOUT) + (p.returncode,) for p in procs]
-    claimed = [err for out, err, code in results[:2] if "node 1 is already taken by another launcher" in err]
+    results = communicate_all(procs, TIMEOUT)
+    claimed = [err for code, out, err in results[:2] if "node 1 is already taken by another launcher" in err]
     assert len(claimed) == 1, results
 
 

@@ -191,36 +191,35 @@ class Checkpointer:
             others = f" (and on rank(s) {', '.join(str(f[0]) for f in failed[1:])})" if len(failed) > 1 else ""
             raise CheckpointError(f"{what} failed on rank {r} ({host}){others}: {p} [raised on rank {self.comm.rank}]")
 
-    def _check_directory_here(self) -> None:
-        """This rank alone can create files in the directory (a rank that joined an elastic job)."""
+    def _write_probe(self) -> tuple[str, Optional[str]]:
+        """Make the directory and an empty probe file in it: ``(the probe's path, what went wrong
+        or None)``."""
         probe = os.path.join(self.directory, f".probe-{secrets.token_hex(6)}")
         try:
             os.makedirs(self.directory, exist_ok=True)
             with open(probe, "wb"):
                 pass
-            os.remove(probe)
         except OSError as e:
-            raise CheckpointError(f"Checkpointer: cannot create files in the checkpoint directory {self.directory} "
-                                  f"on rank {self.comm.rank} ({self.comm.host}), which joined the job: "
-                                  f"{e.strerror or e}; the directory must be on a file system every node mounts "
-                                  f"and this user can write") from e
+            if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+                return probe, (f"the checkpoint directory {self.directory} is a file, not a directory; choose "
+                               f"another path (nothing was written)")
+            return probe, (f"cannot create files in the checkpoint directory {self.directory}: "
+                           f"{e.strerror or e}; choose a directory this user can write")
+        return probe, None
+
+    def _check_directory_here(self) -> None:
+        """This rank alone can create files in the directory (a rank that joined an elastic job)."""
+        probe, problem = self._write_probe()
+        if problem is not None:
+            raise CheckpointError(f"Checkpointer, on rank {self.comm.rank} ({self.comm.host}), which joined the job: "
+                                  f"{problem}; the directory must be on a file system every node mounts")
+        os.remove(probe)
 
     def _check_directory(self) -> None:
         """Every rank can write the directory, and sees what rank 0 writes there."""
         probe, problem = None, None
         if self.comm.rank == 0:
-            probe = os.path.join(self.directory, f".probe-{secrets.token_hex(6)}")
-            try:
-                os.makedirs(self.directory, exist_ok=True)
-                with open(probe, "wb"):
-                    pass
-            except OSError as e:
-                if os.path.exists(self.directory) and not os.path.isdir(self.directory):
-                    problem = (f"the checkpoint directory {self.directory} is a file, not a directory; choose "
-                               f"another path (nothing was written)")
-                else:
-                    problem = (f"cannot create files in the checkpoint directory {self.directory}: "
-                               f"{e.strerror or e}; choose a directory this user can write")
+            probe, problem = self._write_probe()
         probe, problem = self.comm.bcast_obj((probe, problem), root=0)
         if problem is None and self.comm.rank != 0:
             if not os.path.exists(probe):

@@ -115,10 +115,7 @@ def stop_timeline() -> Optional[str]:
         return None
     # A rank that recorded has had its part since its start_timeline: wait for those still open
     # (ranks that stop a little later); a rank without a part started none, or writes elsewhere.
-    deadline = time.monotonic() + timeline.MERGE_WAIT_S
-    while not all(map(timeline.ended, timeline.parts_of(path, since))) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    open_ = [timeline.part_rank(f) for f in timeline.parts_of(path, since) if not timeline.ended(f)]
+    open_ = [timeline.part_rank(f) for f in timeline.wait_for_parts(path, since) if not timeline.ended(f)]
     timeline.merge(path, since=since, keep_while_missing=False)
     if open_:
         sys.stderr.write(f"torchmn.horovod: rank(s) {', '.join(map(str, open_))} had not stopped their timeline "

@@ -169,8 +169,7 @@ def close_events(sink: list) -> list:
     """
     global timeline_on
     with _lock:
-        if any(s is sink for s in _sinks):
-            _sinks[:] = [s for s in _sinks if s is not sink]
+        _sinks[:] = [s for s in _sinks if s is not sink]
         timeline_on = bool(_sinks)
     return take_events(sink)
 

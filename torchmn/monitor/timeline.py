@@ -233,19 +233,6 @@ class PartWriter:
                 self._file.write(json.dumps(events) + "\n")
                 self._file.flush()
 
-    def pid_of_opener(self) -> int:
-        """The process that opened the part: the only one that closes it.
-
-        Returns:
-            Its process id.
-
-        Example::
-
-            >>> writer.pid_of_opener() == os.getpid()
-            True
-        """
-        return self._pid
-
     def close(self) -> None:
         """Stop recording into the part, append what is left and close it (in the process that
         opened it; elsewhere, nothing).
@@ -420,6 +407,31 @@ def merge(path: str, remove: bool = True, since: Optional[float] = None, keep_wh
     return path, joined, size
 
 
+def wait_for_parts(path: str, since: float, size: int = 0) -> List[str]:
+    """Wait, up to :data:`MERGE_WAIT_S`, until every part of the timeline ``path`` written since
+    ``since`` is closed by its rank (ranks that stop a little later), and there are ``size`` of them.
+
+    Args:
+        path: the timeline's file.
+        since: only parts written at or after this time (see :func:`parts_of`).
+        size: how many parts to wait for (0: those there are).
+
+    Returns:
+        The parts found at the end of the wait (see :func:`ended` for which are closed).
+
+    Example::
+
+        >>> [p for p in wait_for_parts("/tmp/trace.json", started, 2) if not ended(p)]
+        []
+    """
+    deadline = time.monotonic() + MERGE_WAIT_S
+    while True:
+        parts = parts_of(path, since)
+        if (len(parts) >= size and all(map(ended, parts))) or time.monotonic() >= deadline:
+            return parts
+        time.sleep(0.1)
+
+
 def finish(writer: PartWriter, path: str, rank: int, size: int, join: bool) -> None:
     """What each rank does at its end while a timeline is recorded: close its part and, if ``join``
     (rank 0 under launchers other than torchmn run), wait up to :data:`MERGE_WAIT_S` for the
@@ -435,7 +447,7 @@ def finish(writer: PartWriter, path: str, rank: int, size: int, join: bool) -> N
 
         >>> atexit.register(finish, writer, "/tmp/trace.json", comm.rank, comm.size, comm.rank == 0)
     """
-    if os.getpid() != writer.pid_of_opener():
+    if os.getpid() != writer._pid:
         return  # a process forked from the rank: the part and the join are the rank's
     try:
         writer.close()
@@ -448,10 +460,7 @@ def finish(writer: PartWriter, path: str, rank: int, size: int, join: bool) -> N
     # This job's parts are written after its ranks met, so after this process started; older ones
     # are an earlier run's, left unjoined, and are not this job's.
     since = _process_start_time()
-    deadline = time.monotonic() + MERGE_WAIT_S
-    while sum(map(ended, parts_of(path, since))) < size and time.monotonic() < deadline:
-        time.sleep(0.1)
-    found = sum(map(ended, parts_of(path, since)))
+    found = sum(map(ended, wait_for_parts(path, since, size)))
     if found < size:
         sys.stderr.write(f"torchmn: rank 0 found {found} of {size} finished parts of the timeline {path} "
                          f"within {MERGE_WAIT_S:.0f} s (the others run on other machines, or have not ended): "

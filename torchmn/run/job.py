@@ -24,8 +24,8 @@ from torchmn.run.processes.output import Console, describe_exit, exit_code_of, f
 from torchmn.run.processes.supervisor import Rank, Supervisor
 from torchmn.run.remote import hostfile
 from torchmn.run.remote.protocol import EXPORTS_ON_STDIN, exports_line
-from torchmn.run.remote.ssh import (RemoteError, check_hosts_or_stop, forwarded_env, parse_exports, rank_command,
-                                    send_line, split_exports)
+from torchmn.run.remote.ssh import (RemoteError, check_hosts_or_stop, command_line_env, parse_exports,
+                                    rank_command, split_exports)
 from torchmn.run.restarts import TORCHMN_RESTART_COUNT
 from torchmn.run.nodes import NodeLaunchers, per_node_step
 from torchmn.run.slurm_step import slurm_step
@@ -198,8 +198,7 @@ class Job:
             self.console.message(f"torchmn run: checking hosts {', '.join(self.remote_hosts)} over ssh")
         # The host check starts Python and imports torchmn there: the -x values it needs for that,
         # never the others (its command line is visible in `ps` on both hosts).
-        on_line, on_stdin = split_exports(self.exports)
-        env = {k: v for k, v in forwarded_env(self.base_env, on_line).items() if k not in on_stdin}
+        env = command_line_env(self.base_env, self.exports)
         try:
             checks = check_hosts_or_stop(self.remote_hosts, config.ssh, sys.executable, os.getcwd(), env,
                                          config.start_timeout, self.procs.death_signal, self._raise_on_signal)
@@ -343,7 +342,7 @@ class Job:
         if remote:
             auth.send_token(rank.process.stdin, self.token)
             if env.get(EXPORTS_ON_STDIN):
-                send_line(rank.process.stdin, exports_line(split_exports(self.exports)[1]))
+                auth.send_line(rank.process.stdin, exports_line(split_exports(self.exports)[1]))
         return rank
 
     def start(self) -> None:

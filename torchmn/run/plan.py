@@ -14,7 +14,7 @@ from torchmn.environments.detect import launcher_class
 from torchmn.run.config import RunError
 from torchmn.run.processes import binding
 from torchmn.run.remote.protocol import EXPORTS_ON_STDIN
-from torchmn.run.remote.ssh import forwarded_env, split_exports
+from torchmn.run.remote.ssh import command_line_env, split_exports
 
 # Set in every local rank's environment, and so in every process it starts: which job they belong to.
 JOB_ID = "TORCHMN_JOB_ID"
@@ -190,8 +190,8 @@ def remote_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, st
         bind: how ranks are bound to CPUs there (``--bind``): the watcher binds the rank.
 
     Returns:
-        The variables, for ``torchmn.run.remote.ssh.rank_command``: those ``forwarded_env``
-        forwards, the rank's place (``rank_env``), ``TORCHMN_BIND`` and ``PYTHONUNBUFFERED=1``.
+        The variables, for ``torchmn.run.remote.ssh.rank_command``: those ``command_line_env``
+        gives, the rank's place (``rank_env``), ``TORCHMN_BIND`` and ``PYTHONUNBUFFERED=1``.
 
     Example::
 
@@ -200,11 +200,8 @@ def remote_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, st
         >>> env["RANK"], env["GROUP_RANK"], env["MASTER_ADDR"], "HOME" in env, "WANDB_API_KEY" in env
         ('2', '1', '10.0.0.1', False, False)
     """
-    on_line, on_stdin = split_exports(exports)
-    env = forwarded_env(base_env, on_line)
-    for name in on_stdin:  # given with -x: its value (the launcher's too) only through stdin
-        env.pop(name, None)
-    if on_stdin:
+    env = command_line_env(base_env, exports)
+    if split_exports(exports)[1]:
         env[EXPORTS_ON_STDIN] = "1"
     env.update(rank_env(slot, master_addr, master_port))
     env[binding.VARIABLE] = bind

@@ -15,8 +15,9 @@ Example::
 
 import base64
 import json
-import os
 from typing import Dict, Mapping, Optional
+
+from torchmn.run.store.auth import read_line
 
 # The watcher's module, run with ``python -m`` on the remote host (it does not import torch).
 WATCHER_MODULE = "torchmn.run.remote.watcher"
@@ -59,8 +60,8 @@ def exports_line(values: Mapping[str, str]) -> bytes:
 
 
 def read_exports_line(fd: int) -> Optional[Dict[str, str]]:
-    """Read :func:`exports_line` from ``fd`` (the watcher's stdin), byte by byte up to the
-    newline, so that what the launcher writes after it stays for the stdin reader.
+    """Read :func:`exports_line` from ``fd`` (the watcher's stdin), leaving what follows for the
+    stdin reader (``torchmn.run.store.auth.read_line``).
 
     Args:
         fd: the file descriptor.
@@ -73,16 +74,11 @@ def read_exports_line(fd: int) -> Optional[Dict[str, str]]:
         >>> r, w = os.pipe(); _ = os.write(w, exports_line({"A": "1"})); read_exports_line(r)
         {'A': '1'}
     """
-    line = bytearray()
-    while not line.endswith(b"\n"):
-        byte = os.read(fd, 1)
-        if not byte or len(line) > _EXPORTS_LIMIT:
-            return None
-        line += byte
-    if not line.startswith(b"exports "):
+    line = read_line(fd, _EXPORTS_LIMIT)
+    if line is None or not line.startswith(b"exports "):
         return None
     try:
-        values = json.loads(base64.b64decode(bytes(line[len(b"exports "):-1])))
+        values = json.loads(base64.b64decode(line[len(b"exports "):-1]))
     except ValueError:
         return None
     return {str(k): str(v) for k, v in values.items()} if isinstance(values, dict) else None

@@ -145,26 +145,6 @@ def parse_exports(items: Sequence[str], env: Mapping[str, str]) -> Dict[str, str
     return exports
 
 
-def send_line(stream, line: bytes) -> None:
-    """Write ``line`` to a remote rank's watcher: its ssh client's stdin.
-
-    Args:
-        stream: the ssh client's stdin (``Popen.stdin``), or None.
-        line: the line, newline included.
-
-    Example::
-
-        >>> send_line(rank.process.stdin, exports_line({"WANDB_API_KEY": key}))  # doctest: +SKIP
-    """
-    if stream is None:
-        return
-    try:
-        stream.write(line)
-        stream.flush()
-    except (OSError, ValueError):
-        pass  # the ssh client is gone: its exit says why
-
-
 def split_exports(exports: Mapping[str, str]) -> Tuple[Dict[str, str], Dict[str, str]]:
     """The ``-x`` variables a remote rank's ssh command line carries (``STARTUP_NAMES``), and
     those its watcher reads from its stdin (the rest: never on a command line).
@@ -208,6 +188,27 @@ def forwarded_env(env: Mapping[str, str], exports: Mapping[str, str]) -> Dict[st
     for name in NOT_FORWARDED:
         out.pop(name, None)
     return out
+
+
+def command_line_env(env: Mapping[str, str], exports: Mapping[str, str]) -> Dict[str, str]:
+    """What an ssh command line that starts Python on a remote host carries: ``forwarded_env``'s
+    variables with the ``-x`` ones Python needs to start (``STARTUP_NAMES``), none of the ``-x``
+    variables that go through the watcher's stdin (not even the launcher's own value of one).
+
+    Args:
+        env: the launcher's environment.
+        exports: the parsed ``-x`` options (see ``parse_exports``).
+
+    Returns:
+        The variables to put on the command line.
+
+    Example::
+
+        >>> command_line_env({"PATH": "/bin", "TORCHMN_X": "1"}, {"PYTHONPATH": "/src", "TORCHMN_X": "2"})
+        {'PATH': '/bin', 'PYTHONPATH': '/src'}
+    """
+    on_line, on_stdin = split_exports(exports)
+    return {k: v for k, v in forwarded_env(env, on_line).items() if k not in on_stdin}
 
 
 def exec_line(env: Mapping[str, str], argv: Sequence[str]) -> str:

@@ -244,6 +244,27 @@ def token_line(token: str) -> bytes:
     return b"token " + token.encode() + b"\n"
 
 
+def send_line(stream, line: bytes) -> None:
+    """Write ``line`` to a remote rank's watcher: its ssh client's stdin (the token's line, then
+    the ``-x`` variables', see ``torchmn.run.remote.protocol``).
+
+    Args:
+        stream: the ssh client's stdin (``Popen.stdin``), or None.
+        line: the line, newline included.
+
+    Example::
+
+        >>> send_line(rank.process.stdin, token_line(token))  # doctest: +SKIP
+    """
+    if stream is None:
+        return
+    try:
+        stream.write(line)
+        stream.flush()
+    except (OSError, ValueError):
+        pass  # the ssh client is gone: its exit says why
+
+
 def send_token(stream, token: str) -> None:
     """Write ``token_line`` to a remote rank's watcher: its ssh client's stdin.
 
@@ -255,18 +276,37 @@ def send_token(stream, token: str) -> None:
 
         >>> send_token(rank.process.stdin, token)  # doctest: +SKIP
     """
-    if stream is None:
-        return
-    try:
-        stream.write(token_line(token))
-        stream.flush()
-    except (OSError, ValueError):
-        pass  # the ssh client is gone: its exit says why
+    send_line(stream, token_line(token))
+
+
+def read_line(fd: int, limit: int) -> Optional[bytes]:
+    """Read one line from ``fd`` (the watcher's stdin), byte by byte up to the newline, so that
+    nothing the launcher writes after it is taken away from the stdin reader.
+
+    Args:
+        fd: the file descriptor.
+        limit: the longest line taken, in bytes.
+
+    Returns:
+        The line, newline included; None when the stream ended first or the line is longer.
+
+    Example::
+
+        >>> r, w = os.pipe(); _ = os.write(w, b"token ab12\\n"); read_line(r, 4096)
+        b'token ab12\\n'
+    """
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = os.read(fd, 1)
+        if not byte or len(line) >= limit:
+            return None
+        line += byte
+    return bytes(line)
 
 
 def read_token_line(fd: int) -> Optional[str]:
-    """Read ``token_line`` from ``fd`` (the watcher's stdin), byte by byte up to the newline, so
-    that nothing the launcher writes after it is taken away from the stdin reader.
+    """Read ``token_line`` from ``fd`` (the watcher's stdin), leaving what follows for the stdin
+    reader (:func:`read_line`).
 
     Args:
         fd: the file descriptor.
@@ -279,15 +319,8 @@ def read_token_line(fd: int) -> Optional[str]:
         >>> r, w = os.pipe(); _ = os.write(w, token_line("ab12")); read_token_line(r)
         'ab12'
     """
-    line = b""
-    while not line.endswith(b"\n"):
-        byte = os.read(fd, 1)
-        if not byte:
-            return None
-        line += byte
-        if len(line) > 4096:
-            return None
-    if not line.startswith(b"token "):
+    line = read_line(fd, 4096)
+    if line is None or not line.startswith(b"token "):
         return None
     return line[len(b"token "):-1].decode(errors="replace") or None
 
