@@ -298,16 +298,19 @@ def test_stale_file_rendezvous_is_refused(tmp_path):
     run_job(script, ["clean"], np=2, timeout=60)
 
 
-@pytest.mark.parametrize("name,where", [("flat", "collective"), ("naive", "optimizer"),
+@pytest.mark.parametrize("name,where", [("flat", "collective"), ("naive", "optimizer"), ("naive", "split"),
                                         ("hierarchical", "collective"), ("hierarchical", "optimizer")])
 def test_a_rank_that_stops_calling_collectives_is_named(name, where, tmp_path):
     """Within the timeout, the waiting ranks raise an error naming the rank that never came
-    (through torch.distributed: from the rendezvous store; inside a node: from shared memory)."""
+    (through torch.distributed: from the rendezvous store; inside a node: from shared memory), in
+    a communicator split off the world too (its groups wait as long as the world's)."""
     out = run_job(WORKERS / "hang_jobs.py", [name, where], np=3, timeout=60,
                   env={"HANG_DONE_DIR": str(tmp_path)}).stdout
     named = [line for line in out.splitlines() if "NAMED" in line]
     assert len(named) == 2, out  # ranks 0 and 2
     for line in named:
+        waited = float(re.search(r"NAMED after ([0-9.]+) s", line).group(1))
+        assert waited < 15, line  # the 5 s timeout and a grace period, well before the sleeper's 20 s
         if name == "hierarchical":
             assert "rank 1 (node 0" in line and "did not arrive within 5 s" in line, line
         else:

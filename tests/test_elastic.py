@@ -1,6 +1,7 @@
 """Elastic jobs (`torchmn run --min-np/--max-np`): real ranks killed with SIGKILL while they train,
 survivors going on in the same processes, new ranks joining through a discovery script, and the
 result checked against a replay of the same membership schedule without failures."""
+import datetime
 import json
 import os
 import random
@@ -9,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -487,6 +489,27 @@ def test_elastic_member_lost_while_the_new_world_is_set_up_leads_to_another_rese
     check_against_replay(tmp_path)
 
 
+@pytest.mark.timeout(300)
+def test_elastic_member_lost_after_giving_its_address_leads_to_another_reset(tmp_path):
+    """After a first kill, worker 0 dies inside the survivors' set-up once its address is in the
+    store: worker 2's gloo retries that address inside C++, where the launcher's next generation
+    cannot reach it. The set-up's bound (5 s here) ends that wait, worker 2 moves to the newer
+    world with the worker started in the freed slot, and the result equals the replay."""
+    job = ElasticRun(tmp_path, 3, ["--min-np", "2", "--max-np", "3"],
+                     ["--steps", "100000", "--step-sleep", "0.05", "--die-after-address-after-reset", "0"],
+                     timeout=240)
+    try:
+        job.wait_for(lambda: job.steps_at(3) >= 5, "the first steps")
+        step = job.kill(1)
+        job.wait_for(lambda: job.steps_at(3, after=step) >= 3, "three ranks again")
+        done = job.finish()
+    finally:
+        job.stop()
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "worker 0 (host" in done.stdout and "killed by signal SIGKILL" in done.stdout, done.stdout[-4000:]
+    check_against_replay(tmp_path)
+
+
 def test_elastic_nnodes_range_says_what_to_run_instead():
     proc = subprocess.run([PY, "-m", "torchmn", "run", "--nnodes", "1:4", "-np", "2", PY, "-c", "pass"],
                           capture_output=True, text=True, env=clean_env(), timeout=60)
@@ -679,3 +702,23 @@ def test_a_generation_passed_over_stays_passed_for_a_late_member():
     assert membership._all_arrived(store, 6, [1, 2], deadline)      # all arrived at 6: formed
     store.set(protocol.GENERATION_KEY, "7")
     assert membership._all_arrived(store, 6, [1, 2], deadline)      # a member looking after 7 came: still formed
+
+
+def test_a_set_up_goes_on_through_a_generation_that_only_adds_workers():
+    """A member setting up generation 4 keeps waiting for the others' keys when the launcher
+    announces 5 for a newcomer (every member of 4 is alive and setting it up), and gives up at once
+    when 4 or a later one is marked broken (a member lost)."""
+    from torchmn.elastic import setup_store
+
+    store = torch.distributed.HashStore()
+    store.set(protocol.GENERATION_KEY, "5")
+    setup = setup_store.watched(store, 4)
+    assert setup.moved_on() is None
+    threading.Timer(0.3, lambda: store.set("peer-address", "x")).start()
+    setup.wait(["peer-address"], datetime.timedelta(seconds=10))  # not given up for 5
+    store.set(protocol.GENERATION_KEY, "6")
+    store.set(protocol.broken_key(5), "")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="lost a member of generation 5 and announced generation 6"):
+        setup.wait(["never-written"], datetime.timedelta(seconds=10))
+    assert time.monotonic() - started < 2

@@ -11,7 +11,9 @@ kills itself inside that step's commit, as it is about to send its part of a sha
 state on, having received its neighbour's), --die-in-commit-after-reset WORKER (that worker does so
 in the first commit after its first reset), --die-in-setup-after-reset WORKER (that worker kills
 itself while the members set up the world of its first reset, after it arrived there, so that the
-others wait for it inside torch.distributed's set-up), --lr-per-rank LR (the learning rate is LR x
+others wait for it inside torch.distributed's set-up), --die-after-address-after-reset WORKER (that
+worker kills itself in that set-up once its address is in the store, so that the others' gloo
+retries a dead address inside C++; every worker then bounds a set-up at 5 s), --lr-per-rank LR (the learning rate is LR x
 the world size, set again by a reset callback, instead of 0.05), --checkpoint-every K (a Checkpointer,
 built before the run function as scripts do, saves every K steps into OUT_DIR/ckpt, across resets
 that change the optimizer's kind); the run also ends at the next commit once
@@ -28,6 +30,7 @@ import torch
 
 import torchmn
 import torchmn.elastic
+from torchmn.elastic import setup_store
 from elastic_train_model import loss_of, make_model
 
 faulthandler.register(signal.SIGUSR1, all_threads=True)
@@ -41,6 +44,7 @@ parser.add_argument("--commit-every", type=int, default=1)
 parser.add_argument("--die-in-commit", type=int, default=None)
 parser.add_argument("--die-in-commit-after-reset", default=None)
 parser.add_argument("--die-in-setup-after-reset", default=None)
+parser.add_argument("--die-after-address-after-reset", default=None)
 parser.add_argument("--lr-per-rank", type=float, default=None)
 parser.add_argument("--checkpoint-every", type=int, default=None)
 args = parser.parse_args()
@@ -59,11 +63,40 @@ def die_in_setup_after_reset():
     torch.distributed.init_process_group = set_up_then_die
 
 
+def die_after_address_after_reset():
+    """Make this process, in the set-up of any world after the first kill, kill itself at its first
+    wait for a key once it has written one (its address: gloo writes it before reading the others')."""
+    watched = setup_store.watched
+
+    def watched_then_die(store, generation):
+        setup = watched(store, generation)
+        if generation == 0:
+            return setup
+
+        class Dying(type(setup)):
+            written = False
+
+            def set(self, key, value):
+                super().set(key, value)
+                Dying.written = True
+
+            def wait(self, keys, timeout=None):
+                if Dying.written:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return super().wait(keys, timeout)
+        return Dying(store, generation)
+    setup_store.watched = watched_then_die
+
+
 if __name__ == "__main__":
     os.makedirs(os.path.join(args.out, "pids"), exist_ok=True)
     worker = os.environ.get("TORCHMN_ELASTIC_WORKER", "0")
     if worker == args.die_in_setup_after_reset:
         die_in_setup_after_reset()
+    if args.die_after_address_after_reset is not None:
+        setup_store.SETUP_TIMEOUT_S = 5.0
+        if worker == args.die_after_address_after_reset:
+            die_after_address_after_reset()
     with open(os.path.join(args.out, "pids", worker), "w") as f:
         f.write(str(os.getpid()))
     comm = torchmn.create_communicator()

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from torchmn import monitor, resources
-from torchmn.communicators import failure
+from torchmn.communicators import failure, world
 from torchmn.communicators.world import adopt_world, default_backend, init_world
 from torchmn.communicators.communicator import Communicator
 from torchmn.communicators.communicator_base import CommunicatorBase
@@ -141,7 +141,7 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
         backend = "nccl" if "cuda:nccl" in backend else "gloo"
     if backend == "nccl" and group is not None and not cpu_too:
         # Objects, control traffic and CPU tensors travel on the CPU through gloo.
-        obj_group = dist.new_group(backend="gloo")
+        obj_group = world.new_group(backend="gloo")
     # A node is what the launcher calls one; else (MPI, or a world the script set up itself) a host.
     trust_launcher = env is not None and env.node_rank is not None and env.size == size
     node_key = env.node_rank if trust_launcher else socket.gethostname()

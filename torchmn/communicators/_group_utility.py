@@ -5,6 +5,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from torchmn.communicators import world
+
 
 def torch_group_count() -> Optional[int]:
     """How many process groups this process belongs to (None if torch does not say).
@@ -28,4 +30,4 @@ def match_group_counts(counts: list[Optional[int]]) -> None:
         return
     target = max(counts)
     while torch_group_count() < target:
-        dist.new_group([dist.get_rank()], use_local_synchronization=True)
+        world.new_group([dist.get_rank()], use_local_synchronization=True)

@@ -38,6 +38,7 @@ from torchmn.communicators.errors import CollectiveMismatchError, RemoteRankErro
 from torchmn.communicators.ops import OPS, divide_before_sum, reduce_in_order
 from torchmn.communicators.pickling import pickle_for_call, unpickle_from
 from torchmn.communicators.shm.pages import empty_like_fast
+from torchmn.communicators.world import new_group
 from torchmn.errors import TorchmnTypeError, TorchmnValueError
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -874,16 +875,16 @@ class Communicator(CommunicatorBase):
             if whole_world:
                 # Every rank of the world takes part in creating every group, in the same order,
                 # as torch wants by default (it names them by a count every rank keeps alike).
-                group = dist.new_group(world) if self.size > 1 else None
+                group = new_group(world) if self.size > 1 else None
             else:
                 # Only this communicator's ranks are here: each color's members make their group
                 # alone (torch then names it by its ranks, so splits of other sub-communicators
                 # running at the same time cannot take its name, and the world's count is left alone).
                 match_group_counts([e[3] for e in entries if e[0] == c])
-                group = dist.new_group(world, use_local_synchronization=True)
+                group = new_group(world, use_local_synchronization=True)
             obj_group = group
             if self.backend == "nccl":
-                obj_group = dist.new_group(world, backend="gloo", use_local_synchronization=not whole_world)
+                obj_group = new_group(world, backend="gloo", use_local_synchronization=not whole_world)
             extra = cls.split_groups(self, members, local=not whole_world)
             if c == color:
                 by_world = sorted(world)

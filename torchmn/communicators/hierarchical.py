@@ -25,7 +25,7 @@ from torchmn.communicators.cross_node import CrossNodeAllreduce
 from torchmn.communicators.flat import FlatCommunicator
 from torchmn.communicators.pickling import pickle_for_call, unpickle_from
 from torchmn.communicators.errors import CollectiveMismatchError
-from torchmn.communicators.world import collective_timeout_s
+from torchmn.communicators.world import collective_timeout_s, new_group
 
 
 _UNSET = object()
@@ -44,7 +44,7 @@ def _new_inter_group(world_leaders: list[int], local: bool = False):
     this, or with ``local=True`` every rank of the communicator being split off."""
     if len(world_leaders) < 2:
         return None
-    return dist.new_group(world_leaders, backend="gloo", use_local_synchronization=local)
+    return new_group(world_leaders, backend="gloo", use_local_synchronization=local)
 
 
 def _new_rail_groups(nodes: list[list[int]], local: bool = False):
@@ -53,7 +53,7 @@ def _new_rail_groups(nodes: list[list[int]], local: bool = False):
     :func:`_new_inter_group` (with ``local=True`` a rank gets None for the rails it is not on)."""
     if len(nodes) < 2 or len({len(n) for n in nodes}) != 1:
         return None
-    return [dist.new_group([n[i] for n in nodes], backend="gloo", use_local_synchronization=local)
+    return [new_group([n[i] for n in nodes], backend="gloo", use_local_synchronization=local)
             for i in range(len(nodes[0]))]
 
 

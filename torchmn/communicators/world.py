@@ -182,7 +182,10 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
         with _own_store_for(init_method):
             own_keys = isinstance(store, dist.PrefixStore) or init_method.startswith("tcp://")
             where = {"store": store} if store is not None and own_keys else {"init_method": init_method}
-            dist.init_process_group(backend, rank=env.rank, world_size=env.size, timeout=_timeout, **where)
+            set_up = _set_up_timeout(_timeout)
+            dist.init_process_group(backend, rank=env.rank, world_size=env.size, timeout=set_up, **where)
+            if set_up != _timeout:
+                dist.distributed_c10d._set_pg_timeout(_timeout, dist.group.WORLD)
             if arrivals is not None:
                 # gloo's set-up above meets every rank; NCCL's meets none (it connects at its first
                 # collective), so a rank that never came would surface in a later group's timeout,
@@ -202,6 +205,41 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
                "Check that every rank was started, that the rendezvous host is reachable from this one, and that "
                "the port is free and not firewalled (MASTER_ADDR / MASTER_PORT override it).")) from e
     atexit.register(shutdown_world)
+
+
+def new_group(ranks: Optional[list] = None, **options) -> "dist.ProcessGroup":
+    """``torch.distributed.new_group`` for a communicator's group: its collectives wait as long as
+    the world's (torch would give a new group its own default, 30 minutes on gloo, whatever
+    ``create_communicator(timeout=...)`` said).
+
+    Args:
+        ranks: the group's world ranks; None for all of them.
+        **options: ``backend``, ``use_local_synchronization``, as ``torch.distributed.new_group`` takes them.
+
+    Returns:
+        The group (``GroupMember.NON_GROUP_MEMBER`` on a rank outside it, as torch returns).
+
+    Example::
+
+        >>> leaders = new_group([0, 4], backend="gloo", use_local_synchronization=True)
+    """
+    timeout = datetime.timedelta(seconds=collective_timeout_s())
+    set_up = _set_up_timeout(timeout)
+    group = dist.new_group(ranks, timeout=set_up, **options)
+    if set_up != timeout and group not in (None, dist.GroupMember.NON_GROUP_MEMBER):
+        dist.distributed_c10d._set_pg_timeout(timeout, group)
+    return group
+
+
+def _set_up_timeout(timeout: datetime.timedelta) -> datetime.timedelta:
+    """How long setting up a group may take: ``timeout``, but at most ``setup_store.SETUP_TIMEOUT_S``
+    in an elastic generation. There gloo connects to each member at the address it left in the
+    store, retrying inside C++ for the group's whole timeout: a member that left the set-up (for a
+    newer generation, or dead) would hold the others there, deaf to the launcher's next generation.
+    The group gets ``timeout`` once it is set up."""
+    if _setup_store is None or not hasattr(dist.distributed_c10d, "_set_pg_timeout"):
+        return timeout
+    return min(timeout, datetime.timedelta(seconds=setup_store.SETUP_TIMEOUT_S))
 
 
 def _watched_by_the_launcher(store: "dist.TCPStore") -> "dist.Store":

@@ -10,7 +10,8 @@ the job's whole life, ``WORKER_VARIABLE``) that has lost its world, or a new wor
 ``arrived_key(g, worker)`` and waits for all of them (or for a newer generation, when one of
 them died meanwhile; ``formed_key(g)`` settles which came first, alike for every member) before it
 sets up the generation's process groups under
-``store_prefix(g)``. Ranks decide together at each commit whether a newer generation waits
+``store_prefix(g)``; that set-up gives up when the launcher marks the generation ``broken_key(g)``
+(a member lost). Ranks decide together at each commit whether a newer generation waits
 (``State.check_host_updates``), so all of them leave the old world at the same step.
 """
 from __future__ import annotations
@@ -113,6 +114,25 @@ def formed_key(generation: int) -> str:
         'torchmn/elastic/formed/3'
     """
     return f"torchmn/elastic/formed/{generation}"
+
+
+def broken_key(generation: int) -> str:
+    """The key the launcher sets when ``generation`` lost a member (one died, or left its world):
+    that world cannot be set up or go on. A newer generation announced only because workers came
+    leaves the members free to finish setting up theirs (they move at their next commit).
+
+    Args:
+        generation: the generation's number.
+
+    Returns:
+        The key.
+
+    Example::
+
+        >>> broken_key(3)
+        'torchmn/elastic/broken/3'
+    """
+    return f"torchmn/elastic/broken/{generation}"
 
 
 def holds_key(worker: int) -> str:

@@ -5,8 +5,8 @@ Every member of a generation has arrived before any sets up its world (:mod:`.me
 one can still die inside the set-up. The others then wait, inside ``init_process_group`` or
 ``new_group``, for keys it never writes, for the whole collective timeout (600 s by default),
 although the launcher has meanwhile announced a newer generation without it. Through this store
-such a wait ends as soon as a newer generation or the job's end is announced; the error then
-reaches the reset, which moves the rank to the newer generation.
+such a wait ends as soon as the launcher marks the generation broken (a member lost) or ends the
+job; the error then reaches the reset, which moves the rank to the newer generation.
 """
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ from torchmn.elastic import protocol
 from torchmn.errors import TorchmnRuntimeError
 
 POLL_S = 0.02  # how often a wait looks at its keys and at the launcher's generation
+# The longest a generation's group may take to set up. gloo's connections to the members, made
+# inside C++ once their addresses are in the store, do not see the launcher move on: a member that
+# left meanwhile is retried for this long (a healthy set-up takes well under a second).
+SETUP_TIMEOUT_S = 60.0
 
 
 def watched(store: dist.Store, generation: int) -> dist.Store:
@@ -57,12 +61,18 @@ class _SetupStore(dist.Store):
         self._root = root or self
 
     def moved_on(self) -> Optional[str]:
-        """Why this generation's set-up should give up (a newer generation, the job's end), or None."""
+        """Why this generation's set-up should give up (a member lost, the job's end), or None.
+
+        A newer generation that only adds workers is no reason: every member of this one is alive
+        and setting it up, and leaving would strand one already connecting to this rank inside
+        gloo (see ``SETUP_TIMEOUT_S``). They all move at their next commit instead."""
         if protocol.end_reason(self.store) is not None:
             return f"the launcher ended the job while this rank set up generation {self.generation}"
         latest = protocol.read_generation(self.store)
-        if latest > self.generation:
-            return f"the launcher announced generation {latest} while this rank set up generation {self.generation}"
+        for g in range(self.generation, latest):
+            if self.store.check([protocol.broken_key(g)]):
+                return (f"the launcher lost a member of generation {g} and announced generation {latest} while "
+                        f"this rank set up generation {self.generation}")
         return None
 
     def set(self, key, value):

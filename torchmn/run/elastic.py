@@ -222,6 +222,7 @@ class ElasticJob(Job):
         self.console.message(f"torchmn run: worker {worker} (host {rank.slot.host}) {describe_exit(code)}; "
                              f"{len(alive)} of the generation's {len(self.members)} go on")
         if worker in self.members:
+            self._mark_broken()
             self._announce(alive)
 
     def watch(self) -> int:
@@ -276,6 +277,8 @@ class ElasticJob(Job):
                 waiting[w] = int(store.get(key).decode())
         newcomers = [w for w in self.live if w not in self.members and w in waiting]
         left = [w for w in alive_members if waiting.get(w) == self.generation]
+        if left:
+            self._mark_broken()
         if newcomers or left:
             self._announce(alive_members + sorted(newcomers))
         self._note_holders()
@@ -310,6 +313,10 @@ class ElasticJob(Job):
         for w in self.live:
             if w not in self.holders and store.check([protocol.holds_key(w)]):
                 self.holders.add(w)
+
+    def _mark_broken(self) -> None:
+        """Tell the members that the current generation lost one: its world cannot be set up."""
+        self.store.store.set(protocol.broken_key(self.generation), "")
 
     def _announce(self, workers: List[int]) -> None:
         """Publish a new generation of ``workers`` (in rank order), if there are enough of them."""
