@@ -492,15 +492,26 @@ def test_elastic_member_lost_while_the_new_world_is_set_up_leads_to_another_rese
 @pytest.mark.timeout(300)
 def test_elastic_member_lost_after_giving_its_address_leads_to_another_reset(tmp_path):
     """After a first kill, worker 0 dies inside the survivors' set-up once its address is in the
-    store: worker 2's gloo retries that address inside C++, where the launcher's next generation
-    cannot reach it. The set-up's bound (5 s here) ends that wait, worker 2 moves to the newer
-    world with the worker started in the freed slot, and the result equals the replay."""
-    job = ElasticRun(tmp_path, 3, ["--min-np", "2", "--max-np", "3"],
+    store: worker 2's gloo retries that address inside C++, where the launcher cannot reach it.
+    The set-up's bound (5 s here) ends that wait; with no slot free for a new worker yet, worker 2
+    waits for the next generation instead of failing; once the slots come back, it moves there
+    with the new workers, and the result equals the replay."""
+    job = ElasticRun(tmp_path, 3, ["--min-np", "2", "--max-np", "3", "--host-discovery-script",
+                                   discovery_script(tmp_path, 3)],
                      ["--steps", "100000", "--step-sleep", "0.05", "--die-after-address-after-reset", "0"],
                      timeout=240)
     try:
         job.wait_for(lambda: job.steps_at(3) >= 5, "the first steps")
+        discovery_script(tmp_path, 1)
+        time.sleep(3.0)  # the launcher runs the script every second
         step = job.kill(1)
+        job.wait_for(lambda: "worker 0 (host" in job.output(), "worker 0's death in the set-up")
+        # gloo's own line when it gives up connecting (at the set-up's bound)
+        job.wait_for(lambda: re.search(r"^\[2\] .*(Connect timeout|timed out connecting)", job.output(), re.M),
+                     "worker 2's set-up to give up")
+        time.sleep(3.0)
+        assert 2 in job.worker_pids() and "started worker" not in job.output(), job.output()[-4000:]
+        discovery_script(tmp_path, 3)
         job.wait_for(lambda: job.steps_at(3, after=step) >= 3, "three ranks again")
         done = job.finish()
     finally:

@@ -12,8 +12,9 @@ state on, having received its neighbour's), --die-in-commit-after-reset WORKER (
 in the first commit after its first reset), --die-in-setup-after-reset WORKER (that worker kills
 itself while the members set up the world of its first reset, after it arrived there, so that the
 others wait for it inside torch.distributed's set-up), --die-after-address-after-reset WORKER (that
-worker kills itself in that set-up once its address is in the store, so that the others' gloo
-retries a dead address inside C++; every worker then bounds a set-up at 5 s), --lr-per-rank LR (the learning rate is LR x
+worker kills itself in that set-up once its address is in the store, and the others read it a
+second later, so that their gloo retries a dead address inside C++; every worker then bounds a
+set-up at 5 s), --lr-per-rank LR (the learning rate is LR x
 the world size, set again by a reset callback, instead of 0.05), --checkpoint-every K (a Checkpointer,
 built before the run function as scripts do, saves every K steps into OUT_DIR/ckpt, across resets
 that change the optimizer's kind); the run also ends at the next commit once
@@ -63,9 +64,11 @@ def die_in_setup_after_reset():
     torch.distributed.init_process_group = set_up_then_die
 
 
-def die_after_address_after_reset():
-    """Make this process, in the set-up of any world after the first kill, kill itself at its first
-    wait for a key once it has written one (its address: gloo writes it before reading the others')."""
+def die_after_address_after_reset(dies: bool):
+    """In the set-up of any world after the first kill, make this process kill itself at its first
+    wait for a key once it has written one (its address: gloo writes it before reading the others'),
+    or, for the others, wait a second before their first read, so that they find its address only
+    once it is dead."""
     watched = setup_store.watched
 
     def watched_then_die(store, generation):
@@ -74,15 +77,18 @@ def die_after_address_after_reset():
             return setup
 
         class Dying(type(setup)):
-            written = False
+            written = waited = False
 
             def set(self, key, value):
                 super().set(key, value)
                 Dying.written = True
 
             def wait(self, keys, timeout=None):
-                if Dying.written:
+                if dies and Dying.written:
                     os.kill(os.getpid(), signal.SIGKILL)
+                if not dies and not Dying.waited:
+                    Dying.waited = True
+                    time.sleep(1.0)
                 return super().wait(keys, timeout)
         return Dying(store, generation)
     setup_store.watched = watched_then_die
@@ -95,8 +101,7 @@ if __name__ == "__main__":
         die_in_setup_after_reset()
     if args.die_after_address_after_reset is not None:
         setup_store.SETUP_TIMEOUT_S = 5.0
-        if worker == args.die_after_address_after_reset:
-            die_after_address_after_reset()
+        die_after_address_after_reset(worker == args.die_after_address_after_reset)
     with open(os.path.join(args.out, "pids", worker), "w") as f:
         f.write(str(os.getpid()))
     comm = torchmn.create_communicator()

@@ -103,7 +103,7 @@ def create_communicator(name: str = "auto", backend: Optional[str] = None,
             try:
                 return create_communicator(**creation)
             except Exception as error:  # noqa: BLE001 (told apart just below)
-                if not membership.newer_generation():
+                if not membership.left_behind():
                     raise
                 failure.leave_world(error)
     compression = _compression_named_by(allreduce_grad_dtype)

@@ -164,6 +164,26 @@ def newer_generation() -> bool:
     return current is not None and protocol.read_generation(_store()) > current
 
 
+def left_behind() -> bool:
+    """Whether the launcher has moved on from this rank's generation: it announced a newer one, or
+    marked this one broken (a member lost, perhaps with no worker yet to take its place). A world
+    that failed to set up then failed for that reason: the rank waits for the next generation.
+
+    Returns:
+        True when this rank's generation cannot go on.
+
+    Example::
+
+        >>> left_behind()      # after a member died inside the set-up of this rank's world
+        True
+    """
+    current = generation()
+    if current is None:
+        return False
+    store = _store()
+    return protocol.read_generation(store) > current or store.check([protocol.broken_key(current)])
+
+
 def awaiting_state() -> bool:
     """Whether this process joined a running elastic job and has not yet received the training
     state (it then must not start collectives of its own: the others are in a reset).

@@ -125,7 +125,7 @@ def run(func: F) -> F:
                 except Exception as e:  # noqa: BLE001 (told apart just below)
                     # A member lost while the new world was set up: its set-up gave up when the
                     # launcher announced the next (torchmn.elastic.setup_store).
-                    if not (recoverable(e) or membership.newer_generation()):
+                    if not (recoverable(e) or membership.left_behind()):
                         raise
                     broke = e
     return wrapper
