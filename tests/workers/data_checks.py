@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 import torchmn
 from torchmn.communicators.errors import RemoteRankError
-from torchmn.datasets import SharedDataset, scatter_dataset, scatter_index
+from torchmn.datasets import SharedDataset, TransformDataset, scatter_dataset, scatter_index
 from torchmn.evaluators import GenericMultiNodeEvaluator, create_multi_node_evaluator
 from torchmn.extensions import (AllreducePersistent, MultiNodeEarlyStoppingTrigger, ObservationAggregator,
                                 available_iterations, multi_node_snapshot, resume_latest)
@@ -191,6 +191,68 @@ def check_scatter_bad_seed_refused_at_once(comm):
         assert time.monotonic() - start < 10, (seed, time.monotonic() - start)
         assert f"seed {seed!r} cannot seed" in str(e) and "2**64 - 1" in str(e), e
     assert comm.allreduce_obj(1) == comm.size
+
+
+class LazyFiles(torch.utils.data.Dataset):
+    """A dataset whose len() opens a file that is not there."""
+
+    def __len__(self):
+        with open("/nonexistent/train.idx") as f:
+            return len(f.read())
+
+    def __getitem__(self, i):
+        return i
+
+
+class Augmented(torch.utils.data.Dataset):
+    """A random transform in __getitem__."""
+
+    def __len__(self):
+        return 4 * torch.distributed.get_world_size()
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)]) + torch.rand(1)
+
+
+def check_scatter_disagreements_refused(comm):
+    """Every rank raises at once, in the same call, naming what is wrong: ranks that each passed
+    themselves as root, ranks that passed different force_equal_length, root's len() raising
+    something other than TypeError (the next scatter then pairs up as it should)."""
+    start = time.monotonic()
+    e = expect_raise(lambda: scatter_dataset(list(range(6)), comm, root=comm.rank), ValueError)
+    assert "different root (rank 0: 0, rank 1: 1" in str(e), e
+    e = expect_raise(lambda: scatter_dataset(list(range(6)) if comm.rank == 0 else None, comm,
+                                             force_equal_length=comm.rank == 0), ValueError)
+    assert "different force_equal_length (rank 0: True, rank 1: False" in str(e), e
+    e = expect_raise(lambda: scatter_dataset(LazyFiles() if comm.rank == 0 else None, comm), ValueError)
+    assert "root rank 0's len(dataset) (LazyFiles) raised FileNotFoundError" in str(e), e
+    assert time.monotonic() - start < 10
+    part = scatter_dataset([f"v{i}" for i in range(2 * comm.size)] if comm.rank == 0 else None, comm)
+    assert part[:] == [f"v{2 * comm.rank}", f"v{2 * comm.rank + 1}"], part[:]
+
+
+def check_scatter_random_samples_warned(comm):
+    """A dataset whose samples differ between reads (a random transform) makes root warn, saying
+    how to augment on every rank; TransformDataset over a part draws anew at every read."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        part = scatter_dataset(Augmented() if comm.rank == 0 else None, comm)
+    said = [str(w.message) for w in caught if "differs between two reads" in str(w.message)]
+    assert len(said) == (1 if comm.rank == 0 else 0), said
+    if said:
+        assert "TransformDataset(part, transform)" in said[0] and "SharedDataset" in said[0], said[0]
+    plain = scatter_dataset(list(range(4 * comm.size)) if comm.rank == 0 else None, comm)
+    augmented = TransformDataset(plain, lambda i: torch.tensor([float(i)]) + torch.rand(1))
+    first, second = augmented[:], augmented[:]
+    assert all(torch.floor(x) == i for x, i in zip(first, plain[:]))
+    assert all(not torch.equal(a, b) for a, b in zip(first, second)), (first, second)
+    assert len(part) == 4 and len(augmented) == 4
+    # Deterministic samples, NaN included, are not warned about.
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        scatter_dataset([(torch.tensor([float("nan"), i]), {"y": i}) for i in range(2 * comm.size)]
+                        if comm.rank == 0 else None, comm)
+    assert not [w for w in caught if "differs between two reads" in str(w.message)]
 
 
 def check_scatter_index(comm):
@@ -661,6 +723,8 @@ CHECKS = {
     "scatter_errors": check_scatter_errors,
     "scatter_bad_seed_refused_at_once": check_scatter_bad_seed_refused_at_once,
     "scatter_index": check_scatter_index,
+    "scatter_disagreements_refused": check_scatter_disagreements_refused,
+    "scatter_random_samples_warned": check_scatter_random_samples_warned,
     "evaluator": check_evaluator,
     "evaluator_object": check_evaluator_object,
     "generic_evaluator": check_generic_evaluator,

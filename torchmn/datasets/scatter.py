@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import operator
 import pickle
+import warnings
 from typing import Any, Optional
 
+import numpy as np
 import torch
 from torch.utils.data import Dataset
 
@@ -121,6 +123,9 @@ def _claim(dataset: Any, comm, root: int, shuffle: bool, seed: Optional[int]) ->
         n = len(dataset)
     except TypeError as e:
         return {"problem": f"root rank {root}'s dataset ({type(dataset).__name__}) has no len(): {e}"}, None
+    except Exception as e:  # a dataset that opens its files lazily, say: every rank must hear of it
+        return {"problem": f"root rank {root}'s len(dataset) ({type(dataset).__name__}) raised "
+                           f"{type(e).__name__}: {e}"}, None
     try:
         order = _order(int(n), shuffle, seed)
     except (TypeError, ValueError, OverflowError, RuntimeError) as e:
@@ -214,7 +219,14 @@ def scatter_dataset(dataset: Any, comm, root: int = 0, shuffle: bool = False, se
         # from them when the run function starts (ElasticDatasetPart.follow_world).
         return ElasticDatasetPart(None, None, comm, force_equal_length, shared=False, max_buf_len=max_buf_len)
     claim, order = _claim(dataset, comm, root, shuffle, seed)
-    claims = comm.allgather_obj(claim)
+    # The arguments every rank must agree on travel with the claims: ranks that each took
+    # themselves for root would otherwise all send, and wait out the timeout.
+    claims = comm.allgather_obj({**claim, "root": root, "force_equal_length": bool(force_equal_length)})
+    for name in ("root", "force_equal_length"):
+        if len({c[name] for c in claims}) > 1:
+            said = ", ".join(f"rank {r}: {c[name]}" for r, c in enumerate(claims))
+            raise TorchmnValueError(f"scatter_dataset: the ranks passed different {name} ({said}); every rank must "
+                                    f"pass the same (raised on rank {comm.rank})")
     problems = [c["problem"] for c in claims if "problem" in c]
     if problems:
         raise TorchmnValueError("scatter_dataset: " + "; ".join(problems) + f" (raised on rank {comm.rank})")
@@ -261,11 +273,51 @@ def scatter_dataset(dataset: Any, comm, root: int = 0, shuffle: bool = False, se
     return part
 
 
+def _warn_if_random(dataset: Any, i: int, root: int) -> None:
+    """Warn, on root, when ``dataset[i]`` differs between two reads (a random transform in
+    ``__getitem__``): the other ranks receive each sample once and would see that one draw in
+    every epoch."""
+    try:
+        same = _equal(dataset[i], dataset[i])
+    except Exception:  # noqa: BLE001 (reading it fails: sending it reports that on every rank)
+        return
+    if not same:
+        warnings.warn(f"scatter_dataset: root rank {root}'s dataset[{i}] differs between two reads (a random "
+                      f"transform in __getitem__?). The other ranks receive each sample once, as root read it, and "
+                      f"would see that one draw in every epoch. Scatter the dataset without its random transform and "
+                      f"wrap each rank's part: torchmn.datasets.TransformDataset(part, transform); or make it a "
+                      f"torchmn.datasets.SharedDataset, which every rank reads itself.", stacklevel=3)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Whether two reads of a sample are the same (NaN equal to NaN; True where it cannot tell)."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            return False
+        return bool(torch.equal(a, b) or (a.is_floating_point() and torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)))
+    if isinstance(a, np.ndarray) and isinstance(b, np.ndarray):
+        try:
+            return bool(np.array_equal(a, b, equal_nan=True))
+        except TypeError:  # no NaN in this dtype
+            return bool(np.array_equal(a, b))
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    try:
+        return bool(a == b) or (a != a and b != b)  # a float NaN
+    except Exception:  # noqa: BLE001 (a type whose == says nothing useful)
+        return True
+
+
 def _send_parts(comm, dataset: Any, n: int, order: torch.Tensor, force_equal_length: bool,
                 root: int, max_buf_len: int) -> DatasetPart:
     """Root: stream every other rank its part, in rank order; return root's own part."""
     parts = [order[slice(*index_range(n, comm.size, r, force_equal_length))].tolist() for r in range(comm.size)]
     pending = [r for r in range(comm.size) if r != root]
+    first = next((parts[r][0] for r in pending if parts[r]), None)
+    if first is not None:
+        _warn_if_random(dataset, first, root)
     for k, r in enumerate(pending):
         try:
             send_samples(lambda m: comm.send_obj(m, r, tag=TAG), dataset, parts[r], max_buf_len)
@@ -283,6 +335,8 @@ def _copy_whole(comm, dataset: Any, n: int, order: Optional[torch.Tensor], force
     take any part of a later world, and hand the samples to a rank that joins."""
     if comm.rank == root:
         order = comm.bcast_obj(order.tolist(), root=root)
+        if n > 0 and comm.size > 1:
+            _warn_if_random(dataset, 0, root)
         send_samples(lambda m: comm.bcast_obj(m, root=root), dataset, range(n), max_buf_len)
         whole = dataset
     else:

@@ -117,9 +117,10 @@ def run(func: F) -> F:
                 if not (membership.enabled() and recoverable(e)):
                     raise
                 broke = e
+            since = time.monotonic()
             while True:  # a rank lost during the reset itself: another reset
                 try:
-                    _reset(state, broke)
+                    _reset(state, broke, since)
                     after_reset = True
                     break
                 except Exception as e:  # noqa: BLE001 (told apart just below)
@@ -131,10 +132,10 @@ def run(func: F) -> F:
     return wrapper
 
 
-def _reset(state: State, error: BaseException) -> None:
+def _reset(state: State, error: BaseException, started: float) -> None:
     """Move this rank to the new world: leave the old one, wait for the launcher's next
-    generation, rebuild the communicators and optimizers there."""
-    started = time.monotonic()
+    generation, rebuild the communicators and optimizers there (``started``: when the world broke,
+    for the time the log line gives)."""
     comms = membership.communicators()
     optimizers = [(o, o.comm) for o in state.multi_node_optimizers()]
     old = f"rank {comms[0].rank}/{comms[0].size}" if comms else "a rank"
