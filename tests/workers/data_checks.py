@@ -143,6 +143,27 @@ def check_scatter_chunks(comm):
         assert type(part[k]) is Row and torch.equal(part[k].x, table[i]) and part[k].y == i
         if comm.rank != 0:
             assert part[k].x.untyped_storage().nbytes() == 4000
+    # Datasets that are only rows travel as blocks of rows (3 rows of 4 KB per 12 KiB block here);
+    # each item is what root's dataset[i] gives, of the same type; a subclass goes sample by sample.
+    table = torch.randn(n, 1000, generator=torch.Generator().manual_seed(0))  # alike on every rank
+    labels = torch.arange(n)
+    for data in (table, table.numpy(), torch.utils.data.TensorDataset(table, labels), Labelled(table, labels)):
+        part = scatter_dataset(data if comm.rank == 0 else None, comm, shuffle=True, seed=3, max_buf_len=12 * 1024)
+        assert len(part) == 7
+        for k, i in enumerate(part.indices):
+            want, got = data[i], part[k]
+            assert type(got) is type(want), (type(got), type(want))
+            for a, b in (zip(want, got) if isinstance(want, tuple) else [(want, got)]):
+                assert a == b if isinstance(a, (int, str)) else torch.equal(torch.as_tensor(a), torch.as_tensor(b)), \
+                    (type(data).__name__, k, i)
+
+
+class Labelled(torch.utils.data.TensorDataset):
+    """A TensorDataset whose items are more than its rows."""
+
+    def __getitem__(self, i):
+        x, y = super().__getitem__(i)
+        return x, int(y), "labelled"
 
 
 Row = collections.namedtuple("Row", "x y")
