@@ -113,8 +113,10 @@ def test_create_empty_dataset():
     empty = create_empty_dataset(list(range(5)))
     assert len(empty) == 5 and empty[0] == () and empty[-1] == ()
     assert list(empty) == [()] * 5   # IndexError ends iteration
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match="index 5 out of range"):
         empty[5]
+    with pytest.raises(IndexError, match="index -6 out of range .* of length 5"):
+        empty[-6]
 
 
 def test_indices_may_be_numpy_integers_and_slices():

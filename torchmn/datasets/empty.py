@@ -67,9 +67,8 @@ class EmptyDataset(Dataset):
             i = operator.index(i)  # numpy and 0-d tensor integers too, as samplers may yield them
         except TypeError:
             raise TorchmnTypeError(f"EmptyDataset indices must be integers or slices, not {type(i).__name__}") from None
-        if i < 0:
-            i += self._n
-        if not 0 <= i < self._n:
+        j = i + self._n if i < 0 else i
+        if not 0 <= j < self._n:
             # IndexError ends Python's legacy iteration protocol, as for lists.
             raise IndexError(f"index {i} out of range for an EmptyDataset of length {self._n}")
         return ()
