@@ -9,7 +9,7 @@ from jobs import WORKERS, assert_check_passed, check_job_output, run_job
 CHECKS = WORKERS / "ddp_checks.py"
 ALL = ("equals_ddps_own_averaging", "find_unused_parameters", "no_sync", "fp16_and_bf16_compression",
        "bad_compression_refused", "hook_without_a_communicator_refused", "ranks_compressing_differently_refused",
-       "communicator_of_another_size_refused", "ddp_over_other_ranks_refused")
+       "communicator_of_another_size_refused", "ddp_over_other_ranks_refused", "wrapped_hook_over_a_split_trains")
 
 
 @pytest.mark.timeout(240)  # the first test of a configuration runs its whole job

@@ -117,18 +117,12 @@ class _BucketAverager:
 
     def check(self, ddp_group) -> None:
         """Refuse, on the first bucket, a communicator over other ranks than DDP's process group
-        (``ddp_group``; None where it could not be found: then the default group)."""
+        (``ddp_group``; None where it could not be found, as for a hook inside a wrapper such as
+        torch's ``fp16_compress_wrapper``: then the ranks cannot be compared, and are not)."""
         comm = self.comm
         rank = dist.get_rank() if dist.is_initialized() else comm.rank  # in the job, not in a split communicator
         where = f"torchmn.ddp_comm_hook on rank {rank} ({comm.host})"
-        if ddp_group is None:
-            world = dist.get_world_size() if dist.is_initialized() else 1
-            if comm.size != world:
-                raise TorchmnValueError(
-                    f"{where}: the communicator has {comm.size} ranks but the default process group, which DDP "
-                    f"averages over, has {world}. Create the communicator over the same ranks "
-                    f"(torchmn.create_communicator() after init_process_group), not over a subgroup.")
-        else:
+        if ddp_group is not None:
             ddp_ranks = sorted(dist.get_process_group_ranks(ddp_group))
             comm_ranks = sorted(comm.world_rank(r) for r in range(comm.size))
             if ddp_ranks != comm_ranks:

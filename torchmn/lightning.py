@@ -322,7 +322,10 @@ class TorchmnStrategy(DDPStrategy):
             reduce_op: ``"mean"`` (``"avg"``, None), ``"sum"``, ``"max"`` or ``"min"`` (or ``ReduceOp``).
 
         Returns:
-            The reduced tensor, the same on every rank.
+            The reduced tensor, the same on every rank (a new one: ``tensor`` is left as it was). A
+            ``tensor`` in an autograd graph gives one in that graph, whose gradient is the local
+            one, divided by the world's size for a mean, as Lightning's in-place reduction gives;
+            the mean of integers is a float64 (Lightning's DDP truncates it).
 
         Example::
 
@@ -331,10 +334,15 @@ class TorchmnStrategy(DDPStrategy):
         op = _op_name(reduce_op)
         if not isinstance(tensor, torch.Tensor) or self.comm is None or not _is_world(group) or op is None:
             return super().reduce(tensor, group=group, reduce_op=reduce_op)
+        values = tensor.detach()
         if op == "mean":
-            total = self.comm.allreduce(tensor if tensor.is_floating_point() else tensor.double(), "sum")
-            return total / self.comm.size
-        return self.comm.allreduce(tensor, op)
+            reduced = self.comm.allreduce(values if values.is_floating_point() else values.double(), "sum")
+            reduced, local = reduced / self.comm.size, tensor / self.comm.size
+        else:
+            reduced, local = self.comm.allreduce(values, op), tensor
+        if not tensor.requires_grad:
+            return reduced
+        return local + (reduced - local).detach()  # the reduced value, through the local graph
 
     def all_gather(self, tensor: torch.Tensor, group: Optional[Any] = None, sync_grads: bool = False) -> torch.Tensor:
         """Every rank's ``tensor``, stacked in rank order, through the communicator.

@@ -345,7 +345,10 @@ def check_topology(comm):
 
 
 def check_split(comm):
+    comm.compression = "bf16"  # as allreduce_grad_dtype=torch.bfloat16 sets it: the split keeps it
     sub = comm.split(color=comm.rank % 2, key=-comm.rank)
+    comm.compression = None
+    assert sub.compression == "bf16", sub.compression
     members = [k for k in range(comm.size) if k % 2 == comm.rank % 2]
     assert sub.size == len(members)
     assert sub.rank == sorted(members, reverse=True).index(comm.rank)  # key=-rank reverses the order

@@ -173,5 +173,31 @@ def check_ddp_over_other_ranks_refused(comm):
     dist.barrier()
 
 
+def check_wrapped_hook_over_a_split_trains(comm):
+    """The hook inside torch's fp16_compress_wrapper (where it cannot find DDP's group), given a
+    communicator split to DDP's own group: it trains as torch's fp16 hook does over that group."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_hook, fp16_compress_wrapper
+
+    colors = [r % 2 for r in range(comm.size)]
+    groups = {c: dist.new_group([r for r in range(comm.size) if colors[r] == c]) for c in sorted(set(colors))}
+    mine, sub = groups[colors[comm.rank]], comm.split(color=colors[comm.rank])
+    torch.manual_seed(0)
+    net = Net().double()
+    plain = DDP(net, bucket_cap_mb=BUCKET_MB, process_group=mine)
+    plain.register_comm_hook(mine, fp16_compress_hook)
+    hooked_net = Net().double()
+    hooked_net.load_state_dict(net.state_dict())
+    hooked = DDP(hooked_net, bucket_cap_mb=BUCKET_MB, process_group=mine)
+    hooked.register_comm_hook(None, fp16_compress_wrapper(torchmn.ddp_comm_hook(sub)))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (plain, hooked)]
+    for t in range(STEPS):
+        x, y = batch(comm.rank, t)
+        for model, opt in zip((plain, hooked), opts):
+            step(model, opt, x, y)
+        assert_same(plain, hooked, f"step {t}", tol=2e-3)
+    sub.finalize()
+    dist.barrier()
+
+
 if __name__ == "__main__":
     run_checks(globals())

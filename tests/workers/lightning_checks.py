@@ -109,6 +109,15 @@ def check_collectives_go_through_the_communicator():
     strategy = trainer.strategy
     assert strategy.broadcast(f"path of rank {RANK}", src=0) == "path of rank 0"
     assert strategy.reduce(torch.tensor(float(RANK)), reduce_op="sum").item() == sum(range(SIZE))
+    # A loss reduced in training_step stays in the graph (Lightning's in-place reduction keeps it):
+    # the value is the world's, the gradient the local one (over the world's size for a mean).
+    w = torch.tensor([float(RANK + 1)], requires_grad=True)
+    for op, value, grad in (("mean", sum(range(1, SIZE + 1)) / SIZE * 2, 2.0 / SIZE),
+                            ("sum", sum(range(1, SIZE + 1)) * 2, 2.0)):
+        w.grad = None
+        loss = strategy.reduce(w * 2, reduce_op=op)
+        loss.sum().backward()
+        assert loss.item() == value and w.grad.item() == grad, (op, loss, w.grad)
     strategy.barrier()
 
 

@@ -891,9 +891,11 @@ class Communicator(CommunicatorBase):
                 mine = (members.index(self.rank), len(members), group, obj_group, [by_world.index(w) for w in world],
                         extra, f"{self.call_log.tag}.{self._splits}.{colors.index(c)}")
         rank, size, group, obj_group, group_ranks, extra, tag = mine
-        return cls(rank=rank, size=size, group=group, obj_group=obj_group, backend=self.backend,
-                   node_key=self.node_key, bucket_cap_bytes=self.bucket_cap_bytes, group_ranks=group_ranks,
-                   tag=tag, **extra)
+        child = cls(rank=rank, size=size, group=group, obj_group=obj_group, backend=self.backend,
+                    node_key=self.node_key, bucket_cap_bytes=self.bucket_cap_bytes, group_ranks=group_ranks,
+                    tag=tag, **extra)
+        child.compression = self.compression  # allreduce_grad_dtype holds for what is split off too
+        return child
 
     @classmethod
     def split_groups(cls, parent: "Communicator", members: list[int], local: bool = False) -> dict:

@@ -517,7 +517,8 @@ class CommunicatorBase(abc.ABC):
     def split(self, color: int, key: int = 0) -> "CommunicatorBase":
         """A new communicator of the ranks that pass the same ``color``, ordered by ``(key, rank)``.
 
-        Every rank must call it. The new communicator uses this one's algorithm.
+        Every rank must call it. The new communicator uses this one's algorithm, timeout and
+        ``compression``.
 
         Args:
             color: ranks passing the same color end up in the same communicator.
