@@ -256,8 +256,7 @@ class TorchmnStrategy(DDPStrategy):
         self.set_world_ranks()
         self._process_group_backend = self._get_process_group_backend()
         if self.comm is None:  # a later fit, validate or test keeps the world of the first
-            self.comm = torchmn.create_communicator(self._communicator, backend=self._process_group_backend,
-                                                    timeout=self._collective_timeout)
+            self.comm = _communicator(self._communicator, self._process_group_backend, self._collective_timeout)
         if not torch.distributed.is_initialized():
             # A world of one has no process group, and DDP, which wraps the model, needs one even
             # alone: one over an in-process store, which opens no port.
@@ -419,6 +418,22 @@ class MultiNodeBatchNormSync(LayerSync):
             if reverted is not child:
                 setattr(model, name, reverted)
         return model
+
+
+# The communicators strategies made, by (algorithm, backend, timeout): a sweep that makes a new
+# Trainer and strategy for every fit shares one, instead of each holding its shared memory until
+# the garbage collector finds it (a communicator lives in reference cycles).
+_communicators: dict = {}
+
+
+def _communicator(name: str, backend: Optional[str], timeout: Optional[Any]):
+    """The communicator a strategy uses: one made earlier in this process with the same settings,
+    while its world lasts, else a new one."""
+    key = (name, backend, timeout)
+    comm = _communicators.get(key)
+    if comm is None or comm.call_log.closed or (comm.size > 1 and not torch.distributed.is_initialized()):
+        comm = _communicators[key] = torchmn.create_communicator(name, backend=backend, timeout=timeout)
+    return comm
 
 
 _PLAIN = {MultiNodeBatchNorm1d: torch.nn.BatchNorm1d, MultiNodeBatchNorm2d: torch.nn.BatchNorm2d,

@@ -119,6 +119,10 @@ def check_collectives_go_through_the_communicator():
         loss.sum().backward()
         assert loss.item() == value and w.grad.item() == grad, (op, loss, w.grad)
     strategy.barrier()
+    # A sweep's next Trainer and strategy train over the same communicator (each new one held its
+    # shared memory until the garbage collector came).
+    _, again = fit(TorchmnStrategy())
+    assert again.strategy.comm is strategy.comm
 
 
 class NormNet(lightning.LightningModule):
