@@ -185,6 +185,14 @@ def check_mean_grad(comm):
         c.multi_node_mean_grad(m)
         for k, p in enumerate(m.parameters()):
             assert torch.allclose(p.grad, torch.full_like(p, (comm.size - 1) / 2 + k)), (name, k)
+        # A gradient set by hand as a view into a larger buffer: averaged alone, the rest untouched
+        lin = torch.nn.Linear(4, 3, bias=False)
+        big = torch.full((3, 8), 100.0 * (comm.rank + 1))
+        big[:, :4] = comm.rank + 1.0
+        lin.weight.grad = big[:, :4]
+        c.multi_node_mean_grad(lin)
+        assert torch.equal(lin.weight.grad, torch.full((3, 4), (comm.size + 1) / 2)), (name, lin.weight.grad)
+        assert torch.equal(big[:, 4:], torch.full((3, 4), 100.0 * (comm.rank + 1))), (name, big)
         # Parameters of several dtypes in one model (on one node: one shared-memory mean for all)
         mixed = torch.nn.ModuleList([torch.nn.Linear(3, 2).double(), torch.nn.Linear(2, 2).half(), torch.nn.Linear(5, 4)])
         for k, p in enumerate(mixed.parameters()):
