@@ -14,9 +14,30 @@ import torchmn
 from torchmn.communicators.errors import RemoteRankError
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_runner import run_checks  # noqa: E402
+from check_runner import expect, run_checks  # noqa: E402
 
 DTYPES = (torch.int32, torch.int64, torch.float32, torch.float64)
+
+
+def check_failed_send_fails_the_receiver(comm):
+    """A send that fails on the sender (a dtype that cannot travel, a tuple) makes the waiting
+    receiver raise at once, not at the timeout; the pair then goes on."""
+    if comm.size < 2 or comm.rank > 1:
+        return
+    for bad, words in ((torch.zeros(3, dtype=torch.complex32), "torch.complex32 tensors cannot travel"),
+                       ((torch.ones(2), torch.ones(2)), "pass a tensor, not tuple")):
+        start = time.monotonic()
+        if comm.rank == 0:
+            e = expect(TypeError, lambda: comm.send(bad, 1))
+            assert words in str(e) and "rank 1's recv raises too" in str(e), e
+        else:
+            e = expect(RemoteRankError, lambda: comm.recv(0))
+            assert "rank 0's send to rank 1 failed there" in str(e), e
+            assert time.monotonic() - start < 5, time.monotonic() - start
+    if comm.rank == 0:
+        comm.send(torch.arange(4), 1)
+    else:
+        assert torch.equal(comm.recv(0), torch.arange(4))
 
 
 def check_ring(comm):

@@ -9,6 +9,7 @@ it rather than wait for it.
 from __future__ import annotations
 
 import socket
+import zlib
 from typing import Optional
 
 import torch
@@ -161,3 +162,112 @@ def _where(hosts: Optional[list[str]]) -> str:
         else:
             runs.append([r, r, h])
     return ", " + ", ".join(f"rank {a} on {h}" if a == b else f"ranks {a}-{b} on {h}" for a, b, h in runs)
+
+
+def unsendable(x) -> Optional[str]:
+    """Why ``send`` cannot send ``x``, or None.
+
+    Args:
+        x: what the script passed.
+
+    Returns:
+        The reason, for a message; None for a tensor that can travel.
+
+    Example::
+
+        >>> unsendable((a, b))
+        'pass a tensor, not tuple (send each tensor of a tuple on its own, or send_obj)'
+    """
+    if not isinstance(x, torch.Tensor):
+        return f"pass a tensor, not {type(x).__name__} (send each tensor of a tuple on its own, or send_obj)"
+    if x.dtype not in _wire.DTYPES:
+        return f"{x.dtype} tensors cannot travel (the dtypes that can: {', '.join(map(str, _wire.DTYPES))})"
+    if x.dim() > _wire.MAX_NDIM:
+        return f"tensors of more than {_wire.MAX_NDIM} dimensions cannot travel (got {x.dim()})"
+    return None
+
+
+def refuse_failed_send(row: list, source: int, rank: int) -> None:
+    """Raise, in ``recv``, where the header ``row`` says that ``source``'s send failed there.
+
+    Args:
+        row: the header received.
+        source: the sending rank.
+        rank: this rank.
+
+    Raises:
+        RemoteRankError: the header is the one a failed send sends.
+
+    Example::
+
+        >>> refuse_failed_send(hdr.tolist(), 0, comm.rank)
+    """
+    if _wire.meta(row) is None:
+        raise RemoteRankError(f"recv from rank {source}: rank {source}'s send to rank {rank} failed there (see its "
+                              f"error); rank {rank} raises too")
+
+
+def mean_grad_row(layout: int, params: list, zero_fill: bool) -> list[int]:
+    """``multi_node_mean_grad``'s call-check row: a checksum of the parameters' layout, how many
+    gradients are sparse, how many are None and a checksum of which, and ``zero_fill``.
+
+    Args:
+        layout: the checksum of the trainable parameters' shapes and dtypes.
+        params: the trainable parameters.
+        zero_fill: the call's argument.
+
+    Returns:
+        The header row.
+
+    Example::
+
+        >>> row = mean_grad_row(checksum, params, zero_fill=False)
+    """
+    missing = bytes(p.grad is None for p in params)
+    row = _wire.header(KIND["multi_node_mean_grad"])
+    row[_wire.SHAPE:_wire.SHAPE + 5] = [layout, sum(1 for p in params if p.grad is not None and p.grad.is_sparse),
+                                        missing.count(1), zlib.crc32(missing), int(zero_fill)]
+    return row
+
+
+def check_zero_fill(fills: list[int], rank: int) -> None:
+    """Refuse ranks that pass different ``zero_fill``: they would pair other tensors.
+
+    Args:
+        fills: every rank's ``zero_fill`` (from :func:`mean_grad_row`).
+        rank: this rank.
+
+    Raises:
+        CollectiveMismatchError: they differ.
+
+    Example::
+
+        >>> check_zero_fill([1, 1, 0], comm.rank)   # CollectiveMismatchError naming each rank's
+    """
+    if len(set(fills)) > 1:
+        said = ", ".join(f"rank {r}: {bool(f)}" for r, f in enumerate(fills))
+        raise CollectiveMismatchError(f"multi_node_mean_grad: zero_fill differs between ranks ({said}); pass the same "
+                                      f"on every rank (raised on rank {rank})")
+
+
+def missing_grads_error(masks: list[list[bool]], params: list, rank: int) -> CollectiveMismatchError:
+    """The error for gradients that are None on some ranks only (without ``zero_fill``).
+
+    Args:
+        masks: every rank's list of which parameters have a gradient.
+        params: the trainable parameters.
+        rank: this rank.
+
+    Returns:
+        The error, naming the first such parameter and the ranks without its gradient.
+
+    Example::
+
+        >>> raise missing_grads_error(comm.allgather_obj(mask), params, comm.rank)
+    """
+    mixed = [i for i in range(len(params)) if len({m[i] for m in masks}) > 1]
+    without = [r for r, m in enumerate(masks) if not m[mixed[0]]]
+    return CollectiveMismatchError(
+        f"multi_node_mean_grad: the gradient of parameter {mixed[0]} (shape {tuple(params[mixed[0]].shape)}) is None "
+        f"on rank(s) {without} only ({len(mixed)} such parameters); pass zero_fill=True to count a missing gradient as "
+        f"zeros (raised on rank {rank})")

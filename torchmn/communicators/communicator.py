@@ -321,6 +321,12 @@ class Communicator(CommunicatorBase):
     @watch.point_to_point("dest")
     def send(self, x: torch.Tensor, dest: int, tag: int = 0) -> None:
         self.check_rank(dest, "dest")
+        problem = _call_check.unsendable(x)
+        if problem is not None:
+            # The receiver, already waiting for a header, is told instead of waiting out the timeout.
+            self.send_tensor(None, dest, _wire.wire_tag(tag, "tensor"))
+            raise TorchmnTypeError(f"send to rank {dest}: {problem} (raised on rank {self.rank}; rank {dest}'s recv "
+                                   f"raises too)")
         self.send_tensor(x, dest, _wire.wire_tag(tag, "tensor"))
 
     @watch.point_to_point("source")
@@ -328,7 +334,11 @@ class Communicator(CommunicatorBase):
         self.check_rank(source, "source")
         return self.recv_tensor(source, _wire.wire_tag(tag, "tensor"))
 
-    def send_tensor(self, x: torch.Tensor, dest: int, wire_tag: int) -> None:
+    def send_tensor(self, x: Optional[torch.Tensor], dest: int, wire_tag: int) -> None:
+        if x is None:  # the header of a send that failed here
+            hdr = torch.tensor(_call_check.invalid_rows(1)[0], dtype=torch.int64)
+            dist.send(hdr, self.world_rank(dest), group=self.object_group, tag=wire_tag)
+            return
         group, device = self._route(x.device.type)
         hdr = torch.tensor(_wire.header(_call_check.KIND["bcast"], x=x), dtype=torch.int64)
         dist.send(hdr, self.world_rank(dest), group=self.object_group, tag=wire_tag)
@@ -340,6 +350,7 @@ class Communicator(CommunicatorBase):
         hdr = torch.empty(_wire.HEADER_LEN, dtype=torch.int64)
         dist.recv(hdr, self.world_rank(source), group=self.object_group, tag=wire_tag)
         row = hdr.tolist()
+        _call_check.refuse_failed_send(row, source, self.rank)
         dtype, shape = _wire.meta(row)
         group, device = self._route(_wire.device_type(row))
         buf = torch.empty(_wire.nbytes(dtype, shape), dtype=torch.uint8, device=device)
@@ -802,18 +813,9 @@ class Communicator(CommunicatorBase):
             # Buckets pair the ranks' gradients by position: a model of another layout would mix them silently
             # (shared memory) or abort the process (gloo). One small exchange carries a checksum of the layout,
             # one of which gradients are None, and zero_fill; layouts or masks go only where a checksum differs.
-            missing = bytes(p.grad is None for p in params)
-            row = _wire.header(_call_check.KIND["multi_node_mean_grad"])
-            row[_wire.SHAPE] = self._layout_checksum(params)
-            row[_wire.SHAPE + 1] = sum(1 for p in params if p.grad is not None and p.grad.is_sparse)
-            row[_wire.SHAPE + 2] = missing.count(1)
-            row[_wire.SHAPE + 3] = zlib.crc32(missing)
-            row[_wire.SHAPE + 4] = int(zero_fill)
+            row = _call_check.mean_grad_row(self._layout_checksum(params), params, zero_fill)
             hdrs = self._agree("multi_node_mean_grad", rows=[row])[:, 0]
-            if len(set(fills := hdrs[:, _wire.SHAPE + 4].tolist())) > 1:  # ranks filling differently pair others
-                said = ", ".join(f"rank {r}: {bool(f)}" for r, f in enumerate(fills))
-                raise CollectiveMismatchError(f"multi_node_mean_grad: zero_fill differs between ranks ({said}); pass "
-                                              f"the same on every rank (raised on rank {self.rank})")
+            _call_check.check_zero_fill(hdrs[:, _wire.SHAPE + 4].tolist(), self.rank)
             if len(set(hdrs[:, _wire.SHAPE].tolist())) > 1:
                 self.check_same_layout(params, "multi_node_mean_grad: the model's trainable parameters", 0,
                                        "build the same model on every rank")
@@ -828,12 +830,7 @@ class Communicator(CommunicatorBase):
                 # Skipping must be agreed on: a tensor left out on some ranks only would pair the
                 # rest wrongly. The masks differ: find where, to say so.
                 masks = self.allgather_obj([p.grad is not None for p in params])
-                mixed = [i for i in range(len(params)) if len({m[i] for m in masks}) > 1]
-                without = [r for r, m in enumerate(masks) if not m[mixed[0]]]
-                raise CollectiveMismatchError(
-                    f"multi_node_mean_grad: the gradient of parameter {mixed[0]} (shape {tuple(params[mixed[0]].shape)}) "
-                    f"is None on rank(s) {without} only ({len(mixed)} such parameters); pass zero_fill=True to count a "
-                    f"missing gradient as zeros (raised on rank {self.rank})")
+                raise _call_check.missing_grads_error(masks, params, self.rank)
         grads, sparse = [], []
         for i, p in enumerate(params):
             if p.grad is None:
@@ -1000,3 +997,4 @@ class Communicator(CommunicatorBase):
 
     def may_share_node_memory(self) -> bool:
         return False
+

@@ -752,12 +752,12 @@ class CommunicatorBase(abc.ABC):
         """
 
     @abc.abstractmethod
-    def send_tensor(self, x: torch.Tensor, dest: int, wire_tag: int) -> None:
+    def send_tensor(self, x: Optional[torch.Tensor], dest: int, wire_tag: int) -> None:
         """``send``'s message (an algorithm hook; ``hierarchical`` uses the node's mailboxes): a
         header on the CPU, saying what follows and which way (``wire_device``), then the data.
 
         Args:
-            x: the tensor.
+            x: the tensor; None for the header of a send that failed here (``recv_tensor`` then raises).
             dest: a rank other than this one, checked.
             wire_tag: the tag in torch's tag space (``_wire.wire_tag``).
 

@@ -194,9 +194,11 @@ class HierarchicalCommunicator(FlatCommunicator):
         if local is None:
             return super().send_tensor(x, dest, wire_tag)
         # The header through the mailbox, saying what follows and which way; CPU data after it,
-        # CUDA data through NCCL.
-        row = _wire.header(_call_check.KIND["bcast"], x=x)
+        # CUDA data through NCCL. None: the header of a send that failed here.
+        row = _call_check.invalid_rows(1)[0] if x is None else _wire.header(_call_check.KIND["bcast"], x=x)
         self.mailboxes.send(local, torch.tensor(row, dtype=torch.int64).view(torch.uint8), wire_tag)
+        if x is None:
+            return
         device = self.wire_device(x)
         if device.type != "cpu":
             dist.send(_wire.as_bytes(x.to(device)), self.world_rank(dest), group=self.process_group, tag=wire_tag)
@@ -208,6 +210,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         if local is None:
             return super().recv_tensor(source, wire_tag)
         row = self.mailboxes.recv(local, wire_tag).view(torch.int64).tolist()
+        _call_check.refuse_failed_send(row, source, self.rank)
         dtype, shape = _wire.meta(row)
         device = self.wire_device(torch.device(_wire.device_type(row)))
         if _wire.nbytes(dtype, shape) == 0:
