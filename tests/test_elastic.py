@@ -468,6 +468,13 @@ def test_elastic_rank_lost_while_another_joins_leads_to_another_reset(tmp_path):
     check_against_replay(tmp_path)
 
 
+def assert_completed_without_worker_0(done, tmp_path) -> None:
+    """The job ended well, worker 0 was killed on the way, and the result equals the replay."""
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "worker 0 (host" in done.stdout and "killed by signal SIGKILL" in done.stdout, done.stdout[-4000:]
+    check_against_replay(tmp_path)
+
+
 @pytest.mark.timeout(300)
 def test_elastic_member_lost_while_the_new_world_is_set_up_leads_to_another_reset(tmp_path):
     """After a first kill, worker 0 dies inside torch.distributed's set-up of the survivors' world,
@@ -484,9 +491,7 @@ def test_elastic_member_lost_while_the_new_world_is_set_up_leads_to_another_rese
         done = job.finish()
     finally:
         job.stop()
-    assert done.returncode == 0, done.stdout[-4000:]
-    assert "worker 0 (host" in done.stdout and "killed by signal SIGKILL" in done.stdout, done.stdout[-4000:]
-    check_against_replay(tmp_path)
+    assert_completed_without_worker_0(done, tmp_path)
 
 
 @pytest.mark.timeout(300)
@@ -516,9 +521,7 @@ def test_elastic_member_lost_after_giving_its_address_leads_to_another_reset(tmp
         done = job.finish()
     finally:
         job.stop()
-    assert done.returncode == 0, done.stdout[-4000:]
-    assert "worker 0 (host" in done.stdout and "killed by signal SIGKILL" in done.stdout, done.stdout[-4000:]
-    check_against_replay(tmp_path)
+    assert_completed_without_worker_0(done, tmp_path)
 
 
 def test_elastic_nnodes_range_says_what_to_run_instead():
