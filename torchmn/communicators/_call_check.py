@@ -17,6 +17,7 @@ import torch
 from torchmn.communicators import _wire
 from torchmn.communicators.errors import CollectiveMismatchError, RemoteRankError
 from torchmn.communicators.ops import OPS
+from torchmn.errors import TorchmnTypeError, TorchmnValueError
 
 # Collective kinds, as they travel in headers. Order is part of the wire format: append only.
 KINDS = ("invalid", "bcast", "gather", "allgather", "scatter", "alltoall", "allreduce", "allgather_obj",
@@ -180,10 +181,10 @@ def unsendable(x) -> Optional[str]:
     """
     if not isinstance(x, torch.Tensor):
         return f"pass a tensor, not {type(x).__name__} (send each tensor of a tuple on its own, or send_obj)"
-    if x.dtype not in _wire.DTYPES:
-        return f"{x.dtype} tensors cannot travel (the dtypes that can: {', '.join(map(str, _wire.DTYPES))})"
-    if x.dim() > _wire.MAX_NDIM:
-        return f"tensors of more than {_wire.MAX_NDIM} dimensions cannot travel (got {x.dim()})"
+    try:
+        _wire.header(KIND["bcast"], x=x)  # what the header refuses: a dtype or a rank that cannot travel
+    except (TorchmnTypeError, TorchmnValueError) as e:
+        return str(e)
     return None
 
 

@@ -83,8 +83,7 @@ def _rows(dataset: Any) -> Optional[tuple]:
 def _send_rows(put: Put, dataset: Any, arrays: tuple, indices: list, max_buf_len: int) -> None:
     """Stream the rows ``indices`` of ``arrays`` in blocks of at most ``max_buf_len`` bytes (one row
     at least), each block taken with one indexing call."""
-    row_bytes = sum(a[0].nbytes if isinstance(a, np.ndarray) else a[0].numel() * a.element_size() for a in arrays) \
-        if len(arrays[0]) else 1
+    row_bytes = sum(a[0].nbytes for a in arrays) if indices else 1
     per_block = max(1, max_buf_len // max(1, row_bytes))
     single = type(dataset) is not TensorDataset
     for start in range(0, len(indices), per_block):

@@ -178,10 +178,7 @@ def left_behind() -> bool:
         True
     """
     current = generation()
-    if current is None:
-        return False
-    store = _store()
-    return protocol.read_generation(store) > current or store.check([protocol.broken_key(current)])
+    return newer_generation() or (current is not None and _store().check([protocol.broken_key(current)]))
 
 
 def awaiting_state() -> bool:
