@@ -20,7 +20,7 @@ CHECKS_ALL = ("ring", "collectives", "arange", "allgather_uneven", "bcast_data",
               "split", "nested_split", "shard_primitives", "flat_in_flight", "mismatch", "cpu_under_nccl")
 GRADIENT_CHECKS = ("mean_grad", "bcast_data", "flat_in_flight", "split", "nested_split", "shard_primitives",
                    "integer_mean_does_not_wrap", "calls_built_on_allgather_obj_are_told_apart", "root_must_be_an_int",
-                   "zero_fill_must_agree", "failed_send_fails_the_receiver")
+                   "zero_fill_must_agree", "failed_send_fails_the_receiver", "max_and_min_keep_nan")
 
 
 @pytest.mark.check_job("comm")

@@ -529,6 +529,36 @@ def check_integer_mean_does_not_wrap(comm):
         assert out.dtype == torch.float64 and torch.all(out == float(value)), (dtype, out)
 
 
+def nan_max_min_inputs(rank, size, n, dtype):
+    """Rank ``rank``'s tensor of ``n`` values: NaN at ``rank`` (so every rank's NaN is somewhere of
+    its own), +inf and -inf beside finite values, and what max and min over ``size`` ranks must give
+    (NaN wherever any rank has one, as torch.maximum has it)."""
+    def values(r):
+        x = torch.arange(n, dtype=dtype) * (r + 1) - n
+        x[r] = float("nan")
+        x[size], x[size + 1] = float("inf"), float("-inf")
+        return x
+    stacked = torch.stack([values(r) for r in range(size)])
+    return values(rank), stacked.max(0).values, stacked.min(0).values
+
+
+def check_max_and_min_keep_nan(comm):
+    """A NaN on any rank wins a max or a min, on every path (small tensors that travel with the call
+    check, gloo's, shared memory's) and in place, as in torch.maximum: gloo alone keeps a NaN only
+    where it comes first."""
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        for n in (8, 70_000):
+            x, most, least = nan_max_min_inputs(comm.rank, comm.size, n, dtype)
+            for op, expected in (("max", most), ("min", least)):
+                out = comm.allreduce(x, op=op)
+                assert torch.equal(out.isnan(), expected.isnan()), (dtype, n, op, out[:8])
+                assert torch.equal(out.nan_to_num(), expected.nan_to_num()), (dtype, n, op)
+                y = x.clone()
+                comm.allreduce_(y, op=op)
+                assert torch.equal(y.isnan(), expected.isnan()), (dtype, n, op, "in place", y[:8])
+                assert torch.equal(y.nan_to_num(), expected.nan_to_num()), (dtype, n, op, "in place")
+
+
 def _expect_mismatch(call, *words):
     try:
         call()

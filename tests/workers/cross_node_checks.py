@@ -15,7 +15,11 @@ import torch.distributed as dist
 
 import torchmn
 from torchmn.communicators import cross_node
+from torchmn.communicators import ops as torchmn_ops
 from torchmn.communicators.registry import make_communicator
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from comm_checks import nan_max_min_inputs  # noqa: E402
 
 OPS = ("sum", "max", "min", "prod")
 
@@ -37,7 +41,7 @@ def check_doubling_matches_gloo(comm):
             for n in (1, 7, 3000):
                 mine = integers(comm.rank, n, dtype, op)
                 expected = mine.clone()
-                dist.all_reduce(expected, op=cross_node.OPS[op], group=comm.object_group)
+                dist.all_reduce(expected, op=torchmn_ops.OPS[op], group=comm.object_group)
                 got = cross_node.doubling_allreduce(mine.clone(), op, comm.object_group, ranks, comm.rank)
                 assert torch.equal(got, expected), (op, dtype, n, got[:5], expected[:5])
     x = torch.randn(1001, dtype=torch.float32, generator=torch.Generator().manual_seed(comm.rank))
@@ -104,6 +108,8 @@ def check_emulated_nodes_average_with_each_algorithm(comm):
                 grads = [x[: n // 2].clone(), x[n // 2:].clone()]
                 sub.mean_tensors(grads)
                 assert torch.allclose(torch.cat(grads), expected / comm.size), (choice, per_node, n)
+                x, most, _ = nan_max_min_inputs(comm.rank, comm.size, max(n, 8), torch.float32)
+                assert torch.equal(sub.allreduce(x, op="max").isnan(), most.isnan()), (choice, per_node, n)
             sub.finalize()
     os.environ.pop(cross_node.VARIABLE, None)
 

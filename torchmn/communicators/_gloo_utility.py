@@ -1,4 +1,5 @@
-"""gloo's reduce-scatter, which it lacks, and its all-gather of large buffers: in pieces."""
+"""What the backends lack or do otherwise than torch's own reductions: gloo's reduce-scatter, its
+all-gather of large buffers in pieces, and a max or min where a NaN wins."""
 from __future__ import annotations
 
 from typing import Callable
@@ -8,6 +9,7 @@ import torch.distributed as dist
 
 from torchmn.communicators import _torch_compat, _wire
 from torchmn.communicators._async_utility import AllOf, AndThen, finish
+from torchmn.communicators.ops import OPS
 
 # Between nodes, chunks larger than this travel in pieces of it, all in flight at once, not as one
 # message per peer. On 2 nodes emulated with links shaped by tc (bench/multinode/bench_allreduce.py
@@ -113,3 +115,45 @@ def all_gather_single(flat: torch.Tensor, shard: torch.Tensor, group, async_op: 
     work = _exchange(lambda peer: sent, lambda peer: flat[peer * k:(peer + 1) * k], k, group,
                      _wire.INTERNAL_TAGS["allgather"])
     return finish(AndThen(work, keep=(sent,)), async_op)
+
+
+def all_reduce(flat: torch.Tensor, op: str, group, async_op: bool = False):
+    """torch's all-reduce of ``flat`` in place, except that a NaN on any rank wins a max or a min.
+
+    gloo's max keeps a NaN only where it comes first (``std::max``), so a diverged rank's NaN loss
+    could vanish from a max taken to find it, and the result would differ from the shared-memory
+    path's and the small calls' (``torch.maximum``). A floating-point max or min therefore travels
+    with a second half that flags each rank's NaNs, and the NaNs go back where any rank had one:
+    twice the bytes, for ops that are rare on large tensors.
+
+    Args:
+        flat: a contiguous tensor.
+        op: a name of :data:`~torchmn.communicators.ops.OPS` (``"mean"`` sums; the caller divides).
+        group: the process group.
+        async_op: return a handle instead of waiting.
+
+    Returns:
+        torch's handle, or one whose ``wait()`` also puts the NaNs back.
+
+    Example::
+
+        >>> x = torch.tensor([1.0, 2.0]) if rank == 0 else torch.tensor([float("nan"), 0.0])
+        >>> all_reduce(x, "max", group)   # x: tensor([nan, 2.]) on every rank
+    """
+    if op not in ("max", "min") or not flat.is_floating_point():
+        return dist.all_reduce(flat, op=OPS[op], group=group, async_op=async_op)
+    n = flat.numel()
+    nan = torch.isnan(flat)
+    packed = torch.empty(2 * n, dtype=flat.dtype, device=flat.device)
+    # The flags: 1 where this rank has a NaN for a max, -1 for a min, so that the op itself says
+    # whether any rank had one; the NaNs meanwhile stand as the value that cannot change the result.
+    flag = 1.0 if op == "max" else -1.0
+    torch.where(nan, torch.tensor(-flag * float("inf"), dtype=flat.dtype, device=flat.device), flat,
+                out=packed[:n])
+    torch.mul(nan, flag, out=packed[n:])
+    work = dist.all_reduce(packed, op=OPS[op], group=group, async_op=True)
+
+    def put_back():
+        flat.copy_(packed[:n]).masked_fill_(packed[n:] != 0, float("nan"))
+
+    return finish(AndThen(work, put_back, keep=(packed,)), async_op)

@@ -967,7 +967,7 @@ class Communicator(CommunicatorBase):
     def allreduce_flat(self, flat: torch.Tensor, async_op: bool = False, op: str = "sum"):
         if self.size == 1:
             return Completed()
-        return dist.all_reduce(flat, op=OPS[op], group=self.wire_group(flat), async_op=async_op)
+        return _gloo_utility.all_reduce(flat, op, self.wire_group(flat), async_op=async_op)
 
     @watch.collective
     def reduce_scatter_flat(self, flat: torch.Tensor, shard: torch.Tensor, async_op: bool = False):

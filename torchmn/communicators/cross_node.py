@@ -20,9 +20,9 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from torchmn.communicators import _wire
+from torchmn.communicators import _gloo_utility, _wire
 from torchmn.communicators._async_utility import Completed
-from torchmn.communicators.ops import OPS, reduce_in_order
+from torchmn.communicators.ops import reduce_in_order
 from torchmn.errors import TorchmnValueError
 
 log = logging.getLogger("torchmn")
@@ -245,7 +245,7 @@ class CrossNodeAllreduce:
         if self.algorithm_for(flat.numel() * flat.element_size()) == "doubling":
             doubling_allreduce(flat, op, self.group, self.ranks, self.me)
             return Completed()
-        work = dist.all_reduce(flat, op=OPS[op], group=self.group, async_op=async_op)
+        work = _gloo_utility.all_reduce(flat, op, self.group, async_op=async_op)
         return work if async_op else Completed()
 
     def describe(self) -> str:
