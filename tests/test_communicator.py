@@ -100,6 +100,21 @@ print("OK")
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr
 
 
+def test_world_of_one_object_collectives_pickle_as_a_larger_world():
+    """An object no other rank could receive fails in a plain `python script.py` too, with the
+    message a larger world gives, not first at scale; allgather_obj hands back a copy there, as it
+    does for a rank's own small object in a larger world."""
+    comm = torchmn.create_communicator()  # a world of one here
+    for name, call in (("bcast_obj", lambda o: comm.bcast_obj(o)), ("allgather_obj", lambda o: comm.allgather_obj(o)),
+                       ("gather_obj", lambda o: comm.gather_obj(o)), ("allreduce_obj", lambda o: comm.allreduce_obj(o))):
+        with pytest.raises(TypeError, match=rf"{name}: rank 0 on .* cannot pickle its object \(function\)"):
+            call(lambda: 1)
+    mine = {"a": [1]}
+    assert comm.allgather_obj(mine) == [mine] and comm.allgather_obj(mine)[0] is not mine
+    assert comm.bcast_obj(mine) is mine and comm.gather_obj(mine)[0] is mine
+    comm.finalize()
+
+
 def test_chainermns_mpi_comm_argument_is_refused_with_the_fix():
     """ChainerMN's create_communicator(name, mpi_comm): the second argument here is the backend."""
     with pytest.raises(TypeError, match=r"backend must be 'gloo' or 'nccl', not object; there is no mpi_comm argument"):

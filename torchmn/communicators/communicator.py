@@ -36,7 +36,7 @@ from torchmn.communicators._torch_compat import all_gather_single
 from torchmn.communicators.communicator_base import CommunicatorBase
 from torchmn.communicators.errors import CollectiveMismatchError, RemoteRankError
 from torchmn.communicators.ops import OPS, divide_before_sum, reduce_in_order
-from torchmn.communicators.pickling import pickle_for_call, unpickle_from
+from torchmn.communicators.pickling import as_if_sent, pickle_for_call, unpickle_from
 from torchmn.communicators.shm.pages import empty_like_fast
 from torchmn.communicators.world import new_group
 from torchmn.errors import TorchmnTypeError, TorchmnValueError
@@ -655,7 +655,7 @@ class Communicator(CommunicatorBase):
     def bcast_obj(self, obj: Any, root: int = 0) -> Any:
         self.check_rank(root, "root")
         if self.size == 1:
-            return obj
+            return as_if_sent(obj, "bcast_obj", self.rank, self.host, keep=True)
         buf, err = pickle_for_call(obj, "bcast_obj", self.rank, self.host) if self.rank == root else (None, None)
         # The call header names ranks that pass another root, or make another call, instead of hanging.
         hdrs = self._agree_obj("bcast_obj", root, buf.numel() if buf is not None else 0, err)
@@ -672,7 +672,7 @@ class Communicator(CommunicatorBase):
     @watch.collective
     def allgather_obj_as(self, obj: Any, kind: str, root: Optional[int] = None) -> list[Any]:
         if self.size == 1:
-            return [obj]
+            return [as_if_sent(obj, kind, self.rank, self.host)]
         buf, err = pickle_for_call(obj, kind, self.rank, self.host)
         sizes = self._obj_lengths(buf.numel() if err is None else 0, err, kind, _wire.NONE if root is None else root)
         if max(sizes) * self.size <= _wire.OBJ_CHUNK_BYTES:
@@ -693,7 +693,7 @@ class Communicator(CommunicatorBase):
     def gather_obj(self, obj: Any, root: int = 0) -> Optional[list[Any]]:
         self.check_rank(root, "root")
         if self.size == 1:
-            return [obj]
+            return [as_if_sent(obj, "gather_obj", self.rank, self.host, keep=True)]
         self._agree_obj("gather_obj", root)
         tag = _wire.wire_tag(_call_check.KIND["gather_obj"], "collective")
         if self.rank != root:

@@ -118,3 +118,32 @@ def unpickle_from(buf: torch.Tensor, kind: str, source: int, rank: int, host: st
         raise RemoteRankError(f"{kind}: rank {source}'s object was pickled but cannot be unpickled on rank "
                               f"{rank} ({host}): {type(e).__name__}: {e}; is its class importable, "
                               f"with the same code, on every rank?") from e
+
+
+def as_if_sent(obj: Any, kind: str, rank: int, host: str, keep: bool = False) -> Any:
+    """What a world of one hands back for its own ``obj`` in object collective ``kind``: what a larger
+    world would, pickling included, so that an object no other rank could receive (a lambda, an open
+    file) fails in a single-process run too, not first at scale.
+
+    Args:
+        obj: the object.
+        kind: the collective, for the message.
+        rank, host: this rank and its host, for the message.
+        keep: hand back ``obj`` itself (as ``bcast_obj``'s root and ``gather_obj``'s keep theirs);
+            else the unpickled copy (as ``allgather_obj`` gives for a rank's own small object).
+
+    Returns:
+        ``obj``, or its copy.
+
+    Raises:
+        TypeError: ``obj`` cannot be pickled (the message names the rank, its host and why).
+
+    Example::
+
+        >>> as_if_sent({"loss": 0.5}, "allgather_obj", 0, "node0")
+        {'loss': 0.5}
+    """
+    buf, err = pickle_for_call(obj, kind, rank, host)
+    if err is not None:
+        raise err
+    return obj if keep else unpickle_from(buf, kind, rank, rank, host)
