@@ -93,6 +93,16 @@ def test_srun_tasks_keep_their_own_cpus(cpus):
     assert resources.ranks_sharing_cpus(4, {**srun, "SLURM_STEP_ID": "batch"}) == 4
 
 
+def test_srun_pmi2_tasks_keep_their_own_cpus(cpus):
+    """srun --mpi=pmi2 (or MpiDefault=pmi2) gives every task PMI_RANK too: still srun's task, with
+    its own CPUs, as detection says; mpiexec (Hydra, MPI_LOCALRANKID) inside an allocation is not."""
+    cpus(4)
+    srun = {"SLURM_PROCID": "1", "SLURM_STEP_ID": "0", "SLURM_JOB_ID": "41", "SLURM_LOCALID": "1",
+            "SLURM_CPUS_PER_TASK": "4", "PMI_RANK": "1", "PMI_SIZE": "2", "PMI_JOBID": "41.0", "PMI_FD": "5"}
+    assert resources.ranks_sharing_cpus(4, srun) == 1
+    assert resources.ranks_sharing_cpus(4, {**srun, "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"}) == 4
+
+
 def test_dataloader_workers_leave_one_cpu_for_the_rank(cpus):
     cpus(8)
     assert resources.dataloader_workers_budget(2, {}) == 3

@@ -14,6 +14,7 @@ import os
 import warnings
 from typing import Callable, Dict, Mapping, Optional, Tuple
 
+from torchmn.environments.mpich import MPICHEnvironment
 from torchmn.environments.slurm import slurm_step_id
 from torchmn.errors import TorchmnValueError
 
@@ -36,8 +37,10 @@ THREAD_VARIABLES = (
     "NUMEXPR_NUM_THREADS",
 )
 
-# Variables of launchers that may run inside a Slurm allocation and start their own ranks.
-_OTHER_LAUNCHER_VARIABLES = ("TORCHMN_RANK", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
+# Variables of launchers that may run inside a Slurm allocation and start their own ranks. MPICH's
+# PMI_RANK is not one of them: srun --mpi=pmi2 sets it on its own tasks too (MPICHEnvironment.detect
+# tells mpiexec's ranks apart, as detection does).
+_OTHER_LAUNCHER_VARIABLES = ("TORCHMN_RANK", "TORCHELASTIC_RUN_ID", "OMPI_COMM_WORLD_RANK")
 # Which thread-count variable each thread pool that threadpoolctl finds reads at load time.
 _POOL_VARIABLES = {"openmp": "OMP_NUM_THREADS", "mkl": "MKL_NUM_THREADS", "openblas": "OPENBLAS_NUM_THREADS"}
 
@@ -202,7 +205,8 @@ def cpu_count_available(env: Optional[Mapping[str, str]] = None) -> int:
 def _srun_task(env: Mapping[str, str]) -> bool:
     """Whether this process is a task that srun itself started (a batch script is not one, nor a
     rank that another launcher started inside the allocation)."""
-    return slurm_step_id(env) is not None and not any(name in env for name in _OTHER_LAUNCHER_VARIABLES)
+    return (slurm_step_id(env) is not None and not any(name in env for name in _OTHER_LAUNCHER_VARIABLES)
+            and not MPICHEnvironment.detect(env))
 
 
 def thread_budget(local_size: int, env: Optional[Mapping[str, str]] = None) -> int:
