@@ -11,7 +11,7 @@ import torch
 
 import torchmn
 import torchmn.functions as F
-from torchmn.nn import MultiNodeSequential, Pipeline
+from torchmn.nn import SCHEDULES, MultiNodeSequential, Pipeline
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from check_runner import run_checks  # noqa: E402
@@ -129,6 +129,25 @@ def check_scatter_gather_bcast_backward(comm):
     if r == root:
         close(x.grad, torch.full_like(x, n * (n + 1) / 2), "bcast's input gradient")
 
+
+def check_double_backward_refused(comm):
+    """A second derivative through a communicating backward is refused on every rank, at the same
+    point: that backward's own collective is not part of the graph, so its result would be wrong."""
+    def refused(what, y, x):
+        (g,) = torch.autograd.grad(y.pow(3).sum(), x, create_graph=True)
+        try:
+            g.sum().backward()
+        except RuntimeError as e:
+            assert "twice" in str(e), f"{what}: {e}"
+        else:
+            raise AssertionError(f"{what}: double backward was not refused")
+
+    x = torch.randn(4, 3, dtype=torch.float64, requires_grad=True)
+    refused("allreduce", F.allreduce(comm, x), x)
+    refused("allgather", torch.cat(F.allgather(comm, x)), x)
+    refused("MultiNodeBatchNorm1d", torchmn.nn.MultiNodeBatchNorm1d(3, comm=comm).double()(x), x)
+    layer = torchmn.nn.ColumnParallelLinear(3, 4, comm=comm, dtype=torch.float64, gather_output=False)
+    refused("ColumnParallelLinear", layer(x), x)
 
 def check_mismatched_functions_raise(comm):
     """Ranks that call different collectives get the communicator's error, not a hang."""
@@ -400,9 +419,64 @@ def check_pipeline_micro_batches_mismatch_refused(comm):
     try:
         pipe.train_step(x if pipe.is_first else None, target=y if pipe.is_last else None)
     except torchmn.CollectiveMismatchError as e:
-        assert "rank 0: {'micro_batches': 2}; rank 1: {'micro_batches': 4}" in str(e), e
+        assert "rank 0: {'micro_batches': 2, 'schedule': '1f1b'}; rank 1: {'micro_batches': 4, 'schedule': '1f1b'}" \
+            in str(e), e
     else:
         raise AssertionError("no error")
+
+
+def check_pipeline_schedule_mismatch_refused(comm):
+    """Stages built with different schedules would each wait for what the other sends later."""
+    if comm.size < 2:
+        return
+    schedule = "gpipe" if comm.rank == 1 else "1f1b"
+    pipe = Pipeline(_stages(comm.size)[comm.rank], comm, micro_batches=4, schedule=schedule,
+                    loss_fn=torch.nn.functional.mse_loss)
+    x, y = batch(rows=8, width=6, seed=5), batch(rows=8, width=6, seed=6)
+    try:
+        pipe.train_step(x if pipe.is_first else None, target=y if pipe.is_last else None)
+    except torchmn.CollectiveMismatchError as e:
+        assert "rank 1: {'micro_batches': 4, 'schedule': 'gpipe'}" in str(e), e
+    else:
+        raise AssertionError("no error")
+
+
+class _TwoWay(torch.nn.Module):
+    """A stage taking and returning two tensors, the latter as a list (a first stage takes one)."""
+
+    def __init__(self, seed):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a, self.b = torch.nn.Linear(6, 6).double(), torch.nn.Linear(6, 6).double()
+
+    def forward(self, x, y=None):
+        return [torch.tanh(self.a(x)), torch.sigmoid(self.b(x if y is None else y))]
+
+
+def check_pipeline_stage_returning_a_list(comm):
+    """A stage may return a list of tensors, as a tuple: the next stage takes them as its arguments."""
+    p, r = comm.size, comm.rank
+    parts, ref = [_TwoWay(k) for k in range(p)], [_TwoWay(k) for k in range(p)]
+    x, y = batch(rows=8, width=6, seed=5), batch(rows=8, width=6, seed=6)
+
+    def loss_fn(out, target):
+        return torch.nn.functional.mse_loss(out[0] * out[1], target)
+
+    for schedule in SCHEDULES:
+        for part in parts:
+            part.zero_grad()
+        pipe = Pipeline(parts[r], comm, micro_batches=4, schedule=schedule, loss_fn=loss_fn)
+        pipe.train_step(x if r == 0 else None, target=y if r == p - 1 else None)
+        if schedule == SCHEDULES[0]:
+            h = ref[0](x)
+            for part in ref[1:]:
+                h = part(*h)
+            loss_fn(h, y).backward()
+        for a, b in zip(parts[r].parameters(), ref[r].parameters()):
+            close(a.grad, b.grad, f"{schedule}: stage {r}'s gradient, stages returning lists")
+        evaluated = pipe(x if r == 0 else None)
+        if r == p - 1:
+            close(evaluated[0] * evaluated[1], h[0] * h[1], "forward through stages returning lists")
 
 
 def check_pipeline_memory(comm):

@@ -276,7 +276,7 @@ SPATIAL = [dict(kernel_size=k) for k in (1, 3, 5, 7)] + [
     dict(kernel_size=(3, 5), stride=(2, 1), padding=(1, 2), groups=2)]
 
 
-def _spatial_case(comm, kw, split="h", heights=None, widths=None, seed=0):
+def _spatial_case(comm, kw, split="h", heights=None, widths=None, seed=0, after=lambda y: y):
     grid_rows, grid_cols = (comm.size, 1) if split == "h" else \
         next((comm.size // c, c) for c in range(int(comm.size ** 0.5), 0, -1) if comm.size % c == 0)
     heights = heights or ROW_SPLITS[grid_rows]
@@ -289,9 +289,9 @@ def _spatial_case(comm, kw, split="h", heights=None, widths=None, seed=0):
     i, j = divmod(comm.rank, grid_cols)
     r0, c0 = sum(heights[:i]), sum(widths[:j])
     block = x[:, :, r0:r0 + heights[i], c0:c0 + widths[j]].clone().requires_grad_()
-    y = layer(block)
+    y = after(layer(block))
     xd = x.clone().requires_grad_()
-    yd = dense(xd)
+    yd = after(dense(xd))
     g = randn(*yd.shape, seed=seed + 100)
     yd.backward(g)
     # Where this rank's output block sits: the blocks of the other ranks of its block row and column.
@@ -324,6 +324,14 @@ def check_spatial_conv_empty_blocks(comm):
     heights = [0] + [13 - (comm.size - 2)] + [1] * (comm.size - 2)
     _spatial_case(comm, dict(kernel_size=3, padding=1), heights=heights)
     _spatial_case(comm, dict(kernel_size=2, stride=2), heights=[3] + [1] * (comm.size - 2) + [13 - 3 - (comm.size - 2)])
+
+
+def check_spatial_conv_then_inplace_relu(comm):
+    """The output takes an in-place change, as any layer's does (ReLU(inplace=True) next)."""
+    _spatial_case(comm, dict(kernel_size=3, padding=1), after=torch.nn.ReLU(inplace=True))
+    if comm.size >= 2:
+        heights = [0] + [13 - (comm.size - 2)] + [1] * (comm.size - 2)
+        _spatial_case(comm, dict(kernel_size=3, padding=1), heights=heights, after=torch.nn.ReLU(inplace=True))
 
 
 def check_spatial_conv_refuses_misfit_blocks(comm):
@@ -491,6 +499,14 @@ def check_arguments_refused(comm):
             assert "expected an input of 7 features, got shape (2, 6)" in str(e), e
         else:
             raise AssertionError("no error")
+    # Batches of different sizes: the gathered output cannot be joined; every rank is told which.
+    layer = ColumnParallelLinear(6, 4, comm=comm)
+    try:
+        layer(torch.randn(3 if comm.rank == 1 else 2, 6))
+    except torchmn.CollectiveMismatchError as e:
+        assert "rank 0: (2, " in str(e) and "rank 1: (3, " in str(e) and "same input" in str(e), e
+    else:
+        raise AssertionError("no error")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from torchmn.communicators import CommunicatorBase
 from torchmn.errors import TorchmnTypeError, TorchmnValueError
@@ -31,6 +32,7 @@ class _Bcast(torch.autograd.Function):
         return comm.bcast(None, root)  # on root's kind of device: CPU, or this rank's GPU
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gy):
         parts = ctx.comm.gather(gy.contiguous(), ctx.root)
         if ctx.comm.rank != ctx.root:
@@ -48,6 +50,7 @@ class _Gather(torch.autograd.Function):
         return tuple(_own(y, x) if r == comm.rank else y.to(x.device) for r, y in enumerate(ys))
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *gys):
         if ctx.comm.rank == ctx.root:
             gx = ctx.comm.scatter([g.contiguous() for g in gys], ctx.root)
@@ -66,6 +69,7 @@ class _Scatter(torch.autograd.Function):
         return _own(y, xs[root])
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gy):
         parts = ctx.comm.gather(gy.contiguous(), ctx.root)
         if ctx.comm.rank != ctx.root:
@@ -81,6 +85,7 @@ class _AllGather(torch.autograd.Function):
         return tuple(_own(y, x) if r == comm.rank else y.to(x.device) for r, y in enumerate(ys))
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *gys):
         # Rank r's gradient of ys[i] goes to rank i, which sums what it gets: a reduce-scatter.
         parts = ctx.comm.alltoall([g.contiguous() for g in gys])
@@ -95,6 +100,7 @@ class _AllToAll(torch.autograd.Function):
         return tuple(_own(y, xs[r]) if r == comm.rank else y.to(xs[r].device) for r, y in enumerate(ys))
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *gys):
         gxs = ctx.comm.alltoall([g.contiguous() for g in gys])
         return (None, None, *[g.to(d) for g, d in zip(gxs, ctx.devices)])
@@ -107,6 +113,7 @@ class _AllReduce(torch.autograd.Function):
         return comm.allreduce(x)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, gy):
         return None, None, ctx.comm.allreduce(gy.contiguous())
 

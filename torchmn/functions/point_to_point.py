@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Optional, Sequence, Union
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from torchmn.communicators import CommunicatorBase
 from torchmn.errors import TorchmnTypeError, TorchmnValueError
@@ -68,6 +69,7 @@ class _Send(torch.autograd.Function):
         return delegate(xs[0].device if xs else torch.device("cpu"))
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, _grad_delegate):
         grads = [ctx.comm.recv(ctx.rank, ctx.tag).to(device) if diff else None for diff, device in ctx.inputs]
         return (None, None, None, None, None, *grads)
@@ -84,6 +86,7 @@ class _Recv(torch.autograd.Function):
         return tuple(xs)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *grads):
         for diff, g in zip(ctx.differentiable, grads):
             if diff:

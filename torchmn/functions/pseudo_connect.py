@@ -13,8 +13,11 @@ class _PseudoConnect(torch.autograd.Function):
     @staticmethod
     def forward(ctx, delegate_variable, *xs):
         ctx.delegate = (delegate_variable.shape, delegate_variable.dtype, delegate_variable.device)
-        ctx.mark_non_differentiable(*[x for x in xs if not differentiable(x)])
-        return tuple(x.view_as(x) for x in xs)
+        # Detached aliases, not views: torch forbids in-place changes of a custom Function's view
+        # outputs, and the next layer may well be a ReLU(inplace=True).
+        outs = tuple(x.detach() for x in xs)
+        ctx.mark_non_differentiable(*[o for o in outs if not differentiable(o)])
+        return outs
 
     @staticmethod
     def backward(ctx, *grads):

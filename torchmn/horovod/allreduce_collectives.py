@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from torchmn.communicators import CollectiveMismatchError
 from torchmn.horovod import coordination, handles
@@ -238,6 +239,7 @@ class _Allreduce(torch.autograd.Function):
                                       wait=True))
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, *grads):
         op, prescale, postscale, process_set = ctx.args
         return (None,) * 5 + tuple(_start_allreduce([g.contiguous() for g in grads], None, None, op, prescale,

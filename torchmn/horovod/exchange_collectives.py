@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from torchmn.horovod import handles
 from torchmn.horovod.allreduce_collectives import allreduce
@@ -68,6 +69,7 @@ class _Allgather(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         averaged = allreduce(grad.contiguous(), op=Average, process_set=ctx.process_set)
         r = comm_of(ctx.process_set, "hvd.allgather (backward)").rank
@@ -198,6 +200,7 @@ class _Broadcast(torch.autograd.Function):
         return _start_broadcast(tensor, root_rank, name, process_set, "hvd.broadcast", wait=True)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         averaged = allreduce(grad.contiguous(), op=Average, process_set=ctx.process_set)
         ranks = (global_process_set if ctx.process_set is None else ctx.process_set).ranks
@@ -343,6 +346,7 @@ class _Alltoall(torch.autograd.Function):
         return out, received
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad, _):
         back, _ = _start_alltoall(grad.contiguous(), ctx.received, None, ctx.process_set, "hvd.alltoall (backward)",
                                   lambda result: result, wait=True)
@@ -468,6 +472,7 @@ class _Reducescatter(torch.autograd.Function):
                                     grouped=False, wait=True)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         # Horovod's gradient: the rows gathered, times the rank count for Sum and the two factors.
         factor = ctx.factor

@@ -14,6 +14,7 @@ import functools
 from typing import Callable, Sequence
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from torchmn.communicators import CollectiveMismatchError, CommunicatorBase
 
@@ -80,6 +81,7 @@ class _CopyToParallel(torch.autograd.Function):
         return x.view_as(x)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         return None, ctx.comm.allreduce(g.contiguous())
 
@@ -98,6 +100,13 @@ class _GatherFromParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, comm, dim, x):
         parts = comm.allgather(x.contiguous())
+        others = [p.shape[:dim] + p.shape[dim + 1:] for p in parts]
+        if any(o != others[0] for o in others):
+            shown = ", ".join(f"rank {r}: {tuple(p.shape)}" for r, p in enumerate(parts))
+            raise CollectiveMismatchError(
+                f"the ranks' slices of a split layer's output differ in more than dimension {dim} ({shown}), so "
+                f"they do not join into one output: give every rank the same input (a tensor-parallel layer "
+                f"computes one output for one batch, split over the ranks) (raised on rank {comm.rank})")
         sizes = [p.shape[dim] for p in parts]
         ctx.dim, ctx.start, ctx.length = dim, offsets(sizes)[comm.rank], x.shape[dim]
         return torch.cat([p.to(x.device) for p in parts], dim=dim)
@@ -115,6 +124,7 @@ class _ScatterToParallel(torch.autograd.Function):
         return x.narrow(dim, offsets(sizes)[comm.rank], sizes[comm.rank]).contiguous()
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         parts = ctx.comm.allgather(g.contiguous())
         return None, None, torch.cat([p.to(g.device) for p in parts], dim=ctx.dim)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from torchmn.communicators import CommunicatorBase
 from torchmn.errors import TorchmnValueError
@@ -168,6 +169,7 @@ class _GlobalNormalization(torch.autograd.Function):
         return torch.addcmul(-shift.view(shape), xc, scale.view(shape))  # one pass
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad):
         xc, mean, invstd, weight = ctx.saved_tensors
         grad = grad.contiguous()

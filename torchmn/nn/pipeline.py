@@ -6,7 +6,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from torchmn.communicators import CommunicatorBase
-from torchmn.errors import TorchmnValueError
+from torchmn.errors import TorchmnTypeError, TorchmnValueError
 from torchmn.functions.point_to_point import recv_tensors, send_tensors
 from torchmn.nn._parallel_utility import agree_on_arguments
 from torchmn.nn._pipeline_utility import ActivationMeter, chunk, differentiable_inputs, grads_of, payload_bytes
@@ -86,7 +86,9 @@ class Pipeline(torch.nn.Module):
 
         Raises:
             ValueError: inputs missing on the first stage, or targets or ``loss_fn`` on the last.
-            CollectiveMismatchError: (first step) the stages were built with different ``micro_batches``.
+            TypeError: a stage before the last returns something other than a tensor or a tuple (or list) of them.
+            CollectiveMismatchError: (first step) the stages were built with different ``micro_batches`` or
+                ``schedule``.
 
         Example::
 
@@ -96,9 +98,9 @@ class Pipeline(torch.nn.Module):
         """
         m = self.micro_batches
         if not self._agreed:
-            # Stages cutting the batch into different numbers of pieces would wait for messages that
-            # never come, until the timeout: told on every stage at the first step instead.
-            agree_on_arguments(self, self.comm, {"micro_batches": m})
+            # Stages cutting the batch into different numbers of pieces, or in another order, would wait
+            # for messages that never come, until the timeout: told on every stage at the first step instead.
+            agree_on_arguments(self, self.comm, {"micro_batches": m, "schedule": self.schedule})
             self._agreed = True
         if self.is_first and inputs is None:
             raise TorchmnValueError("Pipeline.train_step: the first stage must pass the batch's inputs")
@@ -145,8 +147,21 @@ class Pipeline(torch.nn.Module):
             out = self.stage(*(x if isinstance(x, tuple) else (x,)))
             if self.is_last:
                 out = self.loss_fn(out, self._targets[k]) * self._weights[k]
+            else:
+                out = self._checked_output(out)
         self.meter.hold(k, payload_bytes(x) + payload_bytes(out))
         self._held[k] = (x, out)
+
+    def _checked_output(self, out: Any) -> Any:
+        """What a stage before the last returns, as the next stage receives it: a tensor or a tuple."""
+        if isinstance(out, list):
+            out = tuple(out)
+        if not isinstance(out, torch.Tensor) and not (
+                isinstance(out, tuple) and out and all(isinstance(t, torch.Tensor) for t in out)):
+            raise TorchmnTypeError(f"Pipeline: stage {self.index}'s output goes to stage {self.index + 1}, so it must be "
+                                   f"a tensor or a tuple (or list) of tensors, not {type(out).__name__}; return the "
+                                   f"tensors the next stage takes as its arguments")
+        return out
 
     def _send_output(self, k: int) -> None:
         if not self.is_last:
@@ -188,5 +203,5 @@ class Pipeline(torch.nn.Module):
             out = self.stage(*(x if isinstance(x, tuple) else (x,)))
             if self.is_last:
                 return out
-            send_tensors(self.comm, out, self.index + 1, _ACT)
+            send_tensors(self.comm, self._checked_output(out), self.index + 1, _ACT)
             return None
