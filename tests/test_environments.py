@@ -102,6 +102,20 @@ def test_import_does_not_import_torch():
     assert result.stdout.strip() == "False"
 
 
+def test_launch_module_detects_as_the_specification_names_it(monkeypatch):
+    """``torchmn.launch.detect_environment()`` and ``expand_hostlist`` are the environments' own,
+    reading os.environ by default."""
+    import torchmn.launch
+
+    for name in list(os.environ):
+        if name.startswith(LAUNCHER_PREFIXES) or name in LAUNCHER_NAMES:
+            monkeypatch.delenv(name)
+    for name, value in MPICH.items():
+        monkeypatch.setenv(name, value)
+    assert torchmn.launch.detect_environment() == EXPECTED["mpich"]
+    assert torchmn.launch.expand_hostlist("n[08-10],gpu[1,1]") == ["n08", "n09", "n10", "gpu1", "gpu1"]
+
+
 # ---- torchmn and torchrun ----
 
 def test_torchmn_without_node_rank_and_master_port():
