@@ -397,6 +397,22 @@ def test_heterogeneous_step(rank, node_id, local_rank, node, local_size):
         (rank, 3, local_rank, local_size, "n2")
 
 
+def test_heterogeneous_job_step_of_a_later_component_alone():
+    """`srun --het-group=1`: the step runs on component 1's nodes only, so its task 0 is there."""
+    env = {**HET, "SLURM_NTASKS": "2", "SLURM_STEP_NODELIST": "n1", "SLURM_STEP_TASKS_PER_NODE": "2",
+           "SLURM_TASKS_PER_NODE": "2", "SLURM_PROCID": "1", "SLURM_NODEID": "0", "SLURM_LOCALID": "1",
+           "SLURMD_NODENAME": "n1"}
+    assert detect_environment(env).master_addr == "n1"
+
+
+def test_slurm_node_without_tasks_names_where_its_index_came_from():
+    env = slurm_with(SLURM_STEP_NODELIST="n[1-3]", SLURM_STEP_TASKS_PER_NODE="1,1", SLURM_NODEID="0",
+                     SLURMD_NODENAME="n3")
+    with pytest.raises(ValueError, match=r"SLURMD_NODENAME='n3', node 2 of the node list, has no entry in "
+                                         r"SLURM_STEP_TASKS_PER_NODE='1,1' \(2 nodes\)"):
+        detect_environment(env)
+
+
 def test_arbitrary_distribution_needs_master_addr():
     env = {**SLURM, "SLURM_DISTRIBUTION": "arbitrary"}
     with pytest.raises(RuntimeError, match="arbitrary .* export MASTER_ADDR"):

@@ -255,7 +255,10 @@ def _slurm_rank0_host(env: Mapping[str, str], hosts: Optional[list]) -> Optional
                                   "runs (the first line of the hostfile)")
     for name in ("SLURM_JOB_NODELIST_HET_GROUP_0", "SLURM_JOB_NODELIST_PACK_GROUP_0"):
         if env.get("SLURM_HET_SIZE") and env.get(name):
-            return _slurm_hosts(env, name)[0]
+            first = _slurm_hosts(env, name)[0]
+            # A step of a later component alone (srun --het-group=1) does not run on component 0.
+            if not hosts or first in hosts:
+                return first
     return hosts[0] if hosts else None
 
 
@@ -265,8 +268,9 @@ def _slurm_local_size(env: Mapping[str, str], node_rank: int, size: int, fix: st
         if env.get(name):
             counts = _expand_tasks_per_node(name, env[name], fix)
             if node_rank >= len(counts):
-                raise TorchmnValueError(f"SLURM_NODEID={env['SLURM_NODEID']!r} has no entry in "
-                                        f"{name}={env[name]!r} ({len(counts)} nodes); {fix}")
+                where = (f"SLURMD_NODENAME={env['SLURMD_NODENAME']!r}, node {node_rank} of the node list,"
+                         if node_rank != int(env["SLURM_NODEID"]) else f"SLURM_NODEID={env['SLURM_NODEID']!r}")
+                raise TorchmnValueError(f"{where} has no entry in {name}={env[name]!r} ({len(counts)} nodes); {fix}")
             return counts[node_rank], name
     if env.get("SLURM_NTASKS_PER_NODE"):
         return read_int(env, "SLURM_NTASKS_PER_NODE", fix), "SLURM_NTASKS_PER_NODE"
