@@ -28,3 +28,19 @@ def test_lightning_strategy_in_a_world_of_one(how):
     proc = run_one_process(CHECKS, ["world_of_one"], timeout=150) if how == "plain python" else \
         run_job(CHECKS, ["world_of_one"], np=1, timeout=150, check=False)
     assert proc.returncode == 0 and "PASS world_of_one" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_node_rank_under_mpi_is_the_communicators_node(monkeypatch):
+    """MPI names no nodes: `mpirun --map-by node` puts rank 1 of 2 x 2 on the second node, which
+    rank // local size does not tell; the communicator (ranks grouped by host) does."""
+    import types
+
+    from torchmn.lightning import TorchmnEnvironment
+
+    for name, value in {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                        "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_ADDR": "h1", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(name, value)
+    env = TorchmnEnvironment()
+    assert (env.global_rank(), env.local_rank(), env.node_rank()) == (1, 0, 0)  # the launcher's guess
+    env.learn_nodes(types.SimpleNamespace(inter_rank=1))  # what create_communicator found
+    assert env.node_rank() == 1

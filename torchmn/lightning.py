@@ -64,6 +64,7 @@ class TorchmnEnvironment(ClusterEnvironment):
         """
         super().__init__()
         self._env = detect_environment()
+        self._node_of_communicator: Optional[int] = None
 
     @property
     def creates_processes_externally(self) -> bool:
@@ -164,8 +165,10 @@ class TorchmnEnvironment(ClusterEnvironment):
         """This rank's node.
 
         Returns:
-            The launcher's node index; under MPI, which names no nodes, ``rank // local size``
-            (ranks fill the nodes in order).
+            The launcher's node index. Under MPI, which names no nodes: the communicator's node
+            (``inter_rank``, ranks grouped by host) once :meth:`learn_nodes` was given it, as
+            ``TorchmnStrategy`` does when it sets up; before that ``rank // local size`` (right where
+            ranks fill the nodes in order, not for ``mpirun --map-by node``).
 
         Example::
 
@@ -174,7 +177,23 @@ class TorchmnEnvironment(ClusterEnvironment):
         """
         if self._env.node_rank is not None:
             return self._env.node_rank
+        if self._node_of_communicator is not None:
+            return self._node_of_communicator
         return self._env.rank // max(1, self._env.local_size)
+
+    def learn_nodes(self, comm: Any) -> None:
+        """Take this rank's node from ``comm``, which grouped the ranks by host, where the launcher
+        names no node.
+
+        Args:
+            comm: the job's world communicator.
+
+        Example::
+
+            >>> env.learn_nodes(torchmn.create_communicator()); env.node_rank()
+            1
+        """
+        self._node_of_communicator = comm.inter_rank
 
     def validate_settings(self, num_devices: int, num_nodes: int) -> None:
         """Refuse a ``Trainer`` whose ``devices`` and ``num_nodes`` are not what the launcher started.
@@ -257,6 +276,8 @@ class TorchmnStrategy(DDPStrategy):
         self._process_group_backend = self._get_process_group_backend()
         if self.comm is None:  # a later fit, validate or test keeps the world of the first
             self.comm = _communicator(self._communicator, self._process_group_backend, self._collective_timeout)
+            if isinstance(self.cluster_environment, TorchmnEnvironment):
+                self.cluster_environment.learn_nodes(self.comm)
         if not torch.distributed.is_initialized():
             # A world of one has no process group, and DDP, which wraps the model, needs one even
             # alone: one over an in-process store, which opens no port.

@@ -107,6 +107,7 @@ def check_collectives_go_through_the_communicator():
     # After fit the communicator stays, as Lightning's DDP process group does: a broadcast of the
     # best checkpoint's path, a reduction and a barrier reach every rank.
     strategy = trainer.strategy
+    assert trainer.node_rank == strategy.comm.inter_rank, (trainer.node_rank, strategy.comm.inter_rank)
     assert strategy.broadcast(f"path of rank {RANK}", src=0) == "path of rank 0"
     assert strategy.reduce(torch.tensor(float(RANK)), reduce_op="sum").item() == sum(range(SIZE))
     # A loss reduced in training_step stays in the graph (Lightning's in-place reduction keeps it):
