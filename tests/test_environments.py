@@ -19,8 +19,8 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 
 LAUNCHER_PREFIXES = ("SLURM_", "OMPI_", "PMI_", "PMIX_", "MPI_LOCAL", "TORCHMN_", "TORCHELASTIC_",
                      "HYDRA_", "I_MPI_")
-LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
-                  "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
+LAUNCHER_NAMES = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "LOCAL_SIZE", "CROSS_RANK", "GROUP_RANK",
+                  "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}
 
 TORCHMN = {"TORCHMN_RANK": "5", "TORCHMN_SIZE": "8", "TORCHMN_LOCAL_RANK": "1", "TORCHMN_LOCAL_SIZE": "4",
            "TORCHMN_NODE_RANK": "1", "TORCHMN_NODE_COUNT": "2", "MASTER_ADDR": "node1",
@@ -102,6 +102,15 @@ def test_import_does_not_import_torch():
     assert result.stdout.strip() == "False"
 
 
+def test_deepspeed_launcher_local_size_and_node():
+    """The DeepSpeed launcher names the local size LOCAL_SIZE and the node CROSS_RANK."""
+    env = {"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_SIZE": "2", "CROSS_RANK": "1", "CROSS_SIZE": "2",
+           "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500"}
+    assert detect_environment(env) == LaunchEnvironment(3, 4, 1, 2, 1, "10.0.0.1", 29500, "env")
+    with pytest.raises(ValueError, match="LOCAL_RANK='2'.*LOCAL_SIZE='2'"):
+        detect_environment({**env, "LOCAL_RANK": "2"})
+
+
 def test_launch_module_detects_as_the_specification_names_it(monkeypatch):
     """``torchmn.launch.detect_environment()`` and ``expand_hostlist`` are the environments' own,
     reading os.environ by default."""
@@ -137,8 +146,11 @@ def test_env_launch_by_hand():
         LaunchEnvironment(1, 3, 0, 1, None, "master-0", 29611, "env")
     with pytest.raises(RuntimeError, match="MASTER_ADDR is not set and the 4 ranks"):
         detect_environment({k: v for k, v in env.items() if k != "MASTER_ADDR"})
+    # LOCAL_RANK alone: on a loopback rendezvous every rank is still here; elsewhere the size is needed.
+    assert detect_environment({**bare, "LOCAL_RANK": "1"}) == LaunchEnvironment(1, 3, 1, 3, None, "127.0.0.1", 29611,
+                                                                                "env")
     with pytest.raises(ValueError, match="LOCAL_WORLD_SIZE is not set"):
-        detect_environment({**bare, "LOCAL_RANK": "0"})
+        detect_environment({**bare, "MASTER_ADDR": "master-0", "LOCAL_RANK": "0"})
     # Slurm and MPI win over variables a batch script exported for its own use.
     assert detect_environment({**SLURM, **bare}).source == "slurm"
     assert detect_environment({**OPENMPI, **bare}).source == "openmpi"
