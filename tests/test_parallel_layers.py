@@ -11,7 +11,7 @@ CHECKS = WORKERS / "parallel_layer_checks.py"
 ALL = ("bn_four_way", "bn_four_way_images", "bn_rank_without_samples",
        "bn_constant_channel_and_single_sample", "bn_global_batch_of_one_refused", "bn_empty_global_batch_keeps_statistics",
        "bn_cumulative_average", "bn_eval_makes_no_collective",
-       "bn_channel_mismatch_refused", "bn_deep_copy_shares_the_communicator", "create_mnbn_model",
+       "bn_channel_mismatch_refused", "bn_wrong_input_refused_on_every_rank", "bn_deep_copy_shares_the_communicator", "create_mnbn_model",
        "create_mnbn_model_converts_subclasses", "spatial_conv", "spatial_conv_width_split",
        "spatial_conv_empty_blocks", "spatial_conv_then_inplace_relu", "spatial_conv_refuses_misfit_blocks", "channel_conv", "channel_conv_grouped",
        "column_row_mlp", "column_and_row_alone",

@@ -194,6 +194,25 @@ def check_bn_channel_mismatch_refused(comm):
         raise AssertionError("no error")
 
 
+def check_bn_wrong_input_refused_on_every_rank(comm):
+    """One rank's input has the wrong channels: its own error there, the others told at once, and
+    the next batch, right everywhere, normalizes as usual (the ranks' collectives still in step)."""
+    bn = MultiNodeBatchNorm1d(4, comm=comm).double()
+    for bad in (randn(3, 5), randn(3, 4, 2, 2)):
+        try:
+            bn(bad if comm.rank == 0 else randn(3, 4))
+        except torchmn.CollectiveMismatchError as e:
+            assert comm.rank != 0 and "another rank refused its own input" in str(e), e
+        except ValueError as e:
+            assert comm.rank == 0 and ("expected 4 channels" in str(e) or "2D or 3D" in str(e)), e
+        else:
+            raise AssertionError("no error")
+    x = randn(3, 4, seed=comm.rank)
+    whole = torch.cat(comm.allgather(x))
+    close(bn(x), torch.nn.functional.batch_norm(whole, None, None, training=True)[3 * comm.rank:3 * comm.rank + 3],
+          "the next batch after a refused one")
+
+
 def check_bn_deep_copy_shares_the_communicator(comm):
     """An EMA of a model with multi-node BatchNorm (copy.deepcopy) normalizes over the job too; the
     layer is a torch _BatchNorm; a communicator refuses pickling with what to save instead."""

@@ -9,12 +9,14 @@ multiply-adds), instead of autograd's pass per elementwise operation.
 """
 from __future__ import annotations
 
+import contextlib
+
 from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from torchmn.communicators import CommunicatorBase
+from torchmn.communicators import CollectiveMismatchError, CommunicatorBase
 from torchmn.errors import TorchmnValueError
 from torchmn.nn._parallel_utility import agree_on_arguments
 
@@ -90,11 +92,16 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             >>> bn(torch.randn(8 if comm.rank == 0 else 5, 3, 32, 32)).shape   # rank 0
             torch.Size([8, 3, 32, 32])
         """
-        self._check_input_dim(x)
-        if x.shape[1] != self.num_features:
-            raise TorchmnValueError(f"{type(self).__name__}: expected {self.num_features} channels, got input of shape "
-                                    f"{tuple(x.shape)}")
         use_batch = self.training or not self.track_running_stats
+        try:
+            self._check_input_dim(x)
+            if x.shape[1] != self.num_features:
+                raise TorchmnValueError(f"{type(self).__name__}: expected {self.num_features} channels, got input of "
+                                        f"shape {tuple(x.shape)}")
+        except TorchmnValueError:
+            if use_batch and self.comm.size > 1:
+                self._refuse_with_the_others()
+            raise
         if not use_batch:
             return torch.nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
                                                   False, 0.0, self.eps)
@@ -103,7 +110,12 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         compute = torch.promote_types(x.dtype, torch.float32)  # half precision normalizes in float32
         xc = x.to(compute)
         with torch.no_grad():
-            mean, var, n = _global_moments(self.comm, xc)
+            try:
+                mean, var, n = _global_moments(self.comm, xc)
+            except CollectiveMismatchError as error:
+                raise CollectiveMismatchError(
+                    f"{type(self).__name__}: another rank refused its own input (its error says why: a wrong number "
+                    f"of channels or dimensions), so the batch statistics cannot be summed: {error}") from error
         if n == 1:  # known alike on every rank: n is the global batch's count
             raise TorchmnValueError(
                 f"{type(self).__name__}: expected more than 1 value per channel when training, got 1 over the "
@@ -118,6 +130,17 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         invstd = torch.rsqrt(var + self.eps).to(compute)
         return _GlobalNormalization.apply(xc, mean.to(compute), invstd, self.weight, self.bias, self.comm,
                                           float(n)).to(x.dtype)
+
+    def _refuse_with_the_others(self) -> None:
+        """Fail the statistics' collective on every rank, not only here: the other ranks, already
+        in it, would otherwise wait for this one until the timeout (or for ever, where this rank
+        catches the error and goes on)."""
+        if not self._agreed:
+            self._agree_on_arguments()
+        # No rank's statistics are empty (2C + 1 numbers): the call check refuses these on every rank
+        # that sums real ones; this rank then raises its own error.
+        with contextlib.suppress(CollectiveMismatchError):
+            self.comm.allreduce(torch.zeros(0, dtype=torch.float64))
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, n: torch.Tensor) -> None:
