@@ -10,7 +10,6 @@ multiply-adds), instead of autograd's pass per elementwise operation.
 from __future__ import annotations
 
 import contextlib
-
 from typing import Optional
 
 import torch
