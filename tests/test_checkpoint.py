@@ -16,7 +16,8 @@ TRAIN = WORKERS / "checkpoint_train.py"
 CHECKS = WORKERS / "checkpoint_checks.py"
 ALL = ("keep_prunes_old_steps", "torn_or_partial_steps_are_never_loaded", "another_model_is_named",
        "newer_step_of_another_run_is_not_overwritten", "unwritable_directory_is_named",
-       "ranks_saving_different_steps_are_named", "resumable_loader_continues_exactly",
+       "ranks_saving_different_steps_are_named", "ranks_saving_a_step_again_and_a_new_one_are_named",
+       "a_load_refused_on_one_rank_fails_every_rank_at_once", "resumable_loader_continues_exactly",
        "multi_node_iterator_position", "damaged_manifest_is_named", "manifest_that_cannot_be_written_fails_every_rank",
        "a_step_saved_again_is_left_as_it_is", "multi_node_iterator_resume_leaves_the_rng_as_the_old_run")
 

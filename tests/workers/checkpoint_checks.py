@@ -197,6 +197,38 @@ def check_ranks_saving_different_steps_are_named(comm, root):
     assert ckpt.complete_steps() == []
 
 
+def check_ranks_saving_a_step_again_and_a_new_one_are_named(comm, root):
+    """Rank 0 saves the step it saved last again (left as it is, alone), rank 1 a new one: both told."""
+    ckpt = Checkpointer(os.path.join(root, "again_and_new"), comm, model=small_model())
+    ckpt.save(10)
+    if comm.size > 1:
+        expect_error(lambda: ckpt.save(10 if comm.rank == 0 else 11), "rank 0: 10", "rank 1: 11")
+    comm.allgather_obj(None)
+    assert ckpt.complete_steps() == [10], ckpt.complete_steps()
+
+
+def check_a_load_refused_on_one_rank_fails_every_rank_at_once(comm, root):
+    """Rank 0's loader refuses the saved position (its data grew) while the default optimizer,
+    listed after it, loads with a barrier: every rank is told what rank 0 refused, at once."""
+    directory = os.path.join(root, "refused_on_one")
+
+    def build(extra):
+        model = small_model()
+        optimizer = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters()), comm)
+        loader = ResumableLoader(list(range(16 + extra)), batch_size=4, seed=comm.rank)
+        return model, optimizer, Checkpointer(directory, comm, loader=loader, model=model, optimizer=optimizer)
+
+    model, optimizer, ckpt = build(0)
+    optimizer.zero_grad()
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    ckpt.save(1)
+    _, _, ckpt = build(1 if comm.rank == 0 else 0)
+    if comm.size > 1:
+        expect_error(ckpt.load_latest, "failed on rank 0", "loader: ")
+        comm.allgather_obj(None)  # the ranks are still in step
+
+
 def check_loads_on_another_rank_count(comm, root):
     """Run on 1 rank over a checkpoint a 2-rank job of checkpoint_train.py wrote with the sharded
     optimizer: model and optimizer load; the per-rank data position refuses, naming both counts."""

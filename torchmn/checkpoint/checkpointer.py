@@ -267,27 +267,31 @@ class Checkpointer:
         if isinstance(step, bool) or int(step) != step or step < 0:
             raise TorchmnValueError(f"Checkpointer.save: step={step!r} must be a non-negative integer")
         step = int(step)
-        if step in (self.resumed_from, self._saved):
-            # The state is the one just loaded, or this step was saved already (every N steps and
-            # at each epoch's end can meet): the complete step on disk holds it.
-            self.comm.allgather_obj(step)
-            return
+        # The state is the one just loaded, or this step was saved already (every N steps and at
+        # each epoch's end can meet): the complete step on disk holds it.
+        kept = step in (self.resumed_from, self._saved)
         refusal = None
-        if self.comm.rank == 0:
+        if self.comm.rank == 0 and not kept:
             try:
                 refusal = (f"this run saved step {self._saved} already; the steps it saves must grow"
                            if self._saved is not None and step < self._saved else self._prepare_step(step))
             except OSError as e:  # told to every rank below, rather than leaving them waiting
                 refusal = f"preparing {files.step_dir(self.directory, step)} on rank 0 ({self.comm.host}): {e}"
-        agreed = self.comm.allgather_obj((step, refusal))
-        if refusal is None:
-            refusal = agreed[0][1]
+        agreed = self.comm.allgather_obj((step, kept, refusal))
+        if len({s for s, _, _ in agreed}) > 1:
+            raise CheckpointError(f"Checkpointer.save: the ranks save different steps ("
+                                  f"{', '.join(f'rank {r}: {s}' for r, (s, _, _) in enumerate(agreed))}); every "
+                                  f"rank must save the same step together [raised on rank {self.comm.rank}]")
+        if all(k for _, k, _ in agreed):
+            return
+        if any(k for _, k, _ in agreed):
+            kept_on = ", ".join(str(r) for r, (_, k, _) in enumerate(agreed) if k)
+            raise CheckpointError(f"Checkpointer.save({step}): rank(s) {kept_on} saved or resumed from this step already "
+                                  f"and the others did not; every rank must load and save the same steps [raised on "
+                                  f"rank {self.comm.rank}]")
+        refusal = agreed[0][2]
         if refusal:
             raise CheckpointError(f"Checkpointer.save({step}): {refusal} [raised on rank {self.comm.rank}]")
-        if len({s for s, _ in agreed}) > 1:
-            raise CheckpointError(f"Checkpointer.save: the ranks save different steps ("
-                                  f"{', '.join(f'rank {r}: {s}' for r, (s, _) in enumerate(agreed))}); every rank "
-                                  f"must save the same step together [raised on rank {self.comm.rank}]")
         folder = files.step_dir(self.directory, step)
         written, problem = {}, None
         kinds = self.kinds
@@ -425,13 +429,27 @@ class Checkpointer:
         saved_size = manifest["size"]
         problem = self._fit_rank_count(saved_size)
         self._raise_if_any(problem, f"Checkpointer.load_latest (step {step})")
-        problem = None
+        what = (f"Checkpointer.load_latest: loading step {step} from {self.directory} (move "
+                f"{files.step_dir(self.directory, step)} away to resume from the step before)")
+        problem = saved = None
         try:
-            self._load(step, manifest)
+            saved = self._read(step, manifest)
         except Exception as e:
             problem = f"{type(e).__name__}: {e}"
-        self._raise_if_any(problem, f"Checkpointer.load_latest: loading step {step} from {self.directory} (move "
-                                    f"{files.step_dir(self.directory, step)} away to resume from the step before)")
+        self._raise_if_any(problem, what)
+        # One object at a time, agreed after each: an optimizer's loading may be collective (a
+        # barrier in shared memory), which a rank that failed on an earlier object would never reach.
+        for name, obj in self.objects.items():
+            problem = None
+            try:
+                self._load_object(name, obj, saved)
+            except Exception as e:
+                problem = f"{name}: {type(e).__name__}: {e}"
+            self._raise_if_any(problem, what)
+        mine = saved["mine"]
+        if mine is not None:
+            set_rng_state(mine["rng"])
+        self.extra = dict((mine if mine is not None else saved["rank0"]).get("extra", {}))
         if saved_size != self.comm.size and self.comm.rank == 0:
             warnings.warn(f"Checkpointer: step {step} was written by {saved_size} ranks and is loaded on "
                           f"{self.comm.size}: the model and optimizer are restored, the random number "
@@ -451,7 +469,8 @@ class Checkpointer:
                 f"between rank counts. Resume with {saved_size} ranks, or leave {', '.join(per_rank)} out of the "
                 f"Checkpointer to start its epoch afresh")
 
-    def _load(self, step: int, manifest: dict) -> None:
+    def _read(self, step: int, manifest: dict) -> dict:
+        """What this rank loads from ``step``'s files, checked against the objects (nothing is loaded)."""
         folder = files.step_dir(self.directory, step)
         saved_size = manifest["size"]
         same_size = saved_size == self.comm.size
@@ -498,18 +517,17 @@ class Checkpointer:
                 mismatch = module_mismatch(obj, shared[name])
                 if mismatch:
                     raise TorchmnValueError(f"{name}: the checkpoint is of another model: {mismatch}")
-        for name, obj in self.objects.items():
-            try:
-                if saved_kinds[name] == SHARED:  # a whole state: a sharding optimizer takes it too
-                    obj.load_state_dict(shared[name])
-                elif saved_kinds[name] == PARTS and kinds[name] == PARTS:
-                    obj.load_local_state_dicts(parts_of[name])
-                elif saved_kinds[name] == PARTS:  # parts of a sharding optimizer, into one that is not
-                    obj.load_state_dict(merge_parts(parts_of[name], obj.param_groups))
-                else:
-                    obj.load_state_dict(mine["objects"][name])
-            except Exception as e:
-                raise TorchmnValueError(f"{name}: {type(e).__name__}: {e}") from e
-        if mine is not None:
-            set_rng_state(mine["rng"])
-        self.extra = dict((mine if same_size else read(files.rank_file(0))).get("extra", {}))
+        return {"kinds": saved_kinds, "shared": shared, "mine": mine, "parts": parts_of,
+                "rank0": None if same_size else read(files.rank_file(0))}
+
+    def _load_object(self, name: str, obj: Any, saved: dict) -> None:
+        """Load one object's state from what :meth:`_read` found."""
+        kind, saved_kind = self.kinds[name], saved["kinds"][name]
+        if saved_kind == SHARED:  # a whole state: a sharding optimizer takes it too
+            obj.load_state_dict(saved["shared"][name])
+        elif saved_kind == PARTS and kind == PARTS:
+            obj.load_local_state_dicts(saved["parts"][name])
+        elif saved_kind == PARTS:  # parts of a sharding optimizer, into one that is not
+            obj.load_state_dict(merge_parts(saved["parts"][name], obj.param_groups))
+        else:
+            obj.load_state_dict(saved["mine"]["objects"][name])
