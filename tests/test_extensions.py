@@ -14,7 +14,8 @@ from torchmn.extensions import (AllreducePersistent, MultiNodeEarlyStoppingTrigg
 from torchmn.extensions.snapshot import atomic_save
 
 CHECKS = ["early_stopping", "observation_aggregator", "observation_aggregator_weighs_each_observation",
-          "allreduce_persistent", "snapshot"]
+          "allreduce_persistent", "snapshot",
+          "snapshot_unreadable_on_one_rank"]
 
 
 def solo():

@@ -688,6 +688,36 @@ def check_snapshot(comm, tmp):
     _check_snapshot_trigger_that_differs_between_ranks(comm, tmp)
 
 
+def check_snapshot_unreadable_on_one_rank(comm, tmp):
+    """Rank 1's snapshot is damaged; the manager holds the default multi-node optimizer, whose
+    loading meets the other ranks: every rank is told at once, naming rank 1's file."""
+    if comm.size < 2:
+        return
+    out = os.path.join(tmp, "damaged")
+
+    def manager():
+        model = torch.nn.Linear(2, 1)
+        optimizer = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters()), comm)
+        return ppe.training.ExtensionsManager(model, optimizer, 2, iters_per_epoch=1, out_dir=out)
+
+    first = manager()
+    first.extend(multi_node_snapshot(comm), trigger=(1, "iteration"))
+    while not first.stop_trigger:
+        with first.run_iteration():
+            pass
+    comm.barrier()
+    if comm.rank == 1:
+        with open(available_iterations(out, 1)[2], "wb") as f:
+            f.write(b"not a snapshot")
+    comm.barrier()
+    started = time.monotonic()
+    e = expect_raise(lambda: resume_latest(manager(), comm, out), RuntimeError)
+    assert isinstance(e, RemoteRankError) == (comm.rank != 1), type(e)
+    assert "loading iteration 2 failed on rank 1" in str(e) and "snapshot_iter_2_rank1" in str(e), e
+    assert time.monotonic() - started < 10, "the ranks waited for each other"
+    comm.barrier()
+
+
 def _check_snapshot_beside_another_runs(comm, tmp):
     """A fresh run in a directory where rank 0 still has an older run's later snapshots (as after the
     job grew): n_retains keeps what this run writes, so a restart resumes from it."""
@@ -756,9 +786,10 @@ CHECKS = {
     "observation_aggregator_weighs_each_observation": check_observation_aggregator_weighs_each_observation,
     "allreduce_persistent": check_allreduce_persistent,
     "snapshot": check_snapshot,
+    "snapshot_unreadable_on_one_rank": check_snapshot_unreadable_on_one_rank,
 }
 NEEDS_TMP = {"early_stopping", "observation_aggregator", "observation_aggregator_weighs_each_observation",
-             "allreduce_persistent", "snapshot"}
+             "allreduce_persistent", "snapshot", "snapshot_unreadable_on_one_rank"}
 
 
 def main():

@@ -221,18 +221,30 @@ def resume_latest(target: Any, comm, out_dir: str, filename: str = DEFAULT_FILEN
                 RuntimeWarning, stacklevel=2)
         return None
     iteration = max(common)
-    error = None
+    state = error = None
     try:
-        _load_into(target, loadfun(mine[iteration]))
+        state = loadfun(mine[iteration])
     except Exception as e:
         error = f"{type(e).__name__}: {e}"
+    # Agreed before loading too: loading a multi-node optimizer's state may be collective, and a rank
+    # whose file could not be read would leave the others waiting in it.
+    _raise_if_any(comm, error, iteration, out_dir, filename)
+    try:
+        _load_into(target, state)
+    except Exception as e:
+        error = f"{type(e).__name__}: {e}"
+    _raise_if_any(comm, error, iteration, out_dir, filename)
+    return iteration
+
+
+def _raise_if_any(comm, error: Optional[str], iteration: int, out_dir: str, filename: str) -> None:
+    """Every rank raises if loading failed on any rank, naming the first such rank and its file."""
     errors = [(r, why) for r, why in enumerate(comm.allgather_obj(error)) if why is not None]
     if errors:
         r, why = errors[0]
         message = (f"resume_latest: loading iteration {iteration} failed on rank {r} "
                    f"({snapshot_path(out_dir, filename, iteration, r)}): {why}; raised on rank {comm.rank}")
         raise (RuntimeError if r == comm.rank else RemoteRankError)(message)
-    return iteration
 
 
 def _ranks(ranks: list[int]) -> str:
