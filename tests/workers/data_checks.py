@@ -367,6 +367,25 @@ def check_evaluator_object(comm):
         assert create_multi_node_evaluator(few, comm).evaluate() == {"val/x": 1.5}
 
 
+def check_evaluator_object_over_uneven_shards(comm):
+    """Rank r holds r + 1 batches: the ranks' means weighted by their batches equal what one
+    process's Evaluator gives over the whole set."""
+    import pytorch_pfn_extras as ppe
+    from pytorch_pfn_extras.training.extensions import Evaluator
+
+    def eval_func(x):
+        ppe.reporting.report({"val/x": x.mean().item()})
+
+    def evaluator(data):
+        return Evaluator(torch.utils.data.DataLoader(data, batch_size=4), torch.nn.Linear(1, 1), eval_func=eval_func,
+                         progress_bar=False)
+
+    shards = [torch.arange(4.0 * (r + 1), dtype=torch.float64).view(-1, 1) + 100 * r for r in range(comm.size)]
+    with ppe.reporting.Reporter().scope({}):
+        whole = evaluator(torch.cat(shards)).evaluate()
+        assert create_multi_node_evaluator(evaluator(shards[comm.rank]), comm).evaluate() == whole, whole
+
+
 class Gather(GenericMultiNodeEvaluator):
     def __init__(self, comm, fail_rank=None, **kwargs):
         super().__init__(comm, **kwargs)
@@ -778,6 +797,7 @@ CHECKS = {
     "scatter_random_samples_warned": check_scatter_random_samples_warned,
     "evaluator": check_evaluator,
     "evaluator_object": check_evaluator_object,
+    "evaluator_object_over_uneven_shards": check_evaluator_object_over_uneven_shards,
     "generic_evaluator": check_generic_evaluator,
     "iterator": check_iterator,
     "iterator_out_of_step_refused": check_iterator_out_of_step_refused,

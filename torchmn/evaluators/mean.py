@@ -1,6 +1,7 @@
 """Global metric means from per-rank means, weighted by how many samples each rank saw."""
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import Any, Callable
@@ -116,7 +117,9 @@ def create_multi_node_evaluator(fn: Any, comm) -> Any:
     (pytorch-pfn-extras' ``Evaluator`` extension, say): its ``evaluate`` is replaced, on this
     object, by one that returns the means over the ranks, and the object itself is returned, so
     that it goes to ``manager.extend(...)`` as before. Its ``evaluate()`` returns a dict of means,
-    which counts as one sample per rank: the plain mean over ranks, as ChainerMN's gave.
+    weighted by the rank's batch count where its ``get_iterator("main")`` has a length (the mean
+    over every rank's batches, as one process over the whole set would give), else the plain mean
+    over ranks, as ChainerMN's gave.
 
     ``fn(*args, **kwargs)`` runs on each rank over that rank's shard and returns
     ``(means, n)``: a dict of metric means over the ``n`` samples it saw. The wrapper returns,
@@ -146,10 +149,23 @@ def create_multi_node_evaluator(fn: Any, comm) -> Any:
         >>> metrics = torchmn.create_multi_node_evaluator(evaluate, comm)()
         >>> metrics["loss"]    # the same number on every rank
         >>> evaluator = ppe.training.extensions.Evaluator(val_loader, model)
-        >>> manager.extend(torchmn.create_multi_node_evaluator(evaluator, comm))   # means over ranks
+        >>> manager.extend(torchmn.create_multi_node_evaluator(evaluator, comm))   # means over all batches
     """
     evaluate = getattr(fn, "evaluate", None)
     if callable(evaluate) and not isinstance(fn, MultiNodeEvaluator):
-        fn.evaluate = MultiNodeEvaluator(evaluate, comm)
+        fn.evaluate = MultiNodeEvaluator(functools.partial(_weighted_by_batches, evaluate, fn), comm)
         return fn
     return MultiNodeEvaluator(fn, comm)
+
+
+def _weighted_by_batches(evaluate: Callable[[], Any], evaluator: Any) -> tuple:
+    """An evaluator object's means, weighted by its batch count where its main iterator has a length:
+    pytorch-pfn-extras' ``Evaluator`` averages one report per batch, so the ranks' means weighted so
+    are the mean over all their batches, as one process over the whole set gives. Else 1 (the plain
+    mean over ranks, as ChainerMN's)."""
+    means = evaluate()
+    try:
+        batches = len(evaluator.get_iterator("main"))
+    except (AttributeError, KeyError, TypeError):  # no such iterator, or no length
+        batches = 1
+    return means, batches if means else 0
