@@ -10,7 +10,8 @@ from jobs import REPO, WORKERS, assert_check_passed, check_job_output, clean_env
 
 CHECKS = WORKERS / "horovod_checks.py"
 ALL = ("allreduce_ops_and_dtypes", "allreduce_inplace", "allreduce_prescale_postscale", "allreduce_async_many",
-       "poll", "async_ops_are_in_flight", "duplicate_name_refused", "grouped_allreduce", "allreduce_grad", "mismatched_shapes_raise", "unsupported_refused",
+       "poll", "async_ops_are_in_flight", "duplicate_name_refused", "named_collectives_in_another_order_refused",
+       "grouped_allreduce", "allreduce_grad", "mismatched_shapes_raise", "unsupported_refused",
        "allgather_uneven", "allgather_grad", "broadcast_every_root", "broadcast_grad", "alltoall_uneven",
        "reducescatter", "grouped_ops", "sparse_allreduce", "objects_and_barrier", "topology_queries",
        "timeline", "join_one_rank_early", "optimizer_averages", "optimizer_backward_passes_per_step",

@@ -162,6 +162,18 @@ def check_same_name_in_two_kinds_of_collective():
     expect(torch.all(hvd.synchronize(a) == size) and hvd.synchronize(b).shape == (size,), "both ran")
 
 
+def check_named_collectives_in_another_order_refused():
+    """Horovod pairs named collectives by name; torchmn.horovod runs them in each rank's order, so
+    ranks starting different names at one point are refused on every rank, naming them, instead
+    of reducing "a" with "b"."""
+    name = "b" if hvd.rank() == 1 else "a"
+    for start in (lambda: hvd.allreduce_async(torch.ones(3), name=name),
+                  lambda: hvd.allgather_async(torch.ones(1), name=name)):
+        expect_raises(torchmn.CollectiveMismatchError, lambda: hvd.synchronize(start()), "rank 0", "'a'", "rank 1",
+                      "'b'", "same order")
+    expect(torch.all(hvd.allreduce(torch.ones(2), op=hvd.Sum, name="after") == hvd.size()), "collectives go on")
+
+
 def check_duplicate_name_refused():
     """As Horovod's test: rank 0 alone starts named collectives, and starting another of the same
     name is refused (ValueError) instead of blocking; after a barrier, the others do the same."""

@@ -102,24 +102,37 @@ def agree(comm, description: tuple, need_descriptions: bool) -> Optional[list[tu
 
 
 def check_same_kind(descriptions: list[tuple], rank: int) -> None:
-    """Raise on every rank alike unless the ranks that have not joined make the same kind of call.
+    """Raise on every rank alike unless the ranks that have not joined make the same kind of call,
+    under the same name where every one of them names it.
+
+    Horovod pairs named collectives by name, whatever order the ranks start them in; here each
+    rank's collectives run in the order it starts them, so two ranks starting ``"a"`` and ``"b"``
+    in opposite orders would reduce ``"a"`` with ``"b"`` (same shapes: wrong numbers, no error).
 
     Args:
-        descriptions: every rank's description, from :func:`agree`.
+        descriptions: every rank's description, from :func:`agree`; a tensor collective's
+            ``(kind, host, name, ...)``.
         rank: this rank, for the message.
 
     Raises:
-        CollectiveMismatchError: two ranks called different collectives.
+        CollectiveMismatchError: two ranks called different collectives, or gave them different names.
 
     Example::
 
-        >>> check_same_kind(agree(comm, describe_call("broadcast", 0), need_descriptions=True), comm.rank)
+        >>> check_same_kind(agree(comm, describe_call("broadcast", "w", 0), need_descriptions=True), comm.rank)
     """
-    calls = [(r, d[0], d[1]) for r, d in enumerate(descriptions) if d[0] != JOINED]
-    if len({kind for _, kind, _ in calls}) > 1:
-        listing = ", ".join(f"rank {r} ({host}) hvd.{kind}" for r, kind, host in calls)
+    calls = [(r, d) for r, d in enumerate(descriptions) if d[0] != JOINED]
+    if len({d[0] for _, d in calls}) > 1:
+        listing = ", ".join(f"rank {r} ({d[1]}) hvd.{d[0]}" for r, d in calls)
         raise CollectiveMismatchError(f"the ranks called different collectives at the same point: {listing}; "
                                       f"rank {rank} stops. Every rank must make the same calls in the same order")
+    names = [d[2] for _, d in calls]
+    if None not in names and len(set(names)) > 1:
+        listing = ", ".join(f"rank {r} ({d[1]}) {d[2]!r}" for r, d in calls)
+        raise CollectiveMismatchError(
+            f"hvd.{calls[0][1][0]}: the ranks started collectives of different names at the same point: {listing}; "
+            f"rank {rank} stops. Horovod pairs named collectives by name; torchmn.horovod runs each rank's in the "
+            f"order it starts them: start them in the same order on every rank (over sorted(names), say)")
 
 
 def join(device: int = -1) -> int:
