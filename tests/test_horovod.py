@@ -14,7 +14,7 @@ ALL = ("allreduce_ops_and_dtypes", "allreduce_inplace", "allreduce_prescale_post
        "grouped_allreduce", "allreduce_grad", "mismatched_shapes_raise", "unsupported_refused",
        "allgather_uneven", "allgather_grad", "broadcast_every_root", "broadcast_grad", "alltoall_uneven",
        "reducescatter", "grouped_ops", "sparse_allreduce", "objects_and_barrier", "topology_queries",
-       "timeline", "join_one_rank_early", "optimizer_averages", "optimizer_backward_passes_per_step",
+       "timeline", "join_one_rank_early", "optimizer_averages", "optimizer_replaced_for_a_new_phase", "optimizer_backward_passes_per_step",
        "optimizer_fp16_compression", "optimizer_synchronize_clip", "optimizer_sparse_as_dense", "optimizer_misuse_refused",
        "optimizer_sparse_gradients", "optimizer_parameter_names", "broadcast_optimizer_state_after_reload",
        "broadcast_optimizer_state_every_optimizer", "broadcast_optimizer_state_without_gradients",

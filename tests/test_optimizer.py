@@ -15,7 +15,7 @@ ALL = ("equivalence", "compression", "double_buffering", "clipping", "unused_par
        "scheduler_and_hooks_of_the_torch_optimizer", "closure_lbfgs", "frozen_parameters_start_equal",
        "complex_parameters", "dtype_changed_after_wrapping", "default_keeps_replicated_semantics", "powersgd",
        "powersgd_refusals", "rewrap_keeps_state",
-       "saved_model_is_its_own_size", "state_dict_hooks")
+       "saved_model_is_its_own_size", "state_dict_hooks", "replacing_the_optimizer_drops_the_old_ones_hooks")
 
 
 @pytest.mark.check_job("optim")

@@ -4,6 +4,7 @@ rank of a real job (see tests/test_horovod.py).
 Every rank builds every rank's input from that rank's seed, so it knows the exact expected result.
 Usage: python horovod_checks.py CHECK [CHECK ...]   (or "all")
 """
+import gc
 import itertools
 import glob
 import json
@@ -646,6 +647,30 @@ def check_optimizer_averages():
     _train({}, steps=3)
     model, opt = _train({"op": hvd.Sum}, steps=2)
     expect(isinstance(opt, torch.optim.SGD), "the DistributedOptimizer is an instance of the wrapped class")
+
+
+def check_optimizer_replaced_for_a_new_phase():
+    """A second DistributedOptimizer over the same model (a new phase of training) replaces the
+    first, which the script dropped: the old one's hooks go with it, as Horovod's do."""
+    rank = hvd.rank()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    x = torch.ones(2, 3) * (rank + 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    for _ in range(2):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9),
+                                   named_parameters=model.named_parameters())
+    gc.collect()
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).sum().backward()
+        opt.step()
+        mean = sum(r + 1 for r in range(hvd.size())) / hvd.size() * 2
+        expect(torch.allclose(model.weight.grad, torch.full((1, 3), mean)), f"averaged gradient {model.weight.grad}")
 
 
 def check_optimizer_backward_passes_per_step():

@@ -7,8 +7,10 @@ Usage: python optim_checks.py [--name flat] CHECK [CHECK ...]   (or "all")
 
 import contextlib
 import copy
+import gc
 import os
 import sys
+import weakref
 
 import torch
 
@@ -375,6 +377,35 @@ def check_rewrap_keeps_state(comm):
         for i in before:
             assert int(after[i]["step"]) == 3 and torch.equal(after[i]["exp_avg"], before[i]["exp_avg"]), \
                 (shard_state, i, (after[i]["exp_avg"] - before[i]["exp_avg"]).abs().max().item())
+        opt.remove_hooks()
+
+
+def check_replacing_the_optimizer_drops_the_old_ones_hooks(comm):
+    """A new phase of training with a new optimizer over the same parameters (the old one simply
+    dropped, no remove_hooks()): the old one's hooks go with it, and the new one trains as one
+    process does with its own new optimizer."""
+    for shard_state in (None, True, False):
+        model, opt = wrapped_model(comm, "adam", shard_state=shard_state)
+        for step in range(2):
+            x, y = data(step)
+            opt.zero_grad()
+            loss_fn(model, local(x, comm), local(y, comm)).backward()
+            opt.step()
+        old = weakref.ref(opt)
+        ref = reference("adam", steps=2)
+        opt = torchmn.create_multi_node_optimizer(OPTIMIZERS["sgd"](model.parameters()), comm, shard_state=shard_state)
+        gc.collect()
+        assert old() is None, "the dropped optimizer is kept alive (by its gradient hooks), averaging for nobody"
+        ref_opt = OPTIMIZERS["sgd"](ref.parameters())
+        for step in range(2, 5):
+            x, y = data(step)
+            opt.zero_grad()
+            loss_fn(model, local(x, comm), local(y, comm)).backward()
+            opt.step()
+            ref_opt.zero_grad()
+            loss_fn(ref, x, y).backward()
+            ref_opt.step()
+        assert_close(model, ref, 1e-9, f"after replacing the optimizer (shard_state={shard_state})")
         opt.remove_hooks()
 
 

@@ -23,6 +23,7 @@ from torch.autograd import Variable
 
 import torchmn
 from torchmn.errors import TorchmnTypeError
+from torchmn.optimizers.gradient_sync import remove_handles, weak_hook
 from torchmn.horovod import coordination, timeline
 from torchmn.horovod.compression import Compression, Compressor
 from torchmn.horovod.errors import (HorovodInternalError, InvalidCallError, NotPicklableError,
@@ -144,7 +145,10 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         else:
             self._comm = comm_of(process_set, "hvd.DistributedOptimizer")
             # Before the multi-node optimizer's hooks, so that they run first for each gradient.
-            self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+            self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self, "_on_grad")) for p in self._params]
+            # Dropped for a new DistributedOptimizer (a new phase of training), its hooks go with it,
+            # as Horovod's (held by the optimizer alone) do.
+            weakref.finalize(self, remove_handles, self._hooks)
             self._inner = torchmn.create_multi_node_optimizer(
                 optimizer, self._comm, compression=_wire_name(compression),
                 backward_passes_per_step=backward_passes_per_step, bucket_cap_mb=_fusion_threshold_mb(),

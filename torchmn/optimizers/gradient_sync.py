@@ -14,6 +14,7 @@ import abc
 import collections
 import contextlib
 import socket
+import weakref
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -136,6 +137,46 @@ def _hook_registration(kind: str, what: str) -> Callable:
     register.__doc__ = (f"{what} As torch's; ``prepend`` runs it before the others of its kind; returns a "
                         f"handle whose ``remove()`` unregisters it.")
     return register
+
+
+def weak_hook(owner: object, method: str) -> Callable[[torch.Tensor], None]:
+    """A gradient hook calling ``owner.<method>(p)`` that does not keep ``owner`` alive.
+
+    A parameter's hooks live as long as the parameter: a bound method there would keep an
+    optimizer the script has dropped averaging (and counting backward passes) for ever.
+
+    Args:
+        owner: the object whose method the hook calls, while it exists.
+        method: the method's name.
+
+    Returns:
+        The hook, for ``register_post_accumulate_grad_hook``.
+
+    Example::
+
+        >>> p.register_post_accumulate_grad_hook(weak_hook(self, "_on_grad"))
+    """
+    ref = weakref.ref(owner)
+
+    def hook(p: torch.Tensor) -> None:
+        target = ref()
+        if target is not None:
+            getattr(target, method)(p)
+    return hook
+
+
+def remove_handles(handles: list) -> None:
+    """Remove every hook in ``handles`` (at an optimizer's collection, see :func:`weak_hook`).
+
+    Args:
+        handles: the hooks' ``RemovableHandle`` objects.
+
+    Example::
+
+        >>> weakref.finalize(self, remove_handles, self._hooks)
+    """
+    for handle in handles:
+        handle.remove()
 
 
 class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
@@ -302,7 +343,10 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._dtypes = {p: p.dtype for p in params}
         # Also in a world of one, so that every option means the same there.
         for p in params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
+            self._hooks.append(p.register_post_accumulate_grad_hook(weak_hook(self, "_on_grad")))
+        # A script that replaces this optimizer by another (a new phase of training) drops it: its
+        # hooks go with it instead of averaging for an optimizer nobody steps.
+        weakref.finalize(self, remove_handles, self._hooks)
 
     # ----------------------------------------------------------------------------- sending
     @abc.abstractmethod
