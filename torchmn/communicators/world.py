@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import datetime
 import math
 import os
@@ -28,6 +29,20 @@ _timeout: Optional[datetime.timedelta] = None  # the world's, once set up or ado
 _worlds = 0  # default process groups this process set up (a world again after finalize)
 _job_store_client: Optional["dist.Store"] = None  # the store of the world set up last, unprefixed
 _setup_store: Optional["dist.Store"] = None  # an elastic generation's world's store (_watched_by_the_launcher)
+_world_pid: Optional[int] = None  # the process that set up the world: a process forked from it did not
+
+
+def _hold_groups_in_child() -> None:
+    """In a process forked from a rank (a helper it starts with ``os.fork``), hold the process
+    groups to the end: they are the rank's, and their threads did not come along, so destroying one
+    here (at this process's exit, when the last reference goes) would wait for ever for them, and
+    the rank waiting for this process with it."""
+    world = getattr(dist.distributed_c10d, "_world", None) if dist.is_available() else None
+    for group in list(getattr(world, "pg_map", {})):
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # never released: no destructor runs here
+
+
+os.register_at_fork(after_in_child=_hold_groups_in_child)
 
 
 def default_timeout() -> datetime.timedelta:
@@ -204,6 +219,8 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
                f"or busy before it): see their output." if missing else
                "Check that every rank was started, that the rendezvous host is reachable from this one, and that "
                "the port is free and not firewalled (MASTER_ADDR / MASTER_PORT override it).")) from e
+    global _world_pid
+    _world_pid = os.getpid()
     atexit.register(shutdown_world)
 
 
@@ -511,6 +528,6 @@ def shutdown_world() -> None:
         >>> init_world(detect_environment(), "gloo", None, None)
         >>> shutdown_world()
     """
-    if dist.is_initialized():
+    if dist.is_initialized() and os.getpid() == _world_pid:  # not in a process forked from the rank
         time.sleep(0.2)  # generous: on a loaded machine that thread may wait for a core
         dist.destroy_process_group()
