@@ -164,6 +164,28 @@ def test_grandchildren_are_stopped_too(tmp_path):
     assert_all_gone(pids)
 
 
+FORKING_RANK = """
+import os, sys, torch, torchmn
+comm = torchmn.create_communicator()
+comm.allreduce(torch.ones(3))
+pid = os.fork()
+if pid == 0:
+    sys.exit(0)  # a helper that ends normally, running the exit handlers it inherited
+os.waitpid(pid, 0)
+print("rank", comm.allreduce(torch.ones(1)).item(), flush=True)
+"""
+
+
+def test_a_helper_a_rank_forks_exits_without_touching_the_ranks_groups(tmp_path):
+    """A process forked from a rank holds the rank's process groups without their threads: at its
+    exit it neither destroys them (waiting for ever for those threads) nor ends the rank's world."""
+    path = tmp_path / "forking.py"
+    path.write_text(FORKING_RANK)
+    result = torchmn_run("-np", "2", sys.executable, str(path), env=clean_env(TORCHMN_TIMEOUT="30"), timeout=60)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert rank_lines(result.stdout, 0) == rank_lines(result.stdout, 1) == ["rank 2.0"], result.stdout
+
+
 def test_process_detached_by_a_rank_that_exits_at_once_is_stopped(tmp_path):
     """A daemon (a new session) started by a rank that ends before the launcher ever looks: it is
     re-parented to the launcher, which stops it with the job."""
@@ -306,6 +328,26 @@ def test_paused_console_gets_every_line(tmp_path):
         launcher.kill()
     assert launcher.returncode == 0 and out.count(b"\n") == 10000, out[-200:]
     assert (tmp_path / "logs" / "rank.0.log").read_text().count("\n") == 10000
+
+
+def test_paused_non_blocking_console_gets_every_line(tmp_path):
+    """A console pipe left non-blocking (some CI runners and Node-based parents do), paused for a
+    while: a full pipe refuses writes for a moment, which is no reason to drop the rest."""
+    import fcntl
+
+    read_end, write_end = os.pipe()
+    fcntl.fcntl(write_end, fcntl.F_SETFL, fcntl.fcntl(write_end, fcntl.F_GETFL) | os.O_NONBLOCK)
+    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "1", sys.executable, "-c",
+                                 LINES.format(n=10000, pad='')], stdout=write_end, stderr=subprocess.DEVNULL)
+    os.close(write_end)
+    try:
+        time.sleep(3)
+        with os.fdopen(read_end, "rb") as pipe:
+            out = pipe.read()
+        assert launcher.wait(timeout=TIMEOUT) == 0
+    finally:
+        launcher.kill()
+    assert out.count(b"\n") == 10000 and out.endswith(b"[0] line 9999 \n"), out[-200:]
 
 
 def test_console_that_fails_neither_hangs_nor_cuts_the_logs(tmp_path):

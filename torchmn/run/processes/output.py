@@ -270,14 +270,7 @@ class Console:
             if above is not None and above(data.decode("utf-8", "replace")):
                 return
             try:
-                binary = getattr(stream, "buffer", None)
-                if binary is not None:
-                    stream.flush()
-                    binary.write(data)
-                    binary.flush()
-                else:
-                    stream.write(data.decode("utf-8", "replace"))
-                    stream.flush()
+                _write_whole(stream, data)
             except (OSError, ValueError):
                 # The reader went away (`torchmn run ... | head`), the disk is full, the stream was
                 # closed: the job goes on, and its log files stay whole, so the rest of this
@@ -302,15 +295,40 @@ class Console:
                 if stream is None or stream in self.lost:
                     continue
                 try:
-                    if data is not None:
-                        stream.write(data)
-                    stream.flush()
+                    _write_whole(stream, data.encode() if data is not None else b"")
                 except (OSError, ValueError):
                     self._lose(stream)
 
     def _lose(self, stream) -> None:
         self.lost.add(stream)
         _discard(stream)
+
+
+def _write_whole(stream, data: bytes) -> None:
+    """Write ``data`` to ``stream``, all of it, after what the stream holds already.
+
+    A console whose descriptor is non-blocking (some CI runners and Node-based parents leave it so)
+    refuses a write while its reader lags (``BlockingIOError``): wait for room, as a blocking one
+    would, rather than take it for a reader that went away and drop the rest of the output.
+    """
+    try:
+        fd = stream.fileno()
+    except (AttributeError, OSError, ValueError):  # a stream without a descriptor (io.UnsupportedOperation)
+        stream.write(data.decode("utf-8", "replace"))
+        stream.flush()
+        return
+    while True:
+        try:
+            stream.flush()
+            break
+        except BlockingIOError:
+            select.select([], [fd], [])
+    view = memoryview(data)
+    while view:
+        try:
+            view = view[os.write(fd, view):]
+        except BlockingIOError:
+            select.select([], [fd], [])
 
 
 def _discard(stream) -> None:
