@@ -231,6 +231,22 @@ def test_sigint_is_forwarded_and_exits_130(tmp_path):
     assert_all_gone(pids_in(tmp_path))
 
 
+def test_a_signal_the_launcher_was_started_ignoring_stays_ignored():
+    """`nohup torchmn run ...`: the terminal's SIGHUP reaches neither the launcher nor its ranks."""
+    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "2", sys.executable, "-c",
+                                 "import time; time.sleep(4); print('finished')"], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    try:
+        time.sleep(2)
+        launcher.send_signal(signal.SIGHUP)
+        out, err = launcher.communicate(timeout=TIMEOUT)
+    finally:
+        launcher.kill()
+    assert launcher.returncode == 0, err
+    assert rank_lines(out, 0) == rank_lines(out, 1) == ["finished"], out
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_later_node_waiting_for_node_0_stops_on_a_signal(sig):
     """One launcher per node: node 1 waits for node 0's store (which never comes here); Ctrl-C or

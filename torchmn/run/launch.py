@@ -23,7 +23,7 @@ def run(config: LaunchConfig, env: Optional[Mapping[str, str]] = None) -> int:
 
     In the main thread, SIGINT, SIGTERM and SIGHUP (forwarded to the ranks, which are then
     stopped, and no restart follows) and SIGUSR1, SIGUSR2 (passed on) are handled for the job's
-    length.
+    length, unless this process was started ignoring them (``nohup``): then they stay ignored.
 
     Args:
         config: what to run, and how.
@@ -45,9 +45,12 @@ def run(config: LaunchConfig, env: Optional[Mapping[str, str]] = None) -> int:
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = {}
     if in_main_thread:
-        # Installed before the first rank starts, so a Ctrl-C during start-up still tears down.
+        # Installed before the first rank starts, so a Ctrl-C during start-up still tears down. A
+        # signal this process was started ignoring stays ignored, for it and its ranks: `nohup
+        # torchmn run ...` outlives its terminal, and `torchmn run ... &` in a script a Ctrl-C.
         for sig in FORWARDED_SIGNALS + RELAYED_SIGNALS:
-            previous[sig] = signal.signal(sig, restarts.on_signal)
+            if signal.getsignal(sig) is not signal.SIG_IGN:
+                previous[sig] = signal.signal(sig, restarts.on_signal)
     try:
         return restarts.run()
     finally:
