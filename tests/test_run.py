@@ -773,6 +773,9 @@ def test_dry_run_for_other_hosts_shows_the_ssh_command_lines(tmp_path):
     (["-np", "2", os.path.abspath(__file__)], 126, "is a file without permission to run it"),
     (["-np", "2", "--output-ranks", "5", "true"], 2, "--output-ranks names ranks [5]"),
     (["-np", "1", "--network-interface", "nosuch0", "true"], 2, "--network-interface 'nosuch0': no such interface"),
+    (["-np", "1", "--log-dir", os.path.join(os.path.abspath(__file__), "logs"), "true"], 2,
+     "logs': Not a directory"),
+    (["-np", "1", "--log-dir", "/proc/torchmn-logs", "true"], 2, "cannot create --log-dir '/proc/torchmn-logs'"),
 ])
 def test_dry_run_refuses_what_a_real_run_refuses(args, code, message, capsys):
     assert main(["run", "--dry-run", *args]) == code
@@ -780,6 +783,12 @@ def test_dry_run_refuses_what_a_real_run_refuses(args, code, message, capsys):
     assert main(["run", *args]) == code
     real = capsys.readouterr()
     assert message in dry.err and dry.err == real.err and dry.out == ""
+
+
+def test_dry_run_leaves_no_log_dir_behind(tmp_path, capsys):
+    """The dry run checks --log-dir as the real run does, by making it, and removes what it made."""
+    assert main(["run", "--dry-run", "-np", "1", "--log-dir", str(tmp_path / "a" / "b"), "true"]) == 0
+    assert "log files: " in capsys.readouterr().out and list(tmp_path.iterdir()) == []
 
 
 def test_dry_run_does_not_import_torch():

@@ -30,6 +30,7 @@ from torchmn.run.elastic import ElasticJob
 from torchmn.run.job import Job
 from torchmn.run.plan import JOB_ID, Slot
 from torchmn.run.processes import binding
+from torchmn.run.processes.output import prepare_log_dir
 from torchmn.run.remote.protocol import EXPORTS_ON_STDIN
 from torchmn.run.remote.ssh import split_exports
 from torchmn.run.restarts import TORCHMN_RESTART_COUNT, Restarts
@@ -127,6 +128,7 @@ def _rendezvous_section(job: Job, known_addr: Optional[str]) -> List[str]:
     else:
         lines.append(f"restarts: none (--max-restarts 0); {TORCHMN_RESTART_COUNT}=0")
     if config.log_dir is not None:
+        prepare_log_dir(config.log_dir, keep=False)  # the real run's errors, and nothing left behind
         lines.append(f"log files: {os.path.join(config.log_dir, 'rank.<r>.log')} (the directory is made at start)")
     if config.output_ranks is not None:
         lines.append(f"console shows: {', '.join(f'rank {r}' for r in sorted(config.output_ranks))}")

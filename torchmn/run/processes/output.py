@@ -7,6 +7,7 @@ last traceback (``extract_traceback``) and how it ended (``describe_exit``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import re
 import select
@@ -143,11 +144,13 @@ def failure_summary(failed: "Rank", ranks: Sequence["Rank"], reported: Optional[
     return "\n".join(lines)
 
 
-def prepare_log_dir(log_dir: str) -> None:
+def prepare_log_dir(log_dir: str, keep: bool = True) -> None:
     """Create ``--log-dir`` if needed and check that it can be written to.
 
     Args:
         log_dir: the directory.
+        keep: False: remove again the folders this call made (``--dry-run``, which checks as the
+            real run does and leaves nothing behind).
 
     Raises:
         RunError: it cannot be created or written to.
@@ -157,14 +160,23 @@ def prepare_log_dir(log_dir: str) -> None:
         >>> import tempfile
         >>> prepare_log_dir(os.path.join(tempfile.mkdtemp(), "logs"))
     """
+    made, path = [], os.path.abspath(log_dir)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        made.append(path)
+        path = os.path.dirname(path)
     try:
         os.makedirs(log_dir, exist_ok=True)
+        if not os.access(log_dir, os.W_OK | os.X_OK):
+            raise RunError(f"cannot write to --log-dir {log_dir!r}: permission denied. "
+                           f"Pass a directory you can write to.")
     except OSError as e:
         raise RunError(f"cannot create --log-dir {log_dir!r}: {e.strerror}. "
                        f"Pass a directory you can write to.") from e
-    if not os.access(log_dir, os.W_OK | os.X_OK):
-        raise RunError(f"cannot write to --log-dir {log_dir!r}: permission denied. "
-                       f"Pass a directory you can write to.")
+    finally:
+        if not keep:
+            for folder in made:  # deepest first
+                with contextlib.suppress(OSError):
+                    os.rmdir(folder)
 
 
 def open_log(path: Optional[str], rank: int, header: Optional[str] = None) -> Optional[IO[bytes]]:
