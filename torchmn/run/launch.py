@@ -23,7 +23,7 @@ def run(config: LaunchConfig, env: Optional[Mapping[str, str]] = None) -> int:
 
     In the main thread, SIGINT, SIGTERM and SIGHUP (forwarded to the ranks, which are then
     stopped, and no restart follows) and SIGUSR1, SIGUSR2 (passed on) are handled for the job's
-    length, unless this process was started ignoring them (``nohup``): then they stay ignored.
+    length; a SIGHUP this process was started ignoring (``nohup``) stays ignored.
 
     Args:
         config: what to run, and how.
@@ -46,10 +46,11 @@ def run(config: LaunchConfig, env: Optional[Mapping[str, str]] = None) -> int:
     previous = {}
     if in_main_thread:
         # Installed before the first rank starts, so a Ctrl-C during start-up still tears down. A
-        # signal this process was started ignoring stays ignored, for it and its ranks: `nohup
-        # torchmn run ...` outlives its terminal, and `torchmn run ... &` in a script a Ctrl-C.
+        # SIGHUP this process was started ignoring stays ignored, for it and its ranks: `nohup
+        # torchmn run ...` outlives its terminal. (An ignored SIGINT is handled all the same: a
+        # script's background job starts with it ignored, and a `kill -INT` from there means stop.)
         for sig in FORWARDED_SIGNALS + RELAYED_SIGNALS:
-            if signal.getsignal(sig) is not signal.SIG_IGN:
+            if not (sig == signal.SIGHUP and signal.getsignal(sig) is signal.SIG_IGN):
                 previous[sig] = signal.signal(sig, restarts.on_signal)
     try:
         return restarts.run()
