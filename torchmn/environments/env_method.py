@@ -88,8 +88,9 @@ class EnvMethodEnvironment(Environment):
         one_host = is_loopback(env.get("MASTER_ADDR") or LOCALHOST, resolve=False)
         if local_size_name in env or ("LOCAL_RANK" in env and not one_host):
             local_rank, local_size = read_int(env, "LOCAL_RANK", fix), read_int(env, local_size_name, fix)
-        elif one_host:
-            local_rank, local_size = read_int(env, "LOCAL_RANK", fix) if "LOCAL_RANK" in env else rank, size
+        elif one_host:  # every rank here: the local rank is the rank unless LOCAL_RANK says otherwise
+            local_size = size
+            local_rank = read_int(env, "LOCAL_RANK", fix) if "LOCAL_RANK" in env else rank
         else:
             local_rank, local_size = 0, 1
         check_place(env, ("RANK", rank), ("WORLD_SIZE", size), ("LOCAL_RANK", local_rank),

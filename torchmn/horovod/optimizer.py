@@ -23,7 +23,6 @@ from torch.autograd import Variable
 
 import torchmn
 from torchmn.errors import TorchmnTypeError
-from torchmn.optimizers.gradient_sync import remove_handles, weak_hook
 from torchmn.horovod import coordination, timeline
 from torchmn.horovod.compression import Compression, Compressor
 from torchmn.horovod.errors import (HorovodInternalError, InvalidCallError, NotPicklableError,
@@ -32,6 +31,7 @@ from torchmn.horovod.exchange_collectives import sparse_allreduce_async
 from torchmn.horovod.handles import synchronize as synchronize_handle
 from torchmn.horovod.process_sets import comm_of, global_process_set, require_comm
 from torchmn.horovod.reduction_ops import OP_NAMES, Adasum, Average, Sum
+from torchmn.optimizers.gradient_sync import hook_gradients
 
 _optimizers: list = []   # weak references, in creation order (the same on every rank): join() mirrors them
 
@@ -145,10 +145,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         else:
             self._comm = comm_of(process_set, "hvd.DistributedOptimizer")
             # Before the multi-node optimizer's hooks, so that they run first for each gradient.
-            self._hooks = [p.register_post_accumulate_grad_hook(weak_hook(self, "_on_grad")) for p in self._params]
             # Dropped for a new DistributedOptimizer (a new phase of training), its hooks go with it,
             # as Horovod's (held by the optimizer alone) do.
-            weakref.finalize(self, remove_handles, self._hooks)
+            self._hooks = hook_gradients(self, self._params, "_on_grad")
             self._inner = torchmn.create_multi_node_optimizer(
                 optimizer, self._comm, compression=_wire_name(compression),
                 backward_passes_per_step=backward_passes_per_step, bucket_cap_mb=_fusion_threshold_mb(),

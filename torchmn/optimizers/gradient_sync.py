@@ -139,22 +139,25 @@ def _hook_registration(kind: str, what: str) -> Callable:
     return register
 
 
-def weak_hook(owner: object, method: str) -> Callable[[torch.Tensor], None]:
-    """A gradient hook calling ``owner.<method>(p)`` that does not keep ``owner`` alive.
+def hook_gradients(owner: object, params: list[torch.nn.Parameter], method: str) -> list[RemovableHandle]:
+    """Call ``owner.<method>(p)`` once each parameter's gradient is accumulated, for as long as
+    ``owner`` exists: the hooks hold it weakly, and go when it is collected.
 
-    A parameter's hooks live as long as the parameter: a bound method there would keep an
-    optimizer the script has dropped averaging (and counting backward passes) for ever.
+    A parameter's hooks live as long as the parameter: hooks holding an optimizer the script has
+    dropped (for a new one, in a new phase of training) would keep it averaging, and counting
+    backward passes, for nobody.
 
     Args:
-        owner: the object whose method the hook calls, while it exists.
+        owner: the object whose method the hooks call (an optimizer).
+        params: the parameters to hook.
         method: the method's name.
 
     Returns:
-        The hook, for ``register_post_accumulate_grad_hook``.
+        The hooks' handles (``remove()`` each to detach earlier).
 
     Example::
 
-        >>> p.register_post_accumulate_grad_hook(weak_hook(self, "_on_grad"))
+        >>> self._hooks.extend(hook_gradients(self, params, "_on_grad"))
     """
     ref = weakref.ref(owner)
 
@@ -162,19 +165,13 @@ def weak_hook(owner: object, method: str) -> Callable[[torch.Tensor], None]:
         target = ref()
         if target is not None:
             getattr(target, method)(p)
-    return hook
+
+    handles = [p.register_post_accumulate_grad_hook(hook) for p in params]
+    weakref.finalize(owner, _remove_all, handles)
+    return handles
 
 
-def remove_handles(handles: list) -> None:
-    """Remove every hook in ``handles`` (at an optimizer's collection, see :func:`weak_hook`).
-
-    Args:
-        handles: the hooks' ``RemovableHandle`` objects.
-
-    Example::
-
-        >>> weakref.finalize(self, remove_handles, self._hooks)
-    """
+def _remove_all(handles: list[RemovableHandle]) -> None:
     for handle in handles:
         handle.remove()
 
@@ -342,11 +339,7 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._where = {p: bi for bi, b in enumerate(buckets) for p in b.params}
         self._dtypes = {p: p.dtype for p in params}
         # Also in a world of one, so that every option means the same there.
-        for p in params:
-            self._hooks.append(p.register_post_accumulate_grad_hook(weak_hook(self, "_on_grad")))
-        # A script that replaces this optimizer by another (a new phase of training) drops it: its
-        # hooks go with it instead of averaging for an optimizer nobody steps.
-        weakref.finalize(self, remove_handles, self._hooks)
+        self._hooks.extend(hook_gradients(self, params, "_on_grad"))
 
     # ----------------------------------------------------------------------------- sending
     @abc.abstractmethod
