@@ -411,7 +411,8 @@ class Job:
             except RunError:  # the store could not start: the job's own error says why
                 return {}
         self.display = display.Display(read, self.size, self.console.message, sys.stderr)
-        self.console.above = self.display.print_above
+        if self.display.live is not None:  # a terminal: the table is redrawn below the ranks' lines
+            self.console.above = self.display.print_above
         self.display.start()
 
     def finish_display(self) -> None:

@@ -1,8 +1,10 @@
 """The launcher's console and log output: each rank's lines, prefixed, and the words of the summary.
 
-Two reader threads per rank pass its output on line by line (``RankOutput``), to the console under
-one lock (``Console``) and to the rank's log file; the summary of a failed job quotes the rank's
-last traceback (``extract_traceback``) and how it ended (``describe_exit``).
+One reader thread per rank passes its stdout and stderr on, in the order they arrive, piece by
+piece (``RankOutput``): to the console, under one lock that keeps ranks' lines apart (``Console``),
+and to the rank's log file. A piece is a whole line, or the start of one left waiting
+(a progress bar, a prompt), shown once the rank pauses. The summary of a failed job quotes the
+rank's last traceback (``extract_traceback``) and how it ended (``describe_exit``).
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import signal
 import sys
 import threading
 import time
-from typing import IO, TYPE_CHECKING, AbstractSet, Callable, Deque, Dict, Iterator, List, Optional, Sequence
+from typing import IO, TYPE_CHECKING, AbstractSet, Callable, Deque, Dict, List, Optional, Sequence, Tuple
 
 from torchmn.run.config import RunError
 from torchmn.run.remote.protocol import STARTED_MARKER
@@ -27,6 +29,10 @@ if TYPE_CHECKING:
 TAIL_LINES = 200
 
 _LINE_END = re.compile(rb"\r\n|\r|\n")
+
+# Seconds the start of a line waits for its end before it is shown as it is (a progress bar, a
+# prompt): long enough that a line written in two pieces (print's text, then its "\n") stays whole.
+OPEN_LINE_S = 0.1
 
 
 def extract_traceback(lines: Sequence[str]) -> List[str]:
@@ -213,34 +219,69 @@ def open_log(path: Optional[str], rank: int, header: Optional[str] = None) -> Op
                        f"--log-dir, or make that path a writable file.") from e
 
 
-def _lines(pipe: IO[bytes]) -> Iterator[bytes]:
-    """The pipe's output in pieces that end with "\\n", "\\r\\n" or a lone "\\r" (progress bars such as
-    tqdm redraw their line with "\\r"), so each piece gets its rank prefix as soon as it is written.
-    Each chunk read is searched once, so a very long line costs time in proportion to its length."""
-    pending: List[bytes] = []   # the start of a line still being written
-    while True:
-        chunk = pipe.read1(65536)
-        if not chunk:
-            break
-        if pending and pending[-1].endswith(b"\r") and not chunk.startswith(b"\n"):
-            yield b"".join(pending)  # that "\r" was a line end of its own
-            pending = []
+class _Splitter:
+    """Cuts one pipe's bytes into pieces that end with "\n", "\r\n" or a lone "\r" (progress bars
+    such as tqdm redraw their line with "\r"), so each piece is passed on as soon as it is written;
+    the start of a line is let go as it is once it has waited ``OPEN_LINE_S`` for its end.
+
+    Each chunk is searched once, so a very long line costs time in proportion to its length.
+    """
+
+    def __init__(self):
+        self.pending: List[bytes] = []   # the start of a line, not yet passed on
+        self.since = 0.0                 # when its first bytes arrived
+        self.line_open = False           # the last piece passed on had no line end
+
+    def feed(self, chunk: bytes, now: float) -> List[bytes]:
+        """The pieces ``chunk`` completes."""
+        pieces = []
+        if self.pending and self.pending[-1].endswith(b"\r"):  # a line end of its own, or half of "\r\n"
+            if chunk.startswith(b"\n"):
+                self.pending.append(b"\n")
+                chunk = chunk[1:]
+            pieces.append(self._take())
         start = 0
         for end in _LINE_END.finditer(chunk):
             if end.group() == b"\r" and end.end() == len(chunk):
                 break  # maybe the first half of "\r\n": wait for the next chunk
-            pending.append(chunk[start:end.end()])
-            yield b"".join(pending)
-            pending = []
+            self.pending.append(chunk[start:end.end()])
+            pieces.append(self._take())
             start = end.end()
         if start < len(chunk):
-            pending.append(chunk[start:])
-    if pending:
-        yield b"".join(pending)
+            if not self.pending:
+                self.since = now
+            self.pending.append(chunk[start:])
+        return pieces
+
+    def due(self) -> Optional[float]:
+        """When the start of a line waiting here is to be let go as it is; None when none waits."""
+        return self.since + OPEN_LINE_S if self.pending else None
+
+    def flush(self) -> List[bytes]:
+        """The start of a line waiting here, as a piece of its own (nothing when none waits)."""
+        return [self._take()] if self.pending else []
+
+    def close(self) -> List[bytes]:
+        """The last pieces at the pipe's end: a line left open gets its end."""
+        pieces = self.flush()
+        if self.line_open:
+            pieces.append(b"\n")
+            self.line_open = False
+        return pieces
+
+    def _take(self) -> bytes:
+        piece = b"".join(self.pending)
+        self.pending = []
+        self.line_open = not piece.endswith((b"\n", b"\r"))
+        return piece
 
 
 class Console:
-    """Writes whole lines to the launcher's stdout/stderr under one lock, so lines never interleave.
+    """Writes the ranks' output to the launcher's stdout/stderr under one lock, each line with its
+    rank's prefix, so ranks' lines never run into each other.
+
+    A rank may leave its line open (a progress bar, a prompt): the rest of it follows without a
+    second prefix, a "\r" redraws it with its prefix, and another rank's line first ends it.
 
     Args:
         output_ranks: the ranks whose lines are shown; None for all.
@@ -250,44 +291,75 @@ class Console:
         self.lock = threading.Lock()
         self.output_ranks = output_ranks
         self.lost: set = set()   # streams that failed: written no more
-        # While the monitor's live table holds the terminal, lines go above it through this
+        # While the monitor's live table holds the terminal, whole lines go above it through this
         # (it returns False when it did not take the line).
         self.above: Optional[Callable[[str], bool]] = None
+        # The line the cursor is on, when a rank left it open: (rank, stream, at its start, after
+        # a "\r"), else None.
+        self.open: Optional[Tuple[int, object, bool]] = None
+        self.unfinished: Dict[Tuple[int, bool], bytes] = {}   # line starts held back from `above`
 
-    def write(self, rank: int, line: bytes, to_stderr: bool) -> None:
-        """Show one line of a rank's output, with its ``[rank]`` prefix.
+    def write(self, rank: int, piece: bytes, to_stderr: bool) -> None:
+        """Show a piece of a rank's output, with its ``[rank]`` prefix where it starts a line.
 
-        A line of a rank not in ``output_ranks`` is dropped, and so is every line to a stream that
-        failed once (a closed pipe, a full disk): the job goes on.
+        A piece of a rank not in ``output_ranks`` is dropped, and so is every piece to a stream
+        that failed once (a closed pipe, a full disk): the job goes on.
 
         Args:
             rank: the rank.
-            line: the line, with its end (``\\n``, ``\\r\\n`` or ``\\r``).
+            piece: a line with its end (``\n``, ``\r\n`` or ``\r``), or the start or the rest
+                of one.
             to_stderr: it came from the rank's stderr.
 
         Example::
 
-            >>> Console(None).write(1, b"epoch 0: loss 0.25\\n", to_stderr=False)   # doctest: +SKIP
+            >>> Console(None).write(1, b"epoch 0: loss 0.25\n", to_stderr=False)   # doctest: +SKIP
             [1] epoch 0: loss 0.25
         """
         if self.output_ranks is not None and rank not in self.output_ranks:
             return
         stream = sys.stderr if to_stderr else sys.stdout
-        # A bare "\r" (a progress bar clearing its line) only moves the cursor: no prefix for it.
-        data = line if line == b"\r" else b"[%d] " % rank + line
         with self.lock:
             if stream is None or stream in self.lost:
                 return
-            above = self.above
-            if above is not None and above(data.decode("utf-8", "replace")):
-                return
-            try:
-                _write_whole(stream, data)
-            except (OSError, ValueError):
-                # The reader went away (`torchmn run ... | head`), the disk is full, the stream was
-                # closed: the job goes on, and its log files stay whole, so the rest of this
-                # stream goes nowhere. (Stopping to read the rank's pipe would block the rank.)
-                self._lose(stream)
+            if self.above is not None:
+                # The table is redrawn below the output: only whole lines can go above it.
+                key = (rank, to_stderr)
+                piece = self.unfinished.pop(key, b"") + piece
+                if piece.endswith(b"\r"):
+                    return  # a progress bar's redraw: its last state comes with its line end
+                if not piece.endswith(b"\n"):
+                    self.unfinished[key] = piece
+                    return
+                self._end_open_line(None)
+                if self.above((b"[%d] " % rank + piece).decode("utf-8", "replace")):
+                    return
+            continues = self.open is not None and self.open[:2] == (rank, stream) and not self.open[2]
+            if piece == b"\r" and not continues:
+                return  # a "\r" at the start of a rank's line moves nothing
+            self._end_open_line((rank, stream))
+            data = piece if continues else b"[%d] " % rank + piece
+            if piece.endswith(b"\n"):
+                self.open = None
+            else:
+                self.open = (rank, stream, piece.endswith(b"\r"))
+            self._write(stream, data)
+
+    def _end_open_line(self, keep: Optional[Tuple[int, object]]) -> None:
+        """End the line a rank left open, unless it is ``keep``'s (rank, stream)."""
+        if self.open is not None and self.open[:2] != keep:
+            open_stream, self.open = self.open[1], None
+            if open_stream not in self.lost:
+                self._write(open_stream, b"\n")
+
+    def _write(self, stream, data: bytes) -> None:
+        try:
+            _write_whole(stream, data)
+        except (OSError, ValueError):
+            # The reader went away (`torchmn run ... | head`), the disk is full, the stream was
+            # closed: the job goes on, and its log files stay whole, so the rest of this stream
+            # goes nowhere. (Stopping to read the rank's pipe would block the rank.)
+            self._lose(stream)
 
     def message(self, text: str) -> None:
         """Show one of the launcher's own messages on stderr (after flushing stdout).
@@ -303,6 +375,7 @@ class Console:
             torchmn run: received SIGINT; stopping the job
         """
         with self.lock:
+            self._end_open_line(None)
             for stream, data in ((sys.stdout, None), (sys.stderr, text if text.endswith("\n") else text + "\n")):
                 if stream is None or stream in self.lost:
                     continue
@@ -355,13 +428,14 @@ def _discard(stream) -> None:
 
 
 class RankOutput:
-    """A started rank's output: its stdout and stderr, read by two threads of their own, go to the
-    console and its log file; the last ``TAIL_LINES`` stderr lines are kept for the summary.
+    """A started rank's output: its stdout and stderr, read by one thread of their own in the order
+    they arrive, go to the console and its log file; the last ``TAIL_LINES`` stderr lines are kept
+    for the summary.
 
     Args:
         rank: the rank, for the console prefix.
         stdout, stderr: the rank's pipes.
-        console: where lines are shown.
+        console: where its output is shown.
         log: the rank's log file, or None; closed once the output has ended.
         wait_for_marker: the rank is remote: it counts as started (``started``) once its watcher
             prints ``STARTED_MARKER``, a line that is dropped.
@@ -373,64 +447,84 @@ class RankOutput:
         self.started = not wait_for_marker
         self.tail: Deque[str] = collections.deque(maxlen=TAIL_LINES)
         self.log = log
-        self.waiting_since: Dict[int, Optional[float]] = {}   # per reader thread: see _timed
-        self.log_lock = threading.Lock()
+        # Since when the reader has been waiting on the pipes; None while it passes output on.
+        self.waiting_since: Optional[float] = None
         self.console = console
         self.pipes = (stdout, stderr)
-        self.readers = [
-            threading.Thread(target=self._read, args=(stdout, False), daemon=True),
-            threading.Thread(target=self._read, args=(stderr, True), daemon=True),
-        ]
-        for reader in self.readers:
-            reader.start()
+        self._stderr_line = b""   # the start of a stderr line, for the tail
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
-    def _read(self, pipe: IO[bytes], is_stderr: bool) -> None:
+    def _read(self) -> None:
+        splitters = {self.pipes[0].fileno(): (_Splitter(), False), self.pipes[1].fileno(): (_Splitter(), True)}
+        while splitters:
+            # The watcher's marker comes whole: stdout's start is never let go before it.
+            due = [s.due() for s, is_stderr in splitters.values()
+                   if (is_stderr or self.started) and s.due() is not None]
+            self.waiting_since = time.monotonic()
+            timeout = max(0.0, min(due) - self.waiting_since) if due else None
+            ready, _, _ = select.select(list(splitters), [], [], timeout)
+            self.waiting_since = None
+            now = time.monotonic()
+            for fd in ready:
+                splitter, is_stderr = splitters[fd]
+                try:
+                    chunk = os.read(fd, 65536)
+                except OSError:
+                    chunk = b""
+                if chunk:
+                    self._pass_on(splitter.feed(chunk, now), is_stderr)
+                else:
+                    self._pass_on(splitter.close(), is_stderr)
+                    del splitters[fd]
+            for splitter, is_stderr in splitters.values():
+                if (is_stderr or self.started) and splitter.due() is not None and splitter.due() <= now:
+                    self._pass_on(splitter.flush(), is_stderr)
+        for pipe in self.pipes:
+            pipe.close()
+        if self.log is not None:
+            self.log.close()
+
+    def _pass_on(self, pieces: List[bytes], is_stderr: bool) -> None:
         marker = STARTED_MARKER.encode() + b"\n"
-        for line in self._timed(_lines(pipe)):
-            if not is_stderr and not self.started and line == marker:
+        for piece in pieces:
+            if not is_stderr and not self.started and piece == marker:
                 self.started = True
                 continue
-            if not line.endswith((b"\n", b"\r")):
-                line += b"\n"
-            if is_stderr and line.endswith(b"\n"):  # progress-bar redraws stay out of the summary
-                self.tail.append(line.decode("utf-8", "replace").rstrip("\r\n"))
+            if is_stderr:
+                self._keep_in_tail(piece)
             if self.log is not None:
-                with self.log_lock:
-                    self.log.write(line)
-                    self.log.flush()
-            self.console.write(self.rank, line, is_stderr)
-        pipe.close()
+                self.log.write(piece)
+                self.log.flush()
+            self.console.write(self.rank, piece, is_stderr)
 
-    def _timed(self, lines: Iterator[bytes]) -> Iterator[bytes]:
-        """``lines``, noting when a reader starts waiting on the pipe (None while it writes out)."""
-        while True:
-            self.waiting_since[threading.get_ident()] = time.monotonic()
-            line = next(lines, None)
-            self.waiting_since[threading.get_ident()] = None
-            if line is None:
-                return
-            yield line
+    def _keep_in_tail(self, piece: bytes) -> None:
+        """Whole stderr lines go to the tail; progress-bar redraws stay out of it."""
+        if piece.endswith(b"\r"):
+            self._stderr_line = b""
+        elif piece.endswith(b"\n"):
+            self.tail.append((self._stderr_line + piece).decode("utf-8", "replace").rstrip("\r\n"))
+            self._stderr_line = b""
+        elif len(self._stderr_line) < 65536:
+            self._stderr_line += piece
 
     def finish(self, idle: float) -> None:
         """Wait for the rest of the rank's output, for as long as it keeps coming (a slow console
         takes what it takes: a reader blocked writing to it is not idle), but no longer than
-        ``idle`` seconds of a reader waiting on a silent pipe: a process the rank left behind may
-        hold its pipes open.
+        ``idle`` seconds of the reader waiting on silent pipes: a process the rank left behind may
+        hold them open.
 
-        The log file is closed once both readers have ended.
+        The log file is closed once both pipes have ended.
 
         Args:
-            idle: seconds of silence after which a reader is given up on.
+            idle: seconds of silence after which the reader is given up on.
 
         Example::
 
             >>> process.wait(); output.finish(idle=2.0)   # doctest: +SKIP
         """
-        for reader, pipe in zip(self.readers, self.pipes):
-            join_unless_idle(reader, lambda reader=reader: self.waiting_since.get(reader.ident), idle,
-                             lambda pipe=pipe: readable(pipe))
-        if self.log is not None and not any(r.is_alive() for r in self.readers):
-            self.log.close()
+        join_unless_idle(self.reader, lambda: self.waiting_since, idle,
+                         lambda: any(readable(pipe) for pipe in self.pipes))
 
 
 def join_unless_idle(thread: threading.Thread, waiting_since: Callable[[], Optional[float]],

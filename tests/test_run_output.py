@@ -1,0 +1,131 @@
+"""torchmn run's console and log output (torchmn.run.processes.output), over real pipes."""
+import os
+import time
+
+import pytest
+
+from torchmn.run.processes.output import OPEN_LINE_S, Console, RankOutput
+
+
+class Pipes:
+    """A rank's stdout and stderr as two real pipes, read by a RankOutput."""
+
+    def __init__(self, console, rank=0, log=None):
+        out_r, self.out = os.pipe()
+        err_r, self.err = os.pipe()
+        self.output = RankOutput(rank, os.fdopen(out_r, "rb"), os.fdopen(err_r, "rb"),
+                                 console, log)
+
+    def close(self):
+        os.close(self.out)
+        os.close(self.err)
+        self.output.finish(idle=5.0)
+
+
+def wait_for(capfd, text, within=5.0):
+    """What the console shows (stdout, stderr) once ``text`` is in either, else fail."""
+    shown = ["", ""]
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        out, err = capfd.readouterr()
+        shown = [shown[0] + out, shown[1] + err]
+        if text in shown[0] or text in shown[1]:
+            return shown
+        time.sleep(0.02)
+    pytest.fail(f"{text!r} not shown within {within} s: {shown!r}")
+
+
+def test_a_line_left_open_is_shown_while_the_rank_waits(capfd):
+    """A progress bar or a prompt without its line end is shown once the rank pauses, and the rest
+    of its line follows without a second prefix."""
+    pipes = Pipes(Console(None))
+    os.write(pipes.err, b"epoch 1: 50%")
+    wait_for(capfd, "[0] epoch 1: 50%", within=OPEN_LINE_S + 5)
+    os.write(pipes.err, b" done\n")
+    pipes.close()
+    assert capfd.readouterr().err == " done\n"
+
+
+def test_a_redraw_is_shown_as_it_happens_with_its_prefix(capfd):
+    """tqdm's "\\r<bar>" redraws: each is shown while the rank waits, not one redraw late."""
+    pipes = Pipes(Console(None))
+    os.write(pipes.err, b"\r 10%|#")
+    shown = wait_for(capfd, "[0]  10%|#")
+    os.write(pipes.err, b"\r 20%|##")
+    shown = [a + b for a, b in zip(shown, wait_for(capfd, "[0]  20%|##"))]
+    os.write(pipes.err, b"\r100%|###\n")
+    pipes.close()
+    assert shown[1] + capfd.readouterr().err == "[0]  10%|#\r[0]  20%|##\r[0] 100%|###\n"
+
+
+def test_a_line_written_in_two_pieces_stays_whole(capfd):
+    """print("x") under PYTHONUNBUFFERED writes "x", then "\\n": a line of another rank written
+    between the two does not cut it."""
+    console = Console(None)
+    zero, one = Pipes(console, rank=0), Pipes(console, rank=1)
+    os.write(zero.out, b"loss 0.25")
+    os.write(one.out, b"ready\n")
+    os.write(zero.out, b"\n")
+    zero.close()
+    one.close()
+    assert sorted(capfd.readouterr().out.splitlines()) == ["[0] loss 0.25", "[1] ready"]
+
+
+def test_another_rank_s_line_ends_an_open_one(capfd):
+    """Rank 1's line never runs on from rank 0's open one; rank 0's rest comes on a line of its own."""
+    console = Console(None)
+    zero, one = Pipes(console, rank=0), Pipes(console, rank=1)
+    os.write(zero.out, b"downloading...")
+    shown = wait_for(capfd, "[0] downloading...")[0]
+    os.write(one.out, b"ready\n")
+    shown += wait_for(capfd, "[1] ready")[0]
+    os.write(zero.out, b" ok\n")
+    zero.close()
+    one.close()
+    assert shown + capfd.readouterr().out == "[0] downloading...\n[1] ready\n[0]  ok\n"
+
+
+def test_a_line_left_open_at_the_end_gets_its_line_end(capfd, tmp_path):
+    log = open(tmp_path / "rank.0.log", "wb")
+    pipes = Pipes(Console(None), log=log)
+    os.write(pipes.out, b"no newline")
+    pipes.close()
+    assert capfd.readouterr().out == "[0] no newline\n"
+    assert (tmp_path / "rank.0.log").read_bytes() == b"no newline\n"
+
+
+def test_stdout_and_stderr_keep_their_order_in_the_log(capfd, tmp_path):
+    """One reader takes both pipes, so the log holds a rank's lines in the order it wrote them
+    (each written once the one before was read)."""
+    log = open(tmp_path / "rank.0.log", "wb")
+    pipes = Pipes(Console(None), log=log)
+    for i in range(40):
+        os.write(pipes.err if i % 2 else pipes.out, b"line %d\n" % i)
+        wait_for(capfd, "[0] line %d" % i)
+    pipes.close()
+    assert (tmp_path / "rank.0.log").read_bytes() == b"".join(b"line %d\n" % i for i in range(40))
+
+
+def test_the_failure_summary_tail_holds_whole_stderr_lines_only():
+    pipes = Pipes(Console(set()))
+    for piece in (b"Traceback (most recent", b" call last):\n", b"\r 50%", b"\r", b"ValueError: bad\n"):
+        os.write(pipes.err, piece)
+        time.sleep(OPEN_LINE_S * 2)
+    pipes.close()
+    assert list(pipes.output.tail) == ["Traceback (most recent call last):", "ValueError: bad"]
+
+
+def test_only_whole_lines_go_above_the_live_table(capfd):
+    """While the monitor's table holds the terminal, a rank's line goes above it once whole; its
+    redraws are left out."""
+    console, above = Console(None), []
+    console.above = lambda text: above.append(text) or True
+    pipes = Pipes(console)
+    os.write(pipes.err, b"\r 50%")
+    time.sleep(OPEN_LINE_S * 3)
+    os.write(pipes.err, b"\r100%\n")
+    os.write(pipes.out, b"epoch ")
+    time.sleep(OPEN_LINE_S * 3)
+    os.write(pipes.out, b"1\n")
+    pipes.close()
+    assert above == ["[0] 100%\n", "[0] epoch 1\n"] and capfd.readouterr() == ("", "")
