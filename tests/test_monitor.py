@@ -299,13 +299,33 @@ def test_doctor_waits_for_a_start_up_that_stalls_on_the_clock():
 def test_summary_without_a_straggler_says_so():
     lines = summary.describe({0: {"busy_ms": 10.0, "wait_share": 0.1, "host": "a"},
                               1: {"busy_ms": 11.0, "wait_share": 0.05, "host": "b"}})
-    assert lines[1] == "no straggler: every rank is busy within 1.25x the median"
+    assert lines[1] == "no straggler: every rank is busy within 1.25x the other ranks' median"
     assert lines[2] == "waits most: rank 0 (a), 10% of its steps"
 
 
+def test_summary_names_the_straggler_of_two_ranks():
+    """Two ranks: each is compared with the other (a median over both is their mean, which a
+    rank 1.6x the other's time stays within 1.25x of)."""
+    lines = summary.describe({0: {"busy_ms": 20.0, "wait_share": 0.4, "host": "a"},
+                              1: {"busy_ms": 32.0, "wait_share": 0.0, "host": "a"}})
+    assert lines[0] == "slowest: rank 1 (a), busy 32.0 ms per step, 1.60x the other ranks' median (20.0 ms)"
+    assert lines[1].startswith("straggler: rank(s) 1 (busy over 1.25x the other ranks' median)"), lines
+
+
+def test_summary_of_ranks_that_paused_alike_names_no_stall():
+    """Every rank busy 1.5 s in one step (an evaluation each runs): nobody waited for anybody."""
+    alike = {r: {"busy_ms": 6.5, "max_busy_ms": 1500.0 + r, "wait_share": 0.1, "host": "a"} for r in range(2)}
+    lines = summary.describe(alike)
+    assert summary.stalled(alike) == [] and not any(line.startswith("stall") for line in lines), lines
+    assert lines[-1].startswith("pause: every rank was busy up to 1.5 s in one step, alike"), lines
+    alike[1]["max_busy_ms"] = 20.0
+    assert summary.stalled(alike) == [0]
+
+
 def test_summary_without_steps_says_why():
-    assert summary.describe({0: {"steps": 0}, 1: {"steps": 0}}) == [
-        "0 of 2 rank(s) reported optimizer steps: nothing to compare (the figures come from torchmn's optimizers)"]
+    assert summary.describe({0: {"steps": 0}, 1: {"steps": 1}}) == [
+        "1 of 2 rank(s) reported optimizer steps and fewer than 2 have two or more: nothing to compare "
+        "(a step's time is the time between two steps of torchmn's optimizers)"]
 
 
 def test_per_node_launchers_join_the_timeline_once_every_node_ended(tmp_path):
