@@ -360,6 +360,22 @@ def test_monitor_table_says_which_rank_is_held_up():
     assert "waiting 30 s" in rows[0] and "busy 30 s" in rows[1] and rows[2].split()[-2:] == ["-", "│"], text
 
 
+def test_a_rank_held_up_before_its_first_step_shows_as_held():
+    """A rank stuck before its first optimizer step (a data mount, a deadlock at step 1) is timed
+    from the start of recording, and one waiting in the first averaging shows as waiting."""
+    code = ("import time\n"
+            "from torchmn.monitor import recorder\n"
+            "recorder.start(); time.sleep(0.3)\n"
+            "busy = recorder.figures()\n"
+            "t0 = recorder.begin(); time.sleep(0.3)\n"
+            "waiting = recorder.figures()\n"
+            "print(busy['since_step_s'], busy['waiting_now_s'], waiting['since_step_s'], waiting['waiting_now_s'])\n")
+    proc = _run([sys.executable, "-c", code], timeout=60)
+    busy_since, busy_waiting, since, waiting = proc.stdout.split()
+    assert float(busy_since) >= 0.3 and busy_waiting == "None", proc.stdout
+    assert float(since) >= 0.6 and float(waiting) >= 0.3, proc.stdout
+
+
 def test_timeline_merge_during_the_run_keeps_the_parts(tmp_path):
     """A merge by hand while the ranks still write (a part not closed) joins what is there and
     keeps every part, so that the next merge has them all."""

@@ -31,7 +31,8 @@ on = False          # anything recorded at all (monitor, doctor's data or timeli
 timeline_on = False  # events kept for a timeline: some sink is open
 
 _lock = threading.Lock()
-_state = {"last_end": None, "steps": 0, "backward_end": None, "trainer": None}
+# "started": when recording started, from which a rank held up before its first step is timed.
+_state = {"last_end": None, "steps": 0, "backward_end": None, "trainer": None, "started": None}
 # Waiting is counted per thread: the training thread's own (the main thread, or the thread Ray
 # Train or a user runs the loop in) is the one whose step_ended takes it; a background thread's
 # collectives (the Horovod layer's) never reach a step's figures.
@@ -115,6 +116,8 @@ def start() -> None:
     """
     global on
     on = True
+    if _state["started"] is None:
+        _state["started"] = now()
 
 
 def open_events() -> list:
@@ -313,7 +316,8 @@ def figures() -> dict:
         ``busy_ms`` (median step time without waiting), ``wait_share`` (of the steps' time spent
         waiting in averaging and collectives), ``max_busy_ms`` (the longest step without its
         waiting: a stall), the last six None before two steps; ``since_step_s`` (since the last
-        step ended, None before one) and ``waiting_now_s`` (how long the training thread has been
+        step ended, or before the first since recording started: a rank held up before its first
+        step shows too; None before either) and ``waiting_now_s`` (how long the training thread has been
         waiting for the others, None where it is not).
 
     Example::
@@ -324,7 +328,11 @@ def figures() -> dict:
     with _lock:
         window = list(_window)
     t = time.perf_counter()
-    last, waiting_since = _state["last_end"], _open_waits.get(_state["trainer"])
+    last = _state["last_end"] if _state["last_end"] is not None else _state["started"]
+    if _state["trainer"] is not None:
+        waiting_since = _open_waits.get(_state["trainer"])
+    else:  # before the first step the training thread is not known: any thread waiting is taken for it
+        waiting_since = min(_open_waits.values(), default=None)
     out = {"steps": _state["steps"], "steps_per_s": None, "step_ms": None, "step_p95_ms": None,
            "busy_ms": None, "wait_share": None, "max_busy_ms": None,
            "since_step_s": None if last is None else t - last,
