@@ -125,3 +125,29 @@ def test_doctor_says_the_command_failed():
 def test_doctor_refuses_bad_input(args, words):
     proc = doctor(args)
     assert proc.returncode == 2 and words in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr
+
+
+@pytest.mark.timeout(60)
+def test_doctor_takes_a_launcher_that_inherited_slurm_procid_for_no_rank():
+    """In an sbatch script every process has SLURM_PROCID=0: torchmn run (or torchrun's agent)
+    under it is no rank; its children, numbered by TORCHMN_RANK, are the ranks."""
+    import psutil
+
+    from torchmn.doctor.processes import ranks_in_trees
+
+    code = ("import os, subprocess, sys, time\n"
+            "kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],\n"
+            "                         env={**os.environ, 'TORCHMN_RANK': str(r)}) for r in range(2)]\n"
+            "print(' '.join(str(k.pid) for k in kids), flush=True)\n"
+            "time.sleep(60)\n")
+    launcher = subprocess.Popen([sys.executable, "-c", code], env=clean_env({"SLURM_PROCID": "0"}),
+                                stdout=subprocess.PIPE, text=True)
+    try:
+        kids = [int(pid) for pid in launcher.stdout.readline().split()]
+        ranks = ranks_in_trees([psutil.Process(launcher.pid)])
+        assert [(r.rank, r.pid) for r in ranks] == [(0, kids[0]), (1, kids[1])], ranks
+    finally:
+        for child in psutil.Process(launcher.pid).children():
+            child.kill()
+        launcher.kill()
+        launcher.wait()

@@ -2,7 +2,9 @@
 each rank's environment says about threads.
 
 A rank is the topmost process of a tree that carries a rank variable (``TORCHMN_RANK``, torchrun's
-``RANK``, Open MPI's, MPICH's or Slurm's); its descendants are its workers, except torchmn's own
+``RANK``, Open MPI's, MPICH's or Slurm's: the first of these any process of the tree carries, so a
+launcher that merely inherited ``SLURM_PROCID`` from its allocation is not taken for a rank); its
+descendants are its workers, except torchmn's own
 helpers (the watcher and the guardian, started with ``-c`` and a ``torchmn.`` module). A process
 tree without any rank variable is one rank (a script run with plain ``python``).
 """
@@ -58,12 +60,20 @@ def _environ(proc: psutil.Process) -> dict:
         return {}
 
 
-def _rank_of(env: dict) -> Optional[int]:
-    for name in RANK_VARIABLES:
+def _rank_of(env: dict, names: Iterable[str] = RANK_VARIABLES) -> Optional[int]:
+    for name in names:
         value = env.get(name, "")
         if value.strip().isdigit():
             return int(value)
     return None
+
+
+def _rank_variable(envs: Iterable[dict]) -> Optional[str]:
+    """The rank variable that numbers a tree's ranks: the first of :data:`RANK_VARIABLES` any of
+    its processes carries. (In a Slurm allocation every process has ``SLURM_PROCID``, the launcher
+    too; torchmn run's or torchrun's ranks alone have theirs.)"""
+    envs = list(envs)
+    return next((name for name in RANK_VARIABLES if any(_rank_of(env, (name,)) is not None for env in envs)), None)
 
 
 def _is_helper(proc: psutil.Process) -> bool:
@@ -98,7 +108,9 @@ def ranks_in_trees(roots: Iterable[psutil.Process]) -> list:
         except psutil.NoSuchProcess:
             continue
         envs = {p.pid: _environ(p) for p in tree}
-        numbered = {p.pid for p in tree if _rank_of(envs[p.pid]) is not None}
+        variable = _rank_variable(envs.values())
+        names = (variable,) if variable is not None else ()
+        numbered = {p.pid for p in tree if _rank_of(envs[p.pid], names) is not None}
         if not numbered:
             numbered = {root.pid}
         tops = [p for p in tree if p.pid in numbered and not _has_ancestor_in(p, numbered, root.pid)]
@@ -108,7 +120,7 @@ def ranks_in_trees(roots: Iterable[psutil.Process]) -> list:
             except psutil.NoSuchProcess:
                 continue
             env = envs.get(top.pid, {})
-            ranks.append(RankProcess(pid=top.pid, rank=_rank_of(env), host=host,
+            ranks.append(RankProcess(pid=top.pid, rank=_rank_of(env, names), host=host,
                               settings={k: env[k] for k in THREAD_VARIABLES if k in env},
                               workers=[p.pid for p in below if not _is_helper(p)],
                               slurm={k: env[k] for k in SLURM_VARIABLES if k in env}))
