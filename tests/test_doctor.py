@@ -151,3 +151,24 @@ def test_doctor_takes_a_launcher_that_inherited_slurm_procid_for_no_rank():
             child.kill()
         launcher.kill()
         launcher.wait()
+
+
+@pytest.mark.timeout(90)
+def test_doctor_leaves_out_figures_an_earlier_job_left_in_the_folder(tmp_path):
+    """A TORCHMN_MONITOR_DIR given to every job keeps earlier jobs' files (here a slow rank 2 of a
+    3-rank job): they are not this job's and are not compared."""
+    stale = {"rank": 2, "host": "vm", "pid": 2 ** 22 + 7, "steps": 700, "busy_ms": 41.4, "step_ms": 42.0,
+             "wait_share": 0.0, "final": True, "time": time.time() - 3600}
+    (tmp_path / "rank-2.json").write_text(json.dumps(stale))
+    job = subprocess.Popen([sys.executable, str(BUSY), "60", "0", "--steps"],
+                           env=clean_env({"TORCHMN_MONITOR_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}))
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "rank-0.json").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        proc = doctor(["--pid", str(job.pid), "--seconds", "1", "--json"])
+        d = json.loads(proc.stdout)
+        assert "rank 2" not in json.dumps(d["steps"]), d["steps"]
+    finally:
+        job.kill()
+        job.wait()

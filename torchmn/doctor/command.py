@@ -128,7 +128,7 @@ def run_doctor(args, parser) -> int:
             ranks = processes.ranks_in_trees(roots) or ranks
             return [r.pid for r in ranks] + [w for r in ranks for w in r.workers]
         samples = sampling.sample(job_pids, args.seconds)
-        steps = publisher.read_folder(folder or _folder_of(ranks))
+        steps = _of_these_ranks(publisher.read_folder(folder or _folder_of(ranks)), ranks)
     except processes.ProcessGone as e:
         return _refuse(str(e))
     finally:
@@ -197,6 +197,13 @@ def _cpu_seconds(proc: subprocess.Popen) -> float:
             continue
         total += t.user + t.system
     return total
+
+
+def _of_these_ranks(figures: dict, ranks: list) -> dict:
+    """The figures the sampled ranks wrote: a folder a user gives every job keeps the files of
+    earlier ones (other ranks, other rank counts), which are not this job's."""
+    pids = {r.pid for r in ranks} | {w for r in ranks for w in r.workers}  # a rank may run under a shell
+    return {rank: f for rank, f in figures.items() if f.get("pid") in pids}
 
 
 def _folder_of(ranks: list) -> Optional[str]:
