@@ -1,9 +1,11 @@
 """The monitor, the timeline and the doctor's straggler verdict, on real jobs: 3 ranks over gloo whose
 rank 1 sleeps 50 ms per step (tests/workers/straggler.py), under torchmn run and torchrun."""
 import json
+import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -130,13 +132,40 @@ def test_timeline_merge_keeps_the_parts_while_a_rank_is_missing(tmp_path):
     path = str(tmp_path / "t.json")
     for rank in (0, 1):
         timeline.write_part(path, rank, 3, [("update", "update", 100.0 + rank, 100.5 + rank, "MainThread", None)])
-    assert timeline.merge(path)[1:] == ([0, 1], 3)
+    assert timeline.merge(path)[1:] == ([0, 1], 3, [])
     assert len(timeline.parts_of(path)) == 2
     timeline.write_part(path, 2, 3, [("update", "update", 102.0, 102.5, "MainThread", None)])
     proc = _run([sys.executable, "-m", "torchmn", "timeline", "merge", path])
     assert "joined 3 rank(s)" in proc.stdout and "missing" not in proc.stdout, proc.stdout
     assert {e["pid"] for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"} == {0, 1, 2}
     assert timeline.parts_of(path) == []
+
+
+def test_timeline_merge_leaves_out_an_earlier_job_s_parts(tmp_path):
+    """A 3-rank job's parts, then a 2-rank job's beside them: rank 2's part is not this job's. It is
+    kept, named, and not joined."""
+    path = str(tmp_path / "t.json")
+    old = timeline.write_part(path, 2, 3, [("update", "update", 50.0, 50.7, "MainThread", None)])
+    os.utime(old, (time.time() - 60, time.time() - 60))
+    for rank in (0, 1):
+        timeline.write_part(path, rank, 2, [("update", "update", 100.0 + rank, 100.5 + rank, "MainThread", None)])
+    proc = _run([sys.executable, "-m", "torchmn", "timeline", "merge", path])
+    assert "joined 2 rank(s)" in proc.stdout and "missing" not in proc.stdout, proc.stdout
+    assert "left out 1 part(s) of another job" in proc.stderr and old in proc.stderr, proc.stderr
+    assert {e["pid"] for e in json.load(open(path))["traceEvents"] if e["ph"] == "X"} == {0, 1}
+    assert timeline.parts_of(path) == [old]
+
+
+def test_timeline_command_reads_a_trace_another_tool_wrote(tmp_path):
+    """torch.profiler-style events: string and number pids mixed, no category."""
+    trace = tmp_path / "prof.json"
+    trace.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "name": "aten::mm", "pid": "host 1", "tid": 3, "ts": 0, "dur": 2000},
+        {"ph": "X", "name": "aten::add", "pid": 7, "tid": 1, "ts": 10, "dur": 1000, "cat": "cpu_op"}]}))
+    proc = _run([sys.executable, "-m", "torchmn", "timeline", str(trace)])
+    assert "rank 7: cpu_op 1.0 ms (1x)" in proc.stdout and "rank host 1: ? 2.0 ms (1x)" in proc.stdout, proc.stdout
+    proc = _run([sys.executable, "-m", "torchmn", "timeline", str(trace), "--png", str(tmp_path / "prof.png")])
+    assert "drew 2 phases" in proc.stdout, proc.stdout
 
 
 def test_timeline_of_a_job_stopped_by_sigterm_is_written(tmp_path):

@@ -66,12 +66,16 @@ def run_timeline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
             if len(words) != 2:
                 parser.error("usage: torchmn timeline merge FILE")
             running = [timeline.part_rank(f) for f in timeline.parts_of(words[1]) if not timeline.ended(f)]
-            path, ranks, size = timeline.merge(words[1])
+            path, ranks, size, left_out = timeline.merge(words[1])
             missing = sorted(set(range(size or 0)) - set(ranks))
+            running = [r for r in running if r in ranks]
             print(f"joined {len(ranks)} rank(s) into {path}" +
                   (f"; missing: rank(s) {', '.join(map(str, missing))}" if missing else "") +
                   (f"; rank(s) {', '.join(map(str, running))} still write theirs (or were killed): their parts "
                    f"are kept, merge again once they end" if running else ""))
+            if left_out:
+                print(f"left out {len(left_out)} part(s) of another job, of another number of ranks than the "
+                      f"newest part's {size}: {', '.join(left_out)} (kept; move them away)", file=sys.stderr)
             return 0
         if len(words) != 1:
             parser.error("give one FILE (or: merge FILE)")
@@ -93,12 +97,14 @@ def _print_summary(path: str, data: dict) -> None:
     for e in data["traceEvents"]:
         if e.get("ph") == "M" and e.get("name") == "process_name":
             names[e["pid"]] = e["args"]["name"]
-        elif e.get("ph") == "X":
-            totals[(e["pid"], e.get("cat"))] += e["dur"] / 1e3
-            counts[(e["pid"], e.get("cat"))] += 1
+        elif e.get("ph") == "X" and "dur" in e:
+            # Traces other tools write (torch.profiler's) may mix string and number ids and leave
+            # out categories: ordered by their text.
+            totals[(e.get("pid"), e.get("cat") or "?")] += e["dur"] / 1e3
+            counts[(e.get("pid"), e.get("cat") or "?")] += 1
     if not totals:
         raise TorchmnValueError(f"{path} holds no phases: did the ranks record (TORCHMN_TIMELINE) and step?")
-    for pid in sorted({p for p, _ in totals}):
+    for pid in sorted({p for p, _ in totals}, key=str):
         parts = ", ".join(f"{plot.LABELS.get(cat, cat)} {totals[(p, cat)]:.1f} ms ({counts[(p, cat)]}x)"
-                          for p, cat in sorted(totals) if p == pid)
+                          for p, cat in sorted(totals, key=lambda k: (str(k[0]), str(k[1]))) if p == pid)
         print(f"{names.get(pid, f'rank {pid}')}: {parts}")

@@ -73,17 +73,19 @@ def draw(path: str, out: str, last_s: Optional[float] = None) -> int:
             names[(e["pid"], None)] = e["args"]["name"]
         elif e.get("ph") == "M" and e.get("name") == "thread_name":
             names[(e["pid"], e["tid"])] = e["args"]["name"]
-    phases = [e for e in events if e.get("ph") == "X"]
+    # Traces other tools write (torch.profiler's) may mix string and number ids and leave out
+    # categories: rows are ordered by their text.
+    phases = [e for e in events if e.get("ph") == "X" and "ts" in e and "dur" in e]
     if not phases:
         raise TorchmnValueError(f"{path} holds no phases: did the ranks record (TORCHMN_TIMELINE) and step?")
     end = max(e["ts"] + e["dur"] for e in phases)
     start = end - last_s * 1e6 if last_s is not None else min(e["ts"] for e in phases)
     phases = [e for e in phases if e["ts"] + e["dur"] >= start]
-    rows = sorted({(e["pid"], e.get("tid", 0)) for e in phases})
+    rows = sorted({(e.get("pid"), e.get("tid", 0)) for e in phases}, key=lambda row: (str(row[0]), str(row[1])))
     # Constrained layout makes room for the legend below the axes, whatever the number of rows.
     fig, ax = plt.subplots(figsize=(12, 1.6 + 0.45 * len(rows)), layout="constrained")
     for y, (pid, tid) in enumerate(rows):
-        mine = [e for e in phases if e["pid"] == pid and e.get("tid", 0) == tid]
+        mine = [e for e in phases if e.get("pid") == pid and e.get("tid", 0) == tid]
         ax.broken_barh([((e["ts"] - start) / 1e3, max(e["dur"] / 1e3, 0.01)) for e in mine], (y - 0.4, 0.8),
                        facecolors=[COLOURS.get(e.get("cat"), "#999999") for e in mine], linewidth=0)
     ax.set_yticks(range(len(rows)))

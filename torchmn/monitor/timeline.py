@@ -18,6 +18,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import shlex
 import re
 import socket
 import sys
@@ -360,8 +361,12 @@ def ended(file: str) -> bool:
 
 
 def merge(path: str, remove: bool = True, since: Optional[float] = None, keep_while_missing: bool = True,
-          finished: bool = False) -> Tuple[str, List[int], Optional[int]]:
+          finished: bool = False) -> Tuple[str, List[int], Optional[int], List[str]]:
     """Join the parts of the timeline ``path`` found here into ``path``.
+
+    Only the parts of one job are joined: those with as many ranks as the newest part's. A job of
+    more ranks before it left parts that the ranks of this one did not overwrite (rank 2 of 3 beside
+    a 2-rank job's); they are left where they are, and named.
 
     Args:
         path: the timeline's file.
@@ -375,7 +380,8 @@ def merge(path: str, remove: bool = True, since: Optional[float] = None, keep_wh
             written, and every part is kept.
 
     Returns:
-        ``(path, ranks joined, ranks the job had)``; the last is None where no part says.
+        ``(path, ranks joined, ranks the job had, parts left out)``: the third is None where no
+        part says; the last are another job's parts, kept.
 
     Raises:
         OSError: no part of ``path`` is here (``TorchmnOSError``), or one cannot be read.
@@ -384,17 +390,17 @@ def merge(path: str, remove: bool = True, since: Optional[float] = None, keep_wh
     Example::
 
         >>> merge("/tmp/trace.json")
-        ('/tmp/trace.json', [0, 1], 2)
+        ('/tmp/trace.json', [0, 1], 2, [])
     """
     files = parts_of(path, since)
     if not files:
         raise TorchmnOSError(f"no part of the timeline {path} here: each rank writes {part_path(path, 0)} "
                                 f"and so on as it ends (TORCHMN_TIMELINE={path}); were they written on other "
                                 f"machines? Copy them here first")
-    parts, size = [], None
-    for file in files:
-        rank, host, size, events = read_part(file)
-        parts.append((rank, host, events))
+    read = {file: read_part(file) for file in files}
+    size = read[max(files, key=_modified)][2]
+    files, left_out = [f for f in files if read[f][2] == size], [f for f in files if read[f][2] != size]
+    parts = [(rank, host, events) for rank, host, _, events in (read[f] for f in files)]
     write(path, parts)
     joined = [r for r, _, _ in parts]
     # Kept while a rank is missing: its part, copied here later, is joined with them all.
@@ -404,7 +410,14 @@ def merge(path: str, remove: bool = True, since: Optional[float] = None, keep_wh
             (finished or all(map(ended, files))):
         for file in files:
             os.unlink(file)
-    return path, joined, size
+    return path, joined, size, left_out
+
+
+def _modified(file: str) -> float:
+    try:
+        return os.path.getmtime(file)
+    except OSError:  # removed meanwhile
+        return 0.0
 
 
 def wait_for_parts(path: str, since: float, size: int = 0) -> List[str]:
@@ -464,7 +477,7 @@ def finish(writer: PartWriter, path: str, rank: int, size: int, join: bool) -> N
     if found < size:
         sys.stderr.write(f"torchmn: rank 0 found {found} of {size} finished parts of the timeline {path} "
                          f"within {MERGE_WAIT_S:.0f} s (the others run on other machines, or have not ended): "
-                         f"once they are here, join them with: torchmn timeline merge {path}\n")
+                         f"once they are here, join them with: torchmn timeline merge {shlex.quote(path)}\n")
         return
     merge(path, since=since)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import os
 import queue
+import shlex
 import shutil
 import signal
 import socket
@@ -442,10 +443,10 @@ class Job:
         from torchmn.monitor import timeline
 
         try:
-            _, ranks, _ = timeline.merge(path, since=self.started_wall, finished=True)
+            _, ranks, _, _ = timeline.merge(path, since=self.started_wall, finished=True)
         except TorchmnOSError:
             self.console.message(f"torchmn run: no rank wrote a part of the timeline {path} here (ranks on other "
-                                 f"hosts write theirs there: copy them here and run torchmn timeline merge {path}; "
+                                 f"hosts write theirs there: copy them here and run torchmn timeline merge {shlex.quote(path)}; "
                                  f"a rank records only once it calls torchmn.create_communicator())")
             return
         except (OSError, ValueError) as e:
@@ -454,9 +455,9 @@ class Job:
         missing = sorted(set(range(self.size)) - set(ranks))
         self.console.message(f"torchmn run: timeline of {len(ranks)} rank(s) written to {path}" +
                              (f"; rank(s) {', '.join(map(str, missing))} wrote no part here (on other hosts: copy "
-                              f"{path}.rank<r>.json here and run torchmn timeline merge {path}; the parts here are "
+                              f"{path}.rank<r>.json here and run torchmn timeline merge {shlex.quote(path)}; the parts here are "
                               f"kept for it)" if missing else
-                              f"; draw it with: torchmn timeline {path} --png timeline.png"))
+                              f"; draw it with: torchmn timeline {shlex.quote(path)} --png timeline.png"))
 
     def _local_pids(self) -> List[int]:
         """The ranks started on this machine: the store's gate looks at them first."""
