@@ -252,6 +252,22 @@ def test_apply_thread_budget_leaves_a_users_blas_threads():
 
 @pytest.mark.parametrize("imports", ["import torch, torchmn", "import torchmn, torch"],
                          ids=["torch_first", "torchmn_first"])
+def test_a_scripts_torch_threads_equal_to_torchs_default_win(imports):
+    """torch.set_num_threads(n) after `import torchmn` wins also where n is torch's default count
+    (which a comparison with the count at import cannot tell from no call)."""
+    script = (imports + "\nfrom torchmn import resources\ndefault = torch.get_num_threads()\n"
+              "torch.set_num_threads(default)\nprint(default, resources.apply_thread_budget(2), torch.get_num_threads())\n")
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_NUM_THREADS")}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    default, applied, now = out.stdout.split()
+    if int(default) < 2:
+        pytest.skip("torch's default here is 1 thread, the budget of 2 ranks too: nothing to tell apart")
+    assert applied == default and now == default, out.stdout
+
+
+@pytest.mark.parametrize("imports", ["import torch, torchmn", "import torchmn, torch"],
+                         ids=["torch_first", "torchmn_first"])
 def test_a_scripts_own_torch_threads_win(imports):
     """torch.set_num_threads called after `import torchmn` is the script's choice: it becomes the budget,
     whether torch was imported before torchmn or after (``import torchmn`` does not import torch)."""

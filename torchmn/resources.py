@@ -264,6 +264,9 @@ def requested_threads(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
 # torch's intra-op thread count when torchmn was imported (remember_torch_threads): a different count
 # at create_communicator means the script chose its own with torch.set_num_threads.
 _torch_threads_at_import: Optional[int] = None
+# The count of the last torch.set_num_threads call after import torchmn (see note_torch_threads_set);
+# torchmn's own call, when it applies the budget once, notes the budget itself, which changes nothing.
+_torch_threads_set: Optional[int] = None
 
 
 def remember_torch_threads(count: int) -> None:
@@ -280,8 +283,26 @@ def remember_torch_threads(count: int) -> None:
     _torch_threads_at_import = count
 
 
+def note_torch_threads_set(count: int) -> None:
+    """Note a ``torch.set_num_threads(count)`` call (``torchmn.torch_loaded`` wraps torch's
+    function with this), so that the script's choice wins over the budget even where it equals
+    torch's default.
+
+    Args:
+        count: the thread count set.
+
+    Example::
+
+        >>> note_torch_threads_set(2)
+    """
+    global _torch_threads_set
+    _torch_threads_set = count
+
+
 def _scripts_torch_threads() -> Optional[int]:
     """torch's thread count if the script set it after ``import torchmn``, else None."""
+    if _torch_threads_set is not None:
+        return _torch_threads_set
     if _torch_threads_at_import is None:
         return None
     import torch

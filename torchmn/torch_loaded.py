@@ -4,8 +4,10 @@ launcher and its helper processes load this package without it).
 
 Two things, both before the script can go on:
 
-- torch's thread count is noted (``resources.remember_torch_threads``), so that a
-  ``torch.set_num_threads`` the script calls afterwards wins over the rank's thread budget;
+- torch's thread count is noted (``resources.remember_torch_threads``), and
+  ``torch.set_num_threads`` notes each later call (``resources.note_torch_threads_set``), so that
+  a count the script sets afterwards wins over the rank's thread budget, also one equal to torch's
+  default;
 - the objects alive then, almost all of them torch's modules, classes and functions (some
   170,000), are moved to the garbage collector's permanent generation (``gc.freeze``). They live
   as long as the process, yet every full collection walked them, and the interpreter's exit
@@ -17,6 +19,7 @@ Two things, both before the script can go on:
 """
 from __future__ import annotations
 
+import functools
 import gc
 import importlib.abc
 import importlib.util
@@ -27,6 +30,14 @@ from torchmn import resources
 
 def _on_torch_loaded(torch) -> None:
     resources.remember_torch_threads(torch.get_num_threads())
+    set_num_threads = torch.set_num_threads
+    if not getattr(set_num_threads, "_torchmn_noted", False):
+        @functools.wraps(set_num_threads)
+        def noted(count):
+            set_num_threads(count)
+            resources.note_torch_threads_set(int(count))
+        noted._torchmn_noted = True
+        torch.set_num_threads = noted
     gc.freeze()
 
 

@@ -137,7 +137,7 @@ def _fix_oversubscribed(rows: list, cpus: int, budget: int) -> str:
     if any(v.isdigit() and int(v) > budget for v in users):
         fixes.append(f"OMP_NUM_THREADS={'/'.join(sorted(users))} in the ranks' environment overrides torchmn's "
                      f"budget of {budget} thread(s) per rank ({cpus} CPUs / {len(rows)} ranks): unset it (torchmn "
-                     f"run, and `import torchmn` under other launchers, then give each rank {budget}) or set "
+                     f"run, and create_communicator() under other launchers, then give each rank {budget}) or set "
                      f"OMP_NUM_THREADS={budget}")
     elif any(v.isdigit() and int(v) > budget for v in asked):
         fixes.append(f"TORCHMN_NUM_THREADS={'/'.join(sorted(asked))} asks for more than the {budget} thread(s) per "
