@@ -156,6 +156,22 @@ def test_snapshot_and_resume_single_rank(tmp_path):
     assert torch.equal(fresh.bias.detach(), torch.tensor([3.0]))
 
 
+def test_early_stopping_resumed_to_train_longer_goes_on(tmp_path):
+    """A run of 2 epochs snapshotted at its end, resumed with max_trigger 4 epochs: it trains on to
+    epoch 4 (the snapshot's "max reached" belonged to the shorter run)."""
+    def train(epochs):
+        stop = MultiNodeEarlyStoppingTrigger(solo(), monitor="main/loss", patience=100, max_trigger=(epochs, "epoch"))
+        manager = manager_for(torch.nn.Linear(1, 1), tmp_path, epochs, iters_per_epoch=3, stop_trigger=stop)
+        manager.extend(multi_node_snapshot(solo(), autoload=True), trigger=(1, "epoch"))
+        while not manager.stop_trigger:
+            with manager.run_iteration():
+                ppe.reporting.report({"main/loss": 1.0})
+        return manager.iteration
+
+    assert train(2) == 6
+    assert train(4) == 12
+
+
 @pytest.mark.parametrize("name", ["snap_{iteration}", "snap_{rank}", "d/snap_{iteration}_{rank}",
                                   "snap_{iteration}_{rank}_{epoch}"])
 def test_snapshot_filename_must_name_iteration_and_rank(name):

@@ -111,7 +111,11 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
         if pending is not None and pending["iteration"] != manager.iteration:
             # Resumed, and first called after the snapshot's iteration (ppe's manager keeps a second
             # copy of its stop trigger, called at the end of each iteration): that check first.
-            if self._check(pending["value"], lambda: pending["max"], lambda: pending["interval"], manager):
+            # The snapshot's max_trigger decision holds only for a run of the same length: a run
+            # resumed to train longer goes on (one resumed shorter stopped at its own length above).
+            same_length = pending.get("length") == self._training_length()
+            if self._check(pending["value"], lambda: pending["max"] and same_length, lambda: pending["interval"],
+                           manager):
                 return True
             pending = None
         if pending is not None:
@@ -178,8 +182,14 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
             state["pending"] = {"iteration": manager.iteration,
                                 "value": None if observed is None else to_float(observed, self.monitor),
                                 "max": bool(self._max_trigger(manager)),
+                                "length": self._training_length(),
                                 "interval": bool(self._interval_trigger(manager))}
         return state
+
+    def _training_length(self) -> Optional[list]:
+        """``max_trigger``'s training length (ppe's triggers say it), as a snapshot stores it."""
+        length = getattr(self._max_trigger, "get_training_length", None)
+        return None if length is None else list(length())
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what :meth:`state_dict` returned.
