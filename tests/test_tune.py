@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from jobs import clean_env
+from jobs import WORKERS, assert_check_passed, check_job_output, clean_env, run_job
 
 # The "tune" extra's dependency (installed with the dev tools): missing, it fails the tests, not skips them.
 import optuna  # noqa: E402
@@ -70,6 +70,38 @@ def test_tune_resumes_after_being_killed(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_tune_leaves_the_running_trial_of_another_live_search_alone(tmp_path):
+    """Two searches of one study at once (same --storage and --study-name): the second does not take
+    the first's running trial for a killed search's, and both finish."""
+    storage = f"sqlite:///{tmp_path / 'tune.db'}"
+    command = ("import os, time\n"
+               "while os.environ.get('WAIT') and not os.path.exists('release'):\n"
+               "    time.sleep(0.1)\n"
+               "print('torchmn-objective:', os.environ['X'])\n")
+    args = ["--storage", storage, "--study-name", "t", "--only-params", "--param", "X=int:1:9", "--", sys.executable,
+            "-c", command]
+    first = subprocess.Popen([sys.executable, "-m", "torchmn", "tune", "--n-trials", "1", *args], cwd=tmp_path,
+                             env=clean_env({"WAIT": "1"}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if [t.state.name for t in trials(storage)] == ["RUNNING"]:
+                    break
+            except KeyError:  # no study yet
+                pass
+            time.sleep(0.2)
+        second = tune(["--n-trials", "2", *args], tmp_path)
+        assert second.returncode == 0, second.stderr
+        (tmp_path / "release").touch()
+        _, err = first.communicate(timeout=60)
+    finally:
+        first.kill()
+    assert first.returncode == 0, err
+    assert [t.state.name for t in trials(storage)] == ["COMPLETE"] * 3, trials(storage)
+
+
+@pytest.mark.timeout(120)
 def test_tune_takes_a_command_option_as_documented(tmp_path):
     """`--param --x=int:...` as docs/cpu.md writes it (argparse alone takes `--x=...` for an option of
     its own); the value reaches the command as `--x N`."""
@@ -114,6 +146,43 @@ def test_tune_param_replaces_the_range_of_a_torchmn_setting(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_tune_searches_the_threads_despite_the_users_omp_num_threads(tmp_path):
+    """The user's OMP_NUM_THREADS would win over the searched TORCHMN_NUM_THREADS in every trial
+    (torchmn run leaves the thread configuration to a user who set it): the trials run without it,
+    once warned, and the best command line unsets it too."""
+    command = "import os; print('torchmn-objective:', os.environ['OMP_NUM_THREADS'])"  # what the pools get
+    out = tune(["-np", "1", "--storage", f"sqlite:///{tmp_path / 'tune.db'}", "--only-params", "--param",
+                "TORCHMN_NUM_THREADS=int:3:3", "--n-trials", "2", "--", sys.executable, "-c", command], tmp_path,
+               {"OMP_NUM_THREADS": "5"})
+    assert out.returncode == 0, out.stderr
+    assert out.stderr.count("OMP_NUM_THREADS=5 in the environment would override the searched thread") == 1, \
+        out.stderr
+    best = out.stdout.splitlines()[-1]
+    assert best.startswith("best (3.000 s): env -u OMP_NUM_THREADS TORCHMN_NUM_THREADS=3 torchmn run -np 1 "), best
+
+
+@pytest.mark.timeout(120)
+def test_tune_resumes_a_study_with_a_param_added(tmp_path):
+    """Trials from before the --param was added lack it: the best one's command line leaves it out."""
+    command = "import os; print('torchmn-objective:', os.environ['X'])"
+    args = ["--storage", f"sqlite:///{tmp_path / 'tune.db'}", "--study-name", "t", "--only-params", "--param",
+            "X=int:2:2"]
+    assert tune([*args, "--n-trials", "1", "--", sys.executable, "-c", command], tmp_path).returncode == 0
+    out = tune([*args, "--param", "Y=int:5:5", "--n-trials", "2", "--", sys.executable, "-c", command], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "| 0 | complete | 2.000 | 2 | - |" in out.stdout and "best (2.000 s): X=2 " in out.stdout \
+        and "Y=" not in out.stdout.splitlines()[-1], out.stdout
+
+
+@pytest.mark.timeout(120)
+def test_tune_plot_without_a_suffix_writes_and_names_a_png(tmp_path):
+    out = tune(["--storage", f"sqlite:///{tmp_path / 'tune.db'}", "--only-params", "--param", "X=int:1:9",
+                "--n-trials", "2", "--plot", "history", "--", sys.executable, "-c", TRIAL], tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "plot: history.png\n" in out.stdout and (tmp_path / "history.png").stat().st_size > 1000, out.stdout
+
+
+@pytest.mark.timeout(120)
 def test_tune_fails_a_trial_whose_objective_line_holds_no_number(tmp_path):
     storage = f"sqlite:///{tmp_path / 'tune.db'}"
     out = tune(["--storage", storage, "--study-name", "t", "--only-params", "--param", "X=int:1:9", "--n-trials", "1",
@@ -143,6 +212,7 @@ def test_tune_sizes_its_space_from_the_cpus_the_job_may_use(monkeypatch):
     (["--trial-timeout", "0", "--", "true"], "--trial-timeout must be a positive number of seconds, not 0"),
     (["--trial-timeout", "nan", "--", "true"], "--trial-timeout must be a positive number of seconds, not nan"),
     (["--param", "X=int:1:2", "--param", "X=int:30:40", "--", "true"], "--param names X more than once"),
+    (["--plot", "nodir/x.png", "--", "true"], "--plot nodir/x.png: no folder 'nodir' to write it in"),
 ])
 def test_tune_refuses_bad_input(args, words, tmp_path):
     out = tune(args, tmp_path)
@@ -153,9 +223,27 @@ def test_tune_refuses_bad_input(args, words, tmp_path):
 @pytest.mark.parametrize("check", ["states", "uncaught"])
 def test_multi_node_study(check, tmp_path):
     """2 ranks run each trial together; a failure or a prune on one rank ends it alike on both."""
-    from jobs import WORKERS, run_job
     out = run_job(WORKERS / "tune_checks.py", [f"sqlite:///{tmp_path / 'study.db'}", check], np=2, timeout=90)
     assert f"PASS {check}" in out.stdout, out.stdout + out.stderr
+
+
+TRIAL_END_CHECKS = ("caught_failure_while_others_are_in_a_collective",
+                    "uncaught_failure_while_others_are_in_a_collective",
+                    "none_value_fails_the_trial_and_the_study_goes_on", "multi_objective_values_complete_the_trial",
+                    "optuna_trial_methods_are_shared")
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.check_job("tune-trial-end")
+@pytest.mark.parametrize("check", TRIAL_END_CHECKS)
+@pytest.mark.parametrize("name,np", [("hierarchical", 2), ("flat", 2), ("hierarchical", 3)])
+def test_multi_node_study_ends_each_trial_alike_on_every_rank(name, np, check, request):
+    """A rank raising while the others are in a collective, None or several values returned, and
+    the optuna.Trial methods a DistributedTrial shares (tune_trial_end_checks.py)."""
+    proc = check_job_output(request, lambda checks: run_job(WORKERS / "tune_trial_end_checks.py",
+                                                            ["--name", name, *checks], np=np, timeout=150,
+                                                            check=False))
+    assert_check_passed(proc, check)
 
 
 # Three quick trials, then one whose progress is far slower: the median pruner stops it early.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import collections
 import math
+import os
 import signal
 import sys
 
@@ -101,10 +102,10 @@ def run_tune(args, parser) -> int:
 
     Returns:
         0 once the search is done; 1 when it ran but no trial completed; 2 when it cannot run or
-        go on: Optuna is not installed, no
-        command, ``--n-trials`` or ``-np`` below 1, a malformed ``--param``, ``--only-params``
-        without a ``--param``, or a :class:`~torchmn.tune.TuneError` (a storage it cannot open,
-        trials failing in a row).
+        go on: Optuna is not installed, no command, ``--n-trials`` or ``-np`` below 1, a malformed
+        ``--param``, ``--only-params`` without a ``--param``, a ``--plot`` file in a folder that
+        does not exist, or a :class:`~torchmn.tune.TuneError` (a storage it cannot open, trials
+        failing in a row).
 
     Example::
 
@@ -135,6 +136,11 @@ def run_tune(args, parser) -> int:
         return _refuse(f"--param names {', '.join(repeated)} more than once: give each setting one range")
     if args.only_params and not extra:
         return _refuse("--only-params needs at least one --param")
+    # Checked now: the plot is written after the whole search, too late to find the folder missing.
+    folder = os.path.dirname(args.plot) if args.plot else ""
+    if folder and not os.path.isdir(folder):
+        return _refuse(f"--plot {args.plot}: no folder {folder!r} to write it in; create it first, or give "
+                       f"a file in an existing folder")
     # A --param of one of torchmn's own settings replaces its default range.
     mine = {p.name for p in extra}
     defaults = [] if args.only_params else default_space(resources.cpu_count_available(), args.np or 1)

@@ -13,6 +13,7 @@ import dataclasses
 from typing import Optional
 
 from torchmn.errors import TorchmnValueError
+from torchmn.resources import THREAD_VARIABLES, TORCHMN_NUM_THREADS
 
 KINDS = ("int", "float", "log", "cat")
 
@@ -153,3 +154,29 @@ def trial_command(params: list, values: dict, command: list, env: dict) -> tuple
         else:
             env[p.name] = str(values[p.name])
     return argv, env
+
+
+def overriding_thread_variables(params: list, env) -> list:
+    """The thread variables of ``env`` that would override a searched thread setting in every trial.
+
+    A user's ``OMP_NUM_THREADS`` (or ``MKL_NUM_THREADS``, ...) wins over ``TORCHMN_NUM_THREADS``
+    (see :mod:`torchmn.resources`), so a search of it would change nothing; the trials leave these
+    out of their environment instead.
+
+    Args:
+        params: the searched parameters.
+        env: the environment the trials start from.
+
+    Returns:
+        The names, in ``torchmn.resources.THREAD_VARIABLES`` order: those set in ``env`` and not
+        searched themselves, where ``TORCHMN_NUM_THREADS`` or one of them is searched; else none.
+
+    Example::
+
+        >>> overriding_thread_variables(default_space(8, 2), {"OMP_NUM_THREADS": "2"})
+        ['OMP_NUM_THREADS']
+    """
+    searched = {p.name for p in params}
+    if not searched & {TORCHMN_NUM_THREADS, *THREAD_VARIABLES}:
+        return []
+    return [name for name in THREAD_VARIABLES if name in env and name not in searched]

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import shlex
+import socket
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,8 @@ from torchmn.tune.trial_run import COMPLETE, PRUNED, run_trial
 
 DEFAULT_STORAGE = "sqlite:///torchmn-tune.db"
 FAILURES_IN_A_ROW = 3
+# The user attribute naming the search that runs a trial: {"host", "pid", "started"}.
+SEARCH = "torchmn_tune_search"
 
 
 class TuneError(TorchmnError, RuntimeError):
@@ -63,8 +66,16 @@ class Tuner:
         self.trial_timeout, self.log = trial_timeout, log
         self.launch = [sys.executable, "-m", "torchmn", "run", "-np", str(np)] if np is not None else []
 
-    def open(self):
+    def open(self, progress=None):
         """The study, created or loaded; trials a killed search left running are marked failed.
+
+        A running trial is left alone where the search running it still lives: one on this host
+        whose process is alive, or one on another host (which this one cannot check; a line says
+        so). Two searches may share a study this way.
+
+        Args:
+            progress: called with a line per running trial of another host left alone (default:
+                print to stderr).
 
         Returns:
             The ``optuna.Study`` named :attr:`study_name` in :attr:`storage`: minimizing, with a
@@ -88,8 +99,16 @@ class Tuner:
         except Exception as e:  # sqlalchemy's, optuna's and the OS's errors alike
             raise TuneError(f"cannot open the storage {self.storage!r}: {type(e).__name__}: "
                             f"{str(e).splitlines()[0] if str(e) else ''}") from None
+        progress = progress or _to_stderr
         for trial in study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,)):
-            study.tell(trial.number, state=optuna.trial.TrialState.FAIL)
+            owner = trial.user_attrs.get(SEARCH)
+            if owner is not None and owner.get("host") != socket.gethostname():
+                progress(f"torchmn tune: trial {trial.number} is running on {owner.get('host')} (pid "
+                         f"{owner.get('pid')}), left to that search; if it was killed, mark the trial failed: "
+                         f"optuna.load_study(...).tell({trial.number}, state=TrialState.FAIL)")
+            elif owner is None or not _alive(owner):
+                # skip_if_finished: another search opening the study meanwhile may have marked it.
+                study.tell(trial.number, state=optuna.trial.TrialState.FAIL, skip_if_finished=True)
         return study
 
     def optimize(self, n_trials: int, timeout: Optional[float] = None, progress=None):
@@ -115,30 +134,49 @@ class Tuner:
         import optuna
         from optuna.trial import TrialState
 
-        progress = progress or (lambda line: print(line, file=sys.stderr, flush=True))
-        study = self.open()
+        progress = progress or _to_stderr
+        study = self.open(progress)
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": _started(os.getpid())}
         done = sum(1 for t in study.get_trials(deepcopy=False) if t.state.is_finished())
         if done:
             progress(f"torchmn tune: resuming study {self.study_name!r} ({done} trial(s) done)")
         deadline = None if timeout is None else time.monotonic() + timeout
         failures = 0
+        unset = space_.overriding_thread_variables(self.params, os.environ)
+        if unset and done < n_trials:
+            # Kept, they would win over the searched value in every trial: the search would change nothing.
+            shown = ", ".join(f"{name}={os.environ[name]}" for name in unset)
+            progress(f"torchmn tune: warning: {shown} in the environment would override the searched thread "
+                     f"settings in every trial; the trials run without it (env -u), and so does the best command line")
+        base_env = {k: v for k, v in os.environ.items() if k not in unset}
         while done < n_trials and (deadline is None or time.monotonic() < deadline):
             trial = study.ask()
+            trial.set_user_attr(SEARCH, me)  # so that a search opening the study meanwhile leaves it alone
             values = {p.name: p.suggest(trial) for p in self.params}
-            argv, env = space_.trial_command(self.params, values, self.launch + self.command, os.environ)
-            outcome = run_trial(argv, env, trial, self.trial_timeout, self.log)
-            trial.set_user_attr("wall_s", round(outcome.wall, 3))
-            if outcome.state == COMPLETE:
-                study.tell(trial, outcome.value)
-                failures = 0
-            elif outcome.state == PRUNED:
-                trial.set_user_attr("reason", outcome.reason)
-                study.tell(trial, state=TrialState.PRUNED)
-                failures = 0
-            else:
-                trial.set_user_attr("error", outcome.reason[-2000:])
-                study.tell(trial, state=TrialState.FAIL)
-                failures += 1
+            argv, env = space_.trial_command(self.params, values, self.launch + self.command, base_env)
+            try:
+                outcome = run_trial(argv, env, trial, self.trial_timeout, self.log)
+                trial.set_user_attr("wall_s", round(outcome.wall, 3))
+                if outcome.state == COMPLETE:
+                    study.tell(trial, outcome.value)
+                    failures = 0
+                elif outcome.state == PRUNED:
+                    trial.set_user_attr("reason", outcome.reason)
+                    study.tell(trial, state=TrialState.PRUNED)
+                    failures = 0
+                else:
+                    trial.set_user_attr("error", outcome.reason[-2000:])
+                    study.tell(trial, state=TrialState.FAIL)
+                    failures += 1
+            except optuna.exceptions.UpdateFinishedTrialError:
+                # Not this search's doing: another process (a search of an older torchmn, a script)
+                # finished the trial while it ran. The study holds that state; this one goes on.
+                state = study.get_trials(deepcopy=False)[trial.number].state.name.lower()
+                progress(f"trial {trial.number}: {_settings(values)} -> not stored: another process marked it "
+                         f"{state} while it ran (a second search of study {self.study_name!r} in "
+                         f"{self.storage!r}?); going on")
+                done += 1
+                continue
             done += 1
             shown = f"{outcome.value:.3f} s" if outcome.value is not None else _first_and_last(outcome.reason)
             progress(f"trial {trial.number}: {_settings(values)} -> {outcome.state}, {shown}")
@@ -155,9 +193,11 @@ class Tuner:
             study: the study :meth:`optimize` returned.
 
         Returns:
-            The environment parameters as ``NAME=value``, then ``torchmn run -np N`` where ``np``
-            was given, then the command with the argument parameters appended, shell-quoted; None
-            where no trial completed.
+            The environment parameters as ``NAME=value`` (those the best trial had: a study resumed
+            with a parameter added holds trials without it), then ``torchmn run -np N`` where ``np``
+            was given, then the command with the argument parameters appended, shell-quoted; led by
+            ``env -u NAME`` for each thread variable of this environment that would override the
+            searched thread settings (as the trials ran without them); None where no trial completed.
 
         Example::
 
@@ -168,9 +208,13 @@ class Tuner:
             best = study.best_trial
         except ValueError:
             return None
-        argv, env = space_.trial_command(self.params, best.params, self.command, {})
+        # A study resumed with a --param added: trials from before it ran without it.
+        searched = [p for p in self.params if p.name in best.params]
+        argv, env = space_.trial_command(searched, best.params, self.command, {})
         launch = ["torchmn", "run", "-np", str(self.np)] if self.np is not None else []
-        return " ".join([f"{k}={shlex.quote(v)}" for k, v in env.items()] + [shlex.quote(a) for a in launch + argv])
+        unset = [f"-u {name}" for name in space_.overriding_thread_variables(self.params, os.environ)]
+        return " ".join((["env", *unset] if unset else []) + [f"{k}={shlex.quote(v)}" for k, v in env.items()]
+                        + [shlex.quote(a) for a in launch + argv])
 
     def summary(self, study) -> str:
         """The study's trials as a table, and the best command line.
@@ -207,7 +251,8 @@ class Tuner:
 
         Args:
             study: the study :meth:`optimize` returned.
-            path: the file of the history; its suffix picks the format (``.png``, ``.pdf``, ...).
+            path: the file of the history; its suffix picks the format (``.png``, ``.pdf``, ...);
+                without one, ``.png`` is added.
 
         Returns:
             The files written.
@@ -225,6 +270,9 @@ class Tuner:
         matplotlib.use("Agg")
         from optuna.visualization import matplotlib as plots
 
+        # Without a suffix matplotlib would add its default format's to the history, not to the name
+        # returned, nor to the importances' file: the name says what is written.
+        path = path if Path(path).suffix else f"{path}.png"
         written = []
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ExperimentalWarning)
@@ -242,6 +290,27 @@ class Tuner:
         except (RuntimeError, ValueError):
             pass  # fewer than two completed trials, or no parameter varied
         return written
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _started(pid: int) -> Optional[float]:
+    """When process ``pid`` started (None where it does not exist): with the pid, it names a process
+    even after the pid is reused."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.Error:
+        return None
+
+
+def _alive(owner: dict) -> bool:
+    """Whether the search ``owner`` names (``{"host", "pid", "started"}``, on this host) still runs."""
+    started = _started(owner.get("pid", -1))
+    return started is not None and started == owner.get("started")
 
 
 def _settings(values: dict) -> str:
