@@ -51,6 +51,19 @@ def test_core_binding_gives_each_rank_whole_cores_of_its_domain(tmp_path):
     assert [b.cpus for b in two] == [(0, 4, 1, 5), (2, 6, 3, 7)] and [b.threads for b in two] == [4, 4]
 
 
+def test_core_binding_keeps_each_rank_within_one_domain(tmp_path):
+    """3 ranks on 2 domains of 4 cores: cores in blocks of 8/3 would give rank 1 cores of both
+    domains; spread over the domains first, each rank's cores are all in one."""
+    for node, cpus in ((0, "0-3"), (1, "4-7")):
+        os.makedirs(tmp_path / "node" / f"node{node}")
+        (tmp_path / "node" / f"node{node}" / "cpulist").write_text(cpus + "\n")
+    three = binding.plan("core", 3, range(8), str(tmp_path))
+    assert [b.cpus for b in three] == [(0, 1), (2, 3), (4, 5, 6, 7)]
+    assert [b.cpus for b in binding.plan("core", 1, range(8), str(tmp_path))] == [tuple(range(8))]
+    # Domains cut unevenly by the affinity (one core left in domain 0, 2 ranks' home): blocks of cores.
+    assert [b.cpus for b in binding.plan("core", 4, [0, 4, 5, 6], str(tmp_path))] == [(0,), (4,), (5,), (6,)]
+
+
 def test_core_binding_refuses_more_ranks_than_cores(tmp_path):
     with pytest.raises(ValueError, match=r"--bind core: 5 ranks on this host, but the launcher may use 4 core\(s\) "
                                          r"here \(CPUs 0-7\).*at most 4 ranks.*--bind numa.*--bind none"):

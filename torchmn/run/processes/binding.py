@@ -7,8 +7,9 @@ domain idles. Binding keeps each rank on CPUs of its own:
 - ``numa`` (the default): the ranks of a host are spread over its NUMA domains in blocks (ranks
   0..k-1 on the first domain, and so on; with fewer ranks than domains each rank gets whole
   domains). On a host of one domain nothing is bound.
-- ``core``: each rank gets its own cores (a core's hardware threads stay together), in blocks
-  that follow the domains; it needs at least one core per rank.
+- ``core``: each rank gets its own cores (a core's hardware threads stay together), all in one
+  domain: the ranks are spread over the domains as with ``numa``, and each domain's cores shared
+  out among its ranks; it needs at least one core per rank.
 - ``none``: ranks run wherever the kernel puts them.
 
 The process that starts a rank (the launcher for ranks on its own host, the watcher on another
@@ -219,12 +220,32 @@ def _plan(mode: str, local_size: int, allowed: tuple, root: str) -> tuple:
             f"--bind core: {local_size} ranks on this host, but the launcher may use {len(cores)} core(s) here "
             f"(CPUs {format_cpu_list(allowed)}): each rank needs a core of its own. Start at most {len(cores)} "
             f"ranks here, or use --bind numa (ranks share their NUMA node's cores) or --bind none")
-    bindings = []
-    for r in range(local_size):
-        cpus = tuple(c for core in cores[r * len(cores) // local_size:(r + 1) * len(cores) // local_size]
-                     for c in core)
-        bindings.append(Binding(cpus, 1, f"CPUs {format_cpu_list(cpus)}"))
-    return tuple(bindings)
+    return tuple(Binding(cpus, 1, f"CPUs {format_cpu_list(cpus)}") for cpus in _cores_by_domain(local_size, domains, root)
+                 or _in_blocks(local_size, cores))
+
+
+def _cores_by_domain(local_size: int, domains: List[List[int]], root: str) -> List[tuple]:
+    """Each rank's CPUs, its cores all in one domain: the ranks spread over the domains as with
+    ``numa``, each domain's cores shared out among its ranks. Empty where a domain has fewer cores
+    than ranks (domains cut unevenly by the affinity): then cores are handed out in blocks."""
+    per_domain = [physical_cores(cpus, root) for cpus in domains]
+    if local_size <= len(domains):  # whole domains each, in blocks
+        return [tuple(c for cores in per_domain[r * len(domains) // local_size:(r + 1) * len(domains) // local_size]
+                      for core in cores for c in core) for r in range(local_size)]
+    homes = [r * len(domains) // local_size for r in range(local_size)]
+    if any(homes.count(d) > len(cores) for d, cores in enumerate(per_domain)):
+        return []
+    cpus = []
+    for r, d in enumerate(homes):
+        first, mine = homes.index(d), homes.count(d)
+        cpus.extend(_in_blocks(mine, per_domain[d])[r - first:r - first + 1])
+    return cpus
+
+
+def _in_blocks(ranks: int, cores: List[List[int]]) -> List[tuple]:
+    """``cores`` handed out in order, as evenly as they go, one block of CPUs per rank."""
+    return [tuple(c for core in cores[r * len(cores) // ranks:(r + 1) * len(cores) // ranks] for c in core)
+            for r in range(ranks)]
 
 
 def allowed_cpus() -> List[int]:
