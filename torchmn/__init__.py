@@ -51,7 +51,7 @@ _NAMES = {
 # Subpackages reachable as attributes after a bare ``import torchmn``: ``torchmn.lightning`` too,
 # as the docs write it, though not in ``__all__`` (``from torchmn import *`` needs no Lightning).
 _SUBPACKAGES = ("checkpoint", "communicators", "datasets", "environments", "evaluators", "functions",
-                "iterators", "lightning", "nn", "optimizers", "tune")
+                "iterators", "launch", "lightning", "nn", "optimizers", "tune")
 
 __getattr__, __dir__, __all__ = lazy_names.attach(__name__, _NAMES, _SUBPACKAGES)
 __all__ = [name for name in __all__ if name != "lightning"] + ["TorchmnError", "__version__"]

@@ -69,6 +69,10 @@ def main():
     torch.manual_seed(args.seed)
     # As Horovod's own example: one GPU per rank, pinned by local rank, where each rank can have one.
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if args.device == "cuda" and gpus == 0:
+        print("error: --device cuda: this torch sees no GPU (a CPU build, or none visible); train with --device cpu "
+              "(or auto)", file=sys.stderr, flush=True)
+        sys.exit(2)
     if args.device == "cuda" and hvd.local_size() > gpus:
         print(f"error: --device cuda: {hvd.local_size()} rank(s) on this node but {gpus} GPU(s) visible; "
               f"start at most {gpus} rank(s) per node, or train with --device cpu", file=sys.stderr, flush=True)
