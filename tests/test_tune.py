@@ -4,6 +4,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -13,6 +14,8 @@ from jobs import WORKERS, assert_check_passed, check_job_output, clean_env, run_
 
 # The "tune" extra's dependency (installed with the dev tools): missing, it fails the tests, not skips them.
 import optuna  # noqa: E402
+
+from torchmn import resources  # noqa: E402
 
 # Prints its objective from X; hangs where the file HANG names exists and is then removed (once).
 TRIAL = ("import os, sys, time\n"
@@ -83,21 +86,25 @@ def test_tune_leaves_the_running_trial_of_another_live_search_alone(tmp_path):
     first = subprocess.Popen([sys.executable, "-m", "torchmn", "tune", "--n-trials", "1", *args], cwd=tmp_path,
                              env=clean_env({"WAIT": "1"}), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 30
+        # Read only once the first search has made the storage: two processes creating its tables
+        # at once would collide in sqlite ("table ... already exists").
+        said = []
+        reader = threading.Thread(target=lambda: said.extend(first.stderr), daemon=True)
+        reader.start()
+        deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            try:
-                if [t.state.name for t in trials(storage)] == ["RUNNING"]:
-                    break
-            except KeyError:  # no study yet
-                pass
+            if any("A new study created" in line for line in said) and \
+                    [t.state.name for t in trials(storage)] == ["RUNNING"]:
+                break
             time.sleep(0.2)
         second = tune(["--n-trials", "2", *args], tmp_path)
         assert second.returncode == 0, second.stderr
         (tmp_path / "release").touch()
-        _, err = first.communicate(timeout=60)
+        first.wait(timeout=60)
+        reader.join(timeout=10)
     finally:
         first.kill()
-    assert first.returncode == 0, err
+    assert first.returncode == 0, "".join(said)
     assert [t.state.name for t in trials(storage)] == ["COMPLETE"] * 3, trials(storage)
 
 
@@ -151,9 +158,13 @@ def test_tune_searches_the_threads_despite_the_users_omp_num_threads(tmp_path):
     (torchmn run leaves the thread configuration to a user who set it): the trials run without it,
     once warned, and the best command line unsets it too."""
     command = "import os; print('torchmn-objective:', os.environ['OMP_NUM_THREADS'])"  # what the pools get
-    out = tune(["-np", "1", "--storage", f"sqlite:///{tmp_path / 'tune.db'}", "--only-params", "--param",
-                "TORCHMN_NUM_THREADS=int:3:3", "--n-trials", "2", "--", sys.executable, "-c", command], tmp_path,
-               {"OMP_NUM_THREADS": "5"})
+    # The user's OMP_NUM_THREADS alone (a pytest worker's environment may hold other thread variables).
+    env = {name: value for name, value in clean_env({"OMP_NUM_THREADS": "5"}).items()
+           if name == "OMP_NUM_THREADS" or name not in resources.THREAD_VARIABLES}
+    out = subprocess.run([sys.executable, "-m", "torchmn", "tune", "-np", "1", "--storage",
+                          f"sqlite:///{tmp_path / 'tune.db'}", "--only-params", "--param", "TORCHMN_NUM_THREADS=int:3:3",
+                          "--n-trials", "2", "--", sys.executable, "-c", command], cwd=tmp_path, env=env,
+                         capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("OMP_NUM_THREADS=5 in the environment would override the searched thread") == 1, \
         out.stderr

@@ -146,8 +146,10 @@ class Tuner:
         if unset and done < n_trials:
             # Kept, they would win over the searched value in every trial: the search would change nothing.
             shown = ", ".join(f"{name}={os.environ[name]}" for name in unset)
+            them = "them" if len(unset) > 1 else "it"
             progress(f"torchmn tune: warning: {shown} in the environment would override the searched thread "
-                     f"settings in every trial; the trials run without it (env -u), and so does the best command line")
+                     f"settings in every trial; the trials run without {them} (env -u), and so does the best "
+                     f"command line")
         base_env = {k: v for k, v in os.environ.items() if k not in unset}
         while done < n_trials and (deadline is None or time.monotonic() < deadline):
             trial = study.ask()
