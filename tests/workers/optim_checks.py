@@ -334,6 +334,12 @@ def check_refusals(comm):
                 e = expect(torchmn.CollectiveMismatchError,
                            lambda: torchmn.create_multi_node_optimizer(inner, comm, shard_state=shard))
                 assert "the ranks' options differ (" + told in str(e), e
+        # A learning-rate scheduler made before wrapping on one rank only (an elastic job's joining
+        # rank makes its own afterwards): the initial_lr it adds to the groups is no hyperparameter.
+        inner = torch.optim.SGD(make_model().parameters(), lr=0.1)
+        if last:
+            torch.optim.lr_scheduler.StepLR(inner, 1)
+        torchmn.create_multi_node_optimizer(inner, comm).remove_hooks()
     # Sparse gradients: refused at backward, naming the layer's kind.
     emb = torch.nn.Embedding(10, 3, sparse=True)
     opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(emb.parameters(), lr=0.1), comm)

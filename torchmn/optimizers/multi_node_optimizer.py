@@ -601,10 +601,13 @@ def _check_same_options(comm: Communicator, options: dict, compression: Optional
     mine["torch optimizer"] = f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
     groups = getattr(optimizer, "param_groups", [])
     mine["parameter groups"] = len(groups)
+    # The optimizer's own hyperparameters; what else a group holds is another object's (a learning-rate
+    # scheduler's initial_lr, which an elastic job's joining rank adds only after this check).
+    defaults = getattr(optimizer, "defaults", None)
     for i, group in enumerate(groups):
         mine[f"parameter group {i}'s parameters"] = len(group["params"])
         for key, value in group.items():
-            if key != "params":
+            if key != "params" and (not isinstance(defaults, dict) or key in defaults):
                 mine[f"parameter group {i}'s {key}"] = _comparable(value)
     every = comm.allgather_obj(mine)
     keys = dict.fromkeys(k for theirs in every for k in theirs)  # in the same order on every rank
