@@ -129,3 +129,84 @@ def test_only_whole_lines_go_above_the_live_table(capfd):
     os.write(pipes.out, b"1\n")
     pipes.close()
     assert above == ["[0] 100%\n", "[0] epoch 1\n"] and capfd.readouterr() == ("", "")
+
+
+def test_a_rank_s_line_ended_by_another_rank_gets_no_second_end(capfd):
+    """Rank 0's open line, ended by rank 1's: rank 0's output ending adds no empty "[0] " line."""
+    console = Console(None)
+    zero, one = Pipes(console, rank=0), Pipes(console, rank=1)
+    os.write(zero.out, b"downloading...")
+    shown = wait_for(capfd, "[0] downloading...")[0]
+    os.write(one.out, b"ready\n")
+    shown += wait_for(capfd, "[1] ready")[0]
+    zero.close()
+    one.close()
+    assert shown + capfd.readouterr().out == "[0] downloading...\n[1] ready\n"
+
+
+def test_the_log_keeps_stdout_and_stderr_lines_apart(capfd, tmp_path):
+    """A stdout line left open, then a traceback on stderr: the traceback starts a line of the log."""
+    log = open(tmp_path / "rank.0.log", "wb")
+    pipes = Pipes(Console(None), log=log)
+    os.write(pipes.out, b"loading data...")
+    wait_for(capfd, "[0] loading data...")
+    os.write(pipes.err, b"Traceback (most recent call last):\nValueError: bad\n")
+    wait_for(capfd, "[0] ValueError: bad")   # read before stdout ends
+    pipes.close()
+    assert (tmp_path / "rank.0.log").read_bytes() == b"loading data...\nTraceback (most recent call last):\nValueError: bad\n"
+
+
+def test_finish_gives_up_on_a_pipe_something_left_behind_holds(capfd):
+    """The rank's stdout ended; its stderr is held open by a process it left behind: finish()
+    waits for the idle time, not for that process."""
+    pipes = Pipes(Console(None))
+    os.write(pipes.out, b"done\n")
+    os.close(pipes.out)
+    wait_for(capfd, "[0] done")
+    started = time.monotonic()
+    pipes.output.finish(idle=0.5)
+    assert time.monotonic() - started < 5, "finish() waited on the held pipe"
+    os.close(pipes.err)
+
+
+def test_pipes_above_select_s_descriptor_limit_are_read(capfd):
+    """A launcher in a program holding many files gets pipe descriptors above 1024."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if max(soft, hard) < 1200:
+        pytest.skip(f"this machine allows {hard} open files: no descriptor above 1024 to test with")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200), hard))
+    try:
+        read_out, write_out = os.pipe()
+        read_err, write_err = os.pipe()
+        high = [os.dup2(fd, 1100 + i) for i, fd in enumerate((read_out, read_err))]
+        os.close(read_out)
+        os.close(read_err)
+        output = RankOutput(0, os.fdopen(high[0], "rb"), os.fdopen(high[1], "rb"), Console(None), None)
+        os.write(write_out, b"high\n")
+        os.close(write_out)
+        os.close(write_err)
+        output.finish(idle=5.0)
+        assert capfd.readouterr().out == "[0] high\n"
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+def test_a_log_that_cannot_be_written_stops_nothing(capfd):
+    """A full disk under --log-dir: said once; the pipes are still read (the rank never blocks on
+    a full pipe) and the console still gets the output."""
+    pipes = Pipes(Console(None), log=open("/dev/full", "wb"))
+    os.set_blocking(pipes.out, False)
+    data, deadline = b"x" * 99 + b"\n", time.monotonic() + 30
+    left = memoryview(data * 3000)   # 300 KB: several times a pipe's buffer
+    while left and time.monotonic() < deadline:
+        try:
+            left = left[os.write(pipes.out, left):]
+        except BlockingIOError:
+            time.sleep(0.01)
+    pipes.close()
+    out, err = capfd.readouterr()
+    assert not left, "the rank's pipe was not read"
+    assert out.count("[0] " + "x" * 99 + "\n") == 3000
+    assert err.count("rank 0's log file can no longer be written (No space left on device)") == 1, err

@@ -13,6 +13,7 @@ import contextlib
 import os
 import re
 import select
+import selectors
 import signal
 import sys
 import threading
@@ -262,12 +263,9 @@ class _Splitter:
         return [self._take()] if self.pending else []
 
     def close(self) -> List[bytes]:
-        """The last pieces at the pipe's end: a line left open gets its end."""
-        pieces = self.flush()
-        if self.line_open:
-            pieces.append(b"\n")
-            self.line_open = False
-        return pieces
+        """The last pieces at the pipe's end (``line_open`` then says whether the rank left its
+        last line without an end)."""
+        return self.flush()
 
     def _take(self) -> bytes:
         piece = b"".join(self.pending)
@@ -344,6 +342,34 @@ class Console:
             else:
                 self.open = (rank, stream, piece.endswith(b"\r"))
             self._write(stream, data)
+
+    def end_line(self, rank: int, to_stderr: bool) -> None:
+        """End the line a rank left without an end when its output ended (nothing where another
+        rank's line, or a launcher message, has ended it already).
+
+        Args:
+            rank: the rank.
+            to_stderr: its stderr's line (else its stdout's).
+
+        Example::
+
+            >>> console.end_line(0, to_stderr=False)   # doctest: +SKIP
+        """
+        if self.output_ranks is not None and rank not in self.output_ranks:
+            return
+        stream = sys.stderr if to_stderr else sys.stdout
+        with self.lock:
+            unfinished = self.unfinished.pop((rank, to_stderr), None)
+            if unfinished is not None and self.above is not None and \
+                    self.above((b"[%d] " % rank + unfinished + b"\n").decode("utf-8", "replace")):
+                return
+            if unfinished is not None:  # the table went away meanwhile: the line goes out as it is
+                self._end_open_line(None)
+                self.open = None
+                self._write(stream, b"[%d] " % rank + unfinished + b"\n")
+            elif self.open is not None and self.open[:2] == (rank, stream):
+                self.open = None
+                self._write(stream, b"\n")
 
     def _end_open_line(self, keep: Optional[Tuple[int, object]]) -> None:
         """End the line a rank left open, unless it is ``keep``'s (rank, stream)."""
@@ -452,51 +478,103 @@ class RankOutput:
         self.console = console
         self.pipes = (stdout, stderr)
         self._stderr_line = b""   # the start of a stderr line, for the tail
+        self._log_open: Optional[bool] = None   # the stream (is_stderr) whose line the log has open
+        self.broken = False   # passing output on failed: the pipes are only drained
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
 
     def _read(self) -> None:
-        splitters = {self.pipes[0].fileno(): (_Splitter(), False), self.pipes[1].fileno(): (_Splitter(), True)}
-        while splitters:
-            # The watcher's marker comes whole: stdout's start is never let go before it.
-            due = [s.due() for s, is_stderr in splitters.values()
-                   if (is_stderr or self.started) and s.due() is not None]
-            self.waiting_since = time.monotonic()
-            timeout = max(0.0, min(due) - self.waiting_since) if due else None
-            ready, _, _ = select.select(list(splitters), [], [], timeout)
-            self.waiting_since = None
-            now = time.monotonic()
-            for fd in ready:
-                splitter, is_stderr = splitters[fd]
-                try:
-                    chunk = os.read(fd, 65536)
-                except OSError:
-                    chunk = b""
-                if chunk:
-                    self._pass_on(splitter.feed(chunk, now), is_stderr)
-                else:
-                    self._pass_on(splitter.close(), is_stderr)
-                    del splitters[fd]
-            for splitter, is_stderr in splitters.values():
-                if (is_stderr or self.started) and splitter.due() is not None and splitter.due() <= now:
-                    self._pass_on(splitter.flush(), is_stderr)
-        for pipe in self.pipes:
+        # selectors, not select.select: a launcher run from a program holding many files gets pipe
+        # descriptors above select's limit of 1024.
+        selector = selectors.DefaultSelector()
+        for pipe, is_stderr in zip(self.pipes, (False, True)):
+            selector.register(pipe.fileno(), selectors.EVENT_READ, (pipe, _Splitter(), is_stderr))
+        try:
+            while selector.get_map():
+                self._read_once(selector)
+        finally:
+            selector.close()
+            for pipe in self.pipes:
+                pipe.close()
+            if self.log is not None:
+                self.log.close()
+
+    def _read_once(self, selector: selectors.BaseSelector) -> None:
+        """Wait for output (or for a line's start to be due), and pass on what came."""
+        reading = [key.data for key in selector.get_map().values()]
+        # The watcher's marker comes whole: stdout's start is never let go before it.
+        due = [s.due() for _, s, is_stderr in reading if (is_stderr or self.started) and s.due() is not None]
+        self.waiting_since = time.monotonic()
+        events = selector.select(max(0.0, min(due) - self.waiting_since) if due else None)
+        self.waiting_since = None
+        now = time.monotonic()
+        for key, _ in events:
+            pipe, splitter, is_stderr = key.data
+            try:
+                chunk = os.read(key.fd, 65536)
+            except OSError:
+                chunk = b""
+            if chunk:
+                self._pass_on(splitter.feed(chunk, now), is_stderr)
+                continue
+            # Closed at once: a process the rank left behind may hold the other pipe, and finish()
+            # must see this one ended.
+            selector.unregister(key.fd)
             pipe.close()
-        if self.log is not None:
-            self.log.close()
+            self._pass_on(splitter.close(), is_stderr)
+            if splitter.line_open:
+                self._end_line(is_stderr)
+        for _, splitter, is_stderr in reading:
+            if (is_stderr or self.started) and splitter.due() is not None and splitter.due() <= now:
+                self._pass_on(splitter.flush(), is_stderr)
 
     def _pass_on(self, pieces: List[bytes], is_stderr: bool) -> None:
+        """Pieces of one stream to the tail, the log and the console. Whatever goes wrong here, the
+        pipes are still read to their end: a rank whose pipe fills up would block."""
         marker = STARTED_MARKER.encode() + b"\n"
         for piece in pieces:
             if not is_stderr and not self.started and piece == marker:
                 self.started = True
                 continue
-            if is_stderr:
-                self._keep_in_tail(piece)
-            if self.log is not None:
-                self.log.write(piece)
-                self.log.flush()
-            self.console.write(self.rank, piece, is_stderr)
+            if self.broken:
+                continue
+            try:
+                if is_stderr:
+                    self._keep_in_tail(piece)
+                self._log(piece, is_stderr)
+                self.console.write(self.rank, piece, is_stderr)
+            except Exception as e:  # noqa: BLE001 - a fault here must not stop the reading
+                self.broken = True
+                self.console.message(f"torchmn run: rank {self.rank}'s output can no longer be passed on "
+                                     f"({type(e).__name__}: {e}); the rest of it is dropped, and the job goes on")
+
+    def _log(self, piece: bytes, is_stderr: bool) -> None:
+        """Write a piece to the log, a stdout line and a stderr line never on one line of it."""
+        if self.log is None:
+            return
+        try:
+            if self._log_open is not None and self._log_open != is_stderr:
+                self.log.write(b"\n")
+            self.log.write(piece)
+            self.log.flush()
+        except (OSError, ValueError) as e:  # a full disk, a file removed from under it
+            log, self.log = self.log, None
+            with contextlib.suppress(OSError, ValueError):
+                log.close()
+            self.console.message(f"torchmn run: rank {self.rank}'s log file can no longer be written "
+                                 f"({getattr(e, 'strerror', None) or e}); its output goes on to the console only")
+            return
+        self._log_open = None if piece.endswith(b"\n") else is_stderr
+
+    def _end_line(self, is_stderr: bool) -> None:
+        """The stream ended in the middle of a line: end it in the tail, the log and the console."""
+        if is_stderr and self._stderr_line:
+            self.tail.append(self._stderr_line.decode("utf-8", "replace"))
+            self._stderr_line = b""
+        if self.log is not None and self._log_open == is_stderr:
+            self._log(b"\n", is_stderr)
+        if not self.broken:
+            self.console.end_line(self.rank, is_stderr)
 
     def _keep_in_tail(self, piece: bytes) -> None:
         """Whole stderr lines go to the tail; progress-bar redraws stay out of it."""
