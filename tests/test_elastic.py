@@ -31,8 +31,20 @@ TRAIN = str(REPO / "tests" / "workers" / "elastic_train.py")
 
 def test_elastic_discovery_output_is_parsed():
     assert parse_discovery("node1:2\n# spare\nnode2\n\n", "d.sh") == {"node1": 2, "node2": 1}
-    with pytest.raises(RunError, match="line 1 is 'node1:x'"):
-        parse_discovery("node1:x\n", "d.sh")
+    assert parse_discovery("node1:2\nnode3:0\nnode1:1\n", "d.sh") == {"node1": 1, "node3": 0}  # 0: drained
+    for bad in ("node1:x", "node1:-1"):
+        with pytest.raises(RunError, match=f"line 1 is '{bad}'"):
+            parse_discovery(f"{bad}\n", "d.sh")
+
+
+def test_elastic_discovery_script_may_be_a_command_line(tmp_path, capsys):
+    """As Horovod takes it: --host-discovery-script "python3 discover.py"."""
+    from torchmn.cli import main
+
+    (tmp_path / "discover.py").write_text("print('localhost:2')\n")
+    assert main(["run", "--dry-run", "-np", "2", "--min-np", "1", "--host-discovery-script",
+                 f"{sys.executable} {tmp_path / 'discover.py'}", sys.executable, "-c", "pass"]) == 0, \
+        capsys.readouterr().err
 
 
 def test_elastic_places_count_local_ranks_per_host():
@@ -312,7 +324,7 @@ def test_elastic_discovery_of_this_machine_by_another_name_adds_no_worker(tmp_pa
     """-H localhost:2 and a discovery script offering localhost:2 (or this machine's hostname):
     the two running ranks fill those slots, so no third worker starts."""
     script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\necho {socket.gethostname()}:1\necho localhost:1\n")
+    script.write_text(f"#!/bin/sh\necho {socket.gethostname()}:2\necho localhost:2\n")
     script.chmod(0o755)
     job = ElasticRun(tmp_path, 2, ["-H", "localhost:2", "--min-np", "1", "--max-np", "3", "--host-discovery-script",
                                    str(script)], ["--steps", "40", "--step-sleep", "0.1"], timeout=180)
@@ -323,6 +335,32 @@ def test_elastic_discovery_of_this_machine_by_another_name_adds_no_worker(tmp_pa
     assert job.proc.returncode == 0, done[-4000:]
     assert "started worker" not in done, done[-4000:]
     assert set(torch.load(tmp_path / "result.pt")["sizes"]) == {2}
+
+
+@pytest.mark.timeout(200)
+def test_elastic_a_slow_discovery_script_does_not_hold_up_a_reset(tmp_path):
+    """A discovery script that takes 8 s per run (a cloud API): it runs on a thread of its own, so
+    the survivors of a kill go on at once, not after the run under way ends."""
+    slow = tmp_path / "slow"
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\n[ -e {slow} ] && sleep 8\necho localhost:2\n")
+    script.chmod(0o755)
+    # --max-np 3: room for a worker the script never offers a slot for, so the launcher keeps asking it.
+    job = ElasticRun(tmp_path, 2, ["-H", "localhost:2", "--min-np", "1", "--max-np", "3", "--host-discovery-script",
+                                   str(script)], ["--steps", "100000", "--step-sleep", "0.05"], timeout=180)
+    try:
+        job.wait_for(lambda: job.steps_at(2) >= 5, "the first steps")
+        slow.write_text("")
+        time.sleep(2.5)   # a slow run of the script is under way
+        killed_at = time.time()
+        step = job.kill(1)
+        job.wait_for(lambda: job.steps_at(1, after=step) >= 1, "the survivor's steps")
+        first = next(t for t, s, n in job.progress() if n == 1 and s > step)
+        done = job.finish()
+    finally:
+        job.stop()
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert first - killed_at < 4.0, f"the survivor's first step came {first - killed_at:.1f} s after the kill"
 
 
 @pytest.mark.timeout(300)

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 import collections
 import re
+import shlex
 import signal
 import subprocess
+import threading
 import time
 from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -34,7 +36,7 @@ from torchmn.run.plan import Slot, place_env
 from torchmn.run.processes.output import describe_exit, exit_code_of, extract_traceback, failure_summary
 from torchmn.run.processes.supervisor import Rank
 
-DISCOVERY_EVERY_S = 1.0       # how often the discovery script runs
+DISCOVERY_EVERY_S = 1.0       # the pause between two runs of the discovery script
 DISCOVERY_TIMEOUT_S = 30.0    # how long one run of it may take
 # After a new worker on a host failed before joining, no new worker starts there for this long
 # (a host that cannot run the program would otherwise take every free moment of the job).
@@ -71,11 +73,11 @@ def parse_discovery(text: str, script: str) -> Dict[str, int]:
         script: its path, for the message.
 
     Returns:
-        ``{host: slots}``, in the order printed (a bare host has 1 slot; a host printed twice
-        keeps the last count).
+        ``{host: slots}``, in the order printed (a bare host has 1 slot; ``host:0`` none, a host
+        being drained; a host printed twice keeps the last count).
 
     Raises:
-        RunError: a line that is neither form, or a slot count that is not a positive integer.
+        RunError: a line that is neither form, or a slot count that is not a whole number.
 
     Example::
 
@@ -92,9 +94,9 @@ def parse_discovery(text: str, script: str) -> Dict[str, int]:
             count = int(slots) if slots else 1
         except ValueError:
             count = 0
-        if not host or count < 1 or " " in host:
+        if not host or count < 0 or (slots and not slots.strip().isdigit()) or " " in host:
             raise RunError(f"--host-discovery-script {script}: line {number} is {line!r}; each line must be "
-                           f"'host' or 'host:slots' with slots a positive integer")
+                           f"'host' or 'host:slots' with slots a whole number (0: no slots now)")
         hosts[host] = count
     return hosts
 
@@ -140,6 +142,7 @@ class ElasticJob(Job):
         self.gave_up: Optional[str] = None
         self.last_discovery = 0.0
         self.discovered: Optional[Dict[str, int]] = None
+        self.discovery: Optional[threading.Thread] = None   # the script's run under way
         self.holders: set = set()                # workers that have held the training state
         self.published = False                  # the first generation is in the store
         self.refused: set = set()                # discovered hosts the job cannot use, said once
@@ -367,26 +370,37 @@ class ElasticJob(Job):
         """The hosts and slots the discovery script offers now; RunError where it does not answer."""
         script = self.config.host_discovery_script
         try:
-            done = subprocess.run([script], capture_output=True, text=True, timeout=DISCOVERY_TIMEOUT_S)
-        except (OSError, subprocess.TimeoutExpired) as e:
+            # A command line too, as Horovod takes it ("python3 discover.py").
+            done = subprocess.run(shlex.split(script), capture_output=True, text=True, timeout=DISCOVERY_TIMEOUT_S)
+        except (OSError, ValueError, subprocess.TimeoutExpired) as e:
             raise RunError(f"--host-discovery-script {script} could not run: {e}. It must be an executable "
-                           f"program (chmod +x) that prints host:slots lines") from e
+                           f"program (chmod +x), or a command line such as 'python3 discover.py', that prints "
+                           f"host:slots lines") from e
         if done.returncode != 0:
             raise RunError(f"--host-discovery-script {script} exited with {done.returncode}: "
                            f"{done.stderr.strip()[-500:] or 'nothing on stderr'}")
         return parse_discovery(done.stdout, script)
 
     def _capacity(self) -> Dict[str, int]:
-        """The hosts and slots new workers may take now."""
+        """The hosts and slots new workers may take now: the discovery script's last answer. The
+        script runs on a thread of its own, so that a slow one never holds up the launcher's
+        handling of deaths, joins and signals (as Horovod's driver runs it)."""
         if self.config.host_discovery_script is None:
             return self.known_hosts
-        if self.discovered is None or time.monotonic() - self.last_discovery >= DISCOVERY_EVERY_S:
-            self.last_discovery = time.monotonic()
-            try:
-                self.discovered = self._known(self._discover())
-            except RunError as e:  # a bad answer now and then must not end a running job
-                self.console.message(f"torchmn run: {e}; keeping its last good answer")
+        running = self.discovery is not None and self.discovery.is_alive()
+        if not running and time.monotonic() - self.last_discovery >= DISCOVERY_EVERY_S:
+            self.discovery = threading.Thread(target=self._discover_in_background, daemon=True,
+                                              name="torchmn-host-discovery")
+            self.discovery.start()
         return self.discovered or {}
+
+    def _discover_in_background(self) -> None:
+        try:
+            self.discovered = self._known(self._discover())
+        except RunError as e:  # a bad answer now and then must not end a running job
+            self.console.message(f"torchmn run: {e}; keeping its last good answer")
+        finally:
+            self.last_discovery = time.monotonic()  # the pause counts from the end of a run
 
     def _known(self, offered: Dict[str, int]) -> Dict[str, int]:
         """The hosts offered, this machine's names as one; hosts the job cannot reach are left out,
@@ -404,7 +418,7 @@ class ElasticJob(Job):
                                          f"part in -H (with the slots it starts with), so it can be checked and reach "
                                          f"the rendezvous")
                 continue
-            hosts[host] = hosts.get(host, 0) + slots
+            hosts[host] = slots   # this machine under two names: the last, as for a host printed twice
         return hosts
 
     def _add_workers(self) -> None:
