@@ -140,9 +140,8 @@ class ElasticJob(Job):
         self.cooldown: Dict[str, float] = {}     # host -> no new worker there before this time
         self.below_min_since: Optional[float] = None
         self.gave_up: Optional[str] = None
-        self.last_discovery = 0.0
         self.discovered: Optional[Dict[str, int]] = None
-        self.discovery: Optional[threading.Thread] = None   # the script's run under way
+        self.discovery_done = threading.Event()   # the job ended: the script runs no more
         self.holders: set = set()                # workers that have held the training state
         self.published = False                  # the first generation is in the store
         self.refused: set = set()                # discovered hosts the job cannot use, said once
@@ -178,6 +177,8 @@ class ElasticJob(Job):
         for rank in self.ranks:
             self.live[rank.slot.rank] = rank
         self.members = sorted(self.live)
+        if self.config.host_discovery_script is not None:
+            threading.Thread(target=self._discover_in_background, daemon=True, name="torchmn-host-discovery").start()
 
     def _start_worker(self, host: str) -> None:
         worker = self.next_worker
@@ -254,6 +255,7 @@ class ElasticJob(Job):
             # Nobody left to go on: the last to fail says why the job could not (the first were
             # absorbed by resets).
             self.first_failure = self.lost[-1]
+        self.discovery_done.set()
         if self.gave_up is not None:
             self._tell_ranks_the_end()
         self.teardown(self.received_signal or signal.SIGTERM)
@@ -364,7 +366,6 @@ class ElasticJob(Job):
         super().check_command()
         if self.config.host_discovery_script is not None:
             self.discovered = self._known(self._discover())
-            self.last_discovery = time.monotonic()
 
     def _discover(self) -> Dict[str, int]:
         """The hosts and slots the discovery script offers now; RunError where it does not answer."""
@@ -382,25 +383,21 @@ class ElasticJob(Job):
         return parse_discovery(done.stdout, script)
 
     def _capacity(self) -> Dict[str, int]:
-        """The hosts and slots new workers may take now: the discovery script's last answer. The
-        script runs on a thread of its own, so that a slow one never holds up the launcher's
-        handling of deaths, joins and signals (as Horovod's driver runs it)."""
+        """The hosts and slots new workers may take now: the discovery script's last answer."""
         if self.config.host_discovery_script is None:
             return self.known_hosts
-        running = self.discovery is not None and self.discovery.is_alive()
-        if not running and time.monotonic() - self.last_discovery >= DISCOVERY_EVERY_S:
-            self.discovery = threading.Thread(target=self._discover_in_background, daemon=True,
-                                              name="torchmn-host-discovery")
-            self.discovery.start()
         return self.discovered or {}
 
     def _discover_in_background(self) -> None:
-        try:
-            self.discovered = self._known(self._discover())
-        except RunError as e:  # a bad answer now and then must not end a running job
-            self.console.message(f"torchmn run: {e}; keeping its last good answer")
-        finally:
-            self.last_discovery = time.monotonic()  # the pause counts from the end of a run
+        """Run the discovery script again and again, a second after each run ends, until the job
+        ends: on a thread of its own (as Horovod's driver runs it), so that a slow script never
+        holds up the launcher's handling of deaths, joins and signals, and its answer is at most a
+        second and one run old when a slot frees."""
+        while not self.discovery_done.wait(DISCOVERY_EVERY_S):
+            try:
+                self.discovered = self._known(self._discover())
+            except RunError as e:  # a bad answer now and then must not end a running job
+                self.console.message(f"torchmn run: {e}; keeping its last good answer")
 
     def _known(self, offered: Dict[str, int]) -> Dict[str, int]:
         """The hosts offered, this machine's names as one; hosts the job cannot reach are left out,
