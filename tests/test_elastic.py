@@ -364,6 +364,18 @@ def test_elastic_a_slow_discovery_script_does_not_hold_up_a_reset(tmp_path):
 
 
 @pytest.mark.timeout(300)
+def test_elastic_checkpoints_saved_between_commits_are_saved_again_after_a_reset(tmp_path):
+    """A Checkpointer saving every step, the state committed every 5: a kill sends the survivors
+    back to the last commit, and they save the steps since again (this run's own, not another
+    run's), as does the rank that joins; the job ends well and every step kept is complete."""
+    kill_one_and_refill(tmp_path, ["--checkpoint-every", "1", "--commit-every", "5", "--save-between-commits"])
+    check_against_replay(tmp_path)
+    from torchmn.checkpoint import files
+    steps = files.steps_on_disk(str(tmp_path / "ckpt"))
+    assert steps and all(files.read_manifest(str(tmp_path / "ckpt"), s) for s in steps), steps
+
+
+@pytest.mark.timeout(300)
 def test_elastic_reset_callback_learning_rate_holds(tmp_path):
     """The reset callback sets the learning rate for the new world's size (as docs/elastic.md
     says to): the survivors of a kill train at 2 ranks' rate, and after a rank joins, every rank,

@@ -17,7 +17,8 @@ second later, so that their gloo retries a dead address inside C++; every worker
 set-up at 5 s), --lr-per-rank LR (the learning rate is LR x
 the world size, set again by a reset callback, instead of 0.05), --checkpoint-every K (a Checkpointer,
 built before the run function as scripts do, saves every K steps into OUT_DIR/ckpt, across resets
-that change the optimizer's kind); the run also ends at the next commit once
+that change the optimizer's kind; after each commit, or with --save-between-commits at every K-th
+step, which a reset then repeats); the run also ends at the next commit once
 OUT_DIR/stop exists. SIGUSR1 prints every thread's stack to stderr (a test that timed out says
 where the workers were).
 """
@@ -48,6 +49,7 @@ parser.add_argument("--die-in-setup-after-reset", default=None)
 parser.add_argument("--die-after-address-after-reset", default=None)
 parser.add_argument("--lr-per-rank", type=float, default=None)
 parser.add_argument("--checkpoint-every", type=int, default=None)
+parser.add_argument("--save-between-commits", action="store_true")
 args = parser.parse_args()
 
 
@@ -142,12 +144,15 @@ if __name__ == "__main__":
                     f.write(f"{time.time():.3f} {state.step} {comm.size}\n")
             if args.step_sleep:
                 time.sleep(args.step_sleep)
+            if checkpointer is not None and args.save_between_commits and state.step % args.checkpoint_every == 0:
+                checkpointer.save(state.step)   # a reset goes back past it: the replay saves it again
             if state.step % args.commit_every == 0 or state.step == args.steps:
                 if (state.step == args.die_in_commit and worker == "1") or \
                         (worker == args.die_in_commit_after_reset and resets):
                     comm.send_obj = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
                 state.commit()
-                if checkpointer is not None and state.step % args.checkpoint_every == 0:
+                if checkpointer is not None and not args.save_between_commits and \
+                        state.step % args.checkpoint_every == 0:
                     checkpointer.save(state.step)
                 stop = torch.tensor([float(os.path.exists(os.path.join(args.out, "stop")))])
                 if comm.allreduce(stop, "max").item():

@@ -157,12 +157,31 @@ class Checkpointer:
         self.resumed_from: Optional[int] = None
         self.extra: dict = {}
         self._saved: Optional[int] = None  # the last step this Checkpointer saved
+        self._written: set = set()  # the complete steps this run wrote (an elastic job's may be written again)
+        if membership.enabled():
+            membership.follow(self)
         if membership.awaiting_state():
             # A rank that joined an elastic job: the others are in a reset and make no collective
             # of this; the job's ranks checked the directory when they built theirs.
             self._check_directory_here()
         else:
             self._check_directory()
+
+    def follow_world(self) -> None:
+        """Take part in a new world of an elastic job (collective: ``@torchmn.elastic.run`` calls
+        it on every rank at each start, before the state's sync). The state goes back to the last
+        commit there, so the training repeats the steps since, and saves them again: the steps
+        this run wrote since may be written again, and "the steps saved must grow" counts from
+        here. A rank that joined learns what the others resumed from and wrote.
+
+        Example::
+
+            >>> ckpt.follow_world()
+        """
+        views = self.comm.allgather_obj((self.resumed_from, sorted(self._written)))
+        self.resumed_from = next((resumed for resumed, _ in views if resumed is not None), None)
+        self._written = {step for _, written in views for step in written}
+        self._saved = None
 
     @property
     def kinds(self) -> dict:
@@ -323,6 +342,8 @@ class Checkpointer:
                     "hosts": [host for _, host, _ in everyone], "time": time.time()})
             except OSError as e:
                 marked = f"writing its manifest {files.MANIFEST} in {folder}: {e}"
+        if marked is None:
+            self._written.add(step)  # complete on disk: a reset before every rank hears it replays it
         # Every rank learns whether the step is complete: a full disk here is every rank's error.
         marked = self.comm.bcast_obj(marked, root=0)
         if marked is not None:
@@ -330,18 +351,24 @@ class Checkpointer:
                                   f"step is not marked complete; the older complete steps are kept [raised on rank "
                                   f"{self.comm.rank}]")
         self._saved = step
+        self._written.add(step)
         if self.comm.rank == 0:
             self._prune(step)
 
     def _prepare_step(self, step: int) -> Optional[str]:
         """On rank 0, before any rank writes: refuse to overwrite another run's newer complete
-        step; clear an incomplete folder of this step that a killed run left."""
+        step; clear this run's own earlier writing of this step (an elastic job's replay), or an
+        incomplete folder of it that a killed run left."""
         # A damaged step (a file cut short or missing since) is no checkpoint: load_latest skipped it.
-        newer = [s for s in self.complete_steps() if s >= step]
+        # Steps this run wrote itself are no other run's: an elastic job replaying the steps since
+        # its last commit writes them again.
+        newer = [s for s in self.complete_steps() if s >= step and s not in self._written]
         if newer:
             return (f"{self.directory} already holds a complete checkpoint of step {newer[-1]}, which this run did "
                     f"not resume from; call load_latest() first to continue that run, or use another directory "
                     f"(nothing was overwritten)")
+        if step in self._written:
+            files.remove_step(self.directory, step)  # manifest first: never complete with a file missing
         if os.path.isdir(files.step_dir(self.directory, step)):
             files.remove_folder(self.directory, step)
         return None
