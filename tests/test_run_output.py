@@ -1,5 +1,7 @@
 """torchmn run's console and log output (torchmn.run.processes.output), over real pipes."""
+import io
 import os
+import sys
 import time
 
 import pytest
@@ -22,86 +24,112 @@ class Pipes:
         self.output.finish(idle=5.0)
 
 
-def wait_for(capfd, text, within=5.0):
-    """What the console shows (stdout, stderr) once ``text`` is in either, else fail."""
-    shown = ["", ""]
+class Shown:
+    """What the console wrote to the launcher's stdout and stderr, kept whole (pytest's fd capture
+    empties its file as it reads it, and loses what a reader thread writes meanwhile)."""
+
+    def __init__(self, monkeypatch):
+        self.stdout, self.stderr = io.StringIO(), io.StringIO()   # no fileno(): written with write()
+        self.monkeypatch = monkeypatch
+
+    def console(self):
+        """A Console writing here. (Set in the test itself: pytest puts its own capture back on
+        sys.stdout and sys.stderr between a fixture's set-up and the test.)"""
+        self.monkeypatch.setattr(sys, "stdout", self.stdout)
+        self.monkeypatch.setattr(sys, "stderr", self.stderr)
+        return Console(None)
+
+    @property
+    def out(self):
+        return self.stdout.getvalue()
+
+    @property
+    def err(self):
+        return self.stderr.getvalue()
+
+
+@pytest.fixture
+def shown(monkeypatch):
+    return Shown(monkeypatch)
+
+
+def wait_for(shown, text, within=5.0):
+    """Wait until the console has shown ``text`` (on either stream), else fail."""
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:
-        out, err = capfd.readouterr()
-        shown = [shown[0] + out, shown[1] + err]
-        if text in shown[0] or text in shown[1]:
-            return shown
+        if text in shown.out or text in shown.err:
+            return
         time.sleep(0.02)
-    pytest.fail(f"{text!r} not shown within {within} s: {shown!r}")
+    pytest.fail(f"{text!r} not shown within {within} s: {shown.out!r}, {shown.err!r}")
 
 
-def test_a_line_left_open_is_shown_while_the_rank_waits(capfd):
+def test_a_line_left_open_is_shown_while_the_rank_waits(shown):
     """A progress bar or a prompt without its line end is shown once the rank pauses, and the rest
     of its line follows without a second prefix."""
-    pipes = Pipes(Console(None))
+    pipes = Pipes(shown.console())
     os.write(pipes.err, b"epoch 1: 50%")
-    wait_for(capfd, "[0] epoch 1: 50%", within=OPEN_LINE_S + 5)
+    wait_for(shown, "[0] epoch 1: 50%", within=OPEN_LINE_S + 5)
     os.write(pipes.err, b" done\n")
     pipes.close()
-    assert capfd.readouterr().err == " done\n"
+    assert shown.err == "[0] epoch 1: 50% done\n"
 
 
-def test_a_redraw_is_shown_as_it_happens_with_its_prefix(capfd):
+def test_a_redraw_is_shown_as_it_happens_with_its_prefix(shown):
     """tqdm's "\\r<bar>" redraws: each is shown while the rank waits, not one redraw late."""
-    pipes = Pipes(Console(None))
+    pipes = Pipes(shown.console())
     os.write(pipes.err, b"\r 10%|#")
-    shown = wait_for(capfd, "[0]  10%|#")
+    wait_for(shown, "[0]  10%|#")
     os.write(pipes.err, b"\r 20%|##")
-    shown = [a + b for a, b in zip(shown, wait_for(capfd, "[0]  20%|##"))]
+    wait_for(shown, "[0]  20%|##")
     os.write(pipes.err, b"\r100%|###\n")
     pipes.close()
-    assert shown[1] + capfd.readouterr().err == "[0]  10%|#\r[0]  20%|##\r[0] 100%|###\n"
+    assert shown.err == "[0]  10%|#\r[0]  20%|##\r[0] 100%|###\n"
 
 
-def test_a_line_written_in_two_pieces_stays_whole(capfd):
+def test_a_line_written_in_two_pieces_stays_whole(shown):
     """print("x") under PYTHONUNBUFFERED writes "x", then "\\n": a line of another rank written
     between the two does not cut it."""
-    console = Console(None)
+    console = shown.console()
     zero, one = Pipes(console, rank=0), Pipes(console, rank=1)
     os.write(zero.out, b"loss 0.25")
     os.write(one.out, b"ready\n")
     os.write(zero.out, b"\n")
     zero.close()
     one.close()
-    assert sorted(capfd.readouterr().out.splitlines()) == ["[0] loss 0.25", "[1] ready"]
+    assert sorted(shown.out.splitlines()) == ["[0] loss 0.25", "[1] ready"]
 
 
-def test_another_rank_s_line_ends_an_open_one(capfd):
+def test_another_rank_s_line_ends_an_open_one(shown):
     """Rank 1's line never runs on from rank 0's open one; rank 0's rest comes on a line of its own."""
-    console = Console(None)
+    console = shown.console()
     zero, one = Pipes(console, rank=0), Pipes(console, rank=1)
     os.write(zero.out, b"downloading...")
-    shown = wait_for(capfd, "[0] downloading...")[0]
+    wait_for(shown, "[0] downloading...")
     os.write(one.out, b"ready\n")
-    shown += wait_for(capfd, "[1] ready")[0]
+    wait_for(shown, "[1] ready")
     os.write(zero.out, b" ok\n")
     zero.close()
     one.close()
-    assert shown + capfd.readouterr().out == "[0] downloading...\n[1] ready\n[0]  ok\n"
+    assert shown.out == "[0] downloading...\n[1] ready\n[0]  ok\n"
 
 
-def test_a_line_left_open_at_the_end_gets_its_line_end(capfd, tmp_path):
+def test_a_line_left_open_at_the_end_gets_its_line_end(shown, tmp_path):
     log = open(tmp_path / "rank.0.log", "wb")
-    pipes = Pipes(Console(None), log=log)
+    pipes = Pipes(shown.console(), log=log)
     os.write(pipes.out, b"no newline")
     pipes.close()
-    assert capfd.readouterr().out == "[0] no newline\n"
+    assert shown.out == "[0] no newline\n"
     assert (tmp_path / "rank.0.log").read_bytes() == b"no newline\n"
 
 
-def test_stdout_and_stderr_keep_their_order_in_the_log(capfd, tmp_path):
+def test_stdout_and_stderr_keep_their_order_in_the_log(shown, tmp_path):
     """One reader takes both pipes, so the log holds a rank's lines in the order it wrote them
     (each written once the one before was read)."""
     log = open(tmp_path / "rank.0.log", "wb")
-    pipes = Pipes(Console(None), log=log)
+    pipes = Pipes(shown.console(), log=log)
     for i in range(40):
         os.write(pipes.err if i % 2 else pipes.out, b"line %d\n" % i)
-        wait_for(capfd, "[0] line %d" % i)
+        wait_for(shown, "[0] line %d\n" % i)
     pipes.close()
     assert (tmp_path / "rank.0.log").read_bytes() == b"".join(b"line %d\n" % i for i in range(40))
 
@@ -115,10 +143,10 @@ def test_the_failure_summary_tail_holds_whole_stderr_lines_only():
     assert list(pipes.output.tail) == ["Traceback (most recent call last):", "ValueError: bad"]
 
 
-def test_only_whole_lines_go_above_the_live_table(capfd):
+def test_only_whole_lines_go_above_the_live_table(shown):
     """While the monitor's table holds the terminal, a rank's line goes above it once whole; its
     redraws are left out."""
-    console, above = Console(None), []
+    console, above = shown.console(), []
     console.above = lambda text: above.append(text) or True
     pipes = Pipes(console)
     os.write(pipes.err, b"\r 50%")
@@ -128,48 +156,48 @@ def test_only_whole_lines_go_above_the_live_table(capfd):
     time.sleep(OPEN_LINE_S * 3)
     os.write(pipes.out, b"1\n")
     pipes.close()
-    assert above == ["[0] 100%\n", "[0] epoch 1\n"] and capfd.readouterr() == ("", "")
+    assert above == ["[0] 100%\n", "[0] epoch 1\n"] and (shown.out, shown.err) == ("", "")
 
 
-def test_a_rank_s_line_ended_by_another_rank_gets_no_second_end(capfd):
+def test_a_rank_s_line_ended_by_another_rank_gets_no_second_end(shown):
     """Rank 0's open line, ended by rank 1's: rank 0's output ending adds no empty "[0] " line."""
-    console = Console(None)
+    console = shown.console()
     zero, one = Pipes(console, rank=0), Pipes(console, rank=1)
     os.write(zero.out, b"downloading...")
-    shown = wait_for(capfd, "[0] downloading...")[0]
+    wait_for(shown, "[0] downloading...")
     os.write(one.out, b"ready\n")
-    shown += wait_for(capfd, "[1] ready")[0]
+    wait_for(shown, "[1] ready")
     zero.close()
     one.close()
-    assert shown + capfd.readouterr().out == "[0] downloading...\n[1] ready\n"
+    assert shown.out == "[0] downloading...\n[1] ready\n"
 
 
-def test_the_log_keeps_stdout_and_stderr_lines_apart(capfd, tmp_path):
+def test_the_log_keeps_stdout_and_stderr_lines_apart(shown, tmp_path):
     """A stdout line left open, then a traceback on stderr: the traceback starts a line of the log."""
     log = open(tmp_path / "rank.0.log", "wb")
-    pipes = Pipes(Console(None), log=log)
+    pipes = Pipes(shown.console(), log=log)
     os.write(pipes.out, b"loading data...")
-    wait_for(capfd, "[0] loading data...")
+    wait_for(shown, "[0] loading data...")
     os.write(pipes.err, b"Traceback (most recent call last):\nValueError: bad\n")
-    wait_for(capfd, "[0] ValueError: bad")   # read before stdout ends
+    wait_for(shown, "[0] ValueError: bad")   # read before stdout ends
     pipes.close()
     assert (tmp_path / "rank.0.log").read_bytes() == b"loading data...\nTraceback (most recent call last):\nValueError: bad\n"
 
 
-def test_finish_gives_up_on_a_pipe_something_left_behind_holds(capfd):
+def test_finish_gives_up_on_a_pipe_something_left_behind_holds(shown):
     """The rank's stdout ended; its stderr is held open by a process it left behind: finish()
     waits for the idle time, not for that process."""
-    pipes = Pipes(Console(None))
+    pipes = Pipes(shown.console())
     os.write(pipes.out, b"done\n")
     os.close(pipes.out)
-    wait_for(capfd, "[0] done")
+    wait_for(shown, "[0] done")
     started = time.monotonic()
     pipes.output.finish(idle=0.5)
     assert time.monotonic() - started < 5, "finish() waited on the held pipe"
     os.close(pipes.err)
 
 
-def test_pipes_above_select_s_descriptor_limit_are_read(capfd):
+def test_pipes_above_select_s_descriptor_limit_are_read(shown):
     """A launcher in a program holding many files gets pipe descriptors above 1024."""
     import resource
 
@@ -183,20 +211,20 @@ def test_pipes_above_select_s_descriptor_limit_are_read(capfd):
         high = [os.dup2(fd, 1100 + i) for i, fd in enumerate((read_out, read_err))]
         os.close(read_out)
         os.close(read_err)
-        output = RankOutput(0, os.fdopen(high[0], "rb"), os.fdopen(high[1], "rb"), Console(None), None)
+        output = RankOutput(0, os.fdopen(high[0], "rb"), os.fdopen(high[1], "rb"), shown.console(), None)
         os.write(write_out, b"high\n")
         os.close(write_out)
         os.close(write_err)
         output.finish(idle=5.0)
-        assert capfd.readouterr().out == "[0] high\n"
+        assert shown.out == "[0] high\n"
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-def test_a_log_that_cannot_be_written_stops_nothing(capfd):
+def test_a_log_that_cannot_be_written_stops_nothing(shown):
     """A full disk under --log-dir: said once; the pipes are still read (the rank never blocks on
     a full pipe) and the console still gets the output."""
-    pipes = Pipes(Console(None), log=open("/dev/full", "wb"))
+    pipes = Pipes(shown.console(), log=open("/dev/full", "wb"))
     os.set_blocking(pipes.out, False)
     data, deadline = b"x" * 99 + b"\n", time.monotonic() + 30
     left = memoryview(data * 3000)   # 300 KB: several times a pipe's buffer
@@ -206,7 +234,7 @@ def test_a_log_that_cannot_be_written_stops_nothing(capfd):
         except BlockingIOError:
             time.sleep(0.01)
     pipes.close()
-    out, err = capfd.readouterr()
+    out, err = shown.out, shown.err
     assert not left, "the rank's pipe was not read"
     assert out.count("[0] " + "x" * 99 + "\n") == 3000
     assert err.count("rank 0's log file can no longer be written (No space left on device)") == 1, err
