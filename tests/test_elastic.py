@@ -319,15 +319,22 @@ def test_elastic_default_optimizer_shrinks_to_one_rank_and_grows_back_with_check
     assert steps and all(files.read_manifest(str(tmp_path / "ckpt"), s) for s in steps), steps
 
 
+def two_ranks_with_discovery(tmp_path: Path, lines: str, train_args: list) -> ElasticRun:
+    """2 ranks of elastic_train.py on -H localhost:2, --max-np 3 (room for a worker the script may
+    offer a slot for, so the launcher keeps asking it), with a discovery script of shell ``lines``."""
+    script = tmp_path / "discover.sh"
+    script.write_text("#!/bin/sh\n" + lines)
+    script.chmod(0o755)
+    return ElasticRun(tmp_path, 2, ["-H", "localhost:2", "--min-np", "1", "--max-np", "3", "--host-discovery-script",
+                                    str(script)], train_args, timeout=180)
+
+
 @pytest.mark.timeout(200)
 def test_elastic_discovery_of_this_machine_by_another_name_adds_no_worker(tmp_path):
     """-H localhost:2 and a discovery script offering localhost:2 (or this machine's hostname):
     the two running ranks fill those slots, so no third worker starts."""
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\necho {socket.gethostname()}:2\necho localhost:2\n")
-    script.chmod(0o755)
-    job = ElasticRun(tmp_path, 2, ["-H", "localhost:2", "--min-np", "1", "--max-np", "3", "--host-discovery-script",
-                                   str(script)], ["--steps", "40", "--step-sleep", "0.1"], timeout=180)
+    job = two_ranks_with_discovery(tmp_path, f"echo {socket.gethostname()}:2\necho localhost:2\n",
+                                   ["--steps", "40", "--step-sleep", "0.1"])
     try:
         done = job.ended(170)
     finally:
@@ -342,12 +349,8 @@ def test_elastic_a_slow_discovery_script_does_not_hold_up_a_reset(tmp_path):
     """A discovery script that takes 8 s per run (a cloud API): it runs on a thread of its own, so
     the survivors of a kill go on at once, not after the run under way ends."""
     slow = tmp_path / "slow"
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\n[ -e {slow} ] && sleep 8\necho localhost:2\n")
-    script.chmod(0o755)
-    # --max-np 3: room for a worker the script never offers a slot for, so the launcher keeps asking it.
-    job = ElasticRun(tmp_path, 2, ["-H", "localhost:2", "--min-np", "1", "--max-np", "3", "--host-discovery-script",
-                                   str(script)], ["--steps", "100000", "--step-sleep", "0.05"], timeout=180)
+    job = two_ranks_with_discovery(tmp_path, f"[ -e {slow} ] && sleep 8\necho localhost:2\n",
+                                   ["--steps", "100000", "--step-sleep", "0.05"])
     try:
         job.wait_for(lambda: job.steps_at(2) >= 5, "the first steps")
         slow.write_text("")

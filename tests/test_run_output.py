@@ -99,18 +99,22 @@ def test_a_line_written_in_two_pieces_stays_whole(shown):
     assert sorted(shown.out.splitlines()) == ["[0] loss 0.25", "[1] ready"]
 
 
-def test_another_rank_s_line_ends_an_open_one(shown):
-    """Rank 1's line never runs on from rank 0's open one; rank 0's rest comes on a line of its own."""
+@pytest.mark.parametrize("rest,then", [(b" ok\n", "[0]  ok\n"), (b"", "")],
+                         ids=["its_rest_on_a_line_of_its_own", "no_second_end_when_it_ends"])
+def test_another_rank_s_line_ends_an_open_one(shown, rest, then):
+    """Rank 1's line never runs on from rank 0's open one: rank 0's rest comes on a line of its own,
+    and rank 0's output ending there adds no empty "[0] " line."""
     console = shown.console()
     zero, one = Pipes(console, rank=0), Pipes(console, rank=1)
     os.write(zero.out, b"downloading...")
     wait_for(shown, "[0] downloading...")
     os.write(one.out, b"ready\n")
     wait_for(shown, "[1] ready")
-    os.write(zero.out, b" ok\n")
+    if rest:
+        os.write(zero.out, rest)
     zero.close()
     one.close()
-    assert shown.out == "[0] downloading...\n[1] ready\n[0]  ok\n"
+    assert shown.out == "[0] downloading...\n[1] ready\n" + then
 
 
 def test_a_line_left_open_at_the_end_gets_its_line_end(shown, tmp_path):
@@ -157,19 +161,6 @@ def test_only_whole_lines_go_above_the_live_table(shown):
     os.write(pipes.out, b"1\n")
     pipes.close()
     assert above == ["[0] 100%\n", "[0] epoch 1\n"] and (shown.out, shown.err) == ("", "")
-
-
-def test_a_rank_s_line_ended_by_another_rank_gets_no_second_end(shown):
-    """Rank 0's open line, ended by rank 1's: rank 0's output ending adds no empty "[0] " line."""
-    console = shown.console()
-    zero, one = Pipes(console, rank=0), Pipes(console, rank=1)
-    os.write(zero.out, b"downloading...")
-    wait_for(shown, "[0] downloading...")
-    os.write(one.out, b"ready\n")
-    wait_for(shown, "[1] ready")
-    zero.close()
-    one.close()
-    assert shown.out == "[0] downloading...\n[1] ready\n"
 
 
 def test_the_log_keeps_stdout_and_stderr_lines_apart(shown, tmp_path):
