@@ -221,8 +221,8 @@ def open_log(path: Optional[str], rank: int, header: Optional[str] = None) -> Op
 
 
 class _Splitter:
-    """Cuts one pipe's bytes into pieces that end with "\n", "\r\n" or a lone "\r" (progress bars
-    such as tqdm redraw their line with "\r"), so each piece is passed on as soon as it is written;
+    """Cuts one pipe's bytes into pieces that end with "\\n", "\\r\\n" or a lone "\\r" (progress bars
+    such as tqdm redraw their line with "\\r"), so each piece is passed on as soon as it is written;
     the start of a line is let go as it is once it has waited ``OPEN_LINE_S`` for its end.
 
     Each chunk is searched once, so a very long line costs time in proportion to its length.
@@ -231,7 +231,9 @@ class _Splitter:
     def __init__(self):
         self.pending: List[bytes] = []   # the start of a line, not yet passed on
         self.since = 0.0                 # when its first bytes arrived
-        self.line_open = False           # the last piece passed on had no line end
+        # The last piece passed on had no line end (after the last flush: the rank left its last
+        # line open).
+        self.line_open = False
 
     def feed(self, chunk: bytes, now: float) -> List[bytes]:
         """The pieces ``chunk`` completes."""
@@ -262,11 +264,6 @@ class _Splitter:
         """The start of a line waiting here, as a piece of its own (nothing when none waits)."""
         return [self._take()] if self.pending else []
 
-    def close(self) -> List[bytes]:
-        """The last pieces at the pipe's end (``line_open`` then says whether the rank left its
-        last line without an end)."""
-        return self.flush()
-
     def _take(self) -> bytes:
         piece = b"".join(self.pending)
         self.pending = []
@@ -279,7 +276,7 @@ class Console:
     rank's prefix, so ranks' lines never run into each other.
 
     A rank may leave its line open (a progress bar, a prompt): the rest of it follows without a
-    second prefix, a "\r" redraws it with its prefix, and another rank's line first ends it.
+    second prefix, a "\\r" redraws it with its prefix, and another rank's line first ends it.
 
     Args:
         output_ranks: the ranks whose lines are shown; None for all.
@@ -305,13 +302,13 @@ class Console:
 
         Args:
             rank: the rank.
-            piece: a line with its end (``\n``, ``\r\n`` or ``\r``), or the start or the rest
+            piece: a line with its end (``\\n``, ``\\r\\n`` or ``\\r``), or the start or the rest
                 of one.
             to_stderr: it came from the rank's stderr.
 
         Example::
 
-            >>> Console(None).write(1, b"epoch 0: loss 0.25\n", to_stderr=False)   # doctest: +SKIP
+            >>> Console(None).write(1, b"epoch 0: loss 0.25\\n", to_stderr=False)   # doctest: +SKIP
             [1] epoch 0: loss 0.25
         """
         if self.output_ranks is not None and rank not in self.output_ranks:
@@ -521,7 +518,7 @@ class RankOutput:
             # must see this one ended.
             selector.unregister(key.fd)
             pipe.close()
-            self._pass_on(splitter.close(), is_stderr)
+            self._pass_on(splitter.flush(), is_stderr)
             if splitter.line_open:
                 self._end_line(is_stderr)
         for _, splitter, is_stderr in reading:
