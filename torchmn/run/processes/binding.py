@@ -208,44 +208,49 @@ def _plan(mode: str, local_size: int, allowed: tuple, root: str) -> tuple:
             return (None,) * local_size
         named = [(cpus, f"NUMA node {i} (CPUs {format_cpu_list(cpus)})") for i, cpus in enumerate(domains)]
         if local_size <= len(domains):  # whole domains each, in blocks
-            blocks = [named[r * len(named) // local_size:(r + 1) * len(named) // local_size]
-                      for r in range(local_size)]
             return tuple(Binding(tuple(c for cpus, _ in block for c in cpus), 1, " and ".join(w for _, w in block))
-                         for block in blocks)
-        homes = [r * len(domains) // local_size for r in range(local_size)]
+                         for block in _share(named, local_size))
+        homes = _homes(local_size, len(domains))
         return tuple(Binding(tuple(named[d][0]), homes.count(d), named[d][1]) for d in homes)
-    cores = [core for cpus in domains for core in physical_cores(cpus, root)]
+    per_domain = [physical_cores(cpus, root) for cpus in domains]
+    cores = [core for domain in per_domain for core in domain]
     if local_size > len(cores):
         raise TorchmnValueError(
             f"--bind core: {local_size} ranks on this host, but the launcher may use {len(cores)} core(s) here "
             f"(CPUs {format_cpu_list(allowed)}): each rank needs a core of its own. Start at most {len(cores)} "
             f"ranks here, or use --bind numa (ranks share their NUMA node's cores) or --bind none")
-    return tuple(Binding(cpus, 1, f"CPUs {format_cpu_list(cpus)}") for cpus in _cores_by_domain(local_size, domains, root)
-                 or _in_blocks(local_size, cores))
+    return tuple(Binding(cpus, 1, f"CPUs {format_cpu_list(cpus)}")
+                 for cpus in _cores_by_domain(local_size, per_domain) or _in_blocks(local_size, cores))
 
 
-def _cores_by_domain(local_size: int, domains: List[List[int]], root: str) -> List[tuple]:
+def _share(items: list, ranks: int) -> List[list]:
+    """``items`` handed out in order to ``ranks`` ranks (at least as many items), as evenly as they go."""
+    return [items[r * len(items) // ranks:(r + 1) * len(items) // ranks] for r in range(ranks)]
+
+
+def _homes(ranks: int, domains: int) -> List[int]:
+    """The domain of each of ``ranks`` ranks (more ranks than domains), in blocks of ranks."""
+    return [r * domains // ranks for r in range(ranks)]
+
+
+def _cores_by_domain(local_size: int, per_domain: List[List[List[int]]]) -> List[tuple]:
     """Each rank's CPUs, its cores all in one domain: the ranks spread over the domains as with
-    ``numa``, each domain's cores shared out among its ranks. Empty where a domain has fewer cores
-    than ranks (domains cut unevenly by the affinity): then cores are handed out in blocks."""
-    per_domain = [physical_cores(cpus, root) for cpus in domains]
-    if local_size <= len(domains):  # whole domains each, in blocks
-        return [tuple(c for cores in per_domain[r * len(domains) // local_size:(r + 1) * len(domains) // local_size]
-                      for core in cores for c in core) for r in range(local_size)]
-    homes = [r * len(domains) // local_size for r in range(local_size)]
+    ``numa``, each domain's cores (``per_domain``) shared out among its ranks. Empty where a domain
+    has fewer cores than ranks (domains cut unevenly by the affinity): then cores are handed out in
+    blocks."""
+    if local_size <= len(per_domain):  # whole domains each, in blocks
+        return [tuple(c for domain in block for core in domain for c in core)
+                for block in _share(per_domain, local_size)]
+    homes = _homes(local_size, len(per_domain))
     if any(homes.count(d) > len(cores) for d, cores in enumerate(per_domain)):
         return []
-    cpus = []
-    for r, d in enumerate(homes):
-        first, mine = homes.index(d), homes.count(d)
-        cpus.extend(_in_blocks(mine, per_domain[d])[r - first:r - first + 1])
-    return cpus
+    blocks = {d: iter(_in_blocks(homes.count(d), per_domain[d])) for d in set(homes)}
+    return [next(blocks[d]) for d in homes]
 
 
 def _in_blocks(ranks: int, cores: List[List[int]]) -> List[tuple]:
     """``cores`` handed out in order, as evenly as they go, one block of CPUs per rank."""
-    return [tuple(c for core in cores[r * len(cores) // ranks:(r + 1) * len(cores) // ranks] for c in core)
-            for r in range(ranks)]
+    return [tuple(c for core in block for c in core) for block in _share(cores, ranks)]
 
 
 def allowed_cpus() -> List[int]:
