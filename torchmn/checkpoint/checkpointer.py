@@ -157,7 +157,7 @@ class Checkpointer:
         self.resumed_from: Optional[int] = None
         self.extra: dict = {}
         self._saved: Optional[int] = None  # the last step this Checkpointer saved
-        self._written: set = set()  # the complete steps this run wrote (an elastic job's may be written again)
+        self._written: set = set()  # the steps this run wrote (an elastic job's may be written again)
         if membership.enabled():
             membership.follow(self)
         if membership.awaiting_state():
@@ -342,8 +342,8 @@ class Checkpointer:
                     "hosts": [host for _, host, _ in everyone], "time": time.time()})
             except OSError as e:
                 marked = f"writing its manifest {files.MANIFEST} in {folder}: {e}"
-        if marked is None:
-            self._written.add(step)  # complete on disk: a reset before every rank hears it replays it
+        # Written by this run, complete now or not: a reset before every rank hears of it replays the step.
+        self._written.add(step)
         # Every rank learns whether the step is complete: a full disk here is every rank's error.
         marked = self.comm.bcast_obj(marked, root=0)
         if marked is not None:
@@ -351,7 +351,6 @@ class Checkpointer:
                                   f"step is not marked complete; the older complete steps are kept [raised on rank "
                                   f"{self.comm.rank}]")
         self._saved = step
-        self._written.add(step)
         if self.comm.rank == 0:
             self._prune(step)
 
