@@ -20,7 +20,7 @@ import torch
 from jobs import REPO, clean_env
 from torchmn.elastic import protocol
 from torchmn.run.config import LaunchConfig, RunError
-from torchmn.run.elastic import parse_discovery, place_workers
+from torchmn.run.elastic import choose_leavers, parse_discovery, place_workers
 from torchmn.run.plan import place_env
 
 PY = sys.executable
@@ -53,6 +53,17 @@ def test_elastic_places_count_local_ranks_per_host():
         [(0, 3, 0, 2, 0, 2, "a"), (1, 3, 0, 1, 1, 2, "b"), (2, 3, 1, 2, 0, 2, "a")]
     members = [(4, place_env(slots[0])), (1, place_env(slots[1]))]
     assert protocol.load_members(protocol.dump_members(members)) == members
+
+
+@pytest.mark.parametrize("workers,offered,keep,holders,leavers", [
+    ([(0, "a"), (1, "a"), (2, "a")], {"a": 1}, 1, {0, 1, 2}, [2, 1]),       # newest first, down to the offer
+    ([(0, "a"), (3, "b"), (5, "b")], {"a": 1}, 1, {0, 3, 5}, [5, 3]),       # a host no longer offered: all of it
+    ([(0, "a"), (1, "a"), (2, "a")], {"a": 0}, 2, {0, 1, 2}, [2]),          # never below --min-np
+    ([(0, "a"), (1, "b"), (2, "b")], {"a": 1, "b": 0}, 1, {2}, [1]),        # the last that holds the state stays
+    ([(0, "a"), (1, "a")], {"a": 2}, 1, {0, 1}, []),                       # within the offer: nobody
+])
+def test_elastic_fewer_slots_offered_choose_the_newest_workers_to_leave(workers, offered, keep, holders, leavers):
+    assert choose_leavers(workers, offered, keep, holders) == leavers
 
 
 @pytest.mark.parametrize("script,words", [
@@ -549,32 +560,60 @@ def test_elastic_member_lost_while_the_new_world_is_set_up_leads_to_another_rese
 
 @pytest.mark.timeout(300)
 def test_elastic_member_lost_after_giving_its_address_leads_to_another_reset(tmp_path):
-    """After a first kill, worker 0 dies inside the survivors' set-up once its address is in the
-    store: worker 2's gloo retries that address inside C++, where the launcher cannot reach it.
-    The set-up's bound (5 s here) ends that wait; with no slot free for a new worker yet, worker 2
-    waits for the next generation instead of failing; once the slots come back, it moves there
-    with the new workers, and the result equals the replay."""
+    """The discovery script offers 1 of the 3 slots: worker 2 leaves (worker 1 stays for --min-np
+    2), and worker 0 dies inside the new world's set-up once its address is in the store: worker
+    1's gloo retries that address inside C++, where the launcher cannot reach it. The set-up's
+    bound (5 s here) ends that wait; with no slot free for a new worker yet, worker 1 waits for
+    the next generation instead of failing; once the slots come back, it moves there with the new
+    workers, and the result equals the replay."""
     job = ElasticRun(tmp_path, 3, ["--min-np", "2", "--max-np", "3", "--host-discovery-script",
                                    discovery_script(tmp_path, 3)],
                      ["--steps", "100000", "--step-sleep", "0.05", "--die-after-address-after-reset", "0"],
                      timeout=240)
     try:
         job.wait_for(lambda: job.steps_at(3) >= 5, "the first steps")
+        step = job.progress()[-1][1]
         discovery_script(tmp_path, 1)
-        time.sleep(3.0)  # the launcher runs the script every second
-        step = job.kill(1)
         job.wait_for(lambda: "worker 0 (host" in job.output(), "worker 0's death in the set-up")
         # gloo's own line when it gives up connecting (at the set-up's bound)
-        job.wait_for(lambda: re.search(r"^\[2\] .*(Connect timeout|timed out connecting)", job.output(), re.M),
-                     "worker 2's set-up to give up")
+        job.wait_for(lambda: re.search(r"^\[1\] .*(Connect timeout|timed out connecting)", job.output(), re.M),
+                     "worker 1's set-up to give up")
         time.sleep(3.0)
-        assert 2 in job.worker_pids() and "started worker" not in job.output(), job.output()[-4000:]
+        assert set(job.worker_pids()) == {1} and "started worker" not in job.output(), job.output()[-4000:]
         discovery_script(tmp_path, 3)
         job.wait_for(lambda: job.steps_at(3, after=step) >= 3, "three ranks again")
         done = job.finish()
     finally:
         job.stop()
+    assert "worker(s) 2 leave the job at its next commit" in done.stdout, done.stdout[-4000:]
     assert_completed_without_worker_0(done, tmp_path)
+
+
+@pytest.mark.timeout(300)
+def test_elastic_fewer_slots_offered_take_the_newest_workers_out(tmp_path):
+    """3 workers on this machine, then the discovery script offers 1 slot: workers 2 and 1 leave the
+    job at the next commit (with status 0, not counted as lost), worker 0 goes on alone; offered 2
+    slots again, a new worker joins it. The result equals the replay."""
+    job = ElasticRun(tmp_path, 3, ["--min-np", "1", "--max-np", "3", "--host-discovery-script",
+                                   discovery_script(tmp_path, 3)], ["--steps", "100000", "--step-sleep", "0.05"],
+                     timeout=240)
+    try:
+        job.wait_for(lambda: job.steps_at(3) >= 5, "the first steps")
+        discovery_script(tmp_path, 1)
+        job.wait_for(lambda: job.steps_at(1) >= 3, "worker 0 alone")
+        job.wait_for(lambda: set(job.worker_pids()) == {0}, "workers 1 and 2 to end")
+        discovery_script(tmp_path, 2)
+        job.wait_for(lambda: job.steps_at(2) >= 3, "two ranks again")
+        done = job.finish()
+    finally:
+        job.stop()
+    out = done.stdout
+    assert done.returncode == 0, out[-4000:]
+    assert re.search(r"now offers \S+:1; worker\(s\) 2, 1 leave the job at its next commit", out), out[-4000:]
+    assert re.search(r"^\[2\] torchmn.elastic: worker 2 on \S+ left the job", out, re.M), out[-4000:]
+    assert "workers lost: none; workers added: worker 3; workers taken out: " in out, out[-4000:]
+    sizes = check_against_replay(tmp_path)["sizes"]
+    assert sizes[:5] == [3] * 5 and 1 in sizes and sizes[-1] == 2, sizes
 
 
 def test_elastic_nnodes_range_says_what_to_run_instead():

@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime
 import os
 import socket
+import sys
 import time
 import weakref
 from typing import Iterable, List, Optional
@@ -221,7 +222,8 @@ def wait_for_place() -> int:
     ``create_communicator`` reads).
 
     A generation whose members do not all arrive (one died meanwhile) is passed over for the
-    newer one the launcher then announces.
+    newer one the launcher then announces. A worker the launcher took out of the job (its host
+    offers fewer slots now) exits here with status 0.
 
     Returns:
         The generation joined.
@@ -229,6 +231,7 @@ def wait_for_place() -> int:
     Raises:
         ElasticJobEndedError: the launcher ended the job (below ``--min-np`` too long).
         RuntimeError: no generation came within the elastic timeout.
+        SystemExit: (status 0) the launcher took this worker out of the job.
 
     Example::
 
@@ -258,10 +261,20 @@ def wait_for_place() -> int:
                     os.environ.update(members[me])
                     os.environ[protocol.GENERATION_VARIABLE] = str(latest)
                     return latest
+            elif store.check([protocol.removed_key(me)]):
+                _leave_the_job(me, latest)
         time.sleep(POLL_S)
     raise TorchmnRuntimeError(f"worker {me} on {socket.gethostname()}: no generation of the elastic job took it within "
                               f"{timeout:g} s (TORCHMN_ELASTIC_TIMEOUT, from --elastic-timeout); the launcher's "
                               f"output says why")
+
+
+def _leave_the_job(me: int, latest: int) -> None:
+    """End this worker, which the launcher took out of the job: a normal exit (status 0, the
+    script's code after the training function does not run), which the launcher expects."""
+    print(f"torchmn.elastic: worker {me} on {socket.gethostname()} left the job: its host offers fewer slots "
+          f"now (--host-discovery-script), and generation {latest} goes on without it", file=sys.stderr, flush=True)
+    raise SystemExit(0)
 
 
 def _load_before_arriving() -> None:

@@ -11,7 +11,9 @@ the job's whole life, ``WORKER_VARIABLE``) that has lost its world, or a new wor
 them died meanwhile; ``formed_key(g)`` settles which came first, alike for every member) before it
 sets up the generation's process groups under
 ``store_prefix(g)``; that set-up gives up when the launcher marks the generation ``broken_key(g)``
-(a member lost). Ranks decide together at each commit whether a newer generation waits
+(a member lost). A worker the launcher no longer has a slot for (the discovery script offers its
+host fewer) finds ``removed_key(worker)`` set and is left out of the next generation: it leaves the
+job at that commit. Ranks decide together at each commit whether a newer generation waits
 (``State.check_host_updates``), so all of them leave the old world at the same step.
 """
 from __future__ import annotations
@@ -151,6 +153,25 @@ def holds_key(worker: int) -> str:
         'torchmn/elastic/holds/5'
     """
     return f"torchmn/elastic/holds/{worker}"
+
+
+def removed_key(worker: int) -> str:
+    """The key the launcher sets for a worker it takes out of the job (its host offers fewer slots
+    now), before it announces the generation without it: that worker then leaves the job instead
+    of waiting for a place.
+
+    Args:
+        worker: the worker's number.
+
+    Returns:
+        The key.
+
+    Example::
+
+        >>> removed_key(5)
+        'torchmn/elastic/removed/5'
+    """
+    return f"torchmn/elastic/removed/{worker}"
 
 
 def read_generation(store) -> int:

@@ -7,7 +7,10 @@ each membership (a *generation*) alone, writing it to the job's store
 - a member dies (the survivors are then waiting for one, or will at their next collective);
 - a member left its generation without dying (its world broke: a timeout, say): the same
   workers again, in new process groups;
-- a new worker waits at the rendezvous: the members see it at their next ``commit()``.
+- a new worker waits at the rendezvous: the members see it at their next ``commit()``;
+- the ``--host-discovery-script`` offers a host fewer slots than workers run there: the newest
+  of them leave the job at the next ``commit()`` (never below ``--min-np``, nor the last that
+  hold the training state), as Horovod's driver takes removed hosts' workers out.
 
 New workers start where there is room and fewer than ``--max-np`` run: on the hosts the
 ``--host-discovery-script`` prints (``host:slots`` lines, read every second), else on the known
@@ -26,7 +29,7 @@ import signal
 import subprocess
 import threading
 import time
-from typing import Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Collection, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from torchmn import network
 from torchmn.elastic import protocol
@@ -63,6 +66,47 @@ def place_workers(workers: Sequence[Tuple[int, str]]) -> List[Slot]:
     per_host = {h: [w for w, wh in workers if wh == h] for h in hosts}
     return [Slot(rank, len(workers), per_host[h].index(w), len(per_host[h]), hosts.index(h), len(hosts), h)
             for rank, (w, h) in enumerate(workers)]
+
+
+def choose_leavers(workers: Sequence[Tuple[int, str]], offered: Mapping[str, int], keep: int,
+                   holders: Collection[int]) -> List[int]:
+    """The workers to take out of an elastic job where their hosts run more of them than the
+    discovery script offers now: on each such host the newest (they have the least done), down to
+    the host's slots, while at least ``keep`` workers and one that holds the training state stay.
+
+    Args:
+        workers: ``(worker, host)`` for every worker that stays so far.
+        offered: the slots each host offers now (a host not in it offers none).
+        keep: the fewest workers the job goes on with (``--min-np``).
+        holders: the workers that hold the training state.
+
+    Returns:
+        The workers to take out, newest first on each host; fewer than the hosts' excess where
+        ``keep`` or the last holder stops it.
+
+    Example::
+
+        >>> choose_leavers([(0, "a"), (1, "a"), (2, "b")], {"a": 1, "b": 1}, keep=1, holders={0, 1, 2})
+        [1]
+        >>> choose_leavers([(0, "a"), (1, "a")], {"a": 0}, keep=1, holders={0, 1})
+        [1]
+    """
+    staying = {w for w, _ in workers}
+    by_host: Dict[str, List[int]] = collections.defaultdict(list)
+    for w, host in sorted(workers):
+        by_host[host].append(w)
+    leavers = []
+    for host, on_host in by_host.items():
+        excess = len(on_host) - offered.get(host, 0)
+        for w in reversed(on_host):
+            if excess <= 0 or len(staying) <= keep:
+                break
+            if w in holders and not set(holders) & (staying - {w}):
+                continue  # the last that holds the state: the others would have nobody to receive it from
+            leavers.append(w)
+            staying.discard(w)
+            excess -= 1
+    return leavers
 
 
 def parse_discovery(text: str, script: str) -> Dict[str, int]:
@@ -145,6 +189,9 @@ class ElasticJob(Job):
         self.holders: set = set()                # workers that have held the training state
         self.published = False                  # the first generation is in the store
         self.refused: set = set()                # discovered hosts the job cannot use, said once
+        self.leaving: set = set()                # workers taken out (their host offers fewer slots now)
+        self.left: List[int] = []                # those of them that have ended
+        self.kept_said: Optional[tuple] = None   # the offer for which workers were kept over it, said once
 
     # -- starting ---------------------------------------------------------------------------------
 
@@ -205,6 +252,12 @@ class ElasticJob(Job):
         rank.returncode = code
         worker = rank.slot.rank
         self.live.pop(worker, None)
+        if worker in self.leaving:
+            self.left.append(worker)
+            if code != 0 and not rank.stopped_by_launcher:
+                self.console.message(f"torchmn run: worker {worker} (host {rank.slot.host}), which was leaving the "
+                                     f"job, {describe_exit(code)}")
+            return
         if code == 0:
             if not self.finished:
                 # The job is done: workers still joining have nothing left to join.
@@ -280,7 +333,7 @@ class ElasticJob(Job):
             key = protocol.waiting_key(w)
             if store.check([key]):
                 waiting[w] = int(store.get(key).decode())
-        newcomers = [w for w in self.live if w not in self.members and w in waiting]
+        newcomers = [w for w in self.live if w not in self.members and w in waiting and w not in self.leaving]
         left = [w for w in alive_members if waiting.get(w) == self.generation]
         if left:
             self._mark_broken()
@@ -302,6 +355,7 @@ class ElasticJob(Job):
                             f"{', '.join(map(str, sorted(self.holders)))}); the {len(self.live)} left had not received "
                             f"it yet.{why} Ended the job: {advice}.")
             return
+        self._take_out_excess()
         alive = len(self.live)
         if alive < self.config.min_np:
             self.below_min_since = self.below_min_since or time.monotonic()
@@ -319,13 +373,53 @@ class ElasticJob(Job):
             if w not in self.holders and store.check([protocol.holds_key(w)]):
                 self.holders.add(w)
 
+    def _take_out_excess(self) -> None:
+        """Take workers out where the discovery script now offers their host fewer slots than
+        workers run there (:func:`choose_leavers`): a member leaves at the job's next commit (the
+        others move to a generation without it, and it exits with status 0); a worker that has
+        not joined yet is stopped."""
+        if self.config.host_discovery_script is None or self.finished or self.gave_up is not None:
+            return
+        offered = self._capacity()
+        staying = [(w, rank.slot.host) for w, rank in self.live.items() if w not in self.leaving]
+        over = sum(max(0, n - offered.get(host, 0))
+                   for host, n in collections.Counter(host for _, host in staying).items())
+        if not over:
+            self.kept_said = None
+            return
+        leavers = choose_leavers(staying, offered, self.config.min_np, self.holders & set(self.live))
+        if len(leavers) < over and self.kept_said != tuple(offered.items()):
+            self.kept_said = tuple(offered.items())
+            self.console.message(f"torchmn run: --host-discovery-script offers fewer slots than the {len(staying)} "
+                                 f"workers running; {over - len(leavers)} of them stay over the offer, since the "
+                                 f"job keeps --min-np {self.config.min_np} and one worker that holds the training "
+                                 f"state")
+        if not leavers:
+            return
+        self.leaving.update(leavers)
+        joined = [w for w in leavers if w in self.members]
+        waiting = [self.live[w] for w in leavers if w not in self.members]
+        for w in joined:
+            self.store.store.set(protocol.removed_key(w), "")
+        if waiting:
+            self.procs.stop(signal.SIGTERM, only=waiting)
+        hosts = ", ".join(f"{host}:{offered.get(host, 0)}" for host in dict.fromkeys(self.live[w].slot.host
+                                                                                     for w in leavers))
+        self.console.message(f"torchmn run: --host-discovery-script now offers {hosts}; "
+                             + "; ".join(part for part in (
+                                 joined and f"worker(s) {', '.join(map(str, joined))} leave the job at its next commit",
+                                 waiting and f"stopped worker(s) {', '.join(str(r.slot.rank) for r in waiting)}, "
+                                             f"which had not joined yet") if part))
+        if joined:
+            self._announce([w for w in self.members if w in self.live])
+
     def _mark_broken(self) -> None:
         """Tell the members that the current generation lost one: its world cannot be set up."""
         self.store.store.set(protocol.broken_key(self.generation), "")
 
     def _announce(self, workers: List[int]) -> None:
         """Publish a new generation of ``workers`` (in rank order), if there are enough of them."""
-        workers = [w for w in workers if w in self.live]
+        workers = [w for w in workers if w in self.live and w not in self.leaving]
         if len(workers) < self.config.min_np or not workers:
             return  # the survivors wait at the rendezvous; _follow_members counts the time
         limit = self.config.reset_limit
@@ -450,11 +544,12 @@ class ElasticJob(Job):
         if self.gave_up is not None:
             self.console.message(self.gave_up)
             return 1
-        if self.lost or self.added:
+        if self.lost or self.added or self.left:
             lost = ", ".join(f"{r.slot.rank} ({r.slot.host}, {describe_exit(r.returncode)})" for r in self.lost)
             self.console.message(f"torchmn run: elastic job: {self.generation} generation(s) after the first; "
                                  f"workers lost: {lost or 'none'}; workers added: "
-                                 f"{', '.join(f'worker {w}' for w in self.added) or 'none'}")
+                                 f"{', '.join(f'worker {w}' for w in self.added) or 'none'}"
+                                 + (f"; workers taken out: {', '.join(map(str, self.left))}" if self.left else ""))
         failed = self.first_failure
         if failed is not None and self.received_signal is None and not self.finished:
             self.console.message(failure_summary(failed, self.ranks, None))
