@@ -13,7 +13,7 @@ from torchmn.extensions import (AllreducePersistent, MultiNodeEarlyStoppingTrigg
                                 available_iterations, multi_node_snapshot, resume_latest)
 from torchmn.extensions.snapshot import atomic_save
 
-CHECKS = ["early_stopping", "observation_aggregator", "observation_aggregator_weighs_each_observation",
+CHECKS = ["early_stopping", "early_stopping_trigger_that_differs_between_ranks", "observation_aggregator", "observation_aggregator_weighs_each_observation",
           "allreduce_persistent", "snapshot",
           "snapshot_unreadable_on_one_rank"]
 

@@ -787,6 +787,18 @@ def _check_snapshot_trigger_that_differs_between_ranks(comm, tmp):
     assert sorted(available_iterations(out, comm.rank)) == [3, 6], sorted(available_iterations(out, comm.rank))
 
 
+def check_early_stopping_trigger_that_differs_between_ranks(comm, tmp):
+    """A check_trigger that fires at different iterations on different ranks (a clock's): every
+    rank checks when rank 0's fires, so the allreduce of the check meets on all of them."""
+    stop = MultiNodeEarlyStoppingTrigger(comm, check_trigger=_SkewedTrigger(comm.rank), monitor="val/loss",
+                                         patience=1000, max_trigger=(12, "iteration"))
+    manager = _manager(torch.nn.Linear(2, 2), 1, 100, os.path.join(tmp, f"es_skewed{comm.rank}"), stop_trigger=stop)
+    while not manager.stop_trigger:
+        with manager.run_iteration():
+            ppe.reporting.report({"val/loss": 1.0})
+    assert comm.allgather_obj(manager.iteration) == [12] * comm.size, manager.iteration
+
+
 CHECKS = {
     "scatter": check_scatter,
     "scatter_chunks": check_scatter_chunks,
@@ -802,13 +814,14 @@ CHECKS = {
     "iterator": check_iterator,
     "iterator_out_of_step_refused": check_iterator_out_of_step_refused,
     "early_stopping": check_early_stopping,
+    "early_stopping_trigger_that_differs_between_ranks": check_early_stopping_trigger_that_differs_between_ranks,
     "observation_aggregator": check_observation_aggregator,
     "observation_aggregator_weighs_each_observation": check_observation_aggregator_weighs_each_observation,
     "allreduce_persistent": check_allreduce_persistent,
     "snapshot": check_snapshot,
     "snapshot_unreadable_on_one_rank": check_snapshot_unreadable_on_one_rank,
 }
-NEEDS_TMP = {"early_stopping", "observation_aggregator", "observation_aggregator_weighs_each_observation",
+NEEDS_TMP = {"early_stopping", "early_stopping_trigger_that_differs_between_ranks", "observation_aggregator", "observation_aggregator_weighs_each_observation",
              "allreduce_persistent", "snapshot", "snapshot_unreadable_on_one_rank"}
 
 

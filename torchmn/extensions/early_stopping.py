@@ -9,6 +9,7 @@ import torch
 from pytorch_pfn_extras.training.triggers import EarlyStoppingTrigger
 
 from torchmn.errors import TorchmnTypeError
+from torchmn.extensions._triggers import agreed
 from torchmn.extensions._values import to_float
 
 
@@ -20,7 +21,9 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
     global mean is compared with the best so far. All ranks therefore see the same number and
     stop at the same iteration, even when each rank's own values would say otherwise. A rank that
     observed nothing contributes nothing; if no rank did, the interval is skipped with a warning.
-    Every rank must use it with the same arguments. ``mode``: ``"min"``, ``"max"`` or ``"auto"``
+    Every rank must use it with the same arguments; a ``check_trigger`` or ``max_trigger`` that may
+    fire at different iterations on different ranks (a ``TimeTrigger``) fires where rank 0's does.
+    ``mode``: ``"min"``, ``"max"`` or ``"auto"``
     (``"max"`` when ``monitor`` names an accuracy).
 
     The arguments are ChainerMN's (and ppe's), in their order and with their defaults.
@@ -55,6 +58,10 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
         # ppe's constructor prints its choice of operator when verbose: on rank 0 only.
         super().__init__(check_trigger=check_trigger, monitor=monitor, patience=patience, mode=mode,
                          verbose=verbose and comm.rank == 0, max_trigger=max_trigger)
+        # A trigger that reads the clock or a rank's own values fires at different iterations on
+        # different ranks; the check is an allreduce, so every rank follows rank 0's.
+        self._interval_trigger = agreed(self._interval_trigger, comm)
+        self._max_trigger = agreed(self._max_trigger, comm)
         self.verbose = verbose
         self.comm = comm
         self._sum = 0.0
