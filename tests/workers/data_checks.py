@@ -386,6 +386,48 @@ def check_evaluator_object_over_uneven_shards(comm):
         assert create_multi_node_evaluator(evaluator(shards[comm.rank]), comm).evaluate() == whole, whole
 
 
+def check_evaluator_object_weighted_reports(comm):
+    """Reports with their own weights (``(value, n)``) and a metric some batches do not report:
+    the result equals one process's Evaluator over the whole set (the same batches), as ppe's
+    DistributedEvaluator gives."""
+    import pytorch_pfn_extras as ppe
+    from pytorch_pfn_extras.training.extensions import Evaluator
+
+    def eval_func(x):
+        report = {"val/x": (x.mean(), len(x))}
+        if int(x[0, 0].item()) % 2 == 0:
+            report["val/even"] = x.sum().item()
+        ppe.reporting.report(report)
+
+    def evaluator(data):
+        return Evaluator(torch.utils.data.DataLoader(data, batch_size=3), torch.nn.Linear(1, 1), eval_func=eval_func,
+                         progress_bar=False)
+
+    # Whole batches on every rank but the last, whose last batch has one sample.
+    sizes = [3 * (r + 1) + (1 if r == comm.size - 1 else 0) for r in range(comm.size)]
+    shards = [torch.arange(float(n), dtype=torch.float64).view(-1, 1) + 100 * r for r, n in enumerate(sizes)]
+    with ppe.reporting.Reporter().scope({}):
+        whole = {k: float(v) for k, v in evaluator(torch.cat(shards)).evaluate().items()}
+        got = {k: float(v) for k, v in create_multi_node_evaluator(evaluator(shards[comm.rank]), comm).evaluate().items()}
+    assert got.keys() == whole.keys() and all(abs(got[k] - whole[k]) < 1e-12 for k in whole), (got, whole)
+    # An evaluation that fails on one rank fails on every rank, instead of leaving the others waiting.
+    def broken(x):
+        if comm.rank == 1:
+            raise ValueError("bad batch")
+        eval_func(x)
+    failing = create_multi_node_evaluator(Evaluator(torch.utils.data.DataLoader(shards[comm.rank], batch_size=3),
+                                                    torch.nn.Linear(1, 1), eval_func=broken, progress_bar=False), comm)
+    with ppe.reporting.Reporter().scope({}):
+        try:
+            failing.evaluate()
+        except ValueError as e:
+            assert comm.rank == 1 and "bad batch" in str(e), e
+        except RuntimeError as e:
+            assert comm.rank != 1 and "failed on rank 1 (ValueError: bad batch)" in str(e), e
+        else:
+            raise AssertionError("the evaluation went on")
+
+
 class Gather(GenericMultiNodeEvaluator):
     def __init__(self, comm, fail_rank=None, **kwargs):
         super().__init__(comm, **kwargs)
@@ -810,6 +852,7 @@ CHECKS = {
     "evaluator": check_evaluator,
     "evaluator_object": check_evaluator_object,
     "evaluator_object_over_uneven_shards": check_evaluator_object_over_uneven_shards,
+    "evaluator_object_weighted_reports": check_evaluator_object_weighted_reports,
     "generic_evaluator": check_generic_evaluator,
     "iterator": check_iterator,
     "iterator_out_of_step_refused": check_iterator_out_of_step_refused,

@@ -116,10 +116,11 @@ def create_multi_node_evaluator(fn: Any, comm) -> Any:
     ``fn`` may also be an evaluator object with an ``evaluate()`` method, as ChainerMN's took
     (pytorch-pfn-extras' ``Evaluator`` extension, say): its ``evaluate`` is replaced, on this
     object, by one that returns the means over the ranks, and the object itself is returned, so
-    that it goes to ``manager.extend(...)`` as before. Its ``evaluate()`` returns a dict of means,
-    weighted by the rank's batch count where its ``get_iterator("main")`` has a length (the mean
-    over every rank's batches, as one process over the whole set would give), else the plain mean
-    over ranks, as ChainerMN's gave.
+    that it goes to ``manager.extend(...)`` as before. Its ``evaluate()`` returns a dict of means:
+    for ppe's ``Evaluator``, the ranks' report summaries summed, each report with its weight (as
+    ppe's ``DistributedEvaluator``: what one process over the whole set would give); for other
+    objects, each rank's means weighted by its batch count where its ``get_iterator("main")`` has
+    a length, else the plain mean over ranks, as ChainerMN's gave.
 
     ``fn(*args, **kwargs)`` runs on each rank over that rank's shard and returns
     ``(means, n)``: a dict of metric means over the ``n`` samples it saw. The wrapper returns,
@@ -153,9 +154,49 @@ def create_multi_node_evaluator(fn: Any, comm) -> Any:
     """
     evaluate = getattr(fn, "evaluate", None)
     if callable(evaluate) and not isinstance(fn, MultiNodeEvaluator):
-        fn.evaluate = MultiNodeEvaluator(functools.partial(_weighted_by_batches, evaluate, fn), comm)
+        if callable(getattr(fn, "_gather_summaries", None)):
+            fn.evaluate = _SummedSummaries(fn, comm)
+        else:
+            fn.evaluate = MultiNodeEvaluator(functools.partial(_weighted_by_batches, evaluate, fn), comm)
         return fn
     return MultiNodeEvaluator(fn, comm)
+
+
+class _SummedSummaries:
+    """A pytorch-pfn-extras ``Evaluator``'s ``evaluate``, with the ranks' summaries summed before
+    the means are taken, as ppe's own ``DistributedEvaluator`` does through the same hook
+    (``_gather_summaries``, which ppe's Evaluator calls with its summary of this rank's batches):
+    each report keeps its weight (``report({"loss": (value, n)})``) and a metric some batches do
+    not report is averaged over those that do, exactly as one process over the whole set. A rank
+    whose evaluation fails before the exchange still takes part in it, so that every rank raises."""
+
+    def __init__(self, evaluator: Any, comm):
+        self.evaluate, self.comm = evaluator.evaluate, comm
+        self.exchanged = False
+        evaluator._gather_summaries = self.gather
+
+    def gather(self, summary: Any) -> Any:
+        """The sum, in rank order (the same bits on every rank), of every rank's ``summary``."""
+        self.exchanged = True
+        everyone = self.comm.allgather_obj(("summary", summary))
+        failed = [(r, x[1]) for r, x in enumerate(everyone) if x[0] == "error"]
+        if failed:
+            r, why = failed[0]
+            raise TorchmnRuntimeError(f"multi-node evaluator: the evaluation failed on rank {r} ({why}); "
+                                      f"raised on rank {self.comm.rank} too")
+        total = type(summary)()
+        for _, part in everyone:
+            total = total + part
+        return total
+
+    def __call__(self) -> dict:
+        self.exchanged = False
+        try:
+            return self.evaluate()
+        except Exception as e:
+            if not self.exchanged:  # take part in the exchange anyway, so the other ranks raise instead of waiting
+                self.comm.allgather_obj(("error", f"{type(e).__name__}: {e}"))
+            raise
 
 
 def _weighted_by_batches(evaluate: Callable[[], Any], evaluator: Any) -> tuple:
