@@ -4,6 +4,7 @@ Every rank builds the whole model with the same seed, keeps its own part, and co
 split model computes with what the whole model computes in one process, in float64.
 Usage: python model_parallel_checks.py CHECK [CHECK ...]   (or "all")
 """
+import contextlib
 import os
 import sys
 
@@ -148,6 +149,31 @@ def check_double_backward_refused(comm):
     refused("MultiNodeBatchNorm1d", torchmn.nn.MultiNodeBatchNorm1d(3, comm=comm).double()(x), x)
     layer = torchmn.nn.ColumnParallelLinear(3, 4, comm=comm, dtype=torch.float64, gather_output=False)
     refused("ColumnParallelLinear", layer(x), x)
+    row = torchmn.nn.RowParallelLinear(2 * comm.size, 3, comm=comm, dtype=torch.float64, input_is_parallel=True)
+    part = torch.randn(4, 2, dtype=torch.float64, requires_grad=True)
+    refused("RowParallelLinear", row(part), part)
+    column = torchmn.nn.ColumnParallelLinear(3, 2 * comm.size, comm=comm, dtype=torch.float64, gather_output=True)
+    refused("ColumnParallelLinear gathered", column(x), x)
+
+
+def check_backward_skipped_on_one_rank_is_named(comm):
+    """A rank that skips the backward of a collective (its forward ran under no_grad): the others'
+    backward allreduce meets its next forward allreduce of the same shape, and every rank is told,
+    instead of the two mixing their data."""
+    if comm.size < 2:
+        return
+    x = torch.ones(3, dtype=torch.float64, requires_grad=True)
+    skips = comm.rank == 1
+    with torch.no_grad() if skips else contextlib.nullcontext():
+        y = F.allreduce(comm, x * (comm.rank + 1))
+    try:
+        if not skips:
+            y.sum().backward()
+        F.allreduce(comm, torch.full((3,), 10.0, dtype=torch.float64))
+    except torchmn.CollectiveMismatchError as e:
+        assert "allreduce (in a backward pass)" in str(e) and "skipped a backward pass" in str(e), e
+    else:
+        raise AssertionError("no error")
 
 def check_mismatched_functions_raise(comm):
     """Ranks that call different collectives get the communicator's error, not a hang."""

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from torchmn import monitor, resources
 from torchmn.communicators import failure, world
+from torchmn.communicators._call_check import backward_pass
 from torchmn.communicators.world import adopt_world, default_backend, init_world
 from torchmn.communicators.communicator import Communicator
 from torchmn.communicators.communicator_base import CommunicatorBase

@@ -4,11 +4,15 @@ Each tensor collective first exchanges one header row per tensor (see ``_wire.he
 collective, its root and op, the dtype and shape. :func:`check_headers` then raises the same
 error on every rank where the calls disagree, instead of letting mismatched collectives hang or
 mix data. A rank whose own arguments were bad sends an ``invalid`` row, so the others fail with
-it rather than wait for it.
+it rather than wait for it. A collective made by a backward pass (:func:`backward_pass`) carries
+its kind with :data:`BACKWARD` added, so that it never pairs with a forward call of the same kind
+and shape on a rank that skipped that backward.
 """
 from __future__ import annotations
 
+import contextlib
 import socket
+import threading
 import zlib
 from typing import Optional
 
@@ -24,11 +28,59 @@ KINDS = ("invalid", "bcast", "gather", "allgather", "scatter", "alltoall", "allr
          "bcast_obj", "gather_obj", "scatter_obj", "multi_node_mean_grad", "allreduce_obj", "split",
          "check_same_layout", "barrier")
 KIND = {name: i for i, name in enumerate(KINDS)}
+BACKWARD = 1 << 8  # added to the kind of a call a backward pass makes (see backward_pass)
+_pass = threading.local()
 OP_CODES = {name: i for i, name in enumerate(OPS)}
 # The last headers check_headers passed, by identity: a node's segment hands back one tensor per
 # call signature where every rank made that call, and never changes it, so the same tensor agrees
 # again without being read.
 _agreed: Optional[torch.Tensor] = None
+
+
+@contextlib.contextmanager
+def backward_pass():
+    """Mark the collectives made inside as a backward pass's (an autograd Function's backward),
+    on this thread; also a decorator.
+
+    A rank whose loss does not use a collective's output skips that collective's backward; its
+    next forward collective of the same kind and shape would otherwise pair with another rank's
+    backward one and mix their data without a word. Marked, the two differ in the call check,
+    which raises a :class:`~torchmn.communicators.errors.CollectiveMismatchError` on every rank.
+
+    Example::
+
+        >>> @staticmethod
+        ... @once_differentiable
+        ... @backward_pass()
+        ... def backward(ctx, gy):
+        ...     return None, ctx.comm.allreduce(gy.contiguous())
+    """
+    outer = getattr(_pass, "backward", False)
+    _pass.backward = True
+    try:
+        yield
+    finally:
+        _pass.backward = outer
+
+
+def in_backward_pass() -> bool:
+    """Whether this thread is inside :func:`backward_pass`."""
+    return getattr(_pass, "backward", False)
+
+
+def mark_backward(rows: list[list[int]]) -> list[list[int]]:
+    """``rows`` with :data:`BACKWARD` added to each kind where this thread is inside
+    :func:`backward_pass` (an ``invalid`` row stays one), else ``rows`` themselves."""
+    if not in_backward_pass():
+        return rows
+    return [row if row[0] == KIND["invalid"] else [row[0] + BACKWARD, *row[1:]] for row in rows]
+
+
+def kind_name(code: int) -> str:
+    """The name of header kind ``code``, a backward pass's included."""
+    if code >= BACKWARD:
+        return f"{KINDS[code - BACKWARD]} (in a backward pass)"
+    return KINDS[code]
 
 
 def op_code(op: Optional[str]) -> int:
@@ -120,12 +172,15 @@ def check_headers(kind: str, hdrs: torch.Tensor, error: Optional[Exception], sam
                               f"rank {rank} on {host} stops too")
     first = hdrs[:, 0, :]
     problems = []
-    for field, col, names in (("collective", 0, KINDS), ("root", 1, None), ("op", 2, tuple(OPS))):
+    for field, col, names in (("collective", 0, kind_name), ("root", 1, None), ("op", 2, tuple(OPS).__getitem__)):
         vals = first[:, col].tolist()
         if len(set(vals)) > 1:
-            shown = [names[v] if names and v >= 0 else "none" if v == _wire.NONE else v for v in vals]
+            shown = [names(v) if names and v >= 0 else "none" if v == _wire.NONE else v for v in vals]
             problems.append(f"{field} differs: " + ", ".join(f"rank {r}: {v}" for r, v in enumerate(shown)))
             if col == 0:  # other collectives take other roots and ops: those follow, and would only blur it
+                if any(v >= BACKWARD for v in vals) and not all(v >= BACKWARD for v in vals):
+                    problems.append("a rank skipped a backward pass through a collective's output: every rank "
+                                    "must backpropagate through it, its loss using the output")
                 break
     if not problems and hdrs.shape[1] == 1:
         metas = [_wire.meta(first[r].tolist()) for r in range(size)]

@@ -298,6 +298,7 @@ class Communicator(CommunicatorBase):
                 error = type(e)(f"{kind}: {e}")
         if error is not None:
             rows = _call_check.invalid_rows(len(rows) if rows else 1, op)
+        rows = _call_check.mark_backward(rows)
         if len(rows) > 1 and self.size > 1:
             what = self.exchange_headers([_call_check.summary_row(rows)])
             _call_check.check_headers(kind, what, error, same_shape, same_dtype, self.rank, self.call_log.hosts)

@@ -329,7 +329,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         call check's words, naming what every rank of the node is at."""
         node = self.node_ranks[self.inter_rank]
         calls = self.segment.calls_now()
-        named = ", ".join(f"rank {node[r]}: " + (_call_check.KINDS[c] if isinstance(c, int) else c)
+        named = ", ".join(f"rank {node[r]}: " + (_call_check.kind_name(c) if isinstance(c, int) else c)
                           for r, c in sorted(calls.items()))
         return CollectiveMismatchError(f"ranks called {mine} inconsistently (collective differs: {named}); "
                                        f"every rank must make the same call")
@@ -383,7 +383,7 @@ class HierarchicalCommunicator(FlatCommunicator):
         try:
             return self.segment.exchange_rows(rows, data)
         except CollectiveMismatchError:  # another rank is in a barrier: name both calls
-            raise self._calls_differ(_call_check.KINDS[rows[0][0]]) from None
+            raise self._calls_differ(_call_check.kind_name(rows[0][0])) from None
 
     @watch.collective
     def allgather_obj_as(self, obj, kind, root=None):

@@ -2,8 +2,10 @@
 back (``allreduce`` <-> ``allreduce``, ``bcast`` <-> sum at the root, ``gather`` <-> ``scatter``,
 ``allgather`` <-> reduce-scatter, ``alltoall`` <-> ``alltoall``).
 
-Every rank runs the backward collective, so every rank must backpropagate through the output (a
-rank whose loss does not use it would leave the others waiting, until the timeout names it). A
+Every rank runs the backward collective, so every rank must backpropagate through the output: a
+rank whose loss does not use it skips that collective, and the others' backward collective then
+meets its next call, which the call check refuses on every rank (a backward pass's collectives are
+marked as such: :func:`torchmn.communicators.backward_pass`), or waits until the timeout names it. A
 rank with no input of its own (a receiver of ``bcast`` or ``scatter``) still joins the graph.
 """
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Optional, Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
-from torchmn.communicators import CommunicatorBase
+from torchmn.communicators import CommunicatorBase, backward_pass
 from torchmn.errors import TorchmnTypeError, TorchmnValueError
 from torchmn.functions._graph_utility import anchor, delegate
 
@@ -33,6 +35,7 @@ class _Bcast(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @backward_pass()
     def backward(ctx, gy):
         parts = ctx.comm.gather(gy.contiguous(), ctx.root)
         if ctx.comm.rank != ctx.root:
@@ -51,6 +54,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @backward_pass()
     def backward(ctx, *gys):
         if ctx.comm.rank == ctx.root:
             gx = ctx.comm.scatter([g.contiguous() for g in gys], ctx.root)
@@ -70,6 +74,7 @@ class _Scatter(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @backward_pass()
     def backward(ctx, gy):
         parts = ctx.comm.gather(gy.contiguous(), ctx.root)
         if ctx.comm.rank != ctx.root:
@@ -86,6 +91,7 @@ class _AllGather(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @backward_pass()
     def backward(ctx, *gys):
         # Rank r's gradient of ys[i] goes to rank i, which sums what it gets: a reduce-scatter.
         parts = ctx.comm.alltoall([g.contiguous() for g in gys])
@@ -101,6 +107,7 @@ class _AllToAll(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @backward_pass()
     def backward(ctx, *gys):
         gxs = ctx.comm.alltoall([g.contiguous() for g in gys])
         return (None, None, *[g.to(d) for g, d in zip(gxs, ctx.devices)])
@@ -114,6 +121,7 @@ class _AllReduce(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @backward_pass()
     def backward(ctx, gy):
         return None, None, ctx.comm.allreduce(gy.contiguous())
 

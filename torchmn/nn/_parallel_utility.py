@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 import torch
 from torch.autograd.function import once_differentiable
 
-from torchmn.communicators import CollectiveMismatchError, CommunicatorBase
+from torchmn.communicators import CollectiveMismatchError, CommunicatorBase, backward_pass
 
 
 def split_sizes(n: int, parts: int) -> list[int]:
@@ -82,6 +82,7 @@ class _CopyToParallel(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @backward_pass()
     def backward(ctx, g):
         return None, ctx.comm.allreduce(g.contiguous())
 
@@ -92,6 +93,7 @@ class _ReduceFromParallel(torch.autograd.Function):
         return comm.allreduce(x)
 
     @staticmethod
+    @once_differentiable  # a second derivative would need the other ranks' first ones: refused, as by the others
     def backward(ctx, g):
         return None, g
 
@@ -112,6 +114,7 @@ class _GatherFromParallel(torch.autograd.Function):
         return torch.cat([p.to(x.device) for p in parts], dim=dim)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, g):
         return None, None, g.narrow(ctx.dim, ctx.start, ctx.length).contiguous()
 
@@ -125,6 +128,7 @@ class _ScatterToParallel(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @backward_pass()
     def backward(ctx, g):
         parts = ctx.comm.allgather(g.contiguous())
         return None, None, torch.cat([p.to(g.device) for p in parts], dim=ctx.dim)
