@@ -129,6 +129,15 @@ def check_bn_constant_channel_and_single_sample(comm):
                          "with a constant channel and a single sample")
 
 
+def check_bn_large_mean_keeps_the_variance(comm):
+    """Values far from 0 beside their spread (a million, give or take 1): the variance is not lost
+    to cancellation in E[x^2] - E[x]^2 (which left it 1e-4 off); outputs, gradients and running
+    statistics are one process's, to the last digits float64 holds of such values."""
+    sizes = _local_sizes(comm.size)
+    x, t = 1e6 + randn(sum(sizes), 4, seed=11), randn(sum(sizes), 4, seed=12)
+    _against_one_process(comm, torch.nn.BatchNorm1d, MultiNodeBatchNorm1d, x, t, sizes, "with a large mean")
+
+
 def check_bn_global_batch_of_one_refused(comm):
     """One value per channel over every rank's batch: torch's BatchNorm refuses it in training, and
     so does every rank alike (each knows the global count), before any running statistic changes."""

@@ -15,7 +15,7 @@ from typing import Optional
 import torch
 from torch.autograd.function import once_differentiable
 
-from torchmn.communicators import CollectiveMismatchError, CommunicatorBase
+from torchmn.communicators import CollectiveMismatchError, CommunicatorBase, backward_pass
 from torchmn.errors import TorchmnValueError
 from torchmn.nn._parallel_utility import agree_on_arguments
 
@@ -62,6 +62,9 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         self.comm = comm
         self._agreed = False
+        # The last global batch mean, alike on every rank: the next batch's sums are taken about it
+        # (see _global_moments), so that a large mean does not cancel the variance's digits.
+        self._shift: Optional[torch.Tensor] = None
 
     def _check_input_dim(self, x: torch.Tensor) -> None:
         if x.dim() < 2:
@@ -110,11 +113,13 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         xc = x.to(compute)
         with torch.no_grad():
             try:
-                mean, var, n = _global_moments(self.comm, xc)
+                mean, var, n = _global_moments(self.comm, xc, self._shift)
             except CollectiveMismatchError as error:
                 raise CollectiveMismatchError(
                     f"{type(self).__name__}: another rank refused its own input (its error says why: a wrong number "
                     f"of channels or dimensions), so the batch statistics cannot be summed: {error}") from error
+        if n > 0:
+            self._shift = mean
         if n == 1:  # known alike on every rank: n is the global batch's count
             raise TorchmnValueError(
                 f"{type(self).__name__}: expected more than 1 value per channel when training, got 1 over the "
@@ -150,12 +155,18 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         self.running_var.mul_(1 - factor).add_(unbiased.to(self.running_var.dtype), alpha=factor)
 
 
-def _global_moments(comm: CommunicatorBase, xc: torch.Tensor):
+def _global_moments(comm: CommunicatorBase, xc: torch.Tensor, shift: Optional[torch.Tensor] = None):
     """The global batch's per-channel mean and (biased) variance, and its count: this rank's mean
     and variance by torch's batch-norm kernel (Welford, per channel; ``torch.var_mean`` over the
     batch and spatial dimensions takes several times longer on the CPU), then every rank's count,
-    count x mean and count x (variance + mean^2) summed in float64, in one collective of 2C + 1
-    numbers."""
+    count x (mean - shift) and count x (variance + (mean - shift)^2) summed in float64, in one
+    collective of 2C + 1 numbers.
+
+    ``shift`` (the last batch's global mean, the same on every rank; else 0) keeps the second
+    moment near the variance: about 0, a mean far larger than the spread (raw timestamps, say)
+    would cancel the variance's digits in ``E[x^2] - E[x]^2``. Where the mean still lies more than
+    100 spreads from the shift (the first batch of such data), the sums are taken again about the
+    global mean just found: a second collective, decided alike on every rank from the same sums."""
     c = xc.shape[1]
     n_l = xc.numel() // max(1, c)
     if n_l:
@@ -168,10 +179,20 @@ def _global_moments(comm: CommunicatorBase, xc: torch.Tensor):
         mean_l = var_l = torch.zeros(c, dtype=torch.float64, device=xc.device)
     mean_l, var_l = mean_l.double(), var_l.double()
     count = torch.full((1,), float(n_l), dtype=torch.float64, device=xc.device)
-    total = comm.allreduce(torch.cat([mean_l * n_l, (var_l + mean_l * mean_l) * n_l, count]))
-    n = total[2 * c]
-    mean = total[:c] / n
-    return mean, (total[c:2 * c] / n - mean * mean).clamp_min(0), n
+
+    def about(base: torch.Tensor):
+        d = mean_l - base
+        total = comm.allreduce(torch.cat([d * n_l, (var_l + d * d) * n_l, count]))
+        n = total[2 * c]
+        offset = total[:c] / n
+        return offset, (total[c:2 * c] / n - offset * offset).clamp_min(0), n
+
+    base = torch.zeros_like(mean_l) if shift is None else shift.to(mean_l)
+    offset, var, n = about(base)
+    if bool(n > 0) and bool((offset * offset > 1e4 * var).any()):
+        base = base + offset
+        offset, var, n = about(base)
+    return base + offset, var, n
 
 
 class _GlobalNormalization(torch.autograd.Function):
@@ -192,6 +213,7 @@ class _GlobalNormalization(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
+    @backward_pass()
     def backward(ctx, grad):
         xc, mean, invstd, weight = ctx.saved_tensors
         grad = grad.contiguous()
