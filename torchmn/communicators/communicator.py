@@ -283,9 +283,8 @@ class Communicator(CommunicatorBase):
         """
         return self.exchange_headers(rows), None
 
-    def _agree(self, kind: str, *, root: int = _wire.NONE, op: str | None = None,
-               x: torch.Tensor | None = None, rows: list[list[int]] | None = None,
-               error: Exception | None = None, same_shape: bool = False,
+    def _agree(self, kind: str, *, root: int = _wire.NONE, op: str | None = None, x: torch.Tensor | None = None,
+               rows: list[list[int]] | None = None, error: Exception | None = None, same_shape: bool = False,
                same_dtype: bool = True, data: torch.Tensor | None = None):
         """Exchange one call's headers (see :mod:`._call_check`) and raise on every rank if the
         ranks disagree. ``error``: this rank's own arguments were bad; the others are told, then it
