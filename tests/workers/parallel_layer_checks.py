@@ -7,10 +7,12 @@ Usage: python parallel_layer_checks.py CHECK [CHECK ...]   (or "all")
 """
 import os
 import sys
+import time
 
 import torch
 
 import torchmn
+import torchmn.functions
 from torchmn.communicators import make_communicator
 from torchmn.nn import (ChannelParallelConv2d, ColumnParallelLinear, MultiNodeBatchNorm1d, MultiNodeBatchNorm2d,
                         RowParallelLinear, SpatialParallelConv2d, create_mnbn_model)
@@ -535,6 +537,36 @@ def check_arguments_refused(comm):
         assert "rank 0: (2, " in str(e) and "rank 1: (3, " in str(e) and "same input" in str(e), e
     else:
         raise AssertionError("no error")
+
+
+def check_input_refused_on_one_rank_is_named_on_every_rank(comm):
+    """An input only rank 1 gets wrong: its own error there at once, and every other rank, in the
+    layer's collective, is told that rank 1 refused its arguments instead of waiting for it until
+    the timeout (60 s here)."""
+    if comm.size < 2:
+        return
+    bad = comm.rank == 1
+    cases = [
+        ("functions.alltoall", lambda: torchmn.functions.alltoall(comm, [torch.ones(2)] * (comm.size + bad))),
+        ("functions.scatter", lambda: torchmn.functions.scatter(comm, [torch.ones(2)] * (comm.size + bad), root=1)),
+        ("RowParallelLinear", lambda: RowParallelLinear(2 * comm.size, 3, comm=comm, input_is_parallel=True)(
+            torch.randn(2, 2 + bad))),
+        ("ColumnParallelLinear", lambda: ColumnParallelLinear(4, 2 * comm.size, comm=comm, gather_output=True)(
+            torch.randn(2, 4 + bad))),
+        ("SpatialParallelConv2d", lambda: SpatialParallelConv2d(2, 2, 3, padding=1, comm=comm)(
+            torch.randn(1, 2, 3) if bad else torch.randn(1, 2, 3, 3))),
+    ]
+    for what, call in cases:
+        started = time.monotonic()
+        try:
+            call()
+        except torchmn.communicators.RemoteRankError as e:
+            assert not bad and "rank 1" in str(e), f"{what}: {e}"
+        except ValueError as e:
+            assert bad, f"{what}: {e}"
+        else:
+            raise AssertionError(f"{what}: no error on rank {comm.rank}")
+        assert time.monotonic() - started < 20, f"{what}: rank {comm.rank} waited {time.monotonic() - started:.0f} s"
 
 
 if __name__ == "__main__":

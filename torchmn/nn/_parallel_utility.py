@@ -11,7 +11,7 @@ backward: this rank's slice) joins split results into a replicated tensor, and
 from __future__ import annotations
 
 import functools
-from typing import Callable, Sequence
+from typing import Callable, NoReturn, Sequence
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -31,6 +31,32 @@ def offsets(sizes: Sequence[int]) -> list[int]:
         out.append(at)
         at += s
     return out
+
+
+def refuse_with_the_others(comm: CommunicatorBase, error: Exception) -> NoReturn:
+    """Raise ``error``, this rank's refusal of its own input, after one call that the communicator
+    refuses on every rank (an allreduce without a tensor): the other ranks, already in this layer's
+    next collective or on their way to it, fail there naming this rank instead of waiting for it
+    until the timeout (or for ever, where this rank catches the error and goes on).
+
+    Args:
+        comm: the layer's communicator.
+        error: what this rank raises.
+
+    Raises:
+        Exception: ``error``, always.
+
+    Example::
+
+        >>> if x.shape[-1] != self.weight.shape[1]:
+        ...     refuse_with_the_others(self.comm, TorchmnValueError("an input slice of another width"))
+    """
+    if comm.size > 1:
+        try:
+            comm.allreduce(None)
+        except TypeError:  # the communicator's own refusal of that call, here; the others get theirs
+            pass
+    raise error
 
 
 def agree_on_arguments(layer: torch.nn.Module, comm: CommunicatorBase, arguments: tuple) -> None:

@@ -7,7 +7,8 @@ from torchmn.communicators import CollectiveMismatchError, CommunicatorBase
 from torchmn.errors import TorchmnValueError
 from torchmn.functions import allgather
 from torchmn.nn._parallel_utility import (accept_dense_state_dicts, agree_on_arguments, copy_to_parallel,
-                                          gather_from_parallel, offsets, scatter_to_parallel, split_sizes)
+                                          gather_from_parallel, offsets, refuse_with_the_others, scatter_to_parallel,
+                                          split_sizes)
 
 
 class ChannelParallelConv2d(torch.nn.Module):
@@ -108,8 +109,9 @@ class ChannelParallelConv2d(torch.nn.Module):
         comm = self.comm
         if self.input_is_parallel and self.grouped:
             if x.dim() != 4 or x.shape[1] != self.in_sizes[comm.rank]:
-                raise TorchmnValueError(f"ChannelParallelConv2d: rank {comm.rank} holds input channels of "
-                                        f"{self.in_sizes[comm.rank]}, but its input is {tuple(x.shape)}")
+                refuse_with_the_others(comm, TorchmnValueError(
+                    f"ChannelParallelConv2d: rank {comm.rank} holds input channels of {self.in_sizes[comm.rank]}, "
+                    f"but its input is {tuple(x.shape)}"))
             full = x
         elif self.input_is_parallel:
             parts = allgather(comm, x)

@@ -9,7 +9,7 @@ import torch
 from torchmn.communicators import CollectiveMismatchError, CommunicatorBase
 from torchmn.errors import TorchmnValueError
 from torchmn.functions import alltoall, pseudo_connect
-from torchmn.nn._parallel_utility import agree_on_arguments, offsets
+from torchmn.nn._parallel_utility import agree_on_arguments, offsets, refuse_with_the_others
 
 
 def _grid(split: str, size: int, grid: Optional[Sequence[int]]) -> tuple[int, int]:
@@ -149,7 +149,8 @@ class SpatialParallelConv2d(torch.nn.Conv2d):
             agree_on_arguments(self, comm, self._arguments)
             self._agreed = True
         if x.dim() != 4:
-            raise TorchmnValueError(f"SpatialParallelConv2d: expected (N, C, rows, columns), got {tuple(x.shape)}")
+            refuse_with_the_others(comm, TorchmnValueError(
+                f"SpatialParallelConv2d: expected (N, C, rows, columns), got {tuple(x.shape)} (rank {comm.rank})"))
         rows, cols = self._axes(x)
         r = comm.rank
         i, j = divmod(r, self.grid[1])

@@ -13,8 +13,8 @@ import torch
 from torchmn.communicators import CommunicatorBase
 from torchmn.errors import TorchmnValueError
 from torchmn.nn._parallel_utility import (accept_dense_state_dicts, agree_on_arguments, copy_to_parallel,
-                                          gather_from_parallel, offsets, reduce_from_parallel, scatter_to_parallel,
-                                          split_sizes)
+                                          gather_from_parallel, offsets, reduce_from_parallel,
+                                          refuse_with_the_others, scatter_to_parallel, split_sizes)
 
 
 class _SlicedLinear(torch.nn.Module):
@@ -56,8 +56,9 @@ class _SlicedLinear(torch.nn.Module):
         # The whole input is the same on every rank, so every rank refuses it alike, before a
         # collective (a rank's slice of it would not fit its weight, on one rank only).
         if x.shape[-1] != self.in_features:
-            raise TorchmnValueError(f"{type(self).__name__}({self.in_features}, {self.out_features}): expected an input "
-                                    f"of {self.in_features} features, got shape {tuple(x.shape)} (rank {self.comm.rank})")
+            refuse_with_the_others(self.comm, TorchmnValueError(
+                f"{type(self).__name__}({self.in_features}, {self.out_features}): expected an input of "
+                f"{self.in_features} features, got shape {tuple(x.shape)} (rank {self.comm.rank})"))
 
     def _agree(self) -> None:
         if not self._agreed:
@@ -224,7 +225,8 @@ class RowParallelLinear(_SlicedLinear):
             self._check_whole_input(x)
             x = scatter_to_parallel(self.comm, x, -1)
         elif x.shape[-1] != self.weight.shape[1]:
-            raise TorchmnValueError(f"{type(self).__name__}: rank {self.comm.rank} holds {self.weight.shape[1]} of the "
-                                    f"{self.in_features} input features, but its input has {x.shape[-1]}")
+            refuse_with_the_others(self.comm, TorchmnValueError(
+                f"{type(self).__name__}: rank {self.comm.rank} holds {self.weight.shape[1]} of the "
+                f"{self.in_features} input features, but its input has {x.shape[-1]}"))
         y = reduce_from_parallel(self.comm, torch.nn.functional.linear(x, self.weight))
         return y if self.bias is None else y + self.bias
