@@ -113,3 +113,19 @@ def test_checkpoint_survives_20_kills_of_a_random_rank(tmp_path):
     assert "done at step 200" in final.stdout
     assert resumed_from[-1] > 0, resumed_from
     assert same_parameters(str(tmp_path / "ref.pt"), str(tmp_path / "out.pt"))
+
+
+@pytest.mark.parametrize("other", [{"batch_size": 3}, {"shuffle": False}])
+def test_resumable_loader_refuses_a_position_taken_with_other_batches(other):
+    """A position taken mid-epoch with another batch size or order would skip other samples than
+    those taken (repeating some, losing others): refused, naming both; at an epoch's start it is
+    taken."""
+    from torchmn.checkpoint import ResumableLoader
+    data = list(range(12))
+    first = ResumableLoader(data, batch_size=4, shuffle=True, seed=0)
+    next(iter(first))
+    resumed = ResumableLoader(data, **{"batch_size": 4, "shuffle": True, "seed": 0, **other})
+    with pytest.raises(ValueError, match=f"taken with {next(iter(other))}=.*; this loader has {next(iter(other))}="):
+        resumed.load_state_dict(first.state_dict())
+    resumed.load_state_dict({**first.state_dict(), "batches": 0, "epoch": 1})
+    assert resumed.epoch == 1 and resumed.batches == 0

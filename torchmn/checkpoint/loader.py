@@ -199,16 +199,17 @@ class ResumableLoader:
 
         Returns:
             ``{"epoch": epochs finished, "batches": batches taken in the epoch under way,
-            "seed": the seed, "samples": len(dataset)}``; over an elastic job's part, ``samples``
+            "seed": the seed, "samples": len(dataset), "batch_size", "shuffle"}``; over an elastic job's part, ``samples``
             counts the whole dataset, and ``world``, ``rest`` and ``consumed`` (the attributes)
             come too.
 
         Example::
 
             >>> loader.state_dict()
-            {'epoch': 2, 'batches': 17, 'seed': 0, 'samples': 50000}
+            {'epoch': 2, 'batches': 17, 'seed': 0, 'samples': 50000, 'batch_size': 64, 'shuffle': True}
         """
-        state = {"epoch": self.epoch, "batches": self.batches, "seed": self.seed, "samples": self._samples()}
+        state = {"epoch": self.epoch, "batches": self.batches, "seed": self.seed, "samples": self._samples(),
+                 "batch_size": self.batch_size, "shuffle": self.shuffle}
         if isinstance(self.dataset, ElasticDatasetPart):
             state.update(world=self.world, rest=self.rest, consumed=self.consumed)
         return state
@@ -220,7 +221,8 @@ class ResumableLoader:
             state: the position.
 
         Raises:
-            ValueError: it was taken over a dataset of another size, or with another seed.
+            ValueError: it was taken over a dataset of another size, or with another seed, batch
+                size or shuffle: the batches taken would not be the ones it skips.
 
         Example::
 
@@ -232,6 +234,15 @@ class ResumableLoader:
             raise TorchmnValueError(
                 f"ResumableLoader: the position was taken over {state['samples']} samples with seed "
                 f"{state['seed']}; this loader has {self._samples()} samples and seed {self.seed}")
+        # Positions saved before these were kept say nothing of them: taken as this loader's.
+        other = {k: (state[k], v) for k, v in (("batch_size", self.batch_size), ("shuffle", self.shuffle))
+                 if state.get(k, v) != v}
+        if other and state["batches"]:
+            raise TorchmnValueError(
+                "ResumableLoader: the position was taken with " + ", ".join(f"{k}={a}" for k, (a, _) in other.items())
+                + "; this loader has " + ", ".join(f"{k}={b}" for k, (_, b) in other.items()) + ", so the batches it "
+                f"skips would not be those taken ({state['batches']} in epoch {state['epoch']}). Resume with the same "
+                f"values, or at an epoch's start (a checkpoint saved at the end of an epoch)")
         self.epoch = int(state["epoch"])
         self.batches = int(state["batches"])
         self.world = state.get("world")
