@@ -459,6 +459,14 @@ def check_generic_evaluator(comm):
     start = time.monotonic()
     e = expect_raise(lambda: Unpicklable(comm, broadcast=True)(comm.size), Exception, RemoteRankError)
     assert "pickle" in str(e) and time.monotonic() - start < 10, (e, time.monotonic() - start)
+    # broadcast on one rank only: every rank is told, and all stay in step for what follows.
+    try:
+        Gather(comm, broadcast=comm.rank == 0)(comm.size)
+    except torchmn.CollectiveMismatchError as e:
+        assert "rank 0: root=0, broadcast=True" in str(e) and "rank 1: root=0, broadcast=False" in str(e), e
+    else:
+        raise AssertionError("no error")
+    assert comm.allgather_obj(comm.rank) == list(range(comm.size))
 
 
 # ----------------------------------------------------------------------------- iterators

@@ -5,7 +5,7 @@ import abc
 from typing import Any, Optional
 
 from torchmn.communicators.pickling import dumps
-from torchmn.communicators.errors import RemoteRankError
+from torchmn.communicators.errors import CollectiveMismatchError, RemoteRankError
 
 _OK, _FAILED = "ok", "failed"
 
@@ -45,6 +45,7 @@ class GenericMultiNodeEvaluator(abc.ABC):
         self.comm = comm
         self.root = root
         self.broadcast = broadcast
+        self._agreed = False  # the ranks compared root and broadcast (at the first call)
 
     @abc.abstractmethod
     def evaluate_local(self, *args: Any, **kwargs: Any) -> Any:
@@ -102,6 +103,16 @@ class GenericMultiNodeEvaluator(abc.ABC):
             >>> auc = AUC(comm)(model)        # a number on rank 0, None elsewhere
         """
         comm, root = self.comm, self.root
+        if not self._agreed and comm.size > 1:
+            # Ranks of another broadcast would part ways after the gather (some waiting for a
+            # broadcast the others never join): compared once, on every rank.
+            settings = comm.allgather_obj((root, bool(self.broadcast)))
+            if len(set(settings)) > 1:
+                raise CollectiveMismatchError(
+                    f"{type(self).__name__}: the ranks built it differently ("
+                    + ", ".join(f"rank {r}: root={s[0]}, broadcast={s[1]}" for r, s in enumerate(settings))
+                    + f"); every rank must pass the same root and broadcast (raised on rank {comm.rank})")
+            self._agreed = True
         try:
             local = (_OK, self.evaluate_local(*args, **kwargs))
             # A result that cannot travel fails here, on this rank, like evaluate_local itself:
