@@ -36,7 +36,8 @@ def test_evaluator_single_rank():
 
 @pytest.mark.parametrize("bad, error", [((1.0, 2), TypeError), (({"a": 1.0}, -1), ValueError),
                                         (({"a": 1.0}, 2.5), ValueError), (({"a": "x"}, 1), TypeError),
-                                        (({"a": torch.ones(2)}, 1), ValueError)])
+                                        (({"a": torch.ones(2)}, 1), ValueError),
+                                        (({1: 1.0, "1": 2.0}, 1), ValueError)])
 def test_evaluator_rejects_bad_results(bad, error):
     with pytest.raises(error, match="rank 0"):
         create_multi_node_evaluator(lambda: bad, solo())()

@@ -33,6 +33,9 @@ def _local(result: Any, rank: int) -> tuple[dict[str, float], int]:
     else:
         raise TorchmnTypeError(f"multi-node evaluator: fn() on rank {rank} returned {type(result).__name__}; "
                                f"return (dict_of_means, n_samples) or a dict")
+    if len({str(k) for k in metrics}) != len(metrics):
+        raise TorchmnValueError(f"multi-node evaluator: fn() on rank {rank} returned metrics {list(metrics)}, some "
+                                f"of one name as text (the results name metrics by str); give each a name of its own")
     if isinstance(n, torch.Tensor):
         n = n.item()
     if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0:
