@@ -11,7 +11,7 @@ CHECKS = WORKERS / "model_parallel_checks.py"
 ALL = ("ring", "send_then_other_loss", "allgather_backward", "alltoall_backward", "scatter_gather_bcast_backward",
        "double_backward_refused", "backward_skipped_on_one_rank_is_named", "mismatched_functions_raise", "send_recv_arguments_refused", "chain", "cycle", "branch_merge", "tuple_data",
        "recv_after_a_delegate_outside_the_graph", "merge_after_a_frozen_branch", "hundred_passes",
-       "topology_refused", "pipeline_gpipe", "pipeline_1f1b", "pipeline_micro_batches_mismatch_refused", "pipeline_schedule_mismatch_refused",
+       "topology_refused", "topology_waiting_in_a_cycle_refused", "pipeline_gpipe", "pipeline_1f1b", "pipeline_micro_batches_mismatch_refused", "pipeline_schedule_mismatch_refused",
        "pipeline_stage_returning_a_list",
        "pipeline_memory", "pipeline_memory_leaves_out_the_weights", "pipeline_with_data_parallel")
 

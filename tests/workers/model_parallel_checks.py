@@ -402,6 +402,32 @@ def check_topology_refused(comm):
             in str(e), e
 
 
+def check_topology_waiting_in_a_cycle_refused(comm):
+    """Sends and receives that pair up but would wait for each other for ever (rank 0 sends to rank
+    2 first, which receives from rank 1 first, which waits for rank 0): refused on every rank at the
+    first call, naming where each rank would wait, instead of every rank waiting out the timeout."""
+    if comm.size < 3:
+        return
+
+    class Merge(torch.nn.Module):
+        def forward(self, a, b):
+            return a + b
+    model = MultiNodeSequential(comm)
+    if comm.rank == 0:
+        model.add(torch.nn.Linear(4, 4).double(), rank_in=None, rank_out=[2, 1])
+    elif comm.rank == 1:
+        model.add(torch.nn.Linear(4, 4).double(), rank_in=0, rank_out=2)
+    elif comm.rank == 2:
+        model.add(Merge(), rank_in=[1, 0], rank_out=None)
+    try:
+        model(batch(width=4) if comm.rank == 0 else None)
+    except torchmn.CollectiveMismatchError as e:
+        assert "would wait for each other" in str(e) and "rank 0's part 0 (Linear) sends to rank 2" in str(e) \
+            and "rank 2's part 0 (Merge) receives from rank 1" in str(e), e
+    else:
+        raise AssertionError("no error")
+
+
 # ----------------------------------------------------------------------------- pipelines
 def _stages(p, width=6, seed=0):
     torch.manual_seed(seed)

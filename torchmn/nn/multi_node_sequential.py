@@ -184,7 +184,39 @@ class MultiNodeSequential(torch.nn.Module):
             raise CollectiveMismatchError(
                 "MultiNodeSequential: the ranks' parts do not pair up: " + "; ".join(problems)
                 + f". Every send needs a part on the target rank with that rank_in (raised on rank {comm.rank})")
+        stuck = _waits_in_a_cycle(everyone)
+        if stuck:
+            raise CollectiveMismatchError(
+                "MultiNodeSequential: the ranks' sends and receives would wait for each other for ever in the forward "
+                "pass (a send waits until its target receives it): " + "; ".join(stuck) + ". Order each part's "
+                f"rank_out as its targets receive (their rank_in order and part order) (raised on rank {comm.rank})")
         self._checked = True
+
+
+def _waits_in_a_cycle(everyone: list) -> list:
+    """Where the forward pass of every rank's parts (``(name, rank_in, rank_out)`` each, in order)
+    would stop for ever: each rank's receives and sends in its order, a send done only when its
+    target is at the matching receive. Returns what each rank left waiting is at; empty where all
+    finish."""
+    ops = []
+    for r, parts in enumerate(everyone):
+        mine = []
+        for i, (name, rank_in, rank_out) in enumerate(parts):
+            mine += [("receives from", s, i, name) for s in rank_in or () if s != r]
+            mine += [("sends to", t, i, name) for t in rank_out or () if t != r]
+        ops.append(collections.deque(mine))
+    moved = True
+    while moved:
+        moved = False
+        for r, mine in enumerate(ops):
+            if mine and mine[0][0] == "sends to":
+                t = mine[0][1]
+                if ops[t] and ops[t][0][0] == "receives from" and ops[t][0][1] == r:
+                    mine.popleft()
+                    ops[t].popleft()
+                    moved = True
+    return [f"rank {r}'s part {mine[0][2]} ({mine[0][3]}) {mine[0][0]} rank {mine[0][1]}"
+            for r, mine in enumerate(ops) if mine]
 
 
 def _first_tensor(x) -> Optional[torch.Tensor]:
