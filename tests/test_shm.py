@@ -38,6 +38,13 @@ def test_messages_inside_a_node_go_through_mailboxes(np):
     assert "PASS messages" in out
 
 
+@pytest.mark.parametrize("np", [2, 3])
+def test_small_messages_leave_before_their_receive(np):
+    out = run_job(CHECKS, ["small_messages_leave_before_their_receive"], np=np, timeout=60,
+                  env={"TORCHMN_TIMEOUT": "15"}).stdout
+    assert "PASS small_messages_leave_before_their_receive" in out
+
+
 def test_a_lost_sender_is_named_by_the_mailbox_wait(tmp_path):
     t0 = time.monotonic()
     job = start_forked_job(CHECKS, ["message_peer_lost"], np=2, timeout=60, stop_on_failure=False)

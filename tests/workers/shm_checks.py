@@ -143,6 +143,22 @@ def check_messages(comm):
     comm.barrier()
 
 
+def check_small_messages_leave_before_their_receive(comm):
+    """Every rank first sends a small tensor to every other, then receives theirs, and so again
+    with objects (MPI's eager sends): a message that fits a box leaves at once, header and data in
+    one (each pair's box holds one message at a time)."""
+    assert comm.mailboxes is not None
+    others = [r for r in range(comm.size) if r != comm.rank]
+    for dest in others:
+        comm.send(torch.full((4,), comm.rank, dtype=torch.float64), dest)
+    for source in others:
+        assert torch.equal(comm.recv(source), torch.full((4,), source, dtype=torch.float64)), source
+    for dest in others:
+        comm.send_obj({"from": comm.rank}, dest)
+    for source in others:
+        assert comm.recv_obj(source) == {"from": source}, source
+
+
 def check_message_peer_lost(comm):
     """Rank 1 exits without a word while rank 0 waits for its message: the mailbox wait names it."""
     comm.barrier()

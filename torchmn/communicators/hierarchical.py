@@ -193,30 +193,32 @@ class HierarchicalCommunicator(FlatCommunicator):
         local = self._local_index(dest)
         if local is None:
             return super().send_tensor(x, dest, wire_tag)
-        # The header through the mailbox, saying what follows and which way; CPU data after it,
-        # CUDA data through NCCL. None: the header of a send that failed here.
+        # The header through the mailbox, saying what follows and which way, with CPU data in the
+        # same message (one that fits a box leaves at once, so two ranks may each send before they
+        # receive); CUDA data through NCCL after it. None: the header of a send that failed here.
         row = _call_check.invalid_rows(1)[0] if x is None else _wire.header(_call_check.KIND["bcast"], x=x)
-        self.mailboxes.send(local, torch.tensor(row, dtype=torch.int64).view(torch.uint8), wire_tag)
-        if x is None:
+        header = torch.tensor(row, dtype=torch.int64).view(torch.uint8)
+        device = None if x is None else self.wire_device(x)
+        if device is None or device.type != "cpu":
+            self.mailboxes.send(local, header, wire_tag)
+            if device is not None:
+                dist.send(_wire.as_bytes(x.to(device)), self.world_rank(dest), group=self.process_group, tag=wire_tag)
             return
-        device = self.wire_device(x)
-        if device.type != "cpu":
-            dist.send(_wire.as_bytes(x.to(device)), self.world_rank(dest), group=self.process_group, tag=wire_tag)
-        elif x.numel():
-            self.mailboxes.send(local, _wire.as_bytes(x.detach().cpu()), wire_tag)
+        self.mailboxes.send(local, [header, _wire.as_bytes(x.detach().cpu())], wire_tag)
 
     def recv_tensor(self, source: int, wire_tag: int) -> torch.Tensor:
         local = self._local_index(source)
         if local is None:
             return super().recv_tensor(source, wire_tag)
-        row = self.mailboxes.recv(local, wire_tag).view(torch.int64).tolist()
+        message = self.mailboxes.recv(local, wire_tag)
+        row = message[:_ROW_BYTES].view(torch.int64).tolist()
         _call_check.refuse_failed_send(row, source, self.rank)
         dtype, shape = _wire.meta(row)
         device = self.wire_device(torch.device(_wire.device_type(row)))
         if _wire.nbytes(dtype, shape) == 0:
             return torch.empty(shape, dtype=dtype, device=device)
         if device.type == "cpu":
-            return _wire.from_bytes(self.mailboxes.recv(local, wire_tag), dtype, shape)
+            return _wire.from_bytes(message[_ROW_BYTES:], dtype, shape)
         buf = torch.empty(_wire.nbytes(dtype, shape), dtype=torch.uint8, device=device)  # through NCCL
         dist.recv(buf, self.world_rank(source), group=self.process_group, tag=wire_tag)
         return _wire.from_bytes(buf, dtype, shape)
@@ -225,18 +227,18 @@ class HierarchicalCommunicator(FlatCommunicator):
         local = self._local_index(dest)
         if local is None:
             return super().send_bytes(buf, dest, wire_tag)
+        # The length and the bytes in one message, as send_tensor's header and data.
         length = torch.tensor([buf.numel() if buf is not None else -1], dtype=torch.int64)
-        self.mailboxes.send(local, length.view(torch.uint8), wire_tag)
-        if buf is not None:
-            self.mailboxes.send(local, buf, wire_tag)
+        self.mailboxes.send(local, [length.view(torch.uint8)] + ([] if buf is None else [buf]), wire_tag)
 
     def recv_bytes(self, source: int, wire_tag: int) -> Optional[torch.Tensor]:
         local = self._local_index(source)
         if local is None:
             return super().recv_bytes(source, wire_tag)
-        if int(self.mailboxes.recv(local, wire_tag).view(torch.int64)) < 0:
+        message = self.mailboxes.recv(local, wire_tag)
+        if int(message[:8].view(torch.int64)) < 0:
             return None
-        return self.mailboxes.recv(local, wire_tag)
+        return message[8:]
 
     def _shm_ok(self, t: torch.Tensor) -> bool:
         return self.segment is not None and t.device.type == "cpu" and t.is_contiguous()
