@@ -211,4 +211,4 @@ def _as_timedelta(timeout) -> Optional[datetime.timedelta]:
 
 __all__ = ["Communicator", "CommunicatorBase", "CollectiveMismatchError", "CollectiveTimeoutError", "PeerLostError",
            "RankFailedError", "RemoteRankError", "NaiveCommunicator", "FlatCommunicator", "HierarchicalCommunicator",
-           "create_communicator", "make_communicator"]
+           "backward_pass", "create_communicator", "make_communicator"]
