@@ -389,6 +389,14 @@ def check_split(comm):
             sub.send(torch.tensor([comm.rank]), 1)
         elif sub.rank == 1:
             assert sub.recv(0).item() == sorted(members, reverse=True)[0]
+    # A color that is not an int on one rank: refused on every rank, naming it; the communicator goes on.
+    try:
+        comm.split(color=[1] if comm.rank == 0 else 0)
+    except TypeError as e:
+        assert "split: color and key must be ints" in str(e) and "rank 0 passed color=[1], key=0" in str(e), e
+    else:
+        raise AssertionError("no error")
+    assert comm.allgather_obj(comm.rank) == list(range(comm.size))
 
 
 def check_nested_split(comm):

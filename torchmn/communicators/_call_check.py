@@ -11,6 +11,7 @@ and shape on a rank that skipped that backward.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import socket
 import threading
 import zlib
@@ -81,6 +82,20 @@ def kind_name(code: int) -> str:
     if code >= BACKWARD:
         return f"{KINDS[code - BACKWARD]} (in a backward pass)"
     return KINDS[code]
+
+
+def split_entries(entries: list, rank: int) -> list:
+    """Every rank's ``(color, key, ...)`` of a ``split``, once each color and key is an int.
+
+    Raises:
+        TypeError: on every rank alike, naming the ranks whose color or key is not an int.
+    """
+    bad = [(r, e[0], e[1]) for r, e in enumerate(entries) if not all(isinstance(v, numbers.Integral) for v in e[:2])]
+    if bad:
+        raise TorchmnTypeError("split: color and key must be ints (ranks of one color form one communicator, "
+                               "ordered by key); " + ", ".join(f"rank {r} passed color={c!r}, key={k!r}"
+                                                               for r, c, k in bad) + f" (raised on rank {rank})")
+    return entries
 
 
 def op_code(op: Optional[str]) -> int:

@@ -861,7 +861,7 @@ class Communicator(CommunicatorBase):
         cls = type(self)
         self._splits += 1
         entries = self.allgather_obj_as((color, key, self.rank, torch_group_count()), "split")
-        colors = sorted({e[0] for e in entries}, key=repr)
+        colors = sorted({e[0] for e in _call_check.split_entries(entries, self.rank)}, key=repr)
         whole_world = self.size == (dist.get_world_size() if dist.is_initialized() else 1)
         mine = None
         for c in colors:
