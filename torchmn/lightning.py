@@ -35,7 +35,8 @@ import torchmn
 from torchmn.ddp import check_compression, ddp_comm_hook
 from torchmn.environments import detect_environment
 from torchmn.errors import TorchmnValueError
-from torchmn.nn import MultiNodeBatchNorm1d, MultiNodeBatchNorm2d, MultiNodeBatchNorm3d, create_mnbn_model
+from torchmn.nn import (MultiNodeBatchNorm, MultiNodeBatchNorm1d, MultiNodeBatchNorm2d, MultiNodeBatchNorm3d,
+                        create_mnbn_model)
 from torchmn.nn.batch_norm import rebuild_batch_norm
 
 __all__ = ["MultiNodeBatchNormSync", "TorchmnEnvironment", "TorchmnStrategy"]
@@ -213,8 +214,8 @@ class TorchmnEnvironment(ClusterEnvironment):
         if env.source == "single":
             if num_devices * num_nodes > 1:
                 raise TorchmnValueError(
-                    f"Trainer(devices={num_devices}, num_nodes={num_nodes}) with TorchmnStrategy, but this process was "
-                    f"started alone (python script.py). Start the ranks with a launcher: torchmn run -np "
+                    f"Trainer(devices={num_devices}, num_nodes={num_nodes}) in torchmn's cluster environment, but this "
+                    f"process was started alone (python script.py). Start the ranks with a launcher: torchmn run -np "
                     f"{num_devices * num_nodes} python script.py (or torchrun, srun, mpirun).")
             return
         if num_devices != env.local_size or num_nodes * num_devices != env.size:
@@ -418,7 +419,8 @@ class MultiNodeBatchNormSync(LayerSync):
         return create_mnbn_model(model, self.comm)
 
     def revert(self, model: torch.nn.Module) -> torch.nn.Module:
-        """Make every multi-node BatchNorm of ``model`` a plain ``BatchNorm1d/2d/3d`` again, with its
+        """Make every multi-node BatchNorm of ``model`` a plain ``BatchNorm1d/2d/3d`` again (one
+        that was a ``torch.nn.SyncBatchNorm``, a plain BatchNorm of any dimension), with its
         parameters, running statistics and mode.
 
         Args:
@@ -457,8 +459,17 @@ def _communicator(name: str, backend: Optional[str], timeout: Optional[Any]):
     return comm
 
 
+class _BatchNormOfAnyDimension(torch.nn.modules.batchnorm._BatchNorm):
+    """A plain BatchNorm over inputs of any number of dimensions: what a ``torch.nn.SyncBatchNorm``
+    (which has none of its own) becomes after ``fit``, as Lightning's own revert makes it."""
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        if x.dim() < 2:
+            raise TorchmnValueError(f"expected an input of at least 2 dimensions (N, C, ...), got {x.dim()}")
+
+
 _PLAIN = {MultiNodeBatchNorm1d: torch.nn.BatchNorm1d, MultiNodeBatchNorm2d: torch.nn.BatchNorm2d,
-          MultiNodeBatchNorm3d: torch.nn.BatchNorm3d}
+          MultiNodeBatchNorm3d: torch.nn.BatchNorm3d, MultiNodeBatchNorm: _BatchNormOfAnyDimension}
 
 
 def _destroy_group_of_one() -> None:

@@ -8,12 +8,14 @@ Usage: python lightning_checks.py CHECK [CHECK ...]
 """
 import argparse
 import os
+import pickle
 import warnings
 
 import lightning
 import torch
 
 from torchmn.lightning import TorchmnEnvironment, TorchmnStrategy
+from torchmn.nn import MultiNodeBatchNorm
 
 warnings.filterwarnings("ignore")  # Lightning's advice about workers and logging is not under test
 RANK = int(os.environ.get("RANK", 0))  # none under a plain `python lightning_checks.py`: a world of one
@@ -133,10 +135,11 @@ class NormNet(lightning.LightningModule):
     def __init__(self):
         super().__init__()
         self.bn = torch.nn.BatchNorm1d(6).double()
+        self.sync = torch.nn.SyncBatchNorm(6).double()  # as a script written for GPUs has it
         self.head = torch.nn.Linear(6, 1).double()
 
     def training_step(self, batch, index):
-        return self.head(self.bn(batch[0])).sum()
+        return self.head(self.sync(self.bn(batch[0]))).sum()
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.0)
@@ -156,6 +159,11 @@ def check_sync_batchnorm_on_the_cpu():
     assert type(model.bn) is torch.nn.BatchNorm1d, type(model.bn)
     assert torch.allclose(model.bn.running_mean, 0.1 * xs.mean(0), rtol=0, atol=1e-12), \
         (model.bn.running_mean, 0.1 * xs.mean(0))
+    # The SyncBatchNorm too is a plain BatchNorm again: it trains on this rank alone, and the model
+    # pickles (no communicator left in it).
+    assert not isinstance(model.sync, MultiNodeBatchNorm), type(model.sync)
+    model.sync.train()(torch.randn(3, 6, dtype=torch.float64))
+    pickle.dumps(model)
 
 
 def check_world_of_one():

@@ -115,9 +115,11 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             try:
                 mean, var, n = _global_moments(self.comm, xc, self._shift)
             except CollectiveMismatchError as error:
-                raise CollectiveMismatchError(
-                    f"{type(self).__name__}: another rank refused its own input (its error says why: a wrong number "
-                    f"of channels or dimensions), so the batch statistics cannot be summed: {error}") from error
+                # A rank that refused its input sends no statistics (_refuse_with_the_others): a shape of (0,).
+                why = ("another rank refused its own input (its error says why: a wrong number of channels or "
+                       "dimensions)" if "(0,)" in str(error) else "another rank is at another collective")
+                raise CollectiveMismatchError(f"{type(self).__name__}: {why}, so the batch statistics cannot be "
+                                              f"summed: {error}") from error
         if n > 0:
             self._shift = mean
         if n == 1:  # known alike on every rank: n is the global batch's count
