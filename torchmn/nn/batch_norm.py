@@ -9,15 +9,14 @@ multiply-adds), instead of autograd's pass per elementwise operation.
 """
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
 from torch.autograd.function import once_differentiable
 
-from torchmn.communicators import CollectiveMismatchError, CommunicatorBase, backward_pass
+from torchmn.communicators import CollectiveMismatchError, CommunicatorBase, RemoteRankError, backward_pass
 from torchmn.errors import TorchmnValueError
-from torchmn.nn._parallel_utility import agree_on_arguments
+from torchmn.nn._parallel_utility import agree_on_arguments, refuse_with_the_others
 
 
 class MultiNodeBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
@@ -100,9 +99,11 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             if x.shape[1] != self.num_features:
                 raise TorchmnValueError(f"{type(self).__name__}: expected {self.num_features} channels, got input of "
                                         f"shape {tuple(x.shape)}")
-        except TorchmnValueError:
-            if use_batch and self.comm.size > 1:
-                self._refuse_with_the_others()
+        except TorchmnValueError as error:
+            if use_batch:  # the other ranks, in the statistics' collective, are told instead of waiting
+                if not self._agreed:
+                    self._agree_on_arguments()
+                refuse_with_the_others(self.comm, error)
             raise
         if not use_batch:
             return torch.nn.functional.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias,
@@ -114,12 +115,10 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         with torch.no_grad():
             try:
                 mean, var, n = _global_moments(self.comm, xc, self._shift)
-            except CollectiveMismatchError as error:
-                # A rank that refused its input sends no statistics (_refuse_with_the_others): a shape of (0,).
-                why = ("another rank refused its own input (its error says why: a wrong number of channels or "
-                       "dimensions)" if "(0,)" in str(error) else "another rank is at another collective")
-                raise CollectiveMismatchError(f"{type(self).__name__}: {why}, so the batch statistics cannot be "
-                                              f"summed: {error}") from error
+            except RemoteRankError as error:  # another rank refused its input (refuse_with_the_others)
+                raise CollectiveMismatchError(
+                    f"{type(self).__name__}: another rank refused its own input (its error says why: a wrong number "
+                    f"of channels or dimensions), so the batch statistics cannot be summed: {error}") from error
         if n > 0:
             self._shift = mean
         if n == 1:  # known alike on every rank: n is the global batch's count
@@ -136,17 +135,6 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         invstd = torch.rsqrt(var + self.eps).to(compute)
         return _GlobalNormalization.apply(xc, mean.to(compute), invstd, self.weight, self.bias, self.comm,
                                           float(n)).to(x.dtype)
-
-    def _refuse_with_the_others(self) -> None:
-        """Fail the statistics' collective on every rank, not only here: the other ranks, already
-        in it, would otherwise wait for this one until the timeout (or for ever, where this rank
-        catches the error and goes on)."""
-        if not self._agreed:
-            self._agree_on_arguments()
-        # No rank's statistics are empty (2C + 1 numbers): the call check refuses these on every rank
-        # that sums real ones; this rank then raises its own error.
-        with contextlib.suppress(CollectiveMismatchError):
-            self.comm.allreduce(torch.zeros(0, dtype=torch.float64))
 
     @torch.no_grad()
     def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, n: torch.Tensor) -> None:
