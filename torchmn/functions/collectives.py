@@ -16,7 +16,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from torchmn.communicators import CommunicatorBase, backward_pass
-from torchmn.errors import TorchmnTypeError, TorchmnValueError
+from torchmn.errors import TorchmnTypeError
 from torchmn.functions._graph_utility import anchor, delegate
 
 
@@ -224,9 +224,7 @@ def scatter(comm: CommunicatorBase, xs: Optional[Sequence[torch.Tensor]], root: 
     if comm.rank != root:
         return _Scatter.apply(comm, root, anchor(torch.device("cpu")))
     if xs is None or len(xs) != comm.size:
-        comm.scatter(xs, root)  # refused there, on every rank: the others are told instead of waiting
-        raise TorchmnValueError(f"scatter: root rank {root} must pass {comm.size} tensors (one per rank), not "
-                                f"{'None' if xs is None else len(xs)}")
+        comm.scatter(xs, root)  # which refuses them, on every rank (the others are told instead of waiting)
     return _Scatter.apply(comm, root, anchor(xs[root].device), *xs)
 
 
@@ -270,7 +268,5 @@ def alltoall(comm: CommunicatorBase, xs: Sequence[torch.Tensor]) -> tuple:
         >>> ys = torchmn.functions.alltoall(comm, list(x.chunk(comm.size, dim=1)))
     """
     if xs is None or len(xs) != comm.size:
-        comm.alltoall(xs)  # refused there, on every rank: the others are told instead of waiting
-        raise TorchmnValueError(f"alltoall: pass {comm.size} tensors (one per rank), not "
-                                f"{'None' if xs is None else len(xs)}")
+        comm.alltoall(xs)  # which refuses them, on every rank (the others are told instead of waiting)
     return _AllToAll.apply(comm, anchor(xs[0].device), *xs)
