@@ -46,6 +46,15 @@ def _local(result: Any, rank: int) -> tuple[dict[str, float], int]:
     return {str(k): _as_float(v, k, rank) for k, v in metrics.items()}, int(n)
 
 
+def _raise_where_one_failed(everyone: list, what: str, rank: int) -> None:
+    """Raise, on every rank alike, where a rank's entry of ``everyone`` is ``("error", why)``: the
+    exchange a rank whose ``what`` failed still took part in."""
+    failed = [(r, x[1]) for r, x in enumerate(everyone) if x[0] == "error"]
+    if failed:
+        r, why = failed[0]
+        raise TorchmnRuntimeError(f"multi-node evaluator: {what} failed on rank {r} ({why}); raised on rank {rank} too")
+
+
 class MultiNodeEvaluator:
     """Callable made by :func:`create_multi_node_evaluator`: ``fn``'s metrics, averaged over ranks.
 
@@ -92,11 +101,7 @@ class MultiNodeEvaluator:
             comm.allgather_obj(("error", f"{type(e).__name__}: {e}"))
             raise
         everyone = comm.allgather_obj(mine)
-        failed = [(r, x[1]) for r, x in enumerate(everyone) if x[0] == "error"]
-        if failed:
-            r, why = failed[0]
-            raise TorchmnRuntimeError(f"multi-node evaluator: fn() failed on rank {r} ({why}); "
-                                      f"raised on rank {comm.rank} too")
+        _raise_where_one_failed(everyone, "fn()", comm.rank)
         counted = [(r, metrics, n) for r, (metrics, n) in enumerate(everyone) if n > 0]
         # A rank that saw no sample contributes nothing, its metric names included.
         keys = sorted({k for _, metrics, _ in counted for k in metrics} if counted else
@@ -182,11 +187,7 @@ class _SummedSummaries:
         """The sum, in rank order (the same bits on every rank), of every rank's ``summary``."""
         self.exchanged = True
         everyone = self.comm.allgather_obj(("summary", summary))
-        failed = [(r, x[1]) for r, x in enumerate(everyone) if x[0] == "error"]
-        if failed:
-            r, why = failed[0]
-            raise TorchmnRuntimeError(f"multi-node evaluator: the evaluation failed on rank {r} ({why}); "
-                                      f"raised on rank {self.comm.rank} too")
+        _raise_where_one_failed(everyone, "the evaluation", self.comm.rank)
         total = type(summary)()
         for _, part in everyone:
             total = total + part
