@@ -193,9 +193,10 @@ class HierarchicalCommunicator(FlatCommunicator):
         local = self._local_index(dest)
         if local is None:
             return super().send_tensor(x, dest, wire_tag)
-        # The header through the mailbox, saying what follows and which way, with CPU data in the
-        # same message (one that fits a box leaves at once, so two ranks may each send before they
-        # receive); CUDA data through NCCL after it. None: the header of a send that failed here.
+        # The header through the mailbox, saying what follows and which way; CPU data in the same
+        # message where both fit one box (it leaves at once, so two ranks may each send before they
+        # receive), else after it, so that the receiver's copy of the header overlaps the data's
+        # send; CUDA data through NCCL. None: the header of a send that failed here.
         row = _call_check.invalid_rows(1)[0] if x is None else _wire.header(_call_check.KIND["bcast"], x=x)
         header = torch.tensor(row, dtype=torch.int64).view(torch.uint8)
         device = None if x is None else self.wire_device(x)
@@ -204,7 +205,7 @@ class HierarchicalCommunicator(FlatCommunicator):
             if device is not None:
                 dist.send(_wire.as_bytes(x.to(device)), self.world_rank(dest), group=self.process_group, tag=wire_tag)
             return
-        self.mailboxes.send(local, [header, _wire.as_bytes(x.detach().cpu())], wire_tag)
+        self._send_after(local, header, _wire.as_bytes(x.detach().cpu()), wire_tag)
 
     def recv_tensor(self, source: int, wire_tag: int) -> torch.Tensor:
         local = self._local_index(source)
@@ -218,7 +219,8 @@ class HierarchicalCommunicator(FlatCommunicator):
         if _wire.nbytes(dtype, shape) == 0:
             return torch.empty(shape, dtype=dtype, device=device)
         if device.type == "cpu":
-            return _wire.from_bytes(message[_ROW_BYTES:], dtype, shape)
+            return _wire.from_bytes(self._data_of(local, message, _ROW_BYTES, _wire.nbytes(dtype, shape), wire_tag),
+                                    dtype, shape)
         buf = torch.empty(_wire.nbytes(dtype, shape), dtype=torch.uint8, device=device)  # through NCCL
         dist.recv(buf, self.world_rank(source), group=self.process_group, tag=wire_tag)
         return _wire.from_bytes(buf, dtype, shape)
@@ -227,18 +229,38 @@ class HierarchicalCommunicator(FlatCommunicator):
         local = self._local_index(dest)
         if local is None:
             return super().send_bytes(buf, dest, wire_tag)
-        # The length and the bytes in one message, as send_tensor's header and data.
-        length = torch.tensor([buf.numel() if buf is not None else -1], dtype=torch.int64)
-        self.mailboxes.send(local, [length.view(torch.uint8)] + ([] if buf is None else [buf]), wire_tag)
+        length = torch.tensor([buf.numel() if buf is not None else -1], dtype=torch.int64).view(torch.uint8)
+        if buf is None:
+            self.mailboxes.send(local, length, wire_tag)
+        else:
+            self._send_after(local, length, buf, wire_tag)
 
     def recv_bytes(self, source: int, wire_tag: int) -> Optional[torch.Tensor]:
         local = self._local_index(source)
         if local is None:
             return super().recv_bytes(source, wire_tag)
         message = self.mailboxes.recv(local, wire_tag)
-        if int(message[:8].view(torch.int64)) < 0:
+        length = int(message[:8].view(torch.int64))
+        if length < 0:
             return None
-        return message[8:]
+        return self._data_of(local, message, 8, length, wire_tag)
+
+    def _send_after(self, local: int, head: torch.Tensor, data: torch.Tensor, wire_tag: int) -> None:
+        """``head`` (a header or a length), then ``data``, to local rank ``local``: one message
+        where both fit one box, else two (see :meth:`_data_of`)."""
+        if head.numel() + data.numel() <= self.mailboxes.box_bytes:
+            self.mailboxes.send(local, torch.cat([head, data]), wire_tag)
+        else:
+            self.mailboxes.send(local, head, wire_tag)
+            self.mailboxes.send(local, data, wire_tag)
+
+    def _data_of(self, local: int, message: torch.Tensor, head_bytes: int, nbytes: int,
+                 wire_tag: int) -> torch.Tensor:
+        """The ``nbytes`` of data :meth:`_send_after` sent after ``message``'s ``head_bytes``: in
+        ``message`` where both fit one box, else the next message."""
+        if head_bytes + nbytes <= self.mailboxes.box_bytes:
+            return message[head_bytes:]
+        return self.mailboxes.recv(local, wire_tag)
 
     def _shm_ok(self, t: torch.Tensor) -> bool:
         return self.segment is not None and t.device.type == "cpu" and t.is_contiguous()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import collections
 import mmap
-from typing import Callable, Sequence, Union
+from typing import Callable
 
 import numpy as np
 import torch
@@ -143,13 +143,10 @@ class Mailboxes:
         return cls(buf, local_rank, local_size, box_bytes, pids, timeout, describe)
 
     # ----------------------------------------------------------------------------- messages
-    def send(self, receiver: int, data: Union[torch.Tensor, Sequence[torch.Tensor]], tag: int) -> None:
-        """Send ``data`` (a contiguous ``uint8`` CPU tensor, or several, joined into one message
-        without a copy of their own) to local rank ``receiver``.
+    def send(self, receiver: int, data: torch.Tensor, tag: int) -> None:
+        """Send ``data`` (a contiguous ``uint8`` CPU tensor) to local rank ``receiver``.
 
-        Returns once the last chunk is in the box: ``data`` may be changed then. A message that
-        fits one box therefore returns at once where the box is free, so two ranks may each send
-        one to the other before they receive.
+        Returns once the last chunk is in the box: ``data`` may be changed then.
 
         Args:
             receiver: the local rank it goes to.
@@ -164,8 +161,7 @@ class Mailboxes:
             >>> boxes.send(1, payload, tag=3)
         """
         words, room = self._out[receiver]
-        parts = [data] if isinstance(data, torch.Tensor) else list(data)
-        total = sum(part.numel() for part in parts)
+        total = data.numel()
         offset = 0
         while True:
             if words[_POSTED] != words[_TAKEN]:  # the previous chunk is still there
@@ -175,7 +171,7 @@ class Mailboxes:
                 fence()  # the receiver's copy-out before our overwrite
             n = min(self.box_bytes, total - offset)
             if n:
-                _copy_span(parts, offset, n, room)
+                room[:n].copy_(data[offset:offset + n])
             words[_TAG], words[_TOTAL], words[_CHUNK] = tag, total, n
             fence()  # the chunk before the count that announces it
             words[_POSTED] += 1
@@ -252,18 +248,3 @@ class Mailboxes:
         self._out = self._in = {}
         self._kept.clear()
         close_mapping(self._buf)
-
-
-def _copy_span(parts: Sequence[torch.Tensor], offset: int, n: int, out: torch.Tensor) -> None:
-    """Bytes ``offset`` to ``offset + n`` of ``parts`` joined end to end, into ``out[:n]``."""
-    done = 0
-    for part in parts:
-        size = part.numel()
-        if offset >= size:
-            offset -= size
-            continue
-        k = min(size - offset, n - done)
-        out[done:done + k].copy_(part[offset:offset + k])
-        done, offset = done + k, 0
-        if done == n:
-            return
