@@ -20,7 +20,8 @@ CHECKS_ALL = ("ring", "collectives", "arange", "allgather_uneven", "bcast_data",
               "split", "nested_split", "shard_primitives", "flat_in_flight", "mismatch", "cpu_under_nccl")
 GRADIENT_CHECKS = ("mean_grad", "bcast_data", "flat_in_flight", "split", "nested_split", "shard_primitives",
                    "integer_mean_does_not_wrap", "calls_built_on_allgather_obj_are_told_apart", "root_must_be_an_int",
-                   "zero_fill_must_agree", "failed_send_fails_the_receiver", "max_and_min_keep_nan")
+                   "zero_fill_must_agree", "failed_send_fails_the_receiver", "max_and_min_keep_nan",
+                   "finalized_split_lets_go_of_its_groups")
 
 
 @pytest.mark.check_job("comm")
@@ -47,7 +48,8 @@ def test_gradient_algorithms(name, check, request):
 CROSS_NODE = WORKERS / "cross_node_checks.py"
 CROSS_NODE_CHECKS = ["doubling_matches_gloo", "auto_measures_alike_on_every_rank",
                      "a_new_rank_takes_the_first_ranks_measurement", "emulated_nodes_average_with_each_algorithm",
-                     "emulated_nodes_shard_in_pieces", "bad_choice_is_refused"]
+                     "emulated_nodes_shard_in_pieces", "emulated_nodes_split_and_finalize_keep_files_level",
+                     "bad_choice_is_refused"]
 
 
 @pytest.mark.check_job("cross-node")

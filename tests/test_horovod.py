@@ -36,7 +36,8 @@ def test_horovod(np, check, request):
 
 
 @pytest.mark.check_job("horovod-sets")
-@pytest.mark.parametrize("check", ["process_set_of_two", "optimizer_outside_its_process_set"])
+@pytest.mark.parametrize("check", ["process_set_of_two", "optimizer_outside_its_process_set",
+                                   "process_sets_added_and_removed_keep_files_level"])
 def test_horovod_process_sets(check, request):
     proc = check_job_output(request, lambda checks: run_job(CHECKS, checks, np=3, timeout=120, check=False,
                                                             env={"TORCHMN_TIMEOUT": "60"}))

@@ -424,6 +424,29 @@ def check_nested_split(comm):
                                                                      if comm.node_of(r) == comm.inter_rank)
 
 
+def check_finalized_split_lets_go_of_its_groups(comm):
+    """split and finalize over and over (as per-layer groups or process sets do): each finalize
+    releases the process groups split made for it, so the rank's open files stay put, and the
+    parent and a sibling split off before go on."""
+    def open_files():
+        return len(os.listdir("/proc/self/fd"))
+    sibling = comm.split(color=0, key=comm.rank)
+    for cycle in range(4):
+        if cycle == 1:  # after one cycle, which may open what stays open (gloo's device)
+            before = open_files()
+        half = comm.split(color=comm.rank % 2, key=comm.rank)  # every rank of comm makes every group
+        inner = half.split(color=0, key=-half.rank)  # its members alone make it
+        assert inner.allreduce(torch.tensor([1])).item() == half.size
+        inner.finalize()
+        half.finalize()
+        half.finalize()  # twice is harmless
+    grown = open_files() - before
+    assert grown <= 2, f"{grown} files more after 3 split-finalize cycles"  # a leak is 4 or more a cycle
+    assert "finalized" in str(expect(RuntimeError, lambda: half.allreduce(torch.tensor([1]))))
+    assert sibling.allreduce(torch.tensor([1])).item() == comm.size
+    assert comm.allreduce(torch.tensor([1])).item() == comm.size
+
+
 def check_shard_primitives(comm):
     """reduce_scatter_flat / allgather_flat (the sharded optimizer's) against their definition, on
     the communicator and on one whose rank order is reversed (across nodes: rails in another order)."""

@@ -19,7 +19,7 @@ from torchmn.communicators import ops as torchmn_ops
 from torchmn.communicators.registry import make_communicator
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from comm_checks import nan_max_min_inputs  # noqa: E402
+from comm_checks import check_finalized_split_lets_go_of_its_groups, nan_max_min_inputs  # noqa: E402
 
 OPS = ("sum", "max", "min", "prod")
 
@@ -137,6 +137,16 @@ def check_emulated_nodes_shard_in_pieces(comm):
             work.wait()
             assert torch.equal(got, expected), (name, per_node, i, got[:3], expected[:3])
         sub.finalize()
+
+
+def check_emulated_nodes_split_and_finalize_keep_files_level(comm):
+    """Splits of a hierarchical communicator over emulated nodes (two ranks a node) make groups
+    across nodes and rails too: finalized, a later split of the same ranks takes them again."""
+    sub = make_communicator("hierarchical", rank=comm.rank, size=comm.size, group=comm.object_group,
+                            obj_group=comm.object_group, backend="gloo", node_key=comm.rank // 2)
+    assert sub.inter_size == -(-comm.size // 2), sub.inter_size
+    check_finalized_split_lets_go_of_its_groups(sub)
+    sub.finalize()
 
 
 def check_bad_choice_is_refused(comm):

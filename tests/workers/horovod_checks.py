@@ -447,6 +447,29 @@ def check_process_set_of_two():
                                                               process_set=pair), "has not been registered")
 
 
+def check_process_sets_added_and_removed_keep_files_level():
+    """Process sets added and removed in a loop, each used (also by an async op still queued at
+    removal): removing one lets go of its communicators after their work, so the rank's open
+    files stay put and a later set of the same ranks takes its groups."""
+    rank = hvd.rank()
+
+    def open_files():
+        return len(os.listdir("/proc/self/fd"))
+    for cycle in range(4):
+        if cycle == 1:  # after one cycle, which may open what stays open
+            before = open_files()
+        pair = hvd.add_process_set([0, 1])
+        if rank < 2:
+            handle = hvd.allreduce_async(torch.tensor([float(rank + 1)]), op=hvd.Sum, process_set=pair)
+        expect(hvd.remove_process_set(pair), "remove_process_set")
+        if rank < 2:
+            got = hvd.synchronize(handle)
+            expect(got.item() == 3.0, f"the async allreduce queued before the removal: {got}")
+    grown = open_files() - before
+    expect(grown <= 2, f"{grown} files more after 3 cycles of a process set added and removed")
+    expect(hvd.allreduce(torch.ones(1), op=hvd.Sum).item() == hvd.size(), "the global set afterwards")
+
+
 def check_optimizer_outside_its_process_set():
     """A DistributedOptimizer of a set this rank is not in: the members average among themselves,
     the others update alone (Horovod's behaviour), and neither waits for the other."""

@@ -1,7 +1,16 @@
-"""Naming the process groups that ``Communicator.split`` creates alike on every member."""
+"""The process groups ``Communicator.split`` makes: named alike on every member, and used again
+once the communicator that held them is finalized.
+
+Why used again rather than destroyed: torch names a group its members make alone after its
+ranks and the number of groups the process holds, and its set-up leaves the members' addresses in
+the job's store under that name. Destroying a group lowers the number, so the next group of the
+same ranks would take the name and read the dead group's addresses. A finalized communicator's
+groups therefore wait here, and a later split whose members all hold an idle group of the same
+ranks and backend takes it (its connections are made already) instead of opening new ones: a job
+that splits and finalizes in a loop keeps its open files and sockets level."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch.distributed as dist
 
@@ -31,3 +40,108 @@ def match_group_counts(counts: list[Optional[int]]) -> None:
     target = max(counts)
     while torch_group_count() < target:
         world.new_group([dist.get_rank()], use_local_synchronization=True)
+
+
+_idle: dict = {}  # (backend, world ranks) -> {group name: group} of finalized communicators' groups
+_idle_world = None  # the world they belong to: a new world (an elastic job's reset) voids them
+
+
+def _current_idle() -> dict:
+    global _idle_world
+    if _idle_world is not dist.group.WORLD:
+        _idle.clear()
+        _idle_world = dist.group.WORLD
+    return _idle
+
+
+def release(group) -> None:
+    """Keep a finalized communicator's group for a later :func:`group_for` (not a collective).
+
+    Args:
+        group: a group :func:`group_for` returned; None, ``NON_GROUP_MEMBER`` and the world's are
+            left alone.
+
+    Example::
+
+        >>> release(half.process_group)    # in finalize
+    """
+    if group in (None, dist.GroupMember.NON_GROUP_MEMBER) or not dist.is_initialized() or group == dist.group.WORLD:
+        return
+    key = (str(dist.get_backend(group)), tuple(dist.get_process_group_ranks(group)))
+    _current_idle().setdefault(key, {})[group.group_name] = group
+
+
+def drop_idle() -> None:
+    """Let go of every idle group, so that their connections close (for a rank ending with an error).
+
+    Example::
+
+        >>> drop_idle()
+    """
+    _idle.clear()
+
+
+def idle_groups() -> dict:
+    """What this rank holds idle, for ``split``'s exchange.
+
+    Returns:
+        ``{(backend, world ranks): [group names]}``.
+
+    Example::
+
+        >>> idle_groups()
+        {('gloo', (0, 2)): ['3']}
+    """
+    return {key: sorted(names) for key, names in _current_idle().items() if names}
+
+
+def reuse_budget(idle_by_rank: dict) -> dict:
+    """The idle groups every one of whose members holds them, from every rank's :func:`idle_groups`.
+
+    Args:
+        idle_by_rank: ``{world rank: idle_groups()}`` of the ranks splitting.
+
+    Returns:
+        ``{(backend, world ranks): [group names]}``, the same on every rank given the same input;
+        :func:`group_for` takes from it.
+
+    Example::
+
+        >>> reuse_budget({0: {("gloo", (0, 1)): ["3"]}, 1: {("gloo", (0, 1)): ["3"]}})
+        {('gloo', (0, 1)): ['3']}
+    """
+    budget = {}
+    for key in sorted({key for idle in idle_by_rank.values() for key in idle}):
+        if all(r in idle_by_rank for r in key[1]):
+            names = set.intersection(*(set(idle_by_rank[r].get(key, ())) for r in key[1]))
+            if names:
+                budget[key] = sorted(names)
+    return budget
+
+
+def group_for(ranks: Sequence[int], budget: dict, **options):
+    """:func:`world.new_group`'s group, or an idle one of these ranks where ``budget`` has one.
+
+    Every rank that would call ``new_group`` calls this instead, in the same order and with the
+    same budget, so that all take an idle group (and torch's count of groups stays alike) or all
+    make a new one.
+
+    Args:
+        ranks: the group's world ranks.
+        budget: from :func:`reuse_budget` (taken from as groups are used); ``{}`` makes new ones.
+        **options: ``backend``, ``use_local_synchronization``, as ``new_group`` takes them.
+
+    Returns:
+        The group (``NON_GROUP_MEMBER`` on a rank outside it).
+
+    Example::
+
+        >>> pair = group_for([0, 1], reuse_budget(every_ranks_idle_groups))
+    """
+    key = (str(options.get("backend") or dist.get_backend()), tuple(sorted(ranks)))
+    if budget.get(key):
+        name = budget[key].pop(0)
+        if dist.get_rank() not in ranks:
+            return dist.GroupMember.NON_GROUP_MEMBER
+        return _current_idle()[key].pop(name)
+    return world.new_group(list(ranks), **options)

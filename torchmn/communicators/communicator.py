@@ -31,14 +31,14 @@ import torch.distributed as dist
 
 from torchmn.communicators import _call_check, _gloo_utility, _wire, failure, gpu_sharing, watch, world
 from torchmn.communicators._async_utility import Completed
-from torchmn.communicators._group_utility import match_group_counts, torch_group_count
+from torchmn.communicators._group_utility import (group_for, idle_groups, match_group_counts, release,
+                                                  reuse_budget, torch_group_count)
 from torchmn.communicators._torch_compat import all_gather_single
 from torchmn.communicators.communicator_base import CommunicatorBase
 from torchmn.communicators.errors import CollectiveMismatchError, RemoteRankError
 from torchmn.communicators.ops import OPS, divide_before_sum, reduce_in_order
 from torchmn.communicators.pickling import as_if_sent, pickle_for_call, unpickle_from
 from torchmn.communicators.shm.pages import empty_like_fast
-from torchmn.communicators.world import new_group
 from torchmn.errors import TorchmnTypeError, TorchmnValueError
 
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
@@ -119,6 +119,7 @@ class Communicator(CommunicatorBase):
         self._identity_order = self._group_ranks == list(range(size))
         self.object_group = obj_group  # always a CPU (gloo) group: objects and control traffic
         self._owns_world = owns_world
+        self.made_groups = []  # what finalize lets go of where the world stays (split's groups)
         self.node_key = node_key
         self._shared_gpu = None  # under NCCL, what to say if ranks of a node would share a GPU
         self._set_topology(node_key)
@@ -245,8 +246,7 @@ class Communicator(CommunicatorBase):
             rows: this rank's rows, each ``_wire.HEADER_LEN`` integers; every rank passes as many.
 
         Returns:
-            An int64 tensor ``[size, len(rows), HEADER_LEN]`` on the CPU, in this communicator's
-            rank order.
+            An int64 tensor ``[size, len(rows), HEADER_LEN]`` on the CPU, in this communicator's order.
 
         Example::
 
@@ -269,8 +269,7 @@ class Communicator(CommunicatorBase):
 
         Args:
             rows: this rank's header rows, as for :meth:`exchange_headers`.
-            data: this rank's data (a contiguous 1-D tensor), the same length and dtype on every
-                rank whose headers agree.
+            data: this rank's data (a contiguous 1-D tensor), alike in length and dtype where headers agree.
 
         Returns:
             ``(headers, parts)``: the headers as :meth:`exchange_headers` returns them, and every
@@ -860,7 +859,8 @@ class Communicator(CommunicatorBase):
     def split(self, color: int, key: int = 0) -> "Communicator":
         cls = type(self)
         self._splits += 1
-        entries = self.allgather_obj_as((color, key, self.rank, torch_group_count()), "split")
+        entries = self.allgather_obj_as((color, key, self.rank, torch_group_count(), idle_groups()), "split")
+        reuse = reuse_budget({self.world_rank(e[2]): e[4] for e in entries})  # finalized ones' groups
         colors = sorted({e[0] for e in _call_check.split_entries(entries, self.rank)}, key=repr)
         whole_world = self.size == (dist.get_world_size() if dist.is_initialized() else 1)
         mine = None
@@ -872,17 +872,16 @@ class Communicator(CommunicatorBase):
             if whole_world:
                 # Every rank of the world takes part in creating every group, in the same order,
                 # as torch wants by default (it names them by a count every rank keeps alike).
-                group = new_group(world) if self.size > 1 else None
+                group = group_for(world, reuse) if self.size > 1 else None
             else:
-                # Only this communicator's ranks are here: each color's members make their group
-                # alone (torch then names it by its ranks, so splits of other sub-communicators
-                # running at the same time cannot take its name, and the world's count is left alone).
+                # Only this communicator's ranks are here: each color's members make their group alone
+                # (torch names it by its ranks, so concurrent splits elsewhere cannot take its name).
                 match_group_counts([e[3] for e in entries if e[0] == c])
-                group = new_group(world, use_local_synchronization=True)
+                group = group_for(world, reuse, use_local_synchronization=True)
             obj_group = group
             if self.backend == "nccl":
-                obj_group = new_group(world, backend="gloo", use_local_synchronization=not whole_world)
-            extra = cls.split_groups(self, members, local=not whole_world)
+                obj_group = group_for(world, reuse, backend="gloo", use_local_synchronization=not whole_world)
+            extra = cls.split_groups(self, members, local=not whole_world, reuse=reuse)
             if c == color:
                 by_world = sorted(world)
                 mine = (members.index(self.rank), len(members), group, obj_group, [by_world.index(w) for w in world],
@@ -892,23 +891,24 @@ class Communicator(CommunicatorBase):
                     node_key=self.node_key, bucket_cap_bytes=self.bucket_cap_bytes, group_ranks=group_ranks,
                     tag=tag, **extra)
         child.compression = self.compression  # allreduce_grad_dtype holds for what is split off too
+        child.made_groups = [group, obj_group] + [g for v in extra.values() for g in (v if isinstance(v, list) else [v])]
         return child
 
     @classmethod
-    def split_groups(cls, parent: "Communicator", members: list[int], local: bool = False) -> dict:
+    def split_groups(cls, parent: "Communicator", members: list[int], local: bool = False, reuse=None) -> dict:
         """The extra process groups a new communicator of ``members`` needs, as constructor keyword
-        arguments; :meth:`split` calls it. This class needs none; an algorithm that holds more groups
-        (``hierarchical``) creates them here.
+        arguments (:meth:`split` calls it; its ``finalize`` releases them): none here, the group
+        across nodes and the rails for ``hierarchical``.
 
         Args:
             parent: the communicator being split.
             members: the new communicator's ranks, as ranks of ``parent``, in the new order.
-            local: ``False``: called on every rank of the world for every color, in the same order;
-                ``True``: called by the members alone, which then create their groups with
-                ``use_local_synchronization=True``.
+            local: ``False``: every rank of the world calls it for every color, in order; ``True``:
+                the members alone do (``use_local_synchronization=True``).
+            reuse: idle groups to take first (``_group_utility.group_for``'s budget).
 
         Returns:
-            Keyword arguments for the new communicator's constructor (empty here).
+            Keyword arguments for the new communicator's constructor: groups or lists of them.
 
         Example::
 
@@ -923,13 +923,13 @@ class Communicator(CommunicatorBase):
         self.call_log.closed = True
         if self._owns_world:
             world.shutdown_world()
+        for group in dict.fromkeys(self.made_groups):  # kept for a later split of these ranks (_group_utility)
+            release(group)
 
     def drop_process_groups(self) -> None:
-        """Finalize this communicator and let go of its process groups at once.
-
-        For a rank ending with an uncaught exception (:func:`torchmn.communicators.failure.release_groups`):
-        a gloo group's connections close only when the last reference to it goes, and the script
-        may hold this communicator to the end. Algorithms that hold more groups drop them too.
+        """Finalize this communicator and drop its process groups at once, for a rank ending with an uncaught
+        exception (:func:`.failure.release_groups`): a gloo group's connections close only when the last
+        reference to it goes. Algorithms holding more drop them too.
 
         Example::
 
@@ -937,12 +937,12 @@ class Communicator(CommunicatorBase):
             >>> comm.allreduce(x)    # RuntimeError: ... a communicator that was finalized
         """
         self.call_log.closed = True
-        self.process_group = self.object_group = None
+        self.process_group, self.object_group, self.made_groups = None, None, []
 
     def take_over(self, fresh: "Communicator") -> None:
-        """Become ``fresh``, a communicator of a new world (an elastic job's reset, :mod:`torchmn.elastic`),
-        so that what holds this one reaches that world through it: its rank, size, topology and
-        algorithm class are then ``fresh``'s. Communicators split off this one stay finalized.
+        """Become ``fresh``, a communicator of a new world (an elastic job's reset, :mod:`torchmn.elastic`), so
+        that what holds this one reaches that world through it: rank, size, topology and class are ``fresh``'s.
+        Communicators split off this one stay finalized.
 
         Args:
             fresh: a communicator just made by :func:`torchmn.create_communicator` for the new world.

@@ -534,9 +534,11 @@ class CommunicatorBase(abc.ABC):
 
     @abc.abstractmethod
     def finalize(self) -> None:
-        """Tear down ``torch.distributed`` if this communicator set it up. Safe to call twice.
+        """Tear down ``torch.distributed`` if this communicator set it up, else let go of the process
+        groups made for it (``split``'s): their connections and file descriptors. Safe to call twice.
 
-        A finalized communicator refuses further collectives.
+        Not a collective, but a rank should finalize only after its last collective on this
+        communicator. A finalized communicator refuses further collectives.
 
         Example::
 

@@ -49,6 +49,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from torchmn.communicators import _group_utility
 from torchmn.communicators.shm import segment
 from torchmn.communicators.errors import PeerLostError, RankFailedError, lost_peer
 from torchmn.environments import detect_environment
@@ -150,6 +151,7 @@ def release_groups() -> None:
     """
     for comm in list(_communicators):
         comm.drop_process_groups()
+    _group_utility.drop_idle()  # finalized communicators' groups, kept for a later split
 
 
 def recorded() -> Optional[Failure]:

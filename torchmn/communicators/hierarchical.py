@@ -21,11 +21,12 @@ import torch.distributed as dist
 
 from torchmn.communicators import _call_check, _gloo_utility, _wire, shm, watch
 from torchmn.communicators._async_utility import AndThen, Completed, finish
+from torchmn.communicators._group_utility import group_for
 from torchmn.communicators.cross_node import CrossNodeAllreduce
 from torchmn.communicators.flat import FlatCommunicator
 from torchmn.communicators.pickling import pickle_for_call, unpickle_from
 from torchmn.communicators.errors import CollectiveMismatchError
-from torchmn.communicators.world import collective_timeout_s, new_group
+from torchmn.communicators.world import collective_timeout_s
 
 
 _UNSET = object()
@@ -39,21 +40,22 @@ def _first_row(part: torch.Tensor) -> torch.Tensor:
     return part[:_ROW_BYTES].view(torch.int64)
 
 
-def _new_inter_group(world_leaders: list[int], local: bool = False):
+def _new_inter_group(world_leaders: list[int], local: bool = False, reuse=None):
     """The group of the nodes' first ranks (None on one node). Every rank of the world must call
-    this, or with ``local=True`` every rank of the communicator being split off."""
+    this, or with ``local=True`` every rank of the communicator being split off. ``reuse``: idle
+    groups to take first (``_group_utility.group_for``)."""
     if len(world_leaders) < 2:
         return None
-    return new_group(world_leaders, backend="gloo", use_local_synchronization=local)
+    return group_for(world_leaders, reuse or {}, backend="gloo", use_local_synchronization=local)
 
 
-def _new_rail_groups(nodes: list[list[int]], local: bool = False):
+def _new_rail_groups(nodes: list[list[int]], local: bool = False, reuse=None):
     """One gloo group per local index, joining that rank of every node ("rails"), for several nodes
     with the same rank count; None otherwise. ``nodes``: world ranks per node. Who calls: as
     :func:`_new_inter_group` (with ``local=True`` a rank gets None for the rails it is not on)."""
     if len(nodes) < 2 or len({len(n) for n in nodes}) != 1:
         return None
-    return [new_group([n[i] for n in nodes], backend="gloo", use_local_synchronization=local)
+    return [group_for([n[i] for n in nodes], reuse or {}, backend="gloo", use_local_synchronization=local)
             for i in range(len(nodes[0]))]
 
 
@@ -129,6 +131,7 @@ class HierarchicalCommunicator(FlatCommunicator):
             leaders = [self.world_rank(node[0]) for node in self.node_ranks]
             inter_group = _new_inter_group(leaders)
             rail_groups = _new_rail_groups([[self.world_rank(r) for r in node] for node in self.node_ranks])
+            self.made_groups += [inter_group, *(rail_groups or [])]
         self._inter_group = inter_group
         if inter_group is not None and self.intra_rank == 0:
             self.cross_node = CrossNodeAllreduce.set_up(
@@ -168,15 +171,15 @@ class HierarchicalCommunicator(FlatCommunicator):
             self.mailboxes = shm.Mailboxes.open(tag, box_bytes=box, **self._shm_args)
 
     @classmethod
-    def split_groups(cls, parent, members: list[int], local: bool = False) -> dict:
+    def split_groups(cls, parent, members: list[int], local: bool = False, reuse=None) -> dict:
         if len(members) == 1:
             return {"inter_group": None, "rail_groups": None}
         nodes: dict = {}
         for r in members:  # nodes in order of first appearance, as the new communicator sees them
             nodes.setdefault(parent.node_of(r), []).append(parent.world_rank(r))
         nodes = list(nodes.values())
-        return {"inter_group": _new_inter_group([n[0] for n in nodes], local=local),
-                "rail_groups": _new_rail_groups(nodes, local=local)}
+        return {"inter_group": _new_inter_group([n[0] for n in nodes], local=local, reuse=reuse),
+                "rail_groups": _new_rail_groups(nodes, local=local, reuse=reuse)}
 
     @property
     def _single_node(self) -> bool:

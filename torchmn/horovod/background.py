@@ -161,6 +161,24 @@ def start(comm, work: Callable[[], Any]) -> Job:
     return job
 
 
+def retire(comm) -> None:
+    """Let ``comm``'s background thread finish the work it has, then end it (its process set is
+    removed); the next work on ``comm`` would start a new one.
+
+    Args:
+        comm: the tensor communicator.
+
+    Example::
+
+        >>> retire(tensor_comm)
+        >>> tensor_comm.finalize()
+    """
+    comm_and_worker = _workers.pop(id(comm), None)
+    if comm_and_worker is not None and comm_and_worker[0] is comm and comm_and_worker[1].thread.is_alive():
+        comm_and_worker[1].queue.put(None)
+        comm_and_worker[1].thread.join()
+
+
 def stop() -> None:
     """Let the background threads finish the work they have, then end them (``hvd.shutdown``
     calls this).

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
+from torchmn.horovod import background
 from torchmn.horovod.errors import InvalidCallError, UnsupportedError
 
 NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
@@ -241,6 +242,8 @@ def add_process_set(process_set) -> ProcessSet:
             raise InvalidCallError(f"A process set with the same ranks has already been registered: {existing}")
     inside = world.rank in ps.ranks
     sub = world.split(color=0 if inside else 1, key=world.rank)
+    if not inside:
+        sub.finalize()  # the outsiders' own: unused, and its groups go back for later splits
     ps.comm = sub if inside else None
     ps.tensor_comm = _tensor_comm(sub) if inside else None
     ps.process_set_id = max(_registered) + 1
@@ -269,6 +272,11 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     del _registered[process_set.process_set_id]
     process_set.process_set_id = None
+    if process_set.comm is not None:
+        # After the set's collectives still queued, so that a later set of these ranks takes its groups.
+        background.retire(process_set.tensor_comm)
+        process_set.tensor_comm.finalize()
+        process_set.comm.finalize()
     process_set.comm = process_set.tensor_comm = None
     return True
 
