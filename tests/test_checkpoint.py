@@ -19,7 +19,8 @@ ALL = ("keep_prunes_old_steps", "torn_or_partial_steps_are_never_loaded", "anoth
        "ranks_saving_different_steps_are_named", "ranks_saving_a_step_again_and_a_new_one_are_named",
        "a_load_refused_on_one_rank_fails_every_rank_at_once", "resumable_loader_continues_exactly",
        "multi_node_iterator_position", "damaged_manifest_is_named", "manifest_that_cannot_be_written_fails_every_rank",
-       "a_step_saved_again_is_left_as_it_is", "multi_node_iterator_resume_leaves_the_rng_as_the_old_run")
+       "a_step_saved_again_is_left_as_it_is", "multi_node_iterator_resume_leaves_the_rng_as_the_old_run",
+       "a_directory_per_rank_is_refused")
 
 
 def same_parameters(a: str, b: str) -> bool:

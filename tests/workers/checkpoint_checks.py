@@ -190,6 +190,25 @@ def check_unwritable_directory_is_named(comm, root):
         assert f.read() == "not a directory"
 
 
+def check_a_directory_per_rank_is_refused(comm, root):
+    """Ranks given different directories (a per-rank path by mistake) are refused at once on every
+    rank, naming both directories: each would hold its own part, and no step could be loaded."""
+    mine = os.path.join(root, f"per_rank_{comm.rank}")
+    message = expect_error(lambda: Checkpointer(mine, comm, model=small_model()), "failed on rank 1",
+                           "give every rank the same directory", os.path.join(root, "per_rank_0"))
+    assert os.path.join(root, "per_rank_1") in message, message
+    # One directory reached through another path (a link, as another node's mount point) is the same place.
+    if comm.rank == 0:
+        os.makedirs(os.path.join(root, "shared_ckpt"), exist_ok=True)
+        if not os.path.lexists(os.path.join(root, "mounted_here")):
+            os.symlink(os.path.join(root, "shared_ckpt"), os.path.join(root, "mounted_here"))
+    comm.allgather_obj(None)
+    ckpt = Checkpointer(os.path.join(root, "shared_ckpt" if comm.rank == 0 else "mounted_here"), comm,
+                        model=small_model())
+    ckpt.save(3)
+    assert ckpt.complete_steps() == [3], ckpt.complete_steps()
+
+
 def check_ranks_saving_different_steps_are_named(comm, root):
     ckpt = Checkpointer(os.path.join(root, "steps"), comm, model=small_model())
     if comm.size > 1:

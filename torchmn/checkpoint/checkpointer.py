@@ -235,20 +235,25 @@ class Checkpointer:
         os.remove(probe)
 
     def _check_directory(self) -> None:
-        """Every rank can write the directory, and sees what rank 0 writes there."""
+        """Every rank can write the directory, and sees there what rank 0 writes in its own: the
+        same place, also where nodes mount it under other paths."""
         probe, problem = None, None
         if self.comm.rank == 0:
             probe, problem = self._write_probe()
         probe, problem = self.comm.bcast_obj((probe, problem), root=0)
         if problem is None and self.comm.rank != 0:
-            if not os.path.exists(probe):
-                problem = (f"this rank does not see the file rank 0 wrote in {self.directory}: the checkpoint "
-                           f"directory must be on a file system every node mounts (NFS, Lustre, GPFS)")
+            # Looked for in this rank's directory: a directory per rank, or a relative path from
+            # another working directory, would see nothing and lose every checkpoint.
+            mine = os.path.join(self.directory, os.path.basename(probe))
+            if not os.path.exists(mine):
+                problem = (f"this rank does not see in its checkpoint directory {self.directory} the file rank 0 "
+                           f"wrote in {os.path.dirname(probe)}: give every rank the same directory, on a file "
+                           f"system every node mounts (NFS, Lustre, GPFS)")
             else:
                 try:
-                    with open(probe + f".rank{self.comm.rank}", "wb"):
+                    with open(mine + f".rank{self.comm.rank}", "wb"):
                         pass
-                    os.remove(probe + f".rank{self.comm.rank}")
+                    os.remove(mine + f".rank{self.comm.rank}")
                 except OSError as e:
                     problem = f"cannot create files in the checkpoint directory {self.directory}: {e.strerror or e}"
         try:
