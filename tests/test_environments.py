@@ -336,11 +336,13 @@ def test_batch_script_error_in_a_fresh_interpreter():
 def test_slurm_misuse_error_cases():
     assert "allocation of 4 tasks" in slurm_misuse_error(SLURM_BATCH)
     assert slurm_misuse_error({**SLURM_BATCH, "SLURM_NTASKS": "1"}) is None
-    # `sbatch -N 2` or `salloc -N 2` without -n: no SLURM_NTASKS, one task per node.
+    # `sbatch -N 2` or `salloc -N 2` without -n: no SLURM_NTASKS; SLURM_TASKS_PER_NODE then holds
+    # one entry per node, and CPUs rather than tasks where the job has whole nodes (--exclusive).
     no_n = {k: v for k, v in SLURM_BATCH.items() if k != "SLURM_NTASKS"}
-    assert "allocation of 4 tasks" in slurm_misuse_error(no_n)
-    assert "allocation of 2 tasks" in slurm_misuse_error({**no_n, "SLURM_TASKS_PER_NODE": "1(x2)"})
+    assert "allocation of 2 nodes" in slurm_misuse_error(no_n)
+    assert "allocation of 2 nodes" in slurm_misuse_error({**no_n, "SLURM_TASKS_PER_NODE": "1(x2)"})
     assert slurm_misuse_error({**no_n, "SLURM_TASKS_PER_NODE": "1"}) is None
+    assert slurm_misuse_error({**no_n, "SLURM_TASKS_PER_NODE": "4"}) is None  # sbatch -N 1 --exclusive
     assert slurm_misuse_error({k: v for k, v in no_n.items() if k != "SLURM_TASKS_PER_NODE"}) is None
     # What to do instead: srun, or one torchmn run per node (in a batch script, torchmn run alone
     # would use the first node only).

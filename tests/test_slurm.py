@@ -298,6 +298,20 @@ def test_torchmn_run_in_a_batch_script_shares_the_nodes_cpus(slurm, tmp_path):
     assert f"THREADS {expected}" in output, (expected, output)
 
 
+def test_sbatch_of_one_whole_node_without_srun_is_a_world_of_one(slurm, tmp_path):
+    """`sbatch -N 1 --exclusive` without -n: Slurm fills SLURM_TASKS_PER_NODE with the node's CPUs,
+    but one process on one node is a world of one, not a misuse."""
+    script, out_file = tmp_path / "whole.sbatch", tmp_path / "whole.out"
+    script.write_text("#!/bin/bash\n"
+                      f"{PY} -c 'import os, torchmn; c = torchmn.create_communicator(); "
+                      f"print(\"SIZE\", c.size, \"TASKS_PER_NODE\", os.environ.get(\"SLURM_TASKS_PER_NODE\"))'\n")
+    job = submit(slurm, ["-N", "1", "--exclusive", "-o", str(out_file), str(script)], cwd=tmp_path)
+    state, exit_code = wait_done(slurm, job, out_file, timeout=60)
+    output = read(out_file)
+    assert (state, exit_code) == ("COMPLETED", "0:0"), f"{state} {exit_code}\n{output}"
+    assert "SIZE 1 TASKS_PER_NODE" in output, output
+
+
 def test_sbatch_without_srun_is_a_clear_error(slurm, tmp_path):
     """A batch script for 2 tasks that runs python directly gets told to use srun."""
     script, out_file = tmp_path / "misuse.sbatch", tmp_path / "misuse.out"

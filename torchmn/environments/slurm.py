@@ -94,26 +94,28 @@ def slurm_misuse_error(env: Mapping[str, str]) -> Optional[str]:
     """
     if not (env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")) or slurm_step_id(env) is not None:
         return None
-    ntasks = _allocated_tasks(env)
-    if ntasks is None or ntasks <= 1:
+    allocated = _allocated_tasks_or_nodes(env)
+    if allocated is None or allocated[0] <= 1:
         return None
-    return (f"this script runs in a Slurm allocation of {ntasks} tasks but was not started by srun; "
+    return (f"this script runs in a Slurm allocation of {allocated[0]} {allocated[1]} but was not started by srun; "
             f"launch it with `srun python ...` (one task per rank), or with one `torchmn run` per node: "
             f"`srun --ntasks-per-node 1 torchmn run -np RANKS_PER_NODE python ...`")
 
 
-def _allocated_tasks(env: Mapping[str, str]) -> Optional[int]:
-    """Tasks of the allocation: SLURM_NTASKS, which `sbatch -N 2` without -n leaves unset, else
-    the sum of SLURM_TASKS_PER_NODE (one per node by default)."""
+def _allocated_tasks_or_nodes(env: Mapping[str, str]) -> Optional[tuple[int, str]]:
+    """``(count, "tasks")`` from SLURM_NTASKS; where a job asked for no task count (``sbatch -N 2``
+    without -n leaves SLURM_NTASKS unset), ``(count, "nodes")`` from SLURM_TASKS_PER_NODE's entries.
+    Not that variable's sum: without -n Slurm fills it with CPUs per node (``sbatch -N 1
+    --exclusive`` gives 4 on 4 cores), and one process on one node is a world of one."""
     try:
-        return int(env.get("SLURM_NTASKS", ""))
+        return int(env.get("SLURM_NTASKS", "")), "tasks"
     except ValueError:
         pass
     value = env.get("SLURM_TASKS_PER_NODE")
     if not value:
         return None
     try:
-        return sum(_expand_tasks_per_node("SLURM_TASKS_PER_NODE", value, ""))
+        return len(_expand_tasks_per_node("SLURM_TASKS_PER_NODE", value, "")), "nodes"
     except ValueError:
         return None
 
