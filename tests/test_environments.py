@@ -169,9 +169,21 @@ def test_torchrun_wins_over_slurm():
     assert detect_environment({**SLURM, **TORCHRUN}) == EXPECTED["torchrun"]
 
 
-def test_torchmn_wins_over_everything():
-    env = {**SLURM, **OPENMPI, **MPICH, **TORCHRUN, **TORCHMN}
+def test_torchmn_wins_over_the_launchers_around_it():
+    # srun's (one torchmn run per node, also with --mpi=pmi2's PMI_*) and torchrun's names it overrides.
+    env = {**SLURM, **TORCHRUN, **TORCHMN, "PMI_RANK": "1", "PMI_SIZE": "2", "PMI_FD": "5"}
     assert detect_environment(env) == EXPECTED["torchmn"]
+
+
+@pytest.mark.parametrize("inner", ["torchrun", "openmpi", "mpich"])
+def test_a_launcher_a_torchmn_rank_started_wins(inner):
+    """`torchmn run -np 1 torchrun --nproc-per-node 2 ...` or `... mpirun -np 2 ...`: each process
+    inherits the rank's TORCHMN_* variables, but its place is its own launcher's (else each would
+    be a world of one and train alone)."""
+    env = {**TORCHMN, **{"torchrun": TORCHRUN, "openmpi": OPENMPI, "mpich": MPICH}[inner]}
+    place, expected = detect_environment(env), EXPECTED[inner]
+    assert (place.source, place.rank, place.size, place.local_rank, place.local_size) == \
+        (expected.source, expected.rank, expected.size, expected.local_rank, expected.local_size)
 
 
 def test_openmpi_wins_over_slurm():

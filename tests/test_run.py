@@ -826,3 +826,22 @@ def test_a_late_stop_does_not_signal_another_group_that_took_the_ranks_id():
                           timeout=60)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "SAME ID True STRANGER ALIVE True" in proc.stdout, proc.stdout
+
+
+def test_torchrun_started_by_a_rank_gives_its_workers_their_places(tmp_path):
+    """`torchmn run -np 1 torchrun --nproc-per-node 2 ...`: the workers inherit the rank's TORCHMN_*
+    variables, yet torchmn reads torchrun's: one world of two, not two worlds of one."""
+    code = tmp_path / "world.py"
+    code.write_text("import torch, torchmn\nc = torchmn.create_communicator()\n"
+                    "import sys\nsys.stdout.write(f'WORLD {c.size} SUM {int(c.allreduce(torch.ones(1)).item())}\\n')\n")
+    proc = torchmn_run("-np", "1", sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                       "--master-port", str(free_port()), str(code), timeout=120)
+    assert proc.returncode == 0 and proc.stdout.count("WORLD 2 SUM 2") == 2, proc.stdout + proc.stderr
+
+
+def test_torchmn_run_inside_a_rank_of_several_is_refused():
+    """torchmn run started by each rank of a torchmn run job would start a job per rank, apart."""
+    proc = torchmn_run("-np", "2", sys.executable, "-m", "torchmn", "run", "-np", "1", sys.executable, "-c",
+                       "print('RAN')")
+    assert proc.returncode != 0 and "RAN" not in proc.stdout, proc.stdout + proc.stderr
+    assert "torchmn run was started as one of 2 torchmn processes" in proc.stdout + proc.stderr, proc.stdout

@@ -12,6 +12,9 @@ from torchmn.environments.base import (
     Environment,
     LaunchEnvironment,
 )
+from torchmn.environments.mpich import MPICHEnvironment
+from torchmn.environments.openmpi import OpenMPIEnvironment
+from torchmn.environments.torchrun import TorchrunEnvironment
 from torchmn.environments.variables import read_ranks
 
 
@@ -36,14 +39,29 @@ class TorchmnEnvironment(Environment):
             env: the environment.
 
         Returns:
-            True when ``TORCHMN_RANK`` is set.
+            True when ``TORCHMN_RANK`` is set, and no launcher a rank of ``torchmn run`` started
+            has started this process: torchrun gives ``RANK`` and ``WORLD_SIZE`` values of its
+            own, mpirun or mpiexec a world of several (``torchmn run``
+            refuses to start as one of several MPI processes). Such a process inherited the rank's
+            ``TORCHMN_*`` variables; its own launcher's tell its place.
 
         Example::
 
             >>> TorchmnEnvironment.detect({"TORCHMN_RANK": "0"}), TorchmnEnvironment.detect({"RANK": "0"})
             (True, False)
+            >>> TorchmnEnvironment.detect({"TORCHMN_RANK": "0", "TORCHMN_SIZE": "1", "TORCHELASTIC_RUN_ID": "x",
+            ...                            "RANK": "1", "WORLD_SIZE": "2"})
+            False
         """
-        return TORCHMN_RANK in env
+        if TORCHMN_RANK not in env:
+            return False
+        if TorchrunEnvironment.detect(env) and any(env.get(name) != env.get(mine) for name, mine in (
+                ("RANK", TORCHMN_RANK), ("WORLD_SIZE", TORCHMN_SIZE))):
+            return False
+        for mpi in (OpenMPIEnvironment, MPICHEnvironment):  # srun --mpi=pmi2's PMI_* are neither
+            if mpi.detect(env) and env.get(mpi.names[1], "1").strip() not in ("", "0", "1"):  # its size
+                return False
+        return True
 
     @classmethod
     def read(cls, env: Mapping[str, str]) -> LaunchEnvironment:

@@ -9,7 +9,7 @@ import sys
 from typing import Dict, List, Mapping, Sequence, Tuple, Union
 
 from torchmn import network, resources
-from torchmn.environments import EnvMethodEnvironment, SlurmEnvironment, TorchmnEnvironment, base
+from torchmn.environments import EnvMethodEnvironment, SlurmEnvironment, base
 from torchmn.environments.detect import launcher_class
 from torchmn.run.config import RunError
 from torchmn.run.processes import binding
@@ -221,8 +221,8 @@ def refuse_outer_launcher(env: Mapping[str, str]) -> None:
         env: the launcher's environment.
 
     Raises:
-        RunError: torchrun, Open MPI's mpirun or MPICH's mpiexec started this process as one of
-            more than one.
+        RunError: torchrun, Open MPI's mpirun, MPICH's mpiexec or another ``torchmn run`` started
+            this process as one of more than one.
 
     Example::
 
@@ -233,7 +233,7 @@ def refuse_outer_launcher(env: Mapping[str, str]) -> None:
         torchmn.run.config.RunError: torchmn run was started as one of 2 openmpi processes, ...
     """
     kind = launcher_class(env)
-    if kind in (None, SlurmEnvironment, TorchmnEnvironment):
+    if kind in (None, SlurmEnvironment):
         return
     try:
         size = kind.read(env).size
@@ -247,7 +247,7 @@ def refuse_outer_launcher(env: Mapping[str, str]) -> None:
                          f"own (use one torchmn run with -H/--hostfile, or torchrun). Ignore this if the variables "
                          f"are your script's.\n")
     elif size > 1:
-        command = {"openmpi": "mpirun", "mpich": "mpiexec"}.get(kind.source, kind.source)
+        command = {"openmpi": "mpirun", "mpich": "mpiexec", "torchmn": "torchmn run"}.get(kind.source, kind.source)
         raise RunError(f"torchmn run was started as one of {size} {kind.source} processes, so each would start a "
                        f"job of its own. Start the ranks with one launcher: `{command} ... python train.py` "
                        f"alone, or one `torchmn run -np N` (with -H/--hostfile for several hosts).")
