@@ -744,6 +744,20 @@ def check_optimizer_sparse_as_dense():
     start = torch.nn.Embedding(10, 3).double().weight.detach()
     expect(torch.allclose(dense, start - 0.5 * (counts / size).view(-1, 1)), "the averaged update")
 
+    def sparse_adam(densify):
+        # SparseAdam takes sparse gradients only: averaged dense, the gradient is sparse again for it.
+        torch.manual_seed(0)
+        emb = torch.nn.Embedding(10, 3, sparse=True).double()
+        opt = hvd.DistributedOptimizer(torch.optim.SparseAdam(emb.parameters(), lr=0.1),
+                                       named_parameters=emb.named_parameters(), sparse_as_dense=densify)
+        for _ in range(2):
+            opt.zero_grad()
+            emb(torch.tensor([rank, rank + 1])).sum().backward()
+            opt.step()
+            expect(emb.weight.grad.is_sparse, f"sparse_as_dense={densify}: the gradient SparseAdam got is sparse")
+        return emb.weight.detach()
+    expect(torch.allclose(sparse_adam(True), sparse_adam(False)), "SparseAdam: sparse_as_dense as the sparse average")
+
 
 def check_optimizer_sparse_gradients():
     """Without sparse_as_dense, a sparse gradient is averaged as Horovod averages it (every rank's

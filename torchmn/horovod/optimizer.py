@@ -134,6 +134,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         self._sync_started = None
         self._sparse_grads: dict = {}      # parameter -> this step's sparse gradient, averaged apart
         self._sparse_dims: dict = {}       # parameter -> sparse_dim, for every parameter ever seen sparse here
+        self._densified: dict = {}         # with sparse_as_dense: parameter -> its sparse gradient's sparse_dim
         _wire_name(compression)            # an unsupported compressor is refused on every rank
         require_comm()  # before hvd.init(), Horovod's message first
         if process_set is not None and process_set.size() is None:
@@ -182,6 +183,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         apart for Horovod's sparse averaging at synchronize, the buckets (dense) getting zeros for it.
         Passes accumulated locally add up here: autograd adds each new sparse gradient to those zeros."""
         if self.sparse_as_dense:
+            # Averaged dense, and sparse again at synchronize: the wrapped optimizer (SparseAdam)
+            # takes what autograd gave it, as with Horovod.
+            self._densified[p] = p.grad.sparse_dim()
             p.grad = p.grad.to_dense()
             return
         kept = self._sparse_grads.get(p)
@@ -277,6 +281,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             for p in self._params:
                 if p.grad is not None:
                     p.grad.mul_(self._comm.size)
+        for p, sparse_dim in self._densified.items():
+            if p.grad is not None and p.grad.layout is torch.strided:
+                p.grad = p.grad.to_sparse(sparse_dim)
         if self._sync_started is not None:
             nbytes = sum(p.numel() * p.element_size() for p in self._params)
             timeline.record("allreduce", "DistributedOptimizer.gradients", nbytes, self._sync_started, time.time(),
