@@ -847,6 +847,39 @@ def check_optimizer_misuse_refused():
     expect_raises(NotImplementedError, lambda: hvd.ProcessSet(object()), "mpi4py")
 
 
+def check_optimizer_load_state_dict_ends_the_step():
+    """As Horovod's: load_state_dict() after a backward pass ends that step, so zero_grad() may
+    follow; training then goes on as if the abandoned pass had not run (with its gradients sent
+    at backward, and with them still accumulating locally)."""
+    rank = hvd.rank()
+
+    def train(passes, abandon):
+        model = _mlp()
+        opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                       named_parameters=model.named_parameters(), backward_passes_per_step=passes)
+
+        def pass_(step):
+            x, y = _batch(rank, step)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.zero_grad()
+        for k in range(passes):
+            pass_(k)
+        opt.step()
+        saved = opt.state_dict()
+        if abandon:
+            opt.zero_grad()
+            pass_(10)  # abandoned: the state is loaded again instead of a step
+            opt.load_state_dict(saved)
+        opt.zero_grad()
+        for k in range(passes):
+            pass_(20 + k)
+        opt.step()
+        return [p.detach().clone() for p in model.parameters()]
+    for passes in (1, 2):
+        expect(all(torch.equal(a, b) for a, b in zip(train(passes, True), train(passes, False))),
+               f"backward_passes_per_step={passes}: training after the abandoned pass")
+
+
 def check_broadcast_optimizer_state_after_reload():
     rank = hvd.rank()
     path = os.path.join(hvd.broadcast_object(tempfile.mkdtemp() if rank == 0 else None, 0), "ckpt.pt")

@@ -473,7 +473,8 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._inner.state_dict()
 
     def load_state_dict(self, state_dict) -> None:
-        """Load a ``state_dict()`` of this or a plain torch optimizer.
+        """Load a ``state_dict()`` of this or a plain torch optimizer. As Horovod's, it ends the step
+        under way: ``zero_grad()`` may follow a backward pass without ``step()``.
 
         Args:
             state_dict: what ``state_dict()`` returned.
@@ -482,6 +483,9 @@ class _DistributedOptimizer(torch.optim.Optimizer):
 
             >>> optimizer.load_state_dict(torch.load("optimizer.pt"))
         """
+        if self._sent_by_backward and not self._synchronized:
+            self._synchronize()  # the averaging every rank started at its backward: finished, not left in flight
+        self.forget_step()
         self._inner.load_state_dict(state_dict)
 
     def add_param_group(self, param_group) -> None:
