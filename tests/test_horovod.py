@@ -23,7 +23,8 @@ ALL = ("allreduce_ops_and_dtypes", "allreduce_inplace", "allreduce_prescale_post
        "optimizer_unused_parameter_gets_zero_gradient", "optimizer_zero_grad_before_step_refused",
        "optimizer_set_backward_passes_per_step", "sync_batch_norm_copies_and_pickles", "optimizer_state_dict_hooks",
        "optimizer_step_skipped_after_synchronize", "same_name_in_two_kinds_of_collective",
-       "timeline_of_rank_0_alone", "objects_travel_by_cloudpickle", "optimizer_load_state_dict_ends_the_step")
+       "timeline_of_rank_0_alone", "objects_travel_by_cloudpickle", "optimizer_load_state_dict_ends_the_step",
+       "submodules_import_as_horovods")
 
 
 @pytest.mark.check_job("horovod")

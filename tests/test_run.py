@@ -85,6 +85,10 @@ def test_each_rank_gets_its_place_and_prefixed_output(np):
         assert env["TORCHMN_NODE_RANK"] == env["GROUP_RANK"] == "0"
         assert env["TORCHMN_NODE_COUNT"] == "1"
         assert env["TORCHMN_HOST"] == socket.gethostname()
+        # horovodrun's names, which Horovod scripts read before hvd.init()
+        assert (env["HOROVOD_RANK"], env["HOROVOD_SIZE"], env["HOROVOD_LOCAL_RANK"], env["HOROVOD_LOCAL_SIZE"],
+                env["HOROVOD_CROSS_RANK"], env["HOROVOD_CROSS_SIZE"], env["HOROVOD_HOSTNAME"]) == \
+            (str(rank), str(np), str(rank), str(np), "0", "1", socket.gethostname())
         assert env["MASTER_ADDR"] == "127.0.0.1"
         assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
         assert env["PYTHONUNBUFFERED"] == "1"

@@ -423,6 +423,15 @@ def check_topology_queries():
     expect_raises(ValueError, hvd.mpi_threads_supported, "MPI is not enabled")
 
 
+def check_submodules_import_as_horovods():
+    """`from horovod.torch.mpi_ops import ...` ported: the same objects as hvd's, working."""
+    from torchmn.horovod import mpi_ops
+    from torchmn.horovod.mpi_ops import Sum, allreduce_async, synchronize
+    total = synchronize(allreduce_async(torch.ones(2), op=Sum, name="through mpi_ops"))
+    expect(total.tolist() == [float(hvd.size())] * 2, f"allreduce through mpi_ops: {total}")
+    expect(all(getattr(mpi_ops, name) is getattr(hvd, name) for name in mpi_ops.__all__), "the same objects")
+
+
 def check_process_set_of_two():
     size, rank = hvd.size(), hvd.rank()
     pair = hvd.add_process_set([0, 1])

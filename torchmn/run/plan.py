@@ -63,8 +63,10 @@ def plan_slots(hosts: Sequence[Tuple[str, int]]) -> List[Slot]:
 
 
 def place_env(slot: Slot) -> Dict[str, str]:
-    """The variables that tell one rank its place among the ranks: torchmn's names and torchrun's
-    (an elastic job's ranks take new ones at each reset).
+    """The variables that tell one rank its place among the ranks: torchmn's names, torchrun's and
+    horovodrun's (``HOROVOD_RANK``..., which Horovod scripts read before ``hvd.init()``, e.g. to
+    choose a GPU; ``HOROVOD_CROSS_RANK``/``_SIZE`` are the host's index and the number of hosts). An
+    elastic job's ranks take new ones at each reset.
 
     Args:
         slot: the rank's place.
@@ -90,6 +92,13 @@ def place_env(slot: Slot) -> Dict[str, str]:
         "LOCAL_RANK": str(slot.local_rank),
         "LOCAL_WORLD_SIZE": str(slot.local_size),
         "GROUP_RANK": str(slot.node_rank),
+        "HOROVOD_HOSTNAME": slot.host,
+        "HOROVOD_RANK": str(slot.rank),
+        "HOROVOD_SIZE": str(slot.size),
+        "HOROVOD_LOCAL_RANK": str(slot.local_rank),
+        "HOROVOD_LOCAL_SIZE": str(slot.local_size),
+        "HOROVOD_CROSS_RANK": str(slot.node_rank),
+        "HOROVOD_CROSS_SIZE": str(slot.node_count),
     }
 
 
