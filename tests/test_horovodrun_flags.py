@@ -27,6 +27,15 @@ def test_horovodrun_common_flags_run_the_job():
     assert "torchmn run: 2 ranks on localhost:2" in proc.stderr  # --verbose
 
 
+def test_horovodrun_single_dash_hostfile(tmp_path):
+    """horovodrun's own spelling, `-hostfile FILE` (its docs write it so), is --hostfile."""
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("localhost slots=2\n")
+    proc = torchmn_run("-np", "2", "-hostfile", str(hostfile), sys.executable, "-c", HVD_SCRIPT)
+    assert proc.returncode == 0, proc.stderr
+    assert "[0] sum [2.0, 2.0]" in proc.stdout and "[1] sum [2.0, 2.0]" in proc.stdout
+
+
 def test_horovodrun_log_level_debug_is_verbose():
     proc = torchmn_run("-np", "1", "--log-level", "debug", sys.executable, "-c", "print('hi')")
     assert proc.returncode == 0 and "threads per rank" in proc.stderr, proc.stderr   # what --verbose prints

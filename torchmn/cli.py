@@ -149,7 +149,7 @@ def _add_run(subparsers) -> None:
     where.add_argument("-H", "--hosts", dest="hosts", default=None, metavar="HOST:N[,HOST:N...]",
                        help="hosts and their slots, e.g. node1:4,node2:4 (a bare host has 1 slot); "
                             "ranks fill the slots in order")
-    where.add_argument("--hostfile", dest="hostfile", default=None, metavar="FILE",
+    where.add_argument("-hostfile", "--hostfile", dest="hostfile", default=None, metavar="FILE",
                        help="a file of 'host slots=N' lines (also 'host:N' or 'host'; # comments)")
     hosts.add_argument("-x", dest="exports", action="append", default=[], metavar="NAME[=VALUE]",
                        help="set this variable for every rank, on this host and the others, like mpirun -x "
