@@ -121,8 +121,11 @@ def test_a_node_that_never_comes_is_named(cluster):
     ({"SKYPILOT_NODE_RANK": "0", "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_IPS": ""}, [],
      "SkyPilot: SKYPILOT_NODE_IPS is empty"),
     ({"PET_NNODES": "1:4", "PET_NODE_RANK": "0"}, [], "PET_NNODES='1:4' is a range of nodes (an elastic policy)"),
+    ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": "0", "SLURM_STEP_ID": "0",
+      "SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_JOB_ID": "42", "SLURM_STEP_NODELIST": "n[1-2]"},
+     ["-H", "localhost:1"], "-H/--hostfile inside a Slurm step of 2 tasks: each task would start a job of its own"),
 ], ids=["rank_outside", "no_rank", "no_master_addr", "sagemaker_hosts_not_json", "skypilot_no_ips",
-        "kubeflow_elastic_range"])
+        "kubeflow_elastic_range", "hosts_inside_a_slurm_step"])
 def test_bad_per_node_input_is_refused_before_any_rank(tmp_path, env, argv, words):
     marker = tmp_path / "started"
     proc = subprocess.run([sys.executable, "-m", "torchmn", "run", *argv, "-np", "1", sys.executable, "-c",

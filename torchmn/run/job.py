@@ -79,7 +79,13 @@ class Job:
         step = per_node_step(config, self.base_env)
         if step is None:
             refuse_outer_launcher(self.base_env)
-            step = None if hosts else slurm_step(self.base_env)
+            step = slurm_step(self.base_env)
+            if step is not None and hosts:
+                raise RunError(f"-H/--hostfile inside a Slurm step of {step.tasks} tasks: each task would start a "
+                               f"job of its own over ssh, and they would train apart. In a Slurm step, one "
+                               f"torchmn run per node makes the job of the step's nodes: drop -H/--hostfile "
+                               f"(`srun --ntasks-per-node 1 torchmn run -np RANKS_PER_NODE ...`), or start "
+                               f"torchmn run -H once, outside srun.")
         self.nodes = None if step is None else NodeLaunchers(step, config.np, config.start_timeout, self.base_env)
         # The job's secret: only processes started with it (or that prove they know it) reach the
         # store; see docs/security.md. The launchers of one job, one per node, share theirs.
