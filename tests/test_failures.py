@@ -10,6 +10,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 
 import pytest
@@ -95,3 +96,37 @@ def test_leaving_the_world_closes_connections_held_in_an_old_reference_cycle(hol
     seconds, outcome = report.split(" ", 1)
     assert outcome.startswith("raised"), report
     assert float(seconds) < 20, report
+
+
+SUB_COMMUNICATOR_JOB = r"""
+import sys, time, torch, torchmn
+comm = torchmn.create_communicator(timeout=4)
+sub = comm.split(color=0 if comm.rank == 0 else 1, key=comm.rank)  # job ranks 1, 2 are its ranks 0, 1
+comm.barrier()
+if comm.rank == 2:
+    if sys.argv[1] == "stall":
+        time.sleep(10)
+        sys.exit(0)
+    raise ValueError("boom from rank 2")
+if comm.rank == 1:
+    try:
+        sub.allreduce(torch.ones(2))
+    except Exception as e:
+        print("CAUGHT", type(e).__name__, e, flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["stall", "raise"])
+def test_a_split_communicators_errors_name_the_jobs_ranks_too(mode):
+    """On a communicator split off the job, whose rank r is another rank of the job, the errors
+    name each rank with its rank in the job (what the launcher's prefixes and summary show), so
+    that rank 2 of the job stalling or raising is not reported as rank 1 or 0."""
+    proc = subprocess.run(launcher_argv("torchmn", 3) + [sys.executable, "-c", SUB_COMMUNICATOR_JOB, mode], cwd=REPO,
+                          env=clean_env(), capture_output=True, text=True, timeout=120)
+    caught = [line for line in proc.stdout.splitlines() if line.startswith("[1] CAUGHT")]
+    assert caught, proc.stdout + proc.stderr
+    if mode == "stall":
+        assert "rank 1 (rank 2 of the job, " in caught[0] and "rank 0 (rank 1 of the job, " in caught[0], caught[0]
+    else:
+        assert "stopped on rank 0 (rank 1 of the job, " in caught[0], caught[0]
+        assert "rank 2 of the job (" in caught[0] and "ValueError: boom from rank 2" in caught[0], caught[0]

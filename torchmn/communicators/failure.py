@@ -97,8 +97,25 @@ class Failure:
             >>> str(Failure(rank=1, host="node1", pid=4242, error="ValueError: boom"))
             "rank 1 (node1) ended with an uncaught ValueError: boom (its traceback is in that rank's output)"
         """
-        return (f"rank {self.rank} ({self.host}) ended with an uncaught {self.error} (its traceback is in that "
-                f"rank's output)")
+        return self.describe()
+
+    def describe(self, of_the_job: bool = False) -> str:
+        """The failure in words; ``of_the_job``: say that the rank is the job's (where the message
+        is about a communicator that numbers its ranks otherwise).
+
+        Args:
+            of_the_job: name the rank as ``rank N of the job``.
+
+        Returns:
+            As ``str()``.
+
+        Example::
+
+            >>> Failure(rank=1, host="node1", pid=4242, error="ValueError: boom").describe(of_the_job=True)[:30]
+            'rank 1 of the job (node1) ende'
+        """
+        return (f"rank {self.rank}{' of the job' if of_the_job else ''} ({self.host}) ended with an uncaught "
+                f"{self.error} (its traceback is in that rank's output)")
 
 
 def install() -> None:
@@ -180,13 +197,15 @@ def recorded() -> Optional[Failure]:
     return failed
 
 
-def stopped_by(failure: Failure, what: str, me: str) -> RankFailedError:
+def stopped_by(failure: Failure, what: str, me: str, of_the_job: bool = False) -> RankFailedError:
     """The error for a rank whose call failed because ``failure``'s rank broke off.
 
     Args:
         failure: what :func:`recorded` found.
         what: the call, as the message names it ("allreduce (collective #8 of this communicator)").
         me: this rank, as the message names it ("rank 0 (host1)").
+        of_the_job: the call's communicator numbers its ranks otherwise than the job: the failed
+            rank is named as the job's.
 
     Returns:
         A :class:`RankFailedError`, to raise from what the call raised (which says only that a peer
@@ -196,8 +215,8 @@ def stopped_by(failure: Failure, what: str, me: str) -> RankFailedError:
 
         >>> raise failure.stopped_by(failure.recorded(), "allreduce", "rank 0 (node0)") from error
     """
-    return RankFailedError(f"{what} stopped on {me}: {failure}; nothing went wrong on this rank",
-                           failure=failure)
+    return RankFailedError(f"{what} stopped on {me}: {failure.describe(of_the_job)}; nothing went wrong on this "
+                           f"rank", failure=failure)
 
 
 def _excepthook(exc_type, exc, tb) -> None:

@@ -151,7 +151,7 @@ class HierarchicalCommunicator(FlatCommunicator):
             node=self.inter_rank, local_rank=self.intra_rank, local_size=self.intra_size,
             pids=[pids[r] for r in my_node], agree=self.allgather_obj,
             timeout=collective_timeout_s(),
-            describe=lambda i: f"rank {my_node[i]} (node {self.inter_rank}, {self.host})")
+            describe=lambda i: watch.name_rank(self, my_node[i], node=self.inter_rank))
         # A small /dev/shm (Docker's default is 64 MB) means smaller slots, or TCP inside the node.
         # Sized for the largest node, so that every rank decides alike: opening a segment or the
         # mailboxes is a collective of every rank, also where nodes hold different rank counts.

@@ -119,11 +119,11 @@ def _watched_p2p(peer_arg: str, fn: Callable) -> Callable:
             direction = "from" if kind.startswith("recv") else "to"
             failed = failure.recorded()
             if failed is not None:
-                raise failure.stopped_by(failed, f"{kind} {direction} rank {peer}",
-                                         f"rank {comm.rank} ({_host(comm, comm.rank)})") from e
+                raise failure.stopped_by(failed, f"{kind} {direction} rank {peer}", name_rank(comm, comm.rank),
+                                         of_the_job=not _numbered_as_the_job(comm)) from e
             raise CollectiveTimeoutError(
-                f"{kind} {direction} rank {peer} ({_host(comm, peer) if isinstance(peer, int) else 'host unknown'}) "
-                f"failed on rank {comm.rank} ({_host(comm, comm.rank)}): rank {peer} did not make the matching "
+                f"{kind} {direction} {name_rank(comm, peer) if isinstance(peer, int) else f'rank {peer}'} "
+                f"failed on {name_rank(comm, comm.rank)}: rank {peer} did not make the matching "
                 f"{other}{'_obj' if kind.endswith('_obj') else ''} with the same tag within the timeout, or "
                 f"exited. (torch.distributed said: {e})") from e
         finally:
@@ -202,8 +202,7 @@ def timed_out(comm, seq: int, kind: str, error: BaseException) -> CollectiveTime
         ... except RuntimeError as e:           # torch's "Timed out waiting ..." names nobody
         ...     raise watch.timed_out(comm, comm.call_log.calls, "allreduce", e) from e
     """
-    me = f"rank {comm.rank} ({_host(comm, comm.rank)})"
-    head = f"{kind} (collective #{seq} of this communicator) failed on {me}"
+    head = f"{kind} (collective #{seq} of this communicator) failed on {name_rank(comm, comm.rank)}"
     advice = ("Every rank must call the same collectives in the same order; if one legitimately needs "
               "longer, raise the timeout (TORCHMN_TIMEOUT in seconds, create_communicator(timeout=...), or "
               "init_process_group(timeout=...) where the script sets up torch.distributed itself).")
@@ -228,13 +227,12 @@ def _naming_the_ranks(comm, seq: int, kind: str, error: BaseException) -> Option
     failed = failure.recorded()
     if failed is not None:  # a rank ended with an uncaught exception: no grace period to wait out
         return failure.stopped_by(failed, f"{kind} (collective #{seq} of this communicator)",
-                                  f"rank {comm.rank} ({_host(comm, comm.rank)})")
+                                  name_rank(comm, comm.rank), of_the_job=not _numbered_as_the_job(comm))
     if protocol.enabled(os.environ):
         # An elastic job: the launcher knows who is gone and the survivors move on at once (see
         # torchmn.elastic); waiting out the grace period to name them would only delay that.
         return error if shm_lost else PeerLostError(
-            f"{kind} (collective #{seq} of this communicator) failed on rank {comm.rank} "
-            f"({_host(comm, comm.rank)}): a peer was lost ({str(error).splitlines()[0] if str(error) else error!r})")
+            f"{kind} (collective #{seq} of this communicator) failed on {name_rank(comm, comm.rank)}: a peer was lost ({str(error).splitlines()[0] if str(error) else error!r})")
     return _diagnosed(comm, seq, kind, error) if shm_lost else timed_out(comm, seq, kind, error)
 
 
@@ -257,6 +255,38 @@ def _host(comm, r: int) -> str:
     return hosts[r] if hosts else "host unknown"
 
 
+def _numbered_as_the_job(comm) -> bool:
+    """Whether ``comm``'s rank r is the job's rank r (not so for most communicators ``split`` made)."""
+    try:
+        return comm.size == (dist.get_world_size() if dist.is_initialized() else 1) and \
+            all(comm.world_rank(r) == r for r in range(comm.size))
+    except (RuntimeError, ValueError):  # its groups are gone (finalized): its own numbers only
+        return True
+
+
+def name_rank(comm, r: int, node: Optional[int] = None) -> str:
+    """Rank ``r`` of ``comm`` as error messages name it: with its host (and ``node``), and, on a
+    communicator that numbers its ranks otherwise than the job (one ``split`` made), its rank in the
+    job, which the launcher's output prefixes and summaries show.
+
+    Args:
+        comm: the communicator.
+        r: a rank of it.
+        node: its node's index, where the message is about a node.
+
+    Returns:
+        ``"rank 1 (host1)"``, ``"rank 1 (node 0, host1)"`` or ``"rank 1 (rank 2 of the job, host1)"``.
+
+    Example::
+
+        >>> name_rank(half, 1)
+        'rank 1 (rank 3 of the job, node1)'
+    """
+    where = ([] if _numbered_as_the_job(comm) else [f"rank {comm.world_rank(r)} of the job"]) + \
+        ([] if node is None else [f"node {node}"]) + [_host(comm, r)]
+    return f"rank {r} ({', '.join(where)})"
+
+
 def _ask_the_store(store, comm, seq: int, kind: str, within: str = "within the timeout"):
     prefix = f"torchmn/watch/{comm.call_log.tag}/"
     store.set(f"{prefix}{seq}/{comm.rank}", kind)
@@ -270,7 +300,7 @@ def _ask_the_store(store, comm, seq: int, kind: str, within: str = "within the t
         return None
     problems = []
     for r in range(comm.size):
-        who = f"rank {r} ({_host(comm, r)})"
+        who = name_rank(comm, r)
         if r in arrived:
             if arrived[r] != kind:
                 problems.append(f"{who} called {arrived[r]} instead")
@@ -283,4 +313,6 @@ def _ask_the_store(store, comm, seq: int, kind: str, within: str = "within the t
             problems.append(f"{who} never called it{' ' + within if within else ''} (still computing, waiting in "
                             f"another call, or exited)")
     waiting = sorted(r for r, k in arrived.items() if k == kind)
-    return "; ".join(problems) + f". Waiting for them: rank(s) {', '.join(map(str, waiting))}"
+    numbered = _numbered_as_the_job(comm)
+    return "; ".join(problems) + ". Waiting for them: rank(s) " + ", ".join(
+        str(r) if numbered else f"{r} (rank {comm.world_rank(r)} of the job)" for r in waiting)
