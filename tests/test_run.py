@@ -849,3 +849,26 @@ def test_torchmn_run_inside_a_rank_of_several_is_refused():
                        "print('RAN')")
     assert proc.returncode != 0 and "RAN" not in proc.stdout, proc.stdout + proc.stderr
     assert "torchmn run was started as one of 2 torchmn processes" in proc.stdout + proc.stderr, proc.stdout
+
+
+def test_a_master_addr_that_only_resolves_to_loopback_here_is_warned_of():
+    """--nnodes: node 0 given a name that resolves to a loopback address only here (Debian's
+    /etc/hosts line for the machine's own name) listens there, where no other machine reaches it:
+    it says so. A literal loopback address (every node on this machine) brings no warning. The
+    first half runs where this machine's name resolves to loopback, as on Debian and here."""
+    def node_0(addr):
+        return torchmn_run("--nnodes", "2", "--node-rank", "0", "--master-addr", addr, "--master-port",
+                           str(free_port()), "--start-timeout", "2", "-np", "1", sys.executable, "-c", "pass",
+                           env=clean_env())
+    name = socket.gethostname()
+    try:
+        own_name_is_loopback = socket.gethostbyname(name).startswith("127.")
+    except OSError:
+        own_name_is_loopback = False
+    if own_name_is_loopback:
+        proc = node_0(name)
+        assert proc.returncode == 2, proc.stderr
+        assert f"warning: {name!r} is a loopback address on this node" in proc.stderr, proc.stderr
+        assert "pass node 0's IP address as --master-addr on every node" in proc.stderr, proc.stderr
+    proc = node_0("127.0.0.1")
+    assert proc.returncode == 2 and "is a loopback address on this node" not in proc.stderr, proc.stderr

@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import os
 import socket
+import sys
 import time
 from typing import Callable, List, Mapping, Optional, Sequence, Tuple
 
@@ -280,6 +281,14 @@ class NodeLaunchers:
             routed = network.route_address(others[0]) if others else None
             if routed and not network.is_loopback(routed):
                 return routed
+            if not network.is_loopback(master_addr, resolve=False):
+                # The other nodes are unknown here (--nnodes): a name written as loopback means one
+                # machine, but one that only resolves to it here cannot be reached from elsewhere.
+                sys.stderr.write(f"torchmn run: warning: {master_addr!r} is a loopback address on this node "
+                                 f"({socket.gethostbyname(master_addr)}, as Debian's /etc/hosts gives a machine's "
+                                 f"own name), so the rendezvous listens there and only launchers on this machine "
+                                 f"reach it; on several machines pass node 0's IP address as --master-addr on "
+                                 f"every node.\n")
         return master_addr
 
     def check_in(self, interrupted: Callable[[], None] = lambda: None) -> None:
