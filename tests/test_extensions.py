@@ -111,6 +111,17 @@ def test_atomic_save_leaves_only_final_file(tmp_path):
     assert os.listdir(tmp_path) == ["x.pt"] and torch.equal(torch.load(path)["a"], torch.ones(2))
 
 
+def test_atomic_save_returns_the_size_written_also_when_the_writer_seeks_back(tmp_path):
+    """A writer that patches a header at the end (as zip or tar writers do) leaves the file's
+    position short of its size: the size returned is the file's."""
+    def patched(obj, f):
+        f.write(b"\0" * 4 + b"x" * 1000)
+        f.seek(0)
+        f.write(b"HDR!")
+    path = tmp_path / "x.bin"
+    assert atomic_save({}, str(path), savefun=patched) == os.path.getsize(path) == 1004
+
+
 def test_snapshots_are_readable_as_the_umask_says(tmp_path):
     """mkstemp's 0600 would keep the user's other jobs (an evaluation job, say) from reading them."""
     old = os.umask(0o022)

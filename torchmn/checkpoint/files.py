@@ -149,7 +149,7 @@ def atomic_save(obj: Any, path: str, savefun: Callable[[Any, Any], None] = torch
             savefun(obj, f)
             f.flush()
             os.fsync(f.fileno())
-            size = f.tell()
+            size = os.fstat(f.fileno()).st_size  # not tell(): a writer may seek back to patch a header
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
