@@ -131,17 +131,22 @@ def test_restart_on_that_does_not_match_does_not_restart():
 
 
 def test_restart_on_a_signal_name_restarts_a_rank_killed_by_it():
-    code = ("import os, signal\n"
+    """The report says the rank was killed by the signal, and nothing more: not its last line of
+    output (progress, or a traceback it handled long before) as if that were the error."""
+    code = ("import os, signal, sys\n"
             "count = int(os.environ['TORCHMN_RESTART_COUNT'])\n"
             "print('start', count, flush=True)\n"
             "if count == 0 and os.environ['RANK'] == '1':\n"
+            "    sys.stderr.write('Traceback (most recent call last):\\n  File \"x.py\", line 1\\n'\n"
+            "                     'ValueError: handled long ago\\nloading batch 17 ...\\n')\n"
+            "    sys.stderr.flush()\n"
             "    os.kill(os.getpid(), signal.SIGKILL)\n")
     proc = torchmn_run("-np", "2", "--max-restarts", "1", "--restart-on", "3,SIGKILL", "--restart-delay", "0",
                        PY, "-c", code, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert starts(proc.stdout, 1) == [0, 1], proc.stdout
     assert re.search(r"after start 0 \(ran [\d.]+ s\): rank 1 \(host \S+\) was killed by signal SIGKILL "
-                     r"\(exit code 137\)", proc.stderr), proc.stderr
+                     r"\(exit code 137\)$", proc.stderr, re.MULTILINE), proc.stderr
 
 
 def test_restart_keeps_a_fixed_master_port(tmp_path):

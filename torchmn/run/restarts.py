@@ -139,6 +139,10 @@ def _failure_of(job: "Job", start: int, seconds: float) -> Optional[FailedStart]
     failed = job.first_failure
     if failed is None or job.received_signal is not None or job.start_failure or job.node_failure:
         return None
+    if failed.returncode < 0:
+        # Killed by a signal: that is the cause; its last line of output (progress, or a traceback it
+        # handled long before) is not an error.
+        return FailedStart(start, failed.slot.rank, failed.slot.host, failed.returncode, "", seconds)
     # torch.distributed prefixes a rank's traceback lines with "[rank1]: ": the rank is named already.
     lines = [_TORCH_PREFIX.sub("", line).strip() for line in extract_traceback(list(failed.output.tail))]
     lines = [line for line in lines if line]
