@@ -136,6 +136,20 @@ def test_bad_per_node_input_is_refused_before_any_rank(tmp_path, env, argv, word
     assert not marker.exists()
 
 
+def test_np_left_out_is_the_ranks_per_node_a_platform_asks_for():
+    """As the SageMaker docs promise: one rank per GPU (SM_NUM_GPUS) where -np is left out; where
+    the platform names no count, -np is required."""
+    sagemaker = {"SM_HOSTS": '["algo-1", "algo-2"]', "SM_CURRENT_HOST": "algo-2"}
+    argv = [sys.executable, "-m", "torchmn", "run", "--dry-run", sys.executable, "-c", "pass"]
+    proc = subprocess.run(argv, cwd=REPO, env=clean_env({**sagemaker, "SM_NUM_GPUS": "4"}), capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "-np 4 (ranks per node) from SageMaker's variables" in proc.stderr, proc.stderr
+    assert "4 of the 8 ranks (this node's)" in proc.stdout, proc.stdout
+    proc = subprocess.run(argv, cwd=REPO, env=clean_env(sagemaker), capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "required: -np/--num-proc" in proc.stderr, proc.stderr
+
+
 def test_two_launchers_claiming_one_node_rank_are_refused(cluster):
     """Two launchers say --node-rank 1: the second to reach the store is told another node holds it.
 

@@ -183,6 +183,20 @@ def _default_ssh() -> str:
     return DEFAULT_SSH_COMMAND
 
 
+def _platforms_ranks_per_node() -> Optional[int]:
+    """The ranks per node a platform asks for where ``-np`` is left out (one GPU each on SageMaker
+    and SkyPilot, Kubeflow's ``PET_NPROC_PER_NODE``), said on stderr; None elsewhere."""
+    from torchmn.environments.platforms import PlatformError, detect_platform
+    try:
+        place = detect_platform(os.environ)
+    except PlatformError:  # the job reports it, with the rest of its checks
+        return None
+    if place is None or place.nproc_per_node is None:
+        return None
+    sys.stderr.write(f"torchmn run: -np {place.nproc_per_node} (ranks per node) from {place.source}'s variables\n")
+    return place.nproc_per_node
+
+
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from torchmn import resources
     from torchmn.run.remote import hostfile
@@ -193,6 +207,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     if args.check_build:
         print(horovodrun_flags.build_report())
         return 0
+    if args.np is None:
+        args.np = _platforms_ranks_per_node()
     if args.np is None:
         parser.error("the following arguments are required: -np/--num-proc")
     notes, refusal = horovodrun_flags.translate(args)
