@@ -6,24 +6,15 @@ Example::
     >>> from torchmn.horovod.mpi_ops import allreduce_async, synchronize, Sum
     >>> total = synchronize(allreduce_async(torch.ones(2), op=Sum))
 """
-from torchmn.horovod.allreduce_collectives import (allreduce, allreduce_, allreduce_async, allreduce_async_,
-                                                   grouped_allreduce, grouped_allreduce_, grouped_allreduce_async,
-                                                   grouped_allreduce_async_)
-from torchmn.horovod.basics import (ccl_built, cross_rank, cross_size, cuda_built, ddl_built, gloo_built, gloo_enabled,
-                                    init, is_homogeneous, is_initialized, local_rank, local_size, mpi_built,
-                                    mpi_enabled, mpi_threads_supported, nccl_built, rank, rocm_built, shutdown, size)
-from torchmn.horovod.coordination import join
-from torchmn.horovod.errors import HorovodInternalError
-from torchmn.horovod.exchange_collectives import (allgather, allgather_async, alltoall, alltoall_async, broadcast,
-                                                  broadcast_, broadcast_async, broadcast_async_, grouped_allgather,
-                                                  grouped_allgather_async, grouped_reducescatter,
-                                                  grouped_reducescatter_async, reducescatter, reducescatter_async,
-                                                  sparse_allreduce_async)
-from torchmn.horovod.functions import barrier
-from torchmn.horovod.handles import poll, synchronize
-from torchmn.horovod.process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from torchmn.horovod.reduction_ops import (Adasum, Average, Max, Min, Product, Sum,
-                                           handle_average_backwards_compatibility)
+from torchmn.horovod import (  # the package's own objects: one set of names, two import paths
+    Adasum, Average, HorovodInternalError, Max, Min, Product, ProcessSet, Sum, add_process_set, allgather,
+    allgather_async, allreduce, allreduce_, allreduce_async, allreduce_async_, alltoall, alltoall_async, barrier,
+    broadcast, broadcast_, broadcast_async, broadcast_async_, ccl_built, cross_rank, cross_size, cuda_built, ddl_built,
+    global_process_set, gloo_built, gloo_enabled, grouped_allgather, grouped_allgather_async, grouped_allreduce,
+    grouped_allreduce_, grouped_allreduce_async, grouped_allreduce_async_, grouped_reducescatter,
+    grouped_reducescatter_async, handle_average_backwards_compatibility, init, is_homogeneous, is_initialized, join,
+    local_rank, local_size, mpi_built, mpi_enabled, mpi_threads_supported, nccl_built, poll, rank, reducescatter,
+    reducescatter_async, remove_process_set, rocm_built, shutdown, size, sparse_allreduce_async, synchronize)
 
 __all__ = [
     "Adasum", "Average", "HorovodInternalError", "Max", "Min", "Product", "ProcessSet", "Sum", "add_process_set",
