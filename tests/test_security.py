@@ -424,6 +424,68 @@ def test_a_stranger_who_connects_before_the_store_port_is_signed_is_cut_off():
     assert f"(python) of user {psutil.Process().username()}" in lines[0], lines
 
 
+# What a stranger runs in the moment between the store's start and the signing of its port.
+HIT_AND_RUN = """
+import sys
+from torch.distributed import TCPStore
+store = TCPStore("127.0.0.1", int(sys.argv[1]), is_master=False, wait_for_workers=False)
+store.set("stranger/key", "planted")
+"""  # and exits, closing its connection before anyone can name it
+SAME_PORT_ELSEWHERE = """
+import socket, sys, time
+sock = socket.socket()
+sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+sock.bind(("127.0.0.2", int(sys.argv[2])))  # the port number of the store's own client
+sock.connect(("127.0.0.1", int(sys.argv[1])))
+print("HELD", flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("stranger", ["hit_and_run", "same_port_elsewhere"])
+def test_a_stranger_the_store_cannot_see_by_port_is_cut_off_too(monkeypatch, stranger):
+    """Strangers in the moment before the store's port is signed that the port numbers alone do not
+    show: one that writes and leaves (no connection left to see: the store holds its key), and one
+    connecting from another loopback address with the port number of the store's own client. The
+    store the job gets holds nothing and serves no stranger, and the launcher says so."""
+    sign, started = rendezvous.sign, []
+
+    def stranger_then_sign(listener, key):
+        store_port = listener.getsockname()[1]
+        client = [c.laddr.port for c in psutil.Process().net_connections("tcp")
+                  if c.raddr and c.raddr.port == store_port]
+        if client and not started:  # the first store's port only (not the gate's): a stranger is there once
+            if stranger == "hit_and_run":
+                subprocess.run([sys.executable, "-c", HIT_AND_RUN, str(store_port)], check=True, timeout=60)
+            else:
+                held = subprocess.Popen([sys.executable, "-c", SAME_PORT_ELSEWHERE, str(store_port), str(client[0])],
+                                        stdout=subprocess.PIPE, text=True)
+                assert held.stdout.readline().strip() == "HELD"
+            started.append(held if stranger != "hit_and_run" else None)
+        return sign(listener, key)
+
+    monkeypatch.setattr(rendezvous, "sign", stranger_then_sign)
+    lines = []
+    hosted = rendezvous.start_store("127.0.0.1", None, log=lines.append)
+    try:
+        port = hosted.store.port
+        assert started, "the stranger never ran: nothing was checked"
+        assert hosted.store.num_keys() == 0 or not hosted.store.check(["stranger/key"]), "the stranger's key is in the job's store"
+        strangers = [c for c in psutil.net_connections("tcp") if c.laddr.port == port and c.raddr
+                     and c.raddr.ip == "127.0.0.2" and c.status == psutil.CONN_ESTABLISHED]
+        assert not strangers, strangers
+        hosted.store.set("still/works", "yes")
+        assert hosted.store.get("still/works") == b"yes"
+    finally:
+        hosted.close()
+        if started and started[0] is not None:
+            started[0].kill()
+            started[0].wait()
+    assert len(lines) == 1 and "cut off connections to the rendezvous store's port on 127.0.0.1" in lines[0], lines
+    words = "wrote 1 key(s) and closed" if stranger == "hit_and_run" else "from 127.0.0.2:"
+    assert words in lines[0], lines
+
+
 CLOSE_WHILE_STARTING = """
 import sys, threading
 import psutil

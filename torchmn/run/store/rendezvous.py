@@ -3,6 +3,7 @@ it is reached on. Who may pass the gate is in ``torchmn.run.store.gate`` and ``d
 from __future__ import annotations
 
 import errno
+import ipaddress
 import os
 import secrets
 import socket
@@ -282,8 +283,12 @@ def _start_tcp_store(address: str, key: Optional[bytes], log: Callable[[str], No
         if key is None:
             return store, store_port
         strangers, closed = _cut_off_strangers(store_port)
-        if not strangers:
+        # Empty whether or not a stranger is still connected: one may have written and left.
+        written = store.num_keys() != 0
+        if not strangers and not written:
             return store, store_port
+        if written and not strangers:
+            strangers = [f"a connection that wrote {store.num_keys()} key(s) and closed before it could be named"]
         log(f"torchmn run: cut off connections to the rendezvous store's port on {address} made before the "
             f"kernel closed it to all but the gate: {'; '.join(strangers)}")
         if closed and store.num_keys() == 0:
@@ -330,28 +335,38 @@ def _cut_off_strangers(store_port: int) -> Tuple[List[str], bool]:
     import psutil
 
     deadline = time.monotonic() + CUT_OFF_SECONDS
-    described: Dict[int, str] = {}
+    described: Dict[tuple, str] = {}
     while True:
         mine = psutil.Process().net_connections("tcp")
-        ours = {c.laddr.port for c in mine if c.raddr and c.raddr.port == store_port}
-        served = {c.raddr.port: c.fd for c in mine if c.laddr.port == store_port and c.raddr}
-        strangers = {c.raddr.port: c for c in psutil.net_connections("tcp") if c.laddr.port == store_port
-                     and c.raddr and c.raddr.port not in ours and c.status in _OPEN}
-        for port, c in strangers.items():
-            if port not in described:
+        # This process's own client connections, by their whole address: a stranger may use the same
+        # port number from another loopback address (127.0.0.2).
+        ours = {_endpoint(c.laddr) for c in mine if c.raddr and c.raddr.port == store_port}
+        served = {_endpoint(c.raddr): c.fd for c in mine if c.laddr.port == store_port and c.raddr}
+        strangers = {_endpoint(c.raddr): c for c in psutil.net_connections("tcp") if c.laddr.port == store_port
+                     and c.raddr and _endpoint(c.raddr) not in ours and c.status in _OPEN}
+        for peer, c in strangers.items():
+            if peer not in described:
                 held = holder_of(tuple(c.raddr), tuple(c.laddr))
-                described[port] = f"from {c.raddr.ip}:{port} ({held.describe() if held.found else 'another host'})"
+                described[peer] = f"from {c.raddr.ip}:{c.raddr.port} ({held.describe() if held.found else 'elsewhere'})"
         if not strangers:
             return list(described.values()), True
-        for port in strangers & served.keys():
+        for peer in strangers.keys() & served.keys():
             try:
-                with socket.socket(fileno=os.dup(served[port])) as server_side:
+                with socket.socket(fileno=os.dup(served[peer])) as server_side:
                     server_side.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass  # closed meanwhile
         if time.monotonic() > deadline:
             return list(described.values()), False
         time.sleep(0.01)
+
+
+def _endpoint(addr) -> Tuple[str, int]:
+    """(address, port) of a psutil address, an IPv4 address seen through an IPv6 socket
+    (``::ffff:127.0.0.1``, as the store's own client is) written as IPv4."""
+    ip = ipaddress.ip_address(addr.ip)
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return str(mapped or ip), addr.port
 
 
 _OPEN = ("ESTABLISHED", "CLOSE_WAIT")  # psutil's names: states in which the store may still read requests
