@@ -354,6 +354,23 @@ def test_a_finalized_communicator_refuses_collectives():
             call()
 
 
+def test_a_split_finalized_after_its_world_is_left_alone(tmp_path):
+    """A split communicator finalized only after the world it was split from was finalized and a
+    new one set up: its groups belong to the world left, so they are dropped (not kept for the new
+    world's splits), and the new world splits as usual."""
+    script = tmp_path / "job.py"
+    script.write_text("import torch, torchmn\n"
+                      "comm = torchmn.create_communicator()\n"
+                      "sub = comm.split(color=comm.rank % 2, key=comm.rank)\n"
+                      "comm.finalize()\n"
+                      "again = torchmn.create_communicator()\n"
+                      "sub.finalize()\n"
+                      "half = again.split(color=again.rank % 2, key=again.rank)\n"
+                      "assert half.allreduce(torch.ones(1)).item() == half.size\n"
+                      "print('SPLIT AGAIN', flush=True)\n")
+    assert run_job(script, [], np=2, timeout=60).stdout.count("SPLIT AGAIN") == 2
+
+
 def test_ranks_asking_for_different_algorithms_are_told_at_once(tmp_path):
     script = tmp_path / "job.py"
     script.write_text("import sys, torchmn\n"

@@ -82,7 +82,19 @@ def test_other_ranks_can_catch_the_named_error(tmp_path):
         assert "ended with an uncaught ValueError: boom from rank 1" in outputs[rank], outputs[rank]
 
 
-@pytest.mark.parametrize("holder", ["group", "handle"])
+def test_a_failed_rank_that_finalized_a_split_is_seen_at_once(tmp_path):
+    """A rank that finalized a split communicator (whose groups wait for a later split) and then
+    raises, with a thread still keeping its process alive, closes its connections as it fails:
+    the others raise within seconds, not when its process ends 30 s later."""
+    outputs, codes, _ = run_by_hand("split", tmp_path)
+    for rank in (0, 2, 3):
+        match = re.search(r"CAUGHT (\w+) failed_rank=(\S+) after=([\d.]+)", outputs[rank])
+        assert match, outputs[rank]
+        assert match.group(1, 2) == ("RankFailedError", "1"), outputs[rank]
+        assert float(match.group(3)) < 15, outputs[rank]
+
+
+@pytest.mark.parametrize("holder", ["group", "handle", "split"])
 def test_leaving_the_world_closes_connections_held_in_an_old_reference_cycle(holder, tmp_path):
     """A rank that leaves its world and goes on (an elastic rank moving to a new world) closes the
     gloo connections that only an old, garbage reference cycle still holds (through the world's

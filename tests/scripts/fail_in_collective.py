@@ -8,11 +8,15 @@ Usage: fail_in_collective.py MODE OUT_DIR
              "CAUGHT <class> failed_rank=<r> after=<seconds since the raise>", then exit 0.
              Rank 3 comes to its next collective 1.5 s late, when rank 0 (which hosts the store
              where the ranks are started by hand) has caught the error and is ending.
+  split      like catch, with a split communicator finalized before, and rank 1 still running a
+             thread that is not a daemon (its process goes on for 30 s after the raise): the
+             others learn of the failure from rank 1's closed connections, not from its exit.
   kill       rank 1 writes its pid to OUT_DIR/pid, and every rank loops on allreduces until the
              test kills rank 1.
 """
 import os
 import sys
+import threading
 import time
 
 import torch
@@ -46,6 +50,10 @@ def work():
 
 for _ in range(3):
     work()
+if mode == "split":  # its groups wait, idle, for a later split
+    comm.split(color=comm.rank % 2, key=comm.rank).finalize()
+    if comm.rank == 1:
+        threading.Thread(target=time.sleep, args=(30,), daemon=False).start()
 comm.barrier()  # every rank has started and is in the loop below
 if comm.rank == 1 and mode != "kill":
     time.sleep(0.5)  # the others are waiting for this rank in work() by now
@@ -53,13 +61,13 @@ if comm.rank == 1 and mode != "kill":
     raise ValueError("boom from rank 1")
 if comm.rank == 1:
     write("pid", str(os.getpid()))
-if comm.rank == 3 and mode == "catch":
+if comm.rank == 3 and mode in ("catch", "split"):
     time.sleep(1.5)
 try:
     while True:
         work()
 except torchmn.CollectiveTimeoutError as e:
-    if mode != "catch":
+    if mode not in ("catch", "split"):
         raise
     raised = float(open(os.path.join(out, "raised_at")).read())
     failed = getattr(e, "failure", None)

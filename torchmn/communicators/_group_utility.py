@@ -10,7 +10,8 @@ ranks and backend takes it (its connections are made already) instead of opening
 that splits and finalizes in a loop keeps its open files and sockets level."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import weakref
+from typing import Callable, Optional, Sequence
 
 import torch.distributed as dist
 
@@ -43,14 +44,17 @@ def match_group_counts(counts: list[Optional[int]]) -> None:
 
 
 _idle: dict = {}  # (backend, world ranks) -> {group name: group} of finalized communicators' groups
-_idle_world = None  # the world they belong to: a new world (an elastic job's reset) voids them
+# The world they belong to: a new world (an elastic job's reset) voids them. Weak, so that a
+# world being left closes its connections at once, as the other ranks learn of it by them.
+_idle_world: Callable[[], object] = lambda: None
 
 
 def _current_idle() -> dict:
     global _idle_world
-    if _idle_world is not dist.group.WORLD:
+    if _idle_world() is not dist.group.WORLD:
         _idle.clear()
-        _idle_world = dist.group.WORLD
+        world_group = dist.group.WORLD
+        _idle_world = weakref.ref(world_group) if world_group is not None else (lambda: None)
     return _idle
 
 
@@ -67,7 +71,10 @@ def release(group) -> None:
     """
     if group in (None, dist.GroupMember.NON_GROUP_MEMBER) or not dist.is_initialized() or group == dist.group.WORLD:
         return
-    key = (str(dist.get_backend(group)), tuple(dist.get_process_group_ranks(group)))
+    try:
+        key = (str(dist.get_backend(group)), tuple(dist.get_process_group_ranks(group)))
+    except (ValueError, RuntimeError):
+        return  # a group of a world left before (torch no longer knows it): nothing to use again
     _current_idle().setdefault(key, {})[group.group_name] = group
 
 
