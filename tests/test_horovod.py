@@ -81,6 +81,33 @@ def _python(code: str) -> subprocess.CompletedProcess:
                           timeout=60)
 
 
+UNEVEN_NODES = """
+import os
+rank = int(os.environ["RANK"])
+node, local, local_size = [(0, 0, 1), (1, 0, 2), (1, 1, 2)][rank]  # node 0 runs 1 rank, node 1 runs 2
+os.environ.update(TORCHELASTIC_RUN_ID="uneven", GROUP_RANK=str(node), LOCAL_RANK=str(local),
+                  LOCAL_WORLD_SIZE=str(local_size))  # as torchrun would set them
+import torchmn.horovod as hvd
+hvd.init()
+print("CROSS", hvd.rank(), hvd.cross_rank(), hvd.cross_size(), hvd.is_homogeneous(), flush=True)
+"""
+
+
+def test_horovod_cross_rank_counts_the_nodes_holding_the_local_rank(tmp_path):
+    """As Horovod's: a rank's cross communicator holds the ranks of its local rank, one per node
+    that runs one, so on nodes of 1 and 2 ranks, local rank 1 has cross rank 0 of 1 (not node 1
+    of 2), as horovodrun's HOROVOD_CROSS_RANK/_SIZE say too."""
+    from torchmn.run.plan import place_env, plan_slots
+
+    script = tmp_path / "uneven_nodes.py"
+    script.write_text(UNEVEN_NODES)
+    out = run_job(script, [], np=3, timeout=90).stdout
+    cross = sorted(line.split("CROSS ", 1)[1] for line in out.splitlines() if "CROSS " in line)
+    assert cross == ["0 0 2 False", "1 1 2 False", "2 0 1 False"], out
+    envs = [place_env(slot) for slot in plan_slots([("a", 1), ("b", 2)])]
+    assert [(e["HOROVOD_CROSS_RANK"], e["HOROVOD_CROSS_SIZE"]) for e in envs] == [("0", "2"), ("1", "2"), ("0", "1")]
+
+
 def test_horovod_calls_before_init_raise_horovods_message():
     proc = _python("import torch, torchmn.horovod as hvd\n"
                    "for f in (hvd.rank, hvd.size, hvd.local_rank, lambda: hvd.allreduce(torch.ones(1)),\n"

@@ -182,10 +182,11 @@ def local_size() -> int:
 
 
 def cross_rank() -> int:
-    """This node's index among the job's nodes.
+    """This node's index among the nodes with a rank of this local rank (Horovod's cross
+    communicator holds those ranks, one per node).
 
     Returns:
-        0 .. the number of nodes - 1.
+        0 .. ``cross_size()`` - 1: the node's index, on a homogeneous job.
 
     Raises:
         InvalidCallError: before ``hvd.init()`` (a ``ValueError``, with Horovod's message).
@@ -194,7 +195,9 @@ def cross_rank() -> int:
 
         >>> hvd.cross_rank()
     """
-    return require_comm().inter_rank
+    comm = require_comm()
+    holders = [node for node, ranks in enumerate(comm.node_ranks) if len(ranks) > comm.intra_rank]
+    return holders.index(comm.inter_rank)
 
 
 def cross_size() -> int:

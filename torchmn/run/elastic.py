@@ -35,7 +35,7 @@ from torchmn import network
 from torchmn.elastic import protocol
 from torchmn.run.config import LaunchConfig, RunError
 from torchmn.run.job import Job
-from torchmn.run.plan import Slot, place_env
+from torchmn.run.plan import Slot, cross_place, place_env
 from torchmn.run.processes.output import describe_exit, exit_code_of, extract_traceback, failure_summary
 from torchmn.run.processes.supervisor import Rank
 
@@ -64,7 +64,9 @@ def place_workers(workers: Sequence[Tuple[int, str]]) -> List[Slot]:
     """
     hosts = list(dict.fromkeys(h for _, h in workers))
     per_host = {h: [w for w, wh in workers if wh == h] for h in hosts}
-    return [Slot(rank, len(workers), per_host[h].index(w), len(per_host[h]), hosts.index(h), len(hosts), h)
+    counts = [len(per_host[h]) for h in hosts]
+    return [Slot(rank, len(workers), per_host[h].index(w), len(per_host[h]), hosts.index(h), len(hosts), h,
+                 *cross_place(counts, hosts.index(h), per_host[h].index(w)))
             for rank, (w, h) in enumerate(workers)]
 
 
@@ -230,7 +232,7 @@ class ElasticJob(Job):
     def _start_worker(self, host: str) -> None:
         worker = self.next_worker
         self.next_worker += 1
-        slot = Slot(worker, len(self.live) + 1, 0, 1, 0, 1, host)
+        slot = Slot(worker, len(self.live) + 1, 0, 1, 0, 1, host, 0, 1)
         try:
             rank = self.start_rank(slot, self.store.port)
         except RunError as e:

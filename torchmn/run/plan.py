@@ -29,6 +29,9 @@ class Slot:
         local_rank, local_size: the same among the ranks of its host.
         node_rank, node_count: its host's index, and the number of hosts.
         host: the host it runs on.
+        cross_rank, cross_size: Horovod's: its host's index among the hosts that run a rank of
+            its local rank, and their number (``node_rank`` and ``node_count`` where every host
+            runs as many ranks).
     """
 
     rank: int
@@ -38,6 +41,29 @@ class Slot:
     node_rank: int
     node_count: int
     host: str
+    cross_rank: int
+    cross_size: int
+
+
+def cross_place(ranks_per_host: Sequence[int], node_rank: int, local_rank: int) -> Tuple[int, int]:
+    """Horovod's cross rank and size of local rank ``local_rank`` on host ``node_rank``: hosts hold
+    local ranks 0 up, so the hosts with more than ``local_rank`` ranks are those that hold it.
+
+    Args:
+        ranks_per_host: how many ranks each host runs, in host order.
+        node_rank: the host's index.
+        local_rank: the rank's index on its host.
+
+    Returns:
+        (the host's index among those hosts, their number).
+
+    Example::
+
+        >>> cross_place([2, 1, 2], 2, 1)    # local rank 1 lives on hosts 0 and 2
+        (1, 2)
+    """
+    holders = [i for i, count in enumerate(ranks_per_host) if count > local_rank]
+    return holders.index(node_rank), len(holders)
 
 
 def plan_slots(hosts: Sequence[Tuple[str, int]]) -> List[Slot]:
@@ -55,17 +81,20 @@ def plan_slots(hosts: Sequence[Tuple[str, int]]) -> List[Slot]:
         [(0, 0, 0), (1, 1, 0), (2, 0, 1)]
     """
     size = sum(count for _, count in hosts)
+    counts = [count for _, count in hosts]
     slots: List[Slot] = []
     for node_rank, (host, count) in enumerate(hosts):
         for local_rank in range(count):
-            slots.append(Slot(len(slots), size, local_rank, count, node_rank, len(hosts), host))
+            slots.append(Slot(len(slots), size, local_rank, count, node_rank, len(hosts), host,
+                              *cross_place(counts, node_rank, local_rank)))
     return slots
 
 
 def place_env(slot: Slot) -> Dict[str, str]:
     """The variables that tell one rank its place among the ranks: torchmn's names, torchrun's and
     horovodrun's (``HOROVOD_RANK``..., which Horovod scripts read before ``hvd.init()``, e.g. to
-    choose a GPU; ``HOROVOD_CROSS_RANK``/``_SIZE`` are the host's index and the number of hosts). An
+    choose a GPU; ``HOROVOD_CROSS_RANK``/``_SIZE`` as horovodrun sets them, among the hosts that run a
+    rank of this local rank). An
     elastic job's ranks take new ones at each reset.
 
     Args:
@@ -97,8 +126,8 @@ def place_env(slot: Slot) -> Dict[str, str]:
         "HOROVOD_SIZE": str(slot.size),
         "HOROVOD_LOCAL_RANK": str(slot.local_rank),
         "HOROVOD_LOCAL_SIZE": str(slot.local_size),
-        "HOROVOD_CROSS_RANK": str(slot.node_rank),
-        "HOROVOD_CROSS_SIZE": str(slot.node_count),
+        "HOROVOD_CROSS_RANK": str(slot.cross_rank),
+        "HOROVOD_CROSS_SIZE": str(slot.cross_size),
     }
 
 
