@@ -136,6 +136,32 @@ def test_bad_per_node_input_is_refused_before_any_rank(tmp_path, env, argv, word
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("platform,run_var", [
+    ("skypilot", "SKYPILOT_TASK_ID"),
+    ("sagemaker", "TRAINING_JOB_NAME"),
+    ("sagemaker_training_env", "SM_TRAINING_ENV"),
+])
+def test_a_platforms_run_id_keeps_its_runs_tokens_apart(platform, run_var):
+    """Where the platform names each run (SkyPilot's task id, SageMaker's training job name), the
+    token the nodes derive from the user's key is the same on every node of a run and differs
+    between runs, so that a launcher left from a run before cannot join the next."""
+    from torchmn.run.config import LaunchConfig
+    from torchmn.run.nodes import per_node_step
+
+    base = {"skypilot": {"SKYPILOT_NODE_RANK": "1", "SKYPILOT_NUM_NODES": "2", "SKYPILOT_NODE_IPS": "10.0.0.1\n10.0.0.2"},
+            "sagemaker": {"SM_HOSTS": '["algo-1", "algo-2"]', "SM_CURRENT_HOST": "algo-2"}}[platform.split("_")[0]]
+
+    def run_id(value):
+        return json.dumps({"job_name": value, "hosts": ["algo-1", "algo-2"]}) if run_var == "SM_TRAINING_ENV" else value
+
+    def label(**extra):
+        return per_node_step(LaunchConfig(command=["python"], np=1), {**base, **extra}).token_label
+
+    first, again, second = (label(**{run_var: run_id(v)}) for v in ("run-a", "run-a", "run-b"))
+    assert first == again != second, (first, second)
+    assert "run-a" in first and label() != first
+
+
 def test_np_left_out_is_the_ranks_per_node_a_platform_asks_for():
     """As the SageMaker docs promise: one rank per GPU (SM_NUM_GPUS) where -np is left out; where
     the platform names no count, -np is required."""

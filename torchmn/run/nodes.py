@@ -126,7 +126,15 @@ def per_node_step(config: LaunchConfig, env: Mapping[str, str]) -> Optional[Node
     hosts = tuple(master_addr if r == 0 else socket.gethostname() if r == place.node_rank else f"node{r}"
                   for r in range(place.nnodes))
     return NodeStep(place.node_rank, place.nnodes, hosts, master_addr, master_port, kind="node",
-                    token_label=f"torchmn nodes {master_addr}:{master_port} x{place.nnodes}", token_fix=TOKEN_FIX)
+                    token_label=_token_label(master_addr, master_port, place), token_fix=TOKEN_FIX)
+
+
+def _token_label(master_addr: str, master_port: int, place: NodePlace) -> str:
+    # The platform's run id keeps one run's launchers apart from those of the run before (a node
+    # of it still starting, say); without one, runs with the same address, port and node count
+    # derive the same token (docs/launching/nodes.md says so).
+    label = f"torchmn nodes {master_addr}:{master_port} x{place.nnodes}"
+    return f"{label} run {place.run_id}" if place.run_id else label
 
 
 def _first_line(error: BaseException) -> str:

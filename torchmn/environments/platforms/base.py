@@ -24,6 +24,8 @@ class NodePlace:
         nproc_per_node: the ranks per node the platform asks for, or None.
         source: the platform's name, for messages.
         names: the variables each value came from (``{"node_rank": "SKYPILOT_NODE_RANK"}``).
+        run_id: the platform's name for this run, the same on every node and new for each run,
+            where it has one (SkyPilot's task id, SageMaker's training job name); None elsewhere.
     """
 
     nnodes: int
@@ -33,6 +35,7 @@ class NodePlace:
     nproc_per_node: Optional[int] = None
     source: str = "--nnodes"
     names: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    run_id: Optional[str] = None
 
 
 class Platform:

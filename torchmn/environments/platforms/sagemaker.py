@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import json
-from typing import Mapping
+from typing import Mapping, Optional
 
 from torchmn.environments.platforms.base import NodePlace, Platform, PlatformError, integer
 
@@ -76,4 +76,15 @@ class SageMakerPlatform(Platform):
         return NodePlace(len(hosts), hosts.index(current), hosts[0], port,
                          int(gpus) if gpus.isdigit() and int(gpus) > 0 else None, cls.name,
                          {"nnodes": "SM_HOSTS", "node_rank": "SM_CURRENT_HOST", "master_addr": "SM_HOSTS",
-                          "master_port": "MASTER_PORT"})
+                          "master_port": "MASTER_PORT"}, _job_name(env))
+
+
+def _job_name(env: Mapping[str, str]) -> Optional[str]:
+    """The training job's name (unique in the account and region), from SM_TRAINING_ENV's
+    ``job_name``, or TRAINING_JOB_NAME; None where neither says."""
+    try:
+        training = json.loads(env.get("SM_TRAINING_ENV", "") or "{}")
+    except ValueError:
+        training = {}
+    name = training.get("job_name") if isinstance(training, dict) else None
+    return (name if isinstance(name, str) and name else None) or env.get("TRAINING_JOB_NAME") or None

@@ -73,4 +73,5 @@ class SkyPilotPlatform(Platform):
         gpus = env.get("SKYPILOT_NUM_GPUS_PER_NODE", "")
         return NodePlace(nnodes, node_rank, ips[0], port, int(gpus) if gpus.isdigit() and int(gpus) > 0 else None,
                          cls.name, {"nnodes": "SKYPILOT_NUM_NODES", "node_rank": "SKYPILOT_NODE_RANK",
-                                    "master_addr": "SKYPILOT_NODE_IPS", "master_port": "MASTER_PORT"})
+                                    "master_addr": "SKYPILOT_NODE_IPS", "master_port": "MASTER_PORT"},
+                         env.get("SKYPILOT_TASK_ID") or None)
