@@ -26,7 +26,7 @@ if holder_kind == "split":
 handle = dist.all_reduce(torch.ones(1), async_op=True)  # through gloo, on both ranks
 handle.wait()
 if comm.rank == 0:
-    holder = {"group": dist.group.WORLD} if holder_kind == "group" else {"handle": handle, "split": None}
+    holder = {"group": {"group": dist.group.WORLD}, "handle": {"handle": handle}, "split": {}}[holder_kind]
     holder["self"] = holder  # a reference cycle
     del handle
     gc.collect()  # the cycle survives a full collection: now in the oldest generation

@@ -195,9 +195,7 @@ def cross_rank() -> int:
 
         >>> hvd.cross_rank()
     """
-    comm = require_comm()
-    holders = [node for node, ranks in enumerate(comm.node_ranks) if len(ranks) > comm.intra_rank]
-    return holders.index(comm.inter_rank)
+    return _nodes_holding_this_local_rank().index(require_comm().inter_rank)
 
 
 def cross_size() -> int:
@@ -213,9 +211,13 @@ def cross_size() -> int:
 
         >>> hvd.cross_size()
     """
+    return len(_nodes_holding_this_local_rank())
+
+
+def _nodes_holding_this_local_rank() -> list:
     comm = require_comm()
     # Local ranks count up from 0 on each node, so a node holds local rank i where it has more than i ranks.
-    return sum(1 for ranks in comm.node_ranks if len(ranks) > comm.intra_rank)
+    return [node for node, ranks in enumerate(comm.node_ranks) if len(ranks) > comm.intra_rank]
 
 
 def is_homogeneous() -> bool:

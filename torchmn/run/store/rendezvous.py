@@ -283,15 +283,16 @@ def _start_tcp_store(address: str, key: Optional[bytes], log: Callable[[str], No
         if key is None:
             return store, store_port
         strangers, closed = _cut_off_strangers(store_port)
-        # Empty whether or not a stranger is still connected: one may have written and left.
-        written = store.num_keys() != 0
-        if not strangers and not written:
+        # Read once every stranger is closed (or the wait is over): one may have written and left,
+        # with no connection left to name.
+        keys = store.num_keys()
+        if not strangers and not keys:
             return store, store_port
-        if written and not strangers:
-            strangers = [f"a connection that wrote {store.num_keys()} key(s) and closed before it could be named"]
+        if not strangers:
+            strangers = [f"a connection that wrote {keys} key(s) and closed before it could be named"]
         log(f"torchmn run: cut off connections to the rendezvous store's port on {address} made before the "
             f"kernel closed it to all but the gate: {'; '.join(strangers)}")
-        if closed and store.num_keys() == 0:
+        if closed and keys == 0:
             return store, store_port
         del store  # the server stops, and its connections close, with the last reference
     raise RunError(f"another program connected to the rendezvous store's port on {address} each of "
