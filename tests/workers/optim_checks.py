@@ -649,6 +649,51 @@ def check_skipped_step_and_abandoned_window(comm):
             assert_close(model, ref_model, 1e-5, f"{comm.name} step skipped after a {how} backward {kwargs}")
 
 
+def check_step_skipped_on_one_rank_is_named(comm):
+    """One rank skips a step() the others take (a decision on its own loss): at the next averaging
+    every rank raises CollectiveMismatchError naming the ranks and their step counts, with the
+    replicated optimizer (compressed too) as with the default, instead of the replicas drifting
+    apart. A step every rank skips alike, and a rank out of data in torchmn.join, raise nothing."""
+    skipper = comm.size - 1
+    for kwargs in ({}, {"shard_state": False}, {"shard_state": False, "compression": "fp16"}):
+        model, opt = wrapped_model(comm, "sgd", **kwargs)
+        errors = []
+        for step in range(4):
+            x, y = data(step)
+            opt.zero_grad()
+            try:
+                loss_fn(model, local(x, comm), local(y, comm)).backward()
+                if step == 0 or (comm.rank == skipper and step == 2):
+                    continue  # step 0: every rank skips it alike
+                opt.step()
+            except torchmn.CollectiveMismatchError as e:
+                errors.append((step, str(e)))
+                break
+        # A world of one has no other rank to be out of step with. The node-shared update (the
+        # default on one node) meets at every step(), so the others raise there, in step 2.
+        steps = [step for step, _ in errors]
+        assert steps == [] if comm.size == 1 else steps in ([2], [3]), (kwargs, errors)
+        if kwargs.get("shard_state") is False and comm.size > 1:
+            assert steps == [3], errors
+            others = [r for r in range(comm.size) if r != skipper]
+            assert f"rank(s) [{skipper}] 1; rank(s) {others} 2" in errors[0][1], errors
+        opt.remove_hooks()
+    # Uneven data in torchmn.join: the rank out of data repeats the others' steps, in step with them.
+    model, opt = wrapped_model(comm, "sgd", shard_state=False)
+    with torchmn.join(comm):
+        for step in range(2 if comm.rank == 0 else 4):
+            x, y = data(step)
+            opt.zero_grad()
+            loss_fn(model, local(x, comm), local(y, comm)).backward()
+            opt.step()
+    for step in range(4, 6):
+        x, y = data(step)
+        opt.zero_grad()
+        loss_fn(model, local(x, comm), local(y, comm)).backward()
+        opt.step()
+    opt.remove_hooks()
+
+
 def check_scheduler_and_hooks_of_the_torch_optimizer(comm):
     """An LR scheduler and step hooks set on the torch optimizer before wrapping work as without
     torchmn (the shared update on one node included): no warning that the scheduler stepped

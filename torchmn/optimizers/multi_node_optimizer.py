@@ -37,7 +37,10 @@ class _Bucket:
 
     After the gradients, the buffer holds one flag per parameter (1 where this rank has a
     gradient), reduced with them: a parameter that no rank has a gradient for keeps ``.grad``
-    ``None``, so the optimizer leaves it alone, as in one process.
+    ``None``, so the optimizer leaves it alone, as in one process. Last come two numbers that tell
+    whether every rank has taken as many ``step()`` calls: the parity of this rank's count, and 1.
+    Their sums agree (or the first is 0) only where the ranks' parities are the same, and a rank
+    that skipped a ``step()`` the others took has the other parity at the next backward.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], wire_dtype: Optional[torch.dtype], as_views: bool,
@@ -45,13 +48,14 @@ class _Bucket:
         self.params = params
         self.comm = comm  # its size, and the ranks of a zero_fill=False mismatch
         self.data_numel = sum(p.numel() for p in params)
-        self.numel = self.data_numel + len(params)  # the gradients, then the flags
+        self.numel = self.data_numel + len(params) + 2  # the gradients, the flags, the step check
         self.wire_dtype = wire_dtype or params[0].dtype
         self.as_views = as_views and self.wire_dtype == params[0].dtype
         self.ready: set[int] = set()
         self.work = None
         self.sent_at = 0.0  # when its message went out (recorder clock), for the timeline
         self.had_grad: list[bool] = []
+        self.steps_taken = 0  # the optimizer's step() count when this bucket is sent
         self.buffer: Optional[torch.Tensor] = None
         self.views: list[torch.Tensor] = []
 
@@ -59,7 +63,8 @@ class _Bucket:
         """Use ``buffer`` (``numel`` elements of the wire dtype) as this bucket's buffer."""
         self.buffer = buffer
         self.data = buffer[:self.data_numel]
-        self.flags = buffer[self.data_numel:]
+        self.flags = buffer[self.data_numel:self.numel - 2]
+        self.step_check = buffer[self.numel - 2:]
         offset = 0
         for p in self.params:
             self.views.append(buffer[offset:offset + p.numel()].view_as(p))
@@ -70,10 +75,13 @@ class _Bucket:
             self.place(torch.zeros(self.numel, dtype=self.wire_dtype, device=self.params[0].device))
         grads = [p.grad for p in self.params]
         self.had_grad = [g is not None for g in grads]
+        unit = 1.0 if scale is None else scale
         if all(self.had_grad):
-            self.flags.fill_(1.0 if scale is None else scale)
+            self.buffer[self.data_numel:].fill_(unit)
         else:
-            self.flags.copy_(torch.tensor(self.had_grad, dtype=self.flags.dtype) * (1.0 if scale is None else scale))
+            self.flags.copy_(torch.tensor(self.had_grad, dtype=self.flags.dtype) * unit)
+            self.step_check[1] = unit
+        self.step_check[0] = unit * (self.steps_taken % 2)
         if (scale is None or len(grads) > _MANY) and \
                 all(g is not None and not _is_view(g, v) and g.dtype == v.dtype for g, v in zip(grads, self.views)):
             # Many small tensors: one call (and one multiply) instead of one or two per tensor.
@@ -135,6 +143,17 @@ class _Bucket:
                     f"a gradient on rank(s) {had} only, of {self.comm.size}, so only those would update it and the "
                     f"ranks' models would differ. Use zero_fill=True (the default: a missing gradient counts as "
                     f"zeros), or give every rank the same parameters (raised on rank {self.comm.rank})")
+
+
+    def steps_agree(self) -> bool:
+        """After unpack: whether every rank that sent this bucket had taken as many ``step()``
+        calls, as far as their parity tells (the same answer on every rank)."""
+        check = self.step_check.real if self.step_check.is_complex() else self.step_check
+        odd, ranks = check.tolist()
+        # Each number was scaled alike on every rank; half a rank's share of slack covers
+        # float16/bfloat16 rounding.
+        share, slack = odd / ranks, 0.5 / self.comm.size
+        return not slack < share < 1.0 - slack
 
 
 _MANY = 8  # tensors in a bucket from which one fused copy beats a call per tensor
@@ -213,6 +232,9 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         self._alone = comm.size == 1 and self.compression is None and not double_buffering
         self._first_step = True
         self._step_sent = False     # double buffering: this step's gradients have gone out
+        # step() calls on this rank, whose parity each message carries (see _Bucket): a rank that
+        # skipped one the others took is found at the next averaging instead of drifting apart.
+        self._steps_taken = 0
         params = self.trainable_params()
         cap = comm.grad_bucket_cap_bytes if bucket_cap_mb is None else int(bucket_cap_mb * 1024 * 1024)
         # Double buffering keeps gradients out of buckets that may still be in flight.
@@ -270,6 +292,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         for b, result in zip(self.buckets, self._results):
             b.unpack(None, self.zero_fill, result=result)
             b.ready.clear()
+        self._check_same_steps(self.buckets[-1])
         # No barrier needed after the copy-out: the result is written again only after the next
         # step's first barrier, which every rank reaches after its own copy-out.
 
@@ -282,6 +305,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
     def _send(self, bucket: _Bucket) -> None:
         if self._alone:
             return
+        bucket.steps_taken = self._steps_taken
         if self.arena is not None:
             # Into this rank's shared buffer, divided by size on the way (exact for powers of two);
             # summed at the end of backward. (Inside torchmn.join, by the ranks that still have data.)
@@ -339,6 +363,26 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             bucket.ready.clear()
         if t0 is not None:
             recorder.end("wait for averages", "average", t0)
+        self._check_same_steps(buckets[-1])
+
+    def _check_same_steps(self, bucket: _Bucket) -> None:
+        """Raise on every rank where the ranks that sent ``bucket`` had taken different numbers of
+        ``step()`` calls: a rank that skipped one would update its model less often than the
+        others, and the replicas would drift apart without a word."""
+        if bucket.steps_agree():
+            return
+        # Every rank is here alike (the sums are the same everywhere): one more exchange names them.
+        counts = self.comm.allgather_obj(self._steps_taken)
+        by_count: dict[int, list[int]] = {}
+        for rank, count in enumerate(counts):
+            by_count.setdefault(count, []).append(rank)
+        taken = "; ".join(f"rank(s) {ranks} {count}" for count, ranks in sorted(by_count.items()))
+        raise CollectiveMismatchError(
+            f"create_multi_node_optimizer: the ranks have taken different numbers of optimizer.step() calls since "
+            f"the optimizer was built ({taken}), so a rank skipped a step() the others took and its model would "
+            f"fall behind theirs. Decide to skip on values that are the same on every rank (an averaged loss "
+            f"or gradient norm, e.g. comm.allreduce(loss, op='mean')), so that the ranks step or skip alike "
+            f"(raised on rank {self.comm.rank})")
 
     def step(self, closure=None):
         """Average gradients over ranks (if backward has not already), then update.
@@ -367,6 +411,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         if closure is not None:
             return self._step_with_closure(closure)
         self.synchronize()
+        self._steps_taken += 1  # after the sends of this step, which synchronize() may make
         joining.share_edited_gradients(self)
         self._sent = False
         self._step_sent = False
@@ -393,6 +438,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             return recorder.update(lambda: self.wrapped.step(evaluate))
         finally:
             self._sent = False
+            self._steps_taken += 1
 
     def average_without_gradients(self) -> None:
         """Take part in the other ranks' gradient averaging with zeros, and update nothing.
@@ -416,6 +462,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         self.synchronize()
         self._sent = False
         self.zero_grad()
+        self._steps_taken += 1  # in step with the others' step() calls, which this one stands in for
 
     def whole_state_dict(self) -> dict:
         """The wrapped optimizer's ``state_dict()``: the same on every rank, no communication
