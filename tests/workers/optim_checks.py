@@ -694,6 +694,55 @@ def check_step_skipped_on_one_rank_is_named(comm):
     opt.remove_hooks()
 
 
+def check_channels_last_parameters_keep_their_layout(comm):
+    """A convolution converted to channels_last keeps that layout through wrapping and training with
+    every optimizer (the default, whose parameters live in shared memory on one node, the sharded
+    and the replicated one, Adam and fused Adam): its parameters, its averaged gradients and the
+    state in state_dict() have the layout one process gives them, and the values one process's."""
+    cl = torch.channels_last
+
+    def convnet():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.Tanh(), torch.nn.Conv2d(8, 4, 3)).double() \
+            .to(memory_format=cl)
+
+    def batch(step, r):
+        g = torch.Generator().manual_seed(1000 * step + r)
+        return torch.randn(2, 3, 7, 7, generator=g, dtype=torch.float64).to(memory_format=cl)
+
+    def layouts(tensors):
+        return [t.is_contiguous(memory_format=cl) for t in tensors if t.dim() == 4]
+
+    for fused in (False, True):
+        ref = convnet()
+        ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01, fused=fused)
+        for step in range(3):
+            ref_opt.zero_grad()
+            (sum(ref(batch(step, r)).square().mean() for r in range(comm.size)) / comm.size).backward()
+            ref_opt.step()
+        for kwargs in ({}, {"shard_state": True}, {"shard_state": False}):
+            what = f"{kwargs} fused={fused}"
+            model = convnet()
+            opt = torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters(), lr=0.01, fused=fused),
+                                                      comm, **kwargs)
+            assert layouts(model.parameters()) == [True, True], (what, "after wrapping")
+            for step in range(3):
+                opt.zero_grad()
+                model(batch(step, comm.rank)).square().mean().backward()
+                assert layouts(p.grad for p in model.parameters()) == [True, True], (what, "the averaged .grad")
+                opt.step()
+            assert layouts(model.parameters()) == [True, True], (what, "after training")
+            assert_close(model, ref, 1e-9, what)
+            state, ref_state = opt.state_dict()["state"], ref_opt.state_dict()["state"]
+            for i, entry in ref_state.items():
+                for key, value in entry.items():
+                    got = state[i][key]
+                    assert torch.allclose(got, value, rtol=1e-9, atol=1e-12), (what, i, key)
+                    if value.dim() == 4:
+                        assert got.stride() == value.stride(), (what, i, key, got.stride(), value.stride())
+            opt.remove_hooks()
+
+
 def check_scheduler_and_hooks_of_the_torch_optimizer(comm):
     """An LR scheduler and step hooks set on the torch optimizer before wrapping work as without
     torchmn (the shared update on one node included): no warning that the scheduler stepped

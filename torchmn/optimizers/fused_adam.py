@@ -18,6 +18,7 @@ import torch
 
 from torchmn.errors import TorchmnValueError
 from torchmn.optimizers.node_memory import sum_scaled
+from torchmn.optimizers.memory_order import elements
 
 # The arguments torch.optim.adam._fused_adam gives the kernels; other torch versions may differ.
 _KERNEL_ARGS = ("self", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "state_steps", "lr", "beta1",
@@ -247,7 +248,7 @@ class SumAndStep:
             torch._foreach_add_(self.steps, 1)
             for sums, lists in self.calls:
                 for b, i, lo, hi, others, out, padding in sums:
-                    sum_scaled(out, others, b.packed[i].reshape(-1)[lo:hi], scale)
+                    sum_scaled(out, others, elements(b.packed[i], b.params[i])[lo:hi], scale)
                     if padding is not None:  # the buffer is shared by the calls: another piece wrote here
                         padding.zero_()
                 self.kernel(*lists, **hyper)

@@ -24,6 +24,7 @@ from torchmn.optimizers import join as joining
 from torchmn.optimizers.gradient_sync import (GradientSyncOptimizer, copy_scaled, could_share_memory, describe_rank,
                                               make_buckets)
 from torchmn.optimizers.node_memory import open_bucket_arena, region_view
+from torchmn.optimizers.memory_order import elements, shaped
 from torchmn.optimizers.powersgd import LowRankAverager
 
 
@@ -67,7 +68,7 @@ class _Bucket:
         self.step_check = buffer[self.numel - 2:]
         offset = 0
         for p in self.params:
-            self.views.append(buffer[offset:offset + p.numel()].view_as(p))
+            self.views.append(shaped(buffer[offset:offset + p.numel()], p))
             offset += p.numel()
 
     def pack(self, scale: Optional[float]) -> torch.Tensor:
@@ -85,7 +86,7 @@ class _Bucket:
         if (scale is None or len(grads) > _MANY) and \
                 all(g is not None and not _is_view(g, v) and g.dtype == v.dtype for g, v in zip(grads, self.views)):
             # Many small tensors: one call (and one multiply) instead of one or two per tensor.
-            torch.cat([g.reshape(-1) for g in grads], out=self.data)
+            torch.cat([elements(g, p) for g, p in zip(grads, self.params)], out=self.data)
             if scale is not None:
                 self.data.mul_(scale)
             return self.buffer

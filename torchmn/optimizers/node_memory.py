@@ -13,6 +13,7 @@ import torch
 
 from torchmn.communicators import Communicator
 from torchmn.communicators.shm import sum_into
+from torchmn.optimizers.memory_order import elements, shaped
 
 # The points where the ranks of a node meet in an optimizer's arena (NodeArena.barrier: ranks that
 # reach one barrier from different points raise, naming both). The sharded optimizer's first
@@ -173,7 +174,7 @@ class NodeShards:
 
         def view(buffer, p, at, start, end):
             v = buffer[at + start:at + end]
-            return (v.view(p.shape), None, None) if end - start == p.numel() else (v, start, end)
+            return (shaped(v, p), None, None) if end - start == p.numel() else (v, start, end)
 
         self.pack_plan, self.sum_plan = [], []
         self.mine_in_own = []  # this rank's slice of each parameter in its own buffer: where its sums go
@@ -190,7 +191,7 @@ class NodeShards:
                                       self.mine_in_own[-1][:hi - lo]))
         self.flags_written = None
         # Each parameter's whole gradient in this rank's buffer: after average_for_all, its average.
-        self.averages = [region[off:off + p.numel()].view_as(p) for p, off in zip(b.params, b.offsets)]
+        self.averages = [shaped(region[off:off + p.numel()], p) for p, off in zip(b.params, b.offsets)]
         self.counts = None
 
     def pack_for_peers(self, scale: float) -> None:
@@ -213,7 +214,7 @@ class NodeShards:
             if g is None:
                 view.zero_()
             else:
-                torch.mul(g if start is None else g.reshape(-1)[start:end], scale, out=view)
+                torch.mul(g if start is None else elements(g, b.params[i])[start:end], scale, out=view)
         if b.present != self.flags_written:  # they stay in shared memory from one step to the next
             self.flags.copy_(torch.tensor(b.present, dtype=self.flags.dtype))
             self.flags_written = b.present
@@ -245,10 +246,10 @@ class NodeShards:
     def _sum_slices(self, scale: float, share: bool) -> None:
         """Each of this rank's slices: the sum of every rank's part, into this rank's buffer, and
         with ``share`` copied at once (while still in cache) into every other rank's buffer."""
-        packed = self.bucket.packed
+        packed, params = self.bucket.packed, self.bucket.params
         for i, lo, hi, others, out in self.sum_plan:
             g = packed[i]
-            sum_scaled(out, others, None if g is None else g.reshape(-1)[lo:hi], scale)
+            sum_scaled(out, others, None if g is None else elements(g, params[i])[lo:hi], scale)
             if share:
                 for other in others:
                     other.copy_(out)
@@ -313,6 +314,6 @@ class NodeShards:
             if g is None:
                 mine = None
             elif g is not average:  # replaced after backward: its slice goes where the average was
-                mine[:hi - lo].copy_(g.reshape(-1)[lo:hi])
+                mine[:hi - lo].copy_(elements(g, p)[lo:hi])
             if sp.grad is not mine:
                 sp.grad = mine

@@ -27,6 +27,7 @@ from torchmn.optimizers import join as joining
 from torchmn.optimizers import shard_state
 from torchmn.optimizers.gradient_sync import GradientSyncOptimizer, describe_rank
 from torchmn.optimizers.inner_optimizers import build_inner, step_function
+from torchmn.optimizers.memory_order import shaped
 from torchmn.optimizers.node_memory import ARENA_POINTS, arena_layout, place_buckets, region_view
 from torchmn.optimizers.sharded import ShardedMultiNodeOptimizer
 
@@ -156,7 +157,7 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
             views = {}
             for name, dtype in state.items():
                 flat = region_view(arena.shared, next(at), b.padded, dtype)
-                whole = [flat[off:off + p.numel()].view_as(p) for p, off in zip(b.params, b.offsets)]
+                whole = [shaped(flat[off:off + p.numel()], p) for p, off in zip(b.params, b.offsets)]
                 mine = [flat[off + b.rank * k:off + (b.rank + 1) * k] for off, k in zip(b.offsets, b.ks)]
                 views[name] = (whole, mine)
             self._state_views.append(views)

@@ -12,6 +12,7 @@ import torch
 
 from torchmn.errors import TorchmnRuntimeError
 from torchmn.optimizers.gradient_sync import copy_scaled
+from torchmn.optimizers.memory_order import elements, shaped
 
 
 class ShardBucket:
@@ -98,7 +99,7 @@ class ShardBucket:
         if fill:
             with torch.no_grad():
                 for p, off in zip(self.params, self.offsets):
-                    flat[off:off + p.numel()].copy_(p.detach().reshape(-1))
+                    flat[off:off + p.numel()].copy_(elements(p.detach(), p))
         # A view, not a copy: loading weights into the model also updates the shard being stepped.
         self.shard_params = [torch.nn.Parameter(flat[off + self.rank * k:off + (self.rank + 1) * k], requires_grad=True)
                              for off, k in zip(self.offsets, self.ks)]
@@ -163,13 +164,13 @@ class ShardBucket:
             >>> work = comm.reduce_scatter_flat(bucket.pack(1.0 / comm.size), bucket.grad_shard, async_op=True)
         """
         self.remember_grads()
-        for g, (rows, split, tail, pads) in zip(self.packed, self.wire_plan):
+        for p, g, (rows, split, tail, pads) in zip(self.params, self.packed, self.wire_plan):
             if g is None:
                 rows.zero_()
                 if tail is not None:
                     tail.zero_()
             else:
-                flat = g.reshape(-1)
+                flat = elements(g, p)
                 copy_scaled(rows, flat[:split].view(rows.shape), scale)
                 if tail is not None:
                     copy_scaled(tail, flat[split:], scale)
@@ -230,7 +231,7 @@ class ShardBucket:
             >>> bucket.point_params()           # p.data is now a view of bucket.flat, for each p
         """
         for p, off in zip(self.params, self.offsets):
-            p.data = self.flat[off:off + p.numel()].view_as(p)
+            p.data = shaped(self.flat[off:off + p.numel()], p)
 
     def set_grads(self, grads: list[torch.Tensor], counts: Optional[list[float]]) -> None:
         """Set the shard parameters' gradients.

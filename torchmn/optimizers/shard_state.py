@@ -7,6 +7,7 @@ import torch
 from torchmn.communicators import Communicator
 from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
 from torchmn.optimizers.inner_optimizers import IMPLEMENTATION_FLAGS
+from torchmn.optimizers.memory_order import elements, shaped
 from torchmn.optimizers.shard_layout import ShardBucket
 
 # State entries of those optimizers that are one value per parameter (a step count, a decay
@@ -92,7 +93,7 @@ def gather_state_dict(comm: Communicator, param_groups: list[dict], buckets: lis
         rows = full.view(comm.size, b.k)
         for i in holders:
             at, k, p = b.block_offsets[i], b.ks[i], b.params[i]
-            entries[i][key] = rows[:, at:at + k].reshape(-1)[:p.numel()].view_as(p).clone()
+            entries[i][key] = shaped(rows[:, at:at + k].reshape(-1)[:p.numel()], p).clone()
     return torch_format(param_groups, state, index)
 
 
@@ -195,7 +196,7 @@ def slice_of_state(b: ShardBucket, i: int, saved: dict) -> dict:
                 raise TorchmnValueError(f"loaded state {key!r} has {value.numel()} elements for a parameter of "
                                         f"shape {tuple(p.shape)}")
             mine[key] = torch.zeros(b.ks[i], dtype=value.dtype, device=b.flat.device)  # the padding: 0
-            mine[key][:hi - lo].copy_(value.reshape(-1)[lo:hi])
+            mine[key][:hi - lo].copy_(elements(value, p)[lo:hi])
         else:
             # A copy: Adam counts its step in place, which must not touch the caller's dict.
             mine[key] = value.clone() if torch.is_tensor(value) else value
@@ -289,6 +290,6 @@ def merge_parts(parts: list[dict], param_groups: list[dict]) -> dict:
             raise TorchmnValueError(
                 f"optimizer state of parameter {index} covers {covered} of its {p.numel()} elements "
                 f"(shape {tuple(p.shape)}): the checkpoint is of another model")
-        state[index] = {key: value.view(p.shape) if torch.is_tensor(value) and value.numel() == p.numel()
+        state[index] = {key: shaped(value, p) if torch.is_tensor(value) and value.numel() == p.numel()
                         and key not in SCALAR_STATE else value for key, value in entry.items()}
     return {"state": state, "param_groups": parts[0]["param_groups"]}
