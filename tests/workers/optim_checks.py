@@ -680,17 +680,16 @@ def check_step_skipped_on_one_rank_is_named(comm):
         opt.remove_hooks()
     # Uneven data in torchmn.join: the rank out of data repeats the others' steps, in step with them.
     model, opt = wrapped_model(comm, "sgd", shard_state=False)
-    with torchmn.join(comm):
-        for step in range(2 if comm.rank == 0 else 4):
+
+    def train(steps):
+        for step in steps:
             x, y = data(step)
             opt.zero_grad()
             loss_fn(model, local(x, comm), local(y, comm)).backward()
             opt.step()
-    for step in range(4, 6):
-        x, y = data(step)
-        opt.zero_grad()
-        loss_fn(model, local(x, comm), local(y, comm)).backward()
-        opt.step()
+    with torchmn.join(comm):
+        train(range(2 if comm.rank == 0 else 4))
+    train(range(4, 6))
     opt.remove_hooks()
 
 
