@@ -441,6 +441,24 @@ def test_elastic_below_min_np_ends_naming_the_lost(tmp_path):
     assert "below --min-np 2" in out and "worker 1 (host " in out and "killed by signal SIGKILL" in out
 
 
+@pytest.mark.timeout(60)
+def test_elastic_failures_of_every_worker_are_told_in_their_order(tmp_path):
+    """Every worker of a script fails, worker 0 first: the job goes on without it, and ends with
+    worker 1's failure, which the report names as the one that ended it, saying worker 0 had
+    failed before (not "later")."""
+    script = tmp_path / "fails.py"
+    script.write_text("import os, time\n"
+                      f"time.sleep(0.2 if os.environ['{protocol.WORKER_VARIABLE}'] == '0' else 3)\n"
+                      "raise SystemExit(3)\n")
+    proc = subprocess.run([PY, "-m", "torchmn", "run", "-np", "2", "--min-np", "1", "--max-np", "2", PY, str(script)],
+                          capture_output=True, text=True, env=clean_env(), cwd=REPO, timeout=50)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out[-3000:]
+    assert re.search(r"^torchmn run: rank 1 \(host .*\) failed with exit code 3\.$", out, re.M), out[-3000:]
+    assert "rank(s) 0 had failed before it, and the job had gone on without them." in out, out[-3000:]
+    assert "later" not in out, out[-3000:]
+
+
 def _example_across_a_kill(out: Path, example: list, ready) -> str:
     """Run an example under ``torchmn run -np 3 --min-np 2 --max-np 3``, SIGKILL worker 1 once
     ``ready(output)`` holds, and return the output once the job ended."""

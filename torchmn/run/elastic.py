@@ -554,6 +554,7 @@ class ElasticJob(Job):
                                  + (f"; workers taken out: {', '.join(map(str, self.left))}" if self.left else ""))
         failed = self.first_failure
         if failed is not None and self.received_signal is None and not self.finished:
-            self.console.message(failure_summary(failed, self.ranks, None))
+            self.console.message(failure_summary(failed, self.ranks, None,
+                                                 earlier=[r for r in self.lost if r is not failed]))
             return exit_code_of(failed.returncode)
         return super()._summarize()

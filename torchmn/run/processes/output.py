@@ -97,7 +97,8 @@ def exit_code_of(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode
 
 
-def failure_summary(failed: "Rank", ranks: Sequence["Rank"], reported: Optional[str]) -> str:
+def failure_summary(failed: "Rank", ranks: Sequence["Rank"], reported: Optional[str],
+                    earlier: Sequence["Rank"] = ()) -> str:
     """The launcher's report of a job that a failed rank ended: which rank, how, what else
     failed, and its last traceback.
 
@@ -105,10 +106,13 @@ def failure_summary(failed: "Rank", ranks: Sequence["Rank"], reported: Optional[
         failed: the first rank that failed.
         ranks: every rank of the job on this machine's side.
         reported: another node's failure, reported before this one (multi-task Slurm step).
+        earlier: ranks that failed before ``failed`` while the job went on without them (an
+            elastic job, which ``failed`` ended when nobody was left to go on).
 
     Returns:
         The report, one line or more: the failed rank, its host and how it ended, and how many
-        running ranks were stopped; the ranks that failed on their own later; the ranks that had
+        running ranks were stopped; the ranks that had failed before it (``earlier``) and those that
+        failed on their own later; the ranks that had
         ended with exit code 0 before (a cause where the failed rank waited for them); ``reported``; a
         note where exit code 255 may be ssh's own or SIGKILL the out-of-memory killer's; and the
         rank's last traceback (else its last 20 stderr lines).
@@ -127,7 +131,11 @@ def failure_summary(failed: "Rank", ranks: Sequence["Rank"], reported: Optional[
     stopped = sum(1 for r in ranks if r.stopped_by_launcher)
     lines = [f"torchmn run: rank {failed.slot.rank} (host {failed.slot.host}) {describe_exit(code)}"
              + (f"; stopped the other {stopped} running rank(s)." if stopped else ".")]
-    also = [r.slot.rank for r in ranks if r is not failed and not r.stopped_by_launcher and r.returncode != 0]
+    if earlier:
+        lines.append(f"torchmn run: rank(s) {', '.join(str(r.slot.rank) for r in earlier)} had failed before it, "
+                     f"and the job had gone on without them.")
+    also = [r.slot.rank for r in ranks if r is not failed and r not in earlier and not r.stopped_by_launcher
+            and r.returncode != 0]
     if also:
         lines.append(f"torchmn run: rank(s) {', '.join(map(str, also))} also failed on their own, later.")
     done = [r.slot.rank for r in ranks if r is not failed and r.returncode == 0 and not r.stopped_by_launcher]
