@@ -614,6 +614,31 @@ def check_join_one_rank_early():
     expect(torch.all(hvd.allreduce(torch.ones(1), op=hvd.Sum) == size), "after join, all ranks count again")
 
 
+def check_join_after_a_step_the_ranks_with_data_skipped():
+    """The ranks with data skip a step after synchronize() (a non-finite norm, GradScaler's
+    overflow: decided on averaged gradients, so alike) while one rank sits in join(): no rank
+    skipped on its own, so after join() all train on together without a step-count error."""
+    rank = hvd.rank()
+    model = _mlp()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+
+    def train(step, skip=False):
+        opt.zero_grad()
+        x, y = _batch(rank, step)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.synchronize()
+        if not skip:
+            with opt.skip_synchronize():
+                opt.step()
+    for step in range(2 if rank == hvd.size() - 1 else 3):
+        train(step, skip=step == 2)
+    hvd.join()
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    for step in range(3, 5):
+        train(step)
+
+
 # ----------------------------------------------------------------------------- DistributedOptimizer
 def _train(opt_kwargs, steps, passes=1, clip=None, dtype_tol=1e-12):
     """Train a DistributedOptimizer and a local reference on every rank's batches; compare."""

@@ -697,7 +697,9 @@ def check_channels_last_parameters_keep_their_layout(comm):
     """A convolution converted to channels_last keeps that layout through wrapping and training with
     every optimizer (the default, whose parameters live in shared memory on one node, the sharded
     and the replicated one, Adam and fused Adam): its parameters, its averaged gradients and the
-    state in state_dict() have the layout one process gives them, and the values one process's."""
+    state in state_dict() have the layout one process gives them, and the values one process's. The
+    sharded optimizer's per-rank parts load into a model of the default layout as the same state,
+    and a model converted on some ranks only is refused on every rank."""
     cl = torch.channels_last
 
     def convnet():
@@ -739,7 +741,27 @@ def check_channels_last_parameters_keep_their_layout(comm):
                     assert torch.allclose(got, value, rtol=1e-9, atol=1e-12), (what, i, key)
                     if value.dim() == 4:
                         assert got.stride() == value.stride(), (what, i, key, got.stride(), value.stride())
+            if kwargs.get("shard_state"):
+                # Each rank's part of the state, loaded into a model of the default layout: the same state.
+                parts = comm.allgather_obj(opt.local_state_dict())
+                plain = convnet().to(memory_format=torch.contiguous_format)
+                other = torchmn.create_multi_node_optimizer(torch.optim.Adam(plain.parameters(), lr=0.01, fused=fused),
+                                                            comm, shard_state=True)
+                other.load_local_state_dicts(parts)
+                for i, entry in other.state_dict()["state"].items():
+                    for key, value in entry.items():
+                        assert torch.equal(value, state[i][key]), (what, "parts across layouts", i, key)
+                other.remove_hooks()
             opt.remove_hooks()
+    if comm.size > 1:
+        # One memory format on some ranks only: their sums would add elements of different places.
+        model = convnet() if comm.rank == 0 else convnet().to(memory_format=torch.contiguous_format)
+        try:
+            torchmn.create_multi_node_optimizer(torch.optim.Adam(model.parameters()), comm)
+        except torchmn.CollectiveMismatchError as e:
+            assert "strides (27, 1, 9, 3) on rank 0" in str(e), e
+        else:
+            raise AssertionError("different memory formats on the ranks were not refused")
 
 
 def check_scheduler_and_hooks_of_the_torch_optimizer(comm):

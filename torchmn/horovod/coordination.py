@@ -24,6 +24,7 @@ from torchmn.horovod.process_sets import global_process_set, job, require_comm
 
 # kind -> function(description, comm) that takes part in that collective with zeros
 _mirrors: dict[str, Callable] = {}
+_after_join: list[Callable] = []
 JOINED = "join"
 
 
@@ -40,6 +41,19 @@ def register_mirror(kind: str, mirror: Callable) -> None:
         >>> register_mirror("allreduce", mirror_allreduce)
     """
     _mirrors[kind] = mirror
+
+
+def register_after_join(callback: Callable) -> None:
+    """Say what every rank does as ``join()`` ends, once all have joined.
+
+    Args:
+        callback: called with no arguments, on every rank, before ``join()`` returns.
+
+    Example::
+
+        >>> register_after_join(restart_step_counts)
+    """
+    _after_join.append(callback)
 
 
 def describe_call(kind: str, *fields) -> tuple:
@@ -168,6 +182,8 @@ def join(device: int = -1) -> int:
     mirrored += tensor_side.wait()
     # The rank that joined last took part in the fewest collectives as a joined rank.
     counts = comm.allgather_obj(mirrored)
+    for callback in _after_join:
+        callback()
     return max(r for r, n in enumerate(counts) if n == min(counts))
 
 

@@ -556,7 +556,17 @@ def _mirror_optimizer(description: tuple, comm) -> None:
     optimizer.mirror()
 
 
+def _restart_step_counts() -> None:
+    # After join(): the ranks that sat out the others' last steps took fewer; from here all train
+    # alike again, and the check that every rank takes as many steps starts afresh.
+    for ref in _optimizers:
+        optimizer = ref()
+        if optimizer is not None and optimizer._comm is not None:
+            optimizer._inner.restart_step_count()
+
+
 coordination.register_mirror("optimizer", _mirror_optimizer)
+coordination.register_after_join(_restart_step_counts)
 
 
 def DistributedOptimizer(optimizer, named_parameters=None, compression=Compression.none, backward_passes_per_step=1,

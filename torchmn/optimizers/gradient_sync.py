@@ -22,9 +22,11 @@ from torch.autograd import Variable
 from torch.utils.hooks import RemovableHandle
 
 from torchmn.communicators import Communicator
+from torchmn.communicators.errors import CollectiveMismatchError
 from torchmn.errors import TorchmnNotImplementedError, TorchmnRuntimeError, TorchmnTypeError, TorchmnValueError
 from torchmn.monitor import recorder
 from torchmn.optimizers import join as joining
+from torchmn.optimizers.memory_order import own_order
 
 FIRST_BUCKET_BYTES = 1024 * 1024  # small, so communication starts early in backward
 # The dtype gradients travel in, by the name a ``compression`` argument gives ("powersgd": their
@@ -281,12 +283,32 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                                      "build the same model, and freeze the same parameters, on every rank")
         self.comm.check_same_layout(self._frozen_at_wrap, "create_multi_node_optimizer: the frozen parameters",
                                      0, "build the same model, and freeze the same parameters, on every rank")
+        self._check_same_memory_order(params)
         if self.wire_dtype is not None and any(p.is_complex() for p in params):
             raise TorchmnValueError(f"compression={self.compression!r} with complex parameters: their gradients would "
                                     f"lose the imaginary part on the wire; use compression=None")
         # Frozen ones too: a randomly initialised frozen layer would otherwise differ between ranks.
         self.comm.bcast_tensors([p.data for p in params + self._frozen_at_wrap], root=0)
         return params
+
+    def _check_same_memory_order(self, params: list[torch.nn.Parameter]) -> None:
+        """Raise on every rank where a parameter's memory format (channels_last or the default)
+        differs between ranks: the gradient buffers hold each parameter's elements in its own
+        memory order, so the ranks' sums would add elements of different places."""
+        if self.comm.size == 1:
+            return
+        orders = self.comm.allgather_obj([own_order(p) for p in params])
+        for i, p in enumerate(params):
+            if any(o[i] != orders[0][i] for o in orders):
+                by = [r for r, o in enumerate(orders) if o[i] != orders[0][i]]
+
+                def layout(strides):
+                    return f"strides {strides}" if strides else "the default (contiguous) layout"
+                raise CollectiveMismatchError(
+                    f"create_multi_node_optimizer: the parameter of shape {tuple(p.shape)} (number {i} of the "
+                    f"trainable ones) has {layout(orders[by[0]][i])} on rank(s) {by} and {layout(orders[0][i])} on "
+                    f"rank 0: convert the model to one memory format on every rank (model.to(memory_format="
+                    f"torch.channels_last), or none) before wrapping (raised on rank {self.comm.rank})")
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
                         foreach: Optional[bool] = None) -> torch.Tensor:

@@ -41,8 +41,24 @@ def is_dense(t: torch.Tensor) -> bool:
     return True
 
 
-def _own_order(like: torch.Tensor) -> bool:
-    return not like.is_contiguous() and is_dense(like)
+def own_order(t: torch.Tensor) -> tuple | None:
+    """The strides that set ``t``'s memory order where it is not the default one, else None (also
+    for a layout with gaps, which the flat buffers store in the default order).
+
+    Args:
+        t: a parameter.
+
+    Returns:
+        ``t.stride()`` where :func:`shaped` and :func:`elements` follow ``t``'s own order, else None.
+
+    Example::
+
+        >>> own_order(torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last))
+        (60, 1, 15, 3)
+        >>> own_order(torch.zeros(2, 3)) is None
+        True
+    """
+    return tuple(t.stride()) if not t.is_contiguous() and is_dense(t) else None
 
 
 def shaped(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -62,7 +78,7 @@ def shaped(flat: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         >>> shaped(torch.zeros(w.numel()), w).is_contiguous(memory_format=torch.channels_last)
         True
     """
-    if _own_order(like):
+    if own_order(like) is not None:
         return flat.as_strided(like.shape, like.stride())
     return flat.view(like.shape)
 
@@ -84,7 +100,7 @@ def elements(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         >>> torch.equal(shaped(elements(w, w), w), w)
         True
     """
-    if not _own_order(like):
+    if own_order(like) is None:
         return t.reshape(-1)
     if t.stride() != like.stride():
         t = torch.empty_like(like, dtype=t.dtype).copy_(t)

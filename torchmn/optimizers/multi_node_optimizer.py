@@ -39,9 +39,10 @@ class _Bucket:
     After the gradients, the buffer holds one flag per parameter (1 where this rank has a
     gradient), reduced with them: a parameter that no rank has a gradient for keeps ``.grad``
     ``None``, so the optimizer leaves it alone, as in one process. Last come two numbers that tell
-    whether every rank has taken as many ``step()`` calls: the parity of this rank's count, and 1.
-    Their sums agree (or the first is 0) only where the ranks' parities are the same, and a rank
-    that skipped a ``step()`` the others took has the other parity at the next backward.
+    whether every rank has taken as many ``step()`` calls: the parity of this rank's count, and 1
+    (both 0 from a rank that is not counted: one sitting out in ``hvd.join()``). Their sums agree
+    (or the first is 0) only where the counted ranks' parities are the same, and a rank that
+    skipped a ``step()`` the others took has the other parity at the next backward.
     """
 
     def __init__(self, params: list[torch.nn.Parameter], wire_dtype: Optional[torch.dtype], as_views: bool,
@@ -56,7 +57,7 @@ class _Bucket:
         self.work = None
         self.sent_at = 0.0  # when its message went out (recorder clock), for the timeline
         self.had_grad: list[bool] = []
-        self.steps_taken = 0  # the optimizer's step() count when this bucket is sent
+        self.step_parity: Optional[int] = 0  # of the optimizer's step() count; None: not counted
         self.buffer: Optional[torch.Tensor] = None
         self.views: list[torch.Tensor] = []
 
@@ -82,7 +83,10 @@ class _Bucket:
         else:
             self.flags.copy_(torch.tensor(self.had_grad, dtype=self.flags.dtype) * unit)
             self.step_check[1] = unit
-        self.step_check[0] = unit * (self.steps_taken % 2)
+        if self.step_parity is None:
+            self.step_check.zero_()
+        else:
+            self.step_check[0] = unit * self.step_parity
         if (scale is None or len(grads) > _MANY) and \
                 all(g is not None and not _is_view(g, v) and g.dtype == v.dtype for g, v in zip(grads, self.views)):
             # Many small tensors: one call (and one multiply) instead of one or two per tensor.
@@ -151,6 +155,8 @@ class _Bucket:
         calls, as far as their parity tells (the same answer on every rank)."""
         check = self.step_check.real if self.step_check.is_complex() else self.step_check
         odd, ranks = check.tolist()
+        if ranks == 0:  # none counted
+            return True
         # Each number was scaled alike on every rank; half a rank's share of slack covers
         # float16/bfloat16 rounding.
         share, slack = odd / ranks, 0.5 / self.comm.size
@@ -236,6 +242,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         # step() calls on this rank, whose parity each message carries (see _Bucket): a rank that
         # skipped one the others took is found at the next averaging instead of drifting apart.
         self._steps_taken = 0
+        self._sitting_out = False  # in average_without_gradients: not counted
         params = self.trainable_params()
         cap = comm.grad_bucket_cap_bytes if bucket_cap_mb is None else int(bucket_cap_mb * 1024 * 1024)
         # Double buffering keeps gradients out of buckets that may still be in flight.
@@ -306,7 +313,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
     def _send(self, bucket: _Bucket) -> None:
         if self._alone:
             return
-        bucket.steps_taken = self._steps_taken
+        bucket.step_parity = None if self._sitting_out else self._steps_taken % 2
         if self.arena is not None:
             # Into this rank's shared buffer, divided by size on the way (exact for powers of two);
             # summed at the end of backward. (Inside torchmn.join, by the ranks that still have data.)
@@ -460,10 +467,28 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
                 f"{describe_rank(self.comm)}: average_without_gradients() needs double_buffering=False "
                 f"and no gradients sent since the last step()")
         self.zero_grad()
-        self.synchronize()
+        # Not counted in the others' step check: they may step after this averaging or skip it
+        # alike (GradScaler), which this rank cannot know (see restart_step_count).
+        self._sitting_out = True
+        try:
+            self.synchronize()
+        finally:
+            self._sitting_out = False
         self._sent = False
         self.zero_grad()
-        self._steps_taken += 1  # in step with the others' step() calls, which this one stands in for
+
+    def restart_step_count(self) -> None:
+        """Count ``step()`` calls from zero again, for the check that every rank takes as many.
+
+        Call it on every rank at the same point of the script, where the ranks have taken different
+        numbers of steps on purpose: the end of ``hvd.join()``, after which ranks that sat out the
+        others' last steps train with them again.
+
+        Example::
+
+            >>> optimizer.restart_step_count()      # every rank, after hvd.join()
+        """
+        self._steps_taken = 0
 
     def whole_state_dict(self) -> dict:
         """The wrapped optimizer's ``state_dict()``: the same on every rank, no communication

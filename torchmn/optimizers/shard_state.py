@@ -7,7 +7,7 @@ import torch
 from torchmn.communicators import Communicator
 from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
 from torchmn.optimizers.inner_optimizers import IMPLEMENTATION_FLAGS
-from torchmn.optimizers.memory_order import elements, shaped
+from torchmn.optimizers.memory_order import elements, own_order, shaped
 from torchmn.optimizers.shard_layout import ShardBucket
 
 # State entries of those optimizers that are one value per parameter (a step count, a decay
@@ -212,9 +212,10 @@ def local_part(comm: Communicator, param_groups: list[dict], buckets: list) -> d
         buckets: the shard buckets, each with its shard optimizer.
 
     Returns:
-        ``{"size", "param_groups", "state": {index: {key: value}}, "slices": {index: (lo, hi)}}``:
-        per-element tensors hold elements ``lo:hi`` of the flattened parameter. Parameters
-        without state yet are left out.
+        ``{"size", "param_groups", "state": {index: {key: value}}, "slices": {index: (lo, hi)},
+        "strides": {index: strides}}``: per-element tensors hold elements ``lo:hi`` of the
+        parameter in its memory order, which ``strides`` gives where it is not the default one
+        (a ``channels_last`` convolution). Parameters without state yet are left out.
 
     Example::
 
@@ -223,7 +224,7 @@ def local_part(comm: Communicator, param_groups: list[dict], buckets: list) -> d
         (2, (5, 10))
     """
     index = indices(param_groups)
-    state, slices = {}, {}
+    state, slices, strides = {}, {}, {}
     for b in buckets:
         for i, (p, sp) in enumerate(zip(b.params, b.shard_params)):
             entry = b.optimizer.state.get(sp)
@@ -234,8 +235,10 @@ def local_part(comm: Communicator, param_groups: list[dict], buckets: list) -> d
                                      else value.clone() if torch.is_tensor(value) else value)
                                for key, value in entry.items()}
             slices[index[p]] = (lo, hi)
+            if own_order(p) is not None:
+                strides[index[p]] = own_order(p)
     part = torch_format(param_groups, state, index)
-    part.update(size=comm.size, slices=slices)
+    part.update(size=comm.size, slices=slices, strides=strides)
     return part
 
 
@@ -290,6 +293,12 @@ def merge_parts(parts: list[dict], param_groups: list[dict]) -> dict:
             raise TorchmnValueError(
                 f"optimizer state of parameter {index} covers {covered} of its {p.numel()} elements "
                 f"(shape {tuple(p.shape)}): the checkpoint is of another model")
-        state[index] = {key: shaped(value, p) if torch.is_tensor(value) and value.numel() == p.numel()
+        # The parts' element order: the saving parameter's memory order (the default where they
+        # name none), whatever the loading parameter's is.
+        saved = parts[0].get("strides", {}).get(index)
+
+        def whole(value):
+            return value.as_strided(p.shape, saved) if saved else value.view(p.shape)
+        state[index] = {key: whole(value) if torch.is_tensor(value) and value.numel() == p.numel()
                         and key not in SCALAR_STATE else value for key, value in entry.items()}
     return {"state": state, "param_groups": parts[0]["param_groups"]}
