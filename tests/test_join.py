@@ -15,7 +15,8 @@ CHECKS = WORKERS / "join_checks.py"
 ALL = ("uneven_replicated", "uneven_sharded", "uneven_default", "a_rank_without_data", "two_optimizers",
        "exchange_only_inside_join", "double_buffering_refused", "sharded_clip_refused",
        "clipping_reaches_repeating_ranks",
-       "different_optimizers_named", "other_collective_inside_named", "nested_refused")
+       "different_optimizers_named", "other_collective_inside_named", "nested_refused",
+       "skipped_step_inside_named")
 # A hang would surface as the communicator's timeout error, naming the ranks, well within the job's.
 ENV = {"TORCHMN_TIMEOUT": "60"}
 

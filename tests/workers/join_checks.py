@@ -247,6 +247,28 @@ def check_different_optimizers_named(comm):
         opt.remove_hooks()
 
 
+def check_skipped_step_inside_named(comm):
+    """The ranks with data skip step() after a backward (a decision on the averaged gradients, alike)
+    while a rank out of data repeats that averaging and its step(): every rank raises JoinError
+    naming the ranks that skipped, instead of a TypeError from mismatched exchanges."""
+    if comm.size == 1:
+        return
+    model = make_model()
+    opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, shard_state=False)
+
+    def loop():
+        with torchmn.join(comm):
+            for t in range(1 if comm.rank == 0 else 2):
+                opt.zero_grad()
+                loss_fn(model, *batch(comm.rank, t)).backward()
+                if t == 0:
+                    opt.step()
+    e = expect(JoinError, loop)
+    skippers = list(range(1, comm.size))
+    assert f"rank(s) {skippers} with data did not call step()" in str(e), e
+    opt.remove_hooks()
+
+
 def check_nested_refused(comm):
     """One context per communicator: a second one inside is refused (before any collective)."""
     with torchmn.join(comm):

@@ -31,6 +31,11 @@ from torchmn.communicators.errors import CollectiveMismatchError
 from torchmn.errors import TorchmnError
 
 ENDED = -1  # what a rank whose loop has ended says in the exchange (an optimizer's number otherwise)
+# Where the ranks with data skipped a step() after an averaging that ranks out of data repeat.
+SKIPPED_STEP = ("rank(s) {} with data did not call step() after an averaging inside torchmn.join, while the ranks "
+                "whose data has run out repeat each averaging together with its step(). Inside the context call "
+                "step() after every backward that averages; to leave a batch out (GradScaler's overflow, a "
+                "non-finite norm), skip it before its backward, on every rank with data")
 
 # Per communicator: its multi-node optimizers by number, and the join context open on it. Weak, so
 # that neither keeps a communicator or an optimizer alive.
@@ -131,6 +136,9 @@ def share_edited_gradients(optimizer) -> None:
     # whether a repeating rank's differ, without moving them where nothing was edited.
     mine = sum(float(g.double().sum()) + float(g.double().pow(2).sum()) for g in grads)
     said = optimizer.comm.allgather_obj((join._repeating is not None, mine))
+    skipped = [r for r, word in enumerate(said) if not isinstance(word, tuple)]
+    if skipped:  # they went on to their next exchange (the next averaging, or the context's end)
+        raise JoinError(f"rank {optimizer.comm.rank} on {socket.gethostname()}: {SKIPPED_STEP.format(skipped)}")
     source = next(r for r, (repeating, _) in enumerate(said) if not repeating)
     if any(total != said[source][1] for _, total in said):
         optimizer.comm.bcast_tensors(grads, root=source)
@@ -309,7 +317,7 @@ class Join:
     def _exchange(self, mine: int) -> list:
         """Every rank's word: the number of the optimizer it averages, or ENDED."""
         try:
-            return self.comm.allgather_obj(mine)
+            said = self.comm.allgather_obj(mine)
         except CollectiveMismatchError as e:
             where = "its loop has ended" if mine == ENDED else f"it begins averaging optimizer #{mine}"
             raise CollectiveMismatchError(
@@ -317,6 +325,11 @@ class Join:
                 f"torchmn.join's exchange, made where each averaging begins. Inside the context only the "
                 f"optimizers' averaging and step() are repeated for the ranks whose loops have ended: make other "
                 f"collectives after it)") from e
+        waiting = [r for r, word in enumerate(said) if isinstance(word, tuple)]  # in a repeated step()
+        if waiting:
+            raise JoinError(f"rank {self.comm.rank} on {socket.gethostname()}: "
+                            f"{SKIPPED_STEP.format([r for r in range(self.comm.size) if r not in waiting])}")
+        return said
 
     def _decide(self, said: list) -> tuple:
         """What every rank concludes alike from the exchange: how many ranks have data, and the
