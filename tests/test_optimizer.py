@@ -13,6 +13,7 @@ ALL = ("equivalence", "compression", "double_buffering", "clipping", "unused_par
        "refusals", "shared_memory_where_possible", "transparency", "zero_fill_false",
        "double_buffering_edge_cases", "half_precision_sums", "failed_backward", "skipped_step_and_abandoned_window",
        "step_skipped_on_one_rank_is_named", "channels_last_parameters_keep_their_layout",
+       "every_parameter_frozen_steps",
        "scheduler_and_hooks_of_the_torch_optimizer", "closure_lbfgs", "frozen_parameters_start_equal",
        "complex_parameters", "dtype_changed_after_wrapping", "default_keeps_replicated_semantics", "powersgd",
        "powersgd_refusals", "rewrap_keeps_state",

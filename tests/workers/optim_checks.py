@@ -764,6 +764,21 @@ def check_channels_last_parameters_keep_their_layout(comm):
             raise AssertionError("different memory formats on the ranks were not refused")
 
 
+def check_every_parameter_frozen_steps(comm):
+    """A model frozen whole (a phase that trains nothing of this optimizer's): step() averages
+    nothing and changes nothing, with every optimizer."""
+    for kwargs in ({}, {"shard_state": False}, {"shard_state": True}):
+        model = make_model()
+        model.requires_grad_(False)
+        before = [p.clone() for p in model.parameters()]
+        opt = torchmn.create_multi_node_optimizer(OPTIMIZERS["sgd"](model.parameters()), comm, **kwargs)
+        for _ in range(2):
+            opt.zero_grad()
+            opt.step()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before)), kwargs
+        opt.remove_hooks()
+
+
 def check_scheduler_and_hooks_of_the_torch_optimizer(comm):
     """An LR scheduler and step hooks set on the torch optimizer before wrapping work as without
     torchmn (the shared update on one node included): no warning that the scheduler stepped

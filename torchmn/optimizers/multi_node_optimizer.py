@@ -149,7 +149,6 @@ class _Bucket:
                     f"ranks' models would differ. Use zero_fill=True (the default: a missing gradient counts as "
                     f"zeros), or give every rank the same parameters (raised on rank {self.comm.rank})")
 
-
     def steps_agree(self) -> bool:
         """After unpack: whether every rank that sent this bucket had taken as many ``step()``
         calls, as far as their parity tells (the same answer on every rank)."""
@@ -300,7 +299,7 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
         for b, result in zip(self.buckets, self._results):
             b.unpack(None, self.zero_fill, result=result)
             b.ready.clear()
-        self._check_same_steps(self.buckets[-1])
+        self._check_same_steps(self.buckets)
         # No barrier needed after the copy-out: the result is written again only after the next
         # step's first barrier, which every rank reaches after its own copy-out.
 
@@ -371,13 +370,14 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             bucket.ready.clear()
         if t0 is not None:
             recorder.end("wait for averages", "average", t0)
-        self._check_same_steps(buckets[-1])
+        self._check_same_steps(buckets)
 
-    def _check_same_steps(self, bucket: _Bucket) -> None:
-        """Raise on every rank where the ranks that sent ``bucket`` had taken different numbers of
+    def _check_same_steps(self, buckets: list[_Bucket]) -> None:
+        """Raise on every rank where the ranks that sent ``buckets`` had taken different numbers of
         ``step()`` calls: a rank that skipped one would update its model less often than the
-        others, and the replicas would drift apart without a word."""
-        if bucket.steps_agree():
+        others, and the replicas would drift apart without a word. (Every bucket carries the
+        check; the last one's is read.)"""
+        if not buckets or buckets[-1].steps_agree():
             return
         # Every rank is here alike (the sums are the same everywhere): one more exchange names them.
         counts = self.comm.allgather_obj(self._steps_taken)
