@@ -135,9 +135,13 @@ def test_doctor_takes_a_launcher_that_inherited_slurm_procid_for_no_rank():
 
     from torchmn.doctor.processes import ranks_in_trees
 
+    # Each child says it runs before the launcher names them: right after exec() returns to Popen,
+    # /proc/PID/environ can still read empty for a moment.
     code = ("import os, subprocess, sys, time\n"
-            "kids = [subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'],\n"
-            "                         env={**os.environ, 'TORCHMN_RANK': str(r)}) for r in range(2)]\n"
+            "kids = [subprocess.Popen([sys.executable, '-c', 'import time; print(1, flush=True); time.sleep(60)'],\n"
+            "                         env={**os.environ, 'TORCHMN_RANK': str(r)}, stdout=subprocess.PIPE)\n"
+            "        for r in range(2)]\n"
+            "[k.stdout.readline() for k in kids]\n"
             "print(' '.join(str(k.pid) for k in kids), flush=True)\n"
             "time.sleep(60)\n")
     launcher = subprocess.Popen([sys.executable, "-c", code], env=clean_env({"SLURM_PROCID": "0"}),
