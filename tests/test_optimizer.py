@@ -15,7 +15,8 @@ ALL = ("equivalence", "compression", "double_buffering", "clipping", "unused_par
        "step_skipped_on_one_rank_is_named", "channels_last_parameters_keep_their_layout",
        "every_parameter_frozen_steps",
        "scheduler_and_hooks_of_the_torch_optimizer", "closure_lbfgs", "frozen_parameters_start_equal",
-       "complex_parameters", "dtype_changed_after_wrapping", "default_keeps_replicated_semantics", "powersgd",
+       "complex_parameters", "dtype_changed_after_wrapping", "memory_format_changed_after_wrapping",
+       "default_keeps_replicated_semantics", "powersgd",
        "powersgd_refusals", "rewrap_keeps_state",
        "saved_model_is_its_own_size", "state_dict_hooks", "replacing_the_optimizer_drops_the_old_ones_hooks")
 

@@ -864,6 +864,23 @@ def check_dtype_changed_after_wrapping(comm):
         opt.zero_grad()
 
 
+def check_memory_format_changed_after_wrapping(comm):
+    """model.to(memory_format=torch.channels_last) after wrapping, with every optimizer: a clear error
+    naming the cause at the next backward, not gradients averaged from buffers the conversion moved
+    them out of (wrong numbers, without a word)."""
+    for kwargs in ({}, {"shard_state": True}, {"shard_state": False}):
+        model = torch.nn.Conv2d(3, 4, 3)
+        opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, **kwargs)
+        model(torch.ones(1, 3, 5, 5)).sum().backward()
+        opt.step()
+        model.to(memory_format=torch.channels_last)
+        e = expect(RuntimeError, lambda: model(torch.ones(1, 3, 5, 5)).sum().backward())
+        assert "has strides (27, 1, 9, 3) now but had (27, 9, 3, 1) when create_multi_node_optimizer" in str(e), \
+            (kwargs, str(e))
+        opt.zero_grad()
+        opt.remove_hooks()
+
+
 def check_complex_parameters(comm):
     """Complex gradients average like real ones (zero_fill=False read complex flags and crashed);
     compression, which would drop their imaginary part, is refused."""

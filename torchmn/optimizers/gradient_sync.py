@@ -360,6 +360,7 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         """
         self._where = {p: bi for bi, b in enumerate(buckets) for p in b.params}
         self._dtypes = {p: p.dtype for p in params}
+        self._strides = {p: p.stride() for p in params}
         # Also in a world of one, so that every option means the same there.
         self._hooks.extend(hook_gradients(self, params, "_on_grad"))
 
@@ -409,6 +410,13 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
                 f"{self._dtypes[p]} when create_multi_node_optimizer wrapped the optimizer (model.double(), "
                 f".half() or .to(dtype) since?); its gradient buffers are of the old type. Convert the model "
                 f"first, then create the torch optimizer and wrap it")
+        if p.stride() != self._strides[p]:
+            raise TorchmnRuntimeError(
+                f"{describe_rank(self.comm)}: a parameter of shape {tuple(p.shape)} has strides {p.stride()} now but "
+                f"had {self._strides[p]} when create_multi_node_optimizer wrapped the optimizer "
+                f"(model.to(memory_format=...) since?); its gradient buffers follow the old layout, and the "
+                f"conversion moved its .grad out of them. Convert the model first, then create the torch optimizer "
+                f"and wrap it")
         if not self._in_pass:
             self._in_pass = True
             # A new backward adds gradients that have not gone out, even where the last ones did
