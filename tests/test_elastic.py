@@ -776,6 +776,14 @@ def test_elastic_data_sees_each_sample_once_per_epoch_across_a_kill_and_a_join(d
 
 
 @pytest.mark.timeout(240)
+def test_elastic_batch_norm_keeps_the_whole_batchs_statistics_across_a_kill_and_a_join(data_job):
+    """The job's MultiNodeBatchNorm1d normalizes with the statistics of the whole global batch at
+    every step (each rank checks), in the first world, the shrunk one and the one a rank joined,
+    whose layer agrees with the others' anew."""
+    assert all(data_job["batch_norm"][world] > 0 for world in ("first", "shrunk", "grown")), data_job["batch_norm"]
+
+
+@pytest.mark.timeout(240)
 def test_elastic_mnist_example_completes_across_a_kill(tmp_path):
     """examples/mnist/train_mnist_elastic.py: a rank killed after the first epoch; the others go on
     with the rest of their epoch from the last commit, every epoch is logged once, in order, and

@@ -9,7 +9,8 @@ from jobs import WORKERS, assert_check_passed, check_job_output, run_job
 
 CHECKS = WORKERS / "parallel_layer_checks.py"
 ALL = ("bn_four_way", "bn_four_way_images", "bn_rank_without_samples",
-       "bn_constant_channel_and_single_sample", "bn_large_mean_keeps_the_variance", "bn_global_batch_of_one_refused", "bn_empty_global_batch_keeps_statistics",
+       "bn_constant_channel_and_single_sample", "bn_large_mean_keeps_the_variance",
+       "bn_recovers_after_a_batch_with_nan", "bn_global_batch_of_one_refused", "bn_empty_global_batch_keeps_statistics",
        "bn_cumulative_average", "bn_eval_makes_no_collective",
        "bn_channel_mismatch_refused", "bn_wrong_input_refused_on_every_rank", "bn_deep_copy_shares_the_communicator", "create_mnbn_model",
        "create_mnbn_model_converts_subclasses", "spatial_conv", "spatial_conv_width_split",

@@ -7,7 +7,8 @@ lists with the loaders' positions.
 Run under ``torchmn run -np N --min-np M ...`` with OUT_DIR and the number of epochs as arguments.
 Every rank writes its pid to OUT_DIR/pids/<worker>; rank 0 appends "<time> <step> <world size>" to
 OUT_DIR/progress, keeps "<epoch> <way> <step> <its worker number>" in OUT_DIR/phase, and writes the
-committed samples of every epoch, per way, to OUT_DIR/seen.json at the end.
+committed samples of every epoch, per way, to OUT_DIR/seen.json at the end, with the committed count of
+steps whose multi-node batch norm matched the whole batch's, per world ("first", "shrunk", "grown").
 """
 import json
 import os
@@ -18,6 +19,7 @@ import torch
 
 import torchmn
 import torchmn.elastic
+import torchmn.nn
 from torchmn.checkpoint import ResumableLoader
 from torchmn.datasets import SharedDataset
 
@@ -39,7 +41,21 @@ os.makedirs(os.path.join(out, "pids"), exist_ok=True)
 with open(os.path.join(out, "pids", os.environ.get("TORCHMN_ELASTIC_WORKER", "0")), "w") as f:
     f.write(str(os.getpid()))
 comm = torchmn.create_communicator()
-model = torch.nn.Linear(1, 1).double()
+# The batch norm's statistics are checked against the whole global batch's at every step: a rank that
+# joins brings a layer that never agreed with the others, nor shares their last mean.
+norm = torchmn.nn.MultiNodeBatchNorm1d(1, affine=False, comm=comm).double()
+
+
+def check_batch_norm(module, inputs, output):
+    parts = comm.allgather_obj(inputs[0])
+    start = sum(len(p) for p in parts[:comm.rank])
+    want = torch.nn.functional.batch_norm(torch.cat(parts), None, None, training=True)[start:start + len(inputs[0])]
+    assert torch.allclose(output, want, rtol=0, atol=1e-9), (comm.size, (output - want).abs().max().item())
+    state.batch_norm = {**state.batch_norm, state.world: state.batch_norm[state.world] + 1}  # committed with the step
+
+
+norm.register_forward_hook(check_batch_norm)
+model = torch.nn.Sequential(norm, torch.nn.Linear(1, 1).double())
 optimizer = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=1e-4), comm)
 numbers = torch.arange(N, dtype=torch.float64).unsqueeze(1)
 copied = torchmn.scatter_dataset(numbers if comm.rank == 0 else None, comm, shuffle=True, seed=2)
@@ -49,7 +65,8 @@ loaders = {"scatter": ResumableLoader(copied, batch_size=3, seed=5),
            "shared": ResumableLoader(shared, batch_size=3, seed=6),
            "iterator": torchmn.create_multi_node_iterator(ResumableLoader(numbers, batch_size=9, seed=7), comm)}
 state = torchmn.elastic.State(model=model, optimizer=optimizer, **loaders, epoch=0, phase=0, step=0, world="first",
-                              seen={mode: [[] for _ in range(epochs)] for mode in MODES})
+                              seen={mode: [[] for _ in range(epochs)] for mode in MODES},
+                              batch_norm={"first": 0, "shrunk": 0, "grown": 0})
 
 
 @torchmn.elastic.run
@@ -87,4 +104,4 @@ def train(state):
 train(state)
 if comm.rank == 0:
     with open(os.path.join(out, "seen.json"), "w") as f:
-        json.dump(state.seen, f)
+        json.dump({**state.seen, "batch_norm": state.batch_norm}, f)

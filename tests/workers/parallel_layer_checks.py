@@ -140,6 +140,30 @@ def check_bn_large_mean_keeps_the_variance(comm):
     _against_one_process(comm, torch.nn.BatchNorm1d, MultiNodeBatchNorm1d, x, t, sizes, "with a large mean")
 
 
+def _whole_batch_output(comm, bn, x_all, sizes):
+    """This rank's output of ``bn`` on its part of ``x_all``, and BatchNorm's on the whole batch, there."""
+    start = sum(sizes[:comm.rank])
+    mine = slice(start, start + sizes[comm.rank])
+    return bn(x_all[mine]), torch.nn.functional.batch_norm(x_all, None, None, training=True)[mine]
+
+
+def check_bn_recovers_after_a_batch_with_nan(comm):
+    """A batch holding NaN or inf in one channel (an overflowing mixed-precision step, which the
+    scaler then skips): its output is NaN there, as torch's, and the next batches are normalized as
+    one process would, with and without running statistics (the next sums do not start from it)."""
+    sizes = _local_sizes(comm.size)
+    for bad in (float("nan"), float("inf")):
+        for track in (True, False):
+            bn = MultiNodeBatchNorm1d(4, comm=comm, track_running_stats=track).double()
+            x = randn(sum(sizes), 4, seed=13) + 5
+            x[0, 0] = bad
+            y, _ = _whole_batch_output(comm, bn, x, sizes)
+            assert torch.isfinite(y[:, 1:]).all(), "the channels without NaN or inf"
+            for step in range(3):
+                y, want = _whole_batch_output(comm, bn, randn(sum(sizes), 4, seed=14 + step) + 5, sizes)
+                close(y, want, f"batch {step + 1} after one holding {bad} (track_running_stats={track})", BN)
+
+
 def check_bn_global_batch_of_one_refused(comm):
     """One value per channel over every rank's batch: torch's BatchNorm refuses it in training, and
     so does every rank alike (each knows the global count), before any running statistic changes."""

@@ -15,6 +15,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from torchmn.communicators import CollectiveMismatchError, CommunicatorBase, RemoteRankError, backward_pass
+from torchmn.elastic import membership
 from torchmn.errors import TorchmnValueError
 from torchmn.nn._parallel_utility import agree_on_arguments, refuse_with_the_others
 
@@ -64,6 +65,9 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
         # The last global batch mean, alike on every rank: the next batch's sums are taken about it
         # (see _global_moments), so that a large mean does not cancel the variance's digits.
         self._shift: Optional[torch.Tensor] = None
+        # The elastic job's generation the two above belong to (None outside one): in a new world a
+        # rank that joined has a layer that never agreed, so every rank agrees again, from no shift.
+        self._world = membership.generation()
 
     def _check_input_dim(self, x: torch.Tensor) -> None:
         if x.dim() < 2:
@@ -94,6 +98,9 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
             torch.Size([8, 3, 32, 32])
         """
         use_batch = self.training or not self.track_running_stats
+        world = membership.generation()
+        if world != self._world:
+            self._agreed, self._shift, self._world = False, None, world
         try:
             self._check_input_dim(x)
             if x.shape[1] != self.num_features:
@@ -119,8 +126,9 @@ class MultiNodeBatchNorm(torch.nn.modules.batchnorm._BatchNorm):
                 raise CollectiveMismatchError(
                     f"{type(self).__name__}: another rank refused its own input (its error says why: a wrong number "
                     f"of channels or dimensions), so the batch statistics cannot be summed: {error}") from error
-        if n > 0:
-            self._shift = mean
+        if n > 0:  # a channel whose batch held NaN or inf keeps its shift: the next batch's sums start clean
+            kept = torch.zeros_like(mean) if self._shift is None else self._shift
+            self._shift = torch.where(mean.isfinite(), mean, kept)
         if n == 1:  # known alike on every rank: n is the global batch's count
             raise TorchmnValueError(
                 f"{type(self).__name__}: expected more than 1 value per channel when training, got 1 over the "
