@@ -15,7 +15,7 @@ from torchmn.datasets import (DatasetPart, SharedDataset, create_empty_dataset, 
                               scatter_index)
 from torchmn.datasets import index_range
 
-CHECKS = ["scatter", "scatter_chunks", "scatter_errors", "scatter_bad_seed_refused_at_once", "scatter_index",
+CHECKS = ["scatter", "scatter_chunks", "scatter_object_array", "scatter_errors", "scatter_bad_seed_refused_at_once", "scatter_index",
           "scatter_disagreements_refused", "scatter_random_samples_warned"]
 
 

@@ -13,6 +13,7 @@ import os
 import time
 import warnings
 
+import numpy as np
 import pytorch_pfn_extras as ppe
 import torch
 from torch.utils.data import DataLoader
@@ -156,6 +157,21 @@ def check_scatter_chunks(comm):
             for a, b in (zip(want, got) if isinstance(want, tuple) else [(want, got)]):
                 assert a == b if isinstance(a, (int, str)) else torch.equal(torch.as_tensor(a), torch.as_tensor(b)), \
                     (type(data).__name__, k, i)
+
+
+def check_scatter_object_array(comm):
+    """A NumPy array of Python objects (strings from pandas' .values, dicts) is scattered sample by
+    sample, each rank's part holding root's objects, at once (its elements are references, not rows
+    of bytes to send in blocks)."""
+    n = 3 * comm.size + 1
+    data = np.empty(n, dtype=object)
+    for i in range(n):
+        data[i] = {"id": i, "text": f"sample {i}"} if i % 2 else f"sample {i}"
+    start = time.monotonic()
+    part = scatter_dataset(data if comm.rank == 0 else None, comm, shuffle=True, seed=4, force_equal_length=False)
+    assert time.monotonic() - start < 20, time.monotonic() - start
+    assert [part[k] for k in range(len(part))] == [data[i] for i in part.indices], (part.indices, list(part))
+    assert sorted(i for p in comm.allgather_obj(part.indices) for i in p) == list(range(n))
 
 
 class Labelled(torch.utils.data.TensorDataset):
@@ -852,6 +868,7 @@ def check_early_stopping_trigger_that_differs_between_ranks(comm, tmp):
 CHECKS = {
     "scatter": check_scatter,
     "scatter_chunks": check_scatter_chunks,
+    "scatter_object_array": check_scatter_object_array,
     "scatter_errors": check_scatter_errors,
     "scatter_bad_seed_refused_at_once": check_scatter_bad_seed_refused_at_once,
     "scatter_index": check_scatter_index,

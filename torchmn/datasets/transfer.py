@@ -72,8 +72,12 @@ def send_samples(put: Put, dataset: Any, indices: Sequence[int], max_buf_len: in
 
 def _rows(dataset: Any) -> Optional[tuple]:
     """The arrays whose rows are ``dataset``'s samples, where it is nothing more (a tensor, a NumPy
-    array, a ``TensorDataset``; not a subclass, whose items may be more than rows); else None."""
-    if type(dataset) in (torch.Tensor, np.ndarray) and dataset.ndim > 0:
+    array of numbers, a ``TensorDataset``; not a subclass, whose items may be more than rows); else None."""
+    if type(dataset) is torch.Tensor and dataset.ndim > 0:
+        return (dataset,)
+    # An array of Python objects (strings from pandas' .values, dicts) holds references, not rows of
+    # bytes: its samples travel pickled one by one.
+    if type(dataset) is np.ndarray and dataset.ndim > 0 and not dataset.dtype.hasobject:
         return (dataset,)
     if type(dataset) is TensorDataset and all(type(t) is torch.Tensor for t in dataset.tensors):
         return tuple(dataset.tensors)
@@ -83,18 +87,20 @@ def _rows(dataset: Any) -> Optional[tuple]:
 def _send_rows(put: Put, dataset: Any, arrays: tuple, indices: list, max_buf_len: int) -> None:
     """Stream the rows ``indices`` of ``arrays`` in blocks of at most ``max_buf_len`` bytes (one row
     at least), each block taken with one indexing call."""
-    row_bytes = sum(a[0].nbytes for a in arrays) if indices else 1
-    per_block = max(1, max_buf_len // max(1, row_bytes))
     single = type(dataset) is not TensorDataset
-    for start in range(0, len(indices), per_block):
-        chosen = indices[start:start + per_block]
-        try:
+    chosen = indices[:1]
+    try:  # whatever fails here, the receivers are told: they wait for the next message
+        row_bytes = sum(a[0].nbytes for a in arrays) if indices else 1
+        per_block = max(1, max_buf_len // max(1, row_bytes))
+        for start in range(0, len(indices), per_block):
+            chosen = indices[start:start + per_block]
             block = tuple(a[np.asarray(chosen)] if isinstance(a, np.ndarray) else a[torch.as_tensor(chosen)]
                           for a in arrays)
-        except Exception as e:
-            put(("error", f"samples {chosen[0]}-{chosen[-1]}: {type(e).__name__}: {e}"))
-            raise
-        put(("rows", (single, block)))
+            put(("rows", (single, block)))
+    except Exception as e:
+        put(("error", f"samples {chosen[0]}-{chosen[-1]}: {type(e).__name__}: {e}" if chosen else
+             f"{type(e).__name__}: {e}"))
+        raise
     put(("end", None))
 
 
