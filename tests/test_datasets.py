@@ -172,3 +172,23 @@ def test_tensor_views_travel_without_their_whole_storage():
     assert pickle.loads(dumps(leaf)).requires_grad
     whole = table[:10].clone()  # pickled as pickle would: not copied again
     assert len(dumps(whole)) == len(pickle.dumps(whole, protocol=pickle.HIGHEST_PROTOCOL))
+
+
+def test_transform_dataset_slice_transforms_each_item():
+    """A slice is the list of the transformed items, also over a TensorDataset (whose own slice is
+    its columns) and a dataset that takes integer indices only."""
+    from torchmn.datasets import TransformDataset
+
+    x, y = torch.arange(6.0).reshape(3, 2), torch.tensor([10, 11, 12])
+    pairs = TransformDataset(torch.utils.data.TensorDataset(x, y), lambda s: (s[0] * 100, int(s[1])))
+    got = pairs[0:2]
+    assert len(got) == 2 and all(torch.equal(a[0], b[0]) and a[1] == b[1] for a, b in zip(got, [pairs[0], pairs[1]]))
+
+    class IntegersOnly(torch.utils.data.Dataset):
+        def __len__(self):
+            return 3
+
+        def __getitem__(self, i):
+            return [10, 11, 12][int(i)]
+
+    assert TransformDataset(IntegersOnly(), str)[::-2] == ["12", "10"]

@@ -54,6 +54,6 @@ class TransformDataset(Dataset):
             >>> TransformDataset([1, 2, 3], str)[0], TransformDataset([1, 2, 3], str)[1:]
             ('1', ['2', '3'])
         """
-        if isinstance(i, slice):
-            return [self.transform(item) for item in self.dataset[i]]
+        if isinstance(i, slice):  # item by item: a dataset's own slice may be columns (TensorDataset) or refused
+            return [self.transform(self.dataset[k]) for k in range(*i.indices(len(self)))]
         return self.transform(self.dataset[i])
