@@ -160,6 +160,10 @@ def check_newer_step_of_another_run_is_not_overwritten(comm, root):
     fresh = Checkpointer(directory, comm, model=small_model())
     expect_error(lambda: fresh.save(10), "complete checkpoint of step 50", "load_latest()", "nothing was overwritten")
     assert listing(directory) == before
+    # A run that did resume from it, saving an older step, is told so, not to call load_latest().
+    assert fresh.load_latest() == 50
+    expect_error(lambda: fresh.save(10), "this run resumed from step 50 already", "must grow")
+    assert listing(directory) == before
 
 
 def check_a_step_saved_again_is_left_as_it_is(comm, root):

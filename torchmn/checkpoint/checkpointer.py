@@ -297,8 +297,9 @@ class Checkpointer:
         refusal = None
         if self.comm.rank == 0 and not kept:
             try:
-                refusal = (f"this run saved step {self._saved} already; the steps it saves must grow"
-                           if self._saved is not None and step < self._saved else self._prepare_step(step))
+                last = max((s for s in (self._saved, self.resumed_from) if s is not None), default=None)
+                refusal = (f"this run {'saved' if last == self._saved else 'resumed from'} step {last} already; the "
+                           f"steps it saves must grow" if last is not None and step < last else self._prepare_step(step))
             except OSError as e:  # told to every rank below, rather than leaving them waiting
                 refusal = f"preparing {files.step_dir(self.directory, step)} on rank 0 ({self.comm.host}): {e}"
         agreed = self.comm.allgather_obj((step, kept, refusal))
