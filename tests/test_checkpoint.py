@@ -130,3 +130,15 @@ def test_resumable_loader_refuses_a_position_taken_with_other_batches(other):
         resumed.load_state_dict(first.state_dict())
     resumed.load_state_dict({**first.state_dict(), "batches": 0, "epoch": 1})
     assert resumed.epoch == 1 and resumed.batches == 0
+
+
+@pytest.mark.parametrize("seed", [2**63 - 1, 2**70, -5])
+def test_resumable_loader_takes_any_int_seed(seed):
+    """A seed torch's generator takes, and a larger or negative one, shuffles (the epoch is mixed in
+    modulo 2^64); seeds that fitted before keep their orders."""
+    from torchmn.checkpoint import ResumableLoader
+    loader = ResumableLoader(list(range(8)), batch_size=4, shuffle=True, seed=seed)
+    assert sorted(i for batch in loader for i in batch.tolist()) == list(range(8))
+    small = ResumableLoader(list(range(8)), batch_size=8, shuffle=True, seed=3)
+    order = torch.randperm(8, generator=torch.Generator().manual_seed(3 * 1_000_003)).tolist()
+    assert next(iter(small)).tolist() == order

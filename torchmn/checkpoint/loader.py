@@ -107,7 +107,9 @@ class ResumableLoader:
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
     def _generator(self) -> torch.Generator:
-        return torch.Generator().manual_seed(self.seed * _EPOCH_STRIDE + self.epoch)
+        # Modulo 2^64, as torch's generator takes a negative seed: any int seed works, and every seed
+        # that fitted before keeps its orders.
+        return torch.Generator().manual_seed((self.seed * _EPOCH_STRIDE + self.epoch) % 2**64)
 
     def __iter__(self) -> Iterator[Any]:
         """The epoch under way, from its next batch.
