@@ -111,6 +111,21 @@ def test_atomic_save_leaves_only_final_file(tmp_path):
     assert os.listdir(tmp_path) == ["x.pt"] and torch.equal(torch.load(path)["a"], torch.ones(2))
 
 
+def test_atomic_save_takes_a_name_as_long_as_the_file_system_allows(tmp_path):
+    """A final name of 253 characters (the limit is 255): its temporary keeps the name's end, and a
+    failed write of it is cleaned up as any other."""
+    name = "m" * 250 + ".pt"
+    atomic_save({"a": 1}, str(tmp_path / name))
+    assert os.listdir(tmp_path) == [name] and torch.load(tmp_path / name) == {"a": 1}
+
+    def broken(obj, f):
+        raise OSError("disk full")
+
+    with pytest.raises(OSError, match="disk full"):
+        atomic_save({}, str(tmp_path / name), savefun=broken)
+    assert os.listdir(tmp_path) == [name]
+
+
 def test_atomic_save_returns_the_size_written_also_when_the_writer_seeks_back(tmp_path):
     """A writer that patches a header at the end (as zip or tar writers do) leaves the file's
     position short of its size: the size returned is the file's."""

@@ -109,8 +109,18 @@ def _create_temporary(path: str) -> tuple:
     that the kernel applies the umask, as for any file the user writes (mkstemp's 0600 would hide
     checkpoints from the user's other jobs)."""
     directory = os.path.dirname(path) or "."
+    prefix = temporary_prefix(path)
+    # The temporary name is 13 characters longer than the final one: where that passes the file
+    # system's limit on a name (255 on Linux), it keeps the end of the final name (its suffix).
+    try:
+        longest = os.pathconf(directory, "PC_NAME_MAX")
+    except OSError:
+        longest = 255
+    room = longest - len(secrets.token_hex(4) + ".tmp")
+    if len(prefix) > room:
+        prefix = "." + prefix[len(prefix) - room + 1:]
     while True:
-        tmp = os.path.join(directory, temporary_prefix(path) + secrets.token_hex(4) + ".tmp")
+        tmp = os.path.join(directory, prefix + secrets.token_hex(4) + ".tmp")
         try:
             return os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), tmp
         except FileExistsError:
