@@ -10,7 +10,7 @@ from torchmn.communicators import make_communicator
 from torchmn.evaluators import GenericMultiNodeEvaluator, create_multi_node_evaluator
 from torchmn.iterators import create_multi_node_iterator
 
-CHECKS = ["evaluator", "evaluator_object", "evaluator_object_over_uneven_shards", "evaluator_object_weighted_reports", "generic_evaluator", "iterator",
+CHECKS = ["evaluator", "evaluator_object", "evaluator_object_over_uneven_shards", "evaluator_object_weighted_reports", "evaluator_subclass_with_its_own_evaluate", "generic_evaluator", "iterator",
           "iterator_out_of_step_refused"]
 
 

@@ -402,6 +402,31 @@ def check_evaluator_object_over_uneven_shards(comm):
         assert create_multi_node_evaluator(evaluator(shards[comm.rank]), comm).evaluate() == whole, whole
 
 
+def check_evaluator_subclass_with_its_own_evaluate(comm):
+    """A pytorch-pfn-extras Evaluator subclass whose evaluate() is its own (ppe's way to write a
+    custom evaluation loop) never reaches the hook ppe's evaluate() calls: its means are averaged
+    over the ranks all the same, weighted by their batches, the same on every rank."""
+    import pytorch_pfn_extras as ppe
+    from pytorch_pfn_extras.training.extensions import Evaluator
+
+    class OwnLoop(Evaluator):
+        def evaluate(self):
+            total, n = 0.0, 0
+            for x in self.get_iterator("main"):
+                total, n = total + x.sum().item(), n + len(x)
+            return {"val/mean": total / n}
+
+    # Rank r holds r + 1 batches of 2 values, all 10 r.
+    data = torch.full((2 * (comm.rank + 1), 1), 10.0 * comm.rank, dtype=torch.float64)
+    evaluator = create_multi_node_evaluator(OwnLoop(torch.utils.data.DataLoader(data, batch_size=2),
+                                                    torch.nn.Linear(1, 1), progress_bar=False), comm)
+    with ppe.reporting.Reporter().scope({}):
+        got = evaluator.evaluate()
+    expected = sum(10.0 * r * (r + 1) for r in range(comm.size)) / sum(r + 1 for r in range(comm.size))
+    assert got == {"val/mean": expected}, (got, expected)
+    assert comm.allgather_obj(got) == [got] * comm.size
+
+
 def check_evaluator_object_weighted_reports(comm):
     """Reports with their own weights (``(value, n)``) and a metric some batches do not report:
     the result equals one process's Evaluator over the whole set (the same batches), as ppe's
@@ -878,6 +903,7 @@ CHECKS = {
     "evaluator_object": check_evaluator_object,
     "evaluator_object_over_uneven_shards": check_evaluator_object_over_uneven_shards,
     "evaluator_object_weighted_reports": check_evaluator_object_weighted_reports,
+    "evaluator_subclass_with_its_own_evaluate": check_evaluator_subclass_with_its_own_evaluate,
     "generic_evaluator": check_generic_evaluator,
     "iterator": check_iterator,
     "iterator_out_of_step_refused": check_iterator_out_of_step_refused,

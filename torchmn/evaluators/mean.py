@@ -127,7 +127,8 @@ def create_multi_node_evaluator(fn: Any, comm) -> Any:
     that it goes to ``manager.extend(...)`` as before. Its ``evaluate()`` returns a dict of means:
     for ppe's ``Evaluator``, the ranks' report summaries summed, each report with its weight (as
     ppe's ``DistributedEvaluator``: what one process over the whole set would give); for other
-    objects, each rank's means weighted by its batch count where its ``get_iterator("main")`` has
+    objects (and an ``Evaluator`` subclass with an ``evaluate()`` of its own), each rank's means
+    weighted by its batch count where its ``get_iterator("main")`` has
     a length, else the plain mean over ranks, as ChainerMN's gave.
 
     ``fn(*args, **kwargs)`` runs on each rank over that rank's shard and returns
@@ -176,9 +177,14 @@ class _SummedSummaries:
     (``_gather_summaries``, which ppe's Evaluator calls with its summary of this rank's batches):
     each report keeps its weight (``report({"loss": (value, n)})``) and a metric some batches do
     not report is averaged over those that do, exactly as one process over the whole set. A rank
-    whose evaluation fails before the exchange still takes part in it, so that every rank raises."""
+    whose evaluation fails before the exchange still takes part in it, so that every rank raises.
+
+    An ``evaluate()`` of the evaluator's own (a subclass's, as ppe documents for custom evaluation
+    loops) may never reach that hook: its means are then averaged over the ranks as other evaluator
+    objects' are, weighted by their batch counts."""
 
     def __init__(self, evaluator: Any, comm):
+        self.evaluator = evaluator
         self.evaluate, self.comm = evaluator.evaluate, comm
         self.exchanged = False
         evaluator._gather_summaries = self.gather
@@ -196,11 +202,15 @@ class _SummedSummaries:
     def __call__(self) -> dict:
         self.exchanged = False
         try:
-            return self.evaluate()
+            means = self.evaluate()
         except Exception as e:
             if not self.exchanged:  # take part in the exchange anyway, so the other ranks raise instead of waiting
                 self.comm.allgather_obj(("error", f"{type(e).__name__}: {e}"))
             raise
+        if self.exchanged:
+            return means
+        # Every rank runs the same evaluate(), so every rank comes here alike.
+        return MultiNodeEvaluator(functools.partial(_weighted_by_batches, lambda: means, self.evaluator), self.comm)()
 
 
 def _weighted_by_batches(evaluate: Callable[[], Any], evaluator: Any) -> tuple:
