@@ -198,6 +198,32 @@ def test_early_stopping_resumed_to_train_longer_goes_on(tmp_path):
     assert train(4) == 12
 
 
+def test_early_stopping_with_a_stateful_check_trigger_stops_alike_with_snapshots(tmp_path):
+    """A check trigger with a state of its own (TimeTrigger: each firing answers True once) is asked
+    once per iteration also where a snapshot records the check ahead of it, so snapshots do not
+    change where training stops."""
+    class EveryOtherCall(ppe.training.trigger.Trigger):
+        def __init__(self):
+            self.calls = 0
+
+        def __call__(self, manager):
+            self.calls += 1
+            return self.calls % 2 == 0
+
+    def train(snapshots, out):
+        stop = MultiNodeEarlyStoppingTrigger(solo(), check_trigger=EveryOtherCall(), monitor="main/loss", patience=2,
+                                             max_trigger=(30, "iteration"))
+        manager = manager_for(torch.nn.Linear(1, 1), out, 30, iters_per_epoch=1, stop_trigger=stop)
+        if snapshots:
+            manager.extend(multi_node_snapshot(solo()), trigger=(1, "iteration"))
+        while not manager.stop_trigger:
+            with manager.run_iteration():
+                ppe.reporting.report({"main/loss": float(manager.iteration)})  # worse every time: stops early
+        return manager.iteration
+
+    assert train(False, tmp_path / "plain") == train(True, tmp_path / "snapshots") < 30
+
+
 @pytest.mark.parametrize("name", ["snap_{iteration}", "snap_{rank}", "d/snap_{iteration}_{rank}",
                                   "snap_{iteration}_{rank}_{epoch}"])
 def test_snapshot_filename_must_name_iteration_and_rank(name):

@@ -68,6 +68,9 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
         self._count = 0
         self._checked: Optional[int] = None  # the iteration of the last check
         self._pending: Optional[dict] = None  # a check a snapshot was taken before (see state_dict)
+        # The triggers' answers a snapshot asked for ahead of this iteration's check, which uses them:
+        # a trigger with a state of its own (TimeTrigger) answers True once per firing.
+        self._asked: Optional[dict] = None
 
     def __deepcopy__(self, memo: dict) -> "MultiNodeEarlyStoppingTrigger":
         """A copy with counters of its own that shares this trigger's communicator.
@@ -130,6 +133,9 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
         else:
             observed = manager.observation.get(self.monitor)
             value = None if observed is None else to_float(observed, self.monitor)
+        asked, self._asked = self._asked, None
+        if asked is not None and asked["iteration"] == manager.iteration:
+            return self._check(value, lambda: asked["max"], lambda: asked["interval"], manager)
         return self._check(value, lambda: self._max_trigger(manager), lambda: self._interval_trigger(manager),
                            manager)
 
@@ -191,6 +197,7 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
                                 "max": bool(self._max_trigger(manager)),
                                 "length": self._training_length(),
                                 "interval": bool(self._interval_trigger(manager))}
+            self._asked = {k: state["pending"][k] for k in ("iteration", "max", "interval")}
         return state
 
     def _training_length(self) -> Optional[list]:
