@@ -329,7 +329,21 @@ def check_alltoall_uneven():
     y.backward(torch.ones_like(y) * (rank + 1))
     want = torch.cat([torch.full((n, 2), float(j + 1)) for j, n in enumerate(splits)])
     expect(torch.equal(x.grad, want), "alltoall gradient goes back to its senders")
-    expect_raises(ValueError, lambda: hvd.alltoall(torch.ones(5, 2), splits=[1] * size), "sum to")
+    expect_raises(ValueError, lambda: hvd.alltoall(torch.ones(1, 2), splits=[1] * size), "more than")
+
+
+def check_alltoall_padded_buffer():
+    """Splits that sum to fewer rows than the tensor holds (a send buffer allocated once, used in
+    part): the first rows go, the rest stay (Horovod refuses only a larger sum); their gradient is 0."""
+    size, rank = hvd.size(), hvd.rank()
+    buffer = torch.full((size + 3, 2), -1.0)
+    buffer[:size] = torch.arange(size, dtype=torch.float32).view(-1, 1) + 100 * rank
+    x = buffer.clone().requires_grad_()
+    out, received = hvd.alltoall(x, splits=[1] * size)
+    expect(received.tolist() == [1] * size and out[:, 0].tolist() == [100 * r + rank for r in range(size)],
+           f"padded buffer: {out.tolist()}")
+    out.backward(torch.ones_like(out))
+    expect(x.grad[:size].eq(1).all() and x.grad[size:].eq(0).all(), f"padded buffer's gradient: {x.grad.tolist()}")
 
 
 def check_reducescatter():
@@ -394,6 +408,8 @@ def check_sparse_allreduce():
 def check_objects_and_barrier():
     size, rank = hvd.size(), hvd.rank()
     expect(hvd.broadcast_object({"epoch": rank}, root_rank=size - 1) == {"epoch": size - 1}, "broadcast_object")
+    mine = {"epoch": rank}
+    expect((hvd.broadcast_object(mine, root_rank=0) is mine) == (rank == 0), "broadcast_object: root gets its own object")
     expect(hvd.allgather_object(("r", rank)) == [("r", r) for r in range(size)], "allgather_object")
     hvd.barrier()
 
@@ -612,6 +628,16 @@ def check_join_one_rank_early():
         last = hvd.join()
     expect(last == 0, f"join() returns the last rank to join (0), not {last}")
     expect(torch.all(hvd.allreduce(torch.ones(1), op=hvd.Sum) == size), "after join, all ranks count again")
+
+
+def check_join_returns_the_last_to_join_without_collectives_between():
+    """Rank 0 joins a second after the others, with no collective in between: every rank's join()
+    returns 0, the rank that joined last (as Horovod's coordinator, which processes its join last)."""
+    if hvd.rank() == 0:
+        time.sleep(1.0)
+    last = hvd.join()
+    every = hvd.allgather_object(last)
+    expect(every == [0] * hvd.size(), f"join() returns the rank that joined last (0) on every rank: {every}")
 
 
 def check_join_after_a_step_the_ranks_with_data_skipped():

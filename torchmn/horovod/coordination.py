@@ -13,6 +13,7 @@ background thread, the main thread's one (``DistributedOptimizer`` steps, barrie
 from __future__ import annotations
 
 import socket
+import time
 from typing import Callable, Optional
 
 import torch
@@ -176,30 +177,29 @@ def join(device: int = -1) -> int:
     comm = require_comm()
     if comm.size == 1:
         return comm.rank
+    started = time.monotonic()
     tensor_comm = global_process_set.tensor_comm
     tensor_side = background.start(tensor_comm, lambda: _wait_joined(tensor_comm))
-    mirrored = _wait_joined(comm)
-    mirrored += tensor_side.wait()
-    # The rank that joined last took part in the fewest collectives as a joined rank.
-    counts = comm.allgather_obj(mirrored)
+    _wait_joined(comm)
+    tensor_side.wait()
+    # Every rank leaves the wait at the same moment, so the rank that joined last waited least: each
+    # measures its own wait on its own clock (hosts' clocks need not agree).
+    waits = comm.allgather_obj(time.monotonic() - started)
     for callback in _after_join:
         callback()
-    return max(r for r, n in enumerate(counts) if n == min(counts))
+    return min(range(len(waits)), key=lambda r: (waits[r], -r))
 
 
-def _wait_joined(comm) -> int:
-    """Take part, as a joined rank, in the collectives of ``comm`` until every rank has joined;
-    return how many this rank mirrored with zeros."""
-    mirrored = 0
+def _wait_joined(comm) -> None:
+    """Take part, as a joined rank, in the collectives of ``comm`` until every rank has joined."""
     while True:
         descriptions = agree(comm, describe_call(JOINED), need_descriptions=True)
         waiting = [(r, d) for r, d in enumerate(descriptions) if d[0] != JOINED]
         if not waiting:
-            return mirrored
+            return
         kinds = {d[0] for _, d in waiting}
         kind = next(iter(kinds))
         if len(kinds) == 1 and kind in _mirrors:
             _mirrors[kind](waiting[0][1], comm)
-            mirrored += 1
         # Otherwise the others raise (agree() saw this rank joined), as under Horovod, and this rank
         # goes on waiting for them: their next call is join() or another collective.

@@ -311,8 +311,8 @@ def _split_sizes(tensor, splits, size: int) -> tuple[Optional[list[int]], Option
         return None, f"splits has {len(splits)} entries, not one per rank ({size})"
     if min(splits) < 0:
         return None, f"splits must not be negative: {splits}"
-    if sum(splits) != rows:
-        return None, f"splits sum to {sum(splits)}, not the tensor's first dimension {rows}"
+    if sum(splits) > rows:  # fewer is fine, as in Horovod: the rows past the splits' sum are not sent
+        return None, f"splits sum to {sum(splits)}, more than the tensor's first dimension {rows}"
     return splits, None
 
 
@@ -331,7 +331,7 @@ def _alltoall(comm, tensor, splits, name, what: str):
     if len({d[3] for d in descriptions}) > 1:
         raise mismatch(what, "dimensions after the first, and dtypes", [d[3] for d in descriptions], comm.rank,
                         "Only the first dimension may differ between ranks")
-    got = comm.alltoall(list(tensor.detach().split(sizes)))
+    got = comm.alltoall(list(tensor.detach()[:sum(sizes)].split(sizes)))
     received = torch.tensor([g.shape[0] for g in got], dtype=torch.int32)
     return torch.cat(got).to(tensor.device), received
 
@@ -341,7 +341,7 @@ class _Alltoall(torch.autograd.Function):
     def forward(ctx, splits, name, process_set, tensor):
         out, received = _start_alltoall(tensor, splits, name, process_set, "hvd.alltoall", lambda result: result,
                                         wait=True)
-        ctx.received, ctx.process_set = received, process_set
+        ctx.received, ctx.process_set, ctx.rows = received, process_set, tensor.shape[0]
         ctx.mark_non_differentiable(received)
         return out, received
 
@@ -350,6 +350,8 @@ class _Alltoall(torch.autograd.Function):
     def backward(ctx, grad, _):
         back, _ = _start_alltoall(grad.contiguous(), ctx.received, None, ctx.process_set, "hvd.alltoall (backward)",
                                   lambda result: result, wait=True)
+        if back.shape[0] < ctx.rows:  # the rows past the splits' sum were not sent: no gradient flows to them
+            back = torch.cat([back, back.new_zeros((ctx.rows - back.shape[0], *back.shape[1:]))])
         return None, None, None, back
 
 
@@ -358,7 +360,8 @@ def alltoall(tensor, splits=None, name=None, process_set=global_process_set):
 
     Args:
         tensor: the rows to send, in rank order (dimensions after the first equal on every rank).
-        splits: how many rows go to each rank (a list or 1-D int tensor; default: equal parts).
+        splits: how many rows go to each rank (a list or 1-D int tensor; default: equal parts); rows past
+            their sum are not sent, as in Horovod.
         name: the collective's name.
         process_set: the ranks taking part.
 

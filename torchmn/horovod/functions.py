@@ -146,7 +146,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
         process_set: the ranks taking part.
 
     Returns:
-        Root's object.
+        Root's object: on root, ``obj`` itself; elsewhere, a copy.
 
     Raises:
         InvalidCallError: ``root_rank`` is not in the set; before ``hvd.init()``.
@@ -159,6 +159,8 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     root = _root_index(root_rank, process_set, "broadcast_object")
     comm = _start("hvd.broadcast_object", process_set)
     sent = comm.bcast_obj(_dumps(obj, comm.rank, "broadcast_object") if comm.rank == root else None, root=root)
+    if comm.rank == root and sent[0]:  # the object itself, as Horovod's root gets back (not a copy)
+        return obj
     return _loads([sent], "broadcast_object")[0]
 
 
