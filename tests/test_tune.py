@@ -199,10 +199,47 @@ def test_tune_fails_a_trial_whose_objective_line_holds_no_number(tmp_path):
     out = tune(["--storage", storage, "--study-name", "t", "--only-params", "--param", "X=int:1:9", "--n-trials", "1",
                 "--", sys.executable, "-c", "print('torchmn-objective: abc')"], tmp_path)
     (trial,) = trials(storage)
-    assert trial.state.name == "FAIL" and "-> failed, its objective line 'torchmn-objective: abc' holds no number" \
+    assert trial.state.name == "FAIL" and "-> failed, its objective line 'torchmn-objective: abc' holds no finite number" \
         in out.stderr, (trial, out.stderr)
     # A search without a completed trial is no success: a script running it notices.
     assert out.returncode == 1 and "torchmn tune: error: no trial completed" in out.stderr, (out.returncode, out.stderr)
+
+
+@pytest.mark.timeout(120)
+def test_tune_fails_a_trial_whose_objective_is_not_finite(tmp_path):
+    """An objective of nan or inf is no time: the trial fails (3 in a row stop the search), not
+    "completes" with it."""
+    storage = f"sqlite:///{tmp_path / 'tune.db'}"
+    out = tune(["--storage", storage, "--study-name", "t", "--only-params", "--param", "X=int:1:9", "--n-trials", "5",
+                "--", sys.executable, "-c", "print('torchmn-objective: nan')"], tmp_path)
+    assert [t.state.name for t in trials(storage)] == ["FAIL"] * 3, out.stderr
+    assert out.returncode == 2 and "holds no finite number" in out.stderr, (out.returncode, out.stderr)
+
+
+@pytest.mark.timeout(120)
+def test_tune_reads_on_past_a_progress_line_without_a_number(tmp_path):
+    """A progress line whose value is no number is passed over: the output is still read (a
+    command printing much more would otherwise block on a full pipe) and the objective found."""
+    storage = f"sqlite:///{tmp_path / 'tune.db'}"
+    command = ("print('torchmn-intermediate: 1 .')\nfor i in range(20000): print('line', i)\n"
+               "print('torchmn-intermediate: 2 e')\nprint('torchmn-objective: 42.5')")
+    out = tune(["--storage", storage, "--study-name", "t", "--only-params", "--param", "X=int:1:9", "--n-trials", "1",
+                "--trial-timeout", "30", "--", sys.executable, "-c", command], tmp_path)
+    (trial,) = trials(storage)
+    assert out.returncode == 0 and trial.state.name == "COMPLETE" and trial.value == 42.5, (trial, out.stderr)
+
+
+@pytest.mark.timeout(120)
+def test_tune_with_other_ranges_is_another_study(tmp_path):
+    """The default study is named after the parameters' ranges too: a search over another range
+    starts afresh instead of resuming one whose trials lie outside it."""
+    command = "import os; print('torchmn-objective:', os.environ['X'])"
+    first = tune(["--only-params", "--param", "X=int:1:2", "--n-trials", "1", "--", sys.executable, "-c", command],
+                 tmp_path)
+    other = tune(["--only-params", "--param", "X=int:50:60", "--n-trials", "1", "--", sys.executable, "-c", command],
+                 tmp_path)
+    assert first.returncode == other.returncode == 0, (first.stderr, other.stderr)
+    assert "resuming" not in other.stderr and "best (5" in other.stdout, (other.stderr, other.stdout)
 
 
 def test_tune_sizes_its_space_from_the_cpus_the_job_may_use(monkeypatch):
@@ -224,6 +261,8 @@ def test_tune_sizes_its_space_from_the_cpus_the_job_may_use(monkeypatch):
     (["--trial-timeout", "nan", "--", "true"], "--trial-timeout must be a positive number of seconds, not nan"),
     (["--param", "X=int:1:2", "--param", "X=int:30:40", "--", "true"], "--param names X more than once"),
     (["--plot", "nodir/x.png", "--", "true"], "--plot nodir/x.png: no folder 'nodir' to write it in"),
+    (["--param", "X=float:nan:1", "--", "true"], "LOW and HIGH must be finite numbers"),
+    (["--param", "X=log:1e-3:inf", "--", "true"], "LOW and HIGH must be finite numbers"),
 ])
 def test_tune_refuses_bad_input(args, words, tmp_path):
     out = tune(args, tmp_path)

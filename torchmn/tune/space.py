@@ -10,6 +10,7 @@ space is torchmn's own settings, which every script honours without a change:
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 from torchmn.errors import TorchmnValueError
@@ -101,6 +102,8 @@ def parse_param(spec: str) -> Param:
     except ValueError:
         raise TorchmnValueError(f"--param {spec!r}: LOW and HIGH must be {'whole ' if kind == 'int' else ''}numbers; "
                                 f"{usage}") from None
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise TorchmnValueError(f"--param {spec!r}: LOW and HIGH must be finite numbers; {usage}")
     if low > high or (kind == "log" and low <= 0):
         raise TorchmnValueError(
             f"--param {spec!r}: need LOW <= HIGH{' and LOW > 0 on a log scale' if kind == 'log' else ''}")

@@ -61,7 +61,9 @@ class Tuner:
         self.params = (list(params) if params is not None else
                        space_.default_space(resources.cpu_count_available(), np or 1))
         self.storage = storage or DEFAULT_STORAGE
-        key = json.dumps([self.command, np, [p.name for p in self.params]])
+        # Another range or kind of a setting is another search: resuming the old one would run no
+        # trial and could name a best outside the range asked for.
+        key = json.dumps([self.command, np, [[p.name, p.kind, p.low, p.high, list(p.choices)] for p in self.params]])
         self.study_name = study_name or f"torchmn-tune-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
         self.trial_timeout, self.log = trial_timeout, log
         self.launch = [sys.executable, "-m", "torchmn", "run", "-np", str(np)] if np is not None else []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -59,15 +60,24 @@ class _Output:
             line = line.rstrip("\n")
             self.tail.append(line)
             for found in OBJECTIVE.findall(line):
-                try:
-                    self.objective, self.bad_objective = float(found.strip()), None
-                except ValueError:
-                    self.objective, self.bad_objective = None, line
+                seconds = _seconds(found)
+                self.objective, self.bad_objective = (seconds, None) if seconds is not None else (None, line)
             for step, value in INTERMEDIATE.findall(line):
-                self.progress.append((int(step), float(value)))
+                seconds = _seconds(value)
+                if seconds is not None:  # a progress line without a number is no progress, and reading goes on
+                    self.progress.append((int(step), seconds))
 
     def join(self) -> None:
         self._thread.join(timeout=5)
+
+
+def _seconds(text: str) -> Optional[float]:
+    """The finite number ``text`` holds, or None (no number, NaN, infinite)."""
+    try:
+        value = float(text.strip())
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
 
 
 def _log_progress(path: Optional[str]) -> list:
@@ -141,7 +151,7 @@ def run_trial(argv: list, env: dict, trial, timeout: Optional[float], log: Optio
         last = "\n".join(out.tail) or "(no output)"
         return Outcome(FAILED, None, f"exit code {proc.returncode}; its last lines:\n{last}", wall)
     if out.bad_objective is not None:
-        return Outcome(FAILED, None, f"its objective line {out.bad_objective.strip()!r} holds no number: print "
+        return Outcome(FAILED, None, f"its objective line {out.bad_objective.strip()!r} holds no finite number: print "
                                      f"'torchmn-objective: SECONDS', e.g. torchmn-objective: 12.5", wall)
     logged = _log_progress(log)
     value = out.objective if out.objective is not None else logged[-1][1] if logged else wall
