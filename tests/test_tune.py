@@ -132,6 +132,22 @@ def test_tune_prunes_a_trial_past_its_timeout(tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_tune_trial_past_its_timeout_leaves_no_process(tmp_path):
+    """The trial's command exits on SIGTERM, a child it started ignores it: the child is killed too."""
+    child = "import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print(os.getpid(), flush=True); time.sleep(100)"
+    command = (f"import subprocess, sys, time\nsubprocess.Popen([sys.executable, '-c', {child!r}], "
+               f"stdout=open({str(tmp_path / 'child')!r}, 'w'))\ntime.sleep(100)")
+    out = tune(["--storage", f"sqlite:///{tmp_path / 'tune.db'}", "--study-name", "t", "--only-params", "--param",
+                "X=int:1:9", "--n-trials", "1", "--trial-timeout", "3", "--", sys.executable, "-c", command], tmp_path)
+    pid = int((tmp_path / "child").read_text())
+    try:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE, out.stderr
+    finally:
+        if psutil.pid_exists(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.timeout(120)
 def test_tune_stops_when_every_trial_fails(tmp_path):
     out = tune(["--storage", f"sqlite:///{tmp_path / 'tune.db'}", "--n-trials", "10", "--", sys.executable, "-c",
                 "import sys; print('bad config'); sys.exit(3)"], tmp_path)

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from typing import Callable, Optional
 
 # The prctl options used here (linux/prctl.h).
@@ -107,7 +108,8 @@ def _members(pgid: int) -> list:
 
 def stop_group(proc, grace: float = 10.0) -> None:
     """End a process started in a session of its own, and everything it started: SIGTERM to its
-    group, then SIGKILL where it has not exited after ``grace`` seconds.
+    group, then SIGKILL to the group where any of it still runs after ``grace`` seconds (a child
+    that ignores SIGTERM outlives a leader that exits on it).
 
     Args:
         proc: the ``subprocess.Popen`` (started with ``start_new_session=True``).
@@ -119,15 +121,20 @@ def stop_group(proc, grace: float = 10.0) -> None:
         >>> stop_group(proc); proc.returncode
         -15
     """
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        if proc.poll() is not None:
-            return
-        signal_group(proc.pid, sig)
-        try:
-            proc.wait(timeout=grace)
-            return
-        except subprocess.TimeoutExpired:
-            continue
+    # The group's id stays the leader's pid while any member lives (Linux reuses no pid still in
+    # use as a group's), so signalling it after the leader was reaped reaches only the rest.
+    if proc.poll() is None or group_alive(proc.pid):
+        signal_group(proc.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    while group_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if proc.poll() is None or group_alive(proc.pid):
+        signal_group(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def group_alive(pgid: int) -> bool:
