@@ -275,6 +275,29 @@ def test_a_later_node_waiting_for_node_0_stops_on_a_signal(sig):
     assert f"received {signal.Signals(sig).name} while waiting for the rendezvous store of node 0" in err, err
 
 
+def test_a_later_node_waiting_for_node_0_goes_on_after_sigusr1():
+    """SIGUSR1 (Slurm's --signal ahead of a time limit) while node 1 waits for node 0's store: no
+    rank to pass it on to yet, so it says so and goes on waiting; SIGTERM then stops it."""
+    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "1", "--nnodes", "2", "--node-rank",
+                                 "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
+                                 "--start-timeout", "100", sys.executable, "-c", "pass"],
+                                env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until_handled(launcher.pid, signal.SIGUSR1)
+        time.sleep(1)  # in the store's wait loop by now
+        launcher.send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        still_waiting = launcher.poll() is None
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=30)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert still_waiting and launcher.returncode == 128 + signal.SIGTERM, (launcher.returncode, err)
+    assert "received SIGUSR1 while waiting for the rendezvous store of node 0, before any rank started" in err, err
+
+
 def test_node_0_waits_for_the_other_nodes_ranks_and_says_so():
     """One launcher per node, both here: node 0's rank ends at once, node 1's 12 s later. Node 0
     keeps the store up for it, saying why it waits, and both end well."""

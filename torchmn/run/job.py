@@ -245,13 +245,19 @@ class Job:
         return None if self.remote_hosts else LOCAL_ADDR
 
     def _raise_on_signal(self, doing: str = "checking the hosts") -> None:
-        """Ctrl-C (or SIGTERM, scancel's) before any rank started: stop the launcher now."""
-        try:
-            event = self.events.get_nowait()  # nothing else can be queued before ranks start
-        except queue.Empty:
-            return
-        raise RunError(f"received {signal.Signals(event[1]).name} while {doing}; stopped",
-                       exit_code=128 + event[1])
+        """Ctrl-C (or SIGTERM, scancel's) before any rank started: stop the launcher now. SIGUSR1
+        and SIGUSR2 (which Slurm's ``--signal`` sends ahead of a time limit) have no rank to go to
+        yet: said, and the start goes on, as the ranks would go on."""
+        while True:
+            try:
+                kind, signum = self.events.get_nowait()  # only signals can be queued before ranks start
+            except queue.Empty:
+                return
+            if kind == "relay":
+                self.console.message(f"torchmn run: received {signal.Signals(signum).name} while {doing}, before "
+                                     f"any rank started: no rank to pass it on to")
+                continue
+            raise RunError(f"received {signal.Signals(signum).name} while {doing}; stopped", exit_code=128 + signum)
 
     def rank_environment(self, slot: Slot, port: Union[int, str]) -> Dict[str, str]:
         """The variables torchmn sets for one rank.
