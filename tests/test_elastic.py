@@ -330,6 +330,17 @@ def test_elastic_default_optimizer_shrinks_to_one_rank_and_grows_back_with_check
     assert steps and all(files.read_manifest(str(tmp_path / "ckpt"), s) for s in steps), steps
 
 
+@pytest.mark.timeout(300)
+def test_elastic_new_worker_starts_in_the_place_it_refills(tmp_path):
+    """A worker started after the first generation starts, before it joins, with the place it
+    would take among the workers alive: a rank below the size, the local rank of the slot it
+    refills, and the thread budget of its host's ranks (not the whole machine)."""
+    kill_one_and_refill(tmp_path, [], np=2, steps=2)
+    places = {int(p.name): p.read_text().split() for p in (tmp_path / "places").iterdir()}
+    assert sorted(places) == [0, 1, 2], places
+    assert places[2][:4] == ["1", "2", "1", "2"] and places[2][4] == places[0][4], places
+
+
 def two_ranks_with_discovery(tmp_path: Path, lines: str, train_args: list) -> ElasticRun:
     """2 ranks of elastic_train.py on -H localhost:2, --max-np 3 (room for a worker the script may
     offer a slot for, so the launcher keeps asking it), with a discovery script of shell ``lines``."""

@@ -2,7 +2,8 @@
 rank's batch a function of (step, rank, world size).
 
 Run under ``torchmn run -np N --min-np M ...`` with OUT_DIR as its first argument. Every rank
-writes its pid to OUT_DIR/pids/<worker> (so a test can kill it); after each step all ranks
+writes its pid to OUT_DIR/pids/<worker> (so a test can kill it), and the place variables it started
+with (RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE OMP_NUM_THREADS) to OUT_DIR/places/<worker>; after each step all ranks
 compare their parameters; at the end rank 0 writes the final parameters and the world size of
 every committed step to OUT_DIR/result.pt. Rank 0 appends "<time> <step> <world size>" to
 OUT_DIR/progress after each step. Options: --steps, --shard-state (none|false|true), --step-sleep
@@ -106,6 +107,10 @@ if __name__ == "__main__":
         die_after_address_after_reset(worker == args.die_after_address_after_reset)
     with open(os.path.join(args.out, "pids", worker), "w") as f:
         f.write(str(os.getpid()))
+    os.makedirs(os.path.join(args.out, "places"), exist_ok=True)
+    with open(os.path.join(args.out, "places", worker), "w") as f:  # the place it started in, before any world
+        f.write(" ".join(os.environ.get(k, "-") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                          "OMP_NUM_THREADS")))
     comm = torchmn.create_communicator()
     model = make_model()
     shard = {"none": None, "false": False, "true": True}[args.shard_state]

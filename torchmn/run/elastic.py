@@ -23,6 +23,7 @@ Users' view: ``docs/elastic.md``. The ranks' side: :mod:`torchmn.elastic`.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 import shlex
 import signal
@@ -194,6 +195,7 @@ class ElasticJob(Job):
         self.leaving: set = set()                # workers taken out (their host offers fewer slots now)
         self.left: List[int] = []                # those of them that have ended
         self.kept_said: Optional[tuple] = None   # the offer for which workers were kept over it, said once
+        self.provisional: Dict[int, Slot] = {}   # a worker being started after the first generation: its place until it joins
 
     # -- starting ---------------------------------------------------------------------------------
 
@@ -219,6 +221,10 @@ class ElasticJob(Job):
         env[protocol.TIMEOUT_VARIABLE] = f"{self.config.elastic_timeout:g}"
         if slot.rank < len(self.slots):
             env[protocol.GENERATION_VARIABLE] = "0"
+        elif slot.rank in self.provisional:
+            # Until it joins, a later worker's place is the one it would take in a generation of the
+            # workers alive now: a rank below the size, a local rank no other worker of its host holds.
+            env.update(place_env(self.provisional.pop(slot.rank)))
         return env
 
     def start(self) -> None:
@@ -232,7 +238,12 @@ class ElasticJob(Job):
     def _start_worker(self, host: str) -> None:
         worker = self.next_worker
         self.next_worker += 1
-        slot = Slot(worker, len(self.live) + 1, 0, 1, 0, 1, host, 0, 1)
+        staying = sorted(w for w in self.live if w not in self.leaving)
+        place = place_workers([(w, self.live[w].slot.host) for w in staying] + [(worker, host)])[-1]
+        # The slot's rank is the worker's number, which names it for the job's life; its local place
+        # (and with it the thread budget) is the one it would take among its host's workers.
+        self.provisional[worker] = place
+        slot = dataclasses.replace(place, rank=worker)
         try:
             rank = self.start_rank(slot, self.store.port)
         except RunError as e:
