@@ -61,6 +61,17 @@ def test_hostfile_forms_and_errors_name_the_line(tmp_path):
         hostfile.parse_hostfile(str(tmp_path / "missing"))
 
 
+def test_hostfile_with_bytes_that_are_no_utf8(tmp_path):
+    """A comment in another encoding is a comment; a host name with such a byte is refused naming
+    the file and its line."""
+    path = tmp_path / "hosts"
+    path.write_bytes(b"node1 slots=2 # caf\xe9\n")
+    assert hostfile.parse_hostfile(str(path)) == [("node1", 2)]
+    path.write_bytes(b"node1 slots=2\ncaf\xe9 slots=1\n")
+    with pytest.raises(hostfile.HostsError, match=f"hostfile {path} line 2 .*is not a host name"):
+        hostfile.parse_hostfile(str(path))
+
+
 def test_ranks_fill_hosts_in_order():
     hosts = [("a", 2), ("b", 2), ("c", 2)]
     assert hostfile.assign_ranks(hosts, 6) == hosts

@@ -803,6 +803,8 @@ def test_dry_run_for_other_hosts_shows_the_ssh_command_lines(tmp_path):
     (["-np", "1", "--log-dir", os.path.join(os.path.abspath(__file__), "logs"), "true"], 2,
      "logs': Not a directory"),
     (["-np", "1", "--log-dir", "/proc/torchmn-logs", "true"], 2, "cannot create --log-dir '/proc/torchmn-logs'"),
+    (["-np", "1", "--timeline", "/proc/torchmn-x/t.json", "true"], 2,
+     "--timeline /proc/torchmn-x/t.json: the ranks cannot write their parts"),
 ])
 def test_dry_run_refuses_what_a_real_run_refuses(args, code, message, capsys):
     assert main(["run", "--dry-run", *args]) == code
@@ -816,6 +818,29 @@ def test_dry_run_leaves_no_log_dir_behind(tmp_path, capsys):
     """The dry run checks --log-dir as the real run does, by making it, and removes what it made."""
     assert main(["run", "--dry-run", "-np", "1", "--log-dir", str(tmp_path / "a" / "b"), "true"]) == 0
     assert "log files: " in capsys.readouterr().out and list(tmp_path.iterdir()) == []
+
+
+def test_dry_run_leaves_no_timeline_folder_behind(tmp_path, capsys):
+    """The dry run checks --timeline's folder as the real run does, by making it, and removes what it made."""
+    assert main(["run", "--dry-run", "-np", "1", "--timeline", str(tmp_path / "a" / "t.json"), "true"]) == 0
+    assert list(tmp_path.iterdir()) == [], capsys.readouterr()
+
+
+def test_dry_run_names_a_host_without_ranks_by_where_it_is(capsys):
+    """A host given more slots than the ranks need is still shown as another host where it is one."""
+    assert main(["run", "--dry-run", "-np", "1", "-H", "localhost:2,nosuchhost-a:1", "true"]) == 0
+    out = capsys.readouterr().out
+    assert "localhost     2 slots, rank 0: this machine" in out and "nosuchhost-a  1 slot, no rank: another host" in out, out
+
+
+def test_verbose_says_the_threads_the_exports_give(tmp_path):
+    """-v's threads per rank are those the ranks get, -x exports included."""
+    code = "import os; print(os.environ['OMP_NUM_THREADS'])"
+    user = torchmn_run("-np", "2", "-v", "-x", "OMP_NUM_THREADS=3", sys.executable, "-c", code)
+    budget = torchmn_run("-np", "1", "-v", "-x", "TORCHMN_NUM_THREADS=1", sys.executable, "-c", code)
+    assert user.returncode == budget.returncode == 0, (user.stderr, budget.stderr)
+    assert "threads per rank: set by user (OMP_NUM_THREADS=3)" in user.stderr and "[0] 3" in user.stdout, user.stderr
+    assert "threads per rank: 1," in budget.stderr and "[0] 1" in budget.stdout, budget.stderr
 
 
 def test_dry_run_does_not_import_torch():

@@ -25,6 +25,7 @@ import shlex
 import sys
 from typing import Dict, List, Mapping, Optional, TextIO
 
+from torchmn import network
 from torchmn.run.config import NO_LIMIT, LaunchConfig
 from torchmn.run.elastic import ElasticJob
 from torchmn.run.job import Job
@@ -96,8 +97,9 @@ def _hosts_section(job: Job) -> List[str]:
     width = max(len(h) for h in given)
     for host, slots_given in given.items():
         slots = by_host.get(host, [])
+        remote = job.is_remote(slots[0]) if slots else not network.is_local(host)
         where = ("another host: its ranks start over ssh (not contacted now; a real run first checks every "
-                 "host over ssh)" if slots and job.is_remote(slots[0]) else "this machine")
+                 "host over ssh)" if remote and slots else "another host" if remote else "this machine")
         ranks = _ranks(slots) if slots else "no rank"
         lines.append(f"  {host:<{width}}  {_plural(slots_given, 'slot')}, {ranks}: {where}")
     return lines
@@ -212,6 +214,7 @@ def describe_plan(config: LaunchConfig, env: Optional[Mapping[str, str]] = None)
     launcher_env = dict(os.environ if env is None else env)
     job = Restarts(config, launcher_env, ElasticJob if config.elastic else Job).make_start(0)
     job.check_command()
+    job.check_timeline(keep=False)
     known_addr = job.known_master_addr()
     job.master_addr = known_addr or AT_START
     port = str(job.master_port) if job.master_port is not None else AT_START

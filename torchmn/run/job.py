@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import queue
 import shlex
@@ -167,9 +168,13 @@ class Job:
             raise RunError(f"command not found: {command[0]!r} {where} (rank 0 on host {self.host} "
                            f"would have run it). Check the spelling, or give its full path.", exit_code=127)
 
-    def check_timeline(self) -> None:
+    def check_timeline(self, keep: bool = True) -> None:
         """Make the folder of ``--timeline``'s file on this machine, if ranks start here, and check
         that they can write their parts there: found before training, not after.
+
+        Args:
+            keep: False: remove again the folders this call made (``--dry-run``, which checks as the
+                real run does and leaves nothing behind).
 
         Raises:
             RunError: the folder cannot be made or written (exit code 2).
@@ -184,11 +189,20 @@ class Job:
         if path is None or all(self.is_remote(slot) for slot in self.slots):
             return
         folder = os.path.dirname(os.path.abspath(path))
+        made, missing = [], folder
+        while not os.path.lexists(missing) and os.path.dirname(missing) != missing:
+            made.append(missing)
+            missing = os.path.dirname(missing)
         try:
             os.makedirs(folder, exist_ok=True)
             problem = None if os.access(folder, os.W_OK | os.X_OK) else "permission denied"
         except OSError as e:
             problem = e.strerror or str(e)
+        finally:
+            if not keep:
+                for made_folder in made:  # deepest first
+                    with contextlib.suppress(OSError):
+                        os.rmdir(made_folder)
         if problem is not None:
             raise RunError(f"--timeline {path}: the ranks cannot write their parts in {folder} on host {self.host} "
                            f"({problem}); give a path in a folder they can write", exit_code=2)
@@ -477,8 +491,11 @@ class Job:
 
     def _describe(self, port: int) -> None:
         placed = ", ".join(f"{h}:{n}" for h, n in dict(collections.Counter(s.host for s in self.slots)).items())
-        threads = resources.launcher_thread_env(self.slots[0].local_size, self.base_env).get(
-            resources.TORCHMN_NUM_THREADS)
+        # What a rank here is given: -x exports and --bind's share count, as they do when it starts.
+        here = next((slot for slot in self.slots if not self.is_remote(slot)), None)
+        env = (self.rank_environment(here, port) if here is not None else
+               resources.launcher_thread_env(self.slots[0].local_size, {**self.base_env, **self.exports}))
+        threads = env.get(resources.TORCHMN_NUM_THREADS) or f"set by user (OMP_NUM_THREADS={env.get('OMP_NUM_THREADS')})"
         step = self.nodes.step if self.nodes else None
         ranks = (f"ranks {self.slots[0].rank}-{self.slots[-1].rank} of {self.size} "
                  f"({step.kind} {step.task} of {step.tasks})" if step else f"{self.config.np} ranks")
@@ -487,7 +504,7 @@ class Job:
             where = f"{self.master_addr}:{self.master_port}, through this node's relay on 127.0.0.1:{port}"
         self.console.message(
             f"torchmn run: {ranks} on {placed}, rendezvous {where}, "
-            f"threads per rank: {threads or 'set by user (OMP_NUM_THREADS)'}"
+            f"threads per rank: {threads}"
             f"{' (on this machine)' if self.remote_hosts else ''}, command: {' '.join(self.config.command)}")
 
     def _rank_exited(self, rank: Rank, returncode: int) -> None:

@@ -174,11 +174,13 @@ def parse_hostfile(path: str) -> Hosts:
         [('node1', 4), ('node2', 4)]
     """
     try:
-        with open(path) as f:
-            text = f.read()
+        with open(path, "rb") as f:
+            data = f.read()
     except OSError as e:
         raise HostsError(f"cannot read --hostfile {path!r}: {e.strerror}") from None
-    return parse_hostfile_text(text, f"hostfile {path}")
+    # Bytes that are no UTF-8 (a comment in another encoding) read as U+FFFD: a comment is dropped
+    # as any other, a host name holding one is refused naming its line.
+    return parse_hostfile_text(data.decode("utf-8", errors="replace"), f"hostfile {path}")
 
 
 def assign_ranks(hosts: Sequence[Tuple[str, int]], np: int) -> Hosts:
