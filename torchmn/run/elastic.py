@@ -247,6 +247,7 @@ class ElasticJob(Job):
         try:
             rank = self.start_rank(slot, self.store.port)
         except RunError as e:
+            self.provisional.pop(worker, None)
             self.console.message(f"torchmn run: could not start a new worker on {host}: {e}")
             self.cooldown[host] = time.monotonic() + COOLDOWN_S
             return
