@@ -102,6 +102,25 @@ def test_doctor_attaches_to_a_job_by_its_id():
         job.wait()
 
 
+@pytest.mark.timeout(60)
+def test_doctor_adds_up_the_cpus_of_srun_tasks_bound_apart():
+    """Two srun tasks with --cpus-per-task=1, each bound to a CPU of its own: the job has 2 CPUs, and
+    one busy thread per task is fine (the first task's one CPU was taken for the whole job's)."""
+    tasks = [subprocess.Popen([sys.executable, str(BUSY), "60"], env=clean_env({
+        "SLURM_JOB_ID": "doctor-test-srun", "SLURM_STEP_ID": "0", "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r),
+        "SLURM_NTASKS": "2", "SLURM_CPUS_PER_TASK": "1", "SLURM_CPUS_ON_NODE": "2", "OMP_NUM_THREADS": "1"}),
+        preexec_fn=lambda cpu=cpu: os.sched_setaffinity(0, [cpu])) for r, cpu in enumerate(TWO_CPUS)]
+    try:
+        proc = doctor(["--job", "doctor-test-srun", "--seconds", "1", "--json"])
+        d = json.loads(proc.stdout)
+        assert d["cpus"] == 2 and d["limits"]["affinity"] == 2 and d["limits"]["slurm"] == 2, d
+        assert d["verdict"] != "oversubscribed" and proc.returncode == 0, d
+    finally:
+        for task in tasks:
+            task.kill()
+            task.wait()
+
+
 def test_doctor_says_a_process_has_ended():
     job = subprocess.Popen([sys.executable, "-c", "pass"])
     job.wait()

@@ -15,7 +15,7 @@ from typing import Optional
 
 import psutil
 
-from torchmn import monitor, resources
+from torchmn import monitor
 from torchmn.monitor import publisher
 from torchmn.doctor import pools, processes, sampling, verdict
 from torchmn.run.processes.groups import stop_group
@@ -139,7 +139,7 @@ def run_doctor(args, parser) -> int:
             stop_group(started)
         if folder is not None:
             shutil.rmtree(folder, ignore_errors=True)
-    limits = resources.cpu_limits(ranks[0].slurm, affinity=processes.affinity(ranks[0].pid))
+    limits = processes.job_cpu_limits(ranks)
     d = verdict.diagnose(ranks, samples, limits, args.seconds, pools.probe(ranks[0].settings), steps)
     print(json.dumps(d.to_json(), indent=1) if args.json else verdict.report(d, where), flush=True)
     return EXIT_OVERSUBSCRIBED if d.verdict == verdict.OVERSUBSCRIBED else 0

@@ -16,6 +16,7 @@ from typing import Iterable, Optional
 
 import psutil
 
+from torchmn import resources
 from torchmn.errors import TorchmnError
 
 RANK_VARIABLES = ("TORCHMN_RANK", "RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID")
@@ -204,22 +205,42 @@ def _parents(proc: psutil.Process) -> list:
         return []
 
 
-def affinity(pid: int) -> Optional[int]:
-    """How many CPUs process ``pid`` may run on (its CPU affinity).
+def job_cpu_limits(ranks: list) -> dict:
+    """What limits the CPUs the ranks of this machine may use together, each as a CPU count.
+
+    Every rank is read, not the first alone: ranks bound to cores of their own (``torchmn run
+    --bind core``, Open MPI's binding) or srun tasks with ``--cpus-per-task`` have CPUs of their
+    own, which add up; a cgroup quota is read from each rank's own cgroup, not the doctor's.
 
     Args:
-        pid: the process id.
+        ranks: the :class:`RankProcess` objects of this machine.
 
     Returns:
-        The number of CPUs in its affinity mask, or None where that cannot be read (the process
-        has ended, or the platform has no affinity).
+        ``{"affinity": the CPUs in the union of the ranks' affinities, "cgroup": the quotas of the
+        ranks' cgroups, added up (None where one has none), "slurm": the srun tasks' own CPUs added
+        up, or the allocation they share (None where Slurm set none)}``, as
+        ``torchmn.resources.cpu_limits`` gives for one process.
 
     Example::
 
-        >>> affinity(os.getpid())
-        2
+        >>> job_cpu_limits(ranks_in_trees([psutil.Process()]))["affinity"] >= 1
+        True
     """
-    try:
-        return len(psutil.Process(pid).cpu_affinity())
-    except (psutil.Error, AttributeError, OSError):
-        return None
+    cpus, quotas, own, shared = set(), {}, 0, None
+    for r in ranks:
+        try:
+            cpus.update(psutil.Process(r.pid).cpu_affinity())
+            with open(f"/proc/{r.pid}/cgroup") as f:
+                where = f.read()
+        except (psutil.Error, AttributeError, OSError):
+            continue
+        if where not in quotas:
+            quotas[where] = resources.cgroup_cpu_limit(proc_cgroup=f"/proc/{r.pid}/cgroup")
+        slurm = resources.cpu_limits(r.slurm, affinity=1)["slurm"]
+        if slurm is not None and resources.ranks_sharing_cpus(len(ranks), r.slurm) == 1:
+            own += slurm
+        elif slurm is not None:
+            shared = max(shared or 0, slurm)
+    cgroup = None if not quotas or None in quotas.values() else sum(quotas.values())
+    return {"affinity": len(cpus) or resources.affinity_cpu_count(), "cgroup": cgroup,
+            "slurm": (own + (shared or 0)) or None}
