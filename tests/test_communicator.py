@@ -21,7 +21,8 @@ CHECKS_ALL = ("ring", "collectives", "arange", "allgather_uneven", "bcast_data",
 GRADIENT_CHECKS = ("mean_grad", "bcast_data", "flat_in_flight", "split", "nested_split", "shard_primitives",
                    "integer_mean_does_not_wrap", "calls_built_on_allgather_obj_are_told_apart", "root_must_be_an_int",
                    "zero_fill_must_agree", "failed_send_fails_the_receiver", "max_and_min_keep_nan",
-                   "finalized_split_lets_go_of_its_groups")
+                   "finalized_split_lets_go_of_its_groups", "bad_root_of_an_object_collective_raises_on_every_rank",
+                   "allreduce_in_place_of_a_conjugate_view")
 
 
 @pytest.mark.check_job("comm")

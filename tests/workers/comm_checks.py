@@ -636,6 +636,31 @@ def check_root_must_be_an_int(comm):
             raise AssertionError(f"root={root!r} taken")
 
 
+def check_bad_root_of_an_object_collective_raises_on_every_rank(comm):
+    """The last rank passes a root that is no rank to bcast_obj, gather_obj, scatter_obj or
+    bcast_data: it raises ValueError, and the others raise at once, naming it (they waited out the
+    timeout, then blamed a rank that never came)."""
+    last = comm.size - 1
+    calls = {"bcast_obj": lambda root: comm.bcast_obj(1, root=root),
+             "gather_obj": lambda root: comm.gather_obj(1, root=root),
+             "scatter_obj": lambda root: comm.scatter_obj([1] * comm.size if comm.rank == 0 else None, root=root),
+             "bcast_data": lambda root: comm.bcast_data(torch.nn.Linear(2, 2), root=root)}
+    for kind, call in calls.items():
+        start = time.monotonic()
+        e = expect(ValueError if comm.rank == last else RemoteRankError, lambda: call(comm.size if comm.rank == last else 0))
+        assert time.monotonic() - start < 5, (kind, time.monotonic() - start)
+        assert f"rank {last}" in str(e) or comm.rank == last, (kind, e)
+    assert comm.allreduce_obj(1) == comm.size  # and the communicator goes on
+
+
+def check_allreduce_in_place_of_a_conjugate_view(comm):
+    """allreduce_ of a complex conjugate view (x.conj()) writes the conjugated sum, as allreduce
+    returns it (the in-place path handed the unresolved view to gloo, which refused it)."""
+    x = torch.tensor([1 + 2j * (comm.rank + 1)], dtype=torch.complex64).conj()
+    comm.allreduce_(x)
+    assert x.item() == complex(comm.size, -sum(2 * (r + 1) for r in range(comm.size))), x
+
+
 def check_mismatch(comm):
     if comm.size == 1:
         return

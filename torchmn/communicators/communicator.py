@@ -204,8 +204,7 @@ class Communicator(CommunicatorBase):
         return out
 
     def check_rank(self, r: Any, what: str = "rank") -> None:
-        err = self._peer_error(r, what)
-        if err is not None:
+        if (err := self._peer_error(r, what)) is not None:
             raise err
 
     def _peer_error(self, r: Any, what: str) -> Optional[ValueError]:
@@ -489,8 +488,7 @@ class Communicator(CommunicatorBase):
         recv = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
         dist.all_to_all_single(recv, torch.cat(send), output_split_sizes=self._group_order(recv_sizes),
                                input_split_sizes=[b.numel() for b in send], group=group)
-        parts = dict(zip(self._group_order(list(range(self.size))),
-                         torch.split(recv, self._group_order(recv_sizes))))
+        parts = dict(zip(self._group_order(list(range(self.size))), torch.split(recv, self._group_order(recv_sizes))))
         return tuple(_wire.from_bytes(parts[r], *m) for r, m in enumerate(recv_metas))
 
     def _allreduce_problem(self, x: torch.Tensor, op: str, name: str = "allreduce") -> Optional[Exception]:
@@ -539,7 +537,7 @@ class Communicator(CommunicatorBase):
                 f"tensor; use comm.allreduce(x, op='mean'), or op='sum' and divide")
         self._agree("allreduce", op=None if err else op, x=None if err else x, error=err, same_shape=True)
         if (x.is_contiguous() and x.device == self.wire_device(x) and x.dtype not in (torch.int16, torch.bool)
-                and not (op == "mean" and divide_before_sum(x.dtype))):
+                and not (op == "mean" and divide_before_sum(x.dtype)) and not x.is_conj() and not x.is_neg()):
             # The data moves in place: no new tensor, whose pages (tens of MB) would be mapped afresh.
             self.allreduce_flat(x.detach().view(-1), op="sum" if op == "mean" else op)
             if op == "mean":
@@ -592,8 +590,7 @@ class Communicator(CommunicatorBase):
     # ----------------------------------------------------------------------------- objects: the call check
     def _agree_obj(self, kind: str, root: int = _wire.NONE, n: int = 0,
                    error: Optional[Exception] = None) -> torch.Tensor:
-        """The call check of object collective ``kind`` (see ``_call_check.obj_header``): every
-        rank's row."""
+        """The call check of object collective ``kind`` (see ``_call_check.obj_header``): every rank's row."""
         return self._agree(kind, rows=[_call_check.obj_header(n, kind, root)], error=error)
 
     def _obj_lengths(self, n: int, error: Optional[Exception], kind: str, root: int) -> list[int]:
@@ -652,11 +649,12 @@ class Communicator(CommunicatorBase):
     # ----------------------------------------------------------------------------- objects: collectives
     @watch.collective
     def bcast_obj(self, obj: Any, root: int = 0) -> Any:
-        self.check_rank(root, "root")
         if self.size == 1:
+            self.check_rank(root, "root")
             return as_if_sent(obj, "bcast_obj", self.rank, self.host, keep=True)
-        buf, err = pickle_for_call(obj, "bcast_obj", self.rank, self.host) if self.rank == root else (None, None)
-        # The call header names ranks that pass another root, or make another call, instead of hanging.
+        # The call check tells every rank of one's bad root or object, another root or another call.
+        err = self._peer_error(root, "bcast_obj: root")
+        buf, err = (None, err) if err or self.rank != root else pickle_for_call(obj, "bcast_obj", self.rank, self.host)
         hdrs = self._agree_obj("bcast_obj", root, buf.numel() if buf is not None else 0, err)
         n = int(hdrs[root, 0, _wire.SHAPE])
         if buf is None:
@@ -690,16 +688,16 @@ class Communicator(CommunicatorBase):
 
     @watch.collective
     def gather_obj(self, obj: Any, root: int = 0) -> Optional[list[Any]]:
+        if self.size > 1:  # a bad root is told to every rank, in the call check
+            self._agree_obj("gather_obj", root, error=self._peer_error(root, "gather_obj: root"))
         self.check_rank(root, "root")
         if self.size == 1:
             return [as_if_sent(obj, "gather_obj", self.rank, self.host, keep=True)]
-        self._agree_obj("gather_obj", root)
         tag = _wire.wire_tag(_call_check.KIND["gather_obj"], "collective")
         if self.rank != root:
             self._send_obj(obj, root, tag, "gather_obj")
             return None
-        # Every rank's message is received before a failure is raised: a rank whose send is never
-        # matched would wait out the timeout.
+        # Every rank's message is received before a failure is raised (an unmatched send waits out the timeout).
         results, problem = [], None
         for r in range(self.size):
             if r == root:
@@ -716,9 +714,9 @@ class Communicator(CommunicatorBase):
 
     @watch.collective
     def scatter_obj(self, objs: Optional[Sequence[Any]], root: int = 0) -> Any:
+        if self.size > 1:  # a bad root is told to every rank, in the call check
+            self._agree_obj("scatter_obj", root, error=self._peer_error(root, "scatter_obj: root"))
         self.check_rank(root, "root")
-        if self.size > 1:
-            self._agree_obj("scatter_obj", root)
         tag = _wire.wire_tag(_call_check.KIND["scatter_obj"], "collective")
         if self.rank != root:
             problem, obj = self._unpickle(self._recv_obj_bytes(root, tag, "scatter_obj"), "scatter_obj", root)
@@ -754,6 +752,8 @@ class Communicator(CommunicatorBase):
     # ----------------------------------------------------------------------------- a model's tensors
     @watch.collective
     def bcast_data(self, model: torch.nn.Module, root: int = 0) -> None:
+        if self.size > 1 and (err := self._peer_error(root, "bcast_data: root")):  # told in the others' layout check
+            self._agree_obj("check_same_layout", error=err)
         self.check_rank(root, "root")
         tensors = list(model.parameters()) + list(model.buffers())
         self.check_same_layout(tensors, "bcast_data: the model's parameters and buffers", root,
