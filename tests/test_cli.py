@@ -144,6 +144,15 @@ def test_info_under_torchmn_run_reports_each_ranks_place():
             assert info["shm"]["segment_bytes"] >= 3 * (16 << 20)
 
 
+def test_info_says_a_users_thread_count_is_theirs_under_torchmn_run():
+    """TORCHMN_NUM_THREADS=1 of the user's own, passed on by torchmn run: "which you set"."""
+    proc = torchmn_command("run", "-np", "2", sys.executable, "-m", "torchmn", "info", "--json",
+                           env=plain_env(TORCHMN_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    for line in proc.stdout.splitlines():
+        assert json.loads(line.partition(" ")[2])["threads"]["basis"] == "TORCHMN_NUM_THREADS=1, which you set", line
+
+
 def test_info_text_under_torchmn_run():
     proc = torchmn_command("run", "-np", "2", "--output-ranks", "1", sys.executable, "-m", "torchmn", "info")
     assert proc.returncode == 0, proc.stdout + proc.stderr
@@ -168,6 +177,7 @@ def test_info_says_the_rendezvous_port_is_missing():
     ({"TORCHMN_SHM_SLOT_MB": "0"}, "TORCHMN_SHM_SLOT_MB='0' is not a number of MB of at least 0.004"),
     ({"TORCHMN_BUCKET_CAP_MB": "inf"}, "TORCHMN_BUCKET_CAP_MB must be a number of MB >= 0, not 'inf'"),
     ({"TORCHMN_CROSS_NODE_ALGORITHM": "tree"}, "TORCHMN_CROSS_NODE_ALGORITHM='tree': choose one of auto, ring, doubling"),
+    ({"TORCHMN_INTEROP_THREADS": "abc", "OMP_NUM_THREADS": "2"}, "TORCHMN_INTEROP_THREADS must be a positive integer"),
 ])
 def test_info_says_what_is_wrong_without_a_traceback(extra, message):
     for args in (["info"], ["info", "--json"]):

@@ -140,7 +140,8 @@ def test_doctor_says_the_command_failed():
                                         (["--pid", "1", "--", "true"], "not both"),
                                         (["--seconds", "0", "--", "true"], "--seconds must be a positive number"),
                                         (["--seconds", "nan", "--", "true"], "got --seconds nan"),
-                                        (["--seconds", "inf", "--", "true"], "got --seconds inf")])
+                                        (["--seconds", "inf", "--", "true"], "got --seconds inf"),
+                                        (["--pid", "-5"], "--pid -5 is no process id")])
 def test_doctor_refuses_bad_input(args, words):
     proc = doctor(args)
     assert proc.returncode == 2 and words in proc.stderr and proc.stderr.count("\n") == 1, proc.stderr

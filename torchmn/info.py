@@ -136,10 +136,10 @@ def _threads(local_size: int, source: str, env: Mapping[str, str], torch) -> Dic
             except ValueError as e:
                 raise InfoError(str(e)) from None
         else:
-            budget = requested or resources.thread_budget(local_size, env)
+            budget = requested or resources.thread_budget(resources.ranks_sharing_cpus(local_size, env), env)
         if requested is not None:
             basis = (f"{resources.TORCHMN_NUM_THREADS}={requested}, set by torchmn run for its {local_size} "
-                     f"rank(s) on this node" if by_launcher else
+                     f"rank(s) on this node" if resources.TORCHMN_NUM_THREADS in by_launcher else
                      f"{resources.TORCHMN_NUM_THREADS}={requested}, which you set")
         elif resources.ranks_sharing_cpus(local_size, env) > 1 or local_size == 1:
             basis = f"{available} CPU(s) available, shared by the {local_size} rank(s) on this node"
@@ -186,10 +186,12 @@ def _shm(local_size: int, torch) -> Dict[str, Any]:
 
 
 def _check_settings(env: Mapping[str, str]) -> None:
-    """Refuse a malformed TORCHMN_NUM_THREADS, TORCHMN_SHM_SLOT_MB or TORCHMN_BUCKET_CAP_MB before
-    torch is imported, so that the error comes at once."""
+    """Refuse a malformed TORCHMN_NUM_THREADS, TORCHMN_INTEROP_THREADS, TORCHMN_SHM_SLOT_MB or
+    TORCHMN_BUCKET_CAP_MB before torch is imported, so that the error comes at once (a rank checks
+    each of them, whatever else is set)."""
     try:
         resources.requested_threads(env)
+        resources.requested_interop_threads(env)
         resources.shm_slot_mb_requested(env)
         resources.bucket_cap_mb_requested(env)
     except ValueError as e:

@@ -353,7 +353,8 @@ def launcher_thread_env(local_size: int, env: Optional[Mapping[str, str]] = None
     requested = requested_threads(env) if TORCHMN_NUM_THREADS not in ours else None
     budget = requested or _bound_budget(bound, local_size, env) or thread_budget(local_size, env)
     added = {name: str(budget) for name in THREAD_VARIABLES if name in ours or not _set_by_user(env, name)}
-    added[TORCHMN_THREAD_VARIABLES] = ",".join(list(added) + [TORCHMN_NUM_THREADS])
+    # TORCHMN_NUM_THREADS is torchmn's where it computed it; a count the user asked for stays theirs.
+    added[TORCHMN_THREAD_VARIABLES] = ",".join(list(added) + ([] if requested else [TORCHMN_NUM_THREADS]))
     added[TORCHMN_NUM_THREADS] = str(budget)
     return added
 
@@ -503,15 +504,38 @@ def dataloader_workers_budget(local_size: int, env: Optional[Mapping[str, str]] 
     return max(0, threads - 1)
 
 
-def _apply_interop(env: Mapping[str, str]) -> None:
-    """``TORCHMN_INTEROP_THREADS``, where set, sizes torch's inter-op pool (before it starts)."""
-    value = env.get(TORCHMN_INTEROP_THREADS)
-    if value is None or not value.strip():  # blank counts as unset, as the other TORCHMN_ variables
-        return
+def requested_interop_threads(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The inter-op threads asked for through ``TORCHMN_INTEROP_THREADS``.
+
+    Args:
+        env: the environment (default: ``os.environ``).
+
+    Returns:
+        The thread count, or None when the variable is unset or blank (as the other TORCHMN_ variables).
+
+    Raises:
+        ValueError: the value is not a positive integer.
+
+    Example::
+
+        >>> requested_interop_threads({"TORCHMN_INTEROP_THREADS": "1"}), requested_interop_threads({})
+        (1, None)
+    """
+    value = _environ(env).get(TORCHMN_INTEROP_THREADS)
+    if value is None or not value.strip():
+        return None
     threads = _positive_int(value)
     if threads is None:
         raise TorchmnValueError(f"{TORCHMN_INTEROP_THREADS} must be a positive integer, not {value!r}; set it to "
                                 f"the inter-op threads you want (e.g. 1), or unset it")
+    return threads
+
+
+def _apply_interop(env: Mapping[str, str]) -> None:
+    """``TORCHMN_INTEROP_THREADS``, where set, sizes torch's inter-op pool (before it starts)."""
+    threads = requested_interop_threads(env)
+    if threads is None:
+        return
     import torch
 
     if torch.get_num_interop_threads() != threads:

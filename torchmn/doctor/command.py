@@ -99,6 +99,8 @@ def run_doctor(args, parser) -> int:
                        f"{args.seconds:g}, --warmup {args.warmup:g})")
     if (args.pid is not None or args.job is not None) and (command or args.np is not None):
         return _refuse("give either --pid/--job or a command (with -np), not both")
+    if args.pid is not None and args.pid <= 0:
+        return _refuse(f"--pid {args.pid} is no process id: give the positive id of a running process")
     started = None
     # The ranks' own step figures (torchmn.monitor): a command started here writes them into a
     # folder of the doctor's; a running job, where its ranks were given one.
