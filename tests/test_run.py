@@ -251,14 +251,25 @@ def test_a_signal_the_launcher_was_started_ignoring_stays_ignored():
     assert rank_lines(out, 0) == rank_lines(out, 1) == ["finished"], out
 
 
+def kill_if_running(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
+def later_node() -> subprocess.Popen:
+    """Node 1's launcher of a job of one launcher per node, waiting for node 0's store (which never comes here)."""
+    return subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "1", "--nnodes", "2", "--node-rank", "1",
+                             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--start-timeout", "100",
+                             sys.executable, "-c", "pass"],
+                            env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_later_node_waiting_for_node_0_stops_on_a_signal(sig):
     """One launcher per node: node 1 waits for node 0's store (which never comes here); Ctrl-C or
     SIGTERM stops it at once, as on node 0, not after --start-timeout."""
-    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "1", "--nnodes", "2", "--node-rank",
-                                 "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                                 "--start-timeout", "100", sys.executable, "-c", "pass"],
-                                env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = later_node()
     try:
         # SIGTERM's handler: Python handles SIGINT from its start, torchmn run installs its own for
         # SIGINT, SIGTERM and SIGHUP together, in that order.
@@ -266,11 +277,9 @@ def test_a_later_node_waiting_for_node_0_stops_on_a_signal(sig):
         time.sleep(1)  # in the store's wait loop by now
         launcher.send_signal(sig)
         started = time.monotonic()
-        out, err = launcher.communicate(timeout=30)
+        _, err = launcher.communicate(timeout=30)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        kill_if_running(launcher)
     assert launcher.returncode == 128 + sig and time.monotonic() - started < 10, (launcher.returncode, err)
     assert f"received {signal.Signals(sig).name} while waiting for the rendezvous store of node 0" in err, err
 
@@ -278,10 +287,7 @@ def test_a_later_node_waiting_for_node_0_stops_on_a_signal(sig):
 def test_a_later_node_waiting_for_node_0_goes_on_after_sigusr1():
     """SIGUSR1 (Slurm's --signal ahead of a time limit) while node 1 waits for node 0's store: no
     rank to pass it on to yet, so it says so and goes on waiting; SIGTERM then stops it."""
-    launcher = subprocess.Popen([sys.executable, "-m", "torchmn", "run", "-np", "1", "--nnodes", "2", "--node-rank",
-                                 "1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-                                 "--start-timeout", "100", sys.executable, "-c", "pass"],
-                                env=clean_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    launcher = later_node()
     try:
         wait_until_handled(launcher.pid, signal.SIGUSR1)
         time.sleep(1)  # in the store's wait loop by now
@@ -289,11 +295,9 @@ def test_a_later_node_waiting_for_node_0_goes_on_after_sigusr1():
         time.sleep(2)
         still_waiting = launcher.poll() is None
         launcher.send_signal(signal.SIGTERM)
-        out, err = launcher.communicate(timeout=30)
+        _, err = launcher.communicate(timeout=30)
     finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
+        kill_if_running(launcher)
     assert still_waiting and launcher.returncode == 128 + signal.SIGTERM, (launcher.returncode, err)
     assert "received SIGUSR1 while waiting for the rendezvous store of node 0, before any rank started" in err, err
 
