@@ -330,15 +330,30 @@ def test_elastic_default_optimizer_shrinks_to_one_rank_and_grows_back_with_check
     assert steps and all(files.read_manifest(str(tmp_path / "ckpt"), s) for s in steps), steps
 
 
+@pytest.fixture(scope="module")
+def refilled(tmp_path_factory):
+    """The folder of a 2-rank job (elastic_train.py) that lost worker 1 and took in worker 2."""
+    out = tmp_path_factory.mktemp("refilled")
+    kill_one_and_refill(out, [], np=2, steps=2)
+    return out
+
+
 @pytest.mark.timeout(300)
-def test_elastic_new_worker_starts_in_the_place_it_refills(tmp_path):
+def test_elastic_new_worker_starts_in_the_place_it_refills(refilled):
     """A worker started after the first generation starts, before it joins, with the place it
     would take among the workers alive: a rank below the size, the local rank of the slot it
     refills, and the thread budget of its host's ranks (not the whole machine)."""
-    kill_one_and_refill(tmp_path, [], np=2, steps=2)
-    places = {int(p.name): p.read_text().split() for p in (tmp_path / "places").iterdir()}
+    places = {int(p.name): p.read_text().split() for p in (refilled / "places").iterdir()}
     assert sorted(places) == [0, 1, 2], places
     assert places[2][:4] == ["1", "2", "1", "2"] and places[2][4] == places[0][4], places
+
+
+@pytest.mark.timeout(300)
+def test_elastic_second_run_function_in_the_same_world_calls_no_reset_callback(refilled):
+    """After the training run function (whose world came of a reset), a second one in the same
+    world (to evaluate) is no reset: the callbacks are not called again."""
+    result = torch.load(refilled / "result.pt")
+    assert result["resets"] and result["resets_after_evaluate"] == result["resets"], result
 
 
 def two_ranks_with_discovery(tmp_path: Path, lines: str, train_args: list) -> ElasticRun:
@@ -643,6 +658,17 @@ def test_elastic_fewer_slots_offered_take_the_newest_workers_out(tmp_path):
     assert "workers lost: none; workers added: worker 3; workers taken out: " in out, out[-4000:]
     sizes = check_against_replay(tmp_path)["sizes"]
     assert sizes[:5] == [3] * 5 and 1 in sizes and sizes[-1] == 2, sizes
+
+
+@pytest.mark.parametrize("name", ["commit", "sync", "comm", "_names"])
+def test_elastic_state_refuses_a_value_named_as_its_own_attribute(name):
+    """A value named commit, sync, comm (the State's own) or private is refused when the state is built
+    (it broke the state's own calls later); a single function given as the reset callbacks too."""
+    from torchmn.elastic import State
+    with pytest.raises(ValueError, match=f"the value name\\(s\\) '{name}' are the State's own"):
+        State(**{name: 1})
+    with pytest.raises(TypeError, match="takes a list of functions"):
+        State(epoch=0).register_reset_callbacks(print)
 
 
 def test_elastic_nnodes_range_says_what_to_run_instead():

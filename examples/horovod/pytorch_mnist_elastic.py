@@ -1,7 +1,7 @@
 """Horovod's elastic PyTorch MNIST example (its examples/elastic/pytorch/pytorch_mnist_elastic.py),
 run on torchmn with horovodrun's elastic flags:
 
-    torchmn run -np 2 --min-np 1 --max-np 2 python examples/horovod/pytorch_mnist_elastic.py
+    torchmn run -np 3 --min-np 2 --max-np 3 python examples/horovod/pytorch_mnist_elastic.py
     torchmn run -np 4 --min-np 2 --max-np 4 --host-discovery-script ./discover.sh \\
         python examples/horovod/pytorch_mnist_elastic.py
 

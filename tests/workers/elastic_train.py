@@ -4,8 +4,8 @@ rank's batch a function of (step, rank, world size).
 Run under ``torchmn run -np N --min-np M ...`` with OUT_DIR as its first argument. Every rank
 writes its pid to OUT_DIR/pids/<worker> (so a test can kill it), and the place variables it started
 with (RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE OMP_NUM_THREADS) to OUT_DIR/places/<worker>; after each step all ranks
-compare their parameters; at the end rank 0 writes the final parameters and the world size of
-every committed step to OUT_DIR/result.pt. Rank 0 appends "<time> <step> <world size>" to
+compare their parameters; at the end (and a second run function, which changes nothing) rank 0 writes the final parameters, the
+world size of every committed step and the reset callbacks' calls to OUT_DIR/result.pt. Rank 0 appends "<time> <step> <world size>" to
 OUT_DIR/progress after each step. Options: --steps, --shard-state (none|false|true), --step-sleep
 (seconds per step, so that kills land mid-training), --commit-every, --die-in-commit STEP (worker 1
 kills itself inside that step's commit, as it is about to send its part of a sharded optimizer's
@@ -164,7 +164,14 @@ if __name__ == "__main__":
                     break
 
     train(state)
+    after_train = list(resets)
+
+    @torchmn.elastic.run
+    def evaluate(state):  # a second run function in the same world, as scripts call one to evaluate
+        return state.step
+
+    evaluate(state)
     if comm.rank == 0:
         torch.save({"params": [p.detach().clone() for p in model.parameters()], "sizes": state.sizes,
-                    "resets": resets}, os.path.join(args.out, "result.pt"))
+                    "resets": after_train, "resets_after_evaluate": list(resets)}, os.path.join(args.out, "result.pt"))
     print(f"worker {worker} done as rank {comm.rank}/{comm.size} after {len(resets)} reset(s)", flush=True)

@@ -6,6 +6,7 @@ import functools
 import logging
 import socket
 import time
+import weakref
 from typing import Callable, List, TypeVar
 
 import torch.distributed as dist
@@ -18,6 +19,9 @@ from torchmn.elastic.state import State, first_world
 from torchmn.errors import TorchmnTypeError
 from torchmn.optimizers import join as joining
 from torchmn.optimizers.multi_node_optimizer import build_into
+
+# Each state's generation its reset callbacks last ran in (weak: a state is the script's to drop).
+_callbacks_ran: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 log = logging.getLogger("torchmn.elastic")
 F = TypeVar("F", bound=Callable)
@@ -98,7 +102,9 @@ def run(func: F) -> F:
         if not isinstance(state, State):
             raise TorchmnTypeError(f"@torchmn.elastic.run: the function's first argument must be a "
                                    f"torchmn.elastic.State, not {type(state).__name__}")
-        after_reset = not first_world()  # a rank that joined a running job: its world comes of a reset
+        # A rank that joined a running job: its world comes of a reset. A second run function in the
+        # same world (train, then evaluate) is no reset: its callbacks ran already.
+        after_reset = not first_world() and _callbacks_ran.get(state) != membership.generation()
         while True:
             try:
                 for follower in membership.followers():  # a rank that joined receives the data here
@@ -109,6 +115,7 @@ def run(func: F) -> F:
                     # learning rate for comm.size) stays, and every rank of the new world, the ones
                     # that joined too, applies them to the same commit.
                     state.on_reset()
+                    _callbacks_ran[state] = membership.generation()
                 membership.say_it_holds_the_state()
                 return func(state, *args, **kwargs)
             except HostsUpdatedInterrupt as e:

@@ -8,7 +8,7 @@ import torch
 
 from torchmn.elastic import membership
 from torchmn.elastic.errors import HostsUpdatedInterrupt, StateLostError
-from torchmn.errors import TorchmnRuntimeError, TorchmnTypeError
+from torchmn.errors import TorchmnRuntimeError, TorchmnTypeError, TorchmnValueError
 from torchmn.optimizers import shard_state
 from torchmn.optimizers.gradient_sync import GradientSyncOptimizer
 from torchmn.optimizers.node_shared import NodeSharedOptimizer
@@ -44,6 +44,7 @@ class State:
 
     Raises:
         TypeError: ``model`` is not a module, or ``optimizer`` not an optimizer.
+        ValueError: a value is named as one of the State's own attributes (``commit``, ``sync``, ``comm``, ...).
 
     Example::
 
@@ -65,6 +66,11 @@ class State:
             raise TorchmnTypeError(f"State(model=...) takes a torch.nn.Module, not {type(model).__name__}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TorchmnTypeError(f"State(optimizer=...) takes a torch optimizer, not {type(optimizer).__name__}")
+        clash = sorted(name for name in values if name.startswith("_") or hasattr(type(self), name))
+        if clash:
+            raise TorchmnValueError(f"State: the value name(s) {', '.join(map(repr, clash))} are the State's own "
+                                    f"(its methods, or private); name the value(s) otherwise, e.g. "
+                                    f"{clash[0].strip('_')}_value=...")
         self.model = model
         self.optimizer = optimizer
         self._names = list(values)
@@ -89,6 +95,9 @@ class State:
 
             >>> state.register_reset_callbacks([lambda: set_lr(base_lr * comm.size)])
         """
+        if callable(callbacks):
+            raise TorchmnTypeError("register_reset_callbacks takes a list of functions, not one function: "
+                                   "state.register_reset_callbacks([on_reset])")
         self._callbacks.extend(callbacks)
 
     def on_reset(self) -> None:
