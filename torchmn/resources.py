@@ -174,11 +174,27 @@ def cpu_limits(env: Optional[Mapping[str, str]] = None, affinity: Optional[int] 
         >>> cpu_limits({"SLURM_CPUS_ON_NODE": "4"}, affinity=8)["slurm"]
         4
     """
+    return {"affinity": affinity or affinity_cpu_count(), "cgroup": cgroup_cpu_limit(), "slurm": slurm_cpus(env)}
+
+
+def slurm_cpus(env: Optional[Mapping[str, str]] = None) -> Optional[int]:
+    """The CPUs Slurm allocated to a process: ``--cpus-per-task`` (``SLURM_CPUS_PER_TASK``) for a
+    task that srun started, else the job's CPUs on this node (``SLURM_CPUS_ON_NODE``).
+
+    Args:
+        env: the process's environment (default: ``os.environ``).
+
+    Returns:
+        The CPU count, or None outside Slurm.
+
+    Example::
+
+        >>> slurm_cpus({"SLURM_STEP_ID": "0", "SLURM_CPUS_PER_TASK": "2", "SLURM_CPUS_ON_NODE": "8"})
+        2
+    """
     env = _environ(env)
     slurm = _positive_int(env.get("SLURM_CPUS_PER_TASK")) if _srun_task(env) else None
-    if slurm is None:
-        slurm = _positive_int(env.get("SLURM_CPUS_ON_NODE"))
-    return {"affinity": affinity or affinity_cpu_count(), "cgroup": cgroup_cpu_limit(), "slurm": slurm}
+    return slurm if slurm is not None else _positive_int(env.get("SLURM_CPUS_ON_NODE"))
 
 
 def cpu_count_available(env: Optional[Mapping[str, str]] = None) -> int:

@@ -236,7 +236,7 @@ def job_cpu_limits(ranks: list) -> dict:
             continue
         if where not in quotas:
             quotas[where] = resources.cgroup_cpu_limit(proc_cgroup=f"/proc/{r.pid}/cgroup")
-        slurm = resources.cpu_limits(r.slurm, affinity=1)["slurm"]
+        slurm = resources.slurm_cpus(r.slurm)
         if slurm is not None and resources.ranks_sharing_cpus(len(ranks), r.slurm) == 1:
             own += slurm
         elif slurm is not None:

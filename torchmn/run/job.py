@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import os
 import queue
 import shlex
@@ -22,7 +21,8 @@ from torchmn import monitor, network, resources
 from torchmn.errors import TorchmnOSError
 from torchmn.run.config import GRACE_SECONDS, START_TIMEOUT, LaunchConfig, RunError
 from torchmn.run.plan import Slot, local_env, plan_slots, refuse_outer_launcher, remote_env
-from torchmn.run.processes.output import Console, describe_exit, exit_code_of, failure_summary, prepare_log_dir
+from torchmn.run.processes.output import (Console, describe_exit, exit_code_of, failure_summary, made_folder,
+                                          prepare_log_dir)
 from torchmn.run.processes.supervisor import Rank, Supervisor
 from torchmn.run.remote import hostfile
 from torchmn.run.remote.protocol import EXPORTS_ON_STDIN, exports_line
@@ -189,20 +189,11 @@ class Job:
         if path is None or all(self.is_remote(slot) for slot in self.slots):
             return
         folder = os.path.dirname(os.path.abspath(path))
-        made, missing = [], folder
-        while not os.path.lexists(missing) and os.path.dirname(missing) != missing:
-            made.append(missing)
-            missing = os.path.dirname(missing)
         try:
-            os.makedirs(folder, exist_ok=True)
-            problem = None if os.access(folder, os.W_OK | os.X_OK) else "permission denied"
+            with made_folder(folder, keep):
+                problem = None if os.access(folder, os.W_OK | os.X_OK) else "permission denied"
         except OSError as e:
             problem = e.strerror or str(e)
-        finally:
-            if not keep:
-                for made_folder in made:  # deepest first
-                    with contextlib.suppress(OSError):
-                        os.rmdir(made_folder)
         if problem is not None:
             raise RunError(f"--timeline {path}: the ranks cannot write their parts in {folder} on host {self.host} "
                            f"({problem}); give a path in a folder they can write", exit_code=2)

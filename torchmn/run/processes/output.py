@@ -18,7 +18,7 @@ import signal
 import sys
 import threading
 import time
-from typing import IO, TYPE_CHECKING, AbstractSet, Callable, Deque, Dict, List, Optional, Sequence, Tuple
+from typing import IO, TYPE_CHECKING, AbstractSet, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 from torchmn.run.config import RunError
 from torchmn.run.remote.protocol import STARTED_MARKER
@@ -175,23 +175,49 @@ def prepare_log_dir(log_dir: str, keep: bool = True) -> None:
         >>> import tempfile
         >>> prepare_log_dir(os.path.join(tempfile.mkdtemp(), "logs"))
     """
-    made, path = [], os.path.abspath(log_dir)
+    try:
+        with made_folder(log_dir, keep):
+            if not os.access(log_dir, os.W_OK | os.X_OK):
+                raise RunError(f"cannot write to --log-dir {log_dir!r}: permission denied. "
+                               f"Pass a directory you can write to.")
+    except OSError as e:
+        raise RunError(f"cannot create --log-dir {log_dir!r}: {e.strerror}. "
+                       f"Pass a directory you can write to.") from e
+
+
+@contextlib.contextmanager
+def made_folder(folder: str, keep: bool = True) -> Iterator[None]:
+    """Make ``folder`` and its missing parents for the body of the ``with``, which checks it.
+
+    Args:
+        folder: the folder.
+        keep: False: remove again, when the body ends, the folders made here (``--dry-run``, which
+            checks as the real run does and leaves nothing behind).
+
+    Returns:
+        A context manager: the folder exists inside it.
+
+    Raises:
+        OSError: the folder cannot be made.
+
+    Example::
+
+        >>> with made_folder("/tmp/a/b", keep=False):
+        ...     os.access("/tmp/a/b", os.W_OK)
+        True
+    """
+    made, path = [], os.path.abspath(folder)
     while not os.path.lexists(path) and os.path.dirname(path) != path:
         made.append(path)
         path = os.path.dirname(path)
     try:
-        os.makedirs(log_dir, exist_ok=True)
-        if not os.access(log_dir, os.W_OK | os.X_OK):
-            raise RunError(f"cannot write to --log-dir {log_dir!r}: permission denied. "
-                           f"Pass a directory you can write to.")
-    except OSError as e:
-        raise RunError(f"cannot create --log-dir {log_dir!r}: {e.strerror}. "
-                       f"Pass a directory you can write to.") from e
+        os.makedirs(folder, exist_ok=True)
+        yield
     finally:
         if not keep:
-            for folder in made:  # deepest first
+            for each in made:  # deepest first
                 with contextlib.suppress(OSError):
-                    os.rmdir(folder)
+                    os.rmdir(each)
 
 
 def open_log(path: Optional[str], rank: int, header: Optional[str] = None) -> Optional[IO[bytes]]:
