@@ -840,8 +840,10 @@ def test_dry_run_names_a_host_without_ranks_by_where_it_is(capsys):
 def test_verbose_says_the_threads_the_exports_give(tmp_path):
     """-v's threads per rank are those the ranks get, -x exports included."""
     code = "import os; print(os.environ['OMP_NUM_THREADS'])"
-    user = torchmn_run("-np", "2", "-v", "-x", "OMP_NUM_THREADS=3", sys.executable, "-c", code)
-    budget = torchmn_run("-np", "1", "-v", "-x", "TORCHMN_NUM_THREADS=1", sys.executable, "-c", code)
+    # Without the thread settings this test process got from a budget applied here (import torchmn).
+    env = {k: v for k, v in clean_env().items() if not k.endswith("_NUM_THREADS") and k != "TORCHMN_THREAD_VARIABLES"}
+    user = torchmn_run("-np", "2", "-v", "-x", "OMP_NUM_THREADS=3", sys.executable, "-c", code, env=env)
+    budget = torchmn_run("-np", "1", "-v", "-x", "TORCHMN_NUM_THREADS=1", sys.executable, "-c", code, env=env)
     assert user.returncode == budget.returncode == 0, (user.stderr, budget.stderr)
     assert "threads per rank: set by user (OMP_NUM_THREADS=3)" in user.stderr and "[0] 3" in user.stdout, user.stderr
     assert "threads per rank: 1," in budget.stderr and "[0] 1" in budget.stdout, budget.stderr

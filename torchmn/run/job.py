@@ -486,7 +486,10 @@ class Job:
         here = next((slot for slot in self.slots if not self.is_remote(slot)), None)
         env = (self.rank_environment(here, port) if here is not None else
                resources.launcher_thread_env(self.slots[0].local_size, {**self.base_env, **self.exports}))
-        threads = env.get(resources.TORCHMN_NUM_THREADS) or f"set by user (OMP_NUM_THREADS={env.get('OMP_NUM_THREADS')})"
+        # The launcher sets OMP_NUM_THREADS to its budget unless the user set it; a TORCHMN_NUM_THREADS
+        # beside another OMP_NUM_THREADS came with the launcher's own environment (a torchmn process's).
+        omp, budget = env.get("OMP_NUM_THREADS"), env.get(resources.TORCHMN_NUM_THREADS)
+        threads = budget if budget is not None and omp in (None, budget) else f"set by user (OMP_NUM_THREADS={omp})"
         step = self.nodes.step if self.nodes else None
         ranks = (f"ranks {self.slots[0].rank}-{self.slots[-1].rank} of {self.size} "
                  f"({step.kind} {step.task} of {step.tasks})" if step else f"{self.config.np} ranks")
