@@ -356,6 +356,16 @@ def test_elastic_second_run_function_in_the_same_world_calls_no_reset_callback(r
     assert result["resets"] and result["resets_after_evaluate"] == result["resets"], result
 
 
+@pytest.mark.timeout(300)
+def test_elastic_second_run_function_starts_from_what_the_ranks_hold_not_the_last_commit(refilled):
+    """Values and parameters changed after the training function's last commit reach the second
+    run function unchanged (Horovod's sync hands on the current state too), and so does a State
+    made after the reset that no rank has committed yet."""
+    result = torch.load(refilled / "result.pt")
+    assert result["evaluate_saw"] == (100, True), result
+    assert result["fresh_state_saw"] == 101, result
+
+
 def two_ranks_with_discovery(tmp_path: Path, lines: str, train_args: list) -> ElasticRun:
     """2 ranks of elastic_train.py on -H localhost:2, --max-np 3 (room for a worker the script may
     offer a slot for, so the launcher keeps asking it), with a discovery script of shell ``lines``."""

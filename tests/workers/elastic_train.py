@@ -165,13 +165,33 @@ if __name__ == "__main__":
 
     train(state)
     after_train = list(resets)
+    trained = [p.detach().clone() for p in model.parameters()]
 
     @torchmn.elastic.run
     def evaluate(state):  # a second run function in the same world, as scripts call one to evaluate
-        return state.step
+        return state.step, [p.detach().clone() for p in model.parameters()]
 
-    evaluate(state)
+    # What changed after the last commit (a last step, say) is what the second run function starts
+    # from, and a State made after a reset (held by every rank, committed by none) is no lost state.
+    # The same values on every rank, each once every rank holds its copy: the default optimizer's
+    # ranks on a node share their parameters.
+    comm.barrier()
+    with torch.no_grad():
+        for p, t in zip(model.parameters(), trained):
+            p.copy_(t + 1)
+    committed_step = state.step
+    state.step += 100
+    seen_step, seen_params = evaluate(state)
+    fresh_step, _ = evaluate(torchmn.elastic.State(model=model, step=state.step + 1))
+    comm.barrier()
+    with torch.no_grad():
+        for p, t in zip(model.parameters(), trained):
+            p.copy_(t)
+    state.step = committed_step
     if comm.rank == 0:
         torch.save({"params": [p.detach().clone() for p in model.parameters()], "sizes": state.sizes,
-                    "resets": after_train, "resets_after_evaluate": list(resets)}, os.path.join(args.out, "result.pt"))
+                    "resets": after_train, "resets_after_evaluate": list(resets),
+                    "evaluate_saw": (seen_step - committed_step,
+                                     all(torch.equal(s, t + 1) for s, t in zip(seen_params, trained))),
+                    "fresh_state_saw": fresh_step - committed_step}, os.path.join(args.out, "result.pt"))
     print(f"worker {worker} done as rank {comm.rank}/{comm.size} after {len(resets)} reset(s)", flush=True)

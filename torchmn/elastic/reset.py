@@ -69,8 +69,10 @@ def run(func: F) -> F:
     """Make ``func(state, ...)`` an elastic training function: when ranks die it goes on in the
     survivors' new world from the last commit, and when ranks join it takes them in at the next.
 
-    Each call first hands the scattered dataset and the multi-node iterators' masters to the ranks
-    that joined, synchronises ``state`` (rank 0's to all), then runs ``func``. When a collective
+    Each call first commits what the ranks hold (a second run function, to evaluate, starts from
+    the state the first left, not from its last commit), hands the scattered dataset and the
+    multi-node iterators' masters to the ranks that joined, synchronises ``state`` (rank 0's to
+    all), then runs ``func``. When a collective
     fails because a peer was lost, every survivor goes back to its last commit, leaves the old
     world, waits for the launcher's new one, rebuilds in place the communicators the script made
     and the multi-node optimizers ``state`` holds (``comm.rank`` and ``comm.size`` then describe the
@@ -105,6 +107,11 @@ def run(func: F) -> F:
         # A rank that joined a running job: its world comes of a reset. A second run function in the
         # same world (train, then evaluate) is no reset: its callbacks ran already.
         after_reset = not first_world() and _callbacks_ran.get(state) != membership.generation()
+        if not membership.awaiting_state():
+            # What the ranks hold now, changed since the last commit or never committed (a State
+            # made after a reset), is what this call starts from, as Horovod's sync hands on the
+            # current state; only a rank that joined holds nothing yet, and receives it in the sync.
+            state.save()
         while True:
             try:
                 for follower in membership.followers():  # a rank that joined receives the data here
