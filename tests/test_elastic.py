@@ -723,6 +723,25 @@ def test_elastic_sampler_splits_the_rest_of_the_epoch_over_a_new_world():
     assert sampler.state_dict() == {"epoch": 1, "consumed": 0} and sampler.order() != list(range(21))
 
 
+def test_elastic_sampler_iterated_again_without_set_epoch_starts_the_next_epoch():
+    """A script that forgets set_epoch() (as many do with DistributedSampler) gets the next epoch's
+    batches with a warning, not empty epochs; an epoch a reset went back to the end of stays ended."""
+    from torchmn.elastic import ElasticSampler
+
+    class World:
+        rank, size = 0, 2
+    sampler = ElasticSampler(10, World(), batch_size=2, shuffle=True, seed=1)
+    loader = torch.utils.data.DataLoader(list(range(10)), batch_sampler=sampler)
+    first = sorted(int(x) for batch in loader for x in batch)
+    with pytest.warns(UserWarning, match="set_epoch"):
+        second = [int(x) for batch in loader for x in batch]
+    assert len(first) == len(second) == 5 and sampler.state_dict() == {"epoch": 1, "consumed": 10}
+    sampler.load_state_dict({"epoch": 1, "consumed": 10})  # a reset to a commit at the epoch's end
+    assert list(loader) == []
+    sampler.set_epoch(1)
+    assert list(loader) == []
+
+
 def test_elastic_resumable_loader_splits_the_rest_of_the_epoch_over_a_new_world():
     """ResumableLoaders over an elastic job's scattered parts: 3 ranks take two batches each, the
     world shrinks to 2 and then grows to 4 within the epoch: each sample once. Until the change

@@ -1,6 +1,7 @@
 """The batches of an elastic job's epoch, split anew over whichever ranks are there: :class:`ElasticSampler`."""
 from __future__ import annotations
 
+import warnings
 from typing import Iterator, List, Sized, Tuple
 
 import torch
@@ -23,7 +24,8 @@ class ElasticSampler(torch.utils.data.Sampler):
     least one sample per step: the epoch's last step takes what is left, split as evenly as it goes
     (a tail too short for every rank joins the step before). The one exception: where a reset
     leaves fewer samples in the epoch than the new world has ranks, the ranks without one repeat
-    one of them in that last step.
+    one of them in that last step. Iterated again after its epoch ended, without ``set_epoch()``
+    between, it starts the next epoch (with a warning) rather than an empty one.
 
     Give it to a ``DataLoader`` as ``batch_sampler`` and to the state as a value::
 
@@ -58,6 +60,9 @@ class ElasticSampler(torch.utils.data.Sampler):
         self.comm, self.batch_size, self.shuffle, self.seed = comm, batch_size, shuffle, seed
         self.epoch = 0
         self.consumed = 0  # samples of this epoch's order taken by the steps so far, by every rank
+        # This sampler's own iteration ran to the epoch's end, and nothing set a position since:
+        # iterating again means the next epoch, where a script forgot set_epoch().
+        self._ran_out = False
 
     def set_epoch(self, epoch: int) -> None:
         """Start ``epoch``: its own order, from its first sample. Setting the epoch it is already
@@ -70,6 +75,7 @@ class ElasticSampler(torch.utils.data.Sampler):
 
             >>> sampler.set_epoch(state.epoch)
         """
+        self._ran_out = False
         if epoch != self.epoch:
             self.epoch, self.consumed = epoch, 0
 
@@ -90,11 +96,20 @@ class ElasticSampler(torch.utils.data.Sampler):
         return torch.randperm(self.length, generator=g).tolist()
 
     def __iter__(self) -> Iterator[List[int]]:
+        if self._ran_out and self.consumed >= self.length:
+            # Empty epochs would train on nothing without a word; a position a reset went back to
+            # (load_state_dict) is left alone, as its epoch's work is done.
+            warnings.warn(f"ElasticSampler: iterated again after epoch {self.epoch} ended, without set_epoch(): "
+                          f"starting epoch {self.epoch + 1}. Call sampler.set_epoch(epoch) at the start of each "
+                          f"epoch, which also keeps the position a reset goes back to", UserWarning, stacklevel=2)
+            self.epoch, self.consumed = self.epoch + 1, 0
+        self._ran_out = False
         order = self.order()
         while self.consumed < self.length:
             positions, self.consumed = split_step(self.length, self.consumed, self.batch_size, self.comm.rank,
                                                   self.comm.size)
             yield [order[i] for i in positions]
+        self._ran_out = True
 
     def __len__(self) -> int:
         """The steps left in this epoch at the current world size."""
@@ -126,7 +141,7 @@ class ElasticSampler(torch.utils.data.Sampler):
 
             >>> sampler.load_state_dict({"epoch": 2, "consumed": 1280})
         """
-        self.epoch, self.consumed = state["epoch"], state["consumed"]
+        self.epoch, self.consumed, self._ran_out = state["epoch"], state["consumed"], False
 
 
 def split_step(length: int, start: int, batch_size: int, rank: int, size: int) -> Tuple[List[int], int]:
