@@ -111,6 +111,13 @@ def test_bad_example_argument_is_one_line_and_status_2(args, words):
         proc.stderr
 
 
+def test_sharded_state_with_powersgd_is_one_line_and_status_2():
+    proc = subprocess.run([sys.executable, str(MNIST / "train_mnist.py"), "--shard-state", "--compression", "powersgd"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "do not go together" in proc.stderr.splitlines()[-1], proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+
+
 @pytest.mark.timeout(JOB_TIMEOUT + 20)
 @pytest.mark.skipif(torch.cuda.is_available(), reason="asks for CUDA where there is none")
 @pytest.mark.parametrize("script", ["train_mnist.py", "train_mnist_single.py", "train_mnist_elastic.py"])

@@ -77,6 +77,10 @@ def main():
     add_device_argument(parser)
     args = parser.parse_args()
     check_data_arguments(parser, args)
+    if args.shard_state and args.compression == "powersgd":
+        # Each rank updates its slice from reduce-scattered gradients, which low-rank messages do not give.
+        parser.error("--shard-state and --compression powersgd do not go together: drop one "
+                     "(--compression fp16 or bf16 shards fine)")
     torch.manual_seed(args.seed)
     comm = torchmn.create_communicator(args.communicator)  # torchmn: who am I, how many are we
     device = training_device(comm, args.device)  # torchmn: this rank's own GPU (comm.device), or the CPU
