@@ -148,6 +148,30 @@ def test_doctor_refuses_bad_input(args, words):
 
 
 @pytest.mark.timeout(60)
+def test_doctor_says_an_environment_it_may_not_read_is_unknown_not_unset():
+    """Another user's process (psutil's AccessDenied, as a user without root gets it): its thread
+    settings are unknown, which the report says, with the fix; not "no thread variables set"."""
+    import psutil
+
+    from torchmn.doctor import processes, sampling, verdict
+
+    class OtherUsers(psutil.Process):
+        def environ(self):
+            raise psutil.AccessDenied(self.pid)
+    job = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], env=clean_env({"OMP_NUM_THREADS": "1"}))
+    try:
+        ranks = processes.ranks_in_trees([OtherUsers(job.pid)])
+        assert [(r.pid, r.environment_read) for r in ranks] == [(job.pid, False)], ranks
+        d = verdict.diagnose(ranks, sampling.sample([job.pid], 0.2), processes.job_cpu_limits(ranks), 0.2)
+        text = verdict.report(d)
+        assert "no thread variables set" not in text and "environment is not readable" in text, text
+        assert d.to_json()["ranks"][0]["environment_read"] is False
+    finally:
+        job.kill()
+        job.wait()
+
+
+@pytest.mark.timeout(60)
 def test_doctor_takes_a_launcher_that_inherited_slurm_procid_for_no_rank():
     """In an sbatch script every process has SLURM_PROCID=0: torchmn run (or torchrun's agent)
     under it is no rank; its children, numbered by TORCHMN_RANK, are the ranks."""

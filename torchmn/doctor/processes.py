@@ -44,6 +44,8 @@ class RankProcess:
         settings: its thread variables (:data:`THREAD_VARIABLES`) that are set.
         workers: its descendant processes other than torchmn's helpers (DataLoader workers).
         slurm: its Slurm allocation variables that are set (:data:`SLURM_VARIABLES`).
+        environment_read: whether its environment could be read (not another user's process):
+            where not, ``settings`` and ``slurm`` are unknown rather than empty.
     """
 
     pid: int
@@ -52,12 +54,17 @@ class RankProcess:
     settings: dict
     workers: list
     slurm: dict = dataclasses.field(default_factory=dict)
+    environment_read: bool = True
 
 
-def _environ(proc: psutil.Process) -> dict:
+def _environ(proc: psutil.Process) -> Optional[dict]:
+    """The process's environment: None where this user may not read it (another user's process),
+    empty where the process is gone."""
     try:
         return proc.environ()
-    except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess, OSError):
+    except psutil.AccessDenied:
+        return None
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, OSError):
         return {}
 
 
@@ -109,6 +116,8 @@ def ranks_in_trees(roots: Iterable[psutil.Process]) -> list:
         except psutil.NoSuchProcess:
             continue
         envs = {p.pid: _environ(p) for p in tree}
+        hidden = {pid for pid, env in envs.items() if env is None}
+        envs = {pid: env or {} for pid, env in envs.items()}
         variable = _rank_variable(envs.values())
         names = (variable,) if variable is not None else ()
         numbered = {p.pid for p in tree if _rank_of(envs[p.pid], names) is not None}
@@ -124,7 +133,8 @@ def ranks_in_trees(roots: Iterable[psutil.Process]) -> list:
             ranks.append(RankProcess(pid=top.pid, rank=_rank_of(env, names), host=host,
                               settings={k: env[k] for k in THREAD_VARIABLES if k in env},
                               workers=[p.pid for p in below if not _is_helper(p)],
-                              slurm={k: env[k] for k in SLURM_VARIABLES if k in env}))
+                              slurm={k: env[k] for k in SLURM_VARIABLES if k in env},
+                              environment_read=top.pid not in hidden))
     ranks.sort(key=lambda r: (r.rank is None, r.rank if r.rank is not None else 0, r.pid))
     return ranks
 
@@ -188,7 +198,7 @@ def job_roots(job_id: str) -> list:
     """
     found = {}
     for proc in psutil.process_iter():
-        env = _environ(proc)
+        env = _environ(proc) or {}
         if any(env.get(name) == job_id for name in JOB_VARIABLES):
             found[proc.pid] = proc
     roots = [p for p in found.values() if not any(a.pid in found for a in _parents(p))]

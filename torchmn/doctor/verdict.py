@@ -94,6 +94,7 @@ def diagnose(ranks: list, samples: dict, limits: dict, seconds: float, pools: Op
         own = samples.get(r.pid)
         workers = [samples[w] for w in r.workers if w in samples]
         row = {"pid": r.pid, "rank": r.rank, "host": r.host, "settings": r.settings,
+               "environment_read": r.environment_read,
                "threads": own.threads if own else 0, "busy_threads": own.busy_threads if own else 0,
                "cpu_percent": round(own.cpu_percent, 1) if own else 0.0,
                "runnable": round(own.runnable, 2) if own else 0.0,
@@ -208,6 +209,9 @@ def report(d: Diagnosis, where: Optional[str] = None) -> str:
         ours = row["settings"].get("TORCHMN_THREAD_VARIABLES", "").split(",")
         settings = ", ".join(f"{k}={v}" + (" (torchmn's budget)" if k in ours else "")
                              for k, v in row["settings"].items() if k != "TORCHMN_THREAD_VARIABLES")
+        if not row.get("environment_read", True):
+            settings = ("its environment is not readable by this user, so its thread settings are unknown "
+                        "(run torchmn doctor as the job's user, or as root)")
         settings = settings or "no thread variables set"
         lines.append(f"{_rank_name(row)} (pid {row['pid']}): {row['threads']} threads, {row['busy_threads']} busy, "
                      f"{row['runnable']:.1f} runnable on average, CPU {row['cpu_percent']:.0f}% "
