@@ -881,6 +881,23 @@ def test_elastic_reset_limit_ends_the_job_instead_of_another_reset(tmp_path):
     assert job.steps_at(1) >= 1  # the survivor went on alone in between
 
 
+def test_elastic_timeouts_with_every_worker_alive_end_the_job_instead_of_endless_resets(tmp_path):
+    """Rank 1 works alone for longer than TORCHMN_TIMEOUT before the same step, each time it comes
+    there: the other's timeout loses no worker, and a reset back to the commit before it cannot mend
+    that. After three generations in a row broke with every worker alive before any commit, the
+    launcher ends the job, saying why and what to raise."""
+    job = ElasticRun(tmp_path, 2, ["--min-np", "1", "-x", "TORCHMN_TIMEOUT=1"],
+                     ["--steps", "6", "--alone-before-step", "3", "--alone-s", "2.5"], timeout=100)
+    try:
+        out = job.ended(90)
+    finally:
+        job.stop()
+    assert job.proc.returncode == 1, out[-3000:]
+    assert "3 generations in a row broke before any commit with every worker alive" in out, out[-3000:]
+    assert "raise TORCHMN_TIMEOUT" in out, out[-3000:]
+    assert max(s for _, s, _ in job.progress()) == 3  # the steps before the lone work were done once
+
+
 def test_a_generation_passed_over_stays_passed_for_a_late_member():
     """Worker 1 arrives at generation 4, sees generation 5 announced before worker 2 arrives, and
     leaves 4; worker 2 then arrives and finds every arrival key of 4 set: it must leave 4 too (it

@@ -19,7 +19,8 @@ set-up at 5 s), --lr-per-rank LR (the learning rate is LR x
 the world size, set again by a reset callback, instead of 0.05), --checkpoint-every K (a Checkpointer,
 built before the run function as scripts do, saves every K steps into OUT_DIR/ckpt, across resets
 that change the optimizer's kind; after each commit, or with --save-between-commits at every K-th
-step, which a reset then repeats); the run also ends at the next commit once
+step, which a reset then repeats), --alone-before-step N --alone-s S (rank 1 works alone for S
+seconds before step N, each time it comes there, after a reset too); the run also ends at the next commit once
 OUT_DIR/stop exists. SIGUSR1 prints every thread's stack to stderr (a test that timed out says
 where the workers were).
 """
@@ -51,6 +52,8 @@ parser.add_argument("--die-after-address-after-reset", default=None)
 parser.add_argument("--lr-per-rank", type=float, default=None)
 parser.add_argument("--checkpoint-every", type=int, default=None)
 parser.add_argument("--save-between-commits", action="store_true")
+parser.add_argument("--alone-before-step", type=int, default=None)
+parser.add_argument("--alone-s", type=float, default=0.0)
 args = parser.parse_args()
 
 
@@ -134,6 +137,8 @@ if __name__ == "__main__":
     @torchmn.elastic.run
     def train(state):
         while state.step < args.steps:
+            if state.step == args.alone_before_step and comm.rank == 1:
+                time.sleep(args.alone_s)  # works alone (evaluates, say) each time it comes here
             optimizer.zero_grad()
             loss_of(model, state.step, comm.rank, comm.size).backward()
             optimizer.step()

@@ -18,6 +18,7 @@ from torchmn.errors import TorchmnRuntimeError
 
 POLL_S = 0.02  # how often a waiting rank looks at the store
 _told = False  # this rank told the launcher it holds the state
+_committed_in: Optional[int] = None  # the generation whose first commit this rank noted
 _client = None  # the launcher's store (_store)
 _communicators: List["weakref.ref"] = []  # this rank's world communicators, in the order they were made
 _followers: List["weakref.ref"] = []  # objects that take part in each new world (follow_world), in order
@@ -163,6 +164,21 @@ def newer_generation() -> bool:
     """
     current = generation()
     return current is not None and protocol.read_generation(_store()) > current
+
+
+def note_commit() -> None:
+    """Tell the launcher that every rank of this generation got through a commit (called by rank 0
+    after the commit's collective; one store write per generation).
+
+    Example::
+
+        >>> note_commit()
+    """
+    global _committed_in
+    current = generation()
+    if enabled() and current is not None and _committed_in != current:
+        _store().set(protocol.committed_key(current), "")
+        _committed_in = current
 
 
 def left_behind() -> bool:

@@ -14,7 +14,9 @@ sets up the generation's process groups under
 (a member lost). A worker the launcher no longer has a slot for (the discovery script offers its
 host fewer) finds ``removed_key(worker)`` set and is left out of the next generation: it leaves the
 job at that commit. Ranks decide together at each commit whether a newer generation waits
-(``State.check_host_updates``), so all of them leave the old world at the same step.
+(``State.check_host_updates``), so all of them leave the old world at the same step; the first
+commit a generation's ranks all get through is noted (``committed_key(g)``), so that the launcher
+tells a generation that broke while making progress from one that cannot make any.
 """
 from __future__ import annotations
 
@@ -135,6 +137,25 @@ def broken_key(generation: int) -> str:
         'torchmn/elastic/broken/3'
     """
     return f"torchmn/elastic/broken/{generation}"
+
+
+def committed_key(generation: int) -> str:
+    """The key rank 0 sets at the first commit every rank of ``generation`` got through: a
+    generation that broke with every member alive before any commit (a collective timed out on a
+    rank that was only slow) made no progress, and the launcher ends a job that keeps doing that.
+
+    Args:
+        generation: the generation's number.
+
+    Returns:
+        The key.
+
+    Example::
+
+        >>> committed_key(3)
+        'torchmn/elastic/committed/3'
+    """
+    return f"torchmn/elastic/committed/{generation}"
 
 
 def holds_key(worker: int) -> str:

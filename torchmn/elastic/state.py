@@ -278,6 +278,8 @@ class State:
         if comm is not None and comm.size > 1:
             # Every rank leaves at the same commit: one that read the news sooner takes the others along.
             newer = bool(comm.allreduce(torch.tensor([int(newer)]), op="max").item())
+        if comm is None or comm.rank == 0:
+            membership.note_commit()  # every rank got here: this generation makes progress
         if newer:
             raise HostsUpdatedInterrupt("ranks joined or left the job: moving to the new world")
 

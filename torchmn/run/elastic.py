@@ -45,6 +45,9 @@ DISCOVERY_TIMEOUT_S = 30.0    # how long one run of it may take
 # After a new worker on a host failed before joining, no new worker starts there for this long
 # (a host that cannot run the program would otherwise take every free moment of the job).
 COOLDOWN_S = 10.0
+# Generations in a row that may break before any commit with every worker alive before the job ends
+# (a collective that times out on a slow rank at the same place after each reset would loop forever).
+STALLS_LIMIT = 3
 _TORCH_PREFIX = re.compile(r"^(\[rank\d+\]:\s*)+")  # torch's excepthook prefixes each line of a rank's traceback
 
 
@@ -196,6 +199,7 @@ class ElasticJob(Job):
         self.left: List[int] = []                # those of them that have ended
         self.kept_said: Optional[tuple] = None   # the offer for which workers were kept over it, said once
         self.provisional: Dict[int, Slot] = {}   # a worker being started after the first generation: its place until it joins
+        self.stalled: List[int] = []             # generations in a row that broke, every member alive, before a commit
 
     # -- starting ---------------------------------------------------------------------------------
 
@@ -293,6 +297,7 @@ class ElasticJob(Job):
         self.console.message(f"torchmn run: worker {worker} (host {rank.slot.host}) {describe_exit(code)}; "
                              f"{len(alive)} of the generation's {len(self.members)} go on")
         if worker in self.members:
+            self.stalled = []  # a reset that a lost worker asks for
             self._mark_broken()
             self._announce(alive)
 
@@ -351,6 +356,10 @@ class ElasticJob(Job):
         left = [w for w in alive_members if waiting.get(w) == self.generation]
         if left:
             self._mark_broken()
+            if self.generation not in self.stalled:
+                self._count_stalls(store)
+            if self.gave_up is not None:
+                return
         if newcomers or left:
             self._announce(alive_members + sorted(newcomers))
         self._note_holders()
@@ -379,6 +388,26 @@ class ElasticJob(Job):
         else:
             self.below_min_since = None
         self._add_workers()
+
+    def _count_stalls(self, store) -> None:
+        """Members left the current generation with every one of them alive: a collective timed
+        out (``TORCHMN_TIMEOUT``) waiting for a rank that was only slow, or ranks joined at a commit.
+        Before any commit, that generation made no progress, and a reset goes back to the same
+        commit: after STALLS_LIMIT such generations in a row, end the job instead of resetting forever."""
+        if store.check([protocol.committed_key(self.generation)]):
+            self.stalled = []
+            return
+        self.stalled.append(self.generation)
+        if len(self.stalled) < STALLS_LIMIT:
+            return
+        timeout = self.exports.get("TORCHMN_TIMEOUT", self.base_env.get("TORCHMN_TIMEOUT"))
+        self.gave_up = (f"torchmn run: {STALLS_LIMIT} generations in a row broke before any commit with every worker "
+                        f"alive (generations {', '.join(map(str, self.stalled))}): a collective "
+                        f"waited longer than TORCHMN_TIMEOUT ({timeout + ' s' if timeout else 'its default'}) for a "
+                        f"rank that was still working (the ranks' output names it), and each reset went back to the "
+                        f"same commit. Ended the job instead of resetting again: raise TORCHMN_TIMEOUT above the "
+                        f"longest time one rank works while the others wait (evaluating or saving alone), or commit "
+                        f"after that work.")
 
     def _note_holders(self) -> None:
         """Note the workers that have said they hold the training state."""
