@@ -681,6 +681,24 @@ def test_elastic_state_refuses_a_value_named_as_its_own_attribute(name):
         State(epoch=0).register_reset_callbacks(print)
 
 
+def test_elastic_state_warns_of_a_value_set_after_it_was_built():
+    """A value first set after the state was built is in no commit, so a reset would not bring it
+    back: said once, with the fix; the values it was built with, the model and the optimizer, not."""
+    import warnings
+
+    from torchmn.elastic import State
+    state = State(model=None, epoch=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state.epoch, state.model = 1, torch.nn.Linear(1, 1)
+    with pytest.warns(UserWarning, match=r"State\(\.\.\., best=\.\.\.\)"):
+        state.best = 0.5
+    state.save()
+    state.best, state.epoch = 0.9, 2
+    state.restore()
+    assert (state.epoch, state.best) == (1, 0.9)
+
+
 def test_elastic_nnodes_range_says_what_to_run_instead():
     proc = subprocess.run([PY, "-m", "torchmn", "run", "--nnodes", "1:4", "-np", "2", PY, "-c", "pass"],
                           capture_output=True, text=True, env=clean_env(), timeout=60)

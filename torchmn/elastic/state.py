@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any, Callable, Iterable, List, Optional
 
 import torch
@@ -23,7 +24,8 @@ class State:
 
     ``commit()`` keeps a copy of it in memory (on every rank) and asks whether ranks joined or left;
     when a rank dies, the survivors go back to their last commit, and a new rank gets rank 0's.
-    Values are attributes (``state.epoch``); set them before ``commit()`` so the commit holds them.
+    Values are attributes (``state.epoch``), given when the state is built (one first set later is
+    in no commit, which a warning says); a commit holds what they are at that moment.
 
     The committed optimizer state is whole on every rank, so any one survivor can hand it on; but
     a sharded one (``shard_state=True``) keeps each rank's part, and a copy of its neighbour's
@@ -79,6 +81,15 @@ class State:
         self._saved: Optional[dict] = None
         self._previous: Optional[dict] = None  # a sharded optimizer's commit before the last
         self._callbacks: List[Callable[[], None]] = []
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        names = self.__dict__.get("_names")
+        if names is not None and name not in names and name not in self.__dict__ and not name.startswith("_"):
+            # Commits keep the values the state was built with: this one a reset would not bring back.
+            warnings.warn(f"torchmn.elastic.State: {name!r} was not among the values the state was built with, so no "
+                          f"commit keeps it and a reset will not bring it back; give it when building the state: "
+                          f"State(..., {name}=...)", UserWarning, stacklevel=2)
+        object.__setattr__(self, name, value)
 
     # -- callbacks ---------------------------------------------------------------------------------
 
