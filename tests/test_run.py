@@ -849,6 +849,21 @@ def test_verbose_says_the_threads_the_exports_give(tmp_path):
     assert "threads per rank: 1," in budget.stderr and "[0] 1" in budget.stdout, budget.stderr
 
 
+def test_a_launcher_inside_a_torchmn_process_gives_its_ranks_their_own_budget():
+    """torchmn run started from a rank (whose budget set OMP_NUM_THREADS=2 and listed it as
+    torchmn's): its ranks get their own budget, and -x TORCHMN_NUM_THREADS=1 gives them 1, not the
+    outer rank's 2 as if the user had set it."""
+    code = "import os; print(os.environ['OMP_NUM_THREADS'], os.environ['MKL_NUM_THREADS'])"
+    outer = {**clean_env(), "OMP_NUM_THREADS": "2", "MKL_NUM_THREADS": "2", "TORCHMN_NUM_THREADS": "2",
+             "TORCHMN_THREAD_VARIABLES": "OMP_NUM_THREADS,MKL_NUM_THREADS,TORCHMN_NUM_THREADS"}
+    asked = torchmn_run("-np", "2", "-x", "TORCHMN_NUM_THREADS=1", sys.executable, "-c", code, env=outer)
+    assert asked.returncode == 0 and rank_lines(asked.stdout, 0) == ["1 1"], asked.stdout + asked.stderr
+    user = torchmn_run("-np", "2", "-x", "OMP_NUM_THREADS=3", sys.executable, "-c",
+                       "import os; print(os.environ['OMP_NUM_THREADS'], os.environ.get('MKL_NUM_THREADS'))", env=outer)
+    # The user's OMP_NUM_THREADS makes the thread configuration theirs: the outer rank's MKL count is not passed on.
+    assert user.returncode == 0 and rank_lines(user.stdout, 0) == ["3 None"], user.stdout + user.stderr
+
+
 def test_dry_run_does_not_import_torch():
     proc = subprocess.run([sys.executable, "-X", "importtime", "-m", "torchmn", "run", "--dry-run", "-np", "2", "true"],
                           capture_output=True, text=True, timeout=60, env=clean_env())

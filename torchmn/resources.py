@@ -333,6 +333,32 @@ def _set_by_user(env: Mapping[str, str], name: str) -> bool:
     return _positive_int(env.get(name)) is not None
 
 
+def exported_env(base_env: Mapping[str, str], exports: Mapping[str, str]) -> Dict[str, str]:
+    """A launcher's environment for its ranks, before their thread budget: ``base_env`` less the
+    thread variables a budget set there (a launcher started inside a torchmn process inherits
+    that process's, which were for it, not for these ranks), then the ``-x`` exports, which are
+    the user's. Without the first step, an export of ``TORCHMN_NUM_THREADS`` would make the
+    inherited ``OMP_NUM_THREADS`` look set by the user.
+
+    Args:
+        base_env: the launcher's own environment.
+        exports: the variables the user exports to the ranks (``torchmn run -x``).
+
+    Returns:
+        The environment to compute the budget from (``launcher_thread_env``) and start the ranks in.
+
+    Example::
+
+        >>> exported_env({"OMP_NUM_THREADS": "2", "TORCHMN_NUM_THREADS": "2",
+        ...               "TORCHMN_THREAD_VARIABLES": "OMP_NUM_THREADS,TORCHMN_NUM_THREADS"}, {"TORCHMN_NUM_THREADS": "1"})
+        {'TORCHMN_NUM_THREADS': '1'}
+    """
+    ours = _set_by_torchmn(base_env)
+    env = {k: v for k, v in base_env.items() if k not in ours and k != TORCHMN_THREAD_VARIABLES}
+    env.update(exports)
+    return env
+
+
 def launcher_thread_env(local_size: int, env: Optional[Mapping[str, str]] = None,
                         bound: Optional[Tuple[int, int]] = None) -> Dict[str, str]:
     """Variables a launcher adds to each of ``local_size`` ranks on a node so that every thread pool

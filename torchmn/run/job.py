@@ -485,7 +485,8 @@ class Job:
         # What a rank here is given: -x exports and --bind's share count, as they do when it starts.
         here = next((slot for slot in self.slots if not self.is_remote(slot)), None)
         env = (self.rank_environment(here, port) if here is not None else
-               resources.launcher_thread_env(self.slots[0].local_size, {**self.base_env, **self.exports}))
+               resources.launcher_thread_env(self.slots[0].local_size,
+                                             resources.exported_env(self.base_env, self.exports)))
         # The launcher sets OMP_NUM_THREADS to its budget unless the user set it; a TORCHMN_NUM_THREADS
         # beside another OMP_NUM_THREADS came with the launcher's own environment (a torchmn process's).
         omp, budget = env.get("OMP_NUM_THREADS"), env.get(resources.TORCHMN_NUM_THREADS)

@@ -174,7 +174,8 @@ def local_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str
         bind: how ranks are bound to CPUs (``--bind``; see ``binding``), in ``TORCHMN_BIND``.
 
     Returns:
-        The environment, for ``subprocess.Popen``: ``base_env``, then the exports, the thread
+        The environment, for ``subprocess.Popen``: ``base_env`` (less the thread settings a budget
+        made in it, ``resources.exported_env``), then the exports, the thread
         budget's variables (``resources.launcher_thread_env``, the rank's share of the CPUs it is
         bound to where it is bound), the rank's place (``rank_env``), ``TORCHMN_BIND``,
         ``PYTHONUNBUFFERED=1`` and ``JOB_ID``, each overriding the ones before; with several
@@ -193,8 +194,7 @@ def local_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, str
         >>> env["RANK"], env["LOCAL_WORLD_SIZE"], env["NCCL_DEBUG"], env["TORCHMN_JOB_ID"]
         ('1', '2', 'INFO', 'job-1')
     """
-    env = dict(base_env)
-    env.update(exports)
+    env = resources.exported_env(base_env, exports)
     bound = binding.for_rank({binding.VARIABLE: bind, "TORCHMN_LOCAL_RANK": str(slot.local_rank),
                               "TORCHMN_LOCAL_SIZE": str(slot.local_size)})
     env.update(resources.launcher_thread_env(slot.local_size, env,
@@ -238,7 +238,9 @@ def remote_env(slot: Slot, base_env: Mapping[str, str], exports: Mapping[str, st
         >>> env["RANK"], env["GROUP_RANK"], env["MASTER_ADDR"], "HOME" in env, "WANDB_API_KEY" in env
         ('2', '1', '10.0.0.1', False, False)
     """
-    env = command_line_env(base_env, exports)
+    # The thread settings a budget made in the launcher's own environment are not forwarded: the
+    # watcher there computes the remote ranks' budget.
+    env = command_line_env(resources.exported_env(base_env, {}), exports)
     if split_exports(exports)[1]:
         env[EXPORTS_ON_STDIN] = "1"
     env.update(rank_env(slot, master_addr, master_port))
