@@ -378,6 +378,40 @@ def test_monitor_names_a_rank_that_stalled_once():
     assert re.search(r"torchmn monitor: stall: rank 1 \(\S+\) was busy 5\.\d s in one step", proc.stderr), proc.stderr
 
 
+RAISES_IN_A_WAIT = """
+import time, torch, torchmn
+from torchmn.monitor import recorder
+comm = torchmn.create_communicator("flat")
+model = torch.nn.ModuleList([torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)])
+optimizer = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=0.1), comm, shard_state=False,
+                                                zero_fill=False)
+for step in range(20):
+    optimizer.zero_grad()
+    x = torch.randn(2, 4)
+    # Step 5: rank 1 leaves the second layer out, which zero_fill=False refuses on every rank while
+    # the averages are awaited; the script goes on with the next batch.
+    y = model[0](x) if (step == 5 and comm.rank == 1) else model[1](model[0](x))
+    try:
+        y.sum().backward()
+        optimizer.step()
+    except torchmn.CollectiveMismatchError:
+        optimizer.zero_grad()
+    if comm.rank == 1:
+        time.sleep(0.03)
+print("WAITING_NOW", recorder.figures()["waiting_now_s"])
+"""
+
+
+def test_monitor_keeps_timing_waits_after_a_step_raised_in_one():
+    """A step that raised while it waited for the averages (every rank alike) closes that wait: the
+    waits after it still count as waiting, so the straggler is still named, and no rank shows as
+    waiting for good."""
+    proc = _run([sys.executable, "-m", "torchmn", "run", "-np", "2", "--monitor", sys.executable, "-c",
+                 RAISES_IN_A_WAIT])
+    assert "torchmn monitor: straggler: rank(s) 1 " in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.count("WAITING_NOW None") == 2, proc.stdout
+
+
 def test_monitor_table_says_which_rank_is_held_up():
     from torchmn.monitor import display
 

@@ -222,6 +222,36 @@ def end(name: str, category: str, t0: float, args: Optional[dict] = None) -> Non
         event(name, category, t0, t1, args)
 
 
+class waiting:
+    """A phase that waits for other ranks, as a ``with`` block: :func:`begin` on entry where the
+    recorder is on, and :func:`end` on exit, also where the block raises (a wait left open would
+    count every later step as busy, and show the rank as waiting for good).
+
+    Args:
+        name: what it was, the event's name in a timeline.
+        category: one of :data:`CATEGORIES`.
+        args: details for the timeline.
+
+    Example::
+
+        >>> with waiting("wait for averages", "average"):
+        ...     work.wait()
+    """
+
+    __slots__ = ("name", "category", "args", "t0")
+
+    def __init__(self, name: str, category: str, args: Optional[dict] = None):
+        self.name, self.category, self.args, self.t0 = name, category, args, None
+
+    def __enter__(self) -> "waiting":
+        self.t0 = begin() if on else None
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        if self.t0 is not None:
+            end(self.name, self.category, self.t0, self.args)
+
+
 def event(name: str, category: str, t0: float, t1: float, args: Optional[dict] = None,
           thread: Optional[str] = None) -> None:
     """Keep one finished phase for the timeline (nothing unless a timeline is recorded).

@@ -392,10 +392,8 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
         self._passes = 0
         self._sent = True
         self._sends += 1
-        t0 = recorder.begin() if recorder.on else None
-        self._all_sent()
-        if t0 is not None:
-            recorder.end("average", "average", t0, {"buckets": len(self.buckets)})
+        with recorder.waiting("average", "average", {"buckets": len(self.buckets)}):
+            self._all_sent()
 
     # ----------------------------------------------------------------------------- hooks
     def _on_grad(self, p: torch.nn.Parameter) -> None:

@@ -353,23 +353,21 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
             self._finish(self._current)
 
     def _finish(self, set_index: int) -> None:
-        t0 = recorder.begin() if recorder.on else None
         buckets = self._bucket_sets[set_index]
-        if self._averager is not None:  # the averages are in the buffers, already divided
-            self._averager.finish(buckets, self.contributors)
-        for i, bucket in enumerate(buckets):
-            if self._averager is None:
-                bucket.work.wait()
-                bucket.work = None
-            if recorder.timeline_on:  # from the send, during backward, to its average's arrival
-                recorder.event(f"bucket {i}", "average", bucket.sent_at, recorder.now(),
-                               {"bytes": bucket.numel * bucket.buffer.element_size()}, thread="averaging")
-            _, after = mean_divisors(bucket.wire_dtype, self.contributors)
-            scale = 1.0 / after if after > 1 and self._averager is None else None
-            bucket.unpack(scale, self.zero_fill)
-            bucket.ready.clear()
-        if t0 is not None:
-            recorder.end("wait for averages", "average", t0)
+        with recorder.waiting("wait for averages", "average"):
+            if self._averager is not None:  # the averages are in the buffers, already divided
+                self._averager.finish(buckets, self.contributors)
+            for i, bucket in enumerate(buckets):
+                if self._averager is None:
+                    bucket.work.wait()
+                    bucket.work = None
+                if recorder.timeline_on:  # from the send, during backward, to its average's arrival
+                    recorder.event(f"bucket {i}", "average", bucket.sent_at, recorder.now(),
+                                   {"bytes": bucket.numel * bucket.buffer.element_size()}, thread="averaging")
+                _, after = mean_divisors(bucket.wire_dtype, self.contributors)
+                scale = 1.0 / after if after > 1 and self._averager is None else None
+                bucket.unpack(scale, self.zero_fill)
+                bucket.ready.clear()
         self._check_same_steps(buckets)
 
     def _check_same_steps(self, buckets: list[_Bucket]) -> None:

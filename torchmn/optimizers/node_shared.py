@@ -230,13 +230,11 @@ class NodeSharedOptimizer(ShardedMultiNodeOptimizer):
             buckets[0].step_shard()
         self._home_state()
         if t0 is not None:
-            t1 = recorder.begin()
-            recorder.event("update", "update", t0, t1, {"shard": "this rank's slices"})
+            recorder.event("update", "update", t0, recorder.now(), {"shard": "this rank's slices"})
         # Every slice is updated in the shared parameters, and nobody reads another rank's
         # gradient buffer any more, so backward may write them again.
-        self.arena.barrier("step done (shards updated)")
-        if t0 is not None:
-            recorder.end("wait for the node's update", "average", t1)
+        with recorder.waiting("wait for the node's update", "average"):
+            self.arena.barrier("step done (shards updated)")
         self._sent = False
         self._sends = 0
         if t0 is not None:

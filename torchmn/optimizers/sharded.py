@@ -258,13 +258,11 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             else:
                 self._sum_and_update_in_shared_memory()
             if t0 is not None:
-                t1 = recorder.begin()
-                recorder.event("sum and update", "update", t0, t1, {"shard": "this rank's"})
+                recorder.event("sum and update", "update", t0, recorder.now(), {"shard": "this rank's"})
             # Every shard is updated in the shared parameters, and nobody reads a gradient buffer
             # any more, so backward may write them again.
-            self.arena.barrier("step done (shards updated)")
-            if t0 is not None:
-                recorder.end("wait for the node's update", "average", t1)
+            with recorder.waiting("wait for the node's update", "average"):
+                self.arena.barrier("step done (shards updated)")
             self._forget_gradients()
             if t0 is not None:
                 recorder.step_ended(recorder.now())
@@ -276,14 +274,12 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
             b.step_shard()
             if b.send is not None:
                 b.gather_work = self.comm.allgather_flat(b.gathered, b.send_shards(), async_op=True)
-        waited = recorder.begin() if t0 is not None else None
-        for b in self.buckets:
-            if b.gather_work is not None:
-                b.gather_work.wait()
-                b.gather_work = None
-                b.take_gathered()
-        if waited is not None:
-            recorder.end("wait for all-gathers", "average", waited)
+        with recorder.waiting("wait for all-gathers", "average"):
+            for b in self.buckets:
+                if b.gather_work is not None:
+                    b.gather_work.wait()
+                    b.gather_work = None
+                    b.take_gathered()
         self._forget_gradients()
         if t0 is not None:
             t1 = recorder.now()
@@ -426,11 +422,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
                 buckets[0].step_shard()
 
     def _finish_reduce_scatter(self, b: ShardBucket) -> None:
-        t0 = recorder.begin() if recorder.on else None
-        b.reduce_work.wait()
-        b.reduce_work = None
-        if t0 is not None:
-            recorder.end("wait for reduce-scatter", "average", t0)
+        with recorder.waiting("wait for reduce-scatter", "average"):
+            b.reduce_work.wait()
+            b.reduce_work = None
         _, after = mean_divisors(b.wire_dtype, self.contributors)
         if after > 1:
             b.grad_shard.mul_(1.0 / after)
