@@ -18,7 +18,8 @@ ALL = ("equivalence", "compression", "double_buffering", "clipping", "unused_par
        "complex_parameters", "dtype_changed_after_wrapping", "memory_format_changed_after_wrapping",
        "default_keeps_replicated_semantics", "powersgd",
        "powersgd_refusals", "rewrap_keeps_state",
-       "saved_model_is_its_own_size", "state_dict_hooks", "replacing_the_optimizer_drops_the_old_ones_hooks")
+       "saved_model_is_its_own_size", "state_dict_hooks", "replacing_the_optimizer_drops_the_old_ones_hooks",
+       "wrapped_optimizer_alone_after_remove_hooks")
 
 
 @pytest.mark.check_job("optim")

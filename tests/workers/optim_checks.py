@@ -386,6 +386,28 @@ def check_rewrap_keeps_state(comm):
         opt.remove_hooks()
 
 
+def check_wrapped_optimizer_alone_after_remove_hooks(comm):
+    """After remove_hooks() the wrapped torch optimizer works alone on each rank, with every
+    optimizer kind: its parameters and gradients are the rank's own (the default's and a sharded
+    one's lived in memory the node's ranks share, where each rank's update landed once per rank)."""
+    for shard_state in (None, True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2).double()
+        opt = torchmn.create_multi_node_optimizer(torch.optim.SGD(model.parameters(), lr=1.0), comm,
+                                                  shard_state=shard_state)
+        model(torch.ones(1, 4, dtype=torch.float64)).sum().backward()
+        opt.step()
+        opt.remove_hooks()
+        alone = opt.wrapped
+        before = model.bias.detach().clone()
+        alone.zero_grad()
+        ((comm.rank + 1) * model(torch.ones(1, 4, dtype=torch.float64)).sum()).backward()
+        alone.step()
+        comm.barrier()  # every rank has stepped: an update landing in shared memory would show twice
+        moved = (model.bias.detach() - before).tolist()
+        assert moved == [-(comm.rank + 1.0)] * 2, (shard_state, comm.rank, moved)
+
+
 def check_replacing_the_optimizer_drops_the_old_ones_hooks(comm):
     """A new phase of training with a new optimizer over the same parameters (the old one simply
     dropped, no remove_hooks()): the old one's hooks go with it, and the new one trains as one

@@ -647,8 +647,9 @@ class GradientSyncOptimizer(torch.optim.Optimizer, metaclass=abc.ABCMeta):
 
         Example::
 
+            >>> state = optimizer.state_dict()   # on every rank: a collective with shard_state=True
             >>> if comm.rank == 0:
-            ...     torch.save({"model": model.state_dict(), "opt": optimizer.state_dict()}, path)
+            ...     torch.save({"model": model.state_dict(), "opt": state}, path)
         """
         for hook in list(self.state_dict_hooks["pre"].values()):
             hook(self)

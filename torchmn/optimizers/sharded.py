@@ -62,7 +62,9 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         ...                                           shard_state=True)
         >>> loss_fn(model(x), y).backward()
         >>> opt.step()                       # every rank holds the whole updated model again
-        >>> torch.save(opt.state_dict(), "opt.pt") if comm.rank == 0 else None
+        >>> state = opt.state_dict()         # on every rank: it gathers the shards
+        >>> if comm.rank == 0:
+        ...     torch.save(state, "opt.pt")
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, comm: Communicator, *, zero_fill: bool = True,
@@ -436,6 +438,8 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         """Detach from the parameters' gradient hooks, and hand the whole state to the wrapped
         optimizer, which keeps working alone and keeps its state when wrapped again (to unfreeze
         parameters). Every rank must call it (the state is gathered, as by :meth:`state_dict`).
+        Parameters that lived in memory the node's ranks share move into memory of their own,
+        keeping their values.
 
         Example::
 
@@ -448,6 +452,15 @@ class ShardedMultiNodeOptimizer(GradientSyncOptimizer):
         whole["state"] = {i: {k: v.clone() if torch.is_tensor(v) else v for k, v in entry.items()}
                           for i, entry in whole["state"].items()}
         super().remove_hooks()
+        if self.arena is not None:
+            # The parameters and gradients are views into memory the node's ranks share: alone,
+            # each rank's update would land there once per rank.
+            with torch.no_grad():
+                for group in self.wrapped.param_groups:
+                    for p in group["params"]:
+                        p.data = p.data.clone()
+                        if p.grad is not None:
+                            p.grad = p.grad.clone()
         self.wrapped.load_state_dict(whole)
 
     def whole_state_dict(self) -> dict:
