@@ -44,3 +44,15 @@ def test_node_rank_under_mpi_is_the_communicators_node(monkeypatch):
     assert (env.global_rank(), env.local_rank(), env.node_rank()) == (1, 0, 0)  # the launcher's guess
     env.learn_nodes(types.SimpleNamespace(inter_rank=1))  # what create_communicator found
     assert env.node_rank() == 1
+
+
+@pytest.mark.parametrize("argument", ["ddp_comm_hook", "ddp_comm_wrapper", "ddp_comm_state"])
+def test_strategy_refuses_ddp_hook_arguments_it_would_ignore(argument):
+    """DDPStrategy's hook arguments would be dropped silently (the strategy registers torchmn's
+    hook): refused at once, naming compression= instead."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import fp16_compress_wrapper
+
+    from torchmn.lightning import TorchmnStrategy
+
+    with pytest.raises(ValueError, match=f"compression=.* instead of {argument}="):
+        TorchmnStrategy(**{argument: fp16_compress_wrapper})

@@ -238,10 +238,11 @@ class TorchmnStrategy(DDPStrategy):
         communicator: the algorithm's name for ``torchmn.create_communicator`` (default ``"auto"``).
         compression: ``None``, ``"fp16"`` or ``"bf16"``: the dtype DDP's buckets travel in.
         **kwargs: Lightning's ``DDPStrategy`` arguments (``find_unused_parameters``, ``timeout``,
-            ``process_group_backend``, ...), except ``ddp_comm_hook``, which is torchmn's.
+            ``process_group_backend``, ...), except ``ddp_comm_hook``, ``ddp_comm_wrapper`` and
+            ``ddp_comm_state``: the hook is torchmn's.
 
     Raises:
-        ValueError: ``ddp_comm_hook`` among ``kwargs``; an unknown ``compression``.
+        ValueError: one of those among ``kwargs``; an unknown ``compression``.
 
     Example::
 
@@ -252,9 +253,12 @@ class TorchmnStrategy(DDPStrategy):
     strategy_name = "torchmn"
 
     def __init__(self, communicator: str = "auto", compression: Optional[str] = None, **kwargs: Any) -> None:
-        if "ddp_comm_hook" in kwargs:
-            raise TorchmnValueError("TorchmnStrategy averages with torchmn's own DDP hook; pass compression= instead "
-                                    "of ddp_comm_hook=, or use Lightning's DDPStrategy for another hook")
+        hooked = [name for name in ("ddp_comm_hook", "ddp_comm_wrapper", "ddp_comm_state") if name in kwargs]
+        if hooked:
+            # The strategy registers torchmn's hook: another one, its wrapper or its state would be dropped.
+            raise TorchmnValueError(f"TorchmnStrategy averages with torchmn's own DDP hook; pass compression= "
+                                    f"(fp16, bf16, powersgd) instead of {'=, '.join(hooked)}=, or use Lightning's "
+                                    f"DDPStrategy for another hook")
         if compression is not None:
             check_compression(compression)  # now, not once fit has set up the world
         kwargs.setdefault("cluster_environment", TorchmnEnvironment())
