@@ -15,6 +15,7 @@ ALL = ("bn_four_way", "bn_four_way_images", "bn_rank_without_samples",
        "bn_channel_mismatch_refused", "bn_wrong_input_refused_on_every_rank", "bn_deep_copy_shares_the_communicator", "create_mnbn_model",
        "create_mnbn_model_converts_subclasses", "spatial_conv", "spatial_conv_width_split",
        "spatial_conv_empty_blocks", "spatial_conv_then_inplace_relu", "spatial_conv_refuses_misfit_blocks", "channel_conv", "channel_conv_grouped",
+       "channel_conv_unbatched",
        "column_row_mlp", "column_and_row_alone",
        "dense_state_dict_loads_as_it_is", "arguments_refused",
        "input_refused_on_one_rank_is_named_on_every_rank")

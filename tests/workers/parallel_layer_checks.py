@@ -451,6 +451,42 @@ def check_channel_conv_grouped(comm):
     close(layer(x), dense(x), "grouped channel-parallel output")
 
 
+def check_channel_conv_unbatched(comm):
+    """An unbatched (C, H, W) input, which torch.nn.Conv2d takes: the dense layer's output, with every
+    split (whole or sliced input, gathered or sliced output, grouped), uneven ones included; another
+    number of dimensions is refused on every rank."""
+    x = randn(2 * comm.size, 5, 5, seed=11)
+    for out_channels, kw in ((5, {}), (5, {"gather_output": False}), (5, {"input_is_parallel": True}),
+                             (3 * comm.size, {"grouped": True})):
+        torch.manual_seed(4)
+        layer = ChannelParallelConv2d(2 * comm.size, out_channels, 3, padding=1, comm=comm, **kw).double()
+        dense = torch.nn.Conv2d(2 * comm.size, out_channels, 3, padding=1,
+                                groups=comm.size if kw.get("grouped") else 1).double()
+        blocks = layer.dense_state_dict()
+        with torch.no_grad():
+            if kw.get("grouped"):
+                for r in range(comm.size):
+                    dense.weight[3 * r:3 * r + 3] = blocks["weight"][3 * r:3 * r + 3, 2 * r:2 * r + 2]
+            else:
+                dense.weight.copy_(blocks["weight"])
+            dense.bias.copy_(blocks["bias"])
+        lo, o_lo = sum(layer.in_sizes[:comm.rank]), sum(layer.out_sizes[:comm.rank])
+        y = layer(x[lo:lo + layer.in_sizes[comm.rank]] if kw.get("input_is_parallel") else x)
+        want = dense(x)
+        if kw.get("gather_output") is False:
+            want = want[o_lo:o_lo + layer.out_sizes[comm.rank]]
+        assert y.shape == want.shape, (kw, tuple(y.shape), tuple(want.shape))
+        close(y, want, f"unbatched channel-parallel output {kw}")
+    layer = ChannelParallelConv2d(2 * comm.size, 5, 3, comm=comm)
+    layer(torch.randn(1, 2 * comm.size, 5, 5))  # agrees on the arguments
+    try:
+        layer(torch.randn(2 * comm.size, 5))
+    except ValueError as e:
+        assert "(N, C, H, W) or (C, H, W)" in str(e), e
+    else:
+        raise AssertionError("a 2-D input was convolved")
+
+
 def check_column_row_mlp(comm):
     """Column -> ReLU -> Row: the dense MLP's output and gradients; one allreduce forward, one backward."""
     x = randn(3, 8, seed=8)

@@ -89,14 +89,15 @@ class ChannelParallelConv2d(torch.nn.Module):
         """Convolve ``x``; every rank calls it.
 
         Args:
-            x: ``(N, C, H, W)``: this rank's slice of the input channels, or the whole input.
+            x: ``(N, C, H, W)``, or unbatched ``(C, H, W)``: this rank's slice of the input channels,
+                or the whole input.
 
         Returns:
             The output, whole or this rank's slice of its channels.
 
         Raises:
-            ValueError: with ``grouped`` and ``input_is_parallel``, an input that is not this rank's
-                slice of the input channels.
+            ValueError: an input of another number of dimensions; with ``grouped`` and
+                ``input_is_parallel``, an input that is not this rank's slice of the input channels.
             CollectiveMismatchError: the ranks' layers differ, or their input slices do not fit.
 
         Example::
@@ -107,6 +108,13 @@ class ChannelParallelConv2d(torch.nn.Module):
             agree_on_arguments(self, self.comm, self._arguments)
             self._agreed = True
         comm = self.comm
+        if x.dim() not in (3, 4):
+            refuse_with_the_others(comm, TorchmnValueError(
+                f"ChannelParallelConv2d: rank {comm.rank}'s input is {tuple(x.shape)}; a convolution takes "
+                f"(N, C, H, W) or (C, H, W), as torch.nn.Conv2d does"))
+        if x.dim() == 3:  # unbatched, as torch.nn.Conv2d takes it: the channels are dimension 0
+            y = self.forward(x.unsqueeze(0))
+            return y.squeeze(0)
         if self.input_is_parallel and self.grouped:
             if x.dim() != 4 or x.shape[1] != self.in_sizes[comm.rank]:
                 refuse_with_the_others(comm, TorchmnValueError(
