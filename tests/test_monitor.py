@@ -168,6 +168,29 @@ def test_timeline_command_reads_a_trace_another_tool_wrote(tmp_path):
     assert "drew 2 phases" in proc.stdout, proc.stdout
 
 
+def test_timeline_command_counts_each_moment_of_a_thread_once(tmp_path):
+    """Phases nested in others (a collective inside forward+backward, the wait inside average), a
+    phase on the thread's second row overlapping one on its first, and buckets in flight on the
+    averaging row: per rank, each moment of the training thread goes to its innermost phase, and
+    the buckets in flight are a figure apart, so the times add up to at most the trace's span."""
+    meta = [{"ph": "M", "name": "process_name", "pid": 0, "args": {"name": "rank 0 (a)"}}] + [
+        {"ph": "M", "name": "thread_name", "pid": 0, "tid": tid, "args": {"name": name}}
+        for tid, name in ((0, "MainThread"), (1, "MainThread (2)"), (2, "averaging"))]
+    phases = [(0, "forward+backward", "compute", 0, 10_000), (0, "allreduce_flat", "collective", 2_000, 1_000),
+              (0, "average", "average", 10_000, 4_000), (0, "wait for averages", "average", 11_000, 3_000),
+              (1, "allgather_obj", "collective", 13_000, 2_000),  # overlaps the end of average by 1 ms
+              (0, "update", "update", 15_000, 1_000),
+              (2, "bucket 0", "average", 3_000, 9_000), (2, "bucket 1", "average", 5_000, 8_000)]
+    events = [{"ph": "X", "pid": 0, "tid": tid, "name": name, "cat": cat, "ts": ts, "dur": dur}
+              for tid, name, cat, ts, dur in phases]
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps({"traceEvents": meta + events}))
+    out = _run([sys.executable, "-m", "torchmn", "timeline", str(trace)]).stdout
+    assert out.splitlines() == ["rank 0 (a): averaging (waiting) 3.0 ms (2x), collective 3.0 ms (2x), "
+                                "forward+backward 9.0 ms (1x), update 1.0 ms (1x); "
+                                "averaging in flight 10.0 ms (2 buckets)"], out
+
+
 def test_timeline_of_a_job_stopped_by_sigterm_is_written(tmp_path):
     """The ranks append their events every second: a job stopped by SIGTERM (scancel, a CI
     timeout), whose ranks never reach their exit handlers, still gets its timeline, up to the end."""

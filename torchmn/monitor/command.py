@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import collections
+import heapq
+import re
 import sys
 
 from torchmn.errors import TorchmnValueError
@@ -93,18 +95,60 @@ def run_timeline(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 def _print_summary(path: str, data: dict) -> None:
     from torchmn.monitor import plot  # matplotlib only where drawn: plot imports it inside draw()
 
-    names, totals, counts = {}, collections.defaultdict(float), collections.Counter()
+    names, threads, rows = {}, {}, collections.defaultdict(list)
     for e in data["traceEvents"]:
         if e.get("ph") == "M" and e.get("name") == "process_name":
             names[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            # A thread's phases that overlap go on rows of their own, "<thread> (2)" and on: one thread.
+            threads[(e.get("pid"), e.get("tid"))] = _LANE.sub("", str(e["args"]["name"]))
         elif e.get("ph") == "X" and "dur" in e:
-            # Traces other tools write (torch.profiler's) may mix string and number ids and leave
-            # out categories: ordered by their text.
-            totals[(e.get("pid"), e.get("cat") or "?")] += e["dur"] / 1e3
-            counts[(e.get("pid"), e.get("cat") or "?")] += 1
-    if not totals:
+            rows[(e.get("pid"), e.get("tid"))].append(e)
+    if not rows:
         raise TorchmnValueError(f"{path} holds no phases: did the ranks record (TORCHMN_TIMELINE) and step?")
-    for pid in sorted({p for p, _ in totals}, key=str):
+    by_thread = collections.defaultdict(list)
+    for (pid, tid), events in rows.items():
+        by_thread[(pid, threads.get((pid, tid), tid))].extend(events)
+    totals, counts, in_flight = collections.defaultdict(float), collections.Counter(), {}
+    for (pid, thread), events in by_thread.items():
+        if thread == AVERAGING_ROW:  # buckets in flight beside the training thread, not its time
+            in_flight[pid] = (sum(_innermost_times(events).values()), len(events))
+            continue
+        # Traces other tools write (torch.profiler's) may mix string and number ids and leave out
+        # categories: ordered by their text.
+        for cat, ms in _innermost_times(events).items():
+            totals[(pid, cat)] += ms
+        counts.update((pid, e.get("cat") or "?") for e in events)
+    for pid in sorted({p for p, _ in counts} | set(in_flight), key=str):
         parts = ", ".join(f"{plot.LABELS.get(cat, cat)} {totals[(p, cat)]:.1f} ms ({counts[(p, cat)]}x)"
-                          for p, cat in sorted(totals, key=lambda k: (str(k[0]), str(k[1]))) if p == pid)
+                          for p, cat in sorted(counts, key=lambda k: (str(k[0]), str(k[1]))) if p == pid)
+        if pid in in_flight:
+            ms, buckets = in_flight[pid]
+            parts += f"{'; ' if parts else ''}averaging in flight {ms:.1f} ms ({buckets} buckets)"
         print(f"{names.get(pid, f'rank {pid}')}: {parts}")
+
+
+# The row a rank's buckets in flight are drawn on (torchmn.monitor.recorder's thread="averaging").
+AVERAGING_ROW = "averaging"
+_LANE = re.compile(r" \(\d+\)$")
+
+
+def _innermost_times(events: list) -> dict:
+    """Each moment of one thread's phases, in milliseconds, given to the innermost phase open then
+    (the one that started last; the shorter of two that started together), by category: phases
+    nested in others (a collective inside backward) or overlapping them count once."""
+    events = sorted(events, key=lambda e: e["ts"])
+    points = sorted({t for e in events for t in (e["ts"], e["ts"] + e["dur"])})
+    times: dict = collections.defaultdict(float)
+    open_: list = []  # a heap: the latest start (then the shortest) first; ended ones leave it when on top
+    taken = 0
+    for a, b in zip(points, points[1:]):
+        while taken < len(events) and events[taken]["ts"] <= a:
+            e = events[taken]
+            heapq.heappush(open_, (-e["ts"], e["dur"], taken, e["ts"] + e["dur"], e.get("cat") or "?"))
+            taken += 1
+        while open_ and open_[0][3] <= a:
+            heapq.heappop(open_)
+        if open_:
+            times[open_[0][4]] += (b - a) / 1e3
+    return times
