@@ -11,6 +11,7 @@ from jobs import WORKERS, assert_check_passed, check_job_output, run_job, run_on
 CHECKS = WORKERS / "optim_checks.py"
 ALL = ("equivalence", "compression", "double_buffering", "clipping", "unused_parameter", "unused_everywhere",
        "refusals", "shared_memory_where_possible", "transparency", "zero_fill_false",
+       "zero_fill_false_goes_on_after_the_refused_step",
        "double_buffering_edge_cases", "half_precision_sums", "failed_backward", "skipped_step_and_abandoned_window",
        "step_skipped_on_one_rank_is_named", "channels_last_parameters_keep_their_layout",
        "every_parameter_frozen_steps",

@@ -225,6 +225,30 @@ def check_zero_fill_false(comm):
     assert "a gradient on rank(s) [0] only" in str(e) and "zero_fill=True" in str(e), e
 
 
+def check_zero_fill_false_goes_on_after_the_refused_step(comm):
+    """A script that catches the refusal (every rank raises alike) and goes on with the next batch:
+    the next steps average as usual, with every optimizer kind, and the ranks' models stay equal
+    (the refused step left buckets marked ready, which the next backward sent before its gradients)."""
+    from torchmn.communicators.errors import CollectiveMismatchError
+    for shard_state in (None, False):
+        torch.manual_seed(0)
+        trunk, branch = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+        opt = torchmn.create_multi_node_optimizer(
+            torch.optim.SGD(list(trunk.parameters()) + list(branch.parameters()), lr=0.1), comm, zero_fill=False,
+            shard_state=shard_state)
+        for step in range(4):
+            opt.zero_grad()
+            out = trunk(torch.ones(1, 4) * (comm.rank + step))
+            try:
+                (out if step == 1 and comm.rank == 1 else branch(out)).sum().backward()
+                opt.step()
+            except CollectiveMismatchError:
+                assert step == 1 and comm.size > 1, (shard_state, step)
+        flat = torch.cat([p.detach().reshape(-1) for p in list(trunk.parameters()) + list(branch.parameters())])
+        everyone = comm.allgather_obj(flat)
+        assert all(torch.equal(everyone[0], f) for f in everyone), shard_state
+
+
 def check_double_buffering_edge_cases(comm):
     """double_buffering=True: a parameter with no gradient in the step whose averages an update
     uses is left alone (not updated with this step's own gradient), and a second backward() before

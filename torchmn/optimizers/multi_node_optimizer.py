@@ -10,6 +10,7 @@ of every bucket straight from all ranks' buffers, then copies the whole average 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Optional
 
 import torch
@@ -169,6 +170,19 @@ def _is_view(g: torch.Tensor, view: torch.Tensor) -> bool:
     return g.data_ptr() == view.data_ptr() and g.shape == view.shape
 
 
+
+def _abandon(buckets) -> None:
+    """After a step that raised while it took its averages (a refusal every rank raises alike, which
+    a script may catch to go on): wait out the messages still in flight and forget which gradients
+    the buckets held, so that the next backward starts from empty buckets, as after a step that
+    ended (a bucket left marked ready would be sent before its new gradients)."""
+    for bucket in buckets:
+        work, bucket.work = bucket.work, None
+        if work is not None:
+            with contextlib.suppress(Exception):  # the step's own error is the one to raise
+                work.wait()
+        bucket.ready.clear()
+
 class MultiNodeOptimizer(GradientSyncOptimizer):
     """Wraps a ``torch.optim.Optimizer`` so that ``step()`` uses gradients averaged over ranks.
 
@@ -296,9 +310,13 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
                 recorder.event(f"bucket {i}", "average", t0, recorder.now(), {"path": "shared memory"},
                                thread="averaging")
         arena.barrier("averaged gradients ready")      # the whole result is there
-        for b, result in zip(self.buckets, self._results):
-            b.unpack(None, self.zero_fill, result=result)
-            b.ready.clear()
+        try:
+            for b, result in zip(self.buckets, self._results):
+                b.unpack(None, self.zero_fill, result=result)
+                b.ready.clear()
+        except BaseException:
+            _abandon(self.buckets)
+            raise
         self._check_same_steps(self.buckets)
         # No barrier needed after the copy-out: the result is written again only after the next
         # step's first barrier, which every rank reaches after its own copy-out.
@@ -355,19 +373,23 @@ class MultiNodeOptimizer(GradientSyncOptimizer):
     def _finish(self, set_index: int) -> None:
         buckets = self._bucket_sets[set_index]
         with recorder.waiting("wait for averages", "average"):
-            if self._averager is not None:  # the averages are in the buffers, already divided
-                self._averager.finish(buckets, self.contributors)
-            for i, bucket in enumerate(buckets):
-                if self._averager is None:
-                    bucket.work.wait()
-                    bucket.work = None
-                if recorder.timeline_on:  # from the send, during backward, to its average's arrival
-                    recorder.event(f"bucket {i}", "average", bucket.sent_at, recorder.now(),
-                                   {"bytes": bucket.numel * bucket.buffer.element_size()}, thread="averaging")
-                _, after = mean_divisors(bucket.wire_dtype, self.contributors)
-                scale = 1.0 / after if after > 1 and self._averager is None else None
-                bucket.unpack(scale, self.zero_fill)
-                bucket.ready.clear()
+            try:
+                if self._averager is not None:  # the averages are in the buffers, already divided
+                    self._averager.finish(buckets, self.contributors)
+                for i, bucket in enumerate(buckets):
+                    if self._averager is None:
+                        bucket.work.wait()
+                        bucket.work = None
+                    if recorder.timeline_on:  # from the send, during backward, to its average's arrival
+                        recorder.event(f"bucket {i}", "average", bucket.sent_at, recorder.now(),
+                                       {"bytes": bucket.numel * bucket.buffer.element_size()}, thread="averaging")
+                    _, after = mean_divisors(bucket.wire_dtype, self.contributors)
+                    scale = 1.0 / after if after > 1 and self._averager is None else None
+                    bucket.unpack(scale, self.zero_fill)
+                    bucket.ready.clear()
+            except BaseException:
+                _abandon(buckets)
+                raise
         self._check_same_steps(buckets)
 
     def _check_same_steps(self, buckets: list[_Bucket]) -> None:
