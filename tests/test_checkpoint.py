@@ -20,7 +20,7 @@ ALL = ("keep_prunes_old_steps", "torn_or_partial_steps_are_never_loaded", "anoth
        "a_load_refused_on_one_rank_fails_every_rank_at_once", "resumable_loader_continues_exactly",
        "multi_node_iterator_position", "damaged_manifest_is_named", "manifest_that_cannot_be_written_fails_every_rank",
        "a_step_saved_again_is_left_as_it_is", "multi_node_iterator_resume_leaves_the_rng_as_the_old_run",
-       "a_directory_per_rank_is_refused")
+       "a_directory_per_rank_is_refused", "a_step_that_is_no_whole_number_is_refused")
 
 
 def same_parameters(a: str, b: str) -> bool:

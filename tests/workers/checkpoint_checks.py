@@ -213,6 +213,20 @@ def check_a_directory_per_rank_is_refused(comm, root):
     assert ckpt.complete_steps() == [3], ckpt.complete_steps()
 
 
+def check_a_step_that_is_no_whole_number_is_refused(comm, root):
+    """save() takes a non-negative whole number of steps; anything else is refused at once, as its
+    docstring says (ValueError), writing nothing."""
+    ckpt = Checkpointer(os.path.join(root, "bad_steps"), comm, model=small_model())
+    for step in (None, "3", -1, 2.5, True):
+        try:
+            ckpt.save(step)
+        except ValueError as e:
+            assert "must be a non-negative integer" in str(e), (step, e)
+        else:
+            raise AssertionError(f"save({step!r}) was not refused")
+    assert ckpt.complete_steps() == [], ckpt.complete_steps()
+
+
 def check_ranks_saving_different_steps_are_named(comm, root):
     ckpt = Checkpointer(os.path.join(root, "steps"), comm, model=small_model())
     if comm.size > 1:

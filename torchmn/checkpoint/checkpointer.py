@@ -5,6 +5,7 @@ object is written by whom is decided here (:func:`kind_of`).
 """
 from __future__ import annotations
 
+import numbers
 import os
 import secrets
 import time
@@ -288,7 +289,7 @@ class Checkpointer:
             >>> if step % 100 == 0:
             ...     ckpt.save(step, epoch=epoch)
         """
-        if isinstance(step, bool) or int(step) != step or step < 0:
+        if isinstance(step, bool) or not isinstance(step, numbers.Real) or int(step) != step or step < 0:
             raise TorchmnValueError(f"Checkpointer.save: step={step!r} must be a non-negative integer")
         step = int(step)
         # The state is the one just loaded, or this step was saved already (every N steps and at
