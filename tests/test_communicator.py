@@ -22,7 +22,7 @@ GRADIENT_CHECKS = ("mean_grad", "bcast_data", "flat_in_flight", "split", "nested
                    "integer_mean_does_not_wrap", "calls_built_on_allgather_obj_are_told_apart", "root_must_be_an_int",
                    "zero_fill_must_agree", "failed_send_fails_the_receiver", "max_and_min_keep_nan",
                    "finalized_split_lets_go_of_its_groups", "bad_root_of_an_object_collective_raises_on_every_rank",
-                   "allreduce_in_place_of_a_conjugate_view")
+                   "allreduce_in_place_of_a_conjugate_view", "allgather_obj_gives_copies_whatever_the_size")
 
 
 @pytest.mark.check_job("comm")

@@ -553,11 +553,22 @@ def check_cpu_under_nccl(comm):
 
 
 def check_integer_mean_does_not_wrap(comm):
-    """The float64 mean of integers whose sum leaves their dtype (int8's 127, int32's 2**31)."""
+    """The float64 mean of integers whose sum leaves their dtype (int8's 127, int32's 2**31, int64's 2**63)."""
     for dtype, value in [(torch.int8, 100), (torch.uint8, 200), (torch.int16, 30000), (torch.int32, 2 ** 30 + 5),
-                         (torch.bool, True), (torch.int64, 2 ** 40)]:
+                         (torch.bool, True), (torch.int64, 2 ** 40), (torch.int64, 2 ** 62)]:
         out = comm.allreduce(torch.full((5,), value, dtype=dtype), op="mean")
         assert out.dtype == torch.float64 and torch.all(out == float(value)), (dtype, out)
+
+
+def check_allgather_obj_gives_copies_whatever_the_size(comm):
+    """Every entry of allgather_obj's list is a copy, this rank's own too, for small objects (one
+    message) and for large ones (over 256 MiB in all: each rank's sent in turn)."""
+    for size in (1024, (256 << 20) // comm.size + 1):
+        mine = bytearray(size)
+        mine[0] = comm.rank
+        got = comm.allgather_obj(mine)
+        assert got[comm.rank] is not mine and [g[0] for g in got] == list(range(comm.size)), size
+        del got
 
 
 def nan_max_min_inputs(rank, size, n, dtype):

@@ -550,9 +550,9 @@ class Communicator(CommunicatorBase):
         """The reduction of ``x``, once the ranks have agreed on the call."""
         src = x.detach().to(self.wire_device(x))
         if op == "mean" and not (src.is_floating_point() or src.is_complex()):
-            # The float64 mean of integers: summed in int64, so that int8's or int32's sum does not
-            # wrap (a bool sum would be a logical or: the True values are counted instead).
-            src = src.to(torch.int64)
+            # The float64 mean of integers, summed in float64: exact below 2**53 and never wrapping
+            # (int64's sum would past 2**63; a bool sum would be a logical or, not a count).
+            src = src.to(torch.float64)
         if op == "mean" and divide_before_sum(src.dtype):
             return self._allreduce_agreed(x.double(), op="mean").to(x.dtype)  # bfloat16 reaches float32's range
         # gloo has no int16 reduction; int32 gives the same bits once cast back (two's complement
@@ -677,13 +677,13 @@ class Communicator(CommunicatorBase):
             out = torch.empty(self.size * longest, dtype=torch.uint8)
             all_gather_single(out, _wire.padded(buf, longest), group=self.object_group)
             chunks = self._comm_order([out[g * longest:(g + 1) * longest] for g in range(self.size)])
-            return [self._unpickle(c[:n], "allgather_obj", r) for r, (c, n) in enumerate(zip(chunks, sizes))]
+            return [self._unpickle(c[:n], kind, r) for r, (c, n) in enumerate(zip(chunks, sizes))]
         # Large objects: each rank broadcasts its own in turn, in chunks.
         result = []
         for r, n in enumerate(sizes):
             b = buf if r == self.rank else torch.empty(n, dtype=torch.uint8)
             self._bcast_bytes(b, r)
-            result.append(obj if r == self.rank else self._unpickle(b, "allgather_obj", r))
+            result.append(self._unpickle(b, kind, r))  # this rank's own too: copies, whatever the size
         return result
 
     @watch.collective

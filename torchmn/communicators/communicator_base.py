@@ -282,8 +282,8 @@ class CommunicatorBase(abc.ABC):
     def allreduce(self, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """The elementwise reduction of every rank's ``x``, as a new tensor (``x`` is unchanged).
 
-        ``"mean"`` of an integer or bool tensor is a float64 tensor (exact for int64 sums below
-        2**53); float16 and bfloat16 means are summed in float64, so that a sum beyond their range
+        ``"mean"`` of an integer or bool tensor is a float64 tensor (summed in float64: exact for
+        sums below 2**53, and never wrapping); float16 and bfloat16 means are summed in float64, so that a sum beyond their range
         does not overflow.
 
         Args:
