@@ -152,6 +152,28 @@ def test_raw_client_without_token_is_closed_and_logged(job):
     job.still_works()
 
 
+def test_a_local_client_that_closes_at_once_is_not_called_another_host(job):
+    """A process of this machine that sends a byte and closes before the gate identifies it (a port
+    scanner) is named as this machine's, not as another host that skipped its relay."""
+    with socket.create_connection((job.info["addr"], job.info["port"]), timeout=10) as raw:
+        raw.sendall(b"\x00")
+        client_port = raw.getsockname()[1]
+    lines = launcher_refusal(job, client_port)
+    assert len(lines) == 1 and "another host" not in lines[0], lines
+    assert "closed the connection before it could be identified" in lines[0] or f"process {os.getpid()} (" in lines[0]
+    job.still_works()
+
+
+def test_a_rank_started_without_the_token_is_told_so():
+    """A rank whose wrapper dropped the environment (env -u, env -i, sudo) is refused by the store:
+    its error says the token is missing and how it gets lost, not to check the network."""
+    proc = subprocess.run([sys.executable, "-m", "torchmn", "run", "-np", "2", "env", "-u", "TORCHMN_JOB_TOKEN",
+                           sys.executable, "-c", "import torchmn; torchmn.create_communicator()"],
+                          env=clean_env({"TORCHMN_TIMEOUT": "3"}), capture_output=True, text=True, timeout=90)
+    assert proc.returncode != 0
+    assert "This process was started without TORCHMN_JOB_TOKEN" in proc.stderr + proc.stdout, proc.stderr[-3000:]
+
+
 def test_a_client_that_sends_nothing_is_closed_and_named(job):
     with socket.create_connection((job.info["addr"], job.info["port"]), timeout=30) as silent:
         client_port = silent.getsockname()[1]

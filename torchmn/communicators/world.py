@@ -25,6 +25,8 @@ from torchmn.environments.mpi import MPI_RENDEZVOUS
 from torchmn.environments.variables import LOCALHOST
 from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
 
+_JOB_TOKEN = "TORCHMN_JOB_TOKEN"  # torchmn run's token for its ranks (torchmn.run.store.auth.TOKEN_ENV)
+
 _timeout: Optional[datetime.timedelta] = None  # the world's, once set up or adopted
 _worlds = 0  # default process groups this process set up (a world again after finalize)
 _job_store_client: Optional["dist.Store"] = None  # the store of the world set up last, unprefixed
@@ -212,13 +214,19 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
             dist.destroy_process_group()
         forget_unmade_world()
         missing = _never_arrived(arrivals, env.size)
-        raise TorchmnRuntimeError(
-            f"rank {env.rank}/{env.size} could not join the job's rendezvous at {init_method} "
-            f"({env.source} launch): {e}. "
-            + (f"Rank(s) {', '.join(map(str, missing))} never reached create_communicator (not started, exited, "
-               f"or busy before it): see their output." if missing else
-               "Check that every rank was started, that the rendezvous host is reachable from this one, and that "
-               "the port is free and not firewalled (MASTER_ADDR / MASTER_PORT override it).")) from e
+        if missing:
+            hint = (f"Rank(s) {', '.join(map(str, missing))} never reached create_communicator (not started, "
+                    f"exited, or busy before it): see their output.")
+        elif env.source == "torchmn" and _JOB_TOKEN not in os.environ:
+            # The launcher's store admits only processes started with the job's token.
+            hint = (f"This process was started without {_JOB_TOKEN}, which torchmn run gives every rank, so the "
+                    f"job's store refused it: pass the rank's environment on to what it starts (env -i, sudo or "
+                    f"a wrapper that clears the environment drop it; a container needs -e {_JOB_TOKEN}).")
+        else:
+            hint = ("Check that every rank was started, that the rendezvous host is reachable from this one, and "
+                    "that the port is free and not firewalled (MASTER_ADDR / MASTER_PORT override it).")
+        raise TorchmnRuntimeError(f"rank {env.rank}/{env.size} could not join the job's rendezvous at {init_method} "
+                                  f"({env.source} launch): {e}. {hint}") from e
     global _world_pid
     _world_pid = os.getpid()
     atexit.register(shutdown_world)

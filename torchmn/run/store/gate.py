@@ -45,6 +45,7 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
+from torchmn import network
 from torchmn.run.store import auth
 from torchmn.run.store.peers import holder_of, identify, socket_of
 from torchmn.run.store.pipes import End, Pipes
@@ -484,7 +485,12 @@ class Gate:
             newcomer.sock.close()
             if peer.found:
                 self._log_refusal(newcomer.address, peer.describe(), "it was not started with this job's token "
-                                  "(TORCHMN_JOB_TOKEN) and presented none")
+                                  "(TORCHMN_JOB_TOKEN) and presented none; a rank of the job needs the "
+                                  "TORCHMN_JOB_TOKEN of the environment torchmn run gave it")
+            elif network.is_local(newcomer.address[0]):
+                # No socket of this machine holds the connection any more: its process closed it first.
+                self._log_refusal(newcomer.address, "this machine", "it closed the connection before it could be "
+                                  "identified")
             else:
                 self._log_refusal(newcomer.address, "another host", "it did not come through that host's relay "
                                   "(a watcher or Slurm task of the job), the only way in from another host")
