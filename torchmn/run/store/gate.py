@@ -26,7 +26,8 @@ The door cannot be jammed by a crowd of connections that say nothing: a connecti
 first byte within ``FIRST_BYTE_SECONDS`` and finish its greeting within ``GREETING_SECONDS``; the
 connections not yet admitted are capped per source (a user of this machine, or another host's
 address) and in all, the oldest of the largest source making room; a local connection of another
-user is refused at once where this launcher could not look into its processes anyway; and the
+user is refused at once where this launcher could not look into its processes anyway, and one
+where it can (as root) is identified on a thread of its own, apart from the launcher's own user's; and the
 launcher's soft limit of open files is raised to the hard one, with accepting paused briefly,
 never spun on, if even that runs out.
 """
@@ -188,6 +189,10 @@ class Gate:
         self.selector.register(self.listener, selectors.EVENT_READ, "listener")
         self.selector.register(self.wake_r, selectors.EVENT_READ, "wake")
         self.workers = concurrent.futures.ThreadPoolExecutor(max_workers=8, thread_name_prefix="torchmn-gate")
+        # Connections of another user or host, which a launcher running as root looks into too (a
+        # rank may run as another user), are identified apart: reading every process of a user who
+        # opens them by the hundred cannot hold up the job's own admissions.
+        self.strangers = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchmn-gate-other")
         self.closing = False
         self.thread = threading.Thread(target=self._serve, name="torchmn-gate", daemon=True)
         self.thread.start()
@@ -353,7 +358,8 @@ class Gate:
         if newcomer.nonces is None and not newcomer.data.startswith(auth.GREETING_BYTE):
             # A TCPStore client: working out who it is reads /proc.
             self._forget(newcomer)
-            self.workers.submit(self._admit, newcomer)
+            own = newcomer.source == ("user", os.getuid())
+            (self.workers if own else self.strangers).submit(self._admit, newcomer)
             return
         if newcomer.nonces is None:
             prefix = auth.GREETING_PREFIX
@@ -545,7 +551,10 @@ class Gate:
             pass
         if threading.current_thread() is not self.thread:
             self.thread.join(5)
-        self.workers.shutdown(wait=False)
+        # Connections still queued to be identified are dropped: a crowd of them would otherwise keep
+        # the launcher from exiting (the interpreter waits for its pools' queued work).
+        self.workers.shutdown(wait=False, cancel_futures=True)
+        self.strangers.shutdown(wait=False, cancel_futures=True)
 
     def _close_all(self) -> None:
         self.pipes.close_all()
