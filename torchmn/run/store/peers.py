@@ -49,20 +49,22 @@ class Peer:
 
         Returns:
             The words: "not a connection of this machine" when not ``found``; the user alone when
-            the holding processes cannot be seen; else up to three processes (pid and name) and
-            their user.
+            no process holds it any more (it closed the connection) or the holding processes
+            cannot be seen; else up to three processes (pid and name) and their user.
 
         Example::
 
             >>> Peer().describe()
             'not a connection of this machine'
-            >>> Peer(found=True, uid=0).describe()
+            >>> Peer(found=True, uid=0).describe()      # as a user other than root
             'a process of user root (its files cannot be read from here)'
         """
         if not self.found:
             return "not a connection of this machine"
         user = _user_name(self.uid)
         if not self.pids:
+            if self.uid == os.getuid() or os.geteuid() == 0:  # its processes are readable: none holds it now
+                return f"a process of user {user} that closed the connection before it could be identified"
             return f"a process of user {user} (its files cannot be read from here)"
         return ", ".join(f"process {pid} ({_process_name(pid)})" for pid in self.pids[:3]) + f" of user {user}"
 
