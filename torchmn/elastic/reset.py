@@ -52,8 +52,10 @@ def recoverable(error: BaseException) -> bool:
         error: what the training function raised.
 
     Returns:
-        True for torchmn's lost-peer and timeout errors (shared memory included), torch's lost
-        connections, and Horovod's ``HorovodInternalError``.
+        True for torchmn's lost-peer and timeout errors (shared memory included, and what
+        ``torchmn.horovod`` raises when a peer is lost) and torch's lost connections; not for
+        ``hvd.HorovodInternalError``, which torchmn.horovod raises for a call a joined rank cannot
+        make (a fault of the script).
 
     Example::
 
