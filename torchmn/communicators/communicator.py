@@ -551,7 +551,7 @@ class Communicator(CommunicatorBase):
         src = x.detach().to(self.wire_device(x))
         if op == "mean" and not (src.is_floating_point() or src.is_complex()):
             # The float64 mean of integers, summed in float64: exact below 2**53 and never wrapping
-            # (int64's sum would past 2**63; a bool sum would be a logical or, not a count).
+            # (int64's sum would wrap past 2**63; a bool sum would be a logical or, not a count).
             src = src.to(torch.float64)
         if op == "mean" and divide_before_sum(src.dtype):
             return self._allreduce_agreed(x.double(), op="mean").to(x.dtype)  # bfloat16 reaches float32's range

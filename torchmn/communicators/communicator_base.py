@@ -283,8 +283,8 @@ class CommunicatorBase(abc.ABC):
         """The elementwise reduction of every rank's ``x``, as a new tensor (``x`` is unchanged).
 
         ``"mean"`` of an integer or bool tensor is a float64 tensor (summed in float64: exact for
-        sums below 2**53, and never wrapping); float16 and bfloat16 means are summed in float64, so that a sum beyond their range
-        does not overflow.
+        sums below 2**53, and never wrapping); float16 and bfloat16 means are summed in float64, so
+        that a sum beyond their range does not overflow.
 
         Args:
             x: this rank's tensor; every rank's has the same shape and dtype.

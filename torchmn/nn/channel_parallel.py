@@ -116,7 +116,7 @@ class ChannelParallelConv2d(torch.nn.Module):
             y = self.forward(x.unsqueeze(0))
             return y.squeeze(0)
         if self.input_is_parallel and self.grouped:
-            if x.dim() != 4 or x.shape[1] != self.in_sizes[comm.rank]:
+            if x.shape[1] != self.in_sizes[comm.rank]:
                 refuse_with_the_others(comm, TorchmnValueError(
                     f"ChannelParallelConv2d: rank {comm.rank} holds input channels of {self.in_sizes[comm.rank]}, "
                     f"but its input is {tuple(x.shape)}"))
@@ -137,7 +137,7 @@ class ChannelParallelConv2d(torch.nn.Module):
 
     def _check_slices(self, parts) -> None:
         got = [tuple(p.shape) for p in parts]
-        bad = [r for r, shape in enumerate(got) if len(shape) != 4 or shape[1] != self.in_sizes[r]
+        bad = [r for r, shape in enumerate(got) if shape[1] != self.in_sizes[r]
                or shape[:1] + shape[2:] != got[0][:1] + got[0][2:]]
         if bad:
             raise CollectiveMismatchError(

@@ -170,7 +170,6 @@ def _is_view(g: torch.Tensor, view: torch.Tensor) -> bool:
     return g.data_ptr() == view.data_ptr() and g.shape == view.shape
 
 
-
 def _abandon(buckets) -> None:
     """After a step that raised while it took its averages (a refusal every rank raises alike, which
     a script may catch to go on): wait out the messages still in flight and forget which gradients
@@ -182,6 +181,7 @@ def _abandon(buckets) -> None:
             with contextlib.suppress(Exception):  # the step's own error is the one to raise
                 work.wait()
         bucket.ready.clear()
+
 
 class MultiNodeOptimizer(GradientSyncOptimizer):
     """Wraps a ``torch.optim.Optimizer`` so that ``step()`` uses gradients averaged over ranks.

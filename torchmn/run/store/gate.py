@@ -27,9 +27,9 @@ first byte within ``FIRST_BYTE_SECONDS`` and finish its greeting within ``GREETI
 connections not yet admitted are capped per source (a user of this machine, or another host's
 address) and in all, the oldest of the largest source making room; a local connection of another
 user is refused at once where this launcher could not look into its processes anyway, and one
-where it can (as root) is identified on a thread of its own, apart from the launcher's own user's; and the
-launcher's soft limit of open files is raised to the hard one, with accepting paused briefly,
-never spun on, if even that runs out.
+where it can (as root) is identified on a thread of its own, apart from the launcher's own user's;
+and the launcher's soft limit of open files is raised to the hard one, with accepting paused
+briefly, never spun on, if even that runs out.
 """
 from __future__ import annotations
 
