@@ -534,6 +534,38 @@ def test_orphans_that_end_are_reaped():
     assert "[0] ZOMBIES 0" in proc.stdout, proc.stdout + proc.stderr
 
 
+@pytest.mark.parametrize("source", ["kernel_lists", "process_table"])
+def test_process_tree_finds_what_psutil_finds(source, monkeypatch):
+    """The launcher's look at the ranks' processes (twice a second) finds the same descendants as
+    psutil's own walk, from the kernel's per-thread children lists and from the whole table."""
+    from torchmn.run.processes import tree
+
+    if source == "process_table":
+        monkeypatch.setattr(tree, "_children_files_exist", lambda: False)
+    elif not tree._children_files_exist():
+        pytest.fail("this kernel names no children in /proc/PID/task/TID/children (CONFIG_PROC_CHILDREN)")
+    # A child, a grandchild, and one started from a thread that is not the main one (the kernel
+    # lists it under that thread while the thread lives).
+    code = ("import subprocess, threading, time\n"
+            "subprocess.Popen(['sh', '-c', 'sleep 30 & sleep 30'])\n"
+            "threading.Thread(target=lambda: subprocess.Popen(['sleep', '30']).wait(), daemon=True).start()\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(30)\n")
+    root = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert root.stdout.readline() == "ready\n"
+        deadline = time.monotonic() + 10
+        while len(psutil.Process(root.pid).children(recursive=True)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        expected = sorted(p.pid for p in psutil.Process(root.pid).children(recursive=True))
+        assert len(expected) == 4, expected
+        assert sorted(tree.descendants(root.pid, tree.look())) == expected
+        assert tree.descendants(2**22 + 1, tree.look()) == []  # no such process
+    finally:
+        os.killpg(root.pid, signal.SIGKILL)
+        root.wait()
+
+
 def test_children_of_the_caller_keep_their_exit_codes():
     """run() as a library call: the launcher reaps orphans that ranks leave, never the caller's
     own children, whose Popen would then see exit code 0."""

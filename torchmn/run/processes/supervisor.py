@@ -17,7 +17,7 @@ from typing import Callable, Dict, List, Mapping, Optional, Sequence, Set
 
 from torchmn.run.config import RunError
 from torchmn.run.plan import JOB_ID, Slot
-from torchmn.run.processes import binding, guardian
+from torchmn.run.processes import binding, guardian, tree
 from torchmn.run.processes.groups import (PR_SET_PDEATHSIG, become_subreaper, prctl, rank_group_alive,
                                            signal_rank_group)
 from torchmn.run.processes.output import Console, RankOutput, open_log
@@ -352,23 +352,23 @@ class Supervisor:
         """
         import psutil
 
+        children = tree.look()  # one look for every rank: see torchmn.run.processes.tree
         for rank in self.ranks:
             if rank.returncode is not None:
                 continue
-            try:
-                children = psutil.Process(rank.process.pid).children(recursive=True)
-            except psutil.Error:
-                continue
-            for child in children:
-                self.descendants.setdefault(child.pid, child)
+            for pid in tree.descendants(rank.process.pid, children):
+                if pid not in self.descendants:
+                    try:
+                        self.descendants[pid] = psutil.Process(pid)
+                    except psutil.Error:
+                        continue
         if self.adopts_orphans:
             ranks = {rank.process.pid for rank in self.ranks}
-            try:
-                adopted = [c for c in psutil.Process().children() if c.pid not in ranks]
-            except psutil.Error:
-                adopted = []
-            for child in adopted:
+            for pid in children(os.getpid()):
+                if pid in ranks:
+                    continue
                 try:  # only this job's: the launcher may run inside a process with children of its own
+                    child = self.descendants.get(pid) or psutil.Process(pid)
                     if child.status() == psutil.STATUS_ZOMBIE:
                         if child.pid not in self.own_children:
                             # An orphan that ended: as init would, reap it, also one noted above while

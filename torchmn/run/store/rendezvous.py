@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from torchmn import network
 from torchmn.run.config import RunError
+from torchmn.run.processes import tree
 from torchmn.run.remote.ssh import HostCheck
 from torchmn.run.store import auth
 from torchmn.run.store.gate import Gate
@@ -145,7 +146,8 @@ class _TorchStore:
         pause = 0.05
         while not self.closed.is_set():
             try:
-                loaded = any(_loads_torch(pid) for pid in pids())
+                children = tree.look()
+                loaded = any(_loads_torch(pid, children) for pid in pids())
             except Exception:  # noqa: BLE001 - a hint only: the first client starts the store anyway
                 return
             if loaded:
@@ -242,18 +244,12 @@ def _close(gate: Gate, torch_store: _TorchStore) -> None:
     torch_store.close()
 
 
-def _loads_torch(pid: int) -> bool:
-    """Whether ``pid`` or a process below it has torch's library mapped."""
-    import psutil
-
-    try:
-        root = psutil.Process(pid)
-        family = [root] + root.children(recursive=True)
-    except psutil.Error:
-        return False
-    for process in family:
+def _loads_torch(pid: int, children) -> bool:
+    """Whether ``pid`` or a process below it has torch's library mapped (``children``: what
+    ``torchmn.run.processes.tree.look`` returned)."""
+    for process in [pid] + tree.descendants(pid, children):
         try:
-            with open(f"/proc/{process.pid}/maps", "rb") as maps:
+            with open(f"/proc/{process}/maps", "rb") as maps:
                 if b"libtorch" in maps.read():
                     return True
         except OSError:
