@@ -262,3 +262,56 @@ def test_a_rank_that_never_starts_a_background_collective_is_named(tmp_path):
     # 3 s, then up to watch.GRACE_S for the other rank to say where it is (6 s on an idle machine): far from
     # the 600 s default either way, with room for a loaded machine.
     assert int(named[0].split("after ")[1].split(" s")[0]) < 30, named[0]
+
+
+LOST_PEER = """
+import sys, torch, torchmn.horovod as hvd
+from torchmn.elastic.reset import recoverable
+hvd.init()
+model = torch.nn.Linear(4, 2)
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+hvd.allreduce(torch.ones(2))
+if hvd.rank() == 1:
+    sys.exit(0)   # leaves without a word
+for what, call in [("allreduce", lambda: hvd.allreduce(torch.ones(3))),
+                   ("allgather_async", lambda: hvd.synchronize(hvd.allgather_async(torch.ones(3)))),
+                   ("broadcast_object", lambda: hvd.broadcast_object(1, 0)),
+                   ("barrier", hvd.barrier),
+                   ("backward", lambda: model(torch.ones(1, 4)).sum().backward()),
+                   ("step", opt.step)]:
+    try:
+        call()
+        print("NOT RAISED", what, flush=True)
+    except hvd.HorovodInternalError as e:
+        print("RAISED", what, type(e).__name__, "recoverable" if recoverable(e) else "not recoverable", flush=True)
+"""
+
+
+def test_horovod_lost_peer_raises_horovod_internal_error(tmp_path):
+    """A peer that left: every kind of call raises what Horovod raises then, HorovodInternalError
+    (a script's ``except hvd.HorovodInternalError`` catches it), which is torchmn's lost-peer error
+    too (an elastic run recovers from it)."""
+    script = tmp_path / "lost_peer.py"
+    script.write_text(LOST_PEER)
+    proc = run_job(script, [], np=2, timeout=90, check=False, env={"TORCHMN_TIMEOUT": "10"})
+    lines = [line.split("] ", 1)[1] for line in proc.stdout.splitlines() if "RAISED" in line]
+    assert lines == [f"RAISED {what} HorovodPeerLostError recoverable" for what in (
+        "allreduce", "allgather_async", "broadcast_object", "barrier", "backward", "step")], proc.stdout + proc.stderr
+
+
+def test_horovod_failed_rank_error_keeps_what_torchmn_says_of_it():
+    """A rank that failed: the error is Horovod's HorovodInternalError and still torchmn's
+    RankFailedError, naming the failed rank (``failure``) with the same message."""
+    from torchmn.communicators import CollectiveTimeoutError, RankFailedError
+    from torchmn.communicators.failure import Failure
+    from torchmn.horovod.errors import HorovodInternalError, as_horovods
+
+    failure = Failure(rank=1, host="node1", pid=4242, error="ValueError: boom")
+    error = as_horovods(RankFailedError("allreduce stopped on rank 0 (node0): rank 1 failed", failure=failure))
+    assert isinstance(error, HorovodInternalError) and isinstance(error, RankFailedError)
+    assert error.failure is failure and str(error) == "allreduce stopped on rank 0 (node0): rank 1 failed"
+    timeout = as_horovods(CollectiveTimeoutError("rank 1 never called it"))
+    assert isinstance(timeout, HorovodInternalError) and isinstance(timeout, CollectiveTimeoutError)
+    assert as_horovods(RuntimeError("[pair.cc:534] Connection closed by peer")).__class__.__name__ == "HorovodPeerLostError"
+    bad = ValueError("bad batch")
+    assert as_horovods(bad) is bad

@@ -220,6 +220,10 @@ def check_grouped_allreduce():
     out = hvd.grouped_allreduce_(copies, op=hvd.Sum)
     expect(all(o is c for o, c in zip(out, copies)) and all(torch.equal(c, r) for c, r in zip(copies, results)),
            "grouped in place")
+    # Horovod's handles hold tuple(outputs): the in-place and async forms give tuples.
+    async_ = hvd.synchronize(hvd.grouped_allreduce_async_([t.clone() for t in tensors], op=hvd.Sum))
+    expect(type(results) is tuple and type(out) is tuple and type(async_) is tuple,
+           f"grouped forms give tuples: {type(results).__name__}, {type(out).__name__}, {type(async_).__name__}")
 
 
 def check_allreduce_grad():

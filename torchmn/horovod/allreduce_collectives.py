@@ -170,7 +170,7 @@ def _start_allreduce(tensors: list[torch.Tensor], outputs: Optional[list[torch.T
         descriptions = coordination.agree(comm, description, need_descriptions=True)
         _check_descriptions(descriptions, what, comm.rank)
         results = _reduce(comm, tensors, op, float(prescale), float(postscale), outputs)
-        return results if grouped else results[0]
+        return tuple(results) if grouped else results[0]  # a tuple, as Horovod's grouped calls return
     return (handles.run_now if wait else handles.submit)("allreduce", name, comm, work, nbytes(tensors),
                                                          process_set.process_set_id)
 
@@ -302,7 +302,7 @@ def grouped_allreduce_async(tensors, average=None, name=None, op=None, prescale_
             as :func:`allreduce_async`.
 
     Returns:
-        A handle whose ``synchronize`` returns the list of results.
+        A handle whose ``synchronize`` returns the tuple of results (as Horovod's).
 
     Raises:
         As :func:`allreduce_async`.
@@ -326,7 +326,7 @@ def grouped_allreduce_async_(tensors, average=None, name=None, op=None, prescale
             :func:`grouped_allreduce_async`.
 
     Returns:
-        A handle whose ``synchronize`` returns the tensors.
+        A handle whose ``synchronize`` returns the tensors, as a tuple (as Horovod's).
 
     Raises:
         As :func:`allreduce_async`.
@@ -374,7 +374,7 @@ def grouped_allreduce_(tensors, average=None, name=None, op=None, prescale_facto
             :func:`grouped_allreduce_async`.
 
     Returns:
-        The tensors, holding the results.
+        The tensors, holding the results, as a tuple (as Horovod's).
 
     Raises:
         As :func:`allreduce_async`.

@@ -20,7 +20,7 @@ import torch
 
 from torchmn.communicators import CollectiveMismatchError
 from torchmn.horovod import background
-from torchmn.horovod.errors import HorovodInternalError
+from torchmn.horovod.errors import HorovodInternalError, raises_horovods_errors
 from torchmn.horovod.process_sets import global_process_set, job, require_comm
 
 # kind -> function(description, comm) that takes part in that collective with zeros
@@ -150,6 +150,7 @@ def check_same_kind(descriptions: list[tuple], rank: int) -> None:
             f"order it starts them: start them in the same order on every rank (over sorted(names), say)")
 
 
+@raises_horovods_errors
 def join(device: int = -1) -> int:
     """This rank has no more data: take part in the others' allreduces with zeros until all have joined.
 

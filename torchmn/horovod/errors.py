@@ -3,14 +3,25 @@
 Each is a :class:`torchmn.errors.TorchmnError` and keeps the built-in base Horovod's error of the
 same situation has (``ValueError``, ``NotImplementedError``, ...), so a Horovod script's ``except``
 clauses catch it and ``except torchmn.TorchmnError`` catches all of them. A disagreement between
-the ranks (shapes, ops, roots) is torchmn's own :class:`torchmn.CollectiveMismatchError`.
+the ranks (shapes, ops, roots) is torchmn's own :class:`torchmn.CollectiveMismatchError`. A peer
+lost, or a collective timed out, raises what torchmn raises for it made a
+:class:`HorovodInternalError` too (:func:`raises_horovods_errors`), as Horovod raises that then.
 """
+import functools
+from typing import Callable, TypeVar
+
+from torchmn.communicators.errors import CollectiveTimeoutError, PeerLostError, RankFailedError, lost_peer
 from torchmn.errors import TorchmnError
+
+F = TypeVar("F", bound=Callable)
 
 
 class HorovodInternalError(TorchmnError, RuntimeError):
-    """A collective cannot run: a rank that called ``hvd.join()`` cannot take part in it (Horovod's
-    error of that name; Horovod also raises it when a peer leaves).
+    """A collective cannot run: a rank that called ``hvd.join()`` cannot take part in it, a peer
+    was lost, or the ranks did not meet within ``TORCHMN_TIMEOUT`` (Horovod's error of that name,
+    which it raises in each case). For the last two it is also the error torchmn raises there
+    (:class:`torchmn.communicators.PeerLostError`, :class:`torchmn.communicators.RankFailedError`,
+    :class:`torchmn.CollectiveTimeoutError`), so ``hvd.elastic.run`` recovers from it.
 
     Example::
 
@@ -78,3 +89,80 @@ class ZeroGradBeforeStepError(TorchmnError, AssertionError):
         >>> loss.backward()
         >>> opt.zero_grad()                         # raises: step() first
     """
+
+
+class HorovodTimeoutError(HorovodInternalError, CollectiveTimeoutError):
+    """A collective did not complete within ``TORCHMN_TIMEOUT``: torchmn's
+    :class:`~torchmn.CollectiveTimeoutError`, raised by ``torchmn.horovod`` as Horovod's
+    :class:`HorovodInternalError`. The message names the ranks that did not take part."""
+
+
+class HorovodPeerLostError(HorovodInternalError, PeerLostError):
+    """A peer exited or its connection closed in the middle of a collective: torchmn's
+    :class:`~torchmn.communicators.PeerLostError`, raised by ``torchmn.horovod`` as Horovod's
+    :class:`HorovodInternalError`."""
+
+
+class HorovodRankFailedError(HorovodInternalError, RankFailedError):
+    """Another rank ended with an exception while this one waited for it: torchmn's
+    :class:`~torchmn.communicators.RankFailedError` (``failure`` names the rank, its host and its error),
+    raised by ``torchmn.horovod`` as Horovod's :class:`HorovodInternalError`."""
+
+
+def as_horovods(error: BaseException) -> BaseException:
+    """The error Horovod would raise for ``error``: a lost peer or a timeout made a
+    :class:`HorovodInternalError` too, with the same message; any other error as it is.
+
+    Args:
+        error: what a collective raised.
+
+    Returns:
+        A :class:`HorovodRankFailedError`, :class:`HorovodPeerLostError` or
+        :class:`HorovodTimeoutError`, or ``error`` itself.
+
+    Example::
+
+        >>> as_horovods(torchmn.communicators.PeerLostError("rank 1 (node1) exited")).__class__.__name__
+        'HorovodPeerLostError'
+        >>> as_horovods(ValueError("bad")).__class__.__name__
+        'ValueError'
+    """
+    if isinstance(error, HorovodInternalError):
+        return error
+    if isinstance(error, RankFailedError):
+        return HorovodRankFailedError(str(error), failure=error.failure)
+    if isinstance(error, PeerLostError):
+        return HorovodPeerLostError(str(error))
+    if isinstance(error, CollectiveTimeoutError):
+        return HorovodTimeoutError(str(error))
+    if isinstance(error, Exception) and lost_peer(error):  # torch.distributed's own words for it
+        return HorovodPeerLostError(f"a peer was lost: {error}")
+    return error
+
+
+def raises_horovods_errors(func: F) -> F:
+    """Make ``func`` raise a lost peer or a timeout as Horovod does: as a
+    :class:`HorovodInternalError` (see :func:`as_horovods`), chained to torchmn's error.
+
+    Args:
+        func: a ``torchmn.horovod`` call that may wait for other ranks.
+
+    Returns:
+        The wrapped function.
+
+    Example::
+
+        >>> @raises_horovods_errors
+        ... def barrier(process_set=global_process_set):
+        ...     ...
+    """
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except Exception as e:  # noqa: BLE001 - translated where Horovod's error differs, else as it is
+            translated = as_horovods(e)
+            if translated is e:
+                raise
+            raise translated from e
+    return wrapper  # type: ignore[return-value]

@@ -12,7 +12,7 @@ import torch
 from torchmn.communicators.pickling import dumps
 from torchmn.errors import TorchmnTypeError
 from torchmn.horovod import coordination
-from torchmn.horovod.errors import InvalidCallError
+from torchmn.horovod.errors import InvalidCallError, raises_horovods_errors
 from torchmn.horovod.process_sets import comm_of, global_process_set
 from torchmn.optimizers.gradient_sync import GradientSyncOptimizer
 
@@ -35,6 +35,7 @@ def _root_index(root_rank: int, process_set, what: str) -> int:
     return ranks.index(root_rank)
 
 
+@raises_horovods_errors
 def broadcast_parameters(params, root_rank: int, prefix: Optional[str] = None,
                          process_set=global_process_set) -> None:
     """Overwrite every rank's parameters and buffers with root's, in place.
@@ -72,6 +73,7 @@ def broadcast_parameters(params, root_rank: int, prefix: Optional[str] = None,
         comm.bcast_tensors(tensors, root=root)
 
 
+@raises_horovods_errors
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, root_rank: int, model=None,
                               process_set=global_process_set) -> None:
     """Make every rank's optimizer state and hyper-parameters root's.
@@ -131,6 +133,7 @@ def _create_state(optimizer: torch.optim.Optimizer, model) -> None:
         optimizer.step()
 
 
+@raises_horovods_errors
 def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
                      process_set=global_process_set) -> Any:
     """Root's ``obj`` on every rank, pickled by cloudpickle as Horovod's is (lambdas and functions
@@ -164,6 +167,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
     return _loads([sent], "broadcast_object")[0]
 
 
+@raises_horovods_errors
 def allgather_object(obj: Any, name: Optional[str] = None, process_set=global_process_set) -> list:
     """Every rank's ``obj``, in rank order, pickled by cloudpickle as Horovod's is.
 
@@ -212,6 +216,7 @@ def _loads(sent: list, what: str) -> list:
     return [pickle.loads(payload) for _, payload in sent]
 
 
+@raises_horovods_errors
 def barrier(process_set=global_process_set) -> None:
     """Wait until every rank of the set gets here.
 

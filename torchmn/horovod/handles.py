@@ -14,7 +14,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from torchmn.horovod import background, timeline
-from torchmn.horovod.errors import InvalidCallError
+from torchmn.horovod.errors import InvalidCallError, raises_horovods_errors
 
 
 class _Pending:
@@ -133,6 +133,7 @@ def submit(kind: str, name: Optional[str], comm, work: Callable[[], Any], nbytes
     return handle
 
 
+@raises_horovods_errors
 def run_now(kind: str, name: Optional[str], comm, work: Callable[[], Any], nbytes: int,
             process_set_id: int = 0) -> Any:
     """Run a blocking collective and return its output: :func:`submit` then :func:`synchronize`,
@@ -159,6 +160,7 @@ def run_now(kind: str, name: Optional[str], comm, work: Callable[[], Any], nbyte
     return result
 
 
+@raises_horovods_errors
 def synchronize(handle) -> Any:
     """Wait for an asynchronous collective and return its output.
 

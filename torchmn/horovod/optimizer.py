@@ -26,7 +26,8 @@ from torchmn.errors import TorchmnTypeError
 from torchmn.horovod import coordination, timeline
 from torchmn.horovod.compression import Compression, Compressor
 from torchmn.horovod.errors import (HorovodInternalError, InvalidCallError, NotPicklableError,
-                                    TooManyBackwardPassesError, UnsupportedError, ZeroGradBeforeStepError)
+                                    TooManyBackwardPassesError, UnsupportedError, ZeroGradBeforeStepError,
+                                    raises_horovods_errors)
 from torchmn.horovod.exchange_collectives import sparse_allreduce_async
 from torchmn.horovod.handles import synchronize as synchronize_handle
 from torchmn.horovod.process_sets import comm_of, global_process_set, require_comm
@@ -202,6 +203,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
             self._passes_since_sync = 0
             self._sent_by_backward = True
 
+    @raises_horovods_errors  # in backward: the first collective of a step
     def _start_sync(self) -> None:
         """Before this rank's gradients go out: tell a rank in ``hvd.join()`` to take part."""
         self._sync_started = time.time()
@@ -234,6 +236,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         return self._inner.wrapped.step() if self._comm is not None else self._inner.step()
 
     # ----------------------------------------------------------------------------- Horovod's interface
+    @raises_horovods_errors
     def synchronize(self) -> None:
         """Finish averaging this step's gradients into ``.grad`` (sending them now if backward has not).
 
@@ -310,6 +313,7 @@ class _DistributedOptimizer(torch.optim.Optimizer):
         finally:
             self._skip_synchronize = False
 
+    @raises_horovods_errors
     def step(self, closure=None):
         """Update with the averaged gradients (averaging them first if needed).
 

@@ -49,8 +49,9 @@ def handle_average_backwards_compatibility(op: Optional[int], average: Optional[
 
 # The communicator's reduction of each op (Average divides the sum once it is done).
 REDUCE = {Average: "sum", Sum: "sum", Min: "min", Max: "max", Product: "prod"}
-# What a dtype is reduced in: half precision in float32 (no overflow, Horovod's CPU sum does the
-# same), int16 in int32 (gloo has no int16 sum; the low bits are the same).
+# What a dtype is reduced in: half precision in float32, so that an average whose sum overflows
+# float16 is still right (Horovod sums float16 in float16, giving inf there); int16 in int32 (gloo has
+# no int16 sum; the low bits are the same).
 WIDER = {torch.float16: torch.float32, torch.bfloat16: torch.float32, torch.int16: torch.int32}
 
 
