@@ -61,6 +61,37 @@ def test_checkpoint_loads_on_another_rank_count(tmp_path):
     assert_check_passed(proc, "loads_on_another_rank_count")
 
 
+PRUNE_FAILS = """
+import sys, warnings, torch, torchmn
+from torchmn.checkpoint import Checkpointer, files
+
+def cannot_remove(directory, step):  # a step of another user's, a read-only mount
+    raise PermissionError(13, "Permission denied", f"{directory}/step_{step:08d}/COMPLETE")
+
+comm = torchmn.create_communicator()
+ckpt = Checkpointer(sys.argv[1], comm, keep=1, model=torch.nn.Linear(4, 4))
+ckpt.save(3)
+files.remove_step = cannot_remove
+for step in (6, 9):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ckpt.save(step)
+    print(f"SAVED {step}", "WARNED" if any("could not be removed" in str(w.message) for w in caught) else "", flush=True)
+print("LATEST", ckpt.complete_steps()[-1], flush=True)
+"""
+
+
+def test_checkpoint_old_step_that_cannot_be_removed_is_warned_of_not_raised(tmp_path):
+    """keep=N removes old steps after a save is complete: one that cannot be removed is warned of
+    on rank 0 (which prunes) and every rank's save() returns, instead of rank 0 alone raising."""
+    script = tmp_path / "prune_fails.py"
+    script.write_text(PRUNE_FAILS)
+    proc = run_job(script, [str(tmp_path / "ckpt")], np=2, timeout=90)
+    lines = sorted(line for line in proc.stdout.splitlines() if "SAVED" in line or "LATEST" in line)
+    assert lines == ["[0] LATEST 9", "[0] SAVED 6 WARNED", "[0] SAVED 9 WARNED",
+                     "[1] LATEST 9", "[1] SAVED 6 ", "[1] SAVED 9 "], proc.stdout + proc.stderr
+
+
 def newest_step(directory) -> int:
     """The newest step with a folder in a checkpoint directory (written completely or not), or -1."""
     steps = [int(p.name[5:]) for p in directory.glob("step_*") if p.name[5:].isdigit()]

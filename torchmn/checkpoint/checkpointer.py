@@ -381,15 +381,22 @@ class Checkpointer:
 
     def _prune(self, step: int) -> None:
         """On rank 0: remove complete steps beyond the newest ``keep``, and incomplete ones older
-        than ``step`` (left by kills)."""
+        than ``step`` (left by kills). The save is complete by now: a step that cannot be removed
+        (a file of another user's, a read-only mount) is warned of and left, not raised on rank 0
+        alone."""
         complete = []
-        for s in files.steps_on_disk(self.directory):
-            if s < step and files.read_manifest(self.directory, s) is None:
-                files.remove_folder(self.directory, s)
-            elif s <= step:
-                complete.append(s)
-        for s in complete[:-self.keep]:
-            files.remove_step(self.directory, s)
+        try:
+            for s in files.steps_on_disk(self.directory):
+                if s < step and files.read_manifest(self.directory, s) is None:
+                    files.remove_folder(self.directory, s)
+                elif s <= step:
+                    complete.append(s)
+            for s in complete[:-self.keep]:
+                files.remove_step(self.directory, s)
+        except OSError as e:
+            warnings.warn(f"Checkpointer.save({step}) is complete, but an older step in {self.directory} could not be "
+                          f"removed (keep={self.keep}): {e}; remove it by hand, or give this run a directory it owns",
+                          stacklevel=3)
 
     # --- loading ------------------------------------------------------------------------------
 
