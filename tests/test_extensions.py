@@ -70,6 +70,16 @@ def test_early_stopping_takes_chainermn_positional_arguments(tmp_path):
         MultiNodeEarlyStoppingTrigger(solo(), "main/loss", (1, "epoch"))
 
 
+def test_early_stopping_max_trigger_other_than_an_interval_is_refused():
+    """max_trigger is ppe's (period, unit), which is also the training length the manager reports:
+    a trigger object is refused with one line, not ppe's TypeError from inside its constructor."""
+    from pytorch_pfn_extras.training.triggers import IntervalTrigger
+
+    with pytest.raises(TypeError, match=r"max_trigger must be \(period, unit\)"):
+        MultiNodeEarlyStoppingTrigger(solo(), max_trigger=IntervalTrigger(5, "epoch"))
+    assert MultiNodeEarlyStoppingTrigger(solo(), max_trigger=[5, "epoch"]).get_training_length() == (5, "epoch")
+
+
 def test_observation_aggregator_single_rank(tmp_path):
     seen = []
     manager = manager_for(torch.nn.Linear(1, 1), tmp_path, 2, iters_per_epoch=2)

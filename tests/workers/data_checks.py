@@ -241,6 +241,23 @@ class LazyFiles(torch.utils.data.Dataset):
         return i
 
 
+class Record:
+    """A sample of a type with no == of its own: two reads are two objects."""
+
+    def __init__(self, x):
+        self.x = x
+
+
+class Records(torch.utils.data.Dataset):
+    """Deterministic samples of a plain class."""
+
+    def __len__(self):
+        return 2 * torch.distributed.get_world_size()
+
+    def __getitem__(self, i):
+        return Record(i)
+
+
 class Augmented(torch.utils.data.Dataset):
     """A random transform in __getitem__."""
 
@@ -278,6 +295,8 @@ def check_scatter_random_samples_warned(comm):
     assert len(said) == (1 if comm.rank == 0 else 0), said
     if said:
         assert "TransformDataset(part, transform)" in said[0] and "SharedDataset" in said[0], said[0]
+        where = [w.filename for w in caught if "differs between two reads" in str(w.message)]
+        assert where == [__file__], f"warned at {where}, not at the scatter_dataset call"
     plain = scatter_dataset(list(range(4 * comm.size)) if comm.rank == 0 else None, comm)
     augmented = TransformDataset(plain, lambda i: torch.tensor([float(i)]) + torch.rand(1))
     first, second = augmented[:], augmented[:]
@@ -290,6 +309,11 @@ def check_scatter_random_samples_warned(comm):
         scatter_dataset([(torch.tensor([float("nan"), i]), {"y": i}) for i in range(2 * comm.size)]
                         if comm.rank == 0 else None, comm)
     assert not [w for w in caught if "differs between two reads" in str(w.message)]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        part = scatter_dataset(Records() if comm.rank == 0 else None, comm)
+    assert not [w for w in caught if "differs between two reads" in str(w.message)], [str(w.message) for w in caught]
+    assert [r.x for r in part] == [2 * comm.rank, 2 * comm.rank + 1]
 
 
 def check_scatter_index(comm):

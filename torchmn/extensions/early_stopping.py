@@ -21,8 +21,8 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
     global mean is compared with the best so far. All ranks therefore see the same number and
     stop at the same iteration, even when each rank's own values would say otherwise. A rank that
     observed nothing contributes nothing; if no rank did, the interval is skipped with a warning.
-    Every rank must use it with the same arguments; a ``check_trigger`` or ``max_trigger`` that may
-    fire at different iterations on different ranks (a ``TimeTrigger``) fires where rank 0's does.
+    Every rank must use it with the same arguments; a ``check_trigger`` that may fire at different
+    iterations on different ranks (a ``TimeTrigger``) fires where rank 0's does.
     ``mode``: ``"min"``, ``"max"`` or ``"auto"``
     (``"max"`` when ``monitor`` names an accuracy).
 
@@ -35,10 +35,12 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
         patience: how many checks without improvement stop training.
         mode: ``"min"``, ``"max"`` or ``"auto"``, as above.
         verbose: print, on rank 0, the operator chosen and when training stops.
-        max_trigger: stops training in any case (ppe's trigger forms, e.g. ``(100, "epoch")``).
+        max_trigger: stops training in any case: ``(period, unit)``, e.g. ``(100, "epoch")``, as
+            ppe's (which also reports it as the training length).
 
     Raises:
-        TypeError: ``monitor`` is not a str (arguments in another order than ChainerMN's).
+        TypeError: ``monitor`` is not a str (arguments in another order than ChainerMN's), or
+            ``max_trigger`` is not a ``(period, unit)`` pair.
 
     Example::
 
@@ -55,13 +57,16 @@ class MultiNodeEarlyStoppingTrigger(EarlyStoppingTrigger):
             raise TorchmnTypeError(f"MultiNodeEarlyStoppingTrigger: monitor must be an observation key (a str), not "
                                    f"{monitor!r}; the arguments are ChainerMN's: (comm, check_trigger, monitor, "
                                    f"patience, mode, verbose, max_trigger)")
+        if not (isinstance(max_trigger, (tuple, list)) and len(max_trigger) == 2):
+            raise TorchmnTypeError(f"MultiNodeEarlyStoppingTrigger: max_trigger must be (period, unit), e.g. (100, "
+                                   f"'epoch'), not {max_trigger!r}: it is also the training length the manager "
+                                   f"reports, which only an interval has")
         # ppe's constructor prints its choice of operator when verbose: on rank 0 only.
         super().__init__(check_trigger=check_trigger, monitor=monitor, patience=patience, mode=mode,
                          verbose=verbose and comm.rank == 0, max_trigger=max_trigger)
         # A trigger that reads the clock or a rank's own values fires at different iterations on
         # different ranks; the check is an allreduce, so every rank follows rank 0's.
         self._interval_trigger = agreed(self._interval_trigger, comm)
-        self._max_trigger = agreed(self._max_trigger, comm)
         self.verbose = verbose
         self.comm = comm
         self._sum = 0.0
