@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(len(TWO_CPUS) < 2, reason="needs 2 CPUs")
 def test_doctor_finds_oversubscription():
     """2 ranks x OMP_NUM_THREADS=2 and 4 DataLoader workers each, on 2 CPUs: the seed case."""
     rc, d = diagnosis(["-np", "2", "--", sys.executable, str(BUSY), "60", "4"], {"OMP_NUM_THREADS": "2"})
-    assert d["verdict"] == "oversubscribed" and rc == 1, d
+    assert d["verdict"] == "oversubscribed" and rc == 1, json.dumps(d, indent=1)
     assert len(d["ranks"]) == 2 and [r["rank"] for r in d["ranks"]] == [0, 1], d["ranks"]
     assert all(r["workers"] == 4 and r["settings"]["OMP_NUM_THREADS"] == "2" for r in d["ranks"]), d["ranks"]
     assert "OMP_NUM_THREADS=1" in d["fix"] and "dataloader_workers_budget" in d["fix"], d["fix"]
