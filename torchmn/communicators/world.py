@@ -22,10 +22,8 @@ from torchmn.elastic import setup_store
 from torchmn.environments import LaunchEnvironment, mpi_rendezvous
 from torchmn.environments import job_label
 from torchmn.environments.mpi import MPI_RENDEZVOUS
-from torchmn.environments.variables import LOCALHOST
+from torchmn.environments.variables import JOB_TOKEN, LOCALHOST
 from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
-
-_JOB_TOKEN = "TORCHMN_JOB_TOKEN"  # torchmn run's token for its ranks (torchmn.run.store.auth.TOKEN_ENV)
 
 _timeout: Optional[datetime.timedelta] = None  # the world's, once set up or adopted
 _worlds = 0  # default process groups this process set up (a world again after finalize)
@@ -217,11 +215,11 @@ def init_world(env: LaunchEnvironment, backend: str, timeout: Optional[datetime.
         if missing:
             hint = (f"Rank(s) {', '.join(map(str, missing))} never reached create_communicator (not started, "
                     f"exited, or busy before it): see their output.")
-        elif env.source == "torchmn" and _JOB_TOKEN not in os.environ:
+        elif env.source == "torchmn" and JOB_TOKEN not in os.environ:
             # The launcher's store admits only processes started with the job's token.
-            hint = (f"This process was started without {_JOB_TOKEN}, which torchmn run gives every rank, so the "
+            hint = (f"This process was started without {JOB_TOKEN}, which torchmn run gives every rank, so the "
                     f"job's store refused it: pass the rank's environment on to what it starts (env -i, sudo or "
-                    f"a wrapper that clears the environment drop it; a container needs -e {_JOB_TOKEN}).")
+                    f"a wrapper that clears the environment drop it; a container needs -e {JOB_TOKEN}).")
         else:
             hint = ("Check that every rank was started, that the rendezvous host is reachable from this one, and "
                     "that the port is free and not firewalled (MASTER_ADDR / MASTER_PORT override it).")

@@ -14,6 +14,10 @@ from torchmn.errors import TorchmnRuntimeError, TorchmnValueError
 
 LOCALHOST = "127.0.0.1"
 
+# The variable that carries torchmn run's job token to every rank (and to what the rank starts): the
+# launcher's store admits only processes started with it (torchmn.run.store.auth).
+JOB_TOKEN = "TORCHMN_JOB_TOKEN"
+
 # torchrun's default port, used when a launcher gives nothing to derive one from.
 DEFAULT_PORT = 29500
 

@@ -33,10 +33,12 @@ import socket
 import time
 from typing import Callable, Mapping, Optional
 
+from torchmn.environments.variables import JOB_TOKEN
 from torchmn.errors import TorchmnError
 
-# The variable that carries the token to every rank (and to what the rank starts).
-TOKEN_ENV = "TORCHMN_JOB_TOKEN"
+# The variable that carries the token to every rank (and to what the rank starts); the ranks'
+# side names it too, where a rank without it is told why the store refused it.
+TOKEN_ENV = JOB_TOKEN
 # Set on a remote rank's watcher: the first line of its stdin is the token (see token_line).
 TOKEN_ON_STDIN = "TORCHMN_JOB_TOKEN_ON_STDIN"
 
